@@ -1,0 +1,138 @@
+"""Paged attention backends.
+
+KV layout (per layer): k_cache, v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
+Token at position p of a sequence lives in slot block_table[p // block_size] * block_size
++ p % block_size. The model calls ``backend.forward(layer, q, k, v)`` once per layer; the
+backend writes the new k/v through the slot mapping, then attends over each sequence's
+whole context (cached prefix + new tokens), causally.
+
+Two backends share one metadata object:
+- TorchPagedAttention: CPU (and reference) path. Decodes are batched into one SDPA call
+  over gathered blocks; each prefill chunk is its own SDPA call.
+- TritonPagedAttention: CUDA path, gpu/kernels/kv_cache.write_kv + paged_attention.
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+
+@attrs.define
+class AttentionMetadata:
+    """Per-step layout of the flat token batch, built once by the runner for all layers."""
+    slot_mapping: torch.Tensor        # [T] int64
+    block_tables: torch.Tensor        # [B, max_blocks] int32 (padded with 0)
+    cu_seqlens_q: torch.Tensor        # [B+1] int32
+    seq_lens: torch.Tensor            # [B] int32: context incl. the new tokens
+    # Host-side copies for the torch path (no device sync needed to read them).
+    q_starts: list[int]               # host copy of cu_seqlens_q
+    q_lens: list[int]
+    ctx_lens: list[int]
+    start_positions: list[int]
+    decode_rows: list[int]            # sequences with q_len == 1
+    prefill_rows: list[int]           # sequences with q_len > 1
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * kv_heads * head_dim * elem
+
+
+class TorchPagedAttention:
+    def __init__(self, cache: KVCache, scale: float) -> None:
+        self.cache = cache
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+        self._decode_index: torch.Tensor | None = None
+        self._decode_mask: torch.Tensor | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute what every layer reuses: the decode gather index and mask."""
+        self.meta = meta
+        self._decode_index = self._decode_mask = None
+        rows = meta.decode_rows
+        if rows:
+            bs = self.cache.block_size
+            max_ctx = max(meta.ctx_lens[r] for r in rows)
+            nblk = -(-max_ctx // bs)
+            tables = meta.block_tables[rows, :nblk].to(torch.int64)       # [B, nblk]
+            offs = torch.arange(bs, dtype=torch.int64)
+            slots = (tables[:, :, None] * bs + offs).reshape(len(rows), -1)  # [B, nblk*bs]
+            self._decode_index = slots
+            lens = torch.tensor([meta.ctx_lens[r] for r in rows])
+            self._decode_mask = (torch.arange(slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        num_slots = kc.shape[0] * kc.shape[1]
+        flat_k = kc.view(num_slots, kc.shape[2], kc.shape[3])
+        flat_v = vc.view(num_slots, vc.shape[2], vc.shape[3])
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        starts = meta.q_starts
+        if meta.decode_rows:
+            idx = self._decode_index
+            rows = torch.tensor([starts[r] for r in meta.decode_rows])
+            qd = q.index_select(0, rows)[:, :, None, :]                       # [B, Hq, 1, D]
+            kd = flat_k[idx].transpose(1, 2)                                   # [B, Hkv, L, D]
+            vd = flat_v[idx].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self._decode_mask,
+                                                scale=self.scale, enable_gqa=True)
+            out.index_copy_(0, rows, od[:, :, 0, :])
+        for r in meta.prefill_rows:
+            s, e = starts[r], starts[r + 1]
+            qp = q[s:e].transpose(0, 1)[None]                                   # [1, Hq, Q, D]
+            start = meta.start_positions[r]
+            if start == 0:  # no cached prefix: the new k/v are the whole context
+                kp, vp = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True,
+                                                    scale=self.scale, enable_gqa=True)
+            else:
+                ctx = meta.ctx_lens[r]
+                bs = self.cache.block_size
+                nblk = -(-ctx // bs)
+                table = meta.block_tables[r, :nblk].to(torch.int64)
+                slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:ctx]
+                kp = flat_k[slots].transpose(0, 1)[None]                        # [1, Hkv, ctx, D]
+                vp = flat_v[slots].transpose(0, 1)[None]
+                qpos = torch.arange(start, start + (e - s))
+                mask = torch.arange(ctx)[None, :] <= qpos[:, None]              # [Q, ctx]
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[None, None],
+                                                    scale=self.scale, enable_gqa=True)
+            out[s:e] = op[0].transpose(0, 1)
+        return out
+
+
+class TritonPagedAttention:
+    """CUDA path: one kernel writes k/v, one kernel attends over the mixed batch."""
+
+    def __init__(self, cache: KVCache, scale: float) -> None:
+        from gpu.kernels.kv_cache import write_kv
+        from gpu.kernels.paged_attention import paged_attention
+        self._write_kv, self._attend = write_kv, paged_attention
+        self.cache = cache
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        m = self.meta
+        self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer], m.slot_mapping)
+        return self._attend(q, self.cache.k[layer], self.cache.v[layer], m.block_tables,
+                            m.cu_seqlens_q, m.seq_lens, self.scale)

@@ -1,0 +1,53 @@
+"""A cache-free causal attention backend and a greedy decoding loop built on it.
+
+For tests and sanity checks: every step recomputes the whole sequence. The serving path uses the
+paged backend in gpu/attention.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+class DenseCausalAttention:
+    """Causal attention over a flat batch of whole sequences starting at position 0.
+
+    seq_lens: lengths of the concatenated sequences; None means the batch is one sequence.
+    """
+
+    def __init__(self, seq_lens: Sequence[int] | None = None):
+        self.seq_lens = None if seq_lens is None else list(seq_lens)
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T, Hq, Dh = q.shape
+        lens = self.seq_lens or [T]
+        out = []
+        for qs, ks, vs in zip(q.split(lens), k.split(lens), v.split(lens)):
+            o = F.scaled_dot_product_attention(
+                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),  # [H, t, Dh]
+                is_causal=True, enable_gqa=True,
+            )  # [Hq, t, Dh]
+            out.append(o.transpose(0, 1))
+        return torch.cat(out)  # [T, Hq, Dh]
+
+
+@torch.inference_mode()
+def greedy_generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
+                    eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """Argmax decoding; returns the new token ids (stopping after an eos id, which is included)."""
+    device = model.cos_sin.device
+    ids = list(prompt_ids)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        positions = torch.arange(len(ids), device=device)
+        hidden = model(input_ids, positions, DenseCausalAttention())  # [T, D]
+        token = int(model.compute_logits(hidden[-1:]).argmax(-1))
+        ids.append(token)
+        new.append(token)
+        if token in eos_token_ids:
+            break
+    return new

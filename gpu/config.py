@@ -1,0 +1,141 @@
+"""Model configuration: one frozen, validated object built from a Hugging Face config.json dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# HF defaults where config.json may omit a key (they differ per model family).
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_ARCH_FROM_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def _freeze_rope_scaling(value: Any) -> tuple[tuple[str, Any], ...] | None:
+    """Hashable, order-independent form of a rope scaling dict; None means plain RoPE."""
+    if value is None:
+        return None
+    items = dict(value)
+    if items.get("rope_type", "default") == "default":
+        return None
+    return tuple(sorted(items.items()))
+
+
+def _eos_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@attrs.frozen
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    # rope_scaling: sorted (key, value) items of the HF dict with "rope_type" set; None for default RoPE.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = attrs.field(default=None, converter=_freeze_rope_scaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (always on for qwen2)
+    o_proj_bias: bool = False  # llama/qwen3 `attention_bias: true` also puts a bias on o_proj
+    qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_eos_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        rope_type = self.rope_scaling_dict.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or ())
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dict (transformers 4.x `rope_theta`/`rope_scaling`
+        or 5.x `rope_parameters` layout)."""
+        arch = d.get("model_type")
+        if arch is None:
+            arch = next((_ARCH_FROM_CLASS.get(a) for a in d.get("architectures") or ()), None)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch or d.get('architectures')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is supported")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+
+        rope = dict(d.get("rope_parameters") or {})
+        if "rope_type" not in rope and "type" in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope_theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        rope_scaling = rope or dict(d.get("rope_scaling") or {}) or None
+        if rope_scaling is not None:
+            rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
+            rope_scaling.pop("rope_theta", None)
+            if rope_scaling["rope_type"] in ("llama3", "yarn"):
+                rope_scaling.setdefault(
+                    "original_max_position_embeddings",
+                    d.get("original_max_position_embeddings") or d["max_position_embeddings"],
+                )
+
+        hidden, heads = d["hidden_size"], d["num_attention_heads"]
+        bias = bool(d.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[arch],
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=True if arch == "qwen2" else bias,
+            o_proj_bias=False if arch == "qwen2" else bias,
+            qk_norm=arch == "qwen3",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=d.get("eos_token_id"),
+        )

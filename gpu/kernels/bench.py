@@ -1,0 +1,134 @@
+"""Kernel micro-benchmarks at model-sized shapes (SmolLM2-135M-like), apart from the tests.
+
+    python3 -m gpu.kernels.bench --out results/kernels_bench.json
+
+Times each kernel against its torch reference (or a torch baseline) with CUDA
+events, after a warm-up that also triggers compilation.  On a machine without
+CUDA it runs tiny shapes once under the interpreter (a smoke test of this file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gpu.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from gpu.kernels.kv_cache import write_kv  # noqa: E402
+from gpu.kernels.paged_attention import paged_attention  # noqa: E402
+from gpu.kernels.rmsnorm import fused_add_rms_norm, rms_norm_ref  # noqa: E402
+from gpu.kernels.rope import apply_rope  # noqa: E402
+from gpu.kernels.sampling import apply_penalties, sample  # noqa: E402
+
+
+def _time_ms(fn, iters: int) -> float:
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _attention_inputs(batch, q_len, ctx, hq, hkv, dh, page, dtype, device):
+    pages = -(-ctx // page)
+    k_cache = torch.randn(batch * pages, page, hkv, dh, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * pages, device=device).view(batch, pages).int()
+    cu = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * q_len
+    seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    q = torch.randn(batch * q_len, hq, dh, device=device, dtype=dtype)
+    return q, k_cache, v_cache, tables, cu, seq_lens
+
+
+def run(quick: bool) -> list[dict]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    iters = 20
+    hq, hkv, dh, hidden, inter, vocab = 9, 3, 64, 576, 1536, 49152
+    if quick:
+        vocab, hidden, inter = 512, 72, 96
+    results = []
+
+    def record(name, shape, fn, baseline=None):
+        row = dict(kernel=name, shape=shape, dtype=str(dtype), ms=round(_time_ms(fn, iters), 4))
+        if baseline is not None:
+            row["torch_ms"] = round(_time_ms(baseline, iters), 4)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+    decode_cases = [(1, 128)] if quick else [(1, 1024), (64, 1024), (256, 2048)]
+    for batch, ctx in decode_cases:
+        args = _attention_inputs(batch, 1, ctx, hq, hkv, dh, 16, dtype, device)
+        record("paged_attention_decode", dict(batch=batch, ctx=ctx),
+               lambda: paged_attention(*args, dh ** -0.5, max_seqlen_q=1))
+    prefill_cases = [(1, 32)] if quick else [(1, 2048), (8, 512)]
+    for batch, q_len in prefill_cases:
+        args = _attention_inputs(batch, q_len, q_len, hq, hkv, dh, 16, dtype, device)
+        q = args[0].view(batch, q_len, hq, dh).transpose(1, 2)
+        k = torch.randn(batch, hq, q_len, dh, device=device, dtype=dtype)
+        record("paged_attention_prefill", dict(batch=batch, q_len=q_len),
+               lambda: paged_attention(*args, dh ** -0.5, max_seqlen_q=q_len),
+               lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True))
+
+    n = 8 if quick else 4096
+    x = torch.randn(n, hidden, device=device, dtype=dtype)
+    w = torch.ones(hidden, device=device, dtype=dtype)
+    record("fused_add_rms_norm", dict(n=n, d=hidden), lambda: fused_add_rms_norm(x, x, w, 1e-6),
+           lambda: rms_norm_ref(x + x, w, 1e-6))
+    gate_up = torch.randn(n, 2 * inter, device=device, dtype=dtype)
+    record("silu_and_mul", dict(n=n, i=inter), lambda: silu_and_mul(gate_up), lambda: silu_and_mul_ref(gate_up))
+    qr = torch.randn(n, hq, dh, device=device, dtype=dtype)
+    kr = torch.randn(n, hkv, dh, device=device, dtype=dtype)
+    cos_sin = torch.randn(8192, dh, device=device)
+    pos = torch.randint(0, 8192, (n,), device=device)
+    record("apply_rope", dict(t=n, hq=hq, hkv=hkv), lambda: apply_rope(qr, kr, pos, cos_sin))
+    kc = torch.empty(-(-n // 16) + 1, 16, hkv, dh, device=device, dtype=dtype)
+    slots = torch.randperm(kc.shape[0] * 16, device=device)[:n]
+    record("write_kv", dict(t=n), lambda: write_kv(kr, kr, kc, kc, slots))
+
+    b = 4 if quick else 256
+    logits = torch.randn(b, vocab, device=device)
+    f32 = lambda v: torch.full((b,), v, device=device)  # noqa: E731
+    params = dict(temperature=f32(0.8), top_k=torch.full((b,), 50, device=device, dtype=torch.int32),
+                  top_p=f32(0.9), min_p=f32(0.05), seeds=torch.arange(b, device=device),
+                  steps=torch.zeros(b, device=device, dtype=torch.int64))
+    record("sample_top_k_top_p", dict(b=b, v=vocab), lambda: sample(logits, **params),
+           lambda: torch.multinomial(torch.softmax(logits, -1), 1))
+    record("sample_plain", dict(b=b, v=vocab), lambda: sample(logits, **params, use_top_k_top_p=False))
+    mask = torch.zeros(b, vocab, device=device, dtype=torch.bool)
+    counts = torch.zeros(b, vocab, device=device, dtype=torch.int32)
+    record("apply_penalties", dict(b=b, v=vocab),
+           lambda: apply_penalties(logits, mask, counts, f32(1.1), f32(0.1), f32(0.1)))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (default without CUDA)")
+    args = parser.parse_args()
+    results = run(quick=args.quick or not torch.cuda.is_available())
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                           torch=torch.__version__, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Paged attention over a block-table KV cache, for mixed prefill/decode batches.
+
+Layout
+    q            [T, Hq, Dh]       the new tokens of every sequence, packed
+    k_cache      [num_blocks, block_size, Hkv, Dh]   (v_cache the same)
+    block_tables [B, max_blocks] int32: page ids of sequence b, in order
+    cu_seqlens_q [B + 1] int32: sequence b owns q rows cu[b]:cu[b+1]
+    seq_lens     [B] int32: total context of b, *including* its new tokens
+                 (whose K/V are already written to the cache)
+
+Query j of sequence b sits at position seq_lens[b] - q_len_b + j and attends to
+cache positions 0..that position.  Hq = Hkv * group (GQA).
+
+Algorithm (flash-attention style online softmax, fp32 accumulation):
+one program owns a tile of BLOCK_Q consecutive query tokens of one sequence and
+one KV head, and processes the whole GQA group of that KV head at once, so the
+tile has BLOCK_Q * group rows and each K/V tile is loaded once for the group.
+Tiles are numbered without a host sync: sequence b's tiles start at
+cu[b] // BLOCK_Q + b (at most T // BLOCK_Q + B tiles in all), and a program
+finds its sequence by binary search over cu_seqlens_q.  K/V are read in tiles of
+BLOCK_N positions; each position looks up its own page, so any block_size works.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    num_seqs,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Largest b with cu[b] // BLOCK_Q + b <= pid.
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(mid_start <= pid, mid, lo)
+        hi = tl.where(mid_start <= pid, hi, mid)
+    seq = lo
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    tile = pid - (q_start // BLOCK_Q + seq)
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len  # cache position of query 0
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tile * BLOCK_Q + offs_m // GROUP  # query index within the sequence
+    head = kv_head * GROUP + offs_m % GROUP
+    row_mask = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = first_pos + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    q_rows = (q_start + tok).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # The last query of this tile sees positions < kv_end.
+    last_tok = tl.minimum(q_len, (tile + 1) * BLOCK_Q)
+    kv_end = first_pos + last_tok
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        kv_mask = n_mask[None, :] & d_mask[:, None]
+        # K loaded transposed: [BLOCK_D, BLOCK_N].
+        k_ptrs = (k_cache_ptr + page[None, :] * stride_kb + in_page[None, :] * stride_ks
+                  + kv_head * stride_kh + offs_d[:, None])
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v_ptrs = (v_cache_ptr + page[:, None] * stride_vb + in_page[:, None] * stride_vs
+                  + kv_head * stride_vh + offs_d[None, :])
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen nothing yet keeps m = -inf; shift by 0 to avoid inf - inf.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def _pick_blocks(group: int, head_dim: int, max_seqlen_q: int | None) -> dict:
+    """BLOCK_Q query tokens x group heads per tile (>= 16 rows for tl.dot)."""
+    if max_seqlen_q is not None and max_seqlen_q <= 1:
+        block_q = 1  # pure decode: one token per sequence
+    else:
+        target_rows = 64 if head_dim <= 128 else 32
+        block_q = max(1, target_rows // triton.next_power_of_2(group))
+        if max_seqlen_q is not None:
+            block_q = min(block_q, triton.next_power_of_2(max_seqlen_q))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 32 if block_d <= 128 else 16
+    return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
+                num_warps=4, num_stages=1 if _INTERPRET else 2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seqlen_q: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their paged context.
+
+    max_seqlen_q is an optional host-side hint (the longest q_len in the batch);
+    it only picks tile sizes and never has to be exact, except that passing 1
+    promises a pure decode batch.  Returns out [T, Hq, Dh] in q's dtype.
+    """
+    T, Hq, Dh = q.shape
+    num_blocks, page_size, Hkv, Dh_k = k_cache.shape
+    assert v_cache.shape == k_cache.shape, "k_cache and v_cache must have the same shape"
+    assert Dh_k == Dh and Hq % Hkv == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.stride(1) == 1
+    assert cu_seqlens_q.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    B = seq_lens.shape[0]
+    assert cu_seqlens_q.shape == (B + 1,) and block_tables.shape[0] == B
+    assert cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1
+    if T == 0 or B == 0:
+        return out
+
+    group = Hq // Hkv
+    cfg = _pick_blocks(group, Dh, max_seqlen_q)
+    upcast = _INTERPRET or q.dtype == torch.float32 or k_cache.dtype != q.dtype
+    grid = (T // cfg["BLOCK_Q"] + B, Hkv)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        block_tables, cu_seqlens_q, seq_lens,
+        scale * 1.4426950408889634,  # log2(e)
+        B,
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=Dh,
+        PAGE_SIZE=page_size,
+        UPCAST=upcast,
+        DOT_PRECISION="ieee" if upcast else None,
+        **cfg,
+    )
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Per-sequence gather of the paged K/V and plain causal softmax attention in fp32."""
+    T, Hq, Dh = q.shape
+    _, page_size, Hkv, _ = k_cache.shape
+    group = Hq // Hkv
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_b = q[cu[b]:cu[b + 1]].float()  # [q_len, Hq, Dh]
+        q_len = q_b.shape[0]
+        if q_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=q.device)
+        pages = block_tables[b].long()[pos // page_size]
+        k = k_cache[pages, pos % page_size].float().repeat_interleave(group, dim=1)  # [S, Hq, Dh]
+        v = v_cache[pages, pos % page_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
+        q_pos = seq_len - q_len + torch.arange(q_len, device=q.device)
+        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out

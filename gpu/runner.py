@@ -1,0 +1,130 @@
+"""The model runner: executes one StepPlan and returns a StepResult.
+
+The runner's input and output are defined here so that the scheduler and the GPU stage
+both import them from gpu/ (no import cycle). Synchronous; no trio, no globals.
+"""
+from __future__ import annotations
+
+import time
+
+import attrs
+import torch
+
+from gpu.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from gpu.sampler import SamplingOptions, SeqSamplingState, sample
+
+
+@attrs.frozen
+class SeqStart:
+    """Registers a sequence's sampling state with the runner (sent once, on first schedule)."""
+    seq_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+
+
+@attrs.frozen
+class SeqChunk:
+    """Tokens of one sequence to compute this step."""
+    seq_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int                    # tokens of this sequence already in the KV cache
+    block_table: tuple[int, ...]      # covers start_pos + len(token_ids) tokens
+    sample: bool                      # sample after this chunk (decode, or a prefill's last chunk)
+
+
+@attrs.frozen
+class StepPlan:
+    step: int
+    chunks: tuple[SeqChunk, ...]
+    new_seqs: tuple[SeqStart, ...] = ()
+    released: tuple[str, ...] = ()     # sequences finished or aborted: drop their state
+
+
+@attrs.frozen
+class StepResult:
+    step: int
+    seq_ids: tuple[str, ...]           # the chunks that sampled, in plan order
+    token_ids: tuple[int, ...]
+    duration_s: float
+
+
+class ModelRunner:
+    def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
+                 use_triton: bool = False) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        cfg = model.config
+        scale = cfg.head_dim ** -0.5
+        if use_triton:
+            from gpu.attention import TritonPagedAttention
+            self.attn = TritonPagedAttention(cache, scale)
+        else:
+            self.attn = TorchPagedAttention(cache, scale)
+        self.states: dict[str, SeqSamplingState] = {}
+        self._seed_rng = torch.Generator().manual_seed(seed)
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for sid in plan.released:
+            self.states.pop(sid, None)
+        for ns in plan.new_seqs:
+            fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
+        if not plan.chunks:
+            return StepResult(plan.step, (), (), time.perf_counter() - t0)
+        input_ids, positions, meta, sample_rows = self._prepare(plan.chunks)
+        with torch.inference_mode():
+            self.attn.prepare(meta)
+            hidden = self.model(input_ids, positions, self.attn)          # [T, D]
+            seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
+            if not seq_ids:
+                return StepResult(plan.step, (), (), time.perf_counter() - t0)
+            idx = torch.tensor(sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))  # [B, V]
+            states = [self.states[s] for s in seq_ids]
+            tokens = sample(logits.float().cpu(), states)
+        for st, tok in zip(states, tokens):
+            st.output_ids.append(tok)
+        return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0)
+
+    def _prepare(self, chunks: tuple[SeqChunk, ...]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_starts = [0]
+        q_lens, ctx_lens, starts, sample_rows = [], [], [], []
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            ids.extend(c.token_ids)
+            rng = range(c.start_pos, c.start_pos + n)
+            pos.extend(rng)
+            table = c.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in rng)
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            q_starts.append(q_starts[-1] + n)
+            q_lens.append(n)
+            ctx_lens.append(c.start_pos + n)
+            starts.append(c.start_pos)
+            if c.sample:
+                sample_rows.append(q_starts[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            cu_seqlens_q=torch.tensor(q_starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, start_positions=starts,
+            decode_rows=[i for i, n in enumerate(q_lens) if n == 1],
+            prefill_rows=[i for i, n in enumerate(q_lens) if n > 1],
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return input_ids, positions, meta, sample_rows

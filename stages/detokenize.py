@@ -1,0 +1,115 @@
+"""detokenize: sampled token ids -> text deltas; stop strings.
+
+One DetokState per request: an incremental decoder (tokenizers' DecodeStream, which
+holds back incomplete UTF-8) and the stop-string matcher, which holds back the last
+len(longest stop) - 1 characters so that a stop string split across steps is never
+half-emitted.
+"""
+from __future__ import annotations
+
+import attrs
+import trio
+from tokenizers.decoders import DecodeStream
+
+from stages.render import RenderedRequest
+from stages.schedule import FinishRequest, ScheduledStep, SeqUpdate
+
+_PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
+
+
+@attrs.frozen
+class TextDelta:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]          # tokens counted as output (after a stop string: none)
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_cached_tokens: int
+
+
+@attrs.frozen
+class DetokenizedStep:
+    step: int
+    new_requests: tuple[RenderedRequest, ...]
+    deltas: tuple[TextDelta, ...]
+
+
+class DetokState:
+    def __init__(self, req: RenderedRequest) -> None:
+        sp = req.sampling
+        self.stream = DecodeStream(ids=list(req.prompt_token_ids[-_PROMPT_CONTEXT:]),
+                                   skip_special_tokens=sp.skip_special_tokens)
+        self.stops = sp.stop
+        self.include_stop = sp.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def step(self, tokenizer, u: SeqUpdate) -> TextDelta:
+        ids = u.token_ids
+        # A stop token (EOS or stop_token_ids) counts as output but is not shown.
+        shown = ids[:-1] if (u.finish_reason == "stop" and ids) else ids
+        start = len(self.text)
+        for t in shown:
+            piece = self.stream.step(tokenizer, t)
+            if piece:
+                self.text += piece
+        finish, stop_reason = u.finish_reason, u.stop_reason
+        end = len(self.text)
+        if self.stops and finish != "abort":
+            hit = self._find_stop(max(0, start - self.hold))
+            if hit is not None:
+                pos, s = hit
+                end = pos + len(s) if self.include_stop else pos
+                self.text = self.text[:end]
+                finish, stop_reason = "stop", s
+        if finish is None:
+            end = max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return TextDelta(u.request_id, delta, ids, finish, stop_reason, u.num_cached_tokens)
+
+    def _find_stop(self, since: int) -> tuple[int, str] | None:
+        best = None
+        for s in self.stops:
+            i = self.text.find(s, since)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+
+class Detokenizer:
+    """The pure core: per-request states, one ScheduledStep in, one DetokenizedStep out."""
+
+    def __init__(self, tokenizer) -> None:
+        self.hf = tokenizer.hf if hasattr(tokenizer, "hf") else tokenizer
+        self.states: dict[str, DetokState] = {}
+
+    def process(self, msg: ScheduledStep) -> tuple[DetokenizedStep, list[str]]:
+        """Returns the step's deltas and the requests that a stop string finished."""
+        for req in msg.new_requests:
+            self.states[req.request_id] = DetokState(req)
+        deltas, stopped = [], []
+        for u in msg.updates:
+            st = self.states.get(u.request_id)
+            if st is None:
+                continue  # already finished here (a stop string), the scheduler catching up
+            d = st.step(self.hf, u)
+            if d.finish_reason is not None:
+                del self.states[u.request_id]
+                if u.finish_reason is None:
+                    stopped.append(u.request_id)
+            deltas.append(d)
+        return DetokenizedStep(msg.step, msg.new_requests, tuple(deltas)), stopped
+
+
+async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
+              control: trio.MemorySendChannel, core: Detokenizer, log=None) -> None:
+    async with receive, send, control:
+        async for msg in receive:
+            out, stopped = core.process(msg)
+            for rid in stopped:
+                if log is not None:
+                    log("stop_string", request_id=rid)
+                control.send_nowait(FinishRequest(rid))  # the inbox is sized so this never blocks
+            await send.send(out)

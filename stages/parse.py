@@ -1,0 +1,113 @@
+"""parse: text deltas -> content and reasoning.
+
+With --reasoning-parser (qwen3, deepseek_r1) the text between <think> and </think> is
+reasoning. A partial tag at the end of a delta is held back until the next step shows
+whether it is a tag. qwen3 starts in content and enters reasoning on a leading <think>;
+deepseek_r1's template opens <think> in the prompt, so it starts in reasoning.
+"""
+from __future__ import annotations
+
+import attrs
+import trio
+
+from stages.detokenize import DetokenizedStep
+from stages.render import RenderedRequest
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+_OPEN, _CLOSE = "<think>", "</think>"
+
+
+@attrs.frozen
+class ParsedDelta:
+    request_id: str
+    content: str
+    reasoning: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_cached_tokens: int
+
+
+@attrs.frozen
+class ParsedStep:
+    step: int
+    new_requests: tuple[RenderedRequest, ...]
+    deltas: tuple[ParsedDelta, ...]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ThinkState:
+    """Splits one request's text stream at <think> ... </think>."""
+
+    def __init__(self, parser: str) -> None:
+        self.mode = "reasoning" if parser == "deepseek_r1" else "start"
+        self.buf = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        self.buf += text
+        content = reasoning = ""
+        while True:
+            if self.mode == "start":
+                stripped = self.buf.lstrip()
+                if stripped.startswith(_OPEN):
+                    self.buf = stripped[len(_OPEN):]
+                    self.mode = "reasoning"
+                elif _OPEN.startswith(stripped) and not final:
+                    return content, reasoning  # could still become <think>
+                else:
+                    self.mode = "content"
+            elif self.mode == "reasoning":
+                i = self.buf.find(_CLOSE)
+                if i >= 0:
+                    reasoning += self.buf[:i]
+                    self.buf = self.buf[i + len(_CLOSE):]
+                    self.mode = "content"
+                    continue
+                keep = 0 if final else _partial_suffix(self.buf, _CLOSE)
+                reasoning += self.buf[:len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                return content, reasoning
+            else:
+                content += self.buf
+                self.buf = ""
+                return content, reasoning
+
+
+class Parser:
+    def __init__(self, reasoning_parser: str | None = None) -> None:
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; "
+                             f"choose from {', '.join(REASONING_PARSERS)}")
+        self.reasoning_parser = reasoning_parser
+        self.states: dict[str, ThinkState] = {}
+
+    def process(self, msg: DetokenizedStep) -> ParsedStep:
+        if self.reasoning_parser is None:
+            deltas = tuple(ParsedDelta(d.request_id, d.text, "", d.token_ids, d.finish_reason,
+                                       d.stop_reason, d.num_cached_tokens) for d in msg.deltas)
+            return ParsedStep(msg.step, msg.new_requests, deltas)
+        for req in msg.new_requests:
+            self.states[req.request_id] = ThinkState(self.reasoning_parser)
+        out = []
+        for d in msg.deltas:
+            st = self.states.get(d.request_id)
+            final = d.finish_reason is not None
+            content, reasoning = st.feed(d.text, final) if st else (d.text, "")
+            if final:
+                self.states.pop(d.request_id, None)
+            out.append(ParsedDelta(d.request_id, content, reasoning, d.token_ids, d.finish_reason,
+                                   d.stop_reason, d.num_cached_tokens))
+        return ParsedStep(msg.step, msg.new_requests, tuple(out))
+
+
+async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel, core: Parser) -> None:
+    async with receive, send:
+        async for msg in receive:
+            await send.send(core.process(msg))

@@ -1,0 +1,304 @@
+"""schedule: waiting/running queues, the KV block manager, prefix hashes.
+
+Each step it builds a StepPlan under a token budget (--max-num-batched-tokens) and a
+sequence budget (--max-num-seqs): running sequences first (one decode token each, or
+the next chunk of a chunked prefill), then waiting ones. When blocks run out it preempts
+the most recently admitted running sequence by recompute: its blocks are freed and it
+goes back to the front of the waiting queue, keeping the tokens it already generated.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterable
+
+import attrs
+import trio
+
+from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult
+from gpu.sampler import SamplingOptions
+from stages.blocks import BlockManager, block_hash
+from stages.render import RenderedRequest
+
+
+# -- the scheduler's inbox: admitted requests arrive with control messages ---------------
+@attrs.frozen
+class Abort:
+    """The client went away (or the server is shutting down): drop the request."""
+    request_id: str
+
+
+@attrs.frozen
+class FinishRequest:
+    """detokenize matched a stop string: stop generating and free the request's blocks."""
+    request_id: str
+
+
+# -- what schedule sends downstream, one message per engine step --------------------------
+@attrs.frozen
+class SeqUpdate:
+    request_id: str
+    token_ids: tuple[int, ...]            # sampled this step (empty when only finishing)
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | None = None        # the stop token id, when one ended it
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
+
+
+@attrs.frozen
+class ScheduledStep:
+    step: int
+    new_requests: tuple[RenderedRequest, ...]
+    updates: tuple[SeqUpdate, ...]
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+
+
+class Sequence:
+    """The scheduler's state for one request."""
+
+    def __init__(self, req: RenderedRequest, eos_token_ids: tuple[int, ...]) -> None:
+        self.req = req
+        self.id = req.request_id
+        self.prompt_len = len(req.prompt_token_ids)
+        self.token_ids: list[int] = list(req.prompt_token_ids)
+        self.num_computed = 0
+        self.table: list[int] = []
+        self.num_cached_tokens = 0
+        self.first_scheduled = False
+        self.hash_cursor: tuple[int, int | None] = (0, None)
+        sp = req.sampling
+        self.max_tokens = sp.max_tokens
+        self.stop_ids = frozenset(sp.stop_token_ids) | (
+            frozenset() if sp.ignore_eos else frozenset(eos_token_ids))
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+
+def sampling_options(seq: Sequence) -> SamplingOptions:
+    s = seq.req.sampling
+    return SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                           seed=s.seed, repetition_penalty=s.repetition_penalty,
+                           frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                           min_tokens=s.min_tokens, stop_token_ids=tuple(sorted(seq.stop_ids)))
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}
+        self.step = 0
+        self.num_preemptions = 0
+        self._new_requests: list[RenderedRequest] = []
+        self._pending: list[SeqUpdate] = []     # finishes decided outside a step (aborts)
+        self._released: list[str] = []
+
+    # -- inbox ---------------------------------------------------------------------------
+    def add(self, req: RenderedRequest) -> None:
+        seq = Sequence(req, self.eos_token_ids)
+        self.by_id[seq.id] = seq
+        self.waiting.append(seq)
+        self._new_requests.append(req)
+
+    def finish(self, request_id: str, reason: str) -> None:
+        """Abort or stop-string finish: free now, report downstream with the next step."""
+        seq = self.by_id.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._free(seq)
+        self._released.append(seq.id)
+        self._pending.append(SeqUpdate(seq.id, (), reason, None, seq.num_cached_tokens))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending or self._new_requests)
+
+    # -- planning ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        self.step += 1
+        budget = self.max_num_batched_tokens
+        chunks: dict[str, SeqChunk] = {}
+        new_seqs: list[SeqStart] = []
+
+        # Running sequences first, oldest first; preempt from the newest end when short.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                chunks.pop(victim.id, None)
+                if victim is seq:
+                    break
+                continue
+            chunks[seq.id] = self._chunk(seq, n)
+            budget -= n
+            i += 1
+
+        # Then waiting sequences, in arrival order, while the budgets allow.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.table and not self._take_prefix(seq, budget):
+                break
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, n):
+                if not self.running:
+                    raise RuntimeError("KV cache too small for a single sequence's chunk")
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            if not seq.first_scheduled:
+                seq.first_scheduled = True
+                new_seqs.append(SeqStart(seq.id, seq.req.prompt_token_ids, sampling_options(seq)))
+            chunks[seq.id] = self._chunk(seq, n)
+            budget -= n
+
+        released, self._released = tuple(self._released), []
+        return StepPlan(self.step, tuple(chunks.values()), tuple(new_seqs), released)
+
+    def _take_prefix(self, seq: Sequence, budget: int) -> bool:
+        """Attach cached prefix blocks to a sequence about to start (or restart), if the
+        blocks for its first chunk fit as well."""
+        bm = self.blocks
+        hits = bm.match_prefix(seq.token_ids)
+        cached = len(hits) * bm.block_size
+        n = min(len(seq.token_ids) - cached, budget)
+        reclaimed = sum(1 for b in hits if bm.ref_count[b] == 0)  # hits sitting in the free list
+        if bm.blocks_for(cached + n) - len(hits) + reclaimed > bm.num_free:
+            return False
+        bm.take_cached(hits)
+        seq.table = list(hits)
+        seq.num_computed = cached
+        prev = None
+        for i in range(len(hits)):
+            prev = block_hash(prev, tuple(seq.token_ids[i * bm.block_size:(i + 1) * bm.block_size]))
+        seq.hash_cursor = (len(hits), prev)
+        if not seq.first_scheduled:
+            seq.num_cached_tokens = cached
+        return True
+
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        start = seq.num_computed
+        last = start + n == len(seq.token_ids)
+        return SeqChunk(seq.id, tuple(seq.token_ids[start:start + n]), start, tuple(seq.table), last)
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.table)
+        if need <= 0:
+            return True
+        if not self.blocks.can_allocate(need):
+            return False
+        seq.table.extend(self.blocks.allocate(need))
+        return True
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.table)
+        seq.table = []
+        seq.num_computed = 0
+        seq.hash_cursor = (0, None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # -- results -------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> ScheduledStep:
+        """Apply a step's result; decide finishes; build the downstream message."""
+        sampled = dict(zip(result.seq_ids, result.token_ids))
+        updates = list(self._pending)
+        self._pending = []
+        for chunk in plan.chunks:
+            seq = self.by_id.get(chunk.seq_id)
+            if seq is None:
+                continue
+            seq.num_computed = chunk.start_pos + len(chunk.token_ids)
+            tok = sampled.get(seq.id)
+            if tok is not None:
+                seq.token_ids.append(tok)
+            seq.hash_cursor = self.blocks.commit_full_blocks(
+                seq.table, seq.token_ids, seq.num_computed, *seq.hash_cursor)
+            if tok is None:
+                continue
+            reason = stop = None
+            if tok in seq.stop_ids:  # the sampler masks stop ids until min_tokens
+                reason, stop = "stop", (tok if tok in seq.req.sampling.stop_token_ids else None)
+            elif seq.num_output >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                reason = "length"
+            updates.append(SeqUpdate(seq.id, (tok,), reason, stop, seq.num_cached_tokens))
+            if reason is not None:
+                self.running.remove(seq)
+                del self.by_id[seq.id]
+                self._free(seq)
+                self._released.append(seq.id)
+        new, self._new_requests = tuple(self._new_requests), []
+        return ScheduledStep(plan.step, new, tuple(updates), len(self.running), len(self.waiting),
+                             self.blocks.num_used)
+
+    def drain(self) -> ScheduledStep:
+        """A message for a step with nothing to run: new requests and pending finishes."""
+        new, self._new_requests = tuple(self._new_requests), []
+        updates, self._pending = tuple(self._pending), []
+        return ScheduledStep(self.step, new, updates, len(self.running), len(self.waiting),
+                             self.blocks.num_used)
+
+
+# -- the async shell -----------------------------------------------------------------------
+async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
+              from_gpu: trio.MemoryReceiveChannel, downstream: trio.MemorySendChannel,
+              scheduler: Scheduler, log=None) -> None:
+    """Engine loop: take everything in the inbox, plan, run one step, forward the result."""
+
+    def take(msg) -> None:
+        if isinstance(msg, RenderedRequest):
+            scheduler.add(msg)
+        elif isinstance(msg, Abort):
+            scheduler.finish(msg.request_id, "abort")
+        elif isinstance(msg, FinishRequest):
+            scheduler.finish(msg.request_id, "stop")
+        else:
+            raise TypeError(f"schedule got {type(msg).__name__}")
+
+    async with inbox, to_gpu, downstream:
+        while True:
+            if not scheduler.has_work():
+                try:
+                    take(await inbox.receive())
+                except trio.EndOfChannel:
+                    return
+            while True:
+                try:
+                    take(inbox.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            plan = scheduler.schedule()
+            if plan.chunks or plan.new_seqs or plan.released:
+                await to_gpu.send(plan)
+                result = await from_gpu.receive()
+                out = scheduler.update(plan, result)
+            else:
+                out = scheduler.drain()
+            if log is not None:  # the whole message: enough to replay everything downstream
+                log("scheduled", tokens=sum(len(c.token_ids) for c in plan.chunks), message=out)
+            if out.new_requests or out.updates:
+                await downstream.send(out)
+            elif not plan.chunks:
+                await trio.sleep(0)  # waiting on blocks freed by nothing: let others run

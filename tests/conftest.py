@@ -1,0 +1,18 @@
+"""Shared test set-up.
+
+Triton kernels run on CPU only under the interpreter, and TRITON_INTERPRET must
+be set before any kernel module is imported: this file is loaded by pytest
+before every test module, so it is the one place that decides.
+"""
+import os
+
+try:
+    import torch
+
+    _cuda = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - torch is a hard dependency
+    _cuda = False
+
+if not _cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,333 @@
+"""render core: validation, chat template path, sampling defaults, max_tokens."""
+import pytest
+
+from stages.render import RenderContext, RequestError, Submission, render
+
+
+class FakeTokenizer:
+    """One token per character; a visible template so tests can read the prompt."""
+
+    vocab_size = 1000
+    bos_token_id = None
+    eos_token_ids = (999,)
+
+    def __init__(self):
+        self.template_calls = []
+
+    def encode(self, text, add_special_tokens=False):
+        ids = [ord(c) % 900 for c in text]
+        return ([998] + ids) if add_special_tokens else ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None, **kwargs):
+        self.template_calls.append((messages, add_generation_prompt, kwargs))
+        if kwargs.get("explode"):
+            raise ValueError("template exploded")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def make_ctx(max_model_len=100, **kwargs):
+    return RenderContext(tokenizer=FakeTokenizer(), served_model_names=("tiny", "alias"),
+                         max_model_len=max_model_len, **kwargs)
+
+
+def chat(body, ctx=None, request_id="r1"):
+    body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    return render(Submission(request_id, "chat", body, 1.5), ctx or make_ctx())
+
+
+def completion(body, ctx=None):
+    return render(Submission("r1", "completions", {"prompt": "hello", **body}, 1.5),
+                  ctx or make_ctx())
+
+
+def responses(body, ctx=None):
+    return render(Submission("r1", "responses", {"input": "hi", **body}, 1.5),
+                  ctx or make_ctx())
+
+
+def error_of(fn, *args):
+    with pytest.raises(RequestError) as info:
+        fn(*args)
+    return info.value
+
+
+# -- chat ----------------------------------------------------------------------
+
+def test_chat_renders_template_and_tokenizes_without_special_tokens():
+    req = chat({"model": "alias"})
+    prompt = "<user>hi<assistant>"
+    assert req.prompt_token_ids == tuple(ord(c) % 900 for c in prompt)
+    assert req.model == "alias"
+    assert req.api == "chat" and req.request_id == "r1" and req.arrival == 1.5
+    assert req.sampling.max_tokens == 100 - len(prompt)    # default: the rest of the context
+    assert req.stream is False and req.include_usage is True
+
+
+def test_chat_content_parts_roles_and_template_kwargs():
+    ctx = make_ctx()
+    chat({"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ], "chat_template_kwargs": {"enable_thinking": False, "add_generation_prompt": False},
+        "add_generation_prompt": True}, ctx)
+    messages, add_generation_prompt, kwargs = ctx.tokenizer.template_calls[-1]
+    assert messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "tool_calls": []},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    assert add_generation_prompt is True
+    assert kwargs == {"enable_thinking": False}
+
+
+def test_model_absent_means_first_served_name():
+    assert chat({}).model == "tiny"
+
+
+def test_unknown_model_is_404():
+    err = error_of(chat, {"model": "gpt-4"})
+    assert err.status == 404
+    assert err.code == "model_not_found" and err.param == "model"
+    assert err.to_dict()["error"]["message"] == "The model `gpt-4` does not exist."
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([], "messages"),
+    ("hi", "messages"),
+    ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+    (["hi"], "messages[0]"),
+    ([{"role": "user", "content": 3}], "messages[0].content"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+     "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "text", "text": 1}]}], "messages[0].content[0].text"),
+])
+def test_bad_messages(messages, param):
+    err = error_of(chat, {"messages": messages})
+    assert (err.status, err.param) == (400, param)
+
+
+def test_missing_messages():
+    err = error_of(render, Submission("r", "chat", {}, 0.0), make_ctx())
+    assert err.param == "messages"
+
+
+@pytest.mark.parametrize("body", [[1, 2], "text", None, 3])
+def test_body_must_be_an_object(body):
+    err = error_of(render, Submission("r", "chat", body, 0.0), make_ctx())
+    assert err.status == 400 and "JSON object" in err.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "10"), ("max_tokens", 1.5), ("max_tokens", True),
+    ("temperature", "hot"), ("temperature", True), ("top_p", []), ("top_k", 1.0),
+    ("seed", "x"), ("stream", "yes"), ("stop", 3), ("stop", ["a", 1]),
+    ("stop_token_ids", [1, -1]), ("stop_token_ids", "1"), ("ignore_eos", 1),
+    ("min_tokens", "1"), ("chat_template_kwargs", []), ("model", 3),
+])
+def test_wrong_types_name_the_param(field, value):
+    err = error_of(chat, {field: value})
+    assert (err.status, err.param) == (400, field)
+    assert err.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 0), ("max_tokens", -5), ("max_completion_tokens", 0),
+    ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.1),
+    ("top_k", -2), ("min_p", 1.5), ("frequency_penalty", 3), ("presence_penalty", -2.5),
+    ("repetition_penalty", 0), ("min_tokens", -1), ("n", 2), ("stop", [""]),
+    ("logprobs", True), ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("logit_bias", {"1": 5}),
+])
+def test_out_of_range_or_unsupported_is_400(field, value):
+    err = error_of(chat, {field: value})
+    assert (err.status, err.param) == (400, field)
+
+
+def test_null_counts_as_absent_and_unknown_fields_are_ignored():
+    req = chat({"temperature": None, "max_tokens": None, "stop": None, "frobnicate": 1,
+                "logprobs": False, "n": 1, "tools": [], "tool_choice": "none"})
+    assert req.sampling.temperature == 1.0
+
+
+def test_sampling_fields_reach_sampling_params():
+    req = chat({"max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5,
+                "top_k": 40, "min_p": 0.1, "seed": 3, "frequency_penalty": 0.5,
+                "presence_penalty": -0.5, "repetition_penalty": 1.2, "stop": "END",
+                "stop_token_ids": [5], "ignore_eos": True, "min_tokens": 2,
+                "include_stop_str_in_output": True, "skip_special_tokens": False})
+    s = req.sampling
+    assert s.max_tokens == 7          # max_completion_tokens wins over max_tokens
+    assert s.temperature == 0.0       # greedy
+    assert (s.top_p, s.top_k, s.min_p, s.seed) == (0.5, 40, 0.1, 3)
+    assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert s.stop == ("END",) and s.stop_token_ids == (5,)
+    assert s.ignore_eos and s.include_stop_str_in_output and not s.skip_special_tokens
+    assert s.min_tokens == 2
+
+
+def test_generation_config_defaults_fill_omitted_fields():
+    ctx = make_ctx(default_sampling={"temperature": 0.6, "top_p": 0.9, "top_k": 20,
+                                     "repetition_penalty": 1.1, "max_new_tokens": 10})
+    req = chat({}, ctx)
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.6, 0.9, 20, 1.1)
+    assert s.max_tokens == 10
+    assert chat({"temperature": 0.0, "max_tokens": 50}, ctx).sampling.temperature == 0.0
+    assert chat({"max_tokens": 50}, ctx).sampling.max_tokens == 50
+
+
+def test_min_tokens_above_max_tokens():
+    err = error_of(chat, {"max_tokens": 3, "min_tokens": 4})
+    assert err.param == "min_tokens"
+
+
+def test_stream_options():
+    req = chat({"stream": True, "stream_options": {"include_usage": True}})
+    assert req.stream and req.include_usage
+    assert chat({"stream": True}).include_usage is False
+    err = error_of(chat, {"stream_options": {"include_usage": True}})
+    assert err.param == "stream_options"
+    err = error_of(chat, {"stream": True, "stream_options": {"include_usage": "yes"}})
+    assert err.param == "stream_options.include_usage"
+
+
+def test_template_error_is_400():
+    err = error_of(chat, {"chat_template_kwargs": {"explode": True}})
+    assert err.status == 400 and "template exploded" in err.message
+
+
+# -- context length ------------------------------------------------------------
+
+def test_prompt_filling_the_context_is_400():
+    ctx = make_ctx(max_model_len=20)     # "<user>hi<assistant>" is 19 tokens
+    assert chat({}, ctx).sampling.max_tokens == 1
+    err = error_of(chat, {"messages": [{"role": "user", "content": "hi!"}]}, ctx)
+    assert err.status == 400 and err.code == "context_length_exceeded"
+    assert "maximum context length is 20 tokens" in err.message
+
+
+def test_prompt_plus_max_tokens_over_the_context_uses_vllm_wording():
+    err = error_of(chat, {"max_tokens": 90})
+    assert err.status == 400 and err.param == "max_tokens"
+    assert err.message == (
+        "This model's maximum context length is 100 tokens. However, you requested 109 "
+        "tokens (19 in the messages, 90 in the completion). Please reduce the length of the "
+        "messages or completion.")
+
+
+# -- completions ---------------------------------------------------------------
+
+def test_completion_string_prompt_adds_special_tokens_and_defaults_to_16():
+    req = completion({})
+    assert req.prompt_token_ids == (998,) + tuple(ord(c) % 900 for c in "hello")
+    assert req.sampling.max_tokens == 16
+
+
+def test_completion_default_max_tokens_is_capped_by_the_context():
+    assert completion({}, make_ctx(max_model_len=10)).sampling.max_tokens == 4
+
+
+@pytest.mark.parametrize("prompt, ids", [
+    ([1, 2, 3], (1, 2, 3)), ([[4, 5]], (4, 5)), (["hi"], (998, ord("h"), ord("i"))),
+])
+def test_completion_prompt_forms(prompt, ids):
+    assert completion({"prompt": prompt}).prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 5000]}, "prompt"),
+    ({"prompt": []}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": None}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+    ({"logprobs": 1}, "logprobs"), ({"best_of": 2}, "best_of"), ({"max_tokens": -1}, "max_tokens"),
+])
+def test_completion_errors(body, param):
+    err = error_of(completion, body)
+    assert (err.status, err.param) == (400, param)
+
+
+def test_completion_add_special_tokens_false():
+    assert completion({"prompt": "x", "add_special_tokens": False}).prompt_token_ids == (ord("x"),)
+
+
+def test_completion_too_long_names_the_prompt():
+    err = error_of(completion, {"max_tokens": 99})
+    assert err.message.startswith("This model's maximum context length is 100 tokens. However, "
+                                  "you requested 105 tokens (6 in the prompt, 99 in the "
+                                  "completion).")
+
+
+# -- responses -----------------------------------------------------------------
+
+def test_responses_string_input_with_instructions():
+    ctx = make_ctx()
+    req = responses({"instructions": "be nice", "max_output_tokens": 5, "temperature": 0.5,
+                     "store": True, "metadata": {"k": "v"}}, ctx)
+    assert ctx.tokenizer.template_calls[-1][0] == [
+        {"role": "system", "content": "be nice"}, {"role": "user", "content": "hi"}]
+    assert req.sampling.max_tokens == 5 and req.sampling.temperature == 0.5
+    assert req.echo["instructions"] == "be nice"
+    assert req.echo["max_output_tokens"] == 5
+    assert req.echo["temperature"] == 0.5 and req.echo["top_p"] == 1.0
+    assert req.echo["metadata"] == {"k": "v"}
+    assert req.echo["store"] is False       # nothing is ever stored
+
+
+def test_responses_message_items():
+    ctx = make_ctx()
+    responses({"input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
+        {"role": "user", "content": "again"},
+    ]}, ctx)
+    assert ctx.tokenizer.template_calls[-1][0] == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "again"}]
+
+
+def test_responses_max_output_tokens_absent_fills_the_context():
+    req = responses({})
+    assert req.sampling.max_tokens == 100 - len("<user>hi<assistant>")
+    assert req.echo["max_output_tokens"] is None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"input": []}, "input"), ({"input": 3}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     "input[0].content[0].type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 1000}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+    ({"stream": "true"}, "stream"),
+])
+def test_responses_errors(body, param):
+    err = error_of(responses, body)
+    assert (err.status, err.param) == (400, param)
+
+
+def test_responses_reasoning_effort_is_accepted_with_a_reasoning_parser():
+    req = responses({"reasoning": {"effort": "low"}}, make_ctx(reasoning=True))
+    assert req.echo["reasoning"] == {"effort": "low", "summary": None}
+
+
+def test_responses_accepts_harmless_defaults():
+    req = responses({"background": False, "text": {"format": {"type": "text"}},
+                     "tool_choice": "auto", "tools": [], "include": [], "stream": True})
+    assert req.stream and req.include_usage

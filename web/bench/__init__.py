@@ -1,0 +1,1 @@
+"""Benchmark clients; ``web.bench.serve`` is ``tailrace bench serve``."""
