@@ -1,7 +1,6 @@
-"""A cache-free causal attention backend and a greedy decoding loop built on it.
+"""Dense (unpaged) attention backends and a greedy decoding loop, for tests and sanity checks.
 
-For tests and sanity checks: every step recomputes the whole sequence. The serving path uses the
-paged backend in gpu/attention.py.
+The serving path uses the paged backend in gpu/attention.py.
 """
 
 from __future__ import annotations
@@ -34,20 +33,39 @@ class DenseCausalAttention:
         return torch.cat(out)  # [T, Hq, Dh]
 
 
+class DenseCachedAttention:
+    """One sequence decoded step by step: keeps every layer's k/v and attends to all of it."""
+
+    def __init__(self):
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layer_idx in self.kv:
+            k = torch.cat([self.kv[layer_idx][0], k])  # [L, Hkv, Dh]
+            v = torch.cat([self.kv[layer_idx][1], v])
+        self.kv[layer_idx] = (k, v)
+        t, L = q.shape[0], k.shape[0]
+        mask = torch.ones(t, L, dtype=torch.bool, device=q.device).tril(L - t)  # new token i sees keys <= L-t+i
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True)
+        return o.transpose(0, 1)  # [t, Hq, Dh]
+
+
 @torch.inference_mode()
 def greedy_generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
                     eos_token_ids: Sequence[int] = ()) -> list[int]:
     """Argmax decoding; returns the new token ids (stopping after an eos id, which is included)."""
     device = model.cos_sin.device
-    ids = list(prompt_ids)
+    attn = DenseCachedAttention()
+    step_ids, start = list(prompt_ids), 0
     new: list[int] = []
     for _ in range(max_new_tokens):
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-        positions = torch.arange(len(ids), device=device)
-        hidden = model(input_ids, positions, DenseCausalAttention())  # [T, D]
+        input_ids = torch.tensor(step_ids, dtype=torch.int64, device=device)
+        positions = torch.arange(start, start + len(step_ids), device=device)
+        hidden = model(input_ids, positions, attn)  # [t, D]
         token = int(model.compute_logits(hidden[-1:]).argmax(-1))
-        ids.append(token)
         new.append(token)
         if token in eos_token_ids:
             break
+        start, step_ids = start + len(step_ids), [token]
     return new

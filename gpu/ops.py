@@ -87,7 +87,8 @@ def _yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor, s: dict) -> tupl
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     # ramp 0 -> keep the original (extrapolated) frequency; ramp 1 -> interpolate (divide by factor).
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention_factor)
+    pos_freqs = 1.0 / inv_freq
+    return ramp / (factor * pos_freqs) + (1 - ramp) / pos_freqs, float(attention_factor)
 
 
 def build_rope_cache(

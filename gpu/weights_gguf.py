@@ -128,7 +128,9 @@ class GGUFFile:
             name = _hf_name(t.name)
             if name is None:
                 raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r}")
-            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+            # A plain ndarray view: numpy's memmap subclass makes dequantize ~2x slower.
+            w = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type)
+            w = w.reshape(tuple(reversed(t.shape.tolist())))
             w = torch.from_numpy(w if w.flags.writeable else w.copy())
             if a == "llama" and ".attn_q." in t.name:
                 w = _unpermute(w, heads)

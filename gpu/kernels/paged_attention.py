@@ -23,7 +23,7 @@ BLOCK_N positions; each position looks up its own page, so any block_size works.
 
 from __future__ import annotations
 
-import math
+import functools
 import os
 
 import torch
@@ -37,10 +37,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    m_part_ptr, l_part_ptr,  # [splits, T, Hq] fp32 (only with NUM_SPLITS > 1)
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     num_seqs,
     stride_qt, stride_qh,
-    stride_ot, stride_oh,
+    stride_ot, stride_oh,  # out is acc_part [splits, T, Hq, Dh] fp32 with NUM_SPLITS > 1
+    stride_os,  # split stride of the partial buffers
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -53,9 +55,11 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     # Largest b with cu[b] // BLOCK_Q + b <= pid.
     lo = tl.full([], 0, tl.int32)
@@ -96,8 +100,15 @@ def _paged_attention_kernel(
     # The last query of this tile sees positions < kv_end.
     last_tok = tl.minimum(q_len, (tile + 1) * BLOCK_Q)
     kv_end = first_pos + last_tok
+    kv_start = 0
+    if NUM_SPLITS > 1:  # flash-decoding: this program takes one contiguous share of the KV tiles
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+        kv_start = split * tiles_per_split * BLOCK_N
+        kv_stop = tl.minimum(kv_end, kv_start + tiles_per_split * BLOCK_N)
+    else:
+        kv_stop = kv_end
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(kv_start, kv_stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -128,10 +139,51 @@ def _paged_attention_kernel(
         acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    o_mask = row_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS > 1:
+        # Unnormalized partials; _combine_splits_kernel merges them.
+        part = split.to(tl.int64) * stride_os + q_rows * stride_ot + head * stride_oh
+        tl.store(out_ptr + part[:, None] + offs_d[None, :], acc, mask=o_mask)
+        # acc_part is contiguous [splits, T, Hq, Dh]: its offset / Dh indexes m_part and l_part.
+        ml_offs = (split.to(tl.int64) * stride_os + q_rows * stride_ot + head * stride_oh) // HEAD_DIM
+        tl.store(m_part_ptr + ml_offs, m_i, mask=row_mask)
+        tl.store(l_part_ptr + ml_offs, l_i, mask=row_mask)
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    acc_part_ptr, m_part_ptr, l_part_ptr, out_ptr,
+    n_rows,  # T * Hq
+    stride_s,  # T * Hq * Dh: split stride of acc_part (m/l: T * Hq)
+    stride_ot, stride_oh,
+    n_heads,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # token * Hq + head
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    m = tl.load(m_part_ptr + offs_s * n_rows + row, mask=s_mask, other=float("-inf"))
+    l = tl.load(l_part_ptr + offs_s * n_rows + row, mask=s_mask, other=0.0)
+    acc = tl.load(acc_part_ptr + offs_s[:, None] * stride_s + row * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # splits that saw nothing have m = -inf, weight 0
+    total = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0.0, total, 1.0)
+    tok = row // n_heads
+    head = row % n_heads
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def _pick_blocks(group: int, head_dim: int, max_seqlen_q: int | None) -> dict:
@@ -150,6 +202,21 @@ def _pick_blocks(group: int, head_dim: int, max_seqlen_q: int | None) -> dict:
                 num_warps=4, num_stages=1 if _INTERPRET else 2)
 
 
+def suggest_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Host-side heuristic for decode batches: enough programs to cover the SMs twice,
+    but no split shorter than 256 positions."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    by_occupancy = (2 * sms) // max(1, num_seqs * num_kv_heads)
+    return max(1, min(16, by_occupancy, triton.cdiv(max_context, 256)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -160,13 +227,18 @@ def paged_attention(
     scale: float,
     *,
     max_seqlen_q: int | None = None,
+    num_kv_splits: int = 1,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged context.
 
     max_seqlen_q is an optional host-side hint (the longest q_len in the batch);
     it only picks tile sizes and never has to be exact, except that passing 1
-    promises a pure decode batch.  Returns out [T, Hq, Dh] in q's dtype.
+    promises a pure decode batch.  num_kv_splits > 1 splits every tile's KV
+    range over that many programs (flash-decoding) and merges the partial
+    softmaxes in a second kernel: worth it when B * Hkv programs cannot fill the
+    GPU, i.e. small decode batches over long contexts (see suggest_num_kv_splits).
+    Returns out [T, Hq, Dh] in q's dtype.
     """
     T, Hq, Dh = q.shape
     num_blocks, page_size, Hkv, Dh_k = k_cache.shape
@@ -188,14 +260,24 @@ def paged_attention(
     group = Hq // Hkv
     cfg = _pick_blocks(group, Dh, max_seqlen_q)
     upcast = _INTERPRET or q.dtype == torch.float32 or k_cache.dtype != q.dtype
-    grid = (T // cfg["BLOCK_Q"] + B, Hkv)
+    splits = max(1, int(num_kv_splits))
+    grid = (T // cfg["BLOCK_Q"] + B, Hkv, splits)
+    if splits > 1:
+        acc_part = torch.empty((splits, T, Hq, Dh), dtype=torch.float32, device=q.device)
+        m_part = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        target, target_strides = acc_part, (acc_part.stride(1), acc_part.stride(2), acc_part.stride(0))
+    else:
+        m_part = l_part = out  # unused
+        target, target_strides = out, (out.stride(0), out.stride(1), 0)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, target,
         block_tables, cu_seqlens_q, seq_lens,
+        m_part, l_part,
         scale * 1.4426950408889634,  # log2(e)
         B,
         q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
+        *target_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
@@ -204,8 +286,16 @@ def paged_attention(
         PAGE_SIZE=page_size,
         UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast else None,
+        NUM_SPLITS=splits,
         **cfg,
     )
+    if splits > 1:
+        _combine_splits_kernel[(T * Hq,)](
+            acc_part, m_part, l_part, out,
+            T * Hq, acc_part.stride(0), out.stride(0), out.stride(1), Hq,
+            HEAD_DIM=Dh, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=cfg["BLOCK_D"], num_warps=4,
+        )
     return out
 
 

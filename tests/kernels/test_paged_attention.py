@@ -3,6 +3,7 @@ import itertools
 import pytest
 import torch
 
+from gpu.kernels import paged_attention as paged_attention_module
 from gpu.kernels.paged_attention import paged_attention, paged_attention_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -83,3 +84,17 @@ def test_paged_attention_ref_matches_dense_sdpa():
     dense = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=0.125)
     torch.testing.assert_close(ref, dense.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_kv_splits", [2, 5])
+def test_paged_attention_split_kv_matches_ref(num_kv_splits, dtype, device, tol):
+    """Flash-decoding path: splits of unequal share, some empty (short contexts), mixed with a prefill."""
+    q_lens, seq_lens = [1, 1, 1, 4], [3, 70, 33, 40]
+    q, kc, vc, bt, cu, sl = _make_batch(q_lens, seq_lens, 6, 2, 64, 16, dtype, device, seed=4)
+    out = paged_attention(q, kc, vc, bt, cu, sl, 0.125, num_kv_splits=num_kv_splits)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, cu, sl, 0.125), **tol(dtype))
+
+
+def test_suggest_num_kv_splits_is_one_off_cuda():
+    assert paged_attention_module.suggest_num_kv_splits(1, 3, 4096, torch.device("cpu")) == 1

@@ -140,7 +140,7 @@ def format_table(summary: dict[str, Any], options: TableOptions = TableOptions()
 
     def row(label: str, value: Any) -> None:
         text = f"{value:.2f}" if isinstance(value, float) else str(value)
-        lines.append(f"{label:<40} {text:<10}")
+        lines.append(f"{label:<40} {text}")
 
     row("Successful requests:", summary["completed"])
     row("Failed requests:", summary["failed"])

@@ -259,37 +259,34 @@ async def _discover_model(client: httpx.AsyncClient, config: BenchConfig) -> str
 async def run_benchmark(config: BenchConfig, requests: Sequence[datasets.SampleRequest]) -> BenchOutcome:
     """Send every request on its arrival schedule; the nursery waits for all of them."""
     results: list[RequestResult | None] = [None] * len(requests)
-    limiter = trio.CapacityLimiter(config.max_concurrency) if config.max_concurrency else None
+    limiter = trio.CapacityLimiter(config.max_concurrency or math.inf)
     offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
     timeout = httpx.Timeout(config.request_timeout, connect=config.request_timeout or 60.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=config.max_concurrency)
-    progress = tqdm(total=len(requests), disable=config.disable_tqdm, file=sys.stderr)
+    print(f"Traffic request rate: {config.request_rate}, burstiness: {config.burstiness}, "
+          f"maximum request concurrency: {config.max_concurrency}", file=sys.stderr)
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-        model = config.served_model_name or config.model or await _discover_model(client, config)
+    with tqdm(total=len(requests), disable=config.disable_tqdm, file=sys.stderr) as progress:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+            model = config.served_model_name or config.model or await _discover_model(client, config)
 
-        async def one(index: int, sample: datasets.SampleRequest) -> None:
-            payload = config.backend.build_payload(
-                model=model, prompt=sample.prompt, max_tokens=sample.expected_output_len,
-                sampling=config.sampling, ignore_eos=config.ignore_eos, extra_body=config.extra_body)
-            headers = request_headers(f"{config.request_id_prefix}{index}", config.headers)
-            if limiter is None:
-                results[index] = await send_request(client, config.backend, config.url, payload, headers,
-                                                    sample.prompt_len)
-            else:
+            async def one(index: int, sample: datasets.SampleRequest) -> None:
+                payload = config.backend.build_payload(
+                    model=model, prompt=sample.prompt, max_tokens=sample.expected_output_len,
+                    sampling=config.sampling, ignore_eos=config.ignore_eos, extra_body=config.extra_body)
+                headers = request_headers(f"{config.request_id_prefix}{index}", config.headers)
                 async with limiter:
                     results[index] = await send_request(client, config.backend, config.url, payload, headers,
                                                         sample.prompt_len)
-            progress.update(1)
+                progress.update(1)
 
-        start = time.perf_counter()
-        start_trio = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for index, (sample, offset) in enumerate(zip(requests, offsets)):
-                await trio.sleep_until(start_trio + offset)
-                nursery.start_soon(one, index, sample)
-        duration = time.perf_counter() - start
-    progress.close()
+            start = time.perf_counter()
+            start_trio = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for index, (sample, offset) in enumerate(zip(requests, offsets)):
+                    await trio.sleep_until(start_trio + offset)
+                    nursery.start_soon(one, index, sample)
+            duration = time.perf_counter() - start
     done = tuple(r for r in results if r is not None)
     assert len(done) == len(requests)
     return BenchOutcome(results=done, duration=duration, model=model)

@@ -1,0 +1,133 @@
+"""`tailrace bench throughput`: N prompts through the whole engine, no HTTP.
+
+Requests enter at render (as token-id completions prompts) and leave at emit, so the
+figure includes every stage, not just the model. Reports output tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import trio
+
+from pipeline.config import EngineConfig
+from pipeline.engine import Engine
+
+WORKLOADS = {
+    # nano-vllm's published benchmark: 256 sequences, lengths uniform in [100, 1024].
+    "nano-vllm": dict(num_prompts=256, min_input_len=100, input_len=1024, min_output_len=100,
+                      output_len=1024, seed=0, ignore_eos=True),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), help="a preset; explicit flags still win")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests to run (default 32)")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (max of the range; default 128)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens (max of the range; default 128)")
+    p.add_argument("--min-input-len", type=int, default=None, help="lower end of a uniform prompt length range")
+    p.add_argument("--min-output-len", type=int, default=None, help="lower end of a uniform output length range")
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (nano-vllm uses 0.6)")
+    p.add_argument("--seed", type=int, default=None, help="seed for the prompts and the engine (default 0)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--output-json", default=None, help="write the result as JSON to this path")
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    s = dict(num_prompts=32, min_input_len=None, input_len=128, min_output_len=None, output_len=128,
+             seed=0, ignore_eos=True)
+    if args.workload:
+        s.update(WORKLOADS[args.workload])
+    for k in ("num_prompts", "input_len", "output_len", "min_input_len", "min_output_len", "seed"):
+        if getattr(args, k) is not None:
+            s[k] = getattr(args, k)
+    if args.no_ignore_eos:
+        s["ignore_eos"] = False
+    return s
+
+
+def make_requests(s: dict, vocab_size: int, temperature: float) -> list[dict]:
+    rng = random.Random(s["seed"])
+    reqs = []
+    hi = min(vocab_size, 10000)
+    for _ in range(s["num_prompts"]):
+        n_in = rng.randint(s["min_input_len"], s["input_len"]) if s["min_input_len"] else s["input_len"]
+        n_out = rng.randint(s["min_output_len"], s["output_len"]) if s["min_output_len"] else s["output_len"]
+        reqs.append({"prompt": [rng.randrange(hi) for _ in range(n_in)], "max_tokens": n_out,
+                     "ignore_eos": s["ignore_eos"], "temperature": temperature})
+    return reqs
+
+
+async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
+    engine = Engine(cfg)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        reqs = make_requests(s, engine.loaded.config.vocab_size, temperature)
+        for r in reqs:
+            r["model"] = engine.model_names[0]
+        out_tokens = in_tokens = 0
+
+        async def one(body: dict) -> None:
+            nonlocal out_tokens, in_tokens
+            reply = await engine.submit("completions", body)
+            data = json.loads(await reply.read())
+            out_tokens += data["usage"]["completion_tokens"]
+            in_tokens += data["usage"]["prompt_tokens"]
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as reqs_nursery:
+            for body in reqs:
+                reqs_nursery.start_soon(one, body)
+        elapsed = time.perf_counter() - t0
+        stats = engine.stats()
+        nursery.cancel_scope.cancel()
+    return {
+        "model": engine.model_names[0], "device": str(engine.device), "num_prompts": len(reqs),
+        "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
+        "output_tokens_per_s": round(out_tokens / elapsed, 2),
+        "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 2),
+        "preemptions": stats["num_preemptions"], "steps": stats["steps_total"],
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    s = _settings(args)
+    max_len = args.max_model_len or (s["input_len"] + s["output_len"] + 16)
+    cfg = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
+                       device=args.device, seed=s["seed"], max_model_len=max_len,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       block_size=args.block_size, num_gpu_blocks_override=args.num_gpu_blocks_override,
+                       kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+                       max_waiting=max(1024, s["num_prompts"]))
+    result = trio.run(_bench, cfg, s, args.temperature)
+    print(f"Throughput: {result['output_tokens_per_s']:.2f} output tokens/s "
+          f"({result['output_tokens']} tokens from {result['num_prompts']} requests in "
+          f"{result['elapsed_s']:.2f} s; total {result['total_tokens_per_s']:.2f} tokens/s)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="tailrace bench throughput", description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,100 @@
+"""One real `tailrace serve` subprocess per test session, on a free port.
+
+The server prints `tailrace: listening on http://HOST:PORT` once the model is
+loaded and the socket is bound; the fixture waits for that line (stdout goes
+to a file, so a chatty server can never block on a full pipe).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+
+LISTENING = "tailrace: listening on "
+START_TIMEOUT_S = 300        # model load on a busy 2-core CI box
+STOP_TIMEOUT_S = 30
+
+
+@attrs.frozen
+class Server:
+    url: str                  # http://127.0.0.1:PORT
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+def _command() -> list[str]:
+    exe = Path(sys.executable).with_name("tailrace")
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-m", "web.cli"]
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    tmp = tmp_path_factory.mktemp("e2e-server")
+    out, err = tmp / "stdout.txt", tmp / "stderr.txt"
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    with open(out, "wb") as out_f, open(err, "wb") as err_f:
+        proc = subprocess.Popen(
+            _command() + ["serve", "--port", "0", "--max-model-len", "1024",
+                          "--max-num-seqs", "32", "--log-level", "warning"],
+            stdout=out_f, stderr=err_f, env=env)
+    try:
+        url = None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while url is None:
+            for line in _tail(out, 100_000).splitlines():
+                if line.startswith(LISTENING):
+                    url = line[len(LISTENING):].strip()
+            if url is None:
+                if proc.poll() is not None:
+                    pytest.fail(f"tailrace serve exited with {proc.returncode}:\n{_tail(err)}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"tailrace serve did not start in {START_TIMEOUT_S}s:\n"
+                                f"{_tail(err)}")
+                time.sleep(0.2)
+        yield Server(url=url, proc=proc, log=err)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from gpu.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)

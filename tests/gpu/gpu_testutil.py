@@ -1,0 +1,43 @@
+"""Shared helpers for tests/gpu: tiny random HF reference models and our logits."""
+
+from pathlib import Path
+
+import torch
+
+from gpu.attention_dense import DenseCausalAttention
+
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1)
+
+
+def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overrides):
+    """A tiny random transformers model (eager attention, fp32). Norm weights and biases are
+    perturbed away from their 1/0 init so that loading them wrongly shows in the logits."""
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "qwen3": transformers.Qwen3Config}[arch]
+    config = config_cls(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    if out_dir is not None:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()  # [T, V]
+
+
+def our_logits(model, ids: list[int], seq_lens: list[int] | None = None) -> torch.Tensor:
+    """[T, V] logits through the dense (cache-free) attention backend; positions restart per sequence."""
+    lens = seq_lens or [len(ids)]
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids, dtype=torch.int64), positions, DenseCausalAttention(seq_lens))
+        return model.compute_logits(hidden)

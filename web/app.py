@@ -1,0 +1,197 @@
+"""The HTTP edge: a Quart (quart-trio) app over an Engine.
+
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses;
+GET /v1/models, /health, /metrics. Every error is OpenAI-shaped JSON.
+
+Disconnect is cancellation: when the client goes away quart-trio cancels the
+request's task; the SSE generator's `finally` (and, as a net for a reply whose
+body never started, the ASGI guard below) closes the Reply, which aborts the
+request and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from stages.render import RequestError
+from web.metrics import EngineCollector
+
+log = logging.getLogger("tailrace.web")
+
+_API_ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+}
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_REPLIES_KEY = "tailrace.replies"
+
+
+def error_response(message: str, status: int, *, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None,
+                   request_id: str | None = None) -> Response:
+    return _json_error(RequestError(message, status=status, type=type, param=param, code=code),
+                       request_id)
+
+
+def _json_error(err: RequestError, request_id: str | None = None) -> Response:
+    headers = {"x-request-id": request_id} if request_id else {}
+    return Response(orjson.dumps(err.to_dict()), status=err.status,
+                    content_type="application/json", headers=headers)
+
+
+def _request_id() -> str:
+    given = request.headers.get("x-request-id", "")
+    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+async def _close_quietly(reply: Any) -> None:
+    # Runs while the request's scope may be cancelled (a disconnect): shield the
+    # abort so it reaches the engine.
+    with trio.CancelScope(shield=True):
+        await reply.aclose()
+
+
+def _guard_replies(asgi_app: Callable) -> Callable:
+    """ASGI wrapper: whatever ends an HTTP request, close every Reply it opened."""
+
+    async def guarded(scope, receive, send):
+        if scope["type"] != "http":
+            return await asgi_app(scope, receive, send)
+        replies: list = []
+        scope[_REPLIES_KEY] = replies
+        try:
+            await asgi_app(scope, receive, send)
+        finally:
+            for reply in replies:
+                await _close_quietly(reply)
+
+    return guarded
+
+
+def create_app(engine: Any, *,
+               on_engine_exit: Callable[[BaseException | None], None] | None = None) -> QuartTrio:
+    """The app for one engine. Serving it starts the engine (before_serving) and
+    stops it (after_serving). `on_engine_exit` hears when the engine stops on
+    its own (an error, or None), so a server can shut down instead of serving
+    a dead engine."""
+    app = QuartTrio("tailrace")
+    app.asgi_app = _guard_replies(app.asgi_app)
+    started_at = int(time.time())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine))
+    engine_scope = trio.CancelScope()
+
+    async def run_engine(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        error: BaseException | None = None
+        try:
+            with engine_scope:
+                await engine.run(task_status=task_status)
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            if on_engine_exit is not None and not engine_scope.cancel_called:
+                on_engine_exit(error)
+
+    @app.before_serving
+    async def start_engine() -> None:
+        await app.nursery.start(run_engine)
+
+    @app.after_serving
+    async def stop_engine() -> None:
+        engine_scope.cancel()
+
+    async def generate(api: str) -> Response:
+        request_id = _request_id()
+        raw = await request.get_data()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return error_response(f"We could not parse the JSON body of your request: {exc}",
+                                  400, request_id=request_id)
+        try:
+            reply = await engine.submit(api, body, request_id)
+        except RequestError as err:
+            return _json_error(err, request_id)
+        request.scope[_REPLIES_KEY].append(reply)
+        headers = {"x-request-id": reply.request_id}
+        if reply.stream:
+            async def sse():
+                try:
+                    async for chunk in reply:
+                        yield chunk
+                finally:
+                    await _close_quietly(reply)
+
+            response = Response(sse(), status=200, content_type="text/event-stream",
+                                headers={**headers, "Cache-Control": "no-cache",
+                                         "X-Accel-Buffering": "no"})
+            response.timeout = None     # Quart would cut the stream at 60 s
+            return response
+        try:
+            data = b"".join([chunk async for chunk in reply])
+        finally:
+            await _close_quietly(reply)
+        return Response(data, status=reply.status, content_type="application/json",
+                        headers=headers)
+
+    for path, api in _API_ROUTES.items():
+        async def view(api: str = api) -> Response:
+            return await generate(api)
+        app.add_url_rule(path, endpoint=api, view_func=view, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [{"id": name, "object": "model", "created": started_at, "owned_by": "tailrace",
+                 "root": name, "parent": None, "max_model_len": engine.max_model_len}
+                for name in engine.model_names]
+        return Response(orjson.dumps({"object": "list", "data": data}),
+                        content_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        stats = engine.stats()
+        if not stats.get("ready", True):
+            return error_response("The engine is not ready.", 503, type="server_error")
+        return Response(b"", status=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        if exc.code == 404:
+            message = f"Invalid URL ({request.method} {request.path})."
+            kind = "not_found_error"
+        elif exc.code == 405:
+            message = f"Method not allowed ({request.method} {request.path})."
+            kind = "invalid_request_error"
+        else:
+            message = exc.description or exc.name
+            kind = "invalid_request_error" if (exc.code or 500) < 500 else "server_error"
+        response = error_response(message, exc.code or 500, type=kind)
+        if exc.code == 405 and exc.valid_methods:   # type: ignore[attr-defined]
+            response.headers["Allow"] = ", ".join(exc.valid_methods)
+        return response
+
+    @app.errorhandler(Exception)
+    async def unexpected_error(exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(f"Internal server error: {type(exc).__name__}", 500,
+                              type="server_error")
+
+    return app
