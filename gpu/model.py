@@ -128,6 +128,10 @@ class CausalLM(nn.Module):
         hidden, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return hidden  # [T, D]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, V]
 
@@ -146,37 +150,34 @@ class CausalLM(nn.Module):
         """Copy HF-named tensors into the merged parameters; raises ValueError on unknown, misshapen
         or missing weights."""
         params = dict(self.named_parameters())
-        expected, loaded = set(self.hf_weight_names()), set()
+        missing = set(self.hf_weight_names())
         for hf_name, tensor in named_tensors:
             if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            name = hf_name.removeprefix("model.")
-            prefix, _, kind = name.rpartition(".")
-            parent, _, module = prefix.rpartition(".")
-            target, rows = name, None
-            if module in _STACKED:
-                ours, shard = _STACKED[module]
-                target = f"{parent}.{ours}.{kind}"
-                sizes = self._shard_sizes(ours)
-                start = sum(sizes[:shard])
-                rows = slice(start, start + sizes[shard])
+            target, rows = self._destination(hf_name)
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for a {self.config.architecture} model")
-            dst = params[target].data if rows is None else params[target].data[rows]
+            dst = params[target].data[rows]
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             with torch.no_grad():
                 dst.copy_(tensor)
-            loaded.add(hf_name if hf_name.startswith("lm_head") else "model." + name)
-        missing = expected - loaded
+            missing.discard(_to_hf(hf_name.removeprefix("model.")))
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")
 
-    def _shard_sizes(self, merged: str) -> list[int]:
+    def _destination(self, hf_name: str) -> tuple[str, slice]:
+        """Our parameter name for an HF weight, and the rows of it that weight fills."""
+        name = hf_name.removeprefix("model.")
+        prefix, _, kind = name.rpartition(".")
+        parent, _, module = prefix.rpartition(".")
+        if module not in _STACKED:
+            return name, slice(None)
+        merged, shard = _STACKED[module]
         c = self.config
-        if merged == "qkv_proj":
-            return [c.q_size, c.kv_size, c.kv_size]
-        return [c.intermediate_size, c.intermediate_size]
+        sizes = [c.q_size, c.kv_size, c.kv_size] if merged == "qkv_proj" else [c.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        return f"{parent}.{merged}.{kind}", slice(start, start + sizes[shard])
 
 
 def _to_hf(prefix: str) -> str:

@@ -16,3 +16,18 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The bundled SmolLM2-135M-Instruct, loaded once per test session (fp32, CPU)."""
+    from gpu.loader import load_model
+
+    return load_model(None, dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm):
+    return smollm.tokenizer

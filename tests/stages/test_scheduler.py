@@ -1,0 +1,137 @@
+"""The scheduler's pure core: budgets, prefix caching, chunked prefill, preemption."""
+from __future__ import annotations
+
+from gpu.runner import StepResult
+from stages.blocks import BlockManager
+from stages.render import RenderedRequest, SamplingParams
+from stages.schedule import Scheduler
+
+
+def req(rid: str, prompt, max_tokens: int = 4) -> RenderedRequest:
+    return RenderedRequest(rid, "completions", "m", tuple(prompt),
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0), False, False, 0, 0.0)
+
+
+def make(num_blocks=32, block_size=4, budget=64, max_seqs=8, prefix=True) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=prefix),
+                     max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=256,
+                     eos_token_ids=(0,))
+
+
+def step(s: Scheduler, token: int = 9):
+    plan = s.schedule()
+    sampled = tuple(c.seq_id for c in plan.chunks if c.sample)
+    out = s.update(plan, StepResult(plan.step, sampled, (token,) * len(sampled), 0.0))
+    return plan, out
+
+
+def run_all(s: Scheduler, limit: int = 200):
+    plans, outs = [], []
+    for _ in range(limit):
+        if not s.has_work():
+            break
+        p, o = step(s)
+        plans.append(p)
+        outs.append(o)
+    return plans, outs
+
+
+def test_prefix_cache_hit_reports_cached_tokens_and_shares_blocks():
+    s = make()
+    prompt = list(range(1, 15))                      # 14 tokens: 3 full blocks of 4
+    s.add(req("a", prompt))
+    run_all(s)
+    s.add(req("b", prompt))
+    plan, out = step(s)
+    [chunk] = plan.chunks
+    assert chunk.start_pos == 12                     # 3 cached blocks, 2 tokens to compute
+    assert chunk.token_ids == tuple(prompt[12:])
+    run_all(s)
+    # the cached count reaches downstream with every update
+    assert out.updates[0].num_cached_tokens == 12
+
+
+def test_full_prompt_hit_still_computes_the_last_token():
+    s = make()
+    prompt = list(range(1, 13))                      # exactly 3 blocks
+    s.add(req("a", prompt))
+    run_all(s)
+    s.add(req("b", prompt))
+    plan, _ = step(s)
+    assert plan.chunks[0].start_pos == 8 and len(plan.chunks[0].token_ids) == 4
+
+
+def test_no_prefix_caching_when_disabled():
+    s = make(prefix=False)
+    s.add(req("a", range(1, 15)))
+    run_all(s)
+    s.add(req("b", range(1, 15)))
+    plan, _ = step(s)
+    assert plan.chunks[0].start_pos == 0
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = make(budget=5)
+    s.add(req("a", range(1, 13), max_tokens=2))      # 12 prompt tokens, budget 5 per step
+    plans, outs = run_all(s)
+    sizes = [len(p.chunks[0].token_ids) for p in plans]
+    assert sizes[:3] == [5, 5, 2]
+    assert [p.chunks[0].sample for p in plans[:3]] == [False, False, True]
+    assert all(sum(len(c.token_ids) for c in p.chunks) <= 5 for p in plans)
+
+
+def test_decodes_and_prefill_chunks_share_a_step():
+    s = make(budget=6)
+    s.add(req("a", range(1, 4), max_tokens=5))
+    step(s)                                          # a's prefill
+    s.add(req("b", range(20, 40), max_tokens=2))
+    plan, _ = step(s)
+    sizes = {c.seq_id: len(c.token_ids) for c in plan.chunks}
+    assert sizes == {"a": 1, "b": 5}
+
+
+def test_preemption_by_recompute_keeps_outputs():
+    # 6 blocks of 4 tokens; three requests that each grow to 12 tokens cannot all fit.
+    s = make(num_blocks=6, block_size=4, budget=64)
+    for rid in "abc":
+        s.add(req(rid, range(1, 5), max_tokens=8))
+    plans, outs = run_all(s)
+    assert s.num_preemptions > 0
+    produced: dict[str, int] = {}
+    for o in outs:
+        for u in o.updates:
+            produced[u.request_id] = produced.get(u.request_id, 0) + len(u.token_ids)
+    assert produced == {"a": 8, "b": 8, "c": 8}
+    assert s.blocks.num_used == 0
+    # a recomputed sequence re-prefills (part of) its prompt plus the outputs it had
+    assert any(len(c.token_ids) > 1 and c.start_pos + len(c.token_ids) > 5
+               for p in plans for c in p.chunks)
+
+
+def test_max_num_seqs_limits_the_batch():
+    s = make(max_seqs=2)
+    for rid in "abcd":
+        s.add(req(rid, range(1, 3)))
+    plan, _ = step(s)
+    assert len(plan.chunks) == 2 and len(s.waiting) == 2
+
+
+def test_eos_stops_and_frees():
+    s = make()
+    s.add(req("a", range(1, 4), max_tokens=10))
+    plan, out = step(s, token=0)                     # 0 is EOS
+    assert out.updates[0].finish_reason == "stop"
+    assert s.blocks.num_used == 0
+    assert s.schedule().released == ("a",)
+
+
+def test_lru_eviction_reuses_uncached_blocks_first():
+    bm = BlockManager(4, 2)
+    a = bm.allocate(2)
+    bm.commit_full_blocks(a, [1, 2, 3, 4], 4, 0, None)
+    b = bm.allocate(1)
+    bm.release(b)                                    # uncached: goes to the front
+    bm.release(a)                                    # cached: stays matchable
+    got = bm.allocate(1)
+    assert got == b
+    assert bm.match_prefix([1, 2, 3, 4, 5]) == a

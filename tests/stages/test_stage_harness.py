@@ -1,0 +1,200 @@
+"""Every stage, run alone through the harness with scripted input messages."""
+from __future__ import annotations
+
+import orjson
+import pytest
+import trio
+
+from gpu.runner import StepPlan
+from pipeline.harness import Recorder, ScriptedRunner, run_stage
+from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
+from stages.account import AccountedStep, RequestDelta, Usage
+from stages.admit import Accepted, Admission
+from stages.blocks import BlockManager
+from stages.detokenize import DetokenizedStep, TextDelta
+from stages.parse import ParsedDelta, ParsedStep
+from stages.render import RenderContext, RenderedRequest, RequestError, SamplingParams, Submission
+from stages.replies import Replies
+from stages.schedule import Abort, FinishRequest, ScheduledStep, Scheduler, SeqUpdate
+
+
+def rendered(rid="r1", prompt=(1, 2, 3), api="chat", stream=True, **sampling) -> RenderedRequest:
+    sp = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **sampling})
+    return RenderedRequest(rid, api, "m", tuple(prompt), sp, stream, True, 0, 0.0)
+
+
+# -- render ----------------------------------------------------------------------------------
+async def test_render_stage_renders_and_rejects(smollm_tokenizer):
+    ctx = RenderContext(tokenizer=smollm_tokenizer, served_model_names=("m",), max_model_len=64)
+    replies = Replies(8)
+    good = Submission("a", "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": 4}, 0.0)
+    bad = Submission("b", "chat", {"model": "m", "messages": [], "max_tokens": 4}, 0.0)
+    inbox_b = replies.open("b")
+    log = Recorder()
+    out = await run_stage(render.run, inputs={"receive": [good, bad]}, outputs=("send",),
+                          replies=replies, ctx=ctx, log=log)
+    [req] = out["send"]
+    assert req.request_id == "a" and req.sampling.max_tokens == 4
+    assert req.prompt_token_ids == tuple(smollm_tokenizer.encode(
+        smollm_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])))
+    err = inbox_b.receive_nowait()
+    assert isinstance(err, RequestError) and err.status == 400
+    assert [e["request_id"] for e in log.named("rejected")] == ["b"]
+
+
+# -- admit -----------------------------------------------------------------------------------
+async def test_admit_stage_forwards_and_refuses():
+    replies = Replies(8)
+    chans = {rid: replies.open(rid) for rid in ("ok", "huge", "gone")}
+    replies.close("gone")
+    core = Admission(max_in_flight=10, kv_capacity_tokens=32, in_flight=lambda: len(replies))
+    reqs = [rendered("ok"), rendered("huge", prompt=range(30)), rendered("gone")]
+    out = await run_stage(admit.run, inputs={"receive": reqs}, outputs=("schedule",),
+                          replies=replies, core=core)
+    assert [r.request_id for r in out["schedule"]] == ["ok"]
+    assert chans["ok"].receive_nowait() == Accepted("ok", True)
+    err = chans["huge"].receive_nowait()
+    assert isinstance(err, RequestError) and "KV cache" in err.message
+
+
+async def test_admit_refuses_when_overloaded():
+    replies = Replies(8)
+    chans = {rid: replies.open(rid) for rid in ("a", "b", "c")}
+    core = Admission(max_in_flight=2, kv_capacity_tokens=1000, in_flight=lambda: len(replies))
+    out = await run_stage(admit.run, inputs={"receive": [rendered("c")]}, outputs=("schedule",),
+                          replies=replies, core=core)
+    assert out["schedule"] == []
+    err = chans["c"].receive_nowait()
+    assert isinstance(err, RequestError) and err.status == 503 and err.code == "server_overloaded"
+
+
+# -- schedule + gpu step ---------------------------------------------------------------------
+async def test_schedule_stage_runs_requests_to_completion():
+    sched = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=64, eos_token_ids=(0,))
+    runner = ScriptedRunner(lambda sid, n: 10 + n)
+    reqs = [rendered("a", max_tokens=3), rendered("b", prompt=(5, 6), max_tokens=2)]
+    plan_send, plan_recv = trio.open_memory_channel(0)
+    res_send, res_recv = trio.open_memory_channel(0)
+    async with trio.open_nursery() as n:
+        n.start_soon(gpu_step.run, plan_recv, res_send, runner)
+        out = await run_stage(schedule.run, inputs={"inbox": reqs}, outputs=("downstream",),
+                              to_gpu=plan_send, from_gpu=res_recv, scheduler=sched)
+    steps = out["downstream"]
+    assert {r.request_id for r in steps[0].new_requests} == {"a", "b"}
+    tokens: dict[str, list[int]] = {}
+    finish = {}
+    for s in steps:
+        for u in s.updates:
+            tokens.setdefault(u.request_id, []).extend(u.token_ids)
+            if u.finish_reason:
+                finish[u.request_id] = u.finish_reason
+    assert tokens == {"a": [10, 11, 12], "b": [10, 11]}
+    assert finish == {"a": "length", "b": "length"}
+    assert sched.blocks.num_used == 0
+
+
+async def test_schedule_stage_abort_frees_blocks():
+    sched = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=64, eos_token_ids=(0,))
+    runner = ScriptedRunner(lambda sid, n: 7)
+    plan_send, plan_recv = trio.open_memory_channel(0)
+    res_send, res_recv = trio.open_memory_channel(0)
+    async with trio.open_nursery() as n:
+        n.start_soon(gpu_step.run, plan_recv, res_send, runner)
+        out = await run_stage(schedule.run, inputs={"inbox": [rendered("a", max_tokens=50), Abort("a")]},
+                              outputs=("downstream",), to_gpu=plan_send, from_gpu=res_recv,
+                              scheduler=sched)
+    finishes = [u for s in out["downstream"] for u in s.updates if u.finish_reason]
+    assert [(u.request_id, u.finish_reason) for u in finishes] == [("a", "abort")]
+    assert sched.blocks.num_used == 0 and not sched.running
+
+
+# -- detokenize ------------------------------------------------------------------------------
+async def test_detokenize_stage_text_and_stop_string(smollm_tokenizer):
+    tok = smollm_tokenizer
+    ids = tok.encode("Paris is nice. Stop here please")
+    req = rendered("a", prompt=tok.encode("Q:"), stop=("Stop",))
+    steps = [ScheduledStep(1, (req,), (SeqUpdate("a", tuple(ids[:3])),))]
+    steps += [ScheduledStep(i + 2, (), (SeqUpdate("a", (t,)),)) for i, t in enumerate(ids[3:])]
+    out = await run_stage(detokenize.run, inputs={"receive": steps}, outputs=("send", "control"),
+                          core=detokenize.Detokenizer(tok))
+    deltas = [d for s in out["send"] for d in s.deltas]
+    assert "".join(d.text for d in deltas) == "Paris is nice. "
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "Stop"
+    assert out["control"] == [FinishRequest("a")]
+
+
+async def test_detokenize_hides_eos_but_counts_it(smollm_tokenizer):
+    tok = smollm_tokenizer
+    eos = tok.eos_token_ids[0]
+    hello = tok.encode("Hello")
+    steps = [ScheduledStep(1, (rendered("a"),), (SeqUpdate("a", tuple(hello)),)),
+             ScheduledStep(2, (), (SeqUpdate("a", (eos,), "stop"),))]
+    out = await run_stage(detokenize.run, inputs={"receive": steps}, outputs=("send", "control"),
+                          core=detokenize.Detokenizer(tok))
+    deltas = [d for s in out["send"] for d in s.deltas]
+    assert "".join(d.text for d in deltas) == "Hello"
+    assert deltas[-1].token_ids == (eos,) and deltas[-1].finish_reason == "stop"
+    assert out["control"] == []
+
+
+# -- parse -----------------------------------------------------------------------------------
+def _text_steps(rid: str, pieces: list[str]) -> list[DetokenizedStep]:
+    req = rendered(rid)
+    out = []
+    for i, p in enumerate(pieces):
+        fin = "stop" if i == len(pieces) - 1 else None
+        out.append(DetokenizedStep(i, (req,) if i == 0 else (), (TextDelta(rid, p, (i,), fin, None, 0),)))
+    return out
+
+
+async def test_parse_stage_splits_reasoning_across_split_tags():
+    steps = _text_steps("a", ["<th", "ink>plan", " it</th", "ink>\n\nAnswer", "!"])
+    out = await run_stage(parse.run, inputs={"receive": steps}, core=parse.Parser("qwen3"))
+    deltas = [d for s in out["send"] for d in s.deltas]
+    assert "".join(d.reasoning for d in deltas) == "plan it"
+    assert "".join(d.content for d in deltas) == "\n\nAnswer!"
+
+
+async def test_parse_stage_passthrough_without_parser():
+    steps = _text_steps("a", ["<think>x</think>", "y"])
+    out = await run_stage(parse.run, inputs={"receive": steps}, core=parse.Parser(None))
+    deltas = [d for s in out["send"] for d in s.deltas]
+    assert "".join(d.content for d in deltas) == "<think>x</think>y"
+    assert all(d.reasoning == "" for d in deltas)
+
+
+# -- account ---------------------------------------------------------------------------------
+async def test_account_stage_usage_and_counters():
+    req = rendered("a", prompt=(1, 2, 3, 4))
+    steps = [ParsedStep(1, (req,), (ParsedDelta("a", "", "think", (5,), None, None, 2),)),
+             ParsedStep(2, (), (ParsedDelta("a", "hi", "", (6, 7), "length", None, 2),))]
+    core = account.Accountant()
+    log = Recorder()
+    out = await run_stage(account.run, inputs={"receive": steps}, core=core, log=log)
+    last = out["send"][-1].deltas[-1]
+    assert last.usage == Usage(prompt_tokens=4, completion_tokens=3, cached_tokens=2, reasoning_tokens=1)
+    assert core.generation_tokens_total == 3 and core.prompt_tokens_total == 4
+    assert core.finished_total == {"length": 1}
+    assert log.named("finished")[0]["completion_tokens"] == 3
+
+
+# -- emit ------------------------------------------------------------------------------------
+async def test_emit_stage_streams_sse_and_closes_reply():
+    replies = Replies(16)
+    inbox = replies.open("a")
+    req = rendered("a", api="completions")
+    usage = Usage(3, 2)
+    steps = [AccountedStep((req,), (RequestDelta("a", "Hel", "", (1,), None, Usage(3, 1)),)),
+             AccountedStep((), (RequestDelta("a", "lo", "", (2,), "stop", usage),))]
+    await run_stage(emit.run, inputs={"receive": steps}, outputs=(), replies=replies, core=emit.Emitter())
+    items = [x async for x in inbox]
+    assert isinstance(items[-1], emit.ReplyEnd) and items[-1].status == 200
+    body = b"".join(items[:-1])
+    assert body.endswith(b"data: [DONE]\n\n")
+    chunks = [orjson.loads(line[6:]) for line in body.split(b"\n\n") if line.startswith(b"data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello"
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+    assert "a" not in replies
