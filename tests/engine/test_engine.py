@@ -1,0 +1,186 @@
+"""The whole engine (eight stages, real SmolLM2 weights) without HTTP."""
+from __future__ import annotations
+
+import orjson
+import pytest
+import torch
+import trio
+
+from gpu.attention_dense import DenseCausalAttention
+from gpu.runner import SeqChunk, SeqStart, StepPlan
+from gpu.sampler import SamplingOptions
+from pipeline.config import EngineConfig
+from pipeline.engine import Engine
+from pipeline.replay import replay
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+async def start(nursery, smollm, **cfg) -> Engine:
+    engine = Engine(EngineConfig(**{"max_model_len": 512, "max_num_seqs": 8, **cfg}), loaded=smollm)
+    await nursery.start(engine.run)
+    return engine
+
+
+async def complete(engine: Engine, api: str = "completions", **body) -> dict:
+    reply = await engine.submit(api, {"model": engine.model_names[0], "temperature": 0, **body})
+    return orjson.loads(await reply.read())
+
+
+async def test_greedy_paris(smollm):
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm)
+        out = await complete(engine, "chat", messages=QUESTION, max_tokens=16)
+        n.cancel_scope.cancel()
+    assert "Paris" in out["choices"][0]["message"]["content"]
+    assert out["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_prefix_cache_hit_same_output(smollm):
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm)
+        first = await complete(engine, "chat", messages=QUESTION, max_tokens=8)
+        second = await complete(engine, "chat", messages=QUESTION, max_tokens=8)
+        n.cancel_scope.cancel()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+async def test_chunked_prefill_matches_one_shot(smollm):
+    prompt = "The history of the city of Paris begins " * 12     # ~100 tokens
+    async with trio.open_nursery() as n:
+        whole = await start(n, smollm, enable_prefix_caching=False)
+        ref = await complete(whole, prompt=prompt, max_tokens=8)
+        n.cancel_scope.cancel()
+    async with trio.open_nursery() as n:
+        chunked = await start(n, smollm, max_num_batched_tokens=24, enable_prefix_caching=False)
+        got = await complete(chunked, prompt=prompt, max_tokens=8)
+        steps = chunked.stats()["steps_total"]
+        n.cancel_scope.cancel()
+    assert ref["usage"]["prompt_tokens"] > 24
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert steps >= -(-ref["usage"]["prompt_tokens"] // 24) + 7    # prefill took several steps
+
+
+async def test_preemption_under_tiny_kv_cache_keeps_greedy_outputs(smollm):
+    prompts = [f"Count slowly from {i} upwards:" for i in range(6)]
+
+    async def run_all(**cfg) -> tuple[list[str], int]:
+        async with trio.open_nursery() as n:
+            engine = await start(n, smollm, **cfg)
+            texts: list[str] = [""] * len(prompts)
+
+            async def one(i: int) -> None:
+                out = await complete(engine, prompt=prompts[i], max_tokens=24, ignore_eos=True)
+                assert out["usage"]["completion_tokens"] == 24
+                texts[i] = out["choices"][0]["text"]
+
+            async with trio.open_nursery() as reqs:
+                for i in range(len(prompts)):
+                    reqs.start_soon(one, i)
+            preemptions = engine.stats()["num_preemptions"]
+            assert engine.stats()["kv_blocks_used"] == 0
+            n.cancel_scope.cancel()
+        return texts, preemptions
+
+    free_texts, _ = await run_all()
+    tight_texts, preemptions = await run_all(num_gpu_blocks_override=8, block_size=8,
+                                             enable_prefix_caching=False)
+    assert preemptions > 0
+    assert tight_texts == free_texts
+
+
+async def test_same_seed_same_output(smollm):
+    body = dict(prompt="Once upon a time", max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm)
+        a = await complete(engine, **body)
+        b = await complete(engine, **body)
+        c = await complete(engine, **{**body, "seed": 99})
+        n.cancel_scope.cancel()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["choices"][0]["text"] != c["choices"][0]["text"]
+
+
+async def test_stop_string_and_stop_token(smollm):
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm)
+        full = await complete(engine, "chat", messages=QUESTION, max_tokens=16)
+        text = full["choices"][0]["message"]["content"]
+        cut = await complete(engine, "chat", messages=QUESTION, max_tokens=16, stop=["France"])
+        n.cancel_scope.cancel()
+    assert cut["choices"][0]["message"]["content"] == text[:text.index("France")]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["stop_reason"] == "France"
+
+
+async def test_abort_frees_blocks_within_a_step(smollm):
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm)
+        reply = await engine.submit("completions", {"model": engine.model_names[0], "prompt": "Hello",
+                                                    "max_tokens": 400, "ignore_eos": True, "stream": True})
+        got = 0
+        async for _ in reply:
+            got += 1
+            if got == 3:
+                break
+        await reply.aclose()
+        with trio.fail_after(5):
+            while engine.stats()["kv_blocks_used"]:
+                await trio.sleep(0.01)
+        assert engine.stats()["requests_finished_total"].get("abort") == 1
+        n.cancel_scope.cancel()
+
+
+async def test_replay_reproduces_every_byte(smollm, tmp_path):
+    log = tmp_path / "events.jsonl"
+    seen: dict[str, bytes] = {}
+
+    async def raw(api: str, **body) -> None:
+        reply = await engine.submit(api, {"model": engine.model_names[0], **body})
+        seen[reply.request_id] = await reply.read()
+
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm, event_log=str(log))
+        async with trio.open_nursery() as reqs:
+            reqs.start_soon(lambda: raw("chat", messages=QUESTION, max_tokens=10, stream=True,
+                                        stream_options={"include_usage": True}))
+            reqs.start_soon(lambda: raw("completions", prompt="Once upon a time", max_tokens=10,
+                                        temperature=0.8, seed=3))
+            reqs.start_soon(lambda: raw("responses", input="Say hi", max_output_tokens=6, stream=True))
+        n.cancel_scope.cancel()
+    reproduced, logged = replay(log, smollm.tokenizer)
+    assert logged == seen                      # the log holds exactly what the clients got
+    assert reproduced == logged
+
+
+def test_paged_runner_logits_match_dense(smollm):
+    """One prefill split into two chunks, then a decode, against dense attention."""
+    from gpu.attention import KVCache
+    from gpu.runner import ModelRunner
+
+    model, mc = smollm.model, smollm.config
+    ids = smollm.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    cache = KVCache(mc.num_hidden_layers, 8, 4, mc.num_key_value_heads, mc.head_dim, torch.float32, "cpu")
+    runner = ModelRunner(model, cache, device=torch.device("cpu"))
+    captured = []
+    orig = model.compute_logits
+    model.compute_logits = lambda h: captured.append(orig(h)) or captured[-1]
+    try:
+        table = (5, 2, 7, 0)                                       # deliberately out of order
+        greedy = SamplingOptions(temperature=0.0)
+        runner.execute(StepPlan(1, (SeqChunk("s", tuple(ids[:5]), 0, table, False),),
+                                (SeqStart("s", tuple(ids), greedy),)))
+        r = runner.execute(StepPlan(2, (SeqChunk("s", tuple(ids[5:]), 5, table, True),)))
+        nxt = r.token_ids[0]
+        runner.execute(StepPlan(3, (SeqChunk("s", (nxt,), len(ids), table, True),)))
+    finally:
+        model.compute_logits = orig
+    with torch.inference_mode():
+        full = torch.tensor(ids + [nxt])
+        hidden = model(full, torch.arange(len(full)), DenseCausalAttention())
+        dense = model.compute_logits(hidden)
+    torch.testing.assert_close(captured[0][0], dense[len(ids) - 1], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(captured[1][0], dense[len(ids)], atol=2e-4, rtol=1e-4)
