@@ -31,7 +31,7 @@ from stages.schedule import Abort, Scheduler
 
 log = logging.getLogger("tailrace")
 
-_CPU_KV_DEFAULT_BYTES = 2 << 30
+_CPU_KV_DEFAULT_BYTES = 1 << 30
 
 
 def pick_device(name: str) -> torch.device:
@@ -142,7 +142,7 @@ class Engine:
             return budget // per_block
         if cfg.kv_cache_memory_bytes:
             return max(1, cfg.kv_cache_memory_bytes // per_block)
-        # CPU default: 2 GiB, or less when that is more than every sequence could use.
+        # CPU default: 1 GiB, or less when that is more than every sequence could use.
         enough = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size)
         return max(1, min(_CPU_KV_DEFAULT_BYTES // per_block, enough))
 

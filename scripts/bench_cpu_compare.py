@@ -1,0 +1,82 @@
+"""Side by side, in one run: tailrace vs Hugging Face transformers' generate on the same
+SmolLM2 weights (fp32, CPU), for N concurrent requests of fixed input/output length with
+ignore_eos. Prints one JSON object per contender and a summary table.
+
+    .venv/bin/python scripts/bench_cpu_compare.py --num-prompts 32 --input-len 128 --output-len 128
+
+HF one-at-a-time is slow (~70 ms/token), so it runs --hf-serial-prompts of the prompts and
+reports tokens/s over those.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import trio
+
+from pipeline.bench import _bench, make_requests
+from pipeline.config import EngineConfig
+
+
+def hf_model(path: str | None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpu.loader import default_model_path
+    from gpu.weights_gguf import GGUFFile
+
+    f = GGUFFile(path or default_model_path())
+    cfg = f.config_dict()
+    cfg.pop("model_type")
+    model = LlamaForCausalLM(LlamaConfig(**cfg, torch_dtype="float32"))
+    state = dict(f.named_tensors())
+    if cfg["tie_word_embeddings"]:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def hf_generate(model, prompts: list[list[int]], out_len: int) -> tuple[int, float]:
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                             min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+    return (out.shape[1] - ids.shape[1]) * len(prompts), time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--hf-serial-prompts", type=int, default=2)
+    p.add_argument("--skip-hf", action="store_true")
+    a = p.parse_args()
+    s = dict(num_prompts=a.num_prompts, min_input_len=None, input_len=a.input_len, min_output_len=None,
+             output_len=a.output_len, seed=0, ignore_eos=True)
+    prompts = [r["prompt"] for r in make_requests(s, 49152, 0.0)]
+    rows = []
+    cfg = EngineConfig(dtype="float32", max_model_len=a.input_len + a.output_len + 16,
+                       max_num_seqs=max(a.num_prompts, 1), max_waiting=max(1024, a.num_prompts))
+    r = trio.run(_bench, cfg, s, 0.0)
+    rows.append(("tailrace (continuous batching)", r["output_tokens"], r["elapsed_s"]))
+    print(json.dumps({"contender": rows[-1][0], **r}))
+    if not a.skip_hf:
+        model = hf_model(None)
+        n, t = hf_generate(model, prompts, a.output_len)
+        rows.append((f"HF generate, padded batch of {len(prompts)}", n, t))
+        total_n = total_t = 0.0
+        for pr in prompts[:a.hf_serial_prompts]:
+            n, t = hf_generate(model, [pr], a.output_len)
+            total_n += n
+            total_t += t
+        rows.append((f"HF generate, one at a time ({a.hf_serial_prompts} of them)", int(total_n), total_t))
+    print(f"\n{'contender':55s} {'tokens':>7s} {'seconds':>8s} {'tok/s':>7s}")
+    for name, n, t in rows:
+        print(f"{name:55s} {n:7d} {t:8.2f} {n / t:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
