@@ -32,6 +32,7 @@ class AttentionMetadata:
     start_positions: list[int]
     decode_rows: list[int]            # sequences with q_len == 1
     prefill_rows: list[int]           # sequences with q_len > 1
+    max_seqlen_q: int = 1             # host hint for kernel tile sizes
 
 
 class KVCache:
@@ -135,4 +136,4 @@ class TritonPagedAttention:
         m = self.meta
         self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer], m.slot_mapping)
         return self._attend(q, self.cache.k[layer], self.cache.v[layer], m.block_tables,
-                            m.cu_seqlens_q, m.seq_lens, self.scale)
+                            m.cu_seqlens_q, m.seq_lens, self.scale, max_seqlen_q=m.max_seqlen_q)

@@ -130,7 +130,7 @@ def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
     # generation_config's eos ids (e.g. Qwen's <|im_end|> and <|endoftext|>) also end a sequence.
     eos = config.eos_token_ids + _as_tuple(generation_config.get("eos_token_id"))
     config = attrs.evolve(config, eos_token_ids=tuple(dict.fromkeys(eos)))
-    tokenizer = (tokenizer_from_hf_dir(model_dir, config.eos_token_ids)
+    tokenizer = (tokenizer_from_hf_dir(model_dir)
                  if (model_dir / "tokenizer.json").is_file() else None)
     files = weights_hf.safetensors_files(model_dir) if need_weights else []
     return _Source(config=config, tokenizer=tokenizer, generation_config=generation_config, name=model_dir.resolve().name,

@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from gpu.attention import AttentionMetadata, KVCache, TorchPagedAttention
-from gpu.sampler import SamplingOptions, SeqSamplingState, sample
+from gpu.sampler import SamplingOptions, SeqSamplingState, sample, sample_on_device
 
 
 @attrs.frozen
@@ -50,10 +50,11 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
-                 use_triton: bool = False) -> None:
+                 use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0) -> None:
         self.model = model
         self.cache = cache
         self.device = device
+        self.use_triton = use_triton
         cfg = model.config
         scale = cfg.head_dim ** -0.5
         if use_triton:
@@ -63,6 +64,17 @@ class ModelRunner:
             self.attn = TorchPagedAttention(cache, scale)
         self.states: dict[str, SeqSamplingState] = {}
         self._seed_rng = torch.Generator().manual_seed(seed)
+        self.graphs = None
+        if use_triton and cuda_graph_max_bs > 0:
+            from gpu.cuda_graphs import DecodeGraphs
+            graphs = DecodeGraphs(model, self.attn, max_bs=cuda_graph_max_bs,
+                                  max_blocks=-(-max_model_len // cache.block_size), device=device)
+            try:
+                graphs.capture()
+                self.graphs = graphs
+            except Exception as exc:  # a capture failure costs speed, not correctness
+                import logging
+                logging.getLogger("tailrace.gpu").warning("CUDA graph capture failed, running eager: %s", exc)
 
     @property
     def block_size(self) -> int:
@@ -79,15 +91,22 @@ class ModelRunner:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
         input_ids, positions, meta, sample_rows = self._prepare(plan.chunks)
         with torch.inference_mode():
-            self.attn.prepare(meta)
-            hidden = self.model(input_ids, positions, self.attn)          # [T, D]
+            if (self.graphs is not None and not meta.prefill_rows
+                    and self.graphs.fits(len(plan.chunks), meta.block_tables.shape[1])):
+                hidden = self.graphs.run(input_ids, positions, meta)      # [T, D]
+            else:
+                self.attn.prepare(meta)
+                hidden = self.model(input_ids, positions, self.attn)      # [T, D]
             seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
             if not seq_ids:
                 return StepResult(plan.step, (), (), time.perf_counter() - t0)
             idx = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))  # [B, V]
             states = [self.states[s] for s in seq_ids]
-            tokens = sample(logits.float().cpu(), states)
+            if self.use_triton:
+                tokens = sample_on_device(logits, states)
+            else:
+                tokens = sample(logits.float().cpu(), states)
         for st, tok in zip(states, tokens):
             st.output_ids.append(tok)
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0)
@@ -124,6 +143,7 @@ class ModelRunner:
             q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, start_positions=starts,
             decode_rows=[i for i, n in enumerate(q_lens) if n == 1],
             prefill_rows=[i for i, n in enumerate(q_lens) if n > 1],
+            max_seqlen_q=max(q_lens),
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)

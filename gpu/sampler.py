@@ -40,10 +40,10 @@ class SeqSamplingState:
         self.opts = opts
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
+        self.seed = opts.seed if opts.seed is not None else fallback_seed
         self.generator: torch.Generator | None = None
         if not opts.greedy:
-            self.generator = torch.Generator().manual_seed(
-                opts.seed if opts.seed is not None else fallback_seed)
+            self.generator = torch.Generator().manual_seed(self.seed)
 
 
 def apply_penalties(logits: torch.Tensor, state: SeqSamplingState) -> torch.Tensor:
@@ -101,3 +101,48 @@ def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
             probs = torch.softmax(filter_logits(row, o), dim=-1)
             out[i] = int(torch.multinomial(probs, 1, generator=st.generator))
     return out
+
+
+def sample_on_device(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
+    """CUDA path: the Triton sampling kernels over the whole batch, one host sync per step.
+
+    The random stream of each row depends only on (seed, step, token), so a seeded request
+    samples the same tokens whatever else is in the batch.
+    """
+    from gpu.kernels.sampling import apply_penalties, build_token_counts, sample as kernel_sample
+
+    dev = logits.device
+    B, V = logits.shape
+    logits = logits.float().contiguous()
+    masked = [(i, st.opts.stop_token_ids) for i, st in enumerate(states)
+              if st.opts.stop_token_ids and len(st.output_ids) < st.opts.min_tokens]
+    if masked:
+        rows = torch.tensor([i for i, ids in masked for _ in ids], device=dev)
+        cols = torch.tensor([t for _, ids in masked for t in ids], device=dev)
+        logits[rows, cols] = float("-inf")
+    pen = [i for i, st in enumerate(states) if st.opts.penalised]
+    if pen:
+        def padded(seqs: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(s) for s in seqs))
+            return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.int64, device=dev)
+        sub = [states[i] for i in pen]
+        prompt_mask = build_token_counts(padded([list(s.prompt_ids) for s in sub]), V) > 0
+        counts = build_token_counts(padded([s.output_ids for s in sub]), V)
+        f32 = dict(dtype=torch.float32, device=dev)
+        idx = torch.tensor(pen, device=dev)
+        logits[idx] = apply_penalties(
+            logits[idx].contiguous(), prompt_mask, counts,
+            torch.tensor([s.opts.repetition_penalty for s in sub], **f32),
+            torch.tensor([s.opts.frequency_penalty for s in sub], **f32),
+            torch.tensor([s.opts.presence_penalty for s in sub], **f32))
+    o = [st.opts for st in states]
+    temperature = torch.tensor([0.0 if x.greedy else x.temperature for x in o], dtype=torch.float32)
+    top_k = torch.tensor([x.top_k if x.top_k > 0 else 0 for x in o], dtype=torch.int32)
+    top_p = torch.tensor([x.top_p for x in o], dtype=torch.float32)
+    min_p = torch.tensor([x.min_p for x in o], dtype=torch.float32)
+    seeds = torch.tensor([st.seed for st in states], dtype=torch.int64)
+    steps = torch.tensor([len(st.output_ids) for st in states], dtype=torch.int64)
+    use_filters = any(x.top_k > 0 or x.top_p < 1.0 for x in o)
+    tokens = kernel_sample(logits, temperature.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev),
+                           seeds.to(dev), steps.to(dev), use_top_k_top_p=use_filters)
+    return tokens.tolist()

@@ -71,8 +71,9 @@ class Tokenizer:
         try:
             return self._compile(source).render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **context)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from e
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError, ValueError) as e:
+            # Messages come from clients: e.g. `content: null` meeting `'...' + message['content']`.
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
 
     def _compile(self, source: str) -> jinja2.Template:
         if source not in self._compiled:
@@ -126,11 +127,19 @@ def _token_content(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def tokenizer_from_hf_dir(path: Path, eos_token_ids: Iterable[int] = ()) -> Tokenizer:
-    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) from a HF model directory."""
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
+    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) from a HF model directory.
+    eos ids: the tokenizer's eos_token, then config.json's and generation_config.json's eos_token_id."""
     hf = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-    cfg_path = path / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg = _read_json(path / "tokenizer_config.json")
     template: Any = cfg.get("chat_template")
     if isinstance(template, list):
         template = {t["name"]: t["template"] for t in template}
@@ -141,7 +150,9 @@ def tokenizer_from_hf_dir(path: Path, eos_token_ids: Iterable[int] = ()) -> Toke
         content = _token_content(cfg.get(key))
         return None if content is None else hf.token_to_id(content)
 
-    eos = [i for i in (token_id("eos_token"),) if i is not None] + list(eos_token_ids)
+    eos = [i for i in (token_id("eos_token"),) if i is not None]
+    eos += _ids(_read_json(path / "config.json").get("eos_token_id"))
+    eos += _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
     return Tokenizer(hf, bos_token_id=token_id("bos_token"), eos_token_ids=eos, chat_template=template)
 
 

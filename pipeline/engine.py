@@ -114,7 +114,8 @@ class Engine:
                         self.device)
         use_triton = self.device.type == "cuda"
         self.runner = ModelRunner(loaded.model, cache, device=self.device, seed=cfg.seed,
-                                  use_triton=use_triton)
+                                  use_triton=use_triton, max_model_len=self.max_model_len,
+                                  cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512))
         eos = tuple(loaded.tokenizer.eos_token_ids) if loaded.tokenizer else tuple(mc.eos_token_ids)
         budget = cfg.max_num_batched_tokens or max(2048, cfg.max_num_seqs)
         self.blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)

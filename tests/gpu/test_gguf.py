@@ -67,7 +67,7 @@ def _write_gguf(hf, path, qtype, arch="llama"):
 
 
 @pytest.mark.parametrize("arch, qtype", [
-    ("llama", Q.F32), ("llama", Q.F16), ("llama", Q.Q8_0), ("qwen2", Q.Q8_0), ("qwen3", Q.F32)])
+    ("llama", Q.F32), ("llama", Q.F16), ("llama", Q.BF16), ("llama", Q.Q8_0), ("llama", Q.Q4_0), ("qwen2", Q.Q8_0), ("qwen3", Q.F32)])
 def test_gguf_round_trip_matches_transformers(arch, qtype, tmp_path):
     head_dim = 32 if arch == "qwen3" else 16
     hf = make_hf_model(arch, intermediate_size=128, head_dim=head_dim, tie_word_embeddings=arch == "qwen2")
@@ -93,22 +93,22 @@ def test_gguf_dummy_load_uses_metadata(tmp_path):
         load_model(tmp_path / "m.gguf", load_format="safetensors", progress=False)
 
 
-def test_smollm2_config_and_name(smollm2):
-    c = smollm2.config
-    assert smollm2.name == "SmolLM2-135M-Instruct"
-    assert smollm2.path == str(default_model_path())
+def test_smollm2_config_and_name(smollm):
+    c = smollm.config
+    assert smollm.name == "SmolLM2-135M-Instruct"
+    assert smollm.path == str(default_model_path())
     assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
             c.head_dim, c.intermediate_size, c.vocab_size) == ("llama", 30, 576, 9, 3, 64, 1536, 49152)
     assert c.rope_theta == 1e5 and c.rms_norm_eps == 1e-5 and c.tie_word_embeddings
-    assert smollm2.max_model_len == 8192 and c.eos_token_ids == (2,) and c.bos_token_id == 1
-    assert smollm2.model.embed_tokens.weight.dtype == torch.float32
+    assert smollm.max_model_len == 8192 and c.eos_token_ids == (2,) and c.bos_token_id == 1
+    assert smollm.model.embed_tokens.weight.dtype == torch.float32
 
 
-def test_smollm2_greedy_answers_paris(smollm2):
-    tok = smollm2.tokenizer
+def test_smollm2_greedy_answers_paris(smollm):
+    tok = smollm.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    new = greedy_generate(smollm2.model, tok.encode(prompt), max_new_tokens=12,
-                          eos_token_ids=smollm2.config.eos_token_ids)
+    new = greedy_generate(smollm.model, tok.encode(prompt), max_new_tokens=12,
+                          eos_token_ids=smollm.config.eos_token_ids)
     text = tok.decode(new)
     assert "Paris" in text
     assert text == "The capital of France is Paris."

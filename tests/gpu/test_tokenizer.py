@@ -11,8 +11,8 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def tok(smollm2):
-    return smollm2.tokenizer
+def tok(smollm):
+    return smollm.tokenizer
 
 
 def test_encode_known_ids_and_round_trip(tok):
@@ -55,6 +55,11 @@ def test_smollm2_chat_template(tok):
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n")
 
 
+def test_template_runtime_type_error_is_value_error(tok):
+    with pytest.raises(ValueError, match="chat template error: TypeError"):
+        tok.apply_chat_template([{"role": "user", "content": None}])
+
+
 def _tok(template):
     return Tokenizer(tokenizers.Tokenizer(tokenizers.models.BPE()), chat_template=template)
 
@@ -93,4 +98,22 @@ def test_load_tokenizer_from_gguf_and_hf_dir(tok, tmp_path):
     assert hf_tok.bos_token_id == 1 and hf_tok.eos_token_ids == (2,) and {0, 1, 2} <= hf_tok.all_special_ids
     assert hf_tok.apply_chat_template(MESSAGES) == "[user]What is the capital of France?"
     (tmp_path / "chat_template.jinja").write_text("{{ eos_token }}")  # takes precedence, as in transformers 5
-    assert load_tokenizer(tmp_path).apply_chat_template(MESSAGES) == "<|im_end|>"
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    hf_tok = load_tokenizer(tmp_path)
+    assert hf_tok.apply_chat_template(MESSAGES) == "<|im_end|>"
+    assert hf_tok.eos_token_ids == (2, 0)
+
+
+def test_gguf_tokenizer_matches_transformers_gguf_conversion(tok):
+    """transformers builds its own tokenizer from the same GGUF metadata: an independent reference."""
+    from transformers import AutoTokenizer
+
+    from gpu.loader import default_model_path
+
+    path = default_model_path()
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["12345 and 3.14159, 1,000,000", "  multiple   spaces\n\n\ttabs\r\n", "héllo 🌍 日本語 Ελληνικά",
+             "def f(x):\n    return x**2  # comment\n", "I'm can't we'll THEY'RE", "a\u00a0b\u200bc",
+             "<|im_start|>user\nhi<|im_end|>", "<repo_name>x<file_sep>y"]
+    for text in texts:
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text
