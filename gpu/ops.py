@@ -1,7 +1,8 @@
-"""Torch reference implementations of the model's elementwise ops.
+"""The model's elementwise ops: Triton kernels on CUDA, torch everywhere else.
 
-Triton kernels elsewhere implement the same signatures; these are the references they are tested
-against and the CPU path. None of them work in place.
+gpu/kernels/ implements the same signatures (and is tested against its own torch
+references); on a CUDA tensor each op here dispatches to its kernel. None of them work
+in place.
 """
 
 from __future__ import annotations
@@ -14,8 +15,17 @@ import torch.nn.functional as F
 from gpu.config import ModelConfig
 
 
+def _kernel(module: str, name: str):
+    """A Triton launcher, imported on first use (the CPU path never imports triton)."""
+    import importlib
+
+    return getattr(importlib.import_module(f"gpu.kernels.{module}"), name)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [N, D], weight [D] -> [N, D]; statistics and scaling in fp32, result in x.dtype."""
+    if x.is_cuda:
+        return _kernel("rmsnorm", "rms_norm")(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
@@ -25,12 +35,16 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual); both [N, D]."""
+    if x.is_cuda:
+        return _kernel("rmsnorm", "fused_add_rms_norm")(x, residual, weight, eps)
     summed = x + residual
     return rms_norm(summed, weight, eps), summed
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [N, 2*I] -> silu(x[:, :I]) * x[:, I:], [N, I]."""
+    if x.is_cuda:
+        return _kernel("activation", "silu_and_mul")(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -105,6 +119,8 @@ def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, Dh], k [T, Hkv, Dh], positions [T] -> rotated (q, k), NeoX/HF rotate_half layout."""
+    if q.is_cuda:
+        return _kernel("rope", "apply_rope")(q, k, positions, cos_sin)
     cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)  # [T, 1, Dh/2] each
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
