@@ -156,7 +156,8 @@ class Engine:
         ev = self.events.stage if self.events else (lambda name: None)
         tok = self.loaded.tokenizer
         if tok is None:
-            raise ValueError("the model has no tokenizer: the server needs one")
+            log.warning("the model has no tokenizer: only token-id prompts are accepted and "
+                        "replies carry no text (like vLLM's --skip-tokenizer-init)")
         ctx = RenderContext(tokenizer=tok, served_model_names=self.model_names,
                             max_model_len=self.max_model_len,
                             default_sampling=dict(self.loaded.generation_config or {}),

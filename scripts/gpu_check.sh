@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device check for a lent GPU machine (H200: Python 3.12, torch 2.11 CUDA, triton 3.6).
-# Runs the kernel tests on CUDA, the kernel micro-benchmarks, then (once finalized)
-# the end-to-end throughput benchmark; JSON results go to $OUT (default ./results).
+# Runs the kernel tests on CUDA, the kernel micro-benchmarks, then the end-to-end
+# throughput benchmark (nano-vllm's workload); JSON results go to $OUT (default ./results).
 # Budget: under 8 minutes in all; each step has its own timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +9,8 @@ OUT="${OUT:-./results}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-# Carried py3.12 wheels (trio, quart, ... for the pipeline benchmark); the kernels need none.
+# Carried py3.12 wheels (scripts/fetch_gpu_wheels.sh: trio, cattrs, structlog, orjson, gguf)
+# for the pipeline benchmark; the kernels need none. Run with carry [".whl"].
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl
@@ -48,9 +49,12 @@ PY
 timeout 120 python3 -m gpu.kernels.bench --out "$OUT/kernels_bench.json" 2>&1 | tee "$OUT/kernels_bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-# 3. End-to-end throughput benchmark -- TO BE FINALIZED BY THE LEAD (flags, model path, budget ~3 min):
-# timeout 200 python3 -m pipeline.bench_throughput --num-prompts 64 --input-len 128 --output-len 128 \
-#     --dtype bfloat16 --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log"
+# 3. End to end: nano-vllm's published workload (Qwen3-0.6B architecture, dummy weights,
+#    256 sequences, input and output lengths uniform in [100, 1024], seed 0, ignore_eos)
+#    through the whole engine. Needs the carried wheels (scripts/fetch_gpu_wheels.sh).
+timeout 240 python3 -m pipeline.bench gpu/configs/qwen3-0.6b --load-format dummy --workload nano-vllm \
+    --dtype bfloat16 --max-model-len 4096 --output-json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log"
+e2e_rc=${PIPESTATUS[0]}
 
-echo "kernel tests rc=$tests_rc, kernel bench rc=$bench_rc"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "kernel tests rc=$tests_rc, kernel bench rc=$bench_rc, throughput rc=$e2e_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ]

@@ -35,10 +35,10 @@ class DetokenizedStep:
 
 
 class DetokState:
-    def __init__(self, req: RenderedRequest) -> None:
+    def __init__(self, req: RenderedRequest, detokenize: bool = True) -> None:
         sp = req.sampling
         self.stream = DecodeStream(ids=list(req.prompt_token_ids[-_PROMPT_CONTEXT:]),
-                                   skip_special_tokens=sp.skip_special_tokens)
+                                   skip_special_tokens=sp.skip_special_tokens) if detokenize else None
         self.stops = sp.stop
         self.include_stop = sp.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
@@ -50,7 +50,7 @@ class DetokState:
         # A stop token (EOS or stop_token_ids) counts as output but is not shown.
         shown = ids[:-1] if (u.finish_reason == "stop" and ids) else ids
         start = len(self.text)
-        for t in shown:
+        for t in shown if self.stream is not None else ():
             piece = self.stream.step(tokenizer, t)
             if piece:
                 self.text += piece
@@ -79,7 +79,8 @@ class DetokState:
 
 
 class Detokenizer:
-    """The pure core: per-request states, one ScheduledStep in, one DetokenizedStep out."""
+    """The pure core: per-request states, one ScheduledStep in, one DetokenizedStep out.
+    With no tokenizer (a model served from token ids only) deltas carry tokens, no text."""
 
     def __init__(self, tokenizer) -> None:
         self.hf = tokenizer.hf if hasattr(tokenizer, "hf") else tokenizer
@@ -88,7 +89,7 @@ class Detokenizer:
     def process(self, msg: ScheduledStep) -> tuple[DetokenizedStep, list[str]]:
         """Returns the step's deltas and the requests that a stop string finished."""
         for req in msg.new_requests:
-            self.states[req.request_id] = DetokState(req)
+            self.states[req.request_id] = DetokState(req, self.hf is not None)
         deltas, stopped = [], []
         for u in msg.updates:
             st = self.states.get(u.request_id)

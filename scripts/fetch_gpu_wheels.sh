@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Download, here, the Python 3.12 wheels that the lent GPU machine's image lacks, into .whl/
+# (ignored by git; `carry` it). The image has torch, triton, attrs, numpy, tokenizers,
+# jinja2, safetensors, tqdm, sortedcontainers, idna: the engine needs these on top.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 --platform any -d .whl \
+    trio==0.32.0 outcome==1.3.0.post0 sniffio==1.3.1 cattrs==25.3.0 structlog==25.5.0 \
+    orjson==3.11.4 gguf==0.17.1
+ls -la .whl

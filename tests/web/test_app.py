@@ -1,0 +1,195 @@
+"""web.app and web.cli.serve over a fake engine: real HTTP on port 0, no model."""
+from __future__ import annotations
+
+import orjson
+import pytest
+import trio
+
+import httpx
+
+from stages.render import RequestError
+from web.cli import serve
+
+
+class FakeReply:
+    def __init__(self, request_id: str, stream: bool, chunks: list[bytes], *, status=200,
+                 hang=False) -> None:
+        self.request_id = request_id
+        self.stream = stream
+        self.status = 200
+        self._final_status = status
+        self._chunks = chunks
+        self._hang = hang
+        self.finished = False
+        self.aborted = False
+        self.closed = trio.Event()
+
+    def __aiter__(self):
+        return self._iter()
+
+    async def _iter(self):
+        for chunk in self._chunks:
+            await trio.sleep(0)
+            yield chunk
+        if self._hang:
+            await trio.sleep_forever()
+        self.status = self._final_status
+        self.finished = True
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.aborted = True
+        self.closed.set()
+
+
+class FakeEngine:
+    model_names = ("fake-model",)
+    max_model_len = 64
+
+    def __init__(self, fail_after_start: bool = False) -> None:
+        self.replies: list[FakeReply] = []
+        self.fail_after_start = fail_after_start
+        self.running = False
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.running = True
+        try:
+            task_status.started()
+            if self.fail_after_start:
+                await trio.sleep(0.05)
+                raise RuntimeError("the GPU caught fire")
+            await trio.sleep_forever()
+        finally:
+            self.running = False
+
+    async def submit(self, api, body, request_id=None):
+        if not isinstance(body, dict):
+            raise RequestError("The request body must be a JSON object.")
+        if body.get("model") not in (None, "fake-model"):
+            raise RequestError("The model `x` does not exist.", status=404,
+                               type="NotFoundError", param="model", code="model_not_found")
+        if body.get("boom"):
+            raise ZeroDivisionError("bug")
+        stream = bool(body.get("stream"))
+        if stream:
+            chunks = [b"data: {\"n\": 1}\n\n", b"data: {\"n\": 2}\n\n"]
+            if not body.get("hang"):
+                chunks.append(b"data: [DONE]\n\n")
+        else:
+            chunks = [orjson.dumps({"api": api, "ok": True})]
+        reply = FakeReply(request_id, stream, chunks, status=body.get("status", 200),
+                          hang=bool(body.get("hang")))
+        self.replies.append(reply)
+        return reply
+
+    def stats(self) -> dict:
+        return {"ready": True, "num_running": len([r for r in self.replies if not r.finished]),
+                "num_waiting": 0, "kv_blocks_total": 10, "kv_blocks_free": 10,
+                "kv_blocks_used": 0, "prompt_tokens_total": 5, "generation_tokens_total": 7,
+                "requests_finished_total": {"stop": 1}}
+
+
+@pytest.fixture
+async def served(nursery):
+    engine = FakeEngine()
+    binds = await nursery.start(_serve, engine)
+    async with httpx.AsyncClient(base_url=binds[0], timeout=10) as http:
+        yield engine, http
+    nursery.cancel_scope.cancel()
+
+
+async def _serve(engine, task_status=trio.TASK_STATUS_IGNORED):
+    await serve(engine, host="127.0.0.1", port=0, log_level="warning", task_status=task_status)
+
+
+async def test_engine_starts_with_the_app(served):
+    engine, http = served
+    assert engine.running
+    assert (await http.get("/health")).status_code == 200
+
+
+async def test_non_streaming_reply_and_request_id(served):
+    engine, http = served
+    r = await http.post("/v1/chat/completions", json={"messages": []},
+                        headers={"x-request-id": "abc-1"})
+    assert r.status_code == 200 and r.json() == {"api": "chat", "ok": True}
+    assert r.headers["content-type"] == "application/json"
+    assert r.headers["x-request-id"] == "abc-1"
+    assert engine.replies[-1].request_id == "abc-1" and not engine.replies[-1].aborted
+    r = await http.post("/v1/completions", json={}, headers={"x-request-id": "bad id!"})
+    assert len(r.headers["x-request-id"]) == 32        # replaced by a uuid4 hex
+    r = await http.post("/v1/responses", json={"status": 500})
+    assert r.status_code == 500                         # reply.status after iteration
+
+
+async def test_streaming_reply(served):
+    engine, http = served
+    r = await http.post("/v1/completions", json={"stream": True})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["cache-control"] == "no-cache"
+    assert r.text == 'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+    with trio.fail_after(2):
+        await engine.replies[-1].closed.wait()
+    assert not engine.replies[-1].aborted
+
+
+async def test_disconnect_aborts_the_stream(served):
+    engine, http = served
+    async with http.stream("POST", "/v1/chat/completions",
+                           json={"stream": True, "hang": True}) as r:
+        async for _ in r.aiter_bytes():
+            break
+    reply = engine.replies[-1]
+    with trio.fail_after(2):
+        await reply.closed.wait()
+    assert reply.aborted
+
+
+async def test_request_errors_are_openai_json(served):
+    _, http = served
+    r = await http.post("/v1/chat/completions", json={"model": "x"})
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "The model `x` does not exist.",
+                                  "type": "NotFoundError", "param": "model",
+                                  "code": "model_not_found"}}
+    r = await http.post("/v1/chat/completions", json=[1, 2])
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = await http.post("/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and "parse the JSON body" in r.json()["error"]["message"]
+
+
+async def test_unknown_route_wrong_method_and_crash_are_json(served):
+    _, http = served
+    r = await http.get("/v2/nothing")
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == "Invalid URL (GET /v2/nothing)."
+    r = await http.get("/v1/chat/completions")
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = await http.post("/v1/chat/completions", json={"boom": True})
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "Internal server error: ZeroDivisionError",
+                                 "type": "server_error", "param": None, "code": None}
+
+
+async def test_models_and_metrics(served):
+    _, http = served
+    models = (await http.get("/v1/models")).json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == "fake-model"
+    assert models["data"][0]["owned_by"] == "tailrace"
+    assert models["data"][0]["max_model_len"] == 64
+    text = (await http.get("/metrics")).text
+    assert "tailrace:num_requests_running 0.0" in text
+    assert "tailrace:kv_blocks_used 0.0" in text
+    assert "tailrace:prompt_tokens_total 5.0" in text
+    assert 'tailrace:request_success_total{finished_reason="stop"} 1.0' in text
+
+
+async def test_engine_failure_stops_the_server():
+    engine = FakeEngine(fail_after_start=True)
+    with trio.fail_after(10):
+        rc = await serve(engine, host="127.0.0.1", port=0, log_level="critical")
+    assert rc == 1
