@@ -11,6 +11,7 @@ request and frees its KV blocks.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 import uuid
@@ -103,7 +104,11 @@ def create_app(engine: Any, *,
             error = exc
             raise
         finally:
-            if on_engine_exit is not None and not engine_scope.cancel_called:
+            # Stopped by the server (after_serving, or quart-trio cancelling its
+            # nursery) is not "stopped on its own".
+            stopped = (engine_scope.cancel_called
+                       or trio.current_effective_deadline() == -math.inf)
+            if on_engine_exit is not None and not stopped:
                 on_engine_exit(error)
 
     @app.before_serving

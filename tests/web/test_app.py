@@ -76,6 +76,8 @@ class FakeEngine:
             chunks = [b"data: {\"n\": 1}\n\n", b"data: {\"n\": 2}\n\n"]
             if not body.get("hang"):
                 chunks.append(b"data: [DONE]\n\n")
+        elif body.get("hang"):
+            chunks = []
         else:
             chunks = [orjson.dumps({"api": api, "ok": True})]
         reply = FakeReply(request_id, stream, chunks, status=body.get("status", 200),
@@ -141,6 +143,16 @@ async def test_disconnect_aborts_the_stream(served):
                            json={"stream": True, "hang": True}) as r:
         async for _ in r.aiter_bytes():
             break
+    reply = engine.replies[-1]
+    with trio.fail_after(2):
+        await reply.closed.wait()
+    assert reply.aborted
+
+
+async def test_disconnect_aborts_a_non_streaming_request(served):
+    engine, http = served
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post("/v1/completions", json={"hang": True}, timeout=0.3)
     reply = engine.replies[-1]
     with trio.fail_after(2):
         await reply.closed.wait()
