@@ -11,9 +11,10 @@ import random
 import sys
 import time
 
+import attrs
 import trio
 
-from pipeline.config import EngineConfig
+from pipeline.config import EngineConfig, add_engine_arguments, engine_config
 from pipeline.engine import Engine
 
 WORKLOADS = {
@@ -24,37 +25,28 @@ WORKLOADS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), help="a preset; explicit flags still win")
+    add_engine_arguments(p)
+    p.add_argument("--workload", choices=sorted(WORKLOADS),
+                   help="a preset (nano-vllm: 256 prompts, lengths uniform in [100, 1024]); "
+                        "explicit flags still win")
     p.add_argument("--num-prompts", type=int, default=None, help="requests to run (default 32)")
-    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (max of the range; default 128)")
-    p.add_argument("--output-len", type=int, default=None, help="output tokens (max of the range; default 128)")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="prompt tokens, or the top of a range with --min-input-len (default 128)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="output tokens, or the top of a range with --min-output-len (default 128)")
     p.add_argument("--min-input-len", type=int, default=None, help="lower end of a uniform prompt length range")
     p.add_argument("--min-output-len", type=int, default=None, help="lower end of a uniform output length range")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (nano-vllm uses 0.6)")
-    p.add_argument("--seed", type=int, default=None, help="seed for the prompts and the engine (default 0)")
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
-    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--output-json", default=None, help="write the result as JSON to this path")
 
 
 def _settings(args: argparse.Namespace) -> dict:
     s = dict(num_prompts=32, min_input_len=None, input_len=128, min_output_len=None, output_len=128,
-             seed=0, ignore_eos=True)
+             seed=args.seed, ignore_eos=True)
     if args.workload:
         s.update(WORKLOADS[args.workload])
-    for k in ("num_prompts", "input_len", "output_len", "min_input_len", "min_output_len", "seed"):
+    for k in ("num_prompts", "input_len", "output_len", "min_input_len", "min_output_len"):
         if getattr(args, k) is not None:
             s[k] = getattr(args, k)
     if args.no_ignore_eos:
@@ -108,15 +100,9 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     s = _settings(args)
-    max_len = args.max_model_len or (s["input_len"] + s["output_len"] + 16)
-    cfg = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
-                       device=args.device, seed=s["seed"], max_model_len=max_len,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       block_size=args.block_size, num_gpu_blocks_override=args.num_gpu_blocks_override,
-                       kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                       gpu_memory_utilization=args.gpu_memory_utilization,
-                       enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-                       max_waiting=max(1024, s["num_prompts"]))
+    cfg = attrs.evolve(engine_config(args),
+                       max_model_len=args.max_model_len or (s["input_len"] + s["output_len"] + 16),
+                       max_waiting=max(args.max_waiting, s["num_prompts"]))
     result = trio.run(_bench, cfg, s, args.temperature)
     print(f"Throughput: {result['output_tokens_per_s']:.2f} output tokens/s "
           f"({result['output_tokens']} tokens from {result['num_prompts']} requests in "

@@ -4,7 +4,13 @@ Field names follow vLLM's flags (``--max-num-seqs`` -> ``max_num_seqs``).
 """
 from __future__ import annotations
 
+import argparse
+
 import attrs
+
+
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+                  "bf16": "bfloat16"}
 
 
 def _positive(inst, attribute, value):
@@ -18,8 +24,8 @@ class EngineConfig:
     served_model_name: tuple[str, ...] = ()   # empty: the model's own name
     load_format: str = attrs.field(default="auto", validator=attrs.validators.in_(
         ("auto", "gguf", "safetensors", "dummy")))
-    dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(
-        ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16")))
+    dtype: str = attrs.field(default="auto", converter=lambda d: _DTYPE_ALIASES.get(d, d),
+                             validator=attrs.validators.in_(("auto", "float32", "bfloat16", "float16")))
     device: str = "auto"                      # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
@@ -35,3 +41,106 @@ class EngineConfig:
     reasoning_parser: str | None = None       # None | "qwen3" | "deepseek_r1" (<think> tags)
     event_log: str | None = None              # path for JSON-lines events
     trust_chat_template_kwargs: bool = True
+
+
+# -- command-line flags ---------------------------------------------------------------------
+_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+                  "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """An int with an optional size suffix: 4000000000, 4G (10**9), 4GiB (2**30)."""
+    s = text.strip().lower().removesuffix("b")
+    for suffix in sorted(_SIZE_SUFFIXES, key=len, reverse=True):
+        if s.endswith(suffix):
+            number = s[: -len(suffix)]
+            try:
+                return int(float(number) * _SIZE_SUFFIXES[suffix])
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
+
+
+def _default(name: str):
+    return getattr(attrs.fields(EngineConfig), name).default
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that configure the engine, named as vLLM names them (serve and bench share them)."""
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file or Hugging Face model directory "
+                        "(default: the bundled SmolLM2-135M-Instruct).")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="Model name(s) the API accepts and reports; the first is echoed back "
+                        "(default: the model's own name).")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="Context length: prompt plus completion tokens "
+                        "(default: the model's max_position_embeddings).")
+    p.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"),
+                   help="Most sequences in one engine step (default: %(default)s).")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="Most tokens in one engine step (default: max(2048, --max-num-seqs)).")
+    p.add_argument("--dtype", default=_default("dtype"),
+                   choices=("auto", "float32", "bfloat16", "float16", *_DTYPE_ALIASES),
+                   help="Weight and activation dtype; auto: the checkpoint's "
+                        "(default: %(default)s).")
+    p.add_argument("--seed", type=int, default=_default("seed"),
+                   help="Random seed for sampling (default: %(default)s).")
+    p.add_argument("--device", default=_default("device"),
+                   help="auto, cpu or cuda[:N] (default: %(default)s: cuda when available).")
+    p.add_argument("--load-format", default=_default("load_format"),
+                   choices=attrs.fields(EngineConfig).load_format.validator.options,
+                   help="Weight format; dummy: random weights of the model's shape "
+                        "(default: %(default)s).")
+    p.add_argument("--block-size", type=int, default=_default("block_size"),
+                   help="Tokens per KV cache block (default: %(default)s).")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="Use exactly this many KV cache blocks, ignoring memory sizing.")
+    p.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None, metavar="BYTES",
+                   help="KV cache size in bytes, e.g. 2GiB or 2000000000 (default on CPU: "
+                        "1 GiB or what --max-num-seqs full-length sequences need).")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=_default("gpu_memory_utilization"),
+                   help="Fraction of GPU memory the server may use, KV cache included "
+                        "(default: %(default)s).")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_default("enable_prefix_caching"),
+                   help="Reuse the KV blocks of shared prompt prefixes (default: on).")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="Never capture CUDA graphs; run every step eagerly.")
+    p.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
+                   help="Split <think>...</think> into reasoning_content (default: off).")
+    p.add_argument("--event-log", default=None, metavar="PATH",
+                   help="Write every stage's events as JSON lines to PATH (for replay).")
+    p.add_argument("--max-waiting", type=int, default=_default("max_waiting"),
+                   help="Requests admitted but not yet running before new ones get 503 "
+                        "(default: %(default)s).")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Raises ValueError (or TypeError) for a bad combination of flags."""
+    return EngineConfig(
+        model=args.model,
+        served_model_name=tuple(args.served_model_name or ()),
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        max_waiting=args.max_waiting,
+        reasoning_parser=args.reasoning_parser,
+        event_log=args.event_log,
+    )
+
+

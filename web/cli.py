@@ -18,120 +18,23 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 
-import attrs
-
-from pipeline.config import EngineConfig
+from pipeline.config import add_engine_arguments, engine_config
 
 log = logging.getLogger("tailrace")
 
 LISTENING_PREFIX = "tailrace: listening on "
 GRACEFUL_TIMEOUT_S = 5.0
 
-_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-                  "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def byte_size(text: str) -> int:
-    """An int with an optional size suffix: 4000000000, 4G (10**9), 4GiB (2**30)."""
-    s = text.strip().lower().removesuffix("b")
-    for suffix in sorted(_SIZE_SUFFIXES, key=len, reverse=True):
-        if s.endswith(suffix):
-            number = s[: -len(suffix)]
-            try:
-                return int(float(number) * _SIZE_SUFFIXES[suffix])
-            except ValueError:
-                break
-    try:
-        return int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
-
-
-def _default(name: str):
-    return getattr(attrs.fields(EngineConfig), name).default
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="GGUF file or Hugging Face model directory "
-                        "(default: the bundled SmolLM2-135M-Instruct).")
+    add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="Address to bind (default: 127.0.0.1, loopback only; vLLM binds "
                         "0.0.0.0 - pass --host 0.0.0.0 to listen on every interface).")
     p.add_argument("--port", type=int, default=8000,
                    help="Port to bind; 0 picks a free one and prints it (default: 8000).")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="Model name(s) the API accepts and reports; the first is echoed back "
-                        "(default: the model's own name).")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="Context length: prompt plus completion tokens "
-                        "(default: the model's max_position_embeddings).")
-    p.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"),
-                   help="Most sequences in one engine step (default: %(default)s).")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="Most tokens in one engine step (default: max(2048, --max-num-seqs)).")
-    p.add_argument("--dtype", default=_default("dtype"),
-                   choices=attrs.fields(EngineConfig).dtype.validator.options,
-                   help="Weight and activation dtype; auto: the checkpoint's "
-                        "(default: %(default)s).")
-    p.add_argument("--seed", type=int, default=_default("seed"),
-                   help="Random seed for sampling (default: %(default)s).")
-    p.add_argument("--device", default=_default("device"),
-                   help="auto, cpu or cuda[:N] (default: %(default)s: cuda when available).")
-    p.add_argument("--load-format", default=_default("load_format"),
-                   choices=attrs.fields(EngineConfig).load_format.validator.options,
-                   help="Weight format; dummy: random weights of the model's shape "
-                        "(default: %(default)s).")
-    p.add_argument("--block-size", type=int, default=_default("block_size"),
-                   help="Tokens per KV cache block (default: %(default)s).")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="Use exactly this many KV cache blocks, ignoring memory sizing.")
-    p.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None, metavar="BYTES",
-                   help="KV cache size in bytes, e.g. 2GiB or 2000000000 (default on CPU: "
-                        "2 GiB or what --max-num-seqs full-length sequences need).")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   default=_default("gpu_memory_utilization"),
-                   help="Fraction of GPU memory the server may use, KV cache included "
-                        "(default: %(default)s).")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=_default("enable_prefix_caching"),
-                   help="Reuse the KV blocks of shared prompt prefixes (default: on).")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="Never capture CUDA graphs; run every step eagerly.")
-    p.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
-                   help="Split <think>...</think> into reasoning_content (default: off).")
-    p.add_argument("--event-log", default=None, metavar="PATH",
-                   help="Write every stage's events as JSON lines to PATH (for replay).")
-    p.add_argument("--max-waiting", type=int, default=_default("max_waiting"),
-                   help="Requests admitted but not yet running before new ones get 503 "
-                        "(default: %(default)s).")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"),
                    help="Log level of the server and Hypercorn (default: %(default)s).")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError (or TypeError) for a bad combination of flags."""
-    return EngineConfig(
-        model=args.model,
-        served_model_name=tuple(args.served_model_name or ()),
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        max_waiting=args.max_waiting,
-        reasoning_parser=args.reasoning_parser,
-        event_log=args.event_log,
-    )
 
 
 def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
@@ -149,6 +52,12 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
     bench_serve = kinds.add_parser("serve", help="Load-test a running server over HTTP.")
     bench_throughput = kinds.add_parser("throughput",
                                         help="Offline throughput of the engine, no HTTP.")
+    replay = commands.add_parser("replay", help="Re-run an --event-log and check every reply byte.",
+                                 description="Re-run detokenize, parse, account and emit from an "
+                                             "event log and compare with the bytes clients got.")
+    replay.set_defaults(func=_run_replay, replay_parser=replay)
+    from pipeline.replay import add_arguments as add_replay_arguments
+    add_replay_arguments(replay)
     if with_bench:
         # Imported only when asked for: pipeline.bench pulls in torch.
         from web.bench import serve as bench_serve_module
@@ -158,6 +67,12 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
         bench_throughput_module.add_arguments(bench_throughput)
         bench_throughput.set_defaults(func=bench_throughput_module.main)
     return parser
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from pipeline.replay import main as replay_main
+
+    return replay_main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
