@@ -46,6 +46,7 @@ class StepResult:
     seq_ids: tuple[str, ...]           # the chunks that sampled, in plan order
     token_ids: tuple[int, ...]
     duration_s: float
+    error: str | None = None           # the step failed: every sequence in the plan is lost
 
 
 class ModelRunner:

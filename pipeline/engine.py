@@ -161,7 +161,8 @@ class Engine:
         ctx = RenderContext(tokenizer=tok, served_model_names=self.model_names,
                             max_model_len=self.max_model_len,
                             default_sampling=dict(self.loaded.generation_config or {}),
-                            reasoning=cfg.reasoning_parser is not None)
+                            reasoning=cfg.reasoning_parser is not None,
+                            vocab_size=self.loaded.config.vocab_size)
         inbox_size = 2 * (cfg.max_waiting + cfg.max_num_seqs) + 16
         render_in, render_out = trio.open_memory_channel(cfg.max_waiting)
         admit_in, admit_out = trio.open_memory_channel(0)
@@ -183,7 +184,7 @@ class Engine:
                 nursery.start_soon(admit.run, admit_out, sched_in.clone(), self.replies, admission, ev("admit"))
                 nursery.start_soon(schedule.run, sched_out, plan_in, result_out, detok_in,
                                    self.scheduler, ev("schedule"))
-                nursery.start_soon(gpu_step.run, plan_out, result_in, self.runner)
+                nursery.start_soon(gpu_step.run, plan_out, result_in, self.runner, ev("gpu_step"))
                 nursery.start_soon(detokenize.run, detok_out, parse_in, sched_in,
                                    detokenize.Detokenizer(tok), ev("detokenize"))
                 nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(cfg.reasoning_parser))

@@ -81,7 +81,7 @@ class Accountant:
                 self.finished_total[d.finish_reason] = self.finished_total.get(d.finish_reason, 0) + 1
                 finished.append((d.request_id, usage, d.finish_reason))
             deltas.append(RequestDelta(d.request_id, d.content, d.reasoning, d.token_ids,
-                                       d.finish_reason, usage, d.stop_reason))
+                                       d.finish_reason, usage, d.stop_reason, d.error))
         return AccountedStep(msg.new_requests, tuple(deltas)), finished
 
 

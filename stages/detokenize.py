@@ -25,6 +25,7 @@ class TextDelta:
     finish_reason: str | None
     stop_reason: str | int | None
     num_cached_tokens: int
+    error: str | None = None
 
 
 @attrs.frozen
@@ -67,7 +68,7 @@ class DetokState:
             end = max(self.emitted, len(self.text) - self.hold)
         delta = self.text[self.emitted:end]
         self.emitted = end
-        return TextDelta(u.request_id, delta, ids, finish, stop_reason, u.num_cached_tokens)
+        return TextDelta(u.request_id, delta, ids, finish, stop_reason, u.num_cached_tokens, u.error)
 
     def _find_stop(self, since: int) -> tuple[int, str] | None:
         best = None

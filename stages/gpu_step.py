@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import trio
 
-from gpu.runner import ModelRunner
+from gpu.runner import ModelRunner, StepResult
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
@@ -16,6 +16,11 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
     limiter = trio.CapacityLimiter(1)
     async with receive, send:
         async for plan in receive:
-            result = await trio.to_thread.run_sync(runner.execute, plan, limiter=limiter,
-                                                   abandon_on_cancel=False)
+            try:
+                result = await trio.to_thread.run_sync(runner.execute, plan, limiter=limiter,
+                                                       abandon_on_cancel=False)
+            except Exception as exc:  # the step's requests fail; the server keeps serving
+                if log is not None:
+                    log("step_failed", step=plan.step, error=repr(exc))
+                result = StepResult(plan.step, (), (), 0.0, error=f"{type(exc).__name__}: {exc}")
             await send.send(result)

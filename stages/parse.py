@@ -26,6 +26,7 @@ class ParsedDelta:
     finish_reason: str | None
     stop_reason: str | int | None
     num_cached_tokens: int
+    error: str | None = None
 
 
 @attrs.frozen
@@ -91,7 +92,7 @@ class Parser:
     def process(self, msg: DetokenizedStep) -> ParsedStep:
         if self.reasoning_parser is None:
             deltas = tuple(ParsedDelta(d.request_id, d.text, "", d.token_ids, d.finish_reason,
-                                       d.stop_reason, d.num_cached_tokens) for d in msg.deltas)
+                                       d.stop_reason, d.num_cached_tokens, d.error) for d in msg.deltas)
             return ParsedStep(msg.step, msg.new_requests, deltas)
         for req in msg.new_requests:
             self.states[req.request_id] = ThinkState(self.reasoning_parser)
@@ -103,7 +104,7 @@ class Parser:
             if final:
                 self.states.pop(d.request_id, None)
             out.append(ParsedDelta(d.request_id, content, reasoning, d.token_ids, d.finish_reason,
-                                   d.stop_reason, d.num_cached_tokens))
+                                   d.stop_reason, d.num_cached_tokens, d.error))
         return ParsedStep(msg.step, msg.new_requests, tuple(out))
 
 

@@ -90,6 +90,7 @@ class RenderContext:
     # repetition_penalty, max_new_tokens...); used when the request omits a field.
     default_sampling: dict = attrs.field(factory=dict)
     reasoning: bool = False       # a reasoning parser is active
+    vocab_size: int | None = None  # the model's embedding rows: token ids must be below it
 
 
 def _is_int(value: object) -> bool:
@@ -196,6 +197,9 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         raise RequestError("The request body must be a JSON object.")
     f = _Fields(sub.body)
     model = _resolve_model(f, ctx)
+    if ctx.tokenizer is None and not (sub.api == "completions" and _is_token_ids(sub.body.get("prompt"))):
+        raise RequestError("This model was loaded without a tokenizer: only /v1/completions with a "
+                           "prompt of token ids is served.", param="prompt")
     if sub.api == "chat":
         return _render_chat(sub, f, ctx, model)
     if sub.api == "completions":
@@ -203,6 +207,12 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
     if sub.api == "responses":
         return _render_responses(sub, f, ctx, model)
     raise RequestError(f"Unknown API {sub.api!r}.", status=404, type="not_found_error")
+
+
+def _is_token_ids(prompt: object) -> bool:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    return isinstance(prompt, list) and bool(prompt) and all(_is_int(t) for t in prompt)
 
 
 def _resolve_model(f: _Fields, ctx: RenderContext) -> str:
@@ -615,7 +625,7 @@ def _completion_prompt_ids(f: _Fields, ctx: RenderContext) -> list[int]:
     if isinstance(prompt, str):
         ids = ctx.tokenizer.encode(prompt, add_special_tokens=f.boolean("add_special_tokens", True))
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        vocab = getattr(ctx.tokenizer, "vocab_size", None)
+        vocab = ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
         bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise RequestError(f"'prompt' has token id {bad[0]} outside the vocabulary "

@@ -42,6 +42,7 @@ class SeqUpdate:
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: int | None = None        # the stop token id, when one ended it
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    error: str | None = None              # finish_reason "error": what went wrong
 
 
 @attrs.frozen
@@ -113,7 +114,7 @@ class Scheduler:
         self.waiting.append(seq)
         self._new_requests.append(req)
 
-    def finish(self, request_id: str, reason: str) -> None:
+    def finish(self, request_id: str, reason: str, error: str | None = None) -> None:
         """Abort or stop-string finish: free now, report downstream with the next step."""
         seq = self.by_id.pop(request_id, None)
         if seq is None:
@@ -124,7 +125,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self._free(seq)
         self._released.append(seq.id)
-        self._pending.append(SeqUpdate(seq.id, (), reason, None, seq.num_cached_tokens))
+        self._pending.append(SeqUpdate(seq.id, (), reason, None, seq.num_cached_tokens, error))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests)
@@ -223,6 +224,10 @@ class Scheduler:
     # -- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> ScheduledStep:
         """Apply a step's result; decide finishes; build the downstream message."""
+        if result.error is not None:
+            for chunk in plan.chunks:
+                self.finish(chunk.seq_id, "error", result.error)
+            return self.drain()
         sampled = dict(zip(result.seq_ids, result.token_ids))
         updates = list(self._pending)
         self._pending = []

@@ -12,6 +12,7 @@ from gpu.sampler import SamplingOptions
 from pipeline.config import EngineConfig
 from pipeline.engine import Engine
 from pipeline.replay import replay
+from stages.render import RequestError
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -184,3 +185,45 @@ def test_paged_runner_logits_match_dense(smollm):
         dense = model.compute_logits(hidden)
     torch.testing.assert_close(captured[0][0], dense[len(ids) - 1], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(captured[1][0], dense[len(ids)], atol=2e-4, rtol=1e-4)
+
+
+async def test_model_without_tokenizer_serves_token_ids_only(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 128, "eos_token_id": 1}))
+    engine = Engine(EngineConfig(model=str(tmp_path), load_format="dummy", max_model_len=64))
+    async with trio.open_nursery() as n:
+        await n.start(engine.run)
+        out = await complete(engine, prompt=[3, 4, 5], max_tokens=4, ignore_eos=True)
+        assert out["usage"] == {**out["usage"], "prompt_tokens": 3, "completion_tokens": 4}
+        with pytest.raises(RequestError) as bad_id:
+            await engine.submit("completions", {"prompt": [3, 64], "max_tokens": 2})
+        with pytest.raises(RequestError) as text:
+            await engine.submit("completions", {"prompt": "hello", "max_tokens": 2})
+        n.cancel_scope.cancel()
+    assert bad_id.value.status == 400 and "vocabulary" in bad_id.value.message
+    assert text.value.status == 400 and "tokenizer" in text.value.message
+
+
+async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(smollm):
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm)
+        real = engine.runner.execute
+
+        def broken(plan):
+            if plan.chunks:
+                engine.runner.execute = real      # fail once
+                raise RuntimeError("device fell over")
+            return real(plan)
+
+        engine.runner.execute = broken
+        reply = await engine.submit("completions", {"prompt": "Hello", "max_tokens": 4})
+        body = orjson.loads(await reply.read())
+        assert reply.status == 500 and "device fell over" in body["error"]["message"]
+        assert engine.stats()["kv_blocks_used"] == 0
+        ok = await complete(engine, prompt="Hello", max_tokens=4, ignore_eos=True)
+        assert ok["usage"]["completion_tokens"] == 4
+        n.cancel_scope.cancel()
