@@ -56,24 +56,24 @@ class TorchPagedAttention:
         self.cache = cache
         self.scale = scale
         self.meta: AttentionMetadata | None = None
-        self._decode_index: torch.Tensor | None = None
+        self._decode_blocks: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
+        self._decode_rows: torch.Tensor | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Precompute what every layer reuses: the decode gather index and mask."""
+        """Precompute what every layer reuses: the decode rows' blocks and mask."""
         self.meta = meta
-        self._decode_index = self._decode_mask = None
+        self._decode_blocks = self._decode_mask = self._decode_rows = None
         rows = meta.decode_rows
         if rows:
             bs = self.cache.block_size
-            max_ctx = max(meta.ctx_lens[r] for r in rows)
-            nblk = -(-max_ctx // bs)
-            tables = meta.block_tables[rows, :nblk].to(torch.int64)       # [B, nblk]
-            offs = torch.arange(bs, dtype=torch.int64)
-            slots = (tables[:, :, None] * bs + offs).reshape(len(rows), -1)  # [B, nblk*bs]
-            self._decode_index = slots
+            nblk = -(-max(meta.ctx_lens[r] for r in rows) // bs)
+            self._decode_blocks = meta.block_tables[rows, :nblk].to(torch.int64).flatten()  # [B*nblk]
             lens = torch.tensor([meta.ctx_lens[r] for r in rows])
-            self._decode_mask = (torch.arange(slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]
+            self._decode_mask = (torch.arange(nblk * bs)[None, :] < lens[:, None])[:, None, None, :]
+            # when every row decodes, the rows are 0..B-1 and need no gather/scatter
+            if len(rows) < len(meta.q_lens):
+                self._decode_rows = torch.tensor([meta.q_starts[r] for r in rows])
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -83,17 +83,23 @@ class TorchPagedAttention:
         flat_v = vc.view(num_slots, vc.shape[2], vc.shape[3])
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
         starts = meta.q_starts
         if meta.decode_rows:
-            idx = self._decode_index
-            rows = torch.tensor([starts[r] for r in meta.decode_rows])
-            qd = q.index_select(0, rows)[:, :, None, :]                       # [B, Hq, 1, D]
-            kd = flat_k[idx].transpose(1, 2)                                   # [B, Hkv, L, D]
-            vd = flat_v[idx].transpose(1, 2)
+            B, (_, bs, hkv, d) = len(meta.decode_rows), kc.shape
+            rows = self._decode_rows
+            qd = q if rows is None else q.index_select(0, rows)
+            # GQA folded into the query axis: the G query heads of a KV head are G query rows
+            qd = qd.reshape(B, hkv, -1, d)                                      # [B, Hkv, G, D]
+            kd = kc.index_select(0, self._decode_blocks).view(B, -1, hkv, d).transpose(1, 2)
+            vd = vc.index_select(0, self._decode_blocks).view(B, -1, hkv, d).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self._decode_mask,
-                                                scale=self.scale, enable_gqa=True)
-            out.index_copy_(0, rows, od[:, :, 0, :])
+                                                scale=self.scale)              # [B, Hkv, G, D]
+            od = od.reshape(B, -1, d)                                           # [B, Hq, D]
+            if rows is None:
+                out = od
+            else:
+                out.index_copy_(0, rows, od)
         for r in meta.prefill_rows:
             s, e = starts[r], starts[r + 1]
             qp = q[s:e].transpose(0, 1)[None]                                   # [1, Hq, Q, D]
