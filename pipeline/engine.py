@@ -21,7 +21,7 @@ import trio
 from gpu.attention import KVCache
 from gpu.runner import ModelRunner
 from pipeline.config import EngineConfig
-from pipeline.events import EventLog, unstructure
+from pipeline.events import EventLog
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.blocks import BlockManager
@@ -110,8 +110,7 @@ class Engine:
                         cfg.max_model_len, mc.max_position_embeddings)
         num_blocks = self._num_kv_blocks(loaded)
         cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, mc.num_key_value_heads,
-                        mc.head_dim, loaded.model.dtype if hasattr(loaded.model, "dtype") else torch.float32,
-                        self.device)
+                        mc.head_dim, loaded.model.dtype, self.device)
         use_triton = self.device.type == "cuda"
         self.runner = ModelRunner(loaded.model, cache, device=self.device, seed=cfg.seed,
                                   use_triton=use_triton, max_model_len=self.max_model_len,
@@ -131,9 +130,8 @@ class Engine:
         cfg, mc = self.config, loaded.config
         if cfg.num_gpu_blocks_override:
             return cfg.num_gpu_blocks_override
-        dtype = next(loaded.model.parameters()).dtype
         per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
-                                            mc.num_key_value_heads, mc.head_dim, dtype)
+                                            mc.num_key_value_heads, mc.head_dim, loaded.model.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = 2 << 30  # activations, CUDA graphs and the allocator's slack

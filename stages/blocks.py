@@ -43,11 +43,11 @@ class BlockManager:
         return n <= len(self.free)
 
     # -- prefix cache --------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int | None]:
         """Cached full blocks that hold a prefix of token_ids (at most len-1 tokens, so at
-        least one token is left to compute and sample from)."""
+        least one token is left to compute and sample from), and the last one's hash."""
         if not self.prefix_caching:
-            return []
+            return [], None
         bs = self.block_size
         hits: list[int] = []
         prev = None
@@ -59,7 +59,7 @@ class BlockManager:
                 break
             hits.append(b)
             prev = h
-        return hits
+        return hits, prev
 
     # -- allocation ----------------------------------------------------------------------
     def take_cached(self, blocks: list[int]) -> None:

@@ -8,16 +8,14 @@ goes back to the front of the waiting queue, keeping the tokens it already gener
 """
 from __future__ import annotations
 
-import time
 from collections import deque
-from typing import Iterable
 
 import attrs
 import trio
 
 from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult
 from gpu.sampler import SamplingOptions
-from stages.blocks import BlockManager, block_hash
+from stages.blocks import BlockManager
 from stages.render import RenderedRequest
 
 
@@ -178,7 +176,7 @@ class Scheduler:
         """Attach cached prefix blocks to a sequence about to start (or restart), if the
         blocks for its first chunk fit as well."""
         bm = self.blocks
-        hits = bm.match_prefix(seq.token_ids)
+        hits, last_hash = bm.match_prefix(seq.token_ids)
         cached = len(hits) * bm.block_size
         n = min(len(seq.token_ids) - cached, budget)
         reclaimed = sum(1 for b in hits if bm.ref_count[b] == 0)  # hits sitting in the free list
@@ -187,10 +185,7 @@ class Scheduler:
         bm.take_cached(hits)
         seq.table = list(hits)
         seq.num_computed = cached
-        prev = None
-        for i in range(len(hits)):
-            prev = block_hash(prev, tuple(seq.token_ids[i * bm.block_size:(i + 1) * bm.block_size]))
-        seq.hash_cursor = (len(hits), prev)
+        seq.hash_cursor = (len(hits), last_hash)
         if not seq.first_scheduled:
             seq.num_cached_tokens = cached
         return True

@@ -133,4 +133,4 @@ def test_lru_eviction_reuses_uncached_blocks_first():
     bm.release(a)                                    # cached: stays matchable
     got = bm.allocate(1)
     assert got == b
-    assert bm.match_prefix([1, 2, 3, 4, 5]) == a
+    assert bm.match_prefix([1, 2, 3, 4, 5])[0] == a

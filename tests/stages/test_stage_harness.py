@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import orjson
-import pytest
 import trio
 
-from gpu.runner import StepPlan
 from pipeline.harness import Recorder, ScriptedRunner, run_stage
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.account import AccountedStep, RequestDelta, Usage
