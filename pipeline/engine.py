@@ -185,7 +185,8 @@ class Engine:
                 nursery.start_soon(gpu_step.run, plan_out, result_in, self.runner, ev("gpu_step"))
                 nursery.start_soon(detokenize.run, detok_out, parse_in, sched_in,
                                    detokenize.Detokenizer(tok), ev("detokenize"))
-                nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(cfg.reasoning_parser))
+                nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(cfg.reasoning_parser),
+                                   ev("parse"))
                 nursery.start_soon(account.run, acct_out, emit_in, self.accountant, ev("account"))
                 nursery.start_soon(emit.run, emit_out, self.replies, emit.Emitter(), ev("emit"))
                 self.ready.set()

@@ -23,4 +23,7 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
                 if log is not None:
                     log("step_failed", step=plan.step, error=repr(exc))
                 result = StepResult(plan.step, (), (), 0.0, error=f"{type(exc).__name__}: {exc}")
+            if log is not None:
+                log("step", step=plan.step, seqs=len(plan.chunks),
+                    tokens=sum(len(c.token_ids) for c in plan.chunks), duration_s=result.duration_s)
             await send.send(result)

@@ -108,7 +108,14 @@ class Parser:
         return ParsedStep(msg.step, msg.new_requests, tuple(out))
 
 
-async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel, core: Parser) -> None:
+async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel, core: Parser,
+              log=None) -> None:
     async with receive, send:
         async for msg in receive:
-            await send.send(core.process(msg))
+            out = core.process(msg)
+            if log is not None:
+                for d in out.deltas:
+                    if d.reasoning or d.finish_reason is not None:
+                        log("parsed", request_id=d.request_id, reasoning_chars=len(d.reasoning),
+                            content_chars=len(d.content), finish_reason=d.finish_reason)
+            await send.send(out)

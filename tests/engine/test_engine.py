@@ -11,6 +11,7 @@ from gpu.runner import SeqChunk, SeqStart, StepPlan
 from gpu.sampler import SamplingOptions
 from pipeline.config import EngineConfig
 from pipeline.engine import Engine
+from pipeline.events import read_events
 from pipeline.replay import replay
 from stages.render import RequestError
 
@@ -151,7 +152,8 @@ async def test_replay_reproduces_every_byte(smollm, tmp_path):
         engine = await start(n, smollm, event_log=str(log))
         async with trio.open_nursery() as reqs:
             reqs.start_soon(lambda: raw("chat", messages=QUESTION, max_tokens=10, stream=True,
-                                        stream_options={"include_usage": True}))
+                                        stream_options={"include_usage": True}, stop=["Paris"],
+                                        temperature=0))
             reqs.start_soon(lambda: raw("completions", prompt="Once upon a time", max_tokens=10,
                                         temperature=0.8, seed=3))
             reqs.start_soon(lambda: raw("responses", input="Say hi", max_output_tokens=6, stream=True))
@@ -159,6 +161,10 @@ async def test_replay_reproduces_every_byte(smollm, tmp_path):
     reproduced, logged = replay(log, smollm.tokenizer)
     assert logged == seen                      # the log holds exactly what the clients got
     assert reproduced == logged
+    events = list(read_events(log))
+    assert {e["stage"] for e in events} == {"render", "admit", "schedule", "gpu_step", "detokenize",
+                                            "parse", "account", "emit"}
+    assert all("request_id" in e for e in events if e["stage"] in ("render", "admit", "account", "emit"))
 
 
 def test_paged_runner_logits_match_dense(smollm):
