@@ -40,7 +40,8 @@ class SeqSamplingState:
         self.opts = opts
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
-        self.seed = opts.seed if opts.seed is not None else fallback_seed
+        # one non-negative int64 for both paths (torch.Generator, the kernels' philox)
+        self.seed = (opts.seed if opts.seed is not None else fallback_seed) % 2**63
         self.generator: torch.Generator | None = None
         if not opts.greedy:
             self.generator = torch.Generator().manual_seed(self.seed)
@@ -93,7 +94,7 @@ def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
     for i, st in enumerate(states):
         o = st.opts
         if o.stop_token_ids and len(st.output_ids) < o.min_tokens:
-            logits[i, list(o.stop_token_ids)] = float("-inf")
+            logits[i, [t for t in o.stop_token_ids if t < logits.shape[-1]]] = float("-inf")
         if o.penalised:
             logits[i] = apply_penalties(logits[i].clone(), st)
     out = logits.argmax(dim=-1).tolist()

@@ -451,7 +451,7 @@ def _sampling_fields(f: _Fields, ctx: RenderContext) -> dict[str, Any]:
     out.update(
         temperature=float(temperature), top_p=float(top_p), top_k=top_k, min_p=float(min_p),
         repetition_penalty=float(repetition_penalty), min_tokens=min_tokens,
-        seed=f.integer("seed"), stop=_stop_strings(f), stop_token_ids=_stop_token_ids(f),
+        seed=_seed(f), stop=_stop_strings(f), stop_token_ids=_stop_token_ids(f, ctx.vocab_size),
         ignore_eos=f.boolean("ignore_eos", False),
         include_stop_str_in_output=f.boolean("include_stop_str_in_output", False),
         skip_special_tokens=f.boolean("skip_special_tokens", True),
@@ -480,12 +480,25 @@ def _stop_strings(f: _Fields) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _stop_token_ids(f: _Fields) -> tuple[int, ...]:
+def _stop_token_ids(f: _Fields, vocab_size: int | None) -> tuple[int, ...]:
     ids = f.array("stop_token_ids", [])
     if not all(_is_int(i) and i >= 0 for i in ids):
         raise RequestError("'stop_token_ids' must be an array of non-negative integers.",
                            param="stop_token_ids")
+    if vocab_size is not None and any(i >= vocab_size for i in ids):
+        raise RequestError(f"'stop_token_ids' must be below the vocabulary size {vocab_size}.",
+                           param="stop_token_ids")
     return tuple(ids)
+
+
+_INT64 = 2 ** 63
+
+
+def _seed(f: _Fields) -> int | None:
+    seed = f.integer("seed")
+    if seed is not None and not -_INT64 <= seed < _INT64:
+        raise RequestError("'seed' must fit in a signed 64-bit integer.", param="seed")
+    return seed
 
 
 def _resolve_max_tokens(ctx: RenderContext, prompt_len: int, requested: int | None,
