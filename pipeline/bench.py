@@ -13,6 +13,7 @@ import time
 
 import attrs
 import trio
+from tqdm import tqdm
 
 from pipeline.config import EngineConfig, add_engine_arguments, engine_config
 from pipeline.engine import Engine
@@ -74,6 +75,7 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
         for r in reqs:
             r["model"] = engine.model_names[0]
         out_tokens = in_tokens = 0
+        progress = tqdm(total=len(reqs), desc="requests", unit="req", disable=not sys.stderr.isatty())
 
         async def one(body: dict) -> None:
             nonlocal out_tokens, in_tokens
@@ -81,12 +83,14 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
             data = json.loads(await reply.read())
             out_tokens += data["usage"]["completion_tokens"]
             in_tokens += data["usage"]["prompt_tokens"]
+            progress.update()
 
         t0 = time.perf_counter()
         async with trio.open_nursery() as reqs_nursery:
             for body in reqs:
                 reqs_nursery.start_soon(one, body)
         elapsed = time.perf_counter() - t0
+        progress.close()
         stats = engine.stats()
         nursery.cancel_scope.cancel()
     return {
