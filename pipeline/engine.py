@@ -161,7 +161,10 @@ class Engine:
                             default_sampling=dict(self.loaded.generation_config or {}),
                             reasoning=cfg.reasoning_parser is not None,
                             vocab_size=self.loaded.config.vocab_size)
-        inbox_size = 2 * (cfg.max_waiting + cfg.max_num_seqs) + 16
+        # In flight at once: at most max_waiting + max_num_seqs requests (admission counts a
+        # request until emit has sent its last byte), each putting at most one request, one
+        # Abort and one FinishRequest into schedule's inbox: the back-edges never block.
+        inbox_size = 3 * (cfg.max_waiting + cfg.max_num_seqs) + 16
         render_in, render_out = trio.open_memory_channel(cfg.max_waiting)
         admit_in, admit_out = trio.open_memory_channel(0)
         sched_in, sched_out = trio.open_memory_channel(inbox_size)
@@ -213,16 +216,18 @@ class Engine:
             accepted = True
             return Reply(self, rid, first.stream, receive)
         finally:
-            if not accepted:
-                self.replies.close(rid)
+            if not accepted:  # refused (already released), or cancelled on the way in
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        self.replies.close(request_id)
+        """The client is gone. Its request keeps its admission slot until emit releases it."""
+        if request_id not in self.replies:
+            return  # already refused or finished: nothing downstream holds it
+        self.replies.detach(request_id)
         try:
-            self._schedule_in.send_nowait(Abort(request_id))
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            pass  # the engine is shutting down, or the request is long gone
+            self._schedule_in.send_nowait(Abort(request_id))  # sized to never block (see run)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the engine is shutting down
 
     def stats(self) -> dict:
         s, a = self.scheduler, self.accountant

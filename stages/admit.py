@@ -48,12 +48,14 @@ async def run(receive: trio.MemoryReceiveChannel, schedule: trio.MemorySendChann
     async with receive, schedule:
         async for req in receive:
             if not replies.is_open(req.request_id):
-                continue  # the client left while the request was rendered
+                replies.release(req.request_id)  # the client left while it was rendered
+                continue
             err = core.check(req)
             if err is not None:
                 if log is not None:
                     log("rejected", request_id=req.request_id, status=err.status, message=err.message)
                 replies.send(req.request_id, err)
+                replies.release(req.request_id)
                 continue
             # schedule's inbox is sized to hold every admitted request: never blocks long.
             await schedule.send(req)

@@ -48,8 +48,10 @@ class DetokState:
 
     def step(self, tokenizer, u: SeqUpdate) -> TextDelta:
         ids = u.token_ids
-        # A stop token (EOS or stop_token_ids) counts as output but is not shown.
-        shown = ids[:-1] if (u.finish_reason == "stop" and ids) else ids
+        # A stop token counts as output; it is shown only when it is one of stop_token_ids
+        # and include_stop_str_in_output asks for it (EOS never is), as in vLLM.
+        hide_last = u.finish_reason == "stop" and ids and not (self.include_stop and u.stop_reason is not None)
+        shown = ids[:-1] if hide_last else ids
         start = len(self.text)
         for t in shown if self.stream is not None else ():
             piece = self.stream.step(tokenizer, t)

@@ -487,4 +487,4 @@ async def run(receive, replies, core: Emitter, log=None) -> None:
                         log("emitted", request_id=rid, data=item.decode())
                 replies.send(rid, item)
                 if isinstance(item, ReplyEnd):
-                    replies.close(rid)
+                    replies.release(rid)

@@ -670,6 +670,7 @@ async def run(receive, send, replies, ctx: RenderContext, log=None) -> None:
                 if log is not None:
                     log("rejected", request_id=sub.request_id, status=err.status, message=err.message)
                 replies.send(sub.request_id, err)
+                replies.release(sub.request_id)
                 continue
             except Exception as exc:  # a bug must cost one request, not the server
                 if log is not None:
@@ -677,6 +678,7 @@ async def run(receive, send, replies, ctx: RenderContext, log=None) -> None:
                 replies.send(sub.request_id, RequestError(
                     f"Internal error while rendering the request: {exc}", status=500,
                     type="server_error"))
+                replies.release(sub.request_id)
                 continue
             if log is not None:
                 log("rendered", request_id=req.request_id, api=req.api,

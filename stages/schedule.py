@@ -107,6 +107,8 @@ class Scheduler:
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
+        if req.request_id in self.by_id:  # the engine keeps ids unique while in flight
+            raise ValueError(f"request id {req.request_id!r} is already scheduled")
         seq = Sequence(req, self.eos_token_ids)
         self.by_id[seq.id] = seq
         self.waiting.append(seq)
@@ -126,7 +128,8 @@ class Scheduler:
         self._pending.append(SeqUpdate(seq.id, (), reason, None, seq.num_cached_tokens, error))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending or self._new_requests)
+        return bool(self.waiting or self.running or self._pending or self._new_requests
+                    or self._released)
 
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:

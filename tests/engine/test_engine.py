@@ -237,3 +237,51 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(smo
         ok = await complete(engine, prompt="Hello", max_tokens=4, ignore_eos=True)
         assert ok["usage"]["completion_tokens"] == 4
         n.cancel_scope.cancel()
+
+
+async def test_clients_that_leave_at_once_cannot_overflow_the_scheduler(smollm):
+    """Submit-then-disconnect in a tight loop while steps are slow: every such request
+    keeps its admission slot until the pipeline has let go of it, so the back-edges into
+    schedule's inbox never overflow, and overload is refused with 503."""
+    import time as _time
+
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm, max_num_seqs=1, max_waiting=1)
+        real = engine.runner.execute
+
+        def slow(plan):
+            _time.sleep(0.05)
+            return real(plan)
+
+        engine.runner.execute = slow
+        main = await engine.submit("chat", {"messages": QUESTION, "max_tokens": 16, "temperature": 0,
+                                            "stop": ["Paris"]})
+        refused = 0
+        for i in range(60):
+            try:
+                reply = await engine.submit("completions", {"prompt": "Hi", "max_tokens": 50})
+            except RequestError as err:
+                assert err.status == 503
+                refused += 1
+                continue
+            await reply.aclose()
+        body = orjson.loads(await main.read())
+        assert body["choices"][0]["finish_reason"] == "stop"
+        with trio.fail_after(10):
+            while len(engine.replies) or engine.stats()["kv_blocks_used"]:
+                await trio.sleep(0.01)
+        assert refused > 0
+        n.cancel_scope.cancel()
+
+
+async def test_a_reused_request_id_never_collides(smollm):
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm)
+        first = await engine.submit("completions", {"prompt": "Hello", "max_tokens": 30,
+                                                    "ignore_eos": True}, request_id="same")
+        await first.aclose()                                  # gone, but still in the pipeline
+        second = await engine.submit("completions", {"prompt": "Hello", "max_tokens": 3,
+                                                     "ignore_eos": True}, request_id="same")
+        assert second.request_id != first.request_id
+        assert orjson.loads(await second.read())["usage"]["completion_tokens"] == 3
+        n.cancel_scope.cancel()

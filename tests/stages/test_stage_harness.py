@@ -45,7 +45,7 @@ async def test_render_stage_renders_and_rejects(smollm_tokenizer):
 async def test_admit_stage_forwards_and_refuses():
     replies = Replies(8)
     chans = {rid: replies.open(rid) for rid in ("ok", "huge", "gone")}
-    replies.close("gone")
+    replies.detach("gone")
     core = Admission(max_in_flight=10, kv_capacity_tokens=32, in_flight=lambda: len(replies))
     reqs = [rendered("ok"), rendered("huge", prompt=range(30)), rendered("gone")]
     out = await run_stage(admit.run, inputs={"receive": reqs}, outputs=("schedule",),
