@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from tqdm import tqdm
 
 from gpu.attention import AttentionMetadata
 
@@ -48,7 +49,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        for bs in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
+        sizes = tqdm(list(reversed(self.sizes)), desc="capturing CUDA graphs", unit="graph", delay=0.5)
+        for bs in sizes:  # largest first: later graphs reuse its memory pool
             self.attn.prepare(self._meta(bs))
             self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)  # warm-up
             torch.cuda.synchronize()
