@@ -115,7 +115,9 @@ class Engine:
         self.runner = ModelRunner(loaded.model, cache, device=self.device, seed=cfg.seed,
                                   use_triton=use_triton, max_model_len=self.max_model_len,
                                   cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512))
-        eos = tuple(loaded.tokenizer.eos_token_ids) if loaded.tokenizer else tuple(mc.eos_token_ids)
+        # EOS: the tokenizer's and the model config's (generation_config.json merged in)
+        tok_eos = tuple(loaded.tokenizer.eos_token_ids) if loaded.tokenizer else ()
+        eos = tuple(dict.fromkeys((*tok_eos, *mc.eos_token_ids)))
         budget = cfg.max_num_batched_tokens or max(2048, cfg.max_num_seqs)
         self.blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
