@@ -119,6 +119,7 @@ class CausalLM(nn.Module):
         # fp32 cos/sin table; a buffer so .to(device) moves it, not persistent so it is never "loaded".
         positions = max_positions or c.max_position_embeddings
         self.register_buffer("cos_sin", build_rope_cache(c, positions, device), persistent=False)
+        self._lm_head_mkldnn: torch.Tensor | bool | None = None  # packed on first CPU use
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids [T], positions [T] -> final normed hidden states [T, D]."""
@@ -133,7 +134,25 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        packed = self._packed_lm_head_weight(hidden)
+        if packed is not None:
+            return torch.ops.aten.mkldnn_linear(hidden.to_mkldnn(), packed, None).to_dense()  # [N, V]
         return self.lm_head(hidden).float()  # [N, V]
+
+    def _packed_lm_head_weight(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """On CPU in fp32, the vocabulary projection runs through oneDNN with its weight
+        packed once: at decode sizes (a few dozen rows by a 50k-row vocabulary) that is
+        about 1.5x faster than the plain matmul. None where it does not apply."""
+        if hidden.device.type != "cpu" or hidden.dtype != torch.float32:
+            return None
+        if self._lm_head_mkldnn is None:
+            self._lm_head_mkldnn = False
+            if torch.backends.mkldnn.is_available():
+                try:
+                    self._lm_head_mkldnn = self.lm_head.weight.detach().to_mkldnn()
+                except RuntimeError:  # a build without oneDNN tensors: keep the plain matmul
+                    pass
+        return self._lm_head_mkldnn if self._lm_head_mkldnn is not False else None
 
     def hf_weight_names(self) -> list[str]:
         """The HF checkpoint names load_weights needs (lm_head.weight only when untied)."""
@@ -149,6 +168,7 @@ class CausalLM(nn.Module):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the merged parameters; raises ValueError on unknown, misshapen
         or missing weights."""
+        self._lm_head_mkldnn = None  # repack on next use
         params = dict(self.named_parameters())
         missing = set(self.hf_weight_names())
         for hf_name, tensor in named_tensors:

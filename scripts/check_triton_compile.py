@@ -1,0 +1,286 @@
+"""AOT compile check of the Triton kernels in gpu/kernels for a CUDA target, without a GPU.
+
+    python scripts/check_triton_compile.py [--arch 90] [--only NAME] [-v]
+
+Uses whatever `triton` (and `torch`) the interpreter imports, so it can check
+another Triton release from a separate venv, e.g. for triton 3.6:
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 numpy
+    PYTHONPATH=/tmp/t36/lib/python3.11/site-packages:.venv/lib/python3.11/site-packages \\
+        /tmp/t36/bin/python scripts/check_triton_compile.py
+
+(the t36 site-packages first so its triton wins over the project's; the
+project's CPU torch is only needed to run the launchers).
+
+How: every public launcher (paged_attention, write_kv, rms_norm, ...) is called
+with CPU tensors of the dtypes and SmolLM2-135M / Qwen3-0.6B-like shapes a GPU
+run would use, while the module's @triton.jit kernel is swapped for a recorder.
+The recorded launch (args, constexprs, num_warps, num_stages) is specialized
+with the installed triton's own JIT binder, exactly as a launch on the device
+would be, and compiled through ttir/ttgir/llir/ptx to a cubin with the ptxas
+shipped in the triton wheel, for GPUTarget("cuda", arch, 32).  Nothing is
+launched.  TRITON_INTERPRET is cleared, so the launchers take their GPU paths.
+
+Prints one line per compiled variant, OK or FAIL, and exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)  # before triton / the kernels are imported
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}  # bytes per block
+
+# Model-like shapes: (name, Hq, Hkv, Dh, hidden, intermediate, vocab).
+MODELS = [
+    ("smollm2-135m", 9, 3, 64, 576, 1536, 49152),
+    ("qwen3-0.6b", 16, 8, 128, 1024, 3072, 151936),
+]
+PAGE = 16
+
+
+class _Recorder:
+    """Stands in for a JITFunction: kernel[grid](*args, **kwargs) only records the call."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def _jit_fn(fn):
+    # Under some configurations triton.jit may wrap; unwrap to the JITFunction.
+    while not hasattr(fn, "params") and hasattr(fn, "fn"):
+        fn = fn.fn
+    return fn
+
+
+def _record(module, kernel_names, launch):
+    """Run launch() with module.<kernel> replaced by recorders; return [(kernel_name, jit_fn, args, kwargs)]."""
+    saved = {n: getattr(module, n) for n in kernel_names}
+    recs = {n: _Recorder(_jit_fn(saved[n])) for n in kernel_names}
+    try:
+        for n, r in recs.items():
+            setattr(module, n, r)
+        launch()
+    finally:
+        for n, f in saved.items():
+            setattr(module, n, f)
+    return [(n, r.fn, a, k) for n, r in recs.items() for a, k in r.calls]
+
+
+def _compile(fn, args, kwargs, target):
+    """Specialize like JITFunction.run does for `target`, then triton.compile (no driver needed)."""
+    import triton
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(kwargs)
+    kwargs.setdefault("debug", False)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    src = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options=options.__dict__)
+
+
+def _cases(only):
+    """Yield (label, module, kernel_names, launch) for every variant to compile."""
+    import torch
+
+    from gpu.kernels import activation, kv_cache, paged_attention, rmsnorm, rope, sampling
+
+    dev = "cpu"
+    half_dtypes = (torch.bfloat16, torch.float16)
+    all_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+    def want(name):
+        return only is None or only in name
+
+    for model, hq, hkv, dh, hidden, inter, vocab in MODELS:
+        # ---- paged attention: decode, prefill/mixed, flash-decoding splits
+        for dtype in all_dtypes:
+            for mode in ("decode", "prefill", "split4"):
+                label = f"paged_attention[{model},{short[dtype]},{mode}]"
+                if not want(label):
+                    continue
+
+                def launch(dtype=dtype, mode=mode, hq=hq, hkv=hkv, dh=dh):
+                    B = 4
+                    q_len = 1 if mode != "prefill" else 37
+                    ctx = 300
+                    pages = -(-ctx // PAGE)
+                    k_cache = torch.zeros(B * pages, PAGE, hkv, dh, dtype=dtype, device=dev)
+                    v_cache = torch.zeros_like(k_cache)
+                    tables = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
+                    cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * q_len
+                    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+                    # q as a view of a fused qkv projection, like the model passes it.
+                    qkv = torch.zeros(B * q_len, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
+                    q = qkv[:, : hq * dh].view(B * q_len, hq, dh)
+                    paged_attention.paged_attention(
+                        q, k_cache, v_cache, tables, cu, seq_lens, dh ** -0.5,
+                        max_seqlen_q=q_len if mode != "prefill" else None,
+                        num_kv_splits=4 if mode == "split4" else 1,
+                        out=torch.empty(q.shape, dtype=dtype, device=dev))
+
+                yield label, paged_attention, ["_paged_attention_kernel", "_combine_splits_kernel"], launch
+
+        for dtype in all_dtypes:
+            s = short[dtype]
+            # ---- KV cache write (k, v views of fused qkv; slot_mapping int64)
+            label = f"write_kv[{model},{s}]"
+            if want(label):
+                def launch(dtype=dtype, hq=hq, hkv=hkv, dh=dh):
+                    T = 37
+                    qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
+                    k = qkv[:, hq * dh:(hq + hkv) * dh].view(T, hkv, dh)
+                    v = qkv[:, (hq + hkv) * dh:].view(T, hkv, dh)
+                    cache = torch.zeros(8, PAGE, hkv, dh, dtype=dtype, device=dev)
+                    slots = torch.arange(T, dtype=torch.int64, device=dev)
+                    kv_cache.write_kv(k, v, cache, cache.clone(), slots)
+
+                yield label, kv_cache, ["_write_kv_kernel"], launch
+
+            # ---- RMSNorm (hidden, and per-head qk-norm over head_dim), plain and fused-add
+            for d in (hidden, dh):
+                for fused in (False, True):
+                    label = f"rms_norm[{model},{s},d={d}{',fused_add' if fused else ''}]"
+                    if not want(label):
+                        continue
+
+                    def launch(dtype=dtype, d=d, fused=fused):
+                        x = torch.zeros(37, d, dtype=dtype, device=dev)
+                        w = torch.ones(d, dtype=dtype, device=dev)
+                        if fused:
+                            rmsnorm.fused_add_rms_norm(x, x.clone(), w, 1e-6)
+                        else:
+                            rmsnorm.rms_norm(x, w, 1e-6)
+
+                    yield label, rmsnorm, ["_rms_norm_kernel"], launch
+
+            # ---- RoPE (cos_sin table fp32, positions int64)
+            label = f"apply_rope[{model},{s}]"
+            if want(label):
+                def launch(dtype=dtype, hq=hq, hkv=hkv, dh=dh):
+                    T = 37
+                    qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
+                    q = qkv[:, : hq * dh].view(T, hq, dh)
+                    k = qkv[:, hq * dh:(hq + hkv) * dh].view(T, hkv, dh)
+                    cos_sin = torch.zeros(4096, dh, dtype=torch.float32, device=dev)
+                    pos = torch.arange(T, dtype=torch.int64, device=dev)
+                    rope.apply_rope(q, k, pos, cos_sin)
+
+                yield label, rope, ["_rope_kernel"], launch
+
+            # ---- SwiGLU gate: decode-sized and prefill-sized batches pick different tiles
+            for n in (1, 512):
+                label = f"silu_and_mul[{model},{s},n={n}]"
+                if want(label):
+                    def launch(dtype=dtype, n=n, inter=inter):
+                        activation.silu_and_mul(torch.zeros(n, 2 * inter, dtype=dtype, device=dev))
+
+                    yield label, activation, ["_silu_and_mul_kernel"], launch
+
+        # ---- sampling / penalties: fp32 logits over the model's vocab
+        for B in (1, 64):
+            label = f"sample[{model},B={B}]"
+            if want(label):
+                def launch(B=B, vocab=vocab):
+                    logits = torch.zeros(B, vocab, dtype=torch.float32, device=dev)
+                    f32 = lambda v: torch.full((B,), v, dtype=torch.float32, device=dev)  # noqa: E731
+                    sampling.sample(logits, f32(0.8), torch.full((B,), 50, dtype=torch.int32, device=dev),
+                                    f32(0.9), f32(0.05), torch.arange(B, dtype=torch.int64, device=dev),
+                                    torch.zeros(B, dtype=torch.int64, device=dev), use_top_k_top_p=False)
+
+                yield label, sampling, ["_sample_kernel"], launch
+
+            label = f"apply_penalties[{model},B={B}]"
+            if want(label):
+                def launch(B=B, vocab=vocab):
+                    logits = torch.zeros(B, vocab, dtype=torch.float32, device=dev)
+                    f32 = lambda v: torch.full((B,), v, dtype=torch.float32, device=dev)  # noqa: E731
+                    sampling.apply_penalties(logits, torch.zeros(B, vocab, dtype=torch.bool, device=dev),
+                                             torch.zeros(B, vocab, dtype=torch.int32, device=dev),
+                                             f32(1.1), f32(0.1), f32(0.1))
+
+                yield label, sampling, ["_penalties_kernel"], launch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
+    parser.add_argument("--only", default=None, help="only variants whose label contains this string")
+    parser.add_argument("--cache-dir", default=None, help="TRITON_CACHE_DIR (default: a fresh temp dir, "
+                                                          "so every kernel is really compiled)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="full tracebacks on failure")
+    args = parser.parse_args()
+
+    tmp = None
+    if args.cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = args.cache_dir
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="triton_aot_check_")
+        os.environ["TRITON_CACHE_DIR"] = tmp.name
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", args.arch, 32)
+    print(f"triton {triton.__version__} ({os.path.dirname(triton.__file__)}), target sm_{args.arch}", flush=True)
+    max_shared = MAX_SHARED.get(args.arch)
+
+    n_ok = n_fail = 0
+    for label, module, names, launch in _cases(args.only):
+        try:
+            calls = _record(module, names, launch)
+            assert calls, "the launcher launched no kernel"
+        except Exception as exc:  # noqa: BLE001
+            n_fail += 1
+            print(f"FAIL {label}: launcher: {type(exc).__name__}: {exc}", flush=True)
+            if args.verbose:
+                traceback.print_exc()
+            continue
+        for kname, fn, a, kw in calls:
+            consts = {k: v for k, v in kw.items() if k.isupper()}
+            opts = {k: v for k, v in kw.items() if not k.isupper()}
+            line = f"{kname} {label} {consts} {opts}"
+            t0 = time.perf_counter()
+            try:
+                kernel = _compile(fn, a, kw, target)
+                cubin = kernel.asm.get("cubin", b"")
+                assert cubin, "no cubin produced"
+                shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+                if max_shared is not None and shared > max_shared:
+                    raise RuntimeError(f"needs {shared} B shared memory > {max_shared} B on sm_{args.arch}")
+            except Exception as exc:  # noqa: BLE001
+                n_fail += 1
+                msg = str(exc).strip().splitlines()
+                print(f"FAIL {line}: {type(exc).__name__}: {msg[0] if msg else ''}", flush=True)
+                if args.verbose:
+                    traceback.print_exc()
+                continue
+            n_ok += 1
+            print(f"OK   {line} shared={shared}B cubin={len(cubin)}B {time.perf_counter() - t0:.1f}s", flush=True)
+
+    print(f"{n_ok} OK, {n_fail} FAIL (triton {triton.__version__}, sm_{args.arch})", flush=True)
+    if tmp is not None:
+        tmp.cleanup()
+    return 1 if n_fail or not n_ok else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
