@@ -7,7 +7,7 @@ another Triton release from a separate venv, e.g. for triton 3.6:
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 numpy
     PYTHONPATH=/tmp/t36/lib/python3.11/site-packages:.venv/lib/python3.11/site-packages \\
-        /tmp/t36/bin/python scripts/check_triton_compile.py
+        /tmp/t36/bin/python scripts/check_triton_compile.py --expect-triton 3.6.0
 
 (the t36 site-packages first so its triton wins over the project's; the
 project's CPU torch is only needed to run the launchers).
@@ -226,6 +226,8 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="only variants whose label contains this string")
     parser.add_argument("--cache-dir", default=None, help="TRITON_CACHE_DIR (default: a fresh temp dir, "
                                                           "so every kernel is really compiled)")
+    parser.add_argument("--expect-triton", default=None, metavar="VERSION",
+                        help="fail unless the imported triton is this version, e.g. 3.6.0")
     parser.add_argument("-v", "--verbose", action="store_true", help="full tracebacks on failure")
     args = parser.parse_args()
 
@@ -241,6 +243,9 @@ def main() -> int:
 
     target = GPUTarget("cuda", args.arch, 32)
     print(f"triton {triton.__version__} ({os.path.dirname(triton.__file__)}), target sm_{args.arch}", flush=True)
+    if args.expect_triton and triton.__version__ != args.expect_triton:
+        print(f"FAIL triton {triton.__version__} imported, expected {args.expect_triton}", flush=True)
+        return 1
     max_shared = MAX_SHARED.get(args.arch)
 
     n_ok = n_fail = 0
