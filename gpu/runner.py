@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from gpu.attention import AttentionMetadata, KVCache, TorchPagedAttention
-from gpu.sampler import SamplingOptions, SeqSamplingState, sample, sample_on_device
+from gpu.sampler import SamplingOptions, SeqSamplingState, sample, sample_on_device, token_logprobs
 
 
 @attrs.frozen
@@ -41,12 +41,21 @@ class StepPlan:
 
 
 @attrs.frozen
+class TokenLogprobs:
+    """The sampled token's log-probability and the top-k alternatives (raw model output)."""
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@attrs.frozen
 class StepResult:
     step: int
     seq_ids: tuple[str, ...]           # the chunks that sampled, in plan order
     token_ids: tuple[int, ...]
     duration_s: float
     error: str | None = None           # the step failed: every sequence in the plan is lost
+    logprobs: tuple[TokenLogprobs | None, ...] = ()   # per sampled sequence, when any asked
 
 
 class ModelRunner:
@@ -104,13 +113,21 @@ class ModelRunner:
             idx = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))  # [B, V]
             states = [self.states[s] for s in seq_ids]
+            want = [i for i, st in enumerate(states) if st.opts.logprobs is not None]
+            raw = torch.log_softmax(logits[want].float(), dim=-1) if want else None  # before sampling edits
             if self.use_triton:
                 tokens = sample_on_device(logits, states)
             else:
                 tokens = sample(logits.float().cpu(), states)
+            logprobs: tuple[TokenLogprobs | None, ...] = ()
+            if want:
+                per_row = dict(zip(want, token_logprobs(raw, [tokens[i] for i in want],
+                                                        [states[i].opts.logprobs for i in want])))
+                logprobs = tuple(TokenLogprobs(*per_row[i]) if i in per_row else None
+                                 for i in range(len(states)))
         for st, tok in zip(states, tokens):
             st.output_ids.append(tok)
-        return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0)
+        return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0, logprobs=logprobs)
 
     def _prepare(self, chunks: tuple[SeqChunk, ...]):
         bs = self.block_size

@@ -22,6 +22,7 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     min_tokens: int = 0               # stop_token_ids are masked until this many outputs
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None       # None: off; k: the sampled token's logprob and the top k
 
     @property
     def greedy(self) -> bool:
@@ -154,3 +155,20 @@ def sample_on_device(logits: torch.Tensor, states: list[SeqSamplingState]) -> li
     tokens = kernel_sample(logits, temperature.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev),
                            seeds.to(dev), steps.to(dev), use_top_k_top_p=use_filters)
     return tokens.tolist()
+
+
+def token_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], ks: list[int]):
+    """raw_logprobs: [R, V] log-softmax of the model's logits (before penalties and
+    temperature, as vLLM reports them); one (logprob, top ids, top logprobs) per row."""
+    picked = raw_logprobs.gather(1, torch.tensor(tokens, device=raw_logprobs.device)[:, None])[:, 0]
+    kmax = max(ks)
+    top_v, top_i = raw_logprobs.topk(kmax, dim=-1) if kmax > 0 else (None, None)
+    picked = picked.tolist()
+    top_v = top_v.tolist() if top_v is not None else None
+    top_i = top_i.tolist() if top_i is not None else None
+    out = []
+    for r, k in enumerate(ks):
+        ids = tuple(top_i[r][:k]) if k else ()
+        vals = tuple(top_v[r][:k]) if k else ()
+        out.append((picked[r], ids, vals))
+    return out

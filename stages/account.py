@@ -4,6 +4,7 @@ from __future__ import annotations
 import attrs
 import trio
 
+from stages.detokenize import TokenLogprob
 from stages.parse import ParsedStep
 from stages.render import RenderedRequest
 
@@ -31,6 +32,7 @@ class RequestDelta:
     usage: Usage                       # running totals; final when finish_reason is set
     stop_reason: str | int | None = None   # the stop string or stop token id that matched
     error: str | None = None           # engine failure message when finish_reason == "error"
+    logprobs: tuple[TokenLogprob, ...] = ()   # one per token of token_ids, when asked for
 
 
 @attrs.frozen
@@ -81,7 +83,7 @@ class Accountant:
                 self.finished_total[d.finish_reason] = self.finished_total.get(d.finish_reason, 0) + 1
                 finished.append((d.request_id, usage, d.finish_reason))
             deltas.append(RequestDelta(d.request_id, d.content, d.reasoning, d.token_ids,
-                                       d.finish_reason, usage, d.stop_reason, d.error))
+                                       d.finish_reason, usage, d.stop_reason, d.error, d.logprobs))
         return AccountedStep(msg.new_requests, tuple(deltas)), finished
 
 

@@ -18,6 +18,20 @@ _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leadi
 
 
 @attrs.frozen
+class TokenLogprob:
+    """One output token's logprob with its text, and the top alternatives with theirs."""
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@attrs.frozen
 class TextDelta:
     request_id: str
     text: str
@@ -26,6 +40,7 @@ class TextDelta:
     stop_reason: str | int | None
     num_cached_tokens: int
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen
@@ -70,7 +85,12 @@ class DetokState:
             end = max(self.emitted, len(self.text) - self.hold)
         delta = self.text[self.emitted:end]
         self.emitted = end
-        return TextDelta(u.request_id, delta, ids, finish, stop_reason, u.num_cached_tokens, u.error)
+        logprobs = tuple(
+            TokenLogprob(token_text(tokenizer, t), lp.logprob,
+                         tuple((token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
+            for t, lp in zip(ids, u.logprobs))
+        return TextDelta(u.request_id, delta, ids, finish, stop_reason, u.num_cached_tokens, u.error,
+                         logprobs)
 
     def _find_stop(self, since: int) -> tuple[int, str] | None:
         best = None

@@ -17,6 +17,7 @@ import attrs
 import orjson
 
 from stages.account import AccountedStep, RequestDelta, Usage
+from stages.detokenize import TokenLogprob
 from stages.render import RenderedRequest
 
 DONE = b"data: [DONE]\n\n"
@@ -114,6 +115,8 @@ class _ChoiceFramer(Framer):
         self.id = f"{self.id_prefix}{req.request_id}"
         self._text: list[str] = []
         self._reasoning: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._wants_logprobs = req.sampling.logprobs is not None
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         chunk = {"id": self.id, "object": self.chunk_object_name, "created": self.req.created,
@@ -126,8 +129,11 @@ class _ChoiceFramer(Framer):
     def _stream(self, delta: RequestDelta) -> bytes:
         out = []
         reasoning = self._visible_reasoning(delta)
-        if delta.text or reasoning:
-            out.append(self._chunk([self._stream_choice(delta.text, reasoning)]))
+        logprobs = self._logprobs_json(delta.logprobs) if self._wants_logprobs and delta.logprobs else None
+        if delta.text or reasoning or logprobs:
+            choice = self._stream_choice(delta.text, reasoning)
+            choice["logprobs"] = logprobs
+            out.append(self._chunk([choice]))
         reason = delta.finish_reason
         if reason == "error":
             out.append(sse_data(server_error_json(delta.error)))
@@ -142,19 +148,25 @@ class _ChoiceFramer(Framer):
     def _accumulate(self, delta: RequestDelta) -> bytes:
         self._text.append(delta.text)
         self._reasoning.append(self._visible_reasoning(delta))
+        self._logprobs.extend(delta.logprobs)
         if delta.finish_reason is None:
             return b""
         if delta.finish_reason == "error":
             self.status = 500
             return orjson.dumps(server_error_json(delta.error))
         text, reasoning = "".join(self._text), "".join(self._reasoning)
+        choice = self._body_choice(text, reasoning, delta.finish_reason, delta.stop_reason)
+        if self._wants_logprobs:
+            choice["logprobs"] = self._logprobs_json(self._logprobs)
         return orjson.dumps({
             "id": self.id, "object": self.object_name, "created": self.req.created,
             "model": self.req.model,
-            "choices": [self._body_choice(text, reasoning, delta.finish_reason,
-                                          delta.stop_reason)],
+            "choices": [choice],
             "usage": usage_json(delta.usage),
         })
+
+    def _logprobs_json(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict:
+        raise NotImplementedError
 
     def _visible_reasoning(self, delta: RequestDelta) -> str:
         return delta.reasoning
@@ -180,6 +192,14 @@ class ChatFramer(_ChoiceFramer):
             return b""
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
+
+    def _logprobs_json(self, entries) -> dict:
+        """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        def one(token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [{**one(e.token, e.logprob),
+                             "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries]}
 
     def _visible_reasoning(self, delta: RequestDelta) -> str:
         # vLLM's include_reasoning=false drops the reasoning text (it is still counted).
@@ -208,6 +228,21 @@ class CompletionFramer(_ChoiceFramer):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
     id_prefix = "cmpl-"
+
+    def __init__(self, req: RenderedRequest) -> None:
+        super().__init__(req)
+        self._offset = 0
+
+    def _logprobs_json(self, entries) -> dict:
+        """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e.token)
+        return {"tokens": [e.token for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [dict(e.top) for e in entries],
+                "text_offset": offsets}
 
     def _visible_reasoning(self, delta: RequestDelta) -> str:
         return ""    # completions have no reasoning field

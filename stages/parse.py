@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.detokenize import DetokenizedStep
+from stages.detokenize import DetokenizedStep, TokenLogprob
 from stages.render import RenderedRequest
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -27,6 +27,7 @@ class ParsedDelta:
     stop_reason: str | int | None
     num_cached_tokens: int
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen
@@ -92,7 +93,8 @@ class Parser:
     def process(self, msg: DetokenizedStep) -> ParsedStep:
         if self.reasoning_parser is None:
             deltas = tuple(ParsedDelta(d.request_id, d.text, "", d.token_ids, d.finish_reason,
-                                       d.stop_reason, d.num_cached_tokens, d.error) for d in msg.deltas)
+                                       d.stop_reason, d.num_cached_tokens, d.error, d.logprobs)
+                           for d in msg.deltas)
             return ParsedStep(msg.step, msg.new_requests, deltas)
         for req in msg.new_requests:
             self.states[req.request_id] = ThinkState(self.reasoning_parser)
@@ -104,7 +106,7 @@ class Parser:
             if final:
                 self.states.pop(d.request_id, None)
             out.append(ParsedDelta(d.request_id, content, reasoning, d.token_ids, d.finish_reason,
-                                   d.stop_reason, d.num_cached_tokens, d.error))
+                                   d.stop_reason, d.num_cached_tokens, d.error, d.logprobs))
         return ParsedStep(msg.step, msg.new_requests, tuple(out))
 
 

@@ -56,6 +56,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    logprobs: int | None = None   # None: off; k: each token's logprob and the top k alternatives
 
 
 @attrs.frozen
@@ -228,12 +229,24 @@ def _resolve_model(f: _Fields, ctx: RenderContext) -> str:
 
 # -- per-API renderers -------------------------------------------------------
 
+MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
+
+
+def _chat_logprobs(f: _Fields) -> int | None:
+    """Chat's logprobs (bool) + top_logprobs (0-20) -> None, or the number of alternatives."""
+    top = f.integer("top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise RequestError(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {top}.",
+                           param="top_logprobs")
+    if not f.boolean("logprobs", False):
+        if top:
+            raise RequestError("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
+        return None
+    return top or 0
+
 def _render_chat(sub: Submission, f: _Fields, ctx: RenderContext, model: str) -> RenderedRequest:
     _check_single_choice(f, "n")
-    if f.boolean("logprobs", False):
-        f.unsupported("logprobs")
-    if f.integer("top_logprobs", 0):
-        f.unsupported("top_logprobs")
+    logprobs = _chat_logprobs(f)
     response_format = f.object("response_format")
     if response_format is not None and response_format.get("type", "text") != "text":
         f.unsupported("response_format", "other than {\"type\": \"text\"} is not supported")
@@ -251,7 +264,7 @@ def _render_chat(sub: Submission, f: _Fields, ctx: RenderContext, model: str) ->
 
     max_tokens_name = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
     requested = _requested_max_tokens(f, max_tokens_name)
-    sampling_fields = _sampling_fields(f, ctx)
+    sampling_fields = {**_sampling_fields(f, ctx), "logprobs": logprobs}
 
     messages = _chat_messages(f.body.get("messages"), "messages")
     template_kwargs = f.object("chat_template_kwargs", {})
@@ -273,15 +286,17 @@ def _render_completions(sub: Submission, f: _Fields, ctx: RenderContext,
         f.unsupported("echo")
     if f.body.get("suffix") not in (None, ""):
         f.unsupported("suffix")
-    if f.body.get("logprobs") is not None:
-        f.unsupported("logprobs")
+    logprobs = f.integer("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {logprobs}.",
+                           param="logprobs")
     if f.object("logit_bias"):
         f.unsupported("logit_bias")
     _reject_present(f, ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                         "structured_outputs", "response_format"))
     stream, include_usage = _stream_flags(f)
     requested = _requested_max_tokens(f, "max_tokens")
-    sampling_fields = _sampling_fields(f, ctx)
+    sampling_fields = {**_sampling_fields(f, ctx), "logprobs": logprobs}
 
     ids = _completion_prompt_ids(f, ctx)
     # OpenAI's default for /v1/completions is 16 tokens.

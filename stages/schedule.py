@@ -13,7 +13,7 @@ from collections import deque
 import attrs
 import trio
 
-from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult
+from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult, TokenLogprobs
 from gpu.sampler import SamplingOptions
 from stages.blocks import BlockManager
 from stages.render import RenderedRequest
@@ -41,6 +41,7 @@ class SeqUpdate:
     stop_reason: int | None = None        # the stop token id, when one ended it
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
     error: str | None = None              # finish_reason "error": what went wrong
+    logprobs: tuple[TokenLogprobs, ...] = ()   # one per token, when the request asked
 
 
 @attrs.frozen
@@ -85,7 +86,8 @@ def sampling_options(seq: Sequence) -> SamplingOptions:
     return SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                            seed=s.seed, repetition_penalty=s.repetition_penalty,
                            frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                           min_tokens=s.min_tokens, stop_token_ids=tuple(sorted(seq.stop_ids)))
+                           min_tokens=s.min_tokens, stop_token_ids=tuple(sorted(seq.stop_ids)),
+                           logprobs=s.logprobs)
 
 
 class Scheduler:
@@ -227,6 +229,7 @@ class Scheduler:
                 self.finish(chunk.seq_id, "error", result.error)
             return self.drain()
         sampled = dict(zip(result.seq_ids, result.token_ids))
+        logprobs = dict(zip(result.seq_ids, result.logprobs))
         updates = list(self._pending)
         self._pending = []
         for chunk in plan.chunks:
@@ -246,7 +249,9 @@ class Scheduler:
                 reason, stop = "stop", (tok if tok in seq.req.sampling.stop_token_ids else None)
             elif seq.num_output >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"
-            updates.append(SeqUpdate(seq.id, (tok,), reason, stop, seq.num_cached_tokens))
+            lp = logprobs.get(seq.id)
+            updates.append(SeqUpdate(seq.id, (tok,), reason, stop, seq.num_cached_tokens,
+                                     logprobs=(lp,) if lp is not None else ()))
             if reason is not None:
                 self.running.remove(seq)
                 del self.by_id[seq.id]

@@ -235,3 +235,16 @@ def test_disconnect_frees_the_kv_cache(server, model_name):
     while metric(server, "kv_blocks_used") > 0 or metric(server, "num_requests_running") > 0:
         assert time.monotonic() < deadline, "the aborted request still holds KV blocks"
         time.sleep(0.05)
+
+
+def test_logprobs_through_the_openai_client(client, model_name):
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Say hello"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    comp = client.completions.create(model=model_name, prompt="Hello", max_tokens=3, temperature=0,
+                                     logprobs=1)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3

@@ -155,7 +155,7 @@ async def test_replay_reproduces_every_byte(smollm, tmp_path):
                                         stream_options={"include_usage": True}, stop=["Paris"],
                                         temperature=0))
             reqs.start_soon(lambda: raw("completions", prompt="Once upon a time", max_tokens=10,
-                                        temperature=0.8, seed=3))
+                                        temperature=0.8, seed=3, logprobs=2, stream=True))
             reqs.start_soon(lambda: raw("responses", input="Say hi", max_output_tokens=6, stream=True))
         n.cancel_scope.cancel()
     reproduced, logged = replay(log, smollm.tokenizer)
@@ -285,3 +285,31 @@ async def test_a_reused_request_id_never_collides(smollm):
         assert second.request_id != first.request_id
         assert orjson.loads(await second.read())["usage"]["completion_tokens"] == 3
         n.cancel_scope.cancel()
+
+
+async def test_logprobs_chat_and_completions(smollm):
+    async with trio.open_nursery() as n:
+        engine = await start(n, smollm)
+        chat = await complete(engine, "chat", messages=QUESTION, max_tokens=6, logprobs=True,
+                              top_logprobs=3)
+        reply = await engine.submit("completions", {"prompt": "Once upon a time", "max_tokens": 5,
+                                                    "temperature": 0, "logprobs": 2, "stream": True,
+                                                    "ignore_eos": True})
+        chunks = [orjson.loads(line[6:]) for line in (await reply.read()).split(b"\n\n")
+                  if line.startswith(b"data: {")]
+        n.cancel_scope.cancel()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"]
+    for entry in content:                                  # greedy: the pick is the top-1
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+        assert entry["logprob"] <= 0 and entry["bytes"] == list(entry["token"].encode())
+        assert sum(2.718281828 ** t["logprob"] for t in entry["top_logprobs"]) <= 1.0001
+    assert "".join(e["token"] for e in content).startswith(chat["choices"][0]["message"]["content"][:5])
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    tokens = [t for lp in lps for t in lp["tokens"]]
+    assert len(tokens) == 5
+    assert all(len(top) == 2 for lp in lps for top in lp["top_logprobs"])
+    offsets = [o for lp in lps for o in lp["text_offset"]]
+    assert offsets == sorted(offsets) and offsets[0] == 0

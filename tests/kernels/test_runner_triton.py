@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from gpu.attention import KVCache
@@ -66,3 +67,13 @@ def test_device_sampling_is_seeded(tmp_path, device):
                       (SeqStart("x", (1, 2, 3), hot), SeqStart("y", (1, 2, 3), hot)))]
     [r] = [triton_runner.execute(p) for p in plans]
     assert r.token_ids[0] == r.token_ids[1]          # same seed, same step, same logits
+
+
+def test_logprobs_match_between_paths(tmp_path, device):
+    lm, torch_runner, triton_runner = runner_pair(tmp_path, device)
+    opts = SamplingOptions(temperature=0.0, logprobs=3)
+    plan = StepPlan(1, (SeqChunk("a", (3, 9, 4), 0, (1,), True),), (SeqStart("a", (3, 9, 4), opts),))
+    a = torch_runner.execute(plan).logprobs[0]
+    b = triton_runner.execute(plan).logprobs[0]
+    assert a.top_ids == b.top_ids and a.top_ids[0] == torch_runner.states["a"].output_ids[0]
+    assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and a.logprob <= 0

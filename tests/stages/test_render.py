@@ -143,7 +143,7 @@ def test_wrong_types_name_the_param(field, value):
     ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.1),
     ("top_k", -2), ("min_p", 1.5), ("frequency_penalty", 3), ("presence_penalty", -2.5),
     ("repetition_penalty", 0), ("min_tokens", -1), ("n", 2), ("stop", [""]),
-    ("logprobs", True), ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
+    ("logprobs", "yes"), ("top_logprobs", 3), ("top_logprobs", 21), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("logit_bias", {"1": 5}),
 ])
@@ -247,7 +247,7 @@ def test_completion_prompt_forms(prompt, ids):
     ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 5000]}, "prompt"),
     ({"prompt": []}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": None}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-    ({"logprobs": 1}, "logprobs"), ({"best_of": 2}, "best_of"), ({"max_tokens": -1}, "max_tokens"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"best_of": 2}, "best_of"), ({"max_tokens": -1}, "max_tokens"),
 ])
 def test_completion_errors(body, param):
     err = error_of(completion, body)
