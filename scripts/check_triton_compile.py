@@ -103,7 +103,6 @@ def _cases(only):
     from gpu.kernels import activation, kv_cache, paged_attention, rmsnorm, rope, sampling
 
     dev = "cpu"
-    half_dtypes = (torch.bfloat16, torch.float16)
     all_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
