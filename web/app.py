@@ -173,6 +173,16 @@ def create_app(engine: Any, *,
             return error_response("The engine is not ready.", 503, type="server_error")
         return Response(b"", status=200)
 
+    @app.get("/version")
+    async def version() -> Response:
+        from importlib.metadata import PackageNotFoundError, version as dist_version
+
+        try:
+            v = dist_version("tailrace")
+        except PackageNotFoundError:
+            v = "unknown"
+        return Response(orjson.dumps({"version": v}), content_type="application/json")
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -248,3 +248,10 @@ def test_logprobs_through_the_openai_client(client, model_name):
                                      logprobs=1)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+
+
+def test_version(server):
+    import httpx
+
+    r = httpx.get(f"{server.url}/version")
+    assert r.status_code == 200 and r.json()["version"] == "0.1.0"
