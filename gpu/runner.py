@@ -6,8 +6,10 @@ both import them from gpu/ (no import cycle). Synchronous; no trio, no globals.
 from __future__ import annotations
 
 import time
+from itertools import accumulate, chain
 
 import attrs
+import numpy as np
 import torch
 
 from gpu.attention import AttentionMetadata, KVCache, TorchPagedAttention
@@ -130,39 +132,34 @@ class ModelRunner:
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0, logprobs=logprobs)
 
     def _prepare(self, chunks: tuple[SeqChunk, ...]):
+        """The step's flat inputs and attention metadata, vectorised with numpy (this runs
+        on the host every step, for every sequence)."""
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        q_starts = [0]
-        q_lens, ctx_lens, starts, sample_rows = [], [], [], []
-        max_blocks = max(len(c.block_table) for c in chunks)
-        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
+        n = len(chunks)
+        q_lens = [len(c.token_ids) for c in chunks]
+        starts = [c.start_pos for c in chunks]
+        q_starts = list(accumulate(q_lens, initial=0))
+        ctx_lens = [s + q for s, q in zip(starts, q_lens)]
+        tables = np.zeros((n, max(len(c.block_table) for c in chunks)), dtype=np.int32)
         for i, c in enumerate(chunks):
-            n = len(c.token_ids)
-            ids.extend(c.token_ids)
-            rng = range(c.start_pos, c.start_pos + n)
-            pos.extend(rng)
-            table = c.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in rng)
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-            q_starts.append(q_starts[-1] + n)
-            q_lens.append(n)
-            ctx_lens.append(c.start_pos + n)
-            starts.append(c.start_pos)
-            if c.sample:
-                sample_rows.append(q_starts[-1] - 1)
+            tables[i, :len(c.block_table)] = c.block_table
+        q_lens_np = np.asarray(q_lens)
+        row = np.repeat(np.arange(n), q_lens_np)                                # [T]
+        pos = np.repeat(np.asarray(starts) - np.asarray(q_starts[:-1]), q_lens_np) + np.arange(q_starts[-1])
+        slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
+        sample_rows = [q_starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
             cu_seqlens_q=torch.tensor(q_starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
             q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, start_positions=starts,
-            decode_rows=[i for i, n in enumerate(q_lens) if n == 1],
-            prefill_rows=[i for i, n in enumerate(q_lens) if n > 1],
+            decode_rows=[i for i, q in enumerate(q_lens) if q == 1],
+            prefill_rows=[i for i, q in enumerate(q_lens) if q > 1],
             max_seqlen_q=max(q_lens),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)),
+                                 dtype=torch.int64, device=dev)
+        positions = torch.from_numpy(pos.astype(np.int64)).to(dev)
         return input_ids, positions, meta, sample_rows
