@@ -122,6 +122,10 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
                                    max_model_len=self.max_model_len, eos_token_ids=eos)
+        if num_blocks * cfg.block_size < self.max_model_len:
+            log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
+                        "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "
+                        "or lower --max-model-len", num_blocks * cfg.block_size, self.max_model_len)
         self.accountant = account.Accountant()
         self.replies = Replies(self.max_model_len + 4)
         log.info("loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens",
