@@ -11,6 +11,7 @@ reproduces a reply byte for byte.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import attrs
@@ -57,7 +58,7 @@ def server_error_json(message: str | None) -> dict:
                       "type": "server_error", "param": None, "code": None}}
 
 
-class Framer:
+class Framer(ABC):
     """Frames one request's reply. `Framer(req)` returns the framer for req.api.
 
     `finished` is set once the final bytes have been produced; `status` is the
@@ -96,11 +97,13 @@ class Framer:
             self.finished = True
         return out
 
+    @abstractmethod
     def _stream(self, delta: RequestDelta) -> bytes:
-        raise NotImplementedError
+        """The SSE bytes for one step of a streaming reply (closing events included)."""
 
+    @abstractmethod
     def _accumulate(self, delta: RequestDelta) -> bytes:
-        raise NotImplementedError
+        """Non-streaming: b"" until the request finishes, then the whole JSON body."""
 
 
 class _ChoiceFramer(Framer):
@@ -165,21 +168,25 @@ class _ChoiceFramer(Framer):
             "usage": usage_json(delta.usage),
         })
 
+    @abstractmethod
     def _logprobs_json(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict:
-        raise NotImplementedError
+        """The API's logprobs object for these tokens."""
 
     def _visible_reasoning(self, delta: RequestDelta) -> str:
         return delta.reasoning
 
+    @abstractmethod
     def _stream_choice(self, text: str, reasoning: str) -> dict:
-        raise NotImplementedError
+        """Each API's framer defines this."""
 
+    @abstractmethod
     def _final_choice(self, finish_reason: str, stop_reason: str | int | None) -> dict:
-        raise NotImplementedError
+        """Each API's framer defines this."""
 
+    @abstractmethod
     def _body_choice(self, text: str, reasoning: str, finish_reason: str,
                      stop_reason: str | int | None) -> dict:
-        raise NotImplementedError
+        """Each API's framer defines this."""
 
 
 class ChatFramer(_ChoiceFramer):
