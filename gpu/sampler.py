@@ -1,8 +1,9 @@
-"""Token sampling on the host path (CPU): penalties, temperature, top-k/top-p/min-p.
+"""Token sampling: penalties, temperature, top-k/top-p/min-p, min_tokens, logprobs.
 
-Each sequence owns a torch.Generator seeded from its request seed (or from the engine's
-seed sequence), so a seeded request samples the same tokens whatever else is in the
-batch. Greedy rows never touch a generator.
+sample() is the host path (CPU): each sequence owns a torch.Generator seeded from its
+request seed (or from the engine's seed sequence), so a seeded request samples the same
+tokens whatever else is in the batch; greedy rows never touch a generator.
+sample_on_device() is the CUDA path, through gpu/kernels/sampling.py.
 """
 from __future__ import annotations
 
@@ -78,12 +79,19 @@ def filter_logits(logits: torch.Tensor, o: SamplingOptions) -> torch.Tensor:
         logits = logits.masked_fill(probs < o.min_p * probs.max(), float("-inf"))
     if o.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always keep the first token)
-        drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= o.top_p
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= o.top_p
         drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
+
+
+def stop_tokens_to_mask(states: list[SeqSamplingState], vocab: int) -> list[tuple[int, int]]:
+    """(row, token) pairs to forbid: stop tokens of rows that have not reached min_tokens."""
+    return [(i, t) for i, st in enumerate(states)
+            if st.opts.stop_token_ids and len(st.output_ids) < st.opts.min_tokens
+            for t in st.opts.stop_token_ids if t < vocab]
 
 
 def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
@@ -92,11 +100,10 @@ def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
     Random rows draw by the exponential race, argmax(p / E) with E ~ Exp(1) from the row's
     own generator: an exact categorical draw, batched except for the noise itself.
     """
+    for i, t in stop_tokens_to_mask(states, logits.shape[-1]):
+        logits[i, t] = float("-inf")
     for i, st in enumerate(states):
-        o = st.opts
-        if o.stop_token_ids and len(st.output_ids) < o.min_tokens:
-            logits[i, [t for t in o.stop_token_ids if t < logits.shape[-1]]] = float("-inf")
-        if o.penalised:
+        if st.opts.penalised:
             logits[i] = apply_penalties(logits[i].clone(), st)
     out = logits.argmax(dim=-1).tolist()
     rand = [i for i, st in enumerate(states) if not st.opts.greedy]
@@ -123,11 +130,9 @@ def sample_on_device(logits: torch.Tensor, states: list[SeqSamplingState]) -> li
     dev = logits.device
     B, V = logits.shape
     logits = logits.float().contiguous()
-    masked = [(i, st.opts.stop_token_ids) for i, st in enumerate(states)
-              if st.opts.stop_token_ids and len(st.output_ids) < st.opts.min_tokens]
+    masked = stop_tokens_to_mask(states, V)
     if masked:
-        rows = torch.tensor([i for i, ids in masked for _ in ids], device=dev)
-        cols = torch.tensor([t for _, ids in masked for t in ids], device=dev)
+        rows, cols = torch.tensor(masked, device=dev).T
         logits[rows, cols] = float("-inf")
     pen = [i for i, st in enumerate(states) if st.opts.penalised]
     if pen:

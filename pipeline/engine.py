@@ -85,6 +85,8 @@ class Engine:
         self.max_model_len = 0
         self.ready = trio.Event()
         self.loaded = loaded
+        self.runner: ModelRunner | None = None
+        self.blocks: BlockManager | None = None
         self.scheduler: Scheduler | None = None
         self.accountant: account.Accountant | None = None
         self.replies: Replies | None = None

@@ -58,33 +58,29 @@ class DetokState:
         self.stops = sp.stop
         self.include_stop = sp.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.emitted = 0
+        self.pending = ""   # decoded text not yet emitted: at most `hold` characters between steps
 
     def step(self, tokenizer, u: SeqUpdate) -> TextDelta:
         ids = u.token_ids
         # A stop token counts as output; it is shown only when it is one of stop_token_ids
         # and include_stop_str_in_output asks for it (EOS never is), as in vLLM.
-        hide_last = u.finish_reason == "stop" and ids and not (self.include_stop and u.stop_reason is not None)
-        shown = ids[:-1] if hide_last else ids
-        start = len(self.text)
-        for t in shown if self.stream is not None else ():
+        hide_last = (u.finish_reason == "stop" and ids
+                     and not (self.include_stop and u.stop_reason is not None))
+        for t in (ids[:-1] if hide_last else ids) if self.stream is not None else ():
             piece = self.stream.step(tokenizer, t)
             if piece:
-                self.text += piece
+                self.pending += piece
         finish, stop_reason = u.finish_reason, u.stop_reason
-        end = len(self.text)
         if self.stops and finish != "abort":
-            hit = self._find_stop(max(0, start - self.hold))
+            # A stop string cannot start in text already emitted: that text ended at least
+            # `hold` characters before the end, so any stop string through it ended too.
+            hit = self._find_stop()
             if hit is not None:
                 pos, s = hit
-                end = pos + len(s) if self.include_stop else pos
-                self.text = self.text[:end]
+                self.pending = self.pending[:pos + len(s) if self.include_stop else pos]
                 finish, stop_reason = "stop", s
-        if finish is None:
-            end = max(self.emitted, len(self.text) - self.hold)
-        delta = self.text[self.emitted:end]
-        self.emitted = end
+        cut = len(self.pending) if finish is not None else max(0, len(self.pending) - self.hold)
+        delta, self.pending = self.pending[:cut], self.pending[cut:]
         logprobs = tuple(
             TokenLogprob(token_text(tokenizer, t), lp.logprob,
                          tuple((token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
@@ -92,10 +88,10 @@ class DetokState:
         return TextDelta(u.request_id, delta, ids, finish, stop_reason, u.num_cached_tokens, u.error,
                          logprobs)
 
-    def _find_stop(self, since: int) -> tuple[int, str] | None:
+    def _find_stop(self) -> tuple[int, str] | None:
         best = None
         for s in self.stops:
-            i = self.text.find(s, since)
+            i = self.pending.find(s)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         return best
