@@ -119,7 +119,7 @@ class _ChoiceFramer(Framer):
         self._text: list[str] = []
         self._reasoning: list[str] = []
         self._logprobs: list[TokenLogprob] = []
-        self._wants_logprobs = req.sampling.logprobs is not None
+        self._wants_logprobs = req.sampling.options.logprobs is not None
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         chunk = {"id": self.id, "object": self.chunk_object_name, "created": self.req.created,
@@ -348,11 +348,11 @@ class ResponsesFramer(Framer):
             "previous_response_id": None,
             "reasoning": echo.get("reasoning", {"effort": None, "summary": None}),
             "store": False,
-            "temperature": echo.get("temperature", self.req.sampling.temperature),
+            "temperature": echo.get("temperature", self.req.sampling.options.temperature),
             "text": {"format": {"type": "text"}},
             "tool_choice": echo.get("tool_choice", "auto"),
             "tools": [],
-            "top_p": echo.get("top_p", self.req.sampling.top_p),
+            "top_p": echo.get("top_p", self.req.sampling.options.top_p),
             "truncation": "disabled",
             "usage": None if usage is None else responses_usage_json(usage),
             "user": echo.get("user"),

@@ -12,6 +12,8 @@ from typing import Any
 import attrs
 import jinja2
 
+from gpu.sampler import SamplingOptions
+
 
 class RequestError(Exception):
     """An error the client caused (or the server refused); rendered as OpenAI JSON."""
@@ -41,22 +43,14 @@ class Submission:
 
 @attrs.frozen
 class SamplingParams:
+    """What one request asks of generation: the sampler's options plus what the
+    scheduler and detokenize need (max_tokens, EOS, stop strings)."""
     max_tokens: int
-    temperature: float = 1.0      # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0                # <= 0: off
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    options: SamplingOptions = SamplingOptions()   # the sampler's part, passed to the GPU as is
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    min_tokens: int = 0
-    logprobs: int | None = None   # None: off; k: each token's logprob and the top k alternatives
 
 
 @attrs.frozen
@@ -361,8 +355,8 @@ def _render_responses(sub: Submission, f: _Fields, ctx: RenderContext,
     echo = {
         "instructions": instructions,
         "max_output_tokens": requested,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
+        "temperature": sampling.options.temperature,
+        "top_p": sampling.options.top_p,
         "metadata": metadata or {},
         "user": user,
         "tool_choice": tool_choice or "auto",
@@ -434,7 +428,7 @@ def _sampling_fields(f: _Fields, ctx: RenderContext) -> dict[str, Any]:
 
     def default(name: str) -> Any:
         value = d.get(name)
-        return getattr(attrs.fields(SamplingParams), name).default if value is None else value
+        return getattr(attrs.fields(SamplingOptions), name).default if value is None else value
 
     temperature = f.number("temperature", default("temperature"))
     if not 0.0 <= temperature <= 2.0:
@@ -479,7 +473,9 @@ def _sampling(fields: dict[str, Any], max_tokens: int) -> SamplingParams:
         raise RequestError(f"'min_tokens' ({fields['min_tokens']}) must be at most the "
                            f"maximum number of tokens to generate ({max_tokens}).",
                            param="min_tokens")
-    return SamplingParams(max_tokens=max_tokens, **fields)
+    own = {k: fields.pop(k) for k in ("stop", "ignore_eos", "include_stop_str_in_output",
+                                      "skip_special_tokens")}
+    return SamplingParams(max_tokens=max_tokens, options=SamplingOptions(**fields), **own)
 
 
 def _stop_strings(f: _Fields) -> tuple[str, ...]:

@@ -69,7 +69,7 @@ class Sequence:
         self.hash_cursor: tuple[int, int | None] = (0, None)
         sp = req.sampling
         self.max_tokens = sp.max_tokens
-        self.stop_ids = frozenset(sp.stop_token_ids) | (
+        self.stop_ids = frozenset(sp.options.stop_token_ids) | (
             frozenset() if sp.ignore_eos else frozenset(eos_token_ids))
 
     @property
@@ -82,12 +82,9 @@ class Sequence:
 
 
 def sampling_options(seq: Sequence) -> SamplingOptions:
-    s = seq.req.sampling
-    return SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                           seed=s.seed, repetition_penalty=s.repetition_penalty,
-                           frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                           min_tokens=s.min_tokens, stop_token_ids=tuple(sorted(seq.stop_ids)),
-                           logprobs=s.logprobs)
+    """The request's options, with EOS among the stop ids unless ignore_eos (min_tokens
+    masks them all)."""
+    return attrs.evolve(seq.req.sampling.options, stop_token_ids=tuple(sorted(seq.stop_ids)))
 
 
 class Scheduler:
@@ -246,7 +243,7 @@ class Scheduler:
                 continue
             reason = stop = None
             if tok in seq.stop_ids:  # the sampler masks stop ids until min_tokens
-                reason, stop = "stop", (tok if tok in seq.req.sampling.stop_token_ids else None)
+                reason, stop = "stop", (tok if tok in seq.req.sampling.options.stop_token_ids else None)
             elif seq.num_output >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"
             lp = logprobs.get(seq.id)

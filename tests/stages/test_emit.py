@@ -5,6 +5,7 @@ import pytest
 from stages.account import RequestDelta, Usage
 from stages.emit import (ChatFramer, CompletionFramer, Framer, ResponsesFramer,
                          STATUS_CLIENT_CLOSED)
+from gpu.sampler import SamplingOptions
 from stages.render import RenderedRequest, SamplingParams
 
 CREATED = 1700000000
@@ -13,7 +14,7 @@ CREATED = 1700000000
 def request(api, *, stream=False, include_usage=False, echo=None, request_id="abc"):
     return RenderedRequest(
         request_id=request_id, api=api, model="tiny", prompt_token_ids=(1, 2, 3),
-        sampling=SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9), stream=stream,
+        sampling=SamplingParams(max_tokens=8, options=SamplingOptions(temperature=0.5, top_p=0.9)), stream=stream,
         include_usage=include_usage, created=CREATED, arrival=0.0, echo=echo or {})
 
 

@@ -155,7 +155,7 @@ def test_out_of_range_or_unsupported_is_400(field, value):
 def test_null_counts_as_absent_and_unknown_fields_are_ignored():
     req = chat({"temperature": None, "max_tokens": None, "stop": None, "frobnicate": 1,
                 "logprobs": False, "n": 1, "tools": [], "tool_choice": "none"})
-    assert req.sampling.temperature == 1.0
+    assert req.sampling.options.temperature == 1.0
 
 
 def test_sampling_fields_reach_sampling_params():
@@ -164,24 +164,24 @@ def test_sampling_fields_reach_sampling_params():
                 "presence_penalty": -0.5, "repetition_penalty": 1.2, "stop": "END",
                 "stop_token_ids": [5], "ignore_eos": True, "min_tokens": 2,
                 "include_stop_str_in_output": True, "skip_special_tokens": False})
-    s = req.sampling
+    s, o = req.sampling, req.sampling.options
     assert s.max_tokens == 7          # max_completion_tokens wins over max_tokens
-    assert s.temperature == 0.0       # greedy
-    assert (s.top_p, s.top_k, s.min_p, s.seed) == (0.5, 40, 0.1, 3)
-    assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (0.5, -0.5, 1.2)
-    assert s.stop == ("END",) and s.stop_token_ids == (5,)
+    assert o.temperature == 0.0       # greedy
+    assert (o.top_p, o.top_k, o.min_p, o.seed) == (0.5, 40, 0.1, 3)
+    assert (o.frequency_penalty, o.presence_penalty, o.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert s.stop == ("END",) and o.stop_token_ids == (5,)
     assert s.ignore_eos and s.include_stop_str_in_output and not s.skip_special_tokens
-    assert s.min_tokens == 2
+    assert o.min_tokens == 2
 
 
 def test_generation_config_defaults_fill_omitted_fields():
     ctx = make_ctx(default_sampling={"temperature": 0.6, "top_p": 0.9, "top_k": 20,
                                      "repetition_penalty": 1.1, "max_new_tokens": 10})
     req = chat({}, ctx)
-    s = req.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.6, 0.9, 20, 1.1)
+    s, o = req.sampling, req.sampling.options
+    assert (o.temperature, o.top_p, o.top_k, o.repetition_penalty) == (0.6, 0.9, 20, 1.1)
     assert s.max_tokens == 10
-    assert chat({"temperature": 0.0, "max_tokens": 50}, ctx).sampling.temperature == 0.0
+    assert chat({"temperature": 0.0, "max_tokens": 50}, ctx).sampling.options.temperature == 0.0
     assert chat({"max_tokens": 50}, ctx).sampling.max_tokens == 50
 
 
@@ -273,7 +273,7 @@ def test_responses_string_input_with_instructions():
                      "store": True, "metadata": {"k": "v"}}, ctx)
     assert ctx.tokenizer.template_calls[-1][0] == [
         {"role": "system", "content": "be nice"}, {"role": "user", "content": "hi"}]
-    assert req.sampling.max_tokens == 5 and req.sampling.temperature == 0.5
+    assert req.sampling.max_tokens == 5 and req.sampling.options.temperature == 0.5
     assert req.echo["instructions"] == "be nice"
     assert req.echo["max_output_tokens"] == 5
     assert req.echo["temperature"] == 0.5 and req.echo["top_p"] == 1.0

@@ -11,13 +11,17 @@ from stages.admit import Accepted, Admission
 from stages.blocks import BlockManager
 from stages.detokenize import DetokenizedStep, TextDelta
 from stages.parse import ParsedDelta, ParsedStep
+from gpu.sampler import SamplingOptions
 from stages.render import RenderContext, RenderedRequest, RequestError, SamplingParams, Submission
 from stages.replies import Replies
 from stages.schedule import Abort, FinishRequest, ScheduledStep, Scheduler, SeqUpdate
 
 
 def rendered(rid="r1", prompt=(1, 2, 3), api="chat", stream=True, **sampling) -> RenderedRequest:
-    sp = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **sampling})
+    own = {k: sampling.pop(k) for k in ("stop", "ignore_eos", "include_stop_str_in_output",
+                                        "skip_special_tokens") if k in sampling}
+    sp = SamplingParams(max_tokens=sampling.pop("max_tokens", 8),
+                        options=SamplingOptions(**{"temperature": 0.0, **sampling}), **own)
     return RenderedRequest(rid, api, "m", tuple(prompt), sp, stream, True, 0, 0.0)
 
 

@@ -1,0 +1,67 @@
+"""The one per-request delta that flows schedule -> detokenize -> parse -> account -> emit.
+
+schedule creates a `Delta` for each request an engine step touched; each later stage
+fills in only its own fields with `attrs.evolve` (detokenize: text and logprobs with
+text; parse: content and reasoning; account: usage). Nothing is repacked by position.
+"""
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from gpu.runner import TokenLogprobs
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request stopped; the values are the API's finish_reason strings."""
+    STOP = "stop"            # EOS, a stop token id, a stop string, or a complete grammar
+    LENGTH = "length"        # max_tokens or max_model_len
+    ABORT = "abort"          # the client went away (or the server is stopping)
+    ERROR = "error"          # the engine failed while running the request's step
+    TOOL_CALLS = "tool_calls"
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class TokenLogprob:
+    """One output token's logprob with its text, and the top alternatives with theirs."""
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@attrs.frozen
+class Delta:
+    """What one engine step produced for one request."""
+    # -- schedule
+    request_id: str
+    token_ids: tuple[int, ...] = ()            # sampled this step (after a stop string: none)
+    finish_reason: FinishReason | None = None  # None while running
+    stop_reason: str | int | None = None       # the stop token id (schedule) or string (detokenize)
+    num_cached_tokens: int = 0                 # prompt tokens served from the prefix cache
+    error: str | None = None                   # finish_reason ERROR: what went wrong
+    token_logprobs: tuple[TokenLogprobs, ...] = ()  # raw, one per token, when asked for
+    # -- detokenize
+    text: str = ""                             # new text
+    logprobs: tuple[TokenLogprob, ...] = ()    # token_logprobs with their text
+    # -- parse
+    content: str = ""                          # new answer text
+    reasoning: str = ""                        # new reasoning text (only with a reasoning parser)
+    # -- account
+    usage: Usage | None = None                 # running totals; final when finish_reason is set
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
