@@ -17,18 +17,24 @@ import attrs
 import cattrs
 import orjson
 import structlog
+from cattrs.strategies import configure_union_passthrough
 
-from stages.schedule import ScheduledStep
+from stages.delta import Step
 
 converter = cattrs.Converter()
+# Unions of JSON scalars (a Delta's stop_reason: a stop token id or a stop string) pass
+# through as they are.
+configure_union_passthrough(str | int | float | bool | None, converter)
 
 
 def unstructure(msg) -> dict:
     return converter.unstructure(msg)
 
 
-def structure_step(data: dict) -> ScheduledStep:
-    return converter.structure(data, ScheduledStep)
+def structure_step(data: dict) -> Step:
+    """A logged ``scheduled`` message back into the Step schedule sent (finish reasons
+    come back as FinishReason members)."""
+    return converter.structure(data, Step)
 
 
 def _add_time(_, __, event_dict):

@@ -4,41 +4,8 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.detokenize import TokenLogprob
-from stages.parse import ParsedStep
+from stages.delta import FinishReason, Step, Usage
 from stages.render import RenderedRequest
-
-
-@attrs.frozen
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    reasoning_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@attrs.frozen
-class RequestDelta:
-    """What one engine step produced for one request, ready for framing."""
-    request_id: str
-    text: str                          # new content text
-    reasoning: str                     # new reasoning text ("" without a reasoning parser)
-    token_ids: tuple[int, ...]         # tokens sampled this step
-    finish_reason: str | None          # None while running; "stop" | "length" | "abort" | "error"
-    usage: Usage                       # running totals; final when finish_reason is set
-    stop_reason: str | int | None = None   # the stop string or stop token id that matched
-    error: str | None = None           # engine failure message when finish_reason == "error"
-    logprobs: tuple[TokenLogprob, ...] = ()   # one per token of token_ids, when asked for
-
-
-@attrs.frozen
-class AccountedStep:
-    new_requests: tuple[RenderedRequest, ...]
-    deltas: tuple[RequestDelta, ...]
 
 
 class _RequestUsage:
@@ -59,9 +26,9 @@ class Accountant:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.cached_tokens_total = 0
-        self.finished_total: dict[str, int] = {}
+        self.finished_total: dict[FinishReason, int] = {}
 
-    def process(self, msg: ParsedStep) -> tuple[AccountedStep, list[tuple[str, Usage, str]]]:
+    def process(self, msg: Step) -> tuple[Step, list[tuple[str, Usage, FinishReason]]]:
         """Returns the accounted step and the (request_id, usage, reason) of finished requests."""
         for req in msg.new_requests:
             self.requests[req.request_id] = _RequestUsage(req)
@@ -82,9 +49,8 @@ class Accountant:
                 self.cached_tokens_total += d.num_cached_tokens
                 self.finished_total[d.finish_reason] = self.finished_total.get(d.finish_reason, 0) + 1
                 finished.append((d.request_id, usage, d.finish_reason))
-            deltas.append(RequestDelta(d.request_id, d.content, d.reasoning, d.token_ids,
-                                       d.finish_reason, usage, d.stop_reason, d.error, d.logprobs))
-        return AccountedStep(msg.new_requests, tuple(deltas)), finished
+            deltas.append(attrs.evolve(d, usage=usage))
+        return attrs.evolve(msg, deltas=tuple(deltas)), finished
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,

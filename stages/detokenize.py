@@ -3,7 +3,8 @@
 One DetokState per request: an incremental decoder (tokenizers' DecodeStream, which
 holds back incomplete UTF-8) and the stop-string matcher, which holds back the last
 len(longest stop) - 1 characters so that a stop string split across steps is never
-half-emitted.
+half-emitted. As in vLLM, a stop string only counts when it ends in the text of an
+output token past the first min_tokens.
 """
 from __future__ import annotations
 
@@ -11,43 +12,17 @@ import attrs
 import trio
 from tokenizers.decoders import DecodeStream
 
+from stages.delta import Delta, FinishReason, Step, TokenLogprob
 from stages.render import RenderedRequest
-from stages.schedule import FinishRequest, ScheduledStep, SeqUpdate
+from stages.schedule import FinishRequest
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
-
-
-@attrs.frozen
-class TokenLogprob:
-    """One output token's logprob with its text, and the top alternatives with theirs."""
-    token: str
-    logprob: float
-    top: tuple[tuple[str, float], ...] = ()
 
 
 def token_text(tokenizer, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-@attrs.frozen
-class TextDelta:
-    request_id: str
-    text: str
-    token_ids: tuple[int, ...]          # tokens counted as output (after a stop string: none)
-    finish_reason: str | None
-    stop_reason: str | int | None
-    num_cached_tokens: int
-    error: str | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@attrs.frozen
-class DetokenizedStep:
-    step: int
-    new_requests: tuple[RenderedRequest, ...]
-    deltas: tuple[TextDelta, ...]
 
 
 class DetokState:
@@ -58,69 +33,76 @@ class DetokState:
         self.stops = sp.stop
         self.include_stop = sp.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.min_tokens = sp.options.min_tokens
+        self.num_output = 0  # output tokens seen so far
         self.pending = ""   # decoded text not yet emitted: at most `hold` characters between steps
 
-    def step(self, tokenizer, u: SeqUpdate) -> TextDelta:
-        ids = u.token_ids
+    def step(self, tokenizer, d: Delta) -> Delta:
+        ids = d.token_ids
         # A stop token counts as output; it is shown only when it is one of stop_token_ids
         # and include_stop_str_in_output asks for it (EOS never is), as in vLLM.
-        hide_last = (u.finish_reason == "stop" and ids
-                     and not (self.include_stop and u.stop_reason is not None))
+        hide_last = (d.finish_reason == FinishReason.STOP and ids
+                     and not (self.include_stop and d.stop_reason is not None))
+        # A stop string must end after `check_from`: in this step's text (anything through
+        # older text was looked for already), and past the first min_tokens tokens' text.
+        check_from = len(self.pending)
         for t in (ids[:-1] if hide_last else ids) if self.stream is not None else ():
             piece = self.stream.step(tokenizer, t)
             if piece:
                 self.pending += piece
-        finish, stop_reason = u.finish_reason, u.stop_reason
-        if self.stops and finish != "abort":
-            # A stop string cannot start in text already emitted: that text ended at least
-            # `hold` characters before the end, so any stop string through it ended too.
-            hit = self._find_stop()
+            self.num_output += 1
+            if self.num_output <= self.min_tokens:
+                check_from = len(self.pending)
+        finish, stop_reason = d.finish_reason, d.stop_reason
+        if self.stops and finish != FinishReason.ABORT:
+            hit = self._find_stop(check_from)
             if hit is not None:
                 pos, s = hit
                 self.pending = self.pending[:pos + len(s) if self.include_stop else pos]
-                finish, stop_reason = "stop", s
+                finish, stop_reason = FinishReason.STOP, s
         cut = len(self.pending) if finish is not None else max(0, len(self.pending) - self.hold)
-        delta, self.pending = self.pending[:cut], self.pending[cut:]
+        text, self.pending = self.pending[:cut], self.pending[cut:]
         logprobs = tuple(
             TokenLogprob(token_text(tokenizer, t), lp.logprob,
                          tuple((token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
-            for t, lp in zip(ids, u.logprobs))
-        return TextDelta(u.request_id, delta, ids, finish, stop_reason, u.num_cached_tokens, u.error,
-                         logprobs)
+            for t, lp in zip(ids, d.token_logprobs))
+        return attrs.evolve(d, text=text, logprobs=logprobs, finish_reason=finish,
+                            stop_reason=stop_reason)
 
-    def _find_stop(self) -> tuple[int, str] | None:
+    def _find_stop(self, check_from: int) -> tuple[int, str] | None:
+        """The earliest stop string in pending that ends after check_from."""
         best = None
         for s in self.stops:
-            i = self.pending.find(s)
+            i = self.pending.find(s, max(0, check_from - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         return best
 
 
 class Detokenizer:
-    """The pure core: per-request states, one ScheduledStep in, one DetokenizedStep out.
+    """The pure core: per-request states, one Step in, the same Step with text out.
     With no tokenizer (a model served from token ids only) deltas carry tokens, no text."""
 
     def __init__(self, tokenizer) -> None:
         self.hf = tokenizer.hf if hasattr(tokenizer, "hf") else tokenizer
         self.states: dict[str, DetokState] = {}
 
-    def process(self, msg: ScheduledStep) -> tuple[DetokenizedStep, list[str]]:
+    def process(self, msg: Step) -> tuple[Step, list[str]]:
         """Returns the step's deltas and the requests that a stop string finished."""
         for req in msg.new_requests:
             self.states[req.request_id] = DetokState(req, self.hf is not None)
         deltas, stopped = [], []
-        for u in msg.updates:
-            st = self.states.get(u.request_id)
+        for d in msg.deltas:
+            st = self.states.get(d.request_id)
             if st is None:
                 continue  # already finished here (a stop string), the scheduler catching up
-            d = st.step(self.hf, u)
-            if d.finish_reason is not None:
-                del self.states[u.request_id]
-                if u.finish_reason is None:
-                    stopped.append(u.request_id)
-            deltas.append(d)
-        return DetokenizedStep(msg.step, msg.new_requests, tuple(deltas)), stopped
+            out = st.step(self.hf, d)
+            if out.finished:
+                del self.states[d.request_id]
+                if not d.finished:
+                    stopped.append(d.request_id)
+            deltas.append(out)
+        return attrs.evolve(msg, deltas=tuple(deltas)), stopped
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,

@@ -17,8 +17,7 @@ from typing import Any
 import attrs
 import orjson
 
-from stages.account import AccountedStep, RequestDelta, Usage
-from stages.detokenize import TokenLogprob
+from stages.delta import Delta, FinishReason, Step, TokenLogprob, Usage
 from stages.render import RenderedRequest
 
 DONE = b"data: [DONE]\n\n"
@@ -81,10 +80,10 @@ class Framer(ABC):
     def start(self) -> bytes:
         return b""
 
-    def on_delta(self, delta: RequestDelta) -> bytes:
+    def on_delta(self, delta: Delta) -> bytes:
         if self.finished:
             return b""
-        if delta.finish_reason == "abort":
+        if delta.finish_reason == FinishReason.ABORT:
             # The client is gone: there is nobody to frame anything for.
             self.finished = True
             self.status = STATUS_CLIENT_CLOSED
@@ -98,11 +97,11 @@ class Framer(ABC):
         return out
 
     @abstractmethod
-    def _stream(self, delta: RequestDelta) -> bytes:
+    def _stream(self, delta: Delta) -> bytes:
         """The SSE bytes for one step of a streaming reply (closing events included)."""
 
     @abstractmethod
-    def _accumulate(self, delta: RequestDelta) -> bytes:
+    def _accumulate(self, delta: Delta) -> bytes:
         """Non-streaming: b"" until the request finishes, then the whole JSON body."""
 
 
@@ -129,16 +128,16 @@ class _ChoiceFramer(Framer):
             chunk["usage"] = usage
         return sse_data(chunk)
 
-    def _stream(self, delta: RequestDelta) -> bytes:
+    def _stream(self, delta: Delta) -> bytes:
         out = []
         reasoning = self._visible_reasoning(delta)
         logprobs = self._logprobs_json(delta.logprobs) if self._wants_logprobs and delta.logprobs else None
-        if delta.text or reasoning or logprobs:
-            choice = self._stream_choice(delta.text, reasoning)
+        if delta.content or reasoning or logprobs:
+            choice = self._stream_choice(delta.content, reasoning)
             choice["logprobs"] = logprobs
             out.append(self._chunk([choice]))
         reason = delta.finish_reason
-        if reason == "error":
+        if reason == FinishReason.ERROR:
             out.append(sse_data(server_error_json(delta.error)))
             out.append(DONE)
         elif reason is not None:
@@ -148,13 +147,13 @@ class _ChoiceFramer(Framer):
             out.append(DONE)
         return b"".join(out)
 
-    def _accumulate(self, delta: RequestDelta) -> bytes:
-        self._text.append(delta.text)
+    def _accumulate(self, delta: Delta) -> bytes:
+        self._text.append(delta.content)
         self._reasoning.append(self._visible_reasoning(delta))
         self._logprobs.extend(delta.logprobs)
         if delta.finish_reason is None:
             return b""
-        if delta.finish_reason == "error":
+        if delta.finish_reason == FinishReason.ERROR:
             self.status = 500
             return orjson.dumps(server_error_json(delta.error))
         text, reasoning = "".join(self._text), "".join(self._reasoning)
@@ -172,7 +171,7 @@ class _ChoiceFramer(Framer):
     def _logprobs_json(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict:
         """The API's logprobs object for these tokens."""
 
-    def _visible_reasoning(self, delta: RequestDelta) -> str:
+    def _visible_reasoning(self, delta: Delta) -> str:
         return delta.reasoning
 
     @abstractmethod
@@ -180,11 +179,11 @@ class _ChoiceFramer(Framer):
         """Each API's framer defines this."""
 
     @abstractmethod
-    def _final_choice(self, finish_reason: str, stop_reason: str | int | None) -> dict:
+    def _final_choice(self, finish_reason: FinishReason, stop_reason: str | int | None) -> dict:
         """Each API's framer defines this."""
 
     @abstractmethod
-    def _body_choice(self, text: str, reasoning: str, finish_reason: str,
+    def _body_choice(self, text: str, reasoning: str, finish_reason: FinishReason,
                      stop_reason: str | int | None) -> dict:
         """Each API's framer defines this."""
 
@@ -208,7 +207,7 @@ class ChatFramer(_ChoiceFramer):
         return {"content": [{**one(e.token, e.logprob),
                              "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries]}
 
-    def _visible_reasoning(self, delta: RequestDelta) -> str:
+    def _visible_reasoning(self, delta: Delta) -> str:
         # vLLM's include_reasoning=false drops the reasoning text (it is still counted).
         return delta.reasoning if self.req.echo.get("include_reasoning", True) else ""
 
@@ -218,11 +217,11 @@ class ChatFramer(_ChoiceFramer):
             message["reasoning_content"] = reasoning
         return {"index": 0, "delta": message, "logprobs": None, "finish_reason": None}
 
-    def _final_choice(self, finish_reason: str, stop_reason: str | int | None) -> dict:
+    def _final_choice(self, finish_reason: FinishReason, stop_reason: str | int | None) -> dict:
         return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 
-    def _body_choice(self, text: str, reasoning: str, finish_reason: str,
+    def _body_choice(self, text: str, reasoning: str, finish_reason: FinishReason,
                      stop_reason: str | int | None) -> dict:
         message: dict = {"role": "assistant", "content": text, "refusal": None}
         if reasoning:
@@ -251,17 +250,17 @@ class CompletionFramer(_ChoiceFramer):
                 "top_logprobs": [dict(e.top) for e in entries],
                 "text_offset": offsets}
 
-    def _visible_reasoning(self, delta: RequestDelta) -> str:
+    def _visible_reasoning(self, delta: Delta) -> str:
         return ""    # completions have no reasoning field
 
     def _stream_choice(self, text: str, reasoning: str) -> dict:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
 
-    def _final_choice(self, finish_reason: str, stop_reason: str | int | None) -> dict:
+    def _final_choice(self, finish_reason: FinishReason, stop_reason: str | int | None) -> dict:
         return {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 
-    def _body_choice(self, text: str, reasoning: str, finish_reason: str,
+    def _body_choice(self, text: str, reasoning: str, finish_reason: FinishReason,
                      stop_reason: str | int | None) -> dict:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
@@ -359,10 +358,10 @@ class ResponsesFramer(Framer):
             "metadata": echo.get("metadata", {}),
         }
 
-    def _final(self, delta: RequestDelta) -> dict:
+    def _final(self, delta: Delta) -> dict:
         """Close every item and build the terminal Response (not for errors)."""
         message, _ = self._item("message")
-        incomplete = delta.finish_reason == "length"
+        incomplete = delta.finish_reason == FinishReason.LENGTH
         for item in self._items:
             item.status = "completed"
         if incomplete:
@@ -433,18 +432,18 @@ class ResponsesFramer(Framer):
         return (self._event("response.created", response=created)
                 + self._event("response.in_progress", response=created))
 
-    def _stream(self, delta: RequestDelta) -> bytes:
+    def _stream(self, delta: Delta) -> bytes:
         out = []
         if delta.reasoning and self._takes_reasoning():
             item, opened = self._open("reasoning")
             out += [opened, self._text_delta(item, delta.reasoning)]
         reason = delta.finish_reason
-        if delta.text or (reason is not None and reason != "error"):
+        if delta.content or (reason is not None and reason != FinishReason.ERROR):
             item, opened = self._open("message")
             out.append(opened)
-            if delta.text:
-                out.append(self._text_delta(item, delta.text))
-        if reason == "error":
+            if delta.content:
+                out.append(self._text_delta(item, delta.content))
+        if reason == FinishReason.ERROR:
             message = delta.error or "The engine failed."
             for item in self._items:
                 if item.status == "in_progress":
@@ -461,14 +460,14 @@ class ResponsesFramer(Framer):
             out.append(self._event(terminal, response=response))
         return b"".join(out)
 
-    def _accumulate(self, delta: RequestDelta) -> bytes:
+    def _accumulate(self, delta: Delta) -> bytes:
         if delta.reasoning and self._takes_reasoning():
             self._item("reasoning")[0].parts.append(delta.reasoning)
-        if delta.text:
-            self._item("message")[0].parts.append(delta.text)
+        if delta.content:
+            self._item("message")[0].parts.append(delta.content)
         if delta.finish_reason is None:
             return b""
-        if delta.finish_reason == "error":
+        if delta.finish_reason == FinishReason.ERROR:
             self.status = 500
             return orjson.dumps(server_error_json(delta.error))
         return orjson.dumps(self._final(delta))
@@ -498,7 +497,7 @@ class Emitter:
     def __init__(self) -> None:
         self.framers: dict[str, Framer] = {}
 
-    def process(self, msg: AccountedStep) -> list[tuple[str, bytes | ReplyEnd]]:
+    def process(self, msg: Step) -> list[tuple[str, bytes | ReplyEnd]]:
         out: list[tuple[str, bytes | ReplyEnd]] = []
         for req in msg.new_requests:
             f = self.framers[req.request_id] = Framer(req)

@@ -10,31 +10,10 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.detokenize import DetokenizedStep, TokenLogprob
-from stages.render import RenderedRequest
+from stages.delta import Step
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 _OPEN, _CLOSE = "<think>", "</think>"
-
-
-@attrs.frozen
-class ParsedDelta:
-    request_id: str
-    content: str
-    reasoning: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    stop_reason: str | int | None
-    num_cached_tokens: int
-    error: str | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@attrs.frozen
-class ParsedStep:
-    step: int
-    new_requests: tuple[RenderedRequest, ...]
-    deltas: tuple[ParsedDelta, ...]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -90,24 +69,20 @@ class Parser:
         self.reasoning_parser = reasoning_parser
         self.states: dict[str, ThinkState] = {}
 
-    def process(self, msg: DetokenizedStep) -> ParsedStep:
+    def process(self, msg: Step) -> Step:
         if self.reasoning_parser is None:
-            deltas = tuple(ParsedDelta(d.request_id, d.text, "", d.token_ids, d.finish_reason,
-                                       d.stop_reason, d.num_cached_tokens, d.error, d.logprobs)
-                           for d in msg.deltas)
-            return ParsedStep(msg.step, msg.new_requests, deltas)
+            return attrs.evolve(msg, deltas=tuple(attrs.evolve(d, content=d.text)
+                                                  for d in msg.deltas))
         for req in msg.new_requests:
             self.states[req.request_id] = ThinkState(self.reasoning_parser)
         out = []
         for d in msg.deltas:
             st = self.states.get(d.request_id)
-            final = d.finish_reason is not None
-            content, reasoning = st.feed(d.text, final) if st else (d.text, "")
-            if final:
+            content, reasoning = st.feed(d.text, d.finished) if st else (d.text, "")
+            if d.finished:
                 self.states.pop(d.request_id, None)
-            out.append(ParsedDelta(d.request_id, content, reasoning, d.token_ids, d.finish_reason,
-                                   d.stop_reason, d.num_cached_tokens, d.error, d.logprobs))
-        return ParsedStep(msg.step, msg.new_requests, tuple(out))
+            out.append(attrs.evolve(d, content=content, reasoning=reasoning))
+        return attrs.evolve(msg, deltas=tuple(out))
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel, core: Parser,

@@ -13,9 +13,10 @@ from collections import deque
 import attrs
 import trio
 
-from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult, TokenLogprobs
+from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult
 from gpu.sampler import SamplingOptions
 from stages.blocks import BlockManager
+from stages.delta import Delta, FinishReason, Step
 from stages.render import RenderedRequest
 
 
@@ -32,26 +33,8 @@ class FinishRequest:
     request_id: str
 
 
-# -- what schedule sends downstream, one message per engine step --------------------------
-@attrs.frozen
-class SeqUpdate:
-    request_id: str
-    token_ids: tuple[int, ...]            # sampled this step (empty when only finishing)
-    finish_reason: str | None = None      # "stop" | "length" | "abort"
-    stop_reason: int | None = None        # the stop token id, when one ended it
-    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
-    error: str | None = None              # finish_reason "error": what went wrong
-    logprobs: tuple[TokenLogprobs, ...] = ()   # one per token, when the request asked
-
-
-@attrs.frozen
-class ScheduledStep:
-    step: int
-    new_requests: tuple[RenderedRequest, ...]
-    updates: tuple[SeqUpdate, ...]
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
+# What schedule sends downstream, one message per engine step: a `Step` (stages/delta.py)
+# with a `Delta` for every sequence the step sampled or finished.
 
 
 class Sequence:
@@ -101,7 +84,7 @@ class Scheduler:
         self.step = 0
         self.num_preemptions = 0
         self._new_requests: list[RenderedRequest] = []
-        self._pending: list[SeqUpdate] = []     # finishes decided outside a step (aborts)
+        self._pending: list[Delta] = []         # finishes decided outside a step (aborts)
         self._released: list[str] = []
 
     # -- inbox ---------------------------------------------------------------------------
@@ -113,7 +96,7 @@ class Scheduler:
         self.waiting.append(seq)
         self._new_requests.append(req)
 
-    def finish(self, request_id: str, reason: str, error: str | None = None) -> None:
+    def finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         """Abort or stop-string finish: free now, report downstream with the next step."""
         seq = self.by_id.pop(request_id, None)
         if seq is None:
@@ -124,7 +107,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self._free(seq)
         self._released.append(seq.id)
-        self._pending.append(SeqUpdate(seq.id, (), reason, None, seq.num_cached_tokens, error))
+        self._pending.append(Delta(seq.id, finish_reason=reason,
+                                   num_cached_tokens=seq.num_cached_tokens, error=error))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
@@ -219,15 +203,15 @@ class Scheduler:
         self.num_preemptions += 1
 
     # -- results -------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult) -> ScheduledStep:
+    def update(self, plan: StepPlan, result: StepResult) -> Step:
         """Apply a step's result; decide finishes; build the downstream message."""
         if result.error is not None:
             for chunk in plan.chunks:
-                self.finish(chunk.seq_id, "error", result.error)
+                self.finish(chunk.seq_id, FinishReason.ERROR, result.error)
             return self.drain()
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs))
-        updates = list(self._pending)
+        deltas = list(self._pending)
         self._pending = []
         for chunk in plan.chunks:
             seq = self.by_id.get(chunk.seq_id)
@@ -243,27 +227,28 @@ class Scheduler:
                 continue
             reason = stop = None
             if tok in seq.stop_ids:  # the sampler masks stop ids until min_tokens
-                reason, stop = "stop", (tok if tok in seq.req.sampling.options.stop_token_ids else None)
+                reason = FinishReason.STOP
+                stop = tok if tok in seq.req.sampling.options.stop_token_ids else None
             elif seq.num_output >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                reason = "length"
+                reason = FinishReason.LENGTH
             lp = logprobs.get(seq.id)
-            updates.append(SeqUpdate(seq.id, (tok,), reason, stop, seq.num_cached_tokens,
-                                     logprobs=(lp,) if lp is not None else ()))
+            deltas.append(Delta(seq.id, (tok,), reason, stop, seq.num_cached_tokens,
+                                token_logprobs=(lp,) if lp is not None else ()))
             if reason is not None:
                 self.running.remove(seq)
                 del self.by_id[seq.id]
                 self._free(seq)
                 self._released.append(seq.id)
         new, self._new_requests = tuple(self._new_requests), []
-        return ScheduledStep(plan.step, new, tuple(updates), len(self.running), len(self.waiting),
-                             self.blocks.num_used)
+        return Step(plan.step, new, tuple(deltas), len(self.running), len(self.waiting),
+                    self.blocks.num_used)
 
-    def drain(self) -> ScheduledStep:
+    def drain(self) -> Step:
         """A message for a step with nothing to run: new requests and pending finishes."""
         new, self._new_requests = tuple(self._new_requests), []
-        updates, self._pending = tuple(self._pending), []
-        return ScheduledStep(self.step, new, updates, len(self.running), len(self.waiting),
-                             self.blocks.num_used)
+        deltas, self._pending = tuple(self._pending), []
+        return Step(self.step, new, deltas, len(self.running), len(self.waiting),
+                    self.blocks.num_used)
 
 
 # -- the async shell -----------------------------------------------------------------------
@@ -276,9 +261,9 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
         if isinstance(msg, RenderedRequest):
             scheduler.add(msg)
         elif isinstance(msg, Abort):
-            scheduler.finish(msg.request_id, "abort")
+            scheduler.finish(msg.request_id, FinishReason.ABORT)
         elif isinstance(msg, FinishRequest):
-            scheduler.finish(msg.request_id, "stop")
+            scheduler.finish(msg.request_id, FinishReason.STOP)
         else:
             raise TypeError(f"schedule got {type(msg).__name__}")
 
@@ -303,7 +288,7 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
                 out = scheduler.drain()
             if log is not None:  # the whole message: enough to replay everything downstream
                 log("scheduled", tokens=sum(len(c.token_ids) for c in plan.chunks), message=out)
-            if out.new_requests or out.updates:
+            if out.new_requests or out.deltas:
                 await downstream.send(out)
             elif not plan.chunks:
                 await trio.sleep(0)  # waiting on blocks freed by nothing: let others run

@@ -14,6 +14,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from stages.delta import FinishReason
+
 PREFIX = "tailrace:"
 
 # stats key -> (metric name without prefix, help, label name for dict-valued stats)
@@ -54,6 +56,9 @@ class EngineCollector(Collector):
         stats = self.engine.stats()
         for key, value in stats.items():
             name, doc, label = _KNOWN.get(key, (key, f"Engine stat {key}.", "key"))
+            if key == "requests_finished_total" and isinstance(value, dict):
+                # every reason from the start (0 until one happens), as vLLM exports them
+                value = {**dict.fromkeys(FinishReason, 0), **value}
             if _is_number(value):
                 family = _family(name, doc)
                 family.add_metric([], value)

@@ -2,7 +2,7 @@
 import orjson
 import pytest
 
-from stages.account import RequestDelta, Usage
+from stages.delta import Delta, FinishReason, Usage
 from stages.emit import (ChatFramer, CompletionFramer, Framer, ResponsesFramer,
                          STATUS_CLIENT_CLOSED)
 from gpu.sampler import SamplingOptions
@@ -18,13 +18,12 @@ def request(api, *, stream=False, include_usage=False, echo=None, request_id="ab
         include_usage=include_usage, created=CREATED, arrival=0.0, echo=echo or {})
 
 
-def delta(text="", reasoning="", finish=None, prompt=3, completion=1, reasoning_tokens=0,
+def delta(content="", reasoning="", finish=None, prompt=3, completion=1, reasoning_tokens=0,
           stop_reason=None, error=None):
-    return RequestDelta(request_id="abc", text=text, reasoning=reasoning, token_ids=(7,),
-                        finish_reason=finish,
-                        usage=Usage(prompt, completion, cached_tokens=0,
-                                    reasoning_tokens=reasoning_tokens),
-                        stop_reason=stop_reason, error=error)
+    return Delta("abc", (7,), finish, stop_reason, error=error, content=content,
+                 reasoning=reasoning,
+                 usage=Usage(prompt, completion, cached_tokens=0,
+                             reasoning_tokens=reasoning_tokens))
 
 
 def sse(obj):
@@ -59,7 +58,7 @@ def test_chat_stream_bytes():
         {"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}]))
     assert f.on_delta(delta("")) == b""          # nothing new (held back by stop strings)
     assert not f.finished
-    out = f.on_delta(delta("lo", finish="stop", completion=2, stop_reason=None))
+    out = f.on_delta(delta("lo", finish=FinishReason.STOP, completion=2, stop_reason=None))
     assert out == (
         sse(chat_chunk([{"index": 0, "delta": {"content": "lo"}, "logprobs": None,
                          "finish_reason": None}]))
@@ -76,7 +75,7 @@ def test_chat_stream_include_usage_and_reasoning():
     assert f.on_delta(delta(reasoning="hmm")) == sse(chat_chunk([
         {"index": 0, "delta": {"content": "", "reasoning_content": "hmm"}, "logprobs": None,
          "finish_reason": None}], usage=None))
-    out = f.on_delta(delta(finish="length", completion=2, stop_reason=None))
+    out = f.on_delta(delta(finish=FinishReason.LENGTH, completion=2, stop_reason=None))
     assert out == (
         sse(chat_chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
                          "stop_reason": None}], usage=None))
@@ -91,12 +90,12 @@ def test_chat_include_reasoning_false_hides_reasoning():
 
 def test_chat_stream_error_and_abort():
     f = Framer(request("chat", stream=True))
-    out = f.on_delta(delta(finish="error", error="CUDA fell over"))
+    out = f.on_delta(delta(finish=FinishReason.ERROR, error="CUDA fell over"))
     assert out == (sse({"error": {"message": "CUDA fell over", "type": "server_error",
                                   "param": None, "code": None}}) + b"data: [DONE]\n\n")
     assert f.finished
     f = Framer(request("chat", stream=True))
-    assert f.on_delta(delta("x", finish="abort")) == b""
+    assert f.on_delta(delta("x", finish=FinishReason.ABORT)) == b""
     assert f.finished and f.status == STATUS_CLIENT_CLOSED
 
 
@@ -104,7 +103,7 @@ def test_chat_non_stream_body():
     f = Framer(request("chat"))
     assert f.start() == b""
     assert f.on_delta(delta("Hel", reasoning="r")) == b""
-    body = f.on_delta(delta("lo", finish="stop", completion=2, stop_reason="</s>"))
+    body = f.on_delta(delta("lo", finish=FinishReason.STOP, completion=2, stop_reason="</s>"))
     assert f.finished and f.status == 200
     assert orjson.loads(body) == {
         "id": "chatcmpl-abc", "object": "chat.completion", "created": CREATED, "model": "tiny",
@@ -116,7 +115,7 @@ def test_chat_non_stream_body():
 
 def test_non_stream_error_is_500_json():
     f = Framer(request("chat"))
-    body = f.on_delta(delta(finish="error", error="boom"))
+    body = f.on_delta(delta(finish=FinishReason.ERROR, error="boom"))
     assert f.status == 500
     assert orjson.loads(body)["error"]["message"] == "boom"
 
@@ -133,7 +132,7 @@ def test_completion_stream_bytes():
     assert f.start() == b""
     assert f.on_delta(delta(" Paris")) == sse(cmpl_chunk(
         [{"index": 0, "text": " Paris", "logprobs": None, "finish_reason": None}], usage=None))
-    out = f.on_delta(delta(finish="stop", completion=2, stop_reason=13))
+    out = f.on_delta(delta(finish=FinishReason.STOP, completion=2, stop_reason=13))
     assert out == (
         sse(cmpl_chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop",
                          "stop_reason": 13}], usage=None))
@@ -144,7 +143,7 @@ def test_completion_stream_bytes():
 def test_completion_non_stream_body():
     f = Framer(request("completions"))
     f.on_delta(delta("a", reasoning="ignored"))
-    body = orjson.loads(f.on_delta(delta("b", finish="length", completion=2)))
+    body = orjson.loads(f.on_delta(delta("b", finish=FinishReason.LENGTH, completion=2)))
     assert body == {"id": "cmpl-abc", "object": "text_completion", "created": CREATED,
                     "model": "tiny",
                     "choices": [{"index": 0, "text": "ab", "logprobs": None,
@@ -184,7 +183,7 @@ def run_stream(framer, deltas):
 
 def test_responses_stream_plain_text():
     f = Framer(request("responses", stream=True, echo=RESP_ECHO))
-    evs = run_stream(f, [delta("Hel"), delta("lo", finish="stop", completion=2)])
+    evs = run_stream(f, [delta("Hel"), delta("lo", finish=FinishReason.STOP, completion=2)])
     assert [e["type"] for e in evs] == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added",
@@ -226,7 +225,7 @@ def test_responses_stream_exact_bytes_of_one_delta():
 def test_responses_stream_reasoning_then_incomplete():
     f = Framer(request("responses", stream=True, echo=RESP_ECHO))
     evs = run_stream(f, [delta(reasoning="think"), delta(reasoning="ing"), delta("Hi"),
-                         delta("!", finish="length", completion=8, reasoning_tokens=2)])
+                         delta("!", finish=FinishReason.LENGTH, completion=8, reasoning_tokens=2)])
     assert [e["type"] for e in evs] == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.reasoning_part.added",
@@ -253,7 +252,7 @@ def test_responses_stream_reasoning_then_incomplete():
 
 def test_responses_stream_finish_without_text_still_has_a_message():
     f = Framer(request("responses", stream=True, echo=RESP_ECHO))
-    evs = run_stream(f, [delta(finish="stop", completion=1)])
+    evs = run_stream(f, [delta(finish=FinishReason.STOP, completion=1)])
     assert [e["type"] for e in evs][2:] == [
         "response.output_item.added", "response.content_part.added",
         "response.output_text.done", "response.content_part.done",
@@ -263,7 +262,7 @@ def test_responses_stream_finish_without_text_still_has_a_message():
 
 def test_responses_stream_error():
     f = Framer(request("responses", stream=True, echo=RESP_ECHO))
-    evs = run_stream(f, [delta("Hi"), delta(finish="error", error="OOM")])
+    evs = run_stream(f, [delta("Hi"), delta(finish=FinishReason.ERROR, error="OOM")])
     assert [e["type"] for e in evs][-2:] == ["error", "response.failed"]
     assert evs[-2] == {"type": "error", "sequence_number": evs[-2]["sequence_number"],
                        "code": "server_error", "message": "OOM", "param": None}
@@ -277,7 +276,7 @@ def test_responses_stream_error():
 def test_responses_stream_abort_is_silent():
     f = Framer(request("responses", stream=True, echo=RESP_ECHO))
     f.start()
-    assert f.on_delta(delta("x", finish="abort")) == b""
+    assert f.on_delta(delta("x", finish=FinishReason.ABORT)) == b""
     assert f.finished
 
 
@@ -285,7 +284,7 @@ def test_responses_non_stream_body():
     f = Framer(request("responses", echo=RESP_ECHO))
     assert f.start() == b""
     assert f.on_delta(delta(reasoning="hm")) == b""
-    body = orjson.loads(f.on_delta(delta("Paris", finish="stop", completion=2)))
+    body = orjson.loads(f.on_delta(delta("Paris", finish=FinishReason.STOP, completion=2)))
     assert f.status == 200
     assert body["id"] == "resp_abc" and body["object"] == "response"
     assert body["created_at"] == CREATED and body["model"] == "tiny"
@@ -303,10 +302,10 @@ def test_responses_non_stream_body():
 
 def test_responses_non_stream_incomplete_and_error():
     f = Framer(request("responses", echo=RESP_ECHO))
-    body = orjson.loads(f.on_delta(delta("Pa", finish="length", completion=8)))
+    body = orjson.loads(f.on_delta(delta("Pa", finish=FinishReason.LENGTH, completion=8)))
     assert body["status"] == "incomplete"
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["output"][0]["status"] == "incomplete"
     f = Framer(request("responses", echo=RESP_ECHO))
-    body = f.on_delta(delta(finish="error", error="bad"))
+    body = f.on_delta(delta(finish=FinishReason.ERROR, error="bad"))
     assert f.status == 500 and orjson.loads(body)["error"]["type"] == "server_error"

@@ -5,6 +5,7 @@ from gpu.runner import StepResult
 from stages.blocks import BlockManager
 from gpu.sampler import SamplingOptions
 from stages.render import RenderedRequest, SamplingParams
+from stages.delta import FinishReason
 from stages.schedule import Scheduler
 
 
@@ -49,7 +50,7 @@ def test_prefix_cache_hit_reports_cached_tokens_and_shares_blocks():
     assert chunk.token_ids == tuple(prompt[12:])
     run_all(s)
     # the cached count reaches downstream with every update
-    assert out.updates[0].num_cached_tokens == 12
+    assert out.deltas[0].num_cached_tokens == 12
 
 
 def test_full_prompt_hit_still_computes_the_last_token():
@@ -100,8 +101,8 @@ def test_preemption_by_recompute_keeps_outputs():
     assert s.num_preemptions > 0
     produced: dict[str, int] = {}
     for o in outs:
-        for u in o.updates:
-            produced[u.request_id] = produced.get(u.request_id, 0) + len(u.token_ids)
+        for d in o.deltas:
+            produced[d.request_id] = produced.get(d.request_id, 0) + len(d.token_ids)
     assert produced == {"a": 8, "b": 8, "c": 8}
     assert s.blocks.num_used == 0
     # a recomputed sequence re-prefills its prompt plus the outputs it had
@@ -120,7 +121,7 @@ def test_eos_stops_and_frees():
     s = make()
     s.add(req("a", range(1, 4), max_tokens=10))
     plan, out = step(s, token=0)                     # 0 is EOS
-    assert out.updates[0].finish_reason == "stop"
+    assert out.deltas[0].finish_reason == FinishReason.STOP
     assert s.blocks.num_used == 0
     assert s.schedule().released == ("a",)
 

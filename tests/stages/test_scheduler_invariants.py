@@ -11,6 +11,7 @@ from gpu.runner import StepResult
 from stages.blocks import BlockManager
 from gpu.sampler import SamplingOptions
 from stages.render import RenderedRequest, SamplingParams
+from stages.delta import FinishReason
 from stages.schedule import Scheduler
 
 def req(rid, prompt, max_tokens):
@@ -74,7 +75,7 @@ def run(seed):
                 rid = f"r{n}"; n += 1
                 s.add(req(rid, prompt, mt)); alive.add(rid)
         if rng.random() < 0.1 and alive:
-            rid = rng.choice(sorted(alive)); s.finish(rid, rng.choice(["abort", "stop"]))
+            rid = rng.choice(sorted(alive)); s.finish(rid, rng.choice([FinishReason.ABORT, FinishReason.STOP]))
         check(s)
         if not s.has_work():
             continue
@@ -84,11 +85,11 @@ def run(seed):
         sampled = tuple(c.seq_id for c in plan.chunks if c.sample)
         toks = tuple(rng.choice([0, 7, 8, 9]) if rng.random() < 0.1 else rng.choice([7,8,9]) for _ in sampled)
         out = s.update(plan, StepResult(plan.step, sampled, toks, 0.0))
-        for u in out.updates:
-            if u.finish_reason:
-                assert u.request_id not in finished, ("double finish", u)
-                finished[u.request_id] = u.finish_reason
-                alive.discard(u.request_id)
+        for d in out.deltas:
+            if d.finished:
+                assert d.request_id not in finished, ("double finish", d)
+                finished[d.request_id] = d.finish_reason
+                alive.discard(d.request_id)
         check(s)
     # drain
     for it in range(2000):
@@ -97,10 +98,10 @@ def run(seed):
         kvcheck(s, plan, kv)
         sampled = tuple(c.seq_id for c in plan.chunks if c.sample)
         out = s.update(plan, StepResult(plan.step, sampled, (7,)*len(sampled), 0.0))
-        for u in out.updates:
-            if u.finish_reason:
-                assert u.request_id not in finished, ("double finish", u)
-                finished[u.request_id] = u.finish_reason
+        for d in out.deltas:
+            if d.finished:
+                assert d.request_id not in finished, ("double finish", d)
+                finished[d.request_id] = d.finish_reason
         check(s)
     assert not s.has_work(), ("hang", seed, [(q.id, len(q.token_ids)) for q in s.waiting], len(s.running))
     assert s.blocks.num_free == nb, "leak"

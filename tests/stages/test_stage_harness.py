@@ -6,15 +6,13 @@ import trio
 
 from pipeline.harness import Recorder, ScriptedRunner, run_stage
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
-from stages.account import AccountedStep, RequestDelta, Usage
 from stages.admit import Accepted, Admission
 from stages.blocks import BlockManager
-from stages.detokenize import DetokenizedStep, TextDelta
-from stages.parse import ParsedDelta, ParsedStep
+from stages.delta import Delta, FinishReason, Step, Usage
 from gpu.sampler import SamplingOptions
 from stages.render import RenderContext, RenderedRequest, RequestError, SamplingParams, Submission
 from stages.replies import Replies
-from stages.schedule import Abort, FinishRequest, ScheduledStep, Scheduler, SeqUpdate
+from stages.schedule import Abort, FinishRequest, Scheduler
 
 
 def rendered(rid="r1", prompt=(1, 2, 3), api="chat", stream=True, **sampling) -> RenderedRequest:
@@ -88,12 +86,12 @@ async def test_schedule_stage_runs_requests_to_completion():
     tokens: dict[str, list[int]] = {}
     finish = {}
     for s in steps:
-        for u in s.updates:
-            tokens.setdefault(u.request_id, []).extend(u.token_ids)
-            if u.finish_reason:
-                finish[u.request_id] = u.finish_reason
+        for d in s.deltas:
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.finished:
+                finish[d.request_id] = d.finish_reason
     assert tokens == {"a": [10, 11, 12], "b": [10, 11]}
-    assert finish == {"a": "length", "b": "length"}
+    assert finish == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
     assert sched.blocks.num_used == 0
 
 
@@ -108,8 +106,8 @@ async def test_schedule_stage_abort_frees_blocks():
         out = await run_stage(schedule.run, inputs={"inbox": [rendered("a", max_tokens=50), Abort("a")]},
                               outputs=("downstream",), to_gpu=plan_send, from_gpu=res_recv,
                               scheduler=sched)
-    finishes = [u for s in out["downstream"] for u in s.updates if u.finish_reason]
-    assert [(u.request_id, u.finish_reason) for u in finishes] == [("a", "abort")]
+    finishes = [d for s in out["downstream"] for d in s.deltas if d.finished]
+    assert [(d.request_id, d.finish_reason) for d in finishes] == [("a", FinishReason.ABORT)]
     assert sched.blocks.num_used == 0 and not sched.running
 
 
@@ -118,37 +116,74 @@ async def test_detokenize_stage_text_and_stop_string(smollm_tokenizer):
     tok = smollm_tokenizer
     ids = tok.encode("Paris is nice. Stop here please")
     req = rendered("a", prompt=tok.encode("Q:"), stop=("Stop",))
-    steps = [ScheduledStep(1, (req,), (SeqUpdate("a", tuple(ids[:3])),))]
-    steps += [ScheduledStep(i + 2, (), (SeqUpdate("a", (t,)),)) for i, t in enumerate(ids[3:])]
+    steps = [Step(1, (req,), (Delta("a", tuple(ids[:3])),))]
+    steps += [Step(i + 2, (), (Delta("a", (t,)),)) for i, t in enumerate(ids[3:])]
     out = await run_stage(detokenize.run, inputs={"receive": steps}, outputs=("send", "control"),
                           core=detokenize.Detokenizer(tok))
     deltas = [d for s in out["send"] for d in s.deltas]
     assert "".join(d.text for d in deltas) == "Paris is nice. "
-    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "Stop"
+    assert deltas[-1].finish_reason == FinishReason.STOP and deltas[-1].stop_reason == "Stop"
     assert out["control"] == [FinishRequest("a")]
+
+
+def _one_token_steps(req, ids) -> list[Step]:
+    return [Step(i + 1, (req,) if i == 0 else (), (Delta(req.request_id, (t,)),))
+            for i, t in enumerate(ids)]
+
+
+async def test_detokenize_stop_string_waits_for_min_tokens(smollm_tokenizer):
+    tok = smollm_tokenizer
+    ids = tok.encode("a b a b a b c")       # one token per letter (with its space)
+    assert len(ids) == 7
+    # Without min_tokens the first "b" stops it; with min_tokens=3 the stop string has to
+    # end in the text of the 4th token or later (vLLM's rule): the "b" at token 4.
+    for min_tokens, expect_text, expect_tokens in ((0, "a", 2), (3, "a b a", 4),
+                                                  (4, "a b a b a", 6)):
+        req = rendered("a", prompt=tok.encode("Q:"), stop=(" b",), min_tokens=min_tokens)
+        out = await run_stage(detokenize.run, inputs={"receive": _one_token_steps(req, ids)},
+                              outputs=("send", "control"), core=detokenize.Detokenizer(tok))
+        deltas = [d for s in out["send"] for d in s.deltas]
+        assert "".join(d.text for d in deltas) == expect_text, min_tokens
+        assert len(deltas) == expect_tokens
+        assert deltas[-1].finish_reason == FinishReason.STOP and deltas[-1].stop_reason == " b"
+        assert out["control"] == [FinishRequest("a")]
+
+
+async def test_detokenize_stop_string_straddling_min_tokens(smollm_tokenizer):
+    # A stop string may start in the text of the first min_tokens tokens, as long as it
+    # ends after them.
+    tok = smollm_tokenizer
+    ids = tok.encode("x y z")
+    assert len(ids) == 3
+    req = rendered("a", prompt=tok.encode("Q:"), stop=("x y",), min_tokens=1)
+    out = await run_stage(detokenize.run, inputs={"receive": _one_token_steps(req, ids)},
+                          outputs=("send", "control"), core=detokenize.Detokenizer(tok))
+    deltas = [d for s in out["send"] for d in s.deltas]
+    assert "".join(d.text for d in deltas) == ""
+    assert deltas[-1].stop_reason == "x y" and len(deltas) == 2
 
 
 async def test_detokenize_hides_eos_but_counts_it(smollm_tokenizer):
     tok = smollm_tokenizer
     eos = tok.eos_token_ids[0]
     hello = tok.encode("Hello")
-    steps = [ScheduledStep(1, (rendered("a"),), (SeqUpdate("a", tuple(hello)),)),
-             ScheduledStep(2, (), (SeqUpdate("a", (eos,), "stop"),))]
+    steps = [Step(1, (rendered("a"),), (Delta("a", tuple(hello)),)),
+             Step(2, (), (Delta("a", (eos,), FinishReason.STOP),))]
     out = await run_stage(detokenize.run, inputs={"receive": steps}, outputs=("send", "control"),
                           core=detokenize.Detokenizer(tok))
     deltas = [d for s in out["send"] for d in s.deltas]
     assert "".join(d.text for d in deltas) == "Hello"
-    assert deltas[-1].token_ids == (eos,) and deltas[-1].finish_reason == "stop"
+    assert deltas[-1].token_ids == (eos,) and deltas[-1].finish_reason == FinishReason.STOP
     assert out["control"] == []
 
 
 # -- parse -----------------------------------------------------------------------------------
-def _text_steps(rid: str, pieces: list[str]) -> list[DetokenizedStep]:
+def _text_steps(rid: str, pieces: list[str]) -> list[Step]:
     req = rendered(rid)
     out = []
     for i, p in enumerate(pieces):
-        fin = "stop" if i == len(pieces) - 1 else None
-        out.append(DetokenizedStep(i, (req,) if i == 0 else (), (TextDelta(rid, p, (i,), fin, None, 0),)))
+        fin = FinishReason.STOP if i == len(pieces) - 1 else None
+        out.append(Step(i, (req,) if i == 0 else (), (Delta(rid, (i,), fin, text=p),)))
     return out
 
 
@@ -171,15 +206,16 @@ async def test_parse_stage_passthrough_without_parser():
 # -- account ---------------------------------------------------------------------------------
 async def test_account_stage_usage_and_counters():
     req = rendered("a", prompt=(1, 2, 3, 4))
-    steps = [ParsedStep(1, (req,), (ParsedDelta("a", "", "think", (5,), None, None, 2),)),
-             ParsedStep(2, (), (ParsedDelta("a", "hi", "", (6, 7), "length", None, 2),))]
+    steps = [Step(1, (req,), (Delta("a", (5,), num_cached_tokens=2, reasoning="think"),)),
+             Step(2, (), (Delta("a", (6, 7), FinishReason.LENGTH, num_cached_tokens=2,
+                                content="hi"),))]
     core = account.Accountant()
     log = Recorder()
     out = await run_stage(account.run, inputs={"receive": steps}, core=core, log=log)
     last = out["send"][-1].deltas[-1]
     assert last.usage == Usage(prompt_tokens=4, completion_tokens=3, cached_tokens=2, reasoning_tokens=1)
     assert core.generation_tokens_total == 3 and core.prompt_tokens_total == 4
-    assert core.finished_total == {"length": 1}
+    assert core.finished_total == {FinishReason.LENGTH: 1}
     assert log.named("finished")[0]["completion_tokens"] == 3
 
 
@@ -189,8 +225,8 @@ async def test_emit_stage_streams_sse_and_closes_reply():
     inbox = replies.open("a")
     req = rendered("a", api="completions")
     usage = Usage(3, 2)
-    steps = [AccountedStep((req,), (RequestDelta("a", "Hel", "", (1,), None, Usage(3, 1)),)),
-             AccountedStep((), (RequestDelta("a", "lo", "", (2,), "stop", usage),))]
+    steps = [Step(1, (req,), (Delta("a", (1,), content="Hel", usage=Usage(3, 1)),)),
+             Step(2, (), (Delta("a", (2,), FinishReason.STOP, content="lo", usage=usage),))]
     await run_stage(emit.run, inputs={"receive": steps}, outputs=(), replies=replies, core=emit.Emitter())
     items = [x async for x in inbox]
     assert isinstance(items[-1], emit.ReplyEnd) and items[-1].status == 200
