@@ -1,15 +1,14 @@
-"""The one delta shape: the event log's converter round-trips a Step, FinishReason included."""
+"""The one delta shape: the event log's converter round-trips a Step's deltas, FinishReason
+included (requests are covered by the engine's replay test)."""
 import orjson
 
 from gpu.runner import TokenLogprobs
 from pipeline.events import structure_step, unstructure
 from stages.delta import Delta, FinishReason, Step, TokenLogprob, Usage
-from stages.render import RenderedRequest, SamplingParams
 
 
 def test_step_round_trips_through_the_event_log_converter():
-    req = RenderedRequest("a", "chat", "m", (1, 2), SamplingParams(4), True, False, 0, 0.0)
-    step = Step(3, (req,), (
+    step = Step(3, (), (
         Delta("a", (5,), FinishReason.STOP, 7, 2,
               token_logprobs=(TokenLogprobs(-0.5, (5, 6), (-0.5, -1.5)),)),
         Delta("b", finish_reason=FinishReason.ERROR, error="boom"),
