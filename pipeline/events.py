@@ -19,12 +19,26 @@ import orjson
 import structlog
 from cattrs.strategies import configure_union_passthrough
 
-from stages.delta import Step
+from stages.api import protocol
+from stages.api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from stages.render import ApiRequest
+from stages.schedule import Step
 
 converter = cattrs.Converter()
 # Unions of JSON scalars (a Delta's stop_reason: a stop token id or a stop string) pass
 # through as they are.
 configure_union_passthrough(str | int | float | bool | None, converter)
+
+
+def _structure_api_request(data: dict, _) -> ApiRequest:
+    """A logged typed request back through the protocol's own converter; the API is the
+    one whose required field the body holds."""
+    cls = next(c for key, c in (("messages", ChatCompletionRequest), ("prompt", CompletionRequest),
+                                ("input", ResponsesRequest)) if key in data)
+    return protocol.converter.structure(data, cls)
+
+
+converter.register_structure_hook(ApiRequest, _structure_api_request)
 
 
 def unstructure(msg) -> dict:
@@ -62,9 +76,6 @@ class EventLog:
             bound.msg(event, **fields)
 
         return log
-
-    def flush(self) -> None:
-        self._file.flush()
 
     def close(self) -> None:
         self._file.close()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.delta import FinishReason, Step, Usage
+from stages.delta import FinishReason, Usage
+from stages.schedule import Step
 from stages.render import RenderedRequest
 
 

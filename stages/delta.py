@@ -4,7 +4,7 @@ schedule creates a `Delta` for each request an engine step touched; each later s
 fills in only its own fields with `attrs.evolve` (detokenize: text and logprobs with
 text, and a stop string's finish; parse: content and reasoning; account: usage).
 Nothing is repacked by position. The deltas of one engine step travel together in one
-`Step`, the message on every channel from schedule to emit.
+`Step` (stages/schedule.py), the message on every channel from schedule to emit.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import enum
 import attrs
 
 from gpu.runner import TokenLogprobs
-from stages.render import RenderedRequest
 
 
 class FinishReason(enum.StrEnum):
@@ -68,17 +67,3 @@ class Delta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@attrs.frozen
-class Step:
-    """One engine step, schedule -> detokenize -> parse -> account -> emit: the requests
-    admitted since the last step and a delta for every request the step touched. Each
-    stage passes it on with `attrs.evolve(step, deltas=...)`."""
-    step: int
-    new_requests: tuple[RenderedRequest, ...] = ()
-    deltas: tuple[Delta, ...] = ()
-    # -- schedule's queue sizes after the step (for the event log)
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0

@@ -12,9 +12,9 @@ import attrs
 import trio
 from tokenizers.decoders import DecodeStream
 
-from stages.delta import Delta, FinishReason, Step, TokenLogprob
+from stages.delta import Delta, FinishReason, TokenLogprob
 from stages.render import RenderedRequest
-from stages.schedule import FinishRequest
+from stages.schedule import FinishRequest, Step
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.delta import Step
+from stages.schedule import Step
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 _OPEN, _CLOSE = "<think>", "</think>"

@@ -16,8 +16,23 @@ import trio
 from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult
 from gpu.sampler import SamplingOptions
 from stages.blocks import BlockManager
-from stages.delta import Delta, FinishReason, Step
+from stages.delta import Delta, FinishReason
 from stages.render import RenderedRequest
+
+
+
+@attrs.frozen
+class Step:
+    """One engine step, schedule -> detokenize -> parse -> account -> emit: the requests
+    admitted since the last step and a delta for every request the step touched. Each
+    stage passes it on with `attrs.evolve(step, deltas=...)`."""
+    step: int
+    new_requests: tuple[RenderedRequest, ...] = ()
+    deltas: tuple[Delta, ...] = ()
+    # -- schedule's queue sizes after the step (for the event log)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
 
 
 # -- the scheduler's inbox: admitted requests arrive with control messages ---------------

@@ -4,7 +4,8 @@ import orjson
 
 from gpu.runner import TokenLogprobs
 from pipeline.events import structure_step, unstructure
-from stages.delta import Delta, FinishReason, Step, TokenLogprob, Usage
+from stages.delta import Delta, FinishReason, TokenLogprob, Usage
+from stages.schedule import Step
 
 
 def test_step_round_trips_through_the_event_log_converter():

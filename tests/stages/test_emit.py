@@ -1,21 +1,22 @@
 """emit core: byte-exact framing for chat, completions and the Responses API."""
+import attrs
 import orjson
 import pytest
 
 from stages.delta import Delta, FinishReason, Usage
-from stages.emit import (ChatFramer, CompletionFramer, Framer, ResponsesFramer,
-                         STATUS_CLIENT_CLOSED)
-from gpu.sampler import SamplingOptions
-from stages.render import RenderedRequest, SamplingParams
+from stages.api.chat import ChatFramer
+from stages.api.completions import CompletionFramer
+from stages.api.framing import STATUS_CLIENT_CLOSED
+from stages.api.responses import ResponsesFramer
+from stages.emit import framer_for as Framer
+from rendered import rendered
 
 CREATED = 1700000000
 
 
-def request(api, *, stream=False, include_usage=False, echo=None, request_id="abc"):
-    return RenderedRequest(
-        request_id=request_id, api=api, model="tiny", prompt_token_ids=(1, 2, 3),
-        sampling=SamplingParams(max_tokens=8, options=SamplingOptions(temperature=0.5, top_p=0.9)), stream=stream,
-        include_usage=include_usage, created=CREATED, arrival=0.0, echo=echo or {})
+def request(api, *, stream=False, include_usage=False, body=None, request_id="abc"):
+    return rendered(request_id, api=api, stream=stream, include_usage=include_usage, body=body,
+                    model="tiny", created=CREATED, temperature=0.5, top_p=0.9)
 
 
 def delta(content="", reasoning="", finish=None, prompt=3, completion=1, reasoning_tokens=0,
@@ -45,7 +46,7 @@ def test_framer_dispatches_on_api():
     assert type(Framer(request("completions"))) is CompletionFramer
     assert type(Framer(request("responses"))) is ResponsesFramer
     with pytest.raises(ValueError):
-        Framer(request("embeddings"))
+        Framer(attrs.evolve(request("chat"), api="embeddings"))
 
 
 # -- chat ----------------------------------------------------------------------
@@ -73,7 +74,7 @@ def test_chat_stream_include_usage_and_reasoning():
     f = Framer(request("chat", stream=True, include_usage=True))
     f.start()
     assert f.on_delta(delta(reasoning="hmm")) == sse(chat_chunk([
-        {"index": 0, "delta": {"content": "", "reasoning_content": "hmm"}, "logprobs": None,
+        {"index": 0, "delta": {"content": "", "reasoning": "hmm"}, "logprobs": None,
          "finish_reason": None}], usage=None))
     out = f.on_delta(delta(finish=FinishReason.LENGTH, completion=2, stop_reason=None))
     assert out == (
@@ -84,7 +85,7 @@ def test_chat_stream_include_usage_and_reasoning():
 
 
 def test_chat_include_reasoning_false_hides_reasoning():
-    f = Framer(request("chat", stream=True, echo={"include_reasoning": False}))
+    f = Framer(request("chat", stream=True, body={"include_reasoning": False}))
     assert f.on_delta(delta(reasoning="secret")) == b""
 
 
@@ -108,7 +109,7 @@ def test_chat_non_stream_body():
     assert orjson.loads(body) == {
         "id": "chatcmpl-abc", "object": "chat.completion", "created": CREATED, "model": "tiny",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello",
-                                             "refusal": None, "reasoning_content": "r"},
+                                             "refusal": None, "reasoning": "r"},
                      "logprobs": None, "finish_reason": "stop", "stop_reason": "</s>"}],
         "usage": USAGE_3_2}
 
@@ -153,10 +154,7 @@ def test_completion_non_stream_body():
 
 # -- responses -----------------------------------------------------------------
 
-RESP_ECHO = {"instructions": "be nice", "max_output_tokens": 8, "temperature": 0.5,
-             "top_p": 0.9, "metadata": {}, "user": None, "tool_choice": "auto",
-             "parallel_tool_calls": True, "reasoning": {"effort": None, "summary": None},
-             "store": False}
+RESP_BODY = {"instructions": "be nice", "max_output_tokens": 8}
 
 
 def events(raw):
@@ -182,7 +180,7 @@ def run_stream(framer, deltas):
 
 
 def test_responses_stream_plain_text():
-    f = Framer(request("responses", stream=True, echo=RESP_ECHO))
+    f = Framer(request("responses", stream=True, body=RESP_BODY))
     evs = run_stream(f, [delta("Hel"), delta("lo", finish=FinishReason.STOP, completion=2)])
     assert [e["type"] for e in evs] == [
         "response.created", "response.in_progress",
@@ -213,7 +211,7 @@ def test_responses_stream_plain_text():
 
 
 def test_responses_stream_exact_bytes_of_one_delta():
-    f = Framer(request("responses", stream=True, echo=RESP_ECHO))
+    f = Framer(request("responses", stream=True, body=RESP_BODY))
     f.start()
     f.on_delta(delta("a"))
     assert f.on_delta(delta("b")) == (
@@ -223,7 +221,7 @@ def test_responses_stream_exact_bytes_of_one_delta():
 
 
 def test_responses_stream_reasoning_then_incomplete():
-    f = Framer(request("responses", stream=True, echo=RESP_ECHO))
+    f = Framer(request("responses", stream=True, body=RESP_BODY))
     evs = run_stream(f, [delta(reasoning="think"), delta(reasoning="ing"), delta("Hi"),
                          delta("!", finish=FinishReason.LENGTH, completion=8, reasoning_tokens=2)])
     assert [e["type"] for e in evs] == [
@@ -251,7 +249,7 @@ def test_responses_stream_reasoning_then_incomplete():
 
 
 def test_responses_stream_finish_without_text_still_has_a_message():
-    f = Framer(request("responses", stream=True, echo=RESP_ECHO))
+    f = Framer(request("responses", stream=True, body=RESP_BODY))
     evs = run_stream(f, [delta(finish=FinishReason.STOP, completion=1)])
     assert [e["type"] for e in evs][2:] == [
         "response.output_item.added", "response.content_part.added",
@@ -261,7 +259,7 @@ def test_responses_stream_finish_without_text_still_has_a_message():
 
 
 def test_responses_stream_error():
-    f = Framer(request("responses", stream=True, echo=RESP_ECHO))
+    f = Framer(request("responses", stream=True, body=RESP_BODY))
     evs = run_stream(f, [delta("Hi"), delta(finish=FinishReason.ERROR, error="OOM")])
     assert [e["type"] for e in evs][-2:] == ["error", "response.failed"]
     assert evs[-2] == {"type": "error", "sequence_number": evs[-2]["sequence_number"],
@@ -274,14 +272,14 @@ def test_responses_stream_error():
 
 
 def test_responses_stream_abort_is_silent():
-    f = Framer(request("responses", stream=True, echo=RESP_ECHO))
+    f = Framer(request("responses", stream=True, body=RESP_BODY))
     f.start()
     assert f.on_delta(delta("x", finish=FinishReason.ABORT)) == b""
     assert f.finished
 
 
 def test_responses_non_stream_body():
-    f = Framer(request("responses", echo=RESP_ECHO))
+    f = Framer(request("responses", body=RESP_BODY))
     assert f.start() == b""
     assert f.on_delta(delta(reasoning="hm")) == b""
     body = orjson.loads(f.on_delta(delta("Paris", finish=FinishReason.STOP, completion=2)))
@@ -301,11 +299,11 @@ def test_responses_non_stream_body():
 
 
 def test_responses_non_stream_incomplete_and_error():
-    f = Framer(request("responses", echo=RESP_ECHO))
+    f = Framer(request("responses", body=RESP_BODY))
     body = orjson.loads(f.on_delta(delta("Pa", finish=FinishReason.LENGTH, completion=8)))
     assert body["status"] == "incomplete"
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["output"][0]["status"] == "incomplete"
-    f = Framer(request("responses", echo=RESP_ECHO))
+    f = Framer(request("responses", body=RESP_BODY))
     body = f.on_delta(delta(finish=FinishReason.ERROR, error="bad"))
     assert f.status == 500 and orjson.loads(body)["error"]["type"] == "server_error"

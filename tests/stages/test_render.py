@@ -61,7 +61,7 @@ def test_chat_renders_template_and_tokenizes_without_special_tokens():
     req = chat({"model": "alias"})
     prompt = "<user>hi<assistant>"
     assert req.prompt_token_ids == tuple(ord(c) % 900 for c in prompt)
-    assert req.model == "alias"
+    assert req.model == "tiny"      # replies name the first served model, whatever alias
     assert req.api == "chat" and req.request_id == "r1" and req.arrival == 1.5
     assert req.sampling.max_tokens == 100 - len(prompt)    # default: the rest of the context
     assert req.stream is False and req.include_usage is True
@@ -152,10 +152,78 @@ def test_out_of_range_or_unsupported_is_400(field, value):
     assert (err.status, err.param) == (400, field)
 
 
-def test_null_counts_as_absent_and_unknown_fields_are_ignored():
-    req = chat({"temperature": None, "max_tokens": None, "stop": None, "frobnicate": 1,
-                "logprobs": False, "n": 1, "tools": [], "tool_choice": "none"})
+def test_null_counts_as_absent():
+    req = chat({"temperature": None, "max_tokens": None, "stop": None, "logprobs": False,
+                "n": 1, "tools": [], "tool_choice": "none"})
     assert req.sampling.options.temperature == 1.0
+
+
+@pytest.mark.parametrize("fn", [chat, completion, responses])
+def test_unknown_field_is_refused_as_openai_does(fn):
+    err = error_of(fn, {"frobnicate": 1})
+    assert (err.status, err.param) == (400, "frobnicate")
+    assert err.message == "Unrecognized request argument supplied: frobnicate"
+
+
+@pytest.mark.parametrize("fn, field, value", [
+    (chat, "guided_json", {"type": "object"}), (chat, "prompt_logprobs", 1),
+    (chat, "functions", [{"name": "f"}]), (completion, "structured_outputs", {"regex": "a"}),
+    (completion, "truncate_prompt_tokens", 5), (responses, "previous_response_id", "r"),
+])
+def test_known_but_unimplemented_field_is_400_naming_it(fn, field, value):
+    err = error_of(fn, {field: value})
+    assert (err.status, err.param) == (400, field)
+    assert field in err.message and "not supported" in err.message
+
+
+@pytest.mark.parametrize("fn, body", [
+    (chat, {"user": "u1", "metadata": {"a": "b"}, "service_tier": "auto", "store": False,
+            "prompt_cache_key": "k", "safety_identifier": "s", "priority": 0,
+            "spaces_between_special_tokens": True, "echo": False, "use_beam_search": False}),
+    (completion, {"user": "u1", "metadata": {}, "best_of": 1, "echo": False, "suffix": ""}),
+    (responses, {"user": "u", "service_tier": "auto", "store": True, "background": False,
+                 "prompt_cache_key": "k", "safety_identifier": "s"}),
+])
+def test_fields_that_mean_nothing_here_are_accepted(fn, body):
+    assert fn(body).sampling.max_tokens > 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": float("inf")}, "top_p"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 5}]},
+     "messages[1].content"),
+    ({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}, "messages[1].role"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+])
+def test_validation_errors_name_the_json_path(body, param):
+    err = error_of(chat, body)
+    assert (err.status, err.param) == (400, param)
+    assert err.message.startswith(f"'{param}' ")
+
+
+def test_empty_model_means_the_default_and_aliases_reply_with_the_first_name():
+    assert chat({"model": ""}).model == "tiny"
+    assert chat({"model": "alias"}).model == "tiny"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": []}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [], "tool_choice": "auto"}, "tools"),
+])
+def test_empty_tools_and_tool_choice_without_tools_are_400_as_in_vllm(body, param):
+    err = error_of(chat, body)
+    assert (err.status, err.param) == (400, param)
+
+
+def test_assistant_reasoning_reaches_the_template_under_both_names():
+    ctx = make_ctx()
+    chat({"messages": [{"role": "user", "content": "q"},
+                       {"role": "assistant", "content": "a", "reasoning": "because"},
+                       {"role": "assistant", "content": "b", "reasoning_content": "old name"},
+                       {"role": "user", "content": "again"}]}, ctx)
+    messages = ctx.tokenizer.template_calls[-1][0]
+    assert messages[1]["reasoning"] == messages[1]["reasoning_content"] == "because"
+    assert messages[2]["reasoning"] == messages[2]["reasoning_content"] == "old name"
 
 
 def test_sampling_fields_reach_sampling_params():
@@ -274,11 +342,9 @@ def test_responses_string_input_with_instructions():
     assert ctx.tokenizer.template_calls[-1][0] == [
         {"role": "system", "content": "be nice"}, {"role": "user", "content": "hi"}]
     assert req.sampling.max_tokens == 5 and req.sampling.options.temperature == 0.5
-    assert req.echo["instructions"] == "be nice"
-    assert req.echo["max_output_tokens"] == 5
-    assert req.echo["temperature"] == 0.5 and req.echo["top_p"] == 1.0
-    assert req.echo["metadata"] == {"k": "v"}
-    assert req.echo["store"] is False       # nothing is ever stored
+    r = req.request
+    assert (r.instructions, r.max_output_tokens, r.metadata) == ("be nice", 5, {"k": "v"})
+    assert req.sampling.options.top_p == 1.0
 
 
 def test_responses_message_items():
@@ -296,7 +362,7 @@ def test_responses_message_items():
 def test_responses_max_output_tokens_absent_fills_the_context():
     req = responses({})
     assert req.sampling.max_tokens == 100 - len("<user>hi<assistant>")
-    assert req.echo["max_output_tokens"] is None
+    assert req.request.max_output_tokens is None
 
 
 @pytest.mark.parametrize("body, param", [
@@ -324,7 +390,7 @@ def test_responses_errors(body, param):
 
 def test_responses_reasoning_effort_is_accepted_with_a_reasoning_parser():
     req = responses({"reasoning": {"effort": "low"}}, make_ctx(reasoning=True))
-    assert req.echo["reasoning"] == {"effort": "low", "summary": None}
+    assert req.request.reasoning.effort == "low"
 
 
 def test_responses_accepts_harmless_defaults():

@@ -3,15 +3,14 @@ from __future__ import annotations
 
 from gpu.runner import StepResult
 from stages.blocks import BlockManager
-from gpu.sampler import SamplingOptions
-from stages.render import RenderedRequest, SamplingParams
+from rendered import rendered
+from stages.render import RenderedRequest
 from stages.delta import FinishReason
 from stages.schedule import Scheduler
 
 
 def req(rid: str, prompt, max_tokens: int = 4) -> RenderedRequest:
-    return RenderedRequest(rid, "completions", "m", tuple(prompt),
-                           SamplingParams(max_tokens=max_tokens, options=SamplingOptions(temperature=0.0)), False, False, 0, 0.0)
+    return rendered(rid, prompt, max_tokens=max_tokens)
 
 
 def make(num_blocks=32, block_size=4, budget=64, max_seqs=8, prefix=True) -> Scheduler:

@@ -9,14 +9,12 @@ from collections import Counter
 
 from gpu.runner import StepResult
 from stages.blocks import BlockManager
-from gpu.sampler import SamplingOptions
-from stages.render import RenderedRequest, SamplingParams
+from rendered import rendered
 from stages.delta import FinishReason
 from stages.schedule import Scheduler
 
 def req(rid, prompt, max_tokens):
-    return RenderedRequest(rid, "completions", "m", tuple(prompt),
-                           SamplingParams(max_tokens=max_tokens, options=SamplingOptions(temperature=0.0)), False, False, 0, 0.0)
+    return rendered(rid, prompt, max_tokens=max_tokens)
 
 def check(s):
     bm = s.blocks

@@ -8,19 +8,15 @@ from pipeline.harness import Recorder, ScriptedRunner, run_stage
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.blocks import BlockManager
-from stages.delta import Delta, FinishReason, Step, Usage
-from gpu.sampler import SamplingOptions
+from stages.delta import Delta, FinishReason, Usage
+from rendered import rendered as make_rendered
 from stages.render import RenderContext, RenderedRequest, RequestError, SamplingParams, Submission
 from stages.replies import Replies
-from stages.schedule import Abort, FinishRequest, Scheduler
+from stages.schedule import Abort, FinishRequest, Scheduler, Step
 
 
 def rendered(rid="r1", prompt=(1, 2, 3), api="chat", stream=True, **sampling) -> RenderedRequest:
-    own = {k: sampling.pop(k) for k in ("stop", "ignore_eos", "include_stop_str_in_output",
-                                        "skip_special_tokens") if k in sampling}
-    sp = SamplingParams(max_tokens=sampling.pop("max_tokens", 8),
-                        options=SamplingOptions(**{"temperature": 0.0, **sampling}), **own)
-    return RenderedRequest(rid, api, "m", tuple(prompt), sp, stream, True, 0, 0.0)
+    return make_rendered(rid, prompt, api, stream=stream, **sampling)
 
 
 # -- render ----------------------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""POST /v1/chat/completions: the request's prompt plan, and the reply's framing."""
+from __future__ import annotations
+
+from stages.api.framing import DONE, Framer, error_bytes, json_body, sse_data, usage_info
+from stages.api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion,
+                                 ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
+                                 ChatLogprobs, ChatMessage, ChatMessageOut, ChatTokenLogprob,
+                                 ContentPart, PromptPlan, RequestError, TopLogprob,
+                                 server_error)
+from stages.delta import Delta, FinishReason, TokenLogprob
+
+MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# chat_template_kwargs may not override what render itself decides.
+_RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "add_generation_prompt", "tools",
+                             "tokenize")
+
+
+def plan(req: ChatCompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
+    if req.n != 1:
+        raise RequestError("'n' must be 1; this server returns one choice per request.",
+                           param="n")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise RequestError("'response_format' other than {\"type\": \"text\"} is not "
+                           "supported by this server yet.", param="response_format")
+    check_tools(req.tools, req.tool_choice)
+    if req.logit_bias:
+        raise RequestError("'logit_bias' is not supported by this server yet.",
+                           param="logit_bias")
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise RequestError("'modalities' other than [\"text\"] are not supported.",
+                           param="modalities")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true.",
+                           param="stream_options")
+    use_completion_tokens = req.max_completion_tokens is not None
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+              if k not in _RESERVED_TEMPLATE_KWARGS}
+    if req.reasoning_effort is not None:   # as vLLM: templates that know it use it
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    return PromptPlan(
+        messages=template_messages(req.messages, "messages"),
+        add_generation_prompt=req.add_generation_prompt, template_kwargs=kwargs,
+        add_special_tokens=bool(req.add_special_tokens), prompt_param="messages",
+        max_tokens=req.max_completion_tokens if use_completion_tokens else req.max_tokens,
+        max_tokens_param="max_completion_tokens" if use_completion_tokens else "max_tokens",
+        logprobs=_logprobs(req), stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream else True)
+
+
+def check_tools(tools: list | None, tool_choice: object) -> None:
+    """No tool parser yet. As in vLLM, tool_choice needs tools, and tools may not be []."""
+    if tool_choice == "none":
+        return
+    if tool_choice is not None and tools is None:
+        raise RequestError("When using `tool_choice`, `tools` must be set.",
+                           param="tool_choice")
+    if tools is not None and not tools:
+        raise RequestError("'tools' must not be empty: send at least one tool, or omit "
+                           "'tools'.", param="tools")
+    if tool_choice not in (None, "auto"):
+        raise RequestError("'tool_choice' is not supported by this server yet (no tool-call "
+                           "parser).", param="tool_choice")
+    if tools:
+        raise RequestError("'tools' are not supported by this server yet (no tool-call "
+                           "parser); send tool_choice \"none\" or omit tools.", param="tools")
+
+
+def _logprobs(req: ChatCompletionRequest) -> int | None:
+    """logprobs (bool) + top_logprobs (0-20) -> None, or the number of alternatives."""
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise RequestError(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {top}.",
+                           param="top_logprobs")
+    if not req.logprobs:
+        if top:
+            raise RequestError("'top_logprobs' needs 'logprobs' set to true.",
+                               param="top_logprobs")
+        return None
+    return top or 0
+
+
+def template_messages(messages: list[ChatMessage], param: str) -> list[dict]:
+    """The messages as the chat template sees them."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"{param}[{i}]"
+        if m.role not in CHAT_ROLES:
+            raise RequestError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, "
+                               f"got {m.role!r}.", param=f"{where}.role")
+        if m.content is None and m.role != "assistant":
+            raise RequestError(f"'{where}.content' must be a string or an array of content "
+                               "parts, got null.", param=f"{where}.content")
+        message = {"role": template_role(m.role),
+                   "content": content_text(m.content, f"{where}.content", ("text",))}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None:
+            # Templates read either name (Qwen3's reads reasoning_content).
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        out.append(message)
+    return out
+
+
+def template_role(role: str) -> str:
+    # OpenAI's "developer" is the system prompt; most chat templates only know "system".
+    return "system" if role == "developer" else role
+
+
+def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
+                 part_types: tuple[str, ...]) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if part.type not in part_types:
+            raise RequestError(f"'{where}.type' {part.type!r} is not supported; expected "
+                               f"{' or '.join(part_types)}.", param=f"{where}.type")
+        if part.text is None:
+            raise RequestError(f"'{where}.text' must be a string.", param=f"{where}.text")
+        texts.append(part.text)
+    # vLLM joins text parts with a newline.
+    return "\n".join(texts)
+
+
+# -- the reply -----------------------------------------------------------------------------
+
+def chat_logprobs(entries) -> ChatLogprobs:
+    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(token=e.token, logprob=e.logprob, bytes=list(e.token.encode()),
+                         top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode()))
+                                       for t, v in e.top])
+        for e in entries])
+
+
+class ChatFramer(Framer):
+    def __init__(self, req) -> None:
+        super().__init__(req)
+        self.id = f"chatcmpl-{req.request_id}"
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._wants_logprobs = req.sampling.options.logprobs is not None
+        self._show_reasoning = req.request.include_reasoning
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage=None) -> bytes:
+        # OpenAI: with include_usage every chunk has "usage", null but on the last.
+        return sse_data(ChatCompletionChunk(
+            id=self.id, created=self.req.created, model=self.req.model, choices=choices,
+            **({"usage": usage} if self.req.include_usage else {})))
+
+    def _visible(self, delta: Delta) -> tuple[str, tuple[TokenLogprob, ...]]:
+        """The reasoning text and logprobs to show: include_reasoning=false hides the
+        reasoning and the logprobs of its tokens (they are still counted)."""
+        if self._show_reasoning or not delta.reasoning:
+            return delta.reasoning, delta.logprobs
+        return "", (delta.logprobs if delta.content else ())
+
+    def start(self) -> bytes:
+        if not self.req.stream:
+            return b""
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+
+    def _stream(self, delta: Delta) -> bytes:
+        out = []
+        reasoning, logprobs = self._visible(delta)
+        lp = chat_logprobs(logprobs) if self._wants_logprobs and logprobs else None
+        if delta.content or reasoning or lp:
+            message = (ChatDelta(content=delta.content, reasoning=reasoning) if reasoning
+                       else ChatDelta(content=delta.content))
+            out.append(self._chunk([ChatChunkChoice(delta=message, logprobs=lp)]))
+        reason = delta.finish_reason
+        if reason is FinishReason.ERROR:
+            out += [sse_data(server_error(delta.error)), DONE]
+        elif reason is not None:
+            out.append(self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason,
+                                                    stop_reason=delta.stop_reason)]))
+            if self.req.include_usage:
+                out.append(self._chunk([], usage_info(delta.usage)))
+            out.append(DONE)
+        return b"".join(out)
+
+    def _accumulate(self, delta: Delta) -> bytes:
+        reasoning, logprobs = self._visible(delta)
+        self._text.append(delta.content)
+        self._reasoning.append(reasoning)
+        self._logprobs.extend(logprobs)
+        if delta.finish_reason is None:
+            return b""
+        if delta.finish_reason is FinishReason.ERROR:
+            self.status = 500
+            return error_bytes(delta)
+        text, reasoning = "".join(self._text), "".join(self._reasoning)
+        message = (ChatMessageOut(content=text, reasoning=reasoning) if reasoning
+                   else ChatMessageOut(content=text))
+        return json_body(ChatCompletion(
+            id=self.id, created=self.req.created, model=self.req.model,
+            choices=[ChatChoice(message=message, finish_reason=delta.finish_reason,
+                                stop_reason=delta.stop_reason,
+                                logprobs=chat_logprobs(self._logprobs)
+                                if self._wants_logprobs else None)],
+            usage=usage_info(delta.usage)))

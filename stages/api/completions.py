@@ -1,0 +1,124 @@
+"""POST /v1/completions: the request's prompt plan, and the reply's framing."""
+from __future__ import annotations
+
+from stages.api.chat import MAX_LOGPROBS
+from stages.api.framing import DONE, Framer, error_bytes, json_body, sse_data, usage_info
+from stages.api.protocol import (Completion, CompletionChoice, CompletionLogprobs,
+                                 CompletionRequest, PromptPlan, RequestError, server_error)
+from stages.delta import Delta, FinishReason, TokenLogprob
+
+# OpenAI's default for /v1/completions.
+DEFAULT_MAX_TOKENS = 16
+
+
+def plan(req: CompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
+    if req.n != 1:
+        raise RequestError("'n' must be 1; this server returns one choice per request.",
+                           param="n")
+    if req.best_of not in (None, 1):
+        raise RequestError("'best_of' must be 1; this server returns one choice per request.",
+                           param="best_of")
+    if req.echo:
+        raise RequestError("'echo' is not supported by this server yet.", param="echo")
+    if req.suffix:
+        raise RequestError("'suffix' is not supported by this server yet.", param="suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got "
+                           f"{req.logprobs}.", param="logprobs")
+    if req.logit_bias:
+        raise RequestError("'logit_bias' is not supported by this server yet.",
+                           param="logit_bias")
+    if req.response_format is not None:
+        raise RequestError("'response_format' is not supported by this server yet.",
+                           param="response_format")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true.",
+                           param="stream_options")
+    text, ids = _prompt(req.prompt)
+    return PromptPlan(
+        text=text, token_ids=ids,
+        add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens,
+        prompt_param="prompt", max_tokens=req.max_tokens, max_tokens_param="max_tokens",
+        default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs, stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream else True)
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+def _prompt(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]          # a batch of one
+    if isinstance(prompt, str):
+        return prompt, None
+    if _is_token_ids(prompt):
+        if not prompt:
+            raise RequestError("'prompt' must not be empty.", param="prompt")
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError("'prompt' holds more than one prompt; batched prompts are not "
+                           "supported, send one request per prompt.", param="prompt")
+    raise RequestError("'prompt' must be a string or an array of token ids.", param="prompt")
+
+
+# -- the reply -----------------------------------------------------------------------------
+
+class CompletionFramer(Framer):
+    def __init__(self, req) -> None:
+        super().__init__(req)
+        self.id = f"cmpl-{req.request_id}"
+        self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._wants_logprobs = req.sampling.options.logprobs is not None
+        self._offset = 0
+
+    def _logprobs_json(self, entries) -> CompletionLogprobs:
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e.token)
+        return CompletionLogprobs(tokens=[e.token for e in entries],
+                                  token_logprobs=[e.logprob for e in entries],
+                                  top_logprobs=[dict(e.top) for e in entries],
+                                  text_offset=offsets)
+
+    def _chunk(self, choices: list[CompletionChoice], usage=None) -> bytes:
+        return sse_data(Completion(
+            id=self.id, created=self.req.created, model=self.req.model, choices=choices,
+            **({"usage": usage} if self.req.include_usage else {})))
+
+    def _stream(self, delta: Delta) -> bytes:
+        # Completions have no reasoning field: a reasoning parser's reasoning is dropped.
+        out = []
+        lp = (self._logprobs_json(delta.logprobs)
+              if self._wants_logprobs and delta.logprobs else None)
+        if delta.content or lp:
+            out.append(self._chunk([CompletionChoice(text=delta.content, logprobs=lp)]))
+        reason = delta.finish_reason
+        if reason is FinishReason.ERROR:
+            out += [sse_data(server_error(delta.error)), DONE]
+        elif reason is not None:
+            out.append(self._chunk([CompletionChoice(text="", finish_reason=reason,
+                                                     stop_reason=delta.stop_reason)]))
+            if self.req.include_usage:
+                out.append(self._chunk([], usage_info(delta.usage)))
+            out.append(DONE)
+        return b"".join(out)
+
+    def _accumulate(self, delta: Delta) -> bytes:
+        self._text.append(delta.content)
+        self._logprobs.extend(delta.logprobs)
+        if delta.finish_reason is None:
+            return b""
+        if delta.finish_reason is FinishReason.ERROR:
+            self.status = 500
+            return error_bytes(delta)
+        return json_body(Completion(
+            id=self.id, created=self.req.created, model=self.req.model,
+            choices=[CompletionChoice(
+                text="".join(self._text), finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
+                logprobs=self._logprobs_json(self._logprobs) if self._wants_logprobs else None)],
+            usage=usage_info(delta.usage)))

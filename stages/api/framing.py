@@ -1,0 +1,86 @@
+"""What every API's framer shares: the Framer contract, SSE bytes, usage objects.
+
+A Framer turns one request's deltas into the bytes of its reply. `start()` gives the
+bytes to send as soon as the request is admitted; `on_delta()` the bytes for one engine
+step. A streaming request gets Server-Sent Events; a non-streaming one gets nothing
+until it finishes, then its whole JSON body. Framing is a pure function of the deltas,
+so replaying the event log reproduces a reply byte for byte.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from stages.api.protocol import (CompletionTokensDetails, InputTokensDetails,
+                                 OutputTokensDetails, PromptTokensDetails, ResponseUsage,
+                                 UsageInfo, server_error, unstructure)
+from stages.delta import Delta, FinishReason, Usage
+
+if TYPE_CHECKING:
+    from stages.render import RenderedRequest
+
+DONE = b"data: [DONE]\n\n"
+
+# HTTP status of a non-streaming reply whose client went away (nginx's
+# "client closed request"); nobody reads it, but logs do.
+STATUS_CLIENT_CLOSED = 499
+
+
+def sse_data(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(unstructure(obj)) + b"\n\n"
+
+
+def json_body(obj: Any) -> bytes:
+    return orjson.dumps(unstructure(obj))
+
+
+def usage_info(usage: Usage) -> UsageInfo:
+    return UsageInfo(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
+                     PromptTokensDetails(usage.cached_tokens),
+                     CompletionTokensDetails(usage.reasoning_tokens))
+
+
+def response_usage(usage: Usage) -> ResponseUsage:
+    return ResponseUsage(usage.prompt_tokens, InputTokensDetails(usage.cached_tokens),
+                         usage.completion_tokens, OutputTokensDetails(usage.reasoning_tokens),
+                         usage.total_tokens)
+
+
+def error_bytes(delta: Delta) -> bytes:
+    return json_body(server_error(delta.error))
+
+
+class Framer(ABC):
+    """Frames one request's reply. `finished` is set once the final bytes are produced;
+    `status` is the HTTP status of a non-streaming reply (200, 500 on engine failure)."""
+
+    def __init__(self, req: RenderedRequest) -> None:
+        self.req = req
+        self.finished = False
+        self.status = 200
+
+    def start(self) -> bytes:
+        return b""
+
+    def on_delta(self, delta: Delta) -> bytes:
+        if self.finished:
+            return b""
+        if delta.finish_reason is FinishReason.ABORT:
+            # The client is gone: there is nobody to frame anything for.
+            self.finished = True
+            self.status = STATUS_CLIENT_CLOSED
+            return b""
+        out = self._stream(delta) if self.req.stream else self._accumulate(delta)
+        if delta.finish_reason is not None:
+            self.finished = True
+        return out
+
+    @abstractmethod
+    def _stream(self, delta: Delta) -> bytes:
+        """The SSE bytes for one step of a streaming reply (closing events included)."""
+
+    @abstractmethod
+    def _accumulate(self, delta: Delta) -> bytes:
+        """Non-streaming: b"" until the request finishes, then the whole JSON body."""

@@ -1,0 +1,252 @@
+"""POST /v1/responses: the request's prompt plan, and the Response or its event stream.
+
+Stream order: response.created, response.in_progress; per output item (reasoning
+first, when the model reasons, then the message): output_item.added,
+reasoning_part/content_part.added, *_text.delta..., *_text.done,
+reasoning_part/content_part.done, output_item.done; then one terminal event:
+response.completed, response.incomplete (max_output_tokens) or error + response.failed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from stages.api.chat import check_tools, content_text, template_role
+from stages.api.framing import Framer, error_bytes, json_body, response_usage
+from stages.api.protocol import (IncompleteDetails, MessageItem, OutputText, PromptPlan,
+                                 ReasoningItem, ReasoningOut, ReasoningText, RequestError,
+                                 Response, ResponseError, ResponsesRequest, unstructure)
+from stages.delta import Delta, FinishReason
+
+RESPONSES_ROLES = ("system", "developer", "user", "assistant")
+
+
+def plan(req: ResponsesRequest, *, reasoning_parser: bool) -> PromptPlan:
+    if req.tools:
+        raise RequestError("'tools' are not supported by this server yet.", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise RequestError("'tool_choice' requires tools, which are not supported.",
+                           param="tool_choice")
+    if req.include:
+        raise RequestError("'include' is not supported by this server yet.", param="include")
+    if req.top_logprobs:
+        raise RequestError("'top_logprobs' is not supported by this server yet.",
+                           param="top_logprobs")
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        raise RequestError("'text.format' other than {\"type\": \"text\"} is not supported.",
+                           param="text.format")
+    if req.reasoning is not None and req.reasoning.effort is not None and not reasoning_parser:
+        raise RequestError("'reasoning.effort' needs a reasoning model (serve with "
+                           "--reasoning-parser).", param="reasoning.effort")
+    if req.truncation != "disabled":
+        raise RequestError("'truncation' other than \"disabled\" is not supported.",
+                           param="truncation")
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages += _input_messages(req.input)
+    return PromptPlan(messages=messages, template_kwargs=dict(req.chat_template_kwargs or {}),
+                      prompt_param="input", max_tokens=req.max_output_tokens,
+                      max_tokens_param="max_output_tokens", stream=req.stream)
+
+
+def _input_messages(raw) -> list[dict]:
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    messages = []
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if item.type != "message":
+            raise RequestError(f"'{where}.type' {item.type!r} is not supported; only message "
+                               "items are.", param=f"{where}.type")
+        if item.role not in RESPONSES_ROLES:
+            raise RequestError(f"'{where}.role' must be one of {', '.join(RESPONSES_ROLES)}, "
+                               f"got {item.role!r}.", param=f"{where}.role")
+        if item.content is None:
+            raise RequestError(f"'{where}.content' must be a string or an array of content "
+                               "parts, got null.", param=f"{where}.content")
+        messages.append({"role": template_role(item.role), "content": content_text(
+            item.content, f"{where}.content", ("input_text", "output_text", "text"))})
+    return messages
+
+
+# -- the reply -----------------------------------------------------------------------------
+
+class _OutputItem:
+    """One output item of a Response while it is being built."""
+
+    def __init__(self, kind: str, item_id: str, output_index: int) -> None:
+        self.kind = kind                  # "reasoning" | "message"
+        self.id = item_id
+        self.output_index = output_index
+        self.parts: list[str] = []
+        self.status = "in_progress"       # -> "completed" | "incomplete"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def part(self, text: str) -> OutputText | ReasoningText:
+        return ReasoningText(text=text) if self.kind == "reasoning" else OutputText(text=text)
+
+    def reply(self, *, with_content: bool = True) -> MessageItem | ReasoningItem:
+        content = [self.part(self.text)] if with_content else []
+        if self.kind == "reasoning":
+            return ReasoningItem(id=self.id, content=content, status=self.status)
+        return MessageItem(id=self.id, status=self.status, content=content)
+
+
+class ResponsesFramer(Framer):
+    def __init__(self, req) -> None:
+        super().__init__(req)
+        self.id = f"resp_{req.request_id}"
+        self._seq = 0
+        self._items: list[_OutputItem] = []
+
+    # -- state shared by both modes
+
+    def _item(self, kind: str) -> tuple[_OutputItem, bool]:
+        """The open item of this kind, creating it (closing the one before) if needed."""
+        if self._items and self._items[-1].kind == kind and self._items[-1].status == "in_progress":
+            return self._items[-1], False
+        prefix = "rs_" if kind == "reasoning" else "msg_"
+        item = _OutputItem(kind, f"{prefix}{self.req.request_id}", len(self._items))
+        self._items.append(item)
+        return item, True
+
+    def _takes_reasoning(self) -> bool:
+        # Reasoning after the answer has started cannot be shown in order; the
+        # <think> parsers never produce it.
+        return not any(item.kind == "message" for item in self._items)
+
+    def _response(self, status: str, *, usage=None, incomplete_reason: str | None = None,
+                  error: str | None = None) -> Response:
+        r: ResponsesRequest = self.req.request
+        options = self.req.sampling.options
+        return Response(
+            id=self.id, created_at=self.req.created, status=status, model=self.req.model,
+            output=[item.reply() for item in self._items],
+            error=None if error is None else ResponseError(message=error),
+            incomplete_details=(None if incomplete_reason is None
+                                else IncompleteDetails(reason=incomplete_reason)),
+            instructions=r.instructions, max_output_tokens=r.max_output_tokens,
+            parallel_tool_calls=r.parallel_tool_calls,
+            reasoning=ReasoningOut(effort=r.reasoning.effort, summary=r.reasoning.summary)
+            if r.reasoning is not None else ReasoningOut(),
+            temperature=options.temperature, top_p=options.top_p,
+            tool_choice=r.tool_choice or "auto", user=r.user, metadata=r.metadata or {},
+            usage=None if usage is None else response_usage(usage))
+
+    def _final(self, delta: Delta) -> Response:
+        """Close every item and build the terminal Response (not for errors)."""
+        message, _ = self._item("message")
+        for item in self._items:
+            item.status = "completed"
+        if delta.finish_reason is FinishReason.LENGTH:
+            message.status = "incomplete"
+            return self._response("incomplete", usage=delta.usage,
+                                  incomplete_reason="max_output_tokens")
+        return self._response("completed", usage=delta.usage)
+
+    # -- streaming events
+
+    def _event(self, type_: str, **fields: Any) -> bytes:
+        data = {"type": type_, "sequence_number": self._seq,
+                **{k: unstructure(v) for k, v in fields.items()}}
+        self._seq += 1
+        return b"event: " + type_.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+    def _where(self, item: _OutputItem) -> dict:
+        return {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
+
+    def _added(self, item: _OutputItem) -> bytes:
+        part_event = ("response.reasoning_part.added" if item.kind == "reasoning"
+                      else "response.content_part.added")
+        return (self._event("response.output_item.added", output_index=item.output_index,
+                            item=item.reply(with_content=False))
+                + self._event(part_event, **self._where(item), part=item.part("")))
+
+    def _text_delta(self, item: _OutputItem, text: str) -> bytes:
+        item.parts.append(text)
+        if item.kind == "reasoning":
+            return self._event("response.reasoning_text.delta", **self._where(item),
+                               delta=text)
+        return self._event("response.output_text.delta", **self._where(item), delta=text,
+                           logprobs=[])
+
+    def _done(self, item: _OutputItem) -> bytes:
+        text = item.text
+        if item.kind == "reasoning":
+            text_done = self._event("response.reasoning_text.done", **self._where(item),
+                                    text=text)
+            part_done = self._event("response.reasoning_part.done", **self._where(item),
+                                    part=item.part(text))
+        else:
+            text_done = self._event("response.output_text.done", **self._where(item),
+                                    text=text, logprobs=[])
+            part_done = self._event("response.content_part.done", **self._where(item),
+                                    part=item.part(text))
+        return text_done + part_done + self._event(
+            "response.output_item.done", output_index=item.output_index, item=item.reply())
+
+    def _open(self, kind: str) -> tuple[_OutputItem, bytes]:
+        """The open item of this kind, with the events that close the previous
+        item and announce a new one, when one is needed."""
+        previous = self._items[-1] if self._items else None
+        item, new = self._item(kind)
+        if not new:
+            return item, b""
+        out = b""
+        if previous is not None and previous.status == "in_progress":
+            previous.status = "completed"
+            out = self._done(previous)
+        return item, out + self._added(item)
+
+    # -- Framer API
+
+    def start(self) -> bytes:
+        if not self.req.stream:
+            return b""
+        created = self._response("in_progress")
+        return (self._event("response.created", response=created)
+                + self._event("response.in_progress", response=created))
+
+    def _stream(self, delta: Delta) -> bytes:
+        out = []
+        if delta.reasoning and self._takes_reasoning():
+            item, opened = self._open("reasoning")
+            out += [opened, self._text_delta(item, delta.reasoning)]
+        reason = delta.finish_reason
+        if delta.content or (reason is not None and reason is not FinishReason.ERROR):
+            item, opened = self._open("message")
+            out.append(opened)
+            if delta.content:
+                out.append(self._text_delta(item, delta.content))
+        if reason is FinishReason.ERROR:
+            message = delta.error or "The engine failed."
+            for item in self._items:
+                if item.status == "in_progress":
+                    item.status = "incomplete"
+            out.append(self._event("error", code="server_error", message=message, param=None))
+            out.append(self._event("response.failed", response=self._response(
+                "failed", usage=delta.usage, error=message)))
+        elif reason is not None:
+            message_item = self._items[-1]
+            response = self._final(delta)
+            out.append(self._done(message_item))
+            terminal = ("response.incomplete" if response.status == "incomplete"
+                        else "response.completed")
+            out.append(self._event(terminal, response=response))
+        return b"".join(out)
+
+    def _accumulate(self, delta: Delta) -> bytes:
+        if delta.reasoning and self._takes_reasoning():
+            self._item("reasoning")[0].parts.append(delta.reasoning)
+        if delta.content:
+            self._item("message")[0].parts.append(delta.content)
+        if delta.finish_reason is None:
+            return b""
+        if delta.finish_reason is FinishReason.ERROR:
+            self.status = 500
+            return error_bytes(delta)
+        return json_body(self._final(delta))
