@@ -3,7 +3,9 @@ import attrs
 import orjson
 import pytest
 
-from stages.delta import Delta, FinishReason, Usage
+from gpu.sampler import SamplingOptions
+from stages.delta import Delta, FinishReason, TokenLogprob, Usage
+from stages.render import SamplingParams
 from stages.api.chat import ChatFramer
 from stages.api.completions import CompletionFramer
 from stages.api.framing import STATUS_CLIENT_CLOSED
@@ -87,6 +89,27 @@ def test_chat_stream_include_usage_and_reasoning():
 def test_chat_include_reasoning_false_hides_reasoning():
     f = Framer(request("chat", stream=True, body={"include_reasoning": False}))
     assert f.on_delta(delta(reasoning="secret")) == b""
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_include_reasoning_false_hides_the_logprobs_of_reasoning_tokens(stream):
+    req = attrs.evolve(request("chat", stream=stream, body={"include_reasoning": False,
+                                                           "logprobs": True}),
+                       sampling=SamplingParams(max_tokens=8, options=SamplingOptions(logprobs=0)))
+    lp = lambda token: (TokenLogprob(token, -0.5),)   # noqa: E731
+    f = Framer(req)
+    out = f.on_delta(attrs.evolve(delta(reasoning="secret"), logprobs=lp("secret")))
+    out += f.on_delta(attrs.evolve(delta("answer", finish=FinishReason.STOP, completion=2),
+                                   logprobs=lp("answer")))
+    assert b"secret" not in out and b"answer" in out
+    if stream:
+        chunks = [orjson.loads(line[6:]) for line in out.split(b"\n\n")
+                  if line.startswith(b"data: {")]
+        tokens = [t["token"] for c in chunks for ch in c["choices"] if ch["logprobs"]
+                  for t in ch["logprobs"]["content"]]
+    else:
+        tokens = [t["token"] for t in orjson.loads(out)["choices"][0]["logprobs"]["content"]]
+    assert tokens == ["answer"]
 
 
 def test_chat_stream_error_and_abort():
