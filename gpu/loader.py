@@ -1,4 +1,8 @@
-"""load_model: a GGUF file or a HF directory (or just a config, with random weights) -> LoadedModel."""
+"""load_model: a GGUF file or a HF directory (or just a config, with random weights) -> LoadedModel;
+load_tokenizer: just the tokenizer of the same.
+
+Imports run one way inside gpu/: loader -> weights_gguf -> tokenizer (and loader -> tokenizer);
+tokenizer.py imports nothing from gpu/."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from gpu.weights_gguf import GGUFFile
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+                 "bf16": "bfloat16"}
 
 
 @attrs.frozen
@@ -31,6 +37,9 @@ class LoadedModel:
     name: str
     path: str
     max_model_len: int
+    # Every id that ends a sequence: the tokenizer's eos_token, then config.json's, then
+    # generation_config.json's (e.g. Qwen's <|im_end|> and <|endoftext|>). Merged here only.
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def default_model_path() -> Path:
@@ -50,6 +59,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
         return dtype
     if dtype == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -82,7 +92,28 @@ def load_model(
         lm.load_weights(tensors)
     lm.eval()
     return LoadedModel(config=config, model=lm, tokenizer=source.tokenizer, generation_config=source.generation_config,
-                       name=source.name, path=str(path), max_model_len=config.max_position_embeddings)
+                       name=source.name, path=str(path), max_model_len=config.max_position_embeddings,
+                       eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config))
+
+
+def merge_eos_ids(tokenizer: Tokenizer | None, config: ModelConfig, generation_config: dict) -> tuple[int, ...]:
+    """The one place EOS ids are merged: tokenizer, then config.json, then generation_config.json."""
+    tok = tokenizer.eos_token_ids if tokenizer is not None else ()
+    return tuple(dict.fromkeys((*tok, *config.eos_token_ids,
+                                *_as_tuple(generation_config.get("eos_token_id")))))
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """None -> the default SmolLM2 GGUF; a .gguf file; or a HF directory with tokenizer.json."""
+    path = Path(path).expanduser() if path is not None else default_model_path()
+    if path.is_file() and path.suffix == ".gguf":
+        tok = GGUFFile(path).tokenizer()
+        if tok is None:
+            raise ValueError(f"{path} has no tokenizer metadata")
+        return tok
+    if (path / "tokenizer.json").is_file():
+        return tokenizer_from_hf_dir(path)
+    raise FileNotFoundError(f"no tokenizer found at {path} (expected a .gguf file or a directory with tokenizer.json)")
 
 
 @attrs.frozen
@@ -127,9 +158,6 @@ def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
         raise FileNotFoundError(f"{model_dir} has no config.json (expected a HF model directory or a .gguf file)")
     generation_config = weights_hf.read_json(model_dir / "generation_config.json")
     config = ModelConfig.from_hf(weights_hf.read_json(model_dir / "config.json"))
-    # generation_config's eos ids (e.g. Qwen's <|im_end|> and <|endoftext|>) also end a sequence.
-    eos = config.eos_token_ids + _as_tuple(generation_config.get("eos_token_id"))
-    config = attrs.evolve(config, eos_token_ids=tuple(dict.fromkeys(eos)))
     tokenizer = (tokenizer_from_hf_dir(model_dir)
                  if (model_dir / "tokenizer.json").is_file() else None)
     files = weights_hf.safetensors_files(model_dir) if need_weights else []

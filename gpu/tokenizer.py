@@ -131,13 +131,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _ids(value: int | list[int] | None) -> list[int]:
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
-
-
 def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
     """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) from a HF model directory.
-    eos ids: the tokenizer's eos_token, then config.json's and generation_config.json's eos_token_id."""
+    eos_token_ids: the tokenizer's own eos_token (gpu.loader.merge_eos_ids adds the model's)."""
     hf = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
     cfg = _read_json(path / "tokenizer_config.json")
     template: Any = cfg.get("chat_template")
@@ -151,22 +147,4 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
         return None if content is None else hf.token_to_id(content)
 
     eos = [i for i in (token_id("eos_token"),) if i is not None]
-    eos += _ids(_read_json(path / "config.json").get("eos_token_id"))
-    eos += _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
     return Tokenizer(hf, bos_token_id=token_id("bos_token"), eos_token_ids=eos, chat_template=template)
-
-
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """None -> the default SmolLM2 GGUF; a .gguf file; or a HF directory with tokenizer.json."""
-    from gpu.loader import default_model_path
-    from gpu.weights_gguf import GGUFFile
-
-    path = Path(path).expanduser() if path is not None else default_model_path()
-    if path.is_file() and path.suffix == ".gguf":
-        tok = GGUFFile(path).tokenizer()
-        if tok is None:
-            raise ValueError(f"{path} has no tokenizer metadata")
-        return tok
-    if (path / "tokenizer.json").is_file():
-        return tokenizer_from_hf_dir(path)
-    raise FileNotFoundError(f"no tokenizer found at {path} (expected a .gguf file or a directory with tokenizer.json)")

@@ -138,7 +138,7 @@ class GGUFFile:
                 w = _unpermute(w, kv_heads)
             yield name, w
 
-    def tokenizer(self, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer | None:
+    def tokenizer(self) -> Tokenizer | None:
         """Byte-level BPE ("gpt2") tokenizers only; None (with a warning) for anything else."""
         kind = self.field("tokenizer.ggml.model")
         if kind is None:
@@ -152,8 +152,7 @@ class GGUFFile:
             bos_tok = hf.id_to_token(bos)
             hf.post_processor = processors.TemplateProcessing(
                 single=f"{bos_tok} $A", pair=f"{bos_tok} $A {bos_tok} $B", special_tokens=[(bos_tok, bos)])
-        eos = self.config_dict()["eos_token_id"] + list(extra_eos_ids)
-        return Tokenizer(hf, bos_token_id=bos, eos_token_ids=eos,
+        return Tokenizer(hf, bos_token_id=bos, eos_token_ids=self.config_dict()["eos_token_id"],
                          chat_template=self.field("tokenizer.chat_template"))
 
 

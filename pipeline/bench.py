@@ -16,7 +16,7 @@ import trio
 from tqdm import tqdm
 
 from pipeline.config import EngineConfig, add_engine_arguments, engine_config
-from pipeline.engine import Engine
+from pipeline.engine import open_engine
 
 WORKLOADS = {
     # nano-vllm's published benchmark: 256 sequences, lengths uniform in [100, 1024].
@@ -68,9 +68,7 @@ def make_requests(s: dict, vocab_size: int, temperature: float) -> list[dict]:
 
 
 async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
-    engine = Engine(cfg)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
+    async with open_engine(cfg) as engine:
         reqs = make_requests(s, engine.loaded.config.vocab_size, temperature)
         for r in reqs:
             r["model"] = engine.model_names[0]
@@ -92,7 +90,6 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
         elapsed = time.perf_counter() - t0
         progress.close()
         stats = engine.stats()
-        nursery.cancel_scope.cancel()
     return {
         "model": engine.model_names[0], "device": str(engine.device), "num_prompts": len(reqs),
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),

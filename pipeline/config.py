@@ -8,9 +8,12 @@ import argparse
 
 import attrs
 
+from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS
+from stages.parse import REASONING_PARSERS
 
-_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
-                  "bf16": "bfloat16"}
+# Each option list is defined once (where it is used) and shared by the validators
+# below and the argparse choices.
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 def _positive(inst, attribute, value):
@@ -21,11 +24,11 @@ def _positive(inst, attribute, value):
 @attrs.frozen
 class EngineConfig:
     model: str | None = None                  # .gguf file or HF directory; None: bundled SmolLM2
-    served_model_name: tuple[str, ...] = ()   # empty: the model's own name
-    load_format: str = attrs.field(default="auto", validator=attrs.validators.in_(
-        ("auto", "gguf", "safetensors", "dummy")))
-    dtype: str = attrs.field(default="auto", converter=lambda d: _DTYPE_ALIASES.get(d, d),
-                             validator=attrs.validators.in_(("auto", "float32", "bfloat16", "float16")))
+    served_model_name: tuple[str, ...] = attrs.field(   # empty: the model's own name
+        default=(), converter=lambda names: tuple(names or ()))
+    load_format: str = attrs.field(default="auto", validator=attrs.validators.in_(LOAD_FORMATS))
+    dtype: str = attrs.field(default="auto", converter=lambda d: DTYPE_ALIASES.get(d, d),
+                             validator=attrs.validators.in_(DTYPE_CHOICES))
     device: str = "auto"                      # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
@@ -38,9 +41,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     max_waiting: int = attrs.field(default=1024, validator=_positive)   # admission queue limit
-    reasoning_parser: str | None = None       # None | "qwen3" | "deepseek_r1" (<think> tags)
+    reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))
     event_log: str | None = None              # path for JSON-lines events
-    trust_chat_template_kwargs: bool = True
 
 
 # -- command-line flags ---------------------------------------------------------------------
@@ -84,7 +87,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="Most tokens in one engine step (default: max(2048, --max-num-seqs)).")
     p.add_argument("--dtype", default=_default("dtype"),
-                   choices=("auto", "float32", "bfloat16", "float16", *_DTYPE_ALIASES),
+                   choices=(*DTYPE_CHOICES, *DTYPE_ALIASES),
                    help="Weight and activation dtype; auto: the checkpoint's "
                         "(default: %(default)s).")
     p.add_argument("--seed", type=int, default=_default("seed"),
@@ -92,7 +95,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=_default("device"),
                    help="auto, cpu or cuda[:N] (default: %(default)s: cuda when available).")
     p.add_argument("--load-format", default=_default("load_format"),
-                   choices=attrs.fields(EngineConfig).load_format.validator.options,
+                   choices=LOAD_FORMATS,
                    help="Weight format; dummy: random weights of the model's shape "
                         "(default: %(default)s).")
     p.add_argument("--block-size", type=int, default=_default("block_size"),
@@ -111,7 +114,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Reuse the KV blocks of shared prompt prefixes (default: on).")
     p.add_argument("--enforce-eager", action="store_true",
                    help="Never capture CUDA graphs; run every step eagerly.")
-    p.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="Split <think>...</think> into reasoning_content (default: off).")
     p.add_argument("--event-log", default=None, metavar="PATH",
                    help="Write every stage's events as JSON lines to PATH (for replay).")
@@ -121,26 +124,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError (or TypeError) for a bad combination of flags."""
-    return EngineConfig(
-        model=args.model,
-        served_model_name=tuple(args.served_model_name or ()),
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        max_waiting=args.max_waiting,
-        reasoning_parser=args.reasoning_parser,
-        event_log=args.event_log,
-    )
-
-
+    """Every EngineConfig field from the flag of the same name (add_engine_arguments).
+    Raises ValueError (or TypeError) for a bad combination of flags."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in attrs.fields(EngineConfig)})

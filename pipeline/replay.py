@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gpu.tokenizer import load_tokenizer
+    from gpu.loader import load_tokenizer
 
     tok = load_tokenizer(args.model)
     reproduced, logged = replay(args.event_log, tok, args.reasoning_parser)

@@ -1,8 +1,9 @@
 """gpu step: runs each StepPlan on the model runner in one worker thread.
 
-The runner is synchronous code (gpu/ imports no trio). One thread with a
-CapacityLimiter of 1 keeps the event loop serving HTTP while a step runs; a
-cancellation lands between steps, never inside one.
+The runner is synchronous code (gpu/ imports no trio). Steps run one at a time
+(this loop awaits each before taking the next plan) in a worker thread, which keeps
+the event loop serving HTTP while a step runs; a cancellation lands between steps,
+never inside one.
 """
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ from gpu.runner import ModelRunner, StepResult
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
               runner: ModelRunner, log=None) -> None:
-    limiter = trio.CapacityLimiter(1)
     async with receive, send:
         async for plan in receive:
             try:
-                result = await trio.to_thread.run_sync(runner.execute, plan, limiter=limiter,
+                result = await trio.to_thread.run_sync(runner.execute, plan,
                                                        abandon_on_cancel=False)
             except Exception as exc:  # the step's requests fail; the server keeps serving
                 if log is not None:

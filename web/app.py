@@ -11,7 +11,6 @@ request and frees its KV blocks.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 import uuid
@@ -82,42 +81,14 @@ def _guard_replies(asgi_app: Callable) -> Callable:
     return guarded
 
 
-def create_app(engine: Any, *,
-               on_engine_exit: Callable[[BaseException | None], None] | None = None) -> QuartTrio:
-    """The app for one engine. Serving it starts the engine (before_serving) and
-    stops it (after_serving). `on_engine_exit` hears when the engine stops on
-    its own (an error, or None), so a server can shut down instead of serving
-    a dead engine."""
+def create_app(engine: Any) -> QuartTrio:
+    """The app for one running engine (see pipeline.engine.open_engine): the engine
+    outlives the app, so serving it neither starts nor stops the engine."""
     app = QuartTrio("tailrace")
     app.asgi_app = _guard_replies(app.asgi_app)
     started_at = int(time.time())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine))
-    engine_scope = trio.CancelScope()
-
-    async def run_engine(task_status=trio.TASK_STATUS_IGNORED) -> None:
-        error: BaseException | None = None
-        try:
-            with engine_scope:
-                await engine.run(task_status=task_status)
-        except Exception as exc:
-            error = exc
-            raise
-        finally:
-            # Stopped by the server (after_serving, or quart-trio cancelling its
-            # nursery) is not "stopped on its own".
-            stopped = (engine_scope.cancel_called
-                       or trio.current_effective_deadline() == -math.inf)
-            if on_engine_exit is not None and not stopped:
-                on_engine_exit(error)
-
-    @app.before_serving
-    async def start_engine() -> None:
-        await app.nursery.start(run_engine)
-
-    @app.after_serving
-    async def stop_engine() -> None:
-        engine_scope.cancel()
 
     async def generate(api: str) -> Response:
         request_id = _request_id()
@@ -168,10 +139,7 @@ def create_app(engine: Any, *,
 
     @app.get("/health")
     async def health() -> Response:
-        stats = engine.stats()
-        if not stats.get("ready", True):
-            return error_response("The engine is not ready.", 503, type="server_error")
-        return Response(b"", status=200)
+        return Response(b"", status=200)   # the app exists only for a running engine
 
     @app.get("/version")
     async def version() -> Response:

@@ -1,19 +1,22 @@
 """`tailrace` command line: serve, bench serve, bench throughput.
 
 `serve` flags are named as vLLM names them; each maps onto one EngineConfig
-field. Once the model is loaded and the socket is bound, serve prints one
-machine-readable line on stdout:
+field. serve binds its socket first (a taken port fails at once, before the
+model loads), then loads the model and starts the engine
+(pipeline.engine.open_engine), then serves the app on that socket and prints
+one machine-readable line on stdout:
 
     tailrace: listening on http://127.0.0.1:8000
 
 (with the real port when --port 0 was given). SIGINT/SIGTERM shut down
-gracefully; a second signal stops at once.
+gracefully; a second signal stops at once (a signal during the load stops it).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from functools import partial
@@ -91,21 +94,28 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import trio
-
-    from pipeline.engine import Engine   # imports torch: only when serving
-
     try:
-        engine = Engine(config)
-    except ValueError as exc:
-        parser.error(str(exc))
+        sock = listen_socket(args.host, args.port)
+    except OSError as exc:
+        log.error("tailrace serve: cannot listen on %s: %s", _bind(args.host, args.port),
+                  exc.strerror or exc)
+        return 1
     try:
-        return trio.run(partial(serve, engine, host=args.host, port=args.port,
-                                log_level=args.log_level))
-    except Exception as exc:  # start-up failures (model, port in use) end here
+        import trio
+
+        from pipeline.engine import pick_device
+
+        try:
+            pick_device(config.device)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return trio.run(partial(serve_model, config, sock, log_level=args.log_level))
+    except Exception as exc:  # start-up failures (model), or the engine crashed
         log.error("tailrace serve failed: %s", _describe(exc))
         log.debug("details", exc_info=True)
         return 1
+    finally:
+        sock.close()          # a no-op once Hypercorn has taken it
 
 
 def _describe(exc: BaseException) -> str:
@@ -118,9 +128,41 @@ def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def serve(engine, *, host: str, port: int, log_level: str = "info",
-                task_status=None) -> int:
-    """Serve until SIGINT/SIGTERM (or the engine stops); 0 on a clean shutdown."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen now, before the model loads: OSError when the port is taken.
+    Port 0 gets a free port (serve reports the real one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # accepted sockets inherit it
+    return sock
+
+
+async def serve_model(config, sock: socket.socket, *, log_level: str = "info",
+                      task_status=None) -> int:
+    """Load the model and start the engine, then serve it on `sock` until SIGINT/SIGTERM.
+    0 on a clean shutdown; an engine crash propagates (as an exception group)."""
+    import trio
+
+    from pipeline.engine import open_engine
+
+    shutdown, serving = trio.Event(), trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_watch_signals, shutdown, serving, nursery.cancel_scope)
+        async with open_engine(config) as engine:
+            async with trio.open_nursery() as server:
+                binds = await server.start(partial(serve, engine, sock, log_level=log_level,
+                                                   shutdown=shutdown))
+                serving.set()
+                if task_status is not None:
+                    task_status.started(binds)
+        nursery.cancel_scope.cancel()     # stops the signal watcher
+    return 0
+
+
+async def serve(engine, sock: socket.socket, *, log_level: str = "info", shutdown=None,
+                task_status=None) -> None:
+    """Serve the app of a running engine on a listening socket (listen_socket) until
+    `shutdown` is set, then drain for GRACEFUL_TIMEOUT_S. Prints the listening line."""
     import hypercorn.trio
     import trio
     from hypercorn.config import Config
@@ -128,51 +170,34 @@ async def serve(engine, *, host: str, port: int, log_level: str = "info",
     from web.app import create_app
 
     config = Config()
-    config.bind = [_bind(host, port)]
+    config.bind = [f"fd://{sock.detach()}"]   # Hypercorn owns the socket from here
     config.loglevel = log_level.upper()
-    config.startup_timeout = 24 * 3600       # loading a model may take a while
     config.graceful_timeout = GRACEFUL_TIMEOUT_S
-    shutdown = trio.Event()
-    engine_failed: list[BaseException] = []
-
-    def on_engine_exit(error: BaseException | None) -> None:
-        if error is not None:
-            engine_failed.append(error)
-        log.error("the engine stopped (%s); shutting down",
-                  "no error" if error is None else _describe(error))
-        shutdown.set()
-
-    app = create_app(engine, on_engine_exit=on_engine_exit)
-
+    shutdown = shutdown if shutdown is not None else trio.Event()
+    app = create_app(engine)
     async with trio.open_nursery() as nursery:
-        await nursery.start(_watch_signals, shutdown, nursery.cancel_scope)
-
-        async def run_server(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            try:
-                await hypercorn.trio.serve(app, config, shutdown_trigger=shutdown.wait,
-                                           task_status=task_status)
-            finally:
-                nursery.cancel_scope.cancel()     # stops the signal watcher
-
-        binds = await nursery.start(run_server)
+        binds = await nursery.start(partial(hypercorn.trio.serve, app, config,
+                                            shutdown_trigger=shutdown.wait))
         for bind in binds:
             print(f"{LISTENING_PREFIX}{bind}", flush=True)
         if task_status is not None:
             task_status.started(binds)
-    return 1 if engine_failed else 0
 
 
-async def _watch_signals(shutdown, scope, *, task_status) -> None:
+async def _watch_signals(shutdown, serving, scope, *, task_status) -> None:
+    """First signal: a graceful shutdown (or, while the model loads, stop at once);
+    a second: stop at once."""
     import trio
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
         async for signum in signals:
-            if shutdown.is_set():
-                log.warning("second signal: stopping now")
+            name = signal.Signals(signum).name
+            if shutdown.is_set() or not serving.is_set():
+                log.warning("%s: stopping now", name)
                 scope.cancel()
                 return
-            log.info("%s: shutting down gracefully", signal.Signals(signum).name)
+            log.info("%s: shutting down gracefully", name)
             shutdown.set()
 
 

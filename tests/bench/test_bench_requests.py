@@ -86,6 +86,17 @@ async def test_completions_payload(nursery):
     assert received[0].headers["x-request-id"] == serve.DEFAULT_REQUEST_ID_PREFIX + "0"
 
 
+@pytest.mark.parametrize("alias", ["openai", "vllm"])
+async def test_vllm_names_for_the_completions_backend(nursery, alias):
+    """`vllm bench serve --backend vllm ...` copied as it is runs the completions backend."""
+    assert config("--backend", alias).backend is config("--backend", "openai-completions").backend
+    received = await sent_requests(nursery, "--backend", alias, "--model", "m", "--ignore-eos")
+    assert received[0].path == "/v1/completions"
+    assert received[0].json()["prompt"] == "prompt 0"
+    with pytest.raises(BenchConfigError, match="/v1/completions"):
+        config("--backend", alias, "--endpoint", "/v1/chat/completions")
+
+
 async def test_model_discovered_from_server_when_not_given(nursery):
     def script(received):
         if received.path == "/v1/models":

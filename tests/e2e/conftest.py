@@ -95,6 +95,6 @@ def model_name(client) -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from gpu.tokenizer import load_tokenizer
+    from gpu.loader import load_tokenizer
 
     return load_tokenizer(None)

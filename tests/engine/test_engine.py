@@ -10,7 +10,7 @@ from gpu.attention_dense import DenseCausalAttention
 from gpu.runner import SeqChunk, SeqStart, StepPlan
 from gpu.sampler import SamplingOptions
 from pipeline.config import EngineConfig
-from pipeline.engine import Engine
+from pipeline.engine import Engine, open_engine
 from pipeline.events import read_events
 from pipeline.replay import replay
 from stages.render import RequestError
@@ -18,10 +18,9 @@ from stages.render import RequestError
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-async def start(nursery, smollm, **cfg) -> Engine:
-    engine = Engine(EngineConfig(**{"max_model_len": 512, "max_num_seqs": 8, **cfg}), loaded=smollm)
-    await nursery.start(engine.run)
-    return engine
+def engine_of(smollm, **cfg):
+    """The shared SmolLM2 behind a running engine: ``async with engine_of(smollm) as engine``."""
+    return open_engine(EngineConfig(**{"max_model_len": 512, "max_num_seqs": 8, **cfg}), loaded=smollm)
 
 
 async def complete(engine: Engine, api: str = "completions", **body) -> dict:
@@ -30,20 +29,16 @@ async def complete(engine: Engine, api: str = "completions", **body) -> dict:
 
 
 async def test_greedy_paris(smollm):
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm)
+    async with engine_of(smollm) as engine:
         out = await complete(engine, "chat", messages=QUESTION, max_tokens=16)
-        n.cancel_scope.cancel()
     assert "Paris" in out["choices"][0]["message"]["content"]
     assert out["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_prefix_cache_hit_same_output(smollm):
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm)
+    async with engine_of(smollm) as engine:
         first = await complete(engine, "chat", messages=QUESTION, max_tokens=8)
         second = await complete(engine, "chat", messages=QUESTION, max_tokens=8)
-        n.cancel_scope.cancel()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
@@ -52,15 +47,11 @@ async def test_prefix_cache_hit_same_output(smollm):
 
 async def test_chunked_prefill_matches_one_shot(smollm):
     prompt = "The history of the city of Paris begins " * 12     # ~100 tokens
-    async with trio.open_nursery() as n:
-        whole = await start(n, smollm, enable_prefix_caching=False)
+    async with engine_of(smollm, enable_prefix_caching=False) as whole:
         ref = await complete(whole, prompt=prompt, max_tokens=8)
-        n.cancel_scope.cancel()
-    async with trio.open_nursery() as n:
-        chunked = await start(n, smollm, max_num_batched_tokens=24, enable_prefix_caching=False)
+    async with engine_of(smollm, max_num_batched_tokens=24, enable_prefix_caching=False) as chunked:
         got = await complete(chunked, prompt=prompt, max_tokens=8)
         steps = chunked.stats()["steps_total"]
-        n.cancel_scope.cancel()
     assert ref["usage"]["prompt_tokens"] > 24
     assert got["choices"][0]["text"] == ref["choices"][0]["text"]
     assert steps >= -(-ref["usage"]["prompt_tokens"] // 24) + 7    # prefill took several steps
@@ -70,8 +61,7 @@ async def test_preemption_under_tiny_kv_cache_keeps_greedy_outputs(smollm):
     prompts = [f"Count slowly from {i} upwards:" for i in range(6)]
 
     async def run_all(**cfg) -> tuple[list[str], int]:
-        async with trio.open_nursery() as n:
-            engine = await start(n, smollm, **cfg)
+        async with engine_of(smollm, **cfg) as engine:
             texts: list[str] = [""] * len(prompts)
 
             async def one(i: int) -> None:
@@ -84,7 +74,6 @@ async def test_preemption_under_tiny_kv_cache_keeps_greedy_outputs(smollm):
                     reqs.start_soon(one, i)
             preemptions = engine.stats()["num_preemptions"]
             assert engine.stats()["kv_blocks_used"] == 0
-            n.cancel_scope.cancel()
         return texts, preemptions
 
     free_texts, _ = await run_all()
@@ -96,31 +85,26 @@ async def test_preemption_under_tiny_kv_cache_keeps_greedy_outputs(smollm):
 
 async def test_same_seed_same_output(smollm):
     body = dict(prompt="Once upon a time", max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm)
+    async with engine_of(smollm) as engine:
         a = await complete(engine, **body)
         b = await complete(engine, **body)
         c = await complete(engine, **{**body, "seed": 99})
-        n.cancel_scope.cancel()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     assert a["choices"][0]["text"] != c["choices"][0]["text"]
 
 
 async def test_stop_string_and_stop_token(smollm):
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm)
+    async with engine_of(smollm) as engine:
         full = await complete(engine, "chat", messages=QUESTION, max_tokens=16)
         text = full["choices"][0]["message"]["content"]
         cut = await complete(engine, "chat", messages=QUESTION, max_tokens=16, stop=["France"])
-        n.cancel_scope.cancel()
     assert cut["choices"][0]["message"]["content"] == text[:text.index("France")]
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert cut["choices"][0]["stop_reason"] == "France"
 
 
 async def test_abort_frees_blocks_within_a_step(smollm):
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm)
+    async with engine_of(smollm) as engine:
         reply = await engine.submit("completions", {"model": engine.model_names[0], "prompt": "Hello",
                                                     "max_tokens": 400, "ignore_eos": True, "stream": True})
         got = 0
@@ -137,7 +121,6 @@ async def test_abort_frees_blocks_within_a_step(smollm):
         with trio.fail_after(5):   # the abort then flows down to account
             while engine.stats()["requests_finished_total"].get("abort") != 1:
                 await trio.sleep(0.001)
-        n.cancel_scope.cancel()
 
 
 async def test_replay_reproduces_every_byte(smollm, tmp_path):
@@ -148,8 +131,7 @@ async def test_replay_reproduces_every_byte(smollm, tmp_path):
         reply = await engine.submit(api, {"model": engine.model_names[0], **body})
         seen[reply.request_id] = await reply.read()
 
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm, event_log=str(log))
+    async with engine_of(smollm, event_log=str(log)) as engine:
         async with trio.open_nursery() as reqs:
             reqs.start_soon(lambda: raw("chat", messages=QUESTION, max_tokens=10, stream=True,
                                         stream_options={"include_usage": True}, stop=["Paris"],
@@ -157,7 +139,6 @@ async def test_replay_reproduces_every_byte(smollm, tmp_path):
             reqs.start_soon(lambda: raw("completions", prompt="Once upon a time", max_tokens=10,
                                         temperature=0.8, seed=3, logprobs=2, stream=True))
             reqs.start_soon(lambda: raw("responses", input="Say hi", max_output_tokens=6, stream=True))
-        n.cancel_scope.cancel()
     reproduced, logged = replay(log, smollm.tokenizer)
     assert logged == seen                      # the log holds exactly what the clients got
     assert reproduced == logged
@@ -204,23 +185,20 @@ async def test_model_without_tokenizer_serves_token_ids_only(tmp_path):
         "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
         "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
         "num_key_value_heads": 1, "max_position_embeddings": 128, "eos_token_id": 1}))
-    engine = Engine(EngineConfig(model=str(tmp_path), load_format="dummy", max_model_len=64))
-    async with trio.open_nursery() as n:
-        await n.start(engine.run)
+    async with open_engine(EngineConfig(model=str(tmp_path), load_format="dummy",
+                                        max_model_len=64)) as engine:
         out = await complete(engine, prompt=[3, 4, 5], max_tokens=4, ignore_eos=True)
         assert out["usage"] == {**out["usage"], "prompt_tokens": 3, "completion_tokens": 4}
         with pytest.raises(RequestError) as bad_id:
             await engine.submit("completions", {"prompt": [3, 64], "max_tokens": 2})
         with pytest.raises(RequestError) as text:
             await engine.submit("completions", {"prompt": "hello", "max_tokens": 2})
-        n.cancel_scope.cancel()
     assert bad_id.value.status == 400 and "vocabulary" in bad_id.value.message
     assert text.value.status == 400 and "tokenizer" in text.value.message
 
 
 async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(smollm):
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm)
+    async with engine_of(smollm) as engine:
         real = engine.runner.execute
 
         def broken(plan):
@@ -236,7 +214,6 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(smo
         assert engine.stats()["kv_blocks_used"] == 0
         ok = await complete(engine, prompt="Hello", max_tokens=4, ignore_eos=True)
         assert ok["usage"]["completion_tokens"] == 4
-        n.cancel_scope.cancel()
 
 
 async def test_clients_that_leave_at_once_cannot_overflow_the_scheduler(smollm):
@@ -245,8 +222,7 @@ async def test_clients_that_leave_at_once_cannot_overflow_the_scheduler(smollm):
     schedule's inbox never overflow, and overload is refused with 503."""
     import time as _time
 
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm, max_num_seqs=1, max_waiting=1)
+    async with engine_of(smollm, max_num_seqs=1, max_waiting=1) as engine:
         real = engine.runner.execute
 
         def slow(plan):
@@ -271,12 +247,10 @@ async def test_clients_that_leave_at_once_cannot_overflow_the_scheduler(smollm):
             while len(engine.replies) or engine.stats()["kv_blocks_used"]:
                 await trio.sleep(0.01)
         assert refused > 0
-        n.cancel_scope.cancel()
 
 
 async def test_a_reused_request_id_never_collides(smollm):
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm)
+    async with engine_of(smollm) as engine:
         first = await engine.submit("completions", {"prompt": "Hello", "max_tokens": 30,
                                                     "ignore_eos": True}, request_id="same")
         await first.aclose()                                  # gone, but still in the pipeline
@@ -284,12 +258,10 @@ async def test_a_reused_request_id_never_collides(smollm):
                                                      "ignore_eos": True}, request_id="same")
         assert second.request_id != first.request_id
         assert orjson.loads(await second.read())["usage"]["completion_tokens"] == 3
-        n.cancel_scope.cancel()
 
 
 async def test_logprobs_chat_and_completions(smollm):
-    async with trio.open_nursery() as n:
-        engine = await start(n, smollm)
+    async with engine_of(smollm) as engine:
         chat = await complete(engine, "chat", messages=QUESTION, max_tokens=6, logprobs=True,
                               top_logprobs=3)
         reply = await engine.submit("completions", {"prompt": "Once upon a time", "max_tokens": 5,
@@ -297,7 +269,6 @@ async def test_logprobs_chat_and_completions(smollm):
                                                     "ignore_eos": True})
         chunks = [orjson.loads(line[6:]) for line in (await reply.read()).split(b"\n\n")
                   if line.startswith(b"data: {")]
-        n.cancel_scope.cancel()
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"]
     for entry in content:                                  # greedy: the pick is the top-1
@@ -313,3 +284,27 @@ async def test_logprobs_chat_and_completions(smollm):
     assert all(len(top) == 2 for lp in lps for top in lp["top_logprobs"])
     offsets = [o for lp in lps for o in lp["text_offset"]]
     assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+async def test_a_crashed_stage_ends_the_engine_block_with_its_error(smollm):
+    """open_engine's stages run in its own nursery: one that raises cancels the body
+    (here a request waiting for its reply) and the error comes out of the block."""
+    with trio.fail_after(30), pytest.raises(BaseExceptionGroup) as info:
+        async with engine_of(smollm) as engine:
+            def broken():
+                raise RuntimeError("scheduler bug")
+
+            engine.scheduler.schedule = broken
+            reply = await engine.submit("completions", {"prompt": "Hello", "max_tokens": 4})
+            await reply.read()
+            pytest.fail("the body should have been cancelled")
+    assert info.group_contains(RuntimeError, match="scheduler bug")
+
+
+async def test_the_body_error_comes_out_unwrapped_and_the_event_log_is_closed(smollm, tmp_path):
+    log = tmp_path / "events.jsonl"
+    with pytest.raises(KeyError):
+        async with engine_of(smollm, event_log=str(log)) as engine:
+            await complete(engine, prompt="Hello", max_tokens=2)
+            raise KeyError("from the body")
+    assert {e["stage"] for e in read_events(log)} >= {"render", "emit"}   # flushed on close

@@ -101,6 +101,7 @@ def test_smollm2_config_and_name(smollm):
             c.head_dim, c.intermediate_size, c.vocab_size) == ("llama", 30, 576, 9, 3, 64, 1536, 49152)
     assert c.rope_theta == 1e5 and c.rms_norm_eps == 1e-5 and c.tie_word_embeddings
     assert smollm.max_model_len == 8192 and c.eos_token_ids == (2,) and c.bos_token_id == 1
+    assert smollm.eos_token_ids == (2,)        # tokenizer, config and generation_config merged
     assert smollm.model.embed_tokens.weight.dtype == torch.float32
 
 

@@ -94,7 +94,8 @@ def test_sharded_safetensors_and_generation_config(tmp_path):
     hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     loaded = load_model(tmp_path, progress=False)
-    assert loaded.config.eos_token_ids == (2, 7)
+    assert loaded.config.eos_token_ids == (hf.config.eos_token_id,)          # config.json's
+    assert loaded.eos_token_ids == tuple(dict.fromkeys((hf.config.eos_token_id, 2, 7)))  # merged
     assert loaded.generation_config["eos_token_id"] == [2, 7]
     torch.testing.assert_close(our_logits(loaded.model, IDS[:10]), hf_logits(hf, IDS[:10]), atol=1e-4, rtol=1e-4)
 

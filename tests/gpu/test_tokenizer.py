@@ -5,7 +5,8 @@ import json
 import pytest
 import tokenizers
 
-from gpu.tokenizer import Tokenizer, load_tokenizer
+from gpu.loader import load_tokenizer
+from gpu.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -101,7 +102,7 @@ def test_load_tokenizer_from_gguf_and_hf_dir(tok, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     hf_tok = load_tokenizer(tmp_path)
     assert hf_tok.apply_chat_template(MESSAGES) == "<|im_end|>"
-    assert hf_tok.eos_token_ids == (2, 0)
+    assert hf_tok.eos_token_ids == (2,)     # its own; gpu.loader.merge_eos_ids adds the model's
 
 
 def test_gguf_tokenizer_matches_transformers_gguf_conversion(tok):

@@ -62,11 +62,19 @@ def test_triton_runner_matches_torch_runner(tmp_path, device):
 
 def test_device_sampling_is_seeded(tmp_path, device):
     lm, _, triton_runner = runner_pair(tmp_path, device)
+    prompt = (1, 2, 3)
     hot = SamplingOptions(temperature=1.0, top_p=0.9, seed=7)
-    plans = [StepPlan(1, (SeqChunk("x", (1, 2, 3), 0, (4,), True), SeqChunk("y", (1, 2, 3), 0, (5,), True)),
-                      (SeqStart("x", (1, 2, 3), hot), SeqStart("y", (1, 2, 3), hot)))]
-    [r] = [triton_runner.execute(p) for p in plans]
-    assert r.token_ids[0] == r.token_ids[1]          # same seed, same step, same logits
+    # Negative control: the same prompt under other seeds. Had sampling collapsed to argmax
+    # (or ignored the seed), every row would pick the same token.
+    others = {f"s{seed}": (block, SamplingOptions(temperature=1.0, top_p=0.9, seed=seed))
+              for block, seed in zip((0, 1, 2, 3, 6, 7, 8, 9), range(100, 108))}
+    seqs = {"x": (4, hot), "y": (5, hot), **others}
+    plan = StepPlan(1, tuple(SeqChunk(sid, prompt, 0, (block,), True) for sid, (block, _) in seqs.items()),
+                    tuple(SeqStart(sid, prompt, opts) for sid, (_, opts) in seqs.items()))
+    r = triton_runner.execute(plan)
+    tokens = dict(zip(r.seq_ids, r.token_ids))
+    assert tokens["x"] == tokens["y"]                 # same seed, same step, same logits
+    assert len({tokens[sid] for sid in others}) >= 3  # other seeds draw other tokens
 
 
 def test_logprobs_match_between_paths(tmp_path, device):

@@ -1,14 +1,21 @@
 """web.app and web.cli.serve over a fake engine: real HTTP on port 0, no model."""
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
+from functools import partial
+
 import orjson
 import pytest
 import trio
 
 import httpx
 
+import pipeline.engine
 from stages.render import RequestError
-from web.cli import serve
+from web import cli
+from web.cli import listen_socket, serve
 
 
 class FakeReply:
@@ -47,21 +54,8 @@ class FakeEngine:
     model_names = ("fake-model",)
     max_model_len = 64
 
-    def __init__(self, fail_after_start: bool = False) -> None:
+    def __init__(self) -> None:
         self.replies: list[FakeReply] = []
-        self.fail_after_start = fail_after_start
-        self.running = False
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        self.running = True
-        try:
-            task_status.started()
-            if self.fail_after_start:
-                await trio.sleep(0.05)
-                raise RuntimeError("the GPU caught fire")
-            await trio.sleep_forever()
-        finally:
-            self.running = False
 
     async def submit(self, api, body, request_id=None):
         if not isinstance(body, dict):
@@ -86,7 +80,7 @@ class FakeEngine:
         return reply
 
     def stats(self) -> dict:
-        return {"ready": True, "num_running": len([r for r in self.replies if not r.finished]),
+        return {"num_running": len([r for r in self.replies if not r.finished]),
                 "num_waiting": 0, "kv_blocks_total": 10, "kv_blocks_free": 10,
                 "kv_blocks_used": 0, "prompt_tokens_total": 5, "generation_tokens_total": 7,
                 "requests_finished_total": {"stop": 1}}
@@ -95,19 +89,15 @@ class FakeEngine:
 @pytest.fixture
 async def served(nursery):
     engine = FakeEngine()
-    binds = await nursery.start(_serve, engine)
+    binds = await nursery.start(partial(serve, engine, listen_socket("127.0.0.1", 0),
+                                        log_level="warning"))
     async with httpx.AsyncClient(base_url=binds[0], timeout=10) as http:
         yield engine, http
     nursery.cancel_scope.cancel()
 
 
-async def _serve(engine, task_status=trio.TASK_STATUS_IGNORED):
-    await serve(engine, host="127.0.0.1", port=0, log_level="warning", task_status=task_status)
-
-
-async def test_engine_starts_with_the_app(served):
-    engine, http = served
-    assert engine.running
+async def test_health(served):
+    _, http = served
     assert (await http.get("/health")).status_code == 200
 
 
@@ -200,8 +190,59 @@ async def test_models_and_metrics(served):
     assert 'tailrace:request_success_total{finished_reason="stop"} 1.0' in text
 
 
-async def test_engine_failure_stops_the_server():
-    engine = FakeEngine(fail_after_start=True)
-    with trio.fail_after(10):
-        rc = await serve(engine, host="127.0.0.1", port=0, log_level="critical")
+def _fake_open_engine(crash_after: float | None = None, opened: list | None = None):
+    """Stands in for pipeline.engine.open_engine: a FakeEngine whose 'stages' run in the
+    context manager's own nursery, and optionally crash."""
+
+    @contextlib.asynccontextmanager
+    async def open_engine(config, loaded=None):
+        if opened is not None:
+            opened.append(config)
+        async with trio.open_nursery() as nursery:
+            async def stage():
+                if crash_after is None:
+                    await trio.sleep_forever()
+                await trio.sleep(crash_after)
+                raise RuntimeError("the GPU caught fire")
+
+            nursery.start_soon(stage)
+            yield FakeEngine()
+            nursery.cancel_scope.cancel()
+
+    return open_engine
+
+
+def test_engine_failure_stops_the_server_with_exit_1(monkeypatch, capsys, caplog):
+    monkeypatch.setattr(pipeline.engine, "open_engine", _fake_open_engine(crash_after=0.3))
+    rc = cli.main(["serve", "--port", "0", "--log-level", "critical"])
     assert rc == 1
+    assert capsys.readouterr().out.startswith(cli.LISTENING_PREFIX)   # it did serve first
+    assert "the GPU caught fire" in caplog.text
+
+
+def test_a_taken_port_fails_before_the_model_loads(monkeypatch, caplog):
+    opened: list = []
+    monkeypatch.setattr(pipeline.engine, "open_engine", _fake_open_engine(opened=opened))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.ERROR, logger="tailrace"):
+            rc = cli.main(["serve", "--port", str(port), "--log-level", "critical"])
+    assert rc == 1 and opened == []
+    assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
+
+
+def test_a_signal_shuts_down_gracefully(monkeypatch, capsys):
+    import os
+    import signal
+    import threading
+
+    monkeypatch.setattr(pipeline.engine, "open_engine", _fake_open_engine())
+    # Once the listening line is out, send SIGTERM to ourselves (handled by serve's watcher).
+    def print_then_signal(*args, **kwargs):
+        print(*args, **kwargs)
+        if str(args[0]).startswith(cli.LISTENING_PREFIX):
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    monkeypatch.setattr(cli, "print", print_then_signal, raising=False)
+    rc = cli.main(["serve", "--port", "0", "--log-level", "critical"])
+    assert rc == 0

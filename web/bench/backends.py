@@ -216,4 +216,7 @@ COMPLETIONS = Backend("openai-completions", "/v1/completions", "/completions", c
 RESPONSES = Backend("openai-responses", "/v1/responses", "/responses", responses_payload, interpret_responses,
                     unsupported_sampling=frozenset({"min_p"}))
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (CHAT, COMPLETIONS, RESPONSES)}
+# vLLM's `bench serve` also calls the completions backend "openai" and "vllm", so a copied
+# `vllm bench serve --backend vllm ...` command runs unchanged.
+BACKEND_ALIASES = {"openai": COMPLETIONS, "vllm": COMPLETIONS}
+BACKENDS: dict[str, Backend] = {**{b.name: b for b in (CHAT, COMPLETIONS, RESPONSES)}, **BACKEND_ALIASES}

@@ -82,7 +82,8 @@ class BenchConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
-    target.add_argument("--backend", choices=sorted(BACKENDS), default="openai-completions")
+    target.add_argument("--backend", choices=sorted(BACKENDS), default="openai-completions",
+                        help="API to load (openai and vllm: vLLM's names for openai-completions)")
     target.add_argument("--base-url", default=None, help="server base URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     target.add_argument("--host", default="127.0.0.1")
     target.add_argument("--port", type=int, default=8000)
@@ -332,7 +333,7 @@ def save_record(config: BenchConfig, record: dict[str, Any], model: str) -> Path
 
 
 def _load_tokenizer(path: str | None) -> datasets.Tokenizer:
-    from gpu.tokenizer import load_tokenizer  # heavy and GPU-side; only the CLI path needs it
+    from gpu.loader import load_tokenizer  # heavy and GPU-side; only the CLI path needs it
 
     return load_tokenizer(path)
 
