@@ -115,7 +115,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="Never capture CUDA graphs; run every step eagerly.")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                   help="Split <think>...</think> into reasoning_content (default: off).")
+                   help="Split <think>...</think> into the reply's reasoning (default: off).")
     p.add_argument("--event-log", default=None, metavar="PATH",
                    help="Write every stage's events as JSON lines to PATH (for replay).")
     p.add_argument("--max-waiting", type=int, default=_default("max_waiting"),

@@ -25,7 +25,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from stages.render import RequestError
+from stages.api.protocol import RequestError
 from web.metrics import EngineCollector
 
 log = logging.getLogger("tailrace.web")

@@ -46,15 +46,14 @@ def _tail(path: Path, n: int = 4000) -> str:
         return ""
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Server:
-    tmp = tmp_path_factory.mktemp("e2e-server")
+def _serve(tmp: Path, *flags: str):
+    """Start `tailrace serve --port 0 ...FLAGS`, yield its Server, stop it with SIGTERM."""
     out, err = tmp / "stdout.txt", tmp / "stderr.txt"
     env = {**os.environ, "TQDM_DISABLE": "1"}
     with open(out, "wb") as out_f, open(err, "wb") as err_f:
         proc = subprocess.Popen(
             _command() + ["serve", "--port", "0", "--max-model-len", "1024",
-                          "--max-num-seqs", "32", "--log-level", "warning"],
+                          "--max-num-seqs", "32", "--log-level", "warning", *flags],
             stdout=out_f, stderr=err_f, env=env)
     try:
         url = None
@@ -79,6 +78,20 @@ def server(tmp_path_factory) -> Server:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    yield from _serve(tmp_path_factory.mktemp("e2e-server"))
+
+
+@pytest.fixture(scope="session")
+def reasoning_server(tmp_path_factory) -> Server:
+    """deepseek_r1's parser starts in reasoning: everything SmolLM2 says is reasoning
+    (it never closes a </think>). Two names: replies must name the first."""
+    yield from _serve(tmp_path_factory.mktemp("e2e-reasoning-server"),
+                      "--reasoning-parser", "deepseek_r1",
+                      "--served-model-name", "thinker", "thinker-alias")
 
 
 @pytest.fixture(scope="session")
