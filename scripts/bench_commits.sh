@@ -3,8 +3,9 @@
 # ignore_eos, fp32, SmolLM2): `tailrace bench throughput` (engine, no HTTP) alternating
 # OLD, NEW, OLD, NEW..., then `tailrace bench serve` over HTTP against a server of each.
 #
-#   scripts/bench_commits.sh OLD_REV NEW_REV [ROUNDS]
+#   scripts/bench_commits.sh OLD_REV NEW_REV [ROUNDS]      (SKIP_THROUGHPUT=1: HTTP only)
 #
+# Rounds alternate the order (OLD NEW, then NEW OLD) so that neither always runs first.
 # Each commit is checked out in a temporary git worktree and run with this checkout's .venv
 # (the worktree is the working directory, so its packages come first on sys.path).
 set -euo pipefail
@@ -23,17 +24,24 @@ cleanup() {
 }
 trap cleanup EXIT
 
+order() {  # OLD NEW on odd rounds, NEW OLD on even ones: neither always runs first
+  if (( $1 % 2 )); then echo "$old $new"; else echo "$new $old"; fi
+}
+
+if [ "${SKIP_THROUGHPUT:-0}" != 1 ]; then
 echo "== bench throughput: 32 x 128/128, fp32, ignore_eos, temperature 0.6 =="
 for r in $(seq "$rounds"); do
-  for rev in "$old" "$new"; do
+  for rev in $(order "$r"); do
     line=$(cd "${dir[$rev]}" && "$py" -m web.cli bench throughput --dtype float32 \
       --num-prompts 32 --input-len 128 --output-len 128 2>/dev/null | grep Throughput)
     echo "$rev round $r: $line"
   done
 done
+fi
 
 echo "== bench serve: openai-completions, 32 x 128/128, max concurrency 32, ignore_eos =="
-for rev in "$old" "$new"; do
+for r in $(seq "$rounds"); do
+for rev in $(order "$r"); do
   log=$tmp/serve.log
   (cd "${dir[$rev]}" && exec "$py" -m web.cli serve --port 0 --dtype float32 \
     --max-model-len 1024 >"$log" 2>&1) &
@@ -44,10 +52,11 @@ for rev in "$old" "$new"; do
     [ -n "$url" ] && break
     sleep 0.5
   done
-  echo "-- $rev ($url)"
+  echo "-- $rev round $r ($url)"
   (cd "${dir[$rev]}" && "$py" -m web.cli bench serve --backend openai-completions \
     --base-url "$url" --num-prompts 32 --random-input-len 128 --random-output-len 128 \
     --max-concurrency 32 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el 2>/dev/null) \
     | grep -E "Successful|Benchmark duration|Output token throughput|Mean (TTFT|TPOT|ITL|E2EL)|P99 (TTFT|ITL)"
   kill -INT "$server"; wait "$server" || true
+done
 done

@@ -4,9 +4,11 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.delta import FinishReason, Usage
+from stages.delta import Delta, FinishReason, Usage
 from stages.schedule import Step
 from stages.render import RenderedRequest
+
+_with_usage = Delta.evolver("usage")
 
 
 class _RequestUsage:
@@ -50,7 +52,7 @@ class Accountant:
                 self.cached_tokens_total += d.num_cached_tokens
                 self.finished_total[d.finish_reason] = self.finished_total.get(d.finish_reason, 0) + 1
                 finished.append((d.request_id, usage, d.finish_reason))
-            deltas.append(attrs.evolve(d, usage=usage))
+            deltas.append(_with_usage(d, usage))
         return attrs.evolve(msg, deltas=tuple(deltas)), finished
 
 

@@ -17,6 +17,7 @@ from stages.render import RenderedRequest
 from stages.schedule import FinishRequest, Step
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
+_with_text = Delta.evolver("text", "logprobs", "finish_reason", "stop_reason")
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -66,8 +67,7 @@ class DetokState:
             TokenLogprob(token_text(tokenizer, t), lp.logprob,
                          tuple((token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
             for t, lp in zip(ids, d.token_logprobs))
-        return attrs.evolve(d, text=text, logprobs=logprobs, finish_reason=finish,
-                            stop_reason=stop_reason)
+        return _with_text(d, text, logprobs, finish, stop_reason)
 
     def _find_stop(self, check_from: int) -> tuple[int, str] | None:
         """The earliest stop string in pending that ends after check_from."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 import attrs
 import trio
 
+from stages.delta import Delta
 from stages.schedule import Step
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 _OPEN, _CLOSE = "<think>", "</think>"
+_with_content = Delta.evolver("content", "reasoning")
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -71,7 +73,7 @@ class Parser:
 
     def process(self, msg: Step) -> Step:
         if self.reasoning_parser is None:
-            return attrs.evolve(msg, deltas=tuple(attrs.evolve(d, content=d.text)
+            return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "")
                                                   for d in msg.deltas))
         for req in msg.new_requests:
             self.states[req.request_id] = ThinkState(self.reasoning_parser)
@@ -81,7 +83,7 @@ class Parser:
             content, reasoning = st.feed(d.text, d.finished) if st else (d.text, "")
             if d.finished:
                 self.states.pop(d.request_id, None)
-            out.append(attrs.evolve(d, content=content, reasoning=reasoning))
+            out.append(_with_content(d, content, reasoning))
         return attrs.evolve(msg, deltas=tuple(out))
 
 

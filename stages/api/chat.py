@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: the request's prompt plan, and the reply's framing."""
 from __future__ import annotations
 
-from stages.api.framing import DONE, Framer, error_bytes, json_body, sse_data, usage_info
+from stages.api.framing import (DONE, ChunkBytes, Framer, error_bytes, json_body, sse_data,
+                                usage_info)
 from stages.api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion,
                                  ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
                                  ChatLogprobs, ChatMessage, ChatMessageOut, ChatTokenLogprob,
@@ -150,12 +151,10 @@ class ChatFramer(Framer):
         self._logprobs: list[TokenLogprob] = []
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._show_reasoning = req.request.include_reasoning
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage=None) -> bytes:
         # OpenAI: with include_usage every chunk has "usage", null but on the last.
-        return sse_data(ChatCompletionChunk(
-            id=self.id, created=self.req.created, model=self.req.model, choices=choices,
-            **({"usage": usage} if self.req.include_usage else {})))
+        self._chunk = ChunkBytes(ChatCompletionChunk(
+            id=self.id, created=req.created, model=req.model, choices=[],
+            **({"usage": None} if req.include_usage else {})))
 
     def _visible(self, delta: Delta) -> tuple[str, tuple[TokenLogprob, ...]]:
         """The reasoning text and logprobs to show: include_reasoning=false hides the
@@ -184,7 +183,7 @@ class ChatFramer(Framer):
             out.append(self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason,
                                                     stop_reason=delta.stop_reason)]))
             if self.req.include_usage:
-                out.append(self._chunk([], usage_info(delta.usage)))
+                out.append(self._chunk.with_usage(usage_info(delta.usage)))
             out.append(DONE)
         return b"".join(out)
 

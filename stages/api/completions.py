@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from stages.api.chat import MAX_LOGPROBS
-from stages.api.framing import DONE, Framer, error_bytes, json_body, sse_data, usage_info
+from stages.api.framing import (DONE, ChunkBytes, Framer, error_bytes, json_body, sse_data,
+                                usage_info)
 from stages.api.protocol import (Completion, CompletionChoice, CompletionLogprobs,
                                  CompletionRequest, PromptPlan, RequestError, server_error)
 from stages.delta import Delta, FinishReason, TokenLogprob
@@ -73,6 +74,9 @@ class CompletionFramer(Framer):
         self._logprobs: list[TokenLogprob] = []
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._offset = 0
+        self._chunk = ChunkBytes(Completion(
+            id=self.id, created=req.created, model=req.model, choices=[],
+            **({"usage": None} if req.include_usage else {})))
 
     def _logprobs_json(self, entries) -> CompletionLogprobs:
         offsets = []
@@ -83,11 +87,6 @@ class CompletionFramer(Framer):
                                   token_logprobs=[e.logprob for e in entries],
                                   top_logprobs=[dict(e.top) for e in entries],
                                   text_offset=offsets)
-
-    def _chunk(self, choices: list[CompletionChoice], usage=None) -> bytes:
-        return sse_data(Completion(
-            id=self.id, created=self.req.created, model=self.req.model, choices=choices,
-            **({"usage": usage} if self.req.include_usage else {})))
 
     def _stream(self, delta: Delta) -> bytes:
         # Completions have no reasoning field: a reasoning parser's reasoning is dropped.
@@ -103,7 +102,7 @@ class CompletionFramer(Framer):
             out.append(self._chunk([CompletionChoice(text="", finish_reason=reason,
                                                      stop_reason=delta.stop_reason)]))
             if self.req.include_usage:
-                out.append(self._chunk([], usage_info(delta.usage)))
+                out.append(self._chunk.with_usage(usage_info(delta.usage)))
             out.append(DONE)
         return b"".join(out)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import orjson
 
 from stages.api.protocol import (CompletionTokensDetails, InputTokensDetails,
@@ -46,6 +47,28 @@ def response_usage(usage: Usage) -> ResponseUsage:
     return ResponseUsage(usage.prompt_tokens, InputTokensDetails(usage.cached_tokens),
                          usage.completion_tokens, OutputTokensDetails(usage.reasoning_tokens),
                          usage.total_tokens)
+
+
+class ChunkBytes:
+    """The SSE bytes of one request's stream chunks. Everything but `choices` (and the final
+    `usage`) is the same in every chunk of a request, so it is serialised once, around
+    the choices: one small orjson call per chunk on the hot path."""
+
+    def __init__(self, template: Any) -> None:
+        """`template`: the request's chunk with `choices=[]` (and its `usage`, if any)."""
+        whole = orjson.dumps(unstructure(template))
+        head, sep, tail = whole.partition(b'"choices":[]')
+        assert sep, whole
+        self.template = template
+        self.head = b"data: " + head + b'"choices":'
+        self.tail = tail + b"\n\n"
+
+    def __call__(self, choices: list) -> bytes:
+        return self.head + orjson.dumps([unstructure(c) for c in choices]) + self.tail
+
+    def with_usage(self, usage: Any) -> bytes:
+        """The usage chunk: no choices, and the final usage."""
+        return sse_data(attrs.evolve(self.template, usage=usage))
 
 
 def error_bytes(delta: Delta) -> bytes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import types
 import typing
-from typing import Any, ClassVar, Literal, TypeVar, Union
+from typing import Any, Callable, ClassVar, TypeVar, Union
 
 import attrs
 import cattrs
@@ -635,7 +635,6 @@ class ResponseUsage:
     total_tokens: int
 
 
-Role = Literal["assistant"]
 
 
 # Reply classes are keyword-only so that their fields can follow OpenAI's key order.
@@ -839,5 +838,13 @@ class Response:
     metadata: dict[str, Any] = attrs.field(factory=dict)
 
 
+_unstructure_hooks: dict[type, Callable[[Any], Any]] = {}
+
+
 def unstructure(obj: Any) -> Any:
-    return converter.unstructure(obj)
+    """converter.unstructure, without its per-call dispatch (every streamed chunk is one)."""
+    cls = type(obj)
+    hook = _unstructure_hooks.get(cls)
+    if hook is None:
+        hook = _unstructure_hooks[cls] = converter.get_unstructure_hook(cls)
+    return hook(obj)

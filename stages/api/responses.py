@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from stages.api.chat import check_tools, content_text, template_role
+from stages.api.chat import content_text, template_role
 from stages.api.framing import Framer, error_bytes, json_body, response_usage
 from stages.api.protocol import (IncompleteDetails, MessageItem, OutputText, PromptPlan,
                                  ReasoningItem, ReasoningOut, ReasoningText, RequestError,
