@@ -59,11 +59,12 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-        **template_kwargs: Any,
+        chat_template: str | None = None, **template_kwargs: Any,
     ) -> str:
-        """Render the conversation to a prompt string; ValueError when there is no template or it fails."""
+        """Render the conversation to a prompt string; ValueError when there is no template or it fails.
+        `chat_template` (Jinja source) replaces the tokenizer's own."""
         name = "tool_use" if tools and "tool_use" in self._templates else "default"
-        source = self._templates.get(name) or self.chat_template
+        source = chat_template or self._templates.get(name) or self.chat_template
         if not source:
             raise ValueError("this model's tokenizer has no chat template; send a completion request instead")
         context = dict(bos_token=self.bos_token or "", eos_token=self.eos_token or "")

@@ -5,6 +5,7 @@ Field names follow vLLM's flags (``--max-num-seqs`` -> ``max_num_seqs``).
 from __future__ import annotations
 
 import argparse
+import json
 
 import attrs
 
@@ -44,6 +45,10 @@ class EngineConfig:
     reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
         default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))
     event_log: str | None = None              # path for JSON-lines events
+    chat_template: str | None = None          # Jinja source, or a file holding it
+    generation_config: str = "auto"           # auto: the model's; vllm: none; or a folder
+    override_generation_config: dict = attrs.field(factory=dict)   # wins over the above
+    enable_force_include_usage: bool = False  # every stream: usage chunk + continuous usage
 
 
 # -- command-line flags ---------------------------------------------------------------------
@@ -65,6 +70,16 @@ def byte_size(text: str) -> int:
         return int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _default(name: str):
@@ -118,6 +133,22 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Split <think>...</think> into the reply's reasoning (default: off).")
     p.add_argument("--event-log", default=None, metavar="PATH",
                    help="Write every stage's events as JSON lines to PATH (for replay).")
+    p.add_argument("--chat-template", default=None, metavar="PATH_OR_STRING",
+                   help="A chat template (a file, or the Jinja source itself) replacing the "
+                        "model's; a request's own chat_template still wins.")
+    p.add_argument("--generation-config", default=_default("generation_config"),
+                   metavar="auto|vllm|FOLDER",
+                   help="Sampling defaults: auto, the model's generation_config.json; vllm, "
+                        "none (the server's own defaults); or a folder holding a "
+                        "generation_config.json (default: %(default)s).")
+    p.add_argument("--override-generation-config", type=_json_object, default={},
+                   metavar="JSON",
+                   help="JSON object of generation-config values that win over "
+                        "--generation-config's, e.g. '{\"temperature\": 0.5}'. Its "
+                        "max_new_tokens is a ceiling on every request's max tokens.")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="Every stream reports usage: on each chunk (usage so far) and in a "
+                        "final usage chunk, whatever its stream_options say.")
     p.add_argument("--max-waiting", type=int, default=_default("max_waiting"),
                    help="Requests admitted but not yet running before new ones get 503 "
                         "(default: %(default)s).")

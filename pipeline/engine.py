@@ -16,14 +16,17 @@ A stage that crashes cancels the block's body and its error propagates out of it
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from functools import partial
+from pathlib import Path
 
 import attrs
+import jinja2
 import torch
 import trio
 
@@ -101,6 +104,7 @@ class Engine:
     accountant: account.Accountant
     replies: Replies
     render_in: trio.MemorySendChannel       # web -> render
+    render_context: RenderContext           # what /tokenize and /detokenize use
     schedule_in: trio.MemorySendChannel     # aborts -> schedule's inbox
 
     async def submit(self, api: str, body: object, request_id: str | None = None) -> Reply:
@@ -223,6 +227,37 @@ def _num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
     return max(1, min(_CPU_KV_DEFAULT_BYTES // per_block, enough))
 
 
+def generation_defaults(cfg: EngineConfig, model_generation_config: dict | None) -> dict:
+    """Sampling defaults for requests that leave a field out: --generation-config's source,
+    then --override-generation-config on top (vLLM's two flags)."""
+    source = cfg.generation_config
+    if source == "auto":
+        base = dict(model_generation_config or {})
+    elif source == "vllm":
+        base = {}
+    else:
+        path = Path(source) / "generation_config.json"
+        try:
+            base = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--generation-config {source}: cannot read {path}: {exc}") from None
+    return {**base, **cfg.override_generation_config}
+
+
+def chat_template_source(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself; checked
+    for syntax at start-up rather than at the first request."""
+    if value is None:
+        return None
+    path = Path(value)
+    source = path.read_text() if len(value) < 4096 and path.is_file() else value
+    try:
+        jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template does not parse: {exc}") from None
+    return source
+
+
 def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built: _Built,
            events: EventLog | None) -> Engine:
     """Open the channels, start every stage in `nursery`, return the running Engine."""
@@ -232,9 +267,12 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     accountant = account.Accountant()
     ctx = RenderContext(tokenizer=tok, served_model_names=built.model_names,
                         max_model_len=built.max_model_len,
-                        default_sampling=dict(loaded.generation_config or {}),
+                        default_sampling=generation_defaults(cfg, loaded.generation_config),
                         reasoning=cfg.reasoning_parser is not None,
-                        vocab_size=loaded.config.vocab_size)
+                        vocab_size=loaded.config.vocab_size,
+                        chat_template=chat_template_source(cfg.chat_template),
+                        max_tokens_ceiling=cfg.override_generation_config.get("max_new_tokens"),
+                        force_include_usage=cfg.enable_force_include_usage)
     # In flight at once: at most max_waiting + max_num_seqs requests (admission counts a
     # request until emit has sent its last byte), each putting at most one request, one
     # Abort and one FinishRequest into schedule's inbox: the back-edges never block.
@@ -254,7 +292,7 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     engine = Engine(config=cfg, device=device, loaded=loaded, model_names=built.model_names,
                     max_model_len=built.max_model_len, runner=built.runner, blocks=built.blocks,
                     scheduler=built.scheduler, accountant=accountant, replies=replies,
-                    render_in=render_in, schedule_in=sched_in.clone())
+                    render_in=render_in, render_context=ctx, schedule_in=sched_in.clone())
     nursery.start_soon(render.run, render_out, admit_in, replies, ctx, ev("render"))
     nursery.start_soon(admit.run, admit_out, sched_in.clone(), replies, admission, ev("admit"))
     nursery.start_soon(schedule.run, sched_out, plan_in, result_out, detok_in,

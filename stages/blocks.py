@@ -43,14 +43,17 @@ class BlockManager:
         return n <= len(self.free)
 
     # -- prefix cache --------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int | None]:
+    def match_prefix(self, token_ids: list[int], root: int | None = None
+                     ) -> tuple[list[int], int | None]:
         """Cached full blocks that hold a prefix of token_ids (at most len-1 tokens, so at
-        least one token is left to compute and sample from), and the last one's hash."""
+        least one token is left to compute and sample from), and the last one's hash.
+        `root` seeds the hash chain (a request's cache_salt): chains with different roots
+        share no block."""
         if not self.prefix_caching:
-            return [], None
+            return [], root
         bs = self.block_size
         hits: list[int] = []
-        prev = None
+        prev = root
         for i in range((len(token_ids) - 1) // bs):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             h = block_hash(prev, toks)

@@ -15,9 +15,10 @@ import jinja2
 
 from gpu.sampler import SamplingOptions
 from stages.api import chat, completions, responses
-from stages.api.protocol import (ChatCompletionRequest, CompletionRequest, PromptPlan,
+from stages.api.protocol import (ChatCompletionRequest, CompletionRequest,
+                                 DetokenizeRequest, DetokenizeResponse, PromptPlan,
                                  RequestError, ResponsesRequest, SamplingRequest,
-                                 parse_request)
+                                 TokenizeRequest, TokenizeResponse, parse_request)
 
 __all__ = ["RenderContext", "RenderedRequest", "RequestError", "SamplingParams", "Submission",
            "render", "run"]
@@ -58,6 +59,8 @@ class RenderedRequest:
     created: int                  # unix seconds
     arrival: float
     request: ApiRequest = attrs.field(eq=False)   # the typed request, for what replies echo
+    continuous_usage: bool = False  # streaming: every chunk carries the usage so far
+    cache_salt: str | None = None   # prefix-cache blocks are shared only with the same salt
 
 
 @attrs.frozen
@@ -70,6 +73,9 @@ class RenderContext:
     default_sampling: dict = attrs.field(factory=dict)
     reasoning: bool = False       # a reasoning parser is active
     vocab_size: int | None = None  # the model's embedding rows: token ids must be below it
+    chat_template: str | None = None  # --chat-template: replaces the tokenizer's
+    max_tokens_ceiling: int | None = None  # --override-generation-config's max_new_tokens
+    force_include_usage: bool = False  # --enable-force-include-usage
 
 
 @attrs.frozen
@@ -110,8 +116,57 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
             max_tokens=max_tokens, options=sampling, stop=getattr(req, "stop", None) or (),
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens),
-        stream=plan.stream, include_usage=plan.include_usage if plan.stream else True,
-        created=int(time.time()), arrival=sub.arrival, request=req)
+        stream=plan.stream,
+        include_usage=(plan.include_usage or ctx.force_include_usage) if plan.stream else True,
+        created=int(time.time()), arrival=sub.arrival, request=req,
+        continuous_usage=plan.stream and (plan.continuous_usage or ctx.force_include_usage),
+        cache_salt=req.cache_salt or None)
+
+
+def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:
+    """POST /tokenize: the prompt's token ids as render would make them (chat template
+    included for `messages`), without running anything."""
+    req = parse_request(body, TokenizeRequest)
+    _resolve_model(req.model, ctx)
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError("Send exactly one of 'prompt' and 'messages'.", param="prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise RequestError("'messages' must contain at least one message.",
+                               param="messages")
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = req.tools
+        plan = PromptPlan(messages=chat.template_messages(req.messages, "messages"),
+                          add_generation_prompt=req.add_generation_prompt,
+                          continue_final_message=req.continue_final_message,
+                          chat_template=req.chat_template, template_kwargs=kwargs,
+                          add_special_tokens=bool(req.add_special_tokens),
+                          prompt_param="messages", max_tokens=None, max_tokens_param="")
+    else:
+        plan = PromptPlan(text=req.prompt, prompt_param="prompt", max_tokens=None,
+                          max_tokens_param="",
+                          add_special_tokens=req.add_special_tokens is not False)
+    if ctx.tokenizer is None:
+        raise RequestError("This model was loaded without a tokenizer.", param="prompt")
+    ids = _prompt_ids(plan, ctx) if plan.text != "" else []
+    strs = [ctx.tokenizer.hf.id_to_token(t) for t in ids] if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
+                            token_strs=strs)
+
+
+def detokenize(body: object, ctx: RenderContext) -> DetokenizeResponse:
+    """POST /detokenize: token ids back to text."""
+    req = parse_request(body, DetokenizeRequest)
+    _resolve_model(req.model, ctx)
+    if ctx.tokenizer is None:
+        raise RequestError("This model was loaded without a tokenizer.", param="tokens")
+    vocab = ctx.vocab_size or ctx.tokenizer.vocab_size
+    bad = [t for t in req.tokens if t >= vocab]
+    if bad:
+        raise RequestError(f"'tokens' has token id {bad[0]}, which is out of vocabulary "
+                           f"(ids are in [0, {vocab})).", param="tokens")
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
 
 
 def _resolve_model(name: str | None, ctx: RenderContext) -> str:
@@ -150,12 +205,13 @@ def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext
 
 def _prompt_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
     if plan.token_ids is not None:
+        param = plan.token_ids_param or plan.prompt_param
         vocab = ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
         bad = [t for t in plan.token_ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
-            raise RequestError(f"'{plan.prompt_param}' has token id {bad[0]} outside the "
-                               f"vocabulary [0, {vocab}).", param=plan.prompt_param)
-        return list(plan.token_ids)
+            raise RequestError(f"'{param}' has token id {bad[0]}, which is out of vocabulary "
+                               f"(ids are in [0, {vocab})).", param=param)
+        return _truncated(list(plan.token_ids), plan, ctx)
     if ctx.tokenizer is None:
         raise RequestError("This model was loaded without a tokenizer: only /v1/completions "
                            "with a prompt of token ids is served.", param="prompt")
@@ -166,17 +222,41 @@ def _prompt_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
     ids = ctx.tokenizer.encode(text, add_special_tokens=plan.add_special_tokens)
     if not ids:
         raise RequestError(f"'{plan.prompt_param}' must not be empty.", param=plan.prompt_param)
-    return ids
+    return _truncated(ids, plan, ctx)
+
+
+def _truncated(ids: list[int], plan: PromptPlan, ctx: RenderContext) -> list[int]:
+    """truncate_prompt_tokens: keep N tokens (-1: max_model_len), cutting the left end
+    (the start of the prompt) unless truncation_side is right."""
+    if plan.truncate is None:
+        return ids
+    keep = ctx.max_model_len if plan.truncate == -1 else plan.truncate
+    if len(ids) <= keep:
+        return ids
+    if keep == 0:
+        raise RequestError("'truncate_prompt_tokens' 0 leaves no prompt.",
+                           param="truncate_prompt_tokens")
+    return ids[-keep:] if plan.truncation_side == "left" else ids[:keep]
 
 
 def _apply_template(ctx: RenderContext, plan: PromptPlan) -> str:
+    template = plan.chat_template or ctx.chat_template
     try:
-        return ctx.tokenizer.apply_chat_template(
+        prompt = ctx.tokenizer.apply_chat_template(
             plan.messages, add_generation_prompt=plan.add_generation_prompt,
-            **plan.template_kwargs)
+            **({"chat_template": template} if template else {}), **plan.template_kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise RequestError(f"Could not apply the chat template: {exc}",
-                           param=plan.prompt_param) from exc
+                           param="chat_template" if plan.chat_template else plan.prompt_param
+                           ) from exc
+    if plan.continue_final_message:
+        # The prompt ends where the last (assistant) message's text ends: whatever the
+        # template adds after it (an end-of-turn token) is cut, so the model continues it.
+        final = plan.messages[-1]["content"]
+        end = prompt.rfind(final) if final else -1
+        if end >= 0:
+            prompt = prompt[:end + len(final)]
+    return prompt
 
 
 def _resolve_max_tokens(ctx: RenderContext, prompt_len: int, plan: PromptPlan) -> int:
@@ -188,7 +268,13 @@ def _resolve_max_tokens(ctx: RenderContext, prompt_len: int, plan: PromptPlan) -
             param=plan.prompt_param, code="context_length_exceeded")
     room = limit - prompt_len
     requested = plan.max_tokens
+    ceiling = ctx.max_tokens_ceiling
+    if type(ceiling) is int and ceiling > 0:
+        room = min(room, ceiling)
+        if requested is not None:
+            requested = min(requested, ceiling)
     if requested is None:
+        # generation_config's max_new_tokens is only a default: a request may ask for more.
         cap = ctx.default_sampling.get("max_new_tokens")
         value = room if plan.default_max_tokens is None else plan.default_max_tokens
         if type(cap) is int and cap > 0:

@@ -64,7 +64,9 @@ class Sequence:
         self.table: list[int] = []
         self.num_cached_tokens = 0
         self.first_scheduled = False
-        self.hash_cursor: tuple[int, int | None] = (0, None)
+        # The prefix-hash chain starts from the request's cache_salt, when it has one.
+        self.hash_root = None if req.cache_salt is None else hash(("cache_salt", req.cache_salt))
+        self.hash_cursor: tuple[int, int | None] = (0, self.hash_root)
         sp = req.sampling
         self.max_tokens = sp.max_tokens
         self.stop_ids = frozenset(sp.options.stop_token_ids) | (
@@ -177,7 +179,7 @@ class Scheduler:
         """Attach cached prefix blocks to a sequence about to start (or restart), if the
         blocks for its first chunk fit as well."""
         bm = self.blocks
-        hits, last_hash = bm.match_prefix(seq.token_ids)
+        hits, last_hash = bm.match_prefix(seq.token_ids, seq.hash_root)
         cached = len(hits) * bm.block_size
         n = min(len(seq.token_ids) - cached, budget)
         reclaimed = sum(1 for b in hits if bm.ref_count[b] == 0)  # hits sitting in the free list
@@ -209,7 +211,7 @@ class Scheduler:
         self.blocks.release(seq.table)
         seq.table = []
         seq.num_computed = 0
-        seq.hash_cursor = (0, None)
+        seq.hash_cursor = (0, seq.hash_root)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -25,7 +25,8 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from stages.api.protocol import RequestError
+from stages import render
+from stages.api.protocol import RequestError, unstructure
 from web.metrics import EngineCollector
 
 log = logging.getLogger("tailrace.web")
@@ -92,6 +93,10 @@ def create_app(engine: Any) -> QuartTrio:
 
     async def generate(api: str) -> Response:
         request_id = _request_id()
+        rank = request.headers.get("X-data-parallel-rank")
+        if rank is not None:   # vLLM's data-parallel routing hint: one engine here
+            log.info("request %s: X-data-parallel-rank %s (one engine serves all ranks)",
+                     request_id, rank[:16])
         raw = await request.get_data()
         try:
             body = orjson.loads(raw)
@@ -128,6 +133,27 @@ def create_app(engine: Any) -> QuartTrio:
         async def view(api: str = api) -> Response:
             return await generate(api)
         app.add_url_rule(path, endpoint=api, view_func=view, methods=["POST"])
+
+    async def tokenizer_call(fn) -> Response:
+        """/tokenize and /detokenize: render's tokenizer, run at once (no engine step)."""
+        try:
+            body = orjson.loads(await request.get_data())
+        except orjson.JSONDecodeError as exc:
+            return error_response(f"We could not parse the JSON body of your request: {exc}",
+                                  400)
+        try:
+            result = fn(body, engine.render_context)
+        except RequestError as err:
+            return _json_error(err)
+        return Response(orjson.dumps(unstructure(result)), content_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        return await tokenizer_call(render.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        return await tokenizer_call(render.detokenize)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -8,7 +8,7 @@ from stages.api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion,
                                  ChatLogprobs, ChatMessage, ChatMessageOut, ChatTokenLogprob,
                                  ContentPart, PromptPlan, RequestError, TopLogprob,
                                  server_error)
-from stages.delta import Delta, FinishReason, TokenLogprob
+from stages.delta import Delta, FinishReason, TokenLogprob, Usage
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
 
@@ -35,20 +35,46 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
     if req.stream_options is not None and not req.stream:
         raise RequestError("'stream_options' is only allowed when 'stream' is true.",
                            param="stream_options")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise RequestError("Cannot set both `continue_final_message` and "
+                           "`add_generation_prompt` to true.", param="continue_final_message")
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise RequestError("'continue_final_message' needs the last message to be an "
+                           "assistant message.", param="continue_final_message")
     use_completion_tokens = req.max_completion_tokens is not None
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
     if req.reasoning_effort is not None:   # as vLLM: templates that know it use it
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    messages = template_messages(req.messages, "messages")
     return PromptPlan(
-        messages=template_messages(req.messages, "messages"),
-        add_generation_prompt=req.add_generation_prompt, template_kwargs=kwargs,
+        messages=messages, token_ids=kv_prompt_token_ids(req.kv_transfer_params),
+        token_ids_param="kv_transfer_params.prompt_token_ids",
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+        template_kwargs=kwargs, truncate=req.truncate_prompt_tokens,
+        truncation_side=req.truncation_side or "left",
         add_special_tokens=bool(req.add_special_tokens), prompt_param="messages",
         max_tokens=req.max_completion_tokens if use_completion_tokens else req.max_tokens,
         max_tokens_param="max_completion_tokens" if use_completion_tokens else "max_tokens",
         logprobs=_logprobs(req), stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream else True)
+        if req.stream else True,
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
+
+
+def kv_prompt_token_ids(params: dict | None) -> tuple[int, ...] | None:
+    """kv_transfer_params.prompt_token_ids: the prompt, already rendered (as vLLM's
+    disaggregated prefill hands it over). The rest of kv_transfer_params is not used."""
+    if not params or "prompt_token_ids" not in params:
+        return None
+    ids = params["prompt_token_ids"]
+    param = "kv_transfer_params.prompt_token_ids"
+    if (type(ids) is not list or not ids
+            or not all(type(t) is int and t >= 0 for t in ids)):
+        raise RequestError(f"'{param}' must be a non-empty array of non-negative integers.",
+                           param=param)
+    return tuple(ids)
 
 
 def check_tools(tools: list | None, tool_choice: object) -> None:
@@ -121,6 +147,10 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
     texts = []
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
+        media = part.type if part.type in ContentPart.MEDIA_KEYS else part.media_key
+        if media is not None:
+            raise RequestError(f"'{where}' is a {media} part: the served model takes text "
+                               "only.", param=f"{where}.type")
         if part.type not in part_types:
             raise RequestError(f"'{where}.type' {part.type!r} is not supported; expected "
                                f"{' or '.join(part_types)}.", param=f"{where}.type")
@@ -151,10 +181,12 @@ class ChatFramer(Framer):
         self._logprobs: list[TokenLogprob] = []
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._show_reasoning = req.request.include_reasoning
+        self._token_ids: list[int] | None = [] if req.request.return_token_ids else None
         # OpenAI: with include_usage every chunk has "usage", null but on the last.
         self._chunk = ChunkBytes(ChatCompletionChunk(
             id=self.id, created=req.created, model=req.model, choices=[],
-            **({"usage": None} if req.include_usage else {})))
+            **({"usage": None} if req.include_usage else {})),
+            continuous_usage=req.continuous_usage)
 
     def _visible(self, delta: Delta) -> tuple[str, tuple[TokenLogprob, ...]]:
         """The reasoning text and logprobs to show: include_reasoning=false hides the
@@ -166,22 +198,29 @@ class ChatFramer(Framer):
     def start(self) -> bytes:
         if not self.req.stream:
             return b""
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+        prompt = {} if self._token_ids is None else {
+            "prompt_token_ids": list(self.req.prompt_token_ids)}
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))],
+                           usage_info(Usage(len(self.req.prompt_token_ids), 0)), **prompt)
 
     def _stream(self, delta: Delta) -> bytes:
         out = []
         reasoning, logprobs = self._visible(delta)
         lp = chat_logprobs(logprobs) if self._wants_logprobs and logprobs else None
-        if delta.content or reasoning or lp:
+        ids = self._token_ids is not None and bool(delta.token_ids)
+        usage = usage_info(delta.usage) if self.req.continuous_usage else None
+        if delta.content or reasoning or lp or ids:
             message = (ChatDelta(content=delta.content, reasoning=reasoning) if reasoning
                        else ChatDelta(content=delta.content))
-            out.append(self._chunk([ChatChunkChoice(delta=message, logprobs=lp)]))
+            choice = (ChatChunkChoice(delta=message, logprobs=lp, token_ids=list(delta.token_ids))
+                      if ids else ChatChunkChoice(delta=message, logprobs=lp))
+            out.append(self._chunk([choice], usage))
         reason = delta.finish_reason
         if reason is FinishReason.ERROR:
             out += [sse_data(server_error(delta.error)), DONE]
         elif reason is not None:
             out.append(self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason,
-                                                    stop_reason=delta.stop_reason)]))
+                                                    stop_reason=delta.stop_reason)], usage))
             if self.req.include_usage:
                 out.append(self._chunk.with_usage(usage_info(delta.usage)))
             out.append(DONE)
@@ -192,12 +231,15 @@ class ChatFramer(Framer):
         self._text.append(delta.content)
         self._reasoning.append(reasoning)
         self._logprobs.extend(logprobs)
+        if self._token_ids is not None:
+            self._token_ids.extend(delta.token_ids)
         if delta.finish_reason is None:
             return b""
         if delta.finish_reason is FinishReason.ERROR:
             self.status = 500
             return error_bytes(delta)
         text, reasoning = "".join(self._text), "".join(self._reasoning)
+        ids = {} if self._token_ids is None else {"token_ids": self._token_ids}
         message = (ChatMessageOut(content=text, reasoning=reasoning) if reasoning
                    else ChatMessageOut(content=text))
         return json_body(ChatCompletion(
@@ -205,5 +247,7 @@ class ChatFramer(Framer):
             choices=[ChatChoice(message=message, finish_reason=delta.finish_reason,
                                 stop_reason=delta.stop_reason,
                                 logprobs=chat_logprobs(self._logprobs)
-                                if self._wants_logprobs else None)],
-            usage=usage_info(delta.usage)))
+                                if self._wants_logprobs else None, **ids)],
+            usage=usage_info(delta.usage),
+            **({} if self._token_ids is None
+               else {"prompt_token_ids": list(self.req.prompt_token_ids)})))

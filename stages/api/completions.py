@@ -40,9 +40,11 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
         text=text, token_ids=ids,
         add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens,
         prompt_param="prompt", max_tokens=req.max_tokens, max_tokens_param="max_tokens",
+        truncate=req.truncate_prompt_tokens, truncation_side=req.truncation_side or "left",
         default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs, stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream else True)
+        if req.stream else True,
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
 
 
 def _is_token_ids(value: object) -> bool:
@@ -74,9 +76,12 @@ class CompletionFramer(Framer):
         self._logprobs: list[TokenLogprob] = []
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._offset = 0
+        self._token_ids: list[int] | None = [] if req.request.return_token_ids else None
+        self._prompt_sent = False
         self._chunk = ChunkBytes(Completion(
             id=self.id, created=req.created, model=req.model, choices=[],
-            **({"usage": None} if req.include_usage else {})))
+            **({"usage": None} if req.include_usage else {})),
+            continuous_usage=req.continuous_usage)
 
     def _logprobs_json(self, entries) -> CompletionLogprobs:
         offsets = []
@@ -93,22 +98,35 @@ class CompletionFramer(Framer):
         out = []
         lp = (self._logprobs_json(delta.logprobs)
               if self._wants_logprobs and delta.logprobs else None)
-        if delta.content or lp:
-            out.append(self._chunk([CompletionChoice(text=delta.content, logprobs=lp)]))
+        ids = self._ids(delta) if self._token_ids is not None and delta.token_ids else {}
+        usage = usage_info(delta.usage) if self.req.continuous_usage else None
+        if delta.content or lp or ids:
+            out.append(self._chunk([CompletionChoice(text=delta.content, logprobs=lp, **ids)],
+                                   usage))
         reason = delta.finish_reason
         if reason is FinishReason.ERROR:
             out += [sse_data(server_error(delta.error)), DONE]
         elif reason is not None:
             out.append(self._chunk([CompletionChoice(text="", finish_reason=reason,
-                                                     stop_reason=delta.stop_reason)]))
+                                                     stop_reason=delta.stop_reason)], usage))
             if self.req.include_usage:
                 out.append(self._chunk.with_usage(usage_info(delta.usage)))
             out.append(DONE)
         return b"".join(out)
 
+    def _ids(self, delta: Delta) -> dict:
+        """return_token_ids on a streamed choice: its tokens, and the prompt's on the first."""
+        ids = {"token_ids": list(delta.token_ids)}
+        if not self._prompt_sent:
+            self._prompt_sent = True
+            ids["prompt_token_ids"] = list(self.req.prompt_token_ids)
+        return ids
+
     def _accumulate(self, delta: Delta) -> bytes:
         self._text.append(delta.content)
         self._logprobs.extend(delta.logprobs)
+        if self._token_ids is not None:
+            self._token_ids.extend(delta.token_ids)
         if delta.finish_reason is None:
             return b""
         if delta.finish_reason is FinishReason.ERROR:
@@ -119,5 +137,8 @@ class CompletionFramer(Framer):
             choices=[CompletionChoice(
                 text="".join(self._text), finish_reason=delta.finish_reason,
                 stop_reason=delta.stop_reason,
-                logprobs=self._logprobs_json(self._logprobs) if self._wants_logprobs else None)],
+                logprobs=self._logprobs_json(self._logprobs) if self._wants_logprobs else None,
+                **({} if self._token_ids is None else {
+                    "prompt_token_ids": list(self.req.prompt_token_ids),
+                    "token_ids": self._token_ids}))],
             usage=usage_info(delta.usage)))

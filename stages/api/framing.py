@@ -52,18 +52,26 @@ def response_usage(usage: Usage) -> ResponseUsage:
 class ChunkBytes:
     """The SSE bytes of one request's stream chunks. Everything but `choices` (and the final
     `usage`) is the same in every chunk of a request, so it is serialised once, around
-    the choices: one small orjson call per chunk on the hot path."""
+    the choices: one small orjson call per chunk on the hot path. With continuous usage
+    every chunk has its own usage, and is serialised whole."""
 
-    def __init__(self, template: Any) -> None:
+    def __init__(self, template: Any, *, continuous_usage: bool = False) -> None:
         """`template`: the request's chunk with `choices=[]` (and its `usage`, if any)."""
         whole = orjson.dumps(unstructure(template))
         head, sep, tail = whole.partition(b'"choices":[]')
         assert sep, whole
         self.template = template
+        self.continuous_usage = continuous_usage
         self.head = b"data: " + head + b'"choices":'
         self.tail = tail + b"\n\n"
 
-    def __call__(self, choices: list) -> bytes:
+    def __call__(self, choices: list, usage: Any = None, **fields: Any) -> bytes:
+        """A chunk; `usage` (the usage so far) is used with continuous usage, `fields` are
+        other top-level fields of this one chunk (prompt_token_ids)."""
+        if fields or (self.continuous_usage and usage is not None):
+            if self.continuous_usage and usage is not None:
+                fields["usage"] = usage
+            return sse_data(attrs.evolve(self.template, choices=choices, **fields))
         return self.head + orjson.dumps([unstructure(c) for c in choices]) + self.tail
 
     def with_usage(self, usage: Any) -> bytes:

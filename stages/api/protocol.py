@@ -269,9 +269,23 @@ _hook(StopTokenIds, _stop_token_ids)
 
 @attrs.frozen
 class ContentPart:
-    """One part of a message's content; only text parts are rendered."""
+    """One part of a message's content; only text parts are rendered. The media keys are
+    kept so that a part carrying one is refused even when it says it is text."""
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    video_url: Any = None
+    audio_url: Any = None
+    image: Any = None
+    file: Any = None
+
+    MEDIA_KEYS: ClassVar[tuple[str, ...]] = ("image_url", "input_audio", "video_url",
+                                              "audio_url", "image", "file")
+
+    @property
+    def media_key(self) -> str | None:
+        return next((k for k in self.MEDIA_KEYS if getattr(self, k) is not None), None)
 
 
 def _content(value: object, _: type) -> str | tuple[ContentPart, ...] | None:
@@ -393,6 +407,16 @@ class ChoiceRequest(SamplingRequest):
     metadata: dict[str, Any] | None = _opt()                     # ignored
     service_tier: str | None = _opt()                            # ignored
     store: bool | None = _opt()                                  # ignored: nothing is stored
+    truncate_prompt_tokens: int | None = _opt()     # keep this many prompt tokens; -1: max_model_len
+    truncation_side: str | None = _opt(_one_of("left", "right"))   # which end truncation cuts
+    return_token_ids: bool = _opt(default=False)    # prompt_token_ids and token_ids on replies
+    kv_transfer_params: dict[str, Any] | None = _opt()   # chat: prompt_token_ids as the prompt
+
+    @truncate_prompt_tokens.validator
+    def _truncate(self, attribute, value) -> None:
+        if value is not None and value < -1:
+            raise _Invalid(f"must be -1 (max_model_len) or at least 0, got {value}.",
+                           attribute.name)
 
 
 # Fields of vLLM's and OpenAI's schemas this server does not act on yet: a 400 naming the
@@ -401,9 +425,9 @@ _STRUCTURED = {"guided_json": (), "guided_regex": (), "guided_choice": (), "guid
                "guided_decoding_backend": (), "guided_whitespace_pattern": (),
                "structured_outputs": (), "structural_tag": ()}
 _VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "bad_words": ((), []),
-                "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+                "allowed_token_ids": (), "prompt_logprobs": (),
                 "logits_processors": (), "return_tokens_as_token_ids": (False,),
-                "return_token_ids": (False,), "kv_transfer_params": (), "vllm_xargs": (),
+                "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": (),
                 "thinking_token_budget": ()}
 
@@ -422,14 +446,15 @@ class ChatCompletionRequest(ChoiceRequest):
     reasoning_effort: str | None = _opt()
     include_reasoning: bool = _opt(default=True)
     add_generation_prompt: bool = _opt(default=True)
+    continue_final_message: bool = _opt(default=False)
+    chat_template: str | None = _opt()
     chat_template_kwargs: dict[str, Any] | None = _opt()
     prompt_cache_key: str | None = _opt()                        # ignored
     safety_identifier: str | None = _opt()                       # ignored
     verbosity: str | None = _opt()                               # ignored
     _not_implemented: ClassVar[dict[str, Any]] = {
         **_STRUCTURED, **_VLLM_EXTRAS, "functions": (), "function_call": (), "audio": (),
-        "prediction": (), "web_search_options": (), "echo": (False,),
-        "continue_final_message": (False,), "chat_template": (), "documents": (),
+        "prediction": (), "web_search_options": (), "echo": (False,), "documents": (),
         "best_of": (1,), "media_io_kwargs": ()}
 
     @messages.validator
@@ -516,26 +541,75 @@ for _cls in (ContentPart, ChatMessage, InputItem, StreamOptions, ResponseFormat,
              TextFormat, TextConfig):
     converter.register_structure_hook(_cls, _tolerant(_cls))
 
+@attrs.frozen
+class TokenizeRequest:
+    """POST /tokenize, as vLLM serves it: a completion-style `prompt`, or chat `messages`."""
+    model: str | None = _opt()
+    prompt: str | None = _opt()
+    messages: list[ChatMessage] | None = _opt()
+    add_special_tokens: bool | None = _opt()    # default: true for a prompt, false for messages
+    add_generation_prompt: bool = _opt(default=True)
+    continue_final_message: bool = _opt(default=False)
+    chat_template: str | None = _opt()
+    chat_template_kwargs: dict[str, Any] | None = _opt()
+    tools: list[dict[str, Any]] | None = _opt()
+    return_token_strs: bool = _opt(default=False)
+    _not_implemented: ClassVar[dict[str, Any]] = {"mm_processor_kwargs": (), "media_io_kwargs": ()}
+
+
+@attrs.frozen
+class DetokenizeRequest:
+    model: str | None = _opt()
+    tokens: list[int] = _opt()
+    _not_implemented: ClassVar[dict[str, Any]] = {}
+
+    @tokens.validator
+    def _tokens(self, attribute, value) -> None:
+        if value is None:
+            raise _Invalid("is required.", attribute.name)
+        if any(t < 0 for t in value):
+            raise _Invalid("must be non-negative integers.", attribute.name)
+
+
+@attrs.frozen(kw_only=True)
+class TokenizeResponse:
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class DetokenizeResponse:
+    prompt: str
+
+
 @attrs.frozen(kw_only=True)
 class PromptPlan:
     """What an API's request asks render to do: which prompt, and the API's own rules
     for max_tokens. render applies the template, tokenises and resolves the limits."""
     messages: list[dict] | None = None       # through the chat template
     add_generation_prompt: bool = True
+    continue_final_message: bool = False     # the prompt ends inside the last message
+    chat_template: str | None = None         # the request's own template (else the server's)
     template_kwargs: dict = attrs.field(factory=dict)
     text: str | None = None                  # a plain-text prompt
-    token_ids: tuple[int, ...] | None = None  # a prompt of token ids
+    token_ids: tuple[int, ...] | None = None  # a prompt of token ids (wins over the others)
+    token_ids_param: str | None = None       # where they came from, when not prompt_param
     add_special_tokens: bool = False
     prompt_param: str                        # where the prompt came from, for errors
     max_tokens: int | None                   # requested; None: the API's default
     max_tokens_param: str
     default_max_tokens: int | None = None    # None: whatever the context leaves
+    truncate: int | None = None              # keep this many prompt tokens (-1: max_model_len)
+    truncation_side: str = "left"            # "left" keeps the end of the prompt
     logprobs: int | None = None              # alternatives per token; None: off
     stream: bool = False
     include_usage: bool = True
+    continuous_usage: bool = False           # stream: usage so far on every chunk
 
 
-R = TypeVar("R", bound=SamplingRequest)
+R = TypeVar("R")
 
 
 def parse_request(body: object, cls: type[R]) -> R:
@@ -686,6 +760,7 @@ class ChatChunkChoice:
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = ABSENT      # on the final chunk only
+    token_ids: list[int] = ABSENT               # return_token_ids: this chunk's tokens
 
 
 @omit_absent
@@ -697,6 +772,7 @@ class ChatCompletionChunk:
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = ABSENT            # with include_usage: null but on the last chunk
+    prompt_token_ids: list[int] = ABSENT        # return_token_ids: on the first chunk
 
 
 @omit_absent
@@ -708,6 +784,7 @@ class ChatMessageOut:
     reasoning: str = ABSENT
 
 
+@omit_absent
 @reply
 class ChatChoice:
     index: int = 0
@@ -715,8 +792,10 @@ class ChatChoice:
     logprobs: ChatLogprobs | None = None
     finish_reason: str
     stop_reason: str | int | None = None
+    token_ids: list[int] = ABSENT               # return_token_ids
 
 
+@omit_absent
 @reply
 class ChatCompletion:
     id: str
@@ -725,6 +804,7 @@ class ChatCompletion:
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] = ABSENT        # return_token_ids
 
 
 @omit_absent
@@ -735,6 +815,8 @@ class CompletionChoice:
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = ABSENT      # streaming: on the final chunk only
+    prompt_token_ids: list[int] = ABSENT        # return_token_ids (streaming: first chunk)
+    token_ids: list[int] = ABSENT               # return_token_ids
 
 
 @omit_absent

@@ -94,6 +94,21 @@ def reasoning_server(tmp_path_factory) -> Server:
                       "--served-model-name", "thinker", "thinker-alias")
 
 
+CUSTOM_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\nCUSTOM"
+                   "{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def configured_server(tmp_path_factory) -> Server:
+    """Server-wide options: forced usage, a max_new_tokens ceiling, a chat template file."""
+    tmp = tmp_path_factory.mktemp("e2e-configured-server")
+    template = tmp / "template.jinja"
+    template.write_text(CUSTOM_TEMPLATE)
+    yield from _serve(tmp, "--enable-force-include-usage", "--chat-template", str(template),
+                      "--override-generation-config", '{"max_new_tokens": 5}')
+
+
 @pytest.fixture(scope="session")
 def client(server):
     import openai

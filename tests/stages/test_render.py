@@ -168,7 +168,7 @@ def test_unknown_field_is_refused_as_openai_does(fn):
 @pytest.mark.parametrize("fn, field, value", [
     (chat, "guided_json", {"type": "object"}), (chat, "prompt_logprobs", 1),
     (chat, "functions", [{"name": "f"}]), (completion, "structured_outputs", {"regex": "a"}),
-    (completion, "truncate_prompt_tokens", 5), (responses, "previous_response_id", "r"),
+    (completion, "prompt_logprobs", 1), (responses, "previous_response_id", "r"),
 ])
 def test_known_but_unimplemented_field_is_400_naming_it(fn, field, value):
     err = error_of(fn, {field: value})
@@ -397,3 +397,94 @@ def test_responses_accepts_harmless_defaults():
     req = responses({"background": False, "text": {"format": {"type": "text"}},
                      "tool_choice": "auto", "tools": [], "include": [], "stream": True})
     assert req.stream and req.include_usage
+
+
+# -- issue 8: truncation, prompt token ids, media, templates, generation config --------------
+
+@pytest.mark.parametrize("side, expect", [("left", "<assistant>"), ("right", "<user>hi<as")])
+def test_truncate_prompt_tokens_keeps_one_end(side, expect):
+    req = chat({"truncate_prompt_tokens": 11, "truncation_side": side, "max_tokens": 5})
+    assert req.prompt_token_ids == tuple(ord(c) % 900 for c in expect)
+    assert len(req.prompt_token_ids) == 11 and req.sampling.max_tokens == 5
+
+
+def test_truncate_prompt_tokens_default_side_is_left_and_sets_the_room():
+    req = chat({"messages": [{"role": "user", "content": "x" * 200}],
+                "truncate_prompt_tokens": 40})
+    assert req.prompt_token_ids[-len("<assistant>"):] == tuple(ord(c) % 900 for c in "<assistant>")
+    assert req.sampling.max_tokens == 100 - 40      # computed from the truncated length
+    assert len(completion({"prompt": "hello world", "truncate_prompt_tokens": -1})
+               .prompt_token_ids) == 12             # -1: max_model_len, so nothing cut here
+
+
+@pytest.mark.parametrize("value", [-2, "3", True])
+def test_truncate_prompt_tokens_is_checked(value):
+    err = error_of(chat, {"truncate_prompt_tokens": value})
+    assert (err.status, err.param) == (400, "truncate_prompt_tokens")
+
+
+def test_kv_transfer_params_prompt_token_ids_replace_the_rendered_prompt():
+    ctx = make_ctx()
+    req = chat({"kv_transfer_params": {"prompt_token_ids": [5, 6, 7], "other": 1}}, ctx)
+    assert req.prompt_token_ids == (5, 6, 7)
+
+
+@pytest.mark.parametrize("ids, words", [
+    ([], "non-negative integers"), ([1, -1], "non-negative integers"), ("12", "non-negative integers"),
+    ([1, 1.5], "non-negative integers"), ([1, 5000], "out of vocabulary")])
+def test_bad_kv_prompt_token_ids_are_400(ids, words):
+    err = error_of(chat, {"kv_transfer_params": {"prompt_token_ids": ids}})
+    assert err.status == 400 and words in err.message
+    assert err.param == "kv_transfer_params.prompt_token_ids"
+
+
+@pytest.mark.parametrize("part, kind", [
+    ({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, "image_url"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "input_audio"),
+    ({"type": "video_url", "video_url": {"url": "v"}}, "video_url"),
+    ({"type": "text", "text": "look", "image_url": {"url": "u"}}, "image_url"),
+])
+def test_media_parts_are_400_naming_the_part_type(part, kind):
+    err = error_of(chat, {"messages": [{"role": "user", "content": [part]}]})
+    assert err.status == 400 and kind in err.message
+    assert err.param == "messages[0].content[0].type"
+
+
+def test_request_chat_template_wins_and_server_template_is_the_default():
+    ctx = make_ctx(chat_template="SERVER")
+    chat({}, ctx)
+    assert ctx.tokenizer.template_calls[-1][2]["chat_template"] == "SERVER"
+    chat({"chat_template": "REQUEST"}, ctx)
+    assert ctx.tokenizer.template_calls[-1][2]["chat_template"] == "REQUEST"
+
+
+def test_continue_final_message_ends_inside_the_last_message():
+    req = chat({"messages": [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "Par"}],
+                "add_generation_prompt": False, "continue_final_message": True})
+    assert req.prompt_token_ids == tuple(ord(c) % 900 for c in "<user>hi<assistant>Par")
+    err = error_of(chat, {"continue_final_message": True})     # add_generation_prompt true
+    assert err.param == "continue_final_message"
+
+
+def test_override_max_new_tokens_is_a_ceiling_but_generation_config_only_a_default():
+    assert chat({"max_tokens": 50}, make_ctx(default_sampling={"max_new_tokens": 10})
+                ).sampling.max_tokens == 50
+    capped = make_ctx(default_sampling={"max_new_tokens": 10}, max_tokens_ceiling=10)
+    assert chat({"max_tokens": 50}, capped).sampling.max_tokens == 10
+    assert chat({}, capped).sampling.max_tokens == 10
+
+
+def test_explicit_temperature_zero_beats_generation_config():
+    ctx = make_ctx(default_sampling={"temperature": 0.7})
+    assert chat({"temperature": 0}, ctx).sampling.options.temperature == 0.0
+    assert chat({}, ctx).sampling.options.temperature == 0.7
+
+
+def test_stream_usage_options():
+    plain = chat({"stream": True, "stream_options": {}})
+    assert not plain.include_usage and not plain.continuous_usage     # {} adds nothing
+    cont = chat({"stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert cont.continuous_usage
+    forced = chat({"stream": True}, make_ctx(force_include_usage=True))
+    assert forced.include_usage and forced.continuous_usage

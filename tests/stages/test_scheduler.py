@@ -1,6 +1,8 @@
 """The scheduler's pure core: budgets, prefix caching, chunked prefill, preemption."""
 from __future__ import annotations
 
+import attrs
+
 from gpu.runner import StepResult
 from stages.blocks import BlockManager
 from rendered import rendered
@@ -50,6 +52,24 @@ def test_prefix_cache_hit_reports_cached_tokens_and_shares_blocks():
     run_all(s)
     # the cached count reaches downstream with every update
     assert out.deltas[0].num_cached_tokens == 12
+
+
+def test_cache_salt_keeps_prefix_reuse_apart():
+    s = make()
+    prompt = list(range(1, 15))
+    s.add(attrs.evolve(req("a", prompt), cache_salt="tenant-a"))
+    run_all(s)
+    s.add(attrs.evolve(req("b", prompt), cache_salt="tenant-b"))   # another tenant: no reuse
+    plan, out = step(s)
+    assert plan.chunks[0].start_pos == 0 and out.deltas[0].num_cached_tokens == 0
+    run_all(s)
+    s.add(req("c", prompt))                                         # no salt: no reuse either
+    plan, _ = step(s)
+    assert plan.chunks[0].start_pos == 0
+    run_all(s)
+    s.add(attrs.evolve(req("d", prompt), cache_salt="tenant-a"))   # the same tenant: reuse
+    plan, out = step(s)
+    assert plan.chunks[0].start_pos == 12 and out.deltas[0].num_cached_tokens == 12
 
 
 def test_full_prompt_hit_still_computes_the_last_token():

@@ -1,0 +1,151 @@
+"""vLLM's request surface beyond OpenAI's (issue 8), over real HTTP with the openai client."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def test_return_token_ids_chat(client, model_name, tokenizer):
+    r = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=6,
+                                       temperature=0, extra_body={"return_token_ids": True})
+    prompt_ids, ids = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+    assert len(prompt_ids) == r.usage.prompt_tokens and len(ids) == r.usage.completion_tokens
+    assert tokenizer.decode(ids) == r.choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=HELLO, max_tokens=6, temperature=0, stream=True,
+        extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt_ids
+    streamed = [t for c in chunks for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
+    assert streamed == ids
+
+
+def test_return_token_ids_completions(client, model_name):
+    r = client.completions.create(model=model_name, prompt="The capital of France is",
+                                  max_tokens=4, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    choice = r.choices[0].model_extra
+    assert len(choice["prompt_token_ids"]) == r.usage.prompt_tokens
+    assert len(choice["token_ids"]) == r.usage.completion_tokens
+    chunks = list(client.completions.create(
+        model=model_name, prompt="The capital of France is", max_tokens=4, temperature=0,
+        stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert [t for c in chunks for ch in c.choices
+            for t in (ch.model_extra.get("token_ids") or [])] == choice["token_ids"]
+
+
+def test_continuous_usage_stats(client, model_name):
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=HELLO, max_tokens=5, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages)
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 5
+    assert chunks[-1].choices == [] and usages[-1].total_tokens == usages[-1].prompt_tokens + 5
+
+
+def test_empty_stream_options_add_nothing(client, model_name):
+    chunks = list(client.chat.completions.create(model=model_name, messages=HELLO,
+                                                 max_tokens=3, stream=True, stream_options={}))
+    assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+
+
+def test_truncate_prompt_tokens(client, model_name):
+    long = "word " * 300
+    r = client.completions.create(model=model_name, prompt=long, max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 50})
+    assert r.usage.prompt_tokens == 50
+
+
+def test_kv_transfer_params_prompt_token_ids(client, model_name, tokenizer):
+    ids = tokenizer.encode("The capital of France is")
+    r = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=3,
+                                       temperature=0,
+                                       extra_body={"kv_transfer_params": {"prompt_token_ids": ids}})
+    assert r.usage.prompt_tokens == len(ids)
+    c = client.completions.create(model=model_name, prompt=ids, max_tokens=3, temperature=0)
+    assert r.choices[0].message.content == c.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=3,
+                                       extra_body={"kv_transfer_params": {"prompt_token_ids": [10**9]}})
+    assert "out of vocabulary" in info.value.message
+
+
+def test_media_part_is_400(client, model_name):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url",
+                                          "image_url": {"url": "http://example.com/a.png"}}]}])
+    assert "image_url" in info.value.message
+
+
+def test_cache_salt_keeps_tenants_apart(client, model_name):
+    prompt = "Tell me about the history of Paris. " * 8
+    def cached(salt):
+        r = client.completions.create(model=model_name, prompt=prompt, max_tokens=1,
+                                      extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+    cached("tenant-a")
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+
+
+def test_tokenize_and_detokenize(server, model_name, tokenizer):
+    r = httpx.post(f"{server.url}/tokenize", json={"model": model_name, "prompt": "Hello world",
+                                                   "return_token_strs": True}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == tokenizer.encode("Hello world", add_special_tokens=True)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 1024
+    assert len(body["token_strs"]) == body["count"]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": HELLO}, timeout=30).json()
+    c = httpx.post(f"{server.url}/v1/chat/completions",
+                   json={"messages": HELLO, "max_tokens": 1}, timeout=30).json()
+    assert chat["count"] == c["usage"]["prompt_tokens"] and chat["token_strs"] is None
+    d = httpx.post(f"{server.url}/detokenize", json={"tokens": body["tokens"]}, timeout=30)
+    assert d.status_code == 200 and d.json()["prompt"].endswith("Hello world")
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(f"{server.url}/tokenize", json={"prompt": "a", "messages": HELLO}, timeout=30)
+    assert both.status_code == 400
+
+
+def test_data_parallel_rank_header_is_accepted(server, model_name):
+    r = httpx.post(f"{server.base_url}/completions", timeout=60,
+                   headers={"X-data-parallel-rank": "0"},
+                   json={"model": model_name, "prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 200
+
+
+# -- server-wide options --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def configured(configured_server):
+    return openai.OpenAI(base_url=configured_server.base_url, api_key="x", max_retries=0,
+                         timeout=120)
+
+
+def test_force_include_usage(configured):
+    chunks = list(configured.chat.completions.create(model="", messages=HELLO, max_tokens=3,
+                                                     stream=True))
+    assert all(c.usage is not None for c in chunks)          # continuous usage, unasked
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 3
+
+
+def test_override_max_new_tokens_is_a_ceiling(configured):
+    r = configured.completions.create(model="", prompt="Once upon a time", max_tokens=50,
+                                      extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+
+
+def test_server_chat_template(configured_server):
+    r = httpx.post(f"{configured_server.url}/tokenize", json={"messages": HELLO,
+                                                              "return_token_strs": True},
+                   timeout=30).json()
+    assert "CUSTOM" in "".join(r["token_strs"])
