@@ -49,6 +49,7 @@ class EngineConfig:
     generation_config: str = "auto"           # auto: the model's; vllm: none; or a folder
     override_generation_config: dict = attrs.field(factory=dict)   # wins over the above
     enable_force_include_usage: bool = False  # every stream: usage chunk + continuous usage
+    enable_per_request_metrics: bool = False  # replies carry the request's own timings
 
 
 # -- command-line flags ---------------------------------------------------------------------
@@ -149,6 +150,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="Every stream reports usage: on each chunk (usage so far) and in a "
                         "final usage chunk, whatever its stream_options say.")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="Each reply carries a `metrics` object with the request's own timings "
+                        "(on the body, or on the usage chunk of a stream; not when n > 1).")
     p.add_argument("--max-waiting", type=int, default=_default("max_waiting"),
                    help="Requests admitted but not yet running before new ones get 503 "
                         "(default: %(default)s).")

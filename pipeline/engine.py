@@ -149,8 +149,12 @@ class Engine:
             "prompt_tokens_total": a.prompt_tokens_total,
             "generation_tokens_total": a.generation_tokens_total,
             "cached_tokens_total": a.cached_tokens_total,
+            "prefix_cache_queries_total": a.prefix_cache_queries_total,
+            "prefix_cache_hits_total": a.prefix_cache_hits_total,
             "requests_finished_total": dict(a.finished_total),
             "steps_total": s.step,
+            "latency": {"ttft": a.ttft, "itl": a.itl, "e2e": a.e2e, "queue": a.queue,
+                        "prefill": a.prefill, "decode": a.decode},
         }
 
 
@@ -272,7 +276,8 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
                         vocab_size=loaded.config.vocab_size,
                         chat_template=chat_template_source(cfg.chat_template),
                         max_tokens_ceiling=cfg.override_generation_config.get("max_new_tokens"),
-                        force_include_usage=cfg.enable_force_include_usage)
+                        force_include_usage=cfg.enable_force_include_usage,
+                        per_request_metrics=cfg.enable_per_request_metrics)
     # In flight at once: at most max_waiting + max_num_seqs requests (admission counts a
     # request until emit has sent its last byte), each putting at most one request, one
     # Abort and one FinishRequest into schedule's inbox: the back-edges never block.

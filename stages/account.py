@@ -1,58 +1,149 @@
-"""account: usage (prompt, completion, reasoning, cached tokens) and timings."""
+"""account: usage (prompt, completion, reasoning, cached tokens) and timings.
+
+Per request it keeps the token counts and four times (all time.monotonic()): queued (the
+HTTP layer's arrival), first scheduled (schedule, on the delta), first token and last
+token (the steps that brought them back). From those come vLLM's latency histograms for
+/metrics and, with --enable-per-request-metrics, each request's own `metrics` object.
+"""
 from __future__ import annotations
+
+import bisect
 
 import attrs
 import trio
 
-from stages.delta import Delta, FinishReason, Usage
+from stages.delta import Delta, FinishReason, RequestMetrics, Usage
 from stages.schedule import Step
 from stages.render import RenderedRequest
 
 _with_usage = Delta.evolver("usage")
+_with_usage_and_metrics = Delta.evolver("usage", "metrics")
+
+# vLLM's buckets, so dashboards built for it read the same ranges.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    """Observations in fixed buckets (upper bounds), with their sum, as Prometheus
+    histograms count them; the web layer exports them."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)     # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip((*map(str, self.buckets), "+Inf"), self.counts):
+            total += n
+            out.append((bound, total))
+        return out
 
 
 class _RequestUsage:
-    __slots__ = ("prompt", "completion", "reasoning", "arrival")
+    __slots__ = ("prompt", "completion", "reasoning", "arrival", "scheduled", "first_token",
+                 "last_token", "wants_metrics")
 
     def __init__(self, req: RenderedRequest) -> None:
         self.prompt = len(req.prompt_token_ids)
         self.completion = 0
         self.reasoning = 0
         self.arrival = req.arrival
+        self.scheduled = 0.0
+        self.first_token = 0.0
+        self.last_token = 0.0
+        self.wants_metrics = req.per_request_metrics
+
+    def metrics(self) -> RequestMetrics:
+        """The request's own timings (vLLM's per-request metrics), in milliseconds."""
+        n = self.completion
+        generation = (self.last_token - self.first_token) if n else 0.0
+        since_scheduled = self.last_token - self.scheduled if n else 0.0
+        return RequestMetrics(
+            queue_time_ms=_ms(self.scheduled - self.arrival) if self.scheduled else 0.0,
+            time_to_first_token_ms=_ms(self.first_token - self.scheduled) if n else 0.0,
+            generation_time_ms=_ms(generation),
+            mean_itl_ms=_ms(generation / (n - 1)) if n > 1 else 0.0,
+            tokens_per_second=round(n / since_scheduled, 3) if since_scheduled > 0 else 0.0)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
 
 
 class Accountant:
-    """The pure core: per-request usage, plus server-wide counters for /metrics."""
+    """The pure core: per-request usage and timings, plus server-wide counters and
+    latency histograms for /metrics."""
 
     def __init__(self) -> None:
         self.requests: dict[str, _RequestUsage] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.cached_tokens_total = 0
+        self.prefix_cache_queries_total = 0   # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits_total = 0      # ... and found there
         self.finished_total: dict[FinishReason, int] = {}
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(REQUEST_BUCKETS)
+        self.queue = Histogram(REQUEST_BUCKETS)
+        self.prefill = Histogram(REQUEST_BUCKETS)
+        self.decode = Histogram(REQUEST_BUCKETS)
 
     def process(self, msg: Step) -> tuple[Step, list[tuple[str, Usage, FinishReason]]]:
         """Returns the accounted step and the (request_id, usage, reason) of finished requests."""
         for req in msg.new_requests:
             self.requests[req.request_id] = _RequestUsage(req)
+        now = msg.done_at
         deltas, finished = [], []
         for d in msg.deltas:
             u = self.requests.get(d.request_id)
             if u is None:
                 continue
             n = len(d.token_ids)
+            if n:
+                if not u.completion:
+                    u.scheduled = d.scheduled_at
+                    u.first_token = now
+                    self.ttft.observe(now - u.arrival)
+                    self.prefix_cache_queries_total += u.prompt
+                    self.prefix_cache_hits_total += d.num_cached_tokens
+                else:
+                    self.itl.observe(now - u.last_token)
+                u.last_token = now
             u.completion += n
             if d.reasoning and not d.content:
                 u.reasoning += n
             self.generation_tokens_total += n
             usage = Usage(u.prompt, u.completion, d.num_cached_tokens, u.reasoning)
-            if d.finish_reason is not None:
-                del self.requests[d.request_id]
-                self.prompt_tokens_total += u.prompt
-                self.cached_tokens_total += d.num_cached_tokens
-                self.finished_total[d.finish_reason] = self.finished_total.get(d.finish_reason, 0) + 1
-                finished.append((d.request_id, usage, d.finish_reason))
-            deltas.append(_with_usage(d, usage))
+            if d.finish_reason is None:
+                deltas.append(_with_usage(d, usage))
+                continue
+            del self.requests[d.request_id]
+            self.prompt_tokens_total += u.prompt
+            self.cached_tokens_total += d.num_cached_tokens
+            self.finished_total[d.finish_reason] = self.finished_total.get(d.finish_reason, 0) + 1
+            if u.completion and d.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
+                self.e2e.observe(u.last_token - u.arrival)
+                self.queue.observe(u.scheduled - u.arrival)
+                self.prefill.observe(u.first_token - u.scheduled)
+                self.decode.observe(u.last_token - u.first_token)
+            finished.append((d.request_id, usage, d.finish_reason))
+            deltas.append(_with_usage_and_metrics(d, usage, u.metrics()) if u.wants_metrics
+                          else _with_usage(d, usage))
         return attrs.evolve(msg, deltas=tuple(deltas)), finished
 
 

@@ -38,6 +38,17 @@ class Usage:
 
 
 @attrs.frozen
+class RequestMetrics:
+    """One request's timings (--enable-per-request-metrics), from its queued, first
+    scheduled, first token and last token times and its N generated tokens."""
+    queue_time_ms: float              # first scheduled - queued
+    time_to_first_token_ms: float     # first token - first scheduled
+    generation_time_ms: float         # last token - first token
+    mean_itl_ms: float                # generation_time_ms / (N - 1)
+    tokens_per_second: float          # N / (last token - first scheduled)
+
+
+@attrs.frozen
 class TokenLogprob:
     """One output token's logprob with its text, and the top alternatives with theirs."""
     token: str
@@ -56,6 +67,7 @@ class Delta:
     num_cached_tokens: int = 0                 # prompt tokens served from the prefix cache
     error: str | None = None                   # finish_reason ERROR: what went wrong
     token_logprobs: tuple[TokenLogprobs, ...] = ()  # raw, one per token, when asked for
+    scheduled_at: float = 0.0                  # time.monotonic() when first scheduled (0: never)
     # -- detokenize
     text: str = ""                             # new text
     logprobs: tuple[TokenLogprob, ...] = ()    # token_logprobs with their text
@@ -64,6 +76,7 @@ class Delta:
     reasoning: str = ""                        # new reasoning text (only with a reasoning parser)
     # -- account
     usage: Usage | None = None                 # running totals; final when finish_reason is set
+    metrics: RequestMetrics | None = None      # the finished request's timings, when asked for
 
     @property
     def finished(self) -> bool:

@@ -61,6 +61,7 @@ class RenderedRequest:
     request: ApiRequest = attrs.field(eq=False)   # the typed request, for what replies echo
     continuous_usage: bool = False  # streaming: every chunk carries the usage so far
     cache_salt: str | None = None   # prefix-cache blocks are shared only with the same salt
+    per_request_metrics: bool = False   # the reply carries the request's own timings
 
 
 @attrs.frozen
@@ -76,6 +77,7 @@ class RenderContext:
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's
     max_tokens_ceiling: int | None = None  # --override-generation-config's max_new_tokens
     force_include_usage: bool = False  # --enable-force-include-usage
+    per_request_metrics: bool = False  # --enable-per-request-metrics
 
 
 @attrs.frozen
@@ -120,7 +122,8 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         include_usage=(plan.include_usage or ctx.force_include_usage) if plan.stream else True,
         created=int(time.time()), arrival=sub.arrival, request=req,
         continuous_usage=plan.stream and (plan.continuous_usage or ctx.force_include_usage),
-        cache_salt=req.cache_salt or None)
+        cache_salt=req.cache_salt or None,
+        per_request_metrics=ctx.per_request_metrics and getattr(req, "n", 1) == 1)
 
 
 def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:

@@ -8,6 +8,7 @@ goes back to the front of the waiting queue, keeping the tokens it already gener
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import attrs
@@ -33,6 +34,7 @@ class Step:
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_used: int = 0
+    done_at: float = 0.0      # time.monotonic() when the step's tokens came back
 
 
 # -- the scheduler's inbox: admitted requests arrive with control messages ---------------
@@ -64,6 +66,7 @@ class Sequence:
         self.table: list[int] = []
         self.num_cached_tokens = 0
         self.first_scheduled = False
+        self.scheduled_at = 0.0   # time.monotonic() when first scheduled
         # The prefix-hash chain starts from the request's cache_salt, when it has one.
         self.hash_root = None if req.cache_salt is None else hash(("cache_salt", req.cache_salt))
         self.hash_cursor: tuple[int, int | None] = (0, self.hash_root)
@@ -125,7 +128,8 @@ class Scheduler:
         self._free(seq)
         self._released.append(seq.id)
         self._pending.append(Delta(seq.id, finish_reason=reason,
-                                   num_cached_tokens=seq.num_cached_tokens, error=error))
+                                   num_cached_tokens=seq.num_cached_tokens, error=error,
+                                   scheduled_at=seq.scheduled_at))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
@@ -168,6 +172,7 @@ class Scheduler:
             self.running.append(seq)
             if not seq.first_scheduled:
                 seq.first_scheduled = True
+                seq.scheduled_at = time.monotonic()
                 new_seqs.append(SeqStart(seq.id, seq.req.prompt_token_ids, sampling_options(seq)))
             chunks[seq.id] = self._chunk(seq, n)
             budget -= n
@@ -250,7 +255,8 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             lp = logprobs.get(seq.id)
             deltas.append(Delta(seq.id, (tok,), reason, stop, seq.num_cached_tokens,
-                                token_logprobs=(lp,) if lp is not None else ()))
+                                token_logprobs=(lp,) if lp is not None else (),
+                                scheduled_at=seq.scheduled_at))
             if reason is not None:
                 self.running.remove(seq)
                 del self.by_id[seq.id]
@@ -258,14 +264,14 @@ class Scheduler:
                 self._released.append(seq.id)
         new, self._new_requests = tuple(self._new_requests), []
         return Step(plan.step, new, tuple(deltas), len(self.running), len(self.waiting),
-                    self.blocks.num_used)
+                    self.blocks.num_used, time.monotonic())
 
     def drain(self) -> Step:
         """A message for a step with nothing to run: new requests and pending finishes."""
         new, self._new_requests = tuple(self._new_requests), []
         deltas, self._pending = tuple(self._pending), []
         return Step(self.step, new, deltas, len(self.running), len(self.waiting),
-                    self.blocks.num_used)
+                    self.blocks.num_used, time.monotonic())
 
 
 # -- the async shell -----------------------------------------------------------------------

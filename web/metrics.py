@@ -1,38 +1,60 @@
 """Prometheus metrics read from `engine.stats()` at scrape time.
 
-Names follow vLLM's (`vllm:num_requests_running` -> `tailrace:num_requests_running`).
-Known stats get their own name and help text; any other numeric stat is exported
-as `tailrace:<key>` (a counter when the key ends in `_total`), and a stat that is
-a dict of numbers becomes one labelled metric, so new engine stats show up
-without touching this file.
+The series vLLM exports carry vLLM's names (`vllm:num_requests_running`, ...) and a
+`model_name` label, so dashboards and autoscalers built for vLLM work unchanged.
+tailrace's own series keep a `tailrace:` prefix; any numeric stat without a name here is
+exported as `tailrace:<key>` (a counter when the key ends in `_total`), and a stat that
+is a dict of numbers becomes one labelled metric, so new engine stats show up without
+touching this file.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
 from stages.delta import FinishReason
 
 PREFIX = "tailrace:"
+VLLM = "vllm:"
 
-# stats key -> (metric name without prefix, help, label name for dict-valued stats)
-_KNOWN: dict[str, tuple[str, str, str | None]] = {
-    "num_running": ("num_requests_running", "Requests in the running batch.", None),
-    "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled.", None),
-    "num_preemptions": ("num_preemptions_total", "Sequences preempted for KV space.", None),
+# stats key -> (vLLM's metric name, help)
+_VLLM: dict[str, tuple[str, str]] = {
+    "num_running": ("num_requests_running", "Requests in the running batch."),
+    "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "num_preemptions": ("num_preemptions_total", "Sequences preempted for KV space."),
+    "prompt_tokens_total": ("prompt_tokens_total", "Prompt tokens processed."),
+    "generation_tokens_total": ("generation_tokens_total", "Tokens generated."),
+    "prefix_cache_queries_total": ("prefix_cache_queries_total",
+                                   "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits_total": ("prefix_cache_hits_total",
+                                "Prompt tokens found in the prefix cache."),
+}
+# stats["latency"] key -> (vLLM's histogram name, help)
+_HISTOGRAMS: dict[str, tuple[str, str]] = {
+    "ttft": ("time_to_first_token_seconds", "Time to first token: arrival to first token."),
+    "itl": ("inter_token_latency_seconds", "Time between two tokens of one request."),
+    "e2e": ("e2e_request_latency_seconds", "Arrival to last token, finished requests."),
+    "queue": ("request_queue_time_seconds", "Arrival to first scheduled."),
+    "prefill": ("request_prefill_time_seconds", "First scheduled to first token."),
+    "decode": ("request_decode_time_seconds", "First token to last token."),
+}
+# vLLM's request_success_total counts finished requests only, not aborts or errors.
+_SUCCESS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
+# stats key -> (tailrace metric name, help, label name for dict-valued stats)
+_OWN: dict[str, tuple[str, str, str | None]] = {
     "kv_blocks_total": ("kv_blocks_capacity", "KV cache blocks in all.", None),
     "kv_blocks_free": ("kv_blocks_free", "KV cache blocks free (cached blocks count as free).",
                        None),
     "kv_blocks_used": ("kv_blocks_used", "KV cache blocks held by requests.", None),
     "kv_blocks_cached": ("kv_blocks_cached", "KV cache blocks holding reusable prefixes.", None),
-    "prompt_tokens_total": ("prompt_tokens_total", "Prompt tokens processed.", None),
-    "generation_tokens_total": ("generation_tokens_total", "Tokens generated.", None),
     "cached_tokens_total": ("cached_tokens_total", "Prompt tokens served from the prefix cache.",
                             None),
-    "requests_finished_total": ("request_success_total", "Requests finished, by reason.",
+    "requests_finished_total": ("requests_finished_total",
+                                "Requests ended, by reason (aborts and errors included).",
                                 "finished_reason"),
     "steps_total": ("engine_steps_total", "Engine steps run.", None),
 }
@@ -44,8 +66,8 @@ def _is_number(value: Any) -> bool:
 
 def _family(name: str, doc: str, labels: list[str] | None = None) -> Metric:
     if name.endswith("_total"):
-        return CounterMetricFamily(PREFIX + name[: -len("_total")], doc, labels=labels)
-    return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+        return CounterMetricFamily(name[: -len("_total")], doc, labels=labels)
+    return GaugeMetricFamily(name, doc, labels=labels)
 
 
 class EngineCollector(Collector):
@@ -54,24 +76,51 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
+        model = self.engine.model_names[0]
+        yield from self._vllm(stats, model)
+        yield from self._own(stats)
+
+    def _vllm(self, stats: dict, model: str) -> Iterator[Metric]:
+        for key, (name, doc) in _VLLM.items():
+            if _is_number(stats.get(key)):
+                family = _family(VLLM + name, doc, ["model_name"])
+                family.add_metric([model], stats[key])
+                yield family
+        used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
+        if _is_number(used) and _is_number(total) and total:
+            family = GaugeMetricFamily(VLLM + "kv_cache_usage_perc",
+                                       "KV cache usage: 1 means every block is held.",
+                                       labels=["model_name"])
+            family.add_metric([model], used / total)
+            yield family
+        finished = stats.get("requests_finished_total")
+        if isinstance(finished, dict):
+            family = CounterMetricFamily(VLLM + "request_success",
+                                         "Requests finished (not aborted, not failed), by reason.",
+                                         labels=["model_name", "finished_reason"])
+            for reason in _SUCCESS:   # every reason from the start, 0 until one happens
+                family.add_metric([model, str(reason)], finished.get(reason, 0))
+            yield family
+        for key, hist in (stats.get("latency") or {}).items():
+            name, doc = _HISTOGRAMS.get(key, (f"{key}_seconds", f"Latency {key}."))
+            family = HistogramMetricFamily(VLLM + name, doc, labels=["model_name"])
+            family.add_metric([model], hist.cumulative(), hist.sum)
+            yield family
+
+    def _own(self, stats: dict) -> Iterator[Metric]:
         for key, value in stats.items():
-            name, doc, label = _KNOWN.get(key, (key, f"Engine stat {key}.", "key"))
+            if key in _VLLM or key == "latency":
+                continue
+            name, doc, label = _OWN.get(key, (key, f"Engine stat {key}.", "key"))
             if key == "requests_finished_total" and isinstance(value, dict):
-                # every reason from the start (0 until one happens), as vLLM exports them
                 value = {**dict.fromkeys(FinishReason, 0), **value}
             if _is_number(value):
-                family = _family(name, doc)
+                family = _family(PREFIX + name, doc)
                 family.add_metric([], value)
             elif isinstance(value, dict) and all(_is_number(v) for v in value.values()):
-                family = _family(name, doc, [label or "key"])
+                family = _family(PREFIX + name, doc, [label or "key"])
                 for k, v in value.items():
                     family.add_metric([str(k)], v)
             else:
                 continue
-            yield family
-        used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
-        if _is_number(used) and _is_number(total) and total:
-            family = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
-                                       "KV cache usage: 1 means every block is held.")
-            family.add_metric([], used / total)
             yield family

@@ -222,7 +222,7 @@ class ChatFramer(Framer):
             out.append(self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason,
                                                     stop_reason=delta.stop_reason)], usage))
             if self.req.include_usage:
-                out.append(self._chunk.with_usage(usage_info(delta.usage)))
+                out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
             out.append(DONE)
         return b"".join(out)
 
@@ -249,5 +249,6 @@ class ChatFramer(Framer):
                                 logprobs=chat_logprobs(self._logprobs)
                                 if self._wants_logprobs else None, **ids)],
             usage=usage_info(delta.usage),
+            **({} if delta.metrics is None else {"metrics": delta.metrics}),
             **({} if self._token_ids is None
                else {"prompt_token_ids": list(self.req.prompt_token_ids)})))

@@ -110,7 +110,7 @@ class CompletionFramer(Framer):
             out.append(self._chunk([CompletionChoice(text="", finish_reason=reason,
                                                      stop_reason=delta.stop_reason)], usage))
             if self.req.include_usage:
-                out.append(self._chunk.with_usage(usage_info(delta.usage)))
+                out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
             out.append(DONE)
         return b"".join(out)
 
@@ -141,4 +141,5 @@ class CompletionFramer(Framer):
                 **({} if self._token_ids is None else {
                     "prompt_token_ids": list(self.req.prompt_token_ids),
                     "token_ids": self._token_ids}))],
-            usage=usage_info(delta.usage)))
+            usage=usage_info(delta.usage),
+            **({} if delta.metrics is None else {"metrics": delta.metrics})))

@@ -74,9 +74,10 @@ class ChunkBytes:
             return sse_data(attrs.evolve(self.template, choices=choices, **fields))
         return self.head + orjson.dumps([unstructure(c) for c in choices]) + self.tail
 
-    def with_usage(self, usage: Any) -> bytes:
-        """The usage chunk: no choices, and the final usage."""
-        return sse_data(attrs.evolve(self.template, usage=usage))
+    def with_usage(self, usage: Any, metrics: Any = None) -> bytes:
+        """The usage chunk: no choices, the final usage (and the request's metrics)."""
+        extra = {} if metrics is None else {"metrics": metrics}
+        return sse_data(attrs.evolve(self.template, usage=usage, **extra))
 
 
 def error_bytes(delta: Delta) -> bytes:

@@ -773,6 +773,7 @@ class ChatCompletionChunk:
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = ABSENT            # with include_usage: null but on the last chunk
     prompt_token_ids: list[int] = ABSENT        # return_token_ids: on the first chunk
+    metrics: Any = ABSENT                       # per-request metrics: on the usage chunk
 
 
 @omit_absent
@@ -805,6 +806,7 @@ class ChatCompletion:
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] = ABSENT        # return_token_ids
+    metrics: Any = ABSENT                       # --enable-per-request-metrics
 
 
 @omit_absent
@@ -828,6 +830,7 @@ class Completion:
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = ABSENT
+    metrics: Any = ABSENT                       # --enable-per-request-metrics
 
 
 # -- Responses API replies ----------------------------------------------------------------

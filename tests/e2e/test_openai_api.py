@@ -19,9 +19,11 @@ def chat_prompt_tokens(tokenizer, messages) -> int:
 
 
 def metric(server, name: str) -> float:
+    """A series without labels of its own: vLLM's carry only model_name."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    match = re.search(rf"^tailrace:{name} ([0-9.e+-]+)$", text, re.MULTILINE)
-    assert match, f"tailrace:{name} missing from /metrics"
+    match = re.search(rf"^(?:tailrace:{name}|vllm:{name}{{model_name=\"[^\"]*\"}}) "
+                      rf"([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 
 

@@ -149,3 +149,36 @@ def test_server_chat_template(configured_server):
                                                               "return_token_strs": True},
                    timeout=30).json()
     assert "CUSTOM" in "".join(r["token_strs"])
+
+
+def test_per_request_metrics(configured):
+    r = configured.completions.create(model="", prompt="Once upon a time", max_tokens=4,
+                                      extra_body={"ignore_eos": True})
+    m = r.model_extra["metrics"]
+    assert set(m) == {"queue_time_ms", "time_to_first_token_ms", "generation_time_ms",
+                      "mean_itl_ms", "tokens_per_second"}
+    assert m["time_to_first_token_ms"] > 0 and m["generation_time_ms"] > 0
+    assert abs(m["mean_itl_ms"] - m["generation_time_ms"] / 3) < 0.01
+    chunks = list(configured.chat.completions.create(model="", messages=HELLO, max_tokens=3,
+                                                     stream=True))
+    assert "metrics" in chunks[-1].model_extra and chunks[-1].choices == []
+    assert all("metrics" not in c.model_extra for c in chunks[:-1])
+
+
+def test_metrics_use_vllm_names(server, client, model_name):
+    client.completions.create(model=model_name, prompt="Hello", max_tokens=3)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    label = f'model_name="{model_name}"'
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total"):
+        assert f"vllm:{name}{{{label}}} " in text, name
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert f'vllm:{name}_bucket{{le="+Inf",{label}}} ' in text, name
+        count = float(text.split(f"vllm:{name}_count{{{label}}} ")[1].split()[0])
+        assert count >= 1, name
+    assert f'vllm:request_success_total{{finished_reason="length",{label}}} ' in text
+    assert 'finished_reason="abort",model_name' not in text     # aborts are not successes
+    assert "tailrace:kv_blocks_used " in text

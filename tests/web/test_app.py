@@ -184,10 +184,11 @@ async def test_models_and_metrics(served):
     assert models["data"][0]["owned_by"] == "tailrace"
     assert models["data"][0]["max_model_len"] == 64
     text = (await http.get("/metrics")).text
-    assert "tailrace:num_requests_running 0.0" in text
+    assert 'vllm:num_requests_running{model_name="fake-model"} 0.0' in text
     assert "tailrace:kv_blocks_used 0.0" in text
-    assert "tailrace:prompt_tokens_total 5.0" in text
-    assert 'tailrace:request_success_total{finished_reason="stop"} 1.0' in text
+    assert 'vllm:prompt_tokens_total{model_name="fake-model"} 5.0' in text
+    assert 'vllm:request_success_total{finished_reason="stop",model_name="fake-model"} 1.0' in text
+    assert 'tailrace:requests_finished_total{finished_reason="abort"} 0.0' in text
 
 
 def _fake_open_engine(crash_after: float | None = None, opened: list | None = None):
