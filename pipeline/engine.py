@@ -37,6 +37,7 @@ from pipeline.config import EngineConfig
 from pipeline.events import EventLog
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
+from stages.api.chat import MAX_N
 from stages.blocks import BlockManager
 from stages.render import RenderContext, RequestError, Submission
 from stages.replies import Replies
@@ -280,8 +281,9 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
                         per_request_metrics=cfg.enable_per_request_metrics)
     # In flight at once: at most max_waiting + max_num_seqs requests (admission counts a
     # request until emit has sent its last byte), each putting at most one request, one
-    # Abort and one FinishRequest into schedule's inbox: the back-edges never block.
-    inbox_size = 3 * (cfg.max_waiting + cfg.max_num_seqs) + 16
+    # Abort and one FinishRequest per choice (n <= MAX_N) into schedule's inbox: the
+    # back-edges never block.
+    inbox_size = (2 + MAX_N) * (cfg.max_waiting + cfg.max_num_seqs) + 16
     render_in, render_out = trio.open_memory_channel(cfg.max_waiting)
     admit_in, admit_out = trio.open_memory_channel(0)
     sched_in, sched_out = trio.open_memory_channel(inbox_size)

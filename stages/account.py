@@ -55,7 +55,7 @@ class Histogram:
 
 class _RequestUsage:
     __slots__ = ("prompt", "completion", "reasoning", "arrival", "scheduled", "first_token",
-                 "last_token", "wants_metrics")
+                 "last_token", "wants_metrics", "open_choices", "cached")
 
     def __init__(self, req: RenderedRequest) -> None:
         self.prompt = len(req.prompt_token_ids)
@@ -66,6 +66,8 @@ class _RequestUsage:
         self.first_token = 0.0
         self.last_token = 0.0
         self.wants_metrics = req.per_request_metrics
+        self.open_choices = req.n   # usage sums every choice; the request ends with the last
+        self.cached = 0             # prompt tokens from the prefix cache (the first choice's)
 
     def metrics(self) -> RequestMetrics:
         """The request's own timings (vLLM's per-request metrics), in milliseconds."""
@@ -114,6 +116,8 @@ class Accountant:
             if u is None:
                 continue
             n = len(d.token_ids)
+            if d.index == 0:
+                u.cached = d.num_cached_tokens
             if n:
                 if not u.completion:
                     u.scheduled = d.scheduled_at
@@ -121,20 +125,22 @@ class Accountant:
                     self.ttft.observe(now - u.arrival)
                     self.prefix_cache_queries_total += u.prompt
                     self.prefix_cache_hits_total += d.num_cached_tokens
-                else:
+                elif d.index == 0:   # the gaps of one sequence (choices share steps)
                     self.itl.observe(now - u.last_token)
                 u.last_token = now
             u.completion += n
             if d.reasoning and not d.content:
                 u.reasoning += n
             self.generation_tokens_total += n
-            usage = Usage(u.prompt, u.completion, d.num_cached_tokens, u.reasoning)
-            if d.finish_reason is None:
+            usage = Usage(u.prompt, u.completion, u.cached, u.reasoning)
+            if d.finish_reason is not None:
+                u.open_choices -= 1
+            if d.finish_reason is None or u.open_choices > 0:
                 deltas.append(_with_usage(d, usage))
                 continue
             del self.requests[d.request_id]
             self.prompt_tokens_total += u.prompt
-            self.cached_tokens_total += d.num_cached_tokens
+            self.cached_tokens_total += u.cached
             self.finished_total[d.finish_reason] = self.finished_total.get(d.finish_reason, 0) + 1
             if u.completion and d.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
                 self.e2e.observe(u.last_token - u.arrival)

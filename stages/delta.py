@@ -68,6 +68,7 @@ class Delta:
     error: str | None = None                   # finish_reason ERROR: what went wrong
     token_logprobs: tuple[TokenLogprobs, ...] = ()  # raw, one per token, when asked for
     scheduled_at: float = 0.0                  # time.monotonic() when first scheduled (0: never)
+    index: int = 0                             # the choice (n > 1), each its own sequence
     # -- detokenize
     text: str = ""                             # new text
     logprobs: tuple[TokenLogprob, ...] = ()    # token_logprobs with their text

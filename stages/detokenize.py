@@ -85,22 +85,24 @@ class Detokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.hf = tokenizer.hf if hasattr(tokenizer, "hf") else tokenizer
-        self.states: dict[str, DetokState] = {}
+        self.states: dict[tuple[str, int], DetokState] = {}   # (request id, choice)
 
-    def process(self, msg: Step) -> tuple[Step, list[str]]:
-        """Returns the step's deltas and the requests that a stop string finished."""
+    def process(self, msg: Step) -> tuple[Step, list[tuple[str, int]]]:
+        """Returns the step's deltas and the (request, choice) a stop string finished."""
         for req in msg.new_requests:
-            self.states[req.request_id] = DetokState(req, self.hf is not None)
+            for i in range(req.n):
+                self.states[req.request_id, i] = DetokState(req, self.hf is not None)
         deltas, stopped = [], []
         for d in msg.deltas:
-            st = self.states.get(d.request_id)
+            key = (d.request_id, d.index)
+            st = self.states.get(key)
             if st is None:
                 continue  # already finished here (a stop string), the scheduler catching up
             out = st.step(self.hf, d)
             if out.finished:
-                del self.states[d.request_id]
+                del self.states[key]
                 if not d.finished:
-                    stopped.append(d.request_id)
+                    stopped.append(key)
             deltas.append(out)
         return attrs.evolve(msg, deltas=tuple(deltas)), stopped
 
@@ -110,8 +112,9 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
     async with receive, send, control:
         async for msg in receive:
             out, stopped = core.process(msg)
-            for rid in stopped:
+            for rid, index in stopped:
                 if log is not None:
-                    log("stop_string", request_id=rid)
-                control.send_nowait(FinishRequest(rid))  # the inbox is sized so this never blocks
+                    log("stop_string", request_id=rid, index=index)
+                # the inbox is sized so this never blocks
+                control.send_nowait(FinishRequest(rid, index))
             await send.send(out)

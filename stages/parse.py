@@ -69,20 +69,21 @@ class Parser:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; "
                              f"choose from {', '.join(REASONING_PARSERS)}")
         self.reasoning_parser = reasoning_parser
-        self.states: dict[str, ThinkState] = {}
+        self.states: dict[tuple[str, int], ThinkState] = {}   # (request id, choice)
 
     def process(self, msg: Step) -> Step:
         if self.reasoning_parser is None:
             return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "")
                                                   for d in msg.deltas))
         for req in msg.new_requests:
-            self.states[req.request_id] = ThinkState(self.reasoning_parser)
+            for i in range(req.n):
+                self.states[req.request_id, i] = ThinkState(self.reasoning_parser)
         out = []
         for d in msg.deltas:
-            st = self.states.get(d.request_id)
+            st = self.states.get((d.request_id, d.index))
             content, reasoning = st.feed(d.text, d.finished) if st else (d.text, "")
             if d.finished:
-                self.states.pop(d.request_id, None)
+                self.states.pop((d.request_id, d.index), None)
             out.append(_with_content(d, content, reasoning))
         return attrs.evolve(msg, deltas=tuple(out))
 

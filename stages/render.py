@@ -62,6 +62,7 @@ class RenderedRequest:
     continuous_usage: bool = False  # streaming: every chunk carries the usage so far
     cache_salt: str | None = None   # prefix-cache blocks are shared only with the same salt
     per_request_metrics: bool = False   # the reply carries the request's own timings
+    n: int = 1                      # choices: n sequences sampled from one prompt
 
 
 @attrs.frozen
@@ -123,7 +124,8 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         created=int(time.time()), arrival=sub.arrival, request=req,
         continuous_usage=plan.stream and (plan.continuous_usage or ctx.force_include_usage),
         cache_salt=req.cache_salt or None,
-        per_request_metrics=ctx.per_request_metrics and getattr(req, "n", 1) == 1)
+        per_request_metrics=ctx.per_request_metrics and getattr(req, "n", 1) == 1,
+        n=getattr(req, "n", 1))
 
 
 def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:

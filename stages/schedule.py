@@ -46,8 +46,9 @@ class Abort:
 
 @attrs.frozen
 class FinishRequest:
-    """detokenize matched a stop string: stop generating and free the request's blocks."""
+    """detokenize matched a stop string in one choice: stop generating it, free its blocks."""
     request_id: str
+    index: int = 0
 
 
 # What schedule sends downstream, one message per engine step: a `Step` (stages/delta.py)
@@ -55,11 +56,17 @@ class FinishRequest:
 
 
 class Sequence:
-    """The scheduler's state for one request."""
+    """The scheduler's state for one choice of a request (one sequence of tokens)."""
 
-    def __init__(self, req: RenderedRequest, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, req: RenderedRequest, eos_token_ids: tuple[int, ...], index: int = 0,
+                 leader: Sequence | None = None) -> None:
         self.req = req
-        self.id = req.request_id
+        self.index = index
+        # The GPU side knows sequences by id: a request's own id, or id#index for n > 1.
+        self.id = req.request_id if req.n == 1 else f"{req.request_id}#{index}"
+        # Choices after the first wait for the first one's prompt to be in the cache, so
+        # they take its blocks through the prefix cache instead of prefilling again.
+        self.leader = leader
         self.prompt_len = len(req.prompt_token_ids)
         self.token_ids: list[int] = list(req.prompt_token_ids)
         self.num_computed = 0
@@ -86,8 +93,10 @@ class Sequence:
 
 def sampling_options(seq: Sequence) -> SamplingOptions:
     """The request's options, with EOS among the stop ids unless ignore_eos (min_tokens
-    masks them all)."""
-    return attrs.evolve(seq.req.sampling.options, stop_token_ids=tuple(sorted(seq.stop_ids)))
+    masks them all); choice i of a seeded request draws from seed + i."""
+    opts = seq.req.sampling.options
+    seed = opts.seed if opts.seed is None or not seq.index else opts.seed + seq.index
+    return attrs.evolve(opts, stop_token_ids=tuple(sorted(seq.stop_ids)), seed=seed)
 
 
 class Scheduler:
@@ -100,7 +109,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.by_id: dict[str, Sequence] = {}
+        self.by_id: dict[str, Sequence] = {}              # sequence id -> sequence
+        self.choices: dict[str, list[Sequence]] = {}      # request id -> its live sequences
         self.step = 0
         self.num_preemptions = 0
         self._new_requests: list[RenderedRequest] = []
@@ -109,27 +119,47 @@ class Scheduler:
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
-        if req.request_id in self.by_id:  # the engine keeps ids unique while in flight
+        if req.request_id in self.choices:  # the engine keeps ids unique while in flight
             raise ValueError(f"request id {req.request_id!r} is already scheduled")
-        seq = Sequence(req, self.eos_token_ids)
-        self.by_id[seq.id] = seq
-        self.waiting.append(seq)
+        leader = Sequence(req, self.eos_token_ids)
+        seqs = [leader] + [Sequence(req, self.eos_token_ids, i, leader) for i in range(1, req.n)]
+        self.choices[req.request_id] = seqs
+        for seq in seqs:
+            self.by_id[seq.id] = seq
+            self.waiting.append(seq)
         self._new_requests.append(req)
 
-    def finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
-        """Abort or stop-string finish: free now, report downstream with the next step."""
-        seq = self.by_id.pop(request_id, None)
-        if seq is None:
-            return
-        if seq in self.running:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+    def finish(self, request_id: str, reason: FinishReason, error: str | None = None,
+               index: int | None = None) -> None:
+        """Abort (every choice) or a stop string (one choice, `index`): free now, report
+        downstream with the next step."""
+        for seq in list(self.choices.get(request_id, ())):
+            if index is None or seq.index == index:
+                if seq in self.running:
+                    self.running.remove(seq)
+                else:
+                    self.waiting.remove(seq)
+                self._retire(seq)
+                self._pending.append(Delta(request_id, finish_reason=reason,
+                                           num_cached_tokens=seq.num_cached_tokens,
+                                           error=error, scheduled_at=seq.scheduled_at,
+                                           index=seq.index))
+
+    def finish_sequence(self, seq_id: str, reason: FinishReason, error: str) -> None:
+        """A failed step: the whole request of the sequence fails, every choice."""
+        seq = self.by_id.get(seq_id)
+        if seq is not None:
+            self.finish(seq.req.request_id, reason, error)
+
+    def _retire(self, seq: Sequence) -> None:
+        """A finished sequence: its blocks freed, the GPU told, the bookkeeping dropped."""
+        del self.by_id[seq.id]
+        live = self.choices[seq.req.request_id]
+        live.remove(seq)
+        if not live:
+            del self.choices[seq.req.request_id]
         self._free(seq)
         self._released.append(seq.id)
-        self._pending.append(Delta(seq.id, finish_reason=reason,
-                                   num_cached_tokens=seq.num_cached_tokens, error=error,
-                                   scheduled_at=seq.scheduled_at))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
@@ -161,6 +191,10 @@ class Scheduler:
         # Then waiting sequences, in arrival order, while the budgets allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            leader = seq.leader
+            if (leader is not None and leader in self.running
+                    and leader.num_computed < leader.prompt_len):
+                break   # its prompt's blocks are being computed: take them next step
             if not seq.table and not self._take_prefix(seq, budget):
                 break
             n = min(seq.num_uncomputed, budget)
@@ -229,7 +263,7 @@ class Scheduler:
         """Apply a step's result; decide finishes; build the downstream message."""
         if result.error is not None:
             for chunk in plan.chunks:
-                self.finish(chunk.seq_id, FinishReason.ERROR, result.error)
+                self.finish_sequence(chunk.seq_id, FinishReason.ERROR, result.error)
             return self.drain()
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs))
@@ -254,14 +288,12 @@ class Scheduler:
             elif seq.num_output >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = FinishReason.LENGTH
             lp = logprobs.get(seq.id)
-            deltas.append(Delta(seq.id, (tok,), reason, stop, seq.num_cached_tokens,
+            deltas.append(Delta(seq.req.request_id, (tok,), reason, stop, seq.num_cached_tokens,
                                 token_logprobs=(lp,) if lp is not None else (),
-                                scheduled_at=seq.scheduled_at))
+                                scheduled_at=seq.scheduled_at, index=seq.index))
             if reason is not None:
                 self.running.remove(seq)
-                del self.by_id[seq.id]
-                self._free(seq)
-                self._released.append(seq.id)
+                self._retire(seq)
         new, self._new_requests = tuple(self._new_requests), []
         return Step(plan.step, new, tuple(deltas), len(self.running), len(self.waiting),
                     self.blocks.num_used, time.monotonic())
@@ -286,7 +318,7 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
         elif isinstance(msg, Abort):
             scheduler.finish(msg.request_id, FinishReason.ABORT)
         elif isinstance(msg, FinishRequest):
-            scheduler.finish(msg.request_id, FinishReason.STOP)
+            scheduler.finish(msg.request_id, FinishReason.STOP, index=msg.index)
         else:
             raise TypeError(f"schedule got {type(msg).__name__}")
 

@@ -1,8 +1,8 @@
 """POST /v1/chat/completions: the request's prompt plan, and the reply's framing."""
 from __future__ import annotations
 
-from stages.api.framing import (DONE, ChunkBytes, Framer, error_bytes, json_body, sse_data,
-                                usage_info)
+from stages.api.framing import (DONE, ChoiceState, ChunkBytes, Framer, error_bytes, json_body,
+                                sse_data, usage_info)
 from stages.api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion,
                                  ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
                                  ChatLogprobs, ChatMessage, ChatMessageOut, ChatTokenLogprob,
@@ -19,9 +19,7 @@ _RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "add_generation_prompt"
 
 
 def plan(req: ChatCompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
-    if req.n != 1:
-        raise RequestError("'n' must be 1; this server returns one choice per request.",
-                           param="n")
+    check_n(req.n)
     if req.response_format is not None and req.response_format.type != "text":
         raise RequestError("'response_format' other than {\"type\": \"text\"} is not "
                            "supported by this server yet.", param="response_format")
@@ -75,6 +73,14 @@ def kv_prompt_token_ids(params: dict | None) -> tuple[int, ...] | None:
         raise RequestError(f"'{param}' must be a non-empty array of non-negative integers.",
                            param=param)
     return tuple(ids)
+
+
+MAX_N = 16   # choices per request: each is a sequence of the running batch
+
+
+def check_n(n: int) -> None:
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"'n' must be between 1 and {MAX_N}, got {n}.", param="n")
 
 
 def check_tools(tools: list | None, tool_choice: object) -> None:
@@ -176,12 +182,10 @@ class ChatFramer(Framer):
     def __init__(self, req) -> None:
         super().__init__(req)
         self.id = f"chatcmpl-{req.request_id}"
-        self._text: list[str] = []
-        self._reasoning: list[str] = []
-        self._logprobs: list[TokenLogprob] = []
+        self._choices = [ChoiceState() for _ in range(req.n)]
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._show_reasoning = req.request.include_reasoning
-        self._token_ids: list[int] | None = [] if req.request.return_token_ids else None
+        self._return_ids = req.request.return_token_ids
         # OpenAI: with include_usage every chunk has "usage", null but on the last.
         self._chunk = ChunkBytes(ChatCompletionChunk(
             id=self.id, created=req.created, model=req.model, choices=[],
@@ -198,57 +202,66 @@ class ChatFramer(Framer):
     def start(self) -> bytes:
         if not self.req.stream:
             return b""
-        prompt = {} if self._token_ids is None else {
-            "prompt_token_ids": list(self.req.prompt_token_ids)}
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))],
-                           usage_info(Usage(len(self.req.prompt_token_ids), 0)), **prompt)
+        prompt = {"prompt_token_ids": list(self.req.prompt_token_ids)} if self._return_ids else {}
+        usage = usage_info(Usage(len(self.req.prompt_token_ids), 0))
+        return b"".join(
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
+                        usage, **(prompt if i == 0 else {}))
+            for i in range(self.req.n))
 
     def _stream(self, delta: Delta) -> bytes:
         out = []
         reasoning, logprobs = self._visible(delta)
         lp = chat_logprobs(logprobs) if self._wants_logprobs and logprobs else None
-        ids = self._token_ids is not None and bool(delta.token_ids)
+        ids = self._return_ids and bool(delta.token_ids)
         usage = usage_info(delta.usage) if self.req.continuous_usage else None
         if delta.content or reasoning or lp or ids:
             message = (ChatDelta(content=delta.content, reasoning=reasoning) if reasoning
                        else ChatDelta(content=delta.content))
-            choice = (ChatChunkChoice(delta=message, logprobs=lp, token_ids=list(delta.token_ids))
-                      if ids else ChatChunkChoice(delta=message, logprobs=lp))
+            choice = (ChatChunkChoice(index=delta.index, delta=message, logprobs=lp,
+                                      token_ids=list(delta.token_ids))
+                      if ids else ChatChunkChoice(index=delta.index, delta=message, logprobs=lp))
             out.append(self._chunk([choice], usage))
         reason = delta.finish_reason
         if reason is FinishReason.ERROR:
             out += [sse_data(server_error(delta.error)), DONE]
         elif reason is not None:
-            out.append(self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason,
+            out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(),
+                                                    finish_reason=reason,
                                                     stop_reason=delta.stop_reason)], usage))
-            if self.req.include_usage:
-                out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
-            out.append(DONE)
+            if self.closing:
+                if self.req.include_usage:
+                    out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
+                out.append(DONE)
         return b"".join(out)
 
     def _accumulate(self, delta: Delta) -> bytes:
         reasoning, logprobs = self._visible(delta)
-        self._text.append(delta.content)
-        self._reasoning.append(reasoning)
-        self._logprobs.extend(logprobs)
-        if self._token_ids is not None:
-            self._token_ids.extend(delta.token_ids)
-        if delta.finish_reason is None:
+        c = self._choices[delta.index]
+        c.text.append(delta.content)
+        c.reasoning.append(reasoning)
+        c.logprobs.extend(logprobs)
+        c.token_ids.extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+        if not self.closing:
             return b""
         if delta.finish_reason is FinishReason.ERROR:
             self.status = 500
             return error_bytes(delta)
-        text, reasoning = "".join(self._text), "".join(self._reasoning)
-        ids = {} if self._token_ids is None else {"token_ids": self._token_ids}
-        message = (ChatMessageOut(content=text, reasoning=reasoning) if reasoning
-                   else ChatMessageOut(content=text))
         return json_body(ChatCompletion(
             id=self.id, created=self.req.created, model=self.req.model,
-            choices=[ChatChoice(message=message, finish_reason=delta.finish_reason,
-                                stop_reason=delta.stop_reason,
-                                logprobs=chat_logprobs(self._logprobs)
-                                if self._wants_logprobs else None, **ids)],
+            choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
             usage=usage_info(delta.usage),
             **({} if delta.metrics is None else {"metrics": delta.metrics}),
-            **({} if self._token_ids is None
-               else {"prompt_token_ids": list(self.req.prompt_token_ids)})))
+            **({"prompt_token_ids": list(self.req.prompt_token_ids)} if self._return_ids
+               else {})))
+
+    def _body_choice(self, index: int, c: ChoiceState) -> ChatChoice:
+        text, reasoning = "".join(c.text), "".join(c.reasoning)
+        message = (ChatMessageOut(content=text, reasoning=reasoning) if reasoning
+                   else ChatMessageOut(content=text))
+        return ChatChoice(index=index, message=message, finish_reason=c.finish_reason,
+                          stop_reason=c.stop_reason,
+                          logprobs=chat_logprobs(c.logprobs) if self._wants_logprobs else None,
+                          **({"token_ids": c.token_ids} if self._return_ids else {}))

@@ -1,24 +1,22 @@
 """POST /v1/completions: the request's prompt plan, and the reply's framing."""
 from __future__ import annotations
 
-from stages.api.chat import MAX_LOGPROBS
-from stages.api.framing import (DONE, ChunkBytes, Framer, error_bytes, json_body, sse_data,
-                                usage_info)
+from stages.api.chat import MAX_LOGPROBS, check_n
+from stages.api.framing import (DONE, ChoiceState, ChunkBytes, Framer, error_bytes, json_body,
+                                sse_data, usage_info)
 from stages.api.protocol import (Completion, CompletionChoice, CompletionLogprobs,
                                  CompletionRequest, PromptPlan, RequestError, server_error)
-from stages.delta import Delta, FinishReason, TokenLogprob
+from stages.delta import Delta, FinishReason
 
 # OpenAI's default for /v1/completions.
 DEFAULT_MAX_TOKENS = 16
 
 
 def plan(req: CompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
-    if req.n != 1:
-        raise RequestError("'n' must be 1; this server returns one choice per request.",
-                           param="n")
-    if req.best_of not in (None, 1):
-        raise RequestError("'best_of' must be 1; this server returns one choice per request.",
-                           param="best_of")
+    check_n(req.n)
+    if req.best_of not in (None, req.n):
+        raise RequestError("'best_of' other than n is not supported (no ranking of extra "
+                           "choices).", param="best_of")
     if req.echo:
         raise RequestError("'echo' is not supported by this server yet.", param="echo")
     if req.suffix:
@@ -72,22 +70,21 @@ class CompletionFramer(Framer):
     def __init__(self, req) -> None:
         super().__init__(req)
         self.id = f"cmpl-{req.request_id}"
-        self._text: list[str] = []
-        self._logprobs: list[TokenLogprob] = []
+        self._choices = [ChoiceState() for _ in range(req.n)]
         self._wants_logprobs = req.sampling.options.logprobs is not None
-        self._offset = 0
-        self._token_ids: list[int] | None = [] if req.request.return_token_ids else None
-        self._prompt_sent = False
+        self._offsets = [0] * req.n        # text_offset of each choice's next token
+        self._return_ids = req.request.return_token_ids
+        self._prompt_sent = [False] * req.n
         self._chunk = ChunkBytes(Completion(
             id=self.id, created=req.created, model=req.model, choices=[],
             **({"usage": None} if req.include_usage else {})),
             continuous_usage=req.continuous_usage)
 
-    def _logprobs_json(self, entries) -> CompletionLogprobs:
+    def _logprobs_json(self, index: int, entries) -> CompletionLogprobs:
         offsets = []
         for e in entries:
-            offsets.append(self._offset)
-            self._offset += len(e.token)
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(e.token)
         return CompletionLogprobs(tokens=[e.token for e in entries],
                                   token_logprobs=[e.logprob for e in entries],
                                   top_logprobs=[dict(e.top) for e in entries],
@@ -96,38 +93,42 @@ class CompletionFramer(Framer):
     def _stream(self, delta: Delta) -> bytes:
         # Completions have no reasoning field: a reasoning parser's reasoning is dropped.
         out = []
-        lp = (self._logprobs_json(delta.logprobs)
+        lp = (self._logprobs_json(delta.index, delta.logprobs)
               if self._wants_logprobs and delta.logprobs else None)
-        ids = self._ids(delta) if self._token_ids is not None and delta.token_ids else {}
+        ids = self._ids(delta) if self._return_ids and delta.token_ids else {}
         usage = usage_info(delta.usage) if self.req.continuous_usage else None
         if delta.content or lp or ids:
-            out.append(self._chunk([CompletionChoice(text=delta.content, logprobs=lp, **ids)],
-                                   usage))
+            out.append(self._chunk([CompletionChoice(index=delta.index, text=delta.content,
+                                                     logprobs=lp, **ids)], usage))
         reason = delta.finish_reason
         if reason is FinishReason.ERROR:
             out += [sse_data(server_error(delta.error)), DONE]
         elif reason is not None:
-            out.append(self._chunk([CompletionChoice(text="", finish_reason=reason,
+            out.append(self._chunk([CompletionChoice(index=delta.index, text="",
+                                                     finish_reason=reason,
                                                      stop_reason=delta.stop_reason)], usage))
-            if self.req.include_usage:
-                out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
-            out.append(DONE)
+            if self.closing:
+                if self.req.include_usage:
+                    out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
+                out.append(DONE)
         return b"".join(out)
 
     def _ids(self, delta: Delta) -> dict:
-        """return_token_ids on a streamed choice: its tokens, and the prompt's on the first."""
+        """return_token_ids on a streamed choice: its tokens, and the prompt's on its first."""
         ids = {"token_ids": list(delta.token_ids)}
-        if not self._prompt_sent:
-            self._prompt_sent = True
+        if not self._prompt_sent[delta.index]:
+            self._prompt_sent[delta.index] = True
             ids["prompt_token_ids"] = list(self.req.prompt_token_ids)
         return ids
 
     def _accumulate(self, delta: Delta) -> bytes:
-        self._text.append(delta.content)
-        self._logprobs.extend(delta.logprobs)
-        if self._token_ids is not None:
-            self._token_ids.extend(delta.token_ids)
-        if delta.finish_reason is None:
+        c = self._choices[delta.index]
+        c.text.append(delta.content)
+        c.logprobs.extend(delta.logprobs)
+        c.token_ids.extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+        if not self.closing:
             return b""
         if delta.finish_reason is FinishReason.ERROR:
             self.status = 500
@@ -135,11 +136,11 @@ class CompletionFramer(Framer):
         return json_body(Completion(
             id=self.id, created=self.req.created, model=self.req.model,
             choices=[CompletionChoice(
-                text="".join(self._text), finish_reason=delta.finish_reason,
-                stop_reason=delta.stop_reason,
-                logprobs=self._logprobs_json(self._logprobs) if self._wants_logprobs else None,
-                **({} if self._token_ids is None else {
-                    "prompt_token_ids": list(self.req.prompt_token_ids),
-                    "token_ids": self._token_ids}))],
+                index=i, text="".join(c.text), finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=self._logprobs_json(i, c.logprobs) if self._wants_logprobs else None,
+                **({"prompt_token_ids": list(self.req.prompt_token_ids),
+                    "token_ids": c.token_ids} if self._return_ids else {}))
+                for i, c in enumerate(self._choices)],
             usage=usage_info(delta.usage),
             **({} if delta.metrics is None else {"metrics": delta.metrics})))

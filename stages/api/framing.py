@@ -86,12 +86,18 @@ def error_bytes(delta: Delta) -> bytes:
 
 class Framer(ABC):
     """Frames one request's reply. `finished` is set once the final bytes are produced;
-    `status` is the HTTP status of a non-streaming reply (200, 500 on engine failure)."""
+    `status` is the HTTP status of a non-streaming reply (200, 500 on engine failure).
+
+    A request of n choices finishes with its last choice: `closing` is true while the
+    delta that finishes it is framed. An abort or an engine error ends the whole request
+    at once; deltas after the end are dropped."""
 
     def __init__(self, req: RenderedRequest) -> None:
         self.req = req
         self.finished = False
         self.status = 200
+        self.open_choices = req.n
+        self.closing = False
 
     def start(self) -> bytes:
         return b""
@@ -99,14 +105,17 @@ class Framer(ABC):
     def on_delta(self, delta: Delta) -> bytes:
         if self.finished:
             return b""
-        if delta.finish_reason is FinishReason.ABORT:
+        reason = delta.finish_reason
+        if reason is FinishReason.ABORT:
             # The client is gone: there is nobody to frame anything for.
             self.finished = True
             self.status = STATUS_CLIENT_CLOSED
             return b""
+        if reason is not None:
+            self.open_choices -= 1
+            self.closing = self.open_choices == 0 or reason is FinishReason.ERROR
         out = self._stream(delta) if self.req.stream else self._accumulate(delta)
-        if delta.finish_reason is not None:
-            self.finished = True
+        self.finished = self.closing
         return out
 
     @abstractmethod
@@ -116,3 +125,15 @@ class Framer(ABC):
     @abstractmethod
     def _accumulate(self, delta: Delta) -> bytes:
         """Non-streaming: b"" until the request finishes, then the whole JSON body."""
+
+
+class ChoiceState:
+    """What a non-streaming reply keeps of one choice until the request ends."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.logprobs: list = []
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None

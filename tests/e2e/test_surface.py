@@ -182,3 +182,43 @@ def test_metrics_use_vllm_names(server, client, model_name):
     assert f'vllm:request_success_total{{finished_reason="length",{label}}} ' in text
     assert 'finished_reason="abort",model_name' not in text     # aborts are not successes
     assert "tailrace:kv_blocks_used " in text
+
+
+# -- n > 1 -------------------------------------------------------------------------------
+
+def test_n_choices_chat(client, model_name, tokenizer):
+    r = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=8, n=3,
+                                       temperature=1.0, seed=11,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 3 * 8                  # usage sums every choice
+    assert len({c.message.content for c in r.choices}) > 1     # each its own stream
+    again = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=8,
+                                           n=3, temperature=1.0, seed=11,
+                                           extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    # choice i of a seed-s request samples as a one-choice request with seed s + i
+    single = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=8,
+                                            temperature=1.0, seed=12,
+                                            extra_body={"ignore_eos": True})
+    assert single.choices[0].message.content == r.choices[1].message.content
+
+
+def test_n_choices_stream(client, model_name):
+    chunks = list(client.completions.create(
+        model=model_name, prompt="Once upon a time", max_tokens=5, n=2, temperature=1.0,
+        seed=3, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    texts, finishes = {0: "", 1: ""}, {0: [], 1: []}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                finishes[ch.index].append(ch.finish_reason)
+    assert finishes == {0: ["length"], 1: ["length"]}          # each sent exactly once
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    body = client.completions.create(model=model_name, prompt="Once upon a time",
+                                     max_tokens=5, n=2, temperature=1.0, seed=3,
+                                     extra_body={"ignore_eos": True})
+    assert [c.text for c in body.choices] == [texts[0], texts[1]]

@@ -21,4 +21,4 @@ def rendered(rid: str = "r1", prompt=(1, 2, 3), api: str = "completions", *, str
     sp = SamplingParams(max_tokens=max_tokens,
                         options=SamplingOptions(**{"temperature": 0.0, **sampling}), **own)
     return RenderedRequest(rid, api, model, tuple(prompt), sp, stream, include_usage, created,
-                           0.0, typed)
+                           0.0, typed, n=getattr(typed, "n", 1))

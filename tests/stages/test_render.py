@@ -142,7 +142,7 @@ def test_wrong_types_name_the_param(field, value):
     ("max_tokens", 0), ("max_tokens", -5), ("max_completion_tokens", 0),
     ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.1),
     ("top_k", -2), ("min_p", 1.5), ("frequency_penalty", 3), ("presence_penalty", -2.5),
-    ("repetition_penalty", 0), ("min_tokens", -1), ("n", 2), ("stop", [""]),
+    ("repetition_penalty", 0), ("min_tokens", -1), ("n", 0), ("n", 17), ("stop", [""]),
     ("logprobs", "yes"), ("top_logprobs", 3), ("top_logprobs", 21), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("logit_bias", {"1": 5}),

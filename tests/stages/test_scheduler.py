@@ -155,3 +155,27 @@ def test_lru_eviction_reuses_uncached_blocks_first():
     got = bm.allocate(1)
     assert got == b
     assert bm.match_prefix([1, 2, 3, 4, 5])[0] == a
+
+
+def test_n_choices_share_the_prompt_through_the_prefix_cache():
+    s = make(block_size=4)
+    prompt = list(range(1, 15))                      # 14 tokens: 3 full blocks
+    s.add(rendered("a", prompt, max_tokens=10, body={"n": 3}, seed=7))
+    assert [seq.id for seq in s.waiting] == ["a#0", "a#1", "a#2"]
+    plan, out = step(s)
+    assert [c.seq_id for c in plan.chunks] == ["a#0"]          # the others wait one step
+    assert [n.seq_id for n in plan.new_seqs] == ["a#0"]
+    plan, out = step(s)
+    starts = {c.seq_id: c.start_pos for c in plan.chunks}
+    assert starts["a#1"] == starts["a#2"] == 12                # 3 blocks from the cache
+    assert [n.sampling.seed for n in plan.new_seqs] == [8, 9]  # seed + index
+    assert {(d.request_id, d.index) for d in out.deltas} == {("a", 0), ("a", 1), ("a", 2)}
+    s.finish("a", FinishReason.STOP, index=1)                  # a stop string in choice 1
+    plan, out = step(s)
+    assert [(d.index, d.finish_reason) for d in out.deltas if d.finished] == [
+        (1, FinishReason.STOP)]
+    assert "a#1" in plan.released and {c.seq_id for c in plan.chunks} == {"a#0", "a#2"}
+    s.finish("a", FinishReason.ABORT)                          # the client leaves: all of it
+    _, out = step(s)
+    assert sorted(d.index for d in out.deltas if d.finish_reason is FinishReason.ABORT) == [0, 2]
+    assert not s.choices and not s.by_id and s.blocks.num_used == 0
