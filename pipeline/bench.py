@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import sys
 import time
@@ -91,7 +92,8 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
         progress.close()
         stats = engine.stats()
     return {
-        "model": engine.model_names[0], "device": str(engine.device), "num_prompts": len(reqs),
+        "model": engine.model_names[0], "device": str(engine.device),
+        "dtype": str(engine.loaded.model.dtype).removeprefix("torch."), "num_prompts": len(reqs),
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
         "output_tokens_per_s": round(out_tokens / elapsed, 2),
         "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 2),
@@ -100,12 +102,13 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     s = _settings(args)
     cfg = attrs.evolve(engine_config(args),
                        max_model_len=args.max_model_len or (s["input_len"] + s["output_len"] + 16),
                        max_waiting=max(args.max_waiting, s["num_prompts"]))
     result = trio.run(_bench, cfg, s, args.temperature)
-    print(f"Throughput: {result['output_tokens_per_s']:.2f} output tokens/s "
+    print(f"Throughput ({result['dtype']}): {result['output_tokens_per_s']:.2f} output tokens/s "
           f"({result['output_tokens']} tokens from {result['num_prompts']} requests in "
           f"{result['elapsed_s']:.2f} s; total {result['total_tokens_per_s']:.2f} tokens/s)")
     if args.output_json:

@@ -104,7 +104,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Most tokens in one engine step (default: max(2048, --max-num-seqs)).")
     p.add_argument("--dtype", default=_default("dtype"),
                    choices=(*DTYPE_CHOICES, *DTYPE_ALIASES),
-                   help="Weight and activation dtype; auto: the checkpoint's "
+                   help="Weight and activation dtype; auto: bfloat16 on CUDA, and on a CPU "
+                        "with native bf16 (AVX512_BF16 or AMX), else float32 "
                         "(default: %(default)s).")
     p.add_argument("--seed", type=int, default=_default("seed"),
                    help="Random seed for sampling (default: %(default)s).")

@@ -175,11 +175,13 @@ class _Built:
 
 def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -> _Built:
     """Weights, tokenizer, KV cache, runner, scheduler."""
-    from gpu.loader import load_model
+    from gpu.loader import choose_dtype, load_model
 
     t0 = time.perf_counter()
     if loaded is None:
-        loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype,
+        dtype, why = choose_dtype(cfg.dtype, device)
+        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
+        loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=dtype,
                             device=str(device), seed=cfg.seed)
     mc = loaded.config
     model_names = tuple(cfg.served_model_name) or (loaded.name,)

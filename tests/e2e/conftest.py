@@ -52,8 +52,11 @@ def _serve(tmp: Path, *flags: str):
     env = {**os.environ, "TQDM_DISABLE": "1"}
     with open(out, "wb") as out_f, open(err, "wb") as err_f:
         proc = subprocess.Popen(
+            # float32: the tests check fp32's greedy answers; `auto` is bf16 on CPUs with
+            # native bf16, which ties differently (tests/gpu/test_bf16_agreement.py)
             _command() + ["serve", "--port", "0", "--max-model-len", "1024",
-                          "--max-num-seqs", "32", "--log-level", "warning", *flags],
+                          "--max-num-seqs", "32", "--dtype", "float32",
+                          "--log-level", "warning", *flags],
             stdout=out_f, stderr=err_f, env=env)
     try:
         url = None

@@ -76,7 +76,7 @@ def test_gguf_round_trip_matches_transformers(arch, qtype, tmp_path):
     # Give HF the same rounding the file has, so logits should match exactly (a tied lm_head is not listed).
     assert set(hf.load_state_dict(reference, strict=False).missing_keys) <= {"lm_head.weight"}
 
-    loaded = load_model(path, progress=False)
+    loaded = load_model(path, dtype="float32", progress=False)
     c = loaded.config
     assert (c.architecture, c.hidden_size, c.num_key_value_heads, c.head_dim) == (arch, 64, 2, head_dim)
     assert c.tie_word_embeddings == (arch == "qwen2") and c.bos_token_id == 1 and c.eos_token_ids == (2,)

@@ -30,7 +30,7 @@ CASES = {
 def test_logits_match_transformers(case, tmp_path):
     arch, overrides = CASES[case]
     hf = make_hf_model(arch, tmp_path, **overrides)
-    loaded = load_model(tmp_path, progress=False)
+    loaded = load_model(tmp_path, dtype="float32", progress=False)
     assert loaded.config.architecture == arch
     assert loaded.name == tmp_path.name and loaded.tokenizer is None
     expected, got = hf_logits(hf, IDS), our_logits(loaded.model, IDS)
@@ -40,7 +40,7 @@ def test_logits_match_transformers(case, tmp_path):
 
 def test_flat_batch_of_sequences_matches_each_sequence(tmp_path):
     hf = make_hf_model("qwen3", tmp_path)
-    model = load_model(tmp_path, progress=False).model
+    model = load_model(tmp_path, dtype="float32", progress=False).model
     a, b = IDS[:13], IDS[20:49]
     got = our_logits(model, a + b, seq_lens=[len(a), len(b)])
     torch.testing.assert_close(got[: len(a)], hf_logits(hf, a), atol=1e-4, rtol=1e-4)
@@ -49,7 +49,7 @@ def test_flat_batch_of_sequences_matches_each_sequence(tmp_path):
 
 def test_qwen2_biases_and_merged_weights_are_loaded(tmp_path):
     hf = make_hf_model("qwen2", tmp_path)
-    model = load_model(tmp_path, progress=False).model
+    model = load_model(tmp_path, dtype="float32", progress=False).model
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
     ref = hf.model.layers[1]
     torch.testing.assert_close(attn.qkv_proj.bias, torch.cat(
@@ -81,11 +81,11 @@ def test_missing_or_misshapen_weights_are_errors(tmp_path):
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="missing 1 weights.*up_proj"):
-        load_model(tmp_path, progress=False)
+        load_model(tmp_path, dtype="float32", progress=False)
     weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="shape"):
-        load_model(tmp_path, progress=False)
+        load_model(tmp_path, dtype="float32", progress=False)
 
 
 def test_sharded_safetensors_and_generation_config(tmp_path):
@@ -93,7 +93,7 @@ def test_sharded_safetensors_and_generation_config(tmp_path):
     hf.generation_config.eos_token_id = [2, 7]
     hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    loaded = load_model(tmp_path, progress=False)
+    loaded = load_model(tmp_path, dtype="float32", progress=False)
     assert loaded.config.eos_token_ids == (hf.config.eos_token_id,)          # config.json's
     assert loaded.eos_token_ids == tuple(dict.fromkeys((hf.config.eos_token_id, 2, 7)))  # merged
     assert loaded.generation_config["eos_token_id"] == [2, 7]
@@ -114,9 +114,9 @@ def test_dummy_load_of_shrunk_qwen3_config(tmp_path):
     small = {**full, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "intermediate_size": 96, "vocab_size": 256, "max_position_embeddings": 512}
     (tmp_path / "config.json").write_text(json.dumps(small))
-    a = load_model(tmp_path, load_format="dummy", seed=3, progress=False)
-    b = load_model(tmp_path / "config.json", load_format="dummy", seed=3, progress=False)
-    c = load_model(tmp_path, load_format="dummy", seed=4, progress=False)
+    a = load_model(tmp_path, load_format="dummy", dtype="float32", seed=3, progress=False)
+    b = load_model(tmp_path / "config.json", load_format="dummy", dtype="float32", seed=3, progress=False)
+    c = load_model(tmp_path, load_format="dummy", dtype="float32", seed=4, progress=False)
     assert a.tokenizer is None and a.max_model_len == 512 and a.config.qk_norm
     la, lb, lc = (our_logits(x.model, IDS[:8]) for x in (a, b, c))
     assert torch.isfinite(la).all()
@@ -156,7 +156,7 @@ def test_cached_dense_attention_matches_full_recompute(tmp_path):
     from gpu.attention_dense import DenseCachedAttention
 
     make_hf_model("qwen2", tmp_path)
-    model = load_model(tmp_path, progress=False).model
+    model = load_model(tmp_path, dtype="float32", progress=False).model
     full = our_logits(model, IDS[:12])
     attn = DenseCachedAttention()
     with torch.inference_mode():
