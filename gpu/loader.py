@@ -123,6 +123,21 @@ def load_model(
                        eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config))
 
 
+def load_shell(model: str | Path | None = None, *, load_format: str = "auto",
+               dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    """Everything but the weights: config, tokenizer, generation config, EOS ids, and the
+    model built on the meta device (shapes, no memory). For a simulated GPU."""
+    path = Path(model).expanduser() if model is not None else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    source = _open_source(path, "dummy" if load_format == "auto" else load_format)
+    config = source.config
+    return LoadedModel(config=config, model=CausalLM(config, dtype, "meta"), tokenizer=source.tokenizer,
+                       generation_config=source.generation_config, name=source.name, path=str(path),
+                       max_model_len=config.max_position_embeddings,
+                       eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config))
+
+
 def merge_eos_ids(tokenizer: Tokenizer | None, config: ModelConfig, generation_config: dict) -> tuple[int, ...]:
     """The one place EOS ids are merged: tokenizer, then config.json, then generation_config.json."""
     tok = tokenizer.eos_token_ids if tokenizer is not None else ()

@@ -132,34 +132,36 @@ class ModelRunner:
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0, logprobs=logprobs)
 
     def _prepare(self, chunks: tuple[SeqChunk, ...]):
-        """The step's flat inputs and attention metadata, vectorised with numpy (this runs
-        on the host every step, for every sequence)."""
-        bs = self.block_size
-        n = len(chunks)
-        q_lens = [len(c.token_ids) for c in chunks]
-        starts = [c.start_pos for c in chunks]
-        q_starts = list(accumulate(q_lens, initial=0))
-        ctx_lens = [s + q for s, q in zip(starts, q_lens)]
-        tables = np.zeros((n, max(len(c.block_table) for c in chunks)), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.block_table)] = c.block_table
-        q_lens_np = np.asarray(q_lens)
-        row = np.repeat(np.arange(n), q_lens_np)                                # [T]
-        pos = np.repeat(np.asarray(starts) - np.asarray(q_starts[:-1]), q_lens_np) + np.arange(q_starts[-1])
-        slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
-        sample_rows = [q_starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            cu_seqlens_q=torch.tensor(q_starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, start_positions=starts,
-            decode_rows=[i for i, q in enumerate(q_lens) if q == 1],
-            prefill_rows=[i for i, q in enumerate(q_lens) if q > 1],
-            max_seqlen_q=max(q_lens),
-        )
-        input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)),
-                                 dtype=torch.int64, device=dev)
-        positions = torch.from_numpy(pos.astype(np.int64)).to(dev)
-        return input_ids, positions, meta, sample_rows
+        return prepare_step(chunks, self.block_size, self.device)
+
+
+def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device):
+    """The step's flat inputs and attention metadata, vectorised with numpy (this runs
+    on the host every step, for every sequence): (input_ids, positions, meta, sample_rows)."""
+    n = len(chunks)
+    q_lens = [len(c.token_ids) for c in chunks]
+    starts = [c.start_pos for c in chunks]
+    q_starts = list(accumulate(q_lens, initial=0))
+    ctx_lens = [s + q for s, q in zip(starts, q_lens)]
+    tables = np.zeros((n, max(len(c.block_table) for c in chunks)), dtype=np.int32)
+    for i, c in enumerate(chunks):
+        tables[i, :len(c.block_table)] = c.block_table
+    q_lens_np = np.asarray(q_lens)
+    row = np.repeat(np.arange(n), q_lens_np)                                # [T]
+    pos = np.repeat(np.asarray(starts) - np.asarray(q_starts[:-1]), q_lens_np) + np.arange(q_starts[-1])
+    slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
+    sample_rows = [q_starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(dev),
+        block_tables=torch.from_numpy(tables).to(dev),
+        cu_seqlens_q=torch.tensor(q_starts, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+        q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, start_positions=starts,
+        decode_rows=[i for i, q in enumerate(q_lens) if q == 1],
+        prefill_rows=[i for i, q in enumerate(q_lens) if q > 1],
+        max_seqlen_q=max(q_lens),
+    )
+    input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)),
+                             dtype=torch.int64, device=dev)
+    positions = torch.from_numpy(pos.astype(np.int64)).to(dev)
+    return input_ids, positions, meta, sample_rows

@@ -91,7 +91,7 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
         elapsed = time.perf_counter() - t0
         progress.close()
         stats = engine.stats()
-    return {
+    result = {
         "model": engine.model_names[0], "device": str(engine.device),
         "dtype": str(engine.loaded.model.dtype).removeprefix("torch."), "num_prompts": len(reqs),
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
@@ -99,6 +99,15 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
         "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 2),
         "preemptions": stats["num_preemptions"], "steps": stats["steps_total"],
     }
+    waited = getattr(engine.runner, "waited_s", None)
+    if waited:  # a simulated GPU: its waits are the ceiling, the rest is host time
+        steps = engine.runner.steps
+        result.update(simulate_gpu=cfg.simulate_gpu, gpu_wait_s=round(waited, 3),
+                      ceiling_output_tokens_per_s=round(out_tokens / waited, 2),
+                      fraction_of_ceiling=round(waited / elapsed, 3), gpu_steps=steps,
+                      gpu_wait_ms_per_step=round(waited / steps * 1e3, 3),
+                      host_ms_per_step=round((elapsed - waited) / steps * 1e3, 3))
+    return result
 
 
 def main(args: argparse.Namespace) -> int:
@@ -111,6 +120,12 @@ def main(args: argparse.Namespace) -> int:
     print(f"Throughput ({result['dtype']}): {result['output_tokens_per_s']:.2f} output tokens/s "
           f"({result['output_tokens']} tokens from {result['num_prompts']} requests in "
           f"{result['elapsed_s']:.2f} s; total {result['total_tokens_per_s']:.2f} tokens/s)")
+    if "gpu_wait_s" in result:
+        print(f"Simulated {result['simulate_gpu']}: ceiling {result['ceiling_output_tokens_per_s']:.2f} "
+              f"output tokens/s (the waits alone, {result['gpu_wait_s']:.2f} s); reached "
+              f"{result['fraction_of_ceiling']:.1%}; {result['gpu_steps']} steps, "
+              f"{result['gpu_wait_ms_per_step']:.3f} ms of wait and {result['host_ms_per_step']:.3f} ms "
+              f"of host time per step on the critical path")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -10,6 +10,7 @@ import json
 import attrs
 
 from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS
+from gpu.simulate import GPUS
 from stages.parse import REASONING_PARSERS
 
 # Each option list is defined once (where it is used) and shared by the validators
@@ -50,6 +51,9 @@ class EngineConfig:
     override_generation_config: dict = attrs.field(factory=dict)   # wins over the above
     enable_force_include_usage: bool = False  # every stream: usage chunk + continuous usage
     enable_per_request_metrics: bool = False  # replies carry the request's own timings
+    tokenizer: str | None = None              # .gguf file or HF directory; None: the model's
+    simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS: a timed stand-in
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(GPUS))))
 
 
 # -- command-line flags ---------------------------------------------------------------------
@@ -154,6 +158,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="Each reply carries a `metrics` object with the request's own timings "
                         "(on the body, or on the usage chunk of a stream; not when n > 1).")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="Tokenizer to use instead of the model's: a .gguf file or a Hugging "
+                        "Face directory with tokenizer.json.")
+    p.add_argument("--simulate-gpu", default=None, choices=tuple(GPUS),
+                   help="Replace the model's forward with a timed wait from a cost model of "
+                        "this GPU running the model in bf16, and sample random ordinary tokens; "
+                        "everything else runs for real (docs/benchmarks.md).")
     p.add_argument("--max-waiting", type=int, default=_default("max_waiting"),
                    help="Requests admitted but not yet running before new ones get 503 "
                         "(default: %(default)s).")

@@ -33,6 +33,7 @@ import trio
 from gpu.attention import KVCache
 from gpu.loader import LoadedModel
 from gpu.runner import ModelRunner
+from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
 from pipeline.config import EngineConfig
 from pipeline.events import EventLog
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
@@ -99,7 +100,7 @@ class Engine:
     loaded: LoadedModel
     model_names: tuple[str, ...]
     max_model_len: int
-    runner: ModelRunner
+    runner: ModelRunner | SimulatedRunner
     blocks: BlockManager
     scheduler: Scheduler
     accountant: account.Accountant
@@ -168,33 +169,48 @@ class _Built:
     loaded: LoadedModel
     model_names: tuple[str, ...]
     max_model_len: int
-    runner: ModelRunner
+    runner: ModelRunner | SimulatedRunner
     blocks: BlockManager
     scheduler: Scheduler
 
 
 def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -> _Built:
     """Weights, tokenizer, KV cache, runner, scheduler."""
-    from gpu.loader import choose_dtype, load_model
+    from gpu.loader import choose_dtype, load_model, load_shell, load_tokenizer, merge_eos_ids
 
     t0 = time.perf_counter()
-    if loaded is None:
+    if loaded is None and cfg.simulate_gpu:
+        loaded = load_shell(cfg.model, load_format=cfg.load_format)
+        log.info("simulating a %s: no weights loaded, the forward is a timed wait",
+                 GPUS[cfg.simulate_gpu].name)
+    elif loaded is None:
         dtype, why = choose_dtype(cfg.dtype, device)
         log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
         loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=dtype,
                             device=str(device), seed=cfg.seed)
+    if cfg.tokenizer:
+        tok = load_tokenizer(cfg.tokenizer)
+        loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
+            tok, loaded.config, loaded.generation_config))
     mc = loaded.config
     model_names = tuple(cfg.served_model_name) or (loaded.name,)
     max_model_len = cfg.max_model_len or min(loaded.max_model_len, mc.max_position_embeddings)
     if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
         log.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
                     cfg.max_model_len, mc.max_position_embeddings)
-    num_blocks = _num_kv_blocks(cfg, loaded, device, max_model_len)
-    cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, mc.num_key_value_heads,
-                    mc.head_dim, loaded.model.dtype, device)
-    runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
-                         use_triton=device.type == "cuda", max_model_len=max_model_len,
-                         cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512))
+    if cfg.simulate_gpu:
+        cost = CostModel.of(mc, GPUS[cfg.simulate_gpu])
+        num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size,
+                                                                   cfg.gpu_memory_utilization)
+        runner = SimulatedRunner(cost, cfg.block_size,
+                                 ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed)
+    else:
+        num_blocks = _num_kv_blocks(cfg, loaded, device, max_model_len)
+        cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, mc.num_key_value_heads,
+                        mc.head_dim, loaded.model.dtype, device)
+        runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
+                             use_triton=device.type == "cuda", max_model_len=max_model_len,
+                             cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512))
     budget = cfg.max_num_batched_tokens or max(2048, cfg.max_num_seqs)
     blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
     scheduler = Scheduler(blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,

@@ -1,0 +1,147 @@
+"""A GPU stand-in: the model's forward replaced by a timed wait from a cost model.
+
+`--simulate-gpu h200` runs everything else for real (scheduler, block manager, input
+preparation, sampler bookkeeping, every stage, HTTP) and measures whether the host can
+keep a GPU of that speed fed. The wait is `time.sleep` in the runner's worker thread,
+which releases the GIL as a real device wait does.
+
+The cost of one step of a model in bf16 on a GPU with memory bandwidth BW and dense
+bf16 peak P (a roofline, plus a fixed cost per step):
+
+    bytes = weights read once                    (every matmul weight + the lm_head)
+          + KV of every scheduled sequence        (its whole context, new tokens included)
+          + the logits of the sampled rows        (written and read back once, fp32)
+    flops = 2 * matmul params * tokens + 4 * layers * q_heads * head_dim * sum(q_len * ctx_len)
+    step  = max(bytes / BW, flops / P) + STEP_OVERHEAD
+
+H200 SXM (NVIDIA's datasheet): 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16
+(1,979 with sparsity). STEP_OVERHEAD is an estimate, not a measurement: a decode step of
+a 28-layer model replayed as one CUDA graph runs about 300 kernels (about 10 per layer,
+plus sampling), and inside a graph each costs about 1 µs of launch gap (NVIDIA, "Getting
+Started with CUDA Graphs", developer.nvidia.com/blog/cuda-graphs/: graphs cut the
+per-kernel launch cost of short kernels back to back from several µs to about 1), plus
+the host-to-device input copies and the one device-to-host sync of the sampled tokens:
+0.3 ms in all. Cross-check: for Qwen3-0.6B at 256 sequences of nano-vllm's workload
+(mean context about 840 tokens) the model gives 5.6 ms per step, inside the 5–6 ms
+that issue 11 estimates for the GPU's share of a step.
+"""
+from __future__ import annotations
+
+import time
+
+import attrs
+import numpy as np
+import torch
+
+from gpu.config import ModelConfig
+from gpu.runner import StepPlan, StepResult, prepare_step
+from gpu.sampler import SeqSamplingState
+
+
+@attrs.frozen
+class GpuSpec:
+    name: str
+    memory_bytes: float
+    bandwidth: float            # bytes/s
+    bf16_flops: float           # dense, FLOP/s
+    step_overhead_s: float      # fixed per step: launches inside a CUDA graph, copies, sync
+
+
+GPUS = {
+    "h200": GpuSpec("H200", memory_bytes=141e9, bandwidth=4.8e12, bf16_flops=989e12,
+                    step_overhead_s=0.3e-3),
+}
+_KV_RESERVE_BYTES = 2 << 30     # as the CUDA path keeps for activations and graphs
+
+
+@attrs.frozen
+class CostModel:
+    """What one step of `config` in bf16 costs on `gpu`."""
+    gpu: GpuSpec
+    num_layers: int
+    num_q_heads: int
+    head_dim: int
+    vocab_size: int
+    matmul_params: int          # every weight read by a matmul: layers' projections + lm_head
+    kv_bytes_per_token: int
+    elem_bytes: int = 2         # bf16
+
+    @classmethod
+    def of(cls, config: ModelConfig, gpu: GpuSpec) -> "CostModel":
+        c = config
+        per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+                     + 3 * c.hidden_size * c.intermediate_size)
+        return cls(gpu=gpu, num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
+                   head_dim=c.head_dim, vocab_size=c.vocab_size,
+                   matmul_params=c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size,
+                   kv_bytes_per_token=2 * c.num_hidden_layers * c.kv_size * 2)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.matmul_params * self.elem_bytes
+
+    def step_seconds(self, q_lens: list[int], ctx_lens: list[int], num_sampled: int) -> float:
+        """One step: q_lens new tokens per sequence, ctx_lens its context including them."""
+        kv = self.kv_bytes_per_token * sum(ctx_lens)
+        logits = 2 * 4 * num_sampled * self.vocab_size
+        attention = 4 * self.num_layers * self.num_q_heads * self.head_dim * sum(
+            q * c for q, c in zip(q_lens, ctx_lens))
+        flops = 2 * self.matmul_params * sum(q_lens) + attention
+        g = self.gpu
+        return max((self.weight_bytes + kv + logits) / g.bandwidth, flops / g.bf16_flops) \
+            + g.step_overhead_s
+
+    def kv_blocks(self, block_size: int, gpu_memory_utilization: float) -> int:
+        """KV cache blocks the GPU would hold, sized as the CUDA path sizes them."""
+        budget = (self.gpu.memory_bytes * gpu_memory_utilization - self.weight_bytes
+                  - _KV_RESERVE_BYTES)
+        return max(1, int(budget // (self.kv_bytes_per_token * block_size)))
+
+
+def ordinary_token_ids(tokenizer, vocab_size: int) -> np.ndarray:
+    """Every id a model could emit as text: in both vocabularies, not special, not added."""
+    if tokenizer is None:
+        return np.arange(vocab_size)
+    added = set(tokenizer.hf.get_added_tokens_decoder()) | tokenizer.all_special_ids
+    n = min(vocab_size, tokenizer.vocab_size)
+    return np.array([i for i in range(n) if i not in added])
+
+
+class SimulatedRunner:
+    """ModelRunner's interface; the forward is a wait of the cost model's length.
+
+    Input preparation and the per-sequence sampling state are the real ones; sampled
+    tokens are uniform over the tokenizer's ordinary tokens (seeded), so detokenize
+    through emit do real work on real text.
+    """
+
+    def __init__(self, cost: CostModel, block_size: int, token_ids: np.ndarray, seed: int = 0) -> None:
+        self.cost = cost
+        self.block_size = block_size
+        self.device = torch.device("cpu")
+        self.token_ids = token_ids
+        self.rng = np.random.default_rng(seed)
+        self.states: dict[str, SeqSamplingState] = {}
+        self.waited_s = 0.0           # the sum of the waits: the stand-in's own ceiling
+        self.steps = 0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        for sid in plan.released:
+            self.states.pop(sid, None)
+        for ns in plan.new_seqs:
+            self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, 0)
+        if not plan.chunks:
+            return StepResult(plan.step, (), (), time.perf_counter() - t0)
+        _, _, meta, _ = prepare_step(plan.chunks, self.block_size, self.device)
+        seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
+        wait = self.cost.step_seconds(meta.q_lens, meta.ctx_lens, len(seq_ids))
+        tokens = self.rng.choice(self.token_ids, size=len(seq_ids)).tolist()
+        for sid, tok in zip(seq_ids, tokens):
+            self.states[sid].output_ids.append(tok)
+        # the device runs after the host has prepared and launched: wait from here
+        time.sleep(wait)
+        self.waited_s += wait
+        self.steps += 1
+        return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0)
+
