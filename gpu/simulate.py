@@ -27,6 +27,7 @@ that issue 11 estimates for the GPU's share of a step.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import attrs
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from gpu.config import ModelConfig
-from gpu.runner import StepPlan, StepResult, prepare_step
+from gpu.runner import StepPlan, StepResult, TokenLogprobs, prepare_step
 from gpu.sampler import SeqSamplingState
 
 
@@ -137,11 +138,31 @@ class SimulatedRunner:
         seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
         wait = self.cost.step_seconds(meta.q_lens, meta.ctx_lens, len(seq_ids))
         tokens = self.rng.choice(self.token_ids, size=len(seq_ids)).tolist()
+        logprobs = self._logprobs([self.states[s] for s in seq_ids], tokens)
         for sid, tok in zip(seq_ids, tokens):
             self.states[sid].output_ids.append(tok)
         # the device runs after the host has prepared and launched: wait from here
         time.sleep(wait)
         self.waited_s += wait
         self.steps += 1
-        return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0)
+        return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0,
+                          logprobs=logprobs)
+
+    def _logprobs(self, states: list[SeqSamplingState], tokens: list[int]
+                  ) -> tuple[TokenLogprobs | None, ...]:
+        """The uniform draw's own logprobs, for the requests that ask: every token
+        log(1/N), the top-k the sampled token and k-1 others."""
+        if all(st.opts.logprobs is None for st in states):
+            return ()
+        lp = -math.log(len(self.token_ids))
+        out: list[TokenLogprobs | None] = []
+        for st, tok in zip(states, tokens):
+            k = st.opts.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            others = self.rng.choice(self.token_ids, size=max(k - 1, 0)).tolist()
+            top = (tok, *others)[:k]
+            out.append(TokenLogprobs(lp, top, (lp,) * len(top)))
+        return tuple(out)
 

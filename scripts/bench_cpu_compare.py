@@ -1,8 +1,10 @@
-"""Side by side, in one run: tailrace vs Hugging Face transformers' generate on the same
-SmolLM2 weights (fp32, CPU), for N concurrent requests of fixed input/output length with
-ignore_eos. Prints one JSON object per contender and a summary table.
+"""Side by side, in one run: tailrace in each --dtypes vs Hugging Face transformers'
+generate (one padded batch, in each --hf-dtypes) on the same SmolLM2 weights on the CPU,
+for N concurrent requests of fixed input/output length, greedy, with ignore_eos. Prints
+one JSON object per contender and a summary table.
 
-    .venv/bin/python scripts/bench_cpu_compare.py --num-prompts 32 --input-len 128 --output-len 128
+    .venv/bin/python scripts/bench_cpu_compare.py --num-prompts 32 --input-len 128 --output-len 128 \
+        --dtypes float32 bfloat16 --hf-dtypes bfloat16 --hf-serial-prompts 0
 
 HF one-at-a-time is slow (~70 ms/token), so it runs --hf-serial-prompts of the prompts and
 reports tokens/s over those.
@@ -20,7 +22,7 @@ from pipeline.bench import _bench, make_requests
 from pipeline.config import EngineConfig
 
 
-def hf_model(path: str | None):
+def hf_model(path: str | None, dtype: torch.dtype = torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from gpu.loader import default_model_path
@@ -34,7 +36,7 @@ def hf_model(path: str | None):
     if cfg["tie_word_embeddings"]:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     model.load_state_dict(state, strict=False)
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 def hf_generate(model, prompts: list[list[int]], out_len: int) -> tuple[int, float]:
@@ -51,28 +53,35 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--hf-serial-prompts", type=int, default=2)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--hf-dtypes", nargs="+", default=["bfloat16"])
+    p.add_argument("--hf-serial-prompts", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
     a = p.parse_args()
     s = dict(num_prompts=a.num_prompts, min_input_len=None, input_len=a.input_len, min_output_len=None,
              output_len=a.output_len, seed=0, ignore_eos=True)
     prompts = [r["prompt"] for r in make_requests(s, 49152, 0.0)]
     rows = []
-    cfg = EngineConfig(dtype="float32", max_model_len=a.input_len + a.output_len + 16,
-                       max_num_seqs=max(a.num_prompts, 1), max_waiting=max(1024, a.num_prompts))
-    r = trio.run(_bench, cfg, s, 0.0)
-    rows.append(("tailrace (continuous batching)", r["output_tokens"], r["elapsed_s"]))
-    print(json.dumps({"contender": rows[-1][0], **r}))
+    for dtype in a.dtypes:
+        cfg = EngineConfig(dtype=dtype, max_model_len=a.input_len + a.output_len + 16,
+                           max_num_seqs=max(a.num_prompts, 1), max_waiting=max(1024, a.num_prompts))
+        r = trio.run(_bench, cfg, s, 0.0)
+        rows.append((f"tailrace {dtype} (continuous batching)", r["output_tokens"], r["elapsed_s"]))
+        print(json.dumps({"contender": rows[-1][0], **r}), flush=True)
     if not a.skip_hf:
-        model = hf_model(None)
-        n, t = hf_generate(model, prompts, a.output_len)
-        rows.append((f"HF generate, padded batch of {len(prompts)}", n, t))
-        total_n = total_t = 0.0
-        for pr in prompts[:a.hf_serial_prompts]:
-            n, t = hf_generate(model, [pr], a.output_len)
-            total_n += n
-            total_t += t
-        rows.append((f"HF generate, one at a time ({a.hf_serial_prompts} of them)", int(total_n), total_t))
+        for dtype in a.hf_dtypes:
+            model = hf_model(None, getattr(torch, dtype))
+            n, t = hf_generate(model, prompts, a.output_len)
+            rows.append((f"HF generate {dtype}, padded batch of {len(prompts)}", n, t))
+            print(json.dumps({"contender": rows[-1][0], "tokens": n, "seconds": round(t, 3)}), flush=True)
+            if a.hf_serial_prompts:
+                total_n = total_t = 0.0
+                for pr in prompts[:a.hf_serial_prompts]:
+                    n, t = hf_generate(model, [pr], a.output_len)
+                    total_n += n
+                    total_t += t
+                rows.append((f"HF generate {dtype}, one at a time ({a.hf_serial_prompts} of them)",
+                             int(total_n), total_t))
     print(f"\n{'contender':55s} {'tokens':>7s} {'seconds':>8s} {'tok/s':>7s}")
     for name, n, t in rows:
         print(f"{name:55s} {n:7d} {t:8.2f} {n / t:7.1f}")

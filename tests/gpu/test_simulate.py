@@ -3,6 +3,7 @@ real text."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import orjson
@@ -105,6 +106,12 @@ async def test_engine_serves_text_on_a_simulated_h200():
             "model": engine.model_names[0], "prompt": "Once upon a time", "max_tokens": 12,
             "ignore_eos": True})
         body = orjson.loads(await reply.read())
-    assert body["usage"]["completion_tokens"] == 12 and len(sampled) == 12
-    assert body["choices"][0]["text"] == engine.loaded.tokenizer.decode(sampled)
+        reply = await engine.submit("completions", {
+            "model": engine.model_names[0], "prompt": "Hi", "max_tokens": 3, "logprobs": 2})
+        lp = orjson.loads(await reply.read())["choices"][0]["logprobs"]
+    assert body["usage"]["completion_tokens"] == 12 and len(sampled) == 12 + 3
+    assert body["choices"][0]["text"] == engine.loaded.tokenizer.decode(sampled[:12])
+    uniform = -math.log(len(engine.runner.token_ids))
+    assert lp["token_logprobs"] == pytest.approx([uniform] * 3)
+    assert all(len(top) >= 1 for top in lp["top_logprobs"])
     assert body["choices"][0]["text"].strip()
