@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from gpu.attention import AttentionMetadata, KVCache, TorchPagedAttention
+from gpu.grammar import Guide, accept, mask_logits
 from gpu.sampler import SamplingOptions, SeqSamplingState, sample, sample_on_device, token_logprobs
 
 
@@ -22,6 +23,9 @@ class SeqStart:
     seq_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions
+    grammar: object = attrs.field(default=None, eq=False)   # xgrammar CompiledGrammar, if constrained
+    think: tuple[int, int] | None = None   # reasoning's (open, close) ids: constrain after it
+    thinking: bool = False                 # the prompt leaves the reasoning open
 
 
 @attrs.frozen
@@ -98,7 +102,9 @@ class ModelRunner:
             self.states.pop(sid, None)
         for ns in plan.new_seqs:
             fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-            self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
+            st = self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
+            if ns.grammar is not None:
+                st.guide = Guide(ns.grammar, ns.think, ns.thinking)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
         input_ids, positions, meta, sample_rows = self._prepare(plan.chunks)
@@ -117,10 +123,20 @@ class ModelRunner:
             states = [self.states[s] for s in seq_ids]
             want = [i for i, st in enumerate(states) if st.opts.logprobs is not None]
             raw = torch.log_softmax(logits[want].float(), dim=-1) if want else None  # before sampling edits
+            matchers = [st.guide for st in states]
+            constrained = any(m is not None for m in matchers)
             if self.use_triton:
+                if constrained:
+                    logits = logits.float()
+                    mask_logits(logits, matchers)
                 tokens = sample_on_device(logits, states)
             else:
-                tokens = sample(logits.float().cpu(), states)
+                host = logits.float().cpu()
+                if constrained:
+                    mask_logits(host, matchers)
+                tokens = sample(host, states)
+            if constrained:
+                accept(matchers, tokens)
             logprobs: tuple[TokenLogprobs | None, ...] = ()
             if want:
                 per_row = dict(zip(want, token_logprobs(raw, [tokens[i] for i in want],

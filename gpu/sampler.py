@@ -45,6 +45,7 @@ class SeqSamplingState:
         # one non-negative int64 for both paths (torch.Generator, the kernels' philox)
         self.seed = (opts.seed if opts.seed is not None else fallback_seed) % 2**63
         self.generator: torch.Generator | None = None
+        self.guide = None       # a gpu.grammar.Guide when the output is constrained
         if not opts.greedy:
             self.generator = torch.Generator().manual_seed(self.seed)
 

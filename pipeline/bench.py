@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output-len", type=int, default=None, help="lower end of a uniform output length range")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (nano-vllm uses 0.6)")
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="constrain every request's output to this JSON schema (JSON text; "
+                        "'small' for a built-in small object schema); measures "
+                        "structured-output overhead")
     p.add_argument("--output-json", default=None, help="write the result as JSON to this path")
 
 
@@ -53,7 +57,15 @@ def _settings(args: argparse.Namespace) -> dict:
             s[k] = getattr(args, k)
     if args.no_ignore_eos:
         s["ignore_eos"] = False
+    if args.json_schema:
+        s["json_schema"] = SMALL_SCHEMA if args.json_schema == "small" else json.loads(args.json_schema)
     return s
+
+
+# A small schema whose output can run to any length (an array of short strings), so a
+# constrained run generates about as many tokens as a free one.
+SMALL_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {
+    "type": "string", "maxLength": 40}}}, "required": ["notes"]}
 
 
 def make_requests(s: dict, vocab_size: int, temperature: float) -> list[dict]:
@@ -65,6 +77,8 @@ def make_requests(s: dict, vocab_size: int, temperature: float) -> list[dict]:
         n_out = rng.randint(s["min_output_len"], s["output_len"]) if s["min_output_len"] else s["output_len"]
         reqs.append({"prompt": [rng.randrange(hi) for _ in range(n_in)], "max_tokens": n_out,
                      "ignore_eos": s["ignore_eos"], "temperature": temperature})
+        if s.get("json_schema") is not None:
+            reqs[-1]["structured_outputs"] = {"json": s["json_schema"]}
     return reqs
 
 
@@ -98,6 +112,7 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
         "output_tokens_per_s": round(out_tokens / elapsed, 2),
         "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 2),
         "preemptions": stats["num_preemptions"], "steps": stats["steps_total"],
+        "constrained": s.get("json_schema") is not None,
     }
     waited = getattr(engine.runner, "waited_s", None)
     if waited:  # a simulated GPU: its waits are the ceiling, the rest is host time

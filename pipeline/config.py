@@ -12,6 +12,7 @@ import attrs
 from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS
 from gpu.simulate import GPUS
 from stages.parse import REASONING_PARSERS
+from stages.tool_parsers import TOOL_PARSERS, load_plugin
 
 # Each option list is defined once (where it is used) and shared by the validators
 # below and the argparse choices.
@@ -45,6 +46,10 @@ class EngineConfig:
     max_waiting: int = attrs.field(default=1024, validator=_positive)   # admission queue limit
     reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
         default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))
+    enable_auto_tool_choice: bool = False      # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str | None = None        # one of TOOL_PARSERS (plugins included)
+    tool_parser_plugin: str | None = None      # a Python file registering more parsers
+    exclude_tools_when_tool_choice_none: bool = False
     event_log: str | None = None              # path for JSON-lines events
     chat_template: str | None = None          # Jinja source, or a file holding it
     generation_config: str = "auto"           # auto: the model's; vllm: none; or a folder
@@ -54,6 +59,15 @@ class EngineConfig:
     tokenizer: str | None = None              # .gguf file or HF directory; None: the model's
     simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS: a timed stand-in
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(GPUS))))
+
+    def __attrs_post_init__(self) -> None:
+        if self.tool_parser_plugin:
+            load_plugin(self.tool_parser_plugin)
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of "
+                             f"{', '.join(sorted(TOOL_PARSERS))}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 # -- command-line flags ---------------------------------------------------------------------
@@ -137,6 +151,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Never capture CUDA graphs; run every step eagerly.")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="Split <think>...</think> into the reply's reasoning (default: off).")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Serve tool_choice \"auto\": the --tool-call-parser finds the calls "
+                        "in what the model writes.")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help=f"How the model writes tool calls: {', '.join(sorted(TOOL_PARSERS))}, "
+                        "or a name from --tool-parser-plugin (default: none).")
+    p.add_argument("--tool-parser-plugin", default=None, metavar="PATH",
+                   help="A Python file whose @register_tool_parser classes add parser names.")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="With tool_choice \"none\", leave the tools out of the prompt.")
     p.add_argument("--event-log", default=None, metavar="PATH",
                    help="Write every stage's events as JSON lines to PATH (for replay).")
     p.add_argument("--chat-template", default=None, metavar="PATH_OR_STRING",

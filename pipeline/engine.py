@@ -31,6 +31,7 @@ import torch
 import trio
 
 from gpu.attention import KVCache
+from gpu.grammar import GrammarCompiler
 from gpu.loader import LoadedModel
 from gpu.runner import ModelRunner
 from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
@@ -39,6 +40,7 @@ from pipeline.events import EventLog
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.api.chat import MAX_N
+from stages.api.protocol import ToolSettings
 from stages.blocks import BlockManager
 from stages.render import RenderContext, RequestError, Submission
 from stages.replies import Replies
@@ -213,8 +215,11 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
                              cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512))
     budget = cfg.max_num_batched_tokens or max(2048, cfg.max_num_seqs)
     blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+    grammars = (GrammarCompiler(loaded.tokenizer, mc.vocab_size, loaded.eos_token_ids)
+                if loaded.tokenizer is not None else None)
     scheduler = Scheduler(blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
-                          max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids)
+                          max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids,
+                          grammars=grammars, think_ids=_think_ids(cfg, loaded.tokenizer))
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
                     "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "
@@ -227,6 +232,19 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
              num_blocks, cfg.block_size)
     return _Built(loaded=loaded, model_names=model_names, max_model_len=max_model_len,
                   runner=runner, blocks=blocks, scheduler=scheduler)
+
+
+def _think_ids(cfg: EngineConfig, tokenizer) -> tuple[int, int] | None:
+    """With a reasoning parser, constrained output starts after </think>: the tags' ids,
+    when each is one token."""
+    if cfg.reasoning_parser is None or tokenizer is None:
+        return None
+    ids = tuple(tokenizer.hf.token_to_id(t) for t in ("<think>", "</think>"))
+    if None in ids:
+        log.warning("--reasoning-parser: <think>/</think> are not single tokens of this "
+                    "tokenizer; constrained output is constrained from its first token")
+        return None
+    return ids
 
 
 def _num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
@@ -296,7 +314,9 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
                         chat_template=chat_template_source(cfg.chat_template),
                         max_tokens_ceiling=cfg.override_generation_config.get("max_new_tokens"),
                         force_include_usage=cfg.enable_force_include_usage,
-                        per_request_metrics=cfg.enable_per_request_metrics)
+                        per_request_metrics=cfg.enable_per_request_metrics,
+                        tools=ToolSettings(cfg.enable_auto_tool_choice, cfg.tool_call_parser,
+                                           cfg.exclude_tools_when_tool_choice_none))
     # In flight at once: at most max_waiting + max_num_seqs requests (admission counts a
     # request until emit has sent its last byte), each putting at most one request, one
     # Abort and one FinishRequest per choice (n <= MAX_N) into schedule's inbox: the

@@ -2,7 +2,8 @@
 
 schedule creates a `Delta` for each request an engine step touched; each later stage
 fills in only its own fields through a `Delta.evolver` (detokenize: text and logprobs with
-text, and a stop string's finish; parse: content and reasoning; account: usage).
+text, and a stop string's finish; parse: content, reasoning, tool calls, and finish_reason
+tool_calls when the turn ends in a call; account: usage).
 Nothing is repacked by position. The deltas of one engine step travel together in one
 `Step` (stages/schedule.py), the message on every channel from schedule to emit.
 """
@@ -57,6 +58,16 @@ class TokenLogprob:
 
 
 @attrs.frozen
+class ToolCallDelta:
+    """A tool call the parse stage completed: its place among the request's calls, its id
+    (call_...), the function's name and its arguments (a JSON string)."""
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@attrs.frozen
 class Delta:
     """What one engine step produced for one request."""
     # -- schedule
@@ -75,6 +86,7 @@ class Delta:
     # -- parse
     content: str = ""                          # new answer text
     reasoning: str = ""                        # new reasoning text (only with a reasoning parser)
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # calls completed this step (with a tool plan)
     # -- account
     usage: Usage | None = None                 # running totals; final when finish_reason is set
     metrics: RequestMetrics | None = None      # the finished request's timings, when asked for

@@ -1,4 +1,9 @@
-"""parse: text deltas -> content and reasoning.
+"""parse: text deltas -> content, reasoning and tool calls.
+
+A request with a tool plan (stages/api/tools.py) gets a tool parser
+(stages/tool_parsers/), fed the content after any reasoning: calls come out whole in
+`Delta.tool_calls`, and a turn that made a call and stopped ends with finish_reason
+tool_calls.
 
 With --reasoning-parser (qwen3, deepseek_r1) the text between <think> and </think> is
 reasoning. A partial tag at the end of a delta is held back until the next step shows
@@ -10,12 +15,16 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.delta import Delta
+from stages.api.protocol import ToolPlan
+from stages.delta import Delta, FinishReason, ToolCallDelta
 from stages.schedule import Step
+from stages.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,
+                                 ToolParser, call_id)
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 _OPEN, _CLOSE = "<think>", "</think>"
 _with_content = Delta.evolver("content", "reasoning")
+_with_tools = Delta.evolver("content", "reasoning", "tool_calls", "finish_reason")
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -63,6 +72,35 @@ class ThinkState:
                 return content, reasoning
 
 
+class ToolState:
+    """One request's tool-call parsing: its parser, and how many calls it has made."""
+
+    def __init__(self, request_id: str, plan: ToolPlan) -> None:
+        self.request_id = request_id
+        self.parser = _tool_parser(plan)
+        self.parallel = plan.parallel
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, tuple[ToolCallDelta, ...]]:
+        content, calls = self.parser.feed(text, final)
+        out = []
+        for call in calls:
+            if self.num_calls and not self.parallel:
+                break                  # parallel_tool_calls false: the first call only
+            out.append(ToolCallDelta(self.num_calls, call_id(self.request_id, self.num_calls),
+                                     call.name, call.arguments))
+            self.num_calls += 1
+        return content, tuple(out)
+
+
+def _tool_parser(plan: ToolPlan) -> ToolParser:
+    if plan.kind == "named":
+        return NamedToolParser(plan.name)
+    if plan.kind == "required":
+        return RequiredToolParser()
+    return TOOL_PARSERS[plan.parser]()
+
+
 class Parser:
     def __init__(self, reasoning_parser: str | None = None) -> None:
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -70,21 +108,35 @@ class Parser:
                              f"choose from {', '.join(REASONING_PARSERS)}")
         self.reasoning_parser = reasoning_parser
         self.states: dict[tuple[str, int], ThinkState] = {}   # (request id, choice)
+        self.tools: dict[tuple[str, int], ToolState] = {}
 
     def process(self, msg: Step) -> Step:
-        if self.reasoning_parser is None:
+        for req in msg.new_requests:
+            for i in range(req.n):      # each choice has its own state
+                if self.reasoning_parser is not None:
+                    self.states[req.request_id, i] = ThinkState(self.reasoning_parser)
+                if req.tools is not None:
+                    self.tools[req.request_id, i] = ToolState(f"{req.request_id}#{i}", req.tools)
+        if not self.states and not self.tools:
             return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "")
                                                   for d in msg.deltas))
-        for req in msg.new_requests:
-            for i in range(req.n):
-                self.states[req.request_id, i] = ThinkState(self.reasoning_parser)
         out = []
         for d in msg.deltas:
-            st = self.states.get((d.request_id, d.index))
+            key = (d.request_id, d.index)
+            st = self.states.get(key)
             content, reasoning = st.feed(d.text, d.finished) if st else (d.text, "")
+            tools = self.tools.get(key)
             if d.finished:
-                self.states.pop((d.request_id, d.index), None)
-            out.append(_with_content(d, content, reasoning))
+                self.states.pop(key, None)
+                self.tools.pop(key, None)
+            if tools is None:
+                out.append(_with_content(d, content, reasoning))
+                continue
+            content, calls = tools.feed(content, d.finished)
+            reason = d.finish_reason
+            if reason is FinishReason.STOP and tools.num_calls:
+                reason = FinishReason.TOOL_CALLS
+            out.append(_with_tools(d, content, reasoning, calls, reason))
         return attrs.evolve(msg, deltas=tuple(out))
 
 

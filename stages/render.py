@@ -13,12 +13,14 @@ from typing import Any, Callable
 import attrs
 import jinja2
 
+from gpu.grammar import Constraint
 from gpu.sampler import SamplingOptions
 from stages.api import chat, completions, responses
 from stages.api.protocol import (ChatCompletionRequest, CompletionRequest,
                                  DetokenizeRequest, DetokenizeResponse, PromptPlan,
                                  RequestError, ResponsesRequest, SamplingRequest,
-                                 TokenizeRequest, TokenizeResponse, parse_request)
+                                 TokenizeRequest, TokenizeResponse, ToolPlan, ToolSettings,
+                                 parse_request)
 
 __all__ = ["RenderContext", "RenderedRequest", "RequestError", "SamplingParams", "Submission",
            "render", "run"]
@@ -45,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None           # structured output (gpu/grammar.py)
 
 
 @attrs.frozen
@@ -63,6 +66,7 @@ class RenderedRequest:
     cache_salt: str | None = None   # prefix-cache blocks are shared only with the same salt
     per_request_metrics: bool = False   # the reply carries the request's own timings
     n: int = 1                      # choices: n sequences sampled from one prompt
+    tools: ToolPlan | None = None   # how parse finds tool calls (stages/api/tools.py)
 
 
 @attrs.frozen
@@ -79,6 +83,7 @@ class RenderContext:
     max_tokens_ceiling: int | None = None  # --override-generation-config's max_new_tokens
     force_include_usage: bool = False  # --enable-force-include-usage
     per_request_metrics: bool = False  # --enable-per-request-metrics
+    tools: ToolSettings = ToolSettings()   # --enable-auto-tool-choice, --tool-call-parser...
 
 
 @attrs.frozen
@@ -105,7 +110,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         raise RequestError(f"Unknown API {sub.api!r}.", status=404, type="not_found_error")
     req = parse_request(sub.body, api.request)
     model = _resolve_model(req.model, ctx)
-    plan = api.plan(req, reasoning_parser=ctx.reasoning)
+    plan = api.plan(req, reasoning_parser=ctx.reasoning, tools=ctx.tools)
     sampling = _sampling_options(req, plan, ctx)
     ids = _prompt_ids(plan, ctx)
     max_tokens = _resolve_max_tokens(ctx, len(ids), plan)
@@ -118,14 +123,14 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         sampling=SamplingParams(
             max_tokens=max_tokens, options=sampling, stop=getattr(req, "stop", None) or (),
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens),
+            skip_special_tokens=req.skip_special_tokens, constraint=plan.constraint),
         stream=plan.stream,
         include_usage=(plan.include_usage or ctx.force_include_usage) if plan.stream else True,
         created=int(time.time()), arrival=sub.arrival, request=req,
         continuous_usage=plan.stream and (plan.continuous_usage or ctx.force_include_usage),
         cache_salt=req.cache_salt or None,
         per_request_metrics=ctx.per_request_metrics and getattr(req, "n", 1) == 1,
-        n=getattr(req, "n", 1))
+        n=getattr(req, "n", 1), tools=plan.tools)
 
 
 def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:

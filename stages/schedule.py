@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import attrs
 import trio
 
+from gpu.grammar import GrammarCompiler
 from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult
 from gpu.sampler import SamplingOptions
 from stages.blocks import BlockManager
@@ -79,8 +81,11 @@ class Sequence:
         self.hash_cursor: tuple[int, int | None] = (0, self.hash_root)
         sp = req.sampling
         self.max_tokens = sp.max_tokens
+        # A grammar ends on EOS (its matcher allows nothing else once complete), so a
+        # constrained sequence stops on EOS even with ignore_eos.
         self.stop_ids = frozenset(sp.options.stop_token_ids) | (
-            frozenset() if sp.ignore_eos else frozenset(eos_token_ids))
+            frozenset() if sp.ignore_eos and sp.constraint is None else frozenset(eos_token_ids))
+        self.grammar: Future | None = None     # the compiled grammar, while it compiles
 
     @property
     def num_output(self) -> int:
@@ -101,13 +106,18 @@ def sampling_options(seq: Sequence) -> SamplingOptions:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...]) -> None:
+                 max_model_len: int, eos_token_ids: tuple[int, ...],
+                 grammars: GrammarCompiler | None = None,
+                 think_ids: tuple[int, int] | None = None) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
+        self.grammars = grammars
+        self.think_ids = think_ids              # reasoning's <think>, </think>: constrain after
+        self.compiling: list[Sequence] = []     # constrained, waiting for their grammar
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}              # sequence id -> sequence
         self.choices: dict[str, list[Sequence]] = {}      # request id -> its live sequences
@@ -124,10 +134,32 @@ class Scheduler:
         leader = Sequence(req, self.eos_token_ids)
         seqs = [leader] + [Sequence(req, self.eos_token_ids, i, leader) for i in range(1, req.n)]
         self.choices[req.request_id] = seqs
+        self._new_requests.append(req)
+        constraint = req.sampling.constraint
+        grammar = None
+        if constraint is not None and self.grammars is not None:
+            grammar = self.grammars.submit(constraint)   # every choice shares the grammar
         for seq in seqs:
             self.by_id[seq.id] = seq
-            self.waiting.append(seq)
-        self._new_requests.append(req)
+            seq.grammar = grammar
+            (self.waiting if grammar is None else self.compiling).append(seq)
+        if constraint is not None and self.grammars is None:
+            self.finish(req.request_id, FinishReason.ERROR,
+                        "this server cannot constrain output (the model has no tokenizer)")
+
+    def _admit_compiled(self) -> None:
+        """Constrained sequences whose grammar is ready join the waiting queue (in order);
+        a grammar that failed to compile fails its request."""
+        ready, still = [], []
+        for seq in self.compiling:
+            (ready if seq.grammar.done() else still).append(seq)
+        self.compiling = still
+        self.waiting.extend(ready)
+        for seq in ready:
+            exc = seq.grammar.exception()
+            if exc is not None and seq.req.request_id in self.choices:
+                self.finish(seq.req.request_id, FinishReason.ERROR,
+                            f"could not compile the grammar: {exc}")
 
     def finish(self, request_id: str, reason: FinishReason, error: str | None = None,
                index: int | None = None) -> None:
@@ -137,6 +169,8 @@ class Scheduler:
             if index is None or seq.index == index:
                 if seq in self.running:
                     self.running.remove(seq)
+                elif seq in self.compiling:
+                    self.compiling.remove(seq)
                 else:
                     self.waiting.remove(seq)
                 self._retire(seq)
@@ -163,11 +197,13 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
-                    or self._released)
+                    or self._released or self.compiling)
 
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self.step += 1
+        if self.compiling:
+            self._admit_compiled()
         budget = self.max_num_batched_tokens
         chunks: dict[str, SeqChunk] = {}
         new_seqs: list[SeqStart] = []
@@ -207,12 +243,23 @@ class Scheduler:
             if not seq.first_scheduled:
                 seq.first_scheduled = True
                 seq.scheduled_at = time.monotonic()
-                new_seqs.append(SeqStart(seq.id, seq.req.prompt_token_ids, sampling_options(seq)))
+                new_seqs.append(self._start(seq))
             chunks[seq.id] = self._chunk(seq, n)
             budget -= n
 
         released, self._released = tuple(self._released), []
         return StepPlan(self.step, tuple(chunks.values()), tuple(new_seqs), released)
+
+    def _start(self, seq: Sequence) -> SeqStart:
+        if seq.grammar is None:
+            return SeqStart(seq.id, seq.req.prompt_token_ids, sampling_options(seq))
+        think, thinking = self.think_ids, False
+        if think is not None:   # does the prompt leave a <think> open (deepseek_r1 style)?
+            prompt = seq.req.prompt_token_ids
+            last = {t: i for i, t in enumerate(prompt) if t in think}
+            thinking = last.get(think[0], -1) > last.get(think[1], -1)
+        return SeqStart(seq.id, seq.req.prompt_token_ids, sampling_options(seq),
+                        seq.grammar.result(), think, thinking)
 
     def _take_prefix(self, seq: Sequence, budget: int) -> bool:
         """Attach cached prefix blocks to a sequence about to start (or restart), if the
@@ -346,4 +393,6 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
             if out.new_requests or out.deltas:
                 await downstream.send(out)
             elif not plan.chunks:
-                await trio.sleep(0)  # waiting on blocks freed by nothing: let others run
+                # waiting on blocks freed by nothing, or on a grammar compiling in its
+                # worker thread: let others run
+                await trio.sleep(0.001 if scheduler.compiling else 0)

@@ -1,13 +1,18 @@
 """POST /v1/chat/completions: the request's prompt plan, and the reply's framing."""
 from __future__ import annotations
 
+import json
+
 from stages.api.framing import (DONE, ChoiceState, ChunkBytes, Framer, error_bytes, json_body,
                                 sse_data, usage_info)
 from stages.api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion,
                                  ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
                                  ChatLogprobs, ChatMessage, ChatMessageOut, ChatTokenLogprob,
-                                 ContentPart, PromptPlan, RequestError, TopLogprob,
-                                 server_error)
+                                 ContentPart, FunctionCall, FunctionChunk, PromptPlan,
+                                 RequestError, ToolCallChunk, ToolCallOut, ToolSettings,
+                                 TopLogprob, server_error)
+from stages.api.structured import constraint_of
+from stages.api.tools import chat_tools, tool_request
 from stages.delta import Delta, FinishReason, TokenLogprob, Usage
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
@@ -18,12 +23,16 @@ _RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "add_generation_prompt"
                              "tokenize")
 
 
-def plan(req: ChatCompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
+def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
+         tools: ToolSettings = ToolSettings()) -> PromptPlan:
     check_n(req.n)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise RequestError("'response_format' other than {\"type\": \"text\"} is not "
-                           "supported by this server yet.", param="response_format")
-    check_tools(req.tools, req.tool_choice)
+    tr = tool_request(chat_tools(req.tools), req.tool_choice, req.parallel_tool_calls, tools)
+    constraint = constraint_of(req)
+    if tr.constraint is not None:
+        if constraint is not None:
+            raise RequestError("tool_choice \"required\" or a named function cannot be "
+                               "combined with structured outputs.", param="tool_choice")
+        constraint = tr.constraint
     if req.logit_bias:
         raise RequestError("'logit_bias' is not supported by this server yet.",
                            param="logit_bias")
@@ -45,6 +54,8 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
     if req.reasoning_effort is not None:   # as vLLM: templates that know it use it
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     messages = template_messages(req.messages, "messages")
+    if tr.template_tools is not None:
+        kwargs["tools"] = tr.template_tools
     return PromptPlan(
         messages=messages, token_ids=kv_prompt_token_ids(req.kv_transfer_params),
         token_ids_param="kv_transfer_params.prompt_token_ids",
@@ -58,7 +69,8 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
         logprobs=_logprobs(req), stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage)
         if req.stream else True,
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        constraint=constraint, tools=tr.plan)
 
 
 def kv_prompt_token_ids(params: dict | None) -> tuple[int, ...] | None:
@@ -81,24 +93,6 @@ MAX_N = 16   # choices per request: each is a sequence of the running batch
 def check_n(n: int) -> None:
     if not 1 <= n <= MAX_N:
         raise RequestError(f"'n' must be between 1 and {MAX_N}, got {n}.", param="n")
-
-
-def check_tools(tools: list | None, tool_choice: object) -> None:
-    """No tool parser yet. As in vLLM, tool_choice needs tools, and tools may not be []."""
-    if tool_choice == "none":
-        return
-    if tool_choice is not None and tools is None:
-        raise RequestError("When using `tool_choice`, `tools` must be set.",
-                           param="tool_choice")
-    if tools is not None and not tools:
-        raise RequestError("'tools' must not be empty: send at least one tool, or omit "
-                           "'tools'.", param="tools")
-    if tool_choice not in (None, "auto"):
-        raise RequestError("'tool_choice' is not supported by this server yet (no tool-call "
-                           "parser).", param="tool_choice")
-    if tools:
-        raise RequestError("'tools' are not supported by this server yet (no tool-call "
-                           "parser); send tool_choice \"none\" or omit tools.", param="tools")
 
 
 def _logprobs(req: ChatCompletionRequest) -> int | None:
@@ -128,14 +122,32 @@ def template_messages(messages: list[ChatMessage], param: str) -> list[dict]:
                                "parts, got null.", param=f"{where}.content")
         message = {"role": template_role(m.role),
                    "content": content_text(m.content, f"{where}.content", ("text",))}
-        for key in ("name", "tool_call_id", "tool_calls"):
+        for key in ("name", "tool_call_id"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
+        if m.tool_calls is not None:
+            message["tool_calls"] = template_tool_calls(m.tool_calls)
         reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
         if reasoning is not None:
             # Templates read either name (Qwen3's reads reasoning_content).
             message["reasoning"] = message["reasoning_content"] = reasoning
         out.append(message)
+    return out
+
+
+def template_tool_calls(calls: list[dict]) -> list[dict]:
+    """An assistant's earlier calls as templates expect them: arguments as an object (as
+    vLLM hands them over; Llama's and Qwen's templates `tojson` them)."""
+    out = []
+    for call in calls:
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                fn = {**fn, "arguments": json.loads(fn["arguments"])}
+            except ValueError:
+                pass
+            call = {**call, "function": fn}
+        out.append(call)
     return out
 
 
@@ -222,6 +234,15 @@ class ChatFramer(Framer):
                                       token_ids=list(delta.token_ids))
                       if ids else ChatChunkChoice(index=delta.index, delta=message, logprobs=lp))
             out.append(self._chunk([choice], usage))
+        for call in delta.tool_calls:
+            # OpenAI's shape: the call's index, id, type and name first, then its arguments.
+            out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(
+                tool_calls=[ToolCallChunk(index=call.index, id=call.id, type="function",
+                                          function=FunctionChunk(name=call.name,
+                                                                 arguments=""))]))], usage))
+            out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(
+                tool_calls=[ToolCallChunk(index=call.index, function=FunctionChunk(
+                    arguments=call.arguments))]))], usage))
         reason = delta.finish_reason
         if reason is FinishReason.ERROR:
             out += [sse_data(server_error(delta.error)), DONE]
@@ -242,6 +263,9 @@ class ChatFramer(Framer):
         c.reasoning.append(reasoning)
         c.logprobs.extend(logprobs)
         c.token_ids.extend(delta.token_ids)
+        c.tool_calls.extend(ToolCallOut(id=t.id, function=FunctionCall(name=t.name,
+                                                                       arguments=t.arguments))
+                            for t in delta.tool_calls)
         if delta.finish_reason is not None:
             c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
         if not self.closing:
@@ -259,8 +283,11 @@ class ChatFramer(Framer):
 
     def _body_choice(self, index: int, c: ChoiceState) -> ChatChoice:
         text, reasoning = "".join(c.text), "".join(c.reasoning)
-        message = (ChatMessageOut(content=text, reasoning=reasoning) if reasoning
-                   else ChatMessageOut(content=text))
+        extra = {"reasoning": reasoning} if reasoning else {}
+        if c.tool_calls:
+            extra["tool_calls"] = c.tool_calls
+            text = text if text.strip() else None     # only the calls: content is null
+        message = ChatMessageOut(content=text, **extra)
         return ChatChoice(index=index, message=message, finish_reason=c.finish_reason,
                           stop_reason=c.stop_reason,
                           logprobs=chat_logprobs(c.logprobs) if self._wants_logprobs else None,

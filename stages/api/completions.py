@@ -6,13 +6,14 @@ from stages.api.framing import (DONE, ChoiceState, ChunkBytes, Framer, error_byt
                                 sse_data, usage_info)
 from stages.api.protocol import (Completion, CompletionChoice, CompletionLogprobs,
                                  CompletionRequest, PromptPlan, RequestError, server_error)
+from stages.api.structured import constraint_of
 from stages.delta import Delta, FinishReason
 
 # OpenAI's default for /v1/completions.
 DEFAULT_MAX_TOKENS = 16
 
 
-def plan(req: CompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
+def plan(req: CompletionRequest, *, reasoning_parser: bool, tools=None) -> PromptPlan:
     check_n(req.n)
     if req.best_of not in (None, req.n):
         raise RequestError("'best_of' other than n is not supported (no ranking of extra "
@@ -27,9 +28,6 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
     if req.logit_bias:
         raise RequestError("'logit_bias' is not supported by this server yet.",
                            param="logit_bias")
-    if req.response_format is not None:
-        raise RequestError("'response_format' is not supported by this server yet.",
-                           param="response_format")
     if req.stream_options is not None and not req.stream:
         raise RequestError("'stream_options' is only allowed when 'stream' is true.",
                            param="stream_options")
@@ -42,7 +40,8 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool) -> PromptPlan:
         default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs, stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage)
         if req.stream else True,
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats))
+        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        constraint=constraint_of(req))
 
 
 def _is_token_ids(value: object) -> bool:

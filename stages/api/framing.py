@@ -135,5 +135,6 @@ class ChoiceState:
         self.reasoning: list[str] = []
         self.logprobs: list = []
         self.token_ids: list[int] = []
+        self.tool_calls: list = []           # chat: ToolCallOut, from the parse stage
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

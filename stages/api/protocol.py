@@ -24,6 +24,7 @@ from typing import Any, Callable, ClassVar, TypeVar, Union
 
 import attrs
 import cattrs
+from gpu.grammar import Constraint
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
@@ -318,9 +319,32 @@ class StreamOptions:
 
 
 @attrs.frozen
+class JsonSchemaFormat:
+    name: str | None = None
+    schema: Any = None             # a JSON schema object (or boolean)
+    strict: bool | None = None
+    description: str | None = None
+
+
+@attrs.frozen
 class ResponseFormat:
     type: str
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+@attrs.frozen
+class StructuredOutputs:
+    """vLLM's `structured_outputs`: exactly one of the constraint fields."""
+    json: Any = None               # a JSON schema (object or JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False             # ignored: one backend
+    disable_any_whitespace: bool = False       # compact JSON (no free whitespace)
+    disable_additional_properties: bool = False  # ignored
+    whitespace_pattern: str | None = None      # ignored
 
 
 @attrs.frozen
@@ -331,6 +355,11 @@ class InputItem:
     content: Content = None
     id: str | None = None
     status: str | None = None
+    # function_call (an earlier call of the model) and function_call_output (its result)
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: Content = None
 
 
 @attrs.frozen
@@ -411,6 +440,16 @@ class ChoiceRequest(SamplingRequest):
     truncation_side: str | None = _opt(_one_of("left", "right"))   # which end truncation cuts
     return_token_ids: bool = _opt(default=False)    # prompt_token_ids and token_ids on replies
     kv_transfer_params: dict[str, Any] | None = _opt()   # chat: prompt_token_ids as the prompt
+    # structured outputs (vLLM's extensions; stages/api/structured.py maps them)
+    response_format: ResponseFormat | None = _opt()
+    structured_outputs: StructuredOutputs | None = _opt()
+    guided_json: Any = _opt()
+    guided_regex: str | None = _opt()
+    guided_choice: list[str] | None = _opt()
+    guided_grammar: str | None = _opt()
+    structural_tag: str | None = _opt()
+    guided_decoding_backend: str | None = _opt()                 # ignored: xgrammar
+    guided_whitespace_pattern: str | None = _opt()               # ignored
 
     @truncate_prompt_tokens.validator
     def _truncate(self, attribute, value) -> None:
@@ -421,9 +460,6 @@ class ChoiceRequest(SamplingRequest):
 
 # Fields of vLLM's and OpenAI's schemas this server does not act on yet: a 400 naming the
 # field, unless the value is one of the harmless ones listed.
-_STRUCTURED = {"guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-               "guided_decoding_backend": (), "guided_whitespace_pattern": (),
-               "structured_outputs": (), "structural_tag": ()}
 _VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "bad_words": ((), []),
                 "allowed_token_ids": (), "prompt_logprobs": (),
                 "logits_processors": (), "return_tokens_as_token_ids": (False,),
@@ -438,7 +474,6 @@ class ChatCompletionRequest(ChoiceRequest):
     max_completion_tokens: int | None = _opt(_at_least(1))
     logprobs: bool = _opt(default=False)
     top_logprobs: int | None = _opt()
-    response_format: ResponseFormat | None = _opt()
     tools: list[dict[str, Any]] | None = _opt()
     tool_choice: Any = _opt()
     parallel_tool_calls: bool | None = _opt()
@@ -453,7 +488,7 @@ class ChatCompletionRequest(ChoiceRequest):
     safety_identifier: str | None = _opt()                       # ignored
     verbosity: str | None = _opt()                               # ignored
     _not_implemented: ClassVar[dict[str, Any]] = {
-        **_STRUCTURED, **_VLLM_EXTRAS, "functions": (), "function_call": (), "audio": (),
+        **_VLLM_EXTRAS, "functions": (), "function_call": (), "audio": (),
         "prediction": (), "web_search_options": (), "echo": (False,), "documents": (),
         "best_of": (1,), "media_io_kwargs": ()}
 
@@ -472,8 +507,7 @@ class CompletionRequest(ChoiceRequest):
     echo: bool = _opt(default=False)
     suffix: str | None = _opt()
     best_of: int | None = _opt()
-    response_format: ResponseFormat | None = _opt()
-    _not_implemented: ClassVar[dict[str, Any]] = {**_STRUCTURED, **_VLLM_EXTRAS}
+    _not_implemented: ClassVar[dict[str, Any]] = {**_VLLM_EXTRAS}
 
     @prompt.validator
     def _prompt(self, attribute, value) -> None:
@@ -538,7 +572,7 @@ def _tolerant(cls: type):
 
 
 for _cls in (ContentPart, ChatMessage, InputItem, StreamOptions, ResponseFormat, Reasoning,
-             TextFormat, TextConfig):
+             TextFormat, TextConfig, JsonSchemaFormat, StructuredOutputs):
     converter.register_structure_hook(_cls, _tolerant(_cls))
 
 @attrs.frozen
@@ -584,6 +618,24 @@ class DetokenizeResponse:
     prompt: str
 
 
+@attrs.frozen
+class ToolSettings:
+    """The server's tool flags, as render hands them to the API modules."""
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+
+
+@attrs.frozen
+class ToolPlan:
+    """How the parse stage finds a request's tool calls."""
+    kind: str                    # "auto": the server's parser | "named" | "required"
+    parser: str | None = None    # auto: the --tool-call-parser name
+    name: str | None = None      # named: the function
+    parallel: bool = True        # parallel_tool_calls: false keeps the first call only
+
+
+
 @attrs.frozen(kw_only=True)
 class PromptPlan:
     """What an API's request asks render to do: which prompt, and the API's own rules
@@ -607,6 +659,8 @@ class PromptPlan:
     stream: bool = False
     include_usage: bool = True
     continuous_usage: bool = False           # stream: usage so far on every chunk
+    constraint: Constraint | None = None     # structured output (stages/api/structured.py)
+    tools: ToolPlan | None = None            # how parse finds tool calls (stages/api/tools.py)
 
 
 R = TypeVar("R")
@@ -746,10 +800,42 @@ class CompletionLogprobs:
 
 @omit_absent
 @reply
+class FunctionChunk:
+    name: str = ABSENT
+    arguments: str = ABSENT
+
+
+@omit_absent
+@reply
+class ToolCallChunk:
+    """A streamed tool call: the first chunk has index, id, type and name; later ones
+    carry the index and argument text."""
+    index: int
+    id: str = ABSENT
+    type: str = ABSENT
+    function: FunctionChunk
+
+
+@reply
+class FunctionCall:
+    name: str
+    arguments: str            # a JSON string
+
+
+@reply
+class ToolCallOut:
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+@omit_absent
+@reply
 class ChatDelta:
     role: str = ABSENT
     content: str = ABSENT
     reasoning: str = ABSENT
+    tool_calls: list[ToolCallChunk] = ABSENT
 
 
 @omit_absent
@@ -780,9 +866,10 @@ class ChatCompletionChunk:
 @reply
 class ChatMessageOut:
     role: str = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
     reasoning: str = ABSENT
+    tool_calls: list[ToolCallOut] = ABSENT
 
 
 @omit_absent
@@ -868,6 +955,16 @@ class ReasoningItem:
 
 
 @reply
+class FunctionCallItem:
+    arguments: str
+    call_id: str
+    name: str
+    type: str = "function_call"
+    id: str
+    status: str
+
+
+@reply
 class ResponseError:
     code: str = "server_error"
     message: str
@@ -907,7 +1004,7 @@ class Response:
     max_output_tokens: int | None = None
     max_tool_calls: int | None = None
     model: str
-    output: list[MessageItem | ReasoningItem]
+    output: list[MessageItem | ReasoningItem | FunctionCallItem]
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: ReasoningOut = ReasoningOut()

@@ -12,31 +12,36 @@ from typing import Any
 
 import orjson
 
-from stages.api.chat import content_text, template_role
+from stages.api.chat import content_text, template_role, template_tool_calls
 from stages.api.framing import Framer, error_bytes, json_body, response_usage
 from stages.api.protocol import (IncompleteDetails, MessageItem, OutputText, PromptPlan,
                                  ReasoningItem, ReasoningOut, ReasoningText, RequestError,
-                                 Response, ResponseError, ResponsesRequest, unstructure)
+                                 Response, ResponseError, ResponsesRequest, ToolSettings,
+                                 FunctionCallItem, unstructure)
+from stages.api.structured import constraint_of
+from stages.api.tools import responses_tools, tool_request
 from stages.delta import Delta, FinishReason
 
 RESPONSES_ROLES = ("system", "developer", "user", "assistant")
 
 
-def plan(req: ResponsesRequest, *, reasoning_parser: bool) -> PromptPlan:
-    if req.tools:
-        raise RequestError("'tools' are not supported by this server yet.", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise RequestError("'tool_choice' requires tools, which are not supported.",
-                           param="tool_choice")
+def plan(req: ResponsesRequest, *, reasoning_parser: bool,
+         tools: ToolSettings = ToolSettings()) -> PromptPlan:
+    # Unlike chat, OpenAI's Responses API takes "tools": [] and "auto" without tools.
+    choice = req.tool_choice if req.tools or req.tool_choice not in ("auto", "none") else None
+    tr = tool_request(responses_tools(req.tools or None), choice, req.parallel_tool_calls,
+                      tools)
+    constraint = constraint_of(req)
+    if tr.constraint is not None:
+        if constraint is not None:
+            raise RequestError("tool_choice \"required\" or a named function cannot be "
+                               "combined with text.format.", param="tool_choice")
+        constraint = tr.constraint
     if req.include:
         raise RequestError("'include' is not supported by this server yet.", param="include")
     if req.top_logprobs:
         raise RequestError("'top_logprobs' is not supported by this server yet.",
                            param="top_logprobs")
-    fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        raise RequestError("'text.format' other than {\"type\": \"text\"} is not supported.",
-                           param="text.format")
     if req.reasoning is not None and req.reasoning.effort is not None and not reasoning_parser:
         raise RequestError("'reasoning.effort' needs a reasoning model (serve with "
                            "--reasoning-parser).", param="reasoning.effort")
@@ -45,9 +50,13 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool) -> PromptPlan:
                            param="truncation")
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += _input_messages(req.input)
-    return PromptPlan(messages=messages, template_kwargs=dict(req.chat_template_kwargs or {}),
+    kwargs = dict(req.chat_template_kwargs or {})
+    if tr.template_tools is not None:
+        kwargs["tools"] = tr.template_tools
+    return PromptPlan(messages=messages, template_kwargs=kwargs,
                       prompt_param="input", max_tokens=req.max_output_tokens,
-                      max_tokens_param="max_output_tokens", stream=req.stream)
+                      max_tokens_param="max_output_tokens", stream=req.stream,
+                      constraint=constraint, tools=tr.plan)
 
 
 def _input_messages(raw) -> list[dict]:
@@ -56,9 +65,13 @@ def _input_messages(raw) -> list[dict]:
     messages = []
     for i, item in enumerate(raw):
         where = f"input[{i}]"
+        if item.type in ("function_call", "function_call_output"):
+            messages.append(_function_item(item, where, messages))
+            continue
         if item.type != "message":
-            raise RequestError(f"'{where}.type' {item.type!r} is not supported; only message "
-                               "items are.", param=f"{where}.type")
+            raise RequestError(f"'{where}.type' {item.type!r} is not supported; only message, "
+                               "function_call and function_call_output items are.",
+                               param=f"{where}.type")
         if item.role not in RESPONSES_ROLES:
             raise RequestError(f"'{where}.role' must be one of {', '.join(RESPONSES_ROLES)}, "
                                f"got {item.role!r}.", param=f"{where}.role")
@@ -70,13 +83,36 @@ def _input_messages(raw) -> list[dict]:
     return messages
 
 
+def _function_item(item, where: str, messages: list[dict]) -> dict:
+    """function_call -> an assistant message with tool_calls (consecutive calls join one
+    message); function_call_output -> a tool message."""
+    if item.call_id is None:
+        raise RequestError(f"'{where}.call_id' is required.", param=f"{where}.call_id")
+    if item.type == "function_call_output":
+        if item.output is None:
+            raise RequestError(f"'{where}.output' is required.", param=f"{where}.output")
+        return {"role": "tool", "tool_call_id": item.call_id, "content": content_text(
+            item.output, f"{where}.output", ("input_text", "output_text", "text"))}
+    if item.name is None or item.arguments is None:
+        param = f"{where}.name" if item.name is None else f"{where}.arguments"
+        raise RequestError(f"'{param}' is required.", param=param)
+    call = template_tool_calls([{"id": item.call_id, "type": "function", "function": {
+        "name": item.name, "arguments": item.arguments}}])[0]
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+        messages.pop()
+        return {**last, "tool_calls": [*last["tool_calls"], call]}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
 # -- the reply -----------------------------------------------------------------------------
 
 class _OutputItem:
     """One output item of a Response while it is being built."""
 
-    def __init__(self, kind: str, item_id: str, output_index: int) -> None:
-        self.kind = kind                  # "reasoning" | "message"
+    def __init__(self, kind: str, item_id: str, output_index: int, call=None) -> None:
+        self.kind = kind                  # "reasoning" | "message" | "function_call"
+        self.call = call                  # function_call: the ToolCallDelta
         self.id = item_id
         self.output_index = output_index
         self.parts: list[str] = []
@@ -89,7 +125,11 @@ class _OutputItem:
     def part(self, text: str) -> OutputText | ReasoningText:
         return ReasoningText(text=text) if self.kind == "reasoning" else OutputText(text=text)
 
-    def reply(self, *, with_content: bool = True) -> MessageItem | ReasoningItem:
+    def reply(self, *, with_content: bool = True) -> MessageItem | ReasoningItem | FunctionCallItem:
+        if self.kind == "function_call":
+            return FunctionCallItem(arguments=self.call.arguments if with_content else "",
+                                    call_id=self.call.id, name=self.call.name, id=self.id,
+                                    status=self.status)
         content = [self.part(self.text)] if with_content else []
         if self.kind == "reasoning":
             return ReasoningItem(id=self.id, content=content, status=self.status)
@@ -117,7 +157,16 @@ class ResponsesFramer(Framer):
     def _takes_reasoning(self) -> bool:
         # Reasoning after the answer has started cannot be shown in order; the
         # <think> parsers never produce it.
-        return not any(item.kind == "message" for item in self._items)
+        return not any(item.kind != "reasoning" for item in self._items)
+
+    def _calls(self) -> bool:
+        return any(item.kind == "function_call" for item in self._items)
+
+    def _add_call(self, call) -> _OutputItem:
+        item = _OutputItem("function_call", "fc_" + call.id.removeprefix("call_"),
+                           len(self._items), call)
+        self._items.append(item)
+        return item
 
     def _response(self, status: str, *, usage=None, incomplete_reason: str | None = None,
                   error: str | None = None) -> Response:
@@ -134,16 +183,18 @@ class ResponsesFramer(Framer):
             reasoning=ReasoningOut(effort=r.reasoning.effort, summary=r.reasoning.summary)
             if r.reasoning is not None else ReasoningOut(),
             temperature=options.temperature, top_p=options.top_p,
-            tool_choice=r.tool_choice or "auto", user=r.user, metadata=r.metadata or {},
+            tool_choice=r.tool_choice or "auto", tools=r.tools or [], user=r.user,
+            metadata=r.metadata or {},
             usage=None if usage is None else response_usage(usage))
 
     def _final(self, delta: Delta) -> Response:
         """Close every item and build the terminal Response (not for errors)."""
-        message, _ = self._item("message")
+        if not self._calls():
+            self._item("message")
         for item in self._items:
             item.status = "completed"
         if delta.finish_reason is FinishReason.LENGTH:
-            message.status = "incomplete"
+            self._items[-1].status = "incomplete"
             return self._response("incomplete", usage=delta.usage,
                                   incomplete_reason="max_output_tokens")
         return self._response("completed", usage=delta.usage)
@@ -217,11 +268,14 @@ class ResponsesFramer(Framer):
             item, opened = self._open("reasoning")
             out += [opened, self._text_delta(item, delta.reasoning)]
         reason = delta.finish_reason
-        if delta.content or (reason is not None and reason is not FinishReason.ERROR):
+        if delta.content or (reason is not None and reason is not FinishReason.ERROR
+                             and not self._calls() and not delta.tool_calls):
             item, opened = self._open("message")
             out.append(opened)
             if delta.content:
                 out.append(self._text_delta(item, delta.content))
+        for call in delta.tool_calls:
+            out.append(self._stream_call(call))
         if reason is FinishReason.ERROR:
             message = delta.error or "The engine failed."
             for item in self._items:
@@ -231,19 +285,42 @@ class ResponsesFramer(Framer):
             out.append(self._event("response.failed", response=self._response(
                 "failed", usage=delta.usage, error=message)))
         elif reason is not None:
-            message_item = self._items[-1]
+            last = self._items[-1]
             response = self._final(delta)
-            out.append(self._done(message_item))
+            if last.kind != "function_call":
+                out.append(self._done(last))
             terminal = ("response.incomplete" if response.status == "incomplete"
                         else "response.completed")
             out.append(self._event(terminal, response=response))
         return b"".join(out)
+
+    def _stream_call(self, call) -> bytes:
+        """A whole function call: close the item before, then added, arguments delta and
+        done, item done."""
+        previous = self._items[-1] if self._items else None
+        out = b""
+        if previous is not None and previous.status == "in_progress":
+            previous.status = "completed"
+            out = self._done(previous)
+        item = self._add_call(call)
+        where = {"item_id": item.id, "output_index": item.output_index}
+        out += self._event("response.output_item.added", output_index=item.output_index,
+                           item=item.reply(with_content=False))
+        out += self._event("response.function_call_arguments.delta", **where,
+                           delta=call.arguments)
+        item.status = "completed"
+        out += self._event("response.function_call_arguments.done", **where, name=call.name,
+                           arguments=call.arguments)
+        return out + self._event("response.output_item.done", output_index=item.output_index,
+                                 item=item.reply())
 
     def _accumulate(self, delta: Delta) -> bytes:
         if delta.reasoning and self._takes_reasoning():
             self._item("reasoning")[0].parts.append(delta.reasoning)
         if delta.content:
             self._item("message")[0].parts.append(delta.content)
+        for call in delta.tool_calls:
+            self._add_call(call)
         if delta.finish_reason is None:
             return b""
         if delta.finish_reason is FinishReason.ERROR:

@@ -115,6 +115,20 @@ def configured_server(tmp_path_factory) -> Server:
 
 
 @pytest.fixture(scope="session")
+def tools_server(tmp_path_factory) -> Server:
+    yield from _serve(tmp_path_factory.mktemp("e2e-tools-server"),
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+@pytest.fixture(scope="session")
+def tools_client(tools_server):
+    import openai
+
+    return openai.OpenAI(base_url=tools_server.base_url, api_key="x", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="session")
 def client(server):
     import openai
 

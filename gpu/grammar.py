@@ -1,0 +1,192 @@
+"""Constrained decoding with xgrammar: one grammar per constrained request, one matcher per
+sequence, one token bitmask per engine step.
+
+- `Constraint` is what a request asks for (a JSON schema, any JSON object, a regex, a
+  choice of strings, an EBNF grammar or a structural tag), in one internal form whatever
+  the API spelled it as. `check()` converts it to a grammar without the tokenizer (fast),
+  so render can refuse a bad schema or regex with a 400 before anything starts.
+- `GrammarCompiler` compiles constraints against the tokenizer's vocabulary in a worker
+  thread (off the engine's step path), behind an LRU cache keyed by the constraint; the
+  scheduler keeps a request waiting until its grammar is ready.
+- The runner gives each constrained sequence a `Guide` (its `GrammarMatcher`, and whether
+  reasoning still runs first); `mask_logits()` fills one bitmask for the batch and
+  applies it to the logits before sampling (xgrammar's CPU kernel, or its Triton/torch
+  one on CUDA); `accept()` advances the matchers.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import torch
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@attrs.frozen
+class Constraint:
+    """What the output must match. `spec` is a string (a JSON schema or structural tag as
+    JSON text, a regex, an EBNF grammar, or a JSON array of choices), so that a constraint
+    is hashable and its own cache key."""
+    kind: str = attrs.field(validator=attrs.validators.in_(CONSTRAINT_KINDS))
+    spec: str = ""
+    compact: bool = False   # JSON without free whitespace (vLLM's disable_any_whitespace)
+
+    @staticmethod
+    def choice(options: list[str]) -> Constraint:
+        return Constraint("choice", json.dumps(list(options)))
+
+
+class GrammarError(ValueError):
+    """The constraint is not a valid schema, regex or grammar (the client's fault)."""
+
+
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def _message(exc: BaseException) -> str:
+    return _XGR_PREFIX.sub("", str(exc)).strip()
+
+
+def _choice_regex(spec: str) -> str:
+    return "|".join(f"(?:{re.escape(c)})" for c in json.loads(spec))
+
+
+def _grammar(c: Constraint):
+    import xgrammar as xgr
+    if c.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(c.spec, any_whitespace=not c.compact)
+    if c.kind == "json_object":
+        if c.compact:
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        return xgr.Grammar.builtin_json_grammar()
+    if c.kind == "regex":
+        return xgr.Grammar.from_regex(c.spec)
+    if c.kind == "choice":
+        return xgr.Grammar.from_regex(_choice_regex(c.spec))
+    if c.kind == "grammar":
+        return xgr.Grammar.from_ebnf(c.spec)
+    return xgr.Grammar.from_structural_tag(c.spec)
+
+
+def check(c: Constraint) -> None:
+    """Raise GrammarError saying what is wrong with the constraint (no tokenizer needed)."""
+    try:
+        _grammar(c)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's words
+        raise GrammarError(_message(exc)) from None
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    """xgrammar's view of a gpu.tokenizer.Tokenizer (a `tokenizers.Tokenizer` inside):
+    every token string by id, padded to the model's logits width."""
+    import xgrammar as xgr
+    hf = tokenizer.hf
+    vocab = [""] * max(vocab_size, hf.get_vocab_size(with_added_tokens=True))
+    for token, i in hf.get_vocab(with_added_tokens=True).items():
+        vocab[i] = token
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(hf.to_str())
+    return xgr.TokenizerInfo(vocab[:vocab_size], vocab_type=meta["vocab_type"],
+                             vocab_size=vocab_size, stop_token_ids=list(stop_token_ids),
+                             add_prefix_space=meta["add_prefix_space"])
+
+
+class GrammarCompiler:
+    """Compiles constraints in one worker thread; the last `cache_size` stay cached."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], *,
+                 cache_size: int = 256) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._stop_token_ids = stop_token_ids
+        self._compiler = None     # built on first use, in the worker thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._cache: OrderedDict[Constraint, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._cache_size = cache_size
+
+    def submit(self, c: Constraint) -> Future:
+        """The compiled grammar's future (already done on a cache hit)."""
+        with self._lock:
+            fut = self._cache.get(c)
+            if fut is not None:
+                self._cache.move_to_end(c)
+                return fut
+            fut = self._pool.submit(self._compile, c)
+            self._cache[c] = fut
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return fut
+
+    def _compile(self, c: Constraint):
+        if self._compiler is None:
+            import xgrammar as xgr
+            info = tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler.compile_grammar(_grammar(c))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Guide:
+    """One constrained sequence's matcher, and where it stands with reasoning.
+
+    With a reasoning parser the constraint starts after the reasoning: `think` is the
+    (open, close) token ids. A prompt that leaves <think> open starts in "thinking"
+    (unconstrained until </think>); otherwise the model may still open one: "may_think"
+    allows the grammar's tokens plus <think>. Without reasoning it is "active" at once.
+    """
+
+    def __init__(self, compiled, think: tuple[int, int] | None = None,
+                 thinking: bool = False) -> None:
+        import xgrammar as xgr
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.think = think
+        self.phase = "active" if think is None else ("thinking" if thinking else "may_think")
+
+    @property
+    def masks(self) -> bool:
+        return self.phase != "thinking" and not self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.phase == "may_think":
+            word, bit = divmod(self.think[0], 32)
+            value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+    def accept(self, token: int) -> None:
+        if self.phase == "may_think" and token == self.think[0]:
+            self.phase = "thinking"
+        elif self.phase == "thinking":
+            if token == self.think[1]:
+                self.phase = "active"
+        elif not self.matcher.is_terminated():
+            self.phase = "active"
+            self.matcher.accept_token(token)
+
+
+def mask_logits(logits: torch.Tensor, guides: list) -> None:
+    """Forbid, in place, every token the row's guide would reject (None: unconstrained).
+    One bitmask for the batch; xgrammar applies it on the logits' device."""
+    import xgrammar as xgr
+    rows = [i for i, g in enumerate(guides) if g is not None and g.masks]
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(len(guides), logits.shape[-1])
+    for i in rows:
+        guides[i].fill(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    indices=rows)
+
+
+def accept(guides: list, tokens: list[int]) -> None:
+    for g, tok in zip(guides, tokens):
+        if g is not None:
+            g.accept(tok)

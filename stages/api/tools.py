@@ -1,0 +1,132 @@
+"""tools and tool_choice -> what the template sees, how parse finds the calls, and (for
+"required" and a named function) the constraint that makes the model call one.
+
+As vLLM: tool_choice defaults to "auto" when tools are given; "auto" needs
+--enable-auto-tool-choice and a --tool-call-parser; "required" and a named function need
+a --tool-call-parser and are enforced by constrained decoding over the tools' parameter
+schemas (compact JSON: no free whitespace for a small model to ramble in); "none" runs no
+parser (the tools stay in the prompt unless
+--exclude-tools-when-tool-choice-none).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from gpu.grammar import Constraint
+from stages.api.protocol import RequestError, ToolPlan, ToolSettings
+from stages.api.structured import checked
+
+
+@attrs.frozen
+class ToolRequest:
+    """The API-independent result: template tools, parse plan, constraint."""
+    template_tools: list[dict] | None = None
+    plan: ToolPlan | None = None
+    constraint: Constraint | None = None
+
+
+def chat_tools(tools: list[dict[str, Any]] | None, param: str = "tools") -> list[dict] | None:
+    """Check chat-form tools: {"type": "function", "function": {"name", "description",
+    "parameters", "strict"}}."""
+    if tools is None:
+        return None
+    for i, tool in enumerate(tools):
+        where = f"{param}[{i}]"
+        if tool.get("type", "function") != "function":
+            raise RequestError(f"'{where}.type' must be \"function\", got "
+                               f"{json.dumps(tool.get('type'))}.", param=f"{where}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise RequestError(f"'{where}.function' must be an object.", param=f"{where}.function")
+        _check_function(fn, f"{where}.function")
+    return tools
+
+
+def _check_function(fn: dict, where: str) -> None:
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"'{where}.name' must be a non-empty string.", param=f"{where}.name")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise RequestError(f"'{where}.parameters' must be a JSON schema object.",
+                           param=f"{where}.parameters")
+
+
+def responses_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
+    """Responses-form tools ({"type": "function", "name", "parameters", ...}) in chat form."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if tool.get("type") != "function":
+            raise RequestError(f"'{where}.type' {json.dumps(tool.get('type'))} is not "
+                               "supported; only function tools are.", param=f"{where}.type")
+        _check_function(tool, where)
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _choice(tool_choice: Any) -> tuple[str, str | None]:
+    """(mode, function name) from "none" | "auto" | "required" | a named function, in
+    chat form {"type": "function", "function": {"name"}} or Responses' {"type", "name"}."""
+    if tool_choice in ("none", "auto", "required"):
+        return tool_choice, None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else tool_choice.get("name")
+        if isinstance(name, str) and name:
+            return "named", name
+    raise RequestError("'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                       "{\"type\": \"function\", \"function\": {\"name\": NAME}}.",
+                       param="tool_choice")
+
+
+def tool_request(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
+                 settings: ToolSettings) -> ToolRequest:
+    """`tools` in chat form, already checked."""
+    if tool_choice is not None and tool_choice != "none" and tools is None:
+        raise RequestError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if tools is not None and not tools and tool_choice != "none":
+        raise RequestError("'tools' must not be empty: send at least one tool, or omit "
+                           "'tools'.", param="tools")
+    if not tools:
+        return ToolRequest()
+    mode, name = _choice("auto" if tool_choice is None else tool_choice)
+    if mode == "none":
+        return ToolRequest(None if settings.exclude_tools_when_tool_choice_none else tools)
+    if mode == "auto":
+        if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
+            raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and '
+                               "--tool-call-parser to be set.", param="tool_choice")
+        return ToolRequest(tools, ToolPlan("auto", parser=settings.tool_call_parser,
+                                           parallel=parallel is not False))
+    if settings.tool_call_parser is None:
+        what = ('tool_choice "required"' if mode == "required"
+                else f"tool_choice naming function {name}")
+        raise RequestError(f"{what} needs a tool-call parser: serve with --tool-call-parser "
+                           "NAME.", param="tool_choice")
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    if mode == "named":
+        if name not in functions:
+            raise RequestError(f"tool_choice names function {name}, which is not among the "
+                               f"tools ({', '.join(functions)}).", param="tool_choice")
+        schema = functions[name].get("parameters") or {"type": "object"}
+        constraint = Constraint("json_schema", json.dumps(schema), compact=True)
+        return ToolRequest(tools, ToolPlan("named", name=name),
+                           checked(constraint, "tools"))
+    # required: a JSON array of {"name", "parameters"} calls, at least one.
+    items = {"anyOf": [{"type": "object", "properties": {
+        "name": {"type": "string", "enum": [n]},
+        "parameters": fn.get("parameters") or {"type": "object"}},
+        "required": ["name", "parameters"]} for n, fn in functions.items()]}
+    schema = {"type": "array", "minItems": 1, "items": items}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return ToolRequest(tools, ToolPlan("required", parallel=parallel is not False),
+                       checked(Constraint("json_schema", json.dumps(schema), compact=True),
+                               "tools"))
