@@ -130,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
     s = _settings(args)
     cfg = attrs.evolve(engine_config(args),
                        max_model_len=args.max_model_len or (s["input_len"] + s["output_len"] + 16),
-                       max_waiting=max(args.max_waiting, s["num_prompts"]))
+                       max_queued_requests=max(args.max_queued_requests, s["num_prompts"]))
     result = trio.run(_bench, cfg, s, args.temperature)
     print(f"Throughput ({result['dtype']}): {result['output_tokens_per_s']:.2f} output tokens/s "
           f"({result['output_tokens']} tokens from {result['num_prompts']} requests in "

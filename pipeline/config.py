@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import attrs
 
 from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS
 from gpu.simulate import GPUS
+from stages.gpu_step import FAULT_KINDS
 from stages.parse import REASONING_PARSERS
 from stages.tool_parsers import TOOL_PARSERS, load_plugin
 
@@ -22,6 +24,26 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 def _positive(inst, attribute, value):
     if value is not None and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+FAULT_STEPS_ENV = "TAILRACE_FAULT_STEPS"
+
+
+def parse_fault_steps(text: str) -> dict[int, str]:
+    """``"3,7:fatal"`` -> ``{3: "error", 7: "fatal"}``: the GPU steps the fault hook fails
+    (stages/gpu_step.py). For tests; empty means none."""
+    faults: dict[int, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        step, _, kind = item.partition(":")
+        kind = kind or "error"
+        if not step.isdigit() or int(step) <= 0 or kind not in FAULT_KINDS:
+            raise ValueError(f"fault_steps: {item!r} is not STEP or STEP:{'|'.join(FAULT_KINDS)}")
+        faults[int(step)] = kind
+    return faults
+
+
+def _fault_steps(inst, attribute, value):
+    parse_fault_steps(value)
 
 
 @attrs.frozen
@@ -43,7 +65,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    max_waiting: int = attrs.field(default=1024, validator=_positive)   # admission queue limit
+    # admission: at most max_num_seqs + max_queued_requests requests admitted at once
+    max_queued_requests: int = attrs.field(default=1024, validator=_positive)
     reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
         default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))
     enable_auto_tool_choice: bool = False      # tool_choice "auto" (needs tool_call_parser)
@@ -59,6 +82,7 @@ class EngineConfig:
     tokenizer: str | None = None              # .gguf file or HF directory; None: the model's
     simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS: a timed stand-in
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(GPUS))))
+    fault_steps: str = attrs.field(default="", validator=_fault_steps)   # tests only: "3,7:fatal"
 
     def __attrs_post_init__(self) -> None:
         if self.tool_parser_plugin:
@@ -68,6 +92,10 @@ class EngineConfig:
                              f"{', '.join(sorted(TOOL_PARSERS))}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    @property
+    def fault_step_kinds(self) -> dict[int, str]:
+        return parse_fault_steps(self.fault_steps)
 
 
 # -- command-line flags ---------------------------------------------------------------------
@@ -189,9 +217,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Replace the model's forward with a timed wait from a cost model of "
                         "this GPU running the model in bf16, and sample random ordinary tokens; "
                         "everything else runs for real (docs/benchmarks.md).")
-    p.add_argument("--max-waiting", type=int, default=_default("max_waiting"),
-                   help="Requests admitted but not yet running before new ones get 503 "
-                        "(default: %(default)s).")
+    p.add_argument("--max-queued-requests", "--max-waiting", type=int,
+                   default=_default("max_queued_requests"), metavar="N",
+                   help="Requests admitted beyond the --max-num-seqs that run; more get a 503 "
+                        "with Retry-After before their reply starts (default: %(default)s). "
+                        "--max-waiting is an alias.")
+    # Test-only: the GPU steps to fail (stages/gpu_step.py), e.g. "3,7:fatal".
+    p.add_argument("--fault-steps", default=os.environ.get(FAULT_STEPS_ENV, ""),
+                   help=argparse.SUPPRESS)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -11,7 +11,11 @@ Back-edges go into schedule's inbox only: aborts (web) and stop-string finishes
 Lifetime: ``async with open_engine(config) as engine:`` loads the model (in a worker
 thread Ctrl-C can abandon), starts the stages in the context manager's own nursery and
 yields a running Engine; leaving the block cancels the stages and closes the event log.
-A stage that crashes cancels the block's body and its error propagates out of it.
+
+A stage that raises stops the engine cleanly: ``engine.failure`` is set (so /health
+answers 503 and new requests get 503), every request in flight ends at once with an
+error (Reply), the body gets STOP_GRACE_S to finish on its own (an HTTP server sends
+those errors), and then it is cancelled; the stage's error comes out of the block.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ from stages import account, admit, detokenize, emit, gpu_step, parse, render, sc
 from stages.admit import Accepted, Admission
 from stages.api.chat import MAX_N
 from stages.api.protocol import ToolSettings
+from stages.api.framing import DONE, json_body, sse_data
+from stages.api.protocol import server_error
 from stages.blocks import BlockManager
 from stages.render import RenderContext, RequestError, Submission
 from stages.replies import Replies
@@ -49,6 +55,7 @@ from stages.schedule import Abort, Scheduler
 log = logging.getLogger("tailrace")
 
 _CPU_KV_DEFAULT_BYTES = 1 << 30
+STOP_GRACE_S = 2.0      # after a stage failure, how long the body may run on (see open_engine)
 
 
 def pick_device(name: str) -> torch.device:
@@ -81,7 +88,11 @@ class Reply:
                 self.finished = True
                 continue
             yield item
-        self.finished = True
+        if not self.finished:  # the channel closed before its last item: the engine stopped
+            self.finished = True
+            self.status = 500
+            error = server_error(f"The engine stopped: {describe(self.engine.failure)}")
+            yield sse_data(error) + DONE if self.stream else json_body(error)
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self])
@@ -107,20 +118,36 @@ class Engine:
     scheduler: Scheduler
     accountant: account.Accountant
     replies: Replies
+    admission: Admission
     render_in: trio.MemorySendChannel       # web -> render
     render_context: RenderContext           # what /tokenize and /detokenize use
     schedule_in: trio.MemorySendChannel     # aborts -> schedule's inbox
+    failure: BaseException | None = None    # a stage raised: the engine has stopped
+
+    @property
+    def healthy(self) -> bool:
+        """Running and taking requests (/health): not stopped, not draining."""
+        return self.failure is None and not self.admission.draining
 
     async def submit(self, api: str, body: object, request_id: str | None = None) -> Reply:
-        """Render and admit one request. Raises RequestError before anything is streamed."""
+        """Render and admit one request. Raises RequestError before anything is streamed.
+
+        A request that admission would refuse whatever it asks (overload, shutdown) is
+        refused here at once, before render spends any work on it."""
+        refusal = self._stopped_error() or self.admission.refusal()
+        if refusal is not None:
+            raise refusal
         rid = request_id or uuid.uuid4().hex
         if rid in self.replies:
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"
         receive = self.replies.open(rid)
         accepted = False
         try:
-            await self.render_in.send(Submission(rid, api, body, time.monotonic()))
-            first = await receive.receive()
+            try:
+                await self.render_in.send(Submission(rid, api, body, time.monotonic()))
+                first = await receive.receive()
+            except (trio.EndOfChannel, trio.BrokenResourceError):  # the engine stopped meanwhile
+                raise self._stopped_error() from None
             if isinstance(first, RequestError):
                 raise first
             assert isinstance(first, Accepted), first
@@ -130,15 +157,47 @@ class Engine:
             if not accepted:  # refused (already released), or cancelled on the way in
                 self.abort(rid)
 
+    def _stopped_error(self) -> RequestError | None:
+        if self.failure is None:
+            return None
+        return RequestError(f"The engine stopped: {describe(self.failure)}", status=503,
+                            type="server_error", code="engine_stopped")
+
     def abort(self, request_id: str) -> None:
         """The client is gone. Its request keeps its admission slot until emit releases it."""
-        if request_id not in self.replies:
-            return  # already refused or finished: nothing downstream holds it
         self.replies.detach(request_id)
+        self._abort(request_id, None)
+
+    def _abort(self, request_id: str, error: str | None) -> None:
+        # Only an admitted request is known to schedule, and each gets one Abort at most:
+        # schedule's inbox is sized for that (see _start), so this never blocks. A request
+        # not admitted yet is dropped by admit once its reply is detached.
+        if not self.replies.mark_aborted(request_id):
+            return
         try:
-            self.schedule_in.send_nowait(Abort(request_id))  # sized to never block (see _start)
+            self.schedule_in.send_nowait(Abort(request_id, error))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # the engine is shutting down
+
+    # -- shutdown (web/cli.py drives it) ------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Take no new request (503, and /health 503); those in flight run on."""
+        self.admission.draining = True
+
+    def abort_all(self, message: str) -> None:
+        """End every admitted request now with `message` as an in-band error (an error
+        chunk and [DONE], or a 500 body); schedule frees their blocks with its next step."""
+        for rid in self.replies.admitted_ids():
+            self._abort(rid, message)
+
+    async def wait_idle(self) -> None:
+        """Until no request is in flight (every reply's last byte handed to its reader)."""
+        await self.replies.wait_empty()
+
+    def _stop(self, exc: BaseException) -> None:
+        """A stage raised: refuse everything from now on and end every reply with an error."""
+        self.failure = exc
+        self.replies.close_all()
 
     def stats(self) -> dict:
         s, a = self.scheduler, self.accountant
@@ -317,12 +376,13 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
                         per_request_metrics=cfg.enable_per_request_metrics,
                         tools=ToolSettings(cfg.enable_auto_tool_choice, cfg.tool_call_parser,
                                            cfg.exclude_tools_when_tool_choice_none))
-    # In flight at once: at most max_waiting + max_num_seqs requests (admission counts a
-    # request until emit has sent its last byte), each putting at most one request, one
-    # Abort and one FinishRequest per choice (n <= MAX_N) into schedule's inbox: the
+    # Admitted at once: at most max_queued_requests + max_num_seqs requests (admission
+    # counts a request until emit has sent its last byte), each putting at most one request,
+    # one Abort and one FinishRequest per choice (n <= MAX_N) into schedule's inbox: the
     # back-edges never block.
-    inbox_size = (2 + MAX_N) * (cfg.max_waiting + cfg.max_num_seqs) + 16
-    render_in, render_out = trio.open_memory_channel(cfg.max_waiting)
+    max_admitted = cfg.max_queued_requests + cfg.max_num_seqs
+    inbox_size = (2 + MAX_N) * max_admitted + 16
+    render_in, render_out = trio.open_memory_channel(cfg.max_queued_requests)
     admit_in, admit_out = trio.open_memory_channel(0)
     sched_in, sched_out = trio.open_memory_channel(inbox_size)
     plan_in, plan_out = trio.open_memory_channel(0)
@@ -331,18 +391,20 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     parse_in, parse_out = trio.open_memory_channel(1)
     acct_in, acct_out = trio.open_memory_channel(1)
     emit_in, emit_out = trio.open_memory_channel(1)
-    admission = Admission(max_in_flight=cfg.max_waiting + cfg.max_num_seqs,
+    admission = Admission(max_admitted=max_admitted,
                           kv_capacity_tokens=built.blocks.num_blocks * cfg.block_size,
-                          in_flight=lambda: len(replies))
+                          admitted=lambda: replies.num_admitted)
     engine = Engine(config=cfg, device=device, loaded=loaded, model_names=built.model_names,
                     max_model_len=built.max_model_len, runner=built.runner, blocks=built.blocks,
                     scheduler=built.scheduler, accountant=accountant, replies=replies,
-                    render_in=render_in, render_context=ctx, schedule_in=sched_in.clone())
+                    admission=admission, render_in=render_in, render_context=ctx,
+                    schedule_in=sched_in.clone())
     nursery.start_soon(render.run, render_out, admit_in, replies, ctx, ev("render"))
     nursery.start_soon(admit.run, admit_out, sched_in.clone(), replies, admission, ev("admit"))
     nursery.start_soon(schedule.run, sched_out, plan_in, result_out, detok_in,
                        built.scheduler, ev("schedule"))
-    nursery.start_soon(gpu_step.run, plan_out, result_in, built.runner, ev("gpu_step"))
+    nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner, ev("gpu_step"),
+                               faults=cfg.fault_step_kinds))
     nursery.start_soon(detokenize.run, detok_out, parse_in, sched_in,
                        detokenize.Detokenizer(tok), ev("detokenize"))
     nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(cfg.reasoning_parser),
@@ -350,6 +412,31 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     nursery.start_soon(account.run, acct_out, emit_in, accountant, ev("account"))
     nursery.start_soon(emit.run, emit_out, replies, emit.Emitter(), ev("emit"))
     return engine
+
+
+def describe(exc: BaseException | None) -> str:
+    """One line for an error (a group of one is its member)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+async def _run_stages(cfg: EngineConfig, device: torch.device, built: _Built,
+                      events: EventLog | None, *, task_status) -> None:
+    """The stages in their own nursery. When one raises, the engine stops (Engine._stop)
+    and the body gets STOP_GRACE_S before the error, raised here, cancels it."""
+    engine: Engine | None = None
+    try:
+        async with trio.open_nursery() as stages:
+            engine = _start(stages, cfg, device, built, events)
+            task_status.started(engine)
+    except Exception as exc:
+        if engine is None:
+            raise
+        log.error("the engine stopped: %s", describe(exc))
+        engine._stop(exc)
+        await trio.sleep(STOP_GRACE_S)
+        raise
 
 
 @contextlib.asynccontextmanager
@@ -360,22 +447,27 @@ async def open_engine(config: EngineConfig, loaded: LoadedModel | None = None
 
     ``loaded`` (a gpu.loader.LoadedModel) skips loading: tests share one model. Loading
     runs in a worker thread that a cancellation (Ctrl-C) abandons rather than waits for.
-    A stage that raises cancels the body and the error comes out of the ``async with``.
+    A stage that raises stops the engine (see the module's docstring) and its error comes
+    out of the ``async with``, whether the body finished on its own or was cancelled.
     """
     device = pick_device(config.device)
     built = await trio.to_thread.run_sync(partial(_build, config, device, loaded),
                                           abandon_on_cancel=True)
     events = EventLog(config.event_log) if config.event_log else None
+    engine: Engine | None = None
     body_error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
+            engine = await nursery.start(_run_stages, config, device, built, events)
             try:
-                yield _start(nursery, config, device, built, events)
+                yield engine
             except BaseException as exc:
                 body_error = exc
                 raise
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
+        if engine is not None and engine.failure is not None:
+            raise engine.failure from None     # the cause, whatever the body did meanwhile
         # The body's own error alone (the stages were only cancelled): raise it unwrapped.
         if body_error is not None and list(group.exceptions) == [body_error]:
             raise body_error from None
@@ -383,3 +475,5 @@ async def open_engine(config: EngineConfig, loaded: LoadedModel | None = None
     finally:
         if events is not None:
             events.close()
+    if engine.failure is not None:   # the body finished within the grace: the failure stands
+        raise engine.failure

@@ -64,7 +64,7 @@ def main() -> None:
     rows = []
     for dtype in a.dtypes:
         cfg = EngineConfig(dtype=dtype, max_model_len=a.input_len + a.output_len + 16,
-                           max_num_seqs=max(a.num_prompts, 1), max_waiting=max(1024, a.num_prompts))
+                           max_num_seqs=max(a.num_prompts, 1), max_queued_requests=max(1024, a.num_prompts))
         r = trio.run(_bench, cfg, s, 0.0)
         rows.append((f"tailrace {dtype} (continuous batching)", r["output_tokens"], r["elapsed_s"]))
         print(json.dumps({"contender": rows[-1][0], **r}), flush=True)

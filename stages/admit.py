@@ -1,8 +1,13 @@
 """admit: queue limits and in-flight counts.
 
 A request that will be refused is refused here, with its HTTP status, before the
-response starts: too many requests in flight (503, like vLLM's overload answer), or a
-request that could never fit in the whole KV cache (400).
+response starts: too many requests admitted (503 with Retry-After, like vLLM's overload
+answer), the server shutting down (503), or a request that could never fit in the whole
+KV cache (400).
+
+The limit counts admitted requests: from here until emit has sent their last byte
+(stages/replies.py). At most ``--max-num-seqs`` of them run; the rest wait in schedule,
+so ``max_admitted = --max-num-seqs + --max-queued-requests`` bounds the queue.
 """
 from __future__ import annotations
 
@@ -22,12 +27,34 @@ class Accepted:
     stream: bool
 
 
+def overloaded(max_admitted: int) -> RequestError:
+    return RequestError(f"The server is overloaded: {max_admitted} requests are already running "
+                        "or queued. Retry later.", status=503, type="server_overloaded",
+                        code="server_overloaded")
+
+
+def shutting_down() -> RequestError:
+    return RequestError("The server is shutting down and accepts no new requests.", status=503,
+                        type="server_unavailable", code="server_shutting_down")
+
+
 class Admission:
-    def __init__(self, *, max_in_flight: int, kv_capacity_tokens: int,
-                 in_flight: Callable[[], int]) -> None:
-        self.max_in_flight = max_in_flight
+    """The pure core. ``draining`` is set once, when the server starts shutting down."""
+
+    def __init__(self, *, max_admitted: int, kv_capacity_tokens: int,
+                 admitted: Callable[[], int]) -> None:
+        self.max_admitted = max_admitted
         self.kv_capacity_tokens = kv_capacity_tokens
-        self.in_flight = in_flight
+        self.admitted = admitted
+        self.draining = False
+
+    def refusal(self) -> RequestError | None:
+        """What any new request would get now, whatever it asks for."""
+        if self.draining:
+            return shutting_down()
+        if self.admitted() >= self.max_admitted:
+            return overloaded(self.max_admitted)
+        return None
 
     def check(self, req: RenderedRequest) -> RequestError | None:
         need = len(req.prompt_token_ids) + req.sampling.max_tokens
@@ -36,11 +63,7 @@ class Admission:
                 f"The request needs up to {need} tokens of KV cache (prompt plus max_tokens), "
                 f"more than the whole cache holds ({self.kv_capacity_tokens}). Reduce max_tokens "
                 "or the prompt, or start the server with a larger KV cache.", param="max_tokens")
-        if self.in_flight() > self.max_in_flight:
-            return RequestError(f"The server is overloaded: more than {self.max_in_flight} requests "
-                                "in flight. Retry later.", status=503, type="server_overloaded",
-                                code="server_overloaded")
-        return None
+        return self.refusal()
 
 
 async def run(receive: trio.MemoryReceiveChannel, schedule: trio.MemorySendChannel,
@@ -48,7 +71,9 @@ async def run(receive: trio.MemoryReceiveChannel, schedule: trio.MemorySendChann
     async with receive, schedule:
         async for req in receive:
             if not replies.is_open(req.request_id):
-                replies.release(req.request_id)  # the client left while it was rendered
+                if log is not None:
+                    log("dropped", request_id=req.request_id)  # the client left while it was rendered
+                replies.release(req.request_id)
                 continue
             err = core.check(req)
             if err is not None:
@@ -57,7 +82,9 @@ async def run(receive: trio.MemoryReceiveChannel, schedule: trio.MemorySendChann
                 replies.send(req.request_id, err)
                 replies.release(req.request_id)
                 continue
-            # schedule's inbox is sized to hold every admitted request: never blocks long.
+            # schedule's inbox is sized to hold every admitted request: the send puts the
+            # request in before it can yield, so an Abort can never overtake it.
+            replies.admit(req.request_id)
             await schedule.send(req)
             replies.send(req.request_id, Accepted(req.request_id, req.stream))
             if log is not None:

@@ -42,8 +42,11 @@ class Step:
 # -- the scheduler's inbox: admitted requests arrive with control messages ---------------
 @attrs.frozen
 class Abort:
-    """The client went away (or the server is shutting down): drop the request."""
+    """The client went away: drop the request. With an ``error`` (the server is shutting
+    down while the client still reads) the request finishes with FinishReason.ERROR, so its
+    reply ends with that error instead of nothing."""
     request_id: str
+    error: str | None = None
 
 
 @attrs.frozen
@@ -363,7 +366,10 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
         if isinstance(msg, RenderedRequest):
             scheduler.add(msg)
         elif isinstance(msg, Abort):
-            scheduler.finish(msg.request_id, FinishReason.ABORT)
+            if msg.error is None:
+                scheduler.finish(msg.request_id, FinishReason.ABORT)
+            else:
+                scheduler.finish(msg.request_id, FinishReason.ERROR, msg.error)
         elif isinstance(msg, FinishRequest):
             scheduler.finish(msg.request_id, FinishReason.STOP, index=msg.index)
         else:

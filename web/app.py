@@ -1,7 +1,9 @@
 """The HTTP edge: a Quart (quart-trio) app over an Engine.
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses;
-GET /v1/models, /health, /metrics. Every error is OpenAI-shaped JSON.
+GET /v1/models, /health, /metrics, /version. Every error is OpenAI-shaped JSON; every
+503 (overload, shutdown, a stopped engine) carries Retry-After. API keys and CORS wrap
+the app at the ASGI level (web/access.py); AppConfig holds the server's own settings.
 
 Disconnect is cancellation: when the client goes away quart-trio cancels the
 request's task; the SSE generator's `finally` (and, as a net for a reply whose
@@ -17,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import orjson
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,6 +30,7 @@ from werkzeug.exceptions import HTTPException
 
 from stages import render
 from stages.api.protocol import RequestError, unstructure
+from web import access
 from web.metrics import EngineCollector
 
 log = logging.getLogger("tailrace.web")
@@ -38,6 +42,33 @@ _API_ROUTES = {
 }
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _REPLIES_KEY = "tailrace.replies"
+_PROMPT_FIELDS = ("messages", "prompt", "input")      # what a request log line shows
+RETRY_AFTER_S = 1
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+
+
+def _non_negative(inst, attribute, value):
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must not be negative, got {value}")
+
+
+def _positive(inst, attribute, value):
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+@attrs.frozen
+class AppConfig:
+    """The HTTP server's own settings (the engine's are pipeline.config.EngineConfig)."""
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, repr=False)
+    allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # (): no CORS
+    allowed_methods: tuple[str, ...] = attrs.field(default=("*",), converter=tuple)
+    allowed_headers: tuple[str, ...] = attrs.field(default=("*",), converter=tuple)
+    allow_credentials: bool = False
+    max_request_body_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                              validator=_positive)
+    enable_log_requests: bool = False
+    max_log_len: int | None = attrs.field(default=None, validator=_non_negative)
 
 
 def error_response(message: str, status: int, *, type: str = "invalid_request_error",
@@ -49,8 +80,20 @@ def error_response(message: str, status: int, *, type: str = "invalid_request_er
 
 def _json_error(err: RequestError, request_id: str | None = None) -> Response:
     headers = {"x-request-id": request_id} if request_id else {}
+    if err.status == 503:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
     return Response(orjson.dumps(err.to_dict()), status=err.status,
                     content_type="application/json", headers=headers)
+
+
+def _prompt_preview(body: object, max_len: int | None) -> str:
+    """The prompt part of a request body for a log line, cut to max_len characters."""
+    if not isinstance(body, dict):
+        return "(not an object)"
+    text = orjson.dumps({k: body[k] for k in _PROMPT_FIELDS if k in body}).decode()
+    if max_len is not None and len(text) > max_len:
+        return f"{text[:max_len]}... ({len(text) - max_len} more characters)"
+    return text
 
 
 def _request_id() -> str:
@@ -66,15 +109,31 @@ async def _close_quietly(reply: Any) -> None:
 
 
 def _guard_replies(asgi_app: Callable) -> Callable:
-    """ASGI wrapper: whatever ends an HTTP request, close every Reply it opened."""
+    """ASGI wrapper: whatever ends an HTTP request, close every Reply it opened; and let
+    the last body message finish.
+
+    Hypercorn handles that last message all the way down to closing the socket (a
+    ``Connection: close`` request, an HTTP/1.0 client) or arming the keep-alive timer,
+    and on the way it tells quart-trio the request is over, whose watcher then cancels
+    the very task doing it: the socket stayed open until the client gave up, and a client
+    reading to the end of a close-delimited stream waited forever. Shielding that one
+    message lets it complete (Hypercorn already shields each write of the bytes)."""
 
     async def guarded(scope, receive, send):
         if scope["type"] != "http":
             return await asgi_app(scope, receive, send)
+
+        async def send_last_shielded(message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
         replies: list = []
         scope[_REPLIES_KEY] = replies
         try:
-            await asgi_app(scope, receive, send)
+            await asgi_app(scope, receive, send_last_shielded)
         finally:
             for reply in replies:
                 await _close_quietly(reply)
@@ -82,11 +141,26 @@ def _guard_replies(asgi_app: Callable) -> Callable:
     return guarded
 
 
-def create_app(engine: Any) -> QuartTrio:
+def _wrap(asgi_app: Callable, config: AppConfig) -> Callable:
+    asgi_app = _guard_replies(asgi_app)
+    if config.api_keys:
+        asgi_app = access.require_api_key(asgi_app, config.api_keys)
+    if config.allowed_origins:
+        asgi_app = access.allow_cors(asgi_app, origins=config.allowed_origins,
+                                     methods=config.allowed_methods,
+                                     headers=config.allowed_headers,
+                                     credentials=config.allow_credentials)
+    return asgi_app
+
+
+def create_app(engine: Any, config: AppConfig = AppConfig()) -> QuartTrio:
     """The app for one running engine (see pipeline.engine.open_engine): the engine
     outlives the app, so serving it neither starts nor stops the engine."""
     app = QuartTrio("tailrace")
-    app.asgi_app = _guard_replies(app.asgi_app)
+    # Quart refuses a larger body with 413 as soon as its Content-Length (or, chunked, the
+    # bytes so far) passes the limit, without reading the rest.
+    app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
+    app.asgi_app = _wrap(app.asgi_app, config)
     started_at = int(time.time())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine))
@@ -103,6 +177,9 @@ def create_app(engine: Any) -> QuartTrio:
         except orjson.JSONDecodeError as exc:
             return error_response(f"We could not parse the JSON body of your request: {exc}",
                                   400, request_id=request_id)
+        if config.enable_log_requests:
+            log.info("request %s (%s): %s", request_id, api,
+                     _prompt_preview(body, config.max_log_len))
         try:
             reply = await engine.submit(api, body, request_id)
         except RequestError as err:
@@ -165,7 +242,10 @@ def create_app(engine: Any) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(b"", status=200)   # the app exists only for a running engine
+        # 503 once the server drains for shutdown or the engine has stopped
+        if engine.healthy:
+            return Response(b"", status=200)
+        return Response(b"", status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/version")
     async def version() -> Response:
@@ -188,6 +268,10 @@ def create_app(engine: Any) -> QuartTrio:
             kind = "not_found_error"
         elif exc.code == 405:
             message = f"Method not allowed ({request.method} {request.path})."
+            kind = "invalid_request_error"
+        elif exc.code == 413:
+            message = (f"The request body is larger than this server accepts "
+                       f"({config.max_request_body_bytes} bytes).")
             kind = "invalid_request_error"
         else:
             message = exc.description or exc.name

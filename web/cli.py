@@ -8,25 +8,49 @@ one machine-readable line on stdout:
 
     tailrace: listening on http://127.0.0.1:8000
 
-(with the real port when --port 0 was given). SIGINT/SIGTERM shut down
-gracefully; a second signal stops at once (a signal during the load stops it).
+(with the real port when --port 0 was given).
+
+Shutdown (docs/reliability.md): the first SIGINT/SIGTERM drains: new requests and
+/health get 503 while the requests in flight run on, for up to --graceful-timeout
+seconds; a second signal, or the timeout, ends those left with an in-band error (an
+error chunk and [DONE], or a 500 body) and frees their KV blocks; then the server stops
+and exits 0. A third signal, or one while the model loads, stops at once.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
 import sys
+import weakref
 from collections.abc import Sequence
 from functools import partial
 
-from pipeline.config import add_engine_arguments, engine_config
+from pipeline.config import add_engine_arguments, byte_size, engine_config
+from web.access import api_keys
+from web.app import DEFAULT_MAX_REQUEST_BODY_BYTES, AppConfig
 
 log = logging.getLogger("tailrace")
 
 LISTENING_PREFIX = "tailrace: listening on "
-GRACEFUL_TIMEOUT_S = 5.0
+GRACEFUL_TIMEOUT_S = 20.0   # leaves room under Kubernetes' default 30 s before SIGKILL
+ABORT_TIMEOUT_S = 5.0       # for aborted requests to reach their readers (one engine step)
+FLUSH_TIMEOUT_S = 2.0       # for Hypercorn to write the last bytes once every reply has ended
+SHUTDOWN_MESSAGE = "The server is shutting down: this request was stopped before it finished."
+
+
+def string_list(text: str) -> list[str]:
+    """vLLM's JSON list (``'["https://a.example", "https://b.example"]'``), or a plain
+    comma-separated list."""
+    if text.lstrip().startswith("["):
+        value = json.loads(text)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
@@ -38,6 +62,44 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"),
                    help="Log level of the server and Hypercorn (default: %(default)s).")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="Require 'Authorization: Bearer KEY' (one of these keys) on every route "
+                        "but /health, /metrics and /version. Default: the TAILRACE_API_KEY or "
+                        "VLLM_API_KEY environment variable, which keeps the key out of the "
+                        "process list; none: no key needed.")
+    p.add_argument("--allowed-origins", type=string_list, default=None, metavar="JSON",
+                   help="CORS: origins allowed to call the API, a JSON list as vLLM takes it "
+                        "('[\"*\"]' for any) or comma-separated. Default: no CORS headers at all.")
+    p.add_argument("--allowed-methods", type=string_list, default=["*"], metavar="JSON",
+                   help="CORS: methods allowed (default: any), with --allowed-origins.")
+    p.add_argument("--allowed-headers", type=string_list, default=["*"], metavar="JSON",
+                   help="CORS: request headers allowed (default: any), with --allowed-origins.")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies, Authorization), with --allowed-origins.")
+    p.add_argument("--max-request-body-bytes", type=byte_size,
+                   default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
+                   help="Refuse a larger request body with 413 before reading it whole "
+                        "(default: 32MiB).")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="Log one line per request with its prompt (see --max-log-len).")
+    p.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="Show at most N characters of a prompt in a log line (default: all).")
+    p.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="On SIGTERM/SIGINT, how long requests in flight may run on before "
+                        "they are ended with an error (default: %(default)s).")
+
+
+def app_config(args: argparse.Namespace) -> AppConfig:
+    """The server's settings from its flags; ValueError for a bad value."""
+    if args.graceful_timeout < 0:
+        raise ValueError(f"--graceful-timeout must not be negative, got {args.graceful_timeout}")
+    return AppConfig(api_keys=api_keys(args.api_key),
+                     allowed_origins=args.allowed_origins or (),
+                     allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+                     allow_credentials=args.allow_credentials,
+                     max_request_body_bytes=args.max_request_body_bytes,
+                     enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
 
 
 def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
@@ -90,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         config = engine_config(args)
+        web_config = app_config(args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(),
@@ -109,19 +172,17 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             pick_device(config.device)
         except ValueError as exc:
             parser.error(str(exc))
-        return trio.run(partial(serve_model, config, sock, log_level=args.log_level))
+        return trio.run(partial(serve_model, config, sock, app_config=web_config,
+                                log_level=args.log_level,
+                                graceful_timeout=args.graceful_timeout))
     except Exception as exc:  # start-up failures (model), or the engine crashed
-        log.error("tailrace serve failed: %s", _describe(exc))
+        from pipeline.engine import describe
+
+        log.error("tailrace serve failed: %s", describe(exc))
         log.debug("details", exc_info=True)
         return 1
     finally:
         sock.close()          # a no-op once Hypercorn has taken it
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        return _describe(exc.exceptions[0])
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _bind(host: str, port: int) -> str:
@@ -137,7 +198,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_model(config, sock: socket.socket, *, log_level: str = "info",
+async def serve_model(config, sock: socket.socket, *, app_config: AppConfig = AppConfig(),
+                      log_level: str = "info", graceful_timeout: float = GRACEFUL_TIMEOUT_S,
                       task_status=None) -> int:
     """Load the model and start the engine, then serve it on `sock` until SIGINT/SIGTERM.
     0 on a clean shutdown; an engine crash propagates (as an exception group)."""
@@ -145,13 +207,14 @@ async def serve_model(config, sock: socket.socket, *, log_level: str = "info",
 
     from pipeline.engine import open_engine
 
-    shutdown, serving = trio.Event(), trio.Event()
+    shutdown, abort, serving = trio.Event(), trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
-        await nursery.start(_watch_signals, shutdown, serving, nursery.cancel_scope)
+        await nursery.start(_watch_signals, shutdown, abort, serving, nursery.cancel_scope)
         async with open_engine(config) as engine:
             async with trio.open_nursery() as server:
-                binds = await server.start(partial(serve, engine, sock, log_level=log_level,
-                                                   shutdown=shutdown))
+                binds = await server.start(partial(
+                    serve, engine, sock, app_config=app_config, log_level=log_level,
+                    graceful_timeout=graceful_timeout, shutdown=shutdown, abort=abort))
                 serving.set()
                 if task_status is not None:
                     task_status.started(binds)
@@ -159,10 +222,11 @@ async def serve_model(config, sock: socket.socket, *, log_level: str = "info",
     return 0
 
 
-async def serve(engine, sock: socket.socket, *, log_level: str = "info", shutdown=None,
-                task_status=None) -> None:
+async def serve(engine, sock: socket.socket, *, app_config: AppConfig = AppConfig(),
+                log_level: str = "info", graceful_timeout: float = GRACEFUL_TIMEOUT_S,
+                shutdown=None, abort=None, task_status=None) -> None:
     """Serve the app of a running engine on a listening socket (listen_socket) until
-    `shutdown` is set, then drain for GRACEFUL_TIMEOUT_S. Prints the listening line."""
+    `shutdown` is set, then drain (see drain) and stop. Prints the listening line."""
     import hypercorn.trio
     import trio
     from hypercorn.config import Config
@@ -172,33 +236,113 @@ async def serve(engine, sock: socket.socket, *, log_level: str = "info", shutdow
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]   # Hypercorn owns the socket from here
     config.loglevel = log_level.upper()
-    config.graceful_timeout = GRACEFUL_TIMEOUT_S
+    config.graceful_timeout = FLUSH_TIMEOUT_S
+    connections = _track_connections(config)
     shutdown = shutdown if shutdown is not None else trio.Event()
-    app = create_app(engine)
+    abort = abort if abort is not None else trio.Event()
+    stop = trio.Event()
+    app = create_app(engine, app_config)
+    hypercorn_done = trio.Event()
+
+    async def run_hypercorn(task_status) -> None:
+        try:
+            await hypercorn.trio.serve(app, config, shutdown_trigger=stop.wait,
+                                       task_status=task_status)
+        finally:
+            hypercorn_done.set()
+
+    async def close_stragglers() -> None:
+        # Hypercorn gives its connections FLUSH_TIMEOUT_S once it stops (or is cancelled),
+        # but a write to a client that stopped reading (its buffers full) is shielded from
+        # that cancellation and would never end: close the sockets still open after it.
+        try:
+            await stop.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(FLUSH_TIMEOUT_S + 1):
+                    await hypercorn_done.wait()
+                if not hypercorn_done.is_set():
+                    log.warning("closing %d connections whose clients stopped reading",
+                                len(connections))
+                    for stream in list(connections):
+                        stream.socket.close()
+
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(hypercorn.trio.serve, app, config,
-                                            shutdown_trigger=shutdown.wait))
+        binds = await nursery.start(run_hypercorn)
+        nursery.start_soon(close_stragglers)
         for bind in binds:
             print(f"{LISTENING_PREFIX}{bind}", flush=True)
         if task_status is not None:
             task_status.started(binds)
+        await shutdown.wait()
+        await drain(engine, graceful_timeout, abort)
+        stop.set()       # Hypercorn stops listening and closes the connections
 
 
-async def _watch_signals(shutdown, serving, scope, *, task_status) -> None:
-    """First signal: a graceful shutdown (or, while the model loads, stop at once);
-    a second: stop at once."""
+def _track_connections(config) -> weakref.WeakSet:
+    """The client streams of the Hypercorn server run with `config`, so that shutdown can
+    close the ones left (see serve). Hypercorn's trio worker makes a TCPServer per
+    connection; ours also files its stream here."""
+    from hypercorn.trio import run, tcp_server
+
+    class TrackedTCPServer(tcp_server.TCPServer):
+        def __init__(self, app, config, context, state, stream) -> None:
+            super().__init__(app, config, context, state, stream)
+            tracked = getattr(config, "tailrace_connections", None)
+            if tracked is not None:
+                tracked.add(stream)
+
+    if not getattr(run.TCPServer, "tailrace_tracked", False):
+        TrackedTCPServer.tailrace_tracked = True
+        run.TCPServer = TrackedTCPServer
+    config.tailrace_connections = weakref.WeakSet()
+    return config.tailrace_connections
+
+
+async def drain(engine, timeout: float, abort) -> None:
+    """Refuse new requests (503, /health 503) but keep the socket open, and let those in
+    flight finish, for up to `timeout` seconds or until `abort` is set; then end the rest
+    with an in-band error, which frees their KV blocks."""
+    import trio
+
+    engine.begin_drain()
+    in_flight = len(engine.replies)
+    log.info("draining %d requests in flight, for up to %gs", in_flight, timeout)
+    with trio.move_on_after(timeout):
+        async with trio.open_nursery() as waiting:
+            async def on_abort() -> None:
+                await abort.wait()
+                waiting.cancel_scope.cancel()
+
+            waiting.start_soon(on_abort)
+            await engine.wait_idle()
+            waiting.cancel_scope.cancel()
+    if len(engine.replies):
+        log.warning("ending the %d requests still in flight", len(engine.replies))
+        engine.abort_all(SHUTDOWN_MESSAGE)
+        with trio.move_on_after(ABORT_TIMEOUT_S):
+            await engine.wait_idle()
+
+
+async def _watch_signals(shutdown, abort, serving, scope, *, task_status) -> None:
+    """First signal: a graceful shutdown (while the model loads: stop at once); a second:
+    end the requests still in flight; a third: stop at once."""
     import trio
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
         async for signum in signals:
             name = signal.Signals(signum).name
-            if shutdown.is_set() or not serving.is_set():
+            if abort.is_set() or not serving.is_set():
                 log.warning("%s: stopping now", name)
                 scope.cancel()
                 return
-            log.info("%s: shutting down gracefully", name)
-            shutdown.set()
+            if shutdown.is_set():
+                log.warning("%s: ending the requests still in flight", name)
+                abort.set()
+            else:
+                log.info("%s: shutting down gracefully", name)
+                shutdown.set()
 
 
 if __name__ == "__main__":

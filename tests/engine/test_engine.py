@@ -1,6 +1,8 @@
 """The whole engine (eight stages, real SmolLM2 weights) without HTTP."""
 from __future__ import annotations
 
+import contextlib
+
 import orjson
 import pytest
 import torch
@@ -9,6 +11,7 @@ import trio
 from gpu.attention_dense import DenseCausalAttention
 from gpu.runner import SeqChunk, SeqStart, StepPlan
 from gpu.sampler import SamplingOptions
+import pipeline.engine
 from pipeline.config import EngineConfig
 from pipeline.engine import Engine, open_engine
 from pipeline.events import read_events
@@ -222,7 +225,7 @@ async def test_clients_that_leave_at_once_cannot_overflow_the_scheduler(smollm):
     schedule's inbox never overflow, and overload is refused with 503."""
     import time as _time
 
-    async with engine_of(smollm, max_num_seqs=1, max_waiting=1) as engine:
+    async with engine_of(smollm, max_num_seqs=1, max_queued_requests=1) as engine:
         real = engine.runner.execute
 
         def slow(plan):
@@ -286,18 +289,39 @@ async def test_logprobs_chat_and_completions(smollm):
     assert offsets == sorted(offsets) and offsets[0] == 0
 
 
-async def test_a_crashed_stage_ends_the_engine_block_with_its_error(smollm):
-    """open_engine's stages run in its own nursery: one that raises cancels the body
-    (here a request waiting for its reply) and the error comes out of the block."""
+async def test_a_crashed_stage_stops_the_engine_cleanly(smollm):
+    """A stage that raises stops the engine: the request in flight ends with an error
+    instead of hanging, new requests get 503, and the stage's error comes out of the
+    block once the body is done."""
     with trio.fail_after(30), pytest.raises(BaseExceptionGroup) as info:
         async with engine_of(smollm) as engine:
             def broken():
                 raise RuntimeError("scheduler bug")
 
             engine.scheduler.schedule = broken
-            reply = await engine.submit("completions", {"prompt": "Hello", "max_tokens": 4})
-            await reply.read()
-            pytest.fail("the body should have been cancelled")
+            reply = await engine.submit("completions", {"prompt": "Hello", "max_tokens": 4,
+                                                        "stream": True})
+            body = await reply.read()
+            assert reply.status == 500 and body.endswith(b"data: [DONE]\n\n")
+            assert b"scheduler bug" in body
+            assert not engine.healthy
+            with pytest.raises(RequestError) as refused:
+                await engine.submit("completions", {"prompt": "Hello", "max_tokens": 4})
+            assert refused.value.status == 503
+    assert info.group_contains(RuntimeError, match="scheduler bug")
+
+
+async def test_a_crashed_stage_cancels_a_body_that_does_not_finish(smollm, monkeypatch):
+    monkeypatch.setattr(pipeline.engine, "STOP_GRACE_S", 0.2)
+    with trio.fail_after(30), pytest.raises(BaseExceptionGroup) as info:
+        async with engine_of(smollm) as engine:
+            def broken():
+                raise RuntimeError("scheduler bug")
+
+            engine.scheduler.schedule = broken
+            with contextlib.suppress(RequestError):
+                await engine.submit("completions", {"prompt": "Hello", "max_tokens": 4})
+            await trio.sleep_forever()
     assert info.group_contains(RuntimeError, match="scheduler bug")
 
 

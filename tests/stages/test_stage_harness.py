@@ -44,7 +44,7 @@ async def test_admit_stage_forwards_and_refuses():
     replies = Replies(8)
     chans = {rid: replies.open(rid) for rid in ("ok", "huge", "gone")}
     replies.detach("gone")
-    core = Admission(max_in_flight=10, kv_capacity_tokens=32, in_flight=lambda: len(replies))
+    core = Admission(max_admitted=10, kv_capacity_tokens=32, admitted=lambda: replies.num_admitted)
     reqs = [rendered("ok"), rendered("huge", prompt=range(30)), rendered("gone")]
     out = await run_stage(admit.run, inputs={"receive": reqs}, outputs=("schedule",),
                           replies=replies, core=core)
@@ -55,14 +55,30 @@ async def test_admit_stage_forwards_and_refuses():
 
 
 async def test_admit_refuses_when_overloaded():
+    """The limit counts admitted requests: ones still being rendered do not take a slot."""
     replies = Replies(8)
-    chans = {rid: replies.open(rid) for rid in ("a", "b", "c")}
-    core = Admission(max_in_flight=2, kv_capacity_tokens=1000, in_flight=lambda: len(replies))
-    out = await run_stage(admit.run, inputs={"receive": [rendered("c")]}, outputs=("schedule",),
-                          replies=replies, core=core)
-    assert out["schedule"] == []
+    chans = {rid: replies.open(rid) for rid in ("a", "b", "c", "d")}
+    core = Admission(max_admitted=2, kv_capacity_tokens=1000, admitted=lambda: replies.num_admitted)
+    out = await run_stage(admit.run, inputs={"receive": [rendered(r) for r in "abc"]},
+                          outputs=("schedule",), replies=replies, core=core)
+    assert [r.request_id for r in out["schedule"]] == ["a", "b"]
+    assert replies.num_admitted == 2 and "c" not in replies
     err = chans["c"].receive_nowait()
     assert isinstance(err, RequestError) and err.status == 503 and err.code == "server_overloaded"
+    replies.release("a")                       # emit let go of one: its slot is free again
+    assert replies.num_admitted == 1 and core.refusal() is None
+
+
+async def test_admit_refuses_everything_once_draining():
+    replies = Replies(8)
+    chan = replies.open("a")
+    core = Admission(max_admitted=2, kv_capacity_tokens=1000, admitted=lambda: replies.num_admitted)
+    core.draining = True
+    out = await run_stage(admit.run, inputs={"receive": [rendered("a")]}, outputs=("schedule",),
+                          replies=replies, core=core)
+    assert out["schedule"] == []
+    err = chan.receive_nowait()
+    assert err.status == 503 and err.code == "server_shutting_down"
 
 
 # -- schedule + gpu step ---------------------------------------------------------------------

@@ -56,6 +56,18 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.replies: list[FakeReply] = []
+        self.healthy = True
+
+    def begin_drain(self) -> None:
+        self.healthy = False
+
+    async def wait_idle(self) -> None:
+        while any(not r.finished for r in self.replies):
+            await trio.sleep(0.01)
+
+    def abort_all(self, message: str) -> None:
+        for reply in self.replies:
+            reply.finished = True
 
     async def submit(self, api, body, request_id=None):
         if not isinstance(body, dict):

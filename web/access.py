@@ -1,0 +1,84 @@
+"""Access control at the ASGI edge: API keys and CORS, outside the Quart app.
+
+Both wrap the ASGI callable, so they see every request before routing and answer without
+reading its body:
+
+    CORS (only with --allowed-origins)  ->  API key (only with a key)  ->  the app
+
+CORS sits outside so that a browser's preflight (an OPTIONS without credentials) is
+answered without a key and a 401 still carries the CORS headers the browser needs to
+read it. The CORS rules are Starlette's CORSMiddleware, the one vLLM installs, with
+vLLM's flags and defaults.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Callable, Sequence
+
+import orjson
+
+from stages.api.protocol import RequestError
+
+API_KEY_ENVS = ("TAILRACE_API_KEY", "VLLM_API_KEY")
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def api_keys(flag: Sequence[str] | None, environ=os.environ) -> tuple[str, ...]:
+    """The keys to require: --api-key, else TAILRACE_API_KEY, else VLLM_API_KEY."""
+    if flag:
+        return tuple(flag)
+    for name in API_KEY_ENVS:
+        if environ.get(name):
+            return (environ[name],)
+    return ()
+
+
+def _header(scope: dict, name: bytes) -> bytes:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return b""
+
+
+async def send_error(send: Callable, err: RequestError, headers: Sequence[tuple[bytes, bytes]] = ()
+                     ) -> None:
+    """An OpenAI error as a whole ASGI response."""
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), *headers]})
+    await send({"type": "http.response.body", "body": orjson.dumps(err.to_dict())})
+
+
+def require_api_key(app: Callable, keys: Sequence[str]) -> Callable:
+    """Every path but OPEN_PATHS needs ``Authorization: Bearer KEY`` with one of `keys`.
+
+    Each given token is compared with every key in constant time (hmac.compare_digest),
+    so neither which key nor how much of one matched shows in the timing. Neither the
+    given token nor a key ever goes into a reply or a log line."""
+    expected = [key.encode() for key in keys]
+
+    def authorized(scope: dict) -> bool:
+        scheme, _, token = _header(scope, b"authorization").partition(b" ")
+        token = token.strip()
+        matches = [hmac.compare_digest(token, key) for key in expected]   # no short-circuit
+        return scheme.lower() == b"bearer" and any(matches)
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not authorized(scope):
+            err = RequestError("Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                               status=401, code="invalid_api_key")
+            await send_error(send, err, [(b"www-authenticate", b"Bearer")])
+            return
+        await app(scope, receive, send)
+
+    return guarded
+
+
+def allow_cors(app: Callable, *, origins: Sequence[str], methods: Sequence[str] = ("*",),
+               headers: Sequence[str] = ("*",), credentials: bool = False) -> Callable:
+    """vLLM's CORS: Starlette's middleware with --allowed-origins/-methods/-headers and
+    --allow-credentials (vLLM's defaults: every method and header)."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(app, allow_origins=list(origins), allow_methods=list(methods),
+                          allow_headers=list(headers), allow_credentials=credentials)
