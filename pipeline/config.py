@@ -82,6 +82,7 @@ class EngineConfig:
     tokenizer: str | None = None              # .gguf file or HF directory; None: the model's
     simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS: a timed stand-in
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(GPUS))))
+    skip_tokenizer_init: bool = False         # serve token ids only, without a tokenizer
     fault_steps: str = attrs.field(default="", validator=_fault_steps)   # tests only: "3,7:fatal"
 
     def __attrs_post_init__(self) -> None:
@@ -207,6 +208,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="Every stream reports usage: on each chunk (usage so far) and in a "
                         "final usage chunk, whatever its stream_options say.")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="Start without a tokenizer: prompts are token ids (completions, or "
+                        "chat's kv_transfer_params.prompt_token_ids) and replies carry token "
+                        "ids, no text.")
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="Each reply carries a `metrics` object with the request's own timings "
                         "(on the body, or on the usage chunk of a stream; not when n > 1).")

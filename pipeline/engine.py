@@ -253,6 +253,8 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
         tok = load_tokenizer(cfg.tokenizer)
         loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
             tok, loaded.config, loaded.generation_config))
+    if cfg.skip_tokenizer_init:
+        loaded = attrs.evolve(loaded, tokenizer=None)
     mc = loaded.config
     model_names = tuple(cfg.served_model_name) or (loaded.name,)
     max_model_len = cfg.max_model_len or min(loaded.max_model_len, mc.max_position_embeddings)

@@ -16,7 +16,7 @@ import jinja2
 from gpu.grammar import Constraint
 from gpu.sampler import SamplingOptions
 from stages.api import chat, completions, responses
-from stages.api.protocol import (ChatCompletionRequest, CompletionRequest,
+from stages.api.protocol import (ChatCompletionRequest, ChoiceRequest, CompletionRequest,
                                  DetokenizeRequest, DetokenizeResponse, PromptPlan,
                                  RequestError, ResponsesRequest, SamplingRequest,
                                  TokenizeRequest, TokenizeResponse, ToolPlan, ToolSettings,
@@ -109,6 +109,8 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
     if api is None:
         raise RequestError(f"Unknown API {sub.api!r}.", status=404, type="not_found_error")
     req = parse_request(sub.body, api.request)
+    if ctx.tokenizer is None and isinstance(req, ChoiceRequest):
+        req = attrs.evolve(req, return_token_ids=True)   # no text to send: send the ids
     model = _resolve_model(req.model, ctx)
     plan = api.plan(req, reasoning_parser=ctx.reasoning, tools=ctx.tools)
     sampling = _sampling_options(req, plan, ctx)
@@ -223,8 +225,9 @@ def _prompt_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
                                f"(ids are in [0, {vocab})).", param=param)
         return _truncated(list(plan.token_ids), plan, ctx)
     if ctx.tokenizer is None:
-        raise RequestError("This model was loaded without a tokenizer: only /v1/completions "
-                           "with a prompt of token ids is served.", param="prompt")
+        raise RequestError("This server has no tokenizer: prompts must be token ids "
+                           "(/v1/completions with a prompt of token ids, or chat with "
+                           "kv_transfer_params.prompt_token_ids).", param=plan.prompt_param)
     if plan.messages is not None:
         text = _apply_template(ctx, plan)
     else:

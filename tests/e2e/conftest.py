@@ -129,6 +129,12 @@ def tools_client(tools_server):
 
 
 @pytest.fixture(scope="session")
+def tokenless_server(tmp_path_factory) -> Server:
+    """--skip-tokenizer-init: token ids in, token ids out."""
+    yield from _serve(tmp_path_factory.mktemp("e2e-tokenless-server"), "--skip-tokenizer-init")
+
+
+@pytest.fixture(scope="session")
 def client(server):
     import openai
 

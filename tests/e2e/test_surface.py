@@ -222,3 +222,22 @@ def test_n_choices_stream(client, model_name):
                                      max_tokens=5, n=2, temperature=1.0, seed=3,
                                      extra_body={"ignore_eos": True})
     assert [c.text for c in body.choices] == [texts[0], texts[1]]
+
+
+# -- --skip-tokenizer-init -----------------------------------------------------------------
+
+def test_skip_tokenizer_init_serves_token_ids(tokenless_server, tokenizer):
+    c = openai.OpenAI(base_url=tokenless_server.base_url, api_key="x", max_retries=0,
+                      timeout=120)
+    ids = tokenizer.encode("The capital of France is")
+    r = c.completions.create(model="", prompt=ids, max_tokens=4, temperature=0,
+                             extra_body={"ignore_eos": True})
+    out = r.choices[0].model_extra["token_ids"]
+    assert len(out) == 4 and r.choices[0].text == ""           # ids, and no text
+    chat = c.chat.completions.create(model="", messages=HELLO, max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True,
+                                                 "kv_transfer_params": {"prompt_token_ids": ids}})
+    assert chat.choices[0].model_extra["token_ids"] == out
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="", messages=HELLO, max_tokens=4)
+    assert "token ids" in info.value.message
