@@ -14,7 +14,8 @@ import torch
 
 from gpu.attention import AttentionMetadata, KVCache, TorchPagedAttention
 from gpu.grammar import Guide, accept, mask_logits
-from gpu.sampler import SamplingOptions, SeqSamplingState, sample, sample_on_device, token_logprobs
+from gpu.sampler import (SamplingOptions, SeqSamplingState, apply_logit_controls, sample,
+                         sample_on_device, token_logprobs)
 
 
 @attrs.frozen
@@ -123,6 +124,7 @@ class ModelRunner:
             states = [self.states[s] for s in seq_ids]
             want = [i for i, st in enumerate(states) if st.opts.logprobs is not None]
             raw = torch.log_softmax(logits[want].float(), dim=-1) if want else None  # before sampling edits
+            logits = apply_logit_controls(logits, states)   # logit_bias, allowed ids, bad words
             matchers = [st.guide for st in states]
             constrained = any(m is not None for m in matchers)
             if self.use_triton:

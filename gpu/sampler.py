@@ -1,4 +1,4 @@
-"""Token sampling: penalties, temperature, top-k/top-p/min-p, min_tokens, logprobs.
+"""Token sampling: logit controls, penalties, temperature, top-k/top-p/min-p, min_tokens, logprobs.
 
 sample() is the host path (CPU): each sequence owns a torch.Generator seeded from its
 request seed (or from the engine's seed sequence), so a seeded request samples the same
@@ -24,6 +24,14 @@ class SamplingOptions:
     min_tokens: int = 0               # stop_token_ids are masked until this many outputs
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None       # None: off; k: the sampled token's logprob and the top k
+    # logit controls (apply_logit_controls): ids already checked against the vocabulary
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias in [-100, 100]) added
+    allowed_token_ids: tuple[int, ...] = ()          # non-empty: every other token is banned
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never completed
+
+    @property
+    def controls_logits(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -48,6 +56,69 @@ class SeqSamplingState:
         self.guide = None       # a gpu.grammar.Guide when the output is constrained
         if not opts.greedy:
             self.generator = torch.Generator().manual_seed(self.seed)
+
+
+def apply_logit_controls(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    """logit_bias, allowed_token_ids and bad_words for the whole batch, as vLLM applies
+    them: before penalties, temperature and the filters, after a grammar's bitmask, and
+    after the raw logprobs were taken (vLLM's default logprobs mode).
+
+    logits: [B, V], one row per state, on any device; edited in place when float32 (a
+    float32 copy otherwise) and returned. A batch where no row uses a control costs one
+    pass over the states' options. Otherwise the host builds one index tensor and one bias
+    tensor for the whole batch, and three or four indexed writes apply them:
+    - allowed_token_ids: the row's allowed logits are kept, the row is set to -inf, and
+      the kept logits are written back;
+    - bad_words: a one-token word is always banned; a longer word's last token is banned
+      when the row's output ends with the rest of the word (vLLM's rule);
+    - logit_bias: added with one index_put_(accumulate=True).
+    """
+    rows = [i for i, st in enumerate(states) if st.opts.controls_logits]
+    if not rows:
+        return logits
+    allow_rows: list[int] = []
+    allow_r: list[int] = []
+    allow_c: list[int] = []
+    ban_r: list[int] = []
+    ban_c: list[int] = []
+    bias_r: list[int] = []
+    bias_c: list[int] = []
+    bias_v: list[float] = []
+    for i in rows:
+        st = states[i]
+        o = st.opts
+        if o.allowed_token_ids:
+            allow_rows.append(i)
+            allow_r += [i] * len(o.allowed_token_ids)
+            allow_c += o.allowed_token_ids
+        out = st.output_ids
+        for word in o.bad_words_token_ids:
+            n = len(word) - 1
+            if n == 0 or (n <= len(out) and tuple(out[len(out) - n:]) == word[:n]):
+                ban_r.append(i)
+                ban_c.append(word[-1])
+        for tok, bias in o.logit_bias:
+            bias_r.append(i)
+            bias_c.append(tok)
+            bias_v.append(bias)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    dev = logits.device
+    # one upload for every index of the step
+    parts = (allow_rows, allow_r, allow_c, ban_r, ban_c, bias_r, bias_c)
+    flat = torch.tensor([x for p in parts for x in p], dtype=torch.int64, device=dev)
+    allow_rows_t, allow_r_t, allow_c_t, ban_r_t, ban_c_t, bias_r_t, bias_c_t = \
+        flat.split([len(p) for p in parts])
+    if allow_rows:
+        kept = logits[allow_r_t, allow_c_t]
+        logits.index_fill_(0, allow_rows_t, float("-inf"))
+        logits.index_put_((allow_r_t, allow_c_t), kept)
+    if ban_r:
+        logits.index_put_((ban_r_t, ban_c_t), torch.full((len(ban_r),), float("-inf"), device=dev))
+    if bias_r:
+        logits.index_put_((bias_r_t, bias_c_t),
+                          torch.tensor(bias_v, dtype=torch.float32, device=dev), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, state: SeqSamplingState) -> torch.Tensor:

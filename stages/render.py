@@ -212,7 +212,59 @@ def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext
         repetition_penalty=float(pick("repetition_penalty")),
         frequency_penalty=float(pick("frequency_penalty")),
         presence_penalty=float(pick("presence_penalty")),
-        min_tokens=req.min_tokens, stop_token_ids=stop_ids, logprobs=plan.logprobs)
+        min_tokens=req.min_tokens, stop_token_ids=stop_ids, logprobs=plan.logprobs,
+        **(_logit_controls(req, ctx) if isinstance(req, ChoiceRequest) else {}))
+
+
+LOGIT_BIAS_LIMIT = 100.0   # OpenAI's range; vLLM clamps a bias into it
+
+
+def _logit_controls(req: ChoiceRequest, ctx: RenderContext) -> dict[str, Any]:
+    """logit_bias, allowed_token_ids and bad_words as the sampler takes them: ids checked
+    against the vocabulary, biases clamped to [-100, 100], bad words tokenized."""
+    out: dict[str, Any] = {}
+    if not (req.logit_bias or req.allowed_token_ids or req.bad_words):
+        return out
+    vocab = ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
+
+    def check_vocab(ids, param: str) -> None:
+        bad = [t for t in ids if vocab is not None and t >= vocab]
+        if bad:
+            raise RequestError(f"'{param}' has token id {bad[0]}, which is out of vocabulary "
+                               f"(ids are in [0, {vocab})).", param=param)
+
+    if req.logit_bias:
+        bias = {int(k): min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(v)))
+                for k, v in req.logit_bias.items()}
+        check_vocab(bias, "logit_bias")
+        out["logit_bias"] = tuple(sorted(bias.items()))
+    if req.allowed_token_ids:
+        check_vocab(req.allowed_token_ids, "allowed_token_ids")
+        out["allowed_token_ids"] = tuple(sorted(set(req.allowed_token_ids)))
+    if req.bad_words:
+        if ctx.tokenizer is None:
+            raise RequestError("'bad_words' needs a tokenizer; this server was started "
+                               "without one.", param="bad_words")
+        words = bad_words_token_ids(req.bad_words, ctx.tokenizer)
+        check_vocab([t for w in words for t in w], "bad_words")
+        out["bad_words_token_ids"] = words
+    return out
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each word's tokens as it starts the text, and, as vLLM does, also as it follows a
+    space when that spelling is a different first token with as many tokens (so the
+    word is banned both at the start and in the middle of the text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        word = word.lstrip()
+        plain = tuple(tokenizer.encode(word, add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word, add_special_tokens=False))
+        variants = [plain]
+        if plain and len(spaced) == len(plain) and spaced[0] != plain[0]:
+            variants.append(spaced)
+        out += [ids for ids in variants if ids and ids not in out]
+    return tuple(out)
 
 
 def _prompt_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:

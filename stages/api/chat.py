@@ -33,9 +33,6 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
             raise RequestError("tool_choice \"required\" or a named function cannot be "
                                "combined with structured outputs.", param="tool_choice")
         constraint = tr.constraint
-    if req.logit_bias:
-        raise RequestError("'logit_bias' is not supported by this server yet.",
-                           param="logit_bias")
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise RequestError("'modalities' other than [\"text\"] are not supported.",
                            param="modalities")

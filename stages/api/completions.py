@@ -25,9 +25,6 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool, tools=None) -> Promp
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise RequestError(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got "
                            f"{req.logprobs}.", param="logprobs")
-    if req.logit_bias:
-        raise RequestError("'logit_bias' is not supported by this server yet.",
-                           param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise RequestError("'stream_options' is only allowed when 'stream' is true.",
                            param="stream_options")

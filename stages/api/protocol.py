@@ -230,6 +230,11 @@ def _at_least(lo: int):
     return check
 
 
+def _is_token_id(key: str) -> bool:
+    """A logit_bias key: a token id written as a decimal string, as OpenAI sends them."""
+    return key.isascii() and key.strip().isdigit()
+
+
 def _opt(validator=None, default=None, **kw):
     return attrs.field(default=default, validator=validator, kw_only=True, **kw)
 
@@ -430,7 +435,10 @@ class ChoiceRequest(SamplingRequest):
     frequency_penalty: float | None = _opt(_between(-2.0, 2.0))
     presence_penalty: float | None = _opt(_between(-2.0, 2.0))
     stream_options: StreamOptions | None = _opt()
-    logit_bias: dict[str, Any] | None = _opt()
+    # logit controls (render resolves them against the vocabulary and the tokenizer)
+    logit_bias: dict[str, float] | None = _opt()    # token id (a string) -> bias, clamped to ±100
+    allowed_token_ids: list[int] | None = _opt()    # sample only among these
+    bad_words: list[str] | None = _opt()            # words never generated
     max_tokens: int | None = _opt(_at_least(1))
     add_special_tokens: bool | None = _opt()
     metadata: dict[str, Any] | None = _opt()                     # ignored
@@ -457,11 +465,32 @@ class ChoiceRequest(SamplingRequest):
             raise _Invalid(f"must be -1 (max_model_len) or at least 0, got {value}.",
                            attribute.name)
 
+    @logit_bias.validator
+    def _logit_bias(self, attribute, value) -> None:
+        for key, bias in (value or {}).items():
+            if not _is_token_id(key):
+                raise _Invalid(f"keys must be token ids (non-negative integers as strings), "
+                               f"got {key!r}.", attribute.name)
+            if type(bias) not in (int, float) or not math.isfinite(bias):
+                raise _Invalid(f"values must be finite numbers, got {json_type(bias)} for "
+                               f"token {key}.", attribute.name)
+
+    @allowed_token_ids.validator
+    def _allowed_token_ids(self, attribute, value) -> None:
+        if value is not None and not value:
+            raise _Invalid("must not be empty.", attribute.name)
+        if value and min(value) < 0:
+            raise _Invalid("must be non-negative integers.", attribute.name)
+
+    @bad_words.validator
+    def _bad_words(self, attribute, value) -> None:
+        if value and any(not w.strip() for w in value):
+            raise _Invalid("cannot contain an empty or blank string.", attribute.name)
+
 
 # Fields of vLLM's and OpenAI's schemas this server does not act on yet: a 400 naming the
 # field, unless the value is one of the harmless ones listed.
-_VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "bad_words": ((), []),
-                "allowed_token_ids": (), "prompt_logprobs": (),
+_VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "prompt_logprobs": (),
                 "logits_processors": (), "return_tokens_as_token_ids": (False,),
                 "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": (),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import torch
 
@@ -85,3 +86,32 @@ def test_logprobs_match_between_paths(tmp_path, device):
     b = triton_runner.execute(plan).logprobs[0]
     assert a.top_ids == b.top_ids and a.top_ids[0] == torch_runner.states["a"].output_ids[0]
     assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and a.logprob <= 0
+
+
+def test_logit_controls_on_both_paths(tmp_path, device):
+    """logit_bias, allowed_token_ids and bad_words in one step on the torch and the
+    Triton path; logprobs stay those of the raw model output (vLLM's default)."""
+    lm, torch_runner, triton_runner = runner_pair(tmp_path, device)
+    prompt = (3, 9, 4)
+    greedy = SamplingOptions(temperature=0.0, logprobs=2)
+    free = StepPlan(1, (SeqChunk("free", prompt, 0, (1,), True),), (SeqStart("free", prompt, greedy),))
+    _, (logits,) = capture_logits(lm, torch_runner, [free])
+    raw = torch.log_softmax(logits[0].float(), -1).cpu()
+    top = int(raw.argmax())
+    ranked = raw.argsort(descending=True).tolist()
+    forced, lowest, low = ranked[-1], ranked[-2], ranked[-3]     # the least likely tokens
+    controls = {
+        "bias": (attrs.evolve(greedy, logit_bias=((forced, 100.0),)), forced),
+        "allowed": (attrs.evolve(greedy, allowed_token_ids=(lowest, low)), low),
+        "banned": (attrs.evolve(greedy, bad_words_token_ids=((top,), (5, top))), ranked[1]),
+        "none": (greedy, top),
+    }
+    for runner in (torch_runner, triton_runner):
+        plan = StepPlan(2, tuple(SeqChunk(sid, prompt, 0, (b,), True) for b, sid in
+                                 zip((2, 3, 4, 5), controls)),
+                        tuple(SeqStart(sid, prompt, opts) for sid, (opts, _) in controls.items()))
+        r = runner.execute(plan)
+        assert dict(zip(r.seq_ids, r.token_ids)) == {sid: want for sid, (_, want) in controls.items()}
+        bias = r.logprobs[0]
+        assert bias.logprob == pytest.approx(float(raw[forced]), abs=1e-4)   # not ~0: raw
+        assert bias.top_ids == tuple(ranked[:2])

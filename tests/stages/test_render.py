@@ -144,7 +144,6 @@ def test_wrong_types_name_the_param(field, value):
     ("top_k", -2), ("min_p", 1.5), ("frequency_penalty", 3), ("presence_penalty", -2.5),
     ("repetition_penalty", 0), ("min_tokens", -1), ("n", 0), ("n", 17), ("stop", [""]),
     ("logprobs", "yes"), ("top_logprobs", 3), ("top_logprobs", 21),
-    ("logit_bias", {"1": 5}),
 ])
 def test_out_of_range_or_unsupported_is_400(field, value):
     err = error_of(chat, {field: value})
@@ -165,7 +164,7 @@ def test_unknown_field_is_refused_as_openai_does(fn):
 
 
 @pytest.mark.parametrize("fn, field, value", [
-    (chat, "bad_words", ["x"]), (chat, "prompt_logprobs", 1),
+    (chat, "use_beam_search", True), (chat, "prompt_logprobs", 1),
     (chat, "functions", [{"name": "f"}]), (completion, "use_beam_search", True),
     (completion, "prompt_logprobs", 1), (responses, "previous_response_id", "r"),
 ])
@@ -488,3 +487,60 @@ def test_stream_usage_options():
     assert cont.continuous_usage
     forced = chat({"stream": True}, make_ctx(force_include_usage=True))
     assert forced.include_usage and forced.continuous_usage
+
+
+# -- logit controls ------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [chat, completion])
+def test_logit_controls_reach_the_sampler(fn):
+    o = fn({"logit_bias": {"7": 150, "3": -2.5, "9": -1000}, "allowed_token_ids": [5, 2, 5],
+            "bad_words": ["ab", " c"]}).sampling.options
+    assert o.logit_bias == ((3, -2.5), (7, 100.0), (9, -100.0))   # clamped to [-100, 100]
+    assert o.allowed_token_ids == (2, 5)
+    # FakeTokenizer: one token per character, so " c" and "c" differ in length: only the
+    # word as it starts the text is banned (vLLM's rule), and "ab" also after a space
+    # only when that is a different first token with as many tokens (never, here).
+    assert o.bad_words_token_ids == ((ord("a"), ord("b")), (ord("c"),))
+    assert o.controls_logits
+
+
+def test_no_logit_controls_by_default():
+    o = chat({}).sampling.options
+    assert not o.controls_logits
+    assert not responses({}).sampling.options.controls_logits
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("logit_bias", {"abc": 1}, "token ids"), ("logit_bias", {"-1": 1}, "token ids"),
+    ("logit_bias", {"1.5": 1}, "token ids"), ("logit_bias", {"1": "x"}, "finite numbers"),
+    ("logit_bias", {"1": True}, "finite numbers"), ("logit_bias", {"1": float("nan")}, "finite"),
+    ("logit_bias", {"1000": 1}, "out of vocabulary"), ("logit_bias", [1], "object"),
+    ("allowed_token_ids", [], "empty"), ("allowed_token_ids", [1, -2], "non-negative"),
+    ("allowed_token_ids", [1, 1000], "out of vocabulary"), ("allowed_token_ids", "1", "array"),
+    ("allowed_token_ids", [1.0], "integer"),
+    ("bad_words", "word", "array"), ("bad_words", ["ok", ""], "empty"),
+    ("bad_words", [" "], "blank"), ("bad_words", [3], "string"),
+])
+@pytest.mark.parametrize("fn", [chat, completion])
+def test_bad_logit_controls_are_400_naming_the_param(fn, field, value, words):
+    err = error_of(fn, {field: value})
+    assert (err.status, err.type) == (400, "invalid_request_error")
+    assert err.param.split("[")[0] == field     # the JSON path: allowed_token_ids[0]
+    assert words in err.message
+
+
+def test_logit_controls_use_the_models_vocabulary():
+    # the model's embedding rows (vocab_size) bound the ids, not the tokenizer's
+    ctx = make_ctx(vocab_size=2000)
+    assert chat({"logit_bias": {"1500": 1}}, ctx).sampling.options.logit_bias == ((1500, 1.0),)
+    assert error_of(chat, {"allowed_token_ids": [2000]}, ctx).param == "allowed_token_ids"
+
+
+def test_bad_words_need_a_tokenizer():
+    ctx = RenderContext(tokenizer=None, served_model_names=("tiny",), max_model_len=100,
+                        vocab_size=1000)
+    body = {"prompt": [1, 2], "bad_words": ["x"]}
+    err = error_of(render, Submission("r1", "completions", body, 1.5), ctx)
+    assert (err.status, err.param) == (400, "bad_words")
+    body = {"prompt": [1, 2], "logit_bias": {"5": 3}}
+    assert render(Submission("r1", "completions", body, 1.5), ctx).sampling.options.logit_bias
