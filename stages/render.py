@@ -234,7 +234,7 @@ def _logit_controls(req: ChoiceRequest, ctx: RenderContext) -> dict[str, Any]:
                                f"(ids are in [0, {vocab})).", param=param)
 
     if req.logit_bias:
-        bias = {int(k): min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(v)))
+        bias = {int(k): float(min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, v)))
                 for k, v in req.logit_bias.items()}
         check_vocab(bias, "logit_bias")
         out["logit_bias"] = tuple(sorted(bias.items()))

@@ -471,7 +471,7 @@ class ChoiceRequest(SamplingRequest):
             if not _is_token_id(key):
                 raise _Invalid(f"keys must be token ids (non-negative integers as strings), "
                                f"got {key!r}.", attribute.name)
-            if type(bias) not in (int, float) or not math.isfinite(bias):
+            if not (type(bias) is int or (type(bias) is float and math.isfinite(bias))):
                 raise _Invalid(f"values must be finite numbers, got {json_type(bias)} for "
                                f"token {key}.", attribute.name)
 

@@ -544,3 +544,7 @@ def test_bad_words_need_a_tokenizer():
     assert (err.status, err.param) == (400, "bad_words")
     body = {"prompt": [1, 2], "logit_bias": {"5": 3}}
     assert render(Submission("r1", "completions", body, 1.5), ctx).sampling.options.logit_bias
+
+
+def test_a_huge_integer_bias_is_clamped():
+    assert chat({"logit_bias": {"4": 10**400}}).sampling.options.logit_bias == ((4, 100.0),)

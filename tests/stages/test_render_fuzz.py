@@ -18,7 +18,8 @@ FIELDS = ["model", "messages", "prompt", "input", "instructions", "max_tokens", 
           "max_output_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "n", "stream", "stream_options", "ignore_eos", "min_tokens", "frequency_penalty",
           "presence_penalty", "repetition_penalty", "logprobs", "tools", "tool_choice", "echo",
-          "chat_template_kwargs", "response_format", "include_stop_str_in_output", "skip_special_tokens"]
+          "chat_template_kwargs", "response_format", "include_stop_str_in_output", "skip_special_tokens",
+          "logit_bias", "allowed_token_ids", "bad_words"]
 
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x", 3]),
                                  "content": st.one_of(st.text(max_size=20), json_values)})
