@@ -60,8 +60,10 @@ class SeqSamplingState:
 
 def apply_logit_controls(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
     """logit_bias, allowed_token_ids and bad_words for the whole batch, as vLLM applies
-    them: before penalties, temperature and the filters, after a grammar's bitmask, and
-    after the raw logprobs were taken (vLLM's default logprobs mode).
+    them: before penalties, temperature and the filters, and after the raw logprobs were
+    taken (vLLM's default logprobs mode). A grammar's bitmask and min_tokens' stop-token
+    mask may come before or after: they only ban tokens, and a banned (-inf) logit stays
+    banned whatever bias is added to it.
 
     logits: [B, V], one row per state, on any device; edited in place when float32 (a
     float32 copy otherwise) and returned. A batch where no row uses a control costs one
