@@ -67,13 +67,16 @@ class TorchPagedAttention:
         rows = meta.decode_rows
         if rows:
             bs = self.cache.block_size
+            dev = meta.block_tables.device  # every index and mask lives with the metadata
             nblk = -(-max(meta.ctx_lens[r] for r in rows) // bs)
-            self._decode_blocks = meta.block_tables[rows, :nblk].to(torch.int64).flatten()  # [B*nblk]
-            lens = torch.tensor([meta.ctx_lens[r] for r in rows])
-            self._decode_mask = (torch.arange(nblk * bs)[None, :] < lens[:, None])[:, None, None, :]
+            all_rows = len(rows) == len(meta.q_lens)
+            table = meta.block_tables[:, :nblk] if all_rows else meta.block_tables[rows, :nblk]
+            self._decode_blocks = table.to(torch.int64).flatten()                      # [B*nblk]
+            lens = (meta.seq_lens if all_rows else meta.seq_lens[rows]).to(torch.int64)
+            self._decode_mask = (torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
             # when every row decodes, the rows are 0..B-1 and need no gather/scatter
-            if len(rows) < len(meta.q_lens):
-                self._decode_rows = torch.tensor([meta.q_starts[r] for r in rows])
+            if not all_rows:
+                self._decode_rows = torch.tensor([meta.q_starts[r] for r in rows], device=dev)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -112,12 +115,13 @@ class TorchPagedAttention:
                 ctx = meta.ctx_lens[r]
                 bs = self.cache.block_size
                 nblk = -(-ctx // bs)
+                dev = meta.block_tables.device
                 table = meta.block_tables[r, :nblk].to(torch.int64)
-                slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:ctx]
+                slots = (table[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)[:ctx]
                 kp = flat_k[slots].transpose(0, 1)[None]                        # [1, Hkv, ctx, D]
                 vp = flat_v[slots].transpose(0, 1)[None]
-                qpos = torch.arange(start, start + (e - s))
-                mask = torch.arange(ctx)[None, :] <= qpos[:, None]              # [Q, ctx]
+                qpos = torch.arange(start, start + (e - s), device=dev)
+                mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]  # [Q, ctx]
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[None, None],
                                                     scale=self.scale, enable_gqa=True)
             out[s:e] = op[0].transpose(0, 1)

@@ -6,7 +6,8 @@ the event loop serving HTTP while a step runs; a cancellation lands between step
 never inside one.
 
 A step that raises fails its own requests (a StepResult with the error) and the next
-step runs as usual. An error that leaves the device unusable does not: a CUDA error
+step runs as usual. Every failure is logged (logger "tailrace.gpu", with its traceback),
+whether or not an event log is set. An error that leaves the device unusable does not: a CUDA error
 (torch.AcceleratorError: the CUDA context is lost after one), or
 MAX_CONSECUTIVE_FAILURES failed steps in a row, raises EngineDead out of this stage,
 which stops the engine (pipeline/engine.py: /health turns 503, every request in flight
@@ -19,12 +20,15 @@ DeviceLost, which counts as a lost device). The engine fills it from
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
 import trio
 
 from gpu.runner import ModelRunner, StepPlan, StepResult
+
+_log = logging.getLogger("tailrace.gpu")
 
 MAX_CONSECUTIVE_FAILURES = 3
 FAULT_KINDS = ("error", "fatal")
@@ -69,6 +73,10 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
             except Exception as exc:
                 failed_in_a_row += 1
                 error = f"{type(exc).__name__}: {exc}"
+                # always, with the traceback: a failed step's cause must never be lost
+                # (the event log, when set, gets the one line too)
+                _log.error("step %d failed (%d sequences): %s", plan.step, len(plan.chunks),
+                           error, exc_info=exc)
                 if log is not None:
                     log("step_failed", step=plan.step, error=error)
                 if _fatal(exc) or failed_in_a_row >= MAX_CONSECUTIVE_FAILURES:

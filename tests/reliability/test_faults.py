@@ -83,6 +83,18 @@ async def test_the_gpu_stage_raises_when_the_device_is_lost():
     assert [r.error is not None for r in out["send"]] == [True, False]
 
 
+async def test_every_failed_step_is_logged_with_its_traceback(caplog):
+    """No event log is set here: the failure and where it came from still reach the log."""
+    caplog.set_level("ERROR", logger="tailrace.gpu")
+    out = await run_stage(gpu_step.run, inputs={"receive": [_plan(1), _plan(2)]},
+                          outputs=("send",), runner=ScriptedRunner(lambda sid, n: 5),
+                          faults={2: "error"})
+    assert [r.error for r in out["send"]] == [None, "StepFault: injected fault at step 2"]
+    failed = [r for r in caplog.records if r.name == "tailrace.gpu"]
+    assert len(failed) == 1 and "step 2 failed" in failed[0].getMessage()
+    assert failed[0].exc_info is not None and "_execute" in caplog.text   # the traceback
+
+
 async def test_consecutive_failed_steps_stop_the_engine():
     plans = [_plan(i) for i in range(1, gpu_step.MAX_CONSECUTIVE_FAILURES + 2)]
     with pytest.raises(BaseExceptionGroup) as info:
