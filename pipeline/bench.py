@@ -2,6 +2,10 @@
 
 Requests enter at render (as token-id completions prompts) and leave at emit, so the
 figure includes every stage, not just the model. Reports output tokens/s.
+
+A request that fails (an error reply, a refused submission, an engine that stops) is
+counted, not fatal to the bookkeeping: the result (and --output-json) carries
+``failed_requests`` and ``first_error``, and the command exits 1.
 """
 from __future__ import annotations
 
@@ -17,13 +21,16 @@ import trio
 from tqdm import tqdm
 
 from pipeline.config import EngineConfig, add_engine_arguments, engine_config
-from pipeline.engine import open_engine
+from pipeline.engine import describe, open_engine
 
 WORKLOADS = {
-    # nano-vllm's published benchmark: 256 sequences, lengths uniform in [100, 1024].
+    # nano-vllm's published benchmark (its bench.py): 256 sequences, lengths uniform in
+    # [100, 1024], token ids uniform in [0, 10000], drawn from random.seed(0) in its order
+    # (every prompt, then every output length), so 133,966 output tokens in all.
     "nano-vllm": dict(num_prompts=256, min_input_len=100, input_len=1024, min_output_len=100,
-                      output_len=1024, seed=0, ignore_eos=True),
+                      output_len=1024, seed=0, ignore_eos=True, order="nano-vllm"),
 }
+NANO_VLLM_OUTPUT_TOKENS = 133_966   # nano-vllm's README: "Total: 133966tok"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,21 +75,55 @@ SMALL_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "ite
     "type": "string", "maxLength": 40}}}, "required": ["notes"]}
 
 
-def make_requests(s: dict, vocab_size: int, temperature: float) -> list[dict]:
+def _draw(s: dict, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """(prompts, output lengths) from random.Random(seed)."""
     rng = random.Random(s["seed"])
-    reqs = []
+    n = s["num_prompts"]
+
+    def length(lo, hi):
+        return rng.randint(lo, hi) if lo else hi
+
+    if s.get("order") == "nano-vllm":
+        # nano-vllm's bench.py, draw for draw: each prompt's length then its tokens
+        # (randint(0, 10000), both ends included), then every output length
+        prompts = [[rng.randint(0, 10000) % vocab_size
+                    for _ in range(length(s["min_input_len"], s["input_len"]))] for _ in range(n)]
+        outputs = [length(s["min_output_len"], s["output_len"]) for _ in range(n)]
+        return prompts, outputs
     hi = min(vocab_size, 10000)
-    for _ in range(s["num_prompts"]):
-        n_in = rng.randint(s["min_input_len"], s["input_len"]) if s["min_input_len"] else s["input_len"]
-        n_out = rng.randint(s["min_output_len"], s["output_len"]) if s["min_output_len"] else s["output_len"]
-        reqs.append({"prompt": [rng.randrange(hi) for _ in range(n_in)], "max_tokens": n_out,
+    prompts, outputs = [], []
+    for _ in range(n):
+        n_in = length(s["min_input_len"], s["input_len"])
+        outputs.append(length(s["min_output_len"], s["output_len"]))
+        prompts.append([rng.randrange(hi) for _ in range(n_in)])
+    return prompts, outputs
+
+
+def make_requests(s: dict, vocab_size: int, temperature: float) -> list[dict]:
+    reqs = []
+    for prompt, n_out in zip(*_draw(s, vocab_size)):
+        reqs.append({"prompt": prompt, "max_tokens": n_out,
                      "ignore_eos": s["ignore_eos"], "temperature": temperature})
         if s.get("json_schema") is not None:
             reqs[-1]["structured_outputs"] = {"json": s["json_schema"]}
     return reqs
 
 
+def _error_of(status: int, raw: bytes) -> str | None:
+    """The error a non-streamed reply carries, or None for a completed one."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return f"HTTP {status}: {raw[:200]!r}"
+    if status == 200 and isinstance(data, dict) and isinstance(data.get("usage"), dict):
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return f"HTTP {status}: {message or str(data)[:200]}"
+
+
 async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
+    failures: list[str] = []
     async with open_engine(cfg) as engine:
         reqs = make_requests(s, engine.loaded.config.vocab_size, temperature)
         for r in reqs:
@@ -92,10 +133,18 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
 
         async def one(body: dict) -> None:
             nonlocal out_tokens, in_tokens
-            reply = await engine.submit("completions", body)
-            data = json.loads(await reply.read())
-            out_tokens += data["usage"]["completion_tokens"]
-            in_tokens += data["usage"]["prompt_tokens"]
+            try:
+                reply = await engine.submit("completions", body)
+                raw = await reply.read()
+                error = _error_of(reply.status, raw)
+            except Exception as exc:  # refused at admission, or the engine stopped
+                error = describe(exc)
+            if error is None:
+                usage = json.loads(raw)["usage"]
+                out_tokens += usage["completion_tokens"]
+                in_tokens += usage["prompt_tokens"]
+            else:
+                failures.append(error)
             progress.update()
 
         t0 = time.perf_counter()
@@ -113,7 +162,9 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
         "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 2),
         "preemptions": stats["num_preemptions"], "steps": stats["steps_total"],
         "constrained": s.get("json_schema") is not None,
+        "failed_requests": len(failures), "first_error": failures[0] if failures else None,
     }
+    result.update(_runner_facts(engine.runner))
     waited = getattr(engine.runner, "waited_s", None)
     if waited:  # a simulated GPU: its waits are the ceiling, the rest is host time
         steps = engine.runner.steps
@@ -125,13 +176,38 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
     return result
 
 
+def _runner_facts(runner) -> dict:
+    """What the runner did before t0 (graphs, warm-up) and the kernel stack."""
+    facts = {}
+    for key in ("cuda_graphs", "cuda_graph_sizes", "cuda_graph_capture_s", "warmup_s", "use_triton"):
+        if hasattr(runner, key):
+            facts[key] = getattr(runner, key)
+    if getattr(runner, "use_triton", False):
+        import triton
+        facts["triton"] = triton.__version__
+    import torch
+    facts["torch"] = torch.__version__
+    return facts
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     s = _settings(args)
     cfg = attrs.evolve(engine_config(args),
                        max_model_len=args.max_model_len or (s["input_len"] + s["output_len"] + 16),
                        max_queued_requests=max(args.max_queued_requests, s["num_prompts"]))
-    result = trio.run(_bench, cfg, s, args.temperature)
+    try:
+        result = trio.run(_bench, cfg, s, args.temperature)
+    except Exception as exc:  # the engine failed to start or stopped: report it, exit 1
+        logging.getLogger("tailrace.bench").exception("bench throughput failed")
+        result = {"num_prompts": s["num_prompts"], "failed_requests": s["num_prompts"],
+                  "first_error": describe(exc), "error": describe(exc)}
+        _write(args.output_json, result)
+        print(f"bench throughput failed: {result['error']}", file=sys.stderr)
+        return 1
+    if result["failed_requests"]:
+        print(f"{result['failed_requests']} of {result['num_prompts']} requests failed; the first: "
+              f"{result['first_error']}", file=sys.stderr)
     print(f"Throughput ({result['dtype']}): {result['output_tokens_per_s']:.2f} output tokens/s "
           f"({result['output_tokens']} tokens from {result['num_prompts']} requests in "
           f"{result['elapsed_s']:.2f} s; total {result['total_tokens_per_s']:.2f} tokens/s)")
@@ -141,10 +217,14 @@ def main(args: argparse.Namespace) -> int:
               f"{result['fraction_of_ceiling']:.1%}; {result['gpu_steps']} steps, "
               f"{result['gpu_wait_ms_per_step']:.3f} ms of wait and {result['host_ms_per_step']:.3f} ms "
               f"of host time per step on the critical path")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
+    _write(args.output_json, result)
+    return 1 if result["failed_requests"] else 0
+
+
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":
