@@ -33,7 +33,10 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@triton.jit
+# Shape arguments that change every step are not specialised (Triton would otherwise
+# compile a new variant whenever one equals 1 or turns a multiple of 16, in the middle of
+# a timed run): a variant buys nothing for them.
+@triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
@@ -155,7 +158,7 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "stride_s"])
 def _combine_splits_kernel(
     acc_part_ptr, m_part_ptr, l_part_ptr, out_ptr,
     n_rows,  # T * Hq
@@ -191,10 +194,10 @@ def _pick_blocks(group: int, head_dim: int, max_seqlen_q: int | None) -> dict:
     if max_seqlen_q is not None and max_seqlen_q <= 1:
         block_q = 1  # pure decode: one token per sequence
     else:
+        # One tile shape for every batch with a prefill, whatever its longest chunk: two
+        # compiled variants in all (decode, and the rest), none new in the middle of a run.
         target_rows = 64 if head_dim <= 128 else 32
         block_q = max(1, target_rows // triton.next_power_of_2(group))
-        if max_seqlen_q is not None:
-            block_q = min(block_q, triton.next_power_of_2(max_seqlen_q))
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if block_d <= 128 else 16

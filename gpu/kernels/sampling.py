@@ -19,7 +19,10 @@ sample(logits [B, V] fp32, temperature [B] f32, top_k [B] i32, top_p [B] f32,
     Top-k / top-p need an order statistic: it is computed in torch on the device
     (one sort of the rows) as a per-row cutoff logit; the Triton kernel applies
     the cutoff and min-p, and runs the race.  A caller that knows no request
-    uses top-k / top-p passes use_top_k_top_p=False to skip the sort.
+    uses top-k / top-p passes use_top_k_top_p=False to skip the sort, and one
+    that knows none uses min-p passes use_min_p=False to skip the row max.
+    The vocabulary is split over the grid's second axis (a small batch still
+    fills the GPU); a small reduction picks each row's best chunk.
 
 apply_penalties(logits [B, V] f32, prompt_mask [B, V] bool, output_counts [B, V] i32,
                 repetition_penalty [B] f32, frequency_penalty [B] f32,
@@ -43,44 +46,35 @@ import triton.language as tl
 # --------------------------------------------------------------------------- sampling
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _sample_kernel(
-    logits_ptr, out_ptr, temperature_ptr, cutoff_ptr, min_p_ptr, seeds_ptr, steps_ptr,
-    n_rows, vocab, stride_l,
+    logits_ptr, key_out_ptr, idx_out_ptr, temperature_ptr, threshold_ptr, seeds_ptr, steps_ptr,
+    n_rows, vocab, stride_l, n_chunks,
+    CHUNK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    """Program (row block, vocab chunk): the Gumbel-max race over its CHUNK columns; writes
+    its best key and index per row to [n_rows, n_chunks], which _reduce_chunks merges."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    chunk = tl.program_id(1)
     row_mask = rows < n_rows
     rows64 = rows.to(tl.int64)
     temp = tl.load(temperature_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    cutoff = tl.load(cutoff_ptr + rows, mask=row_mask, other=float("-inf")).to(tl.float32)
-    min_p = tl.load(min_p_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    threshold = tl.load(threshold_ptr + rows, mask=row_mask, other=float("-inf")).to(tl.float32)
     seed = tl.load(seeds_ptr + rows, mask=row_mask, other=0)
     step = tl.load(steps_ptr + rows, mask=row_mask, other=0)
     random = temp > 0.0
     inv_t = tl.where(random, 1.0 / tl.where(random, temp, 1.0), 1.0)
 
-    # Pass 1: the row max, for min-p (p_v >= min_p * p_max  <=>  l_v >= l_max + T log min_p).
-    row_max = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
-    for start in range(0, vocab, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = row_mask[:, None] & (cols < vocab)[None, :]
-        l = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
-        row_max = tl.maximum(row_max, tl.max(l.to(tl.float32), 1))
-    use_min_p = random & (min_p > 0.0)
-    log_min_p = tl.log(tl.where(use_min_p, min_p, 1.0))
-    threshold = tl.where(use_min_p, row_max + log_min_p / inv_t, float("-inf"))
-    threshold = tl.maximum(threshold, cutoff)
-
-    # Pass 2: Gumbel-max race over the allowed tokens.
     seed_2d = tl.broadcast_to(seed[:, None], [BLOCK_B, BLOCK_V])
     step_lo = tl.broadcast_to((step & 0xFFFFFFFF).to(tl.uint32)[:, None], [BLOCK_B, BLOCK_V])
     step_hi = tl.broadcast_to(((step >> 32) & 0xFFFFFFFF).to(tl.uint32)[:, None], [BLOCK_B, BLOCK_V])
     zero = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.uint32)
     best_key = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
-    best_idx = tl.zeros([BLOCK_B], dtype=tl.int32)
-    for start in range(0, vocab, BLOCK_V):
+    best_idx = tl.zeros([BLOCK_B], dtype=tl.int32) + chunk * CHUNK
+    for offset in range(0, CHUNK, BLOCK_V):
+        start = chunk * CHUNK + offset
         cols = start + tl.arange(0, BLOCK_V)
         mask = row_mask[:, None] & (cols < vocab)[None, :]
         l = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
@@ -93,16 +87,22 @@ def _sample_kernel(
         key = tl.where(mask & (l >= threshold[:, None]), key, float("-inf"))
         blk_key = tl.max(key, 1)
         blk_idx = tl.argmax(key, 1).to(tl.int32) + start
-        better = blk_key > best_key
+        better = blk_key > best_key  # strict: the first index wins a tie
         best_idx = tl.where(better, blk_idx, best_idx)
         best_key = tl.where(better, blk_key, best_key)
-    tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_mask)
+    out = rows64 * n_chunks + chunk
+    tl.store(key_out_ptr + out, best_key, mask=row_mask)
+    tl.store(idx_out_ptr + out, best_idx.to(tl.int64), mask=row_mask)
 
 
-def _pick_sample_blocks(n_rows: int, vocab: int) -> dict:
-    block_v = min(2048, triton.next_power_of_2(vocab))
-    block_b = max(1, min(triton.next_power_of_2(n_rows), 4096 // block_v))
-    return dict(BLOCK_B=block_b, BLOCK_V=block_v, num_warps=4 if block_b * block_v <= 2048 else 8)
+def _pick_sample_blocks(vocab: int) -> dict:
+    """From the vocabulary alone (never the batch size): one compiled variant per model.
+    The vocabulary is split into chunks of CHUNK columns along the grid's second axis, so a
+    small batch still fills the GPU (B=1 over Qwen3's 151,936 columns: 75 programs)."""
+    block_v = min(1024, triton.next_power_of_2(vocab))
+    chunk = min(2 * block_v, triton.next_power_of_2(vocab))
+    block_b = max(1, min(256, 2048 // block_v))
+    return dict(CHUNK=chunk, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=4 if block_b * block_v <= 1024 else 8)
 
 
 def _top_k_top_p_cutoff(logits, temperature, top_k, top_p):
@@ -131,6 +131,7 @@ def sample(
     steps: torch.Tensor,
     *,
     use_top_k_top_p: bool = True,
+    use_min_p: bool = True,
 ) -> torch.Tensor:
     B, V = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, "logits must be fp32 [B, V] with contiguous rows"
@@ -138,17 +139,27 @@ def sample(
                         ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
                         ("seeds", seeds, torch.int64), ("steps", steps, torch.int64)):
         assert t.shape == (B,) and t.dtype == dt and t.is_contiguous(), f"{name}: want [B] {dt}, got {tuple(t.shape)} {t.dtype}"
-    out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
-        return out
+        return torch.empty(B, dtype=torch.int64, device=logits.device)
     if use_top_k_top_p:
-        cutoff = _top_k_top_p_cutoff(logits, temperature, top_k, top_p)
+        threshold = _top_k_top_p_cutoff(logits, temperature, top_k, top_p)
     else:
-        cutoff = torch.full((B,), float("-inf"), dtype=torch.float32, device=logits.device)
-    cfg = _pick_sample_blocks(B, V)
-    grid = (triton.cdiv(B, cfg["BLOCK_B"]),)
-    _sample_kernel[grid](logits, out, temperature, cutoff, min_p, seeds, steps, B, V, logits.stride(0), **cfg)
-    return out
+        threshold = torch.full((B,), float("-inf"), dtype=torch.float32, device=logits.device)
+    if use_min_p:  # p >= min_p * p_max  <=>  l >= l_max + T log(min_p)
+        on = (temperature > 0) & (min_p > 0)
+        by_min_p = logits.amax(dim=-1) + temperature * torch.log(min_p.clamp_min(1e-30))
+        threshold = torch.where(on, torch.maximum(threshold, by_min_p), threshold)
+    cfg = _pick_sample_blocks(V)
+    n_chunks = triton.cdiv(V, cfg["CHUNK"])
+    keys = torch.empty((B, n_chunks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((B, n_chunks), dtype=torch.int64, device=logits.device)
+    grid = (triton.cdiv(B, cfg["BLOCK_B"]), n_chunks)
+    _sample_kernel[grid](logits, keys, idx, temperature, threshold.contiguous(), seeds, steps,
+                         B, V, logits.stride(0), n_chunks, **cfg)
+    if n_chunks == 1:
+        return idx[:, 0]
+    # the small reduction: each row's best chunk (argmax keeps the first, lowest-index, on ties)
+    return idx.gather(1, keys.argmax(dim=1, keepdim=True))[:, 0]
 
 
 def sampling_mask_ref(

@@ -129,3 +129,19 @@ def test_build_token_counts():
     counts = build_token_counts(ids, 5)
     assert counts.tolist() == [[0, 1, 0, 2, 0], [0, 0, 0, 0, 0]]
     assert counts.dtype == torch.int32
+
+
+def test_vocab_chunks_keep_the_first_index_on_ties(device):
+    """The vocabulary is split over the grid; the reduction over chunks must keep argmax's
+    first-index rule (a tie across chunks goes to the lower chunk)."""
+    from gpu.kernels.sampling import _pick_sample_blocks
+
+    V = 5000
+    chunk = _pick_sample_blocks(V)["CHUNK"]
+    assert V > 2 * chunk  # at least three chunks
+    logits = torch.zeros(3, V)
+    logits[0, [chunk + 5, 2 * chunk + 1]] = 3.0        # tie across chunks 1 and 2
+    logits[1, [7, V - 1]] = 2.0                          # tie across the first and last chunk
+    logits[2, V - 1] = 1.0                               # the best in the last, partial chunk
+    tokens = sample(logits.to(device), **_params(3, device, temperature=0.0))
+    assert tokens.tolist() == [chunk + 5, 7, V - 1]
