@@ -33,6 +33,8 @@ class AttentionMetadata:
     decode_rows: list[int]            # sequences with q_len == 1
     prefill_rows: list[int]           # sequences with q_len > 1
     max_seqlen_q: int = 1             # host hint for kernel tile sizes
+    num_kv_splits: int = 1            # Triton decode: split each sequence's KV over this many
+                                      # programs (flash-decoding); fixed per captured batch size
 
 
 class KVCache:
@@ -146,4 +148,5 @@ class TritonPagedAttention:
         m = self.meta
         self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer], m.slot_mapping)
         return self._attend(q, self.cache.k[layer], self.cache.v[layer], m.block_tables,
-                            m.cu_seqlens_q, m.seq_lens, self.scale, max_seqlen_q=m.max_seqlen_q)
+                            m.cu_seqlens_q, m.seq_lens, self.scale, max_seqlen_q=m.max_seqlen_q,
+                            num_kv_splits=m.num_kv_splits if m.max_seqlen_q <= 1 else 1)

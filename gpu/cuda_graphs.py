@@ -1,7 +1,10 @@
 """CUDA graphs for pure-decode steps (one new token per sequence).
 
 A decode step at batch size B replays the graph captured for the smallest captured size
->= B. Inputs live in static buffers; padding rows write nowhere (slot -1) and attend to
+>= B. Each size has its own num_kv_splits (paged_attention.suggest_num_kv_splits over the
+longest context, --max-model-len): small batches split every sequence's KV over several
+programs so the GPU fills, as vLLM's Triton backend switches to a split kernel at small
+grids; from about 32 sequences on, one program per sequence and KV head is enough. Inputs live in static buffers; padding rows write nowhere (slot -1) and attend to
 one token of block 0, and their outputs are dropped. Prefill and mixed steps run eagerly.
 """
 from __future__ import annotations
@@ -24,10 +27,17 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, attn, *, max_bs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, model, attn, *, max_bs: int, max_blocks: int, device: torch.device,
+                 max_context: int | None = None) -> None:
+        from gpu.kernels.paged_attention import suggest_num_kv_splits
+
         self.model, self.attn = model, attn
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
+        context = max_context or max_blocks * attn.cache.block_size
+        hkv = model.config.num_key_value_heads
+        self.num_kv_splits = {bs: suggest_num_kv_splits(bs, hkv, context, torch.device(device))
+                              for bs in self.sizes}
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         n = self.max_bs
         self.input_ids = torch.zeros(n, **i64)
@@ -45,7 +55,8 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[:bs + 1], seq_lens=self.seq_lens[:bs],
             q_starts=list(range(bs + 1)), q_lens=[1] * bs, ctx_lens=[1] * bs, start_positions=[0] * bs,
-            decode_rows=list(range(bs)), prefill_rows=[], max_seqlen_q=1)
+            decode_rows=list(range(bs)), prefill_rows=[], max_seqlen_q=1,
+            num_kv_splits=self.num_kv_splits[bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -60,7 +71,8 @@ class DecodeGraphs:
             self.pool = g.pool()
             self.graphs[bs] = g
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        log.info("captured CUDA graphs for decode batch sizes %s (KV splits %s)", self.sizes,
+                 [self.num_kv_splits[b] for b in self.sizes])
 
     def fits(self, batch: int, max_blocks: int) -> bool:
         return batch <= self.max_bs and max_blocks <= self.block_tables.shape[1]

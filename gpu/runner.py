@@ -5,6 +5,7 @@ both import them from gpu/ (no import cycle). Synchronous; no trio, no globals.
 """
 from __future__ import annotations
 
+import logging
 import time
 from itertools import accumulate, chain
 
@@ -14,8 +15,10 @@ import torch
 
 from gpu.attention import AttentionMetadata, KVCache, TorchPagedAttention
 from gpu.grammar import Guide, accept, mask_logits
-from gpu.sampler import (SamplingOptions, SeqSamplingState, apply_logit_controls, sample,
-                         sample_on_device, token_logprobs)
+from gpu.sampler import (DeviceSampler, SamplingOptions, SeqSamplingState, apply_logit_controls,
+                         sample, token_logprobs)
+
+_log = logging.getLogger("tailrace.gpu")
 
 
 @attrs.frozen
@@ -70,7 +73,7 @@ class ModelRunner:
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0) -> None:
         self.model = model
         self.cache = cache
-        self.device = device
+        self.device = device = torch.device(device)
         self.use_triton = use_triton
         cfg = model.config
         scale = cfg.head_dim ** -0.5
@@ -81,17 +84,27 @@ class ModelRunner:
             self.attn = TorchPagedAttention(cache, scale)
         self.states: dict[str, SeqSamplingState] = {}
         self._seed_rng = torch.Generator().manual_seed(seed)
+        self.staging = Staging(device) if device.type == "cuda" else None
+        self.device_sampler = DeviceSampler(device) if use_triton else None
+        # What happened before the first request (bench throughput reports these).
+        self.cuda_graphs = False
+        self.cuda_graph_sizes: list[int] = []
+        self.cuda_graph_capture_s = 0.0
+        self.warmup_s = 0.0
         self.graphs = None
         if use_triton and cuda_graph_max_bs > 0:
             from gpu.cuda_graphs import DecodeGraphs
+            t0 = time.perf_counter()
             graphs = DecodeGraphs(model, self.attn, max_bs=cuda_graph_max_bs,
-                                  max_blocks=-(-max_model_len // cache.block_size), device=device)
+                                  max_blocks=-(-max_model_len // cache.block_size), device=device,
+                                  max_context=max_model_len)
             try:
                 graphs.capture()
                 self.graphs = graphs
+                self.cuda_graphs, self.cuda_graph_sizes = True, list(graphs.sizes)
             except Exception as exc:  # a capture failure costs speed, not correctness
-                import logging
-                logging.getLogger("tailrace.gpu").warning("CUDA graph capture failed, running eager: %s", exc)
+                _log.warning("CUDA graph capture failed, running eager: %s", exc, exc_info=exc)
+            self.cuda_graph_capture_s = round(time.perf_counter() - t0, 3)
 
     @property
     def block_size(self) -> int:
@@ -108,7 +121,7 @@ class ModelRunner:
                 st.guide = Guide(ns.grammar, ns.think, ns.thinking)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
-        input_ids, positions, meta, sample_rows = self._prepare(plan.chunks)
+        input_ids, positions, meta, sample_idx = self._prepare(plan.chunks)
         with torch.inference_mode():
             if (self.graphs is not None and not meta.prefill_rows
                     and self.graphs.fits(len(plan.chunks), meta.block_tables.shape[1])):
@@ -119,8 +132,7 @@ class ModelRunner:
             seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
             if not seq_ids:
                 return StepResult(plan.step, (), (), time.perf_counter() - t0)
-            idx = torch.tensor(sample_rows, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))  # [B, V]
+            logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [B, V]
             states = [self.states[s] for s in seq_ids]
             want = [i for i, st in enumerate(states) if st.opts.logprobs is not None]
             raw = torch.log_softmax(logits[want].float(), dim=-1) if want else None  # before sampling edits
@@ -131,7 +143,7 @@ class ModelRunner:
                 if constrained:
                     logits = logits.float()
                     mask_logits(logits, matchers)
-                tokens = sample_on_device(logits, states)
+                tokens = self.device_sampler.sample(logits, seq_ids, states)
             else:
                 host = logits.float().cpu()
                 if constrained:
@@ -150,12 +162,98 @@ class ModelRunner:
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0, logprobs=logprobs)
 
     def _prepare(self, chunks: tuple[SeqChunk, ...]):
-        return prepare_step(chunks, self.block_size, self.device)
+        return prepare_step(chunks, self.block_size, self.device, self.staging)
+
+    def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
+        """Compile before the first request: one prefill step, one mixed step (a prefill
+        chunk beside decodes) and the eager decode sizes past the captured ones, on
+        blocks no request holds yet (call it before serving). The captured decode sizes
+        were compiled when the graphs were captured. Returns (and keeps in warmup_s) the
+        seconds it took."""
+        t0 = time.perf_counter()
+        bs = self.block_size
+        nblocks = self.cache.num_blocks
+        greedy = SamplingOptions(temperature=0.0)
+        prompt = max(2, min(max_num_batched_tokens // 2, 256, (nblocks // 2) * bs))
+        table = tuple(range(min(nblocks, -(-(prompt + 1) // bs))))
+        warm = "__warmup__"
+        steps = [StepPlan(-1, (SeqChunk(warm, (0,) * prompt, 0, table, True),),
+                          (SeqStart(warm, (0,) * prompt, greedy),)),
+                 StepPlan(-2, (SeqChunk(warm, (0,), prompt, table, True),
+                               SeqChunk(warm + "b", (0,) * 3, 0, table[:1], True)),
+                          (SeqStart(warm + "b", (0,) * 3, greedy),))]
+        # decode batches larger than the largest graph run eagerly: compile that path too
+        largest = self.graphs.max_bs if self.graphs is not None else 0
+        if max_num_seqs > largest:
+            n = min(max_num_seqs, largest + 1)
+            steps.append(StepPlan(-3, tuple(SeqChunk(f"{warm}{i}", (0,), 1, table[:1], True)
+                                            for i in range(n)),
+                                  tuple(SeqStart(f"{warm}{i}", (0,), greedy) for i in range(n))))
+        for plan in steps:
+            self.execute(plan)
+        self.execute(StepPlan(-4, (), released=tuple(self.states)))   # forget the warm-up
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_s = round(time.perf_counter() - t0, 3)
+        return self.warmup_s
 
 
-def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device):
+class Staging:
+    """Pinned host buffers for a step's inputs (CUDA only).
+
+    numpy writes every per-step array into one pinned int64 and one pinned int32 buffer,
+    and two ``non_blocking`` copies move them to the device: no blocking copy from
+    pageable memory. The device buffers are reused step after step (copies and kernels are
+    ordered on the one stream); before the host overwrites a pinned buffer it waits for
+    the previous step's copy out of it (an event, normally long done).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: dict[torch.dtype, torch.Tensor] = {}
+        self._dev: dict[torch.dtype, torch.Tensor] = {}
+        self._copied = None    # torch.cuda.Event after the last copies
+
+    def _buffers(self, dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        host = self._host.get(dtype)
+        if host is None or host.numel() < n:
+            size = max(1024, 1 << (n - 1).bit_length())
+            self._host[dtype] = torch.empty(size, dtype=dtype).pin_memory()
+            self._dev[dtype] = torch.empty(size, dtype=dtype, device=self.device)
+        return self._host[dtype], self._dev[dtype]
+
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Device copies of the arrays (int64 or int32), in two non-blocking copies."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        out: list[torch.Tensor | None] = [None] * len(arrays)
+        for dtype, np_dtype in ((torch.int64, np.int64), (torch.int32, np.int32)):
+            mine = [i for i, a in enumerate(arrays) if a.dtype == np_dtype]
+            if not mine:
+                continue
+            total = sum(arrays[i].size for i in mine)
+            host, dev = self._buffers(dtype, total)
+            view = host.numpy()
+            at = 0
+            for i in mine:
+                a = arrays[i]
+                view[at:at + a.size] = a.reshape(-1)
+                out[i] = dev[at:at + a.size].view(a.shape)
+                at += a.size
+            dev[:total].copy_(host[:total], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
+
+
+def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, staging: Staging | None = None):
     """The step's flat inputs and attention metadata, vectorised with numpy (this runs
-    on the host every step, for every sequence): (input_ids, positions, meta, sample_rows)."""
+    on the host every step, for every sequence): (input_ids, positions, meta, sample_idx).
+
+    sample_idx [S] indexes the rows of the flat batch to sample (each sampling chunk's
+    last token), on the device: computed there from cu_seqlens_q when every chunk samples.
+    With ``staging`` (CUDA) every array reaches the device through pinned buffers in two
+    non-blocking copies; otherwise each is copied on its own."""
     n = len(chunks)
     q_lens = [len(c.token_ids) for c in chunks]
     starts = [c.start_pos for c in chunks]
@@ -168,18 +266,25 @@ def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device):
     row = np.repeat(np.arange(n), q_lens_np)                                # [T]
     pos = np.repeat(np.asarray(starts) - np.asarray(q_starts[:-1]), q_lens_np) + np.arange(q_starts[-1])
     slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
-    sample_rows = [q_starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
+    all_sample = all(c.sample for c in chunks)
+    rows = np.asarray([q_starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sample], dtype=np.int64)
+    ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=q_starts[-1])
+    arrays = [ids, pos.astype(np.int64), slots, tables, np.asarray(q_starts, dtype=np.int32),
+              np.asarray(ctx_lens, dtype=np.int32)]
+    if not all_sample:
+        arrays.append(rows)
+    if staging is not None:
+        moved = staging.upload(arrays)
+    else:
+        moved = [torch.from_numpy(a).to(dev) for a in arrays]
+    input_ids, positions, slot_mapping, block_tables, cu_seqlens_q, seq_lens = moved[:6]
+    sample_idx = (cu_seqlens_q[1:] - 1) if all_sample else moved[6]
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(dev),
-        block_tables=torch.from_numpy(tables).to(dev),
-        cu_seqlens_q=torch.tensor(q_starts, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+        slot_mapping=slot_mapping, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
         q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, start_positions=starts,
         decode_rows=[i for i, q in enumerate(q_lens) if q == 1],
         prefill_rows=[i for i, q in enumerate(q_lens) if q > 1],
         max_seqlen_q=max(q_lens),
     )
-    input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)),
-                             dtype=torch.int64, device=dev)
-    positions = torch.from_numpy(pos.astype(np.int64)).to(dev)
-    return input_ids, positions, meta, sample_rows
+    return input_ids, positions, meta, sample_idx

@@ -3,7 +3,8 @@
 sample() is the host path (CPU): each sequence owns a torch.Generator seeded from its
 request seed (or from the engine's seed sequence), so a seeded request samples the same
 tokens whatever else is in the batch; greedy rows never touch a generator.
-sample_on_device() is the CUDA path, through gpu/kernels/sampling.py.
+DeviceSampler is the CUDA path, through gpu/kernels/sampling.py: it keeps the batch's
+sampling parameters and penalty token counts on the device between steps.
 """
 from __future__ import annotations
 
@@ -194,46 +195,93 @@ def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
 
 
 def sample_on_device(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
-    """CUDA path: the Triton sampling kernels over the whole batch, one host sync per step.
+    """CUDA path, one shot: DeviceSampler without a batch to remember."""
+    return DeviceSampler(logits.device).sample(logits, None, states)
+
+
+class DeviceSampler:
+    """CUDA path: the Triton sampling kernels over the whole batch, one host sync per step
+    (the sampled tokens' ``.tolist()``).
+
+    The batch's sampling parameters (temperature, top-k/p, min-p, seeds), its step counters
+    and, when a row has penalties, its token counts live on the device and are rebuilt
+    only when the batch changes (other sequences, or a sequence whose history moved other
+    than by this sampler's last token). While it stays the same, the counters advance and
+    the counts take the sampled tokens on the device: nothing is copied from the host.
 
     The random stream of each row depends only on (seed, step, token), so a seeded request
     samples the same tokens whatever else is in the batch.
     """
-    from gpu.kernels.sampling import apply_penalties, build_token_counts, sample as kernel_sample
 
-    dev = logits.device
-    B, V = logits.shape
-    logits = logits.float().contiguous()
-    masked = stop_tokens_to_mask(states, V)
-    if masked:
-        rows, cols = torch.tensor(masked, device=dev).T
-        logits[rows, cols] = float("-inf")
-    pen = [i for i, st in enumerate(states) if st.opts.penalised]
-    if pen:
-        def padded(seqs: list[list[int]]) -> torch.Tensor:
-            width = max(1, max(len(s) for s in seqs))
-            return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.int64, device=dev)
-        sub = [states[i] for i in pen]
-        prompt_mask = build_token_counts(padded([list(s.prompt_ids) for s in sub]), V) > 0
-        counts = build_token_counts(padded([s.output_ids for s in sub]), V)
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._key: tuple | None = None       # (seq ids, their output lengths) expected next
+        self._params: dict[str, torch.Tensor] = {}
+        self._flags = (False, False)         # (any top-k/top-p, any min-p)
+        self._pen_rows: list[int] = []
+        self._pen: dict[str, torch.Tensor] = {}
+
+    def _rebuild(self, states: list[SeqSamplingState], V: int) -> None:
+        from gpu.kernels.sampling import build_token_counts
+
+        dev = self.device
+        o = [st.opts for st in states]
         f32 = dict(dtype=torch.float32, device=dev)
-        idx = torch.tensor(pen, device=dev)
-        logits[idx] = apply_penalties(
-            logits[idx].contiguous(), prompt_mask, counts,
-            torch.tensor([s.opts.repetition_penalty for s in sub], **f32),
-            torch.tensor([s.opts.frequency_penalty for s in sub], **f32),
-            torch.tensor([s.opts.presence_penalty for s in sub], **f32))
-    o = [st.opts for st in states]
-    temperature = torch.tensor([0.0 if x.greedy else x.temperature for x in o], dtype=torch.float32)
-    top_k = torch.tensor([x.top_k if x.top_k > 0 else 0 for x in o], dtype=torch.int32)
-    top_p = torch.tensor([x.top_p for x in o], dtype=torch.float32)
-    min_p = torch.tensor([x.min_p for x in o], dtype=torch.float32)
-    seeds = torch.tensor([st.seed for st in states], dtype=torch.int64)
-    steps = torch.tensor([len(st.output_ids) for st in states], dtype=torch.int64)
-    use_filters = any(x.top_k > 0 or x.top_p < 1.0 for x in o)
-    tokens = kernel_sample(logits, temperature.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev),
-                           seeds.to(dev), steps.to(dev), use_top_k_top_p=use_filters)
-    return tokens.tolist()
+        self._params = dict(
+            temperature=torch.tensor([0.0 if x.greedy else x.temperature for x in o], **f32),
+            top_k=torch.tensor([x.top_k if x.top_k > 0 else 0 for x in o], dtype=torch.int32, device=dev),
+            top_p=torch.tensor([x.top_p for x in o], **f32),
+            min_p=torch.tensor([x.min_p for x in o], **f32),
+            seeds=torch.tensor([st.seed for st in states], dtype=torch.int64, device=dev),
+            steps=torch.tensor([len(st.output_ids) for st in states], dtype=torch.int64, device=dev))
+        self._flags = (any(x.top_k > 0 or x.top_p < 1.0 for x in o),
+                       any(x.min_p > 0.0 and not x.greedy for x in o))
+        self._pen_rows = [i for i, st in enumerate(states) if st.opts.penalised]
+        self._pen = {}
+        if self._pen_rows:
+            def padded(seqs: list[list[int]]) -> torch.Tensor:
+                width = max(1, max(len(s) for s in seqs))
+                return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.int64, device=dev)
+            sub = [states[i] for i in self._pen_rows]
+            self._pen = dict(
+                rows=torch.tensor(self._pen_rows, dtype=torch.int64, device=dev),
+                prompt_mask=build_token_counts(padded([list(s.prompt_ids) for s in sub]), V) > 0,
+                counts=build_token_counts(padded([s.output_ids for s in sub]), V),
+                rep=torch.tensor([s.opts.repetition_penalty for s in sub], **f32),
+                freq=torch.tensor([s.opts.frequency_penalty for s in sub], **f32),
+                pres=torch.tensor([s.opts.presence_penalty for s in sub], **f32))
+
+    def sample(self, logits: torch.Tensor, seq_ids: tuple[str, ...] | None,
+               states: list[SeqSamplingState]) -> list[int]:
+        from gpu.kernels.sampling import apply_penalties, sample as kernel_sample
+
+        B, V = logits.shape
+        logits = logits.float().contiguous()
+        lens = tuple(len(st.output_ids) for st in states)
+        key = None if seq_ids is None else (tuple(seq_ids), lens)
+        if key is None or key != self._key:
+            self._rebuild(states, V)
+        masked = stop_tokens_to_mask(states, V)
+        if masked:
+            rows, cols = torch.tensor(masked, device=self.device).T
+            logits[rows, cols] = float("-inf")
+        pen = self._pen
+        if pen:
+            idx = pen["rows"]
+            logits[idx] = apply_penalties(logits.index_select(0, idx), pen["prompt_mask"], pen["counts"],
+                                          pen["rep"], pen["freq"], pen["pres"])
+        p = self._params
+        use_filters, use_min_p = self._flags
+        tokens = kernel_sample(logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"],
+                               p["seeds"], p["steps"], use_top_k_top_p=use_filters, use_min_p=use_min_p)
+        # the next step, if the batch is the same, starts from here
+        p["steps"] += 1
+        if pen:
+            picked = tokens.index_select(0, pen["rows"])
+            pen["counts"].scatter_add_(1, picked[:, None], torch.ones_like(picked, dtype=torch.int32)[:, None])
+        out = tokens.tolist()
+        self._key = None if seq_ids is None else (tuple(seq_ids), tuple(n + 1 for n in lens))
+        return out
 
 
 def token_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], ks: list[int]):

@@ -115,3 +115,63 @@ def test_logit_controls_on_both_paths(tmp_path, device):
         bias = r.logprobs[0]
         assert bias.logprob == pytest.approx(float(raw[forced]), abs=1e-4)   # not ~0: raw
         assert bias.top_ids == tuple(ranked[:2])
+
+
+def test_device_sampler_remembers_the_batch_exactly(device):
+    """Kept between steps (parameters, step counters, penalty counts updated on the
+    device): the same tokens as a sampler rebuilt from the host every step."""
+    from gpu.sampler import DeviceSampler, SeqSamplingState, sample_on_device
+
+    V = 40
+    opts = [SamplingOptions(temperature=0.9, seed=3, frequency_penalty=1.5, presence_penalty=0.5),
+            SamplingOptions(temperature=0.0, repetition_penalty=1.3),
+            SamplingOptions(temperature=1.2, top_k=7, min_p=0.05, seed=11)]
+    kept = [SeqSamplingState(o, (1, 2, 3), 99) for o in opts]
+    fresh = [SeqSamplingState(o, (1, 2, 3), 99) for o in opts]
+    sampler = DeviceSampler(torch.device(device))
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        logits = torch.randn(3, V, generator=g).to(device)
+        a = sampler.sample(logits.clone(), ("a", "b", "c"), kept)
+        b = sample_on_device(logits.clone(), fresh)
+        assert a == b, step
+        for st, tok in zip(kept, a):
+            st.output_ids.append(tok)
+        for st, tok in zip(fresh, b):
+            st.output_ids.append(tok)
+    # the batch changes (a sequence leaves): rebuilt, still the same as from scratch
+    logits = torch.randn(2, V, generator=g).to(device)
+    assert sampler.sample(logits.clone(), ("a", "c"), [kept[0], kept[2]]) == \
+        sample_on_device(logits.clone(), [fresh[0], fresh[2]])
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_warm_up_leaves_no_trace(tmp_path, device, use_triton):
+    """Warm-up (a prefill, a mixed step, an eager decode) runs before serving on blocks no
+    request holds yet; afterwards the runner answers as a fresh one does."""
+    lm, torch_runner, triton_runner = runner_pair(tmp_path, device)
+    warmed = triton_runner if use_triton else torch_runner
+    _, fresh_torch, fresh_triton = runner_pair(tmp_path, device)
+    fresh = fresh_triton if use_triton else fresh_torch
+    assert warmed.warm_up(max_num_batched_tokens=16, max_num_seqs=2) >= 0.0
+    assert warmed.states == {} and warmed.warmup_s >= 0.0
+    greedy = SamplingOptions(temperature=0.0)
+    plans = [StepPlan(1, (SeqChunk("a", (3, 9, 4), 0, (1,), True),), (SeqStart("a", (3, 9, 4), greedy),)),
+             StepPlan(2, (SeqChunk("a", (5,), 3, (1,), True),))]
+    assert [warmed.execute(p).token_ids for p in plans] == [fresh.execute(p).token_ids for p in plans]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging buffers need CUDA")
+def test_staged_inputs_equal_plain_copies():
+    from gpu.runner import Staging, prepare_step
+
+    dev = torch.device("cuda")
+    staging = Staging(dev)
+    for chunks in [(SeqChunk("a", (3, 9, 4), 0, (1,), False), SeqChunk("b", (7,), 4, (2, 0), True)),
+                   (SeqChunk("a", (5,), 3, (1,), True),)]:
+        plain = prepare_step(chunks, 4, dev)
+        staged = prepare_step(chunks, 4, dev, staging)
+        for x, y in zip((plain[0], plain[1], plain[3]), (staged[0], staged[1], staged[3])):
+            assert torch.equal(x.long(), y.long())
+        for f in ("slot_mapping", "block_tables", "cu_seqlens_q", "seq_lens"):
+            assert torch.equal(getattr(plain[2], f), getattr(staged[2], f)), f
