@@ -268,13 +268,18 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
         runner = SimulatedRunner(cost, cfg.block_size,
                                  ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed)
     else:
-        num_blocks = _num_kv_blocks(cfg, loaded, device, max_model_len)
+        num_blocks = _num_kv_blocks(cfg, loaded, device, max_model_len, _step_budget(cfg))
         cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, mc.num_key_value_heads,
                         mc.head_dim, loaded.model.dtype, device)
         runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
                              use_triton=device.type == "cuda", max_model_len=max_model_len,
                              cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512))
-    budget = cfg.max_num_batched_tokens or max(2048, cfg.max_num_seqs)
+        if device.type == "cuda":  # compile what the first steps would, before any request
+            runner.warm_up(_step_budget(cfg), cfg.max_num_seqs)
+            log.info("CUDA graphs %s (%.1fs); warm-up %.1fs",
+                     f"captured for {runner.cuda_graph_sizes}" if runner.cuda_graphs else "off",
+                     runner.cuda_graph_capture_s, runner.warmup_s)
+    budget = _step_budget(cfg)
     blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
     grammars = (GrammarCompiler(loaded.tokenizer, mc.vocab_size, loaded.eos_token_ids)
                 if loaded.tokenizer is not None else None)
@@ -308,22 +313,35 @@ def _think_ids(cfg: EngineConfig, tokenizer) -> tuple[int, int] | None:
     return ids
 
 
+def _step_budget(cfg: EngineConfig) -> int:
+    """Tokens one engine step may schedule."""
+    return cfg.max_num_batched_tokens or max(2048, cfg.max_num_seqs)
+
+
 def _num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
-                   max_model_len: int) -> int:
+                   max_model_len: int, step_tokens: int) -> int:
     mc = loaded.config
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
     per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
                                         mc.num_key_value_heads, mc.head_dim, loaded.model.dtype)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        reserve = 2 << 30  # activations, CUDA graphs and the allocator's slack
-        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
-        if budget <= per_block:
-            raise ValueError("no GPU memory left for the KV cache; raise --gpu-memory-utilization")
-        return budget // per_block
-    if cfg.kv_cache_memory_bytes:
+    if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, cfg.kv_cache_memory_bytes // per_block)
+    if device.type == "cuda":
+        from gpu.runner import kv_budget_bytes, profile_step_bytes
+
+        peak = profile_step_bytes(loaded.model, block_size=cfg.block_size, max_tokens=step_tokens,
+                                  max_seqs=cfg.max_num_seqs, device=device)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = kv_budget_bytes(total=total, free=free, step_peak=peak,
+                                 utilization=cfg.gpu_memory_utilization)
+        log.info("profiled one full-size step (%d tokens, %d sequences): %.2f GiB at its peak; "
+                 "KV cache budget %.2f GiB", step_tokens, cfg.max_num_seqs, peak / 2**30,
+                 max(0, budget) / 2**30)
+        if budget <= per_block:
+            raise ValueError("no GPU memory left for the KV cache; raise --gpu-memory-utilization "
+                             "or set --kv-cache-memory-bytes")
+        return budget // per_block
     # CPU default: 1 GiB, or less when that is more than every sequence could use.
     enough = cfg.max_num_seqs * math.ceil(max_model_len / cfg.block_size)
     return max(1, min(_CPU_KV_DEFAULT_BYTES // per_block, enough))

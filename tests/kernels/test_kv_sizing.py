@@ -1,0 +1,65 @@
+"""KV cache sizing: --kv-cache-memory-bytes on every device; on CUDA, the budget left after
+profiling one full-size step (gpu/runner.py profile_step_bytes, kv_budget_bytes)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpu.attention import KVCache
+from gpu.loader import load_model
+from gpu.runner import ModelRunner, kv_budget_bytes, profile_plan, profile_step_bytes
+from pipeline.config import EngineConfig
+from pipeline.engine import _num_kv_blocks
+
+TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96,
+        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": True}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return load_model(tmp_path, load_format="dummy", dtype="float32", device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("tokens,seqs,n", [(2048, 256, 256), (100, 256, 100), (37, 4, 4)])
+def test_profile_plan_is_one_full_size_step(tokens, seqs, n):
+    plan, blocks = profile_plan(tokens, seqs, 16)
+    assert len(plan.chunks) == n and all(c.sample and c.start_pos == 0 for c in plan.chunks)
+    assert sum(len(c.token_ids) for c in plan.chunks) == tokens
+    used = [b for c in plan.chunks for b in c.block_table]
+    assert sorted(used) == list(range(blocks))                     # no block shared
+    assert all(len(c.block_table) * 16 >= len(c.token_ids) for c in plan.chunks)
+
+
+def test_the_profile_step_runs(tiny):
+    plan, blocks = profile_plan(40, 8, 4)
+    c = tiny.config
+    cache = KVCache(c.num_hidden_layers, blocks, 4, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    assert len(ModelRunner(tiny.model, cache, device=torch.device("cpu")).execute(plan).token_ids) == 8
+
+
+def test_kv_budget_subtracts_what_is_used_and_the_step_peak():
+    gib = 1 << 30
+    assert kv_budget_bytes(total=100 * gib, free=90 * gib, step_peak=3 * gib, utilization=0.9,
+                           reserve=gib) == 90 * gib - 10 * gib - 3 * gib - gib
+
+
+def test_kv_cache_memory_bytes_is_honoured_on_cuda_too(tiny):
+    """Before any CUDA call: the flag decides (this machine may have no GPU at all)."""
+    cfg = EngineConfig(kv_cache_memory_bytes=1 << 20, block_size=16)
+    per_block = KVCache.bytes_per_block(2, 16, 2, 16, torch.float32)
+    loaded = SimpleNamespace(config=tiny.config, model=tiny.model)
+    assert _num_kv_blocks(cfg, loaded, torch.device("cuda"), 128, 2048) == (1 << 20) // per_block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="memory profiling needs CUDA")
+def test_profile_step_bytes_measures_a_peak(tiny):
+    model = tiny.model.to("cuda")
+    assert profile_step_bytes(model, block_size=16, max_tokens=256, max_seqs=16,
+                              device=torch.device("cuda")) > 0
