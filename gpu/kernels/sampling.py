@@ -212,7 +212,7 @@ def sampling_probs_ref(
 # --------------------------------------------------------------------------- penalties
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _penalties_kernel(
     logits_ptr, out_ptr, prompt_mask_ptr, counts_ptr,
     rep_ptr, freq_ptr, pres_ptr,
@@ -242,7 +242,7 @@ def _penalties_kernel(
 
 def _pick_penalty_blocks(n_rows: int, vocab: int) -> dict:
     block_v = min(1024, triton.next_power_of_2(vocab))
-    block_b = max(1, min(triton.next_power_of_2(n_rows), 4096 // block_v))
+    block_b = max(1, min(64, 4096 // block_v))  # not from n_rows: one variant per model
     return dict(BLOCK_B=block_b, BLOCK_V=block_v, num_warps=4)
 
 
