@@ -119,11 +119,15 @@ rc_e2e=skipped rc_bf16=skipped rc_tests=skipped rc_bench=skipped
 
 # 1. The figure first: nano-vllm's published workload (Qwen3-0.6B architecture, dummy
 #    weights, 256 sequences, lengths uniform in [100, 1024] drawn in nano-vllm's order,
-#    133,966 output tokens, seed 0, ignore_eos) through the whole engine.
+#    133,966 output tokens, seed 0, ignore_eos, temperature 0.6) through the whole engine;
+#    the JSON says whether CUDA graphs were captured, capture and warm-up time, failures.
 if [ "$CUDA" = 1 ]; then
     t=$(left 200); say "1. end-to-end throughput (nano-vllm workload), up to ${t}s"
+    # nano-vllm's engine settings: max_model_len 4096, max_num_seqs 512,
+    # max_num_batched_tokens 16384, CUDA graphs, gpu_memory_utilization 0.9
     timeout "$t" "$PY" -m pipeline.bench gpu/configs/qwen3-0.6b --load-format dummy --workload nano-vllm \
-        --dtype bfloat16 --max-model-len 4096 --output-json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log"
+        --dtype bfloat16 --max-model-len 4096 --max-num-seqs 512 --max-num-batched-tokens 16384 \
+        --output-json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log"
     rc_e2e=${PIPESTATUS[0]}
     [ "$rc_e2e" -eq 124 ] && say "1. TIMED OUT after ${t}s (see throughput.log for how far it got)"
 else

@@ -1,10 +1,15 @@
-"""Kernel micro-benchmarks at model-sized shapes (SmolLM2-135M-like), apart from the tests.
+"""Kernel micro-benchmarks at model-sized shapes (Qwen3-0.6B, then SmolLM2-135M), apart
+from the tests.
 
-    python3 -m gpu.kernels.bench --out results/kernels_bench.json
+    python3 -m gpu.kernels.bench --out results/kernels_bench.json [--model qwen3-0.6b]
 
 Times each kernel against its torch reference (or a torch baseline) with CUDA
-events, after a warm-up that also triggers compilation.  On a machine without
-CUDA it runs tiny shapes once under the interpreter (a smoke test of this file).
+events, after a warm-up that also triggers compilation, and reports the bytes each
+kernel must move at the least (its inputs read once, its outputs written once) over its
+time: achieved GB/s, and that as a fraction of the H200's 4.8 TB/s (HBM3e). These
+kernels are memory-bound at decode sizes, so the fraction is how far each is from its
+ceiling. On a machine without CUDA it runs tiny shapes once under the interpreter (a
+smoke test of this file).
 """
 
 from __future__ import annotations
@@ -55,27 +60,49 @@ def _attention_inputs(batch, q_len, ctx, hq, hkv, dh, page, dtype, device):
     return q, k_cache, v_cache, tables, cu, seq_lens
 
 
-def run(quick: bool) -> list[dict]:
+PEAK_GBPS = 4800.0   # H200 HBM3e
+
+# (q heads, kv heads, head_dim, hidden, intermediate, vocab)
+MODELS = {
+    "qwen3-0.6b": (16, 8, 128, 1024, 3072, 151936),
+    "smollm2-135m": (9, 3, 64, 576, 1536, 49152),
+}
+
+
+def run(quick: bool, model: str = "qwen3-0.6b") -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    elem = torch.empty((), dtype=dtype).element_size()
     iters = 20
-    hq, hkv, dh, hidden, inter, vocab = 9, 3, 64, 576, 1536, 49152
+    hq, hkv, dh, hidden, inter, vocab = MODELS[model]
     if quick:
         vocab, hidden, inter = 512, 72, 96
     results = []
 
-    def record(name, shape, fn, baseline=None):
-        row = dict(kernel=name, shape=shape, dtype=str(dtype), ms=round(_time_ms(fn, iters), 4))
+    def record(name, shape, fn, baseline=None, nbytes=None):
+        ms = _time_ms(fn, iters)
+        row = dict(model=model, kernel=name, shape=shape, dtype=str(dtype), ms=round(ms, 4))
         if baseline is not None:
             row["torch_ms"] = round(_time_ms(baseline, iters), 4)
+        if nbytes:
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            row.update(mbytes=round(nbytes / 1e6, 3), gbps=round(gbps, 1),
+                       of_peak=round(gbps / PEAK_GBPS, 3))
         results.append(row)
         print(json.dumps(row), flush=True)
 
     decode_cases = [(1, 128)] if quick else [(1, 1024), (64, 1024), (256, 2048)]
     for batch, ctx in decode_cases:
         args = _attention_inputs(batch, 1, ctx, hq, hkv, dh, 16, dtype, device)
+        kv_bytes = 2 * batch * ctx * hkv * dh * elem + 2 * batch * hq * dh * elem
         record("paged_attention_decode", dict(batch=batch, ctx=ctx),
-               lambda: paged_attention(*args, dh ** -0.5, max_seqlen_q=1))
+               lambda: paged_attention(*args, dh ** -0.5, max_seqlen_q=1), nbytes=kv_bytes)
+        if batch <= 16 and device == "cuda":   # flash-decoding, as the captured graphs run it
+            from gpu.kernels.paged_attention import suggest_num_kv_splits
+            splits = suggest_num_kv_splits(batch, hkv, ctx, torch.device(device))
+            record("paged_attention_decode_split", dict(batch=batch, ctx=ctx, splits=splits),
+                   lambda: paged_attention(*args, dh ** -0.5, max_seqlen_q=1, num_kv_splits=splits),
+                   nbytes=kv_bytes)
     prefill_cases = [(1, 32)] if quick else [(1, 2048), (8, 512)]
     for batch, q_len in prefill_cases:
         args = _attention_inputs(batch, q_len, q_len, hq, hkv, dh, 16, dtype, device)
@@ -83,23 +110,26 @@ def run(quick: bool) -> list[dict]:
         k = torch.randn(batch, hq, q_len, dh, device=device, dtype=dtype)
         record("paged_attention_prefill", dict(batch=batch, q_len=q_len),
                lambda: paged_attention(*args, dh ** -0.5, max_seqlen_q=q_len),
-               lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True))
+               lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True),
+               nbytes=batch * q_len * (2 * hq + 2 * hkv) * dh * elem)
 
     n = 8 if quick else 4096
     x = torch.randn(n, hidden, device=device, dtype=dtype)
     w = torch.ones(hidden, device=device, dtype=dtype)
     record("fused_add_rms_norm", dict(n=n, d=hidden), lambda: fused_add_rms_norm(x, x, w, 1e-6),
-           lambda: rms_norm_ref(x + x, w, 1e-6))
+           lambda: rms_norm_ref(x + x, w, 1e-6), nbytes=4 * n * hidden * elem)
     gate_up = torch.randn(n, 2 * inter, device=device, dtype=dtype)
-    record("silu_and_mul", dict(n=n, i=inter), lambda: silu_and_mul(gate_up), lambda: silu_and_mul_ref(gate_up))
+    record("silu_and_mul", dict(n=n, i=inter), lambda: silu_and_mul(gate_up), lambda: silu_and_mul_ref(gate_up),
+           nbytes=3 * n * inter * elem)
     qr = torch.randn(n, hq, dh, device=device, dtype=dtype)
     kr = torch.randn(n, hkv, dh, device=device, dtype=dtype)
     cos_sin = torch.randn(8192, dh, device=device)
     pos = torch.randint(0, 8192, (n,), device=device)
-    record("apply_rope", dict(t=n, hq=hq, hkv=hkv), lambda: apply_rope(qr, kr, pos, cos_sin))
+    record("apply_rope", dict(t=n, hq=hq, hkv=hkv), lambda: apply_rope(qr, kr, pos, cos_sin),
+           nbytes=2 * n * (hq + hkv) * dh * elem + n * dh * 4)
     kc = torch.empty(-(-n // 16) + 1, 16, hkv, dh, device=device, dtype=dtype)
     slots = torch.randperm(kc.shape[0] * 16, device=device)[:n]
-    record("write_kv", dict(t=n), lambda: write_kv(kr, kr, kc, kc, slots))
+    record("write_kv", dict(t=n), lambda: write_kv(kr, kr, kc, kc, slots), nbytes=4 * n * hkv * dh * elem)
 
     b = 4 if quick else 256
     logits = torch.randn(b, vocab, device=device)
@@ -108,12 +138,17 @@ def run(quick: bool) -> list[dict]:
                   top_p=f32(0.9), min_p=f32(0.05), seeds=torch.arange(b, device=device),
                   steps=torch.zeros(b, device=device, dtype=torch.int64))
     record("sample_top_k_top_p", dict(b=b, v=vocab), lambda: sample(logits, **params),
-           lambda: torch.multinomial(torch.softmax(logits, -1), 1))
-    record("sample_plain", dict(b=b, v=vocab), lambda: sample(logits, **params, use_top_k_top_p=False))
+           lambda: torch.multinomial(torch.softmax(logits, -1), 1), nbytes=b * vocab * 4)
+    record("sample_plain", dict(b=b, v=vocab), lambda: sample(logits, **params, use_top_k_top_p=False,
+                                                              use_min_p=False), nbytes=b * vocab * 4)
+    if not quick:  # a small batch: the vocabulary split over the grid is what fills the GPU here
+        small = {k: v[:4] for k, v in params.items()}
+        record("sample_plain", dict(b=4, v=vocab), lambda: sample(logits[:4], **small, use_top_k_top_p=False,
+                                                                  use_min_p=False), nbytes=4 * vocab * 4)
     mask = torch.zeros(b, vocab, device=device, dtype=torch.bool)
     counts = torch.zeros(b, vocab, device=device, dtype=torch.int32)
     record("apply_penalties", dict(b=b, v=vocab),
-           lambda: apply_penalties(logits, mask, counts, f32(1.1), f32(0.1), f32(0.1)))
+           lambda: apply_penalties(logits, mask, counts, f32(1.1), f32(0.1), f32(0.1)), nbytes=13 * b * vocab)
     return results
 
 
@@ -121,13 +156,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (default without CUDA)")
+    parser.add_argument("--model", choices=sorted(MODELS), action="append",
+                        help="model shapes to run (repeatable; default: Qwen3-0.6B, then SmolLM2-135M "
+                             "on CUDA, one tiny set without)")
     args = parser.parse_args()
-    results = run(quick=args.quick or not torch.cuda.is_available())
+    quick = args.quick or not torch.cuda.is_available()
+    models = args.model or (["qwen3-0.6b"] if quick else ["qwen3-0.6b", "smollm2-135m"])
+    results = [row for m in models for row in run(quick=quick, model=m)]
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
+            import triton
             json.dump(dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                           torch=torch.__version__, results=results), f, indent=1)
+                           torch=torch.__version__, triton=triton.__version__, peak_gbps=PEAK_GBPS,
+                           results=results), f, indent=1)
 
 
 if __name__ == "__main__":
