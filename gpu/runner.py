@@ -174,13 +174,13 @@ class ModelRunner:
         bs = self.block_size
         nblocks = self.cache.num_blocks
         greedy = SamplingOptions(temperature=0.0)
-        prompt = max(2, min(max_num_batched_tokens // 2, 256, (nblocks // 2) * bs))
+        prompt = max(3, min(max_num_batched_tokens // 2, 256, (nblocks // 2) * bs))
         table = tuple(range(min(nblocks, -(-(prompt + 1) // bs))))
         warm = "__warmup__"
         steps = [StepPlan(-1, (SeqChunk(warm, (0,) * prompt, 0, table, True),),
                           (SeqStart(warm, (0,) * prompt, greedy),)),
                  StepPlan(-2, (SeqChunk(warm, (0,), prompt, table, True),
-                               SeqChunk(warm + "b", (0,) * 3, 0, table[:1], True)),
+                               SeqChunk(warm + "b", (0,) * 3, 0, table[:-(-3 // bs)], True)),
                           (SeqStart(warm + "b", (0,) * 3, greedy),))]
         # decode batches larger than the largest graph run eagerly: compile that path too
         largest = self.graphs.max_bs if self.graphs is not None else 0

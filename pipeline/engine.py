@@ -275,7 +275,10 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
                              use_triton=device.type == "cuda", max_model_len=max_model_len,
                              cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512))
         if device.type == "cuda":  # compile what the first steps would, before any request
-            runner.warm_up(_step_budget(cfg), cfg.max_num_seqs)
+            try:
+                runner.warm_up(_step_budget(cfg), cfg.max_num_seqs)
+            except Exception as exc:  # the first real step will say more; do not hide it
+                log.error("warm-up failed: %s", exc, exc_info=exc)
             log.info("CUDA graphs %s (%.1fs); warm-up %.1fs",
                      f"captured for {runner.cuda_graph_sizes}" if runner.cuda_graphs else "off",
                      runner.cuda_graph_capture_s, runner.warmup_s)
