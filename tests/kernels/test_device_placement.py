@@ -67,6 +67,7 @@ def test_runner_step_reads_back_once(meta_model):
     with check:
         result = runner.execute(plan)
     assert result.seq_ids == ("a", "b") and len(result.token_ids) == 2
+    assert check.reads == ["cpu"]   # the logits, once, for host sampling: nothing else syncs
 
 
 def test_the_shim_catches_a_host_tensor(meta_model):
