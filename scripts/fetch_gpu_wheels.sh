@@ -2,9 +2,9 @@
 # Download, here, the Python 3.12 wheels that the lent GPU machine's image lacks, into .whl/
 # (ignored by git; `carry` it). The image has torch, triton, attrs, numpy, tokenizers,
 # jinja2, safetensors, tqdm, sortedcontainers, idna: the engine needs these on top.
-# cattrs 25.3 needs attrs>=25.4 and typing-extensions>=4.14, newer than the image may
-# hold: they travel too (pure Python; the versions this project is tested with), and
-# scripts/gpu_check.sh checks every carried wheel's requirements before it runs anything.
+# The versions this project is tested with (the dev venv). cattrs needs attrs>=25.4 and
+# typing-extensions>=4.14, newer than the image may hold: they travel too (pure Python),
+# and scripts/gpu_check.sh checks every carried wheel's requirements before anything runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exclude=$(git rev-parse --git-path info/exclude)   # a worktree's .git is a file
@@ -13,6 +13,6 @@ grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 --platform any -d .whl \
-    trio==0.32.0 outcome==1.3.0.post0 sniffio==1.3.1 cattrs==25.3.0 structlog==25.5.0 \
-    orjson==3.11.4 gguf==0.17.1 attrs==26.1.0 typing-extensions==4.16.0
+    trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1 cattrs==26.2.1 structlog==26.1.0 \
+    orjson==3.13.0 gguf==0.19.0 attrs==26.1.0 typing-extensions==4.16.0
 ls -la .whl

@@ -5,7 +5,8 @@
 #   here, once:  bash scripts/fetch_gpu_wheels.sh     # py3.12 wheels the image lacks -> .whl/
 #   run:         command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 600
 # What travels: the working tree (tracked and untracked-not-ignored files) and, through
-# carry, .whl/ (trio, outcome, sniffio, cattrs, structlog, orjson, gguf: about 3 MiB).
+# carry, .whl/ (trio, outcome, sniffio, cattrs, structlog, orjson, gguf, attrs,
+# typing-extensions: about 1 MiB).
 # Time limit: the steps below share a 540 s budget (GPU_CHECK_BUDGET_S), inside the
 # tool's 600 s per command; each step gets what is left, less what the later ones need.
 # Results: at most 8 files in $OUT (./results when unset):
