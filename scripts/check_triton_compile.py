@@ -1,6 +1,7 @@
 """AOT compile check of the Triton kernels in gpu/kernels for a CUDA target, without a GPU.
 
     python scripts/check_triton_compile.py [--arch 90] [--only NAME] [-v]
+    python scripts/check_triton_compile.py --variants    # one variant per kernel at any batch size
 
 Uses whatever `triton` (and `torch`) the interpreter imports, so it can check
 another Triton release from a separate venv, e.g. for triton 3.6:
@@ -219,6 +220,97 @@ def _cases(only):
                 yield label, sampling, ["_penalties_kernel"], launch
 
 
+def _variant_key(fn, args, kwargs, target) -> str:
+    """What Triton compiles a launch under: the specialization of every argument (an int
+    equal to 1 or a multiple of 16, a pointer's alignment) and the constexprs. Two
+    launches with one key share one compiled kernel."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    _, specialization, _ = binder(*args, **{**kwargs, "debug": False})
+    consts = sorted((k, repr(v)) for k, v in kwargs.items() if k.isupper() or k.startswith("num_"))
+    return repr((specialization, consts))
+
+
+# Batch sizes a run meets step after step: one variant must serve them all.
+VARIANT_SIZES = (1, 2, 15, 16, 17, 48, 256, 300)
+
+
+def _variant_cases():
+    """Yield (label, module, kernel_names, [launch per step size]) at Qwen3-0.6B's shapes."""
+    import torch
+
+    from gpu.kernels import activation, kv_cache, paged_attention, rmsnorm, sampling
+
+    _, hq, hkv, dh, hidden, inter, vocab = MODELS[1]
+    dtype, dev = torch.bfloat16, "cpu"
+
+    def attention(B, q_len, blocks):
+        ctx = 40
+        k_cache = torch.zeros(B * blocks, PAGE, hkv, dh, dtype=dtype, device=dev)
+        tables = torch.zeros(B, blocks, dtype=torch.int32, device=dev)
+        cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * q_len
+        seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        qkv = torch.zeros(B * q_len, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
+        q = qkv[:, : hq * dh].view(B * q_len, hq, dh)
+        paged_attention.paged_attention(q, k_cache, k_cache.clone(), tables, cu, seq_lens, dh ** -0.5,
+                                        max_seqlen_q=q_len)
+
+    names = ["_paged_attention_kernel", "_combine_splits_kernel"]
+    yield ("paged_attention decode (B, block-table width)", paged_attention, names,
+           [lambda b=b: attention(b, 1, 1 + b % 5) for b in VARIANT_SIZES])
+    yield ("paged_attention prefill/mixed (B, q_len)", paged_attention, names,
+           [lambda b=b: attention(1 + b % 7, 2 + b, 3) for b in VARIANT_SIZES])
+
+    def write(T):
+        qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
+        cache = torch.zeros(8, PAGE, hkv, dh, dtype=dtype, device=dev)
+        kv_cache.write_kv(qkv[:, hq * dh:(hq + hkv) * dh].view(T, hkv, dh),
+                          qkv[:, (hq + hkv) * dh:].view(T, hkv, dh), cache, cache.clone(),
+                          torch.arange(T, dtype=torch.int64, device=dev))
+
+    yield "write_kv (T)", kv_cache, ["_write_kv_kernel"], [lambda t=t: write(t) for t in VARIANT_SIZES]
+    yield ("fused_add_rms_norm (T)", rmsnorm, ["_rms_norm_kernel"],
+           [lambda t=t: rmsnorm.fused_add_rms_norm(torch.zeros(t, hidden, dtype=dtype), torch.zeros(t, hidden, dtype=dtype),
+                                                   torch.ones(hidden, dtype=dtype), 1e-6) for t in VARIANT_SIZES])
+    yield ("silu_and_mul (T)", activation, ["_silu_and_mul_kernel"],
+           [lambda t=t: activation.silu_and_mul(torch.zeros(t, 2 * inter, dtype=dtype)) for t in VARIANT_SIZES])
+
+    def draw(B):
+        f32 = lambda v: torch.full((B,), v, dtype=torch.float32)  # noqa: E731
+        sampling.sample(torch.zeros(B, vocab), f32(0.8), torch.zeros(B, dtype=torch.int32), f32(1.0), f32(0.0),
+                        torch.arange(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                        use_top_k_top_p=False, use_min_p=False)
+
+    yield "sample (B)", sampling, ["_sample_kernel"], [lambda b=b: draw(b) for b in VARIANT_SIZES]
+
+    def penalise(B):
+        f32 = lambda v: torch.full((B,), v, dtype=torch.float32)  # noqa: E731
+        sampling.apply_penalties(torch.zeros(B, vocab), torch.zeros(B, vocab, dtype=torch.bool),
+                                 torch.zeros(B, vocab, dtype=torch.int32), f32(1.1), f32(0.1), f32(0.1))
+
+    yield "apply_penalties (B)", sampling, ["_penalties_kernel"], [lambda b=b: penalise(b) for b in VARIANT_SIZES]
+
+
+def check_variants(target) -> int:
+    """--variants: each kernel at every step size of VARIANT_SIZES must bind to one
+    compiled variant (no compile in the middle of a run). Nothing is compiled."""
+    n_fail = 0
+    for label, module, names, launches in _variant_cases():
+        keys: dict[str, set[str]] = {}
+        for launch in launches:
+            for kname, fn, a, kw in _record(module, names, launch):
+                keys.setdefault(kname, set()).add(_variant_key(fn, a, kw, target))
+        for kname, found in keys.items():
+            ok = len(found) == 1
+            n_fail += not ok
+            print(f"{'OK  ' if ok else 'FAIL'} {kname} {label}: {len(found)} variant(s) over sizes {VARIANT_SIZES}",
+                  flush=True)
+    return 1 if n_fail else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
@@ -228,6 +320,9 @@ def main() -> int:
     parser.add_argument("--expect-triton", default=None, metavar="VERSION",
                         help="fail unless the imported triton is this version, e.g. 3.6.0")
     parser.add_argument("-v", "--verbose", action="store_true", help="full tracebacks on failure")
+    parser.add_argument("--variants", action="store_true",
+                        help="compile nothing: check that each kernel binds to one variant whatever "
+                             "the batch size (do_not_specialize; block sizes from the model's shapes)")
     args = parser.parse_args()
 
     tmp = None
@@ -246,6 +341,8 @@ def main() -> int:
         print(f"FAIL triton {triton.__version__} imported, expected {args.expect_triton}", flush=True)
         return 1
     max_shared = MAX_SHARED.get(args.arch)
+    if args.variants:
+        return check_variants(target)
 
     n_ok = n_fail = 0
     for label, module, names, launch in _cases(args.only):
