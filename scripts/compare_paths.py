@@ -6,12 +6,15 @@ tensor-core path, P cast to bf16 before P·V, runs here).
     python scripts/compare_paths.py --config gpu/configs/qwen3-0.6b --dtype bfloat16 \
         --out results/bf16_greedy.json
 
-Both runners execute the same plans: one prefill of every prompt, then decode steps fed
-with the Triton path's greedy tokens (the torch path is teacher-forced with them), so
-each step's logits compare row for row. Reported: the greedy agreement (rows where both
-paths pick the same token), the largest and mean logit difference relative to the
-logits' spread, and whether CUDA graphs ran. Exit 1 when the paths disagree beyond what
-the dtype explains (--min-agreement, --max-rel-err).
+Three runners execute the same plans: one prefill of every prompt, then decode steps
+fed with the Triton path's greedy tokens (the others are teacher-forced with them), so
+each step's logits compare row for row: the Triton path and the torch path in the
+dtype, and the torch path in fp32 on the same weights as the reference. Reported per
+path: greedy agreement with the reference, the largest and mean logit error (also over
+the logits' spread), and whether CUDA graphs ran. With random weights the top logits
+are close, so bf16 alone flips some picks; the check is relative: exit 1 unless the
+Triton path is about as close to the reference as the torch path in the same dtype
+(--slack).
 
 Without CUDA it runs on the CPU (the kernels under TRITON_INTERPRET=1): use a tiny
 config and float32 there (tests/kernels/test_compare_paths.py does).
@@ -41,8 +44,15 @@ from gpu.sampler import SamplingOptions  # noqa: E402
 def compare(config: str, dtype: str, prompt_lens: list[int], new_tokens: int, block_size: int = 16,
             seed: int = 0) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    lm = load_model(config, load_format="dummy", dtype=dtype, device=str(device), seed=seed,
-                    progress=False).model
+
+    def load(dt: str):
+        return load_model(config, load_format="dummy", dtype=dt, device=str(device), seed=seed,
+                          progress=False).model
+
+    lm = load(dtype)
+    # The reference: the torch path in fp32 on the same weights (dummy weights are drawn in
+    # fp32 and rounded to the model's dtype), so each path's error is measured against it.
+    ref = lm if dtype == "float32" else load("float32")
     c = lm.config
     rng = random.Random(seed)
     vocab = min(c.vocab_size, 10000)
@@ -54,48 +64,67 @@ def compare(config: str, dtype: str, prompt_lens: list[int], new_tokens: int, bl
         at += k
     max_len = max(prompt_lens) + new_tokens
 
-    def runner(use_triton: bool) -> ModelRunner:
-        cache = KVCache(c.num_hidden_layers, at, block_size, c.num_key_value_heads, c.head_dim, lm.dtype, device)
-        return ModelRunner(lm, cache, device=device, use_triton=use_triton, max_model_len=max_len,
-                           cuda_graph_max_bs=len(prompts) if device.type == "cuda" else 0)
+    def runner(model, use_triton: bool) -> ModelRunner:
+        cache = KVCache(c.num_hidden_layers, at, block_size, c.num_key_value_heads, c.head_dim, model.dtype, device)
+        return ModelRunner(model, cache, device=device, use_triton=use_triton, max_model_len=max_len,
+                           cuda_graph_max_bs=len(prompts) if device.type == "cuda" and use_triton else 0)
 
     t0 = time.perf_counter()
-    triton_runner, torch_runner = runner(True), runner(False)
+    runners = {"triton": (lm, runner(lm, True)), "torch": (lm, runner(lm, False)),
+               "reference": (ref, runner(ref, False))}
     greedy = SamplingOptions(temperature=0.0)
     ids = [f"s{i}" for i in range(len(prompts))]
-    first = StepPlan(1, tuple(SeqChunk(s, tuple(p), 0, t, True) for s, p, t in zip(ids, prompts, tables)),
-                     tuple(SeqStart(s, tuple(p), greedy) for s, p in zip(ids, prompts)))
+    plan = StepPlan(1, tuple(SeqChunk(s, tuple(p), 0, t, True) for s, p, t in zip(ids, prompts, tables)),
+                    tuple(SeqStart(s, tuple(p), greedy) for s, p in zip(ids, prompts)))
 
-    seen: list[torch.Tensor] = []
-    orig = lm.compute_logits
-    lm.compute_logits = lambda h: seen.append(orig(h)) or seen[-1]
-    rows = agree = 0
-    max_abs = sum_abs = 0.0
-    spread = 0.0
-    try:
-        plan = first
-        for step in range(new_tokens):
-            seen.clear()
-            a = triton_runner.execute(plan)
-            b = torch_runner.execute(plan)
-            la, lb = seen[0].float(), seen[1].float()
-            diff = (la - lb).abs()
-            max_abs = max(max_abs, diff.max().item())
-            sum_abs += diff.mean().item()
-            spread = max(spread, lb.std().item())
-            rows += len(a.token_ids)
-            agree += sum(x == y for x, y in zip(a.token_ids, lb.argmax(-1).tolist()))
-            pos = [len(p) + step for p in prompts]
-            plan = StepPlan(step + 2, tuple(SeqChunk(s, (tok,), n, t, True)
-                                            for s, tok, n, t in zip(ids, a.token_ids, pos, tables)))
-    finally:
-        lm.compute_logits = orig
-    return dict(device=str(device), dtype=dtype, config=config, prompts=len(prompts),
-                prompt_lens=prompt_lens, new_tokens=new_tokens, rows=rows,
-                greedy_agreement=round(agree / rows, 4), max_abs_logit_diff=round(max_abs, 5),
-                mean_abs_logit_diff=round(sum_abs / new_tokens, 6), logit_std=round(spread, 4),
-                max_rel_err=round(max_abs / max(spread, 1e-9), 5),
-                cuda_graphs=triton_runner.cuda_graphs, elapsed_s=round(time.perf_counter() - t0, 2))
+    def logits_of(model, r, plan):
+        seen = []
+        orig = model.compute_logits
+        model.compute_logits = lambda h: seen.append(orig(h)) or seen[-1]
+        try:
+            result = r.execute(plan)
+        finally:
+            model.compute_logits = orig
+        return result, seen[0].float()
+
+    stats = {name: dict(agree=0, max_abs=0.0, sum_abs=0.0) for name in ("triton", "torch")}
+    rows, spread = 0, 0.0
+    for step in range(new_tokens):
+        out = {name: logits_of(m, r, plan) for name, (m, r) in runners.items()}
+        want = out["reference"][1]
+        spread = max(spread, want.std().item())
+        picks = want.argmax(-1).tolist()
+        rows += len(picks)
+        for name in stats:
+            diff = (out[name][1] - want).abs()
+            st = stats[name]
+            st["max_abs"] = max(st["max_abs"], diff.max().item())
+            st["sum_abs"] += diff.mean().item()
+            st["agree"] += sum(x == y for x, y in zip(out[name][0].token_ids, picks))
+        # every path is fed the Triton path's tokens (teacher forcing), so rows stay aligned
+        tokens = out["triton"][0].token_ids
+        pos = [len(p) + step for p in prompts]
+        plan = StepPlan(step + 2, tuple(SeqChunk(s, (tok,), n, t, True)
+                                        for s, tok, n, t in zip(ids, tokens, pos, tables)))
+    result = dict(device=str(device), dtype=dtype, config=config, prompts=len(prompts),
+                  prompt_lens=prompt_lens, new_tokens=new_tokens, rows=rows, logit_std=round(spread, 4),
+                  cuda_graphs=runners["triton"][1].cuda_graphs, elapsed_s=round(time.perf_counter() - t0, 2))
+    for name, st in stats.items():
+        result[name] = dict(greedy_agreement=round(st["agree"] / rows, 4),
+                            max_abs_logit_err=round(st["max_abs"], 5),
+                            mean_abs_logit_err=round(st["sum_abs"] / new_tokens, 6),
+                            max_rel_err=round(st["max_abs"] / max(spread, 1e-9), 5))
+    return result
+
+
+def judge(result: dict, slack: float) -> bool:
+    """The Triton path is as close to the fp32 reference as the torch path in the same
+    dtype is (within `slack` times its error, plus fp32 noise), and agrees with the
+    reference's greedy picks about as often."""
+    tri, tor = result["triton"], result["torch"]
+    close = tri["max_rel_err"] <= slack * tor["max_rel_err"] + 1e-3
+    agree = tri["greedy_agreement"] >= tor["greedy_agreement"] - 0.1
+    return close and agree
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,14 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt-lens", default="5,17,33,64,100,128,7,250")
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--min-agreement", type=float, default=0.9)
-    p.add_argument("--max-rel-err", type=float, default=0.1,
-                   help="largest logit difference over the logits' standard deviation")
+    p.add_argument("--slack", type=float, default=3.0,
+                   help="the Triton path's largest logit error may be this many times the torch path's")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     result = compare(args.config, args.dtype, [int(x) for x in args.prompt_lens.split(",")], args.new_tokens)
-    result["ok"] = (result["greedy_agreement"] >= args.min_agreement
-                    and result["max_rel_err"] <= args.max_rel_err)
+    result["ok"] = judge(result, args.slack)
     print(json.dumps(result), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -136,7 +136,8 @@ else
 fi
 
 # 2. bf16 greedy, end to end through the runner: the Triton path (kernels, CUDA graphs,
-#    device sampling) against the torch path on the same weights.
+#    device sampling) and the torch path, both in bf16, against the torch path in fp32 on
+#    the same weights; fails unless the Triton path is about as close as the torch path.
 if [ "$CUDA" = 1 ]; then
     t=$(left 150); [ "$t" -gt 60 ] && t=60; say "2. bf16 greedy Triton vs torch, up to ${t}s"
     timeout "$t" "$PY" scripts/compare_paths.py --config gpu/configs/qwen3-0.6b --dtype bfloat16 \

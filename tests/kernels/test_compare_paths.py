@@ -29,4 +29,17 @@ def test_greedy_paths_agree(tmp_path):
     result = json.loads(out.read_text())
     assert rc == 0 and result["ok"] and result["rows"] == 9
     if dtype == "float32":
-        assert result["greedy_agreement"] == 1.0 and result["max_rel_err"] < 1e-3
+        assert result["triton"]["greedy_agreement"] == 1.0 and result["triton"]["max_rel_err"] < 1e-3
+
+
+def test_a_wrong_kernel_fails_the_comparison(tmp_path, monkeypatch):
+    """Negative control: attention that scales q wrongly is far from the reference."""
+    from gpu import attention
+
+    forward = attention.TritonPagedAttention.forward
+    monkeypatch.setattr(attention.TritonPagedAttention, "forward",
+                        lambda self, layer, q, k, v: forward(self, layer, q * 1.5, k, v))
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    script = _script()
+    result = script.compare(str(tmp_path), "float32", [3, 9, 20], 3)
+    assert not script.judge(result, 3.0)
