@@ -23,6 +23,8 @@ from tqdm import tqdm
 from pipeline.config import EngineConfig, add_engine_arguments, engine_config
 from pipeline.engine import describe, open_engine
 
+log = logging.getLogger("tailrace.bench")
+
 WORKLOADS = {
     # nano-vllm's published benchmark (its bench.py): 256 sequences, lengths uniform in
     # [100, 1024], token ids uniform in [0, 10000], drawn from random.seed(0) in its order
@@ -122,8 +124,12 @@ def _error_of(status: int, raw: bytes) -> str | None:
     return f"HTTP {status}: {message or str(data)[:200]}"
 
 
-async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
+async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | None = None) -> dict:
+    """Runs the benchmark; `so_far` (if given) is kept up to date as requests finish, so
+    an interrupted run can still report how far it got."""
     failures: list[str] = []
+    so_far = {} if so_far is None else so_far
+    so_far.update(done=0, output_tokens=0, failures=failures, t0=None)
     async with open_engine(cfg) as engine:
         reqs = make_requests(s, engine.loaded.config.vocab_size, temperature)
         for r in reqs:
@@ -146,8 +152,17 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float) -> dict:
             else:
                 failures.append(error)
             progress.update()
+            so_far.update(done=so_far["done"] + 1, output_tokens=out_tokens)
+            if not progress.disable:
+                return
+            if so_far["done"] % max(1, len(reqs) // 8) == 0 or so_far["done"] == len(reqs):
+                # no tty (a log file): a line now and then instead of the bar
+                elapsed = time.perf_counter() - so_far["t0"]
+                log.info("%d/%d requests done, %d output tokens in %.1f s (%.0f tok/s), %d failed",
+                         so_far["done"], len(reqs), out_tokens, elapsed, out_tokens / max(elapsed, 1e-9),
+                         len(failures))
 
-        t0 = time.perf_counter()
+        t0 = so_far["t0"] = time.perf_counter()
         async with trio.open_nursery() as reqs_nursery:
             for body in reqs:
                 reqs_nursery.start_soon(one, body)
@@ -196,10 +211,25 @@ def main(args: argparse.Namespace) -> int:
     cfg = attrs.evolve(engine_config(args),
                        max_model_len=args.max_model_len or (s["input_len"] + s["output_len"] + 16),
                        max_queued_requests=max(args.max_queued_requests, s["num_prompts"]))
+    so_far: dict = {}
     try:
-        result = trio.run(_bench, cfg, s, args.temperature)
+        result = trio.run(_bench, cfg, s, args.temperature, so_far)
+    except KeyboardInterrupt:  # Ctrl-C, or `timeout -s INT`: say how far it got
+        t0 = so_far.get("t0")
+        elapsed = time.perf_counter() - t0 if t0 else None
+        failures = so_far.get("failures") or []
+        result = {"num_prompts": s["num_prompts"], "interrupted": True,
+                  "error": "interrupted before the end (a time limit?)",
+                  "completed_requests": so_far.get("done", 0),
+                  "output_tokens": so_far.get("output_tokens", 0),
+                  "elapsed_s": round(elapsed, 3) if elapsed else None,
+                  "stage": "running requests" if t0 else "starting the engine",
+                  "failed_requests": len(failures), "first_error": failures[0] if failures else None}
+        _write(args.output_json, result)
+        print(f"bench throughput interrupted: {json.dumps(result)}", file=sys.stderr)
+        return 1
     except Exception as exc:  # the engine failed to start or stopped: report it, exit 1
-        logging.getLogger("tailrace.bench").exception("bench throughput failed")
+        log.exception("bench throughput failed")
         result = {"num_prompts": s["num_prompts"], "failed_requests": s["num_prompts"],
                   "first_error": describe(exc), "error": describe(exc)}
         _write(args.output_json, result)

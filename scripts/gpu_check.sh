@@ -126,11 +126,11 @@ if [ "$CUDA" = 1 ]; then
     t=$(left 200); say "1. end-to-end throughput (nano-vllm workload), up to ${t}s"
     # nano-vllm's engine settings: max_model_len 4096, max_num_seqs 512,
     # max_num_batched_tokens 16384, CUDA graphs, gpu_memory_utilization 0.9
-    timeout "$t" "$PY" -m pipeline.bench gpu/configs/qwen3-0.6b --load-format dummy --workload nano-vllm \
+    timeout -s INT -k 15 "$t" "$PY" -m pipeline.bench gpu/configs/qwen3-0.6b --load-format dummy --workload nano-vllm \
         --dtype bfloat16 --max-model-len 4096 --max-num-seqs 512 --max-num-batched-tokens 16384 \
         --output-json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log"
     rc_e2e=${PIPESTATUS[0]}
-    [ "$rc_e2e" -eq 124 ] && say "1. TIMED OUT after ${t}s (see throughput.log for how far it got)"
+    [ "$rc_e2e" -eq 124 ] && say "1. TIMED OUT after ${t}s (interrupted: throughput.json says how far it got)"
 else
     say "1. SKIPPED end-to-end throughput: no CUDA device (the figure needs the GPU; on CPU see docs/benchmarks.md)"
 fi

@@ -54,3 +54,17 @@ def test_an_engine_that_stops_is_reported(tmp_path):
     result = json.loads(out.read_text())
     assert result["failed_requests"] == 2
     assert "injected fatal fault at step 1" in result["first_error"]
+
+
+def test_an_interrupted_run_says_how_far_it_got(tmp_path, monkeypatch):
+    """gpu_check stops the run with SIGINT at its time limit: the JSON still comes out."""
+    def interrupted(fn, cfg, s, temperature, so_far):
+        so_far.update(done=5, output_tokens=640, failures=["HTTP 500: boom"], t0=bench.time.perf_counter())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.trio, "run", interrupted)
+    out = tmp_path / "result.json"
+    assert bench.main(_args("--num-prompts", "8", "--output-json", str(out))) == 1
+    result = json.loads(out.read_text())
+    assert result["interrupted"] and result["completed_requests"] == 5 and result["output_tokens"] == 640
+    assert result["first_error"] == "HTTP 500: boom" and result["stage"] == "running requests"
