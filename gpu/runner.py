@@ -2,6 +2,14 @@
 
 The runner's input and output are defined here so that the scheduler and the GPU stage
 both import them from gpu/ (no import cycle). Synchronous; no trio, no globals.
+
+Interface (issue 14): ``execute(plan) -> StepResult`` is unchanged. Added:
+``warm_up(max_num_batched_tokens, max_num_seqs)`` (the engine calls it on CUDA before
+serving), the start-up facts ``cuda_graphs``, ``cuda_graph_sizes``,
+``cuda_graph_capture_s``, ``warmup_s``, and ``profile_step_bytes`` / ``kv_budget_bytes``
+for KV sizing. ``prepare_step(chunks, block_size, device, staging=None)`` now returns the
+rows to sample as a device tensor (``sample_idx``) rather than a list; on CUDA the
+runner passes its pinned ``Staging`` buffers.
 """
 from __future__ import annotations
 
