@@ -122,7 +122,7 @@ rc_e2e=skipped rc_bf16=skipped rc_tests=skipped rc_bench=skipped
 #    weights, 256 sequences, lengths uniform in [100, 1024] drawn in nano-vllm's order,
 #    133,966 output tokens, seed 0, ignore_eos, temperature 0.6) through the whole engine;
 #    the JSON says whether CUDA graphs were captured, capture and warm-up time, failures.
-if [ "$CUDA" = 1 ]; then
+if [ "$CUDA" = 1 ] && [ "$(left 200)" -gt 30 ]; then
     t=$(left 200); say "1. end-to-end throughput (nano-vllm workload), up to ${t}s"
     # nano-vllm's engine settings: max_model_len 4096, max_num_seqs 512,
     # max_num_batched_tokens 16384, CUDA graphs, gpu_memory_utilization 0.9
@@ -130,7 +130,10 @@ if [ "$CUDA" = 1 ]; then
         --dtype bfloat16 --max-model-len 4096 --max-num-seqs 512 --max-num-batched-tokens 16384 \
         --output-json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log"
     rc_e2e=${PIPESTATUS[0]}
-    [ "$rc_e2e" -eq 124 ] && say "1. TIMED OUT after ${t}s (interrupted: throughput.json says how far it got)"
+    { [ "$rc_e2e" -eq 124 ] || [ "$rc_e2e" -eq 137 ]; } && \
+        say "1. TIMED OUT after ${t}s (interrupted: throughput.json says how far it got)"
+elif [ "$CUDA" = 1 ]; then
+    say "1. SKIPPED end-to-end throughput: the budget is spent"; rc_e2e=budget
 else
     say "1. SKIPPED end-to-end throughput: no CUDA device (the figure needs the GPU; on CPU see docs/benchmarks.md)"
 fi
@@ -138,20 +141,25 @@ fi
 # 2. bf16 greedy, end to end through the runner: the Triton path (kernels, CUDA graphs,
 #    device sampling) and the torch path, both in bf16, against the torch path in fp32 on
 #    the same weights; fails unless the Triton path is about as close as the torch path.
-if [ "$CUDA" = 1 ]; then
+if [ "$CUDA" = 1 ] && [ "$(left 150)" -gt 20 ]; then
     t=$(left 150); [ "$t" -gt 60 ] && t=60; say "2. bf16 greedy Triton vs torch, up to ${t}s"
     timeout "$t" "$PY" scripts/compare_paths.py --config gpu/configs/qwen3-0.6b --dtype bfloat16 \
         --out "$OUT/bf16_greedy.json" 2>&1 | tee -a "$STEPS_LOG"
     rc_bf16=${PIPESTATUS[0]}
 else
-    say "2. SKIPPED bf16 greedy comparison: no CUDA device (bf16 tensor-core dots need the GPU;"
-    say "   tests/kernels/test_runner_triton.py runs the same comparison in fp32 here)"
+    if [ "$CUDA" = 1 ]; then
+        say "2. SKIPPED bf16 greedy comparison: the budget is spent"; rc_bf16=budget
+    else
+        say "2. SKIPPED bf16 greedy comparison: no CUDA device (bf16 tensor-core dots need the GPU;"
+        say "   step 3's tests/kernels/test_compare_paths.py runs the same comparison, tiny, here)"
+    fi
 fi
 
 # 3. Kernel tests (on CPU: under the Triton interpreter, small shapes). addopts cleared:
 #    pytest-trio may be absent on the image.
 t=$(left 60); say "3. kernel tests, up to ${t}s"
 if [ "$t" -gt 10 ]; then
+    rm -f /tmp/kernels_junit.xml
     timeout "$t" "$PY" -m pytest tests/kernels -q -p no:cacheprovider -o addopts="" -rfE \
         --junitxml /tmp/kernels_junit.xml 2>&1 | tee "$OUT/kernels_tests.log"
     rc_tests=${PIPESTATUS[0]}
@@ -172,7 +180,7 @@ json.dump(summary, open(f"{out}/kernels_tests.json", "w"), indent=1)
 print(json.dumps(summary))
 PY
 else
-    say "3. SKIPPED kernel tests: the budget is spent"
+    say "3. SKIPPED kernel tests: the budget is spent"; rc_tests=budget
 fi
 
 # 4. Kernel micro-benchmarks (on CPU: tiny shapes once, a smoke test of the script).
@@ -181,11 +189,11 @@ if [ "$t" -gt 10 ]; then
     timeout "$t" "$PY" -m gpu.kernels.bench --out "$OUT/kernels_bench.json" 2>&1 | tee -a "$STEPS_LOG"
     rc_bench=${PIPESTATUS[0]}
 else
-    say "4. SKIPPED kernel micro-benchmarks: the budget is spent"
+    say "4. SKIPPED kernel micro-benchmarks: the budget is spent"; rc_bench=budget
 fi
 
 say "done in ${SECONDS}s: throughput rc=$rc_e2e, bf16 greedy rc=$rc_bf16, kernel tests rc=$rc_tests, kernel bench rc=$rc_bench"
 for rc in "$rc_e2e" "$rc_bf16" "$rc_tests" "$rc_bench"; do
-    [ "$rc" = skipped ] || [ "$rc" -eq 0 ] || exit 1
+    [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1   # "budget": a step the time limit cut
 done
 exit 0
