@@ -63,3 +63,19 @@ def test_profile_step_bytes_measures_a_peak(tiny):
     model = tiny.model.to("cuda")
     assert profile_step_bytes(model, block_size=16, max_tokens=256, max_seqs=16,
                               device=torch.device("cuda")) > 0
+
+
+def test_profile_step_bytes_runs_its_step_here(tiny, monkeypatch):
+    """Without a GPU: torch.cuda's memory counters faked, the profiled step itself really
+    runs (the Triton path under the interpreter), and the peak is what the counters say
+    beyond the weights and the throwaway cache."""
+    allocated = iter([1000, 1000 + 64])           # before, and after the throwaway cache
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: next(allocated))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 1000 + 64 + 500)
+    ran = []
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, plan: ran.append(execute(self, plan)))
+    peak = profile_step_bytes(tiny.model, block_size=4, max_tokens=24, max_seqs=6, device=torch.device("cpu"))
+    assert peak == 500 and len(ran[0].token_ids) == 6
