@@ -4,8 +4,9 @@ A decode step at batch size B replays the graph captured for the smallest captur
 >= B. Each size has its own num_kv_splits (paged_attention.suggest_num_kv_splits over the
 longest context, --max-model-len): small batches split every sequence's KV over several
 programs so the GPU fills, as vLLM's Triton backend switches to a split kernel at small
-grids; from about 32 sequences on, one program per sequence and KV head is enough. Inputs live in static buffers; padding rows write nowhere (slot -1) and attend to
-one token of block 0, and their outputs are dropped. Prefill and mixed steps run eagerly.
+grids; from about 32 sequences on, one program per sequence and KV head is enough.
+Inputs live in static buffers; padding rows write nowhere (slot -1) and attend to one
+token of block 0, and their outputs are dropped. Prefill and mixed steps run eagerly.
 """
 from __future__ import annotations
 
