@@ -1,7 +1,8 @@
 """The HTTP edge: a Quart (quart-trio) app over an Engine.
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses;
-GET /v1/models, /health, /metrics, /version. Every error is OpenAI-shaped JSON; every
+GET /v1/models, /health, /metrics, /version. Until the model has loaded, LoadingGate
+answers every request with 503. Every error is OpenAI-shaped JSON; every
 503 (overload, shutdown, a stopped engine) carries Retry-After. API keys and CORS wrap
 the app at the ASGI level (web/access.py); AppConfig holds the server's own settings.
 
@@ -151,6 +152,46 @@ def _wrap(asgi_app: Callable, config: AppConfig) -> Callable:
                                      headers=config.allowed_headers,
                                      credentials=config.allow_credentials)
     return asgi_app
+
+
+class LoadingGate:
+    """The ASGI app Hypercorn serves: until `open(app)`, while the model loads, every HTTP
+    request gets 503 with Retry-After (GET /health an empty body, the rest an OpenAI error
+    with code ``model_loading``), so a router or a Kubernetes probe can tell "loading" from
+    "down"; from then on everything goes to `app`.
+
+    The gate answers the ASGI lifespan itself (the app may not exist yet when Hypercorn
+    starts): Quart's before_serving/after_serving hooks do not run, and the app has none."""
+
+    def __init__(self) -> None:
+        self.app: Callable | None = None
+        self.binds: list[str] = []          # where Hypercorn serves it (web.cli.open_http)
+
+    def open(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return
+        retry = [(b"retry-after", str(RETRY_AFTER_S).encode())]
+        if scope["path"] == "/health":
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-length", b"0"), *retry]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        err = RequestError("The model is still loading: try again shortly.", status=503,
+                           type="server_unavailable", code="model_loading")
+        await access.send_error(send, err, retry)
 
 
 def create_app(engine: Any, config: AppConfig = AppConfig()) -> QuartTrio:

@@ -1,10 +1,10 @@
 """`tailrace` command line: serve, bench serve, bench throughput.
 
 `serve` flags are named as vLLM names them; each maps onto one EngineConfig
-field. serve binds its socket first (a taken port fails at once, before the
-model loads), then loads the model and starts the engine
-(pipeline.engine.open_engine), then serves the app on that socket and prints
-one machine-readable line on stdout:
+field. serve binds its socket and serves it first (a taken port fails at once,
+before the model loads; every request, /health included, gets 503 while it
+loads), then loads the model and starts the engine (pipeline.engine.open_engine),
+then serves the app on that socket and prints one machine-readable line on stdout:
 
     tailrace: listening on http://127.0.0.1:8000
 
@@ -19,6 +19,7 @@ and exits 0. A third signal, or one while the model loads, stops at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
@@ -201,52 +202,80 @@ def listen_socket(host: str, port: int) -> socket.socket:
 async def serve_model(config, sock: socket.socket, *, app_config: AppConfig = AppConfig(),
                       log_level: str = "info", graceful_timeout: float = GRACEFUL_TIMEOUT_S,
                       task_status=None) -> int:
-    """Load the model and start the engine, then serve it on `sock` until SIGINT/SIGTERM.
+    """Serve `sock` at once (503 on every route while the model loads: web.app.LoadingGate),
+    load the model and start the engine, then serve it until SIGINT/SIGTERM.
     0 on a clean shutdown; an engine crash propagates (as an exception group)."""
     import trio
 
     from pipeline.engine import open_engine
+    from web.app import LoadingGate
 
     shutdown, abort, serving = trio.Event(), trio.Event(), trio.Event()
+    gate = LoadingGate()
     async with trio.open_nursery() as nursery:
         await nursery.start(_watch_signals, shutdown, abort, serving, nursery.cancel_scope)
-        async with open_engine(config) as engine:
-            async with trio.open_nursery() as server:
-                binds = await server.start(partial(
-                    serve, engine, sock, app_config=app_config, log_level=log_level,
-                    graceful_timeout=graceful_timeout, shutdown=shutdown, abort=abort))
-                serving.set()
-                if task_status is not None:
-                    task_status.started(binds)
+        async with open_http(gate, sock, log_level=log_level):
+            async with open_engine(config) as engine:
+                async with trio.open_nursery() as server:
+                    binds = await server.start(partial(
+                        serve, engine, None, app_config=app_config,
+                        graceful_timeout=graceful_timeout, shutdown=shutdown, abort=abort,
+                        gate=gate))
+                    serving.set()
+                    if task_status is not None:
+                        task_status.started(binds)
         nursery.cancel_scope.cancel()     # stops the signal watcher
     return 0
 
 
-async def serve(engine, sock: socket.socket, *, app_config: AppConfig = AppConfig(),
+async def serve(engine, sock: socket.socket | None, *, app_config: AppConfig = AppConfig(),
                 log_level: str = "info", graceful_timeout: float = GRACEFUL_TIMEOUT_S,
-                shutdown=None, abort=None, task_status=None) -> None:
+                shutdown=None, abort=None, gate=None, task_status=None) -> None:
     """Serve the app of a running engine on a listening socket (listen_socket) until
-    `shutdown` is set, then drain (see drain) and stop. Prints the listening line."""
+    `shutdown` is set, then drain (see drain) and stop. Prints the listening line.
+
+    With `gate` (a web.app.LoadingGate already served by open_http; `sock` None), open
+    that gate to the app instead of starting a server of its own."""
+    import trio
+
+    from web.app import LoadingGate, create_app
+
+    shutdown = shutdown if shutdown is not None else trio.Event()
+    abort = abort if abort is not None else trio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        if gate is None:
+            gate = LoadingGate()
+            await stack.enter_async_context(open_http(gate, sock, log_level=log_level))
+        gate.open(create_app(engine, app_config))
+        for bind in gate.binds:
+            print(f"{LISTENING_PREFIX}{bind}", flush=True)
+        if task_status is not None:
+            task_status.started(gate.binds)
+        await shutdown.wait()
+        await drain(engine, graceful_timeout, abort)
+    # leaving open_http: Hypercorn stops listening and closes the connections
+
+
+@contextlib.asynccontextmanager
+async def open_http(gate, sock: socket.socket, *, log_level: str = "info"):
+    """Serve the ASGI app `gate` with Hypercorn on a listening socket for the block (its
+    addresses in ``gate.binds``); at the end stop listening, give the connections
+    FLUSH_TIMEOUT_S to write their last bytes, and close those still open after that."""
     import hypercorn.trio
     import trio
     from hypercorn.config import Config
-
-    from web.app import create_app
 
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]   # Hypercorn owns the socket from here
     config.loglevel = log_level.upper()
     config.graceful_timeout = FLUSH_TIMEOUT_S
     connections = _track_connections(config)
-    shutdown = shutdown if shutdown is not None else trio.Event()
-    abort = abort if abort is not None else trio.Event()
     stop = trio.Event()
-    app = create_app(engine, app_config)
     hypercorn_done = trio.Event()
 
     async def run_hypercorn(task_status) -> None:
         try:
-            await hypercorn.trio.serve(app, config, shutdown_trigger=stop.wait,
+            await hypercorn.trio.serve(gate, config, shutdown_trigger=stop.wait,
                                        task_status=task_status)
         finally:
             hypercorn_done.set()
@@ -268,15 +297,12 @@ async def serve(engine, sock: socket.socket, *, app_config: AppConfig = AppConfi
                         stream.socket.close()
 
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(run_hypercorn)
+        gate.binds = await nursery.start(run_hypercorn)
         nursery.start_soon(close_stragglers)
-        for bind in binds:
-            print(f"{LISTENING_PREFIX}{bind}", flush=True)
-        if task_status is not None:
-            task_status.started(binds)
-        await shutdown.wait()
-        await drain(engine, graceful_timeout, abort)
-        stop.set()       # Hypercorn stops listening and closes the connections
+        try:
+            yield gate.binds
+        finally:
+            stop.set()       # Hypercorn stops listening and closes the connections
 
 
 def _track_connections(config) -> weakref.WeakSet:

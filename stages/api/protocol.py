@@ -495,6 +495,11 @@ _VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "prompt
                 "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": (),
                 "thinking_token_budget": ()}
+# What SGLang's router and vllm-router (derived from it) add to every request they forward,
+# with their defaults (docs/scaling.md): accepted at those values, a 400 at any other.
+_ROUTER_EXTRAS = {"no_stop_trim": (False,), "return_hidden_states": (False,)}
+_ROUTER_CHAT_EXTRAS = {**_ROUTER_EXTRAS, "separate_reasoning": (True,),
+                       "stream_reasoning": (True,)}
 
 
 @attrs.frozen
@@ -517,8 +522,8 @@ class ChatCompletionRequest(ChoiceRequest):
     safety_identifier: str | None = _opt()                       # ignored
     verbosity: str | None = _opt()                               # ignored
     _not_implemented: ClassVar[dict[str, Any]] = {
-        **_VLLM_EXTRAS, "functions": (), "function_call": (), "audio": (),
-        "prediction": (), "web_search_options": (), "echo": (False,), "documents": (),
+        **_VLLM_EXTRAS, **_ROUTER_CHAT_EXTRAS, "functions": (), "function_call": (),
+        "audio": (), "prediction": (), "web_search_options": (), "echo": (False,), "documents": (),
         "best_of": (1,), "media_io_kwargs": ()}
 
     @messages.validator
@@ -536,7 +541,7 @@ class CompletionRequest(ChoiceRequest):
     echo: bool = _opt(default=False)
     suffix: str | None = _opt()
     best_of: int | None = _opt()
-    _not_implemented: ClassVar[dict[str, Any]] = {**_VLLM_EXTRAS}
+    _not_implemented: ClassVar[dict[str, Any]] = {**_VLLM_EXTRAS, **_ROUTER_EXTRAS}
 
     @prompt.validator
     def _prompt(self, attribute, value) -> None:

@@ -259,3 +259,42 @@ def test_a_signal_shuts_down_gracefully(monkeypatch, capsys):
     monkeypatch.setattr(cli, "print", print_then_signal, raising=False)
     rc = cli.main(["serve", "--port", "0", "--log-level", "critical"])
     assert rc == 0
+
+
+async def test_every_route_answers_503_while_the_model_loads(monkeypatch, nursery):
+    """serve serves its socket before the model loads: /health and the API answer 503 with
+    Retry-After until the engine is up, then 200 (draining and a stopped engine:
+    tests/reliability/test_shutdown.py and test_faults.py)."""
+    loaded = trio.Event()
+    fake = _fake_open_engine()
+
+    @contextlib.asynccontextmanager
+    async def slow_open_engine(config, loaded_model=None):
+        await loaded.wait()                              # "loading the model"
+        async with fake(config) as engine:
+            yield engine
+
+    monkeypatch.setattr(pipeline.engine, "open_engine", slow_open_engine)
+    sock = listen_socket("127.0.0.1", 0)
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    nursery.start_soon(partial(cli.serve_model, None, sock, log_level="warning"))
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        with trio.fail_after(10):
+            while True:
+                try:
+                    health = await http.get("/health")
+                    break
+                except httpx.TransportError:          # Hypercorn not up yet
+                    await trio.sleep(0.01)
+        assert health.status_code == 503 and health.headers["retry-after"] == "1"
+        assert health.content == b""
+        r = await http.post("/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "model_loading"
+        assert (await http.get("/v1/models")).status_code == 503
+        loaded.set()
+        with trio.fail_after(10):
+            while (await http.get("/health")).status_code != 200:
+                await trio.sleep(0.01)
+        assert (await http.get("/v1/models")).json()["data"][0]["id"] == "fake-model"
+    nursery.cancel_scope.cancel()
