@@ -1,4 +1,4 @@
-"""`tailrace` command line: serve, bench serve, bench throughput.
+"""`tailrace` command line: serve, cluster, bench serve, bench throughput, replay.
 
 `serve` flags are named as vLLM names them; each maps onto one EngineConfig
 field. serve binds its socket and serves it first (a taken port fails at once,
@@ -113,6 +113,16 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(func=partial(run_serve, serve))
 
+    cluster = commands.add_parser(
+        "cluster", help="Serve N replicas on this machine behind vllm-router.",
+        description="Start N `tailrace serve` replicas and vllm-router in front of them "
+                    "(pip install 'tailrace[cluster]'). Every flag not listed here goes to "
+                    "each replica's `tailrace serve` (model, --max-model-len, ...). "
+                    "See docs/scaling.md.")
+    from pipeline import cluster as cluster_module
+    cluster_module.add_arguments(cluster)
+    cluster.set_defaults(func=partial(run_cluster, cluster))
+
     bench = commands.add_parser("bench", help="Benchmarks.", description="Benchmarks.")
     kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     bench_serve = kinds.add_parser("serve", help="Load-test a running server over HTTP.")
@@ -144,8 +154,40 @@ def _run_replay(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(with_bench=bool(argv) and argv[0] == "bench")
-    args = parser.parse_args(argv)
+    if argv and argv[0] == "cluster":
+        # the launcher's flags; the rest is each replica's `tailrace serve` command line
+        args, args.serve_args = parser.parse_known_args(argv)
+    else:
+        args = parser.parse_args(argv)
     return int(args.func(args) or 0)
+
+
+# -- cluster -------------------------------------------------------------------
+
+def run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pipeline import cluster
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)      # one line per /health poll
+    if not cluster.router_installed():
+        log.error(cluster.MISSING_ROUTER)
+        return 2
+    # the replicas' flags, checked here once rather than failing in every replica
+    serve_parser = argparse.ArgumentParser(prog="tailrace cluster ... (serve flags)")
+    add_serve_arguments(serve_parser)
+    try:
+        checked = serve_parser.parse_args([*args.serve_args, "--port", "0"])
+        engine_config(checked)
+        app_config(checked)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    except SystemExit:
+        parser.error(f"bad `tailrace serve` flags for the replicas: {' '.join(args.serve_args)}")
+    try:
+        config = cluster.config_from_args(args, args.serve_args)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    return cluster.run(config)
 
 
 # -- serve ---------------------------------------------------------------------
