@@ -257,6 +257,8 @@ class Cluster:
         async with trio.open_nursery() as waiting:
             for r in self.replicas:
                 waiting.start_soon(self._wait_healthy, r, started)
+        if self.stop.is_set():          # a replica died meanwhile: no router
+            return
         self.router = Child("router", _url(self.config.host, self.port), self.router_command(),
                             {**os.environ})
         await self._spawn(nursery, self.router)
