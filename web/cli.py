@@ -295,14 +295,15 @@ async def serve(engine, sock: socket.socket | None, *, app_config: AppConfig = A
             task_status.started(gate.binds)
         await shutdown.wait()
         await drain(engine, graceful_timeout, abort)
-    # leaving open_http: Hypercorn stops listening and closes the connections
+        gate.stop_serving()    # Hypercorn stops listening and closes the connections
 
 
 @contextlib.asynccontextmanager
 async def open_http(gate, sock: socket.socket, *, log_level: str = "info"):
     """Serve the ASGI app `gate` with Hypercorn on a listening socket for the block (its
-    addresses in ``gate.binds``); at the end stop listening, give the connections
-    FLUSH_TIMEOUT_S to write their last bytes, and close those still open after that."""
+    addresses in ``gate.binds``); at the end, or at ``gate.stop_serving()``, stop
+    listening, give the connections FLUSH_TIMEOUT_S to write their last bytes, and close
+    those still open after that."""
     import hypercorn.trio
     import trio
     from hypercorn.config import Config
@@ -338,6 +339,7 @@ async def open_http(gate, sock: socket.socket, *, log_level: str = "info"):
                     for stream in list(connections):
                         stream.socket.close()
 
+    gate.stop_serving = stop.set
     async with trio.open_nursery() as nursery:
         gate.binds = await nursery.start(run_hypercorn)
         nursery.start_soon(close_stragglers)
