@@ -221,8 +221,24 @@ def test_cache_aware_sends_a_shared_prefix_to_one_replica_which_reuses_its_cache
         first, second = (a.usage.prompt_tokens_details.cached_tokens for a in answers)
         assert answers[0].usage.prompt_tokens > 150
         assert second > 150 and second > first               # it reused the shared prefix
+
+        # SIGTERM while a stream runs through the router: the replicas drain first, so
+        # the stream ends normally before anything stops
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 40,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", f"{launched.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                chunks = r.iter_bytes()
+                raw = next(chunks)
+                launched.proc.send_signal(signal.SIGTERM)
+                raw += b"".join(chunks)
+        events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]" and b'"error"' not in raw
+        assert b'"finish_reason":"length"' in raw           # all 40 tokens
     finally:
         rc = _stop(launched)
     assert rc == 0, launched.log()[-4000:]
+    assert "SIGTERM: stopping the cluster" in launched.log()
     leaders = {pid for pid, _ in launched.replicas.values()} | {launched.router_pid}
     assert _sessions_alive(leaders) == []
