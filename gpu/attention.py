@@ -2,9 +2,15 @@
 
 KV layout (per layer): k_cache, v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
 Token at position p of a sequence lives in slot block_table[p // block_size] * block_size
-+ p % block_size. The model calls ``backend.forward(layer, q, k, v)`` once per layer; the
-backend writes the new k/v through the slot mapping, then attends over each sequence's
-whole context (cached prefix + new tokens), causally.
++ p % block_size. The model calls ``backend.forward(layer, q, k, v, sinks=, window=)`` once
+per layer; the backend writes the new k/v through the slot mapping, then attends over each
+sequence's whole context (cached prefix + new tokens), causally; with a window, only over
+the last `window` positions up to the query's own; with sinks, each head's sink logit joins
+the softmax denominator.
+
+Sliding-window layers keep every position's k/v like full layers do (no block is freed as
+it leaves the window): memory is spent as for a full layer, and any cached block, including
+one shared through the prefix cache, holds what every layer needs; the window is a mask.
 
 Two backends share one metadata object:
 - TorchPagedAttention: CPU (and reference) path. Decodes are batched into one SDPA call
@@ -53,6 +59,34 @@ class KVCache:
         return 2 * num_layers * block_size * kv_heads * head_dim * elem
 
 
+def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[Q, K] bool: key position k_pos[j] is visible to query position q_pos[i] (causal, windowed)."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    return visible
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+         scale: float | None, sink_logits: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA over q [B, H, Q, D], k/v [B, Hk, K, D] (GQA when Hk < H), visible broadcastable to
+    [B, H, Q, K]. sink_logits, broadcastable to [B, H, Q, 1], join each softmax denominator as
+    one extra key whose score is the sink and whose value is zero: softmax over [scores, sink]
+    with the sink's column dropped, as gpt-oss computes it."""
+    if sink_logits is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=is_causal,
+                                              scale=scale, enable_gqa=True)
+    B, H, Q, _ = q.shape
+    K = k.shape[-2]
+    if visible is None:
+        visible = torch.ones(Q, K, dtype=torch.bool, device=q.device).tril(K - Q)
+    zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    k, v = torch.cat([k, zero], dim=-2), torch.cat([v, zero], dim=-2)
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+    bias = torch.cat([bias.expand(B, H, Q, K), sink_logits.to(q.dtype).expand(B, H, Q, 1)], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+
+
 class TorchPagedAttention:
     def __init__(self, cache: KVCache, scale: float) -> None:
         self.cache = cache
@@ -61,11 +95,14 @@ class TorchPagedAttention:
         self._decode_blocks: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
         self._decode_rows: torch.Tensor | None = None
+        self._decode_lens: torch.Tensor | None = None
+        self._decode_windowed: dict[int, torch.Tensor] = {}
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precompute what every layer reuses: the decode rows' blocks and mask."""
         self.meta = meta
         self._decode_blocks = self._decode_mask = self._decode_rows = None
+        self._decode_windowed = {}
         rows = meta.decode_rows
         if rows:
             bs = self.cache.block_size
@@ -76,11 +113,24 @@ class TorchPagedAttention:
             self._decode_blocks = table.to(torch.int64).flatten()                      # [B*nblk]
             lens = (meta.seq_lens if all_rows else meta.seq_lens[rows]).to(torch.int64)
             self._decode_mask = (torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            self._decode_lens = lens
             # when every row decodes, the rows are 0..B-1 and need no gather/scatter
             if not all_rows:
                 self._decode_rows = torch.tensor([meta.q_starts[r] for r in rows], device=dev)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _decode_visible(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, K] decode mask; with a window, also drop keys older than the last `window`
+        (built once per step and window, shared by that window's layers)."""
+        if window is None:
+            return self._decode_mask
+        if window not in self._decode_windowed:
+            lens, K = self._decode_lens, self._decode_mask.shape[-1]
+            recent = torch.arange(K, device=lens.device)[None, :] >= (lens - window)[:, None]  # query at lens - 1
+            self._decode_windowed[window] = self._decode_mask & recent[:, None, None, :]
+        return self._decode_windowed[window]
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         meta = self.meta
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         num_slots = kc.shape[0] * kc.shape[1]
@@ -98,8 +148,8 @@ class TorchPagedAttention:
             qd = qd.reshape(B, hkv, -1, d)                                      # [B, Hkv, G, D]
             kd = kc.index_select(0, self._decode_blocks).view(B, -1, hkv, d).transpose(1, 2)
             vd = vc.index_select(0, self._decode_blocks).view(B, -1, hkv, d).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self._decode_mask,
-                                                scale=self.scale)              # [B, Hkv, G, D]
+            sink = None if sinks is None else sinks.view(1, hkv, -1, 1)         # head h = kv * G + g
+            od = sdpa(qd, kd, vd, self._decode_visible(window), self.scale, sink)  # [B, Hkv, G, D]
             od = od.reshape(B, -1, d)                                           # [B, Hq, D]
             if rows is None:
                 out = od
@@ -109,10 +159,14 @@ class TorchPagedAttention:
             s, e = starts[r], starts[r + 1]
             qp = q[s:e].transpose(0, 1)[None]                                   # [1, Hq, Q, D]
             start = meta.start_positions[r]
+            sink = None if sinks is None else sinks.view(1, -1, 1, 1)
             if start == 0:  # no cached prefix: the new k/v are the whole context
                 kp, vp = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True,
-                                                    scale=self.scale, enable_gqa=True)
+                if window is None and sink is None:
+                    op = sdpa(qp, kp, vp, None, self.scale, is_causal=True)
+                else:
+                    pos = torch.arange(e - s, device=meta.block_tables.device)
+                    op = sdpa(qp, kp, vp, window_visible(pos, pos, window), self.scale, sink)
             else:
                 ctx = meta.ctx_lens[r]
                 bs = self.cache.block_size
@@ -123,9 +177,8 @@ class TorchPagedAttention:
                 kp = flat_k[slots].transpose(0, 1)[None]                        # [1, Hkv, ctx, D]
                 vp = flat_v[slots].transpose(0, 1)[None]
                 qpos = torch.arange(start, start + (e - s), device=dev)
-                mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]  # [Q, ctx]
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[None, None],
-                                                    scale=self.scale, enable_gqa=True)
+                mask = window_visible(qpos, torch.arange(ctx, device=dev), window)  # [Q, ctx]
+                op = sdpa(qp, kp, vp, mask, self.scale, sink)
             out[s:e] = op[0].transpose(0, 1)
         return out
 
@@ -144,9 +197,11 @@ class TritonPagedAttention:
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         m = self.meta
         self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer], m.slot_mapping)
         return self._attend(q, self.cache.k[layer], self.cache.v[layer], m.block_tables,
                             m.cu_seqlens_q, m.seq_lens, self.scale, max_seqlen_q=m.max_seqlen_q,
-                            num_kv_splits=m.num_kv_splits if m.max_seqlen_q <= 1 else 1)
+                            num_kv_splits=m.num_kv_splits if m.max_seqlen_q <= 1 else 1,
+                            sinks=sinks, window=window)

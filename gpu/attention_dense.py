@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
+
+from gpu.attention import sdpa, window_visible
 
 
 class DenseCausalAttention:
@@ -20,16 +21,18 @@ class DenseCausalAttention:
     def __init__(self, seq_lens: Sequence[int] | None = None):
         self.seq_lens = None if seq_lens is None else list(seq_lens)
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         T, Hq, Dh = q.shape
         lens = self.seq_lens or [T]
+        sink = None if sinks is None else sinks.view(-1, 1, 1)  # [Hq, 1, 1]
         out = []
         for qs, ks, vs in zip(q.split(lens), k.split(lens), v.split(lens)):
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),  # [H, t, Dh]
-                is_causal=True, enable_gqa=True,
-            )  # [Hq, t, Dh]
-            out.append(o.transpose(0, 1))
+            pos = torch.arange(qs.shape[0], device=q.device)
+            visible = window_visible(pos, pos, window) if window is not None or sink is not None else None
+            o = sdpa(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],  # [1, H, t, Dh]
+                     visible, None, sink, is_causal=visible is None)  # [1, Hq, t, Dh]
+            out.append(o[0].transpose(0, 1))
         return torch.cat(out)  # [T, Hq, Dh]
 
 
@@ -39,16 +42,17 @@ class DenseCachedAttention:
     def __init__(self):
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         if layer_idx in self.kv:
             k = torch.cat([self.kv[layer_idx][0], k])  # [L, Hkv, Dh]
             v = torch.cat([self.kv[layer_idx][1], v])
         self.kv[layer_idx] = (k, v)
         t, L = q.shape[0], k.shape[0]
-        mask = torch.ones(t, L, dtype=torch.bool, device=q.device).tril(L - t)  # new token i sees keys <= L-t+i
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True)
-        return o.transpose(0, 1)  # [t, Hq, Dh]
+        mask = window_visible(torch.arange(L - t, L, device=q.device), torch.arange(L, device=q.device), window)
+        sink = None if sinks is None else sinks.view(-1, 1, 1)
+        o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, None, sink)
+        return o[0].transpose(0, 1)  # [t, Hq, Dh]
 
 
 @torch.inference_mode()

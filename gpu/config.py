@@ -6,12 +6,18 @@ from typing import Any
 
 import attrs
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # HF defaults where config.json may omit a key (they differ per model family).
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
-_ARCH_FROM_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "gpt_oss": 131072}
+_DEFAULT_ROPE_THETA = {"gpt_oss": 150000.0}
+_ARCH_FROM_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                    "GptOssForCausalLM": "gpt_oss"}
+# transformers' GptOssConfig default when config.json has no rope parameters.
+_GPT_OSS_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 4096}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _freeze_rope_scaling(value: Any) -> tuple[tuple[str, Any], ...] | None:
@@ -53,6 +59,16 @@ class ModelConfig:
     qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_eos_tuple)
+    # gpt-oss: a mixture of experts in place of the MLP (num_experts 0 means a dense MLP);
+    # intermediate_size is then per expert.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    swiglu_alpha: float = 1.702  # the experts' clamped SwiGLU: sigmoid gain and clamp
+    swiglu_limit: float = 7.0
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax denominator
+    sliding_window: int | None = None  # window (keys per query, itself included) of the sliding layers
+    # Per layer "full_attention" or "sliding_attention"; empty means every layer is full.
+    layer_types: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -70,6 +86,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                                 f"got {self.num_experts_per_tok}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_hidden_layers} layers")
+            unknown = set(self.layer_types) - set(LAYER_TYPES)
+            if unknown:
+                raise ValueError(f"unsupported layer_types {sorted(unknown)}; supported: {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise ValueError("sliding_attention layers need a positive sliding_window")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -77,6 +106,12 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """Keys a query of this layer sees (itself included), or None for full causal attention."""
+        if self.layer_types and self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def q_size(self) -> int:
@@ -98,6 +133,9 @@ class ModelConfig:
                 f"unsupported architecture {arch or d.get('architectures')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch == "gpt_oss":
+            d = {"rope_parameters": _GPT_OSS_DEFAULT_ROPE, **d} if not (
+                d.get("rope_parameters") or d.get("rope_scaling")) else d
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is supported")
         if d.get("mlp_bias"):
@@ -106,7 +144,7 @@ class ModelConfig:
         rope = dict(d.get("rope_parameters") or {})
         if "rope_type" not in rope and "type" in rope:
             rope["rope_type"] = rope.pop("type")
-        rope_theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        rope_theta = rope.pop("rope_theta", None) or d.get("rope_theta") or _DEFAULT_ROPE_THETA.get(arch, 10000.0)
         rope_scaling = rope or dict(d.get("rope_scaling") or {}) or None
         if rope_scaling is not None:
             rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
@@ -118,7 +156,8 @@ class ModelConfig:
                 )
 
         hidden, heads = d["hidden_size"], d["num_attention_heads"]
-        bias = bool(d.get("attention_bias", False))
+        gpt_oss = arch == "gpt_oss"
+        bias = bool(d.get("attention_bias", gpt_oss))
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -138,4 +177,20 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=d.get("eos_token_id"),
+            **(_gpt_oss_fields(d) if gpt_oss else {}),
         )
+
+
+def _gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
+    layers = d["num_hidden_layers"]
+    layer_types = d.get("layer_types") or [  # transformers' default: sliding on even layers
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return dict(
+        num_experts=d.get("num_local_experts") or d.get("num_experts") or 128,
+        num_experts_per_tok=d.get("num_experts_per_tok") or d.get("experts_per_token") or 4,
+        swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+        attention_sinks=True,
+        sliding_window=d.get("sliding_window", 128),
+        layer_types=tuple(layer_types),
+    )

@@ -1,8 +1,13 @@
-"""Llama / Qwen2 / Qwen3 decoder over flat token batches.
+"""Llama / Qwen2 / Qwen3 / gpt-oss decoder over flat token batches.
 
 Sequences are concatenated along T (no batch dimension); the attention backend passed to
 `forward` knows where each sequence starts and owns the KV cache. q/k/v and gate/up are merged
 into single projections at load time (fewer, larger matmuls).
+
+gpt-oss differs in three places: each attention layer has a learned sink logit per head and
+(on alternate layers, per config.layer_types) a sliding window, both handed to the attention
+backend; the MLP is a mixture of experts (gpu/moe.py); and its expert weights may arrive
+MXFP4-quantised (gpu/mxfp4.py), dequantised while loading.
 """
 
 from __future__ import annotations
@@ -15,13 +20,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from gpu import mxfp4
 from gpu.config import ModelConfig
+from gpu.moe import MoE
 from gpu.ops import apply_rope, build_rope_cache, fused_add_rms_norm, rms_norm, silu_and_mul
 
 
 class AttentionBackend(Protocol):
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, Dh], k/v [T, Hkv, Dh] (normed and roped) -> [T, Hq, Dh]."""
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """q [T, Hq, Dh], k/v [T, Hkv, Dh] (normed and roped) -> [T, Hq, Dh].
+
+        sinks [Hq]: a logit per head added to each softmax denominator (its value is zero);
+        window: a query at position p sees keys at positions p - window + 1 .. p only."""
         ...
 
 
@@ -77,6 +88,8 @@ class Attention(nn.Module):
         self.o_proj = skip_init(Linear, c.q_size, c.hidden_size, bias=c.o_proj_bias, **kw)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw) if c.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(c.num_attention_heads, **kw)) if c.attention_sinks else None
+        self.window = c.layer_window(layer_idx)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
         T = x.shape[0]
@@ -88,7 +101,7 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)  # per-head norm over Dh
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = apply_rope(q, k, positions, cos_sin)
-        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, Dh]
+        o = attn.forward(self.layer_idx, q, k, v, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
         return self.o_proj(o.reshape(T, -1))  # [T, D]
 
 
@@ -107,7 +120,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype, device):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = MoE(config, dtype, device) if config.num_experts else MLP(config, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -182,6 +195,9 @@ class CausalLM(nn.Module):
         or missing weights."""
         params = dict(self.named_parameters())
         missing = set(self.hf_weight_names())
+        if self.config.num_experts:
+            named_tensors = mxfp4.dequantize_pairs(_experts_as_ours(named_tensors), self.dtype,
+                                                   self.embed_tokens.weight.device)
         for hf_name, tensor in named_tensors:
             if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
@@ -209,6 +225,16 @@ class CausalLM(nn.Module):
         sizes = [c.q_size, c.kv_size, c.kv_size] if merged == "qkv_proj" else [c.intermediate_size] * 2
         start = sum(sizes[:shard])
         return f"{parent}.{merged}.{kind}", slice(start, start + sizes[shard])
+
+
+_HF_EXPERT_MATRICES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _experts_as_ours(named_tensors: Iterable[tuple[str, torch.Tensor]]):
+    """transformers saves unquantised gpt-oss experts as [E, in, out] (x @ W); ours are [E, out, in],
+    the layout of the MXFP4 blocks, which pass through untouched."""
+    for name, tensor in named_tensors:
+        yield name, tensor.transpose(1, 2) if name.endswith(_HF_EXPERT_MATRICES) else tensor
 
 
 def _to_hf(prefix: str) -> str:

@@ -9,7 +9,9 @@ Layout
                  (whose K/V are already written to the cache)
 
 Query j of sequence b sits at position seq_lens[b] - q_len_b + j and attends to
-cache positions 0..that position.  Hq = Hkv * group (GQA).
+cache positions 0..that position (with a sliding window W, only to the last W of
+them, its own included).  Hq = Hkv * group (GQA).  With sinks [Hq] (gpt-oss), each
+head's softmax denominator gains exp(sink[h]), a key whose value is zero.
 
 Algorithm (flash-attention style online softmax, fp32 accumulation):
 one program owns a tile of BLOCK_Q consecutive query tokens of one sequence and
@@ -19,6 +21,9 @@ Tiles are numbered without a host sync: sequence b's tiles start at
 cu[b] // BLOCK_Q + b (at most T // BLOCK_Q + B tiles in all), and a program
 finds its sequence by binary search over cu_seqlens_q.  K/V are read in tiles of
 BLOCK_N positions; each position looks up its own page, so any block_size works.
+With a window, a tile starts at the first KV tile its earliest query can see.
+A sink starts the online softmax: the running max at the sink's logit and the
+running sum at exp(0) = 1 (in split 0 only, so the combine counts it once).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
+    sinks_ptr,  # [Hq] sink logits (read only with HAS_SINKS)
+    window,  # keys per query, its own included (read only with SLIDING)
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -59,6 +66,8 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
+    SLIDING: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,17 +105,25 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, float("-inf"))
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.where(split == 0, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # The last query of this tile sees positions < kv_end.
     last_tok = tl.minimum(q_len, (tile + 1) * BLOCK_Q)
     kv_end = first_pos + last_tok
-    kv_start = 0
+    kv_lo = 0
+    if SLIDING:  # the first query of the tile sees positions > its own - window
+        kv_lo = tl.maximum(first_pos + tile * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+    kv_start = kv_lo
     if NUM_SPLITS > 1:  # flash-decoding: this program takes one contiguous share of the KV tiles
-        tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
-        kv_start = split * tiles_per_split * BLOCK_N
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_lo, BLOCK_N), NUM_SPLITS)
+        kv_start = kv_lo + split * tiles_per_split * BLOCK_N
         kv_stop = tl.minimum(kv_end, kv_start + tiles_per_split * BLOCK_N)
     else:
         kv_stop = kv_end
@@ -130,6 +147,8 @@ def _paged_attention_kernel(
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -232,6 +251,8 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     num_kv_splits: int = 1,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged context.
 
@@ -241,6 +262,8 @@ def paged_attention(
     range over that many programs (flash-decoding) and merges the partial
     softmaxes in a second kernel: worth it when B * Hkv programs cannot fill the
     GPU, i.e. small decode batches over long contexts (see suggest_num_kv_splits).
+    sinks [Hq] (any float dtype): per-head sink logits in the softmax denominator;
+    window: each query sees only the last `window` positions up to its own.
     Returns out [T, Hq, Dh] in q's dtype.
     """
     T, Hq, Dh = q.shape
@@ -254,6 +277,9 @@ def paged_attention(
     assert cu_seqlens_q.shape == (B + 1,) and block_tables.shape[0] == B
     assert cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous()
     assert k_cache.dtype == v_cache.dtype
+    if sinks is not None:
+        assert sinks.shape == (Hq,) and sinks.is_contiguous(), f"sinks must be [{Hq}], got {tuple(sinks.shape)}"
+    assert window is None or window > 0, f"window must be positive, got {window}"
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1
@@ -284,12 +310,16 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        q if sinks is None else sinks,  # a valid pointer the kernel never reads
+        0 if window is None else int(window),
         GROUP=group,
         HEAD_DIM=Dh,
         PAGE_SIZE=page_size,
         UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast else None,
         NUM_SPLITS=splits,
+        HAS_SINKS=sinks is not None,
+        SLIDING=window is not None,
         **cfg,
     )
     if splits > 1:
@@ -310,8 +340,12 @@ def paged_attention_ref(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Per-sequence gather of the paged K/V and plain causal softmax attention in fp32."""
+    """Per-sequence gather of the paged K/V and plain causal softmax attention in fp32;
+    a sink is one more score column, dropped after the softmax."""
     T, Hq, Dh = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     group = Hq // Hkv
@@ -328,6 +362,14 @@ def paged_attention_ref(
         v = v_cache[pages, pos % page_size].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
         q_pos = seq_len - q_len + torch.arange(q_len, device=q.device)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if window is not None:
+            hidden = hidden | (pos[None, None, :] <= q_pos[None, :, None] - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(Hq, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

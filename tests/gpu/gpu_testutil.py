@@ -9,6 +9,13 @@ from gpu.attention_dense import DenseCausalAttention
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1)
 
+# gpt-oss at test scale: 4 experts top-2, a sliding window of 6 on layers 0 and 2 (so it cuts
+# in within a short prompt), yarn RoPE with gpt-oss's settings at a smaller original length.
+TINY_GPT_OSS = dict(num_hidden_layers=3, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=6, rms_norm_eps=1e-5, rope_parameters={
+                        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+
 
 def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overrides):
     """A tiny random transformers model (eager attention, fp32). Norm weights and biases are
@@ -16,8 +23,8 @@ def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overr
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "qwen3": transformers.Qwen3Config}[arch]
-    config = config_cls(**{**TINY, **overrides})
+                  "qwen3": transformers.Qwen3Config, "gpt_oss": transformers.GptOssConfig}[arch]
+    config = config_cls(**{**TINY, **(TINY_GPT_OSS if arch == "gpt_oss" else {}), **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():

@@ -98,3 +98,58 @@ def test_paged_attention_split_kv_matches_ref(num_kv_splits, dtype, device, tol)
 
 def test_suggest_num_kv_splits_is_one_off_cuda():
     assert paged_attention_module.suggest_num_kv_splits(1, 3, 4096, torch.device("cpu")) == 1
+
+
+# gpt-oss: sinks and sliding windows (windows shorter than, across and longer than a KV tile).
+SINK_WINDOW_CASES = {
+    # name: (q_lens, seq_lens, window, sinks)
+    "window3_sinks_mixed": ([1, 5, 17, 1], [9, 20, 40, 33], 3, True),
+    "window20_no_sinks": ([1, 13, 4], [50, 13, 70], 20, False),
+    "sinks_full": ([2, 1, 9], [7, 40, 9], None, True),
+    "window_over_context": ([6, 1], [6, 12], 64, True),
+}
+
+
+def _sinks(hq, device, seed=5):
+    return (torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(SINK_WINDOW_CASES))
+def test_paged_attention_sinks_and_window_match_ref(case, dtype, device, tol):
+    q_lens, seq_lens, window, with_sinks = SINK_WINDOW_CASES[case]
+    q, kc, vc, bt, cu, sl = _make_batch(q_lens, seq_lens, 6, 2, 64, 8, dtype, device, seed=6)
+    sinks = _sinks(6, device) if with_sinks else None
+    out = paged_attention(q, kc, vc, bt, cu, sl, 0.125, sinks=sinks, window=window)
+    ref = paged_attention_ref(q, kc, vc, bt, cu, sl, 0.125, sinks=sinks, window=window)
+    torch.testing.assert_close(out, ref, **tol(dtype))
+    if window is not None and window < max(seq_lens):  # the window must change the result
+        assert not torch.allclose(ref, paged_attention_ref(q, kc, vc, bt, cu, sl, 0.125, sinks=sinks))
+
+
+@pytest.mark.parametrize("num_kv_splits", [2, 5])
+def test_paged_attention_split_kv_with_sinks_and_window(num_kv_splits, device, tol):
+    """The sink is counted once across splits; windowed splits start at the window."""
+    q_lens, seq_lens = [1, 1, 1, 4], [3, 70, 33, 40]
+    q, kc, vc, bt, cu, sl = _make_batch(q_lens, seq_lens, 6, 2, 64, 16, torch.float32, device, seed=7)
+    sinks = _sinks(6, device)
+    for window in (None, 10, 45):
+        out = paged_attention(q, kc, vc, bt, cu, sl, 0.125, num_kv_splits=num_kv_splits, sinks=sinks, window=window)
+        ref = paged_attention_ref(q, kc, vc, bt, cu, sl, 0.125, sinks=sinks, window=window)
+        torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+def test_paged_attention_ref_sinks_match_transformers_eager():
+    """The reference's sink against gpt-oss's own formulation: softmax over [scores, sink] with
+    the sink column dropped (transformers' eager_attention_forward), on one full sequence."""
+    q_lens = seq_lens = [9]
+    q, kc, vc, bt, cu, sl = _make_batch(q_lens, seq_lens, 4, 4, 16, 16, torch.float32, "cpu", seed=8)
+    sinks = _sinks(4, "cpu")
+    ref = paged_attention_ref(q, kc, vc, bt, cu, sl, 0.25, sinks=sinks, window=4)
+    k, v = kc[bt[0, 0].long(), :9], vc[bt[0, 0].long(), :9]                    # [9, H, D]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * 0.25
+    i = torch.arange(9)
+    scores = scores.masked_fill((i[None, :] > i[:, None]) | (i[None, :] <= i[:, None] - 4), float("-inf"))
+    logits = torch.cat([scores, sinks.reshape(4, 1, 1).expand(4, 9, 1)], dim=-1)
+    probs = (logits - logits.amax(-1, keepdim=True)).softmax(-1)[..., :-1]
+    torch.testing.assert_close(ref, torch.einsum("hqk,khd->qhd", probs, v), atol=1e-5, rtol=1e-5)

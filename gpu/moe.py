@@ -1,0 +1,116 @@
+"""gpt-oss's mixture of experts: top-k routing and the experts' clamped SwiGLU, run as a
+grouped matmul over the routed tokens.
+
+Routing (as gpt-oss): router logits = x W_r^T + b_r; each token takes its top-k experts and
+weighs them by a softmax over those k logits only. Each (token, expert) pair is one row of a
+grouped GEMM: the rows are sorted by expert so that each expert's rows are one contiguous
+segment, and one `grouped_mm` call multiplies every segment by its own expert's weights
+(no loop over experts, no expert runs on tokens not routed to it). The k outputs of a token
+are put back in (token, slot) order and summed, so the result does not depend on atomics.
+
+Expert weights are stored [E, out, in] (the checkpoint's MXFP4 layout, like nn.Linear), with
+gate and up interleaved along gate_up's output rows: gate = row 2j, up = row 2j + 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from gpu.config import ModelConfig
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[N, 2I] interleaved (gate, up) -> [N, I]: (clamp(up, ±limit) + 1) * g * sigmoid(alpha g),
+    g = min(gate, limit)."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] -> (weights [T, k], experts [T, k]): softmax over each token's top-k logits."""
+    top_logits, experts = router_logits.topk(top_k, dim=-1)
+    return top_logits.softmax(dim=-1), experts
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows a[offs[e-1]:offs[e]] times w[e]^T for every expert e: a [N, in] sorted by expert,
+    w [E, out, in], offs [E] int32 cumulative row counts -> [N, out].
+
+    torch's grouped GEMM (CPU in any float dtype; on CUDA its kernels take bf16). Elsewhere a
+    padded batched matmul: each segment padded to the longest one, one bmm over all experts.
+    """
+    if a.device.type == "cpu" or a.dtype == torch.bfloat16:
+        return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
+    return padded_grouped_mm(a, w, offs)
+
+
+def padded_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm as one bmm over [E, longest segment, in] (reads offs on the host)."""
+    E = w.shape[0]
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
+    counts = offs.long() - starts
+    longest = int(counts.max()) if a.shape[0] else 0
+    expert = torch.repeat_interleave(torch.arange(E, device=a.device), counts)     # [N]
+    slot = torch.arange(a.shape[0], device=a.device) - starts[expert]               # row within segment
+    padded = a.new_zeros(E, max(longest, 1), a.shape[1])
+    padded[expert, slot] = a
+    out = torch.bmm(padded, w.transpose(1, 2))                                      # [E, longest, out]
+    return out[expert, slot]
+
+
+class MoE(nn.Module):
+    """Router plus E experts; parameters named as in the HF checkpoint (mlp.router.*, mlp.experts.*)."""
+
+    def __init__(self, config: ModelConfig, dtype, device):
+        super().__init__()
+        c = config
+        E, D, I = c.num_experts, c.hidden_size, c.intermediate_size  # noqa: E741
+        self.top_k, self.alpha, self.limit = c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit
+        self.router = skip_init(nn.Linear, D, E, bias=True, dtype=dtype, device=device)
+        self.experts = Experts(E, D, I, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]."""
+        T, D = x.shape
+        weights, experts = route(self.router(x), self.top_k)                   # [T, k] each
+        flat = experts.flatten()                                               # [T*k] (token, slot) order
+        by_expert, order = flat.sort(stable=True)                              # rows grouped by expert
+        offs = torch.searchsorted(by_expert, torch.arange(1, self.experts.num_experts + 1, device=x.device),
+                                  out_int32=True)                              # [E] segment ends
+        rows = x.index_select(0, order // self.top_k)                          # [N, D]
+        ex = self.experts
+        h = grouped_mm(rows, ex.gate_up_proj, offs) + ex.gate_up_proj_bias.index_select(0, by_expert)
+        h = clamped_swiglu(h, self.alpha, self.limit)                          # [N, I]
+        y = grouped_mm(h, ex.down_proj, offs) + ex.down_proj_bias.index_select(0, by_expert)  # [N, D]
+        y = y * weights.flatten().index_select(0, order).unsqueeze(1).to(y.dtype)
+        out = torch.empty_like(y).index_copy_(0, order, y)                     # back to (token, slot)
+        return out.view(T, self.top_k, D).sum(1)                               # [T, D]
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype, device):
+        super().__init__()
+        self.num_experts = num_experts
+        kw = dict(dtype=dtype, device=device)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **kw))  # [E, 2I, D]
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate, **kw))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))         # [E, D, I]
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, **kw))
+
+
+def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Dense reference: every expert on every token in fp32, weighted by a [T, E] routing
+    matrix that is zero outside each token's top k."""
+    xf = x.float()
+    weights, experts = route(moe.router(x).float(), moe.top_k)
+    dense = torch.zeros(x.shape[0], moe.experts.num_experts, device=x.device).scatter_(1, experts, weights)  # [T, E]
+    ex = moe.experts
+    h = torch.einsum("td,eod->teo", xf, ex.gate_up_proj.float()) + ex.gate_up_proj_bias.float()
+    h = clamped_swiglu(h, moe.alpha, moe.limit)                                 # [T, E, I]
+    y = torch.einsum("tei,edi->ted", h, ex.down_proj.float()) + ex.down_proj_bias.float()
+    return torch.einsum("te,ted->td", dense, y).to(x.dtype)
