@@ -149,11 +149,9 @@ class ModelConfig:
         if rope_scaling is not None:
             rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
             rope_scaling.pop("rope_theta", None)
-            if rope_scaling["rope_type"] in ("llama3", "yarn"):
-                rope_scaling.setdefault(
-                    "original_max_position_embeddings",
-                    d.get("original_max_position_embeddings") or d["max_position_embeddings"],
-                )
+            if rope_scaling["rope_type"] in ("llama3", "yarn") and "original_max_position_embeddings" not in rope_scaling:
+                rope_scaling["original_max_position_embeddings"] = (
+                    d.get("original_max_position_embeddings") or d["max_position_embeddings"])
 
         hidden, heads = d["hidden_size"], d["num_attention_heads"]
         gpt_oss = arch == "gpt_oss"

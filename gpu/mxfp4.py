@@ -82,7 +82,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = w.float().reshape(*lead, cols // 32, 32)
     amax = blocks.abs().amax(-1).clamp(min=2.0 ** -126)
     exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127).to(torch.int32)  # amax / 2^e <= 6
-    scaled = blocks / torch.ldexp(torch.ones(()), exponent).unsqueeze(-1)
+    scaled = blocks / torch.exp2(exponent.float()).unsqueeze(-1)
     lut = torch.tensor(FP4_VALUES[:8])
     code = (scaled.abs().unsqueeze(-1) - lut).abs().argmin(-1)                       # nearest magnitude
     code = code | ((scaled < 0).long() << 3)
