@@ -152,7 +152,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.embed_tokens = skip_init(nn.Embedding, c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        # _weight: no init at all (skip_init still runs Embedding's normal_ on the meta device,
+        # seconds for a 201k-token vocabulary)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
+                                         _weight=torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device=device))
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         if c.tie_word_embeddings:

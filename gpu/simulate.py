@@ -71,7 +71,7 @@ class CostModel:
     def of(cls, config: ModelConfig, gpu: GpuSpec) -> "CostModel":
         c = config
         per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-                     + 3 * c.hidden_size * c.intermediate_size)
+                     + 3 * c.hidden_size * c.intermediate_size * max(1, c.num_experts))  # all experts held
         return cls(gpu=gpu, num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
                    head_dim=c.head_dim, vocab_size=c.vocab_size,
                    matmul_params=c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size,
