@@ -138,11 +138,11 @@ def test_paged_prefill_decode_and_prefix_hit_match_transformers(hf_dir, use_trit
                      SeqChunk("b", tuple(b[8:17]), 8, table_b[:5], True)),       # b: prefix hit
                  (SeqStart("b", tuple(b), greedy),)),
         *(StepPlan(3 + i, (SeqChunk("a", (a[19 + i],), 19 + i, table_a, True),
-                           SeqChunk("b", (b[17 + i],), 17 + i, table_b, True))) for i in range(4)),
+                           SeqChunk("b", (b[17 + i],), 17 + i, table_b, True))) for i in range(3)),
     ]
-    got = _capture_logits(lm, runner, plans)                                   # [2 + 2 * 4, V]
+    got = _capture_logits(lm, runner, plans)                                   # [2 + 2 * 3, V]
     want_a, want_b = hf_logits(hf, a), hf_logits(hf, b)
-    expected = torch.stack([want_a[18], want_b[16], *[row for i in range(4) for row in (want_a[19 + i], want_b[17 + i])]])
+    expected = torch.stack([want_a[18], want_b[16], *[row for i in range(3) for row in (want_a[19 + i], want_b[17 + i])]])
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
 
 
