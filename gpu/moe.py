@@ -41,12 +41,30 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """Rows a[offs[e-1]:offs[e]] times w[e]^T for every expert e: a [N, in] sorted by expert,
     w [E, out, in], offs [E] int32 cumulative row counts -> [N, out].
 
-    torch's grouped GEMM (CPU in any float dtype; on CUDA its kernels take bf16). Elsewhere a
-    padded batched matmul: each segment padded to the longest one, one bmm over all experts.
+    On CUDA in bf16, torch's grouped GEMM: one kernel for every segment, no host sync.
+    Elsewhere the segment lengths are read on the host: when padding every segment to the
+    longest at most doubles the rows (many tokens, balanced routing), one padded batched
+    matmul; else (decode: a few experts hit) one matmul per non-empty segment, which reads
+    only the routed experts' weights. torch's CPU grouped_mm is not used: it ran several
+    times slower than a plain matmul of the same FLOPs (scripts/bench_moe.py).
     """
-    if a.device.type == "cpu" or a.dtype == torch.bfloat16:
+    if a.device.type == "cuda" and a.dtype == torch.bfloat16:
         return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
-    return padded_grouped_mm(a, w, offs)
+    longest = int(torch.diff(offs, prepend=offs.new_zeros(1)).max()) if a.shape[0] else 0
+    if longest * w.shape[0] <= 2 * a.shape[0]:
+        return padded_grouped_mm(a, w, offs)
+    return segment_mm(a, w, offs)
+
+
+def segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm as one matmul per non-empty segment (reads offs on the host)."""
+    out = a.new_empty(a.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(a[start:end], w[e].t(), out=out[start:end])
+        start = end
+    return out
 
 
 def padded_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,19 @@ import torch
 
 from gpu import mxfp4
 from gpu.config import ModelConfig
-from gpu.moe import MoE, clamped_swiglu, grouped_mm, moe_reference, padded_grouped_mm, route
+import torch.nn.functional as F
+
+from gpu import moe as moe_module
+from gpu.moe import MoE, clamped_swiglu, grouped_mm, moe_reference, padded_grouped_mm, route, segment_mm
+
+
+def torch_grouped_mm(a, w, offs):
+    """The CUDA bf16 path's call (torch's grouped GEMM also runs on CPU, in any float dtype)."""
+    return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
+
+
+GROUPED_IMPLS = {"dispatch": grouped_mm, "segments": segment_mm, "padded": padded_grouped_mm,
+                 "torch_grouped": torch_grouped_mm}
 
 CONFIG = ModelConfig(architecture="gpt_oss", vocab_size=8, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
@@ -22,8 +34,10 @@ def _moe(dtype=torch.float32, seed=0) -> MoE:
     return moe
 
 
+@pytest.mark.parametrize("impl", list(GROUPED_IMPLS))
 @pytest.mark.parametrize("tokens", [1, 2, 7, 33])
-def test_grouped_moe_matches_dense_reference(tokens):
+def test_grouped_moe_matches_dense_reference(tokens, impl, monkeypatch):
+    monkeypatch.setattr(moe_module, "grouped_mm", GROUPED_IMPLS[impl])
     moe = _moe()
     x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(tokens))
     with torch.inference_mode():
@@ -42,15 +56,15 @@ def test_grouped_moe_bfloat16_close_to_fp32_reference():
     assert (got - want).norm() / want.norm() < 0.02       # bf16 rounding of the intermediates only
 
 
-def test_padded_grouped_mm_matches_grouped_mm():
+def test_grouped_mm_implementations_match_per_expert_matmuls():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(5, 24, 16, generator=g)
     counts = torch.tensor([3, 0, 1, 6, 0])
     a = torch.randn(int(counts.sum()), 16, generator=g)
     offs = counts.cumsum(0).to(torch.int32)
     want = torch.cat([a[s:e] @ w[i].T for i, (s, e) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist()))])
-    torch.testing.assert_close(grouped_mm(a, w, offs), want)
-    torch.testing.assert_close(padded_grouped_mm(a, w, offs), want)
+    for impl in GROUPED_IMPLS.values():
+        torch.testing.assert_close(impl(a, w, offs), want)
 
 
 def test_clamped_swiglu_by_hand():
