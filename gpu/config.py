@@ -149,7 +149,8 @@ class ModelConfig:
         if rope_scaling is not None:
             rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
             rope_scaling.pop("rope_theta", None)
-            if rope_scaling["rope_type"] in ("llama3", "yarn") and "original_max_position_embeddings" not in rope_scaling:
+            scaled_by_length = rope_scaling["rope_type"] in ("llama3", "yarn")
+            if scaled_by_length and "original_max_position_embeddings" not in rope_scaling:
                 rope_scaling["original_max_position_embeddings"] = (
                     d.get("original_max_position_embeddings") or d["max_position_embeddings"])
 

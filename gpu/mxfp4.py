@@ -53,7 +53,7 @@ def dequantize_pairs(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dty
     much faster than the host). An unpaired half is an error at the end."""
     pending: dict[str, tuple[str, torch.Tensor]] = {}
     for name, tensor in named:
-        suffix = BLOCKS_SUFFIX if name.endswith(BLOCKS_SUFFIX) else SCALES_SUFFIX if name.endswith(SCALES_SUFFIX) else None
+        suffix = next((x for x in (BLOCKS_SUFFIX, SCALES_SUFFIX) if name.endswith(x)), None)
         if suffix is None:
             yield name, tensor
             continue

@@ -90,7 +90,8 @@ def test_mxfp4_checkpoint_matches_transformers_on_the_dequantised_weights(tmp_pa
     hf = make_hf_model("gpt_oss", tmp_path, seed=2)
     _quantize_experts(tmp_path, hf)
     names = load_file(tmp_path / "model.safetensors").keys()
-    assert "model.layers.0.mlp.experts.down_proj_scales" in names and "model.layers.0.mlp.experts.down_proj" not in names
+    assert "model.layers.0.mlp.experts.down_proj_scales" in names
+    assert "model.layers.0.mlp.experts.down_proj" not in names
     torch.testing.assert_close(our_logits(_load(tmp_path).model, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
 
 
@@ -142,7 +143,8 @@ def test_paged_prefill_decode_and_prefix_hit_match_transformers(hf_dir, use_trit
     ]
     got = _capture_logits(lm, runner, plans)                                   # [2 + 2 * 3, V]
     want_a, want_b = hf_logits(hf, a), hf_logits(hf, b)
-    expected = torch.stack([want_a[18], want_b[16], *[row for i in range(3) for row in (want_a[19 + i], want_b[17 + i])]])
+    decodes = [row for i in range(3) for row in (want_a[19 + i], want_b[17 + i])]
+    expected = torch.stack([want_a[18], want_b[16], *decodes])
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
 
 
@@ -155,7 +157,8 @@ def test_real_gpt_oss_20b_config():
     assert c.layer_types[:2] == ("sliding_attention", "full_attention") and c.sliding_window == 128
     assert [c.layer_window(i) for i in (0, 1, 22, 23)] == [128, None, 128, None]
     s = c.rope_scaling_dict
-    assert (s["rope_type"], s["factor"], s["original_max_position_embeddings"], s["truncate"]) == ("yarn", 32.0, 4096, False)
+    assert (s["rope_type"], s["factor"], s["original_max_position_embeddings"], s["truncate"]) == (
+        "yarn", 32.0, 4096, False)
     assert c.rope_theta == 150000.0 and c.attention_bias and c.o_proj_bias and c.attention_sinks
     # The same without optional keys: transformers' GptOssConfig defaults apply.
     bare = {k: v for k, v in d.items() if k not in ("layer_types", "rope_scaling", "rope_theta")}

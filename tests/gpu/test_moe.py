@@ -122,6 +122,7 @@ def test_mxfp4_errors():
         mxfp4.dequantize(torch.zeros(1, 16), torch.zeros(1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="do not match"):
         mxfp4.dequantize(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8))
-    pairs = [("x_blocks", torch.zeros(1, 1, 16, dtype=torch.uint8)), ("x_blocks", torch.zeros(1, 1, 16, dtype=torch.uint8))]
+    half = torch.zeros(1, 1, 16, dtype=torch.uint8)
+    pairs = [("x_blocks", half), ("x_blocks", half)]
     with pytest.raises(ValueError, match="twice"):
         list(mxfp4.dequantize_pairs(pairs, torch.float32))
