@@ -110,6 +110,30 @@ def _cases(only):
     def want(name):
         return only is None or only in name
 
+    # ---- gpt-oss-20b attention: sinks and a 128-position sliding window (bf16)
+    for mode in ("decode", "prefill", "split4"):
+        label = f"paged_attention[gpt-oss-20b,bf16,{mode},sinks+window]"
+        if not want(label):
+            continue
+
+        def launch_gpt_oss(mode=mode, hq=64, hkv=8, dh=64):
+            B, ctx = 4, 300
+            q_len = 1 if mode != "prefill" else 37
+            pages = -(-ctx // PAGE)
+            k_cache = torch.zeros(B * pages, PAGE, hkv, dh, dtype=torch.bfloat16, device=dev)
+            tables = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
+            cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * q_len
+            qkv = torch.zeros(B * q_len, (hq + 2 * hkv) * dh, dtype=torch.bfloat16, device=dev)
+            q = qkv[:, : hq * dh].view(B * q_len, hq, dh)
+            paged_attention.paged_attention(
+                q, k_cache, torch.zeros_like(k_cache), tables, cu,
+                torch.full((B,), ctx, dtype=torch.int32, device=dev), dh ** -0.5,
+                max_seqlen_q=q_len if mode != "prefill" else None,
+                num_kv_splits=4 if mode == "split4" else 1,
+                sinks=torch.zeros(hq, dtype=torch.bfloat16, device=dev), window=128)
+
+        yield label, paged_attention, ["_paged_attention_kernel", "_combine_splits_kernel"], launch_gpt_oss
+
     for model, hq, hkv, dh, hidden, inter, vocab in MODELS:
         # ---- paged attention: decode, prefill/mixed, flash-decoding splits
         for dtype in all_dtypes:
