@@ -66,30 +66,46 @@ class CostModel:
     matmul_params: int          # every weight read by a matmul: layers' projections + lm_head
     kv_bytes_per_token: int
     elem_bytes: int = 2         # bf16
+    # Mixture of experts (gpt-oss): matmul_params counts every expert (they are all held);
+    # a token runs top_k of them, and a step reads only the experts its tokens route to.
+    expert_params: int = 0      # one expert's weights, all layers
+    num_experts: int = 0
+    top_k: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, gpu: GpuSpec) -> "CostModel":
         c = config
+        mlp = 3 * c.hidden_size * c.intermediate_size
         per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-                     + 3 * c.hidden_size * c.intermediate_size * max(1, c.num_experts))  # all experts held
+                     + mlp * max(1, c.num_experts))
         return cls(gpu=gpu, num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
                    head_dim=c.head_dim, vocab_size=c.vocab_size,
                    matmul_params=c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size,
-                   kv_bytes_per_token=2 * c.num_hidden_layers * c.kv_size * 2)
+                   kv_bytes_per_token=2 * c.num_hidden_layers * c.kv_size * 2,
+                   expert_params=c.num_hidden_layers * mlp if c.num_experts else 0,
+                   num_experts=c.num_experts, top_k=c.num_experts_per_tok)
 
     @property
     def weight_bytes(self) -> int:
         return self.matmul_params * self.elem_bytes
 
+    @property
+    def active_params(self) -> int:
+        """Matmul weights one token runs through (all of them for a dense model)."""
+        return self.matmul_params - (self.num_experts - self.top_k) * self.expert_params
+
     def step_seconds(self, q_lens: list[int], ctx_lens: list[int], num_sampled: int) -> float:
         """One step: q_lens new tokens per sequence, ctx_lens its context including them."""
+        tokens = sum(q_lens)
         kv = self.kv_bytes_per_token * sum(ctx_lens)
         logits = 2 * 4 * num_sampled * self.vocab_size
         attention = 4 * self.num_layers * self.num_q_heads * self.head_dim * sum(
             q * c for q, c in zip(q_lens, ctx_lens))
-        flops = 2 * self.matmul_params * sum(q_lens) + attention
+        idle_experts = self.num_experts - min(self.num_experts, self.top_k * tokens)  # at best
+        read_params = self.matmul_params - idle_experts * self.expert_params
+        flops = 2 * self.active_params * tokens + attention
         g = self.gpu
-        return max((self.weight_bytes + kv + logits) / g.bandwidth, flops / g.bf16_flops) \
+        return max((read_params * self.elem_bytes + kv + logits) / g.bandwidth, flops / g.bf16_flops) \
             + g.step_overhead_s
 
     def kv_blocks(self, block_size: int, gpu_memory_utilization: float) -> int:

@@ -224,3 +224,20 @@ async def test_engine_prefix_cache_hit_same_logprobs_as_cold(hf_dir):
         got, want = out["choices"][0]["logprobs"], cold["choices"][0]["logprobs"]
         assert got["tokens"] == want["tokens"]
         assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-4)
+
+
+def test_simulated_cost_counts_held_and_active_experts():
+    """--simulate-gpu: every expert is held in memory, a token runs top-k of them. OpenAI gives
+    gpt-oss-20b 21B parameters, 3.6B active per token, and gpt-oss-120b 117B and 5.1B."""
+    from gpu.simulate import GPUS, CostModel
+
+    d = json.loads((CONFIGS / "gpt-oss-20b/config.json").read_text())
+    big = {**d, "num_hidden_layers": 36, "num_local_experts": 128}
+    del big["layer_types"]
+    for config, total, active in ((d, 21e9, 3.6e9), (big, 117e9, 5.1e9)):
+        cost = CostModel.of(ModelConfig.from_hf(config), GPUS["h200"])
+        embed = cost.vocab_size * 2880                                   # not a matmul
+        assert cost.matmul_params + embed == pytest.approx(total, rel=0.02)
+        assert cost.active_params == pytest.approx(active, rel=0.03)
+        one, many = cost.step_seconds([1], [100], 1), cost.step_seconds([1] * 64, [100] * 64, 64)
+        assert one < many < 64 * one       # one token reads 4 experts a layer; 64 tokens read all 32
