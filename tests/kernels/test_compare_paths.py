@@ -38,7 +38,7 @@ def test_a_wrong_kernel_fails_the_comparison(tmp_path, monkeypatch):
 
     forward = attention.TritonPagedAttention.forward
     monkeypatch.setattr(attention.TritonPagedAttention, "forward",
-                        lambda self, layer, q, k, v: forward(self, layer, q * 1.5, k, v))
+                        lambda self, layer, q, k, v, **kw: forward(self, layer, q * 1.5, k, v, **kw))
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     script = _script()
     result = script.compare(str(tmp_path), "float32", [3, 9, 20], 3)
