@@ -59,6 +59,22 @@ def test_torch_attention_path_keeps_tensors_on_the_device(meta_model, chunks):
     assert hidden.device == META and hidden.shape == (sum(len(c.token_ids) for c in chunks), 32)
 
 
+@pytest.mark.parametrize("chunks", STEPS, ids=["decode", "prefill", "mixed", "cached-prefix"])
+def test_torch_attention_with_sinks_and_window_keeps_tensors_on_the_device(chunks):
+    """gpt-oss's layers: the sink column and the sliding-window masks are made on the device too."""
+    cache = KVCache(1, 12, 4, 2, 16, torch.float32, META)
+    attn = TorchPagedAttention(cache, 0.25)
+    with torch.inference_mode(), DeviceCheck():
+        _, _, meta, _ = prepare_step(chunks, cache.block_size, META)
+        attn.prepare(meta)
+        T = sum(len(c.token_ids) for c in chunks)
+        q, kv = torch.zeros(T, 4, 16, device=META), torch.zeros(T, 2, 16, device=META)
+        sinks = torch.zeros(4, device=META)
+        for window in (None, 3):
+            out = attn.forward(0, q, kv, kv, sinks=sinks, window=window)
+            assert out.device == META and out.shape == q.shape
+
+
 def test_runner_step_reads_back_once(meta_model):
     runner = ModelRunner(meta_model, _cache(meta_model), device=META)
     greedy = SamplingOptions(temperature=0.0)
