@@ -74,6 +74,8 @@ class EngineConfig:
     tool_parser_plugin: str | None = None      # a Python file registering more parsers
     exclude_tools_when_tool_choice_none: bool = False
     event_log: str | None = None              # path for JSON-lines events
+    event_log_max_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # 0: no rotation
+    event_log_backup_count: int = attrs.field(default=5, validator=attrs.validators.ge(0))
     chat_template: str | None = None          # Jinja source, or a file holding it
     generation_config: str = "auto"           # auto: the model's; vllm: none; or a folder
     override_generation_config: dict = attrs.field(factory=dict)   # wins over the above
@@ -191,7 +193,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="With tool_choice \"none\", leave the tools out of the prompt.")
     p.add_argument("--event-log", default=None, metavar="PATH",
-                   help="Write every stage's events as JSON lines to PATH (for replay).")
+                   help="Write every stage's events as JSON lines to PATH, for `tailrace "
+                        "replay` (docs/events.md). Credentials are never written.")
+    p.add_argument("--event-log-max-bytes", type=byte_size, default=_default("event_log_max_bytes"),
+                   metavar="BYTES",
+                   help="Rotate the event log when it would pass BYTES (e.g. 100MiB): PATH "
+                        "becomes PATH.1 (older files shift to PATH.2 ...). 0: never (default).")
+    p.add_argument("--event-log-backup-count", type=int,
+                   default=_default("event_log_backup_count"), metavar="N",
+                   help="Rotated event-log files to keep, PATH.1 ... PATH.N; older ones are "
+                        "deleted (default: %(default)s).")
     p.add_argument("--chat-template", default=None, metavar="PATH_OR_STRING",
                    help="A chat template (a file, or the Jinja source itself) replacing the "
                         "model's; a request's own chat_template still wins.")

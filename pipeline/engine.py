@@ -40,7 +40,7 @@ from gpu.loader import LoadedModel
 from gpu.runner import ModelRunner
 from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
 from pipeline.config import EngineConfig
-from pipeline.events import EventLog
+from pipeline.events import EventLog, make_header
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.api.chat import MAX_N
@@ -122,6 +122,7 @@ class Engine:
     render_in: trio.MemorySendChannel       # web -> render
     render_context: RenderContext           # what /tokenize and /detokenize use
     schedule_in: trio.MemorySendChannel     # aborts -> schedule's inbox
+    event_log: EventLog | None = None       # --event-log (web/cli.py adds the API keys to hide)
     failure: BaseException | None = None    # a stage raised: the engine has stopped
 
     @property
@@ -129,7 +130,8 @@ class Engine:
         """Running and taking requests (/health): not stopped, not draining."""
         return self.failure is None and not self.admission.draining
 
-    async def submit(self, api: str, body: object, request_id: str | None = None) -> Reply:
+    async def submit(self, api: str, body: object, request_id: str | None = None,
+                     headers: tuple[tuple[str, str], ...] = ()) -> Reply:
         """Render and admit one request. Raises RequestError before anything is streamed.
 
         A request that admission would refuse whatever it asks (overload, shutdown) is
@@ -144,7 +146,7 @@ class Engine:
         accepted = False
         try:
             try:
-                await self.render_in.send(Submission(rid, api, body, time.monotonic()))
+                await self.render_in.send(Submission(rid, api, body, time.monotonic(), headers))
                 first = await receive.receive()
             except (trio.EndOfChannel, trio.BrokenResourceError):  # the engine stopped meanwhile
                 raise self._stopped_error() from None
@@ -421,7 +423,7 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
                     max_model_len=built.max_model_len, runner=built.runner, blocks=built.blocks,
                     scheduler=built.scheduler, accountant=accountant, replies=replies,
                     admission=admission, render_in=render_in, render_context=ctx,
-                    schedule_in=sched_in.clone())
+                    schedule_in=sched_in.clone(), event_log=events)
     nursery.start_soon(render.run, render_out, admit_in, replies, ctx, ev("render"))
     nursery.start_soon(admit.run, admit_out, sched_in.clone(), replies, admission, ev("admit"))
     nursery.start_soon(schedule.run, sched_out, plan_in, result_out, detok_in,
@@ -435,6 +437,20 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     nursery.start_soon(account.run, acct_out, emit_in, accountant, ev("account"))
     nursery.start_soon(emit.run, emit_out, replies, emit.Emitter(), ev("emit"))
     return engine
+
+
+def _open_event_log(cfg: EngineConfig, built: _Built) -> EventLog:
+    """The event log, its header line written (docs/events.md)."""
+    from gpu.loader import default_model_path
+
+    events = EventLog(cfg.event_log, max_bytes=cfg.event_log_max_bytes,
+                      backup_count=cfg.event_log_backup_count)
+    events.write_header(make_header(
+        cfg, model_path=str(cfg.model or built.loaded.path or default_model_path()),
+        model_name=built.loaded.name, tokenizer=built.loaded.tokenizer,
+        served_model_names=built.model_names, max_model_len=built.max_model_len,
+        kv_blocks_total=built.blocks.num_blocks, block_size=cfg.block_size))
+    return events
 
 
 def describe(exc: BaseException | None) -> str:
@@ -476,7 +492,7 @@ async def open_engine(config: EngineConfig, loaded: LoadedModel | None = None
     device = pick_device(config.device)
     built = await trio.to_thread.run_sync(partial(_build, config, device, loaded),
                                           abandon_on_cancel=True)
-    events = EventLog(config.event_log) if config.event_log else None
+    events = _open_event_log(config, built) if config.event_log else None
     engine: Engine | None = None
     body_error: BaseException | None = None
     try:

@@ -1,17 +1,31 @@
 """Structured events: JSON lines through structlog, one converter for every message.
 
-Each stage gets a ``log(event, **fields)`` callable bound with its stage name. Events
-carry request_id (where there is one), stage and a monotonic timestamp. With no
+The schema is docs/events.md. Each stage gets a ``log(event, **fields)`` callable bound
+with its stage name. Events carry request_id (where there is one), stage and a
+monotonic timestamp ``t``; the first line of every file (``header``) pairs one ``t``
+with the wall clock and records what replay needs to run without flags: the versions,
+the model, the tokenizer's hash and every flag that changes framing or parsing. With no
 ``--event-log`` the callables are None and stages skip logging entirely (no cost).
-The schedule stage logs its whole downstream message (``scheduled``) and emit logs
-every byte it sends (``emitted``): that is enough for pipeline.replay to re-run
-detokenize, parse, account and emit and reproduce each reply byte for byte.
+
+schedule logs its whole downstream message (``scheduled``), detokenize, parse and
+account what they added to it (``detokenized``, ``parsed``, ``accounted``) and emit
+every byte it sends (``emitted``): enough for pipeline.replay to re-run those four
+stages, reproduce each reply byte for byte and name the first stage that differs.
+
+Secrets never reach the file: a ``headers`` or ``body`` field goes through `redact`.
+With ``max_bytes`` the file rotates like logging's RotatingFileHandler (PATH.1 is the
+newest old file, PATH.N the oldest; ``backup_count`` are kept); every file starts with
+the header, and `event_files` lists a rotated set oldest first.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 import time
+import warnings
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import attrs
 import cattrs
@@ -19,10 +33,14 @@ import orjson
 import structlog
 from cattrs.strategies import configure_union_passthrough
 
+from gpu.runner import StepPlan
 from stages.api import protocol
 from stages.api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from stages.delta import Delta
 from stages.render import ApiRequest
 from stages.schedule import Step
+
+SCHEMA_VERSION = 1
 
 converter = cattrs.Converter()
 # Unions of JSON scalars (a Delta's stop_reason: a stop token id or a stop string) pass
@@ -41,6 +59,17 @@ def _structure_api_request(data: dict, _) -> ApiRequest:
 converter.register_structure_hook(ApiRequest, _structure_api_request)
 
 
+def _unstructure_plan(plan: StepPlan) -> dict:
+    """A step's plan, small: each chunk as [sequence id, start position, tokens, samples]
+    (no block tables, prompts or grammars)."""
+    return {"step": plan.step,
+            "chunks": [[c.seq_id, c.start_pos, len(c.token_ids), c.sample] for c in plan.chunks],
+            "new_seqs": [s.seq_id for s in plan.new_seqs]}
+
+
+converter.register_unstructure_hook(StepPlan, _unstructure_plan)
+
+
 def unstructure(msg) -> dict:
     return converter.unstructure(msg)
 
@@ -51,38 +80,242 @@ def structure_step(data: dict) -> Step:
     return converter.structure(data, Step)
 
 
+# -- what each stage adds to a Delta (detokenized / parsed / accounted events) -------------
+STAGE_FIELDS: dict[str, tuple[str, ...]] = {
+    "detokenized": ("text", "logprobs", "finish_reason", "stop_reason"),
+    "parsed": ("content", "reasoning", "tool_calls", "finish_reason"),
+    "accounted": ("usage", "metrics"),
+}
+_DEFAULTS = {a.name: a.default for a in attrs.fields(Delta)}
+
+
+def stage_deltas(event: str, deltas: Iterable[Delta]) -> list[dict]:
+    """The fields `event`'s stage fills in, per delta, defaults left out; a delta whose
+    fields all hold their defaults is left out."""
+    names = STAGE_FIELDS[event]
+    out = []
+    for d in deltas:
+        row = {}
+        for name in names:
+            value = getattr(d, name)
+            if value != _DEFAULTS[name]:
+                row[name] = converter.unstructure(value)
+        if row:
+            row["request_id"] = d.request_id
+            if d.index:
+                row["index"] = d.index
+            out.append(row)
+    return out
+
+
+# -- secrets -------------------------------------------------------------------------------
+REDACTED = "[redacted]"
+# A header named like a credential (Authorization, X-Api-Key, Cookie, X-Auth-Token...).
+_SECRET_HEADER = re.compile(r"auth|api[-_]?key|secret|token|passw|cookie|credential|session|"
+                            r"signature|private", re.I)
+# A body key named like one (not max_tokens and the like: whole names only).
+_SECRET_KEY = re.compile(r"^(x[-_])?(authorization|api[-_]?keys?|secret|client[-_]secret|"
+                         r"password|passwd|access[-_]token|refresh[-_]token|auth[-_]token|"
+                         r"id[-_]token|bearer|cookie|credentials?|private[-_]key)$", re.I)
+_BEARER = re.compile(r"^\s*(bearer|basic)\s+\S", re.I)
+
+
+def redact_headers(headers) -> dict[str, str]:
+    items = headers.items() if hasattr(headers, "items") else headers
+    return {str(k).lower(): REDACTED if _SECRET_HEADER.search(str(k)) or _BEARER.match(str(v))
+            else str(v) for k, v in items}
+
+
+def redact(value, secrets: frozenset[str] = frozenset()):
+    """A copy of a JSON body with every credential-named key's value, every "Bearer ..."
+    string and every string holding one of `secrets` replaced by [redacted]."""
+    if isinstance(value, dict):
+        return {k: REDACTED if isinstance(k, str) and _SECRET_KEY.match(k) else redact(v, secrets)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v, secrets) for v in value]
+    if isinstance(value, str) and (_BEARER.match(value) or any(s in value for s in secrets)):
+        return REDACTED
+    return value
+
+
+# -- the header ----------------------------------------------------------------------------
+# EngineConfig fields that change how a request is rendered, parsed or framed.
+HEADER_FLAGS = ("served_model_name", "reasoning_parser", "enable_auto_tool_choice",
+                "tool_call_parser", "tool_parser_plugin", "exclude_tools_when_tool_choice_none",
+                "chat_template", "generation_config", "override_generation_config",
+                "enable_force_include_usage", "enable_per_request_metrics",
+                "skip_tokenizer_init", "max_model_len", "seed", "tokenizer")
+
+
+def tokenizer_hash(tokenizer) -> str | None:
+    """The tokenizer's identity: sha256 of its tokenizer.json (as the tokenizers library
+    writes it, so a GGUF's tokenizer and the same tokenizer.json hash alike)."""
+    if tokenizer is None:
+        return None
+    return "sha256:" + hashlib.sha256(tokenizer.hf.to_str().encode()).hexdigest()
+
+
+def tailrace_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tailrace")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def make_header(cfg, *, model_path: str | None, model_name: str, tokenizer,
+                served_model_names: tuple[str, ...], max_model_len: int,
+                kv_blocks_total: int, block_size: int) -> dict:
+    """The fields of the header line (the event, stage and times are added on writing)."""
+    flags = {name: getattr(cfg, name) for name in HEADER_FLAGS}
+    flags["served_model_name"] = list(served_model_names)
+    flags["max_model_len"] = max_model_len
+    if cfg.chat_template is not None:   # the source, whether given as a file or inline
+        path = Path(cfg.chat_template)
+        source = (path.read_text() if len(cfg.chat_template) < 4096 and path.is_file()
+                  else cfg.chat_template)
+        flags["chat_template"] = source
+    return {"schema_version": SCHEMA_VERSION, "tailrace_version": tailrace_version(),
+            "model": model_path, "model_name": model_name,
+            "tokenizer_path": cfg.tokenizer or model_path, "tokenizer_hash": tokenizer_hash(tokenizer),
+            "flags": flags, "kv_blocks_total": kv_blocks_total, "block_size": block_size}
+
+
+# -- writing -------------------------------------------------------------------------------
 def _add_time(_, __, event_dict):
     event_dict["t"] = time.monotonic()
     return event_dict
 
 
-class EventLog:
-    """An open JSON-lines event file and its structlog logger."""
+class _Sink:
+    """structlog's logger: appends each rendered line to the file, rotating by size.
+    Lines are buffered and flushed at each reply's end (and on close), not every line."""
 
-    def __init__(self, path: str | Path) -> None:
-        self._file = open(path, "wb", buffering=1 << 16)
+    def __init__(self, path: Path, max_bytes: int, backup_count: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backup_count = backup_count
+        self.header = b""
+        self.file = open(path, "wb", buffering=1 << 16)
+        self.size = 0
+
+    def msg(self, line: bytes) -> None:
+        line += b"\n"
+        if self.max_bytes and self.size and self.size + len(line) > self.max_bytes:
+            self._rotate()
+        self.file.write(line)
+        self.size += len(line)
+
+    info = debug = warning = error = msg   # structlog proxies its levels by name
+
+    def _rotate(self) -> None:
+        self.file.close()
+        if self.backup_count > 0:
+            for i in range(self.backup_count - 1, 0, -1):
+                src = self.path.with_name(f"{self.path.name}.{i}")
+                if src.exists():
+                    os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self.file = open(self.path, "wb", buffering=1 << 16)
+        self.file.write(self.header)
+        self.size = len(self.header)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class EventLog:
+    """An open JSON-lines event file (rotated by size when max_bytes) and its structlog
+    logger. `write_header` writes the first line; every rotated file repeats it."""
+
+    def __init__(self, path: str | Path, *, max_bytes: int = 0, backup_count: int = 0) -> None:
+        self.path = Path(path)
+        self._sink = _Sink(self.path, max_bytes, backup_count)
+        self.secrets: frozenset[str] = frozenset()   # strings never written (the API keys)
         self._logger = structlog.wrap_logger(
-            structlog.BytesLogger(self._file),
+            self._sink,
             processors=[_add_time, structlog.processors.JSONRenderer(serializer=orjson.dumps)],
         )
 
+    def write_header(self, fields: dict) -> None:
+        line = orjson.dumps({"event": "header", "stage": "engine", "t": time.monotonic(),
+                             "wall_time": time.time(), **fields}) + b"\n"
+        self._sink.header = line
+        self._sink.file.write(line)
+        self._sink.size += len(line)
+        self._sink.flush()
+
     def stage(self, name: str) -> Callable[..., None]:
         bound = self._logger.bind(stage=name)
+        sink = self._sink
 
         def log(event: str, **fields) -> None:
             for k, v in fields.items():
-                if attrs.has(type(v)):
+                if k == "deltas" and event in STAGE_FIELDS:
+                    fields[k] = stage_deltas(event, v)
+                elif k == "headers":
+                    fields[k] = redact_headers(v)
+                elif k == "body":
+                    fields[k] = redact(v, self.secrets)
+                elif attrs.has(type(v)):
                     fields[k] = converter.unstructure(v)
             bound.msg(event, **fields)
+            if event == "reply_end":
+                sink.flush()
 
         return log
 
     def close(self) -> None:
-        self._file.close()
+        self._sink.close()
 
 
-def read_events(path: str | Path) -> Iterator[dict]:
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                yield orjson.loads(line)
+# -- reading -------------------------------------------------------------------------------
+def event_files(path: str | Path) -> list[Path]:
+    """A log and its rotated files (PATH.N ... PATH.1, PATH), oldest first."""
+    path = Path(path)
+    rotated = []
+    for p in path.parent.glob(path.name + ".*"):
+        suffix = p.name[len(path.name) + 1:]
+        if suffix.isdigit():
+            rotated.append((int(suffix), p))
+    return [p for _, p in sorted(rotated, reverse=True)] + ([path] if path.exists() else [])
+
+
+def read_events(path: str | Path, warn: Callable[[str], None] | None = None) -> Iterator[dict]:
+    """Every event of a log and its rotated files, oldest first; a header repeated at the
+    top of a rotated file is yielded once. A line that does not parse is skipped with a
+    warning (`warn`, default: warnings.warn)."""
+    warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
+    files = event_files(path)
+    if not files:
+        raise FileNotFoundError(f"no event log at {path}")
+    seen_header = False
+    for p in files:
+        with open(p, "rb") as f:
+            lines = f.read().split(b"\n")
+        last = len(lines) - 1
+        while last >= 0 and not lines[last].strip():
+            last -= 1
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                ev = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                where = ("its last line is truncated" if i == last
+                         else f"line {i + 1} is not JSON")
+                warn(f"{p}: {where}; skipped")
+                continue
+            if not isinstance(ev, dict):
+                warn(f"{p}: line {i + 1} is not an event object; skipped")
+                continue
+            if ev.get("event") == "header":
+                if seen_header:
+                    continue
+                seen_header = True
+            yield ev

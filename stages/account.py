@@ -159,6 +159,7 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
         async for msg in receive:
             out, finished = core.process(msg)
             if log is not None:
+                log("accounted", step=out.step, deltas=out.deltas)
                 for rid, usage, reason in finished:
                     log("finished", request_id=rid, finish_reason=reason,
                         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,

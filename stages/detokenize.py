@@ -112,6 +112,8 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
     async with receive, send, control:
         async for msg in receive:
             out, stopped = core.process(msg)
+            if log is not None:
+                log("detokenized", step=out.step, deltas=out.deltas)
             for rid, index in stopped:
                 if log is not None:
                     log("stop_string", request_id=rid, index=index)

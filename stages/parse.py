@@ -146,8 +146,5 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel, 
         async for msg in receive:
             out = core.process(msg)
             if log is not None:
-                for d in out.deltas:
-                    if d.reasoning or d.finish_reason is not None:
-                        log("parsed", request_id=d.request_id, reasoning_chars=len(d.reasoning),
-                            content_chars=len(d.content), finish_reason=d.finish_reason)
+                log("parsed", step=out.step, deltas=out.deltas)
             await send.send(out)

@@ -35,6 +35,7 @@ class Submission:
     api: str                      # "chat" | "completions" | "responses"
     body: dict
     arrival: float                # time.monotonic() at the HTTP layer
+    headers: tuple[tuple[str, str], ...] = ()   # the HTTP request's (for the event log only)
 
 
 @attrs.frozen
@@ -359,6 +360,9 @@ async def run(receive, send, replies, ctx: RenderContext, log=None) -> None:
     """Render each submission; a bad one gets its error on its reply channel."""
     async with receive, send:
         async for sub in receive:
+            if log is not None:   # pipeline.events redacts credentials from body and headers
+                log("received", request_id=sub.request_id, api=sub.api, arrival=sub.arrival,
+                    headers=sub.headers, body=sub.body)
             try:
                 req = render(sub, ctx)
             except RequestError as err:

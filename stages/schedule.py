@@ -126,6 +126,7 @@ class Scheduler:
         self.choices: dict[str, list[Sequence]] = {}      # request id -> its live sequences
         self.step = 0
         self.num_preemptions = 0
+        self.preempted: list[str] = []          # sequence ids preempted by the current step
         self._new_requests: list[RenderedRequest] = []
         self._pending: list[Delta] = []         # finishes decided outside a step (aborts)
         self._released: list[str] = []
@@ -205,6 +206,8 @@ class Scheduler:
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self.step += 1
+        if self.preempted:
+            self.preempted = []
         if self.compiling:
             self._admit_compiled()
         budget = self.max_num_batched_tokens
@@ -307,6 +310,7 @@ class Scheduler:
         self._free(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.preempted.append(seq.id)
 
     # -- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> Step:
@@ -395,7 +399,7 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
             else:
                 out = scheduler.drain()
             if log is not None:  # the whole message: enough to replay everything downstream
-                log("scheduled", tokens=sum(len(c.token_ids) for c in plan.chunks), message=out)
+                log("scheduled", plan=plan, preempted=scheduler.preempted, message=out)
             if out.new_requests or out.deltas:
                 await downstream.send(out)
             elif not plan.chunks:

@@ -288,6 +288,9 @@ async def serve(engine, sock: socket.socket | None, *, app_config: AppConfig = A
         if gate is None:
             gate = LoadingGate()
             await stack.enter_async_context(open_http(gate, sock, log_level=log_level))
+        event_log = getattr(engine, "event_log", None)
+        if event_log is not None:   # an API key sent anywhere in a body is never logged
+            event_log.secrets = frozenset(app_config.api_keys)
         gate.open(create_app(engine, app_config))
         for bind in gate.binds:
             print(f"{LISTENING_PREFIX}{bind}", flush=True)

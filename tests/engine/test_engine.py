@@ -146,9 +146,13 @@ async def test_replay_reproduces_every_byte(smollm, tmp_path):
     assert logged == seen                      # the log holds exactly what the clients got
     assert reproduced == logged
     events = list(read_events(log))
-    assert {e["stage"] for e in events} == {"render", "admit", "schedule", "gpu_step", "detokenize",
-                                            "parse", "account", "emit"}
-    assert all("request_id" in e for e in events if e["stage"] in ("render", "admit", "account", "emit"))
+    assert events[0]["event"] == "header" and events[0]["stage"] == "engine"
+    assert {e["stage"] for e in events[1:]} == {"render", "admit", "schedule", "gpu_step",
+                                                "detokenize", "parse", "account", "emit"}
+    per_step = {"detokenized", "parsed", "accounted"}   # a step's deltas, each with its id
+    assert all("request_id" in e for e in events if e["stage"] in ("render", "admit", "account", "emit")
+               and e["event"] not in per_step)
+    assert all("request_id" in d for e in events if e["event"] in per_step for d in e["deltas"])
 
 
 def test_paged_runner_logits_match_dense(smollm):
