@@ -84,6 +84,13 @@ def _serve(tmp: Path, *flags: str):
 
 
 @pytest.fixture(scope="session")
+def serve_with_flags():
+    """`_serve(tmp, *flags)`: a generator yielding a Server, stopped by closing it (for a
+    module that needs a server of its own)."""
+    return _serve
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
     yield from _serve(tmp_path_factory.mktemp("e2e-server"))
 
