@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install install-dev serve test bench clean
+.PHONY: install install-dev browser serve test bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,17 @@ install-dev: $(VENV)/.dev
 serve: install
 	$(VENV)/bin/tailrace serve --host 127.0.0.1 --port 8000
 
-test: install-dev
+# The page test (tests/e2e/test_e2e_events.py) runs Debian's chromium headless (a browser's
+# own downloader cannot work offline): installed here only when missing. If it cannot be
+# installed (no apt-get, no root), that one test skips and says why.
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo -n)
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    $(SUDO) apt-get install -y -qq chromium; } || \
+	  echo "make: chromium could not be installed: the browser test will skip"
+
+test: install-dev browser
 	$(VENV)/bin/python -m pytest -q
 
 bench: install

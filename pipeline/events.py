@@ -1,7 +1,7 @@
-"""Structured events: JSON lines through structlog, one converter for every message.
+"""Structured events: JSON lines (orjson), one converter for every message.
 
 The schema is docs/events.md. Each stage gets a ``log(event, **fields)`` callable bound
-with its stage name. Events carry request_id (where there is one), stage and a
+with its stage name; it only queues the event, and a writer thread serialises it. Events carry request_id (where there is one), stage and a
 monotonic timestamp ``t``; the first line of every file (``header``) pairs one ``t``
 with the wall clock and records what replay needs to run without flags: the versions,
 the model, the tokenizer's hash and every flag that changes framing or parsing. With no
@@ -19,9 +19,11 @@ the header, and `event_files` lists a rotated set oldest first.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import re
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -30,14 +32,13 @@ from typing import Callable, Iterable, Iterator
 import attrs
 import cattrs
 import orjson
-import structlog
 from cattrs.strategies import configure_union_passthrough
 
 from gpu.runner import StepPlan
 from stages.api import protocol
 from stages.api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from stages.delta import Delta
-from stages.render import ApiRequest
+from stages.render import ApiRequest, RenderedRequest
 from stages.schedule import Step
 
 SCHEMA_VERSION = 1
@@ -86,26 +87,49 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "parsed": ("content", "reasoning", "tool_calls", "finish_reason"),
     "accounted": ("usage", "metrics"),
 }
-_DEFAULTS = {a.name: a.default for a in attrs.fields(Delta)}
 
 
 def stage_deltas(event: str, deltas: Iterable[Delta]) -> list[dict]:
-    """The fields `event`'s stage fills in, per delta, defaults left out; a delta whose
-    fields all hold their defaults is left out."""
-    names = STAGE_FIELDS[event]
+    """Per delta, what `event`'s stage added, small: detokenize's text, logprobs and a stop
+    string's finish; parse's content (only where it is not the text), reasoning, tool calls
+    and a tool_calls finish; account's final usage and metrics. A delta with nothing to say
+    is left out (so a plain reply logs no parse rows at all)."""
     out = []
     for d in deltas:
-        row = {}
-        for name in names:
-            value = getattr(d, name)
-            if value != _DEFAULTS[name]:
-                row[name] = converter.unstructure(value)
+        row: dict = {}
+        if event == "detokenized":
+            if d.text:
+                row["text"] = d.text
+            if d.logprobs:
+                row["logprobs"] = d.logprobs
+            if d.finish_reason is not None:
+                row["finish_reason"] = d.finish_reason
+                if d.stop_reason is not None:
+                    row["stop_reason"] = d.stop_reason
+        elif event == "parsed":
+            if d.content != d.text:
+                row["content"] = d.content
+            if d.reasoning:
+                row["reasoning"] = d.reasoning
+            if d.tool_calls:
+                row["tool_calls"] = d.tool_calls
+            if d.finish_reason == "tool_calls":
+                row["finish_reason"] = d.finish_reason
+        elif d.finish_reason is not None or d.metrics is not None:   # accounted
+            row["usage"] = d.usage
+            if d.metrics is not None:
+                row["metrics"] = d.metrics
         if row:
             row["request_id"] = d.request_id
             if d.index:
                 row["index"] = d.index
             out.append(row)
     return out
+
+
+def plain(rows):
+    """Rows as JSON values (what reading the log back gives), for comparing with it."""
+    return orjson.loads(dumps(rows))
 
 
 # -- secrets -------------------------------------------------------------------------------
@@ -184,14 +208,57 @@ def make_header(cfg, *, model_path: str | None, model_name: str, tokenizer,
 
 
 # -- writing -------------------------------------------------------------------------------
-def _add_time(_, __, event_dict):
-    event_dict["t"] = time.monotonic()
-    return event_dict
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _delta_writer() -> Callable[[Delta], dict]:
+    """A Delta as a dict of the fields that differ from their defaults, compiled (the
+    writer thread writes one per sequence per step, four times)."""
+    lines = ["def write(d):", "    r = {}"]
+    for a in attrs.fields(Delta):
+        if a.default is attrs.NOTHING:
+            lines.append(f"    r[{a.name!r}] = d.{a.name}")
+        elif a.default is None:
+            lines.append(f"    if d.{a.name} is not None: r[{a.name!r}] = d.{a.name}")
+        elif not a.default:    # (), "", 0, 0.0, False
+            lines.append(f"    if d.{a.name}: r[{a.name!r}] = d.{a.name}")
+        else:
+            raise TypeError(f"Delta.{a.name}: a default the event log does not expect")
+    lines.append("    return r")
+    namespace: dict = {}
+    exec("\n".join(lines), namespace)
+    return namespace["write"]
+
+
+_write_delta = _delta_writer()
+
+
+def _json_default(obj):
+    """orjson's hook for what it cannot write itself: a Delta as its fields that differ
+    from their defaults, a typed request through the protocol's converter, other attrs
+    classes as their fields."""
+    cls = type(obj)
+    if cls is Delta:
+        return _write_delta(obj)
+    if cls is StepPlan:
+        return _unstructure_plan(obj)
+    if cls is RenderedRequest:
+        return converter.unstructure(obj)
+    names = _FIELDS.get(cls)
+    if names is None:
+        if not attrs.has(cls):
+            raise TypeError(f"cannot write {cls.__name__} to the event log")
+        names = _FIELDS[cls] = tuple(a.name for a in attrs.fields(cls))
+    return {name: getattr(obj, name) for name in names}
+
+
+def dumps(value) -> bytes:
+    return orjson.dumps(value, default=_json_default)
 
 
 class _Sink:
-    """structlog's logger: appends each rendered line to the file, rotating by size.
-    Lines are buffered and flushed at each reply's end (and on close), not every line."""
+    """The file: appends lines, rotating by size. Lines are buffered and flushed at the end
+    of each reply (and on close), not every line."""
 
     def __init__(self, path: Path, max_bytes: int, backup_count: int) -> None:
         self.path = path
@@ -201,14 +268,11 @@ class _Sink:
         self.file = open(path, "wb", buffering=1 << 16)
         self.size = 0
 
-    def msg(self, line: bytes) -> None:
-        line += b"\n"
+    def write(self, line: bytes) -> None:
         if self.max_bytes and self.size and self.size + len(line) > self.max_bytes:
             self._rotate()
         self.file.write(line)
         self.size += len(line)
-
-    info = debug = warning = error = msg   # structlog proxies its levels by name
 
     def _rotate(self) -> None:
         self.file.close()
@@ -218,6 +282,8 @@ class _Sink:
                 if src.exists():
                     os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        else:
+            os.remove(self.path)
         self.file = open(self.path, "wb", buffering=1 << 16)
         self.file.write(self.header)
         self.size = len(self.header)
@@ -230,47 +296,89 @@ class _Sink:
 
 
 class EventLog:
-    """An open JSON-lines event file (rotated by size when max_bytes) and its structlog
-    logger. `write_header` writes the first line; every rotated file repeats it."""
+    """An open JSON-lines event file (rotated by size when max_bytes).
+
+    A stage's `log(event, **fields)` only appends (event, stage, time, fields) to a queue:
+    no serialisation on the stage's path, whatever the batch. A writer thread turns the
+    queue into lines (Steps and deltas are frozen, so it reads them safely), in the order
+    logged; when it falls more than MAX_QUEUED entries behind, the logging stage writes
+    the backlog itself, which bounds the memory. `write_header` writes the first line;
+    every rotated file repeats it."""
+
+    MAX_QUEUED = 8192
 
     def __init__(self, path: str | Path, *, max_bytes: int = 0, backup_count: int = 0) -> None:
         self.path = Path(path)
         self._sink = _Sink(self.path, max_bytes, backup_count)
         self.secrets: frozenset[str] = frozenset()   # strings never written (the API keys)
-        self._logger = structlog.wrap_logger(
-            self._sink,
-            processors=[_add_time, structlog.processors.JSONRenderer(serializer=orjson.dumps)],
-        )
+        self._queue: collections.deque = collections.deque()
+        self._lock = threading.Lock()          # one writer of the file at a time
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tailrace-event-log", daemon=True)
+        self._thread.start()
 
     def write_header(self, fields: dict) -> None:
         line = orjson.dumps({"event": "header", "stage": "engine", "t": time.monotonic(),
                              "wall_time": time.time(), **fields}) + b"\n"
-        self._sink.header = line
-        self._sink.file.write(line)
-        self._sink.size += len(line)
-        self._sink.flush()
+        with self._lock:
+            self._sink.header = line
+            self._sink.write(line)
+            self._sink.flush()
 
     def stage(self, name: str) -> Callable[..., None]:
-        bound = self._logger.bind(stage=name)
-        sink = self._sink
+        queue, wake, monotonic = self._queue, self._wake, time.monotonic
 
         def log(event: str, **fields) -> None:
-            for k, v in fields.items():
-                if k == "deltas" and event in STAGE_FIELDS:
-                    fields[k] = stage_deltas(event, v)
-                elif k == "headers":
-                    fields[k] = redact_headers(v)
-                elif k == "body":
-                    fields[k] = redact(v, self.secrets)
-                elif attrs.has(type(v)):
-                    fields[k] = converter.unstructure(v)
-            bound.msg(event, **fields)
-            if event == "reply_end":
-                sink.flush()
+            queue.append((event, name, monotonic(), fields))
+            if len(queue) > self.MAX_QUEUED:
+                self._drain()
+            elif not wake.is_set():
+                wake.set()
 
         return log
 
+    # -- the writer --------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            self._drain()
+
+    def _drain(self) -> None:
+        with self._lock:
+            queue, write = self._queue, self._sink.write
+            if not queue:
+                return
+            while queue:
+                event, stage, t, fields = queue.popleft()
+                for line in self._lines(event, stage, t, fields):
+                    write(line)
+            self._sink.flush()   # what has been logged is on disk within a step or so
+
+    def _lines(self, event: str, stage: str, t: float, fields: dict):
+        if event == "emitted":   # emit logs each step's items at once: a line per item
+            for rid, item in fields["items"]:
+                if type(item) is bytes:
+                    yield dumps({"event": "emitted", "stage": stage, "t": t, "request_id": rid,
+                                 "data": item.decode()}) + b"\n"
+                else:
+                    yield dumps({"event": "reply_end", "stage": stage, "t": t,
+                                 "request_id": rid, "status": item.status}) + b"\n"
+            return
+        if event in STAGE_FIELDS:
+            fields["deltas"] = stage_deltas(event, fields["deltas"])
+        if "headers" in fields:
+            fields["headers"] = redact_headers(fields["headers"])
+        if "body" in fields:
+            fields["body"] = redact(fields["body"], self.secrets)
+        yield dumps({"event": event, "stage": stage, "t": t, **fields}) + b"\n"
+
     def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+        self._drain()
         self._sink.close()
 
 

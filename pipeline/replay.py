@@ -21,7 +21,8 @@ from pathlib import Path
 import attrs
 import orjson
 
-from pipeline.events import SCHEMA_VERSION, STAGE_FIELDS, read_events, stage_deltas, structure_step
+from pipeline.events import (SCHEMA_VERSION, STAGE_FIELDS, plain, read_events, stage_deltas,
+                             structure_step)
 from stages.account import Accountant
 from stages.detokenize import Detokenizer
 from stages.emit import Emitter, ReplyEnd
@@ -119,7 +120,7 @@ def replay_log(log: Log, tokenizer, reasoning_parser: str | None = None) -> Resu
     logged_rows: dict[str, dict[str, list]] = {e: defaultdict(list) for e, _ in STAGES}
     replay_rows: dict[str, dict[str, list]] = {e: defaultdict(list) for e, _ in STAGES}
 
-    def keep(rows: dict[str, list], event: str, step, deltas_rows: list[dict]) -> None:
+    def keep(rows: dict[str, list], step, deltas_rows: list[dict]) -> None:
         for row in deltas_rows:
             rows[row["request_id"]].append((step, row))
 
@@ -131,18 +132,16 @@ def replay_log(log: Log, tokenizer, reasoning_parser: str | None = None) -> Resu
                 known.add(req.request_id)
                 apis[req.request_id] = f"{req.api}, {'streaming' if req.stream else 'not streaming'}"
             out, _ = detok.process(step)
-            keep(replay_rows["detokenized"], "detokenized", out.step,
-                 stage_deltas("detokenized", out.deltas))
+            keep(replay_rows["detokenized"], out.step, plain(stage_deltas("detokenized", out.deltas)))
             out = parser.process(out)
-            keep(replay_rows["parsed"], "parsed", out.step, stage_deltas("parsed", out.deltas))
+            keep(replay_rows["parsed"], out.step, plain(stage_deltas("parsed", out.deltas)))
             out, _ = accountant.process(out)
-            keep(replay_rows["accounted"], "accounted", out.step,
-                 stage_deltas("accounted", out.deltas))
+            keep(replay_rows["accounted"], out.step, plain(stage_deltas("accounted", out.deltas)))
             for rid, item in emitter.process(out):
                 if not isinstance(item, ReplyEnd):
                     reproduced[rid] += item
         elif kind in STAGE_FIELDS:
-            keep(logged_rows[kind], kind, ev.get("step"), ev.get("deltas") or [])
+            keep(logged_rows[kind], ev.get("step"), ev.get("deltas") or [])
         elif kind == "emitted":
             logged[ev["request_id"]] += ev["data"].encode()
         elif kind == "reply_end":

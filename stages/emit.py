@@ -66,12 +66,10 @@ class Emitter:
 async def run(receive, replies, core: Emitter, log=None) -> None:
     async with receive:
         async for msg in receive:
-            for rid, item in core.process(msg):
-                if log is not None:
-                    if isinstance(item, ReplyEnd):
-                        log("reply_end", request_id=rid, status=item.status)
-                    else:
-                        log("emitted", request_id=rid, data=item.decode())
+            items = core.process(msg)
+            if log is not None:   # one call per step: a line per item (emitted / reply_end)
+                log("emitted", items=items)
+            for rid, item in items:
                 replies.send(rid, item)
                 if isinstance(item, ReplyEnd):
                     replies.release(rid)

@@ -399,7 +399,7 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
             else:
                 out = scheduler.drain()
             if log is not None:  # the whole message: enough to replay everything downstream
-                log("scheduled", plan=plan, preempted=scheduler.preempted, message=out)
+                log("scheduled", plan=plan, preempted=tuple(scheduler.preempted), message=out)
             if out.new_requests or out.deltas:
                 await downstream.send(out)
             elif not plan.chunks:

@@ -32,9 +32,18 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
 HEADERS = {"X-Api-Key": KEY, "Cookie": f"session={KEY}", "X-Trace": "visible"}
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "web.cli", "replay", *args],
-                          capture_output=True, text=True, timeout=120)
+def _cli(*args: str, capsys=None) -> subprocess.CompletedProcess:
+    """`tailrace replay ARGS`: in this process when given capsys (no second torch import on
+    a busy machine), else as a subprocess."""
+    if capsys is None:
+        return subprocess.run([sys.executable, "-m", "web.cli", "replay", *args],
+                              capture_output=True, text=True, timeout=120)
+    from web.cli import main
+
+    capsys.readouterr()
+    rc = main(["replay", *args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out.out, out.err)
 
 
 def _raw(make, **kw) -> tuple[str, bytes]:
@@ -102,7 +111,7 @@ def recorded(tmp_path_factory, serve_with_flags):
     return log, seen, aborted_id
 
 
-def test_the_log_replays_byte_identical_with_no_flags(recorded):
+def test_the_log_replays_byte_identical_with_no_flags(recorded, capsys):
     log, seen, aborted_id = recorded
     assert len(event_files(log)) > 1                        # it rotated
     events = list(read_events(log))
@@ -130,7 +139,7 @@ def test_the_log_replays_byte_identical_with_no_flags(recorded):
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert f"replayed {len(seen) + 1} requests: {len(seen) + 1} identical, 0 differ" in cli.stdout
     rid, body = seen["chat_structured"]
-    one = _cli(str(log), "--request-id", rid)
+    one = _cli(str(log), "--request-id", rid, capsys=capsys)
     assert one.returncode == 0 and one.stdout.endswith(body.decode())
 
 
@@ -159,9 +168,9 @@ def _copy(log: Path, dest: Path) -> Path:
     return dest / log.name
 
 
-def test_a_changed_parser_is_reported_at_its_first_differing_event(recorded):
+def test_a_changed_parser_is_reported_at_its_first_differing_event(recorded, capsys):
     log, seen, _ = recorded
-    cli = _cli(str(log), "--reasoning-parser", "deepseek_r1")
+    cli = _cli(str(log), "--reasoning-parser", "deepseek_r1", capsys=capsys)
     assert cli.returncode == 1
     assert "--reasoning-parser deepseek_r1 overrides the log's none" in cli.stderr
     assert "first differing stage: parse" in cli.stdout
@@ -174,7 +183,7 @@ def test_a_changed_parser_is_reported_at_its_first_differing_event(recorded):
     assert expected in body.decode()
 
 
-def test_one_changed_token_is_caught(recorded, tmp_path):
+def test_one_changed_token_is_caught(recorded, tmp_path, capsys):
     log, seen, _ = recorded
     copy = _copy(log, tmp_path)
     rid, _ = seen["chat_logprobs"]
@@ -192,13 +201,13 @@ def test_one_changed_token_is_caught(recorded, tmp_path):
                     break
         path.write_bytes(b"\n".join(lines))
     assert changed
-    cli = _cli(str(copy))
+    cli = _cli(str(copy), capsys=capsys)
     assert cli.returncode == 1
     assert "1 differ" in cli.stdout and f"request {rid} (chat, not streaming)" in cli.stdout
     assert "first differing stage: detokenize" in cli.stdout
 
 
-def test_damaged_and_newer_logs_warn_but_replay(recorded, tmp_path):
+def test_damaged_and_newer_logs_warn_but_replay(recorded, tmp_path, capsys):
     log, _, _ = recorded
     copy = _copy(log, tmp_path)
     oldest = event_files(copy)[0]
@@ -210,7 +219,7 @@ def test_damaged_and_newer_logs_warn_but_replay(recorded, tmp_path):
     oldest.write_bytes(b"\n".join(lines))
     newest = event_files(copy)[-1]
     newest.write_bytes(newest.read_bytes().rstrip(b"\n")[:-25])   # a cut last line
-    cli = _cli(str(copy))
+    cli = _cli(str(copy), capsys=capsys)
     assert "Traceback" not in cli.stderr, cli.stderr
     assert "schema version 99, newer than this tailrace reads (1)" in cli.stderr
     assert "unknown event type 'from_the_future' (1 lines): ignored" in cli.stderr
@@ -218,9 +227,9 @@ def test_damaged_and_newer_logs_warn_but_replay(recorded, tmp_path):
     assert cli.returncode == 0, cli.stdout
 
 
-def test_the_timeline_lists_every_request(recorded):
+def test_the_timeline_lists_every_request(recorded, capsys):
     log, seen, aborted_id = recorded
-    cli = _cli(str(log), "--timeline")
+    cli = _cli(str(log), "--timeline", capsys=capsys)
     assert cli.returncode == 0, cli.stderr
     rows = [line for line in cli.stdout.splitlines() if not line.startswith(("#", "request "))]
     ids = {line.split()[0] for line in rows}
@@ -237,10 +246,10 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed: `make test` "
                                              "installs it with apt-get, which failed here")
-def test_the_page_draws_a_row_per_request_in_a_real_browser(recorded, tmp_path):
+def test_the_page_draws_a_row_per_request_in_a_real_browser(recorded, tmp_path, capsys):
     log, seen, _ = recorded
     page = tmp_path / "timeline.html"
-    cli = _cli(str(log), "--html", str(page))
+    cli = _cli(str(log), "--html", str(page), capsys=capsys)
     assert cli.returncode == 0, cli.stderr
     source = page.read_text()
     assert "http://" not in source.replace("http://www.w3.org/2000/svg", "")   # no network
