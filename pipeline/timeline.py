@@ -221,6 +221,9 @@ h1{font-size:18px;margin:0 0 4px} .meta{color:#666;margin-bottom:12px}
 #waterfall{position:relative;border-top:1px solid #ddd}
 .row{display:flex;align-items:center;height:20px;border-bottom:1px solid #f0f0f0}
 .row:hover{background:#f6f8ff}
+#axisrow{display:flex;height:16px}#axisrow .label{height:16px}
+#axis{position:relative;flex:1;height:16px;font:10px sans-serif;color:#666}
+.tick{position:absolute;top:2px;border-left:1px solid #bbb;padding-left:2px}
 .label{width:230px;flex:none;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;
  font:11px monospace;padding-right:8px}
 .lane{position:relative;flex:1;height:14px}
@@ -255,7 +258,9 @@ for (const r of D.requests) {
   const row = document.createElement('div'); row.className = 'row';
   row.dataset.requestId = r.request_id;
   const label = document.createElement('div'); label.className = 'label';
-  label.textContent = r.request_id + ' ' + r.api; row.appendChild(label);
+  label.textContent = (r.request_id.length > 14 ? r.request_id.slice(0, 12) + '\u2026' : r.request_id)
+    + ' ' + r.api + (r.stream ? '/stream' : '') + (r.n > 1 ? ' n=' + r.n : '');
+  label.title = r.request_id; row.appendChild(label);
   const lane = document.createElement('div'); lane.className = 'lane'; row.appendChild(lane);
   const end = r.end != null ? r.end : D.end;
   seg(lane, 'queue', r.received, r.first_scheduled != null ? r.first_scheduled : end);
@@ -281,17 +286,26 @@ for (const r of D.requests) {
   wf.appendChild(row);
 }
 document.getElementById('count').textContent = D.requests.length;
+// a time axis above the rows
+const axis = document.getElementById('axis'), step = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
+  0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600].find(s => span / s <= 10) || 1200;
+for (let t = 0; t <= span + 1e-9; t += step) {
+  const k = document.createElement('span'); k.className = 'tick'; k.style.left = pct(t);
+  k.textContent = (step < 1 ? t.toFixed(step < 0.01 ? 3 : step < 0.1 ? 2 : 1) : t.toFixed(0)) + ' s';
+  axis.appendChild(k);
+}
 // the engine's steps: batch size and tokens as bars, KV use as a line
-const svg = document.getElementById('steps'), W = svg.clientWidth || 1000, H = 160, pad = 230;
+const svg = document.getElementById('steps'), W = svg.clientWidth || 1000, H = 160, pad = 238;
 const NS = 'http://www.w3.org/2000/svg';
 function el(name, attrs) { const e = document.createElementNS(NS, name);
   for (const k in attrs) e.setAttribute(k, attrs[k]); svg.appendChild(e); return e; }
-const x = t => pad + (W - pad - 10) * t / span;
+const x = t => pad + (W - pad - 2) * t / span;
 const maxTok = Math.max(1, ...D.steps.map(s => s.tokens));
 const maxBatch = Math.max(1, ...D.steps.map(s => s.batch));
 el('text', {x: 4, y: 14, class: 'axis'}).textContent = 'tokens per step (max ' + maxTok + ')';
 el('text', {x: 4, y: 94, class: 'axis'}).textContent = 'batch size (max ' + maxBatch + ')';
-el('text', {x: 4, y: 150, class: 'axis'}).textContent = 'KV blocks used (of ' + f(D.kv_total) + ')';
+const maxKv = Math.max(1, ...D.steps.map(s => s.kv_used));
+el('text', {x: 4, y: 150, class: 'axis'}).textContent = 'KV blocks used (max ' + maxKv + ' of ' + f(D.kv_total) + ')';
 let path = '';
 for (const s of D.steps) {
   const x1 = x(s.t - (s.duration_s || 0)), w = Math.max(1, x(s.t) - x1);
@@ -301,7 +315,7 @@ for (const s of D.steps) {
   const t = document.createElementNS(NS, 'title');
   t.textContent = 'step ' + s.step + ': batch ' + s.batch + ', ' + s.tokens + ' tokens (' + s.prefill_tokens + ' prefill), KV ' + s.kv_used + '/' + f(s.kv_total) + ', running ' + s.running + ', waiting ' + s.waiting + (s.preempted ? ', preempted ' + s.preempted : '');
   b.appendChild(t);
-  const ky = 158 - 20 * s.kv_used / Math.max(1, D.kv_total || s.kv_used);
+  const ky = 158 - 24 * s.kv_used / maxKv;
   path += (path ? 'L' : 'M') + x(s.t).toFixed(1) + ' ' + ky.toFixed(1);
 }
 if (path) el('path', {d: path, stroke: '#d62728', fill: 'none', 'stroke-width': 1.5});
@@ -335,9 +349,13 @@ def html(tl: Timeline) -> str:
 <div class="legend"><span><i class="queue"></i>queue</span><span><i class="prefill"></i>prefill
 </span><span><i class="decode"></i>decode</span><span><i class="preempt"></i>preemption</span>
 <span><i class="abort"></i>abort</span><span><i class="error"></i>error</span></div>
+<div id="axisrow"><div class="label"></div><div id="axis"></div></div>
 <div id="waterfall"></div>
 <h2>Engine steps</h2>
 <svg id="steps" width="100%" height="162"></svg>
+<div class="meta">Steps: tokens computed (orange: a prefill chunk is in the step; blue:
+decodes only), batch size (green), KV blocks in use (red). Hover a row or a bar for its
+figures.</div>
 <div id="tip"></div>
 <script type="application/json" id="data">{payload}</script>
 <script>{_JS}</script>
