@@ -352,17 +352,22 @@ class EventLog:
                 return
             while queue:
                 event, stage, t, fields = queue.popleft()
-                for line in self._lines(event, stage, t, fields):
+                try:
+                    lines = list(self._lines(event, stage, t, fields))
+                except Exception as exc:   # a bug here must not stop the log (or the engine)
+                    lines = [dumps({"event": "log_error", "stage": stage, "t": t,
+                                    "failed_event": event, "error": repr(exc)}) + b"\n"]
+                for line in lines:
                     write(line)
             self._sink.flush()   # what has been logged is on disk within a step or so
 
     def _lines(self, event: str, stage: str, t: float, fields: dict):
-        if event == "emitted":   # emit logs each step's items at once: a line per item
-            for rid, item in fields["items"]:
-                if type(item) is bytes:
-                    yield dumps({"event": "emitted", "stage": stage, "t": t, "request_id": rid,
-                                 "data": item.decode()}) + b"\n"
-                else:
+        if event == "emitted":   # a step's bytes on one line, then a line per reply that ended
+            items = fields["items"]
+            yield dumps({"event": "emitted", "stage": stage, "t": t, "replies": [
+                (rid, item.decode()) for rid, item in items if type(item) is bytes]}) + b"\n"
+            for rid, item in items:
+                if type(item) is not bytes:
                     yield dumps({"event": "reply_end", "stage": stage, "t": t,
                                  "request_id": rid, "status": item.status}) + b"\n"
             return

@@ -32,7 +32,7 @@ from stages.parse import REASONING_PARSERS, Parser
 KNOWN_EVENTS = frozenset({
     "header", "received", "rendered", "rejected", "render_failed", "admitted", "dropped",
     "scheduled", "step", "step_failed", "detokenized", "stop_string", "parsed", "accounted",
-    "finished", "emitted", "reply_end"})
+    "finished", "emitted", "reply_end", "log_error"})
 # The replayed stages in pipeline order, by the event each logs.
 STAGES = (("detokenized", "detokenize"), ("parsed", "parse"), ("accounted", "account"))
 
@@ -143,7 +143,8 @@ def replay_log(log: Log, tokenizer, reasoning_parser: str | None = None) -> Resu
         elif kind in STAGE_FIELDS:
             keep(logged_rows[kind], ev.get("step"), ev.get("deltas") or [])
         elif kind == "emitted":
-            logged[ev["request_id"]] += ev["data"].encode()
+            for rid, data in ev.get("replies", ()):
+                logged[rid] += data.encode()
         elif kind == "reply_end":
             ended.add(ev["request_id"])
 
@@ -267,7 +268,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"wrote {args.html} ({len(tl.requests)} requests, {len(tl.steps)} steps)")
         if not args.request_id:
             return 0
-    tok, reasoning, notes = _setup(args, log)
+    try:
+        tok, reasoning, notes = _setup(args, log)
+    except (OSError, ValueError) as exc:
+        print(f"tailrace replay: cannot load the tokenizer: {exc}; pass --model or --tokenizer",
+              file=sys.stderr)
+        return 2
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     result = replay_log(log, tok, reasoning)

@@ -150,8 +150,9 @@ async def test_replay_reproduces_every_byte(smollm, tmp_path):
     assert {e["stage"] for e in events[1:]} == {"render", "admit", "schedule", "gpu_step",
                                                 "detokenize", "parse", "account", "emit"}
     per_step = {"detokenized", "parsed", "accounted"}   # a step's deltas, each with its id
+    assert all(len(r) == 2 for e in events if e["event"] == "emitted" for r in e["replies"])
     assert all("request_id" in e for e in events if e["stage"] in ("render", "admit", "account", "emit")
-               and e["event"] not in per_step)
+               and e["event"] not in per_step | {"emitted"})
     assert all("request_id" in d for e in events if e["event"] in per_step for d in e["deltas"])
 
 

@@ -94,7 +94,7 @@ async def test_sigterm_drains_then_a_second_signal_aborts_and_the_key_is_never_l
     last_step = [e for e in log_events if e["event"] == "scheduled"][-1]
     assert last_step["message"]["kv_blocks_used"] == 0
     finishes = {d["request_id"]: d["finish_reason"] for e in log_events
-                if e["event"] == "scheduled" for d in e["message"]["deltas"] if d["finish_reason"]}
+                if e["event"] == "scheduled" for d in e["message"]["deltas"] if d.get("finish_reason")}
     assert finishes[long[0][0]] == "error" and finishes[short[0][0]] == "length"
     for text in (logs, events.read_text()):
         assert SECRET not in text and "sk-wrong-key" not in text
