@@ -67,7 +67,7 @@ async def run(receive, replies, core: Emitter, log=None) -> None:
     async with receive:
         async for msg in receive:
             items = core.process(msg)
-            if log is not None:   # one call per step: a line per item (emitted / reply_end)
+            if log is not None:   # one call per step (the step's bytes, and the replies that ended)
                 log("emitted", items=items)
             for rid, item in items:
                 replies.send(rid, item)

@@ -398,7 +398,9 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
                 out = scheduler.update(plan, result)
             else:
                 out = scheduler.drain()
-            if log is not None:  # the whole message: enough to replay everything downstream
+            if log is not None and (out.new_requests or out.deltas or plan.chunks
+                                    or scheduler.preempted):
+                # the whole message: enough to replay everything downstream
                 log("scheduled", plan=plan, preempted=tuple(scheduler.preempted), message=out)
             if out.new_requests or out.deltas:
                 await downstream.send(out)
