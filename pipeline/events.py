@@ -231,6 +231,7 @@ def _delta_writer() -> Callable[[Delta], dict]:
 
 
 _write_delta = _delta_writer()
+_STEP_FIELDS = tuple(a.name for a in attrs.fields(Step))
 
 
 def _json_default(obj):
@@ -238,6 +239,10 @@ def _json_default(obj):
     from their defaults, a typed request through the protocol's converter, other attrs
     classes as their fields."""
     cls = type(obj)
+    if cls is Step:   # its deltas built here: a callback per Delta from orjson costs more
+        out = {name: getattr(obj, name) for name in _STEP_FIELDS}
+        out["deltas"] = [_write_delta(d) for d in obj.deltas]
+        return out
     if cls is Delta:
         return _write_delta(obj)
     if cls is StepPlan:
@@ -343,14 +348,19 @@ class EventLog:
         while not self._closed:
             self._wake.wait()
             self._wake.clear()
-            self._drain()
+            self._drain(yield_gil=True)
 
-    def _drain(self) -> None:
+    def _drain(self, yield_gil: bool = False) -> None:
+        """Write what is queued. The writer thread lets go of the GIL after each event
+        (`time.sleep(0)`): otherwise a thread waiting for it (the engine's, when a step's
+        tokens come back) could wait out the interpreter's whole 5 ms switch interval."""
         with self._lock:
             queue, write = self._queue, self._sink.write
             if not queue:
                 return
             while queue:
+                if yield_gil:
+                    time.sleep(0)
                 event, stage, t, fields = queue.popleft()
                 try:
                     lines = list(self._lines(event, stage, t, fields))
