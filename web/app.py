@@ -224,7 +224,7 @@ def create_app(engine: Any, config: AppConfig = AppConfig()) -> QuartTrio:
                      _prompt_preview(body, config.max_log_len))
         try:
             reply = await engine.submit(api, body, request_id,
-                                        tuple(request.headers.items()))
+                                        headers=tuple(request.headers.items()))
         except RequestError as err:
             return _json_error(err, request_id)
         request.scope[_REPLIES_KEY].append(reply)

@@ -69,7 +69,7 @@ class FakeEngine:
         for reply in self.replies:
             reply.finished = True
 
-    async def submit(self, api, body, request_id=None):
+    async def submit(self, api, body, request_id=None, headers=()):
         if not isinstance(body, dict):
             raise RequestError("The request body must be a JSON object.")
         if body.get("model") not in (None, "fake-model"):
