@@ -181,7 +181,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="Never capture CUDA graphs; run every step eagerly.")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                   help="Split <think>...</think> into the reply's reasoning (default: off).")
+                   help="Split <think>...</think> into the reply's reasoning (qwen3, deepseek_r1), or "
+                        "read Harmony's channels (openai_gptoss, implied for gpt-oss) "
+                        "(default: off).")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Serve tool_choice \"auto\": the --tool-call-parser finds the calls "
                         "in what the model writes.")

@@ -36,6 +36,7 @@ import trio
 
 from gpu.attention import KVCache
 from gpu.grammar import GrammarCompiler
+from gpu.harmony import harmony_tokenizer, uses_harmony
 from gpu.loader import LoadedModel
 from gpu.runner import ModelRunner
 from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
@@ -48,6 +49,7 @@ from stages.api.protocol import ToolSettings
 from stages.api.framing import DONE, json_body, sse_data
 from stages.api.protocol import server_error
 from stages.blocks import BlockManager
+from stages.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
 from stages.render import RenderContext, RequestError, Submission
 from stages.replies import Replies
 from stages.schedule import Abort, Scheduler
@@ -226,6 +228,39 @@ class Engine:
 # -- start-up -------------------------------------------------------------------------------
 
 @attrs.frozen
+class Parsers:
+    """The reasoning and tool parsers a model is served with: the flags', or Harmony's."""
+    reasoning_parser: str | None
+    tools: ToolSettings
+    harmony: bool = False
+
+    @classmethod
+    def of(cls, cfg: EngineConfig, model_config) -> "Parsers":
+        """gpt-oss (model_type gpt_oss) speaks only Harmony: --reasoning-parser
+        openai_gptoss and --tool-call-parser openai (with auto tool choice) are implied, and
+        tool_choice "none" leaves the tools out of the prompt. Those two parsers read
+        Harmony tokens, so they serve no other model."""
+        if not uses_harmony(model_config):
+            if cfg.reasoning_parser == HARMONY_REASONING_PARSER:
+                raise ValueError(f"--reasoning-parser {HARMONY_REASONING_PARSER} needs a gpt-oss "
+                                 "model (Harmony format)")
+            if cfg.tool_call_parser == HARMONY_TOOL_PARSER:
+                raise ValueError(f"--tool-call-parser {HARMONY_TOOL_PARSER} needs a gpt-oss "
+                                 "model (Harmony format)")
+            return cls(cfg.reasoning_parser, ToolSettings(
+                cfg.enable_auto_tool_choice, cfg.tool_call_parser,
+                cfg.exclude_tools_when_tool_choice_none))
+        if cfg.reasoning_parser not in (None, HARMONY_REASONING_PARSER):
+            raise ValueError(f"--reasoning-parser {cfg.reasoning_parser}: gpt-oss models speak "
+                             f"Harmony; use {HARMONY_REASONING_PARSER} (implied) or leave it out")
+        if cfg.tool_call_parser not in (None, HARMONY_TOOL_PARSER):
+            raise ValueError(f"--tool-call-parser {cfg.tool_call_parser}: gpt-oss models speak "
+                             f"Harmony; use {HARMONY_TOOL_PARSER} (implied) or leave it out")
+        return cls(HARMONY_REASONING_PARSER, ToolSettings(True, HARMONY_TOOL_PARSER, True),
+                   harmony=True)
+
+
+@attrs.frozen
 class _Built:
     """What the synchronous part of start-up makes (in a worker thread)."""
 
@@ -235,6 +270,8 @@ class _Built:
     runner: ModelRunner | SimulatedRunner
     blocks: BlockManager
     scheduler: Scheduler
+    parsers: Parsers
+
 
 
 def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -> _Built:
@@ -253,6 +290,12 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
                             device=str(device), seed=cfg.seed)
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
+        loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
+            tok, loaded.config, loaded.generation_config))
+    parsers = Parsers.of(cfg, loaded.config)
+    if parsers.harmony and loaded.tokenizer is None and not cfg.skip_tokenizer_init:
+        # a dummy gpt-oss config ships no tokenizer.json: Harmony's o200k, offline
+        tok = harmony_tokenizer()
         loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
             tok, loaded.config, loaded.generation_config))
     if cfg.skip_tokenizer_init:
@@ -290,7 +333,8 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
                 if loaded.tokenizer is not None else None)
     scheduler = Scheduler(blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
                           max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids,
-                          grammars=grammars, think_ids=_think_ids(cfg, loaded.tokenizer))
+                          grammars=grammars,
+                          think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer))
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
                     "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "
@@ -302,13 +346,13 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
              model_names[0], mc.architecture, device, time.perf_counter() - t0,
              num_blocks, cfg.block_size)
     return _Built(loaded=loaded, model_names=model_names, max_model_len=max_model_len,
-                  runner=runner, blocks=blocks, scheduler=scheduler)
+                  runner=runner, blocks=blocks, scheduler=scheduler, parsers=parsers)
 
 
-def _think_ids(cfg: EngineConfig, tokenizer) -> tuple[int, int] | None:
-    """With a reasoning parser, constrained output starts after </think>: the tags' ids,
-    when each is one token."""
-    if cfg.reasoning_parser is None or tokenizer is None:
+def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | None:
+    """With a <think> reasoning parser, constrained output starts after </think>: the tags'
+    ids, when each is one token. (Harmony's constrained output is the whole answer.)"""
+    if reasoning_parser in (None, HARMONY_REASONING_PARSER) or tokenizer is None:
         return None
     ids = tuple(tokenizer.hf.token_to_id(t) for t in ("<think>", "</think>"))
     if None in ids:
@@ -393,14 +437,13 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     ctx = RenderContext(tokenizer=tok, served_model_names=built.model_names,
                         max_model_len=built.max_model_len,
                         default_sampling=generation_defaults(cfg, loaded.generation_config),
-                        reasoning=cfg.reasoning_parser is not None,
+                        reasoning=built.parsers.reasoning_parser is not None,
                         vocab_size=loaded.config.vocab_size,
                         chat_template=chat_template_source(cfg.chat_template),
                         max_tokens_ceiling=cfg.override_generation_config.get("max_new_tokens"),
                         force_include_usage=cfg.enable_force_include_usage,
                         per_request_metrics=cfg.enable_per_request_metrics,
-                        tools=ToolSettings(cfg.enable_auto_tool_choice, cfg.tool_call_parser,
-                                           cfg.exclude_tools_when_tool_choice_none))
+                        tools=built.parsers.tools, harmony=built.parsers.harmony)
     # Admitted at once: at most max_queued_requests + max_num_seqs requests (admission
     # counts a request until emit has sent its last byte), each putting at most one request,
     # one Abort and one FinishRequest per choice (n <= MAX_N) into schedule's inbox: the
@@ -432,7 +475,7 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
                                faults=cfg.fault_step_kinds))
     nursery.start_soon(detokenize.run, detok_out, parse_in, sched_in,
                        detokenize.Detokenizer(tok), ev("detokenize"))
-    nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(cfg.reasoning_parser),
+    nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(built.parsers.reasoning_parser),
                        ev("parse"))
     nursery.start_soon(account.run, acct_out, emit_in, accountant, ev("account"))
     nursery.start_soon(emit.run, emit_out, replies, emit.Emitter(), ev("emit"))

@@ -9,6 +9,11 @@ With --reasoning-parser (qwen3, deepseek_r1) the text between <think> and </thin
 reasoning. A partial tag at the end of a delta is held back until the next step shows
 whether it is a tag. qwen3 starts in content and enters reasoning on a leading <think>;
 deepseek_r1's template opens <think> in the prompt, so it starts in reasoning.
+
+openai_gptoss (gpt-oss, implied for that model) parses Harmony from the token ids, not the
+text (stages/harmony.py): channels give reasoning, content and tool calls at once. A
+named or required tool_choice is constrained JSON there as for every model, read by the
+same text parsers.
 """
 from __future__ import annotations
 
@@ -17,11 +22,12 @@ import trio
 
 from stages.api.protocol import ToolPlan
 from stages.delta import Delta, FinishReason, ToolCallDelta
+from stages.harmony import HARMONY_REASONING_PARSER, HarmonyState
 from stages.schedule import Step
 from stages.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,
                                  ToolParser, call_id)
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY_REASONING_PARSER)
 _OPEN, _CLOSE = "<think>", "</think>"
 _with_content = Delta.evolver("content", "reasoning")
 _with_tools = Delta.evolver("content", "reasoning", "tool_calls", "finish_reason")
@@ -83,6 +89,9 @@ class ToolState:
 
     def feed(self, text: str, final: bool) -> tuple[str, tuple[ToolCallDelta, ...]]:
         content, calls = self.parser.feed(text, final)
+        return content, self.numbered(calls)
+
+    def numbered(self, calls) -> tuple[ToolCallDelta, ...]:
         out = []
         for call in calls:
             if self.num_calls and not self.parallel:
@@ -90,7 +99,23 @@ class ToolState:
             out.append(ToolCallDelta(self.num_calls, call_id(self.request_id, self.num_calls),
                                      call.name, call.arguments))
             self.num_calls += 1
-        return content, tuple(out)
+        return tuple(out)
+
+
+class HarmonyChoice:
+    """One choice of a Harmony request: the token parser, and its calls' numbering."""
+
+    def __init__(self, request_id: str, plan: ToolPlan | None) -> None:
+        self.harmony = HarmonyState(plan)
+        self.tools = ToolState(request_id, plan) if plan is not None else None
+
+    def feed(self, d: Delta) -> Delta:
+        out = self.harmony.feed(d.token_ids, d.finished)
+        calls = self.tools.numbered(out.calls) if self.tools is not None else ()
+        reason = d.finish_reason
+        if reason is FinishReason.STOP and self.tools is not None and self.tools.num_calls:
+            reason = FinishReason.TOOL_CALLS
+        return _with_tools(d, out.content, out.reasoning, calls, reason)
 
 
 def _tool_parser(plan: ToolPlan) -> ToolParser:
@@ -109,20 +134,32 @@ class Parser:
         self.reasoning_parser = reasoning_parser
         self.states: dict[tuple[str, int], ThinkState] = {}   # (request id, choice)
         self.tools: dict[tuple[str, int], ToolState] = {}
+        self.harmony: dict[tuple[str, int], HarmonyChoice] = {}
 
     def process(self, msg: Step) -> Step:
         for req in msg.new_requests:
             for i in range(req.n):      # each choice has its own state
-                if self.reasoning_parser is not None:
+                if self.reasoning_parser == HARMONY_REASONING_PARSER and (
+                        req.tools is None or req.tools.kind == "auto"):
+                    self.harmony[req.request_id, i] = HarmonyChoice(
+                        f"{req.request_id}#{i}", req.tools)
+                    continue
+                if self.reasoning_parser not in (None, HARMONY_REASONING_PARSER):
                     self.states[req.request_id, i] = ThinkState(self.reasoning_parser)
                 if req.tools is not None:
                     self.tools[req.request_id, i] = ToolState(f"{req.request_id}#{i}", req.tools)
-        if not self.states and not self.tools:
+        if not self.states and not self.tools and not self.harmony:
             return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "")
                                                   for d in msg.deltas))
         out = []
         for d in msg.deltas:
             key = (d.request_id, d.index)
+            harmony = self.harmony.get(key)
+            if harmony is not None:
+                out.append(harmony.feed(d))
+                if d.finished:
+                    del self.harmony[key]
+                continue
             st = self.states.get(key)
             content, reasoning = st.feed(d.text, d.finished) if st else (d.text, "")
             tools = self.tools.get(key)

@@ -15,6 +15,7 @@ import jinja2
 
 from gpu.grammar import Constraint
 from gpu.sampler import SamplingOptions
+from stages import harmony
 from stages.api import chat, completions, responses
 from stages.api.protocol import (ChatCompletionRequest, ChoiceRequest, CompletionRequest,
                                  DetokenizeRequest, DetokenizeResponse, PromptPlan,
@@ -85,6 +86,7 @@ class RenderContext:
     force_include_usage: bool = False  # --enable-force-include-usage
     per_request_metrics: bool = False  # --enable-per-request-metrics
     tools: ToolSettings = ToolSettings()   # --enable-auto-tool-choice, --tool-call-parser...
+    harmony: bool = False         # gpt-oss: messages render through Harmony (stages/harmony.py)
 
 
 @attrs.frozen
@@ -281,6 +283,8 @@ def _prompt_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
         raise RequestError("This server has no tokenizer: prompts must be token ids "
                            "(/v1/completions with a prompt of token ids, or chat with "
                            "kv_transfer_params.prompt_token_ids).", param=plan.prompt_param)
+    if plan.messages is not None and ctx.harmony:
+        return _truncated(_harmony_ids(plan), plan, ctx)
     if plan.messages is not None:
         text = _apply_template(ctx, plan)
     else:
@@ -303,6 +307,17 @@ def _truncated(ids: list[int], plan: PromptPlan, ctx: RenderContext) -> list[int
         raise RequestError("'truncate_prompt_tokens' 0 leaves no prompt.",
                            param="truncate_prompt_tokens")
     return ids[-keep:] if plan.truncation_side == "left" else ids[:keep]
+
+
+def _harmony_ids(plan: PromptPlan) -> list[int]:
+    if plan.chat_template is not None:
+        raise RequestError("This model's prompts are rendered in Harmony (gpt-oss); "
+                           "'chat_template' does not apply.", param="chat_template")
+    if plan.continue_final_message:
+        raise RequestError("'continue_final_message' is not supported for Harmony (gpt-oss) "
+                           "models.", param="continue_final_message")
+    return harmony.render_ids(plan.messages, plan.template_kwargs,
+                              add_generation_prompt=plan.add_generation_prompt)
 
 
 def _apply_template(ctx: RenderContext, plan: PromptPlan) -> str:

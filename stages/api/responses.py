@@ -51,6 +51,8 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += _input_messages(req.input)
     kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning.effort)   # as chat's
     if tr.template_tools is not None:
         kwargs["tools"] = tr.template_tools
     return PromptPlan(messages=messages, template_kwargs=kwargs,

@@ -11,6 +11,8 @@ once (tests feed every split).
 - `llama3_json`: Llama 3.x JSON calls, `{"name": ..., "parameters": {...}}` (optionally
   after `<|python_tag|>`, several separated by `;`), when the answer starts with one.
 - `pythonic`: `[f(a=1), g()]` (Llama 3.2/4 and others), when the answer starts with `[`.
+- `openai`: gpt-oss's Harmony calls (commentary to=functions.NAME). They are read from the
+  token ids by stages/harmony.py, not from text; the name is here so the flag is accepted.
 
 `--tool-parser-plugin PATH` imports a Python file that registers more with
 `@register_tool_parser("name")` on a `ToolParser` subclass.
@@ -167,6 +169,16 @@ class HermesToolParser(ToolParser):
                 self.called = True
             else:                     # not a call after all: it was text
                 emit(self.OPEN + body + ("" if j < 0 else self.CLOSE))
+
+
+@register_tool_parser("openai")
+class HarmonyToolParser(ToolParser):
+    """gpt-oss: calls are Harmony messages, parsed from tokens (stages/harmony.py) by the
+    openai_gptoss path of stages/parse.py; a model that is not Harmony has no such calls,
+    and its text is content."""
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        return text, []
 
 
 class _StartsWith(ToolParser):
