@@ -133,8 +133,9 @@ def _assistant(m: dict, content: str, call_names: dict[str, str]) -> list[Messag
         if call.get("id"):
             call_names[call["id"]] = name
         args = fn.get("arguments")
-        args = args if isinstance(args, str) else json.dumps(
-            {} if args is None else args, ensure_ascii=False)
+        if not isinstance(args, str):        # the text the model wrote, when there was one
+            args = getattr(args, "raw", "") or json.dumps(
+                {} if args is None else args, ensure_ascii=False)
         out.append(Message.from_role_and_content(Role.ASSISTANT, args)
                    .with_channel("commentary").with_recipient(_FUNCTIONS + name)
                    .with_content_type(_CALL_TYPE))

@@ -132,6 +132,12 @@ def template_messages(messages: list[ChatMessage], param: str) -> list[dict]:
     return out
 
 
+class Arguments(dict):
+    """Parsed arguments that remember the text they came from (`raw`), for formats that
+    render the call exactly as the model wrote it (Harmony)."""
+    raw: str = ""
+
+
 def template_tool_calls(calls: list[dict]) -> list[dict]:
     """An assistant's earlier calls as templates expect them: arguments as an object (as
     vLLM hands them over; Llama's and Qwen's templates `tojson` them)."""
@@ -140,9 +146,14 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
         fn = call.get("function")
         if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
             try:
-                fn = {**fn, "arguments": json.loads(fn["arguments"])}
+                parsed = json.loads(fn["arguments"])
             except ValueError:
                 pass
+            else:
+                if isinstance(parsed, dict):
+                    parsed = Arguments(parsed)
+                    parsed.raw = fn["arguments"]
+                fn = {**fn, "arguments": parsed}
             call = {**call, "function": fn}
         out.append(call)
     return out

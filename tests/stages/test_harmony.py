@@ -215,7 +215,7 @@ WEATHER_TURNS = [
     {"role": "user", "content": "And Paris?"},
     {"role": "assistant", "reasoning": "Call it again for Paris.",
      "tool_calls": [{"id": "c2", "type": "function", "function": {
-         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+         "name": "get_weather", "arguments": '{"city":"Paris"}'}}]},   # kept as written
     {"role": "tool", "tool_call_id": "c2", "content": '{"temp": 15}'},
 ]
 
@@ -227,11 +227,11 @@ def test_the_four_turn_weather_conversation_renders_in_full(enc, ctx):
         said("I should call get_weather.", "analysis"), call("get_weather", '{"city": "Tokyo"}'),
         result("get_weather", '{"temp": 20}'), said("It is 20C in Tokyo.", "final"),
         user("And Paris?"), said("Call it again for Paris.", "analysis"),
-        call("get_weather", '{"city": "Paris"}'), result("get_weather", '{"temp": 15}'))
+        call("get_weather", '{"city":"Paris"}'), result("get_weather", '{"temp": 15}'))
     text = enc.decode(list(req.prompt_token_ids))
     order = ["I should call get_weather.", '{"city": "Tokyo"}', '{"temp": 20}',
              "It is 20C in Tokyo.", "And Paris?", "Call it again for Paris.",
-             '{"city": "Paris"}', '{"temp": 15}']
+             '{"city":"Paris"}', '{"temp": 15}']
     at = [text.index(s) for s in order]
     assert at == sorted(at)
 
