@@ -84,15 +84,16 @@ class HarmonyScript(ScriptedRunner):
         return script[n] if n < len(script) else self.ret
 
 
+TINY = {"vocab_size": 201088, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 4096, "eos_token_id": 200002}
+
+
 def tiny_gpt_oss() -> LoadedModel:
     """Test support until the GptOss model class is served from config (issue 13's model
     half): a llama-shaped ModelConfig relabelled gpt_oss, so the server takes the Harmony
     path; the scripted runner never calls its forward."""
-    config = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 201088,
-                                  "hidden_size": 16, "intermediate_size": 32,
-                                  "num_hidden_layers": 1, "num_attention_heads": 2,
-                                  "num_key_value_heads": 1, "max_position_embeddings": 4096,
-                                  "eos_token_id": 200002})
+    config = ModelConfig.from_hf({"model_type": "llama", **TINY})
     object.__setattr__(config, "architecture", "gpt_oss")
     return LoadedModel(config=config, model=SimpleNamespace(dtype=torch.float32), tokenizer=None,
                        generation_config={}, name="gpt-oss-tiny", path="", max_model_len=4096,
@@ -245,3 +246,50 @@ def test_responses(client, stream):
     assert [o.type for o in done.output] == ["reasoning", "message", "function_call"]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
         "Let me check."
+
+
+SCRIPTS["named"] = harmony_encoding().encode('{"city":"Paris"}') + \
+    harmony_encoding().encode("<|call|>", allowed_special="all")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_is_constrained_json(client, stream):
+    """The constraint compiles against the Harmony vocabulary; the JSON is the call."""
+    body = ask("named", tools=[WEATHER], tool_choice={"type": "function",
+                                                      "function": {"name": "get_weather"}})
+    if not stream:
+        choice = client.chat.completions.create(**body).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [tc] = choice.message.tool_calls
+    else:
+        chunks = list(client.chat.completions.create(**body, stream=True))
+        [tc] = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()
+                if t.function.name]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert tc.function.name == "get_weather"
+
+
+@pytest.mark.parametrize("flags, words", [
+    ({"reasoning_parser": "qwen3"}, "gpt-oss models speak Harmony"),
+    ({"tool_call_parser": "hermes"}, "gpt-oss models speak Harmony"),
+])
+def test_other_parsers_are_refused_for_gpt_oss(flags, words):
+    from pipeline.config import EngineConfig
+    with pytest.raises(ValueError, match=words):
+        pipeline.engine.Parsers.of(EngineConfig(**flags), tiny_gpt_oss().config)
+
+
+def test_harmony_parsers_are_implied_and_refused_elsewhere():
+    from pipeline.config import EngineConfig
+    implied = pipeline.engine.Parsers.of(EngineConfig(), tiny_gpt_oss().config)
+    assert implied.harmony and implied.reasoning_parser == "openai_gptoss"
+    assert implied.tools.tool_call_parser == "openai" and implied.tools.enable_auto_tool_choice
+    assert implied.tools.exclude_tools_when_tool_choice_none
+    same = pipeline.engine.Parsers.of(EngineConfig(
+        reasoning_parser="openai_gptoss", tool_call_parser="openai",
+        enable_auto_tool_choice=True), tiny_gpt_oss().config)
+    assert same == implied
+    for flags in ({"reasoning_parser": "openai_gptoss"}, {"tool_call_parser": "openai"}):
+        with pytest.raises(ValueError, match="needs a gpt-oss model"):
+            pipeline.engine.Parsers.of(EngineConfig(**flags),
+                                       ModelConfig.from_hf({"model_type": "llama", **TINY}))
