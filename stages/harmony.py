@@ -184,7 +184,7 @@ class HarmonyState:
         self.channel: str | None = None
         self.recipient: str | None = None
         self.args: list[str] = []             # the open call's arguments so far
-        self.broken: bytearray | None = None  # not Harmony any more: raw bytes not yet text
+        self.broken: list[int] | None = None  # not Harmony any more: tokens not yet text
         self.started = False                  # a message's content has begun
         self.header: list[int] = []           # the tokens before that
 
@@ -197,7 +197,7 @@ class HarmonyState:
             try:
                 self.parser.process(tok)
             except Exception:                # HarmonyError: not a Harmony stream after all
-                self.broken = bytearray()
+                self.broken = []
                 self._raw(tok, content)
                 continue
             channel, recipient = self.parser.current_channel, self.parser.current_recipient
@@ -221,7 +221,7 @@ class HarmonyState:
                 self.channel = self.recipient = None
                 self.args = []
         if final and self.broken:
-            content.append(self.broken.decode("utf-8", errors="replace"))
+            content.append(self.enc.decode(self.broken))   # a cut character: U+FFFD
             self.broken.clear()
         if final and not self.started and not any(map(self.enc.is_special_token, self.header)):
             # no header ever opened a message: the model wrote plain text, not Harmony
@@ -235,9 +235,9 @@ class HarmonyState:
     def _raw(self, tok: int, content: list[str]) -> None:
         if self.enc.is_special_token(tok):
             return
-        self.broken += bytes(self.enc._inner.decode_bytes([tok]))
+        self.broken.append(tok)
         try:
-            content.append(self.broken.decode("utf-8"))
+            content.append(self.enc.decode_utf8(self.broken))
             self.broken.clear()
-        except UnicodeDecodeError:
-            pass                              # a character split across tokens: wait
+        except Exception:                     # a character split across tokens: wait
+            pass

@@ -382,6 +382,15 @@ def test_text_that_is_not_harmony_stays_content(enc):
         assert joined(parse(pieces)[1])[0] == "plain words, no channels"
 
 
+def test_text_after_harmony_that_breaks_it_stays_content(enc):
+    """After a message ends only <|start|> may follow; a model that writes on in plain text
+    keeps that text as content (control tokens dropped), in every split."""
+    ids = completion(enc, said("ok.", "final"), end="<|end|>") + enc.encode(" plain 東京🙂") + \
+        enc.encode("<|end|>", allowed_special="all")
+    for pieces in splits(ids):
+        assert joined(parse(pieces)[1])[0] == "ok. plain 東京🙂"
+
+
 def test_unicode_split_across_tokens(enc):
     ids = completion(enc, said("東京 🙂 Zürich", "final"))
     for pieces in splits(ids):
