@@ -404,6 +404,14 @@ def test_named_tool_choice_reads_the_constrained_json():
                                   FinishReason.TOOL_CALLS)
 
 
+def test_required_tool_choice_reads_the_constrained_array():
+    text = ['[{"name":"get_weather","parameters":{"city":"Paris"}},', '{"name":"get_time",',
+            '"parameters":{}}]']
+    _, deltas = parse([[1], [2], [3]], plan=ToolPlan("required"), text=text)
+    assert joined(deltas)[2:] == ([(0, "get_weather", '{"city": "Paris"}'),
+                                   (1, "get_time", "{}")], FinishReason.TOOL_CALLS)
+
+
 def framed(req, deltas) -> bytes:
     f = framer_for(req)
     return f.start() + b"".join(f.on_delta(d) for d in deltas)
