@@ -273,7 +273,6 @@ class _Built:
     parsers: Parsers
 
 
-
 def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -> _Built:
     """Weights, tokenizer, KV cache, runner, scheduler."""
     from gpu.loader import choose_dtype, load_model, load_shell, load_tokenizer, merge_eos_ids
