@@ -136,6 +136,18 @@ def tools_client(tools_server):
 
 
 @pytest.fixture(scope="session")
+def gpt_oss_client(tmp_path_factory):
+    """The tiny dummy gpt-oss (gpu/configs/gpt-oss-tiny, random weights), served in
+    Harmony with no parser flags: they are implied by its model_type."""
+    import openai
+
+    config = Path(__file__).parents[2] / "gpu" / "configs" / "gpt-oss-tiny"
+    for server in _serve(tmp_path_factory.mktemp("e2e-gpt-oss-server"), str(config),
+                         "--load-format", "dummy"):
+        yield openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
 def tokenless_server(tmp_path_factory) -> Server:
     """--skip-tokenizer-init: token ids in, token ids out."""
     yield from _serve(tmp_path_factory.mktemp("e2e-tokenless-server"), "--skip-tokenizer-init")
