@@ -6,7 +6,6 @@ streamed, greedy); tests/e2e/test_e2e_harmony.py checks the parsing of scripted 
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import jsonschema
