@@ -6,15 +6,9 @@ streamed, greedy); tests/e2e/test_e2e_harmony.py checks the parsing of scripted 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
-
-# The model half of issue 13 ships this config; until it is merged there is nothing to serve.
-CONFIG = Path(__file__).parents[2] / "gpu" / "configs" / "gpt-oss-tiny" / "config.json"
-pytestmark = pytest.mark.skipif(not CONFIG.is_file(), reason="needs gpu/configs/gpt-oss-tiny "
-                                "(the GptOss model, issue 13)")
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
         "required": ["city"], "additionalProperties": False}

@@ -1,10 +1,11 @@
 """gpt-oss over HTTP with the official `openai` client: Harmony rendering, reasoning,
 content and tool calls, chat and Responses, streaming and not.
 
-The server is real (engine + Hypercorn, in a thread) and serves a tiny gpt-oss config; its
-forward is replaced (test support, below) by a runner that writes scripted Harmony
-completions, made by openai-harmony's own encoder. The script is chosen by the last user
-message, so each test asserts exactly what the parse stage and framers make of them.
+The server is real (engine + Hypercorn, in a thread) and serves the tiny dummy gpt-oss
+(gpu/configs/gpt-oss-tiny); its forward is replaced (test support, below) by a runner
+that writes scripted Harmony completions, made by openai-harmony's own encoder. The script
+is chosen by the last user message, so each test asserts exactly what the parse stage and
+framers make of them. (tests/e2e/test_e2e_gpt_oss.py runs the real forward.)
 """
 from __future__ import annotations
 
@@ -15,13 +16,12 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-import torch
 from openai_harmony import Message, Role
 
 import pipeline.engine
 from gpu.config import ModelConfig
 from gpu.harmony import harmony_encoding
-from gpu.loader import LoadedModel
+from gpu.loader import LoadedModel, load_model
 from pipeline.harness import ScriptedRunner
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))   # shared server helpers
@@ -84,20 +84,17 @@ class HarmonyScript(ScriptedRunner):
         return script[n] if n < len(script) else self.ret
 
 
-TINY = {"vocab_size": 201088, "hidden_size": 16, "intermediate_size": 32,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": 4096, "eos_token_id": 200002}
+CONFIG = Path(__file__).parents[2] / "gpu" / "configs" / "gpt-oss-tiny"
+
+
+def gpt_oss_config() -> ModelConfig:
+    return ModelConfig.from_hf(json.loads((CONFIG / "config.json").read_text()))
 
 
 def tiny_gpt_oss() -> LoadedModel:
-    """Test support until the GptOss model class is served from config (issue 13's model
-    half): a llama-shaped ModelConfig relabelled gpt_oss, so the server takes the Harmony
-    path; the scripted runner never calls its forward."""
-    config = ModelConfig.from_hf({"model_type": "llama", **TINY})
-    object.__setattr__(config, "architecture", "gpt_oss")
-    return LoadedModel(config=config, model=SimpleNamespace(dtype=torch.float32), tokenizer=None,
-                       generation_config={}, name="gpt-oss-tiny", path="", max_model_len=4096,
-                       eos_token_ids=(200002,))
+    """The tiny dummy gpt-oss (random weights; the scripted runner stands in for its
+    forward)."""
+    return load_model(CONFIG, load_format="dummy", dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +102,6 @@ def server():
     runner = HarmonyScript()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pipeline.engine, "ModelRunner", lambda *a, **k: runner)
-        mp.setattr(pipeline.engine, "_num_kv_blocks", lambda *a: 256)
-        mp.setattr(pipeline.engine, "KVCache", lambda *a, **k: None)
         with threaded_server(tiny_gpt_oss(), max_model_len=4096) as srv:
             yield SimpleNamespace(url=srv.url, runner=runner)
 
@@ -276,20 +271,21 @@ def test_named_tool_choice_is_constrained_json(client, stream):
 def test_other_parsers_are_refused_for_gpt_oss(flags, words):
     from pipeline.config import EngineConfig
     with pytest.raises(ValueError, match=words):
-        pipeline.engine.Parsers.of(EngineConfig(**flags), tiny_gpt_oss().config)
+        pipeline.engine.Parsers.of(EngineConfig(**flags), gpt_oss_config())
 
 
 def test_harmony_parsers_are_implied_and_refused_elsewhere():
     from pipeline.config import EngineConfig
-    implied = pipeline.engine.Parsers.of(EngineConfig(), tiny_gpt_oss().config)
+    implied = pipeline.engine.Parsers.of(EngineConfig(), gpt_oss_config())
     assert implied.harmony and implied.reasoning_parser == "openai_gptoss"
     assert implied.tools.tool_call_parser == "openai" and implied.tools.enable_auto_tool_choice
     assert implied.tools.exclude_tools_when_tool_choice_none
     same = pipeline.engine.Parsers.of(EngineConfig(
         reasoning_parser="openai_gptoss", tool_call_parser="openai",
-        enable_auto_tool_choice=True), tiny_gpt_oss().config)
+        enable_auto_tool_choice=True), gpt_oss_config())
     assert same == implied
     for flags in ({"reasoning_parser": "openai_gptoss"}, {"tool_call_parser": "openai"}):
         with pytest.raises(ValueError, match="needs a gpt-oss model"):
-            pipeline.engine.Parsers.of(EngineConfig(**flags),
-                                       ModelConfig.from_hf({"model_type": "llama", **TINY}))
+            pipeline.engine.Parsers.of(EngineConfig(**flags), ModelConfig.from_hf(
+                {"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
+                 "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}))
