@@ -38,6 +38,7 @@ class SeqStart:
     grammar: object = attrs.field(default=None, eq=False)   # xgrammar CompiledGrammar, if constrained
     think: tuple[int, int] | None = None   # reasoning's (open, close) ids: constrain after it
     thinking: bool = False                 # the prompt leaves the reasoning open
+    prompt_logprobs: int | None = None     # the prompt tokens' logprobs (top k); None: off
 
 
 @attrs.frozen
@@ -64,6 +65,15 @@ class TokenLogprobs:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0                      # prompt logprobs: the token's rank in the vocabulary (from 1)
+
+
+@attrs.frozen
+class PromptLogprobs:
+    """A prefill chunk's prompt logprobs for one sequence: the logprob of each prompt token
+    it covered given the tokens before it (positions from 1 on, in order, each once)."""
+    seq_id: str
+    entries: tuple[TokenLogprobs, ...]
 
 
 @attrs.frozen
@@ -74,6 +84,7 @@ class StepResult:
     duration_s: float
     error: str | None = None           # the step failed: every sequence in the plan is lost
     logprobs: tuple[TokenLogprobs | None, ...] = ()   # per sampled sequence, when any asked
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # for the sequences that asked
 
 
 class ModelRunner:
@@ -91,6 +102,8 @@ class ModelRunner:
         else:
             self.attn = TorchPagedAttention(cache, scale)
         self.states: dict[str, SeqSamplingState] = {}
+        # prompt_logprobs: seq id -> [top k, the next prompt position still owed]
+        self.prompt_lp: dict[str, list[int]] = {}
         self._seed_rng = torch.Generator().manual_seed(seed)
         self.staging = Staging(device) if device.type == "cuda" else None
         self.device_sampler = DeviceSampler(device) if use_triton else None
@@ -122,11 +135,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         for sid in plan.released:
             self.states.pop(sid, None)
+            self.prompt_lp.pop(sid, None)
         for ns in plan.new_seqs:
             fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             st = self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
             if ns.grammar is not None:
                 st.guide = Guide(ns.grammar, ns.think, ns.thinking)
+            if ns.prompt_logprobs is not None:
+                self.prompt_lp[ns.seq_id] = [ns.prompt_logprobs, 1]
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
         input_ids, positions, meta, sample_idx = self._prepare(plan.chunks)
@@ -137,9 +153,11 @@ class ModelRunner:
             else:
                 self.attn.prepare(meta)
                 hidden = self.model(input_ids, positions, self.attn)      # [T, D]
+            prompt_lps = self._prompt_logprobs(plan.chunks, hidden) if self.prompt_lp else ()
             seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
             if not seq_ids:
-                return StepResult(plan.step, (), (), time.perf_counter() - t0)
+                return StepResult(plan.step, (), (), time.perf_counter() - t0,
+                                  prompt_logprobs=prompt_lps)
             logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [B, V]
             states = [self.states[s] for s in seq_ids]
             want = [i for i, st in enumerate(states) if st.opts.logprobs is not None]
@@ -167,7 +185,30 @@ class ModelRunner:
                                  for i in range(len(states)))
         for st, tok in zip(states, tokens):
             st.output_ids.append(tok)
-        return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0, logprobs=logprobs)
+        return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0,
+                          logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, chunks: tuple[SeqChunk, ...], hidden: torch.Tensor
+                         ) -> tuple[PromptLogprobs, ...]:
+        """The prompt logprobs the step's chunks owe: row p of a chunk (position p) gives
+        the logprob of prompt token p + 1. A position is reported once, even when a
+        preempted sequence computes its prompt again."""
+        out = []
+        row0 = 0
+        for c in chunks:
+            want = self.prompt_lp.get(c.seq_id)
+            if want is not None:
+                k, owed = want
+                prompt = self.states[c.seq_id].prompt_ids
+                first = max(c.start_pos, owed - 1)
+                end = min(c.start_pos + len(c.token_ids), len(prompt) - 1)
+                if end > first:
+                    rows = hidden[row0 + first - c.start_pos:row0 + end - c.start_pos]
+                    entries = prompt_token_logprobs(self.model, rows, prompt[first + 1:end + 1], k)
+                    out.append(PromptLogprobs(c.seq_id, entries))
+                    want[1] = end + 1
+            row0 += len(c.token_ids)
+        return tuple(out)
 
     def _prepare(self, chunks: tuple[SeqChunk, ...]):
         return prepare_step(chunks, self.block_size, self.device, self.staging)
@@ -252,6 +293,30 @@ class Staging:
         self._copied = torch.cuda.Event()
         self._copied.record()
         return out
+
+
+_PROMPT_LOGPROB_ROWS = 256   # rows of [rows, vocab] logits at a time
+
+
+def prompt_token_logprobs(model, hidden: torch.Tensor, targets: tuple[int, ...], k: int
+                          ) -> tuple[TokenLogprobs, ...]:
+    """hidden [R, D] at positions p..p+R-1 and the prompt tokens that follow each: their
+    raw log-softmax logprob, rank (1 + the tokens more likely) and the top k."""
+    out = []
+    for s in range(0, len(targets), _PROMPT_LOGPROB_ROWS):
+        lp = torch.log_softmax(model.compute_logits(hidden[s:s + _PROMPT_LOGPROB_ROWS]).float(),
+                               dim=-1)                                          # [r, V]
+        t = torch.tensor(targets[s:s + _PROMPT_LOGPROB_ROWS], device=lp.device)[:, None]
+        picked = lp.gather(1, t)                                               # [r, 1]
+        ranks = ((lp > picked).sum(dim=-1) + 1).tolist()
+        picked = picked[:, 0].tolist()
+        if k:
+            top_v, top_i = lp.topk(k, dim=-1)
+            top_v, top_i = top_v.tolist(), top_i.tolist()
+        for r in range(len(picked)):
+            out.append(TokenLogprobs(picked[r], tuple(top_i[r]) if k else (),
+                                     tuple(top_v[r]) if k else (), ranks[r]))
+    return tuple(out)
 
 
 def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, staging: Staging | None = None):

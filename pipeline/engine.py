@@ -44,7 +44,7 @@ from pipeline.config import EngineConfig
 from pipeline.events import EventLog, make_header
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
-from stages.api.chat import MAX_N
+from stages.api.chat import MAX_CHOICES
 from stages.api.protocol import ToolSettings
 from stages.api.framing import DONE, json_body, sse_data
 from stages.api.protocol import server_error
@@ -445,10 +445,10 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
                         tools=built.parsers.tools, harmony=built.parsers.harmony)
     # Admitted at once: at most max_queued_requests + max_num_seqs requests (admission
     # counts a request until emit has sent its last byte), each putting at most one request,
-    # one Abort and one FinishRequest per choice (n <= MAX_N) into schedule's inbox: the
+    # one Abort and one FinishRequest per choice (<= MAX_CHOICES) into schedule's inbox: the
     # back-edges never block.
     max_admitted = cfg.max_queued_requests + cfg.max_num_seqs
-    inbox_size = (2 + MAX_N) * max_admitted + 16
+    inbox_size = (2 + MAX_CHOICES) * max_admitted + 16
     render_in, render_out = trio.open_memory_channel(cfg.max_queued_requests)
     admit_in, admit_out = trio.open_memory_channel(0)
     sched_in, sched_out = trio.open_memory_channel(inbox_size)

@@ -55,10 +55,11 @@ class Histogram:
 
 class _RequestUsage:
     __slots__ = ("prompt", "completion", "reasoning", "arrival", "scheduled", "first_token",
-                 "last_token", "wants_metrics", "open_choices", "cached")
+                 "last_token", "wants_metrics", "open_choices", "cached", "n", "prompt_lens",
+                 "prompt_cached")
 
     def __init__(self, req: RenderedRequest) -> None:
-        self.prompt = len(req.prompt_token_ids)
+        self.prompt = req.num_prompt_tokens      # every prompt's, once (not per choice)
         self.completion = 0
         self.reasoning = 0
         self.arrival = req.arrival
@@ -66,8 +67,11 @@ class _RequestUsage:
         self.first_token = 0.0
         self.last_token = 0.0
         self.wants_metrics = req.per_request_metrics
-        self.open_choices = req.n   # usage sums every choice; the request ends with the last
-        self.cached = 0             # prompt tokens from the prefix cache (the first choice's)
+        self.open_choices = req.num_choices   # usage sums every choice; it ends with the last
+        self.cached = 0             # prompt tokens from the prefix cache (each prompt's first choice's)
+        self.n = req.n
+        self.prompt_lens = [len(p) for p in req.prompts] or [len(req.prompt_token_ids)]
+        self.prompt_cached: list[int | None] = [None] * len(self.prompt_lens)
 
     def metrics(self) -> RequestMetrics:
         """The request's own timings (vLLM's per-request metrics), in milliseconds."""
@@ -116,21 +120,23 @@ class Accountant:
             if u is None:
                 continue
             n = len(d.token_ids)
-            if d.index == 0:
-                u.cached = d.num_cached_tokens
+            if d.index % u.n == 0:    # a prompt's first choice: its prompt's cache hits
+                p = d.index // u.n
+                if u.prompt_cached[p] is None and (n or d.scheduled_at):   # looked up
+                    self.prefix_cache_queries_total += u.prompt_lens[p]
+                    self.prefix_cache_hits_total += d.num_cached_tokens
+                u.prompt_cached[p] = d.num_cached_tokens
+                u.cached = sum(c or 0 for c in u.prompt_cached)
             if n:
                 if not u.completion:
                     u.scheduled = d.scheduled_at
                     u.first_token = now
                     self.ttft.observe(now - u.arrival)
-                    self.prefix_cache_queries_total += u.prompt
-                    self.prefix_cache_hits_total += d.num_cached_tokens
                 elif d.index == 0:   # the gaps of one sequence (choices share steps)
                     self.itl.observe(now - u.last_token)
                 u.last_token = now
             u.completion += n
-            if d.reasoning and not d.content:
-                u.reasoning += n
+            u.reasoning += d.reasoning_tokens   # a choice's whole count, on its last delta
             self.generation_tokens_total += n
             usage = Usage(u.prompt, u.completion, u.cached, u.reasoning)
             if d.finish_reason is not None:

@@ -57,7 +57,8 @@ class Admission:
         return None
 
     def check(self, req: RenderedRequest) -> RequestError | None:
-        need = len(req.prompt_token_ids) + req.sampling.max_tokens
+        need = max(len(p) + m for p, m in zip(req.prompts or (req.prompt_token_ids,),
+                                              req.prompt_max_tokens or (req.sampling.max_tokens,)))
         if need > self.kv_capacity_tokens:
             return RequestError(
                 f"The request needs up to {need} tokens of KV cache (prompt plus max_tokens), "

@@ -58,6 +58,18 @@ class TokenLogprob:
 
 
 @attrs.frozen
+class PromptLogprob:
+    """One prompt token's logprob given the tokens before it (vLLM's prompt_logprobs): the
+    token, its rank in the vocabulary, and the top alternatives (id, text, logprob; rank
+    is their place, from 1)."""
+    token_id: int
+    token: str
+    logprob: float | None          # None: the first prompt token (nothing before it)
+    rank: int = 0
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@attrs.frozen
 class ToolCallDelta:
     """A tool call the parse stage completed: its place among the request's calls, its id
     (call_...), the function's name and its arguments (a JSON string)."""
@@ -80,13 +92,17 @@ class Delta:
     token_logprobs: tuple[TokenLogprobs, ...] = ()  # raw, one per token, when asked for
     scheduled_at: float = 0.0                  # time.monotonic() when first scheduled (0: never)
     index: int = 0                             # the choice (n > 1), each its own sequence
+    # on a choice's first delta, with prompt_logprobs: one per prompt token (None first)
+    prompt_token_logprobs: tuple[TokenLogprobs | None, ...] = ()
     # -- detokenize
     text: str = ""                             # new text
     logprobs: tuple[TokenLogprob, ...] = ()    # token_logprobs with their text
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()  # prompt_token_logprobs with their text
     # -- parse
     content: str = ""                          # new answer text
     reasoning: str = ""                        # new reasoning text (only with a reasoning parser)
     tool_calls: tuple[ToolCallDelta, ...] = ()  # calls completed this step (with a tool plan)
+    reasoning_tokens: int = 0                  # on a choice's last delta: its whole output's
     # -- account
     usage: Usage | None = None                 # running totals; final when finish_reason is set
     metrics: RequestMetrics | None = None      # the finished request's timings, when asked for

@@ -12,12 +12,13 @@ import attrs
 import trio
 from tokenizers.decoders import DecodeStream
 
-from stages.delta import Delta, FinishReason, TokenLogprob
+from stages.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
 from stages.render import RenderedRequest
 from stages.schedule import FinishRequest, Step
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
 _with_text = Delta.evolver("text", "logprobs", "finish_reason", "stop_reason")
+_with_prompt_logprobs = Delta.evolver("prompt_logprobs")
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -27,9 +28,10 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 class DetokState:
-    def __init__(self, req: RenderedRequest, detokenize: bool = True) -> None:
+    def __init__(self, req: RenderedRequest, detokenize: bool = True, index: int = 0) -> None:
         sp = req.sampling
-        self.stream = DecodeStream(ids=list(req.prompt_token_ids[-_PROMPT_CONTEXT:]),
+        self.prompt = req.prompt_of(index)
+        self.stream = DecodeStream(ids=list(self.prompt[-_PROMPT_CONTEXT:]),
                                    skip_special_tokens=sp.skip_special_tokens) if detokenize else None
         self.stops = sp.stop
         self.include_stop = sp.include_stop_str_in_output
@@ -67,7 +69,19 @@ class DetokState:
             TokenLogprob(token_text(tokenizer, t), lp.logprob,
                          tuple((token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
             for t, lp in zip(ids, d.token_logprobs))
-        return _with_text(d, text, logprobs, finish, stop_reason)
+        out = _with_text(d, text, logprobs, finish, stop_reason)
+        if d.prompt_token_logprobs:
+            out = _with_prompt_logprobs(out, self.prompt_logprobs(tokenizer, d.prompt_token_logprobs))
+        return out
+
+    def prompt_logprobs(self, tokenizer, raw) -> tuple[PromptLogprob, ...]:
+        """The prompt's logprobs with their tokens' text: entry i is prompt token i's (the
+        first has none)."""
+        return tuple(
+            PromptLogprob(t, token_text(tokenizer, t), None) if lp is None else PromptLogprob(
+                t, token_text(tokenizer, t), lp.logprob, lp.rank,
+                tuple((i, token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
+            for t, lp in zip(self.prompt, raw))
 
     def _find_stop(self, check_from: int) -> tuple[int, str] | None:
         """The earliest stop string in pending that ends after check_from."""
@@ -90,8 +104,8 @@ class Detokenizer:
     def process(self, msg: Step) -> tuple[Step, list[tuple[str, int]]]:
         """Returns the step's deltas and the (request, choice) a stop string finished."""
         for req in msg.new_requests:
-            for i in range(req.n):
-                self.states[req.request_id, i] = DetokState(req, self.hf is not None)
+            for i in range(req.num_choices):
+                self.states[req.request_id, i] = DetokState(req, self.hf is not None, i)
         deltas, stopped = [], []
         for d in msg.deltas:
             key = (d.request_id, d.index)

@@ -29,8 +29,9 @@ from stages.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolPars
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY_REASONING_PARSER)
 _OPEN, _CLOSE = "<think>", "</think>"
-_with_content = Delta.evolver("content", "reasoning")
-_with_tools = Delta.evolver("content", "reasoning", "tool_calls", "finish_reason")
+_with_content = Delta.evolver("content", "reasoning", "reasoning_tokens")
+_with_tools = Delta.evolver("content", "reasoning", "tool_calls", "finish_reason",
+                            "reasoning_tokens")
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -47,8 +48,20 @@ class ThinkState:
     def __init__(self, parser: str) -> None:
         self.mode = "reasoning" if parser == "deepseek_r1" else "start"
         self.buf = ""
+        self.reasoning_tokens = 0   # the choice's output tokens inside the reasoning so far
 
-    def feed(self, text: str, final: bool) -> tuple[str, str]:
+    def feed(self, text: str, final: bool, num_tokens: int = 0) -> tuple[str, str]:
+        """Split the next text (of `num_tokens` tokens). Tokens are counted by where the
+        choice's whole output stands, not by what one delta shows: a token whose text is
+        held back (a partial tag, an unfinished character) is reasoning when it falls
+        inside it; the tokens that open or close the reasoning are not (as vLLM)."""
+        before = self.mode
+        out = self._split(text, final)
+        if before == "reasoning" or self.mode == "reasoning":
+            self.reasoning_tokens += max(0, num_tokens - (before != self.mode))
+        return out
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
         self.buf += text
         content = reasoning = ""
         while True:
@@ -108,6 +121,7 @@ class HarmonyChoice:
     def __init__(self, request_id: str, plan: ToolPlan | None) -> None:
         self.harmony = HarmonyState(plan)
         self.tools = ToolState(request_id, plan) if plan is not None else None
+        self.reasoning_tokens = 0   # tokens that gave analysis text and nothing else
 
     def feed(self, d: Delta) -> Delta:
         out = self.harmony.feed(d.token_ids, d.finished)
@@ -115,7 +129,11 @@ class HarmonyChoice:
         reason = d.finish_reason
         if reason is FinishReason.STOP and self.tools is not None and self.tools.num_calls:
             reason = FinishReason.TOOL_CALLS
-        return _with_tools(d, out.content, out.reasoning, calls, reason)
+        if out.reasoning and not out.content:
+            self.reasoning_tokens += len(d.token_ids)
+        # the choice's count once, on its last delta (account sums the choices)
+        return _with_tools(d, out.content, out.reasoning, calls, reason,
+                           self.reasoning_tokens if d.finished else 0)
 
 
 def _tool_parser(plan: ToolPlan) -> ToolParser:
@@ -138,7 +156,7 @@ class Parser:
 
     def process(self, msg: Step) -> Step:
         for req in msg.new_requests:
-            for i in range(req.n):      # each choice has its own state
+            for i in range(req.num_choices):      # each choice has its own state
                 if self.reasoning_parser == HARMONY_REASONING_PARSER and (
                         req.tools is None or req.tools.kind == "auto"):
                     self.harmony[req.request_id, i] = HarmonyChoice(
@@ -149,7 +167,7 @@ class Parser:
                 if req.tools is not None:
                     self.tools[req.request_id, i] = ToolState(f"{req.request_id}#{i}", req.tools)
         if not self.states and not self.tools and not self.harmony:
-            return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "")
+            return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "", 0)
                                                   for d in msg.deltas))
         out = []
         for d in msg.deltas:
@@ -161,19 +179,22 @@ class Parser:
                     del self.harmony[key]
                 continue
             st = self.states.get(key)
-            content, reasoning = st.feed(d.text, d.finished) if st else (d.text, "")
+            content, reasoning = (st.feed(d.text, d.finished, len(d.token_ids)) if st
+                                  else (d.text, ""))
+            # counted once per choice, over its whole output: on its last delta
+            counted = st.reasoning_tokens if st is not None and d.finished else 0
             tools = self.tools.get(key)
             if d.finished:
                 self.states.pop(key, None)
                 self.tools.pop(key, None)
             if tools is None:
-                out.append(_with_content(d, content, reasoning))
+                out.append(_with_content(d, content, reasoning, counted))
                 continue
             content, calls = tools.feed(content, d.finished)
             reason = d.finish_reason
             if reason is FinishReason.STOP and tools.num_calls:
                 reason = FinishReason.TOOL_CALLS
-            out.append(_with_tools(d, content, reasoning, calls, reason))
+            out.append(_with_tools(d, content, reasoning, calls, reason, counted))
         return attrs.evolve(msg, deltas=tuple(out))
 
 

@@ -50,6 +50,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     constraint: Constraint | None = None           # structured output (gpu/grammar.py)
+    prompt_logprobs: int | None = None             # the prompt tokens' logprobs (top k); None: off
 
 
 @attrs.frozen
@@ -69,6 +70,28 @@ class RenderedRequest:
     per_request_metrics: bool = False   # the reply carries the request's own timings
     n: int = 1                      # choices: n sequences sampled from one prompt
     tools: ToolPlan | None = None   # how parse finds tool calls (stages/api/tools.py)
+    # Several prompts in one request (a completions prompt list): prompt_token_ids is the
+    # first. Prompt i's choice j is choice i * n + j, a sequence of its own.
+    prompts: tuple[tuple[int, ...], ...] = ()
+    prompt_max_tokens: tuple[int, ...] = ()   # with several prompts: each one's max_tokens
+    echo: tuple[str, ...] | None = None      # echo: the text each prompt's choices start with
+
+    @property
+    def num_choices(self) -> int:
+        """Sequences of the request: n per prompt."""
+        return self.n * len(self.prompts) if self.prompts else self.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts)) if self.prompts else len(self.prompt_token_ids)
+
+    def prompt_of(self, index: int) -> tuple[int, ...]:
+        """The prompt of choice `index`."""
+        return self.prompts[index // self.n] if self.prompts else self.prompt_token_ids
+
+    def max_tokens_of(self, index: int) -> int:
+        return (self.prompt_max_tokens[index // self.n] if self.prompt_max_tokens
+                else self.sampling.max_tokens)
 
 
 @attrs.frozen
@@ -117,25 +140,59 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
     model = _resolve_model(req.model, ctx)
     plan = api.plan(req, reasoning_parser=ctx.reasoning, tools=ctx.tools)
     sampling = _sampling_options(req, plan, ctx)
-    ids = _prompt_ids(plan, ctx)
-    max_tokens = _resolve_max_tokens(ctx, len(ids), plan)
-    if sampling.min_tokens > max_tokens:
+    if plan.batch is None:
+        prompts = [_prompt_ids(plan, ctx)]
+    else:   # several prompts: each rendered (and checked) on its own, named by its place
+        prompts = [_prompt_ids(attrs.evolve(
+            plan, text=p if isinstance(p, str) else None,
+            token_ids=None if isinstance(p, str) else p, prompt_param=f"prompt[{i}]"), ctx)
+            for i, p in enumerate(plan.batch)]
+    limits = [_resolve_max_tokens(ctx, len(ids), plan) for ids in prompts]
+    max_tokens = limits[0]
+    if sampling.min_tokens > min(limits):
         raise RequestError(f"'min_tokens' ({sampling.min_tokens}) must be at most the "
-                           f"maximum number of tokens to generate ({max_tokens}).",
+                           f"maximum number of tokens to generate ({min(limits)}).",
                            param="min_tokens")
+    ids = prompts[0]
     return RenderedRequest(
         request_id=sub.request_id, api=sub.api, model=model, prompt_token_ids=tuple(ids),
         sampling=SamplingParams(
             max_tokens=max_tokens, options=sampling, stop=getattr(req, "stop", None) or (),
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, constraint=plan.constraint),
+            skip_special_tokens=req.skip_special_tokens, constraint=plan.constraint,
+            prompt_logprobs=plan.prompt_logprobs),
         stream=plan.stream,
         include_usage=(plan.include_usage or ctx.force_include_usage) if plan.stream else True,
         created=int(time.time()), arrival=sub.arrival, request=req,
         continuous_usage=plan.stream and (plan.continuous_usage or ctx.force_include_usage),
         cache_salt=req.cache_salt or None,
         per_request_metrics=ctx.per_request_metrics and getattr(req, "n", 1) == 1,
-        n=getattr(req, "n", 1), tools=plan.tools)
+        n=getattr(req, "n", 1), tools=plan.tools,
+        prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
+        prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),
+        echo=_echo(plan, req, prompts, ctx))
+
+
+def _echo(plan: PromptPlan, req, prompts: list[list[int]], ctx: RenderContext
+          ) -> tuple[str, ...] | None:
+    """What each prompt's choices start with under echo: chat, the final message's text;
+    completions, the prompt as sent (decoded when it was token ids or truncated; nothing
+    when return_token_ids sends the prompt's ids instead, as vLLM)."""
+    if plan.echo is not None:
+        return (plan.echo,)
+    if not plan.echo_prompt:
+        return None
+    batch = plan.batch if plan.batch is not None else (
+        plan.text if plan.token_ids is None else plan.token_ids,)
+    out = []
+    for given, ids in zip(batch, prompts):
+        if req.return_token_ids or ctx.tokenizer is None:
+            out.append("")
+        elif isinstance(given, str) and plan.truncate is None:
+            out.append(given)
+        else:
+            out.append(ctx.tokenizer.decode(ids, skip_special_tokens=False))
+    return tuple(out)
 
 
 def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:
@@ -362,7 +419,7 @@ def _resolve_max_tokens(ctx: RenderContext, prompt_len: int, plan: PromptPlan) -
             value = min(value, cap)
         return min(value, room)
     if requested > room:
-        where = "prompt" if plan.prompt_param == "prompt" else "messages"
+        where = "messages" if plan.prompt_param == "messages" else "prompt"
         raise RequestError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{requested + prompt_len} tokens ({prompt_len} in the {where}, {requested} in the "

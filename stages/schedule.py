@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from gpu.grammar import GrammarCompiler
-from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult
+from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult, TokenLogprobs
 from gpu.sampler import SamplingOptions
 from stages.blocks import BlockManager
 from stages.delta import Delta, FinishReason
@@ -67,13 +67,17 @@ class Sequence:
                  leader: Sequence | None = None) -> None:
         self.req = req
         self.index = index
-        # The GPU side knows sequences by id: a request's own id, or id#index for n > 1.
-        self.id = req.request_id if req.n == 1 else f"{req.request_id}#{index}"
-        # Choices after the first wait for the first one's prompt to be in the cache, so
-        # they take its blocks through the prefix cache instead of prefilling again.
+        # The GPU side knows sequences by id: a request's own id, or id#index for several.
+        self.id = req.request_id if req.num_choices == 1 else f"{req.request_id}#{index}"
+        # Choices after the first of a prompt wait for the first one's prompt to be in the
+        # cache, so they take its blocks through the prefix cache instead of prefilling again.
         self.leader = leader
-        self.prompt_len = len(req.prompt_token_ids)
-        self.token_ids: list[int] = list(req.prompt_token_ids)
+        prompt = req.prompt_of(index)
+        self.prompt_len = len(prompt)
+        self.token_ids: list[int] = list(prompt)
+        # prompt_logprobs: the first choice of each prompt computes them (not from the cache)
+        self.prompt_logprobs = (req.sampling.prompt_logprobs if leader is None else None)
+        self.prompt_lps: list[TokenLogprobs] = []    # gathered until the first delta
         self.num_computed = 0
         self.table: list[int] = []
         self.num_cached_tokens = 0
@@ -83,7 +87,7 @@ class Sequence:
         self.hash_root = None if req.cache_salt is None else hash(("cache_salt", req.cache_salt))
         self.hash_cursor: tuple[int, int | None] = (0, self.hash_root)
         sp = req.sampling
-        self.max_tokens = sp.max_tokens
+        self.max_tokens = req.max_tokens_of(index)
         # A grammar ends on EOS (its matcher allows nothing else once complete), so a
         # constrained sequence stops on EOS even with ignore_eos.
         self.stop_ids = frozenset(sp.options.stop_token_ids) | (
@@ -103,7 +107,8 @@ def sampling_options(seq: Sequence) -> SamplingOptions:
     """The request's options, with EOS among the stop ids unless ignore_eos (min_tokens
     masks them all); choice i of a seeded request draws from seed + i."""
     opts = seq.req.sampling.options
-    seed = opts.seed if opts.seed is None or not seq.index else opts.seed + seq.index
+    choice = seq.index % seq.req.n     # within its prompt
+    seed = opts.seed if opts.seed is None or not choice else opts.seed + choice
     return attrs.evolve(opts, stop_token_ids=tuple(sorted(seq.stop_ids)), seed=seed)
 
 
@@ -135,8 +140,10 @@ class Scheduler:
     def add(self, req: RenderedRequest) -> None:
         if req.request_id in self.choices:  # the engine keeps ids unique while in flight
             raise ValueError(f"request id {req.request_id!r} is already scheduled")
-        leader = Sequence(req, self.eos_token_ids)
-        seqs = [leader] + [Sequence(req, self.eos_token_ids, i, leader) for i in range(1, req.n)]
+        seqs = []
+        for i in range(req.num_choices):   # prompt i // n, its first choice leading
+            seqs.append(Sequence(req, self.eos_token_ids, i,
+                                 None if i % req.n == 0 else seqs[i - i % req.n]))
         self.choices[req.request_id] = seqs
         self._new_requests.append(req)
         constraint = req.sampling.constraint
@@ -257,21 +264,25 @@ class Scheduler:
         return StepPlan(self.step, tuple(chunks.values()), tuple(new_seqs), released)
 
     def _start(self, seq: Sequence) -> SeqStart:
+        prompt = tuple(seq.token_ids[:seq.prompt_len])
         if seq.grammar is None:
-            return SeqStart(seq.id, seq.req.prompt_token_ids, sampling_options(seq))
+            return SeqStart(seq.id, prompt, sampling_options(seq),
+                            prompt_logprobs=seq.prompt_logprobs)
         think, thinking = self.think_ids, False
         if think is not None:   # does the prompt leave a <think> open (deepseek_r1 style)?
-            prompt = seq.req.prompt_token_ids
             last = {t: i for i, t in enumerate(prompt) if t in think}
             thinking = last.get(think[0], -1) > last.get(think[1], -1)
-        return SeqStart(seq.id, seq.req.prompt_token_ids, sampling_options(seq),
-                        seq.grammar.result(), think, thinking)
+        return SeqStart(seq.id, prompt, sampling_options(seq), seq.grammar.result(), think,
+                        thinking, prompt_logprobs=seq.prompt_logprobs)
 
     def _take_prefix(self, seq: Sequence, budget: int) -> bool:
         """Attach cached prefix blocks to a sequence about to start (or restart), if the
         blocks for its first chunk fit as well."""
         bm = self.blocks
-        hits, last_hash = bm.match_prefix(seq.token_ids, seq.hash_root)
+        if seq.prompt_logprobs is not None and not seq.first_scheduled:
+            hits, last_hash = [], seq.hash_root   # as vLLM: every prompt position computed
+        else:
+            hits, last_hash = bm.match_prefix(seq.token_ids, seq.hash_root)
         cached = len(hits) * bm.block_size
         n = min(len(seq.token_ids) - cached, budget)
         reclaimed = sum(1 for b in hits if bm.ref_count[b] == 0)  # hits sitting in the free list
@@ -321,6 +332,10 @@ class Scheduler:
             return self.drain()
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs))
+        for pl in result.prompt_logprobs:
+            seq = self.by_id.get(pl.seq_id)
+            if seq is not None:
+                seq.prompt_lps.extend(pl.entries)
         deltas = list(self._pending)
         self._pending = []
         for chunk in plan.chunks:
@@ -335,6 +350,19 @@ class Scheduler:
                 seq.table, seq.token_ids, seq.num_computed, *seq.hash_cursor)
             if tok is None:
                 continue
+            prompt_lps = ()
+            if seq.prompt_logprobs is not None and seq.num_output == 1:   # the first token
+                prompt_lps, seq.prompt_lps = (None, *seq.prompt_lps), []  # none for the first
+            if seq.max_tokens == 0:
+                # echo alone (completions max_tokens 0): the prompt was computed for its
+                # logprobs; the token sampled after it is not part of the reply
+                seq.token_ids.pop()
+                deltas.append(Delta(seq.req.request_id, (), FinishReason.LENGTH, None,
+                                    seq.num_cached_tokens, scheduled_at=seq.scheduled_at,
+                                    index=seq.index, prompt_token_logprobs=prompt_lps))
+                self.running.remove(seq)
+                self._retire(seq)
+                continue
             reason = stop = None
             if tok in seq.stop_ids:  # the sampler masks stop ids until min_tokens
                 reason = FinishReason.STOP
@@ -344,7 +372,8 @@ class Scheduler:
             lp = logprobs.get(seq.id)
             deltas.append(Delta(seq.req.request_id, (tok,), reason, stop, seq.num_cached_tokens,
                                 token_logprobs=(lp,) if lp is not None else (),
-                                scheduled_at=seq.scheduled_at, index=seq.index))
+                                scheduled_at=seq.scheduled_at, index=seq.index,
+                                prompt_token_logprobs=prompt_lps))
             if reason is not None:
                 self.running.remove(seq)
                 self._retire(seq)

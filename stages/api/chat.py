@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from stages.api.framing import (DONE, ChoiceState, ChunkBytes, Framer, error_bytes, json_body,
-                                sse_data, usage_info)
+                                prompt_logprobs_json, sse_data, usage_info)
 from stages.api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion,
                                  ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
                                  ChatLogprobs, ChatMessage, ChatMessageOut, ChatTokenLogprob,
@@ -45,6 +45,8 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
     if req.continue_final_message and req.messages[-1].role != "assistant":
         raise RequestError("'continue_final_message' needs the last message to be an "
                            "assistant message.", param="continue_final_message")
+    if req.max_tokens == 0:
+        raise RequestError("'max_tokens' must be at least 1, got 0.", param="max_tokens")
     use_completion_tokens = req.max_completion_tokens is not None
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
@@ -53,8 +55,14 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
     messages = template_messages(req.messages, "messages")
     if tr.template_tools is not None:
         kwargs["tools"] = tr.template_tools
+    check_prompt_logprobs(req.prompt_logprobs, req.stream)
+    prompt_logprobs = None if req.stream else req.prompt_logprobs
+    if prompt_logprobs is None and req.echo and req.logprobs and not req.stream:
+        prompt_logprobs = req.top_logprobs     # as vLLM: echo with top_logprobs asks for them
     return PromptPlan(
-        messages=messages, token_ids=kv_prompt_token_ids(req.kv_transfer_params),
+        # kv_transfer_params' ids are not the prompt when echo needs the messages' text
+        messages=messages,
+        token_ids=None if req.echo else kv_prompt_token_ids(req.kv_transfer_params),
         token_ids_param="kv_transfer_params.prompt_token_ids",
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
@@ -67,7 +75,18 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
         include_usage=bool(req.stream_options and req.stream_options.include_usage)
         if req.stream else True,
         continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
-        constraint=constraint, tools=tr.plan)
+        constraint=constraint, tools=tr.plan, echo=_echo(req, messages),
+        prompt_logprobs=prompt_logprobs)
+
+
+def _echo(req: ChatCompletionRequest, messages: list[dict]) -> str | None:
+    """echo: the reply starts with the final message's text when that message has the
+    reply's role (assistant; without a generation prompt, the final message's own role),
+    as vLLM."""
+    if not req.echo:
+        return None
+    role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+    return messages[-1]["content"] if req.messages[-1].role == role else ""
 
 
 def kv_prompt_token_ids(params: dict | None) -> tuple[int, ...] | None:
@@ -85,11 +104,27 @@ def kv_prompt_token_ids(params: dict | None) -> tuple[int, ...] | None:
 
 
 MAX_N = 16   # choices per request: each is a sequence of the running batch
+# Sequences per request (completions: prompts x n); schedule's inbox holds one
+# FinishRequest for each.
+MAX_CHOICES = 64
 
 
 def check_n(n: int) -> None:
     if not 1 <= n <= MAX_N:
         raise RequestError(f"'n' must be between 1 and {MAX_N}, got {n}.", param="n")
+
+
+def check_prompt_logprobs(value: int | None, stream: bool) -> None:
+    """prompt_logprobs: 0..MAX_LOGPROBS alternatives per prompt token; not with stream
+    (vLLM's rule: streamed chunks have no field for them)."""
+    if value is None:
+        return
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise RequestError(f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}, got "
+                           f"{value}.", param="prompt_logprobs")
+    if stream and value > 0:
+        raise RequestError("'prompt_logprobs' are not available when 'stream' is true.",
+                           param="prompt_logprobs")
 
 
 def _logprobs(req: ChatCompletionRequest) -> int | None:
@@ -203,6 +238,8 @@ class ChatFramer(Framer):
         super().__init__(req)
         self.id = f"chatcmpl-{req.request_id}"
         self._choices = [ChoiceState() for _ in range(req.n)]
+        self._echo = req.echo[0] if req.echo else ""   # echo: the reply starts with it
+        self._prompt_logprobs = None     # prompt_logprobs: brought by choice 0's first delta
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._show_reasoning = req.request.include_reasoning
         self._return_ids = req.request.return_token_ids
@@ -224,10 +261,13 @@ class ChatFramer(Framer):
             return b""
         prompt = {"prompt_token_ids": list(self.req.prompt_token_ids)} if self._return_ids else {}
         usage = usage_info(Usage(len(self.req.prompt_token_ids), 0))
-        return b"".join(
-            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
-                        usage, **(prompt if i == 0 else {}))
-            for i in range(self.req.n))
+        out = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
+                           usage, **(prompt if i == 0 else {}))
+               for i in range(self.req.n)]
+        if self._echo:   # as vLLM: the echoed text, one chunk per choice, after the roles
+            out += [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=self._echo))],
+                                usage) for i in range(self.req.n)]
+        return b"".join(out)
 
     def _stream(self, delta: Delta) -> bytes:
         out = []
@@ -266,6 +306,8 @@ class ChatFramer(Framer):
 
     def _accumulate(self, delta: Delta) -> bytes:
         reasoning, logprobs = self._visible(delta)
+        if delta.prompt_logprobs:
+            self._prompt_logprobs = delta.prompt_logprobs
         c = self._choices[delta.index]
         c.text.append(delta.content)
         c.reasoning.append(reasoning)
@@ -286,11 +328,13 @@ class ChatFramer(Framer):
             choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
             usage=usage_info(delta.usage),
             **({} if delta.metrics is None else {"metrics": delta.metrics}),
+            **({"prompt_logprobs": prompt_logprobs_json(self._prompt_logprobs or ())}
+               if self.req.sampling.prompt_logprobs is not None else {}),
             **({"prompt_token_ids": list(self.req.prompt_token_ids)} if self._return_ids
                else {})))
 
     def _body_choice(self, index: int, c: ChoiceState) -> ChatChoice:
-        text, reasoning = "".join(c.text), "".join(c.reasoning)
+        text, reasoning = self._echo + "".join(c.text), "".join(c.reasoning)
         extra = {"reasoning": reasoning} if reasoning else {}
         if c.tool_calls:
             extra["tool_calls"] = c.tool_calls

@@ -1,13 +1,13 @@
 """POST /v1/completions: the request's prompt plan, and the reply's framing."""
 from __future__ import annotations
 
-from stages.api.chat import MAX_LOGPROBS, check_n
-from stages.api.framing import (DONE, ChoiceState, ChunkBytes, Framer, error_bytes, json_body,
-                                sse_data, usage_info)
+from stages.api.chat import MAX_CHOICES, MAX_LOGPROBS, check_n, check_prompt_logprobs
+from stages.api.framing import (DONE, MIN_LOGPROB, ChoiceState, ChunkBytes, Framer, error_bytes,
+                                json_body, prompt_logprobs_json, sse_data, usage_info)
 from stages.api.protocol import (Completion, CompletionChoice, CompletionLogprobs,
                                  CompletionRequest, PromptPlan, RequestError, server_error)
 from stages.api.structured import constraint_of
-from stages.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason, PromptLogprob
 
 # OpenAI's default for /v1/completions.
 DEFAULT_MAX_TOKENS = 16
@@ -18,8 +18,9 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool, tools=None) -> Promp
     if req.best_of not in (None, req.n):
         raise RequestError("'best_of' other than n is not supported (no ranking of extra "
                            "choices).", param="best_of")
-    if req.echo:
-        raise RequestError("'echo' is not supported by this server yet.", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise RequestError("'max_tokens' must be at least 1 (0 only with echo, which then "
+                           "returns the prompt alone).", param="max_tokens")
     if req.suffix:
         raise RequestError("'suffix' is not supported by this server yet.", param="suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
@@ -28,9 +29,18 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool, tools=None) -> Promp
     if req.stream_options is not None and not req.stream:
         raise RequestError("'stream_options' is only allowed when 'stream' is true.",
                            param="stream_options")
-    text, ids = _prompt(req.prompt)
+    batch = _prompts(req.prompt)
+    if len(batch) * req.n > MAX_CHOICES:
+        raise RequestError(f"'prompt' holds {len(batch)} prompts of n={req.n} choices each: "
+                           f"at most {MAX_CHOICES} choices in all per request.", param="prompt")
+    text, ids = (batch[0], None) if isinstance(batch[0], str) else (None, batch[0])
+    check_prompt_logprobs(req.prompt_logprobs, req.stream)
+    prompt_logprobs = None if req.stream else req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs     # echo with logprobs: the prompt's too, as vLLM
     return PromptPlan(
-        text=text, token_ids=ids,
+        text=text, token_ids=ids, batch=tuple(batch) if len(batch) > 1 else None,
+        echo_prompt=req.echo, prompt_logprobs=prompt_logprobs,
         add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens,
         prompt_param="prompt", max_tokens=req.max_tokens, max_tokens_param="max_tokens",
         truncate=req.truncate_prompt_tokens, truncation_side=req.truncation_side or "left",
@@ -45,56 +55,89 @@ def _is_token_ids(value: object) -> bool:
     return isinstance(value, list) and all(type(t) is int for t in value)
 
 
-def _prompt(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]          # a batch of one
+def _prompts(prompt: object) -> list[str | tuple[int, ...]]:
+    """The request's prompts: a string or a list of token ids is one; a list of strings or
+    of token-id lists is several (as vLLM, one request each, answered together)."""
     if isinstance(prompt, str):
-        return prompt, None
+        return [prompt]
     if _is_token_ids(prompt):
         if not prompt:
             raise RequestError("'prompt' must not be empty.", param="prompt")
-        return None, tuple(prompt)
-    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        raise RequestError("'prompt' holds more than one prompt; batched prompts are not "
-                           "supported, send one request per prompt.", param="prompt")
-    raise RequestError("'prompt' must be a string or an array of token ids.", param="prompt")
+        return [tuple(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_token_ids(p) for p in prompt):
+            for i, p in enumerate(prompt):
+                if not p:
+                    raise RequestError(f"'prompt[{i}]' must not be empty.", param=f"prompt[{i}]")
+            return [tuple(p) for p in prompt]
+    raise RequestError("'prompt' must be a string, an array of token ids, or an array of "
+                       "either (several prompts).", param="prompt")
 
 
 # -- the reply -----------------------------------------------------------------------------
 
 class CompletionFramer(Framer):
+    """Choice i * n + j is prompt i's choice j (vLLM's order). With echo each choice starts
+    with its prompt: text, and (with logprobs) the prompt tokens' logprobs, the first null."""
+
     def __init__(self, req) -> None:
         super().__init__(req)
         self.id = f"cmpl-{req.request_id}"
-        self._choices = [ChoiceState() for _ in range(req.n)]
+        num = req.num_choices
+        self._choices = [ChoiceState() for _ in range(num)]
         self._wants_logprobs = req.sampling.options.logprobs is not None
-        self._offsets = [0] * req.n        # text_offset of each choice's next token
+        self._offsets = [0] * num          # text_offset of each choice's next token
         self._return_ids = req.request.return_token_ids
-        self._prompt_sent = [False] * req.n
+        self._prompt_sent = [False] * num
+        self._echoed = [False] * num
+        # each prompt's logprobs (its first choice brings them), as a choice shows them
+        self._prompt_lps: list[tuple | None] = [None] * (num // req.n)
+        self._show_prompt_logprobs = req.sampling.prompt_logprobs is not None
         self._chunk = ChunkBytes(Completion(
             id=self.id, created=req.created, model=req.model, choices=[],
             **({"usage": None} if req.include_usage else {})),
             continuous_usage=req.continuous_usage)
 
     def _logprobs_json(self, index: int, entries) -> CompletionLogprobs:
-        offsets = []
+        offsets, tokens, values, tops = [], [], [], []
         for e in entries:
             offsets.append(self._offsets[index])
             self._offsets[index] += len(e.token)
-        return CompletionLogprobs(tokens=[e.token for e in entries],
-                                  token_logprobs=[e.logprob for e in entries],
-                                  top_logprobs=[dict(e.top) for e in entries],
+            tokens.append(e.token)
+            if isinstance(e, PromptLogprob):
+                values.append(None if e.logprob is None else max(e.logprob, MIN_LOGPROB))
+                tops.append(None if e.logprob is None else _prompt_top(e))
+            else:
+                values.append(e.logprob)
+                tops.append(dict(e.top))
+        return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops,
                                   text_offset=offsets)
+
+    def _prompt_part(self, delta: Delta) -> tuple[str, tuple]:
+        """A choice's first delta under echo: the prompt's text and logprob entries to put
+        before the delta's own."""
+        i = delta.index
+        if delta.prompt_logprobs:
+            self._prompt_lps[i // self.req.n] = delta.prompt_logprobs
+        if self.req.echo is None or self._echoed[i]:
+            return "", ()
+        self._echoed[i] = True
+        lps = self._prompt_lps[i // self.req.n] or () if self._wants_logprobs else ()
+        return self.req.echo[i // self.req.n], lps
 
     def _stream(self, delta: Delta) -> bytes:
         # Completions have no reasoning field: a reasoning parser's reasoning is dropped.
         out = []
-        lp = (self._logprobs_json(delta.index, delta.logprobs)
-              if self._wants_logprobs and delta.logprobs else None)
+        echo_text, echo_lps = self._prompt_part(delta)
+        text = echo_text + delta.content
+        lp = (self._logprobs_json(delta.index, echo_lps + delta.logprobs)
+              if self._wants_logprobs and (delta.logprobs or echo_lps) else None)
         ids = self._ids(delta) if self._return_ids and delta.token_ids else {}
         usage = usage_info(delta.usage) if self.req.continuous_usage else None
-        if delta.content or lp or ids:
-            out.append(self._chunk([CompletionChoice(index=delta.index, text=delta.content,
+        if text or lp or ids:
+            out.append(self._chunk([CompletionChoice(index=delta.index, text=text,
                                                      logprobs=lp, **ids)], usage))
         reason = delta.finish_reason
         if reason is FinishReason.ERROR:
@@ -110,17 +153,18 @@ class CompletionFramer(Framer):
         return b"".join(out)
 
     def _ids(self, delta: Delta) -> dict:
-        """return_token_ids on a streamed choice: its tokens, and the prompt's on its first."""
+        """return_token_ids on a streamed choice: its tokens, and its prompt's on its first."""
         ids = {"token_ids": list(delta.token_ids)}
         if not self._prompt_sent[delta.index]:
             self._prompt_sent[delta.index] = True
-            ids["prompt_token_ids"] = list(self.req.prompt_token_ids)
+            ids["prompt_token_ids"] = list(self.req.prompt_of(delta.index))
         return ids
 
     def _accumulate(self, delta: Delta) -> bytes:
         c = self._choices[delta.index]
-        c.text.append(delta.content)
-        c.logprobs.extend(delta.logprobs)
+        echo_text, echo_lps = self._prompt_part(delta)
+        c.text.append(echo_text + delta.content)
+        c.logprobs.extend(echo_lps + delta.logprobs)
         c.token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
             c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
@@ -131,12 +175,27 @@ class CompletionFramer(Framer):
             return error_bytes(delta)
         return json_body(Completion(
             id=self.id, created=self.req.created, model=self.req.model,
-            choices=[CompletionChoice(
-                index=i, text="".join(c.text), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                logprobs=self._logprobs_json(i, c.logprobs) if self._wants_logprobs else None,
-                **({"prompt_token_ids": list(self.req.prompt_token_ids),
-                    "token_ids": c.token_ids} if self._return_ids else {}))
-                for i, c in enumerate(self._choices)],
+            choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
             usage=usage_info(delta.usage),
             **({} if delta.metrics is None else {"metrics": delta.metrics})))
+
+    def _body_choice(self, i: int, c: ChoiceState) -> CompletionChoice:
+        extra = {}
+        if self._show_prompt_logprobs:
+            extra["prompt_logprobs"] = prompt_logprobs_json(self._prompt_lps[i // self.req.n] or ())
+        if self._return_ids:
+            extra.update(prompt_token_ids=list(self.req.prompt_of(i)), token_ids=c.token_ids)
+        return CompletionChoice(
+            index=i, text="".join(c.text), finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            logprobs=self._logprobs_json(i, c.logprobs) if self._wants_logprobs else None,
+            **extra)
+
+
+def _prompt_top(e: PromptLogprob) -> dict[str, float]:
+    """A prompt token's top_logprobs in the legacy shape: the token itself, then the top
+    alternatives (as vLLM)."""
+    top = {e.token: max(e.logprob, MIN_LOGPROB)}
+    for _, text, lp in e.top:
+        top.setdefault(text, max(lp, MIN_LOGPROB))
+    return top

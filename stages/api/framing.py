@@ -96,7 +96,7 @@ class Framer(ABC):
         self.req = req
         self.finished = False
         self.status = 200
-        self.open_choices = req.n
+        self.open_choices = req.num_choices
         self.closing = False
 
     def start(self) -> bytes:
@@ -125,6 +125,27 @@ class Framer(ABC):
     @abstractmethod
     def _accumulate(self, delta: Delta) -> bytes:
         """Non-streaming: b"" until the request finishes, then the whole JSON body."""
+
+
+# vLLM sends a logprob of -inf as this (JSON has no infinity).
+MIN_LOGPROB = -9999.0
+
+
+def prompt_logprobs_json(entries) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {token id: {logprob,
+    rank, decoded_token}} for the token itself and then the top alternatives."""
+    out: list[dict | None] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank,
+                               "decoded_token": e.token}}
+        for rank, (tid, text, lp) in enumerate(e.top, 1):
+            d.setdefault(str(tid), {"logprob": max(lp, MIN_LOGPROB), "rank": rank,
+                                    "decoded_token": text})
+        out.append(d)
+    return out
 
 
 class ChoiceState:

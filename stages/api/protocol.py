@@ -439,7 +439,7 @@ class ChoiceRequest(SamplingRequest):
     logit_bias: dict[str, float] | None = _opt()    # token id (a string) -> bias, clamped to ±100
     allowed_token_ids: list[int] | None = _opt()    # sample only among these
     bad_words: list[str] | None = _opt()            # words never generated
-    max_tokens: int | None = _opt(_at_least(1))
+    max_tokens: int | None = _opt(_at_least(0))     # 0: completions echo only
     add_special_tokens: bool | None = _opt()
     metadata: dict[str, Any] | None = _opt()                     # ignored
     service_tier: str | None = _opt()                            # ignored
@@ -448,6 +448,9 @@ class ChoiceRequest(SamplingRequest):
     truncation_side: str | None = _opt(_one_of("left", "right"))   # which end truncation cuts
     return_token_ids: bool = _opt(default=False)    # prompt_token_ids and token_ids on replies
     kv_transfer_params: dict[str, Any] | None = _opt()   # chat: prompt_token_ids as the prompt
+    prompt_logprobs: int | None = _opt()            # the prompt tokens' logprobs (top k)
+    echo: bool = _opt(default=False)                # the reply starts with the prompt (chat:
+                                                    # with the final message's text)
     # structured outputs (vLLM's extensions; stages/api/structured.py maps them)
     response_format: ResponseFormat | None = _opt()
     structured_outputs: StructuredOutputs | None = _opt()
@@ -490,7 +493,7 @@ class ChoiceRequest(SamplingRequest):
 
 # Fields of vLLM's and OpenAI's schemas this server does not act on yet: a 400 naming the
 # field, unless the value is one of the harmless ones listed.
-_VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "prompt_logprobs": (),
+_VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
                 "logits_processors": (), "return_tokens_as_token_ids": (False,),
                 "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": (),
@@ -523,7 +526,7 @@ class ChatCompletionRequest(ChoiceRequest):
     verbosity: str | None = _opt()                               # ignored
     _not_implemented: ClassVar[dict[str, Any]] = {
         **_VLLM_EXTRAS, **_ROUTER_CHAT_EXTRAS, "functions": (), "function_call": (),
-        "audio": (), "prediction": (), "web_search_options": (), "echo": (False,), "documents": (),
+        "audio": (), "prediction": (), "web_search_options": (), "documents": (),
         "best_of": (1,), "media_io_kwargs": ()}
 
     @messages.validator
@@ -536,9 +539,8 @@ class ChatCompletionRequest(ChoiceRequest):
 
 @attrs.frozen
 class CompletionRequest(ChoiceRequest):
-    prompt: Any = _opt()           # a string, token ids, or a batch of one of either
+    prompt: Any = _opt()           # a string, token ids, or several of either
     logprobs: int | None = _opt()
-    echo: bool = _opt(default=False)
     suffix: str | None = _opt()
     best_of: int | None = _opt()
     _not_implemented: ClassVar[dict[str, Any]] = {**_VLLM_EXTRAS, **_ROUTER_EXTRAS}
@@ -695,6 +697,10 @@ class PromptPlan:
     continuous_usage: bool = False           # stream: usage so far on every chunk
     constraint: Constraint | None = None     # structured output (stages/api/structured.py)
     tools: ToolPlan | None = None            # how parse finds tool calls (stages/api/tools.py)
+    batch: tuple[str | tuple[int, ...], ...] | None = None  # completions: several prompts
+    echo: str | None = None                  # chat echo: the text the reply starts with
+    echo_prompt: bool = False                # completions echo: each prompt starts its choices
+    prompt_logprobs: int | None = None       # logprobs of the prompt tokens (top k); None: off
 
 
 R = TypeVar("R")
@@ -827,8 +833,8 @@ class ChatLogprobs:
 class CompletionLogprobs:
     """The legacy completions shape: parallel lists, alternatives as {token: logprob}."""
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]          # echo: null for the prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -926,6 +932,7 @@ class ChatCompletion:
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
     prompt_token_ids: list[int] = ABSENT        # return_token_ids
     metrics: Any = ABSENT                       # --enable-per-request-metrics
 
@@ -938,6 +945,7 @@ class CompletionChoice:
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = ABSENT      # streaming: on the final chunk only
+    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
     prompt_token_ids: list[int] = ABSENT        # return_token_ids (streaming: first chunk)
     token_ids: list[int] = ABSENT               # return_token_ids
 

@@ -164,9 +164,9 @@ def test_unknown_field_is_refused_as_openai_does(fn):
 
 
 @pytest.mark.parametrize("fn, field, value", [
-    (chat, "use_beam_search", True), (chat, "prompt_logprobs", 1),
+    (chat, "use_beam_search", True), (chat, "logits_processors", ["m.f"]),
     (chat, "functions", [{"name": "f"}]), (completion, "use_beam_search", True),
-    (completion, "prompt_logprobs", 1), (responses, "previous_response_id", "r"),
+    (completion, "thinking_token_budget", 5), (responses, "previous_response_id", "r"),
 ])
 def test_known_but_unimplemented_field_is_400_naming_it(fn, field, value):
     err = error_of(fn, {field: value})
@@ -310,14 +310,59 @@ def test_completion_prompt_forms(prompt, ids):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 5000]}, "prompt"),
+    ({"prompt": [1, 5000]}, "prompt"), ({"prompt": [[1], [5000]]}, "prompt[1]"),
+    ({"prompt": [[1], []]}, "prompt[1]"),
+    ({"prompt": ["a", [1]]}, "prompt"), ({"prompt": ["a"] * 17, "n": 4}, "prompt"),
     ({"prompt": []}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": None}, "prompt"),
-    ({"prompt": [1, "a"]}, "prompt"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+    ({"prompt": [1, "a"]}, "prompt"), ({"suffix": "x"}, "suffix"),
+    ({"max_tokens": 0}, "max_tokens"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"best_of": 2}, "best_of"), ({"max_tokens": -1}, "max_tokens"),
 ])
 def test_completion_errors(body, param):
     err = error_of(completion, body)
     assert (err.status, err.param) == (400, param)
+
+
+def test_completion_prompt_list_is_several_prompts():
+    req = completion({"prompt": ["hi", "yo!"], "n": 2})
+    assert req.prompts == ((998, ord("h"), ord("i")), (998, ord("y"), ord("o"), ord("!")))
+    assert req.prompt_token_ids == req.prompts[0] and req.num_choices == 4
+    assert [req.prompt_of(i) for i in range(4)] == [req.prompts[0]] * 2 + [req.prompts[1]] * 2
+    assert req.num_prompt_tokens == 7
+    # the default max_tokens is each prompt's own: 16, or what the context leaves
+    long = completion({"prompt": [[1] * 90, [1] * 10]})
+    assert long.prompt_max_tokens == (10, 16)
+    ids = completion({"prompt": [[1, 2], [3]]})
+    assert ids.prompts == ((1, 2), (3,))
+    one = completion({"prompt": [[4, 5]]})           # a list of one prompt is one prompt
+    assert one.prompts == () and one.num_choices == 1
+
+
+def test_completion_echo_and_prompt_logprobs():
+    req = completion({"prompt": ["hi", "yo"], "echo": True, "max_tokens": 0, "logprobs": 2})
+    assert req.echo == ("hi", "yo") and req.sampling.max_tokens == 0
+    assert completion({"prompt": [[ord("y")], [ord("o")]], "echo": True}).echo == ("y", "o")
+    assert req.sampling.prompt_logprobs == 2          # echo with logprobs: the prompt's too
+    assert completion({"prompt": "hi", "echo": True}).sampling.prompt_logprobs is None
+    assert completion({"prompt": "hi", "prompt_logprobs": 3}).sampling.prompt_logprobs == 3
+    assert completion({"prompt": "hi", "echo": True, "return_token_ids": True}).echo == ("",)
+    # streamed, prompt_logprobs 0 asks for nothing to show
+    assert completion({"prompt_logprobs": 0, "stream": True}).sampling.prompt_logprobs is None
+
+
+def test_chat_echo_prepends_a_final_assistant_message():
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
+    assert chat({"messages": msgs, "echo": True}).echo == ("Sure,",)
+    assert chat({"messages": msgs[:1], "echo": True}).echo == ("",)
+    # without a generation prompt the reply continues the final message, whatever its role
+    assert chat({"messages": msgs[:1], "echo": True, "add_generation_prompt": False}
+                ).echo == ("hi",)
+    assert chat({"messages": msgs}).echo is None
+    req = chat({"messages": msgs, "echo": True, "logprobs": True, "top_logprobs": 2})
+    assert req.sampling.prompt_logprobs == 2
+    assert chat({"prompt_logprobs": 1}).sampling.prompt_logprobs == 1
 
 
 def test_completion_add_special_tokens_false():

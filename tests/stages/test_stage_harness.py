@@ -220,7 +220,7 @@ async def test_account_stage_usage_and_counters():
     req = rendered("a", prompt=(1, 2, 3, 4))
     steps = [Step(1, (req,), (Delta("a", (5,), num_cached_tokens=2, reasoning="think"),)),
              Step(2, (), (Delta("a", (6, 7), FinishReason.LENGTH, num_cached_tokens=2,
-                                content="hi"),))]
+                                content="hi", reasoning_tokens=1),))]
     core = account.Accountant()
     log = Recorder()
     out = await run_stage(account.run, inputs={"receive": steps}, core=core, log=log)
@@ -229,6 +229,35 @@ async def test_account_stage_usage_and_counters():
     assert core.generation_tokens_total == 3 and core.prompt_tokens_total == 4
     assert core.finished_total == {FinishReason.LENGTH: 1}
     assert log.named("finished")[0]["completion_tokens"] == 3
+
+
+async def test_reasoning_tokens_are_counted_once_per_choice_over_its_output():
+    """parse then account: a choice's reasoning tokens are the output tokens inside its
+    reasoning, whatever each delta shows. A token whose text detokenize holds back (half a
+    character: "") is still reasoning; the tags' own tokens are not. Counting the tokens of
+    the deltas that show reasoning would find 2 + 1 here, not 3 + 2."""
+    req = rendered("a", body={"n": 2})
+    texts = {0: ["<think>", "plan", "", "ning", "</think>", "Answer"],
+             1: ["<think>", "x", "", "</think>", "y"]}
+    steps, tok = [], 10
+    for k in range(max(map(len, texts.values()))):
+        deltas = []
+        for i, pieces in texts.items():
+            if k < len(pieces):
+                last = k == len(pieces) - 1
+                deltas.append(Delta("a", (tok,), FinishReason.LENGTH if last else None,
+                                    index=i, text=pieces[k]))
+                tok += 1
+        steps.append(Step(k, (req,) if k == 0 else (), tuple(deltas)))
+    parsed = await run_stage(parse.run, inputs={"receive": steps}, core=parse.Parser("qwen3"))
+    out = await run_stage(account.run, inputs={"receive": parsed["send"]},
+                          core=account.Accountant())
+    deltas = [d for s in out["send"] for d in s.deltas]
+    assert "".join(d.reasoning for d in deltas if d.index == 0) == "planning"
+    assert [d.reasoning_tokens for d in deltas if d.finished] == [2, 3]   # on the last only
+    assert all(d.usage.reasoning_tokens == 0 for d in deltas if not d.finished)
+    assert deltas[-1].usage == Usage(prompt_tokens=3, completion_tokens=11,
+                                     reasoning_tokens=3 + 2)      # summed over the choices
 
 
 # -- emit ------------------------------------------------------------------------------------
