@@ -89,6 +89,17 @@ def test_reasoning_is_the_reasoning_field(thinker):
     assert streamed == message.reasoning
 
 
+def test_reasoning_tokens_sum_every_choice_once(thinker):
+    chunks = list(thinker.chat.completions.create(
+        model="thinker", messages=HELLO, max_tokens=5, temperature=1.0, seed=4, n=2,
+        stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    final = chunks[-1].usage
+    assert final.completion_tokens == 10
+    assert final.completion_tokens_details.reasoning_tokens == 10     # all of it, once each
+    assert all(c.usage.completion_tokens_details.reasoning_tokens <= 10 for c in chunks)
+
+
 def test_include_reasoning_false_hides_reasoning_and_its_logprobs(thinker):
     r = thinker.chat.completions.create(
         model="thinker", messages=HELLO, max_tokens=4, temperature=0, logprobs=True,

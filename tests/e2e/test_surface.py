@@ -241,3 +241,115 @@ def test_skip_tokenizer_init_serves_token_ids(tokenless_server, tokenizer):
     with pytest.raises(openai.BadRequestError) as info:
         c.chat.completions.create(model="", messages=HELLO, max_tokens=4)
     assert "token ids" in info.value.message
+
+
+# -- prompt lists, echo, prompt logprobs ---------------------------------------------------
+
+def test_prompt_list_is_several_prompts(client, model_name, tokenizer):
+    prompts = ["Once upon a time", "The capital of France is"]
+    alone = [client.completions.create(model=model_name, prompt=p, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True}) for p in prompts]
+    r = client.completions.create(model=model_name, prompt=prompts, max_tokens=4, n=2,
+                                  temperature=0, extra_body={"ignore_eos": True,
+                                                             "return_token_ids": True})
+    # vLLM's order: prompt i's choice j is choice i * n + j
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [alone[0].choices[0].text] * 2 + \
+                                          [alone[1].choices[0].text] * 2
+    assert [c.model_extra["prompt_token_ids"] for c in r.choices] == \
+        [tokenizer.encode(prompts[0])] * 2 + [tokenizer.encode(prompts[1])] * 2
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)   # each prompt once
+    assert r.usage.completion_tokens == 4 * 4                                   # every choice
+    chunks = list(client.completions.create(
+        model=model_name, prompt=[[1, 2, 3], [4, 5]], max_tokens=3, n=2, temperature=1.0,
+        seed=5, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    finishes = [ch.index for c in chunks for ch in c.choices if ch.finish_reason]
+    assert sorted(finishes) == [0, 1, 2, 3]
+    assert chunks[-1].usage.prompt_tokens == 5 and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_echo(client, model_name):
+    r = client.completions.create(model=model_name, prompt="The capital of France is",
+                                  max_tokens=3, temperature=0, echo=True)
+    plain = client.completions.create(model=model_name, prompt="The capital of France is",
+                                      max_tokens=3, temperature=0)
+    assert r.choices[0].text == "The capital of France is" + plain.choices[0].text
+    chunks = list(client.completions.create(model=model_name, prompt="The capital of France is",
+                                            max_tokens=3, temperature=0, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith("The capital of France is")
+    assert "".join(ch.text for c in chunks for ch in c.choices) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:   # max_tokens 0 only with echo
+        client.completions.create(model=model_name, prompt="x", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_chat_echo_prepends_the_final_assistant_message(client, model_name):
+    msgs = HELLO + [{"role": "assistant", "content": "Hello! I am"}]
+    r = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=4,
+                                       temperature=0, extra_body={"echo": True,
+                                                                  "add_generation_prompt": False,
+                                                                  "continue_final_message": True})
+    plain = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=4,
+                                           temperature=0,
+                                           extra_body={"add_generation_prompt": False,
+                                                       "continue_final_message": True})
+    assert r.choices[0].message.content == "Hello! I am" + plain.choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=msgs, max_tokens=4, temperature=0, stream=True,
+        extra_body={"echo": True, "add_generation_prompt": False,
+                    "continue_final_message": True}))
+    assert chunks[1].choices[0].delta.content == "Hello! I am"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+
+
+def test_chat_prompt_logprobs(client, model_name, tokenizer):
+    r = client.chat.completions.create(model=model_name, messages=HELLO, max_tokens=2,
+                                       temperature=0, extra_body={"prompt_logprobs": 2,
+                                                                  "return_token_ids": True})
+    ids = r.model_extra["prompt_token_ids"]
+    lps = r.model_extra["prompt_logprobs"]
+    assert lps[0] is None and len(lps) == len(ids)
+    for tok, entry in zip(ids[1:], lps[1:]):
+        own = entry[str(tok)]
+        assert own["logprob"] <= 0 and own["rank"] >= 1
+        assert own["decoded_token"] == tokenizer.decode([tok], skip_special_tokens=False)
+        assert {1, 2} <= {e["rank"] for e in entry.values()}      # the top 2, and the token
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=HELLO, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_lm_eval_loglikelihood_request(client, model_name, tokenizer, smollm):
+    """lm-eval's local-completions loglikelihood: a batch of token-id prompts (context +
+    continuation), echo, max_tokens 0, logprobs 1. The logprob of each continuation, and
+    whether greedy decoding would produce it, against a dense forward of our own."""
+    import torch
+
+    from gpu.attention_dense import DenseCausalAttention
+
+    pairs = [("The capital of France is", " Paris"), ("One, two, three,", " banana")]
+    prompts, ctxlens = [], []
+    for context, continuation in pairs:
+        ctx_ids = tokenizer.encode(context)
+        prompts.append(ctx_ids + tokenizer.encode(continuation))
+        ctxlens.append(len(ctx_ids))
+    r = client.completions.create(model=model_name, prompt=prompts, echo=True, max_tokens=0,
+                                  logprobs=1, temperature=0)
+    assert len(r.choices) == 2 and r.usage.completion_tokens == 0
+    for choice, ids, ctxlen in zip(r.choices, prompts, ctxlens):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+        got = sum(lp.token_logprobs[ctxlen:])
+        greedy = all(t == max(top.values()) for t, top in
+                     zip(lp.token_logprobs[ctxlen:], lp.top_logprobs[ctxlen:]))
+        with torch.inference_mode():
+            hidden = smollm.model(torch.tensor(ids), torch.arange(len(ids)),
+                                  DenseCausalAttention())
+            ref = torch.log_softmax(smollm.model.compute_logits(hidden).float(), dim=-1)
+        want = sum(ref[p - 1, ids[p]].item() for p in range(ctxlen, len(ids)))
+        want_greedy = all(ref[p - 1].argmax().item() == ids[p] for p in range(ctxlen, len(ids)))
+        assert got == pytest.approx(want, abs=5e-3)
+        assert greedy == want_greedy
+    assert r.choices[1].logprobs.token_logprobs[-1] < -5     # " banana" is unlikely there
