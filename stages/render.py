@@ -166,7 +166,9 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         created=int(time.time()), arrival=sub.arrival, request=req,
         continuous_usage=plan.stream and (plan.continuous_usage or ctx.force_include_usage),
         cache_salt=req.cache_salt or None,
-        per_request_metrics=ctx.per_request_metrics and getattr(req, "n", 1) == 1,
+        # per-request metrics describe one sequence: not with n > 1 or several prompts
+        per_request_metrics=(ctx.per_request_metrics and getattr(req, "n", 1) == 1
+                             and len(prompts) == 1),
         n=getattr(req, "n", 1), tools=plan.tools,
         prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
         prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),

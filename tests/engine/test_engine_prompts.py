@@ -100,3 +100,29 @@ async def test_prompt_list_is_several_prompts_indexed_as_vllm(smollm):
     usage = both["usage"]
     assert usage["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
     assert usage["completion_tokens"] == 4 * 4
+
+
+async def test_replay_reproduces_prompt_lists_echo_and_prompt_logprobs(smollm, tmp_path):
+    import trio
+
+    from pipeline.replay import replay
+
+    log = tmp_path / "events.jsonl"
+    seen: dict[str, bytes] = {}
+
+    async def raw(api: str, **body) -> None:
+        reply = await engine.submit(api, {"model": engine.model_names[0], "temperature": 0,
+                                          **body})
+        seen[reply.request_id] = await reply.read()
+
+    async with engine_of(smollm, event_log=str(log)) as engine:
+        async with trio.open_nursery() as reqs:
+            reqs.start_soon(lambda: raw("completions", prompt=["Once upon", "Hello"], n=2,
+                                        max_tokens=3, echo=True, logprobs=1, stream=True))
+            reqs.start_soon(lambda: raw("completions", prompt=[[1, 2, 3], [4, 5]], max_tokens=0,
+                                        echo=True, logprobs=2, prompt_logprobs=2))
+            reqs.start_soon(lambda: raw("chat", messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=3, prompt_logprobs=1, echo=True))
+    reproduced, logged = replay(log, smollm.tokenizer)
+    assert logged == seen and reproduced == logged
+    assert sum(b'"prompt_logprobs":[null,{' in v for v in seen.values()) == 2
