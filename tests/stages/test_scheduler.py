@@ -179,3 +179,60 @@ def test_n_choices_share_the_prompt_through_the_prefix_cache():
     _, out = step(s)
     assert sorted(d.index for d in out.deltas if d.finish_reason is FinishReason.ABORT) == [0, 2]
     assert not s.choices and not s.by_id and s.blocks.num_used == 0
+
+
+def test_several_prompts_are_choices_i_times_n_plus_j():
+    s = make(block_size=4)
+    r = attrs.evolve(rendered("a", (1, 2, 3, 4, 5), max_tokens=2, body={"n": 2}, seed=7),
+                     prompts=((1, 2, 3, 4, 5), (6, 7, 8, 9, 10, 11)), prompt_max_tokens=(2, 3))
+    s.add(r)
+    assert [(seq.id, tuple(seq.token_ids), seq.max_tokens) for seq in s.waiting] == [
+        ("a#0", (1, 2, 3, 4, 5), 2), ("a#1", (1, 2, 3, 4, 5), 2),
+        ("a#2", (6, 7, 8, 9, 10, 11), 3), ("a#3", (6, 7, 8, 9, 10, 11), 3)]
+    plan, first = step(s)
+    assert [c.seq_id for c in plan.chunks] == ["a#0"]     # a#1 waits for its prompt's first
+    plan, second = step(s)
+    assert {n.seq_id: n.sampling.seed for n in plan.new_seqs} == {"a#1": 8, "a#2": 7}
+    assert {n.seq_id: n.prompt_token_ids for n in plan.new_seqs}["a#2"] == (6, 7, 8, 9, 10, 11)
+    _, outs = run_all(s)
+    deltas = [d for o in [first, second, *outs] for d in o.deltas]
+    counts = {i: sum(len(d.token_ids) for d in deltas if d.index == i) for i in range(4)}
+    assert counts == {0: 2, 1: 2, 2: 3, 3: 3}               # each prompt's own max_tokens
+    done = [d for d in deltas if d.finished]
+    assert sorted((d.index, d.finish_reason) for d in done) == [
+        (i, FinishReason.LENGTH) for i in range(4)]
+    assert not s.choices and s.blocks.num_used == 0
+
+
+def test_prompt_logprobs_take_nothing_from_the_cache_and_come_on_the_first_delta():
+    from gpu.runner import PromptLogprobs, TokenLogprobs
+
+    s = make(block_size=4)
+    prompt = list(range(1, 11))
+    s.add(rendered("warm", prompt, max_tokens=1))
+    run_all(s)
+    r = rendered("a", prompt, max_tokens=2, body={"n": 2})
+    s.add(attrs.evolve(r, sampling=attrs.evolve(r.sampling, prompt_logprobs=1)))
+    plan = s.schedule()
+    [chunk] = plan.chunks
+    assert chunk.start_pos == 0 and len(chunk.token_ids) == 10     # the whole prompt
+    assert plan.new_seqs[0].prompt_logprobs == 1
+    entries = tuple(TokenLogprobs(-1.0 * p, rank=p) for p in range(1, 10))
+    out = s.update(plan, StepResult(plan.step, ("a#0",), (9,), 0.0,
+                                    prompt_logprobs=(PromptLogprobs("a#0", entries),)))
+    [d] = out.deltas
+    assert d.prompt_token_logprobs == (None, *entries) and d.num_cached_tokens == 0
+    plan, out = step(s)
+    follower = {n.seq_id: n for n in plan.new_seqs}["a#1"]
+    assert follower.prompt_logprobs is None                        # the prompt's first only
+    assert {c.seq_id: c.start_pos for c in plan.chunks}["a#1"] == 8   # from the cache
+    assert all(not d.prompt_token_logprobs for d in out.deltas)
+
+
+def test_max_tokens_0_finishes_after_the_prompt_with_no_token():
+    s = make()
+    s.add(rendered("a", (1, 2, 3), max_tokens=0))
+    _, outs = run_all(s)
+    [d] = [d for o in outs for d in o.deltas]
+    assert d.token_ids == () and d.finish_reason is FinishReason.LENGTH
+    assert s.blocks.num_used == 0
