@@ -126,3 +126,28 @@ async def test_replay_reproduces_prompt_lists_echo_and_prompt_logprobs(smollm, t
     reproduced, logged = replay(log, smollm.tokenizer)
     assert logged == seen and reproduced == logged
     assert sum(b'"prompt_logprobs":[null,{' in v for v in seen.values()) == 2
+
+
+def test_runner_reports_each_prompt_position_once(smollm):
+    """Chunks of one prefill report the logprobs of the prompt tokens they score; a
+    recompute after preemption reports none again."""
+    from gpu.attention import KVCache
+    from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan
+    from gpu.sampler import SamplingOptions
+
+    mc = smollm.config
+    ids = smollm.tokenizer.encode(TEXT)[:12]
+    cache = KVCache(mc.num_hidden_layers, 8, 4, mc.num_key_value_heads, mc.head_dim,
+                    torch.float32, "cpu")
+    runner = ModelRunner(smollm.model, cache, device=torch.device("cpu"))
+    table = (3, 1, 5)
+    start = SeqStart("s", tuple(ids), SamplingOptions(temperature=0.0), prompt_logprobs=2)
+    a = runner.execute(StepPlan(1, (SeqChunk("s", tuple(ids[:5]), 0, table, False),), (start,)))
+    b = runner.execute(StepPlan(2, (SeqChunk("s", tuple(ids[5:]), 5, table, True),)))
+    again = runner.execute(StepPlan(3, (SeqChunk("s", tuple(ids), 0, table, True),)))
+    assert [len(p.entries) for p in a.prompt_logprobs] == [5]     # tokens 1..5
+    assert [len(p.entries) for p in b.prompt_logprobs] == [6]     # tokens 6..11
+    assert again.prompt_logprobs == ()
+    ref = dense_logprobs(smollm, ids)
+    got = [e.logprob for p in a.prompt_logprobs + b.prompt_logprobs for e in p.entries]
+    assert got == pytest.approx([ref[p - 1, ids[p]].item() for p in range(1, 12)], abs=2e-3)
