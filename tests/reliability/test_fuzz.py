@@ -37,7 +37,7 @@ FIELDS = ["model", "messages", "prompt", "input", "instructions", "max_tokens",
           "top_logprobs", "tools", "tool_choice", "echo", "response_format", "metadata", "user",
           "tokens", "add_special_tokens", "include_stop_str_in_output", "logit_bias", "text",
           "reasoning", "chat_template_kwargs", "skip_special_tokens", "best_of", "suffix",
-          "allowed_token_ids", "bad_words"]
+          "allowed_token_ids", "bad_words", "prompt_logprobs"]
 
 EXAMPLES = 40           # per property: the whole file stays within ~20 s on 2 cores
 TIMEOUT_S = 30.0        # a hang is a failure, not a stuck suite
