@@ -279,8 +279,10 @@ class Scheduler:
         """Attach cached prefix blocks to a sequence about to start (or restart), if the
         blocks for its first chunk fit as well."""
         bm = self.blocks
-        if seq.prompt_logprobs is not None and not seq.first_scheduled:
-            hits, last_hash = [], seq.hash_root   # as vLLM: every prompt position computed
+        if seq.prompt_logprobs is not None and not seq.num_output:
+            # as vLLM: every prompt position is computed (a restart after preemption too,
+            # until they are all reported: others may have cached more of the prompt)
+            hits, last_hash = [], seq.hash_root
         else:
             hits, last_hash = bm.match_prefix(seq.token_ids, seq.hash_root)
         cached = len(hits) * bm.block_size
