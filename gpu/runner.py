@@ -10,6 +10,9 @@ serving), the start-up facts ``cuda_graphs``, ``cuda_graph_sizes``,
 for KV sizing. ``prepare_step(chunks, block_size, device, staging=None)`` now returns the
 rows to sample as a device tensor (``sample_idx``) rather than a list; on CUDA the
 runner passes its pinned ``Staging`` buffers.
+
+Prompt logprobs (issue 8): ``SeqStart.prompt_logprobs`` asks for them (top k);
+``StepResult.prompt_logprobs`` carries each prompt position's once (``PromptLogprobs``).
 """
 from __future__ import annotations
 
