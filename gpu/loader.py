@@ -146,16 +146,33 @@ def merge_eos_ids(tokenizer: Tokenizer | None, config: ModelConfig, generation_c
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """None -> the default SmolLM2 GGUF; a .gguf file; or a HF directory with tokenizer.json."""
+    """None -> the default SmolLM2 GGUF; a .gguf file; a HF directory with tokenizer.json;
+    or a HF directory (or its config.json) whose model implies its tokenizer
+    (implied_tokenizer: a gpt-oss config with no tokenizer.json gets Harmony's o200k)."""
     path = Path(path).expanduser() if path is not None else default_model_path()
     if path.is_file() and path.suffix == ".gguf":
         tok = GGUFFile(path).tokenizer()
         if tok is None:
             raise ValueError(f"{path} has no tokenizer metadata")
         return tok
+    if path.is_file() and path.name.endswith(".json"):
+        path = path.parent
     if (path / "tokenizer.json").is_file():
         return tokenizer_from_hf_dir(path)
+    if (path / "config.json").is_file():
+        tok = implied_tokenizer(weights_hf.read_json(path / "config.json"))
+        if tok is not None:
+            return tok
     raise FileNotFoundError(f"no tokenizer found at {path} (expected a .gguf file or a directory with tokenizer.json)")
+
+
+def implied_tokenizer(config: ModelConfig | dict) -> Tokenizer | None:
+    """The tokenizer a model's type implies when its checkpoint ships none: Harmony's o200k
+    for gpt-oss (gpu/harmony.py, offline), else None. The one place this is decided: the
+    server (pipeline/engine.py) and `tailrace replay` (through load_tokenizer) both ask here."""
+    from gpu.harmony import harmony_tokenizer, uses_harmony
+
+    return harmony_tokenizer() if uses_harmony(config) else None
 
 
 @attrs.frozen

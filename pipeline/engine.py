@@ -36,7 +36,7 @@ import trio
 
 from gpu.attention import KVCache
 from gpu.grammar import GrammarCompiler
-from gpu.harmony import harmony_tokenizer, uses_harmony
+from gpu.harmony import uses_harmony
 from gpu.loader import LoadedModel
 from gpu.runner import ModelRunner
 from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
@@ -275,7 +275,8 @@ class _Built:
 
 def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -> _Built:
     """Weights, tokenizer, KV cache, runner, scheduler."""
-    from gpu.loader import choose_dtype, load_model, load_shell, load_tokenizer, merge_eos_ids
+    from gpu.loader import (choose_dtype, implied_tokenizer, load_model, load_shell,
+                            load_tokenizer, merge_eos_ids)
 
     t0 = time.perf_counter()
     if loaded is None and cfg.simulate_gpu:
@@ -294,7 +295,7 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
     parsers = Parsers.of(cfg, loaded.config)
     if parsers.harmony and loaded.tokenizer is None and not cfg.skip_tokenizer_init:
         # a dummy gpt-oss config ships no tokenizer.json: Harmony's o200k, offline
-        tok = harmony_tokenizer()
+        tok = implied_tokenizer(loaded.config)
         loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
             tok, loaded.config, loaded.generation_config))
     if cfg.skip_tokenizer_init:
@@ -491,7 +492,8 @@ def _open_event_log(cfg: EngineConfig, built: _Built) -> EventLog:
         cfg, model_path=str(cfg.model or built.loaded.path or default_model_path()),
         model_name=built.loaded.name, tokenizer=built.loaded.tokenizer,
         served_model_names=built.model_names, max_model_len=built.max_model_len,
-        kv_blocks_total=built.blocks.num_blocks, block_size=cfg.block_size))
+        kv_blocks_total=built.blocks.num_blocks, block_size=cfg.block_size,
+        parsers=built.parsers))
     return events
 
 

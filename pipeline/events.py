@@ -191,8 +191,10 @@ def tailrace_version() -> str:
 
 def make_header(cfg, *, model_path: str | None, model_name: str, tokenizer,
                 served_model_names: tuple[str, ...], max_model_len: int,
-                kv_blocks_total: int, block_size: int) -> dict:
-    """The fields of the header line (the event, stage and times are added on writing)."""
+                kv_blocks_total: int, block_size: int, parsers=None) -> dict:
+    """The fields of the header line (the event, stage and times are added on writing).
+    `parsers` (pipeline.engine.Parsers): the parsers the server resolved from the flags and
+    the model (gpt-oss implies Harmony's), recorded apart from the flags as given."""
     flags = {name: getattr(cfg, name) for name in HEADER_FLAGS}
     flags["served_model_name"] = list(served_model_names)
     flags["max_model_len"] = max_model_len
@@ -204,7 +206,14 @@ def make_header(cfg, *, model_path: str | None, model_name: str, tokenizer,
     return {"schema_version": SCHEMA_VERSION, "tailrace_version": tailrace_version(),
             "model": model_path, "model_name": model_name,
             "tokenizer_path": cfg.tokenizer or model_path, "tokenizer_hash": tokenizer_hash(tokenizer),
-            "flags": flags, "kv_blocks_total": kv_blocks_total, "block_size": block_size}
+            "flags": flags, "parsers": None if parsers is None else {
+                "reasoning_parser": parsers.reasoning_parser,
+                "tool_call_parser": parsers.tools.tool_call_parser,
+                "enable_auto_tool_choice": parsers.tools.enable_auto_tool_choice,
+                "exclude_tools_when_tool_choice_none":
+                    parsers.tools.exclude_tools_when_tool_choice_none,
+                "harmony": parsers.harmony},
+            "kv_blocks_total": kv_blocks_total, "block_size": block_size}
 
 
 # -- writing -------------------------------------------------------------------------------

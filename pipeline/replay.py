@@ -226,7 +226,8 @@ def _setup(args: argparse.Namespace, log: Log) -> tuple[object, str | None, list
             load_plugin(flags["tool_parser_plugin"])
         except Exception as exc:   # replay can still check the other requests
             notes.append(f"cannot load the log's --tool-parser-plugin: {exc}")
-    reasoning = flags.get("reasoning_parser")
+    # the parsers the server resolved (gpt-oss implies Harmony's); an older log: its flags
+    reasoning = (header.get("parsers") or flags).get("reasoning_parser")
     if args.reasoning_parser is not None:
         given = None if args.reasoning_parser == "none" else args.reasoning_parser
         if header and given != reasoning:
