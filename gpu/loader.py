@@ -115,7 +115,9 @@ def load_model(
         _init_random(lm, seed)
     else:
         tensors = tqdm(source.named_tensors(), total=source.num_tensors, desc=f"loading {source.name}",
-                       unit="tensor", disable=not progress, delay=0.5)
+                       unit="tensor", delay=0.5,
+                       # a bar on a terminal only: a log file (or --log-format json) gets no bar
+                       disable=None if progress else True)
         lm.load_weights(tensors)
     lm.eval()
     return LoadedModel(config=config, model=lm, tokenizer=source.tokenizer, generation_config=source.generation_config,

@@ -76,7 +76,8 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
                 # always, with the traceback: a failed step's cause must never be lost
                 # (the event log, when set, gets the one line too)
                 _log.error("step %d failed (%d sequences): %s", plan.step, len(plan.chunks),
-                           error, exc_info=exc)
+                           error, exc_info=exc, extra={"step": plan.step,
+                                                       "sequences": len(plan.chunks)})
                 if log is not None:
                     log("step_failed", step=plan.step, error=error)
                 if _fatal(exc) or failed_in_a_row >= MAX_CONSECUTIVE_FAILURES:

@@ -221,7 +221,8 @@ def create_app(engine: Any, config: AppConfig = AppConfig()) -> QuartTrio:
                                   400, request_id=request_id)
         if config.enable_log_requests:
             log.info("request %s (%s): %s", request_id, api,
-                     _prompt_preview(body, config.max_log_len))
+                     _prompt_preview(body, config.max_log_len),
+                     extra={"request_id": request_id, "api": api})
         try:
             reply = await engine.submit(api, body, request_id,
                                         headers=tuple(request.headers.items()))

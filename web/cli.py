@@ -53,6 +53,15 @@ def string_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def add_log_format_argument(p: argparse.ArgumentParser) -> None:
+    from web.logs import LOG_FORMATS
+
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="How the server's own logs are written to stderr (structlog): text, "
+                        "one readable line with key=value fields, or json, one JSON object "
+                        "per line with the traceback in 'exception' (default: %(default)s).")
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
@@ -63,6 +72,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"),
                    help="Log level of the server and Hypercorn (default: %(default)s).")
+    add_log_format_argument(p)
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="Require 'Authorization: Bearer KEY' (one of these keys) on every route "
                         "but /health, /metrics and /version. Default: the TAILRACE_API_KEY or "
@@ -142,6 +152,8 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
         from pipeline import bench as bench_throughput_module
         bench_throughput_module.add_arguments(bench_throughput)
         bench_throughput.set_defaults(func=bench_throughput_module.main)
+        for p in (bench_serve, bench_throughput):
+            add_log_format_argument(p)
     return parser
 
 
@@ -159,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, args.serve_args = parser.parse_known_args(argv)
     else:
         args = parser.parse_args(argv)
+    if args.command == "bench":
+        from web.logs import configure as configure_logs
+
+        configure_logs("info", args.log_format)
     return int(args.func(args) or 0)
 
 
@@ -167,7 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from pipeline import cluster
 
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from web.logs import configure as configure_logs
+
+    configure_logs("info", _peek_log_format(args.serve_args))
     logging.getLogger("httpx").setLevel(logging.WARNING)      # one line per /health poll
     if not cluster.router_installed():
         log.error(cluster.MISSING_ROUTER)
@@ -198,8 +216,9 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         web_config = app_config(args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from web.logs import configure as configure_logs
+
+    configure_logs(args.log_level, args.log_format)
     try:
         sock = listen_socket(args.host, args.port)
     except OSError as exc:
@@ -226,6 +245,14 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
     finally:
         sock.close()          # a no-op once Hypercorn has taken it
+
+
+def _peek_log_format(serve_args: Sequence[str]) -> str:
+    """The replicas' --log-format, which the cluster launcher writes its own logs in too."""
+    peek = argparse.ArgumentParser(add_help=False)
+    add_log_format_argument(peek)
+    known, _ = peek.parse_known_args(list(serve_args))
+    return known.log_format
 
 
 def _bind(host: str, port: int) -> str:
@@ -314,6 +341,9 @@ async def open_http(gate, sock: socket.socket, *, log_level: str = "info"):
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]   # Hypercorn owns the socket from here
     config.loglevel = log_level.upper()
+    # Hypercorn's errors through the root handler (web/logs.py), not a handler of its own
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog.setLevel(log_level.upper())
     config.graceful_timeout = FLUSH_TIMEOUT_S
     connections = _track_connections(config)
     stop = trio.Event()

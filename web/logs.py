@@ -1,0 +1,64 @@
+"""The server's own operational logs through structlog (serve, cluster, bench).
+
+`configure(level, fmt)` is called once by web/cli.py. It puts one handler on the root
+logger whose formatter is structlog's ProcessorFormatter, so every stdlib
+``logging.getLogger("tailrace...")`` call (and Hypercorn's, and the libraries') comes out
+the same way:
+
+- ``text`` (the default): one line per record, ``TIME [level] message [logger] key=value``,
+  a traceback below it when there is one;
+- ``json``: one JSON object per line: ``timestamp``, ``level``, ``logger``, ``event`` (the
+  message), the record's structured fields, and ``exception`` (the whole traceback as one
+  string) when there is one.
+
+Structured fields are a call's ``extra={...}`` (e.g. gpu_step's ``step``, web/app.py's
+``request_id``); a structlog logger (``structlog.get_logger("tailrace...")``) passes them as
+keywords. The event log (pipeline/events.py) is separate: orjson lines from its own thread.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+LOG_FORMATS = ("text", "json")
+
+
+def formatter(fmt: str = "text") -> structlog.stdlib.ProcessorFormatter:
+    """The formatter for a stdlib handler: records rendered as text or JSON lines."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}; choose from {', '.join(LOG_FORMATS)}")
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    pre_chain = [structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name,
+                 structlog.stdlib.ExtraAdder(), timestamper]
+    if fmt == "json":
+        last = [structlog.processors.format_exc_info,
+                structlog.processors.JSONRenderer()]
+    else:
+        last = [structlog.dev.ConsoleRenderer(
+            colors=False, exception_formatter=structlog.dev.plain_traceback)]
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=pre_chain,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *last])
+
+
+def configure(level: str | int = "info", fmt: str = "text", stream=None) -> None:
+    """Once per process: the root logger's one handler (to `stream`, stderr by default)
+    renders through structlog; structlog's own loggers go through the same handler."""
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.stdlib.add_log_level,
+                    structlog.stdlib.add_logger_name,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.StackInfoRenderer(),
+                    structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(formatter(fmt))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)
