@@ -57,8 +57,10 @@ def configure(level: str | int = "info", fmt: str = "text", stream=None) -> None
         cache_logger_on_first_use=True)
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(formatter(fmt))
+    handler.tailrace = True
     root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
+    for old in list(root.handlers):   # a second call replaces ours; others (pytest's) stay
+        if getattr(old, "tailrace", False):
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
