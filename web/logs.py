@@ -55,12 +55,30 @@ def configure(level: str | int = "info", fmt: str = "text", stream=None) -> None
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    level = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(formatter(fmt))
+    handler.setLevel(level)
     handler.tailrace = True
     root = logging.getLogger()
     for old in list(root.handlers):   # a second call replaces ours; others (pytest's) stay
         if getattr(old, "tailrace", False):
             root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(level.upper() if isinstance(level, str) else level)
+    # the handler filters by --log-level; the root only lets records through to it
+    root.setLevel(min(root.getEffectiveLevel(), level))
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (a test may have swapped it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
