@@ -32,6 +32,12 @@ from gpu.sampler import (DeviceSampler, SamplingOptions, SeqSamplingState, apply
 _log = logging.getLogger("tailrace.gpu")
 
 
+# A token the scheduler does not know yet when it plans a step (async scheduling: step
+# N+1 is planned while step N runs): the sequence's last sampled token, which the runner
+# has and fills in. Only ever a chunk's last token.
+PLACEHOLDER = -1
+
+
 @attrs.frozen
 class SeqStart:
     """Registers a sequence's sampling state with the runner (sent once, on first schedule)."""
@@ -214,7 +220,11 @@ class ModelRunner:
         return tuple(out)
 
     def _prepare(self, chunks: tuple[SeqChunk, ...]):
-        return prepare_step(chunks, self.block_size, self.device, self.staging)
+        return prepare_step(chunks, self.block_size, self.device, self.staging,
+                            last_token=self.last_token)
+
+    def last_token(self, seq_id: str) -> int:
+        return last_token(self.states, seq_id)
 
     def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
         """Compile before the first request: one prefill step, one mixed step (a prefill
@@ -322,14 +332,24 @@ def prompt_token_logprobs(model, hidden: torch.Tensor, targets: tuple[int, ...],
     return tuple(out)
 
 
-def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, staging: Staging | None = None):
+def last_token(states: dict[str, SeqSamplingState], seq_id: str) -> int:
+    """What a PLACEHOLDER stands for: the sequence's last sampled token. A sequence whose
+    previous step failed has none; its row is computed and thrown away (the scheduler
+    finished it), so any token does."""
+    st = states.get(seq_id)
+    return st.output_ids[-1] if st is not None and st.output_ids else 0
+
+
+def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, staging: Staging | None = None,
+                 last_token=None):
     """The step's flat inputs and attention metadata, vectorised with numpy (this runs
     on the host every step, for every sequence): (input_ids, positions, meta, sample_idx).
 
     sample_idx [S] indexes the rows of the flat batch to sample (each sampling chunk's
     last token), on the device: computed there from cu_seqlens_q when every chunk samples.
     With ``staging`` (CUDA) every array reaches the device through pinned buffers in two
-    non-blocking copies; otherwise each is copied on its own."""
+    non-blocking copies; otherwise each is copied on its own. `last_token(seq_id)` fills
+    in a chunk's PLACEHOLDER."""
     n = len(chunks)
     q_lens = [len(c.token_ids) for c in chunks]
     starts = [c.start_pos for c in chunks]
@@ -345,6 +365,10 @@ def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, stagi
     all_sample = all(c.sample for c in chunks)
     rows = np.asarray([q_starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sample], dtype=np.int64)
     ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=q_starts[-1])
+    if (ids == PLACEHOLDER).any():
+        for i, c in enumerate(chunks):
+            if c.token_ids[-1] == PLACEHOLDER:
+                ids[q_starts[i + 1] - 1] = last_token(c.seq_id)
     arrays = [ids, pos.astype(np.int64), slots, tables, np.asarray(q_starts, dtype=np.int32),
               np.asarray(ctx_lens, dtype=np.int32)]
     if not all_sample:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from gpu.config import ModelConfig
-from gpu.runner import StepPlan, StepResult, TokenLogprobs, prepare_step
+from gpu.runner import StepPlan, StepResult, TokenLogprobs, last_token, prepare_step
 from gpu.sampler import SeqSamplingState
 
 
@@ -150,7 +150,8 @@ class SimulatedRunner:
             self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, 0)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
-        _, _, meta, _ = prepare_step(plan.chunks, self.block_size, self.device)
+        _, _, meta, _ = prepare_step(plan.chunks, self.block_size, self.device,
+                                     last_token=lambda sid: last_token(self.states, sid))
         seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
         wait = self.cost.step_seconds(meta.q_lens, meta.ctx_lens, len(seq_ids))
         tokens = self.rng.choice(self.token_ids, size=len(seq_ids)).tolist()

@@ -65,6 +65,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = True             # plan step N+1 while step N runs (as vLLM)
     # admission: at most max_num_seqs + max_queued_requests requests admitted at once
     max_queued_requests: int = attrs.field(default=1024, validator=_positive)
     reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
@@ -178,6 +179,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_default("enable_prefix_caching"),
                    help="Reuse the KV blocks of shared prompt prefixes (default: on).")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=_default("async_scheduling"),
+                   help="Plan the next engine step while the current one runs, so the GPU "
+                        "never waits for the host between steps (default: on).")
     p.add_argument("--enforce-eager", action="store_true",
                    help="Never capture CUDA graphs; run every step eagerly.")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,

@@ -1,9 +1,10 @@
 """gpu step: runs each StepPlan on the model runner in one worker thread.
 
-The runner is synchronous code (gpu/ imports no trio). Steps run one at a time
-(this loop awaits each before taking the next plan) in a worker thread, which keeps
-the event loop serving HTTP while a step runs; a cancellation lands between steps,
-never inside one.
+The runner is synchronous code (gpu/ imports no trio). Steps run one at a time, in
+plan order, in one runner thread fed through a queue, which keeps the event loop
+serving HTTP while a step runs; a cancellation lands between steps, never inside one.
+With async scheduling (stages/schedule.py) the next plan is already queued when a step
+ends, so the thread starts it at once instead of waiting for the event loop to notice.
 
 A step that raises fails its own requests (a StepResult with the error) and the next
 step runs as usual. Every failure is logged (logger "tailrace.gpu", with its traceback),
@@ -21,8 +22,12 @@ DeviceLost, which counts as a lost device). The engine fills it from
 from __future__ import annotations
 
 import logging
+import math
+import queue
+import threading
 from collections.abc import Mapping
 
+import outcome
 import torch
 import trio
 
@@ -61,30 +66,93 @@ def _execute(runner: ModelRunner, plan: StepPlan, fault: str | None) -> StepResu
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
               runner: ModelRunner, log=None, *, faults: Mapping[int, str] | None = None) -> None:
+    """Plans go to one runner thread through a queue, in order; results come back in the
+    same order. With async scheduling the next plan is queued while a step runs, so the
+    thread starts it the moment the step ends, without waiting for the event loop."""
     faults = faults or {}
     failed_in_a_row = 0
-    async with receive, send:
-        async for plan in receive:
-            try:
-                result = await trio.to_thread.run_sync(_execute, runner, plan,
-                                                       faults.get(plan.step),
-                                                       abandon_on_cancel=False)
-                failed_in_a_row = 0
-            except Exception as exc:
-                failed_in_a_row += 1
-                error = f"{type(exc).__name__}: {exc}"
-                # always, with the traceback: a failed step's cause must never be lost
-                # (the event log, when set, gets the one line too)
-                _log.error("step %d failed (%d sequences): %s", plan.step, len(plan.chunks),
-                           error, exc_info=exc, extra={"step": plan.step,
-                                                       "sequences": len(plan.chunks)})
-                if log is not None:
-                    log("step_failed", step=plan.step, error=error)
-                if _fatal(exc) or failed_in_a_row >= MAX_CONSECUTIVE_FAILURES:
-                    raise EngineDead(f"the GPU step failed and cannot recover: {error}") from exc
-                # the step's requests fail; the server keeps serving
-                result = StepResult(plan.step, (), (), 0.0, error=error)
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    results_in, results_out = trio.open_memory_channel(math.inf)   # at most the plans queued
+    token = trio.lowlevel.current_trio_token()
+
+    def _result(plan: StepPlan, done: outcome.Outcome) -> StepResult:
+        nonlocal failed_in_a_row
+        if isinstance(done, outcome.Value):
+            result = done.value
+            failed_in_a_row = 0
+        else:
+            exc = done.error
+            if not isinstance(exc, Exception):
+                done.unwrap()
+            failed_in_a_row += 1
+            error = f"{type(exc).__name__}: {exc}"
+            # always, with the traceback: a failed step's cause must never be lost
+            # (the event log, when set, gets the one line too)
+            _log.error("step %d failed (%d sequences): %s", plan.step, len(plan.chunks),
+                       error, exc_info=exc, extra={"step": plan.step,
+                                                   "sequences": len(plan.chunks)})
             if log is not None:
-                log("step", step=plan.step, seqs=len(plan.chunks),
-                    tokens=sum(len(c.token_ids) for c in plan.chunks), duration_s=result.duration_s)
-            await send.send(result)
+                log("step_failed", step=plan.step, error=error)
+            if _fatal(exc) or failed_in_a_row >= MAX_CONSECUTIVE_FAILURES:
+                raise EngineDead(f"the GPU step failed and cannot recover: {error}") from exc
+            # the step's requests fail; the server keeps serving
+            result = StepResult(plan.step, (), (), 0.0, error=error)
+        if log is not None:
+            log("step", step=plan.step, seqs=len(plan.chunks),
+                tokens=sum(len(c.token_ids) for c in plan.chunks), duration_s=result.duration_s)
+        return result
+
+    def deliver(item) -> None:   # in the event loop; None: no more plans
+        try:
+            if item is None:
+                results_in.close()
+            else:
+                results_in.send_nowait(item)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass                 # the stage is gone; the engine is stopping
+
+    def work() -> None:          # the runner thread: one step at a time, in plan order
+        while True:
+            job = jobs.get()
+            done = None if job is None else (job[0], outcome.capture(_execute, runner, *job))
+            try:
+                token.run_sync_soon(deliver, done)
+            except trio.RunFinishedError:
+                return
+            if job is None:
+                return
+
+    async def feed() -> None:
+        async for plan in receive:
+            jobs.put((plan, faults.get(plan.step)))
+        jobs.put(None)           # the plans ended: results end after the queued ones
+
+    thread = threading.Thread(target=work, name="tailrace-runner", daemon=True)
+    thread.start()
+    dead: EngineDead | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed)
+            try:
+                async for plan, done in results_out:
+                    await send.send(_result(plan, done))
+            except EngineDead as exc:
+                dead = exc
+            nursery.cancel_scope.cancel()
+        if dead is not None:
+            # Out of the stage as itself, with its channels left open: the engine's nursery
+            # cancels schedule instead of schedule failing on a closed channel as well.
+            raise dead
+        await receive.aclose()
+        await send.aclose()
+    finally:
+        # Cancellation lands between steps: drop the queued plans, let the thread finish
+        # the step it is in (never abandoned mid-step), and wait for it.
+        while True:
+            try:
+                jobs.get_nowait()
+            except queue.Empty:
+                break
+        jobs.put(None)
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(thread.join)

@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from gpu.grammar import GrammarCompiler
-from gpu.runner import SeqChunk, SeqStart, StepPlan, StepResult, TokenLogprobs
+from gpu.runner import PLACEHOLDER, SeqChunk, SeqStart, StepPlan, StepResult, TokenLogprobs
 from gpu.sampler import SamplingOptions
 from stages.blocks import BlockManager
 from stages.delta import Delta, FinishReason
@@ -78,7 +78,15 @@ class Sequence:
         # prompt_logprobs: the first choice of each prompt computes them (not from the cache)
         self.prompt_logprobs = (req.sampling.prompt_logprobs if leader is None else None)
         self.prompt_lps: list[TokenLogprobs] = []    # gathered until the first delta
+        # Tokens in the KV cache once the steps planned so far have run (a planned chunk
+        # counts at once, so that with async scheduling the next plan continues after it).
         self.num_computed = 0
+        # Tokens sampled by planned steps whose results have not come back: the next
+        # chunk feeds them as PLACEHOLDERs (at most one with one step planned ahead).
+        self.num_pending = 0
+        self.num_done = 0       # tokens in the KV cache by the steps that have come back
+        self.epoch = 0          # bumped by preemption: an older step's chunk is stale
+        self.retired = False
         self.table: list[int] = []
         self.num_cached_tokens = 0
         self.first_scheduled = False
@@ -100,7 +108,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return len(self.token_ids) + self.num_pending - self.num_computed
 
 
 def sampling_options(seq: Sequence) -> SamplingOptions:
@@ -135,6 +143,7 @@ class Scheduler:
         self._new_requests: list[RenderedRequest] = []
         self._pending: list[Delta] = []         # finishes decided outside a step (aborts)
         self._released: list[str] = []
+        self._planned: dict[int, list[tuple[Sequence, int]]] = {}   # step -> (seq, epoch) per chunk
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
@@ -198,6 +207,7 @@ class Scheduler:
 
     def _retire(self, seq: Sequence) -> None:
         """A finished sequence: its blocks freed, the GPU told, the bookkeeping dropped."""
+        seq.retired = True
         del self.by_id[seq.id]
         live = self.choices[seq.req.request_id]
         live.remove(seq)
@@ -225,11 +235,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and self._done_when_pending_lands(seq):
+                i += 1      # finishes with the token on its way (max_tokens, max_model_len)
+                continue
             n = min(seq.num_uncomputed, budget)
+            if n <= 0:
+                i += 1
+                continue
             if not self._grow(seq, n):
                 victim = self.running[-1]
+                self._unplan(chunks.pop(victim.id, None), victim)
                 self._preempt(victim)
-                chunks.pop(victim.id, None)
                 if victim is seq:
                     break
                 continue
@@ -240,9 +256,11 @@ class Scheduler:
         # Then waiting sequences, in arrival order, while the budgets allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break   # preempted with a step in flight: restart once its token is known
             leader = seq.leader
             if (leader is not None and leader in self.running
-                    and leader.num_computed < leader.prompt_len):
+                    and leader.num_done < leader.prompt_len):
                 break   # its prompt's blocks are being computed: take them next step
             if not seq.table and not self._take_prefix(seq, budget):
                 break
@@ -261,7 +279,20 @@ class Scheduler:
             budget -= n
 
         released, self._released = tuple(self._released), []
+        if chunks:
+            self._planned[self.step] = [(self.by_id[sid], self.by_id[sid].epoch) for sid in chunks]
         return StepPlan(self.step, tuple(chunks.values()), tuple(new_seqs), released)
+
+    def _done_when_pending_lands(self, seq: Sequence) -> bool:
+        """Whether the tokens on their way already end the sequence by length: planning
+        another step for it would only be thrown away."""
+        total = len(seq.token_ids) + seq.num_pending
+        return total - seq.prompt_len >= seq.max_tokens or total >= self.max_model_len
+
+    def _unplan(self, chunk: SeqChunk | None, seq: Sequence) -> None:
+        """Take a chunk planned in this step back out (its sequence is being preempted)."""
+        if chunk is not None and chunk.sample:
+            seq.num_pending -= 1
 
     def _start(self, seq: Sequence) -> SeqStart:
         prompt = tuple(seq.token_ids[:seq.prompt_len])
@@ -292,16 +323,26 @@ class Scheduler:
             return False
         bm.take_cached(hits)
         seq.table = list(hits)
-        seq.num_computed = cached
+        seq.num_computed = seq.num_done = cached
         seq.hash_cursor = (len(hits), last_hash)
         if not seq.first_scheduled:
             seq.num_cached_tokens = cached
         return True
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        """Plan n tokens of the sequence: they count as computed from now on; a chunk that
+        ends at the sequence's end samples, and its token is pending until update."""
         start = seq.num_computed
-        last = start + n == len(seq.token_ids)
-        return SeqChunk(seq.id, tuple(seq.token_ids[start:start + n]), start, tuple(seq.table), last)
+        known = len(seq.token_ids)
+        end = start + n
+        tokens = tuple(seq.token_ids[start:end])
+        if end > known:      # the last token is still on its way from the running step
+            tokens += (PLACEHOLDER,) * (end - max(start, known))
+        last = end == known + seq.num_pending
+        seq.num_computed = end
+        if last:
+            seq.num_pending += 1
+        return SeqChunk(seq.id, tokens, start, tuple(seq.table), last)
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.table)
@@ -315,8 +356,9 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.table)
         seq.table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_done = 0
         seq.hash_cursor = (0, seq.hash_root)
+        seq.epoch += 1       # a step in flight for it no longer speaks for these blocks
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -328,9 +370,11 @@ class Scheduler:
     # -- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> Step:
         """Apply a step's result; decide finishes; build the downstream message."""
+        planned = self._planned.pop(plan.step, ())
         if result.error is not None:
-            for chunk in plan.chunks:
-                self.finish_sequence(chunk.seq_id, FinishReason.ERROR, result.error)
+            for seq, _ in planned:
+                if not seq.retired:
+                    self.finish(seq.req.request_id, FinishReason.ERROR, result.error)
             return self.drain()
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs))
@@ -340,16 +384,17 @@ class Scheduler:
                 seq.prompt_lps.extend(pl.entries)
         deltas = list(self._pending)
         self._pending = []
-        for chunk in plan.chunks:
-            seq = self.by_id.get(chunk.seq_id)
-            if seq is None:
-                continue
-            seq.num_computed = chunk.start_pos + len(chunk.token_ids)
-            tok = sampled.get(seq.id)
+        for chunk, (seq, epoch) in zip(plan.chunks, planned):
+            if seq.retired:
+                continue    # finished while this step ran: its row is thrown away
+            tok = sampled.get(seq.id) if chunk.sample else None
             if tok is not None:
+                seq.num_pending -= 1
                 seq.token_ids.append(tok)
-            seq.hash_cursor = self.blocks.commit_full_blocks(
-                seq.table, seq.token_ids, seq.num_computed, *seq.hash_cursor)
+            if epoch == seq.epoch:   # not preempted since: these blocks now hold the chunk's KV
+                seq.num_done = chunk.start_pos + len(chunk.token_ids)
+                seq.hash_cursor = self.blocks.commit_full_blocks(
+                    seq.table, seq.token_ids, seq.num_done, *seq.hash_cursor)
             if tok is None:
                 continue
             prompt_lps = ()
@@ -362,7 +407,7 @@ class Scheduler:
                 deltas.append(Delta(seq.req.request_id, (), FinishReason.LENGTH, None,
                                     seq.num_cached_tokens, scheduled_at=seq.scheduled_at,
                                     index=seq.index, prompt_token_logprobs=prompt_lps))
-                self.running.remove(seq)
+                (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
                 continue
             reason = stop = None
@@ -377,7 +422,10 @@ class Scheduler:
                                 scheduled_at=seq.scheduled_at, index=seq.index,
                                 prompt_token_logprobs=prompt_lps))
             if reason is not None:
-                self.running.remove(seq)
+                if epoch == seq.epoch:
+                    self.running.remove(seq)
+                else:               # preempted while its last step ran
+                    self.waiting.remove(seq)
                 self._retire(seq)
         new, self._new_requests = tuple(self._new_requests), []
         return Step(plan.step, new, tuple(deltas), len(self.running), len(self.waiting),
@@ -394,8 +442,15 @@ class Scheduler:
 # -- the async shell -----------------------------------------------------------------------
 async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
               from_gpu: trio.MemoryReceiveChannel, downstream: trio.MemorySendChannel,
-              scheduler: Scheduler, log=None) -> None:
-    """Engine loop: take everything in the inbox, plan, run one step, forward the result."""
+              scheduler: Scheduler, log=None, *, async_scheduling: bool = False) -> None:
+    """Engine loop: take everything in the inbox, plan, run one step, forward the result.
+
+    With async_scheduling the next step is planned and sent while the current one runs
+    (as vLLM's async scheduling): a sequence sampled by the running step is fed its token
+    as a PLACEHOLDER that the runner fills in, so the GPU never waits for the host's
+    update, detokenize..emit or the next plan. Results come back in plan order."""
+    depth = 2 if async_scheduling else 1
+    inflight: deque[tuple[StepPlan, tuple[str, ...]]] = deque()   # plans sent, their preemptions
 
     def take(msg) -> None:
         if isinstance(msg, RenderedRequest):
@@ -410,9 +465,17 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
         else:
             raise TypeError(f"schedule got {type(msg).__name__}")
 
+    async def forward(plan: StepPlan | None, preempted: tuple[str, ...], out: Step) -> None:
+        if log is not None and plan is not None and (out.new_requests or out.deltas
+                                                     or plan.chunks or preempted):
+            # the whole message: enough to replay everything downstream
+            log("scheduled", plan=plan, preempted=preempted, message=out)
+        if out.new_requests or out.deltas:
+            await downstream.send(out)
+
     async with inbox, to_gpu, downstream:
         while True:
-            if not scheduler.has_work():
+            if not scheduler.has_work() and not inflight:
                 try:
                     take(await inbox.receive())
                 except trio.EndOfChannel:
@@ -422,20 +485,21 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
                     take(inbox.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
-            plan = scheduler.schedule()
-            if plan.chunks or plan.new_seqs or plan.released:
-                await to_gpu.send(plan)
-                result = await from_gpu.receive()
-                out = scheduler.update(plan, result)
-            else:
-                out = scheduler.drain()
-            if log is not None and (out.new_requests or out.deltas or plan.chunks
-                                    or scheduler.preempted):
-                # the whole message: enough to replay everything downstream
-                log("scheduled", plan=plan, preempted=tuple(scheduler.preempted), message=out)
-            if out.new_requests or out.deltas:
-                await downstream.send(out)
-            elif not plan.chunks:
+            plan = None
+            if len(inflight) < depth and scheduler.has_work():
+                plan = scheduler.schedule()
+                if plan.chunks or plan.new_seqs or plan.released:
+                    await to_gpu.send(plan)
+                    inflight.append((plan, tuple(scheduler.preempted)))
+                    if len(inflight) < depth:
+                        continue        # plan the next step while this one runs
+            if inflight:
+                done, preempted = inflight.popleft()
+                await forward(done, preempted, scheduler.update(done, await from_gpu.receive()))
+                continue
+            out = scheduler.drain()
+            await forward(plan, tuple(scheduler.preempted) if plan is not None else (), out)
+            if not (out.new_requests or out.deltas) and plan is not None and not plan.chunks:
                 # waiting on blocks freed by nothing, or on a grammar compiling in its
                 # worker thread: let others run
                 await trio.sleep(0.001 if scheduler.compiling else 0)
