@@ -113,6 +113,7 @@ class ModelRunner:
         self.states: dict[str, SeqSamplingState] = {}
         # prompt_logprobs: seq id -> [top k, the next prompt position still owed]
         self.prompt_lp: dict[str, list[int]] = {}
+        self.block_tables = BlockTables()
         self._seed_rng = torch.Generator().manual_seed(seed)
         self.staging = Staging(device) if device.type == "cuda" else None
         self.device_sampler = DeviceSampler(device) if use_triton else None
@@ -145,6 +146,7 @@ class ModelRunner:
         for sid in plan.released:
             self.states.pop(sid, None)
             self.prompt_lp.pop(sid, None)
+            self.block_tables.release(sid)
         for ns in plan.new_seqs:
             fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             st = self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
@@ -221,7 +223,7 @@ class ModelRunner:
 
     def _prepare(self, chunks: tuple[SeqChunk, ...]):
         return prepare_step(chunks, self.block_size, self.device, self.staging,
-                            last_token=self.last_token)
+                            last_token=self.last_token, block_tables=self.block_tables)
 
     def last_token(self, seq_id: str) -> int:
         return last_token(self.states, seq_id)
@@ -332,6 +334,50 @@ def prompt_token_logprobs(model, hidden: torch.Tensor, targets: tuple[int, ...],
     return tuple(out)
 
 
+class BlockTables:
+    """The block tables kept from step to step (a persistent batch): a row per sequence,
+    rewritten only when the sequence's table changed (a new block every block_size
+    tokens, a preemption), so a step costs a gather instead of copying every table."""
+
+    def __init__(self) -> None:
+        self.rows = np.zeros((16, 16), dtype=np.int32)
+        self.row_of: dict[str, int] = {}
+        self.table_of: dict[str, tuple[int, ...]] = {}
+        self.free_rows: list[int] = []
+
+    def release(self, seq_id: str) -> None:
+        row = self.row_of.pop(seq_id, None)
+        if row is not None:
+            del self.table_of[seq_id]
+            self.free_rows.append(row)
+
+    def gather(self, chunks) -> np.ndarray:
+        """[len(chunks), longest table] int32, zero-padded."""
+        idx = []
+        width = 1
+        for c in chunks:
+            t = c.block_table
+            row = self.row_of.get(c.seq_id)
+            if row is None:
+                row = self.row_of[c.seq_id] = (self.free_rows.pop() if self.free_rows
+                                               else len(self.row_of))
+            if self.table_of.get(c.seq_id) != t:
+                self._write(row, t)
+                self.table_of[c.seq_id] = t
+            idx.append(row)
+            width = max(width, len(t))
+        return self.rows[idx, :width]
+
+    def _write(self, row: int, table: tuple[int, ...]) -> None:
+        rows, cols = self.rows.shape
+        if row >= rows or len(table) > cols:
+            grown = np.zeros((max(rows, 2 * (row + 1)), max(cols, 2 * len(table))), dtype=np.int32)
+            grown[:rows, :cols] = self.rows
+            self.rows = grown
+        self.rows[row, :len(table)] = table
+        self.rows[row, len(table):] = 0
+
+
 def last_token(states: dict[str, SeqSamplingState], seq_id: str) -> int:
     """What a PLACEHOLDER stands for: the sequence's last sampled token. A sequence whose
     previous step failed has none; its row is computed and thrown away (the scheduler
@@ -341,7 +387,7 @@ def last_token(states: dict[str, SeqSamplingState], seq_id: str) -> int:
 
 
 def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, staging: Staging | None = None,
-                 last_token=None):
+                 last_token=None, block_tables: BlockTables | None = None):
     """The step's flat inputs and attention metadata, vectorised with numpy (this runs
     on the host every step, for every sequence): (input_ids, positions, meta, sample_idx).
 
@@ -349,15 +395,16 @@ def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, stagi
     last token), on the device: computed there from cu_seqlens_q when every chunk samples.
     With ``staging`` (CUDA) every array reaches the device through pinned buffers in two
     non-blocking copies; otherwise each is copied on its own. `last_token(seq_id)` fills
-    in a chunk's PLACEHOLDER."""
+    in a chunk's PLACEHOLDER; `block_tables` keeps the tables from one step to the next
+    (the runner's; without it every table is copied)."""
     n = len(chunks)
     q_lens = [len(c.token_ids) for c in chunks]
     starts = [c.start_pos for c in chunks]
     q_starts = list(accumulate(q_lens, initial=0))
     ctx_lens = [s + q for s, q in zip(starts, q_lens)]
-    tables = np.zeros((n, max(len(c.block_table) for c in chunks)), dtype=np.int32)
-    for i, c in enumerate(chunks):
-        tables[i, :len(c.block_table)] = c.block_table
+    if block_tables is None:
+        block_tables = BlockTables()
+    tables = block_tables.gather(chunks)
     q_lens_np = np.asarray(q_lens)
     row = np.repeat(np.arange(n), q_lens_np)                                # [T]
     pos = np.repeat(np.asarray(starts) - np.asarray(q_starts[:-1]), q_lens_np) + np.arange(q_starts[-1])

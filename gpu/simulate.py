@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from gpu.config import ModelConfig
-from gpu.runner import StepPlan, StepResult, TokenLogprobs, last_token, prepare_step
+from gpu.runner import BlockTables, StepPlan, StepResult, TokenLogprobs, last_token, prepare_step
 from gpu.sampler import SeqSamplingState
 
 
@@ -139,6 +139,7 @@ class SimulatedRunner:
         self.token_ids = token_ids
         self.rng = np.random.default_rng(seed)
         self.states: dict[str, SeqSamplingState] = {}
+        self.block_tables = BlockTables()
         self.waited_s = 0.0           # the sum of the waits: the stand-in's own ceiling
         self.steps = 0
 
@@ -146,12 +147,14 @@ class SimulatedRunner:
         t0 = time.perf_counter()
         for sid in plan.released:
             self.states.pop(sid, None)
+            self.block_tables.release(sid)
         for ns in plan.new_seqs:
             self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, 0)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
         _, _, meta, _ = prepare_step(plan.chunks, self.block_size, self.device,
-                                     last_token=lambda sid: last_token(self.states, sid))
+                                     last_token=lambda sid: last_token(self.states, sid),
+                                     block_tables=self.block_tables)
         seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
         wait = self.cost.step_seconds(meta.q_lens, meta.ctx_lens, len(seq_ids))
         tokens = self.rng.choice(self.token_ids, size=len(seq_ids)).tolist()
