@@ -79,9 +79,13 @@ class ToolCallDelta:
     arguments: str
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)
 class Delta:
-    """What one engine step produced for one request."""
+    """What one engine step produced for one request.
+
+    Not slotted: every stage makes a new Delta for every sequence of every step, and a
+    frozen class with a __dict__ is built by one dict copy (see `evolver`) instead of an
+    object.__setattr__ per field."""
     # -- schedule
     request_id: str
     token_ids: tuple[int, ...] = ()            # sampled this step (after a stop string: none)
@@ -119,9 +123,13 @@ class Delta:
         unknown = set(names) - set(_DELTA_FIELDS)
         if unknown:
             raise AttributeError(f"Delta has no field {sorted(unknown)[0]!r}")
-        args = ", ".join(n if n in names else f"d.{n}" for n in _DELTA_FIELDS)
-        namespace = {"Delta": Delta}
-        exec(f"def evolve(d, {', '.join(names)}):\n    return Delta({args})\n", namespace)
+        # The fields have no validators or converters, so a copy of d's attributes with
+        # the new values is exactly what Delta(...) would build.
+        sets = "".join(f"    new[{n!r}] = {n}\n" for n in names)
+        namespace = {"Delta": Delta, "_new": object.__new__}
+        exec(f"def evolve(d, {', '.join(names)}):\n"
+             f"    out = _new(Delta)\n    new = out.__dict__\n    new.update(d.__dict__)\n"
+             f"{sets}    return out\n", namespace)
         return namespace["evolve"]
 
 
