@@ -39,6 +39,9 @@ class DetokState:
         self.min_tokens = sp.options.min_tokens
         self.num_output = 0  # output tokens seen so far
         self.pending = ""   # decoded text not yet emitted: at most `hold` characters between steps
+        # No stop strings: nothing is ever held back, so a running sequence's one new token
+        # is just its decoded piece (Detokenizer.process's fast path, most tokens of most steps).
+        self.plain = self.stream is not None and not self.stops
 
     def step(self, tokenizer, d: Delta) -> Delta:
         ids = d.token_ids
@@ -107,12 +110,20 @@ class Detokenizer:
             for i in range(req.num_choices):
                 self.states[req.request_id, i] = DetokState(req, self.hf is not None, i)
         deltas, stopped = [], []
+        hf, states = self.hf, self.states
         for d in msg.deltas:
             key = (d.request_id, d.index)
-            st = self.states.get(key)
+            st = states.get(key)
             if st is None:
                 continue  # already finished here (a stop string), the scheduler catching up
-            out = st.step(self.hf, d)
+            ids = d.token_ids
+            if (st.plain and d.finish_reason is None and len(ids) == 1 and not d.token_logprobs
+                    and not d.prompt_token_logprobs):
+                piece = st.stream.step(hf, ids[0])
+                st.num_output += 1
+                deltas.append(_with_text(d, piece or "", (), None, None))
+                continue
+            out = st.step(hf, d)
             if out.finished:
                 del self.states[key]
                 if not d.finished:
