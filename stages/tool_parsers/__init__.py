@@ -22,6 +22,7 @@ constrained to JSON (a list of {"name", "parameters"} or the function's argument
 """
 from __future__ import annotations
 
+import abc
 import ast
 import hashlib
 import importlib.util
@@ -39,14 +40,15 @@ class ToolCall:
     arguments: str
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Base: `feed(text, final)` -> (content, calls completed by this text)."""
 
     def __init__(self) -> None:
         self.buf = ""
 
+    @abc.abstractmethod
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+        """Take the next piece of text; return the content to pass on and any finished calls."""
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
@@ -218,8 +220,9 @@ class _StartsWith(ToolParser):
             self.mode = "done"
         return "", calls
 
+    @abc.abstractmethod
     def scan(self, final: bool) -> list[ToolCall]:
-        raise NotImplementedError
+        """Parse the calls found in `self.buf` so far."""
 
 
 @register_tool_parser("llama3_json")
