@@ -11,6 +11,12 @@ for KV sizing. ``prepare_step(chunks, block_size, device, staging=None)`` now re
 rows to sample as a device tensor (``sample_idx``) rather than a list; on CUDA the
 runner passes its pinned ``Staging`` buffers.
 
+Staging ahead (issue 11): ``stage(plan) -> HostInputs`` does the host half of input
+preparation (`stage_inputs`: positions, slots, block tables, in numpy) as soon as a plan
+arrives, while the step before it still runs; ``execute(plan, staged)`` is left with
+filling in the PLACEHOLDERs (one gather from the previous step's tokens, `StagedTokens`)
+and the upload. ``execute(plan)`` alone stages as well.
+
 Prompt logprobs (issue 8): ``SeqStart.prompt_logprobs`` asks for them (top k);
 ``StepResult.prompt_logprobs`` carries each prompt position's once (``PromptLogprobs``).
 """
@@ -114,6 +120,7 @@ class ModelRunner:
         # prompt_logprobs: seq id -> [top k, the next prompt position still owed]
         self.prompt_lp: dict[str, list[int]] = {}
         self.block_tables = BlockTables()
+        self.staged_tokens = StagedTokens()
         self._seed_rng = torch.Generator().manual_seed(seed)
         self.staging = Staging(device) if device.type == "cuda" else None
         self.device_sampler = DeviceSampler(device) if use_triton else None
@@ -141,12 +148,27 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.cache.block_size
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def stage(self, plan: StepPlan) -> HostInputs | None:
+        """The plan's host-side input preparation, which needs nothing from the steps
+        before it: the GPU stage calls it as a plan arrives, while the step before still
+        runs, and hands the result to `execute`. Plans are staged in order, one at a time."""
+        for sid in plan.released:
+            self.block_tables.release(sid)
+        if not plan.chunks:
+            return None
+        host = stage_inputs(plan.chunks, self.block_size, self.block_tables)
+        self.staged_tokens.stage(plan.step, host)
+        return host
+
+    def execute(self, plan: StepPlan, staged: HostInputs | None = None) -> StepResult:
+        """Run one step; `staged` is `stage(plan)`'s result when the caller staged it
+        ahead (otherwise it is staged here)."""
         t0 = time.perf_counter()
+        if staged is None:
+            staged = self.stage(plan)
         for sid in plan.released:
             self.states.pop(sid, None)
             self.prompt_lp.pop(sid, None)
-            self.block_tables.release(sid)
         for ns in plan.new_seqs:
             fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             st = self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
@@ -156,7 +178,8 @@ class ModelRunner:
                 self.prompt_lp[ns.seq_id] = [ns.prompt_logprobs, 1]
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
-        input_ids, positions, meta, sample_idx = self._prepare(plan.chunks)
+        input_ids, positions, meta, sample_idx = upload_inputs(
+            staged, self.device, self.staging, self.last_token, self.staged_tokens.previous(staged))
         with torch.inference_mode():
             if (self.graphs is not None and not meta.prefill_rows
                     and self.graphs.fits(len(plan.chunks), meta.block_tables.shape[1])):
@@ -196,6 +219,7 @@ class ModelRunner:
                                  for i in range(len(states)))
         for st, tok in zip(states, tokens):
             st.output_ids.append(tok)
+        self.staged_tokens.executed(plan.step, tokens)
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0,
                           logprobs=logprobs, prompt_logprobs=prompt_lps)
 
@@ -220,10 +244,6 @@ class ModelRunner:
                     want[1] = end + 1
             row0 += len(c.token_ids)
         return tuple(out)
-
-    def _prepare(self, chunks: tuple[SeqChunk, ...]):
-        return prepare_step(chunks, self.block_size, self.device, self.staging,
-                            last_token=self.last_token, block_tables=self.block_tables)
 
     def last_token(self, seq_id: str) -> int:
         return last_token(self.states, seq_id)
@@ -386,17 +406,34 @@ def last_token(states: dict[str, SeqSamplingState], seq_id: str) -> int:
     return st.output_ids[-1] if st is not None and st.output_ids else 0
 
 
-def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, staging: Staging | None = None,
-                 last_token=None, block_tables: BlockTables | None = None):
-    """The step's flat inputs and attention metadata, vectorised with numpy (this runs
-    on the host every step, for every sequence): (input_ids, positions, meta, sample_idx).
+@attrs.define
+class HostInputs:
+    """A step's inputs as host arrays, built before the step may run (`stage_inputs`):
+    everything but the PLACEHOLDER tokens, which need the step before it to have ended."""
+    ids: np.ndarray                 # [T] int64, PLACEHOLDERs still in
+    fill_rows: np.ndarray           # [P] the rows of ids that hold a PLACEHOLDER
+    fill_ids: list                  # [P] their sequences
+    arrays: list                    # [ids, positions, slots, tables, cu_seqlens_q, seq_lens(, rows)]
+    all_sample: bool
+    q_starts: list
+    q_lens: list
+    ctx_lens: list
+    starts: list
+    decode_rows: list
+    prefill_rows: list
+    sampled: tuple                  # the sequences that sample, in order
+    # [P] where each PLACEHOLDER's token is among the previous staged step's sampled
+    # tokens (-1: not there); set by the runner's `stage`
+    fill_src: np.ndarray | None = None
+    fill_step: int | None = None    # that previous step
 
-    sample_idx [S] indexes the rows of the flat batch to sample (each sampling chunk's
-    last token), on the device: computed there from cu_seqlens_q when every chunk samples.
-    With ``staging`` (CUDA) every array reaches the device through pinned buffers in two
-    non-blocking copies; otherwise each is copied on its own. `last_token(seq_id)` fills
-    in a chunk's PLACEHOLDER; `block_tables` keeps the tables from one step to the next
-    (the runner's; without it every table is copied)."""
+
+def stage_inputs(chunks: tuple[SeqChunk, ...], bs: int,
+                 block_tables: BlockTables | None = None) -> HostInputs:
+    """The host half of input preparation, vectorised with numpy: it needs only the plan
+    (and the persistent block tables), so it runs while the step before is still on the
+    device. `block_tables` keeps the tables from one step to the next (the runner's;
+    without it every table is copied)."""
     n = len(chunks)
     q_lens = [len(c.token_ids) for c in chunks]
     starts = [c.start_pos for c in chunks]
@@ -410,31 +447,93 @@ def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, stagi
     pos = np.repeat(np.asarray(starts) - np.asarray(q_starts[:-1]), q_lens_np) + np.arange(q_starts[-1])
     slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
     all_sample = all(c.sample for c in chunks)
-    rows = np.asarray([q_starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sample], dtype=np.int64)
     ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=q_starts[-1])
-    if (ids == PLACEHOLDER).any():
-        for i, c in enumerate(chunks):
-            if c.token_ids[-1] == PLACEHOLDER:
-                ids[q_starts[i + 1] - 1] = last_token(c.seq_id)
+    fill_rows, fill_ids = (np.flatnonzero(ids == PLACEHOLDER), [])
+    if fill_rows.size:   # a PLACEHOLDER is only ever a chunk's last token
+        fill_ids = [c.seq_id for c in chunks if c.token_ids[-1] == PLACEHOLDER]
     arrays = [ids, pos.astype(np.int64), slots, tables, np.asarray(q_starts, dtype=np.int32),
               np.asarray(ctx_lens, dtype=np.int32)]
     if not all_sample:
-        arrays.append(rows)
+        arrays.append(np.asarray([q_starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sample],
+                                 dtype=np.int64))
+    return HostInputs(ids, fill_rows, fill_ids, arrays, all_sample, q_starts, q_lens, ctx_lens,
+                      starts, decode_rows=[i for i, q in enumerate(q_lens) if q == 1],
+                      prefill_rows=[i for i, q in enumerate(q_lens) if q > 1],
+                      sampled=tuple(c.seq_id for c in chunks if c.sample))
+
+
+class StagedTokens:
+    """Where a staged step's PLACEHOLDERs find their tokens: the previous staged step's
+    sampled tokens, by position, so filling them in is one numpy gather on the critical
+    path instead of a lookup per sequence. `stage` runs in plan order in one thread and
+    `executed` in the same order in another."""
+
+    def __init__(self) -> None:
+        self.staged_step: int | None = None
+        self.staged_rows: dict[str, int] = {}
+        self.step: int | None = None          # the last executed step with its tokens
+        self.tokens = np.zeros(1, dtype=np.int64)
+
+    def stage(self, step: int, host: HostInputs) -> None:
+        if host.fill_ids:
+            rows = self.staged_rows
+            host.fill_src = np.fromiter((rows.get(s, -1) for s in host.fill_ids), dtype=np.int64,
+                                        count=len(host.fill_ids))
+            host.fill_step = self.staged_step
+        self.staged_step = step
+        self.staged_rows = {s: i for i, s in enumerate(host.sampled)}
+
+    def executed(self, step: int, tokens) -> None:
+        # one spare 0 at the end: index -1 (a sequence the previous step did not sample,
+        # whose row is thrown away) reads it
+        self.step, self.tokens = step, np.fromiter((*tokens, 0), dtype=np.int64)
+
+    def previous(self, host: HostInputs) -> np.ndarray | None:
+        """The tokens `host.fill_src` indexes, or None when that step did not run here
+        (it failed): then `last_token` fills them."""
+        return self.tokens if host.fill_step is not None and host.fill_step == self.step else None
+
+
+def upload_inputs(host: HostInputs, dev: torch.device, staging: Staging | None = None,
+                  last_token=None, previous: np.ndarray | None = None):
+    """The device half: fill in the PLACEHOLDERs (`last_token(seq_id)`: the sequence's
+    token from the step that just ended; or, faster, `previous`: that step's sampled
+    tokens, which `host.fill_src` indexes) and move the arrays to the device:
+    (input_ids, positions, meta, sample_idx).
+
+    sample_idx [S] indexes the rows of the flat batch to sample (each sampling chunk's
+    last token), on the device: computed there from cu_seqlens_q when every chunk samples.
+    With ``staging`` (CUDA) every array reaches the device through pinned buffers in two
+    non-blocking copies; otherwise each is copied on its own."""
+    ids = host.ids
+    if host.fill_rows.size:
+        if previous is not None and host.fill_src is not None:
+            ids[host.fill_rows] = previous[host.fill_src]
+        else:
+            for i, seq_id in zip(host.fill_rows.tolist(), host.fill_ids):
+                ids[i] = last_token(seq_id)
     if staging is not None:
-        moved = staging.upload(arrays)
+        moved = staging.upload(host.arrays)
     else:
-        moved = [torch.from_numpy(a).to(dev) for a in arrays]
+        moved = [torch.from_numpy(a).to(dev) for a in host.arrays]
     input_ids, positions, slot_mapping, block_tables, cu_seqlens_q, seq_lens = moved[:6]
-    sample_idx = (cu_seqlens_q[1:] - 1) if all_sample else moved[6]
+    sample_idx = (cu_seqlens_q[1:] - 1) if host.all_sample else moved[6]
+    q_lens = host.q_lens
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
-        q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, start_positions=starts,
-        decode_rows=[i for i, q in enumerate(q_lens) if q == 1],
-        prefill_rows=[i for i, q in enumerate(q_lens) if q > 1],
-        max_seqlen_q=max(q_lens),
+        q_starts=host.q_starts, q_lens=q_lens, ctx_lens=host.ctx_lens,
+        start_positions=host.starts,
+        decode_rows=host.decode_rows, prefill_rows=host.prefill_rows, max_seqlen_q=max(q_lens),
     )
     return input_ids, positions, meta, sample_idx
+
+
+def prepare_step(chunks: tuple[SeqChunk, ...], bs: int, dev: torch.device, staging: Staging | None = None,
+                 last_token=None, block_tables: BlockTables | None = None):
+    """The step's flat inputs and attention metadata: `stage_inputs` then `upload_inputs`
+    (input_ids, positions, meta, sample_idx)."""
+    return upload_inputs(stage_inputs(chunks, bs, block_tables), dev, staging, last_token)
 
 
 def profile_plan(max_tokens: int, max_seqs: int, block_size: int) -> tuple[StepPlan, int]:

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from gpu.config import ModelConfig
-from gpu.runner import BlockTables, StepPlan, StepResult, TokenLogprobs, last_token, prepare_step
+from gpu.runner import (BlockTables, HostInputs, StagedTokens, StepPlan, StepResult, TokenLogprobs,
+                        last_token, stage_inputs, upload_inputs)
 from gpu.sampler import SeqSamplingState
 
 
@@ -140,27 +141,44 @@ class SimulatedRunner:
         self.rng = np.random.default_rng(seed)
         self.states: dict[str, SeqSamplingState] = {}
         self.block_tables = BlockTables()
+        self.staged_tokens = StagedTokens()
         self.waited_s = 0.0           # the sum of the waits: the stand-in's own ceiling
         self.steps = 0
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def stage(self, plan: StepPlan) -> tuple[HostInputs, float, list[int]] | None:
+        """ModelRunner.stage: the host half of input preparation, ahead of the step. The
+        cost model's wait and the step's random tokens (the device's work, which a real
+        runner does not pay for on the host) are worked out here too."""
+        for sid in plan.released:
+            self.block_tables.release(sid)
+        if not plan.chunks:
+            return None
+        host = stage_inputs(plan.chunks, self.block_size, self.block_tables)
+        self.staged_tokens.stage(plan.step, host)
+        num_sampled = len(host.sampled)
+        wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, num_sampled)
+        return host, wait, self.rng.choice(self.token_ids, size=num_sampled).tolist()
+
+    def execute(self, plan: StepPlan, staged=None) -> StepResult:
         t0 = time.perf_counter()
+        if staged is None:
+            staged = self.stage(plan)
         for sid in plan.released:
             self.states.pop(sid, None)
-            self.block_tables.release(sid)
         for ns in plan.new_seqs:
             self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, 0)
-        if not plan.chunks:
+        if staged is None:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
-        _, _, meta, _ = prepare_step(plan.chunks, self.block_size, self.device,
-                                     last_token=lambda sid: last_token(self.states, sid),
-                                     block_tables=self.block_tables)
-        seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
-        wait = self.cost.step_seconds(meta.q_lens, meta.ctx_lens, len(seq_ids))
-        tokens = self.rng.choice(self.token_ids, size=len(seq_ids)).tolist()
-        logprobs = self._logprobs([self.states[s] for s in seq_ids], tokens)
-        for sid, tok in zip(seq_ids, tokens):
-            self.states[sid].output_ids.append(tok)
+        host, wait, tokens = staged
+        # the host's part of a step once the one before has ended: PLACEHOLDERs, upload
+        upload_inputs(host, self.device, last_token=lambda sid: last_token(self.states, sid),
+                      previous=self.staged_tokens.previous(host))
+        seq_ids = host.sampled
+        states = [self.states[s] for s in seq_ids]
+        logprobs = self._logprobs(states, tokens)
+        for st, tok in zip(states, tokens):
+            st.output_ids.append(tok)
+        self.staged_tokens.executed(plan.step, tokens)
         # the device runs after the host has prepared and launched: wait from here
         time.sleep(wait)
         self.waited_s += wait

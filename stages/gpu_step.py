@@ -5,6 +5,9 @@ plan order, in one runner thread fed through a queue, which keeps the event loop
 serving HTTP while a step runs; a cancellation lands between steps, never inside one.
 With async scheduling (stages/schedule.py) the next plan is already queued when a step
 ends, so the thread starts it at once instead of waiting for the event loop to notice.
+A plan's host-side input preparation (`runner.stage`) runs here in the event loop as the
+plan arrives, while the step before it runs: between one step's end and the next one's
+start the runner thread only fills in the PLACEHOLDER tokens and uploads the inputs.
 
 A step that raises fails its own requests (a StepResult with the error) and the next
 step runs as usual. Every failure is logged (logger "tailrace.gpu", with its traceback),
@@ -55,8 +58,12 @@ def _fatal(exc: BaseException) -> bool:
     return isinstance(exc, (DeviceLost, torch.AcceleratorError))
 
 
-def _execute(runner: ModelRunner, plan: StepPlan, fault: str | None) -> StepResult:
-    result = runner.execute(plan)
+def _execute(runner: ModelRunner, plan: StepPlan, fault: str | None,
+             staged: outcome.Outcome | None) -> StepResult:
+    if staged is None:            # a runner that stages nothing ahead (test doubles)
+        result = runner.execute(plan)
+    else:
+        result = runner.execute(plan, staged.unwrap())
     if fault == "fatal":
         raise DeviceLost(f"injected fatal fault at step {plan.step}")
     if fault == "error":
@@ -122,9 +129,15 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
             if job is None:
                 return
 
+    stage = getattr(runner, "stage", None)
+
     async def feed() -> None:
         async for plan in receive:
-            jobs.put((plan, faults.get(plan.step)))
+            # The host half of input preparation, here in the event loop as the plan
+            # arrives: the step before is still running, so only the PLACEHOLDERs and the
+            # upload are left between its end and this step's start (on the runner thread).
+            staged = None if stage is None else outcome.capture(stage, plan)
+            jobs.put((plan, faults.get(plan.step), staged))
         jobs.put(None)           # the plans ended: results end after the queued ones
 
     thread = threading.Thread(target=work, name="tailrace-runner", daemon=True)

@@ -209,11 +209,11 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(smo
     async with engine_of(smollm) as engine:
         real = engine.runner.execute
 
-        def broken(plan):
+        def broken(plan, staged=None):
             if plan.chunks:
                 engine.runner.execute = real      # fail once
                 raise RuntimeError("device fell over")
-            return real(plan)
+            return real(plan, staged)
 
         engine.runner.execute = broken
         reply = await engine.submit("completions", {"prompt": "Hello", "max_tokens": 4})
@@ -233,9 +233,9 @@ async def test_clients_that_leave_at_once_cannot_overflow_the_scheduler(smollm):
     async with engine_of(smollm, max_num_seqs=1, max_queued_requests=1) as engine:
         real = engine.runner.execute
 
-        def slow(plan):
+        def slow(plan, staged=None):
             _time.sleep(0.05)
-            return real(plan)
+            return real(plan, staged)
 
         engine.runner.execute = slow
         main = await engine.submit("chat", {"messages": QUESTION, "max_tokens": 16, "temperature": 0,

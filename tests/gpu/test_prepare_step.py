@@ -7,7 +7,8 @@ import random
 import numpy as np
 import torch
 
-from gpu.runner import PLACEHOLDER, BlockTables, SeqChunk, prepare_step
+from gpu.runner import (PLACEHOLDER, BlockTables, SeqChunk, StagedTokens, prepare_step, stage_inputs,
+                        upload_inputs)
 
 CPU = torch.device("cpu")
 
@@ -50,3 +51,37 @@ def test_placeholders_take_the_last_sampled_token():
     assert input_ids.tolist() == [5, 6, 7, 42, 3, 43]
     assert positions.tolist() == [0, 1, 2, 9, 4, 5]
     assert sample_idx.tolist() == [2, 3, 5]
+
+
+def test_staged_ahead_placeholders_come_from_the_previous_steps_tokens():
+    """The GPU stage stages step N+1's inputs while step N runs; its PLACEHOLDERs are
+    then filled from step N's sampled tokens by position (one gather), and equal what
+    the per-sequence lookup gives. When step N did not run (it failed), the lookup fills
+    them instead."""
+    tokens = StagedTokens()
+    bt = BlockTables()
+    step1 = (SeqChunk("a", (5, 6), 0, (0,), True), SeqChunk("b", (7,), 0, (1,), False),
+             SeqChunk("c", (8,), 0, (2,), True))
+    host1 = stage_inputs(step1, 4, bt)
+    tokens.stage(1, host1)
+    step2 = (SeqChunk("c", (PLACEHOLDER,), 1, (2,), True), SeqChunk("b", (9,), 1, (1,), True),
+             SeqChunk("a", (PLACEHOLDER,), 2, (0,), True))
+    host2 = stage_inputs(step2, 4, bt)      # staged before step 1 has run
+    tokens.stage(2, host2)
+    assert host2.fill_src.tolist() == [1, 0] and host2.fill_step == 1
+
+    def never(seq_id):
+        raise AssertionError("the per-sequence lookup ran")
+
+    tokens.executed(1, [100, 101])          # step 1 sampled a -> 100, c -> 101
+    ids, _, _, _ = upload_inputs(host2, CPU, last_token=never, previous=tokens.previous(host2))
+    assert ids.tolist() == [101, 9, 100]
+
+    # step 2 failed (nothing executed): step 3's placeholders fall back to the lookup
+    step3 = (SeqChunk("a", (PLACEHOLDER,), 3, (0,), True),)
+    host3 = stage_inputs(step3, 4, bt)
+    tokens.stage(3, host3)
+    assert tokens.previous(host3) is None
+    ids, _, _, _ = upload_inputs(host3, CPU, last_token={"a": 55}.__getitem__,
+                                 previous=tokens.previous(host3))
+    assert ids.tolist() == [55]

@@ -96,8 +96,8 @@ async def test_engine_serves_text_on_a_simulated_h200():
         sampled: list[int] = []
         real = engine.runner.execute
 
-        def recording(plan):
-            result = real(plan)
+        def recording(plan, staged=None):
+            result = real(plan, staged)
             sampled.extend(result.token_ids)
             return result
 

@@ -74,8 +74,8 @@ def server(smollm):
     def eos_after_one_step(engine) -> None:
         real, eos = engine.runner.execute, engine.loaded.eos_token_ids[0]
 
-        def execute(plan):
-            result = real(plan)
+        def execute(plan, staged=None):
+            result = real(plan, staged)
             return attrs.evolve(result, token_ids=(eos,) * len(result.token_ids))
 
         engine.runner.execute = execute
