@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import sys
 import threading
 from collections.abc import Mapping
 
@@ -39,6 +40,15 @@ from gpu.runner import ModelRunner, StepPlan, StepResult
 _log = logging.getLogger("tailrace.gpu")
 
 MAX_CONSECUTIVE_FAILURES = 3
+
+# The interpreter's switch interval while the GPU stage runs (CPython's default: 5 ms).
+# The runner thread takes the GIL back after every wait on the device (and after each
+# torch call that releases it); while the event loop runs Python code, a thread that wants
+# the GIL gets it only when the holder is asked to drop it, one switch interval later. At
+# 5 ms that can be more than a whole GPU step; at 0.1 ms the runner's wait is bounded by a
+# few percent of a step, and the loop pays a few µs a switch only while the runner wants
+# the GIL (docs/benchmarks.md, "switch interval").
+SWITCH_INTERVAL_S = 1e-4
 FAULT_KINDS = ("error", "fatal")
 
 
@@ -141,6 +151,8 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
         jobs.put(None)           # the plans ended: results end after the queued ones
 
     thread = threading.Thread(target=work, name="tailrace-runner", daemon=True)
+    previous_interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous_interval, SWITCH_INTERVAL_S))
     thread.start()
     dead: EngineDead | None = None
     try:
@@ -169,3 +181,4 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
         jobs.put(None)
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(thread.join)
+        sys.setswitchinterval(previous_interval)

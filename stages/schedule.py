@@ -473,9 +473,12 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
         if out.new_requests or out.deltas:
             await downstream.send(out)
 
+    # A step's result, applied but not yet passed on: the next plan goes to the GPU first,
+    # so the runner never waits behind detokenize..emit taking their turn in the loop.
+    applied: tuple[StepPlan, tuple[str, ...], Step] | None = None
     async with inbox, to_gpu, downstream:
         while True:
-            if not scheduler.has_work() and not inflight:
+            if not scheduler.has_work() and not inflight and applied is None:
                 try:
                     take(await inbox.receive())
                 except trio.EndOfChannel:
@@ -491,11 +494,14 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
                 if plan.chunks or plan.new_seqs or plan.released:
                     await to_gpu.send(plan)
                     inflight.append((plan, tuple(scheduler.preempted)))
-                    if len(inflight) < depth:
+                    if len(inflight) < depth and applied is None:
                         continue        # plan the next step while this one runs
+            if applied is not None:
+                await forward(*applied)
+                applied = None
             if inflight:
                 done, preempted = inflight.popleft()
-                await forward(done, preempted, scheduler.update(done, await from_gpu.receive()))
+                applied = (done, preempted, scheduler.update(done, await from_gpu.receive()))
                 continue
             out = scheduler.drain()
             await forward(plan, tuple(scheduler.preempted) if plan is not None else (), out)
