@@ -66,6 +66,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = True             # plan step N+1 while step N runs (as vLLM)
+    stream_interval: int = attrs.field(default=1, validator=_positive)  # tokens per stream write
     # admission: at most max_num_seqs + max_queued_requests requests admitted at once
     max_queued_requests: int = attrs.field(default=1024, validator=_positive)
     reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
@@ -183,6 +184,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    default=_default("async_scheduling"),
                    help="Plan the next engine step while the current one runs, so the GPU "
                         "never waits for the host between steps (default: on).")
+    p.add_argument("--stream-interval", type=int, default=_default("stream_interval"),
+                   help="Write a streaming reply to its client every N tokens (the first at "
+                        "once, the rest with the reply's end), which cuts the host cost of "
+                        "many streams; every SSE event is kept (default: %(default)s).")
     p.add_argument("--enforce-eager", action="store_true",
                    help="Never capture CUDA graphs; run every step eagerly.")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,

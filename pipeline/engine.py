@@ -53,6 +53,7 @@ from stages.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
 from stages.render import RenderContext, RequestError, Submission
 from stages.replies import Replies
 from stages.schedule import Abort, Scheduler
+from stages.stream_interval import StreamInterval
 
 log = logging.getLogger("tailrace")
 
@@ -491,7 +492,8 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(built.parsers.reasoning_parser),
                        ev("parse"))
     nursery.start_soon(account.run, acct_out, emit_in, accountant, ev("account"))
-    nursery.start_soon(emit.run, emit_out, replies, emit.Emitter(), ev("emit"))
+    held = StreamInterval(cfg.stream_interval) if cfg.stream_interval > 1 else None
+    nursery.start_soon(emit.run, emit_out, replies, emit.Emitter(), ev("emit"), held)
     return engine
 
 

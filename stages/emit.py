@@ -63,12 +63,15 @@ class Emitter:
         return out
 
 
-async def run(receive, replies, core: Emitter, log=None) -> None:
+async def run(receive, replies, core: Emitter, log=None, held=None) -> None:
+    """`held`: a stages.stream_interval.StreamInterval (--stream-interval > 1)."""
     async with receive:
         async for msg in receive:
             items = core.process(msg)
             if log is not None:   # one call per step (the step's bytes, and the replies that ended)
                 log("emitted", items=items)
+            if held is not None:
+                items = held.route(msg, items)
             for rid, item in items:
                 replies.send(rid, item)
                 if isinstance(item, ReplyEnd):

@@ -112,13 +112,14 @@ CUSTOM_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.conten
 @pytest.fixture(scope="session")
 def configured_server(tmp_path_factory) -> Server:
     """Server-wide options: forced usage, per-request metrics, a max_new_tokens ceiling, a
-    chat template file."""
+    chat template file, a stream interval of 3 tokens."""
     tmp = tmp_path_factory.mktemp("e2e-configured-server")
     template = tmp / "template.jinja"
     template.write_text(CUSTOM_TEMPLATE)
     yield from _serve(tmp, "--enable-force-include-usage", "--enable-per-request-metrics",
                       "--chat-template", str(template),
-                      "--override-generation-config", '{"max_new_tokens": 5}')
+                      "--override-generation-config", '{"max_new_tokens": 5}',
+                      "--stream-interval", "3")
 
 
 @pytest.fixture(scope="session")

@@ -144,6 +144,20 @@ def test_override_max_new_tokens_is_a_ceiling(configured):
     assert r.usage.completion_tokens == 5
 
 
+def test_stream_interval_keeps_every_event(configured):
+    """--stream-interval 3: the events are written three tokens at a time, and the client
+    reads the same reply as without streaming, one event a token."""
+    whole = configured.completions.create(model="", prompt="Once upon a time", max_tokens=5,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(configured.completions.create(model="", prompt="Once upon a time",
+                                                max_tokens=5, stream=True, temperature=0,
+                                                extra_body={"ignore_eos": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text
+    assert len([t for t in texts if t]) == 5
+    assert chunks[-1].usage.completion_tokens == 5
+
+
 def test_server_chat_template(configured_server):
     r = httpx.post(f"{configured_server.url}/tokenize", json={"messages": HELLO,
                                                               "return_token_strs": True},
