@@ -126,6 +126,14 @@ if any(isinstance(a.default, attrs.Factory) or a.validator or a.converter
     raise TypeError("Delta needs its __init__ now: build schedule's deltas with it")
 _new = object.__new__
 
+# Likewise SeqChunk, one per sequence per step: slotted and frozen, its __init__ sets each
+# field through a guarded object.__setattr__; _chunk sets the slots through their descriptors.
+_set_seq_id, _set_token_ids, _set_start_pos, _set_block_table, _set_sample = (
+    SeqChunk.__dict__[a.name].__set__ for a in attrs.fields(SeqChunk))
+if any(a.validator or a.converter for a in attrs.fields(SeqChunk)) or hasattr(
+        SeqChunk, "__attrs_post_init__"):
+    raise TypeError("SeqChunk needs its __init__ now: build _chunk's chunks with it")
+
 
 def _delta_proto(seq: Sequence) -> dict:
     """The instance dict of a Delta for a token the sequence sampled, less the token: set
@@ -383,7 +391,13 @@ class Scheduler:
         seq.num_computed = end
         if last:
             seq.num_pending += 1
-        return SeqChunk(seq.id, tokens, start, seq.table_t, last)
+        chunk = _new(SeqChunk)    # SeqChunk(seq.id, tokens, start, seq.table_t, last)
+        _set_seq_id(chunk, seq.id)
+        _set_token_ids(chunk, tokens)
+        _set_start_pos(chunk, start)
+        _set_block_table(chunk, seq.table_t)
+        _set_sample(chunk, last)
+        return chunk
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.table)
