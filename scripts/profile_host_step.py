@@ -54,7 +54,7 @@ def main() -> None:
     _wrap(emit.Emitter, "process", "emit")
     _wrap(simulate.SimulatedRunner, "execute", "runner execute (simulated: the wait excluded)")
     _wrap(runner.ModelRunner, "execute", "runner execute")
-    _wrap(simulate, "prepare_step", "  of which input preparation")
+    _wrap(simulate.SimulatedRunner, "stage", "gpu stage: input staging (event loop)")
     import argparse
     p = argparse.ArgumentParser(prog="profile_host_step", description=__doc__)
     bench.add_arguments(p)

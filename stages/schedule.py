@@ -22,6 +22,7 @@ from stages.blocks import BlockManager
 from stages.delta import Delta, FinishReason
 from stages.render import RenderedRequest
 
+_PLACEHOLDER = (PLACEHOLDER,)
 
 
 @attrs.frozen
@@ -88,6 +89,7 @@ class Sequence:
         self.epoch = 0          # bumped by preemption: an older step's chunk is stale
         self.retired = False
         self.table: list[int] = []
+        self.table_t: tuple[int, ...] = ()   # tuple(table), for the chunks: kept with table
         self.num_cached_tokens = 0
         self.first_scheduled = False
         self.scheduled_at = 0.0   # time.monotonic() when first scheduled
@@ -101,6 +103,10 @@ class Sequence:
         self.stop_ids = frozenset(sp.options.stop_token_ids) | (
             frozenset() if sp.ignore_eos and sp.constraint is None else frozenset(eos_token_ids))
         self.grammar: Future | None = None     # the compiled grammar, while it compiles
+        # len(token_ids) at which it ends by length: max_tokens or max_model_len (Scheduler.add)
+        self.end_len = self.prompt_len + self.max_tokens
+        # a sampled token's Delta, less the token: the instance dict (once first scheduled)
+        self.delta_proto: dict | None = None
 
     @property
     def num_output(self) -> int:
@@ -109,6 +115,33 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) + self.num_pending - self.num_computed
+
+
+# Delta's fields with their defaults, in order (none has a validator, a converter or a
+# factory: a Delta is its instance dict, as Delta.evolver relies on too).
+_DELTA_DEFAULTS = {a.name: None if a.default is attrs.NOTHING else a.default
+                   for a in attrs.fields(Delta)}
+if any(isinstance(a.default, attrs.Factory) or a.validator or a.converter
+       for a in attrs.fields(Delta)) or hasattr(Delta, "__attrs_post_init__"):
+    raise TypeError("Delta needs its __init__ now: build schedule's deltas with it")
+_new = object.__new__
+
+# Likewise SeqChunk, one per sequence per step: slotted and frozen, its __init__ sets each
+# field through a guarded object.__setattr__; _chunk sets the slots through their descriptors.
+_set_seq_id, _set_token_ids, _set_start_pos, _set_block_table, _set_sample = (
+    SeqChunk.__dict__[a.name].__set__ for a in attrs.fields(SeqChunk))
+if any(a.validator or a.converter for a in attrs.fields(SeqChunk)) or hasattr(
+        SeqChunk, "__attrs_post_init__"):
+    raise TypeError("SeqChunk needs its __init__ now: build _chunk's chunks with it")
+
+
+def _delta_proto(seq: Sequence) -> dict:
+    """The instance dict of a Delta for a token the sequence sampled, less the token: set
+    once it is scheduled (num_cached_tokens and scheduled_at no longer change)."""
+    seq.delta_proto = proto = dict(_DELTA_DEFAULTS, request_id=seq.req.request_id,
+                                   num_cached_tokens=seq.num_cached_tokens,
+                                   scheduled_at=seq.scheduled_at, index=seq.index)
+    return proto
 
 
 def sampling_options(seq: Sequence) -> SamplingOptions:
@@ -160,6 +193,7 @@ class Scheduler:
         if constraint is not None and self.grammars is not None:
             grammar = self.grammars.submit(constraint)   # every choice shares the grammar
         for seq in seqs:
+            seq.end_len = min(seq.end_len, self.max_model_len)
             self.by_id[seq.id] = seq
             seq.grammar = grammar
             (self.waiting if grammar is None else self.compiling).append(seq)
@@ -228,28 +262,37 @@ class Scheduler:
         if self.compiling:
             self._admit_compiled()
         budget = self.max_num_batched_tokens
-        chunks: dict[str, SeqChunk] = {}
+        bs = self.blocks.block_size
+        chunks: list[SeqChunk] = []
+        planned: list[tuple[Sequence, int]] = []    # (seq, epoch) of each chunk
         new_seqs: list[SeqStart] = []
 
         # Running sequences first, oldest first; preempt from the newest end when short.
+        # (Every sequence, every step: Sequence's properties are inlined, and _grow is
+        # called only when the chunk needs another block.)
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_pending and self._done_when_pending_lands(seq):
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            total = len(seq.token_ids) + seq.num_pending
+            if seq.num_pending and total >= seq.end_len:
                 i += 1      # finishes with the token on its way (max_tokens, max_model_len)
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = total - seq.num_computed        # seq.num_uncomputed
+            if n > budget:
+                n = budget
             if n <= 0:
                 i += 1
                 continue
-            if not self._grow(seq, n):
-                victim = self.running[-1]
-                self._unplan(chunks.pop(victim.id, None), victim)
+            if seq.num_computed + n > len(seq.table) * bs and not self._grow(seq, n):
+                victim = running[-1]
+                self._unplan(chunks, planned, victim)
                 self._preempt(victim)
                 if victim is seq:
                     break
                 continue
-            chunks[seq.id] = self._chunk(seq, n)
+            chunks.append(self._chunk(seq, n))
+            planned.append((seq, seq.epoch))
             budget -= n
             i += 1
 
@@ -275,24 +318,26 @@ class Scheduler:
                 seq.first_scheduled = True
                 seq.scheduled_at = time.monotonic()
                 new_seqs.append(self._start(seq))
-            chunks[seq.id] = self._chunk(seq, n)
+            chunks.append(self._chunk(seq, n))
+            planned.append((seq, seq.epoch))
             budget -= n
 
         released, self._released = tuple(self._released), []
         if chunks:
-            self._planned[self.step] = [(self.by_id[sid], self.by_id[sid].epoch) for sid in chunks]
-        return StepPlan(self.step, tuple(chunks.values()), tuple(new_seqs), released)
+            self._planned[self.step] = planned
+        return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released)
 
-    def _done_when_pending_lands(self, seq: Sequence) -> bool:
-        """Whether the tokens on their way already end the sequence by length: planning
-        another step for it would only be thrown away."""
-        total = len(seq.token_ids) + seq.num_pending
-        return total - seq.prompt_len >= seq.max_tokens or total >= self.max_model_len
-
-    def _unplan(self, chunk: SeqChunk | None, seq: Sequence) -> None:
-        """Take a chunk planned in this step back out (its sequence is being preempted)."""
-        if chunk is not None and chunk.sample:
-            seq.num_pending -= 1
+    @staticmethod
+    def _unplan(chunks: list[SeqChunk], planned: list[tuple[Sequence, int]],
+                seq: Sequence) -> None:
+        """Take the sequence's chunk planned in this step, if any, back out (it is being
+        preempted)."""
+        for k, (s, _) in enumerate(planned):
+            if s is seq:
+                del planned[k]
+                if chunks.pop(k).sample:
+                    seq.num_pending -= 1
+                return
 
     def _start(self, seq: Sequence) -> SeqStart:
         prompt = tuple(seq.token_ids[:seq.prompt_len])
@@ -323,6 +368,7 @@ class Scheduler:
             return False
         bm.take_cached(hits)
         seq.table = list(hits)
+        seq.table_t = tuple(hits)
         seq.num_computed = seq.num_done = cached
         seq.hash_cursor = (len(hits), last_hash)
         if not seq.first_scheduled:
@@ -335,14 +381,23 @@ class Scheduler:
         start = seq.num_computed
         known = len(seq.token_ids)
         end = start + n
-        tokens = tuple(seq.token_ids[start:end])
-        if end > known:      # the last token is still on its way from the running step
-            tokens += (PLACEHOLDER,) * (end - max(start, known))
+        if end <= known:
+            tokens = tuple(seq.token_ids[start:end])
+        elif start >= known:  # all on its way from the running step (an async decode)
+            tokens = _PLACEHOLDER if n == 1 else (PLACEHOLDER,) * n
+        else:                # the last token is still on its way from the running step
+            tokens = tuple(seq.token_ids[start:end]) + (PLACEHOLDER,) * (end - known)
         last = end == known + seq.num_pending
         seq.num_computed = end
         if last:
             seq.num_pending += 1
-        return SeqChunk(seq.id, tokens, start, tuple(seq.table), last)
+        chunk = _new(SeqChunk)    # SeqChunk(seq.id, tokens, start, seq.table_t, last)
+        _set_seq_id(chunk, seq.id)
+        _set_token_ids(chunk, tokens)
+        _set_start_pos(chunk, start)
+        _set_block_table(chunk, seq.table_t)
+        _set_sample(chunk, last)
+        return chunk
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.table)
@@ -351,11 +406,13 @@ class Scheduler:
         if not self.blocks.can_allocate(need):
             return False
         seq.table.extend(self.blocks.allocate(need))
+        seq.table_t = tuple(seq.table)
         return True
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.table)
         seq.table = []
+        seq.table_t = ()
         seq.num_computed = seq.num_done = 0
         seq.hash_cursor = (0, seq.hash_root)
         seq.epoch += 1       # a step in flight for it no longer speaks for these blocks
@@ -377,13 +434,16 @@ class Scheduler:
                     self.finish(seq.req.request_id, FinishReason.ERROR, result.error)
             return self.drain()
         sampled = dict(zip(result.seq_ids, result.token_ids))
-        logprobs = dict(zip(result.seq_ids, result.logprobs))
+        logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else None
         for pl in result.prompt_logprobs:
             seq = self.by_id.get(pl.seq_id)
             if seq is not None:
                 seq.prompt_lps.extend(pl.entries)
         deltas = list(self._pending)
         self._pending = []
+        bs = self.blocks.block_size
+        # a block to hash only once one fills (commit_full_blocks is a no-op until then)
+        commit = self.blocks.commit_full_blocks if self.blocks.prefix_caching else None
         for chunk, (seq, epoch) in zip(plan.chunks, planned):
             if seq.retired:
                 continue    # finished while this step ran: its row is thrown away
@@ -392,13 +452,14 @@ class Scheduler:
                 seq.num_pending -= 1
                 seq.token_ids.append(tok)
             if epoch == seq.epoch:   # not preempted since: these blocks now hold the chunk's KV
-                seq.num_done = chunk.start_pos + len(chunk.token_ids)
-                seq.hash_cursor = self.blocks.commit_full_blocks(
-                    seq.table, seq.token_ids, seq.num_done, *seq.hash_cursor)
+                seq.num_done = done = chunk.start_pos + len(chunk.token_ids)
+                if commit is not None and done // bs > seq.hash_cursor[0]:
+                    seq.hash_cursor = commit(seq.table, seq.token_ids, done, *seq.hash_cursor)
             if tok is None:
                 continue
             prompt_lps = ()
-            if seq.prompt_logprobs is not None and seq.num_output == 1:   # the first token
+            if (seq.prompt_logprobs is not None
+                    and len(seq.token_ids) - seq.prompt_len == 1):   # the first token
                 prompt_lps, seq.prompt_lps = (None, *seq.prompt_lps), []  # none for the first
             if seq.max_tokens == 0:
                 # echo alone (completions max_tokens 0): the prompt was computed for its
@@ -414,13 +475,25 @@ class Scheduler:
             if tok in seq.stop_ids:  # the sampler masks stop ids until min_tokens
                 reason = FinishReason.STOP
                 stop = tok if tok in seq.req.sampling.options.stop_token_ids else None
-            elif seq.num_output >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            elif len(seq.token_ids) >= seq.end_len:    # max_tokens or max_model_len
                 reason = FinishReason.LENGTH
-            lp = logprobs.get(seq.id)
-            deltas.append(Delta(seq.req.request_id, (tok,), reason, stop, seq.num_cached_tokens,
-                                token_logprobs=(lp,) if lp is not None else (),
-                                scheduled_at=seq.scheduled_at, index=seq.index,
-                                prompt_token_logprobs=prompt_lps))
+            # Delta(request_id, (tok,), reason, stop, num_cached_tokens, token_logprobs=...,
+            # scheduled_at=..., index=..., prompt_token_logprobs=...), built as one dict
+            # copy from the sequence's prototype instead of an assignment per field
+            delta = _new(Delta)
+            fields = delta.__dict__
+            fields.update(seq.delta_proto or _delta_proto(seq))
+            fields["token_ids"] = (tok,)
+            if reason is not None:
+                fields["finish_reason"] = reason
+                fields["stop_reason"] = stop
+            if logprobs is not None:
+                lp = logprobs.get(seq.id)
+                if lp is not None:
+                    fields["token_logprobs"] = (lp,)
+            if prompt_lps:
+                fields["prompt_token_logprobs"] = prompt_lps
+            deltas.append(delta)
             if reason is not None:
                 if epoch == seq.epoch:
                     self.running.remove(seq)

@@ -22,6 +22,12 @@ def check(s):
     for seq in list(s.running) + list(s.waiting):
         for b in seq.table: refs[b] += 1
         assert len(seq.table) >= bm.blocks_for(seq.num_computed), (seq.id, seq.table, seq.num_computed)
+        assert seq.table_t == tuple(seq.table), (seq.id, seq.table_t, seq.table)   # the cached copy
+        assert seq.end_len == min(seq.prompt_len + seq.max_tokens, s.max_model_len)
+        if seq.delta_proto is not None:     # what schedule's deltas copy: still the sequence's
+            assert {k: seq.delta_proto[k] for k in ("num_cached_tokens", "scheduled_at", "index")} \
+                == {"num_cached_tokens": seq.num_cached_tokens, "scheduled_at": seq.scheduled_at,
+                    "index": seq.index}
     for b in range(bm.num_blocks):
         assert bm.ref_count[b] == refs[b], (b, bm.ref_count[b], refs[b])
         assert (b in bm.free) == (refs[b] == 0), b
