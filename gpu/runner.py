@@ -381,7 +381,8 @@ class BlockTables:
             if row is None:
                 row = self.row_of[c.seq_id] = (self.free_rows.pop() if self.free_rows
                                                else len(self.row_of))
-            if self.table_of.get(c.seq_id) != t:
+            prev = self.table_of.get(c.seq_id)
+            if prev is not t and prev != t:     # the scheduler passes the same tuple on
                 self._write(row, t)
                 self.table_of[c.seq_id] = t
             idx.append(row)

@@ -20,6 +20,7 @@ those errors), and then it is cancelled; the stage's error comes out of the bloc
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -537,6 +538,16 @@ async def _run_stages(cfg: EngineConfig, device: torch.device, built: _Built,
         raise
 
 
+def _freeze_heap() -> None:
+    """Once loaded, move everything alive (the model, the tokenizer, the modules) out of
+    the cyclic garbage collector's sight, as vLLM does: otherwise every full collection
+    while serving walks those hundreds of thousands of objects, a stall of about 0.15 s
+    on the GIL the engine steps need (docs/benchmarks.md, "garbage collector").
+    open_engine unfreezes on exit."""
+    gc.collect()
+    gc.freeze()
+
+
 @contextlib.asynccontextmanager
 async def open_engine(config: EngineConfig, loaded: LoadedModel | None = None
                       ) -> AsyncIterator[Engine]:
@@ -557,6 +568,7 @@ async def open_engine(config: EngineConfig, loaded: LoadedModel | None = None
     try:
         async with trio.open_nursery() as nursery:
             engine = await nursery.start(_run_stages, config, device, built, events)
+            _freeze_heap()
             try:
                 yield engine
             except BaseException as exc:
@@ -571,6 +583,7 @@ async def open_engine(config: EngineConfig, loaded: LoadedModel | None = None
             raise body_error from None
         raise
     finally:
+        gc.unfreeze()        # what the engine held may be collected again
         if events is not None:
             events.close()
     if engine.failure is not None:   # the body finished within the grace: the failure stands
