@@ -17,7 +17,9 @@ from stages.render import RenderedRequest
 from stages.schedule import FinishRequest, Step
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
-_with_text = Delta.evolver("text", "logprobs", "finish_reason", "stop_reason")
+# content starts as the text, what a request without a parser shows, so that parse passes
+# such a request's deltas on as they are; parse splits it for a request with one
+_with_text = Delta.evolver("text", "content", "logprobs", "finish_reason", "stop_reason")
 _with_prompt_logprobs = Delta.evolver("prompt_logprobs")
 
 
@@ -72,7 +74,7 @@ class DetokState:
             TokenLogprob(token_text(tokenizer, t), lp.logprob,
                          tuple((token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
             for t, lp in zip(ids, d.token_logprobs))
-        out = _with_text(d, text, logprobs, finish, stop_reason)
+        out = _with_text(d, text, text, logprobs, finish, stop_reason)
         if d.prompt_token_logprobs:
             out = _with_prompt_logprobs(out, self.prompt_logprobs(tokenizer, d.prompt_token_logprobs))
         return out
@@ -119,9 +121,9 @@ class Detokenizer:
             ids = d.token_ids
             if (st.plain and d.finish_reason is None and len(ids) == 1 and not d.token_logprobs
                     and not d.prompt_token_logprobs):
-                piece = st.stream.step(hf, ids[0])
+                piece = st.stream.step(hf, ids[0]) or ""
                 st.num_output += 1
-                deltas.append(_with_text(d, piece or "", (), None, None))
+                deltas.append(_with_text(d, piece, piece, (), None, None))
                 continue
             out = st.step(hf, d)
             if out.finished:
