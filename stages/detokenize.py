@@ -31,6 +31,9 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+_UNSEEN = object()
+
+
 class CleanPieces:
     """Each token's text decoded alone, where it is a whole piece: non-empty and valid
     UTF-8 by itself (no U+FFFD), else None. Filled as tokens are first seen."""
@@ -68,8 +71,9 @@ class ByteLevelStream:
 
     def step(self, tokenizer, token_id: int) -> str | None:
         if self.steady:
-            pieces = self.clean.pieces
-            piece = pieces[token_id] if token_id in pieces else self.clean.learn(token_id)
+            piece = self.clean.pieces.get(token_id, _UNSEEN)
+            if piece is _UNSEEN:
+                piece = self.clean.learn(token_id)
             if piece is not None:
                 self.ids[0] = token_id
                 self.prefix = piece

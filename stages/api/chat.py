@@ -323,7 +323,8 @@ class ChatFramer(Framer):
         c.text.append(delta.content)
         c.reasoning.append(reasoning)
         c.logprobs.extend(logprobs)
-        c.token_ids.extend(delta.token_ids)
+        if self._return_ids:
+            c.token_ids.extend(delta.token_ids)
         c.tool_calls.extend(ToolCallOut(id=t.id, function=FunctionCall(name=t.name,
                                                                        arguments=t.arguments))
                             for t in delta.tool_calls)

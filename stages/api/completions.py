@@ -177,7 +177,8 @@ class CompletionFramer(Framer):
             echo_text, echo_lps = self._prompt_part(delta)
             c.text.append(echo_text + delta.content)
             c.logprobs.extend(echo_lps + delta.logprobs)
-        c.token_ids.extend(delta.token_ids)
+        if self._return_ids:
+            c.token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
             c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
         if not self.closing:

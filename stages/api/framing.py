@@ -173,7 +173,7 @@ class ChoiceState:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.logprobs: list = []
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []       # with return_token_ids
         self.tool_calls: list = []           # chat: ToolCallOut, from the parse stage
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
