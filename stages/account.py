@@ -56,7 +56,7 @@ class Histogram:
 class _RequestUsage:
     __slots__ = ("prompt", "completion", "reasoning", "arrival", "scheduled", "first_token",
                  "last_token", "wants_metrics", "open_choices", "cached", "n", "prompt_lens",
-                 "prompt_cached")
+                 "prompt_cached", "continuous")
 
     def __init__(self, req: RenderedRequest) -> None:
         self.prompt = req.num_prompt_tokens      # every prompt's, once (not per choice)
@@ -72,6 +72,7 @@ class _RequestUsage:
         self.n = req.n
         self.prompt_lens = [len(p) for p in req.prompts] or [len(req.prompt_token_ids)]
         self.prompt_cached: list[int | None] = [None] * len(self.prompt_lens)
+        self.continuous = req.continuous_usage   # every delta carries the usage so far
 
     def metrics(self) -> RequestMetrics:
         """The request's own timings (vLLM's per-request metrics), in milliseconds."""
@@ -110,52 +111,73 @@ class Accountant:
         self.decode = Histogram(REQUEST_BUCKETS)
 
     def process(self, msg: Step) -> tuple[Step, list[tuple[str, Usage, FinishReason]]]:
-        """Returns the accounted step and the (request_id, usage, reason) of finished requests."""
+        """Returns the accounted step and the (request_id, usage, reason) of finished requests.
+
+        A delta gets its `usage` where a reply reads it: each choice's last delta, and every
+        delta of a stream with continuous usage stats. Any other delta passes on as it came
+        (most deltas of most steps: a running sequence's one token)."""
+        requests = self.requests
         for req in msg.new_requests:
-            self.requests[req.request_id] = _RequestUsage(req)
+            requests[req.request_id] = _RequestUsage(req)
         now = msg.done_at
         deltas, finished = [], []
+        # the ITL histogram inline (one observation per running sequence per step)
+        itl = self.itl
+        itl_bounds, itl_counts, itl_sum = itl.buckets, itl.counts, itl.sum
+        generated = 0
         for d in msg.deltas:
-            u = self.requests.get(d.request_id)
+            u = requests.get(d.request_id)
             if u is None:
                 continue
             n = len(d.token_ids)
-            if d.index % u.n == 0:    # a prompt's first choice: its prompt's cache hits
-                p = d.index // u.n
-                if u.prompt_cached[p] is None and (n or d.scheduled_at):   # looked up
+            index = d.index
+            if index % u.n == 0:    # a prompt's first choice: its prompt's cache hits
+                p = index // u.n
+                cached = d.num_cached_tokens
+                before = u.prompt_cached[p]
+                if before is None and (n or d.scheduled_at):   # looked up
                     self.prefix_cache_queries_total += u.prompt_lens[p]
-                    self.prefix_cache_hits_total += d.num_cached_tokens
-                u.prompt_cached[p] = d.num_cached_tokens
-                u.cached = sum(c or 0 for c in u.prompt_cached)
+                    self.prefix_cache_hits_total += cached
+                if before != cached:
+                    u.prompt_cached[p] = cached
+                    u.cached = sum(c or 0 for c in u.prompt_cached)
             if n:
                 if not u.completion:
                     u.scheduled = d.scheduled_at
                     u.first_token = now
                     self.ttft.observe(now - u.arrival)
-                elif d.index == 0:   # the gaps of one sequence (choices share steps)
-                    self.itl.observe(now - u.last_token)
+                elif index == 0:   # the gaps of one sequence (choices share steps)
+                    gap = now - u.last_token
+                    itl_counts[bisect.bisect_left(itl_bounds, gap)] += 1
+                    itl_sum += gap
                 u.last_token = now
-            u.completion += n
+                u.completion += n
+                generated += n
             u.reasoning += d.reasoning_tokens   # a choice's whole count, on its last delta
-            self.generation_tokens_total += n
+            reason = d.finish_reason
+            if reason is None:
+                deltas.append(_with_usage(d, Usage(u.prompt, u.completion, u.cached, u.reasoning))
+                              if u.continuous else d)
+                continue
             usage = Usage(u.prompt, u.completion, u.cached, u.reasoning)
-            if d.finish_reason is not None:
-                u.open_choices -= 1
-            if d.finish_reason is None or u.open_choices > 0:
+            u.open_choices -= 1
+            if u.open_choices > 0:
                 deltas.append(_with_usage(d, usage))
                 continue
-            del self.requests[d.request_id]
+            del requests[d.request_id]
             self.prompt_tokens_total += u.prompt
             self.cached_tokens_total += u.cached
-            self.finished_total[d.finish_reason] = self.finished_total.get(d.finish_reason, 0) + 1
-            if u.completion and d.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
+            self.finished_total[reason] = self.finished_total.get(reason, 0) + 1
+            if u.completion and reason not in (FinishReason.ABORT, FinishReason.ERROR):
                 self.e2e.observe(u.last_token - u.arrival)
                 self.queue.observe(u.scheduled - u.arrival)
                 self.prefill.observe(u.first_token - u.scheduled)
                 self.decode.observe(u.last_token - u.first_token)
-            finished.append((d.request_id, usage, d.finish_reason))
+            finished.append((d.request_id, usage, reason))
             deltas.append(_with_usage_and_metrics(d, usage, u.metrics()) if u.wants_metrics
                           else _with_usage(d, usage))
+        itl.sum = itl_sum
+        self.generation_tokens_total += generated
         return attrs.evolve(msg, deltas=tuple(deltas)), finished
 
 

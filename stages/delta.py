@@ -3,7 +3,7 @@
 schedule creates a `Delta` for each request an engine step touched; each later stage
 fills in only its own fields through a `Delta.evolver` (detokenize: text and logprobs with
 text, and a stop string's finish; parse: content, reasoning, tool calls, and finish_reason
-tool_calls when the turn ends in a call; account: usage).
+tool_calls when the turn ends in a call; account: usage where a reply reads it).
 Nothing is repacked by position. The deltas of one engine step travel together in one
 `Step` (stages/schedule.py), the message on every channel from schedule to emit.
 """
@@ -108,7 +108,10 @@ class Delta:
     tool_calls: tuple[ToolCallDelta, ...] = ()  # calls completed this step (with a tool plan)
     reasoning_tokens: int = 0                  # on a choice's last delta: its whole output's
     # -- account
-    usage: Usage | None = None                 # running totals; final when finish_reason is set
+    # the totals so far, where a reply reads them: on each choice's last delta (the final
+    # usage on the request's last) and on every delta of a stream with continuous usage
+    # stats; None on the others (most deltas: building it for each is a step's cost)
+    usage: Usage | None = None
     metrics: RequestMetrics | None = None      # the finished request's timings, when asked for
 
     @property

@@ -1,7 +1,9 @@
 """detokenize: sampled token ids -> text deltas; stop strings.
 
 One DetokState per request: an incremental decoder (tokenizers' DecodeStream, which
-holds back incomplete UTF-8) and the stop-string matcher, which holds back the last
+holds back incomplete UTF-8; for a ByteLevel tokenizer, the same in ByteLevelStream, which
+gives a running token's text without decoding when that token is a whole character or
+more) and the stop-string matcher, which holds back the last
 len(longest stop) - 1 characters so that a stop string split across steps is never
 half-emitted. As in vLLM, a stop string only counts when it ends in the text of an
 output token past the first min_tokens.
@@ -10,14 +12,16 @@ from __future__ import annotations
 
 import attrs
 import trio
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from stages.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
 from stages.render import RenderedRequest
 from stages.schedule import FinishRequest, Step
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
-_with_text = Delta.evolver("text", "logprobs", "finish_reason", "stop_reason")
+# content starts as the text, what a request without a parser shows, so that parse passes
+# such a request's deltas on as they are; parse splits it for a request with one
+_with_text = Delta.evolver("text", "content", "logprobs", "finish_reason", "stop_reason")
 _with_prompt_logprobs = Delta.evolver("prompt_logprobs")
 
 
@@ -27,12 +31,102 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+_UNSEEN = object()
+
+
+class CleanPieces:
+    """Each token's text decoded alone, where it is a whole piece: non-empty and valid
+    UTF-8 by itself (no U+FFFD), else None. Filled as tokens are first seen."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.pieces: dict[int, str | None] = {}
+
+    def learn(self, token_id: int) -> str | None:
+        piece = self.tokenizer.decode([token_id], skip_special_tokens=self.skip)
+        piece = piece if piece and "\ufffd" not in piece else None
+        self.pieces[token_id] = piece
+        return piece
+
+
+class ByteLevelStream:
+    """tokenizers' DecodeStream step for step (its step_decode_stream: the ids since the
+    last emitted prefix, the prefix's text, where it ends), for a tokenizer whose decoder
+    is ByteLevel alone, with one shortcut. ByteLevel decodes a list of tokens as the
+    concatenation of their bytes, so after a step that emitted one token's text (the state
+    is [that token], its text) a next token whose own text is a whole piece (CleanPieces)
+    decodes as the two pieces joined: its text is the step's output, and the state
+    becomes [that token], its text, with no decode at all. Any other step decodes as
+    DecodeStream does. tests/stages/test_detokenize_stream.py holds the two step for step."""
+
+    __slots__ = ("ids", "prefix", "prefix_index", "clean", "steady")
+
+    def __init__(self, ids: list[int], clean: CleanPieces) -> None:
+        self.ids = ids
+        self.prefix = ""
+        self.prefix_index = 0
+        self.clean = clean
+        self.steady = False   # ids == [one token], prefix_index 1, prefix its whole piece
+
+    def step(self, tokenizer, token_id: int) -> str | None:
+        if self.steady:
+            piece = self.clean.pieces.get(token_id, _UNSEEN)
+            if piece is _UNSEEN:
+                piece = self.clean.learn(token_id)
+            if piece is not None:
+                self.ids[0] = token_id
+                self.prefix = piece
+                return piece
+        return self._step(tokenizer, token_id)
+
+    def _step(self, tokenizer, token_id: int) -> str | None:
+        ids, skip = self.ids, self.clean.skip
+        self.steady = False
+        if not self.prefix and ids:
+            prefix = tokenizer.decode(ids, skip_special_tokens=skip)
+            if not prefix.endswith("\ufffd"):
+                self.prefix, self.prefix_index = prefix, len(ids)
+        ids.append(token_id)
+        text = tokenizer.decode(ids, skip_special_tokens=skip)
+        prefix = self.prefix
+        if text.endswith("\ufffd"):
+            return None
+        if not text.startswith(prefix):
+            if len(text.encode()) > len(prefix.encode()):     # as DecodeStream fails
+                raise ValueError(f"Invalid prefix encountered while decoding stream. Token ID: "
+                                 f"{token_id}, Expected prefix: {prefix!r}, Actual string: {text!r}")
+            return None
+        if len(text) == len(prefix):
+            return None
+        new_prefix_index = len(ids) - self.prefix_index
+        del ids[:self.prefix_index]
+        self.prefix = tokenizer.decode(ids, skip_special_tokens=skip)
+        self.prefix_index = new_prefix_index
+        self.steady = (len(ids) == 1 and new_prefix_index == 1 and self.prefix != ""
+                       and "\ufffd" not in self.prefix)
+        return text[len(prefix):]
+
+
+def byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's decoder is ByteLevel alone (ByteLevelStream's premise)."""
+    return tokenizer is not None and type(tokenizer.decoder) is ByteLevel
+
+
 class DetokState:
-    def __init__(self, req: RenderedRequest, detokenize: bool = True, index: int = 0) -> None:
+    def __init__(self, req: RenderedRequest, detokenize: bool = True, index: int = 0,
+                 clean: CleanPieces | None = None) -> None:
+        """`clean`: the tokenizer's CleanPieces (with req's skip_special_tokens) when it is
+        ByteLevel's, for a ByteLevelStream in place of tokenizers' DecodeStream."""
         sp = req.sampling
         self.prompt = req.prompt_of(index)
-        self.stream = DecodeStream(ids=list(self.prompt[-_PROMPT_CONTEXT:]),
-                                   skip_special_tokens=sp.skip_special_tokens) if detokenize else None
+        context = list(self.prompt[-_PROMPT_CONTEXT:])
+        if not detokenize:
+            self.stream = None
+        elif clean is not None:
+            self.stream = ByteLevelStream(context, clean)
+        else:
+            self.stream = DecodeStream(ids=context, skip_special_tokens=sp.skip_special_tokens)
         self.stops = sp.stop
         self.include_stop = sp.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
@@ -72,7 +166,7 @@ class DetokState:
             TokenLogprob(token_text(tokenizer, t), lp.logprob,
                          tuple((token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
             for t, lp in zip(ids, d.token_logprobs))
-        out = _with_text(d, text, logprobs, finish, stop_reason)
+        out = _with_text(d, text, text, logprobs, finish, stop_reason)
         if d.prompt_token_logprobs:
             out = _with_prompt_logprobs(out, self.prompt_logprobs(tokenizer, d.prompt_token_logprobs))
         return out
@@ -103,12 +197,17 @@ class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.hf = tokenizer.hf if hasattr(tokenizer, "hf") else tokenizer
         self.states: dict[tuple[str, int], DetokState] = {}   # (request id, choice)
+        # a ByteLevel tokenizer's whole pieces, by skip_special_tokens (ByteLevelStream)
+        self.clean = ({skip: CleanPieces(self.hf, skip) for skip in (False, True)}
+                      if byte_level(self.hf) else None)
 
     def process(self, msg: Step) -> tuple[Step, list[tuple[str, int]]]:
         """Returns the step's deltas and the (request, choice) a stop string finished."""
         for req in msg.new_requests:
             for i in range(req.num_choices):
-                self.states[req.request_id, i] = DetokState(req, self.hf is not None, i)
+                self.states[req.request_id, i] = DetokState(
+                    req, self.hf is not None, i,
+                    None if self.clean is None else self.clean[req.sampling.skip_special_tokens])
         deltas, stopped = [], []
         hf, states = self.hf, self.states
         for d in msg.deltas:
@@ -119,9 +218,9 @@ class Detokenizer:
             ids = d.token_ids
             if (st.plain and d.finish_reason is None and len(ids) == 1 and not d.token_logprobs
                     and not d.prompt_token_logprobs):
-                piece = st.stream.step(hf, ids[0])
+                piece = st.stream.step(hf, ids[0]) or ""
                 st.num_output += 1
-                deltas.append(_with_text(d, piece or "", (), None, None))
+                deltas.append(_with_text(d, piece, piece, (), None, None))
                 continue
             out = st.step(hf, d)
             if out.finished:

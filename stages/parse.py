@@ -42,6 +42,12 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _unparsed(d: Delta) -> bool:
+    """Whether d already is what parse makes of it without a parser: its text as content
+    (detokenize starts content there), no reasoning."""
+    return d.content == d.text and not d.reasoning and not d.reasoning_tokens
+
+
 class ThinkState:
     """Splits one request's text stream at <think> ... </think>."""
 
@@ -167,8 +173,11 @@ class Parser:
                 if req.tools is not None:
                     self.tools[req.request_id, i] = ToolState(f"{req.request_id}#{i}", req.tools)
         if not self.states and not self.tools and not self.harmony:
-            return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "", 0)
-                                                  for d in msg.deltas))
+            for d in msg.deltas:
+                if d.content != d.text or d.reasoning or d.reasoning_tokens:
+                    return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "", 0)
+                                                          for d in msg.deltas))
+            return msg    # every delta already is its own parse (see _unparsed)
         out = []
         for d in msg.deltas:
             key = (d.request_id, d.index)
@@ -188,7 +197,8 @@ class Parser:
                 self.states.pop(key, None)
                 self.tools.pop(key, None)
             if tools is None:
-                out.append(_with_content(d, content, reasoning, counted))
+                out.append(d if st is None and _unparsed(d)
+                           else _with_content(d, content, reasoning, counted))
                 continue
             content, calls = tools.feed(content, d.finished)
             reason = d.finish_reason

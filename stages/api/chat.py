@@ -233,6 +233,10 @@ def chat_logprobs(entries) -> ChatLogprobs:
         for e in entries])
 
 
+def _content_choice(index: int, content: str) -> ChatChunkChoice:
+    return ChatChunkChoice(index=index, delta=ChatDelta(content=content), logprobs=None)
+
+
 class ChatFramer(Framer):
     def __init__(self, req) -> None:
         super().__init__(req)
@@ -243,6 +247,8 @@ class ChatFramer(Framer):
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._show_reasoning = req.request.include_reasoning
         self._return_ids = req.request.return_token_ids
+        # no token ids or usage per chunk: a running choice's chunk is its content
+        self._plain_stream = not (self._return_ids or req.continuous_usage)
         # OpenAI: with include_usage every chunk has "usage", null but on the last.
         self._chunk = ChunkBytes(ChatCompletionChunk(
             id=self.id, created=req.created, model=req.model, choices=[],
@@ -270,6 +276,11 @@ class ChatFramer(Framer):
         return b"".join(out)
 
     def _stream(self, delta: Delta) -> bytes:
+        if (self._plain_stream and delta.finish_reason is None and not delta.reasoning
+                and not delta.tool_calls and not (self._wants_logprobs and delta.logprobs)):
+            # a running choice's new content alone (what the general path below makes of it)
+            return (self._chunk.text(delta.index, delta.content, _content_choice)
+                    if delta.content else b"")
         out = []
         reasoning, logprobs = self._visible(delta)
         lp = chat_logprobs(logprobs) if self._wants_logprobs and logprobs else None
@@ -312,7 +323,8 @@ class ChatFramer(Framer):
         c.text.append(delta.content)
         c.reasoning.append(reasoning)
         c.logprobs.extend(logprobs)
-        c.token_ids.extend(delta.token_ids)
+        if self._return_ids:
+            c.token_ids.extend(delta.token_ids)
         c.tool_calls.extend(ToolCallOut(id=t.id, function=FunctionCall(name=t.name,
                                                                        arguments=t.arguments))
                             for t in delta.tool_calls)

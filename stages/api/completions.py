@@ -95,6 +95,8 @@ class CompletionFramer(Framer):
         # each prompt's logprobs (its first choice brings them), as a choice shows them
         self._prompt_lps: list[tuple | None] = [None] * (num // req.n)
         self._show_prompt_logprobs = req.sampling.prompt_logprobs is not None
+        # no echo, token ids or usage per chunk: a running choice's chunk is its text
+        self._plain_stream = not (req.echo is not None or self._return_ids or req.continuous_usage)
         self._chunk = ChunkBytes(Completion(
             id=self.id, created=req.created, model=req.model, choices=[],
             **({"usage": None} if req.include_usage else {})),
@@ -129,6 +131,11 @@ class CompletionFramer(Framer):
 
     def _stream(self, delta: Delta) -> bytes:
         # Completions have no reasoning field: a reasoning parser's reasoning is dropped.
+        if (self._plain_stream and delta.finish_reason is None and not delta.prompt_logprobs
+                and not (self._wants_logprobs and delta.logprobs)):
+            # a running choice's new text alone (what the general path below makes of it)
+            return (self._chunk.text(delta.index, delta.content, _text_choice)
+                    if delta.content else b"")
         out = []
         echo_text, echo_lps = self._prompt_part(delta)
         text = echo_text + delta.content
@@ -162,10 +169,16 @@ class CompletionFramer(Framer):
 
     def _accumulate(self, delta: Delta) -> bytes:
         c = self._choices[delta.index]
-        echo_text, echo_lps = self._prompt_part(delta)
-        c.text.append(echo_text + delta.content)
-        c.logprobs.extend(echo_lps + delta.logprobs)
-        c.token_ids.extend(delta.token_ids)
+        if self.req.echo is None and not delta.prompt_logprobs:   # nothing before its own
+            c.text.append(delta.content)
+            if delta.logprobs:
+                c.logprobs.extend(delta.logprobs)
+        else:
+            echo_text, echo_lps = self._prompt_part(delta)
+            c.text.append(echo_text + delta.content)
+            c.logprobs.extend(echo_lps + delta.logprobs)
+        if self._return_ids:
+            c.token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
             c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
         if not self.closing:
@@ -190,6 +203,10 @@ class CompletionFramer(Framer):
             stop_reason=c.stop_reason,
             logprobs=self._logprobs_json(i, c.logprobs) if self._wants_logprobs else None,
             **extra)
+
+
+def _text_choice(index: int, text: str) -> CompletionChoice:
+    return CompletionChoice(index=index, text=text, logprobs=None)
 
 
 def _prompt_top(e: PromptLogprob) -> dict[str, float]:

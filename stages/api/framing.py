@@ -9,7 +9,7 @@ so replaying the event log reproduces a reply byte for byte.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 import orjson
@@ -27,6 +27,10 @@ DONE = b"data: [DONE]\n\n"
 # HTTP status of a non-streaming reply whose client went away (nginx's
 # "client closed request"); nobody reads it, but logs do.
 STATUS_CLIENT_CLOSED = 499
+
+
+# stands for the text in a chunk template (ChunkBytes.text), where it is the only string
+_MARK = "\x00tailrace-text\x00"
 
 
 def sse_data(obj: Any) -> bytes:
@@ -64,6 +68,7 @@ class ChunkBytes:
         self.continuous_usage = continuous_usage
         self.head = b"data: " + head + b'"choices":'
         self.tail = tail + b"\n\n"
+        self._text: dict[int, tuple[bytes, bytes]] = {}   # see text()
 
     def __call__(self, choices: list, usage: Any = None, **fields: Any) -> bytes:
         """A chunk; `usage` (the usage so far) is used with continuous usage, `fields` are
@@ -73,6 +78,19 @@ class ChunkBytes:
                 fields["usage"] = usage
             return sse_data(attrs.evolve(self.template, choices=choices, **fields))
         return self.head + orjson.dumps([unstructure(c) for c in choices]) + self.tail
+
+    def text(self, index: int, text: str, choice: Callable[[int, str], Any]) -> bytes:
+        """The chunk of choice `index` that differs from its others only in a string:
+        `choice(index, text)` as `self([...])` frames it, from a template made once per
+        choice. Most chunks of most streams are a running choice's new text."""
+        parts = self._text.get(index)
+        if parts is None:
+            whole = orjson.dumps([unstructure(choice(index, _MARK))])
+            mark = orjson.dumps(_MARK)
+            before, sep, after = whole.partition(mark)
+            assert sep and mark not in after, whole
+            parts = self._text[index] = (self.head + before, after + self.tail)
+        return parts[0] + orjson.dumps(text) + parts[1]
 
     def with_usage(self, usage: Any, metrics: Any = None) -> bytes:
         """The usage chunk: no choices, the final usage (and the request's metrics)."""
@@ -155,7 +173,7 @@ class ChoiceState:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.logprobs: list = []
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []       # with return_token_ids
         self.tool_calls: list = []           # chat: ToolCallOut, from the parse stage
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -330,3 +330,21 @@ def test_responses_non_stream_incomplete_and_error():
     f = Framer(request("responses", body=RESP_BODY))
     body = f.on_delta(delta(finish=FinishReason.ERROR, error="bad"))
     assert f.status == 500 and orjson.loads(body)["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_running_text_chunks_match_the_general_framing(api):
+    """A running choice's text-only chunk comes from a per-choice template
+    (ChunkBytes.text); it must be byte for byte what the general path frames, for any
+    text (quotes, escapes, control characters, non-ASCII) and any choice."""
+    texts = ['He said "hi"', "back\\slash", "tab\tnew\nline\x00\x1f", "é中🙂", "</script>", " "]
+    body = {"n": 2}
+    fast, slow = Framer(request(api, stream=True, body=body)), Framer(request(api, stream=True, body=body))
+    slow._plain_stream = False                 # every chunk through the general path
+    fast.start(), slow.start()
+    for k, text in enumerate(texts):
+        d = attrs.evolve(delta(text), index=k % 2)
+        out = fast.on_delta(d)
+        assert out == slow.on_delta(d) and out.count(b"data: ") == 1
+        assert orjson.loads(out[6:])["choices"][0]["index"] == k % 2
+    assert fast.on_delta(delta("")) == b""

@@ -1,6 +1,7 @@
 """Every stage, run alone through the harness with scripted input messages."""
 from __future__ import annotations
 
+import attrs
 import orjson
 import trio
 
@@ -231,6 +232,23 @@ async def test_account_stage_usage_and_counters():
     assert log.named("finished")[0]["completion_tokens"] == 3
 
 
+async def test_account_usage_so_far_only_where_a_reply_reads_it():
+    """A running delta gets the usage so far only when its stream shows continuous usage
+    stats; every other running delta passes through account as it came."""
+    plain = rendered("p", prompt=(1, 2), stream=True)
+    cont = attrs.evolve(rendered("c", prompt=(1, 2, 3), stream=True), continuous_usage=True)
+    steps = [Step(k, (plain, cont) if k == 0 else (), tuple(
+        Delta(rid, (10 + k,), FinishReason.LENGTH if k == 2 else None) for rid in ("p", "c")))
+        for k in range(3)]
+    out = await run_stage(account.run, inputs={"receive": steps}, core=account.Accountant())
+    got = {(d.request_id, s.step): d for s in out["send"] for d in s.deltas}
+    for k in range(2):
+        assert got["p", k] is steps[k].deltas[0]          # passed on untouched
+        assert got["c", k].usage == Usage(prompt_tokens=3, completion_tokens=k + 1)
+    assert got["p", 2].usage == Usage(prompt_tokens=2, completion_tokens=3)
+    assert got["c", 2].usage == Usage(prompt_tokens=3, completion_tokens=3)
+
+
 async def test_reasoning_tokens_are_counted_once_per_choice_over_its_output():
     """parse then account: a choice's reasoning tokens are the output tokens inside its
     reasoning, whatever each delta shows. A token whose text detokenize holds back (half a
@@ -255,7 +273,8 @@ async def test_reasoning_tokens_are_counted_once_per_choice_over_its_output():
     deltas = [d for s in out["send"] for d in s.deltas]
     assert "".join(d.reasoning for d in deltas if d.index == 0) == "planning"
     assert [d.reasoning_tokens for d in deltas if d.finished] == [2, 3]   # on the last only
-    assert all(d.usage.reasoning_tokens == 0 for d in deltas if not d.finished)
+    assert all(d.usage is None for d in deltas if not d.finished)   # no reply reads one there
+    assert [d.usage.reasoning_tokens for d in deltas if d.finished] == [2, 2 + 3]
     assert deltas[-1].usage == Usage(prompt_tokens=3, completion_tokens=11,
                                      reasoning_tokens=3 + 2)      # summed over the choices
 
