@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -30,16 +29,9 @@ import weakref
 from collections.abc import Sequence
 from functools import partial
 
-# Before torch loads OpenMP (pipeline.config imports torch): OpenMP's worker threads
-# sleep between parallel regions instead of spinning. A spinning worker holds a core the
-# event loop, the runner thread and the other worker need; with two cores, or any other
-# load, each region then waits for a descheduled spinner, and a CPU model's steps get
-# 2-6x slower (docs/benchmarks.md, "OpenMP wait policy"). A value set by the user wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from pipeline.config import add_engine_arguments, byte_size, engine_config  # noqa: E402
-from web.access import api_keys  # noqa: E402
-from web.app import DEFAULT_MAX_REQUEST_BODY_BYTES, AppConfig  # noqa: E402
+from pipeline.config import add_engine_arguments, byte_size, engine_config
+from web.access import api_keys
+from web.app import DEFAULT_MAX_REQUEST_BODY_BYTES, AppConfig
 
 log = logging.getLogger("tailrace")
 

@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import logging
 import socket
-import sys
 from functools import partial
-from pathlib import Path
 
 import orjson
 import pytest
@@ -301,20 +298,3 @@ async def test_every_route_answers_503_while_the_model_loads(monkeypatch, nurser
                 await trio.sleep(0.01)
         assert (await http.get("/v1/models")).json()["data"][0]["id"] == "fake-model"
     nursery.cancel_scope.cancel()
-
-
-def test_the_cli_makes_openmp_wait_passively_unless_told_otherwise():
-    """web.cli sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (spinning workers
-    starve the event loop on a small machine), and keeps a value the user set."""
-    import subprocess
-
-    code = "import os, web.cli, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    root = str(Path(__file__).resolve().parents[2])
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": root},
-                         capture_output=True, text=True, check=True, cwd=root)
-    assert out.stdout.strip() == "PASSIVE"
-    out = subprocess.run([sys.executable, "-c", code],
-                         env={**env, "PYTHONPATH": root, "OMP_WAIT_POLICY": "ACTIVE"},
-                         capture_output=True, text=True, check=True, cwd=root)
-    assert out.stdout.strip() == "ACTIVE"
