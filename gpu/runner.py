@@ -515,6 +515,8 @@ def upload_inputs(host: HostInputs, dev: torch.device, staging: Staging | None =
                 ids[i] = last_token(seq_id)
     if staging is not None:
         moved = staging.upload(host.arrays)
+    elif dev.type == "cpu":   # no copy; and no .to(), which lets go of the GIL for nothing
+        moved = [torch.from_numpy(a) for a in host.arrays]
     else:
         moved = [torch.from_numpy(a).to(dev) for a in host.arrays]
     input_ids, positions, slot_mapping, block_tables, cu_seqlens_q, seq_lens = moved[:6]
