@@ -152,13 +152,7 @@ class ModelRunner:
         """The plan's host-side input preparation, which needs nothing from the steps
         before it: the GPU stage calls it as a plan arrives, while the step before still
         runs, and hands the result to `execute`. Plans are staged in order, one at a time."""
-        for sid in plan.released:
-            self.block_tables.release(sid)
-        if not plan.chunks:
-            return None
-        host = stage_inputs(plan.chunks, self.block_size, self.block_tables)
-        self.staged_tokens.stage(plan.step, host)
-        return host
+        return stage_plan(plan, self.block_size, self.block_tables, self.staged_tokens)
 
     def execute(self, plan: StepPlan, staged: HostInputs | None = None) -> StepResult:
         """Run one step; `staged` is `stage(plan)`'s result when the caller staged it
@@ -461,6 +455,19 @@ def stage_inputs(chunks: tuple[SeqChunk, ...], bs: int,
                       starts, decode_rows=[i for i, q in enumerate(q_lens) if q == 1],
                       prefill_rows=[i for i, q in enumerate(q_lens) if q > 1],
                       sampled=tuple(c.seq_id for c in chunks if c.sample))
+
+
+def stage_plan(plan: StepPlan, bs: int, block_tables: BlockTables,
+               staged_tokens: StagedTokens) -> HostInputs | None:
+    """A runner's `stage`: the released sequences' table rows freed, then the chunks'
+    host inputs, noted in `staged_tokens`; None for a plan with nothing to compute."""
+    for sid in plan.released:
+        block_tables.release(sid)
+    if not plan.chunks:
+        return None
+    host = stage_inputs(plan.chunks, bs, block_tables)
+    staged_tokens.stage(plan.step, host)
+    return host
 
 
 class StagedTokens:

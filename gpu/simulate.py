@@ -36,7 +36,7 @@ import torch
 
 from gpu.config import ModelConfig
 from gpu.runner import (BlockTables, HostInputs, StagedTokens, StepPlan, StepResult, TokenLogprobs,
-                        last_token, stage_inputs, upload_inputs)
+                        last_token, stage_plan, upload_inputs)
 from gpu.sampler import SeqSamplingState
 
 
@@ -149,12 +149,9 @@ class SimulatedRunner:
         """ModelRunner.stage: the host half of input preparation, ahead of the step. The
         cost model's wait and the step's random tokens (the device's work, which a real
         runner does not pay for on the host) are worked out here too."""
-        for sid in plan.released:
-            self.block_tables.release(sid)
-        if not plan.chunks:
+        host = stage_plan(plan, self.block_size, self.block_tables, self.staged_tokens)
+        if host is None:
             return None
-        host = stage_inputs(plan.chunks, self.block_size, self.block_tables)
-        self.staged_tokens.stage(plan.step, host)
         num_sampled = len(host.sampled)
         wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, num_sampled)
         return host, wait, self.rng.choice(self.token_ids, size=num_sampled).tolist()
