@@ -6,8 +6,6 @@ default. On CUDA that mistake is a device-mismatch error at the first step; here
 shows without a GPU."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -18,17 +16,11 @@ from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan, prepare_step
 from gpu.sampler import SamplingOptions
 
 META = torch.device("meta")
-TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96,
-        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": True}
 
 
 @pytest.fixture
-def meta_model(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY))
-    return load_model(tmp_path, load_format="dummy", dtype="float32", device="meta", progress=False).model
+def meta_model(tiny_qwen3_dir):
+    return load_model(tiny_qwen3_dir, load_format="dummy", dtype="float32", device="meta", progress=False).model
 
 
 def _cache(lm, device=META):

@@ -2,7 +2,6 @@
 profiling one full-size step (gpu/runner.py profile_step_bytes, kv_budget_bytes)."""
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -14,17 +13,10 @@ from gpu.runner import ModelRunner, kv_budget_bytes, profile_plan, profile_step_
 from pipeline.config import EngineConfig
 from pipeline.engine import _num_kv_blocks
 
-TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96,
-        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": True}
-
 
 @pytest.fixture
-def tiny(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY))
-    return load_model(tmp_path, load_format="dummy", dtype="float32", device="cpu", progress=False)
+def tiny(tiny_qwen3_dir):
+    return load_model(tiny_qwen3_dir, load_format="dummy", dtype="float32", device="cpu", progress=False)
 
 
 @pytest.mark.parametrize("tokens,seqs,n", [(2048, 256, 256), (100, 256, 100), (37, 4, 4)])
