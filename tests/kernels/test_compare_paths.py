@@ -8,8 +8,6 @@ from pathlib import Path
 
 import torch
 
-from test_device_placement import TINY
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,11 +18,10 @@ def _script():
     return module
 
 
-def test_greedy_paths_agree(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY))
-    out = tmp_path / "result.json"
+def test_greedy_paths_agree(tiny_qwen3_dir):
+    out = tiny_qwen3_dir / "result.json"
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    rc = _script().main(["--config", str(tmp_path), "--dtype", dtype, "--prompt-lens", "3,9,20",
+    rc = _script().main(["--config", str(tiny_qwen3_dir), "--dtype", dtype, "--prompt-lens", "3,9,20",
                          "--new-tokens", "3", "--out", str(out)])
     result = json.loads(out.read_text())
     assert rc == 0 and result["ok"] and result["rows"] == 9
@@ -32,14 +29,13 @@ def test_greedy_paths_agree(tmp_path):
         assert result["triton"]["greedy_agreement"] == 1.0 and result["triton"]["max_rel_err"] < 1e-3
 
 
-def test_a_wrong_kernel_fails_the_comparison(tmp_path, monkeypatch):
+def test_a_wrong_kernel_fails_the_comparison(tiny_qwen3_dir, monkeypatch):
     """Negative control: attention that scales q wrongly is far from the reference."""
     from gpu import attention
 
     forward = attention.TritonPagedAttention.forward
     monkeypatch.setattr(attention.TritonPagedAttention, "forward",
                         lambda self, layer, q, k, v, **kw: forward(self, layer, q * 1.5, k, v, **kw))
-    (tmp_path / "config.json").write_text(json.dumps(TINY))
     script = _script()
-    result = script.compare(str(tmp_path), "float32", [3, 9, 20], 3)
+    result = script.compare(str(tiny_qwen3_dir), "float32", [3, 9, 20], 3)
     assert not script.judge(result, 3.0)
