@@ -138,7 +138,10 @@ class SimulatedRunner:
         self.block_size = block_size
         self.device = torch.device("cpu")
         self.token_ids = token_ids
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(seed)            # the tokens (drawn when staged)
+        # the logprobs' alternatives, drawn in the runner thread: a generator of their own,
+        # so the two threads never interleave draws from one (the tokens stay seeded)
+        self.lp_rng = np.random.default_rng(seed + 1)
         self.states: dict[str, SeqSamplingState] = {}
         self.block_tables = BlockTables()
         self.staged_tokens = StagedTokens()
@@ -196,7 +199,7 @@ class SimulatedRunner:
             if k is None:
                 out.append(None)
                 continue
-            others = self.rng.choice(self.token_ids, size=max(k - 1, 0)).tolist()
+            others = self.lp_rng.choice(self.token_ids, size=max(k - 1, 0)).tolist()
             top = (tok, *others)[:k]
             out.append(TokenLogprobs(lp, top, (lp,) * len(top)))
         return tuple(out)
