@@ -15,7 +15,9 @@ and watches the processes; docs/scaling.md says when to use it.
 
 A replica that dies is reported (which one, its exit status) and taken out of the
 router (`POST /remove_worker`): the others keep serving, and the router retries the
-requests that found it gone. The cluster stops, exit status 1, when the router dies,
+requests that found it gone. It is started again on its port after a backoff (1 s,
+doubling to 30 s) and put back into the router (`POST /add_worker`) once its /health
+says 200 (`--no-restart-replicas`: it stays out). The cluster stops, exit status 1, when the router dies,
 when the last replica dies, when a replica dies before the router is up, or with
 --stop-on-replica-death at the first death (for a supervisor such as systemd or
 Kubernetes that restarts the whole).
@@ -32,6 +34,7 @@ from a worker thread, and the signal follows that thread, not the launcher.)
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import logging
 import os
@@ -54,6 +57,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "consistent_has
 MISSING_ROUTER = ("tailrace cluster needs vllm-router, which is not installed: "
                   "pip install 'tailrace[cluster]' (or pip install vllm-router==0.1.17)")
 HEALTH_POLL_S = 0.25
+RESTART_BACKOFF_MAX_S = 30.0     # a replica that keeps dying is started again this often
 ROUTER_STOP_TIMEOUT_S = 5.0
 
 
@@ -78,6 +82,7 @@ class ClusterConfig:
     start_timeout: float = 600.0
     stop_timeout: float = 30.0
     stop_on_replica_death: bool = False
+    restart_replicas: bool = True           # start a dead replica again, with backoff
 
     @replicas.validator
     def _replicas(self, attribute, value) -> None:
@@ -149,6 +154,7 @@ class Child:
     proc: trio.Process | None = None
     exited: trio.Event = attrs.field(factory=trio.Event)
     returncode: int | None = None
+    restarts: int = 0               # how many times it was started again
 
     @property
     def alive(self) -> bool:
@@ -185,6 +191,7 @@ class Cluster:
         self.router_up = False
         self.exit_code = 0
         self.signals = 0
+        self._nursery: trio.Nursery | None = None
 
     # -- the commands --------------------------------------------------------------------
 
@@ -223,6 +230,7 @@ class Cluster:
             check_port(cfg.replica_host, int(r.url.rsplit(":", 1)[1]), r.name)
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._watch_signals)
                 with trio.CancelScope() as starting:
                     nursery.start_soon(self._cancel_on_stop, starting)
@@ -279,10 +287,11 @@ class Cluster:
         (stdout stays the launcher's own: its listening line)."""
         prefix = f"[{child.name}] ".encode()
         pending = b""
-        async with child.proc.stdout:
+        stdout = child.proc.stdout       # this process's, though the child may be restarted
+        async with stdout:
             while True:
                 try:
-                    data = await child.proc.stdout.receive_some(65536)
+                    data = await stdout.receive_some(65536)
                 except (trio.ClosedResourceError, trio.BrokenResourceError):
                     data = b""
                 if not data:
@@ -343,9 +352,54 @@ class Cluster:
             log.warning("serving on with %d of %d replicas: %s", len(alive), len(self.replicas),
                         ", ".join(r.name for r in alive))
             await self._remove_from_router(child)
+            if self.config.restart_replicas:
+                self._nursery.start_soon(self._restart, child)
             return
         self.exit_code = 1
         self.stop.set()
+
+    async def _restart(self, child: Child) -> None:
+        """Start a dead replica again, on its port, after a backoff (1 s, doubling to
+        RESTART_BACKOFF_MAX_S); once healthy, back into the router. One that does not
+        become healthy within --start-timeout is killed, which starts the next try."""
+        import httpx
+
+        delay = min(RESTART_BACKOFF_MAX_S, 2.0 ** child.restarts)
+        log.info("%s: starting again in %gs", child.name, delay)
+        await trio.sleep(delay)
+        if self.stop.is_set():
+            return
+        child.restarts += 1
+        child.proc, child.returncode, child.exited = None, None, trio.Event()
+        await self._spawn(self._nursery, child)
+        log.info("%s: pid %d, %s, started again (restart %d)", child.name, child.proc.pid,
+                 child.url, child.restarts)
+        deadline = time.monotonic() + self.config.start_timeout
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            while True:
+                if child.exited.is_set() or self.stop.is_set():
+                    return                   # _watch_exit reports it (and restarts it)
+                if time.monotonic() > deadline:
+                    log.error("%s did not become healthy in %gs: killing it", child.name,
+                              self.config.start_timeout)
+                    child.kill_group()
+                    return
+                try:
+                    healthy = (await http.get(child.url + "/health")).status_code == 200
+                except httpx.TransportError:
+                    healthy = False
+                if healthy:
+                    break
+                await trio.sleep(HEALTH_POLL_S)
+            try:
+                r = await http.post(self.router.url + "/add_worker", params={"url": child.url})
+                ok, why = r.status_code == 200, f"{r.status_code} {r.text[:200]}"
+            except httpx.TransportError as exc:
+                ok, why = False, str(exc)
+        if ok:
+            log.info("router: %s back in (%s)", child.name, child.url)
+        else:
+            log.warning("router: could not put %s back: %s", child.name, why)
 
     async def _remove_from_router(self, child: Child) -> None:
         import httpx
@@ -456,6 +510,10 @@ def add_arguments(p) -> None:
     p.add_argument("--stop-on-replica-death", action="store_true",
                    help="Stop the whole cluster (exit 1) when any replica dies (default: "
                         "report it, take it out of the router and serve on).")
+    p.add_argument("--restart-replicas", action=argparse.BooleanOptionalAction, default=True,
+                   help="Start a replica that died again, on its port, after a backoff of "
+                        "1 s doubling to %g s, and put it back into the router once healthy "
+                        "(default: on)." % RESTART_BACKOFF_MAX_S)
 
 
 def config_from_args(args, serve_args: Sequence[str]) -> ClusterConfig:
@@ -470,4 +528,5 @@ def config_from_args(args, serve_args: Sequence[str]) -> ClusterConfig:
                          router_metrics_port=args.router_metrics_port,
                          router_log_level=args.router_log_level,
                          start_timeout=args.start_timeout, stop_timeout=args.stop_timeout,
-                         stop_on_replica_death=args.stop_on_replica_death)
+                         stop_on_replica_death=args.stop_on_replica_death,
+                         restart_replicas=args.restart_replicas)

@@ -53,14 +53,14 @@ class Launched:
             time.sleep(0.1)
 
 
-def _launch(tmp: Path, policy: str) -> Launched:
+def _launch(tmp: Path, policy: str, *flags: str) -> Launched:
     out, err = tmp / "stdout.txt", tmp / "stderr.txt"
     env = {**os.environ, "TQDM_DISABLE": "1"}
     with open(out, "wb") as out_f, open(err, "wb") as err_f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "web.cli", "cluster", "--port", "0", "--replicas", "2",
              "--policy", policy, "--threads-per-replica", "1", "--stop-timeout", "20",
-             *SERVE_FLAGS], stdout=out_f, stderr=err_f, env=env)
+             *flags, *SERVE_FLAGS], stdout=out_f, stderr=err_f, env=env)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         lines = [ln for ln in out.read_text(errors="replace").splitlines()
@@ -144,7 +144,7 @@ def _without_created(raw: bytes) -> tuple[bytes, set[int]]:
 
 
 def test_round_robin_alternates_streams_identically_and_survives_a_replica_death(tmp_path):
-    launched = _launch(tmp_path, "round_robin")
+    launched = _launch(tmp_path, "round_robin", "--no-restart-replicas")
     try:
         client = _client(launched.url)
         assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
@@ -199,6 +199,36 @@ def test_round_robin_alternates_streams_identically_and_survives_a_replica_death
     assert "SIGTERM: stopping the cluster" in log and "cluster stopped" in log
     assert "replica 0 exited with status 0" in log and "router exited" in log
     leaders = {pid for pid, _ in launched.replicas.values()} | {launched.router_pid}
+    assert _sessions_alive(leaders) == []
+
+
+def test_a_dead_replica_is_started_again_and_rejoins_the_router(tmp_path):
+    """The default: a replica that dies is taken out, started again on its port after
+    1 s, and put back into the router once healthy; requests alternate again."""
+    launched = _launch(tmp_path, "round_robin")
+    try:
+        client = _client(launched.url)
+        pid, url = launched.replicas[1]
+        os.kill(pid, signal.SIGKILL)
+        launched.wait_for_log(r"router: replica 1 taken out")
+        launched.wait_for_log(r"replica 1: starting again in 1s")
+        new_pid = int(launched.wait_for_log(
+            rf"replica 1: pid (\d+), {re.escape(url)}, started again \(restart 1\)").group(1))
+        assert new_pid != pid
+        launched.wait_for_log(r"router: replica 1 back in", timeout=START_TIMEOUT_S)
+        served = []
+        for i in range(4):
+            reply, delta = _where(launched, lambda: client.completions.create(
+                model="tiny", prompt=f"Again {i}:", max_tokens=2))
+            assert reply.choices[0].finish_reason == "length"
+            assert sorted(delta) == [0, 1], delta
+            served.append(delta.index(1))
+        assert served in ([0, 1, 0, 1], [1, 0, 1, 0]), served     # both serve again
+    finally:
+        rc = _stop(launched)
+    assert rc == 0, launched.log()[-4000:]
+    assert "replica 1 exited with status 0" in launched.log()    # the new one drained
+    leaders = {pid for pid, _ in launched.replicas.values()} | {launched.router_pid, new_pid}
     assert _sessions_alive(leaders) == []
 
 
