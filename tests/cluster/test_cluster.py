@@ -123,6 +123,18 @@ def _where(launched: Launched, fn) -> tuple[object, list[int]]:
     return result, [int(after[i] - before[i]) for i in sorted(before)]
 
 
+def _assert_alternate(launched: Launched, client: openai.OpenAI, prompt: str) -> None:
+    """Four requests through the router land on the two replicas in turn."""
+    served = []
+    for i in range(4):
+        reply, delta = _where(launched, lambda: client.completions.create(
+            model="tiny", prompt=f"{prompt} {i}:", max_tokens=2))
+        assert reply.choices[0].finish_reason == "length"
+        assert sorted(delta) == [0, 1], delta
+        served.append(delta.index(1))
+    assert served in ([0, 1, 0, 1], [1, 0, 1, 0]), served
+
+
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -149,15 +161,7 @@ def test_round_robin_alternates_streams_identically_and_survives_a_replica_death
         client = _client(launched.url)
         assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
 
-        # requests alternate between the two replicas
-        served = []
-        for i in range(4):
-            reply, delta = _where(launched, lambda: client.completions.create(
-                model="tiny", prompt=f"Count to {i}:", max_tokens=2))
-            assert reply.choices[0].finish_reason == "length"
-            assert sorted(delta) == [0, 1], delta
-            served.append(delta.index(1))
-        assert served in ([0, 1, 0, 1], [1, 0, 1, 0]), served
+        _assert_alternate(launched, client, "Count to")   # between the two replicas
 
         # x-request-id passes through the router, both ways, and names the reply
         r = httpx.post(f"{launched.url}/v1/completions", timeout=120,
@@ -216,14 +220,7 @@ def test_a_dead_replica_is_started_again_and_rejoins_the_router(tmp_path):
             rf"replica 1: pid (\d+), {re.escape(url)}, started again \(restart 1\)").group(1))
         assert new_pid != pid
         launched.wait_for_log(r"router: replica 1 back in", timeout=START_TIMEOUT_S)
-        served = []
-        for i in range(4):
-            reply, delta = _where(launched, lambda: client.completions.create(
-                model="tiny", prompt=f"Again {i}:", max_tokens=2))
-            assert reply.choices[0].finish_reason == "length"
-            assert sorted(delta) == [0, 1], delta
-            served.append(delta.index(1))
-        assert served in ([0, 1, 0, 1], [1, 0, 1, 0]), served     # both serve again
+        _assert_alternate(launched, client, "Again")       # both serve again
     finally:
         rc = _stop(launched)
     assert rc == 0, launched.log()[-4000:]
