@@ -19,8 +19,9 @@ from gpu.runner import SeqChunk, SeqStart, StepPlan, TokenLogprobs
 from gpu.sampler import SamplingOptions
 from pipeline.config import EngineConfig
 from pipeline.events import (SCHEMA_VERSION, EventLog, event_files, make_header, plain,
-                             read_events, redact, redact_headers, stage_deltas, structure_step)
-from pipeline.replay import Log
+                             read_events, redact, redact_headers, stage_deltas, structure_step,
+                             tokenizer_hash)
+from pipeline.replay import Log, replay_log
 from stages.api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest, ToolPlan
 from stages.delta import (Delta, FinishReason, PromptLogprob, RequestMetrics, TokenLogprob,
                           ToolCallDelta, Usage)
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage test
 from rendered import rendered  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+DATA = Path(__file__).parent / "data"
 
 
 def requests():
@@ -281,3 +283,24 @@ def test_bad_lines_are_skipped_with_a_warning_that_says_where(tmp_path):
 def test_no_log_at_all_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no event log at"):
         list(read_events(tmp_path / "missing.jsonl"))
+
+
+def test_a_log_recorded_by_an_earlier_tailrace_replays_byte_for_byte(smollm_tokenizer):
+    """data/events_v1.jsonl was written by tailrace 0.1.0 (schema 1) serving the bundled
+    SmolLM2 with --enable-per-request-metrics, five requests at once: a chat stream with
+    logprobs and continuous usage, completions of two prompts with n=2 and a stop string,
+    responses, chat with response_format json_object, chat with prompt_logprobs. Whatever
+    the message types become, this log keeps reading and every reply reproduces."""
+    log = Log.read(DATA / "events_v1.jsonl")
+    assert log.warnings == []
+    assert log.header["tokenizer_hash"] == tokenizer_hash(smollm_tokenizer)
+    result = replay_log(log, smollm_tokenizer, log.header["parsers"]["reasoning_parser"])
+    assert sorted(result.checked) == ["chat-json", "chat-prompt-logprobs", "chat-stream",
+                                      "completions-n2", "responses"]
+    assert not result.differences and not result.unfinished and not result.not_checked
+    assert result.reproduced == result.logged
+    assert b'"metrics"' in result.logged["chat-json"]     # timings from the logged times
+    steps = [structure_step(ev["message"]) for ev in log.events if ev["event"] == "scheduled"]
+    assert {r.request_id for s in steps for r in s.new_requests} == set(result.checked)
+    [json_request] = [r for s in steps for r in s.new_requests if r.request_id == "chat-json"]
+    assert json_request.sampling.constraint.kind == "json_object"
