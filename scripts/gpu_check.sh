@@ -6,7 +6,7 @@
 #   run:         command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 600
 # What travels: the working tree (tracked and untracked-not-ignored files) and, through
 # carry, .whl/ (trio, outcome, sniffio, cattrs, structlog, orjson, gguf, attrs,
-# typing-extensions: about 1 MiB).
+# typing-extensions, and structured output's xgrammar and pydantic: about 9 MiB).
 # Time limit: the steps below share a 540 s budget (GPU_CHECK_BUDGET_S), inside the
 # tool's 600 s per command; each step gets what is left, less what the later ones need.
 # Results: at most 8 files in $OUT (./results when unset):
@@ -20,7 +20,10 @@
 #   steps.log           the other steps' output and what was skipped, and why
 # On a machine without CUDA (PYTHON=/work/main/.venv/bin/python bash scripts/gpu_check.sh)
 # it runs what it can (the environment checks, the kernel tests and benchmarks under the
-# Triton interpreter at small shapes) and says what it skipped and why.
+# Triton interpreter at small shapes) and says what it skipped and why. The dry run that
+# stands for the image: TAILRACE_DEVICE_IMAGE=1 PYTHON=/work/main/.venv/bin/python bash
+# scripts/gpu_check.sh: every package the image lacks and .whl/ does not carry then fails
+# to import (scripts/device_image/sitecustomize.py), as it would there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./results}"
@@ -28,6 +31,8 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the CPU stand-in for the image: its missing packages blocked (header)
+[ "${TAILRACE_DEVICE_IMAGE:-0}" = 1 ] && export PYTHONPATH="$PWD/scripts/device_image:$PYTHONPATH"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
 STEPS_LOG="$OUT/steps.log"
 : > "$STEPS_LOG"
@@ -109,9 +114,19 @@ else
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
     say "installed $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site"
 fi
-# Fail fast, before any GPU time goes to a run that cannot import the engine.
-if ! "$PY" -c "import trio, cattrs, structlog, orjson, gguf" 2>>"$STEPS_LOG"; then
-    say "FAIL: the engine's packages are missing (import trio, cattrs, structlog, orjson, gguf)."
+# Fail fast, before any GPU time goes to a run that cannot import the engine: import the
+# entry points the steps below run (not a list of packages, which drifts from the code).
+if ! "$PY" - 2>>"$STEPS_LOG" <<'PY'
+import importlib, importlib.util, sys
+for name in ("pipeline.bench", "gpu.kernels.bench", "gpu.kernels.compile_count"):
+    importlib.import_module(name)
+for path in ("scripts/compare_paths.py",):   # a script: loaded as a module, main() not run
+    spec = importlib.util.spec_from_file_location("_check_" + path.replace("/", "_")[:-3], path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+import pytest  # step 3
+PY
+then
+    say "FAIL: an entry point does not import (steps.log has the traceback)."
     say "      Here: bash scripts/fetch_gpu_wheels.sh; then run with carry [\".whl\"]."
     exit 2
 fi
