@@ -262,40 +262,69 @@ def _variant_key(fn, args, kwargs, target) -> str:
 VARIANT_SIZES = (1, 2, 15, 16, 17, 48, 256, 300)
 
 
+def _staged(chunks):
+    """A step's metadata as the runner stages it: gpu/runner.stage_inputs, then the real
+    Staging packing (one int64 and one int32 buffer, arrays back to back, each padded to
+    16 bytes), on CPU tensors. Odd batch sizes put the arrays after the first one at odd
+    element offsets: without the padding their alignment, and so their variant, would
+    change with the batch."""
+    import torch
+
+    from gpu.runner import Staging, upload_inputs, stage_inputs
+
+    host = stage_inputs(tuple(chunks), PAGE)
+    return upload_inputs(host, torch.device("cpu"), Staging(torch.device("cpu")))
+
+
+def _chunks(B, q_len, blocks, ctx=40):
+    from gpu.runner import SeqChunk
+
+    blocks = max(blocks, -(-ctx // PAGE))   # at least the context's; more widens the table
+    return [SeqChunk(f"s{i}", (1,) * q_len, ctx - q_len, tuple(range(i * blocks, (i + 1) * blocks)), True)
+            for i in range(B)]
+
+
 def _variant_cases():
     """Yield (label, module, kernel_names, [launch per step size]) at Qwen3-0.6B's shapes."""
     import torch
 
-    from gpu.kernels import activation, kv_cache, paged_attention, rmsnorm, sampling
+    from gpu.kernels import activation, kv_cache, paged_attention, rmsnorm, rope, sampling
 
     _, hq, hkv, dh, hidden, inter, vocab = MODELS[1]
     dtype, dev = torch.bfloat16, "cpu"
 
     def attention(B, q_len, blocks):
-        ctx = 40
-        k_cache = torch.zeros(B * blocks, PAGE, hkv, dh, dtype=dtype, device=dev)
-        tables = torch.zeros(B, blocks, dtype=torch.int32, device=dev)
-        cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * q_len
-        seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        _, _, meta, _ = _staged(_chunks(B, q_len, blocks, ctx=max(40, q_len)))
+        k_cache = torch.zeros(B * meta.block_tables.shape[1], PAGE, hkv, dh, dtype=dtype, device=dev)
         qkv = torch.zeros(B * q_len, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
         q = qkv[:, : hq * dh].view(B * q_len, hq, dh)
-        paged_attention.paged_attention(q, k_cache, k_cache.clone(), tables, cu, seq_lens, dh ** -0.5,
-                                        max_seqlen_q=q_len)
+        paged_attention.paged_attention(q, k_cache, k_cache.clone(), meta.block_tables, meta.cu_seqlens_q,
+                                        meta.seq_lens, dh ** -0.5, max_seqlen_q=q_len)
 
     names = ["_paged_attention_kernel", "_combine_splits_kernel"]
     yield ("paged_attention decode (B, block-table width)", paged_attention, names,
-           [lambda b=b: attention(b, 1, 1 + b % 5) for b in VARIANT_SIZES])
+           [lambda b=b: attention(b, 1, 3 + b % 5) for b in VARIANT_SIZES])
     yield ("paged_attention prefill/mixed (B, q_len)", paged_attention, names,
-           [lambda b=b: attention(1 + b % 7, 2 + b, 3) for b in VARIANT_SIZES])
+           [lambda b=b: attention(1 + b % 7, 2 + b, 3 + (2 + b) // PAGE) for b in VARIANT_SIZES])
+
+    def roped(B):
+        _, positions, _, _ = _staged(_chunks(B, 1 + B % 3, 4))
+        T = positions.shape[0]
+        qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
+        rope.apply_rope(qkv[:, : hq * dh].view(T, hq, dh), qkv[:, hq * dh:(hq + hkv) * dh].view(T, hkv, dh),
+                        positions, torch.zeros(64, dh, dtype=torch.float32))
+
+    yield "apply_rope (T, staged positions)", rope, ["_rope_kernel"], [lambda b=b: roped(b) for b in VARIANT_SIZES]
 
     def write(T):
+        _, _, meta, _ = _staged(_chunks(T, 1, 2))     # the slot mapping as staged
         qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
-        cache = torch.zeros(8, PAGE, hkv, dh, dtype=dtype, device=dev)
+        cache = torch.zeros(3 * T, PAGE, hkv, dh, dtype=dtype, device=dev)
         kv_cache.write_kv(qkv[:, hq * dh:(hq + hkv) * dh].view(T, hkv, dh),
                           qkv[:, (hq + hkv) * dh:].view(T, hkv, dh), cache, cache.clone(),
-                          torch.arange(T, dtype=torch.int64, device=dev))
+                          meta.slot_mapping)
 
-    yield "write_kv (T)", kv_cache, ["_write_kv_kernel"], [lambda t=t: write(t) for t in VARIANT_SIZES]
+    yield "write_kv (T, staged slots)", kv_cache, ["_write_kv_kernel"], [lambda t=t: write(t) for t in VARIANT_SIZES]
     yield ("fused_add_rms_norm (T)", rmsnorm, ["_rms_norm_kernel"],
            [lambda t=t: rmsnorm.fused_add_rms_norm(torch.zeros(t, hidden, dtype=dtype), torch.zeros(t, hidden, dtype=dtype),
                                                    torch.ones(hidden, dtype=dtype), 1e-6) for t in VARIANT_SIZES])

@@ -41,7 +41,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Shape arguments that change every step are not specialised (Triton would otherwise
 # compile a new variant whenever one equals 1 or turns a multiple of 16, in the middle of
 # a timed run): a variant buys nothing for them.
-@triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_bt"])
+# The step's metadata arrays are staged back to back (gpu/runner.Staging): padded to 16
+# bytes there, and not specialised on alignment here either (scalar and gathered loads
+# gain nothing from it), so no staging layout can ever mean a new variant.
+@triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
