@@ -128,6 +128,7 @@ class ModelRunner:
         self.cuda_graphs = False
         self.cuda_graph_sizes: list[int] = []
         self.cuda_graph_capture_s = 0.0
+        self.cuda_graph_error: str | None = None
         self.warmup_s = 0.0
         self.graphs = None
         if use_triton and cuda_graph_max_bs > 0:
@@ -142,6 +143,7 @@ class ModelRunner:
                 self.cuda_graphs, self.cuda_graph_sizes = True, list(graphs.sizes)
             except Exception as exc:  # a capture failure costs speed, not correctness
                 _log.warning("CUDA graph capture failed, running eager: %s", exc, exc_info=exc)
+                self.cuda_graph_error = f"{type(exc).__name__}: {exc}"[:500]   # bench reports it
             self.cuda_graph_capture_s = round(time.perf_counter() - t0, 3)
 
     @property

@@ -207,7 +207,8 @@ def _compiles(runner) -> int | None:
 def _runner_facts(runner) -> dict:
     """What the runner did before t0 (graphs, warm-up) and the kernel stack."""
     facts = {}
-    for key in ("cuda_graphs", "cuda_graph_sizes", "cuda_graph_capture_s", "warmup_s", "use_triton"):
+    for key in ("cuda_graphs", "cuda_graph_sizes", "cuda_graph_capture_s", "cuda_graph_error",
+                "warmup_s", "use_triton"):
         if hasattr(runner, key):
             facts[key] = getattr(runner, key)
     if getattr(runner, "use_triton", False):

@@ -11,13 +11,16 @@
 # tool's 600 s per command; each step gets what is left, less what the later ones need.
 # Results: at most 8 files in $OUT (./results when unset):
 #   env.json            versions, the device, the wheel checks
-#   throughput.json     1. nano-vllm's workload end to end (the figure), with failures
-#   throughput.log      its output
+#   throughput.json     1. nano-vllm's workload end to end (the figure), with failures,
+#                          CUDA graphs (and why not), Triton compiles in the timed window
 #   bf16_greedy.json    2. bf16 greedy: the Triton path against the torch path
+#   graph_splits.json   2b. CUDA graphs against eager at 1, 4, 8 and 16 KV splits
 #   kernels_tests.json  3. kernel tests on CUDA (a summary of pytest's junit report)
 #   kernels_tests.log   its output
 #   kernels_bench.json  4. kernel micro-benchmarks (Qwen3-0.6B shapes, GB/s vs 4.8 TB/s)
-#   steps.log           the other steps' output and what was skipped, and why
+#   steps.log           every step's output (throughput's too) and what was skipped, and why
+# The first line of results (RESULT, printed after step 1 and again at the end) says
+# whether CUDA graphs were captured: a capture failure means an eager figure, said loudly.
 # On a machine without CUDA (PYTHON=/work/main/.venv/bin/python bash scripts/gpu_check.sh)
 # it runs what it can (the environment checks, the kernel tests and benchmarks under the
 # Triton interpreter at small shapes) and says what it skipped and why. The dry run that
@@ -131,19 +134,19 @@ then
     exit 2
 fi
 
-rc_e2e=skipped rc_bf16=skipped rc_tests=skipped rc_bench=skipped
+rc_e2e=skipped rc_bf16=skipped rc_graphs=skipped rc_tests=skipped rc_bench=skipped
 
 # 1. The figure first: nano-vllm's published workload (Qwen3-0.6B architecture, dummy
 #    weights, 256 sequences, lengths uniform in [100, 1024] drawn in nano-vllm's order,
 #    133,966 output tokens, seed 0, ignore_eos, temperature 0.6) through the whole engine;
 #    the JSON says whether CUDA graphs were captured, capture and warm-up time, failures.
-if [ "$CUDA" = 1 ] && [ "$(left 200)" -gt 30 ]; then
-    t=$(left 200); say "1. end-to-end throughput (nano-vllm workload), up to ${t}s"
+if [ "$CUDA" = 1 ] && [ "$(left 260)" -gt 30 ]; then
+    t=$(left 260); say "1. end-to-end throughput (nano-vllm workload), up to ${t}s"
     # nano-vllm's engine settings: max_model_len 4096, max_num_seqs 512,
     # max_num_batched_tokens 16384, CUDA graphs, gpu_memory_utilization 0.9
     timeout -s INT -k 15 "$t" "$PY" -m pipeline.bench gpu/configs/qwen3-0.6b --load-format dummy --workload nano-vllm \
         --dtype bfloat16 --max-model-len 4096 --max-num-seqs 512 --max-num-batched-tokens 16384 \
-        --output-json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log"
+        --output-json "$OUT/throughput.json" 2>&1 | tee -a "$STEPS_LOG"
     rc_e2e=${PIPESTATUS[0]}
     { [ "$rc_e2e" -eq 124 ] || [ "$rc_e2e" -eq 137 ]; } && \
         say "1. TIMED OUT after ${t}s (interrupted: throughput.json says how far it got)"
@@ -152,12 +155,34 @@ elif [ "$CUDA" = 1 ]; then
 else
     say "1. SKIPPED end-to-end throughput: no CUDA device (the figure needs the GPU; on CPU see docs/benchmarks.md)"
 fi
+# The headline, graphs first: a capture failure only logs a warning in the run and turns
+# the figure into an eager one.
+headline() {
+    "$PY" - "$OUT/throughput.json" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    print("RESULT: no throughput.json (step 1 skipped or died before writing it)")
+    sys.exit(0)
+if r.get("cuda_graphs"):
+    print(f"RESULT: CUDA graphs captured (sizes {r.get('cuda_graph_sizes')}, {r.get('cuda_graph_capture_s')} s)")
+else:
+    print(f"RESULT: CUDA GRAPH CAPTURE FAILED, the figure ran EAGER: {r.get('cuda_graph_error') or r.get('error')}")
+compiles = r.get("triton_compiles_in_timed_window")
+print(f"RESULT: {r.get('output_tokens_per_s')} output tok/s; Triton compiles in the timed window: {compiles}"
+      + ("" if compiles in (0, None) else "  <-- MUST BE 0"))
+if r.get("failed_requests") or r.get("error"):
+    print(f"RESULT: {r.get('failed_requests')} requests failed: {r.get('first_error') or r.get('error')}")
+PY
+}
+[ "$CUDA" = 1 ] && headline | tee -a "$STEPS_LOG"
 
 # 2. bf16 greedy, end to end through the runner: the Triton path (kernels, CUDA graphs,
 #    device sampling) and the torch path, both in bf16, against the torch path in fp32 on
 #    the same weights; fails unless the Triton path is about as close as the torch path.
-if [ "$CUDA" = 1 ] && [ "$(left 150)" -gt 20 ]; then
-    t=$(left 150); [ "$t" -gt 60 ] && t=60; say "2. bf16 greedy Triton vs torch, up to ${t}s"
+if [ "$CUDA" = 1 ] && [ "$(left 190)" -gt 20 ]; then
+    t=$(left 190); [ "$t" -gt 60 ] && t=60; say "2. bf16 greedy Triton vs torch, up to ${t}s"
     timeout "$t" "$PY" scripts/compare_paths.py --config gpu/configs/qwen3-0.6b --dtype bfloat16 \
         --out "$OUT/bf16_greedy.json" 2>&1 | tee -a "$STEPS_LOG"
     rc_bf16=${PIPESTATUS[0]}
@@ -168,6 +193,24 @@ else
         say "2. SKIPPED bf16 greedy comparison: no CUDA device (bf16 tensor-core dots need the GPU;"
         say "   step 3's tests/kernels/test_compare_paths.py runs the same comparison, tiny, here)"
     fi
+fi
+
+# 2b. CUDA graphs against eager for every KV split count a graph can be captured with (on
+#     CPU: the eager half under the interpreter, tiny).
+if [ "$(left 100)" -gt 20 ]; then
+    t=$(left 100); [ "$t" -gt 90 ] && t=90; say "2b. graphs vs eager at 1, 4, 8, 16 KV splits, up to ${t}s"
+    if [ "$CUDA" = 1 ]; then
+        timeout "$t" "$PY" scripts/check_graph_splits.py --config gpu/configs/qwen3-0.6b --dtype bfloat16 \
+            --out "$OUT/graph_splits.json" 2>&1 | tee -a "$STEPS_LOG"
+    else
+        tiny=$(mktemp -d)
+        "$PY" -c "import json, sys; sys.path.insert(0, 'tests/kernels'); from conftest import TINY_QWEN3; json.dump(TINY_QWEN3, open('$tiny/config.json', 'w'))"
+        timeout "$t" "$PY" scripts/check_graph_splits.py --config "$tiny" --dtype float32 --batch-sizes 1,3 \
+            --max-ctx 70 --out "$OUT/graph_splits.json" 2>&1 | tee -a "$STEPS_LOG"
+    fi
+    rc_graphs=${PIPESTATUS[0]}
+else
+    say "2b. SKIPPED graphs vs eager: the budget is spent"; rc_graphs=budget
 fi
 
 # 3. Kernel tests (on CPU: under the Triton interpreter, small shapes). addopts cleared:
@@ -207,8 +250,9 @@ else
     say "4. SKIPPED kernel micro-benchmarks: the budget is spent"; rc_bench=budget
 fi
 
-say "done in ${SECONDS}s: throughput rc=$rc_e2e, bf16 greedy rc=$rc_bf16, kernel tests rc=$rc_tests, kernel bench rc=$rc_bench"
-for rc in "$rc_e2e" "$rc_bf16" "$rc_tests" "$rc_bench"; do
+[ "$CUDA" = 1 ] && headline | tee -a "$STEPS_LOG"
+say "done in ${SECONDS}s: throughput rc=$rc_e2e, bf16 greedy rc=$rc_bf16, graphs vs eager rc=$rc_graphs, kernel tests rc=$rc_tests, kernel bench rc=$rc_bench"
+for rc in "$rc_e2e" "$rc_bf16" "$rc_graphs" "$rc_tests" "$rc_bench"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1   # "budget": a step the time limit cut
 done
 exit 0
