@@ -132,7 +132,7 @@ def _cases(only):
                 num_kv_splits=4 if mode == "split4" else 1,
                 sinks=torch.zeros(hq, dtype=torch.bfloat16, device=dev), window=128)
 
-        yield label, paged_attention, ["_paged_attention_kernel", "_combine_splits_kernel"], launch_gpt_oss
+        yield label, paged_attention, ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"], launch_gpt_oss
 
     for model, hq, hkv, dh, hidden, inter, vocab in MODELS:
         # ---- paged attention: decode, prefill/mixed, flash-decoding splits
@@ -161,7 +161,7 @@ def _cases(only):
                         num_kv_splits=4 if mode == "split4" else 1,
                         out=torch.empty(q.shape, dtype=dtype, device=dev))
 
-                yield label, paged_attention, ["_paged_attention_kernel", "_combine_splits_kernel"], launch
+                yield label, paged_attention, ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"], launch
 
         for dtype in all_dtypes:
             s = short[dtype]
@@ -301,7 +301,7 @@ def _variant_cases():
         paged_attention.paged_attention(q, k_cache, k_cache.clone(), meta.block_tables, meta.cu_seqlens_q,
                                         meta.seq_lens, dh ** -0.5, max_seqlen_q=q_len)
 
-    names = ["_paged_attention_kernel", "_combine_splits_kernel"]
+    names = ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"]
     yield ("paged_attention decode (B, block-table width)", paged_attention, names,
            [lambda b=b: attention(b, 1, 3 + b % 5) for b in VARIANT_SIZES])
     yield ("paged_attention prefill/mixed (B, q_len)", paged_attention, names,
