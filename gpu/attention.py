@@ -15,7 +15,9 @@ one shared through the prefix cache, holds what every layer needs; the window is
 Two backends share one metadata object:
 - TorchPagedAttention: CPU (and reference) path. Decodes are batched into one SDPA call
   over gathered blocks; each prefill chunk is its own SDPA call.
-- TritonPagedAttention: CUDA path, gpu/kernels/kv_cache.write_kv + paged_attention.
+- TritonPagedAttention: CUDA path, gpu/kernels/kv_cache.write_kv + paged_attention; on
+  CUDA the model instead hands it the raw qkv projection, and one kernel per layer norms,
+  rotates and writes (gpu/kernels/qkv_prep.py) before paged_attention.
 """
 from __future__ import annotations
 
@@ -184,7 +186,12 @@ class TorchPagedAttention:
 
 
 class TritonPagedAttention:
-    """CUDA path: one kernel writes k/v, one kernel attends over the mixed batch."""
+    """CUDA path: one kernel writes k/v, one kernel attends over the mixed batch.
+
+    With ``fused_qkv`` (on for a CUDA cache) the model hands over the raw qkv projection
+    instead: `write_qkv` norms and rotates q and k and writes k/v into the cache in one
+    kernel (gpu/kernels/qkv_prep.py), and `attend` attends; `forward` is the unfused
+    path (write_kv, then attend)."""
 
     def __init__(self, cache: KVCache, scale: float) -> None:
         from gpu.kernels.kv_cache import write_kv
@@ -193,14 +200,30 @@ class TritonPagedAttention:
         self.cache = cache
         self.scale = scale
         self.meta: AttentionMetadata | None = None
+        self.fused_qkv = cache.k[0].is_cuda if cache.k else False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
+    def write_qkv(self, layer: int, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                  head_dim: int, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                  eps: float, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) Dh] -> q [T, Hq, Dh] normed and rotated; k and v (k normed
+        and rotated) written into layer's cache."""
+        from gpu.kernels.qkv_prep import prepare_qkv
+        return prepare_qkv(qkv, num_q_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
+                           eps, positions, cos_sin, self.cache.k[layer], self.cache.v[layer],
+                           self.meta.slot_mapping)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer], self.meta.slot_mapping)
+        return self.attend(layer, q, sinks=sinks, window=window)
+
+    def attend(self, layer: int, q: torch.Tensor, *, sinks: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor:
+        """q [T, Hq, Dh] over the cache, whose k/v for this step are written already."""
         m = self.meta
-        self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer], m.slot_mapping)
         return self._attend(q, self.cache.k[layer], self.cache.v[layer], m.block_tables,
                             m.cu_seqlens_q, m.seq_lens, self.scale, max_seqlen_q=m.max_seqlen_q,
                             num_kv_splits=m.num_kv_splits if m.max_seqlen_q <= 1 else 1,

@@ -93,7 +93,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)  # [T, Hq*Dh], [T, Hkv*Dh] x2
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        if getattr(attn, "fused_qkv", False):
+            # CUDA: q/k norm, rope and the KV-cache write in one kernel (gpu/kernels/qkv_prep.py)
+            norms = (None, None, 0.0) if self.q_norm is None else (
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q = attn.write_qkv(self.layer_idx, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                               *norms, positions, cos_sin)
+            o = attn.attend(self.layer_idx, q, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
+            return self.o_proj(o.reshape(T, -1))
+        q, k, v = qkv.split(self.split, dim=-1)  # [T, Hq*Dh], [T, Hkv*Dh] x2
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, Dh]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]

@@ -101,7 +101,7 @@ def _cases(only):
     """Yield (label, module, kernel_names, launch) for every variant to compile."""
     import torch
 
-    from gpu.kernels import activation, kv_cache, paged_attention, rmsnorm, rope, sampling
+    from gpu.kernels import activation, kv_cache, paged_attention, qkv_prep, rmsnorm, rope, sampling
 
     dev = "cpu"
     all_dtypes = (torch.bfloat16, torch.float16, torch.float32)
@@ -196,6 +196,20 @@ def _cases(only):
 
                     yield label, rmsnorm, ["_rms_norm_kernel"], launch
 
+            # ---- fused q/k norm + RoPE + KV write (Qwen3 has the norms, SmolLM2 not)
+            label = f"prepare_qkv[{model},{s}]"
+            if want(label):
+                def launch(dtype=dtype, hq=hq, hkv=hkv, dh=dh, norm=model.startswith("qwen3")):
+                    T = 37
+                    qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
+                    w = torch.ones(dh, dtype=dtype, device=dev) if norm else None
+                    cache = torch.zeros(8, PAGE, hkv, dh, dtype=dtype, device=dev)
+                    qkv_prep.prepare_qkv(qkv, hq, hkv, dh, w, w, 1e-6, torch.arange(T, device=dev),
+                                         torch.zeros(4096, dh, device=dev), cache, cache.clone(),
+                                         torch.arange(T, dtype=torch.int64, device=dev))
+
+                yield label, qkv_prep, ["_qkv_prep_kernel"], launch
+
             # ---- RoPE (cos_sin table fp32, positions int64)
             label = f"apply_rope[{model},{s}]"
             if want(label):
@@ -288,7 +302,7 @@ def _variant_cases():
     """Yield (label, module, kernel_names, [launch per step size]) at Qwen3-0.6B's shapes."""
     import torch
 
-    from gpu.kernels import activation, kv_cache, paged_attention, rmsnorm, rope, sampling
+    from gpu.kernels import activation, kv_cache, paged_attention, qkv_prep, rmsnorm, rope, sampling
 
     _, hq, hkv, dh, hidden, inter, vocab = MODELS[1]
     dtype, dev = torch.bfloat16, "cpu"
@@ -315,6 +329,17 @@ def _variant_cases():
                         positions, torch.zeros(64, dh, dtype=torch.float32))
 
     yield "apply_rope (T, staged positions)", rope, ["_rope_kernel"], [lambda b=b: roped(b) for b in VARIANT_SIZES]
+
+    def prepped(B):
+        _, positions, meta, _ = _staged(_chunks(B, 1 + B % 3, 4))
+        T = positions.shape[0]
+        cache = torch.zeros(4 * B, PAGE, hkv, dh, dtype=dtype)
+        w = torch.ones(dh, dtype=dtype)
+        qkv_prep.prepare_qkv(torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype), hq, hkv, dh, w, w, 1e-6,
+                             positions, torch.zeros(64, dh), cache, cache.clone(), meta.slot_mapping)
+
+    yield ("prepare_qkv (T, staged positions and slots)", qkv_prep, ["_qkv_prep_kernel"],
+           [lambda b=b: prepped(b) for b in VARIANT_SIZES])
 
     def write(T):
         _, _, meta, _ = _staged(_chunks(T, 1, 2))     # the slot mapping as staged

@@ -27,7 +27,8 @@ if not torch.cuda.is_available():
 from gpu.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from gpu.kernels.kv_cache import write_kv  # noqa: E402
 from gpu.kernels.paged_attention import paged_attention  # noqa: E402
-from gpu.kernels.rmsnorm import fused_add_rms_norm, rms_norm_ref  # noqa: E402
+from gpu.kernels.qkv_prep import prepare_qkv  # noqa: E402
+from gpu.kernels.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_ref  # noqa: E402
 from gpu.kernels.rope import apply_rope  # noqa: E402
 from gpu.kernels.sampling import apply_penalties, sample  # noqa: E402
 
@@ -138,6 +139,25 @@ def run(quick: bool, model: str = "qwen3-0.6b") -> list[dict]:
     kc = torch.empty(-(-n // 16) + 1, 16, hkv, dh, device=device, dtype=dtype)
     slots = torch.randperm(kc.shape[0] * 16, device=device)[:n]
     record("write_kv", dict(t=n), lambda: write_kv(kr, kr, kc, kc, slots), nbytes=4 * n * hkv * dh * elem)
+    # the fused per-layer kernel against the unfused chain it replaces (2 norms, rope, write)
+    for t in ((4,) if quick else (256, 4096)):
+        qkv = torch.randn(t, (hq + 2 * hkv) * dh, device=device, dtype=dtype)
+        wn = torch.ones(dh, device=device, dtype=dtype)
+        kc = torch.empty(-(-t // 16) + 1, 16, hkv, dh, device=device, dtype=dtype)
+        sl = torch.randperm(kc.shape[0] * 16, device=device)[:t]
+        ps = torch.randint(0, 8192, (t,), device=device)
+
+        def unfused(qkv=qkv, wn=wn, sl=sl, ps=ps, kc=kc):
+            q, k, v = qkv.split([hq * dh, hkv * dh, hkv * dh], dim=-1)
+            qn = rms_norm(q.reshape(-1, dh), wn, 1e-6).view(-1, hq, dh)
+            kn = rms_norm(k.reshape(-1, dh), wn, 1e-6).view(-1, hkv, dh)
+            qn, kn = apply_rope(qn, kn, ps, cos_sin)
+            write_kv(kn, v.view(-1, hkv, dh), kc, kc, sl)
+
+        record("prepare_qkv", dict(t=t, hq=hq, hkv=hkv),
+               lambda qkv=qkv, wn=wn, sl=sl, ps=ps, kc=kc: prepare_qkv(qkv, hq, hkv, dh, wn, wn, 1e-6, ps, cos_sin,
+                                                               kc, kc, sl),
+               unfused, nbytes=t * (2 * hq + 4 * hkv) * dh * elem)
 
     b = 4 if quick else 256
     logits = torch.randn(b, vocab, device=device)
