@@ -189,7 +189,10 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, V]
+        """[N, V]: fp32 on CPU; in the model's dtype on CUDA, where the device sampler reads
+        bf16 directly and whoever needs fp32 (logprobs, grammar masks) converts its rows."""
+        logits = self.lm_head(hidden)
+        return logits if logits.is_cuda else logits.float()
 
     def hf_weight_names(self) -> list[str]:
         """The HF checkpoint names load_weights needs (lm_head.weight only when untied)."""

@@ -235,10 +235,11 @@ def _cases(only):
 
         # ---- sampling / penalties: fp32 logits over the model's vocab
         for B in (1, 64):
-            label = f"sample[{model},B={B}]"
+            # fp32 logits (a grammar's or penalties' rows) and bf16 (the runner's on CUDA)
+            label = f"sample[{model},B={B},{'bf16' if B > 1 else 'fp32'}]"
             if want(label):
                 def launch(B=B, vocab=vocab):
-                    logits = torch.zeros(B, vocab, dtype=torch.float32, device=dev)
+                    logits = torch.zeros(B, vocab, dtype=torch.bfloat16 if B > 1 else torch.float32, device=dev)
                     f32 = lambda v: torch.full((B,), v, dtype=torch.float32, device=dev)  # noqa: E731
                     sampling.sample(logits, f32(0.8), torch.full((B,), 50, dtype=torch.int32, device=dev),
                                     f32(0.9), f32(0.05), torch.arange(B, dtype=torch.int64, device=dev),
