@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -33,18 +34,34 @@ def test_weights_and_kv_sizes_of_qwen3_0_6b():
 def test_a_decode_step_reads_weights_once_and_every_sequences_kv():
     cost = CostModel.of(QWEN3, H200)
     step = cost.step_seconds([1] * 256, [1000] * 256, 256)
-    weights, kv, logits = 1_191_968_768, 256 * 1000 * 114_688, 2 * 4 * 256 * 151_936
-    assert step == pytest.approx((weights + kv + logits) / 4.8e12 + 0.3e-3)
-    assert 6.5e-3 < step < 7e-3
-    # the per-step cost alone bounds an empty-context step from below
+    weights, kv, logits = 1_191_968_768, 256 * 1000 * 114_688, 2 * 2 * 256 * 151_936
+    # 260 kernels in the graph, 10 eager outside it, the copies and the sync
+    launches = 260 * 2.5e-6 + 10 * 6e-6 + 50e-6
+    assert step == pytest.approx((weights + kv / 0.6 + logits) / 4.8e12 + launches)
+    assert 11e-3 < step < 11.5e-3
+    # one sequence: the captured graph splits its KV (a combine kernel a layer more)
     assert cost.step_seconds([1], [1], 1) == pytest.approx(
-        (weights + 114_688 + 8 * 151_936) / 4.8e12 + 0.3e-3)
+        (weights + 114_688 / 0.6 + 4 * 151_936) / 4.8e12 + (260 + 28) * 2.5e-6 + 10 * 6e-6 + 50e-6)
+
+
+def test_kernels_are_counted_from_the_models_structure():
+    from gpu.simulate import kernels_per_step
+    # per layer: 2 norms, qkv and o GEMMs, the fused q/k-norm+rope+KV-write kernel, attention,
+    # gate_up, silu_and_mul, down = 9; + embedding and final norm; + 6 graph input copies
+    assert kernels_per_step(QWEN3, decode=True) == (2 + 28 * 9 + 6, 10)
+    assert kernels_per_step(QWEN3, decode=False) == (2 + 28 * 9, 10)
+    assert kernels_per_step(QWEN3, decode=True, kv_splits=True)[0] == 2 + 28 * 10 + 6
+    # unfused: two reshape copies, two norms, rope and write_kv: about the 400 of issue 26
+    assert kernels_per_step(QWEN3, decode=True, fused_qkv=False)[0] == 2 + 28 * 14 + 6 == 400
+    llama = attrs.evolve(QWEN3, qk_norm=False)
+    assert kernels_per_step(llama, decode=True, fused_qkv=False)[0] == 2 + 28 * 10 + 6
 
 
 def test_a_long_prefill_is_compute_bound():
     cost = CostModel.of(QWEN3, H200)
     flops = 2 * 595_984_384 * 2048 + 4 * 28 * 16 * 128 * 2048 * 2048
-    assert cost.step_seconds([2048], [2048], 1) == pytest.approx(flops / 989e12 + 0.3e-3)
+    eager = (254 + 10) * 6e-6 + 50e-6          # every kernel launched from Python
+    assert cost.step_seconds([2048], [2048], 1) == pytest.approx(flops / 989e12 + eager)
 
 
 def test_kv_cache_is_sized_from_the_gpus_memory():
