@@ -154,6 +154,14 @@ elif [ "$CUDA" = 1 ]; then
     say "1. SKIPPED end-to-end throughput: the budget is spent"; rc_e2e=budget
 else
     say "1. SKIPPED end-to-end throughput: no CUDA device (the figure needs the GPU; on CPU see docs/benchmarks.md)"
+    # the same entry point run end to end, tiny, so that what it imports while running
+    # (not only at import) is checked here too
+    tiny=$(mktemp -d)
+    "$PY" -c "import json, sys; sys.path.insert(0, 'tests/kernels'); from conftest import TINY_QWEN3; json.dump(TINY_QWEN3, open('$tiny/config.json', 'w'))"
+    say "1. instead: pipeline.bench end to end on a tiny Qwen3 (CPU, dummy weights)"
+    timeout 120 "$PY" -m pipeline.bench "$tiny" --load-format dummy --num-prompts 4 --input-len 16 \
+        --output-len 8 --dtype float32 --output-json "$tiny/throughput.json" 2>&1 | tee -a "$STEPS_LOG"
+    rc_e2e=${PIPESTATUS[0]}
 fi
 # The headline, graphs first: a capture failure only logs a warning in the run and turns
 # the figure into an eager one.

@@ -48,22 +48,22 @@ def test_prepare_qkv_matches_unfused_path(case, dtype, device, tol):
     assert not torch.equal(args[9], _inputs(*CASES[case], dtype, device)[9])   # something was written
 
 
-def test_prepare_qkv_model_end_to_end(tiny_qwen3_dir):
+def test_prepare_qkv_model_end_to_end(tiny_qwen3_dir, device):
     """The tiny Qwen3 through the Triton attention backend with the fused kernel on and off:
-    the same hidden states (on CPU the model's other ops are torch's)."""
+    the same hidden states and cache (on CPU the model's other ops are torch's)."""
     from gpu.attention import KVCache, TritonPagedAttention
     from gpu.loader import load_model
     from gpu.runner import SeqChunk, prepare_step
 
-    lm = load_model(tiny_qwen3_dir, load_format="dummy", dtype="float32", progress=False).model
+    lm = load_model(tiny_qwen3_dir, load_format="dummy", dtype="float32", device=device, progress=False).model
     c = lm.config
     outs = []
     for fused in (False, True):
-        cache = KVCache(c.num_hidden_layers, 8, 16, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
+        cache = KVCache(c.num_hidden_layers, 8, 16, c.num_key_value_heads, c.head_dim, lm.dtype, device)
         attn = TritonPagedAttention(cache, c.head_dim ** -0.5)
         attn.fused_qkv = fused
         chunks = (SeqChunk("a", (3, 5, 7, 11), 0, (0,), True), SeqChunk("b", (2, 4), 0, (1,), True))
-        ids, pos, meta, _ = prepare_step(chunks, 16, torch.device("cpu"))
+        ids, pos, meta, _ = prepare_step(chunks, 16, torch.device(device))
         attn.prepare(meta)
         with torch.inference_mode():
             outs.append((lm(ids, pos, attn), cache.k[1].clone(), cache.v[1].clone()))
