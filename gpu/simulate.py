@@ -74,6 +74,7 @@ class GpuSpec:
     eager_kernel_s: float       # a kernel launched from Python (prefill, mixed, outside the graph)
     step_fixed_s: float         # input copies in, the tokens' copy out, the sync on it
     attention_efficiency: float  # decode attention's share of the bandwidth
+    sm_count: int = 132         # decode graphs split the KV below 2 x SMs programs
 
 
 GPUS = {
@@ -160,8 +161,8 @@ class CostModel:
         g = self.gpu
         if all(q == 1 for q in q_lens):
             # the captured graphs split the KV when sequences x KV heads cannot fill the
-            # SMs twice (paged_attention.suggest_num_kv_splits, 132 SMs on an H200)
-            split = len(q_lens) * self.num_kv_heads < 2 * 132
+            # SMs twice (paged_attention.suggest_num_kv_splits)
+            split = len(q_lens) * self.num_kv_heads < 2 * g.sm_count
             forward, outside = self.split_decode_kernels if split else self.decode_kernels
             return forward * g.graph_kernel_s + outside * g.eager_kernel_s + g.step_fixed_s
         forward, outside = self.eager_kernels
