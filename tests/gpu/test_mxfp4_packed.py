@@ -88,3 +88,24 @@ def test_dummy_packed_load_draws_finite_weights(mxfp4_dir):
                                 lm.layers[1].mlp.experts.gate_up_proj_scales, torch.float32)
     assert 0.005 < w.std() < 0.03 and w.abs().max() <= 6 * 2.0 ** -8
     assert torch.isfinite(our_logits(lm, IDS)).all()
+
+
+def test_gpt_oss_20b_weight_memory_packed_against_dequantised():
+    """The real config on the meta device (nothing allocated): what a CUDA load holds."""
+    import json
+    from pathlib import Path
+
+    import gpu
+    from gpu.config import ModelConfig
+    from gpu.model import CausalLM
+
+    c = ModelConfig.from_hf(json.loads((Path(gpu.__file__).parent / "configs/gpt-oss-20b/config.json").read_text()))
+
+    def held(packed):
+        lm = CausalLM(c, torch.bfloat16, "meta", packed_experts=packed, max_positions=16)
+        return sum(p.numel() * p.element_size() for p in lm.parameters())
+
+    dense, packed = held(False), held(True)
+    experts = c.num_hidden_layers * c.num_experts * 3 * c.hidden_size * c.intermediate_size   # elements
+    assert dense - packed == experts * 2 - experts * 4.25 / 8
+    assert round(dense / 1e9, 1) == 41.8 and round(packed / 1e9, 1) == 13.8
