@@ -7,6 +7,11 @@ tensors a load creates, with nothing allocated.
 
 gpt-oss-120b: the 20b config with 36 layers and 128 experts (its published config differs
 from the 20b's in exactly these two keys).
+
+Then the KV cache those weights leave on an H200 (141 GB at --gpu-memory-utilization 0.9,
+less the weights and an assumed 2 GB for one step's activations and the reserve), in tokens:
+a plain cache against the hybrid one (sliding layers in their own pool: gpu/attention.py
+hybrid_layout, with 256 sequences and 2048-token steps, the engine's defaults).
 """
 from __future__ import annotations
 
@@ -16,8 +21,11 @@ from pathlib import Path
 
 import torch
 
+from gpu.attention import KVCache, hybrid_layout
 from gpu.config import ModelConfig
 from gpu.model import CausalLM
+
+H200_BYTES, UTILIZATION, STEP_AND_RESERVE = 141e9, 0.9, 2e9
 
 CONFIG_20B = Path(__file__).resolve().parent.parent / "gpu/configs/gpt-oss-20b/config.json"
 
@@ -52,6 +60,18 @@ def main() -> None:
             kind = "mxfp4" if packed else "bf16"
             rows[f"{name}/{kind}"] = {**b, "total": total}
             print(f"{name:14s} {kind:>8s} {b['experts'] / 1e9:10.2f} {b['other'] / 1e9:9.2f} {total / 1e9:9.2f}")
+    print(f"\n{'model':14s} {'experts':>8s} {'KV GB':>6s} {'plain tokens':>13s} {'hybrid tokens':>14s} {'ratio':>6s}")
+    for name, c in configs().items():
+        per_block = KVCache.bytes_per_block(c.num_hidden_layers, 16, c.num_key_value_heads, c.head_dim,
+                                            torch.bfloat16)
+        for kind in ("bf16", "mxfp4"):
+            budget = H200_BYTES * UTILIZATION - rows[f"{name}/{kind}"]["total"] - STEP_AND_RESERVE
+            plain = max(0, int(budget // per_block))
+            full, sliding, slots = hybrid_layout(c, plain, 16, 256, 2048)
+            rows[f"{name}/{kind}"].update(kv_bytes=max(0, budget), plain_tokens=plain * 16, hybrid_tokens=full * 16,
+                                          sliding_slots=slots)
+            ratio = f"{full / plain:6.2f}" if plain else "     -"
+            print(f"{name:14s} {kind:>8s} {max(0, budget) / 1e9:6.1f} {plain * 16:13,d} {full * 16:14,d} {ratio}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 
