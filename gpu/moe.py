@@ -126,10 +126,12 @@ class MoE(nn.Module):
 
         T, D = x.shape
         ex = self.experts
+        scaled = ex.dot_scaled and x.dtype == torch.bfloat16
         h = mxfp4_moe_matmul(x, ex.gate_up_proj_blocks, ex.gate_up_proj_scales, offs, bias=ex.gate_up_proj_bias,
-                             a_rows=order // self.top_k, swiglu=(self.alpha, self.limit))           # [N, I]
+                             a_rows=order // self.top_k, swiglu=(self.alpha, self.limit), dot_scaled=scaled)  # [N, I]
         y = mxfp4_moe_matmul(h, ex.down_proj_blocks, ex.down_proj_scales, offs, bias=ex.down_proj_bias,
-                             row_scale=weights.flatten().index_select(0, order), out_rows=order)  # [N, D]
+                             row_scale=weights.flatten().index_select(0, order), out_rows=order,
+                             dot_scaled=scaled)                                                      # [N, D]
         return y.view(T, self.top_k, D).sum(1)                                  # [T, D]
 
 
@@ -152,7 +154,10 @@ class PackedExperts(nn.Module):
     the blocks' last two dimensions [K/32, 16] flattened to [K/2]. Biases stay in the model dtype.
 
     use_kernel: run the Triton grouped GEMM (default on CUDA; tests set it on CPU, under the
-    Triton interpreter); else dequantise on each call."""
+    Triton interpreter); else dequantise on each call. dot_scaled: the kernel's tl.dot_scaled
+    variant for bf16 models (off until scripts/bench_moe.py --gpu shows it faster)."""
+
+    dot_scaled = False
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype, device):
         super().__init__()

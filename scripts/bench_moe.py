@@ -9,8 +9,10 @@ machine hurts all alike.
 With --gpu (CUDA): the MXFP4 grouped GEMM against torch's bf16 grouped GEMM at gpt-oss-20b
 shapes instead (--hidden 2880, the default with --gpu): ms of the experts (gate/up, SwiGLU,
 down, router weight, the k-slot sum; router and sort excluded, the same for both), the
-speed-up, and the packed bytes the kernel reads (the experts hit) over its time against the
-H200's 4.8 TB/s; it also checks that the two agree (bf16 tolerance). Goals (issue 27): >= 2x
+speed-up, the same kernel with tl.dot_scaled on the packed operand (gpu/moe.py uses it
+when PackedExperts.dot_scaled is set: keep the faster), and the packed bytes the kernel
+reads (the experts hit) over its time against the H200's 4.8 TB/s; it also checks that all
+agree (bf16 tolerance). Goals (issue 27): >= 2x
 the bf16 time at decode batch 1-32, prefill no more than 1.25x slower, >= 50% of 4.8 TB/s.
 
     python scripts/bench_moe.py --gpu --tokens 1 2 4 8 16 32 512 2048 --out moe.json
@@ -136,7 +138,8 @@ def gpu_run(tokens_list, experts=32, top_k=4, hidden=2880, inter=2880, out=None)
     results = []
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU, Triton interpreter (smoke test only)"
     print(f"gpt-oss MoE experts, {E} experts top-{top_k}, D=I={D}, bf16, {name}")
-    print(f"{'tokens':>7s} {'bf16 ms':>8s} {'mxfp4 ms':>9s} {'speed-up':>9s} {'experts hit':>12s} {'GB/s':>7s} {'of HBM':>7s}")
+    print(f"{'tokens':>7s} {'bf16 ms':>8s} {'mxfp4 ms':>9s} {'dot_scaled':>11s} {'speed-up':>9s} {'experts hit':>12s} "
+          f"{'GB/s':>7s} {'of HBM':>7s}")
     for T in tokens_list:
         x = torch.randn(T, D, device=dev, generator=g).bfloat16()
         logits = torch.randn(T, E, device=dev, generator=g)
@@ -146,10 +149,11 @@ def gpu_run(tokens_list, experts=32, top_k=4, hidden=2880, inter=2880, out=None)
         offs = torch.searchsorted(by_expert, torch.arange(1, E + 1, device=dev), out_int32=True)
         w_sorted = weights.flatten().index_select(0, order)
 
-        def packed():
+        def packed(scaled=False):
             h = mxfp4_moe_matmul(x, gu_blocks, gu_scales, offs, bias=gu_bias, a_rows=order // top_k,
-                                 swiglu=(1.702, 7.0))
-            y = mxfp4_moe_matmul(h, dn_blocks, dn_scales, offs, bias=dn_bias, row_scale=w_sorted, out_rows=order)
+                                 swiglu=(1.702, 7.0), dot_scaled=scaled)
+            y = mxfp4_moe_matmul(h, dn_blocks, dn_scales, offs, bias=dn_bias, row_scale=w_sorted, out_rows=order,
+                                 dot_scaled=scaled)
             return y.view(T, top_k, D).sum(1)
 
         def dense():
@@ -160,16 +164,17 @@ def gpu_run(tokens_list, experts=32, top_k=4, hidden=2880, inter=2880, out=None)
             y = y * w_sorted.unsqueeze(1).to(y.dtype)
             return torch.empty_like(y).index_copy_(0, order, y).view(T, top_k, D).sum(1)
 
-        a, b = packed().float(), dense().float()
-        err = ((a - b).norm() / b.norm()).item()
-        t_dense, t_packed = bench(dense), bench(packed)
+        a, b, c = packed().float(), dense().float(), packed(True).float()
+        err = max(((a - b).norm() / b.norm()).item(), ((c - b).norm() / b.norm()).item())
+        t_dense, t_packed, t_scaled = bench(dense), bench(packed), bench(lambda: packed(True))
         hit = int(by_expert.unique().numel())
         gbs = hit * per_expert / t_packed / 1e9
-        row = dict(tokens=T, bf16_ms=t_dense * 1e3, mxfp4_ms=t_packed * 1e3, speedup=t_dense / t_packed,
+        row = dict(tokens=T, bf16_ms=t_dense * 1e3, mxfp4_ms=t_packed * 1e3, dot_scaled_ms=t_scaled * 1e3,
+                   speedup=t_dense / t_packed,
                    experts_hit=hit, packed_gb_s=gbs, hbm_fraction=gbs * 1e9 / HBM_BYTES_S, rel_err=err)
         results.append(row)
-        print(f"{T:>7d} {row['bf16_ms']:8.3f} {row['mxfp4_ms']:9.3f} {row['speedup']:8.2f}x {hit:>12d} "
-              f"{gbs:7.0f} {row['hbm_fraction']:6.0%}  (rel err {err:.1e})")
+        print(f"{T:>7d} {row['bf16_ms']:8.3f} {row['mxfp4_ms']:9.3f} {t_scaled * 1e3:11.3f} {row['speedup']:8.2f}x "
+              f"{hit:>12d} {gbs:7.0f} {row['hbm_fraction']:6.0%}  (rel err {err:.1e})")
         assert err < 2e-2, f"the kernel and the bf16 path disagree: relative error {err}"
     if out:
         with open(out, "w") as f:

@@ -53,7 +53,7 @@ def _mxfp4_moe_kernel(
     stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_om,
     alpha, limit,
     GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr, ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+    SWIGLU: tl.constexpr, ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -71,7 +71,7 @@ def _mxfp4_moe_kernel(
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         e64 = expert.to(tl.int64)
-        b_base = blocks_ptr + e64 * stride_be + cols[:, None].to(tl.int64) * stride_bn
+        b_rows = blocks_ptr + e64 * stride_be + cols.to(tl.int64) * stride_bn   # [BN] row starts
         s_base = scales_ptr + e64 * stride_se + cols[:, None].to(tl.int64) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -79,18 +79,24 @@ def _mxfp4_moe_kernel(
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
                         mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(b_base + kb[None, :], mask=col_mask[:, None] & (kb < K // 2)[None, :], other=0)
-            codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))  # [BN, BK]
             kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             s = tl.load(s_base + kg[None, :], mask=col_mask[:, None] & (kg < K // 32)[None, :], other=127)
-            scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)          # 2^(s - 127)
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)),
-                               (BLOCK_N, BLOCK_K))
-            w = _e2m1_to_f32(codes) * scale                                       # [BN, BK] fp32
-            if UPCAST:
-                acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            if DOT_SCALED:  # Triton's own MXFP4 operand: [BK/2, BN] bytes packed along K, scales [BN, BK/32]
+                packed_t = tl.load(b_rows[None, :] + kb[:, None], mask=col_mask[None, :] & (kb < K // 2)[:, None],
+                                   other=0)
+                acc = tl.dot_scaled(a, None, "bf16", packed_t, s, "e2m1", acc)
             else:
-                acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+                packed = tl.load(b_rows[:, None] + kb[None, :], mask=col_mask[:, None] & (kb < K // 2)[None, :],
+                                 other=0)
+                codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))  # [BN, BK]
+                scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)          # 2^(s - 127)
+                scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)),
+                                   (BLOCK_N, BLOCK_K))
+                w = _e2m1_to_f32(codes) * scale                                       # [BN, BK] fp32
+                if UPCAST:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + e64 * stride_bias + cols, mask=col_mask, other=0.0)
             acc += bias.to(tl.float32)[None, :]
@@ -144,12 +150,15 @@ def tile_map(offs: torch.Tensor, n_rows: int, block_m: int) -> tuple[torch.Tenso
 def mxfp4_moe_matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor, *,
                      bias: torch.Tensor | None = None, a_rows: torch.Tensor | None = None,
                      swiglu: tuple[float, float] | None = None, row_scale: torch.Tensor | None = None,
-                     out_rows: torch.Tensor | None = None, n_rows: int | None = None) -> torch.Tensor:
+                     out_rows: torch.Tensor | None = None, n_rows: int | None = None,
+                     dot_scaled: bool = False) -> torch.Tensor:
     """Grouped MXFP4 GEMM. a [M, K]; blocks [E, N, K/2], scales [E, N, K/32] uint8; offs [E]
     int32 segment ends over the routed rows (n_rows of them: a_rows' length, else M);
     a_rows [n_rows]: the row of a each routed row reads; swiglu (alpha, limit): output N/2
     columns of clamped SwiGLU over interleaved (gate, up); row_scale [n_rows]; out_rows
-    [n_rows]: where each routed row is written (a permutation). -> [n_rows, N or N/2] in a.dtype."""
+    [n_rows]: where each routed row is written (a permutation); dot_scaled: Triton's
+    tl.dot_scaled on the packed operand instead of decoding it here (bf16 activations only;
+    scripts/bench_moe.py --gpu times both). -> [n_rows, N or N/2] in a.dtype."""
     E, N, half_k = blocks.shape
     K = 2 * half_k
     assert a.dim() == 2 and a.shape[1] == K and a.stride(1) == 1, f"a {tuple(a.shape)} must be [M, {K}], rows contiguous"
@@ -160,6 +169,7 @@ def mxfp4_moe_matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor
         n_rows = a_rows.shape[0] if a_rows is not None else a.shape[0]
     n_out = N // 2 if swiglu is not None else N
     assert swiglu is None or N % 2 == 0
+    assert not dot_scaled or a.dtype == torch.bfloat16, "dot_scaled takes bf16 activations"
     out = torch.empty(n_rows, n_out, dtype=a.dtype, device=a.device)
     if n_rows == 0:
         return out
@@ -178,12 +188,12 @@ def mxfp4_moe_matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor
         float(alpha), float(limit),
         GATHER_A=a_rows is not None, SCATTER_OUT=out_rows is not None, HAS_BIAS=bias is not None,
         SWIGLU=swiglu is not None, ROW_SCALE=row_scale is not None,
-        UPCAST=_INTERPRET or a.dtype == torch.float32, **cfg)
+        UPCAST=_INTERPRET or a.dtype == torch.float32, DOT_SCALED=dot_scaled, **cfg)
     return out
 
 
 def mxfp4_moe_matmul_ref(a, blocks, scales, offs, *, bias=None, a_rows=None, swiglu=None, row_scale=None,
-                         out_rows=None, n_rows=None) -> torch.Tensor:
+                         out_rows=None, n_rows=None, dot_scaled=False) -> torch.Tensor:
     """Dequantise then multiply each expert's segment in fp32; the same epilogues."""
     from gpu.mxfp4 import dequantize_packed  # imports only torch
 

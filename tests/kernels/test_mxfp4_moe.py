@@ -108,3 +108,19 @@ def test_packed_layout_is_the_checkpoints():
     blocks, scales = mxfp4.quantize(w)                               # [2, 8, 2, 16], [2, 8, 2]
     torch.testing.assert_close(dequantize_packed(blocks.flatten(-2), scales, torch.float32),
                                mxfp4.dequantize(blocks, scales, torch.float32))
+
+
+def test_dot_scaled_variant_matches_reference(device, tol):
+    """Triton's tl.dot_scaled on the packed operand (bf16 activations), every epilogue."""
+    E, N, K, T = 4, 64, 160, 7
+    blocks, scales, bias = (t.to(device) for t in _experts(E, N, K, seed=5))
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(T, K, generator=g).bfloat16().to(device)
+    order = torch.arange(2 * T, device=device)
+    offs = _offs([5, 0, 6, 3], device)
+    kw = dict(bias=bias.bfloat16(), a_rows=order // 2, swiglu=(1.702, 7.0))
+    got = mxfp4_moe_matmul(x, blocks, scales, offs, dot_scaled=True, **kw)
+    want = mxfp4_moe_matmul_ref(x, blocks, scales, offs, **kw)
+    scale = max([1.0] + want.float().abs().flatten().tolist())
+    torch.testing.assert_close(got.float() / scale, want.float() / scale, **tol(torch.bfloat16))
+    torch.testing.assert_close(got, mxfp4_moe_matmul(x, blocks, scales, offs, **kw), **tol(torch.bfloat16))
