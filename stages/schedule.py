@@ -570,7 +570,8 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
             plan = None
             if len(inflight) < depth and scheduler.has_work():
                 plan = scheduler.schedule()
-                if plan.chunks or plan.new_seqs or plan.released:
+                # kv_updates alone too: a chunk taken back by a preemption keeps its block's slot
+                if plan.chunks or plan.new_seqs or plan.released or plan.kv_updates:
                     await to_gpu.send(plan)
                     inflight.append((plan, tuple(scheduler.preempted)))
                     if len(inflight) < depth and applied is None:
