@@ -123,3 +123,40 @@ def test_runner_reads_sliding_layers_through_the_slot_map(model_dir, use_triton)
     assert got.shape[0] == 4
     torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
     assert hybrid_cache.sliding_map[[9, 2, 7, 0, 11, 4]].tolist() == [0, 0, 2, 3, 4, 0]
+
+
+async def test_concurrent_requests_with_preemption_same_output(model_dir):
+    """Three requests at once in a cache too small for them all (preemptions in both pools):
+    the hybrid cache gives the plain cache's tokens and logprobs."""
+    import trio
+
+    from pipeline.config import EngineConfig
+    from pipeline.engine import open_engine
+
+    prompts = [[(i * k + 5) % 150 + 3 for i in range(37)] for k in (3, 5, 7)]
+
+    async def run(hybrid):
+        cfg = EngineConfig(model=str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=3,
+                           max_num_batched_tokens=16, kv_cache_memory_bytes=12 * PER_BLOCK,
+                           disable_hybrid_kv_cache_manager=not hybrid)
+        outs = [None] * 3
+        async with open_engine(cfg) as engine:
+            async def one(i):
+                body = {"prompt": prompts[i], "max_tokens": 40, "temperature": 0, "logprobs": 1,
+                        "ignore_eos": True}
+                reply = await engine.submit("completions", {"model": engine.model_names[0], **body})
+                outs[i] = orjson.loads(await reply.read())["choices"][0]["logprobs"]
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+            stats = engine.stats()
+            layout = (engine.blocks.num_blocks, engine.blocks.sliding and engine.blocks.sliding.num_slots)
+        return outs, stats["num_preemptions"], layout
+
+    plain, plain_pre, plain_layout = await run(False)
+    hybrid, hybrid_pre, layout = await run(True)
+    assert plain_layout == (12, None) and layout == (14, 11)
+    assert plain_pre > 0 and hybrid_pre > 0
+    for g, w in zip(hybrid, plain):
+        assert g["tokens"] == w["tokens"]
+        assert g["token_logprobs"] == pytest.approx(w["token_logprobs"], abs=1e-4)
