@@ -1,12 +1,10 @@
 """The GPU stand-in (--simulate-gpu): its cost model's arithmetic, and tokens that are
-real text."""
+real text. (The engine serving on it: tests/engine/test_engine_simulate.py.)"""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-import orjson
 import pytest
 import torch
 
@@ -84,34 +82,3 @@ def test_simulated_tokens_are_ordinary_and_detokenize(smollm_tokenizer):
     for toks in out.values():
         assert set(toks) <= set(ordinary.tolist())
         assert len(tok.decode(toks)) >= len(toks)   # ordinary tokens are at least a character
-
-
-async def test_engine_serves_text_on_a_simulated_h200():
-    from pipeline.config import EngineConfig
-    from pipeline.engine import open_engine
-
-    cfg = EngineConfig(simulate_gpu="h200", max_model_len=256, max_num_seqs=4)
-    async with open_engine(cfg) as engine:
-        assert engine.loaded.model.embed_tokens.weight.is_meta   # no weights were loaded
-        sampled: list[int] = []
-        real = engine.runner.execute
-
-        def recording(plan, staged=None):
-            result = real(plan, staged)
-            sampled.extend(result.token_ids)
-            return result
-
-        engine.runner.execute = recording
-        reply = await engine.submit("completions", {
-            "model": engine.model_names[0], "prompt": "Once upon a time", "max_tokens": 12,
-            "ignore_eos": True})
-        body = orjson.loads(await reply.read())
-        reply = await engine.submit("completions", {
-            "model": engine.model_names[0], "prompt": "Hi", "max_tokens": 3, "logprobs": 2})
-        lp = orjson.loads(await reply.read())["choices"][0]["logprobs"]
-    assert body["usage"]["completion_tokens"] == 12 and len(sampled) == 12 + 3
-    assert body["choices"][0]["text"] == engine.loaded.tokenizer.decode(sampled[:12])
-    uniform = -math.log(len(engine.runner.token_ids))
-    assert lp["token_logprobs"] == pytest.approx([uniform] * 3)
-    assert all(len(top) >= 1 for top in lp["top_logprobs"])
-    assert body["choices"][0]["text"].strip()
