@@ -111,6 +111,10 @@ HBM_BYTES_S = 4.8e12
 def gpu_run(tokens_list, experts=32, top_k=4, hidden=2880, inter=2880, out=None) -> list[dict]:
     """On CPU (a smoke test of this script, e.g. --hidden 64): the kernel under the Triton
     interpreter, wall-clock timing; the figures mean nothing there."""
+    import os
+
+    if not torch.cuda.is_available():   # before the kernel module is imported (triton.jit reads it)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from gpu import mxfp4
     from gpu.kernels.mxfp4_moe import mxfp4_moe_matmul
     from gpu.moe import clamped_swiglu

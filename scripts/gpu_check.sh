@@ -201,6 +201,7 @@ if [ "$t" -gt 15 ]; then
     if [ "$CUDA" = 1 ]; then moe_args="--tokens 1 2 4 8 16 32 512 2048"; else moe_args="--hidden 64 --experts 8 --tokens 1 5"; fi
     timeout "$t" "$PY" scripts/bench_moe.py --gpu $moe_args 2>&1 | tee -a "$STEPS_LOG"
     rc_moe=${PIPESTATUS[0]}
+    say "5. MXFP4 MoE bench rc=$rc_moe"
 else
     say "5. SKIPPED MXFP4 MoE bench: the budget is spent"; rc_moe=budget
 fi
