@@ -72,6 +72,8 @@ class StepPlan:
     chunks: tuple[SeqChunk, ...]
     new_seqs: tuple[SeqStart, ...] = ()
     released: tuple[str, ...] = ()     # sequences finished or aborted: drop their state
+    # hybrid KV cache: (block, sliding slot or -1) changes, applied before the step (KVCache.remap)
+    kv_updates: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen
@@ -162,6 +164,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if staged is None:
             staged = self.stage(plan)
+        if plan.kv_updates:
+            self.cache.remap(plan.kv_updates)
         for sid in plan.released:
             self.states.pop(sid, None)
             self.prompt_lp.pop(sid, None)

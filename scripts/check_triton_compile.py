@@ -134,6 +134,30 @@ def _cases(only):
 
         yield label, paged_attention, ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"], launch_gpt_oss
 
+    # ---- gpt-oss-20b MXFP4 experts (32 experts, top 4): gate/up (+SwiGLU) and down, decode and prefill
+    for tokens, proj, scaled in [(t, p, d) for t in (4, 2048) for p in ("gate_up", "down") for d in (False, True)]:
+        if True:
+            label = f"mxfp4_moe[gpt-oss-20b,bf16,{proj},{tokens} tokens{',dot_scaled' if scaled else ''}]"
+            if not want(label):
+                continue
+
+            def launch_moe(tokens=tokens, proj=proj, scaled=scaled, E=32, k=4, D=2880, inter=2880):
+                from gpu.kernels import mxfp4_moe
+                n, kk = (2 * inter, D) if proj == "gate_up" else (D, inter)
+                rows = tokens * k
+                a = torch.zeros(tokens if proj == "gate_up" else rows, kk, dtype=torch.bfloat16)
+                blocks = torch.zeros(E, n, kk // 2, dtype=torch.uint8)
+                scales = torch.zeros(E, n, kk // 32, dtype=torch.uint8)
+                offs = torch.linspace(rows / E, rows, E).to(torch.int32)
+                order = torch.arange(rows)
+                kw = dict(a_rows=order // k, swiglu=(1.702, 7.0)) if proj == "gate_up" else \
+                    dict(row_scale=torch.zeros(rows, dtype=torch.bfloat16), out_rows=order)
+                mxfp4_moe.mxfp4_moe_matmul(a, blocks, scales, offs, bias=torch.zeros(E, n, dtype=torch.bfloat16),
+                                           n_rows=rows, dot_scaled=scaled, **kw)
+
+            from gpu.kernels import mxfp4_moe
+            yield label, mxfp4_moe, ["_mxfp4_moe_kernel"], launch_moe
+
     for model, hq, hkv, dh, hidden, inter, vocab in MODELS:
         # ---- paged attention: decode, prefill/mixed, flash-decoding splits
         for dtype in all_dtypes:

@@ -18,7 +18,7 @@
 #   kernels_tests.json  3. kernel tests on CUDA (a summary of pytest's junit report)
 #   kernels_tests.log   its output
 #   kernels_bench.json  4. kernel micro-benchmarks (Qwen3-0.6B shapes, GB/s vs 4.8 TB/s)
-#   steps.log           every step's output (throughput's too) and what was skipped, and why
+#   steps.log           every step's output (throughput's too, 5. the MXFP4 MoE bench) and what was skipped, and why
 # The first line of results (RESULT, printed after step 1 and again at the end) says
 # whether CUDA graphs were captured: a capture failure means an eager figure, said loudly.
 # On a machine without CUDA (PYTHON=/work/main/.venv/bin/python bash scripts/gpu_check.sh)
@@ -258,9 +258,23 @@ else
     say "4. SKIPPED kernel micro-benchmarks: the budget is spent"; rc_bench=budget
 fi
 
+# 5. MXFP4 MoE (issue 27): the packed-expert grouped GEMM against torch's bf16 grouped GEMM at
+#    gpt-oss-20b shapes, decode batches 1-32 and prefill (its correctness test ran in step 3:
+#    tests/kernels/test_mxfp4_moe.py). Figures into steps.log. On CPU: a tiny smoke run.
+rc_moe=skipped
+t=$(left 0); [ "$t" -gt 120 ] && t=120; say "5. MXFP4 MoE bench, up to ${t}s"
+if [ "$t" -gt 15 ]; then
+    if [ "$CUDA" = 1 ]; then moe_args="--tokens 1 2 4 8 16 32 512 2048"; else moe_args="--hidden 64 --experts 8 --tokens 1 5"; fi
+    timeout "$t" "$PY" scripts/bench_moe.py --gpu $moe_args 2>&1 | tee -a "$STEPS_LOG"
+    rc_moe=${PIPESTATUS[0]}
+    say "5. MXFP4 MoE bench rc=$rc_moe"
+else
+    say "5. SKIPPED MXFP4 MoE bench: the budget is spent"; rc_moe=budget
+fi
+
 [ "$CUDA" = 1 ] && headline | tee -a "$STEPS_LOG"
-say "done in ${SECONDS}s: throughput rc=$rc_e2e, bf16 greedy rc=$rc_bf16, graphs vs eager rc=$rc_graphs, kernel tests rc=$rc_tests, kernel bench rc=$rc_bench"
-for rc in "$rc_e2e" "$rc_bf16" "$rc_graphs" "$rc_tests" "$rc_bench"; do
+say "done in ${SECONDS}s: throughput rc=$rc_e2e, bf16 greedy rc=$rc_bf16, graphs vs eager rc=$rc_graphs, kernel tests rc=$rc_tests, kernel bench rc=$rc_bench, MXFP4 MoE bench rc=$rc_moe"
+for rc in "$rc_e2e" "$rc_bf16" "$rc_graphs" "$rc_tests" "$rc_bench" "$rc_moe"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1   # "budget": a step the time limit cut
 done
 exit 0
