@@ -34,12 +34,11 @@ import cattrs
 import orjson
 from cattrs.strategies import configure_union_passthrough
 
-from gpu.runner import StepPlan
+from gpu.interface import StepPlan
 from stages.api import protocol
 from stages.api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from stages.delta import Delta
-from stages.render import ApiRequest, RenderedRequest
-from stages.schedule import Step
+from stages.messages import ApiRequest, RenderedRequest, Step
 
 SCHEMA_VERSION = 1
 

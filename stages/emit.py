@@ -13,8 +13,7 @@ from stages.api.chat import ChatFramer
 from stages.api.completions import CompletionFramer
 from stages.api.framing import Framer
 from stages.api.responses import ResponsesFramer
-from stages.schedule import Step
-from stages.render import RenderedRequest
+from stages.messages import RenderedRequest, Step
 
 FRAMERS: dict[str, type[Framer]] = {
     "chat": ChatFramer,

@@ -23,7 +23,7 @@ import trio
 from stages.api.protocol import ToolPlan
 from stages.delta import Delta, FinishReason, ToolCallDelta
 from stages.harmony import HARMONY_REASONING_PARSER, HarmonyState
-from stages.schedule import Step
+from stages.messages import Step
 from stages.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,
                                  ToolParser, call_id)
 

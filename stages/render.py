@@ -13,8 +13,7 @@ from typing import Any, Callable
 import attrs
 import jinja2
 
-from gpu.grammar import Constraint
-from gpu.sampler import SamplingOptions
+from gpu.interface import Constraint, SamplingOptions
 from stages import harmony
 from stages.api import chat, completions, responses
 from stages.api.protocol import (ChatCompletionRequest, ChoiceRequest, CompletionRequest,
@@ -22,77 +21,9 @@ from stages.api.protocol import (ChatCompletionRequest, ChoiceRequest, Completio
                                  RequestError, ResponsesRequest, SamplingRequest,
                                  TokenizeRequest, TokenizeResponse, ToolPlan, ToolSettings,
                                  parse_request)
+from stages.messages import RenderedRequest, SamplingParams, Submission
 
-__all__ = ["RenderContext", "RenderedRequest", "RequestError", "SamplingParams", "Submission",
-           "render", "run"]
-
-ApiRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest
-
-
-@attrs.frozen
-class Submission:
-    """What web hands to render: the raw JSON body of one API call."""
-    request_id: str
-    api: str                      # "chat" | "completions" | "responses"
-    body: dict
-    arrival: float                # time.monotonic() at the HTTP layer
-    headers: tuple[tuple[str, str], ...] = ()   # the HTTP request's (for the event log only)
-
-
-@attrs.frozen
-class SamplingParams:
-    """What one request asks of generation: the sampler's options plus what the
-    scheduler and detokenize need (max_tokens, EOS, stop strings)."""
-    max_tokens: int
-    options: SamplingOptions = SamplingOptions()   # the sampler's part, passed to the GPU as is
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    constraint: Constraint | None = None           # structured output (gpu/grammar.py)
-    prompt_logprobs: int | None = None             # the prompt tokens' logprobs (top k); None: off
-
-
-@attrs.frozen
-class RenderedRequest:
-    request_id: str
-    api: str                      # "chat" | "completions" | "responses"
-    model: str                    # the served model name echoed back
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    stream: bool
-    include_usage: bool           # stream_options.include_usage (always usage when not streaming)
-    created: int                  # unix seconds
-    arrival: float
-    request: ApiRequest = attrs.field(eq=False)   # the typed request, for what replies echo
-    continuous_usage: bool = False  # streaming: every chunk carries the usage so far
-    cache_salt: str | None = None   # prefix-cache blocks are shared only with the same salt
-    per_request_metrics: bool = False   # the reply carries the request's own timings
-    n: int = 1                      # choices: n sequences sampled from one prompt
-    tools: ToolPlan | None = None   # how parse finds tool calls (stages/api/tools.py)
-    # Several prompts in one request (a completions prompt list): prompt_token_ids is the
-    # first. Prompt i's choice j is choice i * n + j, a sequence of its own.
-    prompts: tuple[tuple[int, ...], ...] = ()
-    prompt_max_tokens: tuple[int, ...] = ()   # with several prompts: each one's max_tokens
-    echo: tuple[str, ...] | None = None      # echo: the text each prompt's choices start with
-
-    @property
-    def num_choices(self) -> int:
-        """Sequences of the request: n per prompt."""
-        return self.n * len(self.prompts) if self.prompts else self.n
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts)) if self.prompts else len(self.prompt_token_ids)
-
-    def prompt_of(self, index: int) -> tuple[int, ...]:
-        """The prompt of choice `index`."""
-        return self.prompts[index // self.n] if self.prompts else self.prompt_token_ids
-
-    def max_tokens_of(self, index: int) -> int:
-        return (self.prompt_max_tokens[index // self.n] if self.prompt_max_tokens
-                else self.sampling.max_tokens)
-
+__all__ = ["RenderContext", "RequestError", "render", "run"]
 
 @attrs.frozen
 class RenderContext:

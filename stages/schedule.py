@@ -16,49 +16,13 @@ import attrs
 import trio
 
 from gpu.grammar import GrammarCompiler
-from gpu.runner import PLACEHOLDER, SeqChunk, SeqStart, StepPlan, StepResult, TokenLogprobs
-from gpu.sampler import SamplingOptions
+from gpu.interface import (PLACEHOLDER, SamplingOptions, SeqChunk, SeqStart, StepPlan, StepResult,
+                           TokenLogprobs)
 from stages.blocks import BlockManager
 from stages.delta import Delta, FinishReason
-from stages.render import RenderedRequest
+from stages.messages import Abort, FinishRequest, RenderedRequest, Step
 
 _PLACEHOLDER = (PLACEHOLDER,)
-
-
-@attrs.frozen
-class Step:
-    """One engine step, schedule -> detokenize -> parse -> account -> emit: the requests
-    admitted since the last step and a delta for every request the step touched. Each
-    stage passes it on with `attrs.evolve(step, deltas=...)`."""
-    step: int
-    new_requests: tuple[RenderedRequest, ...] = ()
-    deltas: tuple[Delta, ...] = ()
-    # -- schedule's queue sizes after the step (for the event log)
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    done_at: float = 0.0      # time.monotonic() when the step's tokens came back
-
-
-# -- the scheduler's inbox: admitted requests arrive with control messages ---------------
-@attrs.frozen
-class Abort:
-    """The client went away: drop the request. With an ``error`` (the server is shutting
-    down while the client still reads) the request finishes with FinishReason.ERROR, so its
-    reply ends with that error instead of nothing."""
-    request_id: str
-    error: str | None = None
-
-
-@attrs.frozen
-class FinishRequest:
-    """detokenize matched a stop string in one choice: stop generating it, free its blocks."""
-    request_id: str
-    index: int = 0
-
-
-# What schedule sends downstream, one message per engine step: a `Step` (stages/delta.py)
-# with a `Delta` for every sequence the step sampled or finished.
 
 
 class Sequence:

@@ -20,7 +20,7 @@ from stages.api.protocol import (CompletionTokensDetails, InputTokensDetails,
 from stages.delta import Delta, FinishReason, Usage
 
 if TYPE_CHECKING:
-    from stages.render import RenderedRequest
+    from stages.messages import RenderedRequest
 
 DONE = b"data: [DONE]\n\n"
 

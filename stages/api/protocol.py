@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar, TypeVar, Union
 
 import attrs
 import cattrs
-from gpu.grammar import Constraint
+from gpu.interface import Constraint
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from gpu.grammar import Constraint, GrammarError, check
+from gpu.interface import Constraint, GrammarError
 from stages.api.protocol import ChoiceRequest, RequestError, ResponsesRequest
 
 
@@ -127,6 +127,8 @@ def constraint_of(req: ChoiceRequest | ResponsesRequest) -> Constraint | None:
 
 
 def checked(constraint: Constraint, param: str) -> Constraint:
+    # xgrammar imports torch: loaded on the first constrained request, not with the module
+    from gpu.grammar import check
     try:
         check(constraint)
     except GrammarError as exc:

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from gpu.grammar import Constraint
+from gpu.interface import Constraint
 from stages.api.protocol import RequestError, ToolPlan, ToolSettings
 from stages.api.structured import checked
 

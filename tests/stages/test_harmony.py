@@ -20,8 +20,8 @@ from stages.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
 from stages.harmony import HarmonyState
 from stages.parse import Parser
-from stages.render import RenderContext, Submission, render, tokenize
-from stages.schedule import Step
+from stages.messages import Step, Submission
+from stages.render import RenderContext, render, tokenize
 from rendered import rendered
 
 HARMONY = ToolSettings(True, "openai", True)       # what the engine implies for gpt-oss

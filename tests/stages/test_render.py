@@ -1,7 +1,8 @@
 """render core: validation, chat template path, sampling defaults, max_tokens."""
 import pytest
 
-from stages.render import RenderContext, RequestError, Submission, render
+from stages.messages import Submission
+from stages.render import RenderContext, RequestError, render
 
 
 class FakeTokenizer:
