@@ -85,10 +85,11 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
                            f"maximum number of tokens to generate ({min(limits)}).",
                            param="min_tokens")
     ids = prompts[0]
+    n = req.n if isinstance(req, ChoiceRequest) else 1   # the Responses API has one choice
     return RenderedRequest(
         request_id=sub.request_id, api=sub.api, model=model, prompt_token_ids=tuple(ids),
         sampling=SamplingParams(
-            max_tokens=max_tokens, options=sampling, stop=getattr(req, "stop", None) or (),
+            max_tokens=max_tokens, options=sampling, stop=req.stop or (),
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, constraint=plan.constraint,
             prompt_logprobs=plan.prompt_logprobs),
@@ -98,9 +99,9 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         continuous_usage=plan.stream and (plan.continuous_usage or ctx.force_include_usage),
         cache_salt=req.cache_salt or None,
         # per-request metrics describe one sequence: not with n > 1 or several prompts
-        per_request_metrics=(ctx.per_request_metrics and getattr(req, "n", 1) == 1
+        per_request_metrics=(ctx.per_request_metrics and n == 1
                              and len(prompts) == 1),
-        n=getattr(req, "n", 1), tools=plan.tools,
+        n=n, tools=plan.tools,
         prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
         prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),
         echo=_echo(plan, req, prompts, ctx))
@@ -166,11 +167,7 @@ def detokenize(body: object, ctx: RenderContext) -> DetokenizeResponse:
     _resolve_model(req.model, ctx)
     if ctx.tokenizer is None:
         raise RequestError("This model was loaded without a tokenizer.", param="tokens")
-    vocab = ctx.vocab_size or ctx.tokenizer.vocab_size
-    bad = [t for t in req.tokens if t >= vocab]
-    if bad:
-        raise RequestError(f"'tokens' has token id {bad[0]}, which is out of vocabulary "
-                           f"(ids are in [0, {vocab})).", param="tokens")
+    check_vocab(req.tokens, _vocab_size(ctx), "tokens")
     return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
 
 
@@ -209,6 +206,20 @@ def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext
         **(_logit_controls(req, ctx) if isinstance(req, ChoiceRequest) else {}))
 
 
+def _vocab_size(ctx: RenderContext) -> int | None:
+    """The model's embedding rows, else the tokenizer's vocabulary (None: neither known)."""
+    return ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
+
+
+def check_vocab(ids, vocab: int | None, param: str, *, negative: bool = False) -> None:
+    """Refuse the first id at or above `vocab` (no bound when None), or below 0 with
+    `negative` (where the request's type does not already forbid it)."""
+    bad = [t for t in ids if (negative and t < 0) or (vocab is not None and t >= vocab)]
+    if bad:
+        raise RequestError(f"'{param}' has token id {bad[0]}, which is out of vocabulary "
+                           f"(ids are in [0, {vocab})).", param=param)
+
+
 LOGIT_BIAS_LIMIT = 100.0   # OpenAI's range; vLLM clamps a bias into it
 
 
@@ -218,28 +229,21 @@ def _logit_controls(req: ChoiceRequest, ctx: RenderContext) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if not (req.logit_bias or req.allowed_token_ids or req.bad_words):
         return out
-    vocab = ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
-
-    def check_vocab(ids, param: str) -> None:
-        bad = [t for t in ids if vocab is not None and t >= vocab]
-        if bad:
-            raise RequestError(f"'{param}' has token id {bad[0]}, which is out of vocabulary "
-                               f"(ids are in [0, {vocab})).", param=param)
-
+    vocab = _vocab_size(ctx)
     if req.logit_bias:
         bias = {int(k): float(min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, v)))
                 for k, v in req.logit_bias.items()}
-        check_vocab(bias, "logit_bias")
+        check_vocab(bias, vocab, "logit_bias")
         out["logit_bias"] = tuple(sorted(bias.items()))
     if req.allowed_token_ids:
-        check_vocab(req.allowed_token_ids, "allowed_token_ids")
+        check_vocab(req.allowed_token_ids, vocab, "allowed_token_ids")
         out["allowed_token_ids"] = tuple(sorted(set(req.allowed_token_ids)))
     if req.bad_words:
         if ctx.tokenizer is None:
             raise RequestError("'bad_words' needs a tokenizer; this server was started "
                                "without one.", param="bad_words")
         words = bad_words_token_ids(req.bad_words, ctx.tokenizer)
-        check_vocab([t for w in words for t in w], "bad_words")
+        check_vocab([t for w in words for t in w], vocab, "bad_words")
         out["bad_words_token_ids"] = words
     return out
 
@@ -263,11 +267,7 @@ def bad_words_token_ids(words: list[str], tokenizer) -> tuple[tuple[int, ...], .
 def _prompt_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
     if plan.token_ids is not None:
         param = plan.token_ids_param or plan.prompt_param
-        vocab = ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
-        bad = [t for t in plan.token_ids if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise RequestError(f"'{param}' has token id {bad[0]}, which is out of vocabulary "
-                               f"(ids are in [0, {vocab})).", param=param)
+        check_vocab(plan.token_ids, _vocab_size(ctx), param, negative=True)
         return _truncated(list(plan.token_ids), plan, ctx)
     if ctx.tokenizer is None:
         raise RequestError("This server has no tokenizer: prompts must be token ids "

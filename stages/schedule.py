@@ -42,7 +42,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt)
         # prompt_logprobs: the first choice of each prompt computes them (not from the cache)
         self.prompt_logprobs = (req.sampling.prompt_logprobs if leader is None else None)
-        self.prompt_lps: list[TokenLogprobs] = []    # gathered until the first delta
+        self.prompt_logprobs_so_far: list[TokenLogprobs] = []   # gathered until the first delta
         # Tokens in the KV cache once the steps planned so far have run (a planned chunk
         # counts at once, so that with async scheduling the next plan continues after it).
         self.num_computed = 0
@@ -196,12 +196,6 @@ class Scheduler:
                                            num_cached_tokens=seq.num_cached_tokens,
                                            error=error, scheduled_at=seq.scheduled_at,
                                            index=seq.index))
-
-    def finish_sequence(self, seq_id: str, reason: FinishReason, error: str) -> None:
-        """A failed step: the whole request of the sequence fails, every choice."""
-        seq = self.by_id.get(seq_id)
-        if seq is not None:
-            self.finish(seq.req.request_id, reason, error)
 
     def _retire(self, seq: Sequence) -> None:
         """A finished sequence: its blocks freed, the GPU told, the bookkeeping dropped."""
@@ -402,7 +396,7 @@ class Scheduler:
         for pl in result.prompt_logprobs:
             seq = self.by_id.get(pl.seq_id)
             if seq is not None:
-                seq.prompt_lps.extend(pl.entries)
+                seq.prompt_logprobs_so_far.extend(pl.entries)
         deltas = list(self._pending)
         self._pending = []
         bs = self.blocks.block_size
@@ -421,17 +415,19 @@ class Scheduler:
                     seq.hash_cursor = commit(seq.table, seq.token_ids, done, *seq.hash_cursor)
             if tok is None:
                 continue
-            prompt_lps = ()
+            prompt_logprobs = ()
             if (seq.prompt_logprobs is not None
                     and len(seq.token_ids) - seq.prompt_len == 1):   # the first token
-                prompt_lps, seq.prompt_lps = (None, *seq.prompt_lps), []  # none for the first
+                # none for the first prompt token
+                prompt_logprobs = (None, *seq.prompt_logprobs_so_far)
+                seq.prompt_logprobs_so_far = []
             if seq.max_tokens == 0:
                 # echo alone (completions max_tokens 0): the prompt was computed for its
                 # logprobs; the token sampled after it is not part of the reply
                 seq.token_ids.pop()
                 deltas.append(Delta(seq.req.request_id, (), FinishReason.LENGTH, None,
                                     seq.num_cached_tokens, scheduled_at=seq.scheduled_at,
-                                    index=seq.index, prompt_token_logprobs=prompt_lps))
+                                    index=seq.index, prompt_token_logprobs=prompt_logprobs))
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
                 continue
@@ -455,8 +451,8 @@ class Scheduler:
                 lp = logprobs.get(seq.id)
                 if lp is not None:
                     fields["token_logprobs"] = (lp,)
-            if prompt_lps:
-                fields["prompt_token_logprobs"] = prompt_lps
+            if prompt_logprobs:
+                fields["prompt_token_logprobs"] = prompt_logprobs
             deltas.append(delta)
             if reason is not None:
                 if epoch == seq.epoch:

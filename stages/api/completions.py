@@ -93,7 +93,7 @@ class CompletionFramer(Framer):
         self._prompt_sent = [False] * num
         self._echoed = [False] * num
         # each prompt's logprobs (its first choice brings them), as a choice shows them
-        self._prompt_lps: list[tuple | None] = [None] * (num // req.n)
+        self._prompt_logprobs: list[tuple | None] = [None] * (num // req.n)
         self._show_prompt_logprobs = req.sampling.prompt_logprobs is not None
         # no echo, token ids or usage per chunk: a running choice's chunk is its text
         self._plain_stream = not (req.echo is not None or self._return_ids or req.continuous_usage)
@@ -122,11 +122,11 @@ class CompletionFramer(Framer):
         before the delta's own."""
         i = delta.index
         if delta.prompt_logprobs:
-            self._prompt_lps[i // self.req.n] = delta.prompt_logprobs
+            self._prompt_logprobs[i // self.req.n] = delta.prompt_logprobs
         if self.req.echo is None or self._echoed[i]:
             return "", ()
         self._echoed[i] = True
-        lps = self._prompt_lps[i // self.req.n] or () if self._wants_logprobs else ()
+        lps = self._prompt_logprobs[i // self.req.n] or () if self._wants_logprobs else ()
         return self.req.echo[i // self.req.n], lps
 
     def _stream(self, delta: Delta) -> bytes:
@@ -195,7 +195,7 @@ class CompletionFramer(Framer):
     def _body_choice(self, i: int, c: ChoiceState) -> CompletionChoice:
         extra = {}
         if self._show_prompt_logprobs:
-            extra["prompt_logprobs"] = prompt_logprobs_json(self._prompt_lps[i // self.req.n] or ())
+            extra["prompt_logprobs"] = prompt_logprobs_json(self._prompt_logprobs[i // self.req.n] or ())
         if self._return_ids:
             extra.update(prompt_token_ids=list(self.req.prompt_of(i)), token_ids=c.token_ids)
         return CompletionChoice(
