@@ -18,7 +18,6 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 

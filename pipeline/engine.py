@@ -46,9 +46,8 @@ from pipeline.events import EventLog, make_header
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.api.chat import MAX_CHOICES
-from stages.api.protocol import ToolSettings
+from stages.api.common import ToolSettings, server_error
 from stages.api.framing import DONE, json_body, sse_data
-from stages.api.protocol import server_error
 from stages.blocks import BlockManager
 from stages.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
 from stages.messages import Abort, Submission

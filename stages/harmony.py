@@ -36,7 +36,7 @@ from openai_harmony import (Author, Conversation, DeveloperContent, Message,
                             SystemContent, ToolDescription)
 
 from gpu.harmony import harmony_encoding, uses_harmony
-from stages.api.protocol import RequestError, ToolPlan
+from stages.api.common import RequestError, ToolPlan
 from stages.tool_parsers import ToolCall
 
 __all__ = ["HARMONY_REASONING_PARSER", "HARMONY_TOOL_PARSER", "HarmonyState", "render_ids",

@@ -9,8 +9,10 @@ from __future__ import annotations
 import attrs
 
 from gpu.interface import Constraint, SamplingOptions
-from stages.api.protocol import (ChatCompletionRequest, CompletionRequest, ResponsesRequest,
-                                 ToolPlan)
+from stages.api.chat import ChatCompletionRequest
+from stages.api.common import ToolPlan
+from stages.api.completions import CompletionRequest
+from stages.api.responses import ResponsesRequest
 from stages.delta import Delta
 
 # The typed request a RenderedRequest keeps, for what replies echo.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.api.protocol import ToolPlan
+from stages.api.common import ToolPlan
 from stages.delta import Delta, FinishReason, ToolCallDelta
 from stages.harmony import HARMONY_REASONING_PARSER, HarmonyState
 from stages.messages import Step

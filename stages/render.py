@@ -1,26 +1,25 @@
 """render: HTTP request body -> RenderedRequest (token ids + sampling params).
 
-The body is structured into its API's typed request (stages/api/protocol.py), which maps
-itself to a PromptPlan (stages/api/<api>.py). render owns the rest: the chat template,
+The body is structured into its API's typed request, which maps itself to a PromptPlan
+(the API's module in stages/api, found through `stages.api.APIS`). render owns the rest: the chat template,
 tokenisation, the max_tokens rules and sampling defaults from generation_config. A bad
 request raises RequestError here, before any HTTP response has started.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import jinja2
 
-from gpu.interface import Constraint, SamplingOptions
+from gpu.interface import SamplingOptions
 from stages import harmony
-from stages.api import chat, completions, responses
-from stages.api.protocol import (ChatCompletionRequest, ChoiceRequest, CompletionRequest,
-                                 DetokenizeRequest, DetokenizeResponse, PromptPlan,
-                                 RequestError, ResponsesRequest, SamplingRequest,
-                                 TokenizeRequest, TokenizeResponse, ToolPlan, ToolSettings,
-                                 parse_request)
+from stages.api import APIS, chat
+from stages.api.common import (ChoiceRequest, PromptPlan, RequestError, SamplingRequest,
+                               ToolSettings, parse_request, usage_flags)
+from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
+                                 TokenizeResponse)
 from stages.messages import RenderedRequest, SamplingParams, Submission
 
 __all__ = ["RenderContext", "RequestError", "render", "run"]
@@ -41,20 +40,6 @@ class RenderContext:
     per_request_metrics: bool = False  # --enable-per-request-metrics
     tools: ToolSettings = ToolSettings()   # --enable-auto-tool-choice, --tool-call-parser...
     harmony: bool = False         # gpt-oss: messages render through Harmony (stages/harmony.py)
-
-
-@attrs.frozen
-class Api:
-    """An API's typed request and its mapping to a PromptPlan."""
-    request: type[SamplingRequest]
-    plan: Callable[..., PromptPlan]
-
-
-APIS: dict[str, Api] = {
-    "chat": Api(ChatCompletionRequest, chat.plan),
-    "completions": Api(CompletionRequest, completions.plan),
-    "responses": Api(ResponsesRequest, responses.plan),
-}
 
 
 def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -86,6 +71,8 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
                            param="min_tokens")
     ids = prompts[0]
     n = req.n if isinstance(req, ChoiceRequest) else 1   # the Responses API has one choice
+    include_usage, continuous_usage = usage_flags(plan.stream, plan.stream_options,
+                                                  force=ctx.force_include_usage)
     return RenderedRequest(
         request_id=sub.request_id, api=sub.api, model=model, prompt_token_ids=tuple(ids),
         sampling=SamplingParams(
@@ -94,9 +81,9 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
             skip_special_tokens=req.skip_special_tokens, constraint=plan.constraint,
             prompt_logprobs=plan.prompt_logprobs),
         stream=plan.stream,
-        include_usage=(plan.include_usage or ctx.force_include_usage) if plan.stream else True,
+        include_usage=include_usage,
         created=int(time.time()), arrival=sub.arrival, request=req,
-        continuous_usage=plan.stream and (plan.continuous_usage or ctx.force_include_usage),
+        continuous_usage=continuous_usage,
         cache_salt=req.cache_salt or None,
         # per-request metrics describe one sequence: not with n > 1 or several prompts
         per_request_metrics=(ctx.per_request_metrics and n == 1

@@ -1,13 +1,68 @@
 """POST /v1/completions: the request's prompt plan, and the reply's framing."""
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
+import attrs
+
 from stages.api.chat import MAX_CHOICES, MAX_LOGPROBS, check_n, check_prompt_logprobs
+from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest, Invalid,
+                               PromptPlan, RequestError, UsageInfo, omit_absent, opt,
+                               reply, server_error)
 from stages.api.framing import (DONE, MIN_LOGPROB, ChoiceState, ChunkBytes, Framer, error_bytes,
                                 json_body, prompt_logprobs_json, sse_data, usage_info)
-from stages.api.protocol import (Completion, CompletionChoice, CompletionLogprobs,
-                                 CompletionRequest, PromptPlan, RequestError, server_error)
 from stages.api.structured import constraint_of
 from stages.delta import Delta, FinishReason, PromptLogprob
+
+@attrs.frozen
+class CompletionRequest(ChoiceRequest):
+    prompt: Any = opt()           # a string, token ids, or several of either
+    logprobs: int | None = opt()
+    suffix: str | None = opt()
+    best_of: int | None = opt()
+    _not_implemented: ClassVar[dict[str, Any]] = {**VLLM_EXTRAS, **ROUTER_EXTRAS}
+
+    @prompt.validator
+    def _prompt(self, attribute, value) -> None:
+        if value is None:
+            raise Invalid("is required.", attribute.name)
+
+
+# -- replies ----------------------------------------------------------------------------
+
+@reply
+class CompletionLogprobs:
+    """The legacy completions shape: parallel lists, alternatives as {token: logprob}."""
+    tokens: list[str]
+    token_logprobs: list[float | None]          # echo: null for the prompt's first token
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+@omit_absent
+@reply
+class CompletionChoice:
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = ABSENT      # streaming: on the final chunk only
+    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
+    prompt_token_ids: list[int] = ABSENT        # return_token_ids (streaming: first chunk)
+    token_ids: list[int] = ABSENT               # return_token_ids
+
+
+@omit_absent
+@reply
+class Completion:
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = ABSENT
+    metrics: Any = ABSENT                       # --enable-per-request-metrics
+
 
 # OpenAI's default for /v1/completions.
 DEFAULT_MAX_TOKENS = 16
@@ -45,9 +100,7 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool, tools=None) -> Promp
         prompt_param="prompt", max_tokens=req.max_tokens, max_tokens_param="max_tokens",
         truncate=req.truncate_prompt_tokens, truncation_side=req.truncation_side or "left",
         default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs, stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream else True,
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        stream_options=req.stream_options,
         constraint=constraint_of(req))
 
 

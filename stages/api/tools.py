@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from gpu.interface import Constraint
-from stages.api.protocol import RequestError, ToolPlan, ToolSettings
+from stages.api.common import RequestError, ToolPlan, ToolSettings
 from stages.api.structured import checked
 
 

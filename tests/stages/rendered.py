@@ -3,7 +3,7 @@ JSON body as render would, the prompt ids and sampling options are given directl
 from __future__ import annotations
 
 from gpu.interface import SamplingOptions
-from stages.api.protocol import parse_request
+from stages.api.common import parse_request
 from stages.messages import RenderedRequest, SamplingParams
 from stages.render import APIS
 

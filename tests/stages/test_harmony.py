@@ -15,7 +15,7 @@ from openai_harmony import (Author, Conversation, DeveloperContent, Message, Rea
                             RenderConversationConfig, Role, SystemContent, ToolDescription)
 
 from gpu.harmony import harmony_encoding, uses_harmony
-from stages.api.protocol import RequestError, ToolPlan, ToolSettings
+from stages.api.common import RequestError, ToolPlan, ToolSettings
 from stages.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
 from stages.harmony import HarmonyState

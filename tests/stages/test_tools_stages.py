@@ -6,7 +6,7 @@ import attrs
 import orjson
 import pytest
 
-from stages.api.protocol import ToolPlan
+from stages.api.common import ToolPlan
 from stages.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
 from stages.parse import Parser

@@ -7,8 +7,8 @@ import textwrap
 
 MODULES = ("web.app", "stages.render", "stages.detokenize", "stages.parse", "stages.account",
            "stages.emit", "stages.messages", "stages.delta", "gpu.interface", "stages.api",
-           "stages.api.protocol", "stages.api.chat", "stages.api.completions",
-           "stages.api.responses", "stages.api.framing",
+           "stages.api.common", "stages.api.chat", "stages.api.completions",
+           "stages.api.responses", "stages.api.tokenize", "stages.api.framing",
            "stages.api.structured", "stages.api.tools", "stages.tool_parsers")
 
 _CHECK = textwrap.dedent("""
