@@ -1,8 +1,9 @@
 """Constrained decoding with xgrammar: one grammar per constrained request, one matcher per
 sequence, one token bitmask per engine step.
 
-- `Constraint` (gpu/interface.py) is what a request asks for. `check()` converts it to a grammar without the tokenizer (fast),
-  so render can refuse a bad schema or regex with a 400 before anything starts.
+- `Constraint` (gpu/interface.py) is what a request asks for. `check()` converts it to a
+  grammar without the tokenizer (fast), so render can refuse a bad schema or regex with a
+  400 before anything starts.
 - `GrammarCompiler` compiles constraints against the tokenizer's vocabulary in a worker
   thread (off the engine's step path), behind an LRU cache keyed by the constraint; the
   scheduler keeps a request waiting until its grammar is ready.

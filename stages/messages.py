@@ -39,7 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    constraint: Constraint | None = None           # structured output (gpu/grammar.py)
+    constraint: Constraint | None = None           # structured output (gpu/grammar.py compiles it)
     prompt_logprobs: int | None = None             # the prompt tokens' logprobs (top k); None: off
 
 
