@@ -174,7 +174,7 @@ def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext
     fields = attrs.fields_dict(SamplingOptions)
 
     def pick(name: str) -> Any:
-        value = getattr(req, name, None)
+        value = getattr(req, name)   # every API's request has the sampler's fields
         if value is None:
             value = defaults.get(name)
         return fields[name].default if value is None else value
