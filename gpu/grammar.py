@@ -1,10 +1,9 @@
 """Constrained decoding with xgrammar: one grammar per constrained request, one matcher per
 sequence, one token bitmask per engine step.
 
-- `Constraint` is what a request asks for (a JSON schema, any JSON object, a regex, a
-  choice of strings, an EBNF grammar or a structural tag), in one internal form whatever
-  the API spelled it as. `check()` converts it to a grammar without the tokenizer (fast),
-  so render can refuse a bad schema or regex with a 400 before anything starts.
+- `Constraint` (gpu/interface.py) is what a request asks for. `check()` converts it to a
+  grammar without the tokenizer (fast), so render can refuse a bad schema or regex with a
+  400 before anything starts.
 - `GrammarCompiler` compiles constraints against the tokenizer's vocabulary in a worker
   thread (off the engine's step path), behind an LRU cache keyed by the constraint; the
   scheduler keeps a request waiting until its grammar is ready.
@@ -20,31 +19,10 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
-import attrs
 import torch
 
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
-
-
-@attrs.frozen
-class Constraint:
-    """What the output must match. `spec` is a string (a JSON schema or structural tag as
-    JSON text, a regex, an EBNF grammar, or a JSON array of choices), so that a constraint
-    is hashable and its own cache key."""
-    kind: str = attrs.field(validator=attrs.validators.in_(CONSTRAINT_KINDS))
-    spec: str = ""
-    compact: bool = False   # JSON without free whitespace (vLLM's disable_any_whitespace)
-
-    @staticmethod
-    def choice(options: list[str]) -> Constraint:
-        return Constraint("choice", json.dumps(list(options)))
-
-
-class GrammarError(ValueError):
-    """The constraint is not a valid schema, regex or grammar (the client's fault)."""
-
+from gpu.interface import Constraint, GrammarError
 
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 

@@ -8,40 +8,9 @@ sampling parameters and penalty token counts on the device between steps.
 """
 from __future__ import annotations
 
-import attrs
 import torch
 
-
-@attrs.frozen
-class SamplingOptions:
-    temperature: float = 1.0        # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0                  # <= 0: off
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    min_tokens: int = 0               # stop_token_ids are masked until this many outputs
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None       # None: off; k: the sampled token's logprob and the top k
-    # logit controls (apply_logit_controls): ids already checked against the vocabulary
-    logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias in [-100, 100]) added
-    allowed_token_ids: tuple[int, ...] = ()          # non-empty: every other token is banned
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never completed
-
-    @property
-    def controls_logits(self) -> bool:
-        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 1e-5
-
-    @property
-    def penalised(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+from gpu.interface import SamplingOptions
 
 
 class SeqSamplingState:

@@ -59,8 +59,8 @@ import numpy as np
 import torch
 
 from gpu.config import ModelConfig
-from gpu.runner import (BlockTables, HostInputs, StagedTokens, StepPlan, StepResult, TokenLogprobs,
-                        last_token, stage_plan, upload_inputs)
+from gpu.interface import StagingRunner, StepPlan, StepResult, TokenLogprobs
+from gpu.staging import BlockTables, HostInputs, StagedTokens, last_token, stage_plan, upload_inputs
 from gpu.sampler import SeqSamplingState
 
 
@@ -198,7 +198,7 @@ def ordinary_token_ids(tokenizer, vocab_size: int) -> np.ndarray:
     return np.array([i for i in range(n) if i not in added])
 
 
-class SimulatedRunner:
+class SimulatedRunner(StagingRunner):
     """ModelRunner's interface; the forward is a wait of the cost model's length.
 
     Input preparation and the per-sequence sampling state are the real ones; sampled

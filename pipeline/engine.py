@@ -46,14 +46,14 @@ from pipeline.events import EventLog, make_header
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.api.chat import MAX_CHOICES
-from stages.api.protocol import ToolSettings
+from stages.api.common import ToolSettings, server_error
 from stages.api.framing import DONE, json_body, sse_data
-from stages.api.protocol import server_error
 from stages.blocks import BlockManager
 from stages.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
-from stages.render import RenderContext, RequestError, Submission
+from stages.messages import Abort, Submission
+from stages.render import RenderContext, RequestError
 from stages.replies import Replies
-from stages.schedule import Abort, Scheduler
+from stages.schedule import Scheduler
 from stages.stream_interval import StreamInterval
 
 log = logging.getLogger("tailrace")
@@ -415,7 +415,7 @@ def _num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
     if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, cfg.kv_cache_memory_bytes // per_block)
     if device.type == "cuda":
-        from gpu.runner import kv_budget_bytes, profile_step_bytes
+        from gpu.profiling import kv_budget_bytes, profile_step_bytes
 
         peak = profile_step_bytes(loaded.model, block_size=cfg.block_size, max_tokens=step_tokens,
                                   max_seqs=cfg.max_num_seqs, device=device)

@@ -34,12 +34,13 @@ import cattrs
 import orjson
 from cattrs.strategies import configure_union_passthrough
 
-from gpu.runner import StepPlan
-from stages.api import protocol
-from stages.api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from gpu.interface import StepPlan
+from stages.api import common
+from stages.api.chat import ChatCompletionRequest
+from stages.api.completions import CompletionRequest
+from stages.api.responses import ResponsesRequest
 from stages.delta import Delta
-from stages.render import ApiRequest, RenderedRequest
-from stages.schedule import Step
+from stages.messages import ApiRequest, RenderedRequest, Step
 
 SCHEMA_VERSION = 1
 
@@ -54,7 +55,7 @@ def _structure_api_request(data: dict, _) -> ApiRequest:
     one whose required field the body holds."""
     cls = next(c for key, c in (("messages", ChatCompletionRequest), ("prompt", CompletionRequest),
                                 ("input", ResponsesRequest)) if key in data)
-    return protocol.converter.structure(data, cls)
+    return common.converter.structure(data, cls)
 
 
 converter.register_structure_hook(ApiRequest, _structure_api_request)

@@ -67,7 +67,7 @@ class ScriptedRunner:
         self._produced: dict[str, int] = {}
 
     def execute(self, plan):
-        from gpu.runner import StepResult
+        from gpu.interface import StepResult
 
         self.plans.append(plan)
         for sid in plan.released:

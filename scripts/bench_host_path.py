@@ -22,7 +22,7 @@ from stages.delta import Delta, FinishReason  # noqa: E402
 from stages.detokenize import Detokenizer  # noqa: E402
 from stages.emit import Emitter  # noqa: E402
 from stages.parse import Parser  # noqa: E402
-from stages.schedule import Step  # noqa: E402
+from stages.messages import Step  # noqa: E402
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from gpu.sampler import SamplingOptions, SeqSamplingState, apply_logit_controls, sample
+from gpu.interface import SamplingOptions
+from gpu.sampler import SeqSamplingState, apply_logit_controls, sample
 
 
 def best_us(fn, repeats: int) -> float:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(root / "tests" / "stages"))
 
 import attrs  # noqa: E402
 
-from gpu.runner import StepResult  # noqa: E402
+from gpu.interface import StepResult  # noqa: E402
 from rendered import rendered  # noqa: E402
 from stages.blocks import BlockManager  # noqa: E402
 from stages.schedule import Scheduler  # noqa: E402

@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from gpu.attention import KVCache, TritonPagedAttention  # noqa: E402
 from gpu.loader import load_model  # noqa: E402
-from gpu.runner import SeqChunk, prepare_step  # noqa: E402
+from gpu.interface import SeqChunk  # noqa: E402
+from gpu.staging import prepare_step  # noqa: E402
 
 
 def check(config: str, dtype: str, splits: list[int], batch_sizes: list[int], max_ctx: int,

@@ -309,14 +309,14 @@ def _staged(chunks):
     change with the batch."""
     import torch
 
-    from gpu.runner import Staging, upload_inputs, stage_inputs
+    from gpu.staging import Staging, upload_inputs, stage_inputs
 
     host = stage_inputs(tuple(chunks), PAGE)
     return upload_inputs(host, torch.device("cpu"), Staging(torch.device("cpu")))
 
 
 def _chunks(B, q_len, blocks, ctx=40):
-    from gpu.runner import SeqChunk
+    from gpu.interface import SeqChunk
 
     blocks = max(blocks, -(-ctx // PAGE))   # at least the context's; more widens the table
     return [SeqChunk(f"s{i}", (1,) * q_len, ctx - q_len, tuple(range(i * blocks, (i + 1) * blocks)), True)

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import attrs
 
-from gpu.runner import SeqChunk, StepPlan
+from gpu.interface import SeqChunk, StepPlan
 from pipeline.events import EventLog
 from stages.delta import Delta, Usage
 from stages.emit import ReplyEnd
-from stages.schedule import Step
+from stages.messages import Step
 
 CHUNK = (b'data: {"id":"chatcmpl-0123456789abcdef0123456789abcdef","object":"chat.completion.'
          b'chunk","created":1764554000,"model":"SmolLM2-135M-Instruct","choices":[{"index":0,'

@@ -16,8 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from gpu.attention import KVCache
 from gpu.loader import load_model
-from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+from gpu.runner import ModelRunner
 
 
 def main() -> None:

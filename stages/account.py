@@ -13,8 +13,7 @@ import attrs
 import trio
 
 from stages.delta import Delta, FinishReason, RequestMetrics, Usage
-from stages.schedule import Step
-from stages.render import RenderedRequest
+from stages.messages import RenderedRequest, Step
 
 _with_usage = Delta.evolver("usage")
 _with_usage_and_metrics = Delta.evolver("usage", "metrics")

@@ -16,7 +16,8 @@ from typing import Callable
 import attrs
 import trio
 
-from stages.render import RenderedRequest, RequestError
+from stages.messages import RenderedRequest
+from stages.render import RequestError
 from stages.replies import Replies
 
 

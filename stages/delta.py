@@ -14,7 +14,7 @@ from typing import Callable
 
 import attrs
 
-from gpu.runner import TokenLogprobs
+from gpu.interface import TokenLogprobs
 
 
 class FinishReason(enum.StrEnum):

@@ -18,8 +18,7 @@ import trio
 from tokenizers.decoders import ByteLevel, DecodeStream
 
 from stages.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
-from stages.render import RenderedRequest
-from stages.schedule import FinishRequest, Step
+from stages.messages import FinishRequest, RenderedRequest, Step
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
 # content starts as the text, what a request without a parser shows, so that parse passes

@@ -1,6 +1,6 @@
 """emit: accounted deltas -> the bytes of each request's reply.
 
-One Framer per request (stages/api/<api>.py), chosen by `framer_for`: `start()` gives
+One Framer per request (its API's, from stages.api.APIS), chosen by `framer_for`: `start()` gives
 the bytes to send as soon as the request is admitted, `on_delta()` the bytes for one
 engine step. The framing is a pure function of the deltas, so replaying the event log
 reproduces a reply byte for byte.
@@ -9,23 +9,13 @@ from __future__ import annotations
 
 import attrs
 
-from stages.api.chat import ChatFramer
-from stages.api.completions import CompletionFramer
+from stages.api import APIS
 from stages.api.framing import Framer
-from stages.api.responses import ResponsesFramer
-from stages.schedule import Step
-from stages.render import RenderedRequest
-
-FRAMERS: dict[str, type[Framer]] = {
-    "chat": ChatFramer,
-    "completions": CompletionFramer,
-    "responses": ResponsesFramer,
-}
-
+from stages.messages import RenderedRequest, Step
 
 def framer_for(req: RenderedRequest) -> Framer:
     try:
-        framer = FRAMERS[req.api]
+        framer = APIS[req.api].framer
     except KeyError:
         raise ValueError(f"no framer for api {req.api!r}") from None
     return framer(req)

@@ -35,7 +35,7 @@ import outcome
 import torch
 import trio
 
-from gpu.runner import ModelRunner, StepPlan, StepResult
+from gpu.interface import Runner, StagingRunner, StepPlan, StepResult
 
 _log = logging.getLogger("tailrace.gpu")
 
@@ -68,7 +68,7 @@ def _fatal(exc: BaseException) -> bool:
     return isinstance(exc, (DeviceLost, torch.AcceleratorError))
 
 
-def _execute(runner: ModelRunner, plan: StepPlan, fault: str | None,
+def _execute(runner: Runner, plan: StepPlan, fault: str | None,
              staged: outcome.Outcome | None) -> StepResult:
     if staged is None:            # a runner that stages nothing ahead (test doubles)
         result = runner.execute(plan)
@@ -82,7 +82,7 @@ def _execute(runner: ModelRunner, plan: StepPlan, fault: str | None,
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
-              runner: ModelRunner, log=None, *, faults: Mapping[int, str] | None = None) -> None:
+              runner: Runner, log=None, *, faults: Mapping[int, str] | None = None) -> None:
     """Plans go to one runner thread through a queue, in order; results come back in the
     same order. With async scheduling the next plan is queued while a step runs, so the
     thread starts it the moment the step ends, without waiting for the event loop."""
@@ -139,7 +139,7 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
             if job is None:
                 return
 
-    stage = getattr(runner, "stage", None)
+    stage = runner.stage if isinstance(runner, StagingRunner) else None
 
     async def feed() -> None:
         async for plan in receive:

@@ -33,7 +33,8 @@ from typing import Any
 import attrs
 
 from gpu.harmony import harmony_encoding, uses_harmony
-from stages.api.protocol import RequestError, ToolPlan
+from stages.api.chat import Arguments
+from stages.api.common import RequestError, ToolPlan
 from stages.tool_parsers import ToolCall
 
 __all__ = ["HARMONY_REASONING_PARSER", "HARMONY_TOOL_PARSER", "HarmonyState", "render_ids",
@@ -137,7 +138,7 @@ def _assistant(m: dict, content: str, call_names: dict[str, str]) -> list[Messag
             call_names[call["id"]] = name
         args = fn.get("arguments")
         if not isinstance(args, str):        # the text the model wrote, when there was one
-            args = getattr(args, "raw", "") or json.dumps(
+            args = (args.raw if isinstance(args, Arguments) else "") or json.dumps(
                 {} if args is None else args, ensure_ascii=False)
         out.append(_oh().Message.from_role_and_content(_oh().Role.ASSISTANT, args)
                    .with_channel("commentary").with_recipient(_FUNCTIONS + name)

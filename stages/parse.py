@@ -20,26 +20,19 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.api.protocol import ToolPlan
+from stages.api.common import ToolPlan
 from stages.delta import Delta, FinishReason, ToolCallDelta
 from stages.harmony import HARMONY_REASONING_PARSER, HarmonyState
-from stages.schedule import Step
+from stages.messages import Step
 from stages.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,
                                  ToolParser, call_id)
+from stages.tool_parsers.base import partial_suffix
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY_REASONING_PARSER)
 _OPEN, _CLOSE = "<think>", "</think>"
 _with_content = Delta.evolver("content", "reasoning", "reasoning_tokens")
 _with_tools = Delta.evolver("content", "reasoning", "tool_calls", "finish_reason",
                             "reasoning_tokens")
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def _unparsed(d: Delta) -> bool:
@@ -87,7 +80,7 @@ class ThinkState:
                     self.buf = self.buf[i + len(_CLOSE):]
                     self.mode = "content"
                     continue
-                keep = 0 if final else _partial_suffix(self.buf, _CLOSE)
+                keep = 0 if final else partial_suffix(self.buf, _CLOSE)
                 reasoning += self.buf[:len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep:]
                 return content, reasoning

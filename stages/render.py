@@ -1,98 +1,28 @@
 """render: HTTP request body -> RenderedRequest (token ids + sampling params).
 
-The body is structured into its API's typed request (stages/api/protocol.py), which maps
-itself to a PromptPlan (stages/api/<api>.py). render owns the rest: the chat template,
+The body is structured into its API's typed request, which maps itself to a PromptPlan
+(the API's module in stages/api, found through `stages.api.APIS`). render owns the rest: the chat template,
 tokenisation, the max_tokens rules and sampling defaults from generation_config. A bad
 request raises RequestError here, before any HTTP response has started.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import jinja2
 
-from gpu.grammar import Constraint
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions
 from stages import harmony
-from stages.api import chat, completions, responses
-from stages.api.protocol import (ChatCompletionRequest, ChoiceRequest, CompletionRequest,
-                                 DetokenizeRequest, DetokenizeResponse, PromptPlan,
-                                 RequestError, ResponsesRequest, SamplingRequest,
-                                 TokenizeRequest, TokenizeResponse, ToolPlan, ToolSettings,
-                                 parse_request)
+from stages.api import APIS, chat
+from stages.api.common import (ChoiceRequest, PromptPlan, RequestError, SamplingRequest,
+                               ToolSettings, parse_request, usage_flags)
+from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
+                                 TokenizeResponse)
+from stages.messages import RenderedRequest, SamplingParams, Submission
 
-__all__ = ["RenderContext", "RenderedRequest", "RequestError", "SamplingParams", "Submission",
-           "render", "run"]
-
-ApiRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest
-
-
-@attrs.frozen
-class Submission:
-    """What web hands to render: the raw JSON body of one API call."""
-    request_id: str
-    api: str                      # "chat" | "completions" | "responses"
-    body: dict
-    arrival: float                # time.monotonic() at the HTTP layer
-    headers: tuple[tuple[str, str], ...] = ()   # the HTTP request's (for the event log only)
-
-
-@attrs.frozen
-class SamplingParams:
-    """What one request asks of generation: the sampler's options plus what the
-    scheduler and detokenize need (max_tokens, EOS, stop strings)."""
-    max_tokens: int
-    options: SamplingOptions = SamplingOptions()   # the sampler's part, passed to the GPU as is
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    constraint: Constraint | None = None           # structured output (gpu/grammar.py)
-    prompt_logprobs: int | None = None             # the prompt tokens' logprobs (top k); None: off
-
-
-@attrs.frozen
-class RenderedRequest:
-    request_id: str
-    api: str                      # "chat" | "completions" | "responses"
-    model: str                    # the served model name echoed back
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    stream: bool
-    include_usage: bool           # stream_options.include_usage (always usage when not streaming)
-    created: int                  # unix seconds
-    arrival: float
-    request: ApiRequest = attrs.field(eq=False)   # the typed request, for what replies echo
-    continuous_usage: bool = False  # streaming: every chunk carries the usage so far
-    cache_salt: str | None = None   # prefix-cache blocks are shared only with the same salt
-    per_request_metrics: bool = False   # the reply carries the request's own timings
-    n: int = 1                      # choices: n sequences sampled from one prompt
-    tools: ToolPlan | None = None   # how parse finds tool calls (stages/api/tools.py)
-    # Several prompts in one request (a completions prompt list): prompt_token_ids is the
-    # first. Prompt i's choice j is choice i * n + j, a sequence of its own.
-    prompts: tuple[tuple[int, ...], ...] = ()
-    prompt_max_tokens: tuple[int, ...] = ()   # with several prompts: each one's max_tokens
-    echo: tuple[str, ...] | None = None      # echo: the text each prompt's choices start with
-
-    @property
-    def num_choices(self) -> int:
-        """Sequences of the request: n per prompt."""
-        return self.n * len(self.prompts) if self.prompts else self.n
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts)) if self.prompts else len(self.prompt_token_ids)
-
-    def prompt_of(self, index: int) -> tuple[int, ...]:
-        """The prompt of choice `index`."""
-        return self.prompts[index // self.n] if self.prompts else self.prompt_token_ids
-
-    def max_tokens_of(self, index: int) -> int:
-        return (self.prompt_max_tokens[index // self.n] if self.prompt_max_tokens
-                else self.sampling.max_tokens)
-
+__all__ = ["RenderContext", "RequestError", "render", "run"]
 
 @attrs.frozen
 class RenderContext:
@@ -110,20 +40,6 @@ class RenderContext:
     per_request_metrics: bool = False  # --enable-per-request-metrics
     tools: ToolSettings = ToolSettings()   # --enable-auto-tool-choice, --tool-call-parser...
     harmony: bool = False         # gpt-oss: messages render through Harmony (stages/harmony.py)
-
-
-@attrs.frozen
-class Api:
-    """An API's typed request and its mapping to a PromptPlan."""
-    request: type[SamplingRequest]
-    plan: Callable[..., PromptPlan]
-
-
-APIS: dict[str, Api] = {
-    "chat": Api(ChatCompletionRequest, chat.plan),
-    "completions": Api(CompletionRequest, completions.plan),
-    "responses": Api(ResponsesRequest, responses.plan),
-}
 
 
 def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -154,22 +70,25 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
                            f"maximum number of tokens to generate ({min(limits)}).",
                            param="min_tokens")
     ids = prompts[0]
+    n = req.n if isinstance(req, ChoiceRequest) else 1   # the Responses API has one choice
+    include_usage, continuous_usage = usage_flags(plan.stream, plan.stream_options,
+                                                  force=ctx.force_include_usage)
     return RenderedRequest(
         request_id=sub.request_id, api=sub.api, model=model, prompt_token_ids=tuple(ids),
         sampling=SamplingParams(
-            max_tokens=max_tokens, options=sampling, stop=getattr(req, "stop", None) or (),
+            max_tokens=max_tokens, options=sampling, stop=req.stop or (),
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, constraint=plan.constraint,
             prompt_logprobs=plan.prompt_logprobs),
         stream=plan.stream,
-        include_usage=(plan.include_usage or ctx.force_include_usage) if plan.stream else True,
+        include_usage=include_usage,
         created=int(time.time()), arrival=sub.arrival, request=req,
-        continuous_usage=plan.stream and (plan.continuous_usage or ctx.force_include_usage),
+        continuous_usage=continuous_usage,
         cache_salt=req.cache_salt or None,
         # per-request metrics describe one sequence: not with n > 1 or several prompts
-        per_request_metrics=(ctx.per_request_metrics and getattr(req, "n", 1) == 1
+        per_request_metrics=(ctx.per_request_metrics and n == 1
                              and len(prompts) == 1),
-        n=getattr(req, "n", 1), tools=plan.tools,
+        n=n, tools=plan.tools,
         prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
         prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),
         echo=_echo(plan, req, prompts, ctx))
@@ -235,11 +154,7 @@ def detokenize(body: object, ctx: RenderContext) -> DetokenizeResponse:
     _resolve_model(req.model, ctx)
     if ctx.tokenizer is None:
         raise RequestError("This model was loaded without a tokenizer.", param="tokens")
-    vocab = ctx.vocab_size or ctx.tokenizer.vocab_size
-    bad = [t for t in req.tokens if t >= vocab]
-    if bad:
-        raise RequestError(f"'tokens' has token id {bad[0]}, which is out of vocabulary "
-                           f"(ids are in [0, {vocab})).", param="tokens")
+    check_vocab(req.tokens, _vocab_size(ctx), "tokens")
     return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
 
 
@@ -259,7 +174,7 @@ def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext
     fields = attrs.fields_dict(SamplingOptions)
 
     def pick(name: str) -> Any:
-        value = getattr(req, name, None)
+        value = getattr(req, name)   # every API's request has the sampler's fields
         if value is None:
             value = defaults.get(name)
         return fields[name].default if value is None else value
@@ -278,6 +193,20 @@ def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext
         **(_logit_controls(req, ctx) if isinstance(req, ChoiceRequest) else {}))
 
 
+def _vocab_size(ctx: RenderContext) -> int | None:
+    """The model's embedding rows, else the tokenizer's vocabulary (None: neither known)."""
+    return ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
+
+
+def check_vocab(ids, vocab: int | None, param: str, *, negative: bool = False) -> None:
+    """Refuse the first id at or above `vocab` (no bound when None), or below 0 with
+    `negative` (where the request's type does not already forbid it)."""
+    bad = [t for t in ids if (negative and t < 0) or (vocab is not None and t >= vocab)]
+    if bad:
+        raise RequestError(f"'{param}' has token id {bad[0]}, which is out of vocabulary "
+                           f"(ids are in [0, {vocab})).", param=param)
+
+
 LOGIT_BIAS_LIMIT = 100.0   # OpenAI's range; vLLM clamps a bias into it
 
 
@@ -287,28 +216,21 @@ def _logit_controls(req: ChoiceRequest, ctx: RenderContext) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if not (req.logit_bias or req.allowed_token_ids or req.bad_words):
         return out
-    vocab = ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
-
-    def check_vocab(ids, param: str) -> None:
-        bad = [t for t in ids if vocab is not None and t >= vocab]
-        if bad:
-            raise RequestError(f"'{param}' has token id {bad[0]}, which is out of vocabulary "
-                               f"(ids are in [0, {vocab})).", param=param)
-
+    vocab = _vocab_size(ctx)
     if req.logit_bias:
         bias = {int(k): float(min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, v)))
                 for k, v in req.logit_bias.items()}
-        check_vocab(bias, "logit_bias")
+        check_vocab(bias, vocab, "logit_bias")
         out["logit_bias"] = tuple(sorted(bias.items()))
     if req.allowed_token_ids:
-        check_vocab(req.allowed_token_ids, "allowed_token_ids")
+        check_vocab(req.allowed_token_ids, vocab, "allowed_token_ids")
         out["allowed_token_ids"] = tuple(sorted(set(req.allowed_token_ids)))
     if req.bad_words:
         if ctx.tokenizer is None:
             raise RequestError("'bad_words' needs a tokenizer; this server was started "
                                "without one.", param="bad_words")
         words = bad_words_token_ids(req.bad_words, ctx.tokenizer)
-        check_vocab([t for w in words for t in w], "bad_words")
+        check_vocab([t for w in words for t in w], vocab, "bad_words")
         out["bad_words_token_ids"] = words
     return out
 
@@ -332,11 +254,7 @@ def bad_words_token_ids(words: list[str], tokenizer) -> tuple[tuple[int, ...], .
 def _prompt_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
     if plan.token_ids is not None:
         param = plan.token_ids_param or plan.prompt_param
-        vocab = ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
-        bad = [t for t in plan.token_ids if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise RequestError(f"'{param}' has token id {bad[0]}, which is out of vocabulary "
-                               f"(ids are in [0, {vocab})).", param=param)
+        check_vocab(plan.token_ids, _vocab_size(ctx), param, negative=True)
         return _truncated(list(plan.token_ids), plan, ctx)
     if ctx.tokenizer is None:
         raise RequestError("This server has no tokenizer: prompts must be token ids "

@@ -16,49 +16,13 @@ import attrs
 import trio
 
 from gpu.grammar import GrammarCompiler
-from gpu.runner import PLACEHOLDER, SeqChunk, SeqStart, StepPlan, StepResult, TokenLogprobs
-from gpu.sampler import SamplingOptions
+from gpu.interface import (PLACEHOLDER, SamplingOptions, SeqChunk, SeqStart, StepPlan, StepResult,
+                           TokenLogprobs)
 from stages.blocks import BlockManager
 from stages.delta import Delta, FinishReason
-from stages.render import RenderedRequest
+from stages.messages import Abort, FinishRequest, RenderedRequest, Step
 
 _PLACEHOLDER = (PLACEHOLDER,)
-
-
-@attrs.frozen
-class Step:
-    """One engine step, schedule -> detokenize -> parse -> account -> emit: the requests
-    admitted since the last step and a delta for every request the step touched. Each
-    stage passes it on with `attrs.evolve(step, deltas=...)`."""
-    step: int
-    new_requests: tuple[RenderedRequest, ...] = ()
-    deltas: tuple[Delta, ...] = ()
-    # -- schedule's queue sizes after the step (for the event log)
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    done_at: float = 0.0      # time.monotonic() when the step's tokens came back
-
-
-# -- the scheduler's inbox: admitted requests arrive with control messages ---------------
-@attrs.frozen
-class Abort:
-    """The client went away: drop the request. With an ``error`` (the server is shutting
-    down while the client still reads) the request finishes with FinishReason.ERROR, so its
-    reply ends with that error instead of nothing."""
-    request_id: str
-    error: str | None = None
-
-
-@attrs.frozen
-class FinishRequest:
-    """detokenize matched a stop string in one choice: stop generating it, free its blocks."""
-    request_id: str
-    index: int = 0
-
-
-# What schedule sends downstream, one message per engine step: a `Step` (stages/delta.py)
-# with a `Delta` for every sequence the step sampled or finished.
 
 
 class Sequence:
@@ -78,7 +42,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt)
         # prompt_logprobs: the first choice of each prompt computes them (not from the cache)
         self.prompt_logprobs = (req.sampling.prompt_logprobs if leader is None else None)
-        self.prompt_lps: list[TokenLogprobs] = []    # gathered until the first delta
+        self.prompt_logprobs_so_far: list[TokenLogprobs] = []   # gathered until the first delta
         # Tokens in the KV cache once the steps planned so far have run (a planned chunk
         # counts at once, so that with async scheduling the next plan continues after it).
         self.num_computed = 0
@@ -233,12 +197,6 @@ class Scheduler:
                                            num_cached_tokens=seq.num_cached_tokens,
                                            error=error, scheduled_at=seq.scheduled_at,
                                            index=seq.index))
-
-    def finish_sequence(self, seq_id: str, reason: FinishReason, error: str) -> None:
-        """A failed step: the whole request of the sequence fails, every choice."""
-        seq = self.by_id.get(seq_id)
-        if seq is not None:
-            self.finish(seq.req.request_id, reason, error)
 
     def _retire(self, seq: Sequence) -> None:
         """A finished sequence: its blocks freed, the GPU told, the bookkeeping dropped."""
@@ -441,7 +399,7 @@ class Scheduler:
         for pl in result.prompt_logprobs:
             seq = self.by_id.get(pl.seq_id)
             if seq is not None:
-                seq.prompt_lps.extend(pl.entries)
+                seq.prompt_logprobs_so_far.extend(pl.entries)
         deltas = list(self._pending)
         self._pending = []
         bs = self.blocks.block_size
@@ -463,17 +421,19 @@ class Scheduler:
                     seq.passed = self.blocks.pass_window(seq.table, seq.passed, done)
             if tok is None:
                 continue
-            prompt_lps = ()
+            prompt_logprobs = ()
             if (seq.prompt_logprobs is not None
                     and len(seq.token_ids) - seq.prompt_len == 1):   # the first token
-                prompt_lps, seq.prompt_lps = (None, *seq.prompt_lps), []  # none for the first
+                # none for the first prompt token
+                prompt_logprobs = (None, *seq.prompt_logprobs_so_far)
+                seq.prompt_logprobs_so_far = []
             if seq.max_tokens == 0:
                 # echo alone (completions max_tokens 0): the prompt was computed for its
                 # logprobs; the token sampled after it is not part of the reply
                 seq.token_ids.pop()
                 deltas.append(Delta(seq.req.request_id, (), FinishReason.LENGTH, None,
                                     seq.num_cached_tokens, scheduled_at=seq.scheduled_at,
-                                    index=seq.index, prompt_token_logprobs=prompt_lps))
+                                    index=seq.index, prompt_token_logprobs=prompt_logprobs))
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
                 continue
@@ -497,8 +457,8 @@ class Scheduler:
                 lp = logprobs.get(seq.id)
                 if lp is not None:
                     fields["token_logprobs"] = (lp,)
-            if prompt_lps:
-                fields["prompt_token_logprobs"] = prompt_lps
+            if prompt_logprobs:
+                fields["prompt_token_logprobs"] = prompt_logprobs
             deltas.append(delta)
             if reason is not None:
                 if epoch == seq.epoch:

@@ -13,7 +13,7 @@ a replay is the same whatever N was. Non-streaming replies are one write anyway.
 from __future__ import annotations
 
 from stages.emit import ReplyEnd
-from stages.schedule import Step
+from stages.messages import Step
 
 
 class StreamInterval:

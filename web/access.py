@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import orjson
 
-from stages.api.protocol import RequestError
+from stages.api.common import RequestError
 
 API_KEY_ENVS = ("TAILRACE_API_KEY", "VLLM_API_KEY")
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})

@@ -30,17 +30,14 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from stages import render
-from stages.api.protocol import RequestError, unstructure
+from stages.api import APIS
+from stages.api.common import RequestError, unstructure
 from web import access
 from web.metrics import EngineCollector
 
 log = logging.getLogger("tailrace.web")
 
-_API_ROUTES = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-}
+_API_ROUTES = {spec.path: name for name, spec in APIS.items()}
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _REPLIES_KEY = "tailrace.replies"
 _PROMPT_FIELDS = ("messages", "prompt", "input")      # what a request log line shows

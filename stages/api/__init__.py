@@ -1,6 +1,37 @@
-"""One module per OpenAI API: its request -> PromptPlan mapping and its reply framer.
+"""One module per OpenAI API (chat.py, completions.py, responses.py): its request and reply
+types, its request -> PromptPlan mapping and its reply framer. common.py holds what they
+share (errors, the strict converter, shared fields, usage rules), framing.py what every
+framer shares, tokenize.py the /tokenize and /detokenize types.
 
-protocol.py holds the typed requests and replies, framing.py what every framer shares.
-render dispatches a submission through its API's module (stages/render.py `APIS`); emit
-gets each request's framer from `framer_for` (stages/emit.py).
+`APIS` is the one registry: web routes each path to its API's name, render structures and
+plans a submission through it, emit frames each reply with its framer.
 """
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+
+from stages.api import chat, completions, responses
+from stages.api.common import PromptPlan, SamplingRequest
+from stages.api.framing import Framer
+
+
+@attrs.frozen
+class ApiSpec:
+    """An API: its HTTP path, typed request, mapping to a PromptPlan and reply framer."""
+    name: str
+    path: str
+    request: type[SamplingRequest]
+    plan: Callable[..., PromptPlan]
+    framer: type[Framer]
+
+
+APIS: dict[str, ApiSpec] = {spec.name: spec for spec in (
+    ApiSpec("chat", "/v1/chat/completions", chat.ChatCompletionRequest, chat.plan,
+            chat.ChatFramer),
+    ApiSpec("completions", "/v1/completions", completions.CompletionRequest, completions.plan,
+            completions.CompletionFramer),
+    ApiSpec("responses", "/v1/responses", responses.ResponsesRequest, responses.plan,
+            responses.ResponsesFramer),
+)}

@@ -2,18 +2,163 @@
 from __future__ import annotations
 
 import json
+from typing import Any, ClassVar
 
+import attrs
+
+from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, ChoiceRequest,
+                               ContentPart, FunctionCall, Invalid, PromptPlan, RequestError,
+                               ToolCallOut, ToolSettings, UsageInfo, at_least, omit_absent,
+                               opt, reply, server_error)
 from stages.api.framing import (DONE, ChoiceState, ChunkBytes, Framer, error_bytes, json_body,
                                 prompt_logprobs_json, sse_data, usage_info)
-from stages.api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletion,
-                                 ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
-                                 ChatLogprobs, ChatMessage, ChatMessageOut, ChatTokenLogprob,
-                                 ContentPart, FunctionCall, FunctionChunk, PromptPlan,
-                                 RequestError, ToolCallChunk, ToolCallOut, ToolSettings,
-                                 TopLogprob, server_error)
 from stages.api.structured import constraint_of
 from stages.api.tools import chat_tools, tool_request
 from stages.delta import Delta, FinishReason, TokenLogprob, Usage
+
+_ROUTER_CHAT_EXTRAS = {**ROUTER_EXTRAS, "separate_reasoning": (True,),
+                       "stream_reasoning": (True,)}
+
+
+@attrs.frozen
+class ChatCompletionRequest(ChoiceRequest):
+    messages: list[ChatMessage] = opt()
+    max_completion_tokens: int | None = opt(at_least(1))
+    logprobs: bool = opt(default=False)
+    top_logprobs: int | None = opt()
+    tools: list[dict[str, Any]] | None = opt()
+    tool_choice: Any = opt()
+    parallel_tool_calls: bool | None = opt()
+    modalities: list[str] | None = opt()
+    reasoning_effort: str | None = opt()
+    include_reasoning: bool = opt(default=True)
+    add_generation_prompt: bool = opt(default=True)
+    continue_final_message: bool = opt(default=False)
+    chat_template: str | None = opt()
+    chat_template_kwargs: dict[str, Any] | None = opt()
+    prompt_cache_key: str | None = opt()                        # ignored
+    safety_identifier: str | None = opt()                       # ignored
+    verbosity: str | None = opt()                               # ignored
+    _not_implemented: ClassVar[dict[str, Any]] = {
+        **VLLM_EXTRAS, **_ROUTER_CHAT_EXTRAS, "functions": (), "function_call": (),
+        "audio": (), "prediction": (), "web_search_options": (), "documents": (),
+        "best_of": (1,), "media_io_kwargs": ()}
+
+    @messages.validator
+    def _messages(self, attribute, value) -> None:
+        if value is None:
+            raise Invalid("is required.", attribute.name)
+        if not value:
+            raise Invalid("must contain at least one message.", attribute.name)
+
+
+# -- replies ----------------------------------------------------------------------------
+
+@reply
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+@reply
+class ChatTokenLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+@reply
+class ChatLogprobs:
+    content: list[ChatTokenLogprob]
+
+
+@omit_absent
+@reply
+class FunctionChunk:
+    name: str = ABSENT
+    arguments: str = ABSENT
+
+
+@omit_absent
+@reply
+class ToolCallChunk:
+    """A streamed tool call: the first chunk has index, id, type and name; later ones
+    carry the index and argument text."""
+    index: int
+    id: str = ABSENT
+    type: str = ABSENT
+    function: FunctionChunk
+
+
+@omit_absent
+@reply
+class ChatDelta:
+    role: str = ABSENT
+    content: str = ABSENT
+    reasoning: str = ABSENT
+    tool_calls: list[ToolCallChunk] = ABSENT
+
+
+@omit_absent
+@reply
+class ChatChunkChoice:
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = ABSENT      # on the final chunk only
+    token_ids: list[int] = ABSENT               # return_token_ids: this chunk's tokens
+
+
+@omit_absent
+@reply
+class ChatCompletionChunk:
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = ABSENT            # with include_usage: null but on the last chunk
+    prompt_token_ids: list[int] = ABSENT        # return_token_ids: on the first chunk
+    metrics: Any = ABSENT                       # per-request metrics: on the usage chunk
+
+
+@omit_absent
+@reply
+class ChatMessageOut:
+    role: str = "assistant"
+    content: str | None
+    refusal: str | None = None
+    reasoning: str = ABSENT
+    tool_calls: list[ToolCallOut] = ABSENT
+
+
+@omit_absent
+@reply
+class ChatChoice:
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str
+    stop_reason: str | int | None = None
+    token_ids: list[int] = ABSENT               # return_token_ids
+
+
+@omit_absent
+@reply
+class ChatCompletion:
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
+    prompt_token_ids: list[int] = ABSENT        # return_token_ids
+    metrics: Any = ABSENT                       # --enable-per-request-metrics
+
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
 
@@ -72,9 +217,7 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
         max_tokens=req.max_completion_tokens if use_completion_tokens else req.max_tokens,
         max_tokens_param="max_completion_tokens" if use_completion_tokens else "max_tokens",
         logprobs=_logprobs(req), stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream else True,
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        stream_options=req.stream_options,
         constraint=constraint, tools=tr.plan, echo=_echo(req, messages),
         prompt_logprobs=prompt_logprobs)
 

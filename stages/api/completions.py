@@ -1,13 +1,68 @@
 """POST /v1/completions: the request's prompt plan, and the reply's framing."""
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
+import attrs
+
 from stages.api.chat import MAX_CHOICES, MAX_LOGPROBS, check_n, check_prompt_logprobs
+from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest, Invalid,
+                               PromptPlan, RequestError, UsageInfo, omit_absent, opt,
+                               reply, server_error)
 from stages.api.framing import (DONE, MIN_LOGPROB, ChoiceState, ChunkBytes, Framer, error_bytes,
                                 json_body, prompt_logprobs_json, sse_data, usage_info)
-from stages.api.protocol import (Completion, CompletionChoice, CompletionLogprobs,
-                                 CompletionRequest, PromptPlan, RequestError, server_error)
 from stages.api.structured import constraint_of
 from stages.delta import Delta, FinishReason, PromptLogprob
+
+@attrs.frozen
+class CompletionRequest(ChoiceRequest):
+    prompt: Any = opt()           # a string, token ids, or several of either
+    logprobs: int | None = opt()
+    suffix: str | None = opt()
+    best_of: int | None = opt()
+    _not_implemented: ClassVar[dict[str, Any]] = {**VLLM_EXTRAS, **ROUTER_EXTRAS}
+
+    @prompt.validator
+    def _prompt(self, attribute, value) -> None:
+        if value is None:
+            raise Invalid("is required.", attribute.name)
+
+
+# -- replies ----------------------------------------------------------------------------
+
+@reply
+class CompletionLogprobs:
+    """The legacy completions shape: parallel lists, alternatives as {token: logprob}."""
+    tokens: list[str]
+    token_logprobs: list[float | None]          # echo: null for the prompt's first token
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+@omit_absent
+@reply
+class CompletionChoice:
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = ABSENT      # streaming: on the final chunk only
+    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
+    prompt_token_ids: list[int] = ABSENT        # return_token_ids (streaming: first chunk)
+    token_ids: list[int] = ABSENT               # return_token_ids
+
+
+@omit_absent
+@reply
+class Completion:
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = ABSENT
+    metrics: Any = ABSENT                       # --enable-per-request-metrics
+
 
 # OpenAI's default for /v1/completions.
 DEFAULT_MAX_TOKENS = 16
@@ -45,9 +100,7 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool, tools=None) -> Promp
         prompt_param="prompt", max_tokens=req.max_tokens, max_tokens_param="max_tokens",
         truncate=req.truncate_prompt_tokens, truncation_side=req.truncation_side or "left",
         default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs, stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream else True,
-        continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
+        stream_options=req.stream_options,
         constraint=constraint_of(req))
 
 
@@ -93,7 +146,7 @@ class CompletionFramer(Framer):
         self._prompt_sent = [False] * num
         self._echoed = [False] * num
         # each prompt's logprobs (its first choice brings them), as a choice shows them
-        self._prompt_lps: list[tuple | None] = [None] * (num // req.n)
+        self._prompt_logprobs: list[tuple | None] = [None] * (num // req.n)
         self._show_prompt_logprobs = req.sampling.prompt_logprobs is not None
         # no echo, token ids or usage per chunk: a running choice's chunk is its text
         self._plain_stream = not (req.echo is not None or self._return_ids or req.continuous_usage)
@@ -122,11 +175,11 @@ class CompletionFramer(Framer):
         before the delta's own."""
         i = delta.index
         if delta.prompt_logprobs:
-            self._prompt_lps[i // self.req.n] = delta.prompt_logprobs
+            self._prompt_logprobs[i // self.req.n] = delta.prompt_logprobs
         if self.req.echo is None or self._echoed[i]:
             return "", ()
         self._echoed[i] = True
-        lps = self._prompt_lps[i // self.req.n] or () if self._wants_logprobs else ()
+        lps = self._prompt_logprobs[i // self.req.n] or () if self._wants_logprobs else ()
         return self.req.echo[i // self.req.n], lps
 
     def _stream(self, delta: Delta) -> bytes:
@@ -195,7 +248,7 @@ class CompletionFramer(Framer):
     def _body_choice(self, i: int, c: ChoiceState) -> CompletionChoice:
         extra = {}
         if self._show_prompt_logprobs:
-            extra["prompt_logprobs"] = prompt_logprobs_json(self._prompt_lps[i // self.req.n] or ())
+            extra["prompt_logprobs"] = prompt_logprobs_json(self._prompt_logprobs[i // self.req.n] or ())
         if self._return_ids:
             extra.update(prompt_token_ids=list(self.req.prompt_of(i)), token_ids=c.token_ids)
         return CompletionChoice(

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import attrs
 import orjson
 
-from stages.api.protocol import (CompletionTokensDetails, InputTokensDetails,
-                                 OutputTokensDetails, PromptTokensDetails, ResponseUsage,
-                                 UsageInfo, server_error, unstructure)
+from stages.api.common import (CompletionTokensDetails, InputTokensDetails, OutputTokensDetails,
+                               PromptTokensDetails, ResponseUsage, UsageInfo, server_error,
+                               unstructure)
 from stages.delta import Delta, FinishReason, Usage
 
 if TYPE_CHECKING:
-    from stages.render import RenderedRequest
+    from stages.messages import RenderedRequest
 
 DONE = b"data: [DONE]\n\n"
 

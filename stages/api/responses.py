@@ -8,21 +8,213 @@ response.completed, response.incomplete (max_output_tokens) or error + response.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Union
 
+import attrs
 import orjson
 
 from stages.api.chat import content_text, template_role, template_tool_calls
+from stages.api.common import (Content, Invalid, PromptPlan, RequestError, ResponseUsage,
+                               SamplingRequest, Stop, StreamOptions, ToolSettings, at_least,
+                               between, converter, mismatch, opt, reply,
+                               structure_hook, structure_list, tolerant, unstructure)
 from stages.api.framing import Framer, error_bytes, json_body, response_usage
-from stages.api.protocol import (IncompleteDetails, MessageItem, OutputText, PromptPlan,
-                                 ReasoningItem, ReasoningOut, ReasoningText, RequestError,
-                                 Response, ResponseError, ResponsesRequest, ToolSettings,
-                                 FunctionCallItem, unstructure)
 from stages.api.structured import constraint_of
 from stages.api.tools import responses_tools, tool_request
 from stages.delta import Delta, FinishReason
 
+@attrs.frozen
+class InputItem:
+    """A Responses API input item (only messages are rendered)."""
+    type: str = "message"
+    role: str | None = None
+    content: Content = None
+    id: str | None = None
+    status: str | None = None
+    # function_call (an earlier call of the model) and function_call_output (its result)
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: Content = None
+
+
+@attrs.frozen
+class Reasoning:
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+@attrs.frozen
+class TextFormat:
+    type: str = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+@attrs.frozen
+class TextConfig:
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+@attrs.frozen
+class ResponsesRequest(SamplingRequest):
+    input: Union[str, list[InputItem]] = opt()
+    instructions: str | None = opt()
+    max_output_tokens: int | None = opt(at_least(1))
+    metadata: dict[str, Any] | None = opt()                     # echoed back
+    parallel_tool_calls: bool = opt(default=True)
+    tools: list[dict[str, Any]] | None = opt()
+    tool_choice: Any = opt()
+    text: TextConfig | None = opt()
+    reasoning: Reasoning | None = opt()
+    truncation: str = opt(default="disabled")
+    include: list[str] | None = opt()
+    top_logprobs: int | None = opt()
+    store: bool | None = opt()                                  # ignored: nothing is stored
+    service_tier: str | None = opt()                            # ignored
+    prompt_cache_key: str | None = opt()                        # ignored
+    safety_identifier: str | None = opt()                       # ignored
+    stream_options: dict[str, Any] | None = opt()               # ignored
+    max_tool_calls: int | None = opt()                          # ignored: no tools
+    chat_template_kwargs: dict[str, Any] | None = opt()
+    # vLLM accepts these on the Responses API as well
+    stop: Stop | None = opt()
+    frequency_penalty: float | None = opt(between(-2.0, 2.0))
+    presence_penalty: float | None = opt(between(-2.0, 2.0))
+    _not_implemented: ClassVar[dict[str, Any]] = {
+        "previous_response_id": (), "conversation": (), "prompt": (), "background": (False,),
+        "mm_processor_kwargs": (), "enable_response_messages": (False,),
+        "previous_input_messages": ()}
+
+    @input.validator
+    def _input(self, attribute, value) -> None:
+        if value is None:
+            raise Invalid("is required.", attribute.name)
+        if isinstance(value, list) and not value:
+            raise Invalid("must contain at least one item.", attribute.name)
+
+
+def _input(value: object, _: type) -> str | list[InputItem]:
+    if type(value) is str:
+        return value
+    if type(value) is not list:
+        raise mismatch("a string or an array of input items", value)
+    return structure_list(value, list[InputItem])
+
+
+structure_hook(Union[str, list[InputItem]], _input)
+
+
+for _cls in (InputItem, Reasoning, TextFormat, TextConfig):
+    converter.register_structure_hook(_cls, tolerant(_cls))
+
+
+# -- Responses API replies ----------------------------------------------------------------
+
+@reply
+class OutputText:
+    type: str = "output_text"
+    text: str
+    annotations: list[Any] = attrs.field(factory=list)
+    logprobs: list[Any] = attrs.field(factory=list)
+
+
+@reply
+class ReasoningText:
+    type: str = "reasoning_text"
+    text: str
+
+
+@reply
+class MessageItem:
+    id: str
+    type: str = "message"
+    status: str
+    role: str = "assistant"
+    content: list[OutputText]
+
+
+@reply
+class ReasoningItem:
+    id: str
+    type: str = "reasoning"
+    summary: list[Any] = attrs.field(factory=list)
+    content: list[ReasoningText]
+    status: str
+
+
+@reply
+class FunctionCallItem:
+    arguments: str
+    call_id: str
+    name: str
+    type: str = "function_call"
+    id: str
+    status: str
+
+
+@reply
+class ResponseError:
+    code: str = "server_error"
+    message: str
+
+
+@reply
+class IncompleteDetails:
+    reason: str
+
+
+@reply
+class TextFormatOut:
+    type: str = "text"
+
+
+@reply
+class TextOut:
+    format: TextFormatOut = TextFormatOut()
+
+
+@reply
+class ReasoningOut:
+    effort: str | None = None
+    summary: str | None = None
+
+
+@reply
+class Response:
+    id: str
+    object: str = "response"
+    created_at: int
+    status: str                      # in_progress | completed | incomplete | failed
+    background: bool = False
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    model: str
+    output: list[MessageItem | ReasoningItem | FunctionCallItem]
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: ReasoningOut = ReasoningOut()
+    store: bool = False              # nothing is ever stored
+    temperature: float = 1.0
+    text: TextOut = TextOut()
+    tool_choice: Any = "auto"
+    tools: list[Any] = attrs.field(factory=list)
+    top_p: float = 1.0
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+
+
 RESPONSES_ROLES = ("system", "developer", "user", "assistant")
+_WITH_USAGE = StreamOptions(include_usage=True)
 
 
 def plan(req: ResponsesRequest, *, reasoning_parser: bool,
@@ -58,7 +250,8 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
     return PromptPlan(messages=messages, template_kwargs=kwargs,
                       prompt_param="input", max_tokens=req.max_output_tokens,
                       max_tokens_param="max_output_tokens", stream=req.stream,
-                      constraint=constraint, tools=tr.plan)
+                      # the Response carries its usage, streamed or not
+                      stream_options=_WITH_USAGE, constraint=constraint, tools=tr.plan)
 
 
 def _input_messages(raw) -> list[dict]:

@@ -13,12 +13,15 @@ regex that does not parse) so that the client gets a 400 naming the field.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from gpu.grammar import Constraint, GrammarError, check
-from stages.api.protocol import ChoiceRequest, RequestError, ResponsesRequest
+from gpu.interface import Constraint, GrammarError
+from stages.api.common import ChoiceRequest, RequestError
+
+if TYPE_CHECKING:   # the API modules import this one
+    from stages.api.responses import ResponsesRequest
 
 
 def _schema_text(value: Any, param: str) -> str:
@@ -82,7 +85,7 @@ def constraint_of(req: ChoiceRequest | ResponsesRequest) -> Constraint | None:
     """The request's one output constraint (None: free text); RequestError if it asks for
     more than one, or if the schema, regex or grammar is invalid."""
     found: list[tuple[str, Constraint]] = []
-    if isinstance(req, ResponsesRequest):
+    if not isinstance(req, ChoiceRequest):   # the Responses API: text.format
         fmt = req.text.format if req.text is not None else None
         if fmt is not None and fmt.type != "text":
             if fmt.type == "json_object":
@@ -127,6 +130,8 @@ def constraint_of(req: ChoiceRequest | ResponsesRequest) -> Constraint | None:
 
 
 def checked(constraint: Constraint, param: str) -> Constraint:
+    # xgrammar imports torch: loaded on the first constrained request, not with the module
+    from gpu.grammar import check
     try:
         check(constraint)
     except GrammarError as exc:

@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from gpu.grammar import Constraint
-from stages.api.protocol import RequestError, ToolPlan, ToolSettings
+from gpu.interface import Constraint
+from stages.api.common import RequestError, ToolPlan, ToolSettings
 from stages.api.structured import checked
 
 

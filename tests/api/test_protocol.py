@@ -1,4 +1,4 @@
-"""The protocol's field policy (stages/api/protocol.py `parse_request`), without a server:
+"""The protocol's field policy (stages/api/common.py `parse_request`), without a server:
 a field OpenAI does not know is refused as OpenAI refuses it, a field of vLLM's or
 OpenAI's schema this server does not act on is refused by name (unless it holds its
 harmless default), a field that means nothing here is accepted, and every validation
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from stages.api.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
-                                 ResponsesRequest, parse_request)
+from stages.api.chat import ChatCompletionRequest
+from stages.api.common import RequestError, parse_request
+from stages.api.completions import CompletionRequest
+from stages.api.responses import ResponsesRequest
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 # each API's request class, with the least body it accepts

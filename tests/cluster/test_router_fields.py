@@ -1,8 +1,9 @@
 """The fields SGLang's router and vllm-router add to every request they forward."""
 import pytest
 
-from stages.api.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
-                                 parse_request)
+from stages.api.chat import ChatCompletionRequest
+from stages.api.common import RequestError, parse_request
+from stages.api.completions import CompletionRequest
 
 # what vllm-router 0.1.17 sent a worker for {"prompt": ...} and {"messages": ...}
 # (captured with an echo server; docs/scaling.md)

@@ -9,8 +9,7 @@ import torch
 import trio
 
 from gpu.attention_dense import DenseCausalAttention
-from gpu.runner import SeqChunk, SeqStart, StepPlan
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 import pipeline.engine
 from pipeline.config import EngineConfig
 from pipeline.engine import Engine, open_engine

@@ -132,8 +132,9 @@ def test_runner_reports_each_prompt_position_once(smollm):
     """Chunks of one prefill report the logprobs of the prompt tokens they score; a
     recompute after preemption reports none again."""
     from gpu.attention import KVCache
-    from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan
-    from gpu.sampler import SamplingOptions
+    from gpu.interface import SeqChunk, SeqStart, StepPlan
+    from gpu.runner import ModelRunner
+    from gpu.interface import SamplingOptions
 
     mc = smollm.config
     ids = smollm.tokenizer.encode(TEXT)[:12]

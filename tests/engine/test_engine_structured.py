@@ -122,7 +122,8 @@ def test_constraint_starts_after_the_reasoning(smollm):
     import torch
     import xgrammar as xgr
 
-    from gpu.grammar import Constraint, GrammarCompiler, Guide, accept, mask_logits
+    from gpu.grammar import GrammarCompiler, Guide, accept, mask_logits
+    from gpu.interface import Constraint
 
     tok = smollm.tokenizer
     compiled = GrammarCompiler(tok, smollm.config.vocab_size, (2,)).submit(

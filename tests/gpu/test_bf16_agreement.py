@@ -19,8 +19,8 @@ from gpu.attention import KVCache
 from gpu.attention_dense import DenseCausalAttention
 from gpu.loader import choose_dtype, cpu_has_native_bf16
 from gpu.model import CausalLM
-from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+from gpu.runner import ModelRunner
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis in one sentence.", "List three prime numbers.",

@@ -15,8 +15,8 @@ from gpu import mxfp4
 from gpu.attention import KVCache
 from gpu.config import ModelConfig
 from gpu.loader import load_model
-from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+from gpu.runner import ModelRunner
 from gpu_testutil import hf_logits, make_hf_model, our_logits
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101] * 2  # 40 tokens

@@ -40,7 +40,8 @@ def test_runner_reads_sliding_layers_through_the_slot_map(model_dir, use_triton)
     import torch
 
     from gpu.loader import load_model
-    from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan
+    from gpu.interface import SeqChunk, SeqStart, StepPlan
+    from gpu.runner import ModelRunner
     from gpu.sampler import SamplingOptions
 
     lm = load_model(model_dir, dtype="float32", progress=False).model

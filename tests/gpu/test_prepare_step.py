@@ -7,8 +7,8 @@ import random
 import numpy as np
 import torch
 
-from gpu.runner import (PLACEHOLDER, BlockTables, SeqChunk, StagedTokens, prepare_step, stage_inputs,
-                        upload_inputs)
+from gpu.interface import PLACEHOLDER, SeqChunk
+from gpu.staging import BlockTables, StagedTokens, prepare_step, stage_inputs, upload_inputs
 
 CPU = torch.device("cpu")
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu.sampler import SamplingOptions, SeqSamplingState, apply_penalties, filter_logits, sample
+from gpu.interface import SamplingOptions
+from gpu.sampler import SeqSamplingState, apply_penalties, filter_logits, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

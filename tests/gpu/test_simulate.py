@@ -12,8 +12,7 @@ import torch
 import gpu
 from gpu.config import ModelConfig
 from gpu.model import CausalLM
-from gpu.runner import SeqChunk, SeqStart, StepPlan
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
 
 QWEN3 = ModelConfig.from_hf(json.loads(

@@ -12,8 +12,9 @@ import torch
 from device_check import DeviceCheck, DeviceMismatch
 from gpu.attention import KVCache, TorchPagedAttention
 from gpu.loader import load_model
-from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan, prepare_step
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+from gpu.runner import ModelRunner
+from gpu.staging import prepare_step
 
 META = torch.device("meta")
 

@@ -8,7 +8,8 @@ import torch
 
 from gpu.attention import KVCache
 from gpu.loader import load_model
-from gpu.runner import ModelRunner, kv_budget_bytes, profile_plan, profile_step_bytes
+from gpu.profiling import kv_budget_bytes, profile_plan, profile_step_bytes
+from gpu.runner import ModelRunner
 
 
 @pytest.fixture

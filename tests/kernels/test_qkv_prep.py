@@ -53,7 +53,8 @@ def test_prepare_qkv_model_end_to_end(tiny_qwen3_dir, device):
     the same hidden states and cache (on CPU the model's other ops are torch's)."""
     from gpu.attention import KVCache, TritonPagedAttention
     from gpu.loader import load_model
-    from gpu.runner import SeqChunk, prepare_step
+    from gpu.interface import SeqChunk
+    from gpu.staging import prepare_step
 
     lm = load_model(tiny_qwen3_dir, load_format="dummy", dtype="float32", device=device, progress=False).model
     c = lm.config

@@ -11,8 +11,8 @@ import torch
 
 from gpu.attention import KVCache
 from gpu.loader import load_model
-from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+from gpu.runner import ModelRunner
 
 TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96,
               "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -163,7 +163,7 @@ def test_warm_up_leaves_no_trace(tmp_path, device, use_triton):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging buffers need CUDA")
 def test_staged_inputs_equal_plain_copies():
-    from gpu.runner import Staging, prepare_step
+    from gpu.staging import Staging, prepare_step
 
     dev = torch.device("cuda")
     staging = Staging(dev)

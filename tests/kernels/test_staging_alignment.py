@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu.runner import SeqChunk, Staging, staged_offsets, stage_inputs, upload_inputs
+from gpu.interface import SeqChunk
+from gpu.staging import Staging, staged_offsets, stage_inputs, upload_inputs
 
 
 def test_offsets_are_padded_to_16_bytes():

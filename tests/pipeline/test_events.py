@@ -15,18 +15,21 @@ import orjson
 import pytest
 
 from gpu.grammar import Constraint
-from gpu.runner import SeqChunk, SeqStart, StepPlan, TokenLogprobs
+from gpu.interface import SeqChunk, SeqStart, StepPlan, TokenLogprobs
 from gpu.sampler import SamplingOptions
 from pipeline.config import EngineConfig
 from pipeline.events import (SCHEMA_VERSION, EventLog, event_files, make_header, plain,
                              read_events, redact, redact_headers, stage_deltas, structure_step,
                              tokenizer_hash)
 from pipeline.replay import Log, replay_log
-from stages.api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest, ToolPlan
+from stages.api.chat import ChatCompletionRequest
+from stages.api.common import ToolPlan
+from stages.api.completions import CompletionRequest
+from stages.api.responses import ResponsesRequest
 from stages.delta import (Delta, FinishReason, PromptLogprob, RequestMetrics, TokenLogprob,
                           ToolCallDelta, Usage)
 from stages.emit import ReplyEnd
-from stages.schedule import Step
+from stages.messages import Step
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
 from rendered import rendered  # noqa: E402

@@ -12,8 +12,7 @@ import pytest
 import torch
 import trio
 
-from gpu.runner import SeqChunk, SeqStart, StepPlan
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from pipeline.harness import ScriptedRunner, run_stage
 from relutil import record, served, settled, sse_events
 from stages import gpu_step

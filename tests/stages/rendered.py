@@ -2,9 +2,10 @@
 JSON body as render would, the prompt ids and sampling options are given directly."""
 from __future__ import annotations
 
-from gpu.sampler import SamplingOptions
-from stages.api.protocol import parse_request
-from stages.render import APIS, RenderedRequest, SamplingParams
+from gpu.interface import SamplingOptions
+from stages.api.common import parse_request
+from stages.messages import RenderedRequest, SamplingParams
+from stages.render import APIS
 
 PROMPTS = {"chat": {"messages": [{"role": "user", "content": "hi"}]},
            "completions": {"prompt": "hi"}, "responses": {"input": "hi"}}

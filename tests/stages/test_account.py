@@ -11,7 +11,7 @@ import pytest
 from rendered import rendered
 from stages.account import TTFT_BUCKETS, Accountant, Histogram
 from stages.delta import Delta, FinishReason, Usage
-from stages.schedule import Step
+from stages.messages import Step
 
 
 class Run:

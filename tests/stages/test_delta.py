@@ -2,10 +2,10 @@
 included (requests are covered by the engine's replay test)."""
 import orjson
 
-from gpu.runner import TokenLogprobs
+from gpu.interface import TokenLogprobs
 from pipeline.events import structure_step, unstructure
 from stages.delta import Delta, FinishReason, TokenLogprob, Usage
-from stages.schedule import Step
+from stages.messages import Step
 
 
 def test_step_round_trips_through_the_event_log_converter():

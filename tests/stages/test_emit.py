@@ -3,9 +3,9 @@ import attrs
 import orjson
 import pytest
 
-from gpu.sampler import SamplingOptions
+from gpu.interface import SamplingOptions
 from stages.delta import Delta, FinishReason, TokenLogprob, Usage
-from stages.render import SamplingParams
+from stages.messages import SamplingParams
 from stages.api.chat import ChatFramer
 from stages.api.completions import CompletionFramer
 from stages.api.framing import STATUS_CLIENT_CLOSED

@@ -15,13 +15,13 @@ from openai_harmony import (Author, Conversation, DeveloperContent, Message, Rea
                             RenderConversationConfig, Role, SystemContent, ToolDescription)
 
 from gpu.harmony import harmony_encoding, uses_harmony
-from stages.api.protocol import RequestError, ToolPlan, ToolSettings
+from stages.api.common import RequestError, ToolPlan, ToolSettings
 from stages.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
 from stages.harmony import HarmonyState
 from stages.parse import Parser
-from stages.render import RenderContext, Submission, render, tokenize
-from stages.schedule import Step
+from stages.messages import Step, Submission
+from stages.render import RenderContext, render, tokenize
 from rendered import rendered
 
 HARMONY = ToolSettings(True, "openai", True)       # what the engine implies for gpt-oss

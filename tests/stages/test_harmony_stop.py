@@ -6,7 +6,7 @@ from gpu.harmony import harmony_encoding, harmony_tokenizer
 from rendered import rendered
 from stages.delta import Delta, FinishReason
 from stages.detokenize import Detokenizer, HarmonyMarks
-from stages.schedule import Step
+from stages.messages import Step
 
 
 @pytest.fixture(scope="module")

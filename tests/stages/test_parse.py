@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rendered import rendered
-from stages.api.protocol import ToolPlan
+from stages.api.common import ToolPlan
 from stages.delta import Delta, FinishReason
 from stages.parse import REASONING_PARSERS, Parser
-from stages.schedule import Step
+from stages.messages import Step
 
 
 def parse(parser: Parser, pieces: list[str], req=None, finish=FinishReason.STOP) -> list[Delta]:

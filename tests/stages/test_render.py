@@ -2,7 +2,8 @@
 protocol's field policy on its own: tests/api/test_protocol.py.)"""
 import pytest
 
-from stages.render import RenderContext, RequestError, Submission, render
+from stages.messages import Submission
+from stages.render import RenderContext, RequestError, render
 
 
 class FakeTokenizer:

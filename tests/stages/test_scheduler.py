@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import attrs
 
-from gpu.runner import StepResult
+from gpu.interface import StepResult
 from stages.blocks import BlockManager
 from rendered import rendered
-from stages.render import RenderedRequest
+from stages.messages import RenderedRequest
 from stages.delta import FinishReason
 from stages.schedule import Scheduler
 
@@ -205,7 +205,7 @@ def test_several_prompts_are_choices_i_times_n_plus_j():
 
 
 def test_prompt_logprobs_take_nothing_from_the_cache_and_come_on_the_first_delta():
-    from gpu.runner import PromptLogprobs, TokenLogprobs
+    from gpu.interface import PromptLogprobs, TokenLogprobs
 
     s = make(block_size=4)
     prompt = list(range(1, 11))

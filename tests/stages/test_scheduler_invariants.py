@@ -7,7 +7,7 @@ request finished exactly once."""
 import random
 from collections import Counter
 
-from gpu.runner import StepResult
+from gpu.interface import StepResult
 from stages.blocks import BlockManager
 from rendered import rendered
 from stages.delta import FinishReason
@@ -127,7 +127,7 @@ def run_async(seed):
     order: it keeps each sequence's sampled tokens, fills in PLACEHOLDERs from them, and
     checks its chunk against prompt + samples and its KV slots. Each step's result reaches
     the scheduler only after the next step was planned."""
-    from gpu.runner import PLACEHOLDER
+    from gpu.interface import PLACEHOLDER
     rng = random.Random(seed)
     nb, bs = rng.randint(4, 16), rng.choice([1, 2, 4])
     s = Scheduler(BlockManager(nb, bs), max_num_seqs=rng.randint(1, 4),

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from gpu.runner import PLACEHOLDER, StepResult
+from gpu.interface import PLACEHOLDER, StepResult
 from rendered import rendered
 from stages.blocks import BlockManager
 from stages.delta import FinishReason

@@ -11,9 +11,10 @@ from stages.admit import Accepted, Admission
 from stages.blocks import BlockManager
 from stages.delta import Delta, FinishReason, Usage
 from rendered import rendered as make_rendered
-from stages.render import RenderContext, RenderedRequest, RequestError, SamplingParams, Submission
+from stages.messages import Abort, FinishRequest, RenderedRequest, SamplingParams, Step, Submission
+from stages.render import RenderContext, RequestError
 from stages.replies import Replies
-from stages.schedule import Abort, FinishRequest, Scheduler, Step
+from stages.schedule import Scheduler
 
 
 def rendered(rid="r1", prompt=(1, 2, 3), api="chat", stream=True, **sampling) -> RenderedRequest:

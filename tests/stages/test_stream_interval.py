@@ -9,7 +9,7 @@ import pytest
 
 from stages.delta import Delta
 from stages.emit import ReplyEnd
-from stages.schedule import Step
+from stages.messages import Step
 from stages.stream_interval import StreamInterval
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gpu.grammar import Constraint
+from gpu.interface import Constraint
 from test_render import chat, completion, error_of, responses
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from stages.api.protocol import ToolPlan, ToolSettings
+from stages.api.common import ToolPlan, ToolSettings
 from test_render import FakeTokenizer, chat, error_of, make_ctx, responses
 
 WEATHER = {"type": "function", "function": {

@@ -6,11 +6,11 @@ import attrs
 import orjson
 import pytest
 
-from stages.api.protocol import ToolPlan
+from stages.api.common import ToolPlan
 from stages.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
 from stages.parse import Parser
-from stages.schedule import Step
+from stages.messages import Step
 from rendered import rendered
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]

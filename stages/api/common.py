@@ -1,11 +1,14 @@
-"""The OpenAI wire protocol: typed requests, typed replies, one converter.
+"""What every API's protocol shares: errors, the strict converter, the request pieces and
+fields the APIs have in common, the plan an API hands render, usage objects and the usage
+rule of a stream.
 
 Requests are attrs classes structured from the JSON body by `parse_request`, which
 keeps OpenAI's strictness (`true` is not an integer, NaN is not a number, null counts
 as absent) and turns the first problem into a `RequestError` whose `param` is the JSON
 path (`messages[1].content`).
 
-Every field of OpenAI's and vLLM's request schemas is known here, in one of three ways:
+Every field of OpenAI's and vLLM's request schemas is known to its API's module
+(stages/api/<api>.py), in one of three ways:
 - a typed attribute: implemented (or accepted and ignored when it means nothing here:
   `user`, `metadata`, `service_tier`, ...);
 - listed in the class's `_not_implemented`: a 400 that names the field, when it is
@@ -24,9 +27,10 @@ from typing import Any, Callable, ClassVar, TypeVar, Union
 
 import attrs
 import cattrs
-from gpu.grammar import Constraint
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
+
+from gpu.interface import Constraint
 
 
 class RequestError(Exception):
@@ -65,7 +69,7 @@ def server_error(message: str | None) -> ErrorBody:
 
 # -- strict JSON types -------------------------------------------------------------------
 
-class _Invalid(Exception):
+class Invalid(Exception):
     """A leaf validation failure; `parse_request` prefixes the JSON path."""
 
     def __init__(self, what: str, field: str | None = None) -> None:
@@ -92,45 +96,45 @@ def json_type(value: object) -> str:
     return type(value).__name__
 
 
-def _mismatch(what: str, value: object) -> _Invalid:
-    return _Invalid(f"must be {what}, got {json_type(value)}.")
+def mismatch(what: str, value: object) -> Invalid:
+    return Invalid(f"must be {what}, got {json_type(value)}.")
 
 
 def _int(value: object, _: type) -> int:
     if type(value) is not int:
-        raise _mismatch("an integer", value)
+        raise mismatch("an integer", value)
     return value
 
 
 def _float(value: object, _: type) -> float:
     if type(value) not in (int, float):
-        raise _mismatch("a number", value)
+        raise mismatch("a number", value)
     if not math.isfinite(value):
-        raise _Invalid(f"must be a finite number, got {value}.")
+        raise Invalid(f"must be a finite number, got {value}.")
     return float(value)
 
 
 def _bool(value: object, _: type) -> bool:
     if type(value) is not bool:
-        raise _mismatch("a boolean", value)
+        raise mismatch("a boolean", value)
     return value
 
 
 def _str(value: object, _: type) -> str:
     if type(value) is not str:
-        raise _mismatch("a string", value)
+        raise mismatch("a string", value)
     return value
 
 
 def _object(value: object, _: type) -> dict:
     if type(value) is not dict:
-        raise _mismatch("an object", value)
+        raise mismatch("an object", value)
     return value
 
 
 def _array(value: object) -> list:
     if type(value) is not list:
-        raise _mismatch("an array", value)
+        raise mismatch("an array", value)
     return value
 
 
@@ -173,11 +177,9 @@ def _optional(value: object, t: Any) -> Any:
 converter.register_structure_hook_func(_is_optional, _optional)
 
 
-def _hook(t: Any, fn) -> None:
+def structure_hook(t: Any, fn) -> None:
     """A structure hook for exactly type `t` (generic aliases included)."""
     converter.register_structure_hook_func(lambda other: other == t, fn)
-
-
 
 
 class _ItemError(Exception):
@@ -189,7 +191,7 @@ class _ItemError(Exception):
         self.error = error
 
 
-def _structure_list(value: object, t: Any) -> list:
+def structure_list(value: object, t: Any) -> list:
     item = t.__args__[0]
     out = []
     for i, v in enumerate(_array(value)):
@@ -201,50 +203,50 @@ def _structure_list(value: object, t: Any) -> list:
 
 
 converter.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is list,
-                                       _structure_list)
+                                       structure_list)
 
 
-def _one_of(*options: str):
+def one_of(*options: str):
     def check(_, attribute, value) -> None:
         if value is not None and value not in options:
-            raise _Invalid(f"must be one of {', '.join(options)}, got {value!r}.",
+            raise Invalid(f"must be one of {', '.join(options)}, got {value!r}.",
                            attribute.name)
     return check
 
 
-def _between(lo: float, hi: float, *, lo_open: bool = False):
+def between(lo: float, hi: float, *, lo_open: bool = False):
     def check(_, attribute, value) -> None:
         if value is None:
             return
         low_ok = value > lo if lo_open else value >= lo
         if not (low_ok and value <= hi):
             bounds = f"in ({lo:g}, {hi:g}]" if lo_open else f"between {lo:g} and {hi:g}"
-            raise _Invalid(f"must be {bounds}, got {value:g}.", attribute.name)
+            raise Invalid(f"must be {bounds}, got {value:g}.", attribute.name)
     return check
 
 
-def _at_least(lo: int):
+def at_least(lo: int):
     def check(_, attribute, value) -> None:
         if value is not None and value < lo:
-            raise _Invalid(f"must be at least {lo}, got {value}.", attribute.name)
+            raise Invalid(f"must be at least {lo}, got {value}.", attribute.name)
     return check
 
 
-def _is_token_id(key: str) -> bool:
+def is_token_id(key: str) -> bool:
     """A logit_bias key: a token id written as a decimal string, as OpenAI sends them."""
     return key.isascii() and key.strip().isdigit()
 
 
-def _opt(validator=None, default=None, **kw):
+def opt(validator=None, default=None, **kw):
     return attrs.field(default=default, validator=validator, kw_only=True, **kw)
 
 
 _INT64 = 2 ** 63
 
 
-def _seed_range(_, attribute, value) -> None:
+def seed_range(_, attribute, value) -> None:
     if value is not None and not -_INT64 <= value < _INT64:
-        raise _Invalid("must fit in a signed 64-bit integer.", attribute.name)
+        raise Invalid("must fit in a signed 64-bit integer.", attribute.name)
 
 
 # -- request pieces ----------------------------------------------------------------------
@@ -253,24 +255,24 @@ def _stop(value: object, _: type) -> tuple[str, ...]:
     if type(value) is str:
         value = [value]
     if type(value) is not list or not all(type(s) is str for s in value):
-        raise _Invalid("must be a string or an array of strings.")
+        raise Invalid("must be a string or an array of strings.")
     if any(s == "" for s in value):
-        raise _Invalid("cannot contain an empty string.")
+        raise Invalid("cannot contain an empty string.")
     return tuple(value)
 
 
 Stop = Union[str, list[str]]
-_hook(Stop, _stop)
+structure_hook(Stop, _stop)
 
 
 def _stop_token_ids(value: object, _: type) -> tuple[int, ...]:
     if type(value) is not list or not all(type(i) is int and i >= 0 for i in value):
-        raise _Invalid("must be an array of non-negative integers.")
+        raise Invalid("must be an array of non-negative integers.")
     return tuple(value)
 
 
 StopTokenIds = tuple[int, ...]
-_hook(StopTokenIds, _stop_token_ids)
+structure_hook(StopTokenIds, _stop_token_ids)
 
 
 @attrs.frozen
@@ -298,12 +300,12 @@ def _content(value: object, _: type) -> str | tuple[ContentPart, ...] | None:
     if value is None or type(value) is str:
         return value
     if type(value) is not list:
-        raise _mismatch("a string or an array of content parts", value)
-    return tuple(_structure_list(value, list[ContentPart]))
+        raise mismatch("a string or an array of content parts", value)
+    return tuple(structure_list(value, list[ContentPart]))
 
 
 Content = Union[str, tuple[ContentPart, ...], None]
-_hook(Content, _content)
+structure_hook(Content, _content)
 
 
 @attrs.frozen
@@ -352,41 +354,29 @@ class StructuredOutputs:
     whitespace_pattern: str | None = None      # ignored
 
 
-@attrs.frozen
-class InputItem:
-    """A Responses API input item (only messages are rendered)."""
-    type: str = "message"
-    role: str | None = None
-    content: Content = None
-    id: str | None = None
-    status: str | None = None
-    # function_call (an earlier call of the model) and function_call_output (its result)
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-    output: Content = None
+# Structured pieces tolerate keys they do not know (message fields, content parts of other
+# types, tool call shapes): what they hold is checked where it is used.
+def tolerant(cls: type):
+    fn = make_dict_structure_fn(cls, converter, _cattrs_forbid_extra_keys=False,
+                                _cattrs_detailed_validation=True)
+    return lambda value, t: fn(_object(value, t), t)
 
 
-@attrs.frozen
-class Reasoning:
-    effort: str | None = None
-    summary: str | None = None
-    generate_summary: str | None = None
+for _cls in (ContentPart, ChatMessage, StreamOptions, ResponseFormat, JsonSchemaFormat,
+             StructuredOutputs):
+    converter.register_structure_hook(_cls, tolerant(_cls))
 
 
-@attrs.frozen
-class TextFormat:
-    type: str = "text"
-    name: str | None = None
-    schema: dict[str, Any] | None = None
-    strict: bool | None = None
-    description: str | None = None
-
-
-@attrs.frozen
-class TextConfig:
-    format: TextFormat | None = None
-    verbosity: str | None = None
+def usage_flags(stream: bool, options: StreamOptions | None, *,
+                force: bool = False) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage) of a reply. Not streamed: the usage is always in
+    the reply. A stream: a final usage chunk with stream_options.include_usage, the usage
+    so far on every chunk with continuous_usage_stats; --enable-force-include-usage
+    (`force`) turns both on for every stream."""
+    if not stream:
+        return True, False
+    return (force or bool(options and options.include_usage),
+            force or bool(options and options.continuous_usage_stats))
 
 
 # -- requests ----------------------------------------------------------------------------
@@ -395,264 +385,112 @@ class TextConfig:
 class SamplingRequest:
     """The sampling fields every API shares (OpenAI's, then vLLM's extensions).
     None means "not given": generation_config or the sampler's default applies."""
-    model: str | None = _opt()
-    stream: bool = _opt(default=False)
-    temperature: float | None = _opt(_between(0.0, 2.0))
-    top_p: float | None = _opt(_between(0.0, 1.0, lo_open=True))
-    seed: int | None = _opt(_seed_range)
-    user: str | None = _opt()                                   # ignored
+    model: str | None = opt()
+    stream: bool = opt(default=False)
+    temperature: float | None = opt(between(0.0, 2.0))
+    top_p: float | None = opt(between(0.0, 1.0, lo_open=True))
+    seed: int | None = opt(seed_range)
+    user: str | None = opt()                                   # ignored
     # vLLM's sampling extensions
-    top_k: int | None = _opt()
-    min_p: float | None = _opt(_between(0.0, 1.0))
-    repetition_penalty: float | None = _opt()
-    stop_token_ids: StopTokenIds = _opt(default=())
-    ignore_eos: bool = _opt(default=False)
-    min_tokens: int = _opt(_at_least(0), default=0)
-    include_stop_str_in_output: bool = _opt(default=False)
-    skip_special_tokens: bool = _opt(default=True)
-    spaces_between_special_tokens: bool = _opt(default=True)    # ignored: tokenizers decides
-    priority: int = _opt(default=0)                             # ignored: one priority class
-    request_id: str | None = _opt()                             # ignored: x-request-id names it
-    cache_salt: str | None = _opt()                             # ignored
+    top_k: int | None = opt()
+    min_p: float | None = opt(between(0.0, 1.0))
+    repetition_penalty: float | None = opt()
+    stop_token_ids: StopTokenIds = opt(default=())
+    ignore_eos: bool = opt(default=False)
+    min_tokens: int = opt(at_least(0), default=0)
+    include_stop_str_in_output: bool = opt(default=False)
+    skip_special_tokens: bool = opt(default=True)
+    spaces_between_special_tokens: bool = opt(default=True)    # ignored: tokenizers decides
+    priority: int = opt(default=0)                             # ignored: one priority class
+    request_id: str | None = opt()                             # ignored: x-request-id names it
+    cache_salt: str | None = opt()                             # ignored
     _not_implemented: ClassVar[dict[str, Any]] = {}
 
     @top_k.validator
     def _top_k(self, attribute, value) -> None:
         if value is not None and value < -1:
-            raise _Invalid(f"must be -1 or 0 (off) or at least 1, got {value}.", attribute.name)
+            raise Invalid(f"must be -1 or 0 (off) or at least 1, got {value}.", attribute.name)
 
     @repetition_penalty.validator
     def _repetition(self, attribute, value) -> None:
         if value is not None and value <= 0.0:
-            raise _Invalid(f"must be greater than 0, got {value:g}.", attribute.name)
+            raise Invalid(f"must be greater than 0, got {value:g}.", attribute.name)
 
 
 @attrs.frozen
 class ChoiceRequest(SamplingRequest):
     """What chat and completions share beyond sampling."""
-    stop: Stop | None = _opt()
-    n: int = _opt(default=1)
-    frequency_penalty: float | None = _opt(_between(-2.0, 2.0))
-    presence_penalty: float | None = _opt(_between(-2.0, 2.0))
-    stream_options: StreamOptions | None = _opt()
+    stop: Stop | None = opt()
+    n: int = opt(default=1)
+    frequency_penalty: float | None = opt(between(-2.0, 2.0))
+    presence_penalty: float | None = opt(between(-2.0, 2.0))
+    stream_options: StreamOptions | None = opt()
     # logit controls (render resolves them against the vocabulary and the tokenizer)
-    logit_bias: dict[str, float] | None = _opt()    # token id (a string) -> bias, clamped to ±100
-    allowed_token_ids: list[int] | None = _opt()    # sample only among these
-    bad_words: list[str] | None = _opt()            # words never generated
-    max_tokens: int | None = _opt(_at_least(0))     # 0: completions echo only
-    add_special_tokens: bool | None = _opt()
-    metadata: dict[str, Any] | None = _opt()                     # ignored
-    service_tier: str | None = _opt()                            # ignored
-    store: bool | None = _opt()                                  # ignored: nothing is stored
-    truncate_prompt_tokens: int | None = _opt()     # keep this many prompt tokens; -1: max_model_len
-    truncation_side: str | None = _opt(_one_of("left", "right"))   # which end truncation cuts
-    return_token_ids: bool = _opt(default=False)    # prompt_token_ids and token_ids on replies
-    kv_transfer_params: dict[str, Any] | None = _opt()   # chat: prompt_token_ids as the prompt
-    prompt_logprobs: int | None = _opt()            # the prompt tokens' logprobs (top k)
-    echo: bool = _opt(default=False)                # the reply starts with the prompt (chat:
+    logit_bias: dict[str, float] | None = opt()    # token id (a string) -> bias, clamped to ±100
+    allowed_token_ids: list[int] | None = opt()    # sample only among these
+    bad_words: list[str] | None = opt()            # words never generated
+    max_tokens: int | None = opt(at_least(0))     # 0: completions echo only
+    add_special_tokens: bool | None = opt()
+    metadata: dict[str, Any] | None = opt()                     # ignored
+    service_tier: str | None = opt()                            # ignored
+    store: bool | None = opt()                                  # ignored: nothing is stored
+    truncate_prompt_tokens: int | None = opt()     # keep this many prompt tokens; -1: max_model_len
+    truncation_side: str | None = opt(one_of("left", "right"))   # which end truncation cuts
+    return_token_ids: bool = opt(default=False)    # prompt_token_ids and token_ids on replies
+    kv_transfer_params: dict[str, Any] | None = opt()   # chat: prompt_token_ids as the prompt
+    prompt_logprobs: int | None = opt()            # the prompt tokens' logprobs (top k)
+    echo: bool = opt(default=False)                # the reply starts with the prompt (chat:
                                                     # with the final message's text)
     # structured outputs (vLLM's extensions; stages/api/structured.py maps them)
-    response_format: ResponseFormat | None = _opt()
-    structured_outputs: StructuredOutputs | None = _opt()
-    guided_json: Any = _opt()
-    guided_regex: str | None = _opt()
-    guided_choice: list[str] | None = _opt()
-    guided_grammar: str | None = _opt()
-    structural_tag: str | None = _opt()
-    guided_decoding_backend: str | None = _opt()                 # ignored: xgrammar
-    guided_whitespace_pattern: str | None = _opt()               # ignored
+    response_format: ResponseFormat | None = opt()
+    structured_outputs: StructuredOutputs | None = opt()
+    guided_json: Any = opt()
+    guided_regex: str | None = opt()
+    guided_choice: list[str] | None = opt()
+    guided_grammar: str | None = opt()
+    structural_tag: str | None = opt()
+    guided_decoding_backend: str | None = opt()                 # ignored: xgrammar
+    guided_whitespace_pattern: str | None = opt()               # ignored
 
     @truncate_prompt_tokens.validator
     def _truncate(self, attribute, value) -> None:
         if value is not None and value < -1:
-            raise _Invalid(f"must be -1 (max_model_len) or at least 0, got {value}.",
+            raise Invalid(f"must be -1 (max_model_len) or at least 0, got {value}.",
                            attribute.name)
 
     @logit_bias.validator
     def _logit_bias(self, attribute, value) -> None:
         for key, bias in (value or {}).items():
-            if not _is_token_id(key):
-                raise _Invalid(f"keys must be token ids (non-negative integers as strings), "
+            if not is_token_id(key):
+                raise Invalid(f"keys must be token ids (non-negative integers as strings), "
                                f"got {key!r}.", attribute.name)
             if not (type(bias) is int or (type(bias) is float and math.isfinite(bias))):
-                raise _Invalid(f"values must be finite numbers, got {json_type(bias)} for "
+                raise Invalid(f"values must be finite numbers, got {json_type(bias)} for "
                                f"token {key}.", attribute.name)
 
     @allowed_token_ids.validator
     def _allowed_token_ids(self, attribute, value) -> None:
         if value is not None and not value:
-            raise _Invalid("must not be empty.", attribute.name)
+            raise Invalid("must not be empty.", attribute.name)
         if value and min(value) < 0:
-            raise _Invalid("must be non-negative integers.", attribute.name)
+            raise Invalid("must be non-negative integers.", attribute.name)
 
     @bad_words.validator
     def _bad_words(self, attribute, value) -> None:
         if value and any(not w.strip() for w in value):
-            raise _Invalid("cannot contain an empty or blank string.", attribute.name)
+            raise Invalid("cannot contain an empty or blank string.", attribute.name)
 
 
 # Fields of vLLM's and OpenAI's schemas this server does not act on yet: a 400 naming the
 # field, unless the value is one of the harmless ones listed.
-_VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
+VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
                 "logits_processors": (), "return_tokens_as_token_ids": (False,),
                 "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": (),
                 "thinking_token_budget": ()}
 # What SGLang's router and vllm-router (derived from it) add to every request they forward,
 # with their defaults (docs/scaling.md): accepted at those values, a 400 at any other.
-_ROUTER_EXTRAS = {"no_stop_trim": (False,), "return_hidden_states": (False,)}
-_ROUTER_CHAT_EXTRAS = {**_ROUTER_EXTRAS, "separate_reasoning": (True,),
-                       "stream_reasoning": (True,)}
-
-
-@attrs.frozen
-class ChatCompletionRequest(ChoiceRequest):
-    messages: list[ChatMessage] = _opt()
-    max_completion_tokens: int | None = _opt(_at_least(1))
-    logprobs: bool = _opt(default=False)
-    top_logprobs: int | None = _opt()
-    tools: list[dict[str, Any]] | None = _opt()
-    tool_choice: Any = _opt()
-    parallel_tool_calls: bool | None = _opt()
-    modalities: list[str] | None = _opt()
-    reasoning_effort: str | None = _opt()
-    include_reasoning: bool = _opt(default=True)
-    add_generation_prompt: bool = _opt(default=True)
-    continue_final_message: bool = _opt(default=False)
-    chat_template: str | None = _opt()
-    chat_template_kwargs: dict[str, Any] | None = _opt()
-    prompt_cache_key: str | None = _opt()                        # ignored
-    safety_identifier: str | None = _opt()                       # ignored
-    verbosity: str | None = _opt()                               # ignored
-    _not_implemented: ClassVar[dict[str, Any]] = {
-        **_VLLM_EXTRAS, **_ROUTER_CHAT_EXTRAS, "functions": (), "function_call": (),
-        "audio": (), "prediction": (), "web_search_options": (), "documents": (),
-        "best_of": (1,), "media_io_kwargs": ()}
-
-    @messages.validator
-    def _messages(self, attribute, value) -> None:
-        if value is None:
-            raise _Invalid("is required.", attribute.name)
-        if not value:
-            raise _Invalid("must contain at least one message.", attribute.name)
-
-
-@attrs.frozen
-class CompletionRequest(ChoiceRequest):
-    prompt: Any = _opt()           # a string, token ids, or several of either
-    logprobs: int | None = _opt()
-    suffix: str | None = _opt()
-    best_of: int | None = _opt()
-    _not_implemented: ClassVar[dict[str, Any]] = {**_VLLM_EXTRAS, **_ROUTER_EXTRAS}
-
-    @prompt.validator
-    def _prompt(self, attribute, value) -> None:
-        if value is None:
-            raise _Invalid("is required.", attribute.name)
-
-
-@attrs.frozen
-class ResponsesRequest(SamplingRequest):
-    input: Union[str, list[InputItem]] = _opt()
-    instructions: str | None = _opt()
-    max_output_tokens: int | None = _opt(_at_least(1))
-    metadata: dict[str, Any] | None = _opt()                     # echoed back
-    parallel_tool_calls: bool = _opt(default=True)
-    tools: list[dict[str, Any]] | None = _opt()
-    tool_choice: Any = _opt()
-    text: TextConfig | None = _opt()
-    reasoning: Reasoning | None = _opt()
-    truncation: str = _opt(default="disabled")
-    include: list[str] | None = _opt()
-    top_logprobs: int | None = _opt()
-    store: bool | None = _opt()                                  # ignored: nothing is stored
-    service_tier: str | None = _opt()                            # ignored
-    prompt_cache_key: str | None = _opt()                        # ignored
-    safety_identifier: str | None = _opt()                       # ignored
-    stream_options: dict[str, Any] | None = _opt()               # ignored
-    max_tool_calls: int | None = _opt()                          # ignored: no tools
-    chat_template_kwargs: dict[str, Any] | None = _opt()
-    # vLLM accepts these on the Responses API as well
-    stop: Stop | None = _opt()
-    frequency_penalty: float | None = _opt(_between(-2.0, 2.0))
-    presence_penalty: float | None = _opt(_between(-2.0, 2.0))
-    _not_implemented: ClassVar[dict[str, Any]] = {
-        "previous_response_id": (), "conversation": (), "prompt": (), "background": (False,),
-        "mm_processor_kwargs": (), "enable_response_messages": (False,),
-        "previous_input_messages": ()}
-
-    @input.validator
-    def _input(self, attribute, value) -> None:
-        if value is None:
-            raise _Invalid("is required.", attribute.name)
-        if isinstance(value, list) and not value:
-            raise _Invalid("must contain at least one item.", attribute.name)
-
-
-def _input(value: object, _: type) -> str | list[InputItem]:
-    if type(value) is str:
-        return value
-    if type(value) is not list:
-        raise _mismatch("a string or an array of input items", value)
-    return _structure_list(value, list[InputItem])
-
-
-_hook(Union[str, list[InputItem]], _input)
-
-# Structured pieces tolerate keys they do not know (message fields, content parts of other
-# types, tool call shapes): what they hold is checked where it is used.
-def _tolerant(cls: type):
-    fn = make_dict_structure_fn(cls, converter, _cattrs_forbid_extra_keys=False,
-                                _cattrs_detailed_validation=True)
-    return lambda value, t: fn(_object(value, t), t)
-
-
-for _cls in (ContentPart, ChatMessage, InputItem, StreamOptions, ResponseFormat, Reasoning,
-             TextFormat, TextConfig, JsonSchemaFormat, StructuredOutputs):
-    converter.register_structure_hook(_cls, _tolerant(_cls))
-
-@attrs.frozen
-class TokenizeRequest:
-    """POST /tokenize, as vLLM serves it: a completion-style `prompt`, or chat `messages`."""
-    model: str | None = _opt()
-    prompt: str | None = _opt()
-    messages: list[ChatMessage] | None = _opt()
-    add_special_tokens: bool | None = _opt()    # default: true for a prompt, false for messages
-    add_generation_prompt: bool = _opt(default=True)
-    continue_final_message: bool = _opt(default=False)
-    chat_template: str | None = _opt()
-    chat_template_kwargs: dict[str, Any] | None = _opt()
-    tools: list[dict[str, Any]] | None = _opt()
-    return_token_strs: bool = _opt(default=False)
-    _not_implemented: ClassVar[dict[str, Any]] = {"mm_processor_kwargs": (), "media_io_kwargs": ()}
-
-
-@attrs.frozen
-class DetokenizeRequest:
-    model: str | None = _opt()
-    tokens: list[int] = _opt()
-    _not_implemented: ClassVar[dict[str, Any]] = {}
-
-    @tokens.validator
-    def _tokens(self, attribute, value) -> None:
-        if value is None:
-            raise _Invalid("is required.", attribute.name)
-        if any(t < 0 for t in value):
-            raise _Invalid("must be non-negative integers.", attribute.name)
-
-
-@attrs.frozen(kw_only=True)
-class TokenizeResponse:
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-@attrs.frozen(kw_only=True)
-class DetokenizeResponse:
-    prompt: str
-
+ROUTER_EXTRAS = {"no_stop_trim": (False,), "return_hidden_states": (False,)}
 
 @attrs.frozen
 class ToolSettings:
@@ -669,7 +507,6 @@ class ToolPlan:
     parser: str | None = None    # auto: the --tool-call-parser name
     name: str | None = None      # named: the function
     parallel: bool = True        # parallel_tool_calls: false keeps the first call only
-
 
 
 @attrs.frozen(kw_only=True)
@@ -693,8 +530,7 @@ class PromptPlan:
     truncation_side: str = "left"            # "left" keeps the end of the prompt
     logprobs: int | None = None              # alternatives per token; None: off
     stream: bool = False
-    include_usage: bool = True
-    continuous_usage: bool = False           # stream: usage so far on every chunk
+    stream_options: StreamOptions | None = None   # what a stream reports of usage (usage_flags)
     constraint: Constraint | None = None     # structured output (stages/api/structured.py)
     tools: ToolPlan | None = None            # how parse finds tool calls (stages/api/tools.py)
     batch: tuple[str | tuple[int, ...], ...] | None = None  # completions: several prompts
@@ -745,7 +581,7 @@ def _request_error(exc: BaseException, path: str = "") -> RequestError:
         key = sorted(exc.extra_fields)[0]
         where = f"{path}.{key}" if path else key
         return RequestError(f"Unrecognized request argument supplied: {where}", param=where)
-    if isinstance(exc, _Invalid):
+    if isinstance(exc, Invalid):
         if exc.field is not None:
             path = f"{path}.{exc.field}" if path else exc.field
         return RequestError(f"'{path}' {exc.what}", param=path or None)
@@ -803,57 +639,8 @@ class ResponseUsage:
     total_tokens: int
 
 
-
-
 # Reply classes are keyword-only so that their fields can follow OpenAI's key order.
 reply = attrs.frozen(kw_only=True)
-
-
-@reply
-class TopLogprob:
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-@reply
-class ChatTokenLogprob:
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-@reply
-class ChatLogprobs:
-    content: list[ChatTokenLogprob]
-
-
-@reply
-class CompletionLogprobs:
-    """The legacy completions shape: parallel lists, alternatives as {token: logprob}."""
-    tokens: list[str]
-    token_logprobs: list[float | None]          # echo: null for the prompt's first token
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-@omit_absent
-@reply
-class FunctionChunk:
-    name: str = ABSENT
-    arguments: str = ABSENT
-
-
-@omit_absent
-@reply
-class ToolCallChunk:
-    """A streamed tool call: the first chunk has index, id, type and name; later ones
-    carry the index and argument text."""
-    index: int
-    id: str = ABSENT
-    type: str = ABSENT
-    function: FunctionChunk
 
 
 @reply
@@ -867,199 +654,6 @@ class ToolCallOut:
     id: str
     type: str = "function"
     function: FunctionCall
-
-
-@omit_absent
-@reply
-class ChatDelta:
-    role: str = ABSENT
-    content: str = ABSENT
-    reasoning: str = ABSENT
-    tool_calls: list[ToolCallChunk] = ABSENT
-
-
-@omit_absent
-@reply
-class ChatChunkChoice:
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = ABSENT      # on the final chunk only
-    token_ids: list[int] = ABSENT               # return_token_ids: this chunk's tokens
-
-
-@omit_absent
-@reply
-class ChatCompletionChunk:
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = ABSENT            # with include_usage: null but on the last chunk
-    prompt_token_ids: list[int] = ABSENT        # return_token_ids: on the first chunk
-    metrics: Any = ABSENT                       # per-request metrics: on the usage chunk
-
-
-@omit_absent
-@reply
-class ChatMessageOut:
-    role: str = "assistant"
-    content: str | None
-    refusal: str | None = None
-    reasoning: str = ABSENT
-    tool_calls: list[ToolCallOut] = ABSENT
-
-
-@omit_absent
-@reply
-class ChatChoice:
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str
-    stop_reason: str | int | None = None
-    token_ids: list[int] = ABSENT               # return_token_ids
-
-
-@omit_absent
-@reply
-class ChatCompletion:
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
-    prompt_token_ids: list[int] = ABSENT        # return_token_ids
-    metrics: Any = ABSENT                       # --enable-per-request-metrics
-
-
-@omit_absent
-@reply
-class CompletionChoice:
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = ABSENT      # streaming: on the final chunk only
-    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
-    prompt_token_ids: list[int] = ABSENT        # return_token_ids (streaming: first chunk)
-    token_ids: list[int] = ABSENT               # return_token_ids
-
-
-@omit_absent
-@reply
-class Completion:
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = ABSENT
-    metrics: Any = ABSENT                       # --enable-per-request-metrics
-
-
-# -- Responses API replies ----------------------------------------------------------------
-
-@reply
-class OutputText:
-    type: str = "output_text"
-    text: str
-    annotations: list[Any] = attrs.field(factory=list)
-    logprobs: list[Any] = attrs.field(factory=list)
-
-
-@reply
-class ReasoningText:
-    type: str = "reasoning_text"
-    text: str
-
-
-@reply
-class MessageItem:
-    id: str
-    type: str = "message"
-    status: str
-    role: str = "assistant"
-    content: list[OutputText]
-
-
-@reply
-class ReasoningItem:
-    id: str
-    type: str = "reasoning"
-    summary: list[Any] = attrs.field(factory=list)
-    content: list[ReasoningText]
-    status: str
-
-
-@reply
-class FunctionCallItem:
-    arguments: str
-    call_id: str
-    name: str
-    type: str = "function_call"
-    id: str
-    status: str
-
-
-@reply
-class ResponseError:
-    code: str = "server_error"
-    message: str
-
-
-@reply
-class IncompleteDetails:
-    reason: str
-
-
-@reply
-class TextFormatOut:
-    type: str = "text"
-
-
-@reply
-class TextOut:
-    format: TextFormatOut = TextFormatOut()
-
-
-@reply
-class ReasoningOut:
-    effort: str | None = None
-    summary: str | None = None
-
-
-@reply
-class Response:
-    id: str
-    object: str = "response"
-    created_at: int
-    status: str                      # in_progress | completed | incomplete | failed
-    background: bool = False
-    error: ResponseError | None = None
-    incomplete_details: IncompleteDetails | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    max_tool_calls: int | None = None
-    model: str
-    output: list[MessageItem | ReasoningItem | FunctionCallItem]
-    parallel_tool_calls: bool = True
-    previous_response_id: str | None = None
-    reasoning: ReasoningOut = ReasoningOut()
-    store: bool = False              # nothing is ever stored
-    temperature: float = 1.0
-    text: TextOut = TextOut()
-    tool_choice: Any = "auto"
-    tools: list[Any] = attrs.field(factory=list)
-    top_p: float = 1.0
-    truncation: str = "disabled"
-    usage: ResponseUsage | None = None
-    user: str | None = None
-    metadata: dict[str, Any] = attrs.field(factory=dict)
 
 
 _unstructure_hooks: dict[type, Callable[[Any], Any]] = {}

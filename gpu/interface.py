@@ -1,0 +1,157 @@
+"""What the runner takes and returns, as plain data: no torch, no trio.
+
+The scheduler builds a `StepPlan` (chunks of token ids on block tables, the new
+sequences' `SeqStart`), a runner executes it and answers a `StepResult` (token ids and
+logprobs as tuples of Python numbers). `SamplingOptions` and `Constraint` are what a
+request asks of the sampler and of constrained decoding; render builds them, so they
+live here rather than beside the torch code that applies them (gpu/sampler.py,
+gpu/grammar.py). `Runner` is the interface ModelRunner and the simulated runner share.
+"""
+from __future__ import annotations
+
+import json
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+# A token the scheduler does not know yet when it plans a step (async scheduling: step
+# N+1 is planned while step N runs): the sequence's last sampled token, which the runner
+# has and fills in. Only ever a chunk's last token.
+PLACEHOLDER = -1
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@attrs.frozen
+class SamplingOptions:
+    temperature: float = 1.0        # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # <= 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens: int = 0               # stop_token_ids are masked until this many outputs
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None       # None: off; k: the sampled token's logprob and the top k
+    # logit controls (apply_logit_controls): ids already checked against the vocabulary
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias in [-100, 100]) added
+    allowed_token_ids: tuple[int, ...] = ()          # non-empty: every other token is banned
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never completed
+
+    @property
+    def controls_logits(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5
+
+    @property
+    def penalised(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+@attrs.frozen
+class Constraint:
+    """What the output must match (a JSON schema, any JSON object, a regex, a choice of
+    strings, an EBNF grammar or a structural tag), in one internal form whatever the API
+    spelled it as. `spec` is a string (a JSON schema or structural tag as JSON text, a
+    regex, an EBNF grammar, or a JSON array of choices), so that a constraint is hashable
+    and its own cache key (gpu/grammar.py compiles it)."""
+    kind: str = attrs.field(validator=attrs.validators.in_(CONSTRAINT_KINDS))
+    spec: str = ""
+    compact: bool = False   # JSON without free whitespace (vLLM's disable_any_whitespace)
+
+    @staticmethod
+    def choice(options: list[str]) -> Constraint:
+        return Constraint("choice", json.dumps(list(options)))
+
+
+class GrammarError(ValueError):
+    """The constraint is not a valid schema, regex or grammar (the client's fault)."""
+
+
+@attrs.frozen
+class SeqStart:
+    """Registers a sequence's sampling state with the runner (sent once, on first schedule).
+
+    `grammar` is the compiled grammar (an xgrammar CompiledGrammar) the scheduler waited
+    for: the one field that is not plain data, since the scheduler and the runner share a
+    process and compiling it again in the runner would cost the step."""
+    seq_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    grammar: object = attrs.field(default=None, eq=False)   # compiled, if constrained
+    think: tuple[int, int] | None = None   # reasoning's (open, close) ids: constrain after it
+    thinking: bool = False                 # the prompt leaves the reasoning open
+    prompt_logprobs: int | None = None     # the prompt tokens' logprobs (top k); None: off
+
+
+@attrs.frozen
+class SeqChunk:
+    """Tokens of one sequence to compute this step."""
+    seq_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int                    # tokens of this sequence already in the KV cache
+    block_table: tuple[int, ...]      # covers start_pos + len(token_ids) tokens
+    sample: bool                      # sample after this chunk (decode, or a prefill's last chunk)
+
+
+@attrs.frozen
+class StepPlan:
+    step: int
+    chunks: tuple[SeqChunk, ...]
+    new_seqs: tuple[SeqStart, ...] = ()
+    released: tuple[str, ...] = ()     # sequences finished or aborted: drop their state
+    # hybrid KV cache: (block, sliding slot or -1) changes, applied before the step (KVCache.remap)
+    kv_updates: tuple[tuple[int, int], ...] = ()
+
+
+@attrs.frozen
+class TokenLogprobs:
+    """The sampled token's log-probability and the top-k alternatives (raw model output)."""
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+    rank: int = 0                      # prompt logprobs: the token's rank in the vocabulary (from 1)
+
+
+@attrs.frozen
+class PromptLogprobs:
+    """A prefill chunk's prompt logprobs for one sequence: the logprob of each prompt token
+    it covered given the tokens before it (positions from 1 on, in order, each once)."""
+    seq_id: str
+    entries: tuple[TokenLogprobs, ...]
+
+
+@attrs.frozen
+class StepResult:
+    step: int
+    seq_ids: tuple[str, ...]           # the chunks that sampled, in plan order
+    token_ids: tuple[int, ...]
+    duration_s: float
+    error: str | None = None           # the step failed: every sequence in the plan is lost
+    logprobs: tuple[TokenLogprobs | None, ...] = ()   # per sampled sequence, when any asked
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # for the sequences that asked
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Executes one plan at a time, in plan order, on one thread."""
+
+    def execute(self, plan: StepPlan, staged: object = None) -> StepResult:
+        """Run one step; `staged` is `stage(plan)`'s result when the runner stages ahead."""
+        ...
+
+
+@runtime_checkable
+class StagingRunner(Runner, Protocol):
+    """A runner that prepares a plan's host inputs ahead (ModelRunner, SimulatedRunner):
+    the GPU stage calls `stage` as a plan arrives, while the step before still runs, and
+    hands the result to `execute`. Plans are staged in order, one at a time."""
+
+    def stage(self, plan: StepPlan) -> object:
+        ...

@@ -1,0 +1,117 @@
+"""The messages that cross stages, as plain frozen data (no torch, no callables): what web
+hands to render (`Submission`), what render hands on (`RenderedRequest` with its
+`SamplingParams`), the scheduler's control messages (`Abort`, `FinishRequest`) and the one
+message on every channel from schedule to emit (`Step`, its per-request `Delta`s in
+stages/delta.py). What the runner takes and returns is gpu/interface.py.
+"""
+from __future__ import annotations
+
+import attrs
+
+from gpu.interface import Constraint, SamplingOptions
+from stages.api.chat import ChatCompletionRequest
+from stages.api.common import ToolPlan
+from stages.api.completions import CompletionRequest
+from stages.api.responses import ResponsesRequest
+from stages.delta import Delta
+
+# The typed request a RenderedRequest keeps, for what replies echo.
+ApiRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest
+
+
+@attrs.frozen
+class Submission:
+    """What web hands to render: the raw JSON body of one API call."""
+    request_id: str
+    api: str                      # "chat" | "completions" | "responses"
+    body: dict
+    arrival: float                # time.monotonic() at the HTTP layer
+    headers: tuple[tuple[str, str], ...] = ()   # the HTTP request's (for the event log only)
+
+
+@attrs.frozen
+class SamplingParams:
+    """What one request asks of generation: the sampler's options plus what the
+    scheduler and detokenize need (max_tokens, EOS, stop strings)."""
+    max_tokens: int
+    options: SamplingOptions = SamplingOptions()   # the sampler's part, passed to the GPU as is
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    constraint: Constraint | None = None           # structured output (gpu/grammar.py compiles it)
+    prompt_logprobs: int | None = None             # the prompt tokens' logprobs (top k); None: off
+
+
+@attrs.frozen
+class RenderedRequest:
+    request_id: str
+    api: str                      # "chat" | "completions" | "responses"
+    model: str                    # the served model name echoed back
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool           # stream_options.include_usage (always usage when not streaming)
+    created: int                  # unix seconds
+    arrival: float
+    request: ApiRequest = attrs.field(eq=False)   # the typed request, for what replies echo
+    continuous_usage: bool = False  # streaming: every chunk carries the usage so far
+    cache_salt: str | None = None   # prefix-cache blocks are shared only with the same salt
+    per_request_metrics: bool = False   # the reply carries the request's own timings
+    n: int = 1                      # choices: n sequences sampled from one prompt
+    tools: ToolPlan | None = None   # how parse finds tool calls (stages/api/tools.py)
+    # Several prompts in one request (a completions prompt list): prompt_token_ids is the
+    # first. Prompt i's choice j is choice i * n + j, a sequence of its own.
+    prompts: tuple[tuple[int, ...], ...] = ()
+    prompt_max_tokens: tuple[int, ...] = ()   # with several prompts: each one's max_tokens
+    echo: tuple[str, ...] | None = None      # echo: the text each prompt's choices start with
+
+    @property
+    def num_choices(self) -> int:
+        """Sequences of the request: n per prompt."""
+        return self.n * len(self.prompts) if self.prompts else self.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts)) if self.prompts else len(self.prompt_token_ids)
+
+    def prompt_of(self, index: int) -> tuple[int, ...]:
+        """The prompt of choice `index`."""
+        return self.prompts[index // self.n] if self.prompts else self.prompt_token_ids
+
+    def max_tokens_of(self, index: int) -> int:
+        return (self.prompt_max_tokens[index // self.n] if self.prompt_max_tokens
+                else self.sampling.max_tokens)
+
+
+
+@attrs.frozen
+class Step:
+    """One engine step, schedule -> detokenize -> parse -> account -> emit: the requests
+    admitted since the last step and a delta for every request the step touched. Each
+    stage passes it on with `attrs.evolve(step, deltas=...)`."""
+    step: int
+    new_requests: tuple[RenderedRequest, ...] = ()
+    deltas: tuple[Delta, ...] = ()
+    # -- schedule's queue sizes after the step (for the event log)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    done_at: float = 0.0      # time.monotonic() when the step's tokens came back
+
+
+# -- the scheduler's inbox: admitted requests arrive with control messages ---------------
+@attrs.frozen
+class Abort:
+    """The client went away: drop the request. With an ``error`` (the server is shutting
+    down while the client still reads) the request finishes with FinishReason.ERROR, so its
+    reply ends with that error instead of nothing."""
+    request_id: str
+    error: str | None = None
+
+
+@attrs.frozen
+class FinishRequest:
+    """detokenize matched a stop string in one choice: stop generating it, free its blocks."""
+    request_id: str
+    index: int = 0
