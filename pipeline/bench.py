@@ -21,7 +21,8 @@ import trio
 from tqdm import tqdm
 
 from pipeline.config import EngineConfig, add_engine_arguments, engine_config
-from pipeline.engine import describe, open_engine
+from pipeline.engine import open_engine
+from pipeline.reply import describe
 
 log = logging.getLogger("tailrace.bench")
 

@@ -228,7 +228,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         import trio
 
-        from pipeline.engine import pick_device
+        from pipeline.startup import pick_device
 
         try:
             pick_device(config.device)
@@ -238,7 +238,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                 log_level=args.log_level,
                                 graceful_timeout=args.graceful_timeout))
     except Exception as exc:  # start-up failures (model), or the engine crashed
-        from pipeline.engine import describe
+        from pipeline.reply import describe
 
         log.error("tailrace serve failed: %s", describe(exc))
         log.debug("details", exc_info=True)

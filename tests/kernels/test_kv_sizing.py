@@ -11,7 +11,7 @@ from gpu.attention import KVCache
 from gpu.loader import load_model
 from gpu.runner import ModelRunner, kv_budget_bytes, profile_plan, profile_step_bytes
 from pipeline.config import EngineConfig
-from pipeline.engine import _num_kv_blocks
+from pipeline.startup import num_kv_blocks as _num_kv_blocks
 
 
 @pytest.fixture
