@@ -165,8 +165,8 @@ class LoadingGate:
 
     def __init__(self) -> None:
         self.app: Callable | None = None
-        self.binds: list[str] = []          # where Hypercorn serves it (web.cli.open_http)
-        self.stop_serving: Callable[[], None] = lambda: None     # set by web.cli.open_http
+        self.binds: list[str] = []          # where Hypercorn serves it (web.server.open_http)
+        self.stop_serving: Callable[[], None] = lambda: None     # set by web.server.open_http
 
     def open(self, app: Callable) -> None:
         self.app = app
