@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from functools import partial
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -49,6 +50,9 @@ from stages.replies import Replies
 from stages.schedule import Abort, Scheduler
 from stages.stream_interval import StreamInterval
 
+if TYPE_CHECKING:
+    from stages.api.protocol import DetokenizeResponse, TokenizeResponse
+
 log = logging.getLogger("tailrace")
 
 STOP_GRACE_S = 2.0      # after a stage failure, how long the body may run on (see open_engine)
@@ -70,7 +74,7 @@ class Engine:
     replies: Replies
     admission: Admission
     render_in: trio.MemorySendChannel       # web -> render
-    render_context: RenderContext           # what /tokenize and /detokenize use
+    render_context: RenderContext           # what tokenize and detokenize use
     schedule_in: trio.MemorySendChannel     # aborts -> schedule's inbox
     event_log: EventLog | None = None       # --event-log (web/cli.py adds the API keys to hide)
     failure: BaseException | None = None    # a stage raised: the engine has stopped
@@ -108,6 +112,15 @@ class Engine:
         finally:
             if not accepted:  # refused (already released), or cancelled on the way in
                 self.abort(rid)
+
+    def tokenize(self, body: object) -> TokenizeResponse:
+        """POST /tokenize: the prompt's token ids as render would make them, at once (no
+        engine step). Raises RequestError."""
+        return render.tokenize(body, self.render_context)
+
+    def detokenize(self, body: object) -> DetokenizeResponse:
+        """POST /detokenize: token ids back to text, at once. Raises RequestError."""
+        return render.detokenize(body, self.render_context)
 
     def _stopped_error(self) -> RequestError | None:
         if self.failure is None:
