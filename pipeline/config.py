@@ -90,8 +90,7 @@ class EngineConfig:
     fault_steps: str = attrs.field(default="", validator=_fault_steps)   # tests only: "3,7:fatal"
 
     def __attrs_post_init__(self) -> None:
-        if self.tool_parser_plugin:
-            load_plugin(self.tool_parser_plugin)
+        # A --tool-parser-plugin's names count once it is loaded (engine_config loads it).
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of "
                              f"{', '.join(sorted(TOOL_PARSERS))}")
@@ -256,6 +255,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Every EngineConfig field from the flag of the same name (add_engine_arguments).
-    Raises ValueError (or TypeError) for a bad combination of flags."""
+    """Every EngineConfig field from the flag of the same name (add_engine_arguments), once
+    --tool-parser-plugin's file has registered its parsers (the config, a value, runs no
+    code). Raises ValueError (or TypeError) for a bad combination of flags."""
+    if args.tool_parser_plugin:
+        load_plugin(args.tool_parser_plugin)
     return EngineConfig(**{f.name: getattr(args, f.name) for f in attrs.fields(EngineConfig)})

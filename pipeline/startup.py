@@ -90,8 +90,8 @@ class Built:
 
 def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -> Built:
     """Weights, tokenizer, KV cache, runner, scheduler."""
-    from gpu.loader import (choose_dtype, implied_tokenizer, load_model, load_shell,
-                            load_tokenizer, merge_eos_ids)
+    from gpu.loader import choose_dtype, load_model, load_shell, merge_eos_ids
+    from gpu.tokenizer_files import implied_tokenizer, load_tokenizer
 
     t0 = time.perf_counter()
     if loaded is None and cfg.simulate_gpu:
@@ -246,7 +246,7 @@ def chat_template_source(value: str | None) -> str | None:
 
 def open_event_log(cfg: EngineConfig, built: Built) -> EventLog:
     """The event log, its header line written (docs/events.md)."""
-    from gpu.loader import default_model_path
+    from gpu.tokenizer_files import default_model_path
 
     events = EventLog(cfg.event_log, max_bytes=cfg.event_log_max_bytes,
                       backup_count=cfg.event_log_backup_count)

@@ -16,7 +16,7 @@ import attrs
 import orjson
 
 if TYPE_CHECKING:
-    from pipeline.replay import Log
+    from pipeline.logfile import Log
 
 
 @attrs.define
@@ -74,7 +74,7 @@ class Timeline:
     header: dict
 
 
-def build(log: "Log") -> Timeline:
+def build(log: Log) -> Timeline:
     events = log.events
     header = log.header
     t0 = header.get("t", events[0].get("t", 0.0) if events else 0.0)

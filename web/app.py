@@ -202,7 +202,7 @@ def _json(value: object, status: int = 200) -> Response:
     return Response(orjson.dumps(value), status=status, content_type="application/json")
 
 
-async def _read_json(request_id: str | None = None) -> tuple[object, Response | None]:
+async def _json_body(request_id: str | None = None) -> tuple[object, Response | None]:
     """The request's JSON body, or the 400 to answer instead."""
     try:
         return orjson.loads(await request.get_data()), None
@@ -243,7 +243,7 @@ class Views:
         if rank is not None:   # vLLM's data-parallel routing hint: one engine here
             log.info("request %s: X-data-parallel-rank %s (one engine serves all ranks)",
                      request_id, rank[:16])
-        body, refusal = await _read_json(request_id)
+        body, refusal = await _json_body(request_id)
         if refusal is not None:
             return refusal
         if self.config.enable_log_requests:
@@ -275,7 +275,7 @@ class Views:
         return await self._at_once(self.engine.detokenize)
 
     async def _at_once(self, call: Callable[[object], object]) -> Response:
-        body, refusal = await _read_json()
+        body, refusal = await _json_body()
         if refusal is not None:
             return refusal
         try:
