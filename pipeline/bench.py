@@ -176,7 +176,7 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
         "output_tokens_per_s": round(out_tokens / elapsed, 2),
         "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 2),
-        "preemptions": stats["num_preemptions"], "steps": stats["steps_total"],
+        "preemptions": stats.num_preemptions, "steps": stats.steps_total,
         "constrained": s.get("json_schema") is not None,
         "failed_requests": len(failures), "first_error": failures[0] if failures else None,
     }

@@ -41,6 +41,7 @@ from pipeline.events import EventLog
 from pipeline.reply import Reply, describe
 from pipeline.startup import (Built, build, chat_template_source, freeze_heap,
                               generation_defaults, open_event_log, pick_device)
+from pipeline.stats import EngineStats, Latencies
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.api.chat import MAX_CHOICES
@@ -164,26 +165,21 @@ class Engine:
         self.failure = exc
         self.replies.close_all()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         s, a = self.scheduler, self.accountant
-        return {
-            "num_running": len(s.running),
-            "num_waiting": len(s.waiting),
-            "num_preemptions": s.num_preemptions,
-            "kv_blocks_total": self.blocks.num_blocks,
-            "kv_blocks_free": self.blocks.num_free,
-            "kv_blocks_used": self.blocks.num_used,
-            "kv_blocks_cached": len(self.blocks.cached),
-            "prompt_tokens_total": a.prompt_tokens_total,
-            "generation_tokens_total": a.generation_tokens_total,
-            "cached_tokens_total": a.cached_tokens_total,
-            "prefix_cache_queries_total": a.prefix_cache_queries_total,
-            "prefix_cache_hits_total": a.prefix_cache_hits_total,
-            "requests_finished_total": dict(a.finished_total),
-            "steps_total": s.step,
-            "latency": {"ttft": a.ttft, "itl": a.itl, "e2e": a.e2e, "queue": a.queue,
-                        "prefill": a.prefill, "decode": a.decode},
-        }
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_preemptions=s.num_preemptions, kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_free=self.blocks.num_free, kv_blocks_used=self.blocks.num_used,
+            kv_blocks_cached=len(self.blocks.cached),
+            prompt_tokens_total=a.prompt_tokens_total,
+            generation_tokens_total=a.generation_tokens_total,
+            cached_tokens_total=a.cached_tokens_total,
+            prefix_cache_queries_total=a.prefix_cache_queries_total,
+            prefix_cache_hits_total=a.prefix_cache_hits_total,
+            requests_finished_total=dict(a.finished_total), steps_total=s.step,
+            latency=Latencies(ttft=a.ttft, itl=a.itl, e2e=a.e2e, queue=a.queue,
+                              prefill=a.prefill, decode=a.decode))
 
 
 # -- the stages, wired -----------------------------------------------------------------

@@ -193,8 +193,8 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 def engine_figures(engine: Engine) -> dict:
     stats = engine.stats()
-    return {"running": stats["num_running"], "waiting": stats["num_waiting"],
-            "kv_blocks_used": stats["kv_blocks_used"], "in_flight": len(engine.replies),
+    return {"running": stats.num_running, "waiting": stats.num_waiting,
+            "kv_blocks_used": stats.kv_blocks_used, "in_flight": len(engine.replies),
             "admitted": engine.replies.num_admitted}
 
 

@@ -146,7 +146,7 @@ async def test_clients_that_stopped_reading_cannot_hold_up_the_exit(smollm, capl
                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
                 clients.append(sock)
             with trio.fail_after(90):               # generated; the replies wait on the clients
-                while engine.stats()["generation_tokens_total"] < 3 * 40:
+                while engine.stats().generation_tokens_total < 3 * 40:
                     await trio.sleep(0.05)
             await settled(engine)
             shutdown.set()

@@ -13,6 +13,7 @@ import trio
 import httpx
 
 import pipeline.engine
+from pipeline.stats import EngineStats
 from stages.render import RequestError
 from web import cli, server
 from web.server import listen_socket, serve
@@ -91,11 +92,11 @@ class FakeEngine:
         self.replies.append(reply)
         return reply
 
-    def stats(self) -> dict:
-        return {"num_running": len([r for r in self.replies if not r.finished]),
-                "num_waiting": 0, "kv_blocks_total": 10, "kv_blocks_free": 10,
-                "kv_blocks_used": 0, "prompt_tokens_total": 5, "generation_tokens_total": 7,
-                "requests_finished_total": {"stop": 1}}
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len([r for r in self.replies if not r.finished]),
+                           num_waiting=0, kv_blocks_total=10, kv_blocks_free=10,
+                           kv_blocks_used=0, prompt_tokens_total=5, generation_tokens_total=7,
+                           requests_finished_total={"stop": 1})
 
 
 @pytest.fixture
