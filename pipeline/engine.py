@@ -77,7 +77,7 @@ class Engine:
     render_in: trio.MemorySendChannel       # web -> render
     render_context: RenderContext           # what tokenize and detokenize use
     schedule_in: trio.MemorySendChannel     # aborts -> schedule's inbox
-    event_log: EventLog | None = None       # --event-log (web/cli.py adds the API keys to hide)
+    event_log: EventLog | None = None       # --event-log (web/server.py adds the API keys to hide)
     failure: BaseException | None = None    # a stage raised: the engine has stopped
 
     @property
@@ -145,7 +145,7 @@ class Engine:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # the engine is shutting down
 
-    # -- shutdown (web/cli.py drives it) ------------------------------------------------------
+    # -- shutdown (web/server.py drives it) ---------------------------------------------------
     def begin_drain(self) -> None:
         """Take no new request (503, and /health 503); those in flight run on."""
         self.admission.draining = True

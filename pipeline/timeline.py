@@ -195,10 +195,8 @@ def text(tl: Timeline) -> str:
         outcome = r.outcome
         if r.outcome == "finished":
             outcome = r.finish_reason or "finished"
-        elif r.outcome == "aborted":
-            outcome = "aborted"
         elif r.outcome in ("failed", "rejected"):
-            outcome = f"{r.outcome}" + (f" {r.status}" if r.status else "")
+            outcome = r.outcome + (f" {r.status}" if r.status else "")
         if r.preemptions:
             outcome += f" (preempted x{len(r.preemptions)})"
         rows.append((r.request_id, api, _s(r.received), _s(r.queued), _s(r.first_scheduled),

@@ -29,6 +29,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from pipeline.validators import non_negative, positive
 from stages.api.protocol import RequestError, unstructure
 from web import access
 from web.metrics import EngineCollector
@@ -51,16 +52,6 @@ RETRY_AFTER_S = 1
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 
 
-def _non_negative(inst, attribute, value):
-    if value is not None and value < 0:
-        raise ValueError(f"{attribute.name} must not be negative, got {value}")
-
-
-def _positive(inst, attribute, value):
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value}")
-
-
 @attrs.frozen
 class AppConfig:
     """The HTTP server's own settings (the engine's are pipeline.config.EngineConfig)."""
@@ -70,9 +61,9 @@ class AppConfig:
     allowed_headers: tuple[str, ...] = attrs.field(default=("*",), converter=tuple)
     allow_credentials: bool = False
     max_request_body_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                                              validator=_positive)
+                                              validator=positive)
     enable_log_requests: bool = False
-    max_log_len: int | None = attrs.field(default=None, validator=_non_negative)
+    max_log_len: int | None = attrs.field(default=None, validator=non_negative)
 
 
 def error_response(message: str, status: int, *, type: str = "invalid_request_error",
