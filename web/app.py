@@ -189,17 +189,16 @@ class LoadingGate:
         await access.send_error(send, err, retry)
 
 
-def _json(value: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(value), status=status, content_type="application/json")
+def _json(value: object) -> Response:
+    return Response(orjson.dumps(value), content_type="application/json")
 
 
-async def _json_body(request_id: str | None = None) -> tuple[object, Response | None]:
-    """The request's JSON body, or the 400 to answer instead."""
+async def _json_body() -> object:
+    """The request's JSON body; a RequestError (400) when it does not parse."""
     try:
-        return orjson.loads(await request.get_data()), None
+        return orjson.loads(await request.get_data())
     except orjson.JSONDecodeError as exc:
-        return None, error_response(f"We could not parse the JSON body of your request: {exc}",
-                                    400, request_id=request_id)
+        raise RequestError(f"We could not parse the JSON body of your request: {exc}") from None
 
 
 def _stream_response(reply: Reply, headers: dict[str, str]) -> Response:
@@ -234,14 +233,12 @@ class Views:
         if rank is not None:   # vLLM's data-parallel routing hint: one engine here
             log.info("request %s: X-data-parallel-rank %s (one engine serves all ranks)",
                      request_id, rank[:16])
-        body, refusal = await _json_body(request_id)
-        if refusal is not None:
-            return refusal
-        if self.config.enable_log_requests:
-            log.info("request %s (%s): %s", request_id, api,
-                     _prompt_preview(body, self.config.max_log_len),
-                     extra={"request_id": request_id, "api": api})
         try:
+            body = await _json_body()
+            if self.config.enable_log_requests:
+                log.info("request %s (%s): %s", request_id, api,
+                         _prompt_preview(body, self.config.max_log_len),
+                         extra={"request_id": request_id, "api": api})
             reply = await self.engine.submit(api, body, request_id,
                                              headers=tuple(request.headers.items()))
         except RequestError as err:
@@ -266,11 +263,8 @@ class Views:
         return await self._at_once(self.engine.detokenize)
 
     async def _at_once(self, call: Callable[[object], object]) -> Response:
-        body, refusal = await _json_body()
-        if refusal is not None:
-            return refusal
         try:
-            result = call(body)
+            result = call(await _json_body())
         except RequestError as err:
             return _json_error(err)
         return _json(unstructure(result))

@@ -50,7 +50,7 @@ async def serve_model(config: EngineConfig, sock: socket.socket, *,
     """Serve `sock` at once (503 on every route while the model loads: web.app.LoadingGate),
     load the model and start the engine, then serve it until SIGINT/SIGTERM.
     0 on a clean shutdown; an engine crash propagates (as an exception group)."""
-    from pipeline.engine import open_engine
+    from pipeline.engine import open_engine   # here: the engine brings torch
 
     shutdown, abort, serving = trio.Event(), trio.Event(), trio.Event()
     gate = LoadingGate()
