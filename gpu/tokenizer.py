@@ -14,6 +14,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from gpu.weights_hf import read_json
+
 
 class Tokenizer:
     def __init__(
@@ -128,15 +130,11 @@ def _token_content(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
     """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) from a HF model directory.
     eos_token_ids: the tokenizer's own eos_token (gpu.loader.merge_eos_ids adds the model's)."""
     hf = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-    cfg = _read_json(path / "tokenizer_config.json")
+    cfg = read_json(path / "tokenizer_config.json")
     template: Any = cfg.get("chat_template")
     if isinstance(template, list):
         template = {t["name"]: t["template"] for t in template}

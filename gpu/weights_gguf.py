@@ -14,15 +14,17 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
 import tokenizers
-import torch
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from gpu.tokenizer import Tokenizer
+
+if TYPE_CHECKING:   # torch only where tensors are made: reading the tokenizer needs none
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,8 @@ class GGUFFile:
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) for every weight, dequantized and un-permuted."""
+        import torch
+
         a = self.arch
         heads = self.field(f"{a}.attention.head_count")
         kv_heads = self.field(f"{a}.attention.head_count_kv", heads)

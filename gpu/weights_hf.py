@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:   # safe_open(framework="pt") imports torch when tensors are read
+    import torch
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file of the model directory; {} when it is absent."""
     return json.loads(path.read_text()) if path.is_file() else {}
 
 

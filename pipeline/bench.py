@@ -21,7 +21,8 @@ import trio
 from tqdm import tqdm
 
 from pipeline.config import EngineConfig, add_engine_arguments, engine_config
-from pipeline.engine import describe, open_engine
+from pipeline.engine import open_engine
+from pipeline.reply import describe
 
 log = logging.getLogger("tailrace.bench")
 
@@ -177,7 +178,7 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
         "output_tokens_per_s": round(out_tokens / elapsed, 2),
         "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 2),
-        "preemptions": stats["num_preemptions"], "steps": stats["steps_total"],
+        "preemptions": stats.num_preemptions, "steps": stats.steps_total,
         "constrained": s.get("json_schema") is not None,
         "failed_requests": len(failures), "first_error": failures[0] if failures else None,
     }

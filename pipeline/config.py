@@ -14,16 +14,12 @@ from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS
 from gpu.simulate import GPUS
 from stages.gpu_step import FAULT_KINDS
 from stages.parse import REASONING_PARSERS
+from pipeline.validators import positive
 from stages.tool_parsers import TOOL_PARSERS, load_plugin
 
 # Each option list is defined once (where it is used) and shared by the validators
 # below and the argparse choices.
 DTYPE_CHOICES = ("auto", *DTYPES)
-
-
-def _positive(inst, attribute, value):
-    if value is not None and value <= 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value}")
 
 
 FAULT_STEPS_ENV = "TAILRACE_FAULT_STEPS"
@@ -56,21 +52,21 @@ class EngineConfig:
                              validator=attrs.validators.in_(DTYPE_CHOICES))
     device: str = "auto"                      # auto | cpu | cuda
     seed: int = 0
-    max_model_len: int | None = attrs.field(default=None, validator=_positive)
-    max_num_seqs: int = attrs.field(default=256, validator=_positive)
-    max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive)
-    block_size: int = attrs.field(default=16, validator=_positive)
-    num_gpu_blocks_override: int | None = attrs.field(default=None, validator=_positive)
-    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_positive)
+    max_model_len: int | None = attrs.field(default=None, validator=positive)
+    max_num_seqs: int = attrs.field(default=256, validator=positive)
+    max_num_batched_tokens: int | None = attrs.field(default=None, validator=positive)
+    block_size: int = attrs.field(default=16, validator=positive)
+    num_gpu_blocks_override: int | None = attrs.field(default=None, validator=positive)
+    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=positive)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # hybrid models (gpt-oss): sliding-window layers in a KV pool of their own, sized to their windows
     disable_hybrid_kv_cache_manager: bool = False
     enforce_eager: bool = False
     async_scheduling: bool = True             # plan step N+1 while step N runs (as vLLM)
-    stream_interval: int = attrs.field(default=1, validator=_positive)  # tokens per stream write
+    stream_interval: int = attrs.field(default=1, validator=positive)  # tokens per stream write
     # admission: at most max_num_seqs + max_queued_requests requests admitted at once
-    max_queued_requests: int = attrs.field(default=1024, validator=_positive)
+    max_queued_requests: int = attrs.field(default=1024, validator=positive)
     reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
         default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))
     enable_auto_tool_choice: bool = False      # tool_choice "auto" (needs tool_call_parser)
@@ -92,8 +88,7 @@ class EngineConfig:
     fault_steps: str = attrs.field(default="", validator=_fault_steps)   # tests only: "3,7:fatal"
 
     def __attrs_post_init__(self) -> None:
-        if self.tool_parser_plugin:
-            load_plugin(self.tool_parser_plugin)
+        # A --tool-parser-plugin's names count once it is loaded (engine_config loads it).
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of "
                              f"{', '.join(sorted(TOOL_PARSERS))}")
@@ -262,6 +257,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Every EngineConfig field from the flag of the same name (add_engine_arguments).
-    Raises ValueError (or TypeError) for a bad combination of flags."""
+    """Every EngineConfig field from the flag of the same name (add_engine_arguments), once
+    --tool-parser-plugin's file has registered its parsers (the config, a value, runs no
+    code). Raises ValueError (or TypeError) for a bad combination of flags."""
+    if args.tool_parser_plugin:
+        load_plugin(args.tool_parser_plugin)
     return EngineConfig(**{f.name: getattr(args, f.name) for f in attrs.fields(EngineConfig)})

@@ -16,7 +16,7 @@ import attrs
 import orjson
 
 if TYPE_CHECKING:
-    from pipeline.replay import Log
+    from pipeline.logfile import Log
 
 
 @attrs.define
@@ -74,7 +74,7 @@ class Timeline:
     header: dict
 
 
-def build(log: "Log") -> Timeline:
+def build(log: Log) -> Timeline:
     events = log.events
     header = log.header
     t0 = header.get("t", events[0].get("t", 0.0) if events else 0.0)
@@ -195,10 +195,8 @@ def text(tl: Timeline) -> str:
         outcome = r.outcome
         if r.outcome == "finished":
             outcome = r.finish_reason or "finished"
-        elif r.outcome == "aborted":
-            outcome = "aborted"
         elif r.outcome in ("failed", "rejected"):
-            outcome = f"{r.outcome}" + (f" {r.status}" if r.status else "")
+            outcome = r.outcome + (f" {r.status}" if r.status else "")
         if r.preemptions:
             outcome += f" (preempted x{len(r.preemptions)})"
         rows.append((r.request_id, api, _s(r.received), _s(r.queued), _s(r.first_scheduled),

@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import orjson
@@ -29,11 +29,15 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from stages import render
+from pipeline.validators import non_negative, positive
 from stages.api import APIS
 from stages.api.common import RequestError, unstructure
 from web import access
 from web.metrics import EngineCollector
+
+if TYPE_CHECKING:     # the app is imported without the engine (torch)
+    from pipeline.engine import Engine
+    from pipeline.reply import Reply
 
 log = logging.getLogger("tailrace.web")
 
@@ -45,16 +49,6 @@ RETRY_AFTER_S = 1
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 
 
-def _non_negative(inst, attribute, value):
-    if value is not None and value < 0:
-        raise ValueError(f"{attribute.name} must not be negative, got {value}")
-
-
-def _positive(inst, attribute, value):
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value}")
-
-
 @attrs.frozen
 class AppConfig:
     """The HTTP server's own settings (the engine's are pipeline.config.EngineConfig)."""
@@ -64,9 +58,9 @@ class AppConfig:
     allowed_headers: tuple[str, ...] = attrs.field(default=("*",), converter=tuple)
     allow_credentials: bool = False
     max_request_body_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                                              validator=_positive)
+                                              validator=positive)
     enable_log_requests: bool = False
-    max_log_len: int | None = attrs.field(default=None, validator=_non_negative)
+    max_log_len: int | None = attrs.field(default=None, validator=non_negative)
 
 
 def error_response(message: str, status: int, *, type: str = "invalid_request_error",
@@ -99,7 +93,7 @@ def _request_id() -> str:
     return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
-async def _close_quietly(reply: Any) -> None:
+async def _close_quietly(reply: Reply) -> None:
     # Runs while the request's scope may be cancelled (a disconnect): shield the
     # abort so it reaches the engine.
     with trio.CancelScope(shield=True):
@@ -162,8 +156,8 @@ class LoadingGate:
 
     def __init__(self) -> None:
         self.app: Callable | None = None
-        self.binds: list[str] = []          # where Hypercorn serves it (web.cli.open_http)
-        self.stop_serving: Callable[[], None] = lambda: None     # set by web.cli.open_http
+        self.binds: list[str] = []          # where Hypercorn serves it (web.server.open_http)
+        self.stop_serving: Callable[[], None] = lambda: None     # set by web.server.open_http
 
     def open(self, app: Callable) -> None:
         self.app = app
@@ -192,54 +186,64 @@ class LoadingGate:
         await access.send_error(send, err, retry)
 
 
-def create_app(engine: Any, config: AppConfig = AppConfig()) -> QuartTrio:
-    """The app for one running engine (see pipeline.engine.open_engine): the engine
-    outlives the app, so serving it neither starts nor stops the engine."""
-    app = QuartTrio("tailrace")
-    # Quart refuses a larger body with 413 as soon as its Content-Length (or, chunked, the
-    # bytes so far) passes the limit, without reading the rest.
-    app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
-    app.asgi_app = _wrap(app.asgi_app, config)
-    started_at = int(time.time())
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine))
+def _json(value: object) -> Response:
+    return Response(orjson.dumps(value), content_type="application/json")
 
-    async def generate(api: str) -> Response:
+
+async def _json_body() -> object:
+    """The request's JSON body; a RequestError (400) when it does not parse."""
+    try:
+        return orjson.loads(await request.get_data())
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"We could not parse the JSON body of your request: {exc}") from None
+
+
+def _stream_response(reply: Reply, headers: dict[str, str]) -> Response:
+    async def sse():
+        try:
+            async for chunk in reply:
+                yield chunk
+        finally:
+            await _close_quietly(reply)
+
+    response = Response(sse(), status=200, content_type="text/event-stream",
+                        headers={**headers, "Cache-Control": "no-cache",
+                                 "X-Accel-Buffering": "no"})
+    response.timeout = None     # Quart would cut the stream at 60 s
+    return response
+
+
+class Views:
+    """The routes of one app over one running engine, one method each."""
+
+    def __init__(self, engine: Engine, config: AppConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.started_at = int(time.time())
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine))
+
+    async def generate(self, api: str) -> Response:
+        """POST /v1/chat/completions, /v1/completions, /v1/responses."""
         request_id = _request_id()
         rank = request.headers.get("X-data-parallel-rank")
         if rank is not None:   # vLLM's data-parallel routing hint: one engine here
             log.info("request %s: X-data-parallel-rank %s (one engine serves all ranks)",
                      request_id, rank[:16])
-        raw = await request.get_data()
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            return error_response(f"We could not parse the JSON body of your request: {exc}",
-                                  400, request_id=request_id)
-        if config.enable_log_requests:
-            log.info("request %s (%s): %s", request_id, api,
-                     _prompt_preview(body, config.max_log_len),
-                     extra={"request_id": request_id, "api": api})
-        try:
-            reply = await engine.submit(api, body, request_id,
-                                        headers=tuple(request.headers.items()))
+            body = await _json_body()
+            if self.config.enable_log_requests:
+                log.info("request %s (%s): %s", request_id, api,
+                         _prompt_preview(body, self.config.max_log_len),
+                         extra={"request_id": request_id, "api": api})
+            reply = await self.engine.submit(api, body, request_id,
+                                             headers=tuple(request.headers.items()))
         except RequestError as err:
             return _json_error(err, request_id)
         request.scope[_REPLIES_KEY].append(reply)
         headers = {"x-request-id": reply.request_id}
         if reply.stream:
-            async def sse():
-                try:
-                    async for chunk in reply:
-                        yield chunk
-                finally:
-                    await _close_quietly(reply)
-
-            response = Response(sse(), status=200, content_type="text/event-stream",
-                                headers={**headers, "Cache-Control": "no-cache",
-                                         "X-Accel-Buffering": "no"})
-            response.timeout = None     # Quart would cut the stream at 60 s
-            return response
+            return _stream_response(reply, headers)
         try:
             data = b"".join([chunk async for chunk in reply])
         finally:
@@ -247,63 +251,47 @@ def create_app(engine: Any, config: AppConfig = AppConfig()) -> QuartTrio:
         return Response(data, status=reply.status, content_type="application/json",
                         headers=headers)
 
-    for path, api in _API_ROUTES.items():
-        async def view(api: str = api) -> Response:
-            return await generate(api)
-        app.add_url_rule(path, endpoint=api, view_func=view, methods=["POST"])
+    async def tokenize(self) -> Response:
+        """POST /tokenize: the engine's tokenizer, run at once (no engine step)."""
+        return await self._at_once(self.engine.tokenize)
 
-    async def tokenizer_call(fn) -> Response:
-        """/tokenize and /detokenize: render's tokenizer, run at once (no engine step)."""
+    async def detokenize(self) -> Response:
+        """POST /detokenize."""
+        return await self._at_once(self.engine.detokenize)
+
+    async def _at_once(self, call: Callable[[object], object]) -> Response:
         try:
-            body = orjson.loads(await request.get_data())
-        except orjson.JSONDecodeError as exc:
-            return error_response(f"We could not parse the JSON body of your request: {exc}",
-                                  400)
-        try:
-            result = fn(body, engine.render_context)
+            result = call(await _json_body())
         except RequestError as err:
             return _json_error(err)
-        return Response(orjson.dumps(unstructure(result)), content_type="application/json")
+        return _json(unstructure(result))
 
-    @app.post("/tokenize")
-    async def tokenize() -> Response:
-        return await tokenizer_call(render.tokenize)
+    async def models(self) -> Response:
+        data = [{"id": name, "object": "model", "created": self.started_at,
+                 "owned_by": "tailrace", "root": name, "parent": None,
+                 "max_model_len": self.engine.max_model_len}
+                for name in self.engine.model_names]
+        return _json({"object": "list", "data": data})
 
-    @app.post("/detokenize")
-    async def detokenize() -> Response:
-        return await tokenizer_call(render.detokenize)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        data = [{"id": name, "object": "model", "created": started_at, "owned_by": "tailrace",
-                 "root": name, "parent": None, "max_model_len": engine.max_model_len}
-                for name in engine.model_names]
-        return Response(orjson.dumps({"object": "list", "data": data}),
-                        content_type="application/json")
-
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(self) -> Response:
         # 503 once the server drains for shutdown or the engine has stopped
-        if engine.healthy:
+        if self.engine.healthy:
             return Response(b"", status=200)
         return Response(b"", status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    @app.get("/version")
-    async def version() -> Response:
+    async def version(self) -> Response:
         from importlib.metadata import PackageNotFoundError, version as dist_version
 
         try:
             v = dist_version("tailrace")
         except PackageNotFoundError:
             v = "unknown"
-        return Response(orjson.dumps({"version": v}), content_type="application/json")
+        return _json({"version": v})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
 
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
+    async def http_error(self, exc: HTTPException) -> Response:
         if exc.code == 404:
             message = f"Invalid URL ({request.method} {request.path})."
             kind = "not_found_error"
@@ -312,7 +300,7 @@ def create_app(engine: Any, config: AppConfig = AppConfig()) -> QuartTrio:
             kind = "invalid_request_error"
         elif exc.code == 413:
             message = (f"The request body is larger than this server accepts "
-                       f"({config.max_request_body_bytes} bytes).")
+                       f"({self.config.max_request_body_bytes} bytes).")
             kind = "invalid_request_error"
         else:
             message = exc.description or exc.name
@@ -322,10 +310,33 @@ def create_app(engine: Any, config: AppConfig = AppConfig()) -> QuartTrio:
             response.headers["Allow"] = ", ".join(exc.valid_methods)
         return response
 
-    @app.errorhandler(Exception)
-    async def unexpected_error(exc: Exception) -> Response:
+    async def unexpected_error(self, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(f"Internal server error: {type(exc).__name__}", 500,
                               type="server_error")
 
+
+def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
+    """The app for one running engine (see pipeline.engine.open_engine): the engine
+    outlives the app, so serving it neither starts nor stops the engine."""
+    app = QuartTrio("tailrace")
+    # Quart refuses a larger body with 413 as soon as its Content-Length (or, chunked, the
+    # bytes so far) passes the limit, without reading the rest.
+    app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
+    app.asgi_app = _wrap(app.asgi_app, config)
+    views = Views(engine, config)
+
+    for path, api in _API_ROUTES.items():
+        async def view(api: str = api) -> Response:
+            return await views.generate(api)
+        app.add_url_rule(path, endpoint=api, view_func=view, methods=["POST"])
+
+    app.add_url_rule("/tokenize", view_func=views.tokenize, methods=["POST"])
+    app.add_url_rule("/detokenize", view_func=views.detokenize, methods=["POST"])
+    app.add_url_rule("/v1/models", view_func=views.models, methods=["GET"])
+    app.add_url_rule("/health", view_func=views.health, methods=["GET"])
+    app.add_url_rule("/version", view_func=views.version, methods=["GET"])
+    app.add_url_rule("/metrics", view_func=views.metrics, methods=["GET"])
+    app.register_error_handler(HTTPException, views.http_error)
+    app.register_error_handler(Exception, views.unexpected_error)
     return app

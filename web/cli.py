@@ -1,5 +1,9 @@
 """`tailrace` command line: serve, cluster, bench serve, bench throughput, replay.
 
+The flags and the dispatch; what each command runs lives elsewhere (serve:
+web/server.py, cluster: pipeline/cluster.py, bench: web/bench/ and pipeline/bench.py,
+replay: pipeline/replay.py).
+
 `serve` flags are named as vLLM names them; each maps onto one EngineConfig
 field. serve binds its socket and serves it first (a taken port fails at once,
 before the model loads; every request, /health included, gets 503 while it
@@ -8,38 +12,23 @@ then serves the app on that socket and prints one machine-readable line on stdou
 
     tailrace: listening on http://127.0.0.1:8000
 
-(with the real port when --port 0 was given).
-
-Shutdown (docs/reliability.md): the first SIGINT/SIGTERM drains: new requests and
-/health get 503 while the requests in flight run on, for up to --graceful-timeout
-seconds; a second signal, or the timeout, ends those left with an in-band error (an
-error chunk and [DONE], or a 500 body) and frees their KV blocks; then the server stops
-and exits 0. A third signal, or one while the model loads, stops at once.
+(with the real port when --port 0 was given). Shutdown: web/server.py.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import signal
-import socket
 import sys
-import weakref
 from collections.abc import Sequence
 from functools import partial
 
 from pipeline.config import add_engine_arguments, byte_size, engine_config
 from web.access import api_keys
 from web.app import DEFAULT_MAX_REQUEST_BODY_BYTES, AppConfig
+from web.server import GRACEFUL_TIMEOUT_S, listen_socket, serve_model
 
 log = logging.getLogger("tailrace")
-
-LISTENING_PREFIX = "tailrace: listening on "
-GRACEFUL_TIMEOUT_S = 20.0   # leaves room under Kubernetes' default 30 s before SIGKILL
-ABORT_TIMEOUT_S = 5.0       # for aborted requests to reach their readers (one engine step)
-FLUSH_TIMEOUT_S = 2.0       # for Hypercorn to write the last bytes once every reply has ended
-SHUTDOWN_MESSAGE = "The server is shutting down: this request was stopped before it finished."
 
 
 def string_list(text: str) -> list[str]:
@@ -228,7 +217,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         import trio
 
-        from pipeline.engine import pick_device
+        from pipeline.startup import pick_device
 
         try:
             pick_device(config.device)
@@ -238,7 +227,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                 log_level=args.log_level,
                                 graceful_timeout=args.graceful_timeout))
     except Exception as exc:  # start-up failures (model), or the engine crashed
-        from pipeline.engine import describe
+        from pipeline.reply import describe
 
         log.error("tailrace serve failed: %s", describe(exc))
         log.debug("details", exc_info=True)
@@ -257,195 +246,6 @@ def _peek_log_format(serve_args: Sequence[str]) -> str:
 
 def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """Bind and listen now, before the model loads: OSError when the port is taken.
-    Port 0 gets a free port (serve reports the real one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # accepted sockets inherit it
-    return sock
-
-
-async def serve_model(config, sock: socket.socket, *, app_config: AppConfig = AppConfig(),
-                      log_level: str = "info", graceful_timeout: float = GRACEFUL_TIMEOUT_S,
-                      task_status=None) -> int:
-    """Serve `sock` at once (503 on every route while the model loads: web.app.LoadingGate),
-    load the model and start the engine, then serve it until SIGINT/SIGTERM.
-    0 on a clean shutdown; an engine crash propagates (as an exception group)."""
-    import trio
-
-    from pipeline.engine import open_engine
-    from web.app import LoadingGate
-
-    shutdown, abort, serving = trio.Event(), trio.Event(), trio.Event()
-    gate = LoadingGate()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(_watch_signals, shutdown, abort, serving, nursery.cancel_scope)
-        async with open_http(gate, sock, log_level=log_level):
-            async with open_engine(config) as engine:
-                async with trio.open_nursery() as server:
-                    binds = await server.start(partial(
-                        serve, engine, None, app_config=app_config,
-                        graceful_timeout=graceful_timeout, shutdown=shutdown, abort=abort,
-                        gate=gate))
-                    serving.set()
-                    if task_status is not None:
-                        task_status.started(binds)
-        nursery.cancel_scope.cancel()     # stops the signal watcher
-    return 0
-
-
-async def serve(engine, sock: socket.socket | None, *, app_config: AppConfig = AppConfig(),
-                log_level: str = "info", graceful_timeout: float = GRACEFUL_TIMEOUT_S,
-                shutdown=None, abort=None, gate=None, task_status=None) -> None:
-    """Serve the app of a running engine on a listening socket (listen_socket) until
-    `shutdown` is set, then drain (see drain) and stop. Prints the listening line.
-
-    With `gate` (a web.app.LoadingGate already served by open_http; `sock` None), open
-    that gate to the app instead of starting a server of its own."""
-    import trio
-
-    from web.app import LoadingGate, create_app
-
-    shutdown = shutdown if shutdown is not None else trio.Event()
-    abort = abort if abort is not None else trio.Event()
-    async with contextlib.AsyncExitStack() as stack:
-        if gate is None:
-            gate = LoadingGate()
-            await stack.enter_async_context(open_http(gate, sock, log_level=log_level))
-        event_log = getattr(engine, "event_log", None)
-        if event_log is not None:   # an API key sent anywhere in a body is never logged
-            event_log.secrets = frozenset(app_config.api_keys)
-        gate.open(create_app(engine, app_config))
-        for bind in gate.binds:
-            print(f"{LISTENING_PREFIX}{bind}", flush=True)
-        if task_status is not None:
-            task_status.started(gate.binds)
-        await shutdown.wait()
-        await drain(engine, graceful_timeout, abort)
-        gate.stop_serving()    # Hypercorn stops listening and closes the connections
-
-
-@contextlib.asynccontextmanager
-async def open_http(gate, sock: socket.socket, *, log_level: str = "info"):
-    """Serve the ASGI app `gate` with Hypercorn on a listening socket for the block (its
-    addresses in ``gate.binds``); at the end, or at ``gate.stop_serving()``, stop
-    listening, give the connections FLUSH_TIMEOUT_S to write their last bytes, and close
-    those still open after that."""
-    import hypercorn.trio
-    import trio
-    from hypercorn.config import Config
-
-    config = Config()
-    config.bind = [f"fd://{sock.detach()}"]   # Hypercorn owns the socket from here
-    config.loglevel = log_level.upper()
-    # Hypercorn's errors through the root handler (web/logs.py), not a handler of its own
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.errorlog.setLevel(log_level.upper())
-    config.graceful_timeout = FLUSH_TIMEOUT_S
-    connections = _track_connections(config)
-    stop = trio.Event()
-    hypercorn_done = trio.Event()
-
-    async def run_hypercorn(task_status) -> None:
-        try:
-            await hypercorn.trio.serve(gate, config, shutdown_trigger=stop.wait,
-                                       task_status=task_status)
-        finally:
-            hypercorn_done.set()
-
-    async def close_stragglers() -> None:
-        # Hypercorn gives its connections FLUSH_TIMEOUT_S once it stops (or is cancelled),
-        # but a write to a client that stopped reading (its buffers full) is shielded from
-        # that cancellation and would never end: close the sockets still open after it.
-        try:
-            await stop.wait()
-        finally:
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(FLUSH_TIMEOUT_S + 1):
-                    await hypercorn_done.wait()
-                if not hypercorn_done.is_set():
-                    log.warning("closing %d connections whose clients stopped reading",
-                                len(connections))
-                    for stream in list(connections):
-                        stream.socket.close()
-
-    gate.stop_serving = stop.set
-    async with trio.open_nursery() as nursery:
-        gate.binds = await nursery.start(run_hypercorn)
-        nursery.start_soon(close_stragglers)
-        try:
-            yield gate.binds
-        finally:
-            stop.set()       # Hypercorn stops listening and closes the connections
-
-
-def _track_connections(config) -> weakref.WeakSet:
-    """The client streams of the Hypercorn server run with `config`, so that shutdown can
-    close the ones left (see serve). Hypercorn's trio worker makes a TCPServer per
-    connection; ours also files its stream here."""
-    from hypercorn.trio import run, tcp_server
-
-    class TrackedTCPServer(tcp_server.TCPServer):
-        def __init__(self, app, config, context, state, stream) -> None:
-            super().__init__(app, config, context, state, stream)
-            tracked = getattr(config, "tailrace_connections", None)
-            if tracked is not None:
-                tracked.add(stream)
-
-    if not getattr(run.TCPServer, "tailrace_tracked", False):
-        TrackedTCPServer.tailrace_tracked = True
-        run.TCPServer = TrackedTCPServer
-    config.tailrace_connections = weakref.WeakSet()
-    return config.tailrace_connections
-
-
-async def drain(engine, timeout: float, abort) -> None:
-    """Refuse new requests (503, /health 503) but keep the socket open, and let those in
-    flight finish, for up to `timeout` seconds or until `abort` is set; then end the rest
-    with an in-band error, which frees their KV blocks."""
-    import trio
-
-    engine.begin_drain()
-    in_flight = len(engine.replies)
-    log.info("draining %d requests in flight, for up to %gs", in_flight, timeout)
-    with trio.move_on_after(timeout):
-        async with trio.open_nursery() as waiting:
-            async def on_abort() -> None:
-                await abort.wait()
-                waiting.cancel_scope.cancel()
-
-            waiting.start_soon(on_abort)
-            await engine.wait_idle()
-            waiting.cancel_scope.cancel()
-    if len(engine.replies):
-        log.warning("ending the %d requests still in flight", len(engine.replies))
-        engine.abort_all(SHUTDOWN_MESSAGE)
-        with trio.move_on_after(ABORT_TIMEOUT_S):
-            await engine.wait_idle()
-
-
-async def _watch_signals(shutdown, abort, serving, scope, *, task_status) -> None:
-    """First signal: a graceful shutdown (while the model loads: stop at once); a second:
-    end the requests still in flight; a third: stop at once."""
-    import trio
-
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            if abort.is_set() or not serving.is_set():
-                log.warning("%s: stopping now", name)
-                scope.cancel()
-                return
-            if shutdown.is_set():
-                log.warning("%s: ending the requests still in flight", name)
-                abort.set()
-            else:
-                log.info("%s: shutting down gracefully", name)
-                shutdown.set()
 
 
 if __name__ == "__main__":

@@ -1,27 +1,32 @@
-"""Prometheus metrics read from `engine.stats()` at scrape time.
+"""Prometheus metrics read from `engine.stats()` (pipeline.stats.EngineStats) at scrape time.
 
 The series vLLM exports carry vLLM's names (`vllm:num_requests_running`, ...) and a
 `model_name` label, so dashboards and autoscalers built for vLLM work unchanged.
-tailrace's own series keep a `tailrace:` prefix; any numeric stat without a name here is
-exported as `tailrace:<key>` (a counter when the key ends in `_total`), and a stat that
-is a dict of numbers becomes one labelled metric, so new engine stats show up without
+tailrace's own series keep a `tailrace:` prefix; a field of EngineStats without a name
+here is exported as `tailrace:<field>` (a counter when it ends in `_total`), and one that
+maps names to numbers becomes one labelled metric, so new engine stats show up without
 touching this file.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
+import attrs
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
+from pipeline.stats import EngineStats, Latencies
 from stages.delta import FinishReason
+
+if TYPE_CHECKING:
+    from pipeline.engine import Engine
 
 PREFIX = "tailrace:"
 VLLM = "vllm:"
 
-# stats key -> (vLLM's metric name, help)
+# EngineStats field -> (vLLM's metric name, help)
 _VLLM: dict[str, tuple[str, str]] = {
     "num_running": ("num_requests_running", "Requests in the running batch."),
     "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
@@ -33,7 +38,7 @@ _VLLM: dict[str, tuple[str, str]] = {
     "prefix_cache_hits_total": ("prefix_cache_hits_total",
                                 "Prompt tokens found in the prefix cache."),
 }
-# stats["latency"] key -> (vLLM's histogram name, help)
+# Latencies field -> (vLLM's histogram name, help)
 _HISTOGRAMS: dict[str, tuple[str, str]] = {
     "ttft": ("time_to_first_token_seconds", "Time to first token: arrival to first token."),
     "itl": ("inter_token_latency_seconds", "Time between two tokens of one request."),
@@ -44,7 +49,7 @@ _HISTOGRAMS: dict[str, tuple[str, str]] = {
 }
 # vLLM's request_success_total counts finished requests only, not aborts or errors.
 _SUCCESS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
-# stats key -> (tailrace metric name, help, label name for dict-valued stats)
+# EngineStats field -> (tailrace metric name, help, label name for a mapping)
 _OWN: dict[str, tuple[str, str, str | None]] = {
     "kv_blocks_total": ("kv_blocks_capacity", "KV cache blocks in all.", None),
     "kv_blocks_free": ("kv_blocks_free", "KV cache blocks free (cached blocks count as free).",
@@ -60,7 +65,7 @@ _OWN: dict[str, tuple[str, str, str | None]] = {
 }
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -71,56 +76,59 @@ def _family(name: str, doc: str, labels: list[str] | None = None) -> Metric:
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
         model = self.engine.model_names[0]
-        yield from self._vllm(stats, model)
-        yield from self._own(stats)
+        yield from _vllm(stats, model)
+        yield from _own(stats)
 
-    def _vllm(self, stats: dict, model: str) -> Iterator[Metric]:
-        for key, (name, doc) in _VLLM.items():
-            if _is_number(stats.get(key)):
-                family = _family(VLLM + name, doc, ["model_name"])
-                family.add_metric([model], stats[key])
-                yield family
-        used, total = stats.get("kv_blocks_used"), stats.get("kv_blocks_total")
-        if _is_number(used) and _is_number(total) and total:
-            family = GaugeMetricFamily(VLLM + "kv_cache_usage_perc",
-                                       "KV cache usage: 1 means every block is held.",
-                                       labels=["model_name"])
-            family.add_metric([model], used / total)
-            yield family
-        finished = stats.get("requests_finished_total")
-        if isinstance(finished, dict):
-            family = CounterMetricFamily(VLLM + "request_success",
-                                         "Requests finished (not aborted, not failed), by reason.",
-                                         labels=["model_name", "finished_reason"])
-            for reason in _SUCCESS:   # every reason from the start, 0 until one happens
-                family.add_metric([model, str(reason)], finished.get(reason, 0))
-            yield family
-        for key, hist in (stats.get("latency") or {}).items():
-            name, doc = _HISTOGRAMS.get(key, (f"{key}_seconds", f"Latency {key}."))
+
+def _vllm(stats: EngineStats, model: str) -> Iterator[Metric]:
+    for field, (name, doc) in _VLLM.items():
+        family = _family(VLLM + name, doc, ["model_name"])
+        family.add_metric([model], getattr(stats, field))
+        yield family
+    if stats.kv_blocks_total:
+        family = GaugeMetricFamily(VLLM + "kv_cache_usage_perc",
+                                   "KV cache usage: 1 means every block is held.",
+                                   labels=["model_name"])
+        family.add_metric([model], stats.kv_blocks_used / stats.kv_blocks_total)
+        yield family
+    family = CounterMetricFamily(VLLM + "request_success",
+                                 "Requests finished (not aborted, not failed), by reason.",
+                                 labels=["model_name", "finished_reason"])
+    for reason in _SUCCESS:   # every reason from the start, 0 until one happens
+        family.add_metric([model, str(reason)], stats.requests_finished_total.get(reason, 0))
+    yield family
+    if stats.latency is not None:
+        for field in attrs.fields(Latencies):
+            name, doc = _HISTOGRAMS.get(field.name, (f"{field.name}_seconds",
+                                                     f"Latency {field.name}."))
+            hist = getattr(stats.latency, field.name)
             family = HistogramMetricFamily(VLLM + name, doc, labels=["model_name"])
             family.add_metric([model], hist.cumulative(), hist.sum)
             yield family
 
-    def _own(self, stats: dict) -> Iterator[Metric]:
-        for key, value in stats.items():
-            if key in _VLLM or key == "latency":
-                continue
-            name, doc, label = _OWN.get(key, (key, f"Engine stat {key}.", "key"))
-            if key == "requests_finished_total" and isinstance(value, dict):
-                value = {**dict.fromkeys(FinishReason, 0), **value}
-            if _is_number(value):
-                family = _family(PREFIX + name, doc)
-                family.add_metric([], value)
-            elif isinstance(value, dict) and all(_is_number(v) for v in value.values()):
-                family = _family(PREFIX + name, doc, [label or "key"])
-                for k, v in value.items():
-                    family.add_metric([str(k)], v)
-            else:
-                continue
-            yield family
+
+def _own(stats: EngineStats) -> Iterator[Metric]:
+    for field in attrs.fields(type(stats)):    # a field added to EngineStats needs no name here
+        key = field.name
+        if key in _VLLM or key == "latency":
+            continue
+        name, doc, label = _OWN.get(key, (key, f"Engine stat {key}.", "key"))
+        value = getattr(stats, key)
+        if key == "requests_finished_total":
+            value = {**dict.fromkeys(FinishReason, 0), **value}
+        if _is_number(value):
+            family = _family(PREFIX + name, doc)
+            family.add_metric([], value)
+        elif isinstance(value, Mapping) and all(_is_number(v) for v in value.values()):
+            family = _family(PREFIX + name, doc, [label or "key"])
+            for k, v in value.items():
+                family.add_metric([str(k)], v)
+        else:
+            continue
+        yield family

@@ -53,7 +53,7 @@ async def test_chunked_prefill_matches_one_shot(smollm):
         ref = await complete(whole, prompt=prompt, max_tokens=8)
     async with engine_of(smollm, max_num_batched_tokens=24, enable_prefix_caching=False) as chunked:
         got = await complete(chunked, prompt=prompt, max_tokens=8)
-        steps = chunked.stats()["steps_total"]
+        steps = chunked.stats().steps_total
     assert ref["usage"]["prompt_tokens"] > 24
     assert got["choices"][0]["text"] == ref["choices"][0]["text"]
     assert steps >= -(-ref["usage"]["prompt_tokens"] // 24) + 7    # prefill took several steps
@@ -74,8 +74,8 @@ async def test_preemption_under_tiny_kv_cache_keeps_greedy_outputs(smollm):
             async with trio.open_nursery() as reqs:
                 for i in range(len(prompts)):
                     reqs.start_soon(one, i)
-            preemptions = engine.stats()["num_preemptions"]
-            assert engine.stats()["kv_blocks_used"] == 0
+            preemptions = engine.stats().num_preemptions
+            assert engine.stats().kv_blocks_used == 0
         return texts, preemptions
 
     free_texts, _ = await run_all()
@@ -115,13 +115,13 @@ async def test_abort_frees_blocks_within_a_step(smollm):
             if got == 3:
                 break
         await reply.aclose()
-        steps_at_abort = engine.stats()["steps_total"]
+        steps_at_abort = engine.stats().steps_total
         with trio.fail_after(5):
-            while engine.stats()["kv_blocks_used"]:
+            while engine.stats().kv_blocks_used:
                 await trio.sleep(0.001)
-        assert engine.stats()["steps_total"] <= steps_at_abort + 1
+        assert engine.stats().steps_total <= steps_at_abort + 1
         with trio.fail_after(5):   # the abort then flows down to account
-            while engine.stats()["requests_finished_total"].get("abort") != 1:
+            while engine.stats().requests_finished_total.get("abort") != 1:
                 await trio.sleep(0.001)
 
 
@@ -218,7 +218,7 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(smo
         reply = await engine.submit("completions", {"prompt": "Hello", "max_tokens": 4})
         body = orjson.loads(await reply.read())
         assert reply.status == 500 and "device fell over" in body["error"]["message"]
-        assert engine.stats()["kv_blocks_used"] == 0
+        assert engine.stats().kv_blocks_used == 0
         ok = await complete(engine, prompt="Hello", max_tokens=4, ignore_eos=True)
         assert ok["usage"]["completion_tokens"] == 4
 
@@ -251,7 +251,7 @@ async def test_clients_that_leave_at_once_cannot_overflow_the_scheduler(smollm):
         body = orjson.loads(await main.read())
         assert body["choices"][0]["finish_reason"] == "stop"
         with trio.fail_after(10):
-            while len(engine.replies) or engine.stats()["kv_blocks_used"]:
+            while len(engine.replies) or engine.stats().kv_blocks_used:
                 await trio.sleep(0.01)
         assert refused > 0
 
@@ -373,7 +373,7 @@ async def test_async_scheduling_changes_no_byte_of_any_stream(smollm):
             async with trio.open_nursery() as n:
                 for i, (api, body) in enumerate(bodies):
                     n.start_soon(one, i, api, body)
-            preemptions.append(engine.stats()["num_preemptions"])
+            preemptions.append(engine.stats().num_preemptions)
         return out
 
     preemptions: list[int] = []

@@ -1,11 +1,11 @@
-"""pipeline.engine.Reply: what piled up on a reply channel since the reader last ran is
+"""pipeline.reply.Reply: what piled up on a reply channel since the reader last ran is
 read as one chunk (one socket write per stream per read, not per engine step), with the
 same bytes in the same order; the last item's status is kept."""
 from __future__ import annotations
 
 import trio
 
-from pipeline.engine import Reply
+from pipeline.reply import Reply
 from stages.emit import ReplyEnd
 
 

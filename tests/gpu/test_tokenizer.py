@@ -5,7 +5,7 @@ import json
 import pytest
 import tokenizers
 
-from gpu.loader import load_tokenizer
+from gpu.tokenizer_files import load_tokenizer
 from gpu.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

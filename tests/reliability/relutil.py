@@ -27,7 +27,7 @@ import trio
 from pipeline.config import EngineConfig
 from pipeline.engine import Engine, open_engine
 from web.app import AppConfig
-from web.cli import LISTENING_PREFIX, listen_socket, serve
+from web.server import LISTENING_PREFIX, listen_socket, serve
 
 REPORT_ENV = "TAILRACE_RELIABILITY_REPORT"
 START_TIMEOUT_S = 300        # a model load on a busy 2-core CI box
@@ -193,8 +193,8 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 def engine_figures(engine: Engine) -> dict:
     stats = engine.stats()
-    return {"running": stats["num_running"], "waiting": stats["num_waiting"],
-            "kv_blocks_used": stats["kv_blocks_used"], "in_flight": len(engine.replies),
+    return {"running": stats.num_running, "waiting": stats.num_waiting,
+            "kv_blocks_used": stats.kv_blocks_used, "in_flight": len(engine.replies),
             "admitted": engine.replies.num_admitted}
 
 

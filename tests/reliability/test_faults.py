@@ -45,7 +45,7 @@ async def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(smollm
             assert (await http.get("/health")).status_code == 200
             after = await settled(engine)
     assert after["kv_blocks_used"] == 0
-    finished = engine.stats()["requests_finished_total"]
+    finished = engine.stats().requests_finished_total
     assert finished == {"error": 1, "length": 2}
 
 

@@ -1,4 +1,4 @@
-"""web.app and web.cli.serve over a fake engine: real HTTP on port 0, no model."""
+"""web.app and web.server.serve over a fake engine: real HTTP on port 0, no model."""
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +13,10 @@ import trio
 import httpx
 
 import pipeline.engine
+from pipeline.stats import EngineStats
 from stages.render import RequestError
-from web import cli
-from web.cli import listen_socket, serve
+from web import cli, server
+from web.server import listen_socket, serve
 
 
 class FakeReply:
@@ -91,11 +92,11 @@ class FakeEngine:
         self.replies.append(reply)
         return reply
 
-    def stats(self) -> dict:
-        return {"num_running": len([r for r in self.replies if not r.finished]),
-                "num_waiting": 0, "kv_blocks_total": 10, "kv_blocks_free": 10,
-                "kv_blocks_used": 0, "prompt_tokens_total": 5, "generation_tokens_total": 7,
-                "requests_finished_total": {"stop": 1}}
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len([r for r in self.replies if not r.finished]),
+                           num_waiting=0, kv_blocks_total=10, kv_blocks_free=10,
+                           kv_blocks_used=0, prompt_tokens_total=5, generation_tokens_total=7,
+                           requests_finished_total={"stop": 1})
 
 
 @pytest.fixture
@@ -229,7 +230,7 @@ def test_engine_failure_stops_the_server_with_exit_1(monkeypatch, capsys, caplog
     monkeypatch.setattr(pipeline.engine, "open_engine", _fake_open_engine(crash_after=0.3))
     rc = cli.main(["serve", "--port", "0", "--log-level", "critical"])
     assert rc == 1
-    assert capsys.readouterr().out.startswith(cli.LISTENING_PREFIX)   # it did serve first
+    assert capsys.readouterr().out.startswith(server.LISTENING_PREFIX)   # it did serve first
     assert "the GPU caught fire" in caplog.text
 
 
@@ -253,10 +254,10 @@ def test_a_signal_shuts_down_gracefully(monkeypatch, capsys):
     # Once the listening line is out, send SIGTERM to ourselves (handled by serve's watcher).
     def print_then_signal(*args, **kwargs):
         print(*args, **kwargs)
-        if str(args[0]).startswith(cli.LISTENING_PREFIX):
+        if str(args[0]).startswith(server.LISTENING_PREFIX):
             threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
 
-    monkeypatch.setattr(cli, "print", print_then_signal, raising=False)
+    monkeypatch.setattr(server, "print", print_then_signal, raising=False)
     rc = cli.main(["serve", "--port", "0", "--log-level", "critical"])
     assert rc == 0
 
@@ -277,7 +278,7 @@ async def test_every_route_answers_503_while_the_model_loads(monkeypatch, nurser
     monkeypatch.setattr(pipeline.engine, "open_engine", slow_open_engine)
     sock = listen_socket("127.0.0.1", 0)
     url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-    nursery.start_soon(partial(cli.serve_model, None, sock, log_level="warning"))
+    nursery.start_soon(partial(server.serve_model, None, sock, log_level="warning"))
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         with trio.fail_after(10):
             while True:

@@ -72,13 +72,6 @@ class BenchConfig:
     def url(self) -> str:
         return self.base_url.rstrip("/") + self.endpoint
 
-    def payload_model(self, discovered: str | None = None) -> str:
-        """--served-model-name wins over --model; the server's first model otherwise."""
-        name = self.served_model_name or self.model or discovered
-        if name is None:
-            raise BenchConfigError("no model: pass --model or --served-model-name")
-        return name
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
@@ -333,7 +326,7 @@ def save_record(config: BenchConfig, record: dict[str, Any], model: str) -> Path
 
 
 def _load_tokenizer(path: str | None) -> datasets.Tokenizer:
-    from gpu.loader import load_tokenizer  # heavy and GPU-side; only the CLI path needs it
+    from gpu.tokenizer_files import load_tokenizer  # no torch; only the CLI path needs it
 
     return load_tokenizer(path)
 
