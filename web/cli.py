@@ -385,10 +385,13 @@ async def open_http(gate, sock: socket.socket, *, log_level: str = "info"):
 def _track_connections(config) -> weakref.WeakSet:
     """The client streams of the Hypercorn server run with `config`, so that shutdown can
     close the ones left (see serve). Hypercorn's trio worker makes a TCPServer per
-    connection; ours also files its stream here."""
-    from hypercorn.trio import run, tcp_server
+    connection; ours also files its stream here, and writes directly when it can
+    (web/sse.py)."""
+    from hypercorn.trio import run
 
-    class TrackedTCPServer(tcp_server.TCPServer):
+    from web.sse import FastWriteTCPServer
+
+    class TrackedTCPServer(FastWriteTCPServer):
         def __init__(self, app, config, context, state, stream) -> None:
             super().__init__(app, config, context, state, stream)
             tracked = getattr(config, "tailrace_connections", None)
