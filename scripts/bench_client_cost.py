@@ -9,6 +9,7 @@ around the run only, and the server's from /proc, so other load on the machine d
 not enter either figure.
 
     PYTHONPATH=. python scripts/bench_client_cost.py [--streams 256] [--tokens 128] [--rounds 3]
+        [--step-ms 20] [--clients raw httpx]
 
 Prints, per round: streamed tokens, wall time, tok/s, client CPU µs per token, server
 CPU µs per token, and the mean number of tokens per client read (1.0 means the client
@@ -154,9 +155,9 @@ def one_round(port: int, server_pid: int, streams: int, tokens: int, prompts: in
     from web.bench import serve as bench
     from web.bench.datasets import SampleRequest
 
-    if client == "httpx":  # the client before issue 21, for comparison
-        bench.open_client = lambda config: httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=60.0), limits=httpx.Limits(max_connections=None), trust_env=False)
+    def httpx_client(config):  # the client before issue 21, for comparison
+        return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60.0),
+                                 limits=httpx.Limits(max_connections=None), trust_env=False)
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -164,9 +165,15 @@ def one_round(port: int, server_pid: int, streams: int, tokens: int, prompts: in
                               "--max-concurrency", str(streams), "--num-prompts", str(prompts)])
     config = bench.build_config(args)
     samples = [SampleRequest(prompt=f"prompt {i}", prompt_len=2, expected_output_len=tokens) for i in range(prompts)]
-    client0, server0, wall0 = _self_cpu_s(), _proc_cpu_s(server_pid), time.perf_counter()
-    outcome = trio.run(bench.run_benchmark, config, samples)
-    client1, server1, wall1 = _self_cpu_s(), _proc_cpu_s(server_pid), time.perf_counter()
+    own_client = getattr(bench, "open_client", None)
+    if client == "httpx":
+        bench.open_client = httpx_client
+    try:
+        client0, server0, wall0 = _self_cpu_s(), _proc_cpu_s(server_pid), time.perf_counter()
+        outcome = trio.run(bench.run_benchmark, config, samples)
+        client1, server1, wall1 = _self_cpu_s(), _proc_cpu_s(server_pid), time.perf_counter()
+    finally:
+        bench.open_client = own_client
     failed = [r.error for r in outcome.results if not r.success]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
@@ -185,8 +192,10 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=None, help="requests per round (default: --streams)")
     parser.add_argument("--step-ms", type=float, default=20.0, help="the server writes one token to every stream each step")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
-                        help="raw: bench serve's own (web/bench/transport.py); httpx: the one before issue 21")
+    parser.add_argument("--clients", nargs="+", choices=("own", "httpx"), default=["own", "httpx"],
+                        help="own: bench serve as this tree has it (since issue 21, web/bench/transport.py); "
+                             "httpx: the same with httpx as the transport, as before issue 21; alternating "
+                             "within each round. With PYTHONPATH at an older tree, 'own' times that tree's client")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -201,10 +210,11 @@ def main() -> int:
         print(f"{args.streams} streams x {args.tokens} tokens, a step every {args.step_ms} ms "
               f"(at most {args.streams * 1000 / args.step_ms:,.0f} tok/s)")
         for k in range(args.rounds):
-            r = one_round(port, server.pid, args.streams, args.tokens, prompts, args.client)
-            print(f"round {k + 1}: {r['tokens']:,} tokens in {r['wall_s']:.2f} s = {r['tok_s']:,.0f} tok/s; "
-                  f"client {r['client_us']:.1f} us/token, server {r['server_us']:.1f} us/token, "
-                  f"{r['per_read']:.2f} tokens per client read", flush=True)
+            for client in args.clients:
+                r = one_round(port, server.pid, args.streams, args.tokens, prompts, client)
+                print(f"round {k + 1} {client:>5}: {r['tokens']:,} tokens in {r['wall_s']:.2f} s = {r['tok_s']:,.0f} tok/s; "
+                      f"client {r['client_us']:.1f} us/token, server {r['server_us']:.1f} us/token, "
+                      f"{r['per_read']:.2f} tokens per client read", flush=True)
     finally:
         server.terminate()
         server.wait()

@@ -46,7 +46,7 @@ DONE = b"data: [DONE]\n\n"
 
 # -- the server -------------------------------------------------------------------------
 
-def serve(variant: str, tokens: int, step_s: float) -> None:
+def serve(variant: str, tokens: int, step_s: float, interval: int) -> None:
     import logging
 
     import trio
@@ -76,14 +76,18 @@ def serve(variant: str, tokens: int, step_s: float) -> None:
 
         async def run(self) -> None:
             next_step = trio.current_time()
+            step = 0
             while True:
                 next_step = max(next_step + step_s, trio.current_time())
                 await trio.sleep_until(next_step)
+                step += 1
                 for request_id, state in list(self.open.items()):
                     send, left = state
                     if left:
-                        send.send_nowait(EVENT)
-                        state[1] = left - 1
+                        if step % interval == 0 or left < interval:  # as --stream-interval holds events
+                            for _ in range(min(interval, left)):
+                                send.send_nowait(EVENT)
+                            state[1] = left - min(interval, left)
                     else:
                         for item in (FINISH, USAGE % (tokens, tokens + 16), DONE, ReplyEnd(200)):
                             send.send_nowait(item)
@@ -203,7 +207,8 @@ def _proc_cpu_s(pid: int) -> tuple[float, float]:
 
 def one_round(variant: str, args: argparse.Namespace) -> dict[str, float]:
     server = subprocess.Popen([sys.executable, __file__, "--serve", variant, "--tokens", str(args.tokens),
-                               "--step-ms", str(args.step_ms)], stdout=subprocess.PIPE, text=True)
+                               "--step-ms", str(args.step_ms), "--stream-interval", str(args.stream_interval)],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
@@ -230,19 +235,22 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=128, help="token events per stream")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="one token per stream each step")
+    parser.add_argument("--step-ms", type=float, default=40.0, help="one token per stream each step")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="put a stream's token events on its Reply N at a time, every N steps (serve's flag)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, variants alternating")
     parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--read", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--null", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.tokens, args.step_ms / 1000)
+        serve(args.serve, args.tokens, args.step_ms / 1000, args.stream_interval)
         return 0
     if args.read:
         read(args.read, args.streams, args.tokens, args.null)
         return 0
-    print(f"{args.streams} streams x {args.tokens} tokens (+3 closing events), a step every {args.step_ms} ms")
+    print(f"{args.streams} streams x {args.tokens} tokens (+3 closing events), a step every {args.step_ms} ms, "
+          f"--stream-interval {args.stream_interval}")
     for k in range(args.rounds):
         for variant in args.variants:
             r = one_round(variant, args)
