@@ -33,8 +33,8 @@ def _http_error(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message[:500]}"
 
 
-async def send_request(client: StreamClient | httpx.AsyncClient, backend: Backend, url: str, payload: dict[str, Any],
-                       headers: dict[str, str], prompt_len: int) -> RequestResult:
+async def send_request(client: StreamClient | httpx.AsyncClient, backend: Backend, url: str,
+                       payload: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
     """Stream one request and account for it; never raises for server or transport failures."""
     start_ns = time.perf_counter_ns()
     account = StreamAccount(prompt_len=prompt_len, start_ns=start_ns)

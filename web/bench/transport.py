@@ -310,7 +310,7 @@ class StreamClient:
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         request = _request_bytes(method, target, parts.netloc, content, headers or {})
         for attempt in (0, 1):
-            conn = await self._checkout(key)
+            conn = await (self._checkout(key) if attempt == 0 else self._connect(key))
             try:
                 await conn.send_all(request)
                 head, rest = await self._read_head(conn)
