@@ -8,14 +8,20 @@ sequence's whole context (cached prefix + new tokens), causally; with a window, 
 the last `window` positions up to the query's own; with sinks, each head's sink logit joins
 the softmax denominator.
 
-Sliding-window layers keep every position's k/v like full layers do (no block is freed as
-it leaves the window): memory is spent as for a full layer, and any cached block, including
-one shared through the prefix cache, holds what every layer needs; the window is a mask.
+Sliding-window layers keep their k/v in the same blocks as full layers, unless the cache is
+*hybrid* (KVCache(sliding_layers=..., num_sliding_blocks=...), gpt-oss by default): then the
+sliding layers have a smaller pool of their own, and block b of a table holds their k/v in
+slot sliding_map[b] (stages/blocks.py SlidingHalves lends the slots; the plan ships changes,
+KVCache.remap applies them). A sliding layer reads its table and slot mapping through that
+map (`sliding_view`, once per forward, inside a captured CUDA graph too); blocks the window
+no longer reaches map to slot 0 or to another block's slot, which the window masks.
 
 Two backends share one metadata object:
 - TorchPagedAttention: CPU (and reference) path. Decodes are batched into one SDPA call
   over gathered blocks; each prefill chunk is its own SDPA call.
-- TritonPagedAttention: CUDA path, gpu/kernels/kv_cache.write_kv + paged_attention.
+- TritonPagedAttention: CUDA path, gpu/kernels/kv_cache.write_kv + paged_attention; on
+  CUDA the model instead hands it the raw qkv projection, and one kernel per layer norms,
+  rotates and writes (gpu/kernels/qkv_prep.py) before paged_attention.
 """
 from __future__ import annotations
 
@@ -45,18 +51,75 @@ class AttentionMetadata:
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, *,
+                 sliding_layers: tuple[int, ...] = (), num_sliding_blocks: int = 0) -> None:
+        """sliding_layers, num_sliding_blocks: a hybrid cache (those layers in a pool of their own)."""
+        self.sliding_layers = frozenset(sliding_layers)
+        self.first_sliding = min(sliding_layers, default=-1)
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        small = (num_sliding_blocks, block_size, kv_heads, head_dim)
+        shapes = [small if i in self.sliding_layers else shape for i in range(num_layers)]
+        # zeros: a masked-out read (a slot the window no longer reaches) must be finite
+        self.k = [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes]
+        self.v = [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes]
         self.num_blocks = num_blocks
+        self.num_sliding_blocks = num_sliding_blocks
         self.block_size = block_size
+        # block -> its slot in the sliding layers' pool (0 when none: never written, masked)
+        self.sliding_map = (torch.zeros(num_blocks, dtype=torch.int64, device=device)
+                            if sliding_layers else None)
+
+    def remap(self, updates: tuple[tuple[int, int], ...]) -> None:
+        """Apply (block, slot or -1) changes to sliding_map (in place: captured graphs read it)."""
+        blocks, slots = zip(*updates)
+        dev = self.sliding_map.device
+        self.sliding_map[torch.tensor(blocks, device=dev)] = torch.tensor(slots, device=dev).clamp(min=0)
+
+    def sliding_view(self, meta: "AttentionMetadata") -> "AttentionMetadata":
+        """meta with the sliding layers' slot mapping and block tables (device ops only)."""
+        m, bs = self.sliding_map, self.block_size
+        slots = meta.slot_mapping
+        mapped = m[(slots // bs).clamp(min=0)] * bs + slots % bs
+        return attrs.evolve(meta, slot_mapping=torch.where(slots >= 0, mapped, slots),  # -1: padding
+                            block_tables=m[meta.block_tables.long()].to(meta.block_tables.dtype))
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * kv_heads * head_dim * elem
+
+
+def hybrid_layout(config, num_blocks: int, block_size: int, max_num_seqs: int,
+                  max_num_batched_tokens: int) -> tuple[int, tuple[int, ...], int]:
+    """(full-layer blocks, sliding layers, sliding slots) of a KV cache in the memory of
+    `num_blocks` plain blocks; no sliding layers when the model has none (or all are) or the
+    split would save nothing."""
+    L = config.num_hidden_layers
+    sliding = tuple(i for i in range(L) if config.layer_window(i) is not None)
+    if not sliding or len(sliding) == L:
+        return num_blocks, (), 0
+    window = max(config.layer_window(i) for i in sliding)
+    full, slots = split_for_sliding(num_blocks, L, len(sliding), window, block_size, max_num_seqs,
+                                    max_num_batched_tokens)
+    return (num_blocks, (), 0) if slots >= num_blocks else (full, sliding, slots)
+
+
+def split_for_sliding(num_blocks: int, num_layers: int, num_sliding_layers: int, window: int,
+                      block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+    """A hybrid KV cache in the memory of `num_blocks` plain blocks: (full-layer blocks,
+    sliding-layer slots). The sliding pool holds what the running sequences can need at
+    once: each one's window (ceil((window - 1) / block_size) + 1 blocks) plus the block its
+    in-flight step writes, and two steps' worth of prefill chunks (one planned ahead); the
+    memory this frees goes to more full-layer blocks. When that pool would be as large as
+    the cache, no split: (num_blocks, num_blocks)."""
+    per_seq = -(-(window - 1) // block_size) + 2
+    slots = max_num_seqs * per_seq + 2 * -(-max_num_batched_tokens // block_size)
+    if slots >= num_blocks:
+        return num_blocks, num_blocks
+    full_layers = num_layers - num_sliding_layers
+    budget = num_blocks * num_layers                   # in (block x layer) units
+    return (budget - slots * num_sliding_layers) // full_layers, slots
 
 
 def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -97,10 +160,12 @@ class TorchPagedAttention:
         self._decode_rows: torch.Tensor | None = None
         self._decode_lens: torch.Tensor | None = None
         self._decode_windowed: dict[int, torch.Tensor] = {}
+        self._sliding: TorchPagedAttention | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precompute what every layer reuses: the decode rows' blocks and mask."""
         self.meta = meta
+        self._sliding = None    # a hybrid cache's sliding layers: made by the first of them
         self._decode_blocks = self._decode_mask = self._decode_rows = None
         self._decode_windowed = {}
         rows = meta.decode_rows
@@ -131,6 +196,14 @@ class TorchPagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        if layer in self.cache.sliding_layers:
+            if layer == self.cache.first_sliding or self._sliding is None:
+                self._sliding = TorchPagedAttention(self.cache, self.scale)
+                self._sliding.prepare(self.cache.sliding_view(self.meta))
+            return self._sliding._attend(layer, q, k, v, sinks, window)
+        return self._attend(layer, q, k, v, sinks, window)
+
+    def _attend(self, layer: int, q, k, v, sinks, window) -> torch.Tensor:
         meta = self.meta
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         num_slots = kc.shape[0] * kc.shape[1]
@@ -184,7 +257,12 @@ class TorchPagedAttention:
 
 
 class TritonPagedAttention:
-    """CUDA path: one kernel writes k/v, one kernel attends over the mixed batch."""
+    """CUDA path: one kernel writes k/v, one kernel attends over the mixed batch.
+
+    With ``fused_qkv`` (on for a CUDA cache) the model hands over the raw qkv projection
+    instead: `write_qkv` norms and rotates q and k and writes k/v into the cache in one
+    kernel (gpu/kernels/qkv_prep.py), and `attend` attends; `forward` is the unfused
+    path (write_kv, then attend)."""
 
     def __init__(self, cache: KVCache, scale: float) -> None:
         from gpu.kernels.kv_cache import write_kv
@@ -193,14 +271,42 @@ class TritonPagedAttention:
         self.cache = cache
         self.scale = scale
         self.meta: AttentionMetadata | None = None
+        self.fused_qkv = cache.k[0].is_cuda if cache.k else False
+        self._sliding: AttentionMetadata | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
+        self._sliding = None
+
+    def _layer_meta(self, layer: int, *, writing: bool = False) -> AttentionMetadata:
+        """The step's metadata, or for a sliding layer its view through the sliding map."""
+        if layer not in self.cache.sliding_layers:
+            return self.meta
+        # remade by the first sliding layer's k/v write of every forward: inside a captured graph too
+        if self._sliding is None or (writing and layer == self.cache.first_sliding):
+            self._sliding = self.cache.sliding_view(self.meta)
+        return self._sliding
+
+    def write_qkv(self, layer: int, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                  head_dim: int, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                  eps: float, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) Dh] -> q [T, Hq, Dh] normed and rotated; k and v (k normed
+        and rotated) written into layer's cache."""
+        from gpu.kernels.qkv_prep import prepare_qkv
+        return prepare_qkv(qkv, num_q_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
+                           eps, positions, cos_sin, self.cache.k[layer], self.cache.v[layer],
+                           self._layer_meta(layer, writing=True).slot_mapping)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        m = self.meta
-        self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer], m.slot_mapping)
+        self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer],
+                       self._layer_meta(layer, writing=True).slot_mapping)
+        return self.attend(layer, q, sinks=sinks, window=window)
+
+    def attend(self, layer: int, q: torch.Tensor, *, sinks: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor:
+        """q [T, Hq, Dh] over the cache, whose k/v for this step are written already."""
+        m = self._layer_meta(layer)
         return self._attend(q, self.cache.k[layer], self.cache.v[layer], m.block_tables,
                             m.cu_seqlens_q, m.seq_lens, self.scale, max_seqlen_q=m.max_seqlen_q,
                             num_kv_splits=m.num_kv_splits if m.max_seqlen_q <= 1 else 1,

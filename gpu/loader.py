@@ -23,6 +23,7 @@ from gpu.weights_gguf import GGUFFile
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+EXPERT_FORMATS = ("auto", "packed", "dequantized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
                  "bf16": "bfloat16"}
@@ -100,9 +101,15 @@ def load_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     progress: bool = True,
+    experts: str = "auto",
 ) -> LoadedModel:
+    """experts (mixture-of-experts models): "packed" keeps MXFP4 experts as the checkpoint stores
+    them (a dummy load draws random packed experts), "dequantized" expands them to dtype; "auto"
+    packs on CUDA when the checkpoint's experts are MXFP4 (or for a dummy load)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"unsupported experts {experts!r}; choose from {', '.join(EXPERT_FORMATS)}")
     path = Path(model).expanduser() if model is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -110,7 +117,8 @@ def load_model(
     source = _open_source(path, load_format)
 
     config = source.config
-    lm = CausalLM(config, torch_dtype, device)
+    lm = CausalLM(config, torch_dtype, device, packed_experts=_packs_experts(experts, config, device, source,
+                                                                     load_format == "dummy"))
     if load_format == "dummy":
         _init_random(lm, seed)
     else:
@@ -187,6 +195,17 @@ class _Source:
     name: str
     num_tensors: int
     named_tensors: Any  # () -> Iterator[tuple[str, torch.Tensor]]
+    mxfp4_experts: bool = False  # the checkpoint stores NAME_blocks / NAME_scales pairs
+
+
+def _packs_experts(experts: str, config: ModelConfig, device, source: _Source, dummy: bool) -> bool:
+    if not config.num_experts or experts == "dequantized":
+        return False
+    if experts == "packed":
+        return True
+    fits = config.hidden_size % 32 == 0 and config.intermediate_size % 32 == 0
+    return (torch.device(device).type == "cuda" and fits
+            and (source.mxfp4_experts or dummy))
 
 
 def _open_source(path: Path, load_format: str) -> _Source:
@@ -222,9 +241,10 @@ def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
     tokenizer = (tokenizer_from_hf_dir(model_dir)
                  if (model_dir / "tokenizer.json").is_file() else None)
     files = weights_hf.safetensors_files(model_dir) if need_weights else []
+    names = weights_hf.tensor_names(files)
     return _Source(config=config, tokenizer=tokenizer, generation_config=generation_config, name=model_dir.resolve().name,
-                   num_tensors=weights_hf.count_tensors(files) if files else 0,
-                   named_tensors=lambda: weights_hf.named_tensors(files))
+                   num_tensors=len(names), named_tensors=lambda: weights_hf.named_tensors(files),
+                   mxfp4_experts=any(n.endswith("_blocks") for n in names))
 
 
 def _as_tuple(value: int | Iterable[int] | None) -> tuple[int, ...]:
@@ -235,10 +255,15 @@ def _as_tuple(value: int | Iterable[int] | None) -> tuple[int, ...]:
 
 @torch.no_grad()
 def _init_random(model: CausalLM, seed: int) -> None:
-    """Deterministic random weights: N(0, 0.02) matrices, zero biases, unit norm weights."""
+    """Deterministic random weights: N(0, 0.02) matrices, zero biases, unit norm weights; packed
+    experts draw uniform codes at a scale of the same size."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("bias"):
+        if p.dtype == torch.uint8:  # packed MXFP4 experts: every code, scale 2^-8 (|w| <= 0.023)
+            fill = torch.full(p.shape, 119, dtype=torch.uint8) if name.endswith("_scales") else \
+                torch.randint(0, 256, p.shape, generator=gen, dtype=torch.uint8)
+            p.copy_(fill)
+        elif name.endswith("bias"):
             p.zero_()
         elif "norm" in name:
             p.fill_(1.0)

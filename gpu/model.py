@@ -7,7 +7,8 @@ into single projections at load time (fewer, larger matmuls).
 gpt-oss differs in three places: each attention layer has a learned sink logit per head and
 (on alternate layers, per config.layer_types) a sliding window, both handed to the attention
 backend; the MLP is a mixture of experts (gpu/moe.py); and its expert weights may arrive
-MXFP4-quantised (gpu/mxfp4.py), dequantised while loading.
+MXFP4-quantised (gpu/mxfp4.py): kept packed with packed_experts (the loader's choice on CUDA,
+run by gpu/kernels/mxfp4_moe.py), else dequantised while loading.
 """
 
 from __future__ import annotations
@@ -93,7 +94,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)  # [T, Hq*Dh], [T, Hkv*Dh] x2
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        if getattr(attn, "fused_qkv", False):
+            # CUDA: q/k norm, rope and the KV-cache write in one kernel (gpu/kernels/qkv_prep.py)
+            norms = (None, None, 0.0) if self.q_norm is None else (
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q = attn.write_qkv(self.layer_idx, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                               *norms, positions, cos_sin)
+            o = attn.attend(self.layer_idx, q, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
+            return self.o_proj(o.reshape(T, -1))
+        q, k, v = qkv.split(self.split, dim=-1)  # [T, Hq*Dh], [T, Hkv*Dh] x2
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, Dh]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
@@ -117,10 +127,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, packed_experts: bool = False):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, dtype, device)
-        self.mlp = MoE(config, dtype, device) if config.num_experts else MLP(config, dtype, device)
+        self.mlp = (MoE(config, dtype, device, packed=packed_experts) if config.num_experts
+                    else MLP(config, dtype, device))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -148,15 +159,18 @@ class CausalLM(nn.Module):
     """Parameters start uninitialised (torch.empty): fill them with load_weights."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, packed_experts: bool = False):
         super().__init__()
         self.config = config
+        # MXFP4 experts kept as the checkpoint stores them (gpu/moe.py PackedExperts)
+        self.packed_experts = packed_experts and bool(config.num_experts)
         c = config
         # _weight: no init at all (skip_init still runs Embedding's normal_ on the meta device,
         # seconds for a 201k-token vocabulary)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
                                          _weight=torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device, self.packed_experts)
+                                    for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         if c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
@@ -180,7 +194,10 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, V]
+        """[N, V]: fp32 on CPU; in the model's dtype on CUDA, where the device sampler reads
+        bf16 directly and whoever needs fp32 (logprobs, grammar masks) converts its rows."""
+        logits = self.lm_head(hidden)
+        return logits if logits.is_cuda else logits.float()
 
     def hf_weight_names(self) -> list[str]:
         """The HF checkpoint names load_weights needs (lm_head.weight only when untied)."""
@@ -198,7 +215,9 @@ class CausalLM(nn.Module):
         or missing weights."""
         params = dict(self.named_parameters())
         missing = set(self.hf_weight_names())
-        if self.config.num_experts:
+        if self.packed_experts:
+            named_tensors = _blocks_flattened(named_tensors)
+        elif self.config.num_experts:
             named_tensors = mxfp4.dequantize_pairs(_experts_as_ours(named_tensors), self.dtype,
                                                    self.embed_tokens.weight.device)
         for hf_name, tensor in named_tensors:
@@ -238,6 +257,12 @@ def _experts_as_ours(named_tensors: Iterable[tuple[str, torch.Tensor]]):
     the layout of the MXFP4 blocks, which pass through untouched."""
     for name, tensor in named_tensors:
         yield name, tensor.transpose(1, 2) if name.endswith(_HF_EXPERT_MATRICES) else tensor
+
+
+def _blocks_flattened(named_tensors: Iterable[tuple[str, torch.Tensor]]):
+    """MXFP4 blocks [E, out, in/32, 16] -> [E, out, in/2], the packed experts' layout (a view)."""
+    for name, tensor in named_tensors:
+        yield name, tensor.flatten(-2) if name.endswith(mxfp4.BLOCKS_SUFFIX) and tensor.dim() == 4 else tensor
 
 
 def _to_hf(prefix: str) -> str:

@@ -10,6 +10,12 @@ are put back in (token, slot) order and summed, so the result does not depend on
 
 Expert weights are stored [E, out, in] (the checkpoint's MXFP4 layout, like nn.Linear), with
 gate and up interleaved along gate_up's output rows: gate = row 2j, up = row 2j + 1.
+
+Packed experts (PackedExperts: MXFP4 blocks and scales as the checkpoint stores them, about a
+quarter of bf16's bytes) run through gpu/kernels/mxfp4_moe.py, which decodes the weights
+inside the grouped GEMM and fuses the gather, the bias, the clamped SwiGLU, the router weight
+and the scatter back to (token, slot) order. Without the kernel (CPU), they are dequantised
+on every call and run as above: a fallback for tests and tools, not for serving.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from gpu import mxfp4
 from gpu.config import ModelConfig
 
 
@@ -84,13 +91,13 @@ def padded_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> t
 class MoE(nn.Module):
     """Router plus E experts; parameters named as in the HF checkpoint (mlp.router.*, mlp.experts.*)."""
 
-    def __init__(self, config: ModelConfig, dtype, device):
+    def __init__(self, config: ModelConfig, dtype, device, packed: bool = False):
         super().__init__()
         c = config
         E, D, I = c.num_experts, c.hidden_size, c.intermediate_size  # noqa: E741
         self.top_k, self.alpha, self.limit = c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit
         self.router = skip_init(nn.Linear, D, E, bias=True, dtype=dtype, device=device)
-        self.experts = Experts(E, D, I, dtype, device)
+        self.experts = (PackedExperts if packed else Experts)(E, D, I, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
@@ -100,14 +107,32 @@ class MoE(nn.Module):
         by_expert, order = flat.sort(stable=True)                              # rows grouped by expert
         offs = torch.searchsorted(by_expert, torch.arange(1, self.experts.num_experts + 1, device=x.device),
                                   out_int32=True)                              # [E] segment ends
-        rows = x.index_select(0, order // self.top_k)                          # [N, D]
         ex = self.experts
-        h = grouped_mm(rows, ex.gate_up_proj, offs) + ex.gate_up_proj_bias.index_select(0, by_expert)
+        if isinstance(ex, PackedExperts) and ex.use_kernel:
+            return self._packed_forward(x, weights, order, offs)
+        gate_up, down = ex.dense_weights()
+        rows = x.index_select(0, order // self.top_k)                          # [N, D]
+        h = grouped_mm(rows, gate_up, offs) + ex.gate_up_proj_bias.index_select(0, by_expert)
         h = clamped_swiglu(h, self.alpha, self.limit)                          # [N, I]
-        y = grouped_mm(h, ex.down_proj, offs) + ex.down_proj_bias.index_select(0, by_expert)  # [N, D]
+        y = grouped_mm(h, down, offs) + ex.down_proj_bias.index_select(0, by_expert)  # [N, D]
         y = y * weights.flatten().index_select(0, order).unsqueeze(1).to(y.dtype)
         out = torch.empty_like(y).index_copy_(0, order, y)                     # back to (token, slot)
         return out.view(T, self.top_k, D).sum(1)                               # [T, D]
+
+    def _packed_forward(self, x, weights, order, offs) -> torch.Tensor:
+        """Two kernel launches: gather + gate/up + bias + SwiGLU, then down + bias + router
+        weight + scatter back to (token, slot) order; the k slots are summed here."""
+        from gpu.kernels.mxfp4_moe import mxfp4_moe_matmul
+
+        T, D = x.shape
+        ex = self.experts
+        scaled = ex.dot_scaled and x.dtype == torch.bfloat16
+        h = mxfp4_moe_matmul(x, ex.gate_up_proj_blocks, ex.gate_up_proj_scales, offs, bias=ex.gate_up_proj_bias,
+                             a_rows=order // self.top_k, swiglu=(self.alpha, self.limit), dot_scaled=scaled)  # [N, I]
+        y = mxfp4_moe_matmul(h, ex.down_proj_blocks, ex.down_proj_scales, offs, bias=ex.down_proj_bias,
+                             row_scale=weights.flatten().index_select(0, order), out_rows=order,
+                             dot_scaled=scaled)                                                      # [N, D]
+        return y.view(T, self.top_k, D).sum(1)                                  # [T, D]
 
 
 class Experts(nn.Module):
@@ -120,6 +145,42 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))         # [E, D, I]
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, **kw))
 
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj, self.down_proj
+
+
+class PackedExperts(nn.Module):
+    """The experts as MXFP4, named as the checkpoint names them (NAME_blocks, NAME_scales), with
+    the blocks' last two dimensions [K/32, 16] flattened to [K/2]. Biases stay in the model dtype.
+
+    use_kernel: run the Triton grouped GEMM (default on CUDA; tests set it on CPU, under the
+    Triton interpreter); else dequantise on each call. dot_scaled: the kernel's tl.dot_scaled
+    variant for bf16 models (off until scripts/bench_moe.py --gpu shows it faster)."""
+
+    dot_scaled = False
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype, device):
+        super().__init__()
+        if hidden % 32 or intermediate % 32:
+            raise ValueError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of 32, "
+                             f"got {hidden} and {intermediate}")
+        self.num_experts = num_experts
+        self.dtype = dtype
+        self.use_kernel = torch.device(device).type == "cuda"
+        E, D, I = num_experts, hidden, intermediate  # noqa: E741
+        u8 = dict(dtype=torch.uint8, device=device)
+        frozen = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731  uint8 cannot need grad
+        self.gate_up_proj_blocks = frozen(torch.empty(E, 2 * I, D // 2, **u8))     # [E, 2I, D/2]
+        self.gate_up_proj_scales = frozen(torch.empty(E, 2 * I, D // 32, **u8))    # [E, 2I, D/32]
+        self.down_proj_blocks = frozen(torch.empty(E, D, I // 2, **u8))            # [E, D, I/2]
+        self.down_proj_scales = frozen(torch.empty(E, D, I // 32, **u8))           # [E, D, I/32]
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I, dtype=dtype, device=device))
+        self.down_proj_bias = nn.Parameter(torch.empty(E, D, dtype=dtype, device=device))
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (mxfp4.dequantize_packed(self.gate_up_proj_blocks, self.gate_up_proj_scales, self.dtype),
+                mxfp4.dequantize_packed(self.down_proj_blocks, self.down_proj_scales, self.dtype))
+
 
 def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Dense reference: every expert on every token in fp32, weighted by a [T, E] routing
@@ -128,7 +189,8 @@ def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     weights, experts = route(moe.router(x).float(), moe.top_k)
     dense = torch.zeros(x.shape[0], moe.experts.num_experts, device=x.device).scatter_(1, experts, weights)  # [T, E]
     ex = moe.experts
-    h = torch.einsum("td,eod->teo", xf, ex.gate_up_proj.float()) + ex.gate_up_proj_bias.float()
+    gate_up, down = ex.dense_weights()
+    h = torch.einsum("td,eod->teo", xf, gate_up.float()) + ex.gate_up_proj_bias.float()
     h = clamped_swiglu(h, moe.alpha, moe.limit)                                 # [T, E, I]
-    y = torch.einsum("tei,edi->ted", h, ex.down_proj.float()) + ex.down_proj_bias.float()
+    y = torch.einsum("tei,edi->ted", h, down.float()) + ex.down_proj_bias.float()
     return torch.einsum("te,ted->td", dense, y).to(x.dtype)

@@ -46,6 +46,13 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 _CHUNK_ELEMENTS = 1 << 24
 
 
+def dequantize_packed(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed experts as kept in memory, blocks [E, N, K/2] and scales [E, N, K/32] uint8
+    (the checkpoint's blocks with [K/32, 16] flattened) -> [E, N, K] in dtype."""
+    E, N, half_k = blocks.shape
+    return dequantize(blocks.reshape(E, N, half_k // 16, 16), scales, dtype)
+
+
 def dequantize_pairs(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
                      device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Pass tensors through, replacing each NAME_blocks / NAME_scales pair (in any order, any

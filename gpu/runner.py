@@ -72,6 +72,8 @@ class StepPlan:
     chunks: tuple[SeqChunk, ...]
     new_seqs: tuple[SeqStart, ...] = ()
     released: tuple[str, ...] = ()     # sequences finished or aborted: drop their state
+    # hybrid KV cache: (block, sliding slot or -1) changes, applied before the step (KVCache.remap)
+    kv_updates: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen
@@ -128,6 +130,7 @@ class ModelRunner:
         self.cuda_graphs = False
         self.cuda_graph_sizes: list[int] = []
         self.cuda_graph_capture_s = 0.0
+        self.cuda_graph_error: str | None = None
         self.warmup_s = 0.0
         self.graphs = None
         if use_triton and cuda_graph_max_bs > 0:
@@ -142,6 +145,7 @@ class ModelRunner:
                 self.cuda_graphs, self.cuda_graph_sizes = True, list(graphs.sizes)
             except Exception as exc:  # a capture failure costs speed, not correctness
                 _log.warning("CUDA graph capture failed, running eager: %s", exc, exc_info=exc)
+                self.cuda_graph_error = f"{type(exc).__name__}: {exc}"[:500]   # bench reports it
             self.cuda_graph_capture_s = round(time.perf_counter() - t0, 3)
 
     @property
@@ -160,6 +164,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if staged is None:
             staged = self.stage(plan)
+        if plan.kv_updates:
+            self.cache.remap(plan.kv_updates)
         for sid in plan.released:
             self.states.pop(sid, None)
             self.prompt_lp.pop(sid, None)
@@ -296,7 +302,9 @@ class Staging:
         host = self._host.get(dtype)
         if host is None or host.numel() < n:
             size = max(1024, 1 << (n - 1).bit_length())
-            self._host[dtype] = torch.empty(size, dtype=dtype).pin_memory()
+            host = torch.empty(size, dtype=dtype)
+            # pinned on CUDA; a CPU Staging (the --variants check) packs the same way
+            self._host[dtype] = host.pin_memory() if self.device.type == "cuda" else host
             self._dev[dtype] = torch.empty(size, dtype=dtype, device=self.device)
         return self._host[dtype], self._dev[dtype]
 
@@ -309,19 +317,34 @@ class Staging:
             mine = [i for i, a in enumerate(arrays) if a.dtype == np_dtype]
             if not mine:
                 continue
-            total = sum(arrays[i].size for i in mine)
+            offsets, total = staged_offsets([arrays[i].size for i in mine], arrays[mine[0]].itemsize)
             host, dev = self._buffers(dtype, total)
             view = host.numpy()
-            at = 0
-            for i in mine:
+            for i, at in zip(mine, offsets):
                 a = arrays[i]
                 view[at:at + a.size] = a.reshape(-1)
                 out[i] = dev[at:at + a.size].view(a.shape)
-                at += a.size
             dev[:total].copy_(host[:total], non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return out
+
+
+STAGING_ALIGN = 16   # bytes: Triton specialises a pointer argument on 16-byte alignment
+
+
+def staged_offsets(sizes: list[int], itemsize: int, align: int = STAGING_ALIGN) -> tuple[list[int], int]:
+    """Element offsets of arrays packed back to back in one buffer, each rounded up to
+    `align` bytes, and the elements the buffer needs. Unpadded, an array's alignment would
+    depend on the sizes of the arrays before it, which change every step, and each new
+    alignment would be a new Triton variant compiled in the middle of a run."""
+    step = max(1, align // itemsize)
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-n // step) * step
+    return offsets, at
 
 
 _PROMPT_LOGPROB_ROWS = 256   # rows of [rows, vocab] logits at a time

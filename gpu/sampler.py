@@ -256,11 +256,13 @@ class DeviceSampler:
         from gpu.kernels.sampling import apply_penalties, sample as kernel_sample
 
         B, V = logits.shape
-        logits = logits.float().contiguous()
         lens = tuple(len(st.output_ids) for st in states)
         key = None if seq_ids is None else (tuple(seq_ids), lens)
         if key is None or key != self._key:
             self._rebuild(states, V)
+        # bf16 logits are sampled as they are (the kernel converts each tile on load): an
+        # fp32 copy of the whole [B, V] only when a row has penalties (their kernel's fp32)
+        logits = (logits.float() if self._pen else logits).contiguous()
         masked = stop_tokens_to_mask(states, V)
         if masked:
             rows, cols = torch.tensor(masked, device=self.device).T

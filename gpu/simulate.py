@@ -6,24 +6,48 @@ keep a GPU of that speed fed. The wait is `time.sleep` in the runner's worker th
 which releases the GIL as a real device wait does.
 
 The cost of one step of a model in bf16 on a GPU with memory bandwidth BW and dense
-bf16 peak P (a roofline, plus a fixed cost per step):
+bf16 peak P (a roofline), plus what the step's kernels cost for being many:
 
     bytes = weights read once                    (every matmul weight + the lm_head)
-          + KV of every scheduled sequence        (its whole context, new tokens included)
-          + the logits of the sampled rows        (written and read back once, fp32)
+          + KV of every scheduled sequence / E    (its whole context, new tokens included;
+                                                   E the attention's bandwidth efficiency)
+          + the logits of the sampled rows        (bf16, written and read once)
     flops = 2 * matmul params * tokens + 4 * layers * q_heads * head_dim * sum(q_len * ctx_len)
-    step  = max(bytes / BW, flops / P) + STEP_OVERHEAD
+    step  = max(bytes / BW, flops / P)
+          + graph kernels * GRAPH_KERNEL + eager kernels * EAGER_KERNEL + STEP_FIXED
 
 H200 SXM (NVIDIA's datasheet): 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16
-(1,979 with sparsity). STEP_OVERHEAD is an estimate, not a measurement: a decode step of
-a 28-layer model replayed as one CUDA graph runs about 300 kernels (about 10 per layer,
-plus sampling), and inside a graph each costs about 1 µs of launch gap (NVIDIA, "Getting
-Started with CUDA Graphs", developer.nvidia.com/blog/cuda-graphs/: graphs cut the
-per-kernel launch cost of short kernels back to back from several µs to about 1), plus
-the host-to-device input copies and the one device-to-host sync of the sampled tokens:
-0.3 ms in all. Cross-check: for Qwen3-0.6B at 256 sequences of nano-vllm's workload
-(mean context about 840 tokens) the model gives 5.6 ms per step, inside the 5–6 ms
-that issue 11 estimates for the GPU's share of a step.
+(1,979 with sparsity).
+
+The kernels are counted from the model's structure as the CUDA path runs it
+(`kernels_per_step`): per layer two residual-add RMSNorms, the qkv and o projections, the
+fused q/k-norm + RoPE + KV-write kernel, paged attention (and its split combine at small
+decode batches), gate_up, SiLU-and-mul and down (a gpt-oss layer's MoE about 30 torch ops,
+counted from gpu/moe.py); then the embedding and the final norm. A pure decode step replays
+them as one CUDA graph after 6 copies into its static buffers; outside the graph, eagerly:
+the 2 staging copies, the lm_head, the sampled rows' gather, 5 sampling kernels and the
+tokens' copy back. Prefill and mixed steps launch everything eagerly. Qwen3-0.6B: 254
+kernels in the graph at a large decode batch (9 a layer; 14 without the fused kernel,
+about 400 in all as issue 26's read-through counted), 10 eager.
+
+The numbers that are estimates, not measurements (no GPU has been lent to this project
+yet; gpu_check.sh's first figure replaces them):
+- GRAPH_KERNEL 2.5 us: issue 26's read-through estimates about 1 ms for about 400 kernels
+  inside a graph, i.e. the launch gap between dependent kernels (about 1 us in a graph:
+  NVIDIA, "Getting Started with CUDA Graphs", developer.nvidia.com/blog/cuda-graphs/)
+  plus the ramp-up and tail of a kernel too small to fill 132 SMs.
+- EAGER_KERNEL 6 us: a launch from Python (torch's dispatch or Triton's launcher, a few
+  microseconds each) that the host pays while the device waits on kernels that short.
+- STEP_FIXED 50 us: the host-to-device input copies, the tokens' device-to-host copy and
+  the sync on it.
+- E = 0.6 for decode attention: paged decode kernels read KV in 16-token pages through a
+  block table; tuned CUDA kernels are reported at 80-90% of HBM bandwidth (FlashInfer's
+  blog, flashinfer.ai/2024/02/02/introduce-flashinfer.html), simpler ones much less. Ours
+  is Triton, unmeasured: 0.6, until gpu/kernels/bench.py's of_peak for
+  paged_attention_decode replaces it.
+Before issue 26 the stand-in charged a flat 0.3 ms a step and E = 1: for Qwen3-0.6B at 256
+sequences of nano-vllm's workload (context about 840) that was 5.6 ms a step; now 9.6
+(0.25 ms of weights, 8.6 of KV at E = 0.6, 0.76 of kernels, copies and sync).
 """
 from __future__ import annotations
 
@@ -46,13 +70,40 @@ class GpuSpec:
     memory_bytes: float
     bandwidth: float            # bytes/s
     bf16_flops: float           # dense, FLOP/s
-    step_overhead_s: float      # fixed per step: launches inside a CUDA graph, copies, sync
+    graph_kernel_s: float       # a kernel replayed inside a CUDA graph (decode steps)
+    eager_kernel_s: float       # a kernel launched from Python (prefill, mixed, outside the graph)
+    step_fixed_s: float         # input copies in, the tokens' copy out, the sync on it
+    attention_efficiency: float  # decode attention's share of the bandwidth
+    sm_count: int = 132         # decode graphs split the KV below 2 x SMs programs
 
 
 GPUS = {
+    # estimates and their sources: the module's docstring
     "h200": GpuSpec("H200", memory_bytes=141e9, bandwidth=4.8e12, bf16_flops=989e12,
-                    step_overhead_s=0.3e-3),
+                    graph_kernel_s=2.5e-6, eager_kernel_s=6e-6, step_fixed_s=50e-6,
+                    attention_efficiency=0.6),
 }
+
+MOE_KERNELS = 30   # gpu/moe.MoE.forward: torch ops one kernel each, the sort as 3
+SAMPLING_KERNELS = 5   # the threshold, the race, the chunks' argmax and gather, steps += 1
+
+
+def kernels_per_step(config: ModelConfig, *, decode: bool, kv_splits: bool = False,
+                     fused_qkv: bool = True) -> tuple[int, int]:
+    """(in the model's forward, outside it) kernels of one step on the CUDA path, counted
+    from gpu/model.py: a decode step's forward is one graph replay, the rest eager."""
+    c = config
+    if fused_qkv:
+        qkv = 1                                  # gpu/kernels/qkv_prep.py
+    else:                                        # norms on reshaped copies, rope, write_kv
+        qkv = (2 + 2 if c.qk_norm else 0) + 2
+    mlp = MOE_KERNELS if c.num_experts else 3    # gate_up, silu_and_mul, down
+    per_layer = 2 + 2 + qkv + 1 + int(kv_splits) + mlp   # norms, qkv/o GEMMs, prep, attention
+    forward = 2 + c.num_hidden_layers * per_layer          # + embedding, final norm
+    if decode:
+        forward += 6                             # cuda_graphs.run: 4 copies, 2 fills
+    outside = 2 + 1 + 1 + SAMPLING_KERNELS + 1   # staging, lm_head, row gather, sampling, D2H
+    return forward, outside
 _KV_RESERVE_BYTES = 2 << 30     # as the CUDA path keeps for activations and graphs
 
 
@@ -72,6 +123,12 @@ class CostModel:
     expert_params: int = 0      # one expert's weights, all layers
     num_experts: int = 0
     top_k: int = 0
+    num_kv_heads: int = 1
+    # kernels_per_step: (forward, outside) for decode steps without and with KV splits,
+    # and for prefill/mixed steps
+    decode_kernels: tuple[int, int] = (0, 0)
+    split_decode_kernels: tuple[int, int] = (0, 0)
+    eager_kernels: tuple[int, int] = (0, 0)
 
     @classmethod
     def of(cls, config: ModelConfig, gpu: GpuSpec) -> "CostModel":
@@ -84,7 +141,11 @@ class CostModel:
                    matmul_params=c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size,
                    kv_bytes_per_token=2 * c.num_hidden_layers * c.kv_size * 2,
                    expert_params=c.num_hidden_layers * mlp if c.num_experts else 0,
-                   num_experts=c.num_experts, top_k=c.num_experts_per_tok)
+                   num_experts=c.num_experts, top_k=c.num_experts_per_tok,
+                   num_kv_heads=c.num_key_value_heads,
+                   decode_kernels=kernels_per_step(c, decode=True),
+                   split_decode_kernels=kernels_per_step(c, decode=True, kv_splits=True),
+                   eager_kernels=kernels_per_step(c, decode=False))
 
     @property
     def weight_bytes(self) -> int:
@@ -95,11 +156,23 @@ class CostModel:
         """Matmul weights one token runs through (all of them for a dense model)."""
         return self.matmul_params - (self.num_experts - self.top_k) * self.expert_params
 
+    def launch_seconds(self, q_lens: list[int]) -> float:
+        """What the step's kernels cost for being many (module docstring)."""
+        g = self.gpu
+        if all(q == 1 for q in q_lens):
+            # the captured graphs split the KV when sequences x KV heads cannot fill the
+            # SMs twice (paged_attention.suggest_num_kv_splits)
+            split = len(q_lens) * self.num_kv_heads < 2 * g.sm_count
+            forward, outside = self.split_decode_kernels if split else self.decode_kernels
+            return forward * g.graph_kernel_s + outside * g.eager_kernel_s + g.step_fixed_s
+        forward, outside = self.eager_kernels
+        return (forward + outside) * g.eager_kernel_s + g.step_fixed_s
+
     def step_seconds(self, q_lens: list[int], ctx_lens: list[int], num_sampled: int) -> float:
         """One step: q_lens new tokens per sequence, ctx_lens its context including them."""
         tokens = sum(q_lens)
-        kv = self.kv_bytes_per_token * sum(ctx_lens)
-        logits = 2 * 4 * num_sampled * self.vocab_size
+        kv = self.kv_bytes_per_token * sum(ctx_lens) / self.gpu.attention_efficiency
+        logits = 2 * self.elem_bytes * num_sampled * self.vocab_size   # bf16, no fp32 copy
         attention = 4 * self.num_layers * self.num_q_heads * self.head_dim * sum(
             q * c for q, c in zip(q_lens, ctx_lens))
         idle_experts = self.num_experts - min(self.num_experts, self.top_k * tokens)  # at best
@@ -107,7 +180,7 @@ class CostModel:
         flops = 2 * self.active_params * tokens + attention
         g = self.gpu
         return max((read_params * self.elem_bytes + kv + logits) / g.bandwidth, flops / g.bf16_flops) \
-            + g.step_overhead_s
+            + self.launch_seconds(q_lens)
 
     def kv_blocks(self, block_size: int, gpu_memory_utilization: float) -> int:
         """KV cache blocks the GPU would hold, sized as the CUDA path sizes them."""

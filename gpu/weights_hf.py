@@ -28,11 +28,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def count_tensors(files: list[Path]) -> int:
-    total = 0
+    return len(tensor_names(files))
+
+
+def tensor_names(files: list[Path]) -> list[str]:
+    """Every tensor's name (read from the headers only)."""
+    names = []
     for f in files:
         with safe_open(f, framework="pt") as st:
-            total += len(st.keys())
-    return total
+            names += st.keys()
+    return names
 
 
 def named_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -162,11 +162,13 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
                          so_far["done"], len(reqs), out_tokens, elapsed, out_tokens / max(elapsed, 1e-9),
                          len(failures))
 
+        compiles0 = _compiles(engine.runner)
         t0 = so_far["t0"] = time.perf_counter()
         async with trio.open_nursery() as reqs_nursery:
             for body in reqs:
                 reqs_nursery.start_soon(one, body)
         elapsed = time.perf_counter() - t0
+        compiles1 = _compiles(engine.runner)
         progress.close()
         stats = engine.stats()
     result = {
@@ -180,6 +182,9 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
         "failed_requests": len(failures), "first_error": failures[0] if failures else None,
     }
     result.update(_runner_facts(engine.runner))
+    if compiles0 is not None and compiles1 is not None:
+        # Triton compiles inside the timed window: must be 0 (each costs 1-2 s on a GPU)
+        result["triton_compiles_in_timed_window"] = compiles1 - compiles0
     waited = getattr(engine.runner, "waited_s", None)
     if waited:  # a simulated GPU: its waits are the ceiling, the rest is host time
         steps = engine.runner.steps
@@ -191,10 +196,19 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
     return result
 
 
+def _compiles(runner) -> int | None:
+    """Triton kernels compiled so far (gpu/kernels/compile_count.py); None without Triton."""
+    if not getattr(runner, "use_triton", False):
+        return None
+    from gpu.kernels.compile_count import compiled_kernels
+    return compiled_kernels()
+
+
 def _runner_facts(runner) -> dict:
     """What the runner did before t0 (graphs, warm-up) and the kernel stack."""
     facts = {}
-    for key in ("cuda_graphs", "cuda_graph_sizes", "cuda_graph_capture_s", "warmup_s", "use_triton"):
+    for key in ("cuda_graphs", "cuda_graph_sizes", "cuda_graph_capture_s", "cuda_graph_error",
+                "warmup_s", "use_triton"):
         if hasattr(runner, key):
             facts[key] = getattr(runner, key)
     if getattr(runner, "use_triton", False):

@@ -64,6 +64,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_positive)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # hybrid models (gpt-oss): sliding-window layers in a KV pool of their own, sized to their windows
+    disable_hybrid_kv_cache_manager: bool = False
     enforce_eager: bool = False
     async_scheduling: bool = True             # plan step N+1 while step N runs (as vLLM)
     stream_interval: int = attrs.field(default=1, validator=_positive)  # tokens per stream write
@@ -180,6 +182,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_default("enable_prefix_caching"),
                    help="Reuse the KV blocks of shared prompt prefixes (default: on).")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   default=_default("disable_hybrid_kv_cache_manager"),
+                   help="Keep sliding-window layers' K/V for every position, in the full layers' "
+                        "blocks, instead of a smaller pool that frees what the window has passed.")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=_default("async_scheduling"),
                    help="Plan the next engine step while the current one runs, so the GPU "

@@ -328,8 +328,10 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
                                  ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed)
     else:
         num_blocks = _num_kv_blocks(cfg, loaded, device, max_model_len, _step_budget(cfg))
+        num_blocks, sliding_layers, sliding_slots = _hybrid_kv(cfg, mc, num_blocks)
         cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, mc.num_key_value_heads,
-                        mc.head_dim, loaded.model.dtype, device)
+                        mc.head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
+                        num_sliding_blocks=sliding_slots)
         runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
                              use_triton=device.type == "cuda", max_model_len=max_model_len,
                              cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512))
@@ -342,7 +344,9 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
                      f"captured for {runner.cuda_graph_sizes}" if runner.cuda_graphs else "off",
                      runner.cuda_graph_capture_s, runner.warmup_s)
     budget = _step_budget(cfg)
-    blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+    hybrid = not cfg.simulate_gpu and bool(cache.sliding_layers)
+    blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                          sliding=(cache.num_sliding_blocks, mc.sliding_window) if hybrid else None)
     grammars = (GrammarCompiler(loaded.tokenizer, mc.vocab_size, loaded.eos_token_ids)
                 if loaded.tokenizer is not None else None)
     scheduler = Scheduler(blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
@@ -374,6 +378,26 @@ def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | Non
                     "tokenizer; constrained output is constrained from its first token")
         return None
     return ids
+
+
+def _hybrid_kv(cfg: EngineConfig, mc, num_blocks: int) -> tuple[int, tuple[int, ...], int]:
+    """The KV sizing of a model with sliding-window layers (gpt-oss): the memory of
+    `num_blocks` plain blocks as (full-layer blocks, sliding layers, sliding slots)
+    (gpu/attention.py hybrid_layout); unchanged without them or with
+    --disable-hybrid-kv-cache-manager. With --num-gpu-blocks-override the full layers get
+    that many blocks."""
+    from gpu.attention import hybrid_layout
+
+    if cfg.disable_hybrid_kv_cache_manager:
+        return num_blocks, (), 0
+    full, sliding, slots = hybrid_layout(mc, num_blocks, cfg.block_size, cfg.max_num_seqs, _step_budget(cfg))
+    if sliding:
+        log.info("hybrid KV cache: %d blocks for the %d full-attention layers, %d for the %d "
+                 "sliding-window ones (%d plain blocks' memory)", full, mc.num_hidden_layers - len(sliding),
+                 slots, len(sliding), num_blocks)
+        if cfg.num_gpu_blocks_override:
+            full = num_blocks
+    return full, sliding, slots
 
 
 def _step_budget(cfg: EngineConfig) -> int:

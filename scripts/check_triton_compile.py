@@ -101,7 +101,7 @@ def _cases(only):
     """Yield (label, module, kernel_names, launch) for every variant to compile."""
     import torch
 
-    from gpu.kernels import activation, kv_cache, paged_attention, rmsnorm, rope, sampling
+    from gpu.kernels import activation, kv_cache, paged_attention, qkv_prep, rmsnorm, rope, sampling
 
     dev = "cpu"
     all_dtypes = (torch.bfloat16, torch.float16, torch.float32)
@@ -132,7 +132,31 @@ def _cases(only):
                 num_kv_splits=4 if mode == "split4" else 1,
                 sinks=torch.zeros(hq, dtype=torch.bfloat16, device=dev), window=128)
 
-        yield label, paged_attention, ["_paged_attention_kernel", "_combine_splits_kernel"], launch_gpt_oss
+        yield label, paged_attention, ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"], launch_gpt_oss
+
+    # ---- gpt-oss-20b MXFP4 experts (32 experts, top 4): gate/up (+SwiGLU) and down, decode and prefill
+    for tokens, proj, scaled in [(t, p, d) for t in (4, 2048) for p in ("gate_up", "down") for d in (False, True)]:
+        if True:
+            label = f"mxfp4_moe[gpt-oss-20b,bf16,{proj},{tokens} tokens{',dot_scaled' if scaled else ''}]"
+            if not want(label):
+                continue
+
+            def launch_moe(tokens=tokens, proj=proj, scaled=scaled, E=32, k=4, D=2880, inter=2880):
+                from gpu.kernels import mxfp4_moe
+                n, kk = (2 * inter, D) if proj == "gate_up" else (D, inter)
+                rows = tokens * k
+                a = torch.zeros(tokens if proj == "gate_up" else rows, kk, dtype=torch.bfloat16)
+                blocks = torch.zeros(E, n, kk // 2, dtype=torch.uint8)
+                scales = torch.zeros(E, n, kk // 32, dtype=torch.uint8)
+                offs = torch.linspace(rows / E, rows, E).to(torch.int32)
+                order = torch.arange(rows)
+                kw = dict(a_rows=order // k, swiglu=(1.702, 7.0)) if proj == "gate_up" else \
+                    dict(row_scale=torch.zeros(rows, dtype=torch.bfloat16), out_rows=order)
+                mxfp4_moe.mxfp4_moe_matmul(a, blocks, scales, offs, bias=torch.zeros(E, n, dtype=torch.bfloat16),
+                                           n_rows=rows, dot_scaled=scaled, **kw)
+
+            from gpu.kernels import mxfp4_moe
+            yield label, mxfp4_moe, ["_mxfp4_moe_kernel"], launch_moe
 
     for model, hq, hkv, dh, hidden, inter, vocab in MODELS:
         # ---- paged attention: decode, prefill/mixed, flash-decoding splits
@@ -161,7 +185,7 @@ def _cases(only):
                         num_kv_splits=4 if mode == "split4" else 1,
                         out=torch.empty(q.shape, dtype=dtype, device=dev))
 
-                yield label, paged_attention, ["_paged_attention_kernel", "_combine_splits_kernel"], launch
+                yield label, paged_attention, ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"], launch
 
         for dtype in all_dtypes:
             s = short[dtype]
@@ -196,6 +220,20 @@ def _cases(only):
 
                     yield label, rmsnorm, ["_rms_norm_kernel"], launch
 
+            # ---- fused q/k norm + RoPE + KV write (Qwen3 has the norms, SmolLM2 not)
+            label = f"prepare_qkv[{model},{s}]"
+            if want(label):
+                def launch(dtype=dtype, hq=hq, hkv=hkv, dh=dh, norm=model.startswith("qwen3")):
+                    T = 37
+                    qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
+                    w = torch.ones(dh, dtype=dtype, device=dev) if norm else None
+                    cache = torch.zeros(8, PAGE, hkv, dh, dtype=dtype, device=dev)
+                    qkv_prep.prepare_qkv(qkv, hq, hkv, dh, w, w, 1e-6, torch.arange(T, device=dev),
+                                         torch.zeros(4096, dh, device=dev), cache, cache.clone(),
+                                         torch.arange(T, dtype=torch.int64, device=dev))
+
+                yield label, qkv_prep, ["_qkv_prep_kernel"], launch
+
             # ---- RoPE (cos_sin table fp32, positions int64)
             label = f"apply_rope[{model},{s}]"
             if want(label):
@@ -221,10 +259,11 @@ def _cases(only):
 
         # ---- sampling / penalties: fp32 logits over the model's vocab
         for B in (1, 64):
-            label = f"sample[{model},B={B}]"
+            # fp32 logits (a grammar's or penalties' rows) and bf16 (the runner's on CUDA)
+            label = f"sample[{model},B={B},{'bf16' if B > 1 else 'fp32'}]"
             if want(label):
                 def launch(B=B, vocab=vocab):
-                    logits = torch.zeros(B, vocab, dtype=torch.float32, device=dev)
+                    logits = torch.zeros(B, vocab, dtype=torch.bfloat16 if B > 1 else torch.float32, device=dev)
                     f32 = lambda v: torch.full((B,), v, dtype=torch.float32, device=dev)  # noqa: E731
                     sampling.sample(logits, f32(0.8), torch.full((B,), 50, dtype=torch.int32, device=dev),
                                     f32(0.9), f32(0.05), torch.arange(B, dtype=torch.int64, device=dev),
@@ -262,40 +301,80 @@ def _variant_key(fn, args, kwargs, target) -> str:
 VARIANT_SIZES = (1, 2, 15, 16, 17, 48, 256, 300)
 
 
+def _staged(chunks):
+    """A step's metadata as the runner stages it: gpu/runner.stage_inputs, then the real
+    Staging packing (one int64 and one int32 buffer, arrays back to back, each padded to
+    16 bytes), on CPU tensors. Odd batch sizes put the arrays after the first one at odd
+    element offsets: without the padding their alignment, and so their variant, would
+    change with the batch."""
+    import torch
+
+    from gpu.runner import Staging, upload_inputs, stage_inputs
+
+    host = stage_inputs(tuple(chunks), PAGE)
+    return upload_inputs(host, torch.device("cpu"), Staging(torch.device("cpu")))
+
+
+def _chunks(B, q_len, blocks, ctx=40):
+    from gpu.runner import SeqChunk
+
+    blocks = max(blocks, -(-ctx // PAGE))   # at least the context's; more widens the table
+    return [SeqChunk(f"s{i}", (1,) * q_len, ctx - q_len, tuple(range(i * blocks, (i + 1) * blocks)), True)
+            for i in range(B)]
+
+
 def _variant_cases():
     """Yield (label, module, kernel_names, [launch per step size]) at Qwen3-0.6B's shapes."""
     import torch
 
-    from gpu.kernels import activation, kv_cache, paged_attention, rmsnorm, sampling
+    from gpu.kernels import activation, kv_cache, paged_attention, qkv_prep, rmsnorm, rope, sampling
 
     _, hq, hkv, dh, hidden, inter, vocab = MODELS[1]
     dtype, dev = torch.bfloat16, "cpu"
 
     def attention(B, q_len, blocks):
-        ctx = 40
-        k_cache = torch.zeros(B * blocks, PAGE, hkv, dh, dtype=dtype, device=dev)
-        tables = torch.zeros(B, blocks, dtype=torch.int32, device=dev)
-        cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * q_len
-        seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        _, _, meta, _ = _staged(_chunks(B, q_len, blocks, ctx=max(40, q_len)))
+        k_cache = torch.zeros(B * meta.block_tables.shape[1], PAGE, hkv, dh, dtype=dtype, device=dev)
         qkv = torch.zeros(B * q_len, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
         q = qkv[:, : hq * dh].view(B * q_len, hq, dh)
-        paged_attention.paged_attention(q, k_cache, k_cache.clone(), tables, cu, seq_lens, dh ** -0.5,
-                                        max_seqlen_q=q_len)
+        paged_attention.paged_attention(q, k_cache, k_cache.clone(), meta.block_tables, meta.cu_seqlens_q,
+                                        meta.seq_lens, dh ** -0.5, max_seqlen_q=q_len)
 
-    names = ["_paged_attention_kernel", "_combine_splits_kernel"]
+    names = ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"]
     yield ("paged_attention decode (B, block-table width)", paged_attention, names,
-           [lambda b=b: attention(b, 1, 1 + b % 5) for b in VARIANT_SIZES])
+           [lambda b=b: attention(b, 1, 3 + b % 5) for b in VARIANT_SIZES])
     yield ("paged_attention prefill/mixed (B, q_len)", paged_attention, names,
-           [lambda b=b: attention(1 + b % 7, 2 + b, 3) for b in VARIANT_SIZES])
+           [lambda b=b: attention(1 + b % 7, 2 + b, 3 + (2 + b) // PAGE) for b in VARIANT_SIZES])
+
+    def roped(B):
+        _, positions, _, _ = _staged(_chunks(B, 1 + B % 3, 4))
+        T = positions.shape[0]
+        qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
+        rope.apply_rope(qkv[:, : hq * dh].view(T, hq, dh), qkv[:, hq * dh:(hq + hkv) * dh].view(T, hkv, dh),
+                        positions, torch.zeros(64, dh, dtype=torch.float32))
+
+    yield "apply_rope (T, staged positions)", rope, ["_rope_kernel"], [lambda b=b: roped(b) for b in VARIANT_SIZES]
+
+    def prepped(B):
+        _, positions, meta, _ = _staged(_chunks(B, 1 + B % 3, 4))
+        T = positions.shape[0]
+        cache = torch.zeros(4 * B, PAGE, hkv, dh, dtype=dtype)
+        w = torch.ones(dh, dtype=dtype)
+        qkv_prep.prepare_qkv(torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype), hq, hkv, dh, w, w, 1e-6,
+                             positions, torch.zeros(64, dh), cache, cache.clone(), meta.slot_mapping)
+
+    yield ("prepare_qkv (T, staged positions and slots)", qkv_prep, ["_qkv_prep_kernel"],
+           [lambda b=b: prepped(b) for b in VARIANT_SIZES])
 
     def write(T):
+        _, _, meta, _ = _staged(_chunks(T, 1, 2))     # the slot mapping as staged
         qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=dtype, device=dev)
-        cache = torch.zeros(8, PAGE, hkv, dh, dtype=dtype, device=dev)
+        cache = torch.zeros(3 * T, PAGE, hkv, dh, dtype=dtype, device=dev)
         kv_cache.write_kv(qkv[:, hq * dh:(hq + hkv) * dh].view(T, hkv, dh),
                           qkv[:, (hq + hkv) * dh:].view(T, hkv, dh), cache, cache.clone(),
-                          torch.arange(T, dtype=torch.int64, device=dev))
+                          meta.slot_mapping)
 
-    yield "write_kv (T)", kv_cache, ["_write_kv_kernel"], [lambda t=t: write(t) for t in VARIANT_SIZES]
+    yield "write_kv (T, staged slots)", kv_cache, ["_write_kv_kernel"], [lambda t=t: write(t) for t in VARIANT_SIZES]
     yield ("fused_add_rms_norm (T)", rmsnorm, ["_rms_norm_kernel"],
            [lambda t=t: rmsnorm.fused_add_rms_norm(torch.zeros(t, hidden, dtype=dtype), torch.zeros(t, hidden, dtype=dtype),
                                                    torch.ones(hidden, dtype=dtype), 1e-6) for t in VARIANT_SIZES])

@@ -4,6 +4,16 @@ A block is shared by reference count. A *full* block gets a chained hash
 (hash of the previous block's hash and its own token ids), so two sequences with
 the same prefix share its blocks. A freed block keeps its hash and stays reusable
 until it is evicted: free blocks are handed out least-recently-freed first.
+
+Hybrid models (gpt-oss: sliding-window layers alternating with full ones) keep the sliding
+layers' K/V in a pool of their own, smaller than the full layers' (`SlidingHalves`): a block
+id indexes the full layers' cache, and the block's *sliding half*, a slot of the sliding
+layers' cache, is attached to it only while someone may read it. A sequence needs the half
+of its blocks that its next query's window reaches; once every holder has passed a block
+(its last position is older than the window), the half is free to be taken by a new block.
+A half whose block nobody needs stays attached (and so prefix-cacheable) until taken, as a
+freed full block keeps its hash until reused. The slot of each block is shipped to the
+runner as (block, slot) updates with the next plan (KVCache.remap).
 """
 from __future__ import annotations
 
@@ -14,8 +24,68 @@ def block_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
     return hash((prev, tokens))
 
 
+class SlidingHalves:
+    """The sliding layers' pool: `num_slots` slots lent to blocks of a `num_blocks` id space.
+
+    slot_of[b]: b's slot, or -1. users[b]: holders of b whose window still reaches it (a
+    holder that passed b, or a block before the window of the prefix a holder took from the
+    cache, does not count). A block with a slot and no users is *evictable* (kept in LRU
+    order): its slot is available, taken over when a new block needs one."""
+
+    def __init__(self, num_slots: int, num_blocks: int, window: int, block_size: int) -> None:
+        if num_slots <= 0 or window <= 0:
+            raise ValueError("the sliding KV pool needs at least one slot and a positive window")
+        self.num_slots = num_slots
+        self.window = window
+        self.block_size = block_size
+        self.slot_of = [-1] * num_blocks
+        self.users = [0] * num_blocks
+        self.free_slots = list(range(num_slots - 1, -1, -1))   # a stack: slot 0 first
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.updates: list[tuple[int, int]] = []                # (block, slot or -1) to ship
+
+    @property
+    def available(self) -> int:
+        return len(self.free_slots) + len(self.evictable)
+
+    def passed(self, pos: int) -> int:
+        """Blocks wholly before the window of a query at position pos (and of every later one)."""
+        return max(0, pos - self.window + 1) // self.block_size
+
+    def attach(self, b: int) -> None:
+        """b holds new tokens for one holder: it needs a slot (its own, if it kept one)."""
+        if self.slot_of[b] >= 0:
+            self.evictable.pop(b, None)
+        else:
+            if self.free_slots:
+                slot = self.free_slots.pop()
+            else:
+                victim, _ = self.evictable.popitem(last=False)
+                slot, self.slot_of[victim] = self.slot_of[victim], -1
+                self.updates.append((victim, -1))
+            self.slot_of[b] = slot
+            self.updates.append((b, slot))
+        self.users[b] = 1
+
+    def use(self, b: int) -> None:
+        self.users[b] += 1
+        if self.users[b] == 1:
+            del self.evictable[b]
+
+    def unuse(self, b: int) -> None:
+        self.users[b] -= 1
+        if self.users[b] == 0:
+            self.evictable[b] = None
+
+    def drain_updates(self) -> tuple[tuple[int, int], ...]:
+        out, self.updates = tuple(self.updates), []
+        return out
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 sliding: tuple[int, int] | None = None) -> None:
+        """sliding: (slots, window) for a hybrid model's sliding layers (SlidingHalves)."""
         if num_blocks <= 0:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -26,6 +96,7 @@ class BlockManager:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}                       # hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.sliding = SlidingHalves(sliding[0], num_blocks, sliding[1], block_size) if sliding else None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -40,7 +111,19 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self.free)
+        return n <= len(self.free) and (self.sliding is None or n <= self.sliding.available)
+
+    def can_take(self, hits: list[int], new: int) -> bool:
+        """Room for a sequence to take the cached `hits` and `new` fresh blocks: hits sitting
+        in the free list (and, hybrid, in-window hits whose halves are evictable) count too."""
+        reclaimed = sum(1 for b in hits if self.ref_count[b] == 0)
+        if new + reclaimed > len(self.free):
+            return False
+        sl = self.sliding
+        if sl is None:
+            return True
+        start = sl.passed(len(hits) * self.block_size)
+        return new + sum(1 for b in hits[start:] if sl.users[b] == 0) <= sl.available
 
     # -- prefix cache --------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], root: int | None = None
@@ -62,14 +145,28 @@ class BlockManager:
                 break
             hits.append(b)
             prev = h
+        sl = self.sliding
+        if sl is not None:  # the window of the first computed position needs its halves
+            while hits and any(sl.slot_of[b] < 0 for b in hits[sl.passed(len(hits) * bs):]):
+                hits.pop()
+            prev = self.block_hash[hits[-1]] if hits else root
         return hits, prev
 
     # -- allocation ----------------------------------------------------------------------
-    def take_cached(self, blocks: list[int]) -> None:
+    def take_cached(self, blocks: list[int]) -> int:
+        """Hold a cached prefix (match_prefix's hits). Returns how many of its leading blocks
+        the holder has passed already (hybrid: their sliding halves are not needed)."""
         for b in blocks:
             if self.ref_count[b] == 0:
                 del self.free[b]
             self.ref_count[b] += 1
+        sl = self.sliding
+        if sl is None:
+            return 0
+        passed = sl.passed(len(blocks) * self.block_size)
+        for b in blocks[passed:]:
+            sl.use(b)
+        return passed
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
@@ -84,9 +181,24 @@ class BlockManager:
                 self.block_hash[b] = self.block_tokens[b] = None
             self.ref_count[b] = 1
             out.append(b)
+            if self.sliding is not None:
+                self.sliding.attach(b)
         return out
 
-    def release(self, blocks: list[int]) -> None:
+    def pass_window(self, table: list[int], passed: int, pos: int) -> int:
+        """A holder of `table` whose next query is at `pos`, and that had passed its first
+        `passed` blocks: let go of the sliding halves it no longer needs. Returns the new count."""
+        sl = self.sliding
+        now = min(sl.passed(pos), len(table))
+        for b in table[passed:now]:
+            sl.unuse(b)
+        return max(passed, now)
+
+    def release(self, blocks: list[int], passed: int = 0) -> None:
+        """Let go of a holder's blocks (of which it had passed the first `passed`, hybrid)."""
+        if self.sliding is not None:
+            for b in reversed(blocks[passed:]):
+                self.sliding.unuse(b)
         # Free the tail first so that, under LRU eviction, a prefix's first blocks live longest.
         for b in reversed(blocks):
             self.ref_count[b] -= 1

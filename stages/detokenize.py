@@ -6,7 +6,10 @@ gives a running token's text without decoding when that token is a whole charact
 more) and the stop-string matcher, which holds back the last
 len(longest stop) - 1 characters so that a stop string split across steps is never
 half-emitted. As in vLLM, a stop string only counts when it ends in the text of an
-output token past the first min_tokens.
+output token past the first min_tokens. With a Harmony (gpt-oss) vocabulary a stop string
+only counts inside a message's content: the header words between a header token
+(<|start|>, <|channel|>, <|constrain|>, or a message's end) and <|message|>, such as
+"final" in <|channel|>final, are not matched (HarmonyMarks).
 """
 from __future__ import annotations
 
@@ -113,11 +116,37 @@ def byte_level(tokenizer) -> bool:
     return tokenizer is not None and type(tokenizer.decoder) is ByteLevel
 
 
+@attrs.frozen
+class HarmonyMarks:
+    """A Harmony vocabulary's ids that open a message's content and those that open a header."""
+    content: int
+    header: frozenset[int]
+
+    @classmethod
+    def of(cls, tokenizer) -> HarmonyMarks | None:
+        ids = [tokenizer.token_to_id(t) for t in _HARMONY_MARKS] if tokenizer is not None else [None]
+        return None if None in ids else cls(ids[0], frozenset(ids[1:]))
+
+    def in_header(self, prompt) -> bool:
+        """Whether output continues a header: the prompt's last mark opens one."""
+        for t in reversed(prompt):
+            if t == self.content:
+                return False
+            if t in self.header:
+                return True
+        return False
+
+
+_HARMONY_MARKS = ("<|message|>", "<|start|>", "<|channel|>", "<|constrain|>", "<|end|>",
+                  "<|return|>", "<|call|>")
+
+
 class DetokState:
     def __init__(self, req: RenderedRequest, detokenize: bool = True, index: int = 0,
-                 clean: CleanPieces | None = None) -> None:
+                 clean: CleanPieces | None = None, harmony: HarmonyMarks | None = None) -> None:
         """`clean`: the tokenizer's CleanPieces (with req's skip_special_tokens) when it is
-        ByteLevel's, for a ByteLevelStream in place of tokenizers' DecodeStream."""
+        ByteLevel's, for a ByteLevelStream in place of tokenizers' DecodeStream. `harmony`:
+        the vocabulary's Harmony marks (stop strings skip header words)."""
         sp = req.sampling
         self.prompt = req.prompt_of(index)
         context = list(self.prompt[-_PROMPT_CONTEXT:])
@@ -136,6 +165,9 @@ class DetokState:
         # No stop strings: nothing is ever held back, so a running sequence's one new token
         # is just its decoded piece (Detokenizer.process's fast path, most tokens of most steps).
         self.plain = self.stream is not None and not self.stops
+        self.harmony = harmony if self.stops else None
+        self.in_header = harmony is not None and harmony.in_header(self.prompt)
+        self.content_from = 0   # a stop string starts at or after this index of pending
 
     def step(self, tokenizer, d: Delta) -> Delta:
         ids = d.token_ids
@@ -153,6 +185,14 @@ class DetokState:
             self.num_output += 1
             if self.num_output <= self.min_tokens:
                 check_from = len(self.pending)
+            if self.harmony is not None:
+                if t == self.harmony.content:
+                    self.in_header = False
+                    self.content_from = len(self.pending)
+                elif t in self.harmony.header:
+                    self.in_header = True
+                if self.in_header:
+                    self.content_from = len(self.pending)
         finish, stop_reason = d.finish_reason, d.stop_reason
         if self.stops and finish != FinishReason.ABORT:
             hit = self._find_stop(check_from)
@@ -162,6 +202,7 @@ class DetokState:
                 finish, stop_reason = FinishReason.STOP, s
         cut = len(self.pending) if finish is not None else max(0, len(self.pending) - self.hold)
         text, self.pending = self.pending[:cut], self.pending[cut:]
+        self.content_from = max(0, self.content_from - cut)
         logprobs = tuple(
             TokenLogprob(token_text(tokenizer, t), lp.logprob,
                          tuple((token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
@@ -184,7 +225,7 @@ class DetokState:
         """The earliest stop string in pending that ends after check_from."""
         best = None
         for s in self.stops:
-            i = self.pending.find(s, max(0, check_from - len(s) + 1))
+            i = self.pending.find(s, max(self.content_from, check_from - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         return best
@@ -200,6 +241,7 @@ class Detokenizer:
         # a ByteLevel tokenizer's whole pieces, by skip_special_tokens (ByteLevelStream)
         self.clean = ({skip: CleanPieces(self.hf, skip) for skip in (False, True)}
                       if byte_level(self.hf) else None)
+        self.harmony = HarmonyMarks.of(self.hf)
 
     def process(self, msg: Step) -> tuple[Step, list[tuple[str, int]]]:
         """Returns the step's deltas and the (request, choice) a stop string finished."""
@@ -207,7 +249,8 @@ class Detokenizer:
             for i in range(req.num_choices):
                 self.states[req.request_id, i] = DetokState(
                     req, self.hf is not None, i,
-                    None if self.clean is None else self.clean[req.sampling.skip_special_tokens])
+                    None if self.clean is None else self.clean[req.sampling.skip_special_tokens],
+                    self.harmony)
         deltas, stopped = [], []
         hf, states = self.hf, self.states
         for d in msg.deltas:

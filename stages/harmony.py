@@ -31,9 +31,6 @@ import json
 from typing import Any
 
 import attrs
-from openai_harmony import (Author, Conversation, DeveloperContent, Message,
-                            ReasoningEffort, RenderConversationConfig, Role, StreamableParser,
-                            SystemContent, ToolDescription)
 
 from gpu.harmony import harmony_encoding, uses_harmony
 from stages.api.protocol import RequestError, ToolPlan
@@ -44,10 +41,16 @@ __all__ = ["HARMONY_REASONING_PARSER", "HARMONY_TOOL_PARSER", "HarmonyState", "r
 
 HARMONY_REASONING_PARSER = "openai_gptoss"
 HARMONY_TOOL_PARSER = "openai"
-_EFFORTS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM,
-            "high": ReasoningEffort.HIGH}
+_EFFORTS = {"low": "LOW", "medium": "MEDIUM", "high": "HIGH"}   # ReasoningEffort's members
 _FUNCTIONS = "functions."
 _CALL_TYPE = "<|constrain|>json"
+
+
+def _oh():
+    """openai-harmony, imported when a Harmony model first needs it: every other model
+    family (and the GPU image, which lacks the package) never imports it."""
+    import openai_harmony
+    return openai_harmony
 
 
 def _text(value: Any) -> str:
@@ -56,19 +59,19 @@ def _text(value: Any) -> str:
 
 def _effort(value: Any) -> ReasoningEffort:
     if value is None:
-        return ReasoningEffort.MEDIUM
+        return _oh().ReasoningEffort.MEDIUM
     if value not in _EFFORTS:
         # "minimal" and "none" exist in OpenAI's API; gpt-oss knows low, medium, high.
         raise RequestError(f"'reasoning_effort' must be one of low, medium, high for this "
                            f"model, got {value!r}.", param="reasoning_effort")
-    return _EFFORTS[value]
+    return getattr(_oh().ReasoningEffort, _EFFORTS[value])
 
 
 def _tool_descriptions(tools: list[dict]) -> list[ToolDescription]:
     out = []
     for tool in tools:
         fn = tool["function"]
-        out.append(ToolDescription.new(fn["name"], fn.get("description") or "",
+        out.append(_oh().ToolDescription.new(fn["name"], fn.get("description") or "",
                                        parameters=fn.get("parameters")))
     return out
 
@@ -78,30 +81,30 @@ def harmony_messages(messages: list[dict], tools: list[dict] | None = None,
                      today: datetime.date | None = None) -> list[Message]:
     """Template-form chat messages (stages/api/chat.template_messages: developer is
     already "system", tool call arguments objects) -> Harmony messages."""
-    system = (SystemContent.new().with_reasoning_effort(_effort(reasoning_effort))
+    system = (_oh().SystemContent.new().with_reasoning_effort(_effort(reasoning_effort))
               .with_conversation_start_date((today or datetime.date.today()).isoformat()))
-    out = [Message.from_role_and_content(Role.SYSTEM, system)]
+    out = [_oh().Message.from_role_and_content(_oh().Role.SYSTEM, system)]
     start = 0
     instructions = []
     while start < len(messages) and messages[start]["role"] == "system":
         instructions.append(_text(messages[start]["content"]))
         start += 1
     if instructions or tools:
-        dev = DeveloperContent.new()
+        dev = _oh().DeveloperContent.new()
         if instructions:
             dev = dev.with_instructions("\n\n".join(instructions))
         if tools:
             dev = dev.with_function_tools(_tool_descriptions(tools))
-        out.append(Message.from_role_and_content(Role.DEVELOPER, dev))
+        out.append(_oh().Message.from_role_and_content(_oh().Role.DEVELOPER, dev))
     call_names: dict[str, str] = {}       # tool_call_id -> function name
     for i in range(start, len(messages)):
         m = messages[i]
         role, content = m["role"], _text(m.get("content"))
         if role == "system":
-            out.append(Message.from_role_and_content(
-                Role.DEVELOPER, DeveloperContent.new().with_instructions(content)))
+            out.append(_oh().Message.from_role_and_content(
+                _oh().Role.DEVELOPER, _oh().DeveloperContent.new().with_instructions(content)))
         elif role == "user":
-            out.append(Message.from_role_and_content(Role.USER, content))
+            out.append(_oh().Message.from_role_and_content(_oh().Role.USER, content))
         elif role == "assistant":
             out += _assistant(m, content, call_names)
         elif role == "tool":
@@ -111,8 +114,8 @@ def harmony_messages(messages: list[dict], tools: list[dict] | None = None,
                     f"'messages[{i}].tool_call_id' does not answer any earlier tool call; "
                     "a tool result needs the call it answers (or a 'name').",
                     param=f"messages[{i}].tool_call_id")
-            out.append(Message.from_author_and_content(
-                Author.new(Role.TOOL, _FUNCTIONS + name), content)
+            out.append(_oh().Message.from_author_and_content(
+                _oh().Author.new(_oh().Role.TOOL, _FUNCTIONS + name), content)
                 .with_channel("commentary").with_recipient("assistant"))
     return out
 
@@ -121,11 +124,11 @@ def _assistant(m: dict, content: str, call_names: dict[str, str]) -> list[Messag
     out = []
     reasoning = m.get("reasoning")
     if reasoning:
-        out.append(Message.from_role_and_content(Role.ASSISTANT, reasoning)
+        out.append(_oh().Message.from_role_and_content(_oh().Role.ASSISTANT, reasoning)
                    .with_channel("analysis"))
     calls = m.get("tool_calls") or []
     if content:
-        out.append(Message.from_role_and_content(Role.ASSISTANT, content)
+        out.append(_oh().Message.from_role_and_content(_oh().Role.ASSISTANT, content)
                    .with_channel("commentary" if calls else "final"))
     for call in calls:
         fn = call.get("function") or {}
@@ -136,7 +139,7 @@ def _assistant(m: dict, content: str, call_names: dict[str, str]) -> list[Messag
         if not isinstance(args, str):        # the text the model wrote, when there was one
             args = getattr(args, "raw", "") or json.dumps(
                 {} if args is None else args, ensure_ascii=False)
-        out.append(Message.from_role_and_content(Role.ASSISTANT, args)
+        out.append(_oh().Message.from_role_and_content(_oh().Role.ASSISTANT, args)
                    .with_channel("commentary").with_recipient(_FUNCTIONS + name)
                    .with_content_type(_CALL_TYPE))
     return out
@@ -147,11 +150,11 @@ def render_ids(messages: list[dict], template_kwargs: dict, *,
     """The prompt's token ids: the conversation rendered by openai-harmony, ending in
     `<|start|>assistant` for the model to continue."""
     enc = harmony_encoding()
-    conv = Conversation.from_messages(harmony_messages(
+    conv = _oh().Conversation.from_messages(harmony_messages(
         messages, template_kwargs.get("tools"), template_kwargs.get("reasoning_effort")))
-    config = RenderConversationConfig(auto_drop_analysis=False)
+    config = _oh().RenderConversationConfig(auto_drop_analysis=False)
     if add_generation_prompt:
-        return enc.render_conversation_for_completion(conv, Role.ASSISTANT, config)
+        return enc.render_conversation_for_completion(conv, _oh().Role.ASSISTANT, config)
     return enc.render_conversation(conv, config)
 
 
@@ -177,7 +180,7 @@ class HarmonyState:
 
     def __init__(self, tools: ToolPlan | None = None) -> None:
         self.enc = harmony_encoding()
-        self.parser = StreamableParser(self.enc, Role.ASSISTANT, strict=False)
+        self.parser = _oh().StreamableParser(self.enc, _oh().Role.ASSISTANT, strict=False)
         self.tools = tools is not None
         self.ends = frozenset(self.enc.encode(t, allowed_special="all")[0]
                               for t in ("<|end|>", "<|call|>", "<|return|>"))

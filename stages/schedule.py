@@ -90,6 +90,7 @@ class Sequence:
         self.retired = False
         self.table: list[int] = []
         self.table_t: tuple[int, ...] = ()   # tuple(table), for the chunks: kept with table
+        self.passed = 0     # hybrid KV: leading blocks whose sliding halves it let go (blocks.py)
         self.num_cached_tokens = 0
         self.first_scheduled = False
         self.scheduled_at = 0.0   # time.monotonic() when first scheduled
@@ -325,7 +326,9 @@ class Scheduler:
         released, self._released = tuple(self._released), []
         if chunks:
             self._planned[self.step] = planned
-        return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released)
+        sliding = self.blocks.sliding
+        return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released,
+                        sliding.drain_updates() if sliding is not None else ())
 
     @staticmethod
     def _unplan(chunks: list[SeqChunk], planned: list[tuple[Sequence, int]],
@@ -363,10 +366,9 @@ class Scheduler:
             hits, last_hash = bm.match_prefix(seq.token_ids, seq.hash_root)
         cached = len(hits) * bm.block_size
         n = min(len(seq.token_ids) - cached, budget)
-        reclaimed = sum(1 for b in hits if bm.ref_count[b] == 0)  # hits sitting in the free list
-        if bm.blocks_for(cached + n) - len(hits) + reclaimed > bm.num_free:
+        if not bm.can_take(hits, bm.blocks_for(cached + n) - len(hits)):
             return False
-        bm.take_cached(hits)
+        seq.passed = bm.take_cached(hits)
         seq.table = list(hits)
         seq.table_t = tuple(hits)
         seq.num_computed = seq.num_done = cached
@@ -410,7 +412,8 @@ class Scheduler:
         return True
 
     def _free(self, seq: Sequence) -> None:
-        self.blocks.release(seq.table)
+        self.blocks.release(seq.table, seq.passed)
+        seq.passed = 0
         seq.table = []
         seq.table_t = ()
         seq.num_computed = seq.num_done = 0
@@ -444,6 +447,7 @@ class Scheduler:
         bs = self.blocks.block_size
         # a block to hash only once one fills (commit_full_blocks is a no-op until then)
         commit = self.blocks.commit_full_blocks if self.blocks.prefix_caching else None
+        sliding = self.blocks.sliding
         for chunk, (seq, epoch) in zip(plan.chunks, planned):
             if seq.retired:
                 continue    # finished while this step ran: its row is thrown away
@@ -455,6 +459,8 @@ class Scheduler:
                 seq.num_done = done = chunk.start_pos + len(chunk.token_ids)
                 if commit is not None and done // bs > seq.hash_cursor[0]:
                     seq.hash_cursor = commit(seq.table, seq.token_ids, done, *seq.hash_cursor)
+                if sliding is not None:     # next query at `done`: free the halves behind its window
+                    seq.passed = self.blocks.pass_window(seq.table, seq.passed, done)
             if tok is None:
                 continue
             prompt_lps = ()
@@ -564,7 +570,8 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
             plan = None
             if len(inflight) < depth and scheduler.has_work():
                 plan = scheduler.schedule()
-                if plan.chunks or plan.new_seqs or plan.released:
+                # kv_updates alone too: a chunk taken back by a preemption keeps its block's slot
+                if plan.chunks or plan.new_seqs or plan.released or plan.kv_updates:
                     await to_gpu.send(plan)
                     inflight.append((plan, tuple(scheduler.preempted)))
                     if len(inflight) < depth and applied is None:

@@ -27,7 +27,8 @@ if not torch.cuda.is_available():
 from gpu.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from gpu.kernels.kv_cache import write_kv  # noqa: E402
 from gpu.kernels.paged_attention import paged_attention  # noqa: E402
-from gpu.kernels.rmsnorm import fused_add_rms_norm, rms_norm_ref  # noqa: E402
+from gpu.kernels.qkv_prep import prepare_qkv  # noqa: E402
+from gpu.kernels.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_ref  # noqa: E402
 from gpu.kernels.rope import apply_rope  # noqa: E402
 from gpu.kernels.sampling import apply_penalties, sample  # noqa: E402
 
@@ -91,18 +92,26 @@ def run(quick: bool, model: str = "qwen3-0.6b") -> list[dict]:
         results.append(row)
         print(json.dumps(row), flush=True)
 
-    decode_cases = [(1, 128)] if quick else [(1, 1024), (64, 1024), (256, 2048)]
+    # Decode attention is the step's largest memory stream: its GB/s against 4.8 TB/s is
+    # the figure to watch. Two KV layouts, the same kernel (it takes any strides): today's
+    # [blocks, block_size, Hkv, Dh] ("NHD": a head's 16 positions of a page are 16 runs of
+    # Dh) against [blocks, Hkv, block_size, Dh] ("HND": one contiguous run per head and
+    # page), passed as its transposed view. Keep the faster one (gpu/attention.KVCache).
+    decode_cases = [(1, 128)] if quick else [(1, 1024), (8, 4096), (64, 1024), (256, 840), (256, 2048)]
+    from gpu.kernels.paged_attention import suggest_num_kv_splits
     for batch, ctx in decode_cases:
         args = _attention_inputs(batch, 1, ctx, hq, hkv, dh, 16, dtype, device)
+        q, kc, vc, *meta = args
+        head_major = (kc.transpose(1, 2).contiguous().transpose(1, 2),
+                      vc.transpose(1, 2).contiguous().transpose(1, 2))
         kv_bytes = 2 * batch * ctx * hkv * dh * elem + 2 * batch * hq * dh * elem
-        record("paged_attention_decode", dict(batch=batch, ctx=ctx),
-               lambda: paged_attention(*args, dh ** -0.5, max_seqlen_q=1), nbytes=kv_bytes)
-        if batch <= 16 and device == "cuda":   # flash-decoding, as the captured graphs run it
-            from gpu.kernels.paged_attention import suggest_num_kv_splits
-            splits = suggest_num_kv_splits(batch, hkv, ctx, torch.device(device))
-            record("paged_attention_decode_split", dict(batch=batch, ctx=ctx, splits=splits),
-                   lambda: paged_attention(*args, dh ** -0.5, max_seqlen_q=1, num_kv_splits=splits),
-                   nbytes=kv_bytes)
+        splits = suggest_num_kv_splits(batch, hkv, ctx, torch.device(device))
+        for layout, (k_, v_) in (("NHD", (kc, vc)), ("HND", head_major)):
+            for n in sorted({1, splits}):   # as eager runs it, and as the captured graph does
+                record("paged_attention_decode", dict(batch=batch, ctx=ctx, splits=n, layout=layout),
+                       lambda k_=k_, v_=v_, n=n: paged_attention(q, k_, v_, *meta, dh ** -0.5,
+                                                                 max_seqlen_q=1, num_kv_splits=n),
+                       nbytes=kv_bytes)
     prefill_cases = [(1, 32)] if quick else [(1, 2048), (8, 512)]
     for batch, q_len in prefill_cases:
         args = _attention_inputs(batch, q_len, q_len, hq, hkv, dh, 16, dtype, device)
@@ -130,6 +139,25 @@ def run(quick: bool, model: str = "qwen3-0.6b") -> list[dict]:
     kc = torch.empty(-(-n // 16) + 1, 16, hkv, dh, device=device, dtype=dtype)
     slots = torch.randperm(kc.shape[0] * 16, device=device)[:n]
     record("write_kv", dict(t=n), lambda: write_kv(kr, kr, kc, kc, slots), nbytes=4 * n * hkv * dh * elem)
+    # the fused per-layer kernel against the unfused chain it replaces (2 norms, rope, write)
+    for t in ((4,) if quick else (256, 4096)):
+        qkv = torch.randn(t, (hq + 2 * hkv) * dh, device=device, dtype=dtype)
+        wn = torch.ones(dh, device=device, dtype=dtype)
+        kc = torch.empty(-(-t // 16) + 1, 16, hkv, dh, device=device, dtype=dtype)
+        sl = torch.randperm(kc.shape[0] * 16, device=device)[:t]
+        ps = torch.randint(0, 8192, (t,), device=device)
+
+        def unfused(qkv=qkv, wn=wn, sl=sl, ps=ps, kc=kc):
+            q, k, v = qkv.split([hq * dh, hkv * dh, hkv * dh], dim=-1)
+            qn = rms_norm(q.reshape(-1, dh), wn, 1e-6).view(-1, hq, dh)
+            kn = rms_norm(k.reshape(-1, dh), wn, 1e-6).view(-1, hkv, dh)
+            qn, kn = apply_rope(qn, kn, ps, cos_sin)
+            write_kv(kn, v.view(-1, hkv, dh), kc, kc, sl)
+
+        record("prepare_qkv", dict(t=t, hq=hq, hkv=hkv),
+               lambda qkv=qkv, wn=wn, sl=sl, ps=ps, kc=kc: prepare_qkv(qkv, hq, hkv, dh, wn, wn, 1e-6, ps, cos_sin,
+                                                               kc, kc, sl),
+               unfused, nbytes=t * (2 * hq + 4 * hkv) * dh * elem)
 
     b = 4 if quick else 256
     logits = torch.randn(b, vocab, device=device)

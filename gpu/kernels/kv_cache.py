@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # the row count changes every step
+# the row count changes every step; slot_mapping is a staged array (see paged_attention)
+@triton.jit(do_not_specialize=["num_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     num_tokens,

@@ -24,6 +24,16 @@ BLOCK_N positions; each position looks up its own page, so any block_size works.
 With a window, a tile starts at the first KV tile its earliest query can see.
 A sink starts the online softmax: the running max at the sink's logit and the
 running sum at exp(0) = 1 (in split 0 only, so the combine counts it once).
+
+Pure decode (max_seqlen_q=1: every sequence has one new token, row b is sequence b)
+runs its own kernel, _decode_attention_kernel, on a grid of (sequence, KV head, split):
+no search, every program busy, KV tiles of 64 positions, three pipeline stages. With
+num_kv_splits > 1 (flash-decoding) each program takes one contiguous share of the
+sequence's KV tiles, and _combine_splits_kernel merges the partial softmaxes.
+
+Any strides work for the caches (head_dim contiguous): a cache kept as
+[num_blocks, Hkv, block_size, Dh] is passed as its .transpose(1, 2) view
+(gpu/kernels/bench.py measures both layouts).
 """
 
 from __future__ import annotations
@@ -41,7 +51,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Shape arguments that change every step are not specialised (Triton would otherwise
 # compile a new variant whenever one equals 1 or turns a multiple of 16, in the middle of
 # a timed run): a variant buys nothing for them.
-@triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_bt"])
+# The step's metadata arrays are staged back to back (gpu/runner.Staging): padded to 16
+# bytes there, and not specialised on alignment here either (scalar and gathered loads
+# gain nothing from it), so no staging layout can ever mean a new variant.
+@triton.jit(do_not_specialize=["num_seqs", "stride_os", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
@@ -177,6 +191,113 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit(do_not_specialize=["stride_os", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
+def _decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr,
+    m_part_ptr, l_part_ptr,  # [splits, B, Hq] fp32 (only with NUM_SPLITS > 1)
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_os,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    sinks_ptr,
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
+    SLIDING: tl.constexpr = False,
+):
+    """Pure decode: query row b is sequence b's one new token (cu_seqlens_q = 0..B), so
+    the grid is (B, Hkv, splits) with every program busy: no search over cu_seqlens_q and
+    no tile that exits at once. One program takes the GROUP query heads of one KV head
+    (rows padded to BLOCK_M >= 16 for tl.dot) over its share of the sequence's KV."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_pos = seq_len - 1  # the new token's position: it sees 0..q_pos
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row_mask = offs_m < GROUP
+    head = kv_head * GROUP + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row = seq.to(tl.int64)
+    q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, float("-inf"))
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.where(split == 0, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    kv_lo = 0
+    if SLIDING:
+        kv_lo = tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N
+    kv_start = kv_lo
+    kv_stop = seq_len
+    if NUM_SPLITS > 1:
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, BLOCK_N), NUM_SPLITS)
+        kv_start = kv_lo + split * tiles_per_split * BLOCK_N
+        kv_stop = tl.minimum(seq_len, kv_start + tiles_per_split * BLOCK_N)
+    table = block_tables_ptr + row * stride_bt
+    for start_n in range(kv_start, kv_stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        k = tl.load(k_cache_ptr + page[None, :] * stride_kb + in_page[None, :] * stride_ks
+                    + kv_head * stride_kh + offs_d[:, None],
+                    mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_cache_ptr + page[:, None] * stride_vb + in_page[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = n_mask
+        if SLIDING:
+            visible = visible & (offs_n > q_pos - window)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o_mask = row_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS > 1:
+        part = split.to(tl.int64) * stride_os + row * stride_ot + head * stride_oh
+        tl.store(out_ptr + part[:, None] + offs_d[None, :], acc, mask=o_mask)
+        tl.store(m_part_ptr + part // HEAD_DIM, m_i, mask=row_mask)
+        tl.store(l_part_ptr + part // HEAD_DIM, l_i, mask=row_mask)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
 @triton.jit(do_not_specialize=["n_rows", "stride_s"])
 def _combine_splits_kernel(
     acc_part_ptr, m_part_ptr, l_part_ptr, out_ptr,
@@ -210,18 +331,25 @@ def _combine_splits_kernel(
 
 def _pick_blocks(group: int, head_dim: int, max_seqlen_q: int | None) -> dict:
     """BLOCK_Q query tokens x group heads per tile (>= 16 rows for tl.dot)."""
-    if max_seqlen_q is not None and max_seqlen_q <= 1:
-        block_q = 1  # pure decode: one token per sequence
-    else:
-        # One tile shape for every batch with a prefill, whatever its longest chunk: two
-        # compiled variants in all (decode, and the rest), none new in the middle of a run.
-        target_rows = 64 if head_dim <= 128 else 32
-        block_q = max(1, target_rows // triton.next_power_of_2(group))
+    # One tile shape for every batch with a prefill, whatever its longest chunk: two
+    # compiled variants in all (_decode_attention_kernel's, and this), none new mid-run.
+    target_rows = 64 if head_dim <= 128 else 32
+    block_q = max(1, target_rows // triton.next_power_of_2(group))
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if block_d <= 128 else 16
     return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4, num_stages=1 if _INTERPRET else 2)
+
+
+def _pick_decode_blocks(group: int, head_dim: int) -> dict:
+    """Decode tiles: the group's heads as rows (>= 16 for tl.dot), 64 KV positions a tile
+    (a [Dh, 64] K tile and a [64, Dh] V tile of bf16 are 16 KiB each at Dh 128: three
+    stages in flight fit the H100/H200's shared memory with room to spare)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+                BLOCK_N=64 if block_d <= 128 else 32, num_warps=4,
+                num_stages=1 if _INTERPRET else 3)
 
 
 def suggest_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -287,10 +415,16 @@ def paged_attention(
         return out
 
     group = Hq // Hkv
-    cfg = _pick_blocks(group, Dh, max_seqlen_q)
     upcast = _INTERPRET or q.dtype == torch.float32 or k_cache.dtype != q.dtype
     splits = max(1, int(num_kv_splits))
-    grid = (T // cfg["BLOCK_Q"] + B, Hkv, splits)
+    decode = max_seqlen_q is not None and max_seqlen_q <= 1
+    if decode:  # the promise: one token per sequence, row b is sequence b
+        assert T == B, f"max_seqlen_q=1 promises one query per sequence: {T} rows, {B} sequences"
+        cfg = _pick_decode_blocks(group, Dh)
+        grid = (B, Hkv, splits)
+    else:
+        cfg = _pick_blocks(group, Dh, max_seqlen_q)
+        grid = (T // cfg["BLOCK_Q"] + B, Hkv, splits)
     if splits > 1:
         acc_part = torch.empty((splits, T, Hq, Dh), dtype=torch.float32, device=q.device)
         m_part = torch.empty((splits, T, Hq), dtype=torch.float32, device=q.device)
@@ -299,29 +433,33 @@ def paged_attention(
     else:
         m_part = l_part = out  # unused
         target, target_strides = out, (out.stride(0), out.stride(1), 0)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, target,
-        block_tables, cu_seqlens_q, seq_lens,
-        m_part, l_part,
-        scale * 1.4426950408889634,  # log2(e)
-        B,
-        q.stride(0), q.stride(1),
-        *target_strides,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        q if sinks is None else sinks,  # a valid pointer the kernel never reads
-        0 if window is None else int(window),
-        GROUP=group,
-        HEAD_DIM=Dh,
-        PAGE_SIZE=page_size,
-        UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast else None,
-        NUM_SPLITS=splits,
-        HAS_SINKS=sinks is not None,
-        SLIDING=window is not None,
-        **cfg,
-    )
+    common = dict(GROUP=group, HEAD_DIM=Dh, PAGE_SIZE=page_size, UPCAST=upcast,
+                  DOT_PRECISION="ieee" if upcast else None, NUM_SPLITS=splits,
+                  HAS_SINKS=sinks is not None, SLIDING=window is not None, **cfg)
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    sinks_arg = q if sinks is None else sinks  # a valid pointer the kernel never reads
+    window_arg = 0 if window is None else int(window)
+    if decode:
+        _decode_attention_kernel[grid](
+            q, k_cache, v_cache, target, block_tables, seq_lens, m_part, l_part,
+            scale * 1.4426950408889634,  # log2(e)
+            q.stride(0), q.stride(1), *target_strides, *cache_strides, block_tables.stride(0),
+            sinks_arg, window_arg, **common)
+    else:
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, target,
+            block_tables, cu_seqlens_q, seq_lens,
+            m_part, l_part,
+            scale * 1.4426950408889634,  # log2(e)
+            B,
+            q.stride(0), q.stride(1),
+            *target_strides,
+            *cache_strides,
+            block_tables.stride(0),
+            sinks_arg, window_arg,
+            **common,
+        )
     if splits > 1:
         _combine_splits_kernel[(T * Hq,)](
             acc_part, m_part, l_part, out,

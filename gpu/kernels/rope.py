@@ -33,7 +33,7 @@ def _rotate_heads(x_ptr, o_ptr, stride_xt, stride_xh, stride_ot, stride_oh, tok,
     tl.store(o1_ptrs + HALF, o2.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])   # positions: a staged array
 def _rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_sin_ptr,
     n_q_heads, n_k_heads,

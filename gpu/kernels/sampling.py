@@ -1,6 +1,6 @@
 """Token sampling and logit penalties on the device, without a host sync.
 
-sample(logits [B, V] fp32, temperature [B] f32, top_k [B] i32, top_p [B] f32,
+sample(logits [B, V] fp32/bf16/fp16, temperature [B] f32, top_k [B] i32, top_p [B] f32,
        min_p [B] f32, seeds [B] i64, steps [B] i64) -> [B] int64
 
     temperature 0 = greedy (argmax of the raw logits, first index on ties);
@@ -12,9 +12,13 @@ sample(logits [B, V] fp32, temperature [B] f32, top_k [B] i32, top_p [B] f32,
     The draw is a Gumbel-max race over the allowed tokens:
         token = argmax_v  logit_v / T - log(-log(u_v))
     which samples exactly softmax(logit / T) restricted to the allowed set.
-    u_v = philox(key=seed, counter=(v, step_lo, step_hi, 0)), so the random
-    stream of a request depends only on (seed, step, vocab index): the same seed
-    and step give the same token whatever else is in the batch.
+    u_v = output v % 4 of philox(key=seed, counter=(v // 4, step_lo, step_hi, 0))
+    (all four outputs of a call are used), so the random stream of a request
+    depends only on (seed, step, vocab index): the same seed and step give the
+    same token whatever else is in the batch.
+
+    The logits may be fp32, bf16 or fp16: the kernel converts each tile on load, so a
+    bf16 model's [B, V] logits are never copied to fp32 whole.
 
     Top-k / top-p need an order statistic: it is computed in torch on the device
     (one sort of the rows) as a per-row cutoff logit; the Triton kernel applies
@@ -67,10 +71,12 @@ def _sample_kernel(
     random = temp > 0.0
     inv_t = tl.where(random, 1.0 / tl.where(random, temp, 1.0), 1.0)
 
-    seed_2d = tl.broadcast_to(seed[:, None], [BLOCK_B, BLOCK_V])
-    step_lo = tl.broadcast_to((step & 0xFFFFFFFF).to(tl.uint32)[:, None], [BLOCK_B, BLOCK_V])
-    step_hi = tl.broadcast_to(((step >> 32) & 0xFFFFFFFF).to(tl.uint32)[:, None], [BLOCK_B, BLOCK_V])
-    zero = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.uint32)
+    # one philox call gives four 32-bit outputs: a quarter as many calls as columns (philox's
+    # ten rounds, not the load, bound this kernel at a large vocabulary)
+    seed_2d = tl.broadcast_to(seed[:, None], [BLOCK_B, BLOCK_V // 4])
+    step_lo = tl.broadcast_to((step & 0xFFFFFFFF).to(tl.uint32)[:, None], [BLOCK_B, BLOCK_V // 4])
+    step_hi = tl.broadcast_to(((step >> 32) & 0xFFFFFFFF).to(tl.uint32)[:, None], [BLOCK_B, BLOCK_V // 4])
+    zero = tl.zeros([BLOCK_B, BLOCK_V // 4], dtype=tl.uint32)
     best_key = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
     best_idx = tl.zeros([BLOCK_B], dtype=tl.int32) + chunk * CHUNK
     for offset in range(0, CHUNK, BLOCK_V):
@@ -79,8 +85,10 @@ def _sample_kernel(
         mask = row_mask[:, None] & (cols < vocab)[None, :]
         l = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :], mask=mask, other=float("-inf"))
         l = l.to(tl.float32)
-        counter = tl.broadcast_to(cols[None, :], [BLOCK_B, BLOCK_V]).to(tl.uint32)
-        r, _, _, _ = tl.philox(seed_2d, counter, step_lo, step_hi, zero)
+        quads = start // 4 + tl.arange(0, BLOCK_V // 4)  # column v takes output v % 4 of counter v // 4
+        counter = tl.broadcast_to(quads[None, :], [BLOCK_B, BLOCK_V // 4]).to(tl.uint32)
+        r0, r1, r2, r3 = tl.philox(seed_2d, counter, step_lo, step_hi, zero)
+        r = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK_B, BLOCK_V])
         u = ((r >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # in (0, 1)
         gumbel = -tl.log(-tl.log(u))
         key = l * inv_t[:, None] + tl.where(random[:, None], gumbel, 0.0)
@@ -99,7 +107,7 @@ def _pick_sample_blocks(vocab: int) -> dict:
     """From the vocabulary alone (never the batch size): one compiled variant per model.
     The vocabulary is split into chunks of CHUNK columns along the grid's second axis, so a
     small batch still fills the GPU (B=1 over Qwen3's 151,936 columns: 75 programs)."""
-    block_v = min(1024, triton.next_power_of_2(vocab))
+    block_v = max(4, min(1024, triton.next_power_of_2(vocab)))   # 4 columns per philox call
     chunk = min(2 * block_v, triton.next_power_of_2(vocab))
     block_b = max(1, min(256, 2048 // block_v))
     return dict(CHUNK=chunk, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=4 if block_b * block_v <= 1024 else 8)
@@ -134,7 +142,8 @@ def sample(
     use_min_p: bool = True,
 ) -> torch.Tensor:
     B, V = logits.shape
-    assert logits.dtype == torch.float32 and logits.stride(1) == 1, "logits must be fp32 [B, V] with contiguous rows"
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1, \
+        "logits must be float [B, V] with contiguous rows"
     for name, t, dt in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
                         ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
                         ("seeds", seeds, torch.int64), ("steps", steps, torch.int64)):
@@ -241,7 +250,7 @@ def _penalties_kernel(
 
 
 def _pick_penalty_blocks(n_rows: int, vocab: int) -> dict:
-    block_v = min(1024, triton.next_power_of_2(vocab))
+    block_v = max(4, min(1024, triton.next_power_of_2(vocab)))   # 4 columns per philox call
     block_b = max(1, min(64, 4096 // block_v))  # not from n_rows: one variant per model
     return dict(BLOCK_B=block_b, BLOCK_V=block_v, num_warps=4)
 

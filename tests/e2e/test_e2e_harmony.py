@@ -289,3 +289,17 @@ def test_harmony_parsers_are_implied_and_refused_elsewhere():
             pipeline.engine.Parsers.of(EngineConfig(**flags), ModelConfig.from_hf(
                 {"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
                  "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_does_not_match_header_words(client, stream):
+    """stop "final" is the final channel's name in the header (<|channel|>final): no stop
+    there; "says" is in the reasoning's content: a stop."""
+    r = client.chat.completions.create(**ask("hello", stop=["final", "analysis"]))
+    assert r.choices[0].message.content == "Hello! 👋" and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.model_extra["reasoning"] == "The user says hello."
+    if stream:
+        chunks = list(client.chat.completions.create(**ask("hello", stop=["final"]), stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello! 👋"
+    r = client.chat.completions.create(**ask("hello", stop=["says"]))
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.content

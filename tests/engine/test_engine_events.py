@@ -1,13 +1,12 @@
 """The event log in process: reasoning replays from the header alone, a changed reasoning
-parser is named as the first differing stage, preemptions reach the timeline, rotation
-keeps N files read oldest first, and credentials are redacted."""
+parser is named as the first differing stage, and preemptions reach the timeline (the
+log's own writing and reading, rotation and redaction: tests/pipeline/test_events.py)."""
 from __future__ import annotations
 
-import orjson
 import trio
 
 from pipeline import timeline
-from pipeline.events import EventLog, event_files, read_events, redact, redact_headers
+from pipeline.events import event_files
 from pipeline.replay import Log, replay_log
 from test_engine import QUESTION, engine_of
 
@@ -79,43 +78,3 @@ async def test_preemptions_and_steps_reach_the_timeline(smollm, tmp_path):
     assert page.count('"request_id"') == len(seen) and "<script" in page
     result = replay_log(events, smollm.tokenizer)       # preempted and rotated: still identical
     assert result.reproduced == result.logged == seen
-
-
-def test_rotation_keeps_n_files_and_reads_them_oldest_first(tmp_path):
-    path = tmp_path / "ev.jsonl"
-    log = EventLog(path, max_bytes=400, backup_count=3)
-    log.write_header({"schema_version": 1})
-    emit = log.stage("emit")
-    for i in range(60):
-        emit("reply_end_test", n=i)
-    log.close()
-    files = event_files(path)
-    assert [p.name for p in files] == ["ev.jsonl.3", "ev.jsonl.2", "ev.jsonl.1", "ev.jsonl"]
-    assert all(p.stat().st_size <= 400 for p in files)
-    for p in files:
-        assert orjson.loads(p.read_bytes().split(b"\n")[0])["event"] == "header"
-    numbers = [e["n"] for e in read_events(path) if e["event"] == "reply_end_test"]
-    assert numbers == list(range(numbers[0], 60))   # in order, the oldest ones deleted
-    assert sum(1 for e in read_events(path) if e["event"] == "header") == 1
-
-
-def test_credentials_are_redacted():
-    headers = redact_headers([("Authorization", "Bearer sk-1"), ("X-API-Key", "k"),
-                              ("Cookie", "s=1"), ("X-Auth-Token", "t"), ("Proxy-Authorization", "p"),
-                              ("X-Custom", "Basic dXNlcjpwYXNz"), ("User-Agent", "openai"),
-                              ("Content-Type", "application/json")])
-    assert headers == {"authorization": "[redacted]", "x-api-key": "[redacted]",
-                       "cookie": "[redacted]", "x-auth-token": "[redacted]",
-                       "proxy-authorization": "[redacted]", "x-custom": "[redacted]",
-                       "user-agent": "openai", "content-type": "application/json"}
-    body = {"model": "m", "max_tokens": 5, "max_completion_tokens": 3, "api_key": "sk-1",
-            "messages": [{"role": "user", "content": "my key is sk-server-key, ok?"},
-                         {"role": "user", "content": "Bearer abc"}],
-            "metadata": {"password": "x", "prompt_tokens": 1}}
-    out = redact(body, frozenset({"sk-server-key"}))
-    assert out == {"model": "m", "max_tokens": 5, "max_completion_tokens": 3,
-                   "api_key": "[redacted]",
-                   "messages": [{"role": "user", "content": "[redacted]"},
-                                {"role": "user", "content": "[redacted]"}],
-                   "metadata": {"password": "[redacted]", "prompt_tokens": 1}}
-    assert body["api_key"] == "sk-1"     # a copy: the request itself is untouched

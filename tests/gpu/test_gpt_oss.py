@@ -1,6 +1,7 @@
 """gpt-oss: logits parity with transformers' GptOssForCausalLM on tiny random checkpoints (plain
 and MXFP4 experts), through the dense and the paged attention paths (chunked prefill, decode,
-a prefix-cache hit), and the config of the real model."""
+a prefix-cache hit), and the config of the real model. (The engine serving a gpt-oss
+checkpoint: tests/engine/test_engine_gpt_oss.py.)"""
 
 import json
 from pathlib import Path
@@ -197,33 +198,6 @@ def test_tiny_dummy_config_builds_quickly_with_the_harmony_vocabulary():
     assert loaded.eos_token_ids == (200002, 199999, 200012) and loaded.tokenizer is None
     logits = our_logits(loaded.model, [200006, 1428, 200008, 13225])
     assert logits.shape == (4, 201088) and torch.isfinite(logits).all()
-
-
-async def test_engine_prefix_cache_hit_same_logprobs_as_cold(hf_dir):
-    """The real scheduler and block manager: a second identical prompt reuses cached blocks,
-    including those the sliding layers read, and samples with the same logprobs as a cold run."""
-    from pipeline.config import EngineConfig
-    from pipeline.engine import open_engine
-    import orjson
-
-    _, path = hf_dir
-    prompt = [i % 150 + 3 for i in range(0, 7 * 37, 7)]                   # 37 tokens, 2 whole blocks of 16
-    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3, "ignore_eos": True}
-
-    async def run(engine):
-        reply = await engine.submit("completions", {"model": engine.model_names[0], **body})
-        return orjson.loads(await reply.read())
-
-    cfg = dict(model=str(path), dtype="float32", max_model_len=128, max_num_seqs=4)
-    async with open_engine(EngineConfig(**cfg, enable_prefix_caching=False)) as engine:
-        cold = await run(engine)
-    async with open_engine(EngineConfig(**cfg)) as engine:
-        first, second = await run(engine), await run(engine)
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
-    for out in (first, second):
-        got, want = out["choices"][0]["logprobs"], cold["choices"][0]["logprobs"]
-        assert got["tokens"] == want["tokens"]
-        assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-4)
 
 
 def test_simulated_cost_counts_held_and_active_experts():

@@ -1,8 +1,7 @@
-"""KV cache sizing: --kv-cache-memory-bytes on every device; on CUDA, the budget left after
-profiling one full-size step (gpu/runner.py profile_step_bytes, kv_budget_bytes)."""
+"""KV cache sizing on the GPU side: on CUDA, the budget left after profiling one full-size
+step (gpu/runner.py profile_step_bytes, kv_budget_bytes). How start-up picks the number of
+blocks from the flags: tests/engine/test_engine_kv_sizing.py."""
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,8 +9,6 @@ import torch
 from gpu.attention import KVCache
 from gpu.loader import load_model
 from gpu.runner import ModelRunner, kv_budget_bytes, profile_plan, profile_step_bytes
-from pipeline.config import EngineConfig
-from pipeline.engine import _num_kv_blocks
 
 
 @pytest.fixture
@@ -40,14 +37,6 @@ def test_kv_budget_subtracts_what_is_used_and_the_step_peak():
     gib = 1 << 30
     assert kv_budget_bytes(total=100 * gib, free=90 * gib, step_peak=3 * gib, utilization=0.9,
                            reserve=gib) == 90 * gib - 10 * gib - 3 * gib - gib
-
-
-def test_kv_cache_memory_bytes_is_honoured_on_cuda_too(tiny):
-    """Before any CUDA call: the flag decides (this machine may have no GPU at all)."""
-    cfg = EngineConfig(kv_cache_memory_bytes=1 << 20, block_size=16)
-    per_block = KVCache.bytes_per_block(2, 16, 2, 16, torch.float32)
-    loaded = SimpleNamespace(config=tiny.config, model=tiny.model)
-    assert _num_kv_blocks(cfg, loaded, torch.device("cuda"), 128, 2048) == (1 << 20) // per_block
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="memory profiling needs CUDA")

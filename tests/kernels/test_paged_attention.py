@@ -153,3 +153,49 @@ def test_paged_attention_ref_sinks_match_transformers_eager():
     logits = torch.cat([scores, sinks.reshape(4, 1, 1).expand(4, 9, 1)], dim=-1)
     probs = (logits - logits.amax(-1, keepdim=True)).softmax(-1)[..., :-1]
     torch.testing.assert_close(ref, torch.einsum("hqk,khd->qhd", probs, v), atol=1e-5, rtol=1e-5)
+
+
+# Pure decode (max_seqlen_q=1): _decode_attention_kernel, grid (sequence, KV head, split).
+DECODE_CASES = {
+    # name: (seq_lens, Hq, Hkv, Dh, page_size, splits)
+    "gqa3_d80_page7": ([1, 64, 65, 130, 9], 9, 3, 80, 7, 1),        # Dh not a power of two
+    "gqa2_d128_split3": ([1, 200, 63, 64], 4, 2, 128, 16, 3),       # tile edges at 64
+    "mha_d64_split16_empty": ([2, 70, 5], 2, 2, 64, 16, 16),        # most splits see nothing
+    "gqa8_d32_page1": ([3, 33], 8, 1, 32, 1, 2),                    # one token a page
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_kernel_matches_ref(case, dtype, device, tol):
+    seq_lens, hq, hkv, dh, page, splits = DECODE_CASES[case]
+    q, kc, vc, bt, cu, sl = _make_batch([1] * len(seq_lens), seq_lens, hq, hkv, dh, page, dtype, device, seed=9)
+    out = paged_attention(q, kc, vc, bt, cu, sl, dh ** -0.5, max_seqlen_q=1, num_kv_splits=splits)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, cu, sl, dh ** -0.5), **tol(dtype))
+
+
+def test_decode_kernel_sinks_and_window(device, tol):
+    seq_lens = [1, 40, 90]
+    q, kc, vc, bt, cu, sl = _make_batch([1] * 3, seq_lens, 6, 2, 64, 16, torch.float32, device, seed=10)
+    sinks = _sinks(6, device)
+    for splits, window in ((1, None), (1, 10), (4, 70), (4, None)):
+        out = paged_attention(q, kc, vc, bt, cu, sl, 0.125, max_seqlen_q=1, num_kv_splits=splits,
+                              sinks=sinks, window=window)
+        ref = paged_attention_ref(q, kc, vc, bt, cu, sl, 0.125, sinks=sinks, window=window)
+        torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+def test_decode_kernel_head_major_cache_layout(device, tol):
+    """A cache kept as [blocks, Hkv, block_size, Dh] (one run per head and page), passed as
+    its transposed view: the kernels take any strides."""
+    seq_lens = [5, 47]
+    q, kc, vc, bt, cu, sl = _make_batch([1, 1], seq_lens, 4, 2, 64, 16, torch.float32, device, seed=11)
+    kh, vh = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()     # head-major storage
+    out = paged_attention(q, kh.transpose(1, 2), vh.transpose(1, 2), bt, cu, sl, 0.125, max_seqlen_q=1)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, cu, sl, 0.125), **tol(torch.float32))
+
+
+def test_decode_promise_is_checked(device):
+    q, kc, vc, bt, cu, sl = _make_batch([2, 1], [5, 9], 2, 1, 16, 16, torch.float32, device, seed=12)
+    with pytest.raises(AssertionError, match="one query per sequence"):
+        paged_attention(q, kc, vc, bt, cu, sl, 0.25, max_seqlen_q=1)

@@ -145,3 +145,24 @@ def test_vocab_chunks_keep_the_first_index_on_ties(device):
     logits[2, V - 1] = 1.0                               # the best in the last, partial chunk
     tokens = sample(logits.to(device), **_params(3, device, temperature=0.0))
     assert tokens.tolist() == [chunk + 5, 7, V - 1]
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (7, 0.8, 0.0), (0, 1.0, 0.1)])
+def test_bf16_logits_sample_as_their_fp32_copy(top_k, top_p, min_p, device):
+    """The kernel reads bf16 logits directly (no fp32 copy of the whole vocabulary): the
+    same tokens as the fp32 copy of the same values, filters included."""
+    g = torch.Generator().manual_seed(13)
+    B, V = 24, 3001     # several vocab chunks, a ragged last one
+    logits = (torch.randn(B, V, generator=g) * 3).to(torch.bfloat16).to(device)
+    p = _params(B, device, temperature=torch.linspace(0.0, 1.5, B), top_k=top_k, top_p=top_p, min_p=min_p,
+                seeds=torch.arange(B) * 31 + 5, steps=torch.arange(B) % 3)
+    assert torch.equal(sample(logits, **p), sample(logits.float(), **p))
+
+
+def test_every_philox_output_is_a_draw(device):
+    """Flat logits: each column must get its own uniform (output v % 4 of counter v // 4),
+    else columns would tie in fours and only every fourth could win."""
+    B, V = 4000, 8
+    tokens = sample(torch.zeros(B, V, device=device), **_params(B, device, steps=1))
+    freq = torch.bincount(tokens.cpu(), minlength=V).float() / B
+    assert (freq - 1 / V).abs().max() < 0.03, freq

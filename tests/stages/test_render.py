@@ -1,4 +1,5 @@
-"""render core: validation, chat template path, sampling defaults, max_tokens."""
+"""render core: validation, chat template path, sampling defaults, max_tokens. (The
+protocol's field policy on its own: tests/api/test_protocol.py.)"""
 import pytest
 
 from stages.render import RenderContext, RequestError, Submission, render
@@ -154,49 +155,6 @@ def test_null_counts_as_absent():
     req = chat({"temperature": None, "max_tokens": None, "stop": None, "logprobs": False,
                 "n": 1, "tools": [], "tool_choice": "none"})
     assert req.sampling.options.temperature == 1.0
-
-
-@pytest.mark.parametrize("fn", [chat, completion, responses])
-def test_unknown_field_is_refused_as_openai_does(fn):
-    err = error_of(fn, {"frobnicate": 1})
-    assert (err.status, err.param) == (400, "frobnicate")
-    assert err.message == "Unrecognized request argument supplied: frobnicate"
-
-
-@pytest.mark.parametrize("fn, field, value", [
-    (chat, "use_beam_search", True), (chat, "logits_processors", ["m.f"]),
-    (chat, "functions", [{"name": "f"}]), (completion, "use_beam_search", True),
-    (completion, "thinking_token_budget", 5), (responses, "previous_response_id", "r"),
-])
-def test_known_but_unimplemented_field_is_400_naming_it(fn, field, value):
-    err = error_of(fn, {field: value})
-    assert (err.status, err.param) == (400, field)
-    assert field in err.message and "not supported" in err.message
-
-
-@pytest.mark.parametrize("fn, body", [
-    (chat, {"user": "u1", "metadata": {"a": "b"}, "service_tier": "auto", "store": False,
-            "prompt_cache_key": "k", "safety_identifier": "s", "priority": 0,
-            "spaces_between_special_tokens": True, "echo": False, "use_beam_search": False}),
-    (completion, {"user": "u1", "metadata": {}, "best_of": 1, "echo": False, "suffix": ""}),
-    (responses, {"user": "u", "service_tier": "auto", "store": True, "background": False,
-                 "prompt_cache_key": "k", "safety_identifier": "s"}),
-])
-def test_fields_that_mean_nothing_here_are_accepted(fn, body):
-    assert fn(body).sampling.max_tokens > 0
-
-
-@pytest.mark.parametrize("body, param", [
-    ({"temperature": float("nan")}, "temperature"), ({"top_p": float("inf")}, "top_p"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 5}]},
-     "messages[1].content"),
-    ({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}, "messages[1].role"),
-    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-])
-def test_validation_errors_name_the_json_path(body, param):
-    err = error_of(chat, body)
-    assert (err.status, err.param) == (400, param)
-    assert err.message.startswith(f"'{param}' ")
 
 
 def test_empty_model_means_the_default_and_aliases_reply_with_the_first_name():

@@ -1,0 +1,84 @@
+"""The protocol's field policy (stages/api/protocol.py `parse_request`), without a server:
+a field OpenAI does not know is refused as OpenAI refuses it, a field of vLLM's or
+OpenAI's schema this server does not act on is refused by name (unless it holds its
+harmless default), a field that means nothing here is accepted, and every validation
+error names its JSON path. The error's JSON body is what the openai client reads as
+`.param` and `.message`.
+
+Through render: tests/stages/test_render.py (the model name, tools and tool_choice, types
+and ranges); a server with a reasoning parser: tests/e2e/test_e2e_reasoning.py."""
+from __future__ import annotations
+
+import pytest
+
+from stages.api.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
+                                 ResponsesRequest, parse_request)
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+# each API's request class, with the least body it accepts
+APIS = {"chat": (ChatCompletionRequest, {"messages": HELLO}),
+        "completions": (CompletionRequest, {"prompt": "hi"}),
+        "responses": (ResponsesRequest, {"input": "hi"})}
+
+
+def parse(api: str, **fields):
+    cls, body = APIS[api]
+    return parse_request({**body, **fields}, cls)
+
+
+def error_of(api: str, **fields) -> dict:
+    """The OpenAI error body of the request's first problem (status 400)."""
+    with pytest.raises(RequestError) as info:
+        parse(api, **fields)
+    assert info.value.status == 400 and info.value.type == "invalid_request_error"
+    return info.value.to_dict()["error"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_unknown_field_is_refused_as_openai_does(api):
+    error = error_of(api, frobnicate=1)
+    assert error == {"message": "Unrecognized request argument supplied: frobnicate",
+                     "type": "invalid_request_error", "param": "frobnicate", "code": None}
+
+
+@pytest.mark.parametrize("api, field, value", [
+    ("chat", "use_beam_search", True), ("chat", "logits_processors", ["m.f"]),
+    ("chat", "functions", [{"name": "f"}]), ("completions", "use_beam_search", True),
+    ("completions", "thinking_token_budget", 5), ("responses", "previous_response_id", "r"),
+])
+def test_known_but_unimplemented_field_names_itself(api, field, value):
+    error = error_of(api, **{field: value})
+    assert error["param"] == field
+    assert field in error["message"] and "not supported" in error["message"]
+
+
+@pytest.mark.parametrize("api, fields", [
+    ("chat", {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False,
+              "prompt_cache_key": "tenant-1", "safety_identifier": "s", "priority": 0,
+              "spaces_between_special_tokens": True, "echo": False,
+              "use_beam_search": False}),     # an unimplemented field at its harmless default
+    ("completions", {"user": "u1", "metadata": {}, "best_of": 1, "echo": False, "suffix": ""}),
+    ("responses", {"user": "u", "service_tier": "auto", "store": True, "background": False,
+                   "prompt_cache_key": "k", "safety_identifier": "s"}),
+])
+def test_fields_that_mean_nothing_here_are_accepted(api, fields):
+    assert type(parse(api, **fields)) is APIS[api][0]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": float("inf")}, "top_p"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 7}]},
+     "messages[1].content"),
+    ({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}, "messages[1].role"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+])
+def test_validation_errors_name_the_json_path(fields, param):
+    error = error_of("chat", **fields)
+    assert error["param"] == param
+    assert error["message"].startswith(f"'{param}' ")
+
+
+def test_null_is_absent_and_the_body_must_be_an_object():
+    assert parse("chat", temperature=None, frobnicate=None).temperature is None
+    with pytest.raises(RequestError, match="must be a JSON object"):
+        parse_request([HELLO], ChatCompletionRequest)
