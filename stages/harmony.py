@@ -167,6 +167,8 @@ class Parsed:
     content: str = ""
     reasoning: str = ""
     calls: tuple[ToolCall, ...] = ()
+    reasoning_tokens: int = 0   # the tokens fed that are analysis text
+    reasoning_span: int = 0     # how many of them, from the first, are no answer's text
 
 
 class HarmonyState:
@@ -194,15 +196,18 @@ class HarmonyState:
 
     def feed(self, token_ids: tuple[int, ...] | list[int], final: bool = False) -> Parsed:
         content, reasoning, calls = [], [], []
+        counted, span, leading = 0, 0, True
         for tok in token_ids:
             if self.broken is not None:
                 self._raw(tok, content)
+                leading = False
                 continue
             try:
                 self.parser.process(tok)
             except Exception:                # HarmonyError: not a Harmony stream after all
                 self.broken = []
                 self._raw(tok, content)
+                leading = False
                 continue
             channel, recipient = self.parser.current_channel, self.parser.current_recipient
             if channel is not None:
@@ -211,6 +216,19 @@ class HarmonyState:
             elif not self.started:
                 self.header.append(tok)
             delta = self.parser.last_content_delta
+            # per token, so a delta of several counts right: an analysis message's text
+            # tokens are reasoning (a character cut across tokens: each of its tokens)
+            analysis = (channel == "analysis" and not self._is_call()
+                        and not self.enc.is_special_token(tok))
+            counted += analysis
+            # the span: the leading tokens that are no answer's or call's (analysis text,
+            # its <|message|> and <|end|>, the headers)
+            special = self.enc.is_special_token(tok)
+            if leading and (analysis or (self.channel == "analysis" and special) or (
+                    self.parser.state != _oh().StreamState.CONTENT and tok not in self.ends)):
+                span += 1
+            else:
+                leading = False
             if delta:
                 if self._is_call():
                     self.args.append(delta)
@@ -230,7 +248,7 @@ class HarmonyState:
         if final and not self.started and not any(map(self.enc.is_special_token, self.header)):
             # no header ever opened a message: the model wrote plain text, not Harmony
             content.append(self.enc.decode(self.header))
-        return Parsed("".join(content), "".join(reasoning), tuple(calls))
+        return Parsed("".join(content), "".join(reasoning), tuple(calls), counted, span)
 
     def _is_call(self) -> bool:
         return (self.tools and self.recipient is not None

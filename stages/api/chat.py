@@ -398,12 +398,14 @@ class ChatFramer(Framer):
             **({"usage": None} if req.include_usage else {})),
             continuous_usage=req.continuous_usage)
 
-    def _visible(self, delta: Delta) -> tuple[str, tuple[TokenLogprob, ...]]:
-        """The reasoning text and logprobs to show: include_reasoning=false hides the
-        reasoning and the logprobs of its tokens (they are still counted)."""
-        if self._show_reasoning or not delta.reasoning:
-            return delta.reasoning, delta.logprobs
-        return "", (delta.logprobs if delta.content else ())
+    def _visible(self, delta: Delta) -> tuple[str, tuple[TokenLogprob, ...], tuple[int, ...]]:
+        """The reasoning text, logprobs and token ids to show: include_reasoning=false hides
+        all of the reasoning, the logprobs and ids of its tokens (parse's reasoning_span:
+        the delta's leading tokens that are the reasoning's) too; they are still counted."""
+        span = delta.reasoning_span
+        if self._show_reasoning or not span:
+            return delta.reasoning, delta.logprobs, delta.token_ids
+        return "", delta.logprobs[span:], delta.token_ids[span:]
 
     def start(self) -> bytes:
         if not self.req.stream:
@@ -425,15 +427,15 @@ class ChatFramer(Framer):
             return (self._chunk.text(delta.index, delta.content, _content_choice)
                     if delta.content else b"")
         out = []
-        reasoning, logprobs = self._visible(delta)
+        reasoning, logprobs, token_ids = self._visible(delta)
         lp = chat_logprobs(logprobs) if self._wants_logprobs and logprobs else None
-        ids = self._return_ids and bool(delta.token_ids)
+        ids = self._return_ids and bool(token_ids)
         usage = usage_info(delta.usage) if self.req.continuous_usage else None
         if delta.content or reasoning or lp or ids:
             message = (ChatDelta(content=delta.content, reasoning=reasoning) if reasoning
                        else ChatDelta(content=delta.content))
             choice = (ChatChunkChoice(index=delta.index, delta=message, logprobs=lp,
-                                      token_ids=list(delta.token_ids))
+                                      token_ids=list(token_ids))
                       if ids else ChatChunkChoice(index=delta.index, delta=message, logprobs=lp))
             out.append(self._chunk([choice], usage))
         for call in delta.tool_calls:
@@ -459,7 +461,7 @@ class ChatFramer(Framer):
         return b"".join(out)
 
     def _accumulate(self, delta: Delta) -> bytes:
-        reasoning, logprobs = self._visible(delta)
+        reasoning, logprobs, token_ids = self._visible(delta)
         if delta.prompt_logprobs:
             self._prompt_logprobs = delta.prompt_logprobs
         c = self._choices[delta.index]
@@ -467,7 +469,7 @@ class ChatFramer(Framer):
         c.reasoning.append(reasoning)
         c.logprobs.extend(logprobs)
         if self._return_ids:
-            c.token_ids.extend(delta.token_ids)
+            c.token_ids.extend(token_ids)
         c.tool_calls.extend(ToolCallOut(id=t.id, function=FunctionCall(name=t.name,
                                                                        arguments=t.arguments))
                             for t in delta.tool_calls)

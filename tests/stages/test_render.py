@@ -487,8 +487,17 @@ def test_explicit_temperature_zero_beats_generation_config():
 def test_stream_usage_options():
     plain = chat({"stream": True, "stream_options": {}})
     assert not plain.include_usage and not plain.continuous_usage     # {} adds nothing
-    cont = chat({"stream": True, "stream_options": {"continuous_usage_stats": True}})
-    assert cont.continuous_usage
+    # as vLLM: continuous_usage_stats without include_usage turns nothing on (chat and
+    # completions alike)
+    for fn in (chat, completion):
+        alone = fn({"stream": True, "stream_options": {"continuous_usage_stats": True}})
+        assert not alone.include_usage and not alone.continuous_usage
+        off = fn({"stream": True, "stream_options": {"include_usage": False,
+                                                      "continuous_usage_stats": True}})
+        assert not off.include_usage and not off.continuous_usage
+        cont = fn({"stream": True, "stream_options": {"include_usage": True,
+                                                       "continuous_usage_stats": True}})
+        assert cont.include_usage and cont.continuous_usage
     forced = chat({"stream": True}, make_ctx(force_include_usage=True))
     assert forced.include_usage and forced.continuous_usage
 

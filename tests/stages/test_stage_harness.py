@@ -273,7 +273,9 @@ async def test_reasoning_tokens_are_counted_once_per_choice_over_its_output():
                           core=account.Accountant())
     deltas = [d for s in out["send"] for d in s.deltas]
     assert "".join(d.reasoning for d in deltas if d.index == 0) == "planning"
-    assert [d.reasoning_tokens for d in deltas if d.finished] == [2, 3]   # on the last only
+    # each delta its own (a held-back token too); the tags' and the answer's none
+    assert [d.reasoning_tokens for d in deltas if d.index == 0] == [0, 1, 1, 1, 0, 0]
+    assert [d.reasoning_tokens for d in deltas if d.index == 1] == [0, 1, 1, 0, 0]
     assert all(d.usage is None for d in deltas if not d.finished)   # no reply reads one there
     assert [d.usage.reasoning_tokens for d in deltas if d.finished] == [2, 2 + 3]
     assert deltas[-1].usage == Usage(prompt_tokens=3, completion_tokens=11,
