@@ -402,9 +402,11 @@ class ChatFramer(Framer):
         """The reasoning text, logprobs and token ids to show: include_reasoning=false hides
         all of the reasoning, the logprobs and ids of its tokens (parse's reasoning_span:
         the delta's leading tokens that are the reasoning's) too; they are still counted."""
-        span = delta.reasoning_span
-        if self._show_reasoning or not span:
+        if self._show_reasoning:
             return delta.reasoning, delta.logprobs, delta.token_ids
+        span = delta.reasoning_span
+        if delta.reasoning and not delta.content:   # all of it is the reasoning's
+            span = max(span, len(delta.token_ids), len(delta.logprobs))
         return "", delta.logprobs[span:], delta.token_ids[span:]
 
     def start(self) -> bytes:
