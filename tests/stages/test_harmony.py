@@ -334,6 +334,23 @@ def test_analysis_is_reasoning_and_final_is_content(enc):
                                             FinishReason.STOP)
 
 
+def test_reasoning_tokens_are_the_analysis_text_tokens_at_every_cut(enc):
+    """Counted per token, so a delta of several tokens across analysis and final counts
+    only its analysis text (not the headers, not the answer); the span is the delta's
+    leading tokens that are no answer's (what include_reasoning false hides)."""
+    analysis = enc.encode("The user greets.", allowed_special="all")
+    ids = completion(enc, said("The user greets.", "analysis"), said("Hello there!", "final"))
+    for pieces in splits(ids):
+        deltas = parse(pieces)[1]
+        assert sum(d.reasoning_tokens for d in deltas) == len(analysis)
+        hidden = [t for p, d in zip(pieces, deltas) for t in p[:d.reasoning_span]]
+        shown = [t for p, d in zip(pieces, deltas) for t in p[d.reasoning_span:]]
+        assert enc.decode(shown).find("Hello there!") >= 0
+        if len(pieces) == len(ids):          # one token a delta: exactly the analysis part
+            assert enc.decode(hidden).find("The user greets.") >= 0
+            assert "Hello" not in enc.decode(hidden)
+
+
 def test_a_call_to_a_function_is_a_tool_call(enc):
     ids = completion(enc, said("Need the weather.", "analysis"),
                      said("Checking.", "commentary"), call("get_weather", '{"city":"Paris"}'))
