@@ -98,6 +98,7 @@ def harmony_messages(messages: list[dict], tools: list[dict] | None = None,
             dev = dev.with_function_tools(_tool_descriptions(tools))
         out.append(_oh().Message.from_role_and_content(_oh().Role.DEVELOPER, dev))
     call_names: dict[str, str] = {}       # tool_call_id -> function name
+    unanswered: list[str] = []            # the ids (or names) of calls with no result yet
     for i in range(start, len(messages)):
         m = messages[i]
         role, content = m["role"], _text(m.get("content"))
@@ -107,21 +108,39 @@ def harmony_messages(messages: list[dict], tools: list[dict] | None = None,
         elif role == "user":
             out.append(_oh().Message.from_role_and_content(_oh().Role.USER, content))
         elif role == "assistant":
-            out += _assistant(m, content, call_names)
+            out += _assistant(m, content, call_names, unanswered)
         elif role == "tool":
-            name = call_names.get(m.get("tool_call_id")) or m.get("name")
-            if not name:
-                raise RequestError(
-                    f"'messages[{i}].tool_call_id' does not answer any earlier tool call; "
-                    "a tool result needs the call it answers (or a 'name').",
-                    param=f"messages[{i}].tool_call_id")
-            out.append(_oh().Message.from_author_and_content(
-                _oh().Author.new(_oh().Role.TOOL, _FUNCTIONS + name), content)
-                .with_channel("commentary").with_recipient("assistant"))
+            out.append(_tool_result(m, content, call_names, unanswered))
     return out
 
 
-def _assistant(m: dict, content: str, call_names: dict[str, str]) -> list[Message]:
+def _tool_result(m: dict, content: str, call_names: dict[str, str],
+                 unanswered: list[str]) -> Message:
+    """A tool result is authored by the function it answers: the call its tool_call_id
+    names, else its own `name`, else (neither, as clients may send, and vLLM accepts) the
+    earliest call not answered yet; with no call at all, an unnamed function (vLLM's
+    `functions.`)."""
+    call_id = m.get("tool_call_id")
+    if call_id in call_names:
+        name = call_names[call_id]
+        key = call_id
+    elif m.get("name"):
+        name = m["name"]
+        key = next((k for k in unanswered if call_names.get(k, k) == name), name)
+    elif unanswered:
+        key = unanswered[0]
+        name = call_names.get(key, key)
+    else:
+        name = key = ""
+    if key in unanswered:
+        unanswered.remove(key)
+    return (_oh().Message.from_author_and_content(
+        _oh().Author.new(_oh().Role.TOOL, _FUNCTIONS + name), content)
+        .with_channel("commentary").with_recipient("assistant"))
+
+
+def _assistant(m: dict, content: str, call_names: dict[str, str],
+               unanswered: list[str]) -> list[Message]:
     out = []
     reasoning = m.get("reasoning")
     if reasoning:
@@ -136,6 +155,7 @@ def _assistant(m: dict, content: str, call_names: dict[str, str]) -> list[Messag
         name = fn.get("name") or ""
         if call.get("id"):
             call_names[call["id"]] = name
+        unanswered.append(call.get("id") or name)
         args = fn.get("arguments")
         if not isinstance(args, str):        # the text the model wrote, when there was one
             args = (args.raw if isinstance(args, Arguments) else "") or json.dumps(

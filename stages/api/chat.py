@@ -296,13 +296,15 @@ def template_messages(messages: list[ChatMessage], param: str) -> list[dict]:
             raise RequestError(f"'{where}.content' must be a string or an array of content "
                                "parts, got null.", param=f"{where}.content")
         message = {"role": template_role(m.role),
-                   "content": content_text(m.content, f"{where}.content", ("text",))}
+                   "content": content_text(m.content, f"{where}.content", CHAT_PART_TYPES)}
         for key in ("name", "tool_call_id"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
         if m.tool_calls is not None:
             message["tool_calls"] = template_tool_calls(m.tool_calls)
         reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is None:
+            reasoning = _thinking(m.content)
         if reasoning is not None:
             # Templates read either name (Qwen3's reads reasoning_content).
             message["reasoning"] = message["reasoning_content"] = reasoning
@@ -342,6 +344,21 @@ def template_role(role: str) -> str:
     return "system" if role == "developer" else role
 
 
+# A chat message's parts: text, and what OpenAI's SDK and vLLM replay of an assistant turn
+# (a refusal, the turn's thinking).
+CHAT_PART_TYPES = ("text", "refusal", "thinking")
+
+
+def _thinking(content) -> str | None:
+    """A turn's `thinking` parts (content_text checked them) are its reasoning, not its
+    text: templates that render reasoning (Qwen3's reasoning_content) put it back where
+    the model wrote it, the others drop it, as they drop any earlier reasoning."""
+    if content is None or isinstance(content, str):
+        return None
+    thinking = [p.thinking for p in content if p.type == "thinking"]
+    return "\n".join(thinking) if thinking else None
+
+
 def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
                  part_types: tuple[str, ...]) -> str:
     if content is None:
@@ -358,9 +375,12 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
         if part.type not in part_types:
             raise RequestError(f"'{where}.type' {part.type!r} is not supported; expected "
                                f"{' or '.join(part_types)}.", param=f"{where}.type")
-        if part.text is None:
-            raise RequestError(f"'{where}.text' must be a string.", param=f"{where}.text")
-        texts.append(part.text)
+        key = part.type if part.type in ("refusal", "thinking") else "text"   # its text's key
+        text = getattr(part, key)
+        if text is None:
+            raise RequestError(f"'{where}.{key}' must be a string.", param=f"{where}.{key}")
+        if key != "thinking":      # the turn's reasoning (_thinking), not its text
+            texts.append(text)
     # vLLM joins text parts with a newline.
     return "\n".join(texts)
 

@@ -281,6 +281,8 @@ class ContentPart:
     kept so that a part carrying one is refused even when it says it is text."""
     type: str
     text: str | None = None
+    refusal: str | None = None    # a "refusal" part's text (an assistant turn OpenAI's SDK replays)
+    thinking: str | None = None   # a "thinking" part's text (vLLM's: the turn's reasoning)
     image_url: Any = None
     input_audio: Any = None
     video_url: Any = None
