@@ -234,7 +234,7 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
                                faults=cfg.fault_step_kinds))
     nursery.start_soon(detokenize.run, detok_out, parse_in, sched_in,
                        detokenize.Detokenizer(tok), ev("detokenize"))
-    nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(built.parsers.reasoning_parser),
+    nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(built.parsers.reasoning_parser, tok),
                        ev("parse"))
     nursery.start_soon(account.run, acct_out, emit_in, accountant, ev("account"))
     held = StreamInterval(cfg.stream_interval) if cfg.stream_interval > 1 else None

@@ -152,7 +152,7 @@ class Accountant:
                 u.last_token = now
                 u.completion += n
                 generated += n
-            u.reasoning += d.reasoning_tokens   # a choice's whole count, on its last delta
+            u.reasoning += d.reasoning_tokens   # this delta's (so a running usage grows)
             reason = d.finish_reason
             if reason is None:
                 deltas.append(_with_usage(d, Usage(u.prompt, u.completion, u.cached, u.reasoning))

@@ -106,7 +106,8 @@ class Delta:
     content: str = ""                          # new answer text
     reasoning: str = ""                        # new reasoning text (only with a reasoning parser)
     tool_calls: tuple[ToolCallDelta, ...] = ()  # calls completed this step (with a tool plan)
-    reasoning_tokens: int = 0                  # on a choice's last delta: its whole output's
+    reasoning_tokens: int = 0                  # of token_ids, those inside the reasoning
+    reasoning_span: int = 0                    # of token_ids from the start, the reasoning's (tags too)
     # -- account
     # the totals so far, where a reply reads them: on each choice's last delta (the final
     # usage on the request's last) and on every delta of a stream with continuous usage

@@ -98,6 +98,7 @@ def harmony_messages(messages: list[dict], tools: list[dict] | None = None,
             dev = dev.with_function_tools(_tool_descriptions(tools))
         out.append(_oh().Message.from_role_and_content(_oh().Role.DEVELOPER, dev))
     call_names: dict[str, str] = {}       # tool_call_id -> function name
+    unanswered: list[str] = []            # the ids (or names) of calls with no result yet
     for i in range(start, len(messages)):
         m = messages[i]
         role, content = m["role"], _text(m.get("content"))
@@ -107,21 +108,39 @@ def harmony_messages(messages: list[dict], tools: list[dict] | None = None,
         elif role == "user":
             out.append(_oh().Message.from_role_and_content(_oh().Role.USER, content))
         elif role == "assistant":
-            out += _assistant(m, content, call_names)
+            out += _assistant(m, content, call_names, unanswered)
         elif role == "tool":
-            name = call_names.get(m.get("tool_call_id")) or m.get("name")
-            if not name:
-                raise RequestError(
-                    f"'messages[{i}].tool_call_id' does not answer any earlier tool call; "
-                    "a tool result needs the call it answers (or a 'name').",
-                    param=f"messages[{i}].tool_call_id")
-            out.append(_oh().Message.from_author_and_content(
-                _oh().Author.new(_oh().Role.TOOL, _FUNCTIONS + name), content)
-                .with_channel("commentary").with_recipient("assistant"))
+            out.append(_tool_result(m, content, call_names, unanswered))
     return out
 
 
-def _assistant(m: dict, content: str, call_names: dict[str, str]) -> list[Message]:
+def _tool_result(m: dict, content: str, call_names: dict[str, str],
+                 unanswered: list[str]) -> Message:
+    """A tool result is authored by the function it answers: the call its tool_call_id
+    names, else its own `name`, else (neither, as clients may send, and vLLM accepts) the
+    earliest call not answered yet; with no call at all, an unnamed function (vLLM's
+    `functions.`)."""
+    call_id = m.get("tool_call_id")
+    if call_id in call_names:
+        name = call_names[call_id]
+        key = call_id
+    elif m.get("name"):
+        name = m["name"]
+        key = next((k for k in unanswered if call_names.get(k, k) == name), name)
+    elif unanswered:
+        key = unanswered[0]
+        name = call_names.get(key, key)
+    else:
+        name = key = ""
+    if key in unanswered:
+        unanswered.remove(key)
+    return (_oh().Message.from_author_and_content(
+        _oh().Author.new(_oh().Role.TOOL, _FUNCTIONS + name), content)
+        .with_channel("commentary").with_recipient("assistant"))
+
+
+def _assistant(m: dict, content: str, call_names: dict[str, str],
+               unanswered: list[str]) -> list[Message]:
     out = []
     reasoning = m.get("reasoning")
     if reasoning:
@@ -136,6 +155,7 @@ def _assistant(m: dict, content: str, call_names: dict[str, str]) -> list[Messag
         name = fn.get("name") or ""
         if call.get("id"):
             call_names[call["id"]] = name
+        unanswered.append(call.get("id") or name)
         args = fn.get("arguments")
         if not isinstance(args, str):        # the text the model wrote, when there was one
             args = (args.raw if isinstance(args, Arguments) else "") or json.dumps(
@@ -167,6 +187,8 @@ class Parsed:
     content: str = ""
     reasoning: str = ""
     calls: tuple[ToolCall, ...] = ()
+    reasoning_tokens: int = 0   # the tokens fed that are analysis text
+    reasoning_span: int = 0     # how many of them, from the first, are no answer's text
 
 
 class HarmonyState:
@@ -194,15 +216,18 @@ class HarmonyState:
 
     def feed(self, token_ids: tuple[int, ...] | list[int], final: bool = False) -> Parsed:
         content, reasoning, calls = [], [], []
+        counted, span, leading = 0, 0, True
         for tok in token_ids:
             if self.broken is not None:
                 self._raw(tok, content)
+                leading = False
                 continue
             try:
                 self.parser.process(tok)
             except Exception:                # HarmonyError: not a Harmony stream after all
                 self.broken = []
                 self._raw(tok, content)
+                leading = False
                 continue
             channel, recipient = self.parser.current_channel, self.parser.current_recipient
             if channel is not None:
@@ -211,6 +236,19 @@ class HarmonyState:
             elif not self.started:
                 self.header.append(tok)
             delta = self.parser.last_content_delta
+            # per token, so a delta of several counts right: an analysis message's text
+            # tokens are reasoning (a character cut across tokens: each of its tokens)
+            analysis = (channel == "analysis" and not self._is_call()
+                        and not self.enc.is_special_token(tok))
+            counted += analysis
+            # the span: the leading tokens that are no answer's or call's (analysis text,
+            # its <|message|> and <|end|>, the headers)
+            special = self.enc.is_special_token(tok)
+            if leading and (analysis or (self.channel == "analysis" and special) or (
+                    self.parser.state != _oh().StreamState.CONTENT and tok not in self.ends)):
+                span += 1
+            else:
+                leading = False
             if delta:
                 if self._is_call():
                     self.args.append(delta)
@@ -230,7 +268,7 @@ class HarmonyState:
         if final and not self.started and not any(map(self.enc.is_special_token, self.header)):
             # no header ever opened a message: the model wrote plain text, not Harmony
             content.append(self.enc.decode(self.header))
-        return Parsed("".join(content), "".join(reasoning), tuple(calls))
+        return Parsed("".join(content), "".join(reasoning), tuple(calls), counted, span)
 
     def _is_call(self) -> bool:
         return (self.tools and self.recipient is not None

@@ -30,35 +30,99 @@ from stages.tool_parsers.base import partial_suffix
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY_REASONING_PARSER)
 _OPEN, _CLOSE = "<think>", "</think>"
-_with_content = Delta.evolver("content", "reasoning", "reasoning_tokens")
+_with_content = Delta.evolver("content", "reasoning", "reasoning_tokens", "reasoning_span")
 _with_tools = Delta.evolver("content", "reasoning", "tool_calls", "finish_reason",
-                            "reasoning_tokens")
+                            "reasoning_tokens", "reasoning_span")
 
 
 def _unparsed(d: Delta) -> bool:
     """Whether d already is what parse makes of it without a parser: its text as content
     (detokenize starts content there), no reasoning."""
-    return d.content == d.text and not d.reasoning and not d.reasoning_tokens
+    return (d.content == d.text and not d.reasoning and not d.reasoning_tokens
+            and not d.reasoning_span)
+
+
+@attrs.frozen
+class ThinkTags:
+    """How a tokenizer spells <think> and </think>: each one's token id where it is one
+    token (Qwen3's, DeepSeek-R1's), else None, and the tokenizer, to read a prompt's text
+    where they are not (a model without them as tokens, as the tests' tiny ones)."""
+    open_id: int | None = None
+    close_id: int | None = None
+    tokenizer: object = None
+
+    @classmethod
+    def of(cls, tokenizer) -> ThinkTags:
+        if tokenizer is None:
+            return cls()
+        ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (_OPEN, _CLOSE)]
+        return cls(*(t[0] if len(t) == 1 else None for t in ids), tokenizer)
+
+    def prompt_state(self, prompt: tuple[int, ...]) -> str | None:
+        """Where a prompt leaves the reasoning: its last tag decides (as vLLM's
+        is_reasoning_end): "reasoning" after <think>, "content" after </think>, None when
+        it has neither (or nothing can read it)."""
+        if self.open_id is not None and self.close_id is not None:
+            for tok in reversed(prompt):
+                if tok == self.open_id:
+                    return "reasoning"
+                if tok == self.close_id:
+                    return "content"
+            return None
+        if self.tokenizer is None or not prompt:
+            return None
+        text = self.tokenizer.decode(list(prompt), skip_special_tokens=False)
+        opened, closed = text.rfind(_OPEN), text.rfind(_CLOSE)
+        if opened == closed:     # both -1: no tag
+            return None
+        return "reasoning" if opened > closed else "content"
 
 
 class ThinkState:
-    """Splits one request's text stream at <think> ... </think>."""
+    """Splits one choice's text stream at <think> ... </think>."""
 
-    def __init__(self, parser: str) -> None:
-        self.mode = "reasoning" if parser == "deepseek_r1" else "start"
+    def __init__(self, parser: str, start: str | None = None,
+                 tags: ThinkTags = ThinkTags()) -> None:
+        # `start`: where the prompt left the reasoning (ThinkTags.prompt_state)
+        self.mode = start or ("reasoning" if parser == "deepseek_r1" else "start")
+        self.tags = tags
         self.buf = ""
+        self.opened = self.closed = False   # this feed entered / left the reasoning
         self.reasoning_tokens = 0   # the choice's output tokens inside the reasoning so far
 
-    def feed(self, text: str, final: bool, num_tokens: int = 0) -> tuple[str, str]:
-        """Split the next text (of `num_tokens` tokens). Tokens are counted by where the
-        choice's whole output stands, not by what one delta shows: a token whose text is
-        held back (a partial tag, an unfinished character) is reasoning when it falls
-        inside it; the tokens that open or close the reasoning are not (as vLLM)."""
+    def feed(self, text: str, final: bool, token_ids: tuple[int, ...] = ()
+             ) -> tuple[str, str, int, int]:
+        """Split the next text (of `token_ids`): (content, reasoning, the reasoning's
+        tokens among them, how many of them from the start are the reasoning's, tags
+        included). Tokens are counted by where the choice's whole output stands, not by
+        what one delta shows: a token whose text is held back (a partial tag, an
+        unfinished character) is reasoning when it falls inside it; the tokens that open
+        or close the reasoning are not (as vLLM). A delta of several tokens that crosses a
+        tag is split at the tag's token where the tag is one token; else each tag is
+        taken to be one token of it."""
         before = self.mode
-        out = self._split(text, final)
-        if before == "reasoning" or self.mode == "reasoning":
-            self.reasoning_tokens += max(0, num_tokens - (before != self.mode))
-        return out
+        self.opened = self.closed = False
+        content, reasoning = self._split(text, final)
+        n = len(token_ids)
+        if before != "reasoning" and not self.opened:
+            return content, reasoning, 0, 0
+        tokens, span = n, n
+        if self.opened or self.closed:
+            tokens, span = self._cut(list(token_ids))
+        self.reasoning_tokens += tokens
+        return content, reasoning, tokens, span
+
+    def _cut(self, ids: list[int]) -> tuple[int, int]:
+        """(reasoning tokens, span) of a delta that opened or closed the reasoning."""
+        n, tags = len(ids), self.tags
+        lo, hi = 0, n
+        if self.opened:
+            lo = ids.index(tags.open_id) + 1 if tags.open_id in ids else -1
+        if self.closed and lo >= 0:
+            hi = ids.index(tags.close_id, lo) if tags.close_id in ids[lo:] else -1
+        if lo < 0 or hi < 0:   # the tag is not one token here
+            return max(0, n - self.opened - self.closed), n
+        return hi - lo, hi + 1 if self.closed else n
 
     def _split(self, text: str, final: bool) -> tuple[str, str]:
         self.buf += text
@@ -69,6 +133,7 @@ class ThinkState:
                 if stripped.startswith(_OPEN):
                     self.buf = stripped[len(_OPEN):]
                     self.mode = "reasoning"
+                    self.opened = True
                 elif _OPEN.startswith(stripped) and not final:
                     return content, reasoning  # could still become <think>
                 else:
@@ -79,6 +144,7 @@ class ThinkState:
                     reasoning += self.buf[:i]
                     self.buf = self.buf[i + len(_CLOSE):]
                     self.mode = "content"
+                    self.closed = True
                     continue
                 keep = 0 if final else partial_suffix(self.buf, _CLOSE)
                 reasoning += self.buf[:len(self.buf) - keep]
@@ -120,7 +186,6 @@ class HarmonyChoice:
     def __init__(self, request_id: str, plan: ToolPlan | None) -> None:
         self.harmony = HarmonyState(plan)
         self.tools = ToolState(request_id, plan) if plan is not None else None
-        self.reasoning_tokens = 0   # tokens that gave analysis text and nothing else
 
     def feed(self, d: Delta) -> Delta:
         out = self.harmony.feed(d.token_ids, d.finished)
@@ -128,11 +193,9 @@ class HarmonyChoice:
         reason = d.finish_reason
         if reason is FinishReason.STOP and self.tools is not None and self.tools.num_calls:
             reason = FinishReason.TOOL_CALLS
-        if out.reasoning and not out.content:
-            self.reasoning_tokens += len(d.token_ids)
-        # the choice's count once, on its last delta (account sums the choices)
+        # the analysis tokens, each counted by HarmonyState (account sums the deltas)
         return _with_tools(d, out.content, out.reasoning, calls, reason,
-                           self.reasoning_tokens if d.finished else 0)
+                           out.reasoning_tokens, out.reasoning_span)
 
 
 def _tool_parser(plan: ToolPlan) -> ToolParser:
@@ -144,17 +207,22 @@ def _tool_parser(plan: ToolPlan) -> ToolParser:
 
 
 class Parser:
-    def __init__(self, reasoning_parser: str | None = None) -> None:
+    def __init__(self, reasoning_parser: str | None = None, tokenizer=None) -> None:
+        """`tokenizer`: the served one, for how it spells the <think> tags (ThinkTags);
+        without it every choice starts where its parser does."""
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; "
                              f"choose from {', '.join(REASONING_PARSERS)}")
         self.reasoning_parser = reasoning_parser
+        self.think_tags = (ThinkTags.of(tokenizer) if reasoning_parser in ("qwen3", "deepseek_r1")
+                           else ThinkTags())
         self.states: dict[tuple[str, int], ThinkState] = {}   # (request id, choice)
         self.tools: dict[tuple[str, int], ToolState] = {}
         self.harmony: dict[tuple[str, int], HarmonyChoice] = {}
 
     def process(self, msg: Step) -> Step:
         for req in msg.new_requests:
+            starts: dict[int, str | None] = {}   # per prompt: where it left the reasoning
             for i in range(req.num_choices):      # each choice has its own state
                 if self.reasoning_parser == HARMONY_REASONING_PARSER and (
                         req.tools is None or req.tools.kind == "auto"):
@@ -162,13 +230,17 @@ class Parser:
                         f"{req.request_id}#{i}", req.tools)
                     continue
                 if self.reasoning_parser not in (None, HARMONY_REASONING_PARSER):
-                    self.states[req.request_id, i] = ThinkState(self.reasoning_parser)
+                    p = i // req.n
+                    if p not in starts:
+                        starts[p] = self.think_tags.prompt_state(req.prompt_of(i))
+                    self.states[req.request_id, i] = ThinkState(
+                        self.reasoning_parser, starts[p], self.think_tags)
                 if req.tools is not None:
                     self.tools[req.request_id, i] = ToolState(f"{req.request_id}#{i}", req.tools)
         if not self.states and not self.tools and not self.harmony:
             for d in msg.deltas:
-                if d.content != d.text or d.reasoning or d.reasoning_tokens:
-                    return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "", 0)
+                if not _unparsed(d):
+                    return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "", 0, 0)
                                                           for d in msg.deltas))
             return msg    # every delta already is its own parse (see _unparsed)
         out = []
@@ -181,23 +253,21 @@ class Parser:
                     del self.harmony[key]
                 continue
             st = self.states.get(key)
-            content, reasoning = (st.feed(d.text, d.finished, len(d.token_ids)) if st
-                                  else (d.text, ""))
-            # counted once per choice, over its whole output: on its last delta
-            counted = st.reasoning_tokens if st is not None and d.finished else 0
+            content, reasoning, counted, span = (st.feed(d.text, d.finished, d.token_ids)
+                                                 if st else (d.text, "", 0, 0))
             tools = self.tools.get(key)
             if d.finished:
                 self.states.pop(key, None)
                 self.tools.pop(key, None)
             if tools is None:
                 out.append(d if st is None and _unparsed(d)
-                           else _with_content(d, content, reasoning, counted))
+                           else _with_content(d, content, reasoning, counted, span))
                 continue
             content, calls = tools.feed(content, d.finished)
             reason = d.finish_reason
             if reason is FinishReason.STOP and tools.num_calls:
                 reason = FinishReason.TOOL_CALLS
-            out.append(_with_tools(d, content, reasoning, calls, reason, counted))
+            out.append(_with_tools(d, content, reasoning, calls, reason, counted, span))
         return attrs.evolve(msg, deltas=tuple(out))
 
 

@@ -296,13 +296,15 @@ def template_messages(messages: list[ChatMessage], param: str) -> list[dict]:
             raise RequestError(f"'{where}.content' must be a string or an array of content "
                                "parts, got null.", param=f"{where}.content")
         message = {"role": template_role(m.role),
-                   "content": content_text(m.content, f"{where}.content", ("text",))}
+                   "content": content_text(m.content, f"{where}.content", CHAT_PART_TYPES)}
         for key in ("name", "tool_call_id"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
         if m.tool_calls is not None:
             message["tool_calls"] = template_tool_calls(m.tool_calls)
         reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is None:
+            reasoning = _thinking(m.content)
         if reasoning is not None:
             # Templates read either name (Qwen3's reads reasoning_content).
             message["reasoning"] = message["reasoning_content"] = reasoning
@@ -342,6 +344,21 @@ def template_role(role: str) -> str:
     return "system" if role == "developer" else role
 
 
+# A chat message's parts: text, and what OpenAI's SDK and vLLM replay of an assistant turn
+# (a refusal, the turn's thinking).
+CHAT_PART_TYPES = ("text", "refusal", "thinking")
+
+
+def _thinking(content) -> str | None:
+    """A turn's `thinking` parts (content_text checked them) are its reasoning, not its
+    text: templates that render reasoning (Qwen3's reasoning_content) put it back where
+    the model wrote it, the others drop it, as they drop any earlier reasoning."""
+    if content is None or isinstance(content, str):
+        return None
+    thinking = [p.thinking for p in content if p.type == "thinking"]
+    return "\n".join(thinking) if thinking else None
+
+
 def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
                  part_types: tuple[str, ...]) -> str:
     if content is None:
@@ -358,9 +375,12 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
         if part.type not in part_types:
             raise RequestError(f"'{where}.type' {part.type!r} is not supported; expected "
                                f"{' or '.join(part_types)}.", param=f"{where}.type")
-        if part.text is None:
-            raise RequestError(f"'{where}.text' must be a string.", param=f"{where}.text")
-        texts.append(part.text)
+        key = part.type if part.type in ("refusal", "thinking") else "text"   # its text's key
+        text = getattr(part, key)
+        if text is None:
+            raise RequestError(f"'{where}.{key}' must be a string.", param=f"{where}.{key}")
+        if key != "thinking":      # the turn's reasoning (_thinking), not its text
+            texts.append(text)
     # vLLM joins text parts with a newline.
     return "\n".join(texts)
 
@@ -398,12 +418,16 @@ class ChatFramer(Framer):
             **({"usage": None} if req.include_usage else {})),
             continuous_usage=req.continuous_usage)
 
-    def _visible(self, delta: Delta) -> tuple[str, tuple[TokenLogprob, ...]]:
-        """The reasoning text and logprobs to show: include_reasoning=false hides the
-        reasoning and the logprobs of its tokens (they are still counted)."""
-        if self._show_reasoning or not delta.reasoning:
-            return delta.reasoning, delta.logprobs
-        return "", (delta.logprobs if delta.content else ())
+    def _visible(self, delta: Delta) -> tuple[str, tuple[TokenLogprob, ...], tuple[int, ...]]:
+        """The reasoning text, logprobs and token ids to show: include_reasoning=false hides
+        all of the reasoning, the logprobs and ids of its tokens (parse's reasoning_span:
+        the delta's leading tokens that are the reasoning's) too; they are still counted."""
+        if self._show_reasoning:
+            return delta.reasoning, delta.logprobs, delta.token_ids
+        span = delta.reasoning_span
+        if delta.reasoning and not delta.content:   # all of it is the reasoning's
+            span = max(span, len(delta.token_ids), len(delta.logprobs))
+        return "", delta.logprobs[span:], delta.token_ids[span:]
 
     def start(self) -> bytes:
         if not self.req.stream:
@@ -425,15 +449,15 @@ class ChatFramer(Framer):
             return (self._chunk.text(delta.index, delta.content, _content_choice)
                     if delta.content else b"")
         out = []
-        reasoning, logprobs = self._visible(delta)
+        reasoning, logprobs, token_ids = self._visible(delta)
         lp = chat_logprobs(logprobs) if self._wants_logprobs and logprobs else None
-        ids = self._return_ids and bool(delta.token_ids)
+        ids = self._return_ids and bool(token_ids)
         usage = usage_info(delta.usage) if self.req.continuous_usage else None
         if delta.content or reasoning or lp or ids:
             message = (ChatDelta(content=delta.content, reasoning=reasoning) if reasoning
                        else ChatDelta(content=delta.content))
             choice = (ChatChunkChoice(index=delta.index, delta=message, logprobs=lp,
-                                      token_ids=list(delta.token_ids))
+                                      token_ids=list(token_ids))
                       if ids else ChatChunkChoice(index=delta.index, delta=message, logprobs=lp))
             out.append(self._chunk([choice], usage))
         for call in delta.tool_calls:
@@ -459,7 +483,7 @@ class ChatFramer(Framer):
         return b"".join(out)
 
     def _accumulate(self, delta: Delta) -> bytes:
-        reasoning, logprobs = self._visible(delta)
+        reasoning, logprobs, token_ids = self._visible(delta)
         if delta.prompt_logprobs:
             self._prompt_logprobs = delta.prompt_logprobs
         c = self._choices[delta.index]
@@ -467,7 +491,7 @@ class ChatFramer(Framer):
         c.reasoning.append(reasoning)
         c.logprobs.extend(logprobs)
         if self._return_ids:
-            c.token_ids.extend(delta.token_ids)
+            c.token_ids.extend(token_ids)
         c.tool_calls.extend(ToolCallOut(id=t.id, function=FunctionCall(name=t.name,
                                                                        arguments=t.arguments))
                             for t in delta.tool_calls)

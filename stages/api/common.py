@@ -281,6 +281,8 @@ class ContentPart:
     kept so that a part carrying one is refused even when it says it is text."""
     type: str
     text: str | None = None
+    refusal: str | None = None    # a "refusal" part's text (an assistant turn OpenAI's SDK replays)
+    thinking: str | None = None   # a "thinking" part's text (vLLM's: the turn's reasoning)
     image_url: Any = None
     input_audio: Any = None
     video_url: Any = None
@@ -371,12 +373,13 @@ def usage_flags(stream: bool, options: StreamOptions | None, *,
                 force: bool = False) -> tuple[bool, bool]:
     """(include_usage, continuous_usage) of a reply. Not streamed: the usage is always in
     the reply. A stream: a final usage chunk with stream_options.include_usage, the usage
-    so far on every chunk with continuous_usage_stats; --enable-force-include-usage
+    so far on every chunk with continuous_usage_stats as well; --enable-force-include-usage
     (`force`) turns both on for every stream."""
     if not stream:
         return True, False
-    return (force or bool(options and options.include_usage),
-            force or bool(options and options.continuous_usage_stats))
+    include = force or bool(options and options.include_usage)
+    # as vLLM: continuous_usage_stats only adds to include_usage, never turns it on
+    return include, force or (include and bool(options and options.continuous_usage_stats))
 
 
 # -- requests ----------------------------------------------------------------------------
@@ -403,7 +406,7 @@ class SamplingRequest:
     spaces_between_special_tokens: bool = opt(default=True)    # ignored: tokenizers decides
     priority: int = opt(default=0)                             # ignored: one priority class
     request_id: str | None = opt()                             # ignored: x-request-id names it
-    cache_salt: str | None = opt()                             # ignored
+    cache_salt: str | None = opt()   # prefix-cache blocks are shared only with the same salt
     _not_implemented: ClassVar[dict[str, Any]] = {}
 
     @top_k.validator

@@ -189,6 +189,23 @@ def test_the_tool_result_goes_back_as_the_functions_message(client, server):
     assert at == sorted(at)
 
 
+@pytest.mark.parametrize("result", [{}, {"tool_call_id": None}, {"name": "get_weather"}],
+                         ids=["neither", "null-id", "name-only"])
+def test_a_tool_result_without_its_call_id_is_accepted(client, server, result):
+    """As vLLM: a result naming neither its call nor its function answers the earliest
+    unanswered call (here the only one)."""
+    messages = [{"role": "user", "content": "weather"},
+                {"role": "assistant", "content": "", "tool_calls": [{
+                    "id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Tokyo"}'}}]},
+                {"role": "tool", "content": "20C", **result},
+                {"role": "user", "content": "after"}]
+    r = client.chat.completions.create(model="gpt-oss-tiny", messages=messages, tools=[WEATHER])
+    assert r.choices[0].message.content == "It is 20C."
+    assert ("<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>20C"
+            in server.runner.prompts[-1])
+
+
 def test_tool_choice_none_leaves_the_tools_out(client, server):
     r = client.chat.completions.create(**ask("hello", tools=[WEATHER], tool_choice="none"))
     assert r.choices[0].message.content == "Hello! 👋"

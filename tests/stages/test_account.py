@@ -143,6 +143,17 @@ def test_continuous_usage_is_a_fresh_total_on_every_delta():
     assert seen == [Usage(2, 1), Usage(2, 2)]
 
 
+def test_continuous_usage_shows_the_reasoning_tokens_so_far():
+    """parse counts each delta's reasoning tokens: the running usage grows with them,
+    not only when the choice ends."""
+    run = Run(attrs.evolve(rendered("a", (1, 2), stream=True), continuous_usage=True))
+    seen = [run(Delta("a", ids, reason, reasoning_tokens=r, num_cached_tokens=0))["a", 0].usage
+            for ids, r, reason in (((7,), 1, None), ((8, 9), 2, None),
+                                   ((10,), 0, FinishReason.STOP))]
+    assert [u.reasoning_tokens for u in seen] == [1, 3, 3]
+    assert seen[-1] == Usage(2, 4, reasoning_tokens=3)
+
+
 # -- Histogram: Prometheus' cumulative `le` buckets -------------------------------------------
 
 def test_histogram_buckets_are_upper_bounds_inclusive():

@@ -112,6 +112,44 @@ def test_include_reasoning_false_hides_the_logprobs_of_reasoning_tokens(stream):
     assert tokens == ["answer"]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_include_reasoning_false_hides_the_token_ids_of_the_reasoning(stream):
+    """parse's reasoning_span: the leading ids of a delta that are the reasoning's (its
+    closing tag too) are not sent, so the hidden reasoning cannot be decoded from them."""
+    req = attrs.evolve(request("chat", stream=stream, body={"include_reasoning": False,
+                                                           "return_token_ids": True,
+                                                           "logprobs": True}),
+                       sampling=SamplingParams(max_tokens=8, options=SamplingOptions(logprobs=0)))
+    lp = lambda *tokens: tuple(TokenLogprob(t, -0.5) for t in tokens)   # noqa: E731
+    f = Framer(req)
+    f.start()
+    out = f.on_delta(attrs.evolve(delta(reasoning="se"), token_ids=(11, 12),
+                                  logprobs=lp("s", "e"), reasoning_span=2))
+    out += f.on_delta(attrs.evolve(delta(""), token_ids=(13,), logprobs=lp("c"),
+                                   reasoning_span=1))    # a held-back token of the reasoning
+    out += f.on_delta(attrs.evolve(
+        delta("answer", reasoning="ret", finish=FinishReason.STOP, completion=6),
+        token_ids=(14, 99, 21, 22), logprobs=lp("ret", "</think>", "ans", "wer"),
+        reasoning_span=2))
+    if stream:
+        chunks = [orjson.loads(line[6:]) for line in out.split(b"\n\n")
+                  if line.startswith(b"data: {")]
+        ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
+        tokens = [t["token"] for c in chunks for ch in c["choices"] if ch["logprobs"]
+                  for t in ch["logprobs"]["content"]]
+    else:
+        choice = orjson.loads(out)["choices"][0]
+        ids, tokens = choice["token_ids"], [t["token"] for t in choice["logprobs"]["content"]]
+    assert b'"reasoning"' not in out and b"ret" not in out
+    assert ids == [21, 22] and tokens == ["ans", "wer"]
+    # include_reasoning true: all of it
+    f = Framer(attrs.evolve(req, request=attrs.evolve(req.request, include_reasoning=True)))
+    f.start()
+    out = f.on_delta(attrs.evolve(delta(reasoning="se", finish=FinishReason.STOP),
+                                  token_ids=(11, 12), logprobs=lp("s", "e"), reasoning_span=2))
+    assert b"11" in out and b'"se"' in out
+
+
 def test_chat_stream_error_and_abort():
     f = Framer(request("chat", stream=True))
     out = f.on_delta(delta(finish=FinishReason.ERROR, error="CUDA fell over"))

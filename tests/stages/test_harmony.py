@@ -199,10 +199,31 @@ def test_tool_results_are_authored_by_the_function(enc, ctx, content):
         in enc.decode(list(req.prompt_token_ids))
 
 
-def test_a_tool_result_for_no_call_is_a_400(ctx):
-    with pytest.raises(RequestError) as info:
-        chat({"messages": [*USER, {"role": "tool", "tool_call_id": "nope", "content": "x"}]}, ctx)
-    assert info.value.status == 400 and info.value.param == "messages[1].tool_call_id"
+def test_tool_results_without_an_id_or_a_name_answer_the_calls_in_order(enc, ctx):
+    """As vLLM accepts them: a result that names neither its call nor its function is
+    the earliest unanswered call's; with no call at all, an unnamed function's."""
+    two = {"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}},
+        {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}
+    messages = [*USER, two, {"role": "tool", "content": "20C"},
+                {"role": "tool", "tool_call_id": None, "content": "noon"}]
+    req = chat({"messages": messages, "tools": [WEATHER]}, ctx)
+    assert req.prompt_token_ids == prompt_of(
+        enc, system(), developer(None, [WEATHER]), user(USER[0]["content"]),
+        call("get_weather", ARGS), call("get_time", "{}"), result("get_weather", "20C"),
+        result("get_time", "noon"))
+    # a name answers its own call, leaving the other for the next result without one
+    named = [*USER, two, {"role": "tool", "name": "get_time", "content": "noon"},
+             {"role": "tool", "content": "20C"}]
+    assert chat({"messages": named, "tools": [WEATHER]}, ctx).prompt_token_ids == prompt_of(
+        enc, system(), developer(None, [WEATHER]), user(USER[0]["content"]),
+        call("get_weather", ARGS), call("get_time", "{}"), result("get_time", "noon"),
+        result("get_weather", "20C"))
+    # no call to answer (an unknown id included): vLLM's unnamed `functions.`
+    for orphan in ({"role": "tool", "tool_call_id": "nope", "content": "x"},
+                   {"role": "tool", "content": "x"}):
+        req = chat({"messages": [*USER, orphan]}, ctx)
+        assert "<|start|>functions. to=assistant" in enc.decode(list(req.prompt_token_ids))
 
 
 WEATHER_TURNS = [
@@ -332,6 +353,23 @@ def test_analysis_is_reasoning_and_final_is_content(enc):
     for pieces in splits(ids):
         assert joined(parse(pieces)[1]) == ("Hello there!", "The user greets.", [],
                                             FinishReason.STOP)
+
+
+def test_reasoning_tokens_are_the_analysis_text_tokens_at_every_cut(enc):
+    """Counted per token, so a delta of several tokens across analysis and final counts
+    only its analysis text (not the headers, not the answer); the span is the delta's
+    leading tokens that are no answer's (what include_reasoning false hides)."""
+    analysis = enc.encode("The user greets.", allowed_special="all")
+    ids = completion(enc, said("The user greets.", "analysis"), said("Hello there!", "final"))
+    for pieces in splits(ids):
+        deltas = parse(pieces)[1]
+        assert sum(d.reasoning_tokens for d in deltas) == len(analysis)
+        hidden = [t for p, d in zip(pieces, deltas) for t in p[:d.reasoning_span]]
+        shown = [t for p, d in zip(pieces, deltas) for t in p[d.reasoning_span:]]
+        assert enc.decode(shown).find("Hello there!") >= 0
+        if len(pieces) == len(ids):          # one token a delta: exactly the analysis part
+            assert enc.decode(hidden).find("The user greets.") >= 0
+            assert "Hello" not in enc.decode(hidden)
 
 
 def test_a_call_to_a_function_is_a_tool_call(enc):

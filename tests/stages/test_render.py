@@ -434,11 +434,61 @@ def test_kv_transfer_params_prompt_token_ids_replace_the_rendered_prompt():
 
 @pytest.mark.parametrize("ids, words", [
     ([], "non-negative integers"), ([1, -1], "non-negative integers"), ("12", "non-negative integers"),
-    ([1, 1.5], "non-negative integers"), ([1, 5000], "out of vocabulary")])
+    ([1, 1.5], "non-negative integers"), ([1, 5000], "out of vocabulary"),
+    ([1.0], "non-negative integers"), ([True], "non-negative integers"),
+    (["1"], "non-negative integers"), (5, "non-negative integers")])
 def test_bad_kv_prompt_token_ids_are_400(ids, words):
     err = error_of(chat, {"kv_transfer_params": {"prompt_token_ids": ids}})
     assert err.status == 400 and words in err.message
     assert err.param == "kv_transfer_params.prompt_token_ids"
+
+
+def test_echo_renders_the_messages_not_the_kv_prompt_token_ids():
+    """echo needs the messages' text: kv_transfer_params.prompt_token_ids is not the
+    prompt then (as vLLM)."""
+    ctx = make_ctx()
+    plain = chat({"messages": [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "Hel"}], "echo": True}, ctx)
+    req = chat({"messages": [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "Hel"}], "echo": True,
+                "kv_transfer_params": {"prompt_token_ids": [5, 6, 7]}}, ctx)
+    assert req.prompt_token_ids == plain.prompt_token_ids != (5, 6, 7)
+    assert req.echo == ("Hel",)
+
+
+ASSISTANT_PARTS = [{"type": "text", "text": "I can't"},
+                   {"type": "refusal", "refusal": "do that."},
+                   {"type": "thinking", "thinking": "Policy says no.", "closed": True}]
+
+
+def test_refusal_and_thinking_parts_of_a_replayed_assistant_turn():
+    """What OpenAI's SDK (refusal) and vLLM (thinking) replay of an assistant turn: the
+    refusal is the turn's text, the thinking its reasoning (for templates that read it)."""
+    ctx = make_ctx()
+    chat({"messages": [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": ASSISTANT_PARTS},
+                       {"role": "user", "content": "why?"}]}, ctx)
+    turn = ctx.tokenizer.template_calls[-1][0][1]
+    assert turn["content"] == "I can't\ndo that."
+    assert turn["reasoning"] == turn["reasoning_content"] == "Policy says no."
+    # an explicit reasoning wins over the parts
+    chat({"messages": [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": ASSISTANT_PARTS, "reasoning": "R"}]}, ctx)
+    assert ctx.tokenizer.template_calls[-1][0][1]["reasoning"] == "R"
+    # with kv_transfer_params.prompt_token_ids the parts are checked and the ids used
+    req = chat({"messages": [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": ASSISTANT_PARTS}],
+                "kv_transfer_params": {"prompt_token_ids": [5, 6, 7]}}, ctx)
+    assert req.prompt_token_ids == (5, 6, 7)
+
+
+@pytest.mark.parametrize("part, param", [({"type": "refusal"}, "refusal"),
+                                         ({"type": "refusal", "text": "x"}, "refusal"),
+                                         ({"type": "thinking"}, "thinking")])
+def test_a_refusal_or_thinking_part_without_its_text_is_a_400(part, param):
+    err = error_of(chat, {"messages": [{"role": "user", "content": "hi"},
+                                       {"role": "assistant", "content": [part]}]})
+    assert (err.status, err.param) == (400, f"messages[1].content[0].{param}")
 
 
 @pytest.mark.parametrize("part, kind", [
@@ -487,8 +537,17 @@ def test_explicit_temperature_zero_beats_generation_config():
 def test_stream_usage_options():
     plain = chat({"stream": True, "stream_options": {}})
     assert not plain.include_usage and not plain.continuous_usage     # {} adds nothing
-    cont = chat({"stream": True, "stream_options": {"continuous_usage_stats": True}})
-    assert cont.continuous_usage
+    # as vLLM: continuous_usage_stats without include_usage turns nothing on (chat and
+    # completions alike)
+    for fn in (chat, completion):
+        alone = fn({"stream": True, "stream_options": {"continuous_usage_stats": True}})
+        assert not alone.include_usage and not alone.continuous_usage
+        off = fn({"stream": True, "stream_options": {"include_usage": False,
+                                                      "continuous_usage_stats": True}})
+        assert not off.include_usage and not off.continuous_usage
+        cont = fn({"stream": True, "stream_options": {"include_usage": True,
+                                                       "continuous_usage_stats": True}})
+        assert cont.include_usage and cont.continuous_usage
     forced = chat({"stream": True}, make_ctx(force_include_usage=True))
     assert forced.include_usage and forced.continuous_usage
 

@@ -250,7 +250,7 @@ async def test_account_usage_so_far_only_where_a_reply_reads_it():
     assert got["c", 2].usage == Usage(prompt_tokens=3, completion_tokens=3)
 
 
-async def test_reasoning_tokens_are_counted_once_per_choice_over_its_output():
+async def test_reasoning_tokens_are_counted_per_token_over_each_choices_output():
     """parse then account: a choice's reasoning tokens are the output tokens inside its
     reasoning, whatever each delta shows. A token whose text detokenize holds back (half a
     character: "") is still reasoning; the tags' own tokens are not. Counting the tokens of
@@ -273,9 +273,12 @@ async def test_reasoning_tokens_are_counted_once_per_choice_over_its_output():
                           core=account.Accountant())
     deltas = [d for s in out["send"] for d in s.deltas]
     assert "".join(d.reasoning for d in deltas if d.index == 0) == "planning"
-    assert [d.reasoning_tokens for d in deltas if d.finished] == [2, 3]   # on the last only
+    # each delta its own (a held-back token too); the tags' and the answer's none
+    assert [d.reasoning_tokens for d in deltas if d.index == 0] == [0, 1, 1, 1, 0, 0]
+    assert [d.reasoning_tokens for d in deltas if d.index == 1] == [0, 1, 1, 0, 0]
     assert all(d.usage is None for d in deltas if not d.finished)   # no reply reads one there
-    assert [d.usage.reasoning_tokens for d in deltas if d.finished] == [2, 2 + 3]
+    # the usage so far: when choice 1 ends, choice 0 has made all of its reasoning too
+    assert [d.usage.reasoning_tokens for d in deltas if d.finished] == [2 + 3, 2 + 3]
     assert deltas[-1].usage == Usage(prompt_tokens=3, completion_tokens=11,
                                      reasoning_tokens=3 + 2)      # summed over the choices
 
