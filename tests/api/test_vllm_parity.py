@@ -1,0 +1,55 @@
+"""Issue 22's differences from vLLM found by its own OpenAI-server tests, checked without a
+server (the HTTP side: tests/e2e/test_e2e_vllm_parity.py)."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+
+from stages.api.common import ToolSettings
+from stages.api.tools import responses_tools, tool_request
+
+HERMES = ToolSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+# what pydantic emits for a nested model: the parameters refer to their own $defs
+OPTIONS = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                            "days": {"type": "integer"}},
+           "required": ["unit"], "additionalProperties": False}
+NESTED = {"type": "object", "properties": {"city": {"type": "string"},
+                                           "options": {"$ref": "#/$defs/Options"}},
+          "required": ["city", "options"], "$defs": {"Options": OPTIONS}}
+# a recursive one: "#" is the parameters' own root
+TREE = {"type": "object", "properties": {"name": {"type": "string"},
+                                         "children": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["name"]}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": NESTED}},
+         {"type": "function", "function": {"name": "tree", "parameters": TREE}},
+         # a second tool with a $defs entry of the same name, meaning something else
+         {"type": "function", "function": {"name": "other", "parameters": {
+             "type": "object", "properties": {"o": {"$ref": "#/$defs/Options"}},
+             "$defs": {"Options": {"type": "string"}}}}}]
+
+
+def test_required_tool_schemas_keep_their_refs_resolvable():
+    tr = tool_request(TOOLS, "required", None, HERMES)   # checked by xgrammar: no 400
+    schema = json.loads(tr.constraint.spec)
+    good = [{"name": "weather", "parameters": {"city": "Paris", "options": {"unit": "c"}}},
+            {"name": "tree", "parameters": {"name": "a", "children": [{"name": "b"}]}},
+            {"name": "other", "parameters": {"o": "x"}}]
+    jsonschema.validate(good, schema)
+    for bad in ([{"name": "weather", "parameters": {"city": "P", "options": {"unit": "k"}}}],
+                [{"name": "tree", "parameters": {"name": "a", "children": [{"x": 1}]}}],
+                [{"name": "other", "parameters": {"o": {"unit": "c"}}}]):
+        try:
+            jsonschema.validate(bad, schema)
+        except jsonschema.ValidationError:
+            continue
+        raise AssertionError(f"{bad} should not match")
+
+
+def test_required_tool_refs_in_responses_form():
+    tools = responses_tools([{"type": "function", "name": "weather", "parameters": NESTED}])
+    tr = tool_request(tools, "required", None, HERMES)
+    jsonschema.validate([{"name": "weather", "parameters": {"city": "P",
+                                                            "options": {"unit": "f"}}}],
+                        json.loads(tr.constraint.spec))

@@ -1,0 +1,68 @@
+"""Issue 22: behaviours vLLM's own OpenAI-server tests expect, over HTTP with the official
+openai client (SmolLM2; tools on the hermes server)."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+# pydantic's shape for a nested model: a $ref into the parameters' own $defs
+NESTED = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12},
+    "options": {"$ref": "#/$defs/Options"}},
+    "required": ["city", "options"], "additionalProperties": False,
+    "$defs": {"Options": {"type": "object", "properties": {
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["unit"], "additionalProperties": False}}}
+NESTED_TOOLS = [{"type": "function", "function": {"name": "get_weather",
+                                                  "parameters": NESTED}},
+                {"type": "function", "function": {"name": "get_time", "parameters": {
+                    "type": "object", "properties": {}}}}]
+SCHEMAS = {"get_weather": NESTED, "get_time": {"type": "object"}}
+
+
+# -- 1. tool schemas with $ref/$defs under tool_choice "required" ------------------------
+
+def test_required_with_defs_in_chat(tools_client):
+    r = tools_client.chat.completions.create(
+        model="", messages=ASK, tools=NESTED_TOOLS, tool_choice="required", max_tokens=80,
+        temperature=0, parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_with_defs_in_responses(tools_client):
+    tools = [{"type": "function", "name": t["function"]["name"],
+              "parameters": t["function"]["parameters"]} for t in NESTED_TOOLS]
+    r = tools_client.responses.create(model="", input="Weather in Paris?", tools=tools,
+                                      tool_choice="required", max_output_tokens=80,
+                                      temperature=0, parallel_tool_calls=False)
+    [call] = [item for item in r.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+# -- 3. a named tool call cut by max tokens is not a call --------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_call_cut_by_max_tokens_is_not_a_call(tools_client, tool_choice, stream):
+    kwargs = dict(model="", messages=ASK, tools=NESTED_TOOLS, tool_choice=tool_choice,
+                  max_completion_tokens=3, temperature=0)
+    if not stream:
+        choice = tools_client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "length"
+        assert choice.message.tool_calls is None
+        return
+    reasons, calls = [], []
+    for chunk in tools_client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            calls += c.delta.tool_calls or []
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons == ["length"] and calls == []
