@@ -36,6 +36,9 @@ class InputItem:
     name: str | None = None
     arguments: str | None = None
     output: Content = None
+    # reasoning (an earlier turn's, replayed from response.output): its content parts are
+    # reasoning_text, its summary parts summary_text
+    summary: Content = None
 
 
 @attrs.frozen
@@ -257,25 +260,45 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
 def _input_messages(raw) -> list[dict]:
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
-    messages = []
+    messages: list[dict] = []
+    reasoning: list[str] = []     # reasoning items waiting for the assistant turn they led to
     for i, item in enumerate(raw):
         where = f"input[{i}]"
-        if item.type in ("function_call", "function_call_output"):
-            messages.append(_function_item(item, where, messages))
+        if item.type == "reasoning":
+            reasoning.append(_reasoning_text(item, where))
             continue
-        if item.type != "message":
+        if item.type in ("function_call", "function_call_output"):
+            message = _function_item(item, where, messages)
+        elif item.type != "message":
             raise RequestError(f"'{where}.type' {item.type!r} is not supported; only message, "
-                               "function_call and function_call_output items are.",
+                               "reasoning, function_call and function_call_output items are.",
                                param=f"{where}.type")
-        if item.role not in RESPONSES_ROLES:
-            raise RequestError(f"'{where}.role' must be one of {', '.join(RESPONSES_ROLES)}, "
-                               f"got {item.role!r}.", param=f"{where}.role")
-        if item.content is None:
-            raise RequestError(f"'{where}.content' must be a string or an array of content "
-                               "parts, got null.", param=f"{where}.content")
-        messages.append({"role": template_role(item.role), "content": content_text(
-            item.content, f"{where}.content", ("input_text", "output_text", "text"))})
+        else:
+            if item.role not in RESPONSES_ROLES:
+                raise RequestError(f"'{where}.role' must be one of "
+                                   f"{', '.join(RESPONSES_ROLES)}, got {item.role!r}.",
+                                   param=f"{where}.role")
+            if item.content is None:
+                raise RequestError(f"'{where}.content' must be a string or an array of "
+                                   "content parts, got null.", param=f"{where}.content")
+            message = {"role": template_role(item.role), "content": content_text(
+                item.content, f"{where}.content", ("input_text", "output_text", "text"))}
+        if message["role"] == "assistant" and reasoning:
+            # An earlier turn's reasoning goes with the answer or calls it led to, as chat's
+            # history carries it: the template keeps it or drops it (Qwen3's keeps only the
+            # last turn's), and Harmony renders it as the analysis message.
+            text = "\n".join([*filter(None, [message.get("reasoning")]), *reasoning])
+            message = {**message, "reasoning": text, "reasoning_content": text}
+        reasoning = []   # (reasoning that led to no assistant turn has nowhere to go)
+        messages.append(message)
     return messages
+
+
+def _reasoning_text(item, where: str) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary."""
+    if item.content:
+        return content_text(item.content, f"{where}.content", ("reasoning_text",))
+    return content_text(item.summary, f"{where}.summary", ("summary_text",))
 
 
 def _function_item(item, where: str, messages: list[dict]) -> dict:

@@ -53,3 +53,38 @@ def test_required_tool_refs_in_responses_form():
     jsonschema.validate([{"name": "weather", "parameters": {"city": "P",
                                                             "options": {"unit": "f"}}}],
                         json.loads(tr.constraint.spec))
+
+
+# -- 2. Responses takes reasoning items back (a client replaying response.output) ---------
+
+def _responses_messages(items):
+    from stages.api.common import parse_request
+    from stages.api.responses import ResponsesRequest, plan
+    return plan(parse_request({"input": items}, ResponsesRequest),
+                reasoning_parser=True).messages
+
+
+def test_reasoning_items_go_with_the_assistant_turn_they_led_to():
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+                 "content": [{"type": "reasoning_text", "text": "2 + 2 is 4."}]}
+    answer = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "4", "annotations": [],
+                           "logprobs": []}]}
+    messages = _responses_messages([{"role": "user", "content": "2 + 2?"}, reasoning, answer,
+                                    {"role": "user", "content": "And 3 + 3?"}])
+    assert messages == [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4", "reasoning": "2 + 2 is 4.",
+         "reasoning_content": "2 + 2 is 4."},
+        {"role": "user", "content": "And 3 + 3?"}]
+    # before calls: on the calls' assistant message; a summary when there is no content
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    summary = {"type": "reasoning", "id": "rs_2",
+               "summary": [{"type": "summary_text", "text": "Call f."}]}
+    messages = _responses_messages([{"role": "user", "content": "go"}, summary, call])
+    assert messages[1]["reasoning"] == "Call f." and messages[1]["tool_calls"]
+    # reasoning that led to no assistant turn is dropped
+    messages = _responses_messages([{"role": "user", "content": "a"}, reasoning,
+                                    {"role": "user", "content": "b"}])
+    assert [m["role"] for m in messages] == ["user", "user"]
+    assert not any("reasoning" in m for m in messages)

@@ -66,3 +66,22 @@ def test_tool_call_cut_by_max_tokens_is_not_a_call(tools_client, tool_choice, st
             if c.finish_reason:
                 reasons.append(c.finish_reason)
     assert reasons == ["length"] and calls == []
+
+
+# -- 2. Responses takes its own output back as input, reasoning items included ------------
+
+def test_responses_output_replayed_as_input(reasoning_server):
+    thinker = openai.OpenAI(base_url=reasoning_server.base_url, api_key="x", max_retries=0,
+                            timeout=120)
+    first = [{"role": "user", "content": "What is 2 + 2?"}]
+    r = thinker.responses.create(model="thinker", input=first, max_output_tokens=6,
+                                 temperature=0)
+    assert any(item.type == "reasoning" for item in r.output)   # deepseek_r1: all reasoning
+    then = [{"role": "user", "content": "And 3 + 3?"}]
+    replayed = thinker.responses.create(model="thinker", input=first + r.output + then,
+                                        max_output_tokens=2, temperature=0)
+    # SmolLM2's template has no place for reasoning: the prompt is the one without it
+    without = [item for item in r.output if item.type != "reasoning"]
+    plain = thinker.responses.create(model="thinker", input=first + without + then,
+                                     max_output_tokens=2, temperature=0)
+    assert replayed.usage.input_tokens == plain.usage.input_tokens
