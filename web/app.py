@@ -1,7 +1,7 @@
 """The HTTP edge: a Quart (quart-trio) app over an Engine.
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses;
-GET /v1/models, /health, /metrics, /version. Until the model has loaded, LoadingGate
+GET /v1/models, /v1/models/{id}, /health, /metrics, /version. Until the model has loaded, LoadingGate
 answers every request with 503. Every error is OpenAI-shaped JSON; every
 503 (overload, shutdown, a stopped engine) carries Retry-After. API keys and CORS wrap
 the app at the ASGI level (web/access.py); AppConfig holds the server's own settings.
@@ -266,12 +266,22 @@ class Views:
             return _json_error(err)
         return _json(unstructure(result))
 
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.started_at,
+                "owned_by": "tailrace", "root": name, "parent": None,
+                "max_model_len": self.engine.max_model_len}
+
     async def models(self) -> Response:
-        data = [{"id": name, "object": "model", "created": self.started_at,
-                 "owned_by": "tailrace", "root": name, "parent": None,
-                 "max_model_len": self.engine.max_model_len}
-                for name in self.engine.model_names]
+        data = [self._model_card(name) for name in self.engine.model_names]
         return _json({"object": "list", "data": data})
+
+    async def model(self, model_id: str) -> Response:
+        """GET /v1/models/{id} (the openai client's models.retrieve); an id may hold
+        slashes (`org/name`)."""
+        if model_id not in self.engine.model_names:
+            return error_response(f"The model `{model_id}` does not exist.", 404,
+                                  type="NotFoundError", param="model", code="model_not_found")
+        return _json(self._model_card(model_id))
 
     async def health(self) -> Response:
         # 503 once the server drains for shutdown or the engine has stopped
@@ -334,6 +344,7 @@ def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
     app.add_url_rule("/tokenize", view_func=views.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=views.detokenize, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=views.models, methods=["GET"])
+    app.add_url_rule("/v1/models/<path:model_id>", view_func=views.model, methods=["GET"])
     app.add_url_rule("/health", view_func=views.health, methods=["GET"])
     app.add_url_rule("/version", view_func=views.version, methods=["GET"])
     app.add_url_rule("/metrics", view_func=views.metrics, methods=["GET"])

@@ -85,3 +85,12 @@ def test_responses_output_replayed_as_input(reasoning_server):
     plain = thinker.responses.create(model="thinker", input=first + without + then,
                                      max_output_tokens=2, temperature=0)
     assert replayed.usage.input_tokens == plain.usage.input_tokens
+
+
+# -- 4. GET /v1/models/{id} --------------------------------------------------------------
+
+def test_models_retrieve(client, model_name):
+    model = client.models.retrieve(model_name)
+    assert model.id == model_name and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/no-such-model")
