@@ -143,7 +143,7 @@ class ChatChoice:
     logprobs: ChatLogprobs | None = None
     finish_reason: str
     stop_reason: str | int | None = None
-    token_ids: list[int] = ABSENT               # return_token_ids
+    token_ids: list[int] | None = None          # return_token_ids
 
 
 @omit_absent
@@ -155,8 +155,8 @@ class ChatCompletion:
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
-    prompt_token_ids: list[int] = ABSENT        # return_token_ids
+    prompt_logprobs: list[Any] | None = None    # prompt_logprobs (vLLM's shape)
+    prompt_token_ids: list[int] | None = None   # return_token_ids
     metrics: Any = ABSENT                       # --enable-per-request-metrics
 
 
@@ -483,10 +483,10 @@ class ChatFramer(Framer):
             choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
             usage=usage_info(delta.usage),
             **({} if delta.metrics is None else {"metrics": delta.metrics}),
-            **({"prompt_logprobs": prompt_logprobs_json(self._prompt_logprobs or ())}
-               if self.req.sampling.prompt_logprobs is not None else {}),
-            **({"prompt_token_ids": list(self.req.prompt_token_ids)} if self._return_ids
-               else {})))
+            # vLLM's body has these keys, null when not asked for
+            prompt_logprobs=(prompt_logprobs_json(self._prompt_logprobs or ())
+                             if self.req.sampling.prompt_logprobs is not None else None),
+            prompt_token_ids=list(self.req.prompt_token_ids) if self._return_ids else None))
 
     def _body_choice(self, index: int, c: ChoiceState) -> ChatChoice:
         text, reasoning = self._echo + "".join(c.text), "".join(c.reasoning)
@@ -498,4 +498,4 @@ class ChatFramer(Framer):
         return ChatChoice(index=index, message=message, finish_reason=c.finish_reason,
                           stop_reason=c.stop_reason,
                           logprobs=chat_logprobs(c.logprobs) if self._wants_logprobs else None,
-                          **({"token_ids": c.token_ids} if self._return_ids else {}))
+                          token_ids=c.token_ids if self._return_ids else None)

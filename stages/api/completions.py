@@ -47,9 +47,9 @@ class CompletionChoice:
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = ABSENT      # streaming: on the final chunk only
-    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
-    prompt_token_ids: list[int] = ABSENT        # return_token_ids (streaming: first chunk)
-    token_ids: list[int] = ABSENT               # return_token_ids
+    prompt_logprobs: list[Any] | None = ABSENT  # prompt_logprobs (vLLM's shape)
+    prompt_token_ids: list[int] | None = ABSENT  # return_token_ids (streaming: first chunk)
+    token_ids: list[int] | None = ABSENT        # return_token_ids
 
 
 @omit_absent
@@ -246,7 +246,8 @@ class CompletionFramer(Framer):
             **({} if delta.metrics is None else {"metrics": delta.metrics})))
 
     def _body_choice(self, i: int, c: ChoiceState) -> CompletionChoice:
-        extra = {}
+        # vLLM's body has these keys, null when not asked for (a stream leaves them out)
+        extra = {"prompt_logprobs": None, "prompt_token_ids": None, "token_ids": None}
         if self._show_prompt_logprobs:
             extra["prompt_logprobs"] = prompt_logprobs_json(self._prompt_logprobs[i // self.req.n] or ())
         if self._return_ids:

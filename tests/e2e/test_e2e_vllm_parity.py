@@ -94,3 +94,21 @@ def test_models_retrieve(client, model_name):
     assert model.id == model_name and model.object == "model"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("org/no-such-model")
+
+
+# -- 7. keys vLLM sends as null ----------------------------------------------------------
+
+def test_null_keys_as_vllm_sends_them(client, model_name):
+    chat = client.chat.completions.create(model=model_name, max_tokens=2,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.prompt_logprobs is None and chat.prompt_token_ids is None
+    assert chat.choices[0].token_ids is None
+    cmpl = client.completions.create(model=model_name, prompt="Hi", max_tokens=2)
+    choice = cmpl.choices[0]
+    assert choice.prompt_logprobs is None and choice.prompt_token_ids is None
+    assert choice.token_ids is None
+    # asked for: the values
+    cmpl = client.completions.create(model=model_name, prompt="Hi", max_tokens=2,
+                                     extra_body={"return_token_ids": True,
+                                                 "prompt_logprobs": 0})
+    assert cmpl.choices[0].prompt_token_ids and cmpl.choices[0].prompt_logprobs[0] is None
