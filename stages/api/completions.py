@@ -166,7 +166,7 @@ class CompletionFramer(Framer):
                 tops.append(None if e.logprob is None else _prompt_top(e))
             else:
                 values.append(e.logprob)
-                tops.append(dict(e.top))
+                tops.append(_sampled_top(e))
         return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops,
                                   text_offset=offsets)
 
@@ -261,6 +261,15 @@ class CompletionFramer(Framer):
 
 def _text_choice(index: int, text: str) -> CompletionChoice:
     return CompletionChoice(index=index, text=text, logprobs=None)
+
+
+def _sampled_top(e) -> dict[str, float]:
+    """A generated token's top_logprobs in the legacy shape: the sampled token, then the
+    top alternatives (as vLLM and OpenAI: `logprobs: 0` still names the sampled token)."""
+    top = {e.token: e.logprob}
+    for text, lp in e.top:
+        top.setdefault(text, lp)
+    return top
 
 
 def _prompt_top(e: PromptLogprob) -> dict[str, float]:

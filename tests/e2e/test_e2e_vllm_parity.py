@@ -112,3 +112,22 @@ def test_null_keys_as_vllm_sends_them(client, model_name):
                                      extra_body={"return_token_ids": True,
                                                  "prompt_logprobs": 0})
     assert cmpl.choices[0].prompt_token_ids and cmpl.choices[0].prompt_logprobs[0] is None
+
+
+# -- 6. completions logprobs: 0 names the sampled token ----------------------------------
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_completions_logprobs_0_gives_the_sampled_token(client, model_name, echo):
+    r = client.completions.create(model=model_name, prompt="The sky is", max_tokens=3,
+                                  temperature=1.0, seed=3, logprobs=0, echo=echo)
+    lp = r.choices[0].logprobs
+    first = 1 if echo else 0          # echo: the prompt's first token has no logprob
+    assert lp.top_logprobs[0] is None if echo else True
+    for token, value, top in zip(lp.tokens[first:], lp.token_logprobs[first:],
+                                 lp.top_logprobs[first:]):
+        assert top == {token: value}
+    r = client.completions.create(model=model_name, prompt="The sky is", max_tokens=4,
+                                  temperature=1.0, seed=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value and 1 <= len(top) <= 2
