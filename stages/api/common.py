@@ -437,6 +437,7 @@ class ChoiceRequest(SamplingRequest):
     truncate_prompt_tokens: int | None = opt()     # keep this many prompt tokens; -1: max_model_len
     truncation_side: str | None = opt(one_of("left", "right"))   # which end truncation cuts
     return_token_ids: bool = opt(default=False)    # prompt_token_ids and token_ids on replies
+    return_tokens_as_token_ids: bool = opt(default=False)   # logprobs name tokens token_id:N
     kv_transfer_params: dict[str, Any] | None = opt()   # chat: prompt_token_ids as the prompt
     prompt_logprobs: int | None = opt()            # the prompt tokens' logprobs (top k)
     echo: bool = opt(default=False)                # the reply starts with the prompt (chat:
@@ -484,7 +485,7 @@ class ChoiceRequest(SamplingRequest):
 # Fields of vLLM's and OpenAI's schemas this server does not act on yet: a 400 naming the
 # field, unless the value is one of the harmless ones listed.
 VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
-                "logits_processors": (), "return_tokens_as_token_ids": (False,),
+                "logits_processors": (),
                 "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": (),
                 "thinking_token_budget": ()}

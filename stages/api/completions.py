@@ -143,6 +143,7 @@ class CompletionFramer(Framer):
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._offsets = [0] * num          # text_offset of each choice's next token
         self._return_ids = req.request.return_token_ids
+        self._ids_as_tokens = req.request.return_tokens_as_token_ids
         self._prompt_sent = [False] * num
         self._echoed = [False] * num
         # each prompt's logprobs (its first choice brings them), as a choice shows them
@@ -158,6 +159,8 @@ class CompletionFramer(Framer):
     def _logprobs_json(self, index: int, entries) -> CompletionLogprobs:
         offsets, tokens, values, tops = [], [], [], []
         for e in entries:
+            if isinstance(e, PromptLogprob) and self._ids_as_tokens:   # echo's prompt tokens
+                e = _named_by_id(e)
             offsets.append(self._offsets[index])
             self._offsets[index] += len(e.token)
             tokens.append(e.token)
@@ -261,6 +264,13 @@ class CompletionFramer(Framer):
 
 def _text_choice(index: int, text: str) -> CompletionChoice:
     return CompletionChoice(index=index, text=text, logprobs=None)
+
+
+def _named_by_id(e: PromptLogprob) -> PromptLogprob:
+    """return_tokens_as_token_ids: a prompt token and its alternatives as "token_id:N"
+    (detokenize names the generated ones so)."""
+    return attrs.evolve(e, token=f"token_id:{e.token_id}",
+                        top=tuple((i, f"token_id:{i}", lp) for i, _, lp in e.top))
 
 
 def _sampled_top(e) -> dict[str, float]:

@@ -131,3 +131,36 @@ def test_completions_logprobs_0_gives_the_sampled_token(client, model_name, echo
     lp = r.choices[0].logprobs
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert top[token] == value and 1 <= len(top) <= 2
+
+
+# -- 8. return_tokens_as_token_ids --------------------------------------------------------
+
+def _is_id(token: str) -> bool:
+    return token.startswith("token_id:") and token[len("token_id:"):].isdigit()
+
+
+def test_return_tokens_as_token_ids(client, model_name, tokenizer):
+    ids_on = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body=ids_on)
+    content = chat.choices[0].logprobs.content
+    # each token names the id that was sampled; the text itself is unchanged
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(_is_id(t.token) for c in content for t in c.top_logprobs)
+    assert chat.choices[0].message.content == tokenizer.decode(chat.choices[0].token_ids)
+    for stream in (False, True):
+        r = client.completions.create(model=model_name, prompt="The sky is", max_tokens=3,
+                                      temperature=0, logprobs=1, echo=not stream,
+                                      stream=stream, extra_body=ids_on)
+        lps = [c.choices[0].logprobs for c in r] if stream else [r.choices[0].logprobs]
+        tokens = [t for lp in lps if lp for t in lp.tokens]
+        assert tokens and all(_is_id(t) for t in tokens)
+        assert all(_is_id(t) for lp in lps if lp for top in lp.top_logprobs if top
+                   for t in top)
+        if not stream:   # echo: the prompt's tokens first, by id too
+            prompt = tokenizer.encode("The sky is")
+            assert tokens[:len(prompt)] == [f"token_id:{t}" for t in prompt]
+            offsets = lps[0].text_offset       # offsets count the rendered tokens
+            assert offsets[1] - offsets[0] == len(tokens[0])
