@@ -180,8 +180,10 @@ def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext
         return fields[name].default if value is None else value
 
     stop_ids = req.stop_token_ids
-    if ctx.vocab_size is not None and any(i >= ctx.vocab_size for i in stop_ids):
-        raise RequestError(f"'stop_token_ids' must be below the vocabulary size "
+    outside = [i for i in stop_ids if ctx.vocab_size is not None and i >= ctx.vocab_size]
+    if outside:
+        raise RequestError(f"'stop_token_ids' contains {outside[0]}, which is out of "
+                           f"vocabulary: token ids must be below the vocabulary size "
                            f"{ctx.vocab_size}.", param="stop_token_ids")
     return SamplingOptions(
         temperature=float(pick("temperature")), top_p=float(pick("top_p")), top_k=pick("top_k"),

@@ -245,8 +245,18 @@ _INT64 = 2 ** 63
 
 
 def seed_range(_, attribute, value) -> None:
-    if value is not None and not -_INT64 <= value < _INT64:
+    """An integer in int64's range. The JSON parser gives an integer beyond 64 bits as a
+    float: a whole one out of range gets the range message too, not a type error."""
+    if value is None:
+        return
+    # (-2**63 - 1 parses to the float -2**63: any whole float that large is out of range)
+    if ((type(value) is int and not -_INT64 <= value < _INT64)
+            or (type(value) is float and value.is_integer() and abs(value) >= _INT64)):
         raise Invalid("must fit in a signed 64-bit integer.", attribute.name)
+    if type(value) is not int:
+        exc = mismatch("an integer", value)
+        exc.field = attribute.name
+        raise exc
 
 
 # -- request pieces ----------------------------------------------------------------------
@@ -389,7 +399,7 @@ class SamplingRequest:
     stream: bool = opt(default=False)
     temperature: float | None = opt(between(0.0, 2.0))
     top_p: float | None = opt(between(0.0, 1.0, lo_open=True))
-    seed: int | None = opt(seed_range)
+    seed: Any = opt(seed_range)                # int | None, checked by seed_range
     user: str | None = opt()                                   # ignored
     # vLLM's sampling extensions
     top_k: int | None = opt()

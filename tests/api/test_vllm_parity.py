@@ -88,3 +88,34 @@ def test_reasoning_items_go_with_the_assistant_turn_they_led_to():
                                     {"role": "user", "content": "b"}])
     assert [m["role"] for m in messages] == ["user", "user"]
     assert not any("reasoning" in m for m in messages)
+
+
+# -- 12. seeds out of int64's range get the range message, both ways ----------------------
+
+def test_seed_range_both_ends():
+    import orjson
+    from stages.api.chat import ChatCompletionRequest
+    from stages.api.common import RequestError, parse_request
+    for raw in (b"9223372036854775808", b"-9223372036854775809", b"1e30"):
+        body = orjson.loads(b'{"messages": [{"role": "user", "content": "x"}], "seed": '
+                            + raw + b"}")
+        try:
+            parse_request(body, ChatCompletionRequest)
+        except RequestError as err:
+            assert err.param == "seed" and "64-bit" in err.message, (raw, err.message)
+        else:
+            raise AssertionError(raw)
+    for value, what in ((1.5, "got a number"), (5.0, "got a number"), (True, "boolean"),
+                        ("3", "string")):
+        try:
+            parse_request({"messages": [{"role": "user", "content": "x"}], "seed": value},
+                          ChatCompletionRequest)
+        except RequestError as err:
+            assert err.param == "seed" and "must be an integer" in err.message
+            assert what in err.message
+        else:
+            raise AssertionError(value)
+    for ok in (-2 ** 63, 2 ** 63 - 1, 0):
+        req = parse_request({"messages": [{"role": "user", "content": "x"}], "seed": ok},
+                            ChatCompletionRequest)
+        assert req.seed == ok

@@ -164,3 +164,21 @@ def test_return_tokens_as_token_ids(client, model_name, tokenizer):
             assert tokens[:len(prompt)] == [f"token_id:{t}" for t in prompt]
             offsets = lps[0].text_offset       # offsets count the rendered tokens
             assert offsets[1] - offsets[0] == len(tokens[0])
+
+
+# -- 12. seeds and stop_token_ids out of range --------------------------------------------
+
+@pytest.mark.parametrize("seed", [2 ** 63, -2 ** 63 - 1])
+def test_seed_out_of_range_names_the_range(client, model_name, seed):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=1, seed=seed)
+    assert info.value.param == "seed" and "64-bit" in info.value.body["message"]
+
+
+def test_out_of_vocabulary_stop_token_id_is_named(client, model_name):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, max_tokens=1,
+                                       messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"stop_token_ids": [2, 10 ** 9]})
+    assert info.value.param == "stop_token_ids"
+    assert str(10 ** 9) in info.value.body["message"]
