@@ -182,3 +182,36 @@ def test_out_of_vocabulary_stop_token_id_is_named(client, model_name):
                                        extra_body={"stop_token_ids": [2, 10 ** 9]})
     assert info.value.param == "stop_token_ids"
     assert str(10 ** 9) in info.value.body["message"]
+
+
+# -- 5. the metrics vLLM exports ---------------------------------------------------------
+
+def _scrape(server) -> dict[tuple, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))):
+            s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_vllms_request_and_step_metrics(server, client, model_name):
+    before = _scrape(server)
+    client.chat.completions.create(model=model_name, max_tokens=3, n=2, temperature=1.0,
+                                   messages=[{"role": "user", "content": "Hi"}])
+    after = _scrape(server)
+
+    def grew(name: str) -> float:
+        return after[name, ()] - before.get((name, ()), 0)
+
+    assert grew("vllm:request_params_n_count") == 1 and grew("vllm:request_params_n_sum") == 2
+    assert grew("vllm:request_params_max_tokens_sum") == 3
+    assert grew("vllm:request_generation_tokens_sum") == 6
+    assert grew("vllm:request_prompt_tokens_sum") > 0
+    assert grew("vllm:request_inference_time_seconds_count") == 1
+    assert grew("vllm:request_num_preemptions_count") == 1
+    assert grew("vllm:iteration_tokens_total_count") >= 3      # a prefill, then decodes
+    assert grew("vllm:iteration_tokens_total_sum") >= grew("vllm:request_prompt_tokens_sum")
+    assert {dict(labels)["reason"] for name, labels in after
+            if name == "vllm:num_requests_waiting_by_reason"} == {"capacity", "deferred"}
+    [info] = [dict(labels) for name, labels in after if name == "vllm:cache_config_info"]
+    assert info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 0
