@@ -288,6 +288,9 @@ def _truncated(ids: list[int], plan: PromptPlan, ctx: RenderContext) -> list[int
     return ids[-keep:] if plan.truncation_side == "left" else ids[:keep]
 
 
+_HARMONY_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _harmony_ids(plan: PromptPlan) -> list[int]:
     if plan.chat_template is not None:
         raise RequestError("This model's prompts are rendered in Harmony (gpt-oss); "
@@ -295,6 +298,11 @@ def _harmony_ids(plan: PromptPlan) -> list[int]:
     if plan.continue_final_message:
         raise RequestError("'continue_final_message' is not supported for Harmony (gpt-oss) "
                            "models.", param="continue_final_message")
+    for i, m in enumerate(plan.messages):   # Harmony has no place for a custom role
+        if m["role"] not in _HARMONY_ROLES:
+            raise RequestError(f"'{plan.prompt_param}[{i}].role' {m['role']!r} has no place in "
+                               f"the Harmony format; use one of {', '.join(_HARMONY_ROLES)}.",
+                               param=f"{plan.prompt_param}[{i}].role")
     return harmony.render_ids(plan.messages, plan.template_kwargs,
                               add_generation_prompt=plan.add_generation_prompt)
 

@@ -162,7 +162,7 @@ class ChatCompletion:
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")   # OpenAI's (others pass on)
 # chat_template_kwargs may not override what render itself decides.
 _RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "add_generation_prompt", "tools",
                              "tokenize")
@@ -289,9 +289,11 @@ def template_messages(messages: list[ChatMessage], param: str) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         where = f"{param}[{i}]"
-        if m.role not in CHAT_ROLES:
-            raise RequestError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, "
-                               f"got {m.role!r}.", param=f"{where}.role")
+        if not m.role:
+            raise RequestError(f"'{where}.role' must be a non-empty string.",
+                               param=f"{where}.role")
+        # A role beyond CHAT_ROLES goes to the template as it is, as vLLM passes it: the
+        # template renders it or raises (a 400 naming the template's complaint).
         if m.content is None and m.role != "assistant":
             raise RequestError(f"'{where}.content' must be a string or an array of content "
                                "parts, got null.", param=f"{where}.content")

@@ -119,3 +119,12 @@ def test_seed_range_both_ends():
         req = parse_request({"messages": [{"role": "user", "content": "x"}], "seed": ok},
                             ChatCompletionRequest)
         assert req.seed == ok
+
+
+# -- 10. a custom role goes to the template ----------------------------------------------
+
+def test_custom_role_reaches_the_template():
+    from stages.api.chat import template_messages
+    from stages.api.common import ChatMessage, converter
+    msgs = [converter.structure({"role": "my-custom-role", "content": "x"}, ChatMessage)]
+    assert template_messages(msgs, "messages") == [{"role": "my-custom-role", "content": "x"}]

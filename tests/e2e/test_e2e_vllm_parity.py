@@ -215,3 +215,30 @@ def test_vllms_request_and_step_metrics(server, client, model_name):
             if name == "vllm:num_requests_waiting_by_reason"} == {"capacity", "deferred"}
     [info] = [dict(labels) for name, labels in after if name == "vllm:cache_config_info"]
     assert info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 0
+
+
+# -- 10. a custom role goes to the chat template -----------------------------------------
+
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+                   "{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}"
+                   "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                   "<|im_start|>assistant\n")
+
+
+def test_custom_role_reaches_the_template(client, model_name):
+    custom = [{"role": "my-custom-role", "content": "Hi"}]
+    r = client.chat.completions.create(model=model_name, messages=custom, max_tokens=1)
+    plain = client.chat.completions.create(model=model_name, max_tokens=1,
+                                           messages=[{"role": "user", "content": "Hi"}])
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens   # the role's name is in it
+    with pytest.raises(openai.BadRequestError) as info:     # a template that refuses it
+        client.chat.completions.create(model=model_name, messages=custom, max_tokens=1,
+                                       extra_body={"chat_template": STRICT_TEMPLATE})
+    assert "Unknown role: my-custom-role" in info.value.body["message"]
+
+
+def test_custom_role_has_no_place_in_harmony(gpt_oss_client):
+    with pytest.raises(openai.BadRequestError) as info:
+        gpt_oss_client.chat.completions.create(
+            model="", max_tokens=1, messages=[{"role": "my-custom-role", "content": "Hi"}])
+    assert info.value.param == "messages[0].role"

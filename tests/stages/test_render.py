@@ -103,7 +103,8 @@ def test_unknown_model_is_404():
 @pytest.mark.parametrize("messages, param", [
     ([], "messages"),
     ("hi", "messages"),
-    ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+    ([{"role": "", "content": "x"}], "messages[0].role"),     # (a custom role passes on)
+    ([{"role": 3, "content": "x"}], "messages[0].role"),
     (["hi"], "messages[0]"),
     ([{"role": "user", "content": 3}], "messages[0].content"),
     ([{"role": "user", "content": None}], "messages[0].content"),
