@@ -124,6 +124,15 @@ class Engine:
         """POST /detokenize: token ids back to text, at once. Raises RequestError."""
         return render.detokenize(body, self.render_context)
 
+    def tokenizer_info(self) -> dict:
+        """GET /tokenizer_info. Raises RequestError."""
+        return render.tokenizer_info(self.render_context)
+
+    @property
+    def load(self) -> int:
+        """GET /load: the requests in flight (admitted, their replies not yet all sent)."""
+        return self.replies.num_admitted
+
     def _stopped_error(self) -> RequestError | None:
         if self.failure is None:
             return None

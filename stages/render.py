@@ -158,6 +158,19 @@ def detokenize(body: object, ctx: RenderContext) -> DetokenizeResponse:
     return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
 
 
+def tokenizer_info(ctx: RenderContext) -> dict:
+    """GET /tokenizer_info (vLLM's): the tokenizer's configuration, as tokenizer_config.json
+    would give it, with the chat template the server applies."""
+    tok = ctx.tokenizer
+    if tok is None:
+        raise RequestError("This model was loaded without a tokenizer.", status=404,
+                           type="NotFoundError")
+    return {"tokenizer_class": "PreTrainedTokenizerFast",   # what a tokenizers.Tokenizer is in HF
+            "chat_template": ctx.chat_template or tok.chat_template,
+            "model_max_length": ctx.max_model_len, "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token, "vocab_size": tok.vocab_size}
+
+
 def _resolve_model(name: str | None, ctx: RenderContext) -> str:
     """Replies name the first served model, whichever alias the request used; like vLLM,
     an absent or empty model means the default (first) one."""

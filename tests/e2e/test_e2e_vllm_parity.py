@@ -242,3 +242,36 @@ def test_custom_role_has_no_place_in_harmony(gpt_oss_client):
         gpt_oss_client.chat.completions.create(
             model="", max_tokens=1, messages=[{"role": "my-custom-role", "content": "Hi"}])
     assert info.value.param == "messages[0].role"
+
+
+# -- 11. /invocations, --root-path, /tokenizer_info, /load, flags with underscores --------
+
+@pytest.fixture(scope="module")
+def prefixed_server(serve_with_flags, tmp_path_factory):
+    """Flags as vLLM's users spell them too: underscores, a root path."""
+    gen = serve_with_flags(tmp_path_factory.mktemp("e2e-prefixed-server"), "--root-path", "/llm",
+                           "--enable_tokenizer_info_endpoint", "--max_model_len=512")
+    yield next(gen)
+    gen.close()
+
+
+def test_root_path_and_vllms_extra_routes(prefixed_server):
+    import httpx
+    for base in ("/llm/v1", "/v1"):
+        c = openai.OpenAI(base_url=prefixed_server.url + base, api_key="x", max_retries=0,
+                          timeout=120)
+        r = c.chat.completions.create(model="", max_tokens=2,
+                                      messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert c.models.list().data[0].max_model_len == 512      # --max_model_len=512
+    with httpx.Client(base_url=prefixed_server.url, timeout=120) as http:
+        for root in ("", "/llm"):
+            r = http.post(f"{root}/invocations", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["object"] == "text_completion"
+            r = http.post(f"{root}/invocations", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+            assert http.get(f"{root}/load").json() == {"server_load": 0}
+            info = http.get(f"{root}/tokenizer_info").json()
+            assert info["tokenizer_class"] and "im_start" in info["chat_template"]
+            assert info["model_max_length"] == 512
