@@ -275,3 +275,36 @@ def test_root_path_and_vllms_extra_routes(prefixed_server):
             info = http.get(f"{root}/tokenizer_info").json()
             assert info["tokenizer_class"] and "im_start" in info["chat_template"]
             assert info["model_max_length"] == 512
+
+
+# -- 9. Responses include ["message.output_text.logprobs"] --------------------------------
+
+def test_responses_output_text_logprobs(client, model_name):
+    body = dict(model=model_name, input="Say hello.", max_output_tokens=5, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(**body)
+    [message] = [item for item in r.output if item.type == "message"]
+    part = message.content[0]
+    assert part.logprobs and "".join(lp.token for lp in part.logprobs) == part.text
+    for lp in part.logprobs:
+        assert lp.logprob <= 0 and lp.bytes == list(lp.token.encode())
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+    streamed, done = [], None
+    for event in client.responses.create(stream=True, **body):
+        if event.type == "response.output_text.delta":
+            streamed += event.logprobs
+        elif event.type == "response.output_text.done":
+            done = event
+    # (the same tokens; logprobs to float noise: the prompt now comes from the prefix cache)
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    assert [lp.logprob for lp in streamed] == pytest.approx(
+        [lp.logprob for lp in part.logprobs], abs=1e-3)
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in part.logprobs]
+    # not asked for: none; an include this server has nothing for is accepted
+    plain = client.responses.create(model=model_name, input="Say hello.", max_output_tokens=3,
+                                    include=["reasoning.encrypted_content"], top_logprobs=2)
+    assert all(not p.logprobs for item in plain.output if item.type == "message"
+               for p in item.content)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=model_name, input="x", include=["nonsense"])
+    assert info.value.param == "include[0]"
