@@ -262,6 +262,10 @@ def check_prompt_logprobs(value: int | None, stream: bool) -> None:
     (vLLM's rule: streamed chunks have no field for them)."""
     if value is None:
         return
+    if value == -1:   # vLLM's "the whole vocabulary", which needs its --max-logprobs -1
+        raise RequestError(f"'prompt_logprobs' -1 (the whole vocabulary) is not served: at "
+                           f"most {MAX_LOGPROBS} per token (vLLM's default --max-logprobs).",
+                           param="prompt_logprobs")
     if not 0 <= value <= MAX_LOGPROBS:
         raise RequestError(f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}, got "
                            f"{value}.", param="prompt_logprobs")

@@ -498,7 +498,7 @@ VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
                 "logits_processors": (),
                 "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": (),
-                "thinking_token_budget": ()}
+                "thinking_token_budget": (), "logprob_token_ids": ()}
 # What SGLang's router and vllm-router (derived from it) add to every request they forward,
 # with their defaults (docs/scaling.md): accepted at those values, a 400 at any other.
 ROUTER_EXTRAS = {"no_stop_trim": (False,), "return_hidden_states": (False,)}
