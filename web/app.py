@@ -2,8 +2,8 @@
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /invocations
 (SageMaker's), /tokenize, /detokenize; GET /v1/models, /v1/models/{id}, /health, /load,
-/metrics, /version, /tokenizer_info (with --enable-tokenizer-info-endpoint). Until the model has loaded, LoadingGate
-answers every request with 503. Every error is OpenAI-shaped JSON; every
+/metrics, /version, /tokenizer_info (with --enable-tokenizer-info-endpoint); under
+--root-path as well. Until the model has loaded, LoadingGate answers every request with 503. Every error is OpenAI-shaped JSON; every
 503 (overload, shutdown, a stopped engine) carries Retry-After. API keys and CORS wrap
 the app at the ASGI level (web/access.py); AppConfig holds the server's own settings.
 
