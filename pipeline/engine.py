@@ -41,7 +41,7 @@ from pipeline.events import EventLog
 from pipeline.reply import Reply, describe
 from pipeline.startup import (Built, build, chat_template_source, freeze_heap,
                               generation_defaults, open_event_log, pick_device)
-from pipeline.stats import EngineStats, Latencies
+from pipeline.stats import EngineStats, Latencies, RequestShapes
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.api.chat import MAX_CHOICES
@@ -124,6 +124,15 @@ class Engine:
         """POST /detokenize: token ids back to text, at once. Raises RequestError."""
         return render.detokenize(body, self.render_context)
 
+    def tokenizer_info(self) -> dict:
+        """GET /tokenizer_info. Raises RequestError."""
+        return render.tokenizer_info(self.render_context)
+
+    @property
+    def load(self) -> int:
+        """GET /load: the requests in flight (admitted, their replies not yet all sent)."""
+        return self.replies.num_admitted
+
     def _stopped_error(self) -> RequestError | None:
         if self.failure is None:
             return None
@@ -169,7 +178,7 @@ class Engine:
     def stats(self) -> EngineStats:
         s, a = self.scheduler, self.accountant
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(s.compiling),
             num_preemptions=s.num_preemptions, kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_free=self.blocks.num_free, kv_blocks_used=self.blocks.num_used,
             kv_blocks_cached=len(self.blocks.cached),
@@ -179,8 +188,26 @@ class Engine:
             prefix_cache_queries_total=a.prefix_cache_queries_total,
             prefix_cache_hits_total=a.prefix_cache_hits_total,
             requests_finished_total=dict(a.finished_total), steps_total=s.step,
+            num_waiting_by_reason={"capacity": len(s.waiting), "deferred": len(s.compiling)},
+            cache_config=self.cache_config,
             latency=Latencies(ttft=a.ttft, itl=a.itl, e2e=a.e2e, queue=a.queue,
-                              prefill=a.prefill, decode=a.decode))
+                              prefill=a.prefill, decode=a.decode, inference=a.inference),
+            shapes=RequestShapes(prompt_tokens=a.request_prompt_tokens,
+                                 generation_tokens=a.request_generation_tokens,
+                                 params_n=a.request_params_n,
+                                 params_max_tokens=a.request_params_max_tokens,
+                                 num_preemptions=s.request_preemptions,
+                                 iteration_tokens=s.iteration_tokens))
+
+    @property
+    def cache_config(self) -> dict[str, str]:
+        """vllm:cache_config_info's labels (vLLM's CacheConfig field names)."""
+        cfg = self.config
+        return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(self.blocks.num_blocks),
+                "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "cache_dtype": "auto", "num_gpu_blocks_override":
+                    str(cfg.num_gpu_blocks_override), "engine": "0"}
 
 
 # -- the stages, wired -----------------------------------------------------------------
@@ -191,7 +218,7 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     ev = events.stage if events else (lambda name: None)
     loaded, tok = built.loaded, built.loaded.tokenizer
     replies = Replies(built.max_model_len + 4)
-    accountant = account.Accountant()
+    accountant = account.Accountant(built.max_model_len)
     ctx = RenderContext(tokenizer=tok, served_model_names=built.model_names,
                         max_model_len=built.max_model_len,
                         default_sampling=generation_defaults(cfg, loaded.generation_config),

@@ -20,6 +20,19 @@ class Latencies:
     queue: Histogram      # arrival to first scheduled
     prefill: Histogram    # first scheduled to first token
     decode: Histogram     # first token to last token
+    inference: Histogram  # first scheduled to last token (prefill + decode)
+
+
+@attrs.frozen(kw_only=True)
+class RequestShapes:
+    """Histograms of counts per finished request (vLLM's request_* series) and per step
+    (live objects, not copies)."""
+    prompt_tokens: Histogram       # the request's prompt tokens (every prompt's)
+    generation_tokens: Histogram   # its generated tokens (every choice's)
+    params_n: Histogram            # its n
+    params_max_tokens: Histogram   # its max_tokens, as resolved
+    num_preemptions: Histogram     # how often its sequences were preempted (schedule's)
+    iteration_tokens: Histogram    # tokens one engine step computed (schedule's)
 
 
 @attrs.frozen(kw_only=True)
@@ -39,4 +52,9 @@ class EngineStats:
     prefix_cache_hits_total: int = 0
     requests_finished_total: Mapping[str, int] = attrs.field(factory=dict)  # by FinishReason
     steps_total: int = 0
+    # vLLM's reasons a request waits: "capacity" (KV blocks, the batch) and "deferred"
+    # (ready to run but for a transient: its grammar still compiling)
+    num_waiting_by_reason: Mapping[str, int] = attrs.field(factory=dict)
+    cache_config: Mapping[str, str] = attrs.field(factory=dict)   # vllm:cache_config_info's labels
     latency: Latencies | None = None
+    shapes: RequestShapes | None = None

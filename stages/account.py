@@ -25,6 +25,20 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)
+
+
+def one_two_five(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_value (max_model_len)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class Histogram:
@@ -55,7 +69,7 @@ class Histogram:
 class _RequestUsage:
     __slots__ = ("prompt", "completion", "reasoning", "arrival", "scheduled", "first_token",
                  "last_token", "wants_metrics", "open_choices", "cached", "n", "prompt_lens",
-                 "prompt_cached", "continuous")
+                 "prompt_cached", "continuous", "max_tokens")
 
     def __init__(self, req: RenderedRequest) -> None:
         self.prompt = req.num_prompt_tokens      # every prompt's, once (not per choice)
@@ -72,6 +86,7 @@ class _RequestUsage:
         self.prompt_lens = [len(p) for p in req.prompts] or [len(req.prompt_token_ids)]
         self.prompt_cached: list[int | None] = [None] * len(self.prompt_lens)
         self.continuous = req.continuous_usage   # every delta carries the usage so far
+        self.max_tokens = req.sampling.max_tokens
 
     def metrics(self) -> RequestMetrics:
         """The request's own timings (vLLM's per-request metrics), in milliseconds."""
@@ -94,7 +109,8 @@ class Accountant:
     """The pure core: per-request usage and timings, plus server-wide counters and
     latency histograms for /metrics."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int = 1 << 20) -> None:
+        """`max_model_len` bounds the token-count histograms' buckets (as vLLM's)."""
         self.requests: dict[str, _RequestUsage] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -108,6 +124,12 @@ class Accountant:
         self.queue = Histogram(REQUEST_BUCKETS)
         self.prefill = Histogram(REQUEST_BUCKETS)
         self.decode = Histogram(REQUEST_BUCKETS)
+        self.inference = Histogram(REQUEST_BUCKETS)
+        # per finished request, as vLLM's request_* histograms
+        self.request_prompt_tokens = Histogram(one_two_five(max_model_len))
+        self.request_generation_tokens = Histogram(one_two_five(max_model_len))
+        self.request_params_n = Histogram(N_BUCKETS)
+        self.request_params_max_tokens = Histogram(one_two_five(max_model_len))
 
     def process(self, msg: Step) -> tuple[Step, list[tuple[str, Usage, FinishReason]]]:
         """Returns the accounted step and the (request_id, usage, reason) of finished requests.
@@ -167,11 +189,17 @@ class Accountant:
             self.prompt_tokens_total += u.prompt
             self.cached_tokens_total += u.cached
             self.finished_total[reason] = self.finished_total.get(reason, 0) + 1
-            if u.completion and reason not in (FinishReason.ABORT, FinishReason.ERROR):
-                self.e2e.observe(u.last_token - u.arrival)
-                self.queue.observe(u.scheduled - u.arrival)
-                self.prefill.observe(u.first_token - u.scheduled)
-                self.decode.observe(u.last_token - u.first_token)
+            if reason not in (FinishReason.ABORT, FinishReason.ERROR):
+                self.request_prompt_tokens.observe(u.prompt)
+                self.request_generation_tokens.observe(u.completion)
+                self.request_params_n.observe(u.n)
+                self.request_params_max_tokens.observe(u.max_tokens)
+                if u.completion:
+                    self.e2e.observe(u.last_token - u.arrival)
+                    self.queue.observe(u.scheduled - u.arrival)
+                    self.prefill.observe(u.first_token - u.scheduled)
+                    self.decode.observe(u.last_token - u.first_token)
+                    self.inference.observe(u.last_token - u.scheduled)
             finished.append((d.request_id, usage, reason))
             deltas.append(_with_usage_and_metrics(d, usage, u.metrics()) if u.wants_metrics
                           else _with_usage(d, usage))

@@ -167,6 +167,8 @@ class DetokState:
         self.harmony = harmony if self.stops else None
         self.in_header = harmony is not None and harmony.in_header(self.prompt)
         self.content_from = 0   # a stop string starts at or after this index of pending
+        # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+        self.ids_as_tokens = getattr(req.request, "return_tokens_as_token_ids", False)
 
     def step(self, tokenizer, d: Delta) -> Delta:
         ids = d.token_ids
@@ -202,9 +204,10 @@ class DetokState:
         cut = len(self.pending) if finish is not None else max(0, len(self.pending) - self.hold)
         text, self.pending = self.pending[:cut], self.pending[cut:]
         self.content_from = max(0, self.content_from - cut)
+        named_by = None if self.ids_as_tokens else tokenizer    # token_text's "token_id:N"
         logprobs = tuple(
-            TokenLogprob(token_text(tokenizer, t), lp.logprob,
-                         tuple((token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
+            TokenLogprob(token_text(named_by, t), lp.logprob,
+                         tuple((token_text(named_by, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
             for t, lp in zip(ids, d.token_logprobs))
         out = _with_text(d, text, text, logprobs, finish, stop_reason)
         if d.prompt_token_logprobs:

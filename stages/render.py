@@ -158,6 +158,19 @@ def detokenize(body: object, ctx: RenderContext) -> DetokenizeResponse:
     return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
 
 
+def tokenizer_info(ctx: RenderContext) -> dict:
+    """GET /tokenizer_info (vLLM's): the tokenizer's configuration, as tokenizer_config.json
+    would give it, with the chat template the server applies."""
+    tok = ctx.tokenizer
+    if tok is None:
+        raise RequestError("This model was loaded without a tokenizer.", status=404,
+                           type="NotFoundError")
+    return {"tokenizer_class": "PreTrainedTokenizerFast",   # what a tokenizers.Tokenizer is in HF
+            "chat_template": ctx.chat_template or tok.chat_template,
+            "model_max_length": ctx.max_model_len, "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token, "vocab_size": tok.vocab_size}
+
+
 def _resolve_model(name: str | None, ctx: RenderContext) -> str:
     """Replies name the first served model, whichever alias the request used; like vLLM,
     an absent or empty model means the default (first) one."""
@@ -180,8 +193,10 @@ def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext
         return fields[name].default if value is None else value
 
     stop_ids = req.stop_token_ids
-    if ctx.vocab_size is not None and any(i >= ctx.vocab_size for i in stop_ids):
-        raise RequestError(f"'stop_token_ids' must be below the vocabulary size "
+    outside = [i for i in stop_ids if ctx.vocab_size is not None and i >= ctx.vocab_size]
+    if outside:
+        raise RequestError(f"'stop_token_ids' contains {outside[0]}, which is out of "
+                           f"vocabulary: token ids must be below the vocabulary size "
                            f"{ctx.vocab_size}.", param="stop_token_ids")
     return SamplingOptions(
         temperature=float(pick("temperature")), top_p=float(pick("top_p")), top_k=pick("top_k"),
@@ -286,6 +301,9 @@ def _truncated(ids: list[int], plan: PromptPlan, ctx: RenderContext) -> list[int
     return ids[-keep:] if plan.truncation_side == "left" else ids[:keep]
 
 
+_HARMONY_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _harmony_ids(plan: PromptPlan) -> list[int]:
     if plan.chat_template is not None:
         raise RequestError("This model's prompts are rendered in Harmony (gpt-oss); "
@@ -293,6 +311,11 @@ def _harmony_ids(plan: PromptPlan) -> list[int]:
     if plan.continue_final_message:
         raise RequestError("'continue_final_message' is not supported for Harmony (gpt-oss) "
                            "models.", param="continue_final_message")
+    for i, m in enumerate(plan.messages):   # Harmony has no place for a custom role
+        if m["role"] not in _HARMONY_ROLES:
+            raise RequestError(f"'{plan.prompt_param}[{i}].role' {m['role']!r} has no place in "
+                               f"the Harmony format; use one of {', '.join(_HARMONY_ROLES)}.",
+                               param=f"{plan.prompt_param}[{i}].role")
     return harmony.render_ids(plan.messages, plan.template_kwargs,
                               add_generation_prompt=plan.add_generation_prompt)
 

@@ -18,6 +18,7 @@ import trio
 from gpu.grammar import GrammarCompiler
 from gpu.interface import (PLACEHOLDER, SamplingOptions, SeqChunk, SeqStart, StepPlan, StepResult,
                            TokenLogprobs)
+from stages.account import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
 from stages.blocks import BlockManager
 from stages.delta import Delta, FinishReason
 from stages.messages import Abort, FinishRequest, RenderedRequest, Step
@@ -138,6 +139,11 @@ class Scheduler:
         self.step = 0
         self.num_preemptions = 0
         self.preempted: list[str] = []          # sequence ids preempted by the current step
+        # /metrics (vLLM's iteration_tokens_total, request_num_preemptions): tokens computed
+        # per step, and preemptions per request once it leaves (its choices' together)
+        self.iteration_tokens = Histogram(ITERATION_BUCKETS)
+        self.request_preemptions = Histogram(PREEMPTION_BUCKETS)
+        self._preemptions_of: dict[str, int] = {}     # request id -> preemptions so far
         self._new_requests: list[RenderedRequest] = []
         self._pending: list[Delta] = []         # finishes decided outside a step (aborts)
         self._released: list[str] = []
@@ -206,6 +212,7 @@ class Scheduler:
         live.remove(seq)
         if not live:
             del self.choices[seq.req.request_id]
+            self.request_preemptions.observe(self._preemptions_of.pop(seq.req.request_id, 0))
         self._free(seq)
         self._released.append(seq.id)
 
@@ -384,6 +391,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         self.preempted.append(seq.id)
+        rid = seq.req.request_id
+        self._preemptions_of[rid] = self._preemptions_of.get(rid, 0) + 1
 
     # -- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> Step:
@@ -394,6 +403,8 @@ class Scheduler:
                 if not seq.retired:
                     self.finish(seq.req.request_id, FinishReason.ERROR, result.error)
             return self.drain()
+        if plan.chunks:
+            self.iteration_tokens.observe(sum(len(c.token_ids) for c in plan.chunks))
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else None
         for pl in result.prompt_logprobs:

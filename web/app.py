@@ -1,8 +1,9 @@
 """The HTTP edge: a Quart (quart-trio) app over an Engine.
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses;
-GET /v1/models, /health, /metrics, /version. Until the model has loaded, LoadingGate
-answers every request with 503. Every error is OpenAI-shaped JSON; every
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /invocations
+(SageMaker's), /tokenize, /detokenize; GET /v1/models, /v1/models/{id}, /health, /load,
+/metrics, /version, /tokenizer_info (with --enable-tokenizer-info-endpoint); under
+--root-path as well. Until the model has loaded, LoadingGate answers every request with 503. Every error is OpenAI-shaped JSON; every
 503 (overload, shutdown, a stopped engine) carries Retry-After. API keys and CORS wrap
 the app at the ASGI level (web/access.py); AppConfig holds the server's own settings.
 
@@ -61,6 +62,15 @@ class AppConfig:
                                               validator=positive)
     enable_log_requests: bool = False
     max_log_len: int | None = attrs.field(default=None, validator=non_negative)
+    # behind a proxy that serves the API under a prefix: /PREFIX/v1/... is /v1/... (and
+    # /v1/... still works), as vLLM's --root-path
+    root_path: str = attrs.field(default="", converter=lambda p: (p or "").rstrip("/"))
+    enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (shows the template)
+
+    @root_path.validator
+    def _root_path(self, attribute, value: str) -> None:
+        if value and not value.startswith("/"):
+            raise ValueError(f"--root-path must start with '/', got {value!r}")
 
 
 def error_response(message: str, status: int, *, type: str = "invalid_request_error",
@@ -133,6 +143,23 @@ def _guard_replies(asgi_app: Callable) -> Callable:
     return guarded
 
 
+def _strip_root_path(asgi_app: Callable, root: str) -> Callable:
+    """ASGI wrapper: a path under `root` is served as the path below it (everything inside,
+    API keys and CORS included, sees /v1/..., never /ROOT/v1/...)."""
+    raw_root = root.encode()
+
+    async def stripped(scope, receive, send):
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path == root or path.startswith(root + "/"):
+                raw = scope.get("raw_path") or path.encode()
+                scope = {**scope, "path": path[len(root):] or "/",
+                         "raw_path": raw[len(raw_root):] if raw.startswith(raw_root) else raw}
+        return await asgi_app(scope, receive, send)
+
+    return stripped
+
+
 def _wrap(asgi_app: Callable, config: AppConfig) -> Callable:
     asgi_app = _guard_replies(asgi_app)
     if config.api_keys:
@@ -142,6 +169,8 @@ def _wrap(asgi_app: Callable, config: AppConfig) -> Callable:
                                      methods=config.allowed_methods,
                                      headers=config.allowed_headers,
                                      credentials=config.allow_credentials)
+    if config.root_path:
+        asgi_app = _strip_root_path(asgi_app, config.root_path)
     return asgi_app
 
 
@@ -223,8 +252,9 @@ class Views:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine))
 
-    async def generate(self, api: str) -> Response:
-        """POST /v1/chat/completions, /v1/completions, /v1/responses."""
+    async def generate(self, api: str | None) -> Response:
+        """POST /v1/chat/completions, /v1/completions, /v1/responses; POST /invocations
+        (SageMaker's; `api` None: the body's shape says which)."""
         request_id = _request_id()
         rank = request.headers.get("X-data-parallel-rank")
         if rank is not None:   # vLLM's data-parallel routing hint: one engine here
@@ -232,6 +262,7 @@ class Views:
                      request_id, rank[:16])
         try:
             body = await _json_body()
+            api = api or _invocation_api(body)
             if self.config.enable_log_requests:
                 log.info("request %s (%s): %s", request_id, api,
                          _prompt_preview(body, self.config.max_log_len),
@@ -266,18 +297,39 @@ class Views:
             return _json_error(err)
         return _json(unstructure(result))
 
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.started_at,
+                "owned_by": "tailrace", "root": name, "parent": None,
+                "max_model_len": self.engine.max_model_len}
+
     async def models(self) -> Response:
-        data = [{"id": name, "object": "model", "created": self.started_at,
-                 "owned_by": "tailrace", "root": name, "parent": None,
-                 "max_model_len": self.engine.max_model_len}
-                for name in self.engine.model_names]
+        data = [self._model_card(name) for name in self.engine.model_names]
         return _json({"object": "list", "data": data})
+
+    async def model(self, model_id: str) -> Response:
+        """GET /v1/models/{id} (the openai client's models.retrieve); an id may hold
+        slashes (`org/name`)."""
+        if model_id not in self.engine.model_names:
+            return error_response(f"The model `{model_id}` does not exist.", 404,
+                                  type="NotFoundError", param="model", code="model_not_found")
+        return _json(self._model_card(model_id))
 
     async def health(self) -> Response:
         # 503 once the server drains for shutdown or the engine has stopped
         if self.engine.healthy:
             return Response(b"", status=200)
         return Response(b"", status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def tokenizer_info(self) -> Response:
+        """GET /tokenizer_info (with --enable-tokenizer-info-endpoint, as vLLM)."""
+        try:
+            return _json(self.engine.tokenizer_info())
+        except RequestError as err:
+            return _json_error(err)
+
+    async def load(self) -> Response:
+        """GET /load: vLLM's server load, the requests in flight."""
+        return _json({"server_load": self.engine.load})
 
     async def version(self) -> Response:
         from importlib.metadata import PackageNotFoundError, version as dist_version
@@ -316,6 +368,18 @@ class Views:
                               type="server_error")
 
 
+def _invocation_api(body: object) -> str:
+    """SageMaker's /invocations, as vLLM dispatches it: a chat completion request (it has
+    `messages`), else a completion request (`prompt`)."""
+    if isinstance(body, dict):
+        if "messages" in body:
+            return "chat"
+        if "prompt" in body:
+            return "completions"
+    raise RequestError("/invocations takes a chat completion request (with 'messages') or a "
+                       "completion request (with 'prompt').")
+
+
 def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
     """The app for one running engine (see pipeline.engine.open_engine): the engine
     outlives the app, so serving it neither starts nor stops the engine."""
@@ -331,10 +395,19 @@ def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
             return await views.generate(api)
         app.add_url_rule(path, endpoint=api, view_func=view, methods=["POST"])
 
+    async def invocations() -> Response:
+        return await views.generate(None)
+    app.add_url_rule("/invocations", endpoint="invocations", view_func=invocations,
+                     methods=["POST"])
+
     app.add_url_rule("/tokenize", view_func=views.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=views.detokenize, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=views.models, methods=["GET"])
+    app.add_url_rule("/v1/models/<path:model_id>", view_func=views.model, methods=["GET"])
     app.add_url_rule("/health", view_func=views.health, methods=["GET"])
+    app.add_url_rule("/load", view_func=views.load, methods=["GET"])
+    if config.enable_tokenizer_info_endpoint:
+        app.add_url_rule("/tokenizer_info", view_func=views.tokenizer_info, methods=["GET"])
     app.add_url_rule("/version", view_func=views.version, methods=["GET"])
     app.add_url_rule("/metrics", view_func=views.metrics, methods=["GET"])
     app.register_error_handler(HTTPException, views.http_error)

@@ -84,6 +84,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Log one line per request with its prompt (see --max-log-len).")
     p.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="Show at most N characters of a prompt in a log line (default: all).")
+    p.add_argument("--root-path", default="", metavar="PATH",
+                   help="Serve the API under this prefix too (behind a proxy that forwards "
+                        "/PATH/v1/...): /PATH/v1/chat/completions is /v1/chat/completions.")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="Serve GET /tokenizer_info (the tokenizer's configuration, the chat "
+                        "template included).")
     p.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S,
                    metavar="SECONDS",
                    help="On SIGTERM/SIGINT, how long requests in flight may run on before "
@@ -99,7 +105,9 @@ def app_config(args: argparse.Namespace) -> AppConfig:
                      allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                      allow_credentials=args.allow_credentials,
                      max_request_body_bytes=args.max_request_body_bytes,
-                     enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+                     enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                     root_path=args.root_path,
+                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
 
 
 def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
@@ -152,8 +160,17 @@ def _run_replay(args: argparse.Namespace) -> int:
     return replay_main(args)
 
 
+def dashed(arg: str) -> str:
+    """A flag spelled with underscores (`--max_model_len=8`) as its dashed name
+    (`--max-model-len=8`): vLLM accepts both. Values are left alone."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [dashed(a) for a in (sys.argv[1:] if argv is None else argv)]
     parser = build_parser(with_bench=bool(argv) and argv[0] == "bench")
     if argv and argv[0] == "cluster":
         # the launcher's flags; the rest is each replica's `tailrace serve` command line

@@ -16,8 +16,9 @@ import attrs
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from pipeline.stats import EngineStats, Latencies
+from pipeline.stats import EngineStats
 from stages.delta import FinishReason
 
 if TYPE_CHECKING:
@@ -46,7 +47,20 @@ _HISTOGRAMS: dict[str, tuple[str, str]] = {
     "queue": ("request_queue_time_seconds", "Arrival to first scheduled."),
     "prefill": ("request_prefill_time_seconds", "First scheduled to first token."),
     "decode": ("request_decode_time_seconds", "First token to last token."),
+    "inference": ("request_inference_time_seconds", "First scheduled to last token."),
 }
+# RequestShapes field -> (vLLM's histogram name, help)
+_SHAPES: dict[str, tuple[str, str]] = {
+    "prompt_tokens": ("request_prompt_tokens", "Prompt tokens per finished request."),
+    "generation_tokens": ("request_generation_tokens", "Generated tokens per finished request."),
+    "params_n": ("request_params_n", "The n request parameter, per finished request."),
+    "params_max_tokens": ("request_params_max_tokens",
+                          "The max_tokens request parameter (resolved), per finished request."),
+    "num_preemptions": ("request_num_preemptions", "Preemptions per request."),
+    "iteration_tokens": ("iteration_tokens_total", "Tokens computed per engine step."),
+}
+# fields exported under vLLM's names by _vllm (not again as tailrace:<field>)
+_AS_VLLM = ("latency", "shapes", "num_waiting_by_reason", "cache_config")
 # vLLM's request_success_total counts finished requests only, not aborts or errors.
 _SUCCESS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
 # EngineStats field -> (tailrace metric name, help, label name for a mapping)
@@ -103,20 +117,40 @@ def _vllm(stats: EngineStats, model: str) -> Iterator[Metric]:
     for reason in _SUCCESS:   # every reason from the start, 0 until one happens
         family.add_metric([model, str(reason)], stats.requests_finished_total.get(reason, 0))
     yield family
-    if stats.latency is not None:
-        for field in attrs.fields(Latencies):
-            name, doc = _HISTOGRAMS.get(field.name, (f"{field.name}_seconds",
-                                                     f"Latency {field.name}."))
-            hist = getattr(stats.latency, field.name)
+    family = GaugeMetricFamily(VLLM + "num_requests_waiting_by_reason",
+                               "Requests waiting, by why: capacity (KV blocks, the batch) or "
+                               "deferred (their grammar still compiling).",
+                               labels=["model_name", "reason"])
+    for reason in ("capacity", "deferred"):
+        family.add_metric([model, reason], stats.num_waiting_by_reason.get(reason, 0))
+    yield family
+    if stats.cache_config:   # an info metric: always 1, the configuration in its labels
+        family = GaugeMetricFamily(VLLM + "cache_config_info",
+                                   "Information of the engine's cache configuration.",
+                                   labels=list(stats.cache_config))
+        family.add_metric(list(stats.cache_config.values()), 1)
+        yield family
+    for group, names, unit in ((stats.latency, _HISTOGRAMS, "_seconds"),
+                               (stats.shapes, _SHAPES, "")):
+        if group is None:
+            continue
+        for field in attrs.fields(type(group)):
+            name, doc = names.get(field.name, (field.name + unit, f"Histogram {field.name}."))
+            hist = getattr(group, field.name)
             family = HistogramMetricFamily(VLLM + name, doc, labels=["model_name"])
-            family.add_metric([model], hist.cumulative(), hist.sum)
+            family.add_metric([model], _go_bounds(hist.cumulative()), hist.sum)
             yield family
+
+
+def _go_bounds(cumulative: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Bucket bounds as prometheus_client (and so vLLM) writes them: le="1.0", not "1"."""
+    return [(b if b == "+Inf" else floatToGoString(b), n) for b, n in cumulative]
 
 
 def _own(stats: EngineStats) -> Iterator[Metric]:
     for field in attrs.fields(type(stats)):    # a field added to EngineStats needs no name here
         key = field.name
-        if key in _VLLM or key == "latency":
+        if key in _VLLM or key in _AS_VLLM:
             continue
         name, doc, label = _OWN.get(key, (key, f"Engine stat {key}.", "key"))
         value = getattr(stats, key)

@@ -143,7 +143,7 @@ class ChatChoice:
     logprobs: ChatLogprobs | None = None
     finish_reason: str
     stop_reason: str | int | None = None
-    token_ids: list[int] = ABSENT               # return_token_ids
+    token_ids: list[int] | None = None          # return_token_ids
 
 
 @omit_absent
@@ -155,14 +155,14 @@ class ChatCompletion:
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
-    prompt_token_ids: list[int] = ABSENT        # return_token_ids
+    prompt_logprobs: list[Any] | None = None    # prompt_logprobs (vLLM's shape)
+    prompt_token_ids: list[int] | None = None   # return_token_ids
     metrics: Any = ABSENT                       # --enable-per-request-metrics
 
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")   # OpenAI's (others pass on)
 # chat_template_kwargs may not override what render itself decides.
 _RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "add_generation_prompt", "tools",
                              "tokenize")
@@ -262,6 +262,10 @@ def check_prompt_logprobs(value: int | None, stream: bool) -> None:
     (vLLM's rule: streamed chunks have no field for them)."""
     if value is None:
         return
+    if value == -1:   # vLLM's "the whole vocabulary", which needs its --max-logprobs -1
+        raise RequestError(f"'prompt_logprobs' -1 (the whole vocabulary) is not served: at "
+                           f"most {MAX_LOGPROBS} per token (vLLM's default --max-logprobs).",
+                           param="prompt_logprobs")
     if not 0 <= value <= MAX_LOGPROBS:
         raise RequestError(f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}, got "
                            f"{value}.", param="prompt_logprobs")
@@ -289,9 +293,11 @@ def template_messages(messages: list[ChatMessage], param: str) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         where = f"{param}[{i}]"
-        if m.role not in CHAT_ROLES:
-            raise RequestError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, "
-                               f"got {m.role!r}.", param=f"{where}.role")
+        if not m.role:
+            raise RequestError(f"'{where}.role' must be a non-empty string.",
+                               param=f"{where}.role")
+        # A role beyond CHAT_ROLES goes to the template as it is, as vLLM passes it: the
+        # template renders it or raises (a 400 naming the template's complaint).
         if m.content is None and m.role != "assistant":
             raise RequestError(f"'{where}.content' must be a string or an array of content "
                                "parts, got null.", param=f"{where}.content")
@@ -507,10 +513,10 @@ class ChatFramer(Framer):
             choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
             usage=usage_info(delta.usage),
             **({} if delta.metrics is None else {"metrics": delta.metrics}),
-            **({"prompt_logprobs": prompt_logprobs_json(self._prompt_logprobs or ())}
-               if self.req.sampling.prompt_logprobs is not None else {}),
-            **({"prompt_token_ids": list(self.req.prompt_token_ids)} if self._return_ids
-               else {})))
+            # vLLM's body has these keys, null when not asked for
+            prompt_logprobs=(prompt_logprobs_json(self._prompt_logprobs or ())
+                             if self.req.sampling.prompt_logprobs is not None else None),
+            prompt_token_ids=list(self.req.prompt_token_ids) if self._return_ids else None))
 
     def _body_choice(self, index: int, c: ChoiceState) -> ChatChoice:
         text, reasoning = self._echo + "".join(c.text), "".join(c.reasoning)
@@ -522,4 +528,4 @@ class ChatFramer(Framer):
         return ChatChoice(index=index, message=message, finish_reason=c.finish_reason,
                           stop_reason=c.stop_reason,
                           logprobs=chat_logprobs(c.logprobs) if self._wants_logprobs else None,
-                          **({"token_ids": c.token_ids} if self._return_ids else {}))
+                          token_ids=c.token_ids if self._return_ids else None)

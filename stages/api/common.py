@@ -245,8 +245,18 @@ _INT64 = 2 ** 63
 
 
 def seed_range(_, attribute, value) -> None:
-    if value is not None and not -_INT64 <= value < _INT64:
+    """An integer in int64's range. The JSON parser gives an integer beyond 64 bits as a
+    float: a whole one out of range gets the range message too, not a type error."""
+    if value is None:
+        return
+    # (-2**63 - 1 parses to the float -2**63: any whole float that large is out of range)
+    if ((type(value) is int and not -_INT64 <= value < _INT64)
+            or (type(value) is float and value.is_integer() and abs(value) >= _INT64)):
         raise Invalid("must fit in a signed 64-bit integer.", attribute.name)
+    if type(value) is not int:
+        exc = mismatch("an integer", value)
+        exc.field = attribute.name
+        raise exc
 
 
 # -- request pieces ----------------------------------------------------------------------
@@ -392,7 +402,7 @@ class SamplingRequest:
     stream: bool = opt(default=False)
     temperature: float | None = opt(between(0.0, 2.0))
     top_p: float | None = opt(between(0.0, 1.0, lo_open=True))
-    seed: int | None = opt(seed_range)
+    seed: Any = opt(seed_range)                # int | None, checked by seed_range
     user: str | None = opt()                                   # ignored
     # vLLM's sampling extensions
     top_k: int | None = opt()
@@ -440,6 +450,7 @@ class ChoiceRequest(SamplingRequest):
     truncate_prompt_tokens: int | None = opt()     # keep this many prompt tokens; -1: max_model_len
     truncation_side: str | None = opt(one_of("left", "right"))   # which end truncation cuts
     return_token_ids: bool = opt(default=False)    # prompt_token_ids and token_ids on replies
+    return_tokens_as_token_ids: bool = opt(default=False)   # logprobs name tokens token_id:N
     kv_transfer_params: dict[str, Any] | None = opt()   # chat: prompt_token_ids as the prompt
     prompt_logprobs: int | None = opt()            # the prompt tokens' logprobs (top k)
     echo: bool = opt(default=False)                # the reply starts with the prompt (chat:
@@ -487,10 +498,10 @@ class ChoiceRequest(SamplingRequest):
 # Fields of vLLM's and OpenAI's schemas this server does not act on yet: a 400 naming the
 # field, unless the value is one of the harmless ones listed.
 VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
-                "logits_processors": (), "return_tokens_as_token_ids": (False,),
+                "logits_processors": (),
                 "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": (),
-                "thinking_token_budget": ()}
+                "thinking_token_budget": (), "logprob_token_ids": ()}
 # What SGLang's router and vllm-router (derived from it) add to every request they forward,
 # with their defaults (docs/scaling.md): accepted at those values, a 400 at any other.
 ROUTER_EXTRAS = {"no_stop_trim": (False,), "return_hidden_states": (False,)}

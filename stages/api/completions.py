@@ -47,9 +47,9 @@ class CompletionChoice:
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = ABSENT      # streaming: on the final chunk only
-    prompt_logprobs: list[Any] = ABSENT         # prompt_logprobs (vLLM's shape)
-    prompt_token_ids: list[int] = ABSENT        # return_token_ids (streaming: first chunk)
-    token_ids: list[int] = ABSENT               # return_token_ids
+    prompt_logprobs: list[Any] | None = ABSENT  # prompt_logprobs (vLLM's shape)
+    prompt_token_ids: list[int] | None = ABSENT  # return_token_ids (streaming: first chunk)
+    token_ids: list[int] | None = ABSENT        # return_token_ids
 
 
 @omit_absent
@@ -143,6 +143,7 @@ class CompletionFramer(Framer):
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._offsets = [0] * num          # text_offset of each choice's next token
         self._return_ids = req.request.return_token_ids
+        self._ids_as_tokens = req.request.return_tokens_as_token_ids
         self._prompt_sent = [False] * num
         self._echoed = [False] * num
         # each prompt's logprobs (its first choice brings them), as a choice shows them
@@ -158,6 +159,8 @@ class CompletionFramer(Framer):
     def _logprobs_json(self, index: int, entries) -> CompletionLogprobs:
         offsets, tokens, values, tops = [], [], [], []
         for e in entries:
+            if isinstance(e, PromptLogprob) and self._ids_as_tokens:   # echo's prompt tokens
+                e = _named_by_id(e)
             offsets.append(self._offsets[index])
             self._offsets[index] += len(e.token)
             tokens.append(e.token)
@@ -166,7 +169,7 @@ class CompletionFramer(Framer):
                 tops.append(None if e.logprob is None else _prompt_top(e))
             else:
                 values.append(e.logprob)
-                tops.append(dict(e.top))
+                tops.append(_sampled_top(e))
         return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops,
                                   text_offset=offsets)
 
@@ -246,7 +249,8 @@ class CompletionFramer(Framer):
             **({} if delta.metrics is None else {"metrics": delta.metrics})))
 
     def _body_choice(self, i: int, c: ChoiceState) -> CompletionChoice:
-        extra = {}
+        # vLLM's body has these keys, null when not asked for (a stream leaves them out)
+        extra = {"prompt_logprobs": None, "prompt_token_ids": None, "token_ids": None}
         if self._show_prompt_logprobs:
             extra["prompt_logprobs"] = prompt_logprobs_json(self._prompt_logprobs[i // self.req.n] or ())
         if self._return_ids:
@@ -260,6 +264,22 @@ class CompletionFramer(Framer):
 
 def _text_choice(index: int, text: str) -> CompletionChoice:
     return CompletionChoice(index=index, text=text, logprobs=None)
+
+
+def _named_by_id(e: PromptLogprob) -> PromptLogprob:
+    """return_tokens_as_token_ids: a prompt token and its alternatives as "token_id:N"
+    (detokenize names the generated ones so)."""
+    return attrs.evolve(e, token=f"token_id:{e.token_id}",
+                        top=tuple((i, f"token_id:{i}", lp) for i, _, lp in e.top))
+
+
+def _sampled_top(e) -> dict[str, float]:
+    """A generated token's top_logprobs in the legacy shape: the sampled token, then the
+    top alternatives (as vLLM and OpenAI: `logprobs: 0` still names the sampled token)."""
+    top = {e.token: e.logprob}
+    for text, lp in e.top:
+        top.setdefault(text, lp)
+    return top
 
 
 def _prompt_top(e: PromptLogprob) -> dict[str, float]:

@@ -36,6 +36,9 @@ class InputItem:
     name: str | None = None
     arguments: str | None = None
     output: Content = None
+    # reasoning (an earlier turn's, replayed from response.output): its content parts are
+    # reasoning_text, its summary parts summary_text
+    summary: Content = None
 
 
 @attrs.frozen
@@ -121,6 +124,55 @@ class OutputText:
     text: str
     annotations: list[Any] = attrs.field(factory=list)
     logprobs: list[Any] = attrs.field(factory=list)
+
+
+@reply
+class TopLogprobOut:
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+@reply
+class OutputLogprob:
+    """A token of output_text with its logprob and alternatives (OpenAI's Logprob)."""
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprobOut]
+
+
+@reply
+class DeltaTopLogprob:
+    token: str
+    logprob: float
+
+
+@reply
+class DeltaLogprob:
+    """A token of an output_text.delta event (OpenAI's delta shape: no bytes)."""
+    token: str
+    logprob: float
+    top_logprobs: list[DeltaTopLogprob]
+
+
+def output_logprobs(entries) -> list[OutputLogprob]:
+    return [OutputLogprob(token=e.token, bytes=list(e.token.encode()), logprob=e.logprob,
+                          top_logprobs=[TopLogprobOut(token=t, bytes=list(t.encode()), logprob=v)
+                                        for t, v in e.top]) for e in entries]
+
+
+def delta_logprobs_of(logprobs: list[OutputLogprob]) -> list[DeltaLogprob]:
+    """output_text.done's logprobs: the text's, in the delta shape."""
+    return [DeltaLogprob(token=e.token, logprob=e.logprob,
+                         top_logprobs=[DeltaTopLogprob(token=t.token, logprob=t.logprob)
+                                       for t in e.top_logprobs]) for e in logprobs]
+
+
+def delta_logprobs(entries) -> list[DeltaLogprob]:
+    return [DeltaLogprob(token=e.token, logprob=e.logprob,
+                         top_logprobs=[DeltaTopLogprob(token=t, logprob=v) for t, v in e.top])
+            for e in entries]
 
 
 @reply
@@ -229,11 +281,7 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
             raise RequestError("tool_choice \"required\" or a named function cannot be "
                                "combined with text.format.", param="tool_choice")
         constraint = tr.constraint
-    if req.include:
-        raise RequestError("'include' is not supported by this server yet.", param="include")
-    if req.top_logprobs:
-        raise RequestError("'top_logprobs' is not supported by this server yet.",
-                           param="top_logprobs")
+    logprobs = _logprobs(req)
     if req.reasoning is not None and req.reasoning.effort is not None and not reasoning_parser:
         raise RequestError("'reasoning.effort' needs a reasoning model (serve with "
                            "--reasoning-parser).", param="reasoning.effort")
@@ -251,31 +299,78 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
                       prompt_param="input", max_tokens=req.max_output_tokens,
                       max_tokens_param="max_output_tokens", stream=req.stream,
                       # the Response carries its usage, streamed or not
-                      stream_options=_WITH_USAGE, constraint=constraint, tools=tr.plan)
+                      stream_options=_WITH_USAGE, constraint=constraint, tools=tr.plan,
+                      logprobs=logprobs)
+
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# What OpenAI's `include` may ask for besides: data of tools and inputs this server does not
+# have (no hosted tools, no images) or keep (no encrypted reasoning), so there is nothing
+# to add.
+_NOTHING_TO_INCLUDE = ("reasoning.encrypted_content", "file_search_call.results",
+                       "web_search_call.results", "web_search_call.action.sources",
+                       "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                       "message.input_image.image_url")
+
+
+def _logprobs(req: ResponsesRequest) -> int | None:
+    """include ["message.output_text.logprobs"]: the output text's logprobs, with
+    top_logprobs (0-20) alternatives each (as OpenAI: top_logprobs alone returns nothing)."""
+    from stages.api.chat import MAX_LOGPROBS
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise RequestError(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {top}.",
+                           param="top_logprobs")
+    for i, what in enumerate(req.include or ()):
+        if what != OUTPUT_LOGPROBS and what not in _NOTHING_TO_INCLUDE:
+            raise RequestError(f"'include[{i}]' must be one of {OUTPUT_LOGPROBS}, "
+                               f"{', '.join(_NOTHING_TO_INCLUDE)}; got {what!r}.",
+                               param=f"include[{i}]")
+    return (top or 0) if OUTPUT_LOGPROBS in (req.include or ()) else None
 
 
 def _input_messages(raw) -> list[dict]:
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
-    messages = []
+    messages: list[dict] = []
+    reasoning: list[str] = []     # reasoning items waiting for the assistant turn they led to
     for i, item in enumerate(raw):
         where = f"input[{i}]"
-        if item.type in ("function_call", "function_call_output"):
-            messages.append(_function_item(item, where, messages))
+        if item.type == "reasoning":
+            reasoning.append(_reasoning_text(item, where))
             continue
-        if item.type != "message":
+        if item.type in ("function_call", "function_call_output"):
+            message = _function_item(item, where, messages)
+        elif item.type != "message":
             raise RequestError(f"'{where}.type' {item.type!r} is not supported; only message, "
-                               "function_call and function_call_output items are.",
+                               "reasoning, function_call and function_call_output items are.",
                                param=f"{where}.type")
-        if item.role not in RESPONSES_ROLES:
-            raise RequestError(f"'{where}.role' must be one of {', '.join(RESPONSES_ROLES)}, "
-                               f"got {item.role!r}.", param=f"{where}.role")
-        if item.content is None:
-            raise RequestError(f"'{where}.content' must be a string or an array of content "
-                               "parts, got null.", param=f"{where}.content")
-        messages.append({"role": template_role(item.role), "content": content_text(
-            item.content, f"{where}.content", ("input_text", "output_text", "text"))})
+        else:
+            if item.role not in RESPONSES_ROLES:
+                raise RequestError(f"'{where}.role' must be one of "
+                                   f"{', '.join(RESPONSES_ROLES)}, got {item.role!r}.",
+                                   param=f"{where}.role")
+            if item.content is None:
+                raise RequestError(f"'{where}.content' must be a string or an array of "
+                                   "content parts, got null.", param=f"{where}.content")
+            message = {"role": template_role(item.role), "content": content_text(
+                item.content, f"{where}.content", ("input_text", "output_text", "text"))}
+        if message["role"] == "assistant" and reasoning:
+            # An earlier turn's reasoning goes with the answer or calls it led to, as chat's
+            # history carries it: the template keeps it or drops it (Qwen3's keeps only the
+            # last turn's), and Harmony renders it as the analysis message.
+            text = "\n".join([*filter(None, [message.get("reasoning")]), *reasoning])
+            message = {**message, "reasoning": text, "reasoning_content": text}
+        reasoning = []   # (reasoning that led to no assistant turn has nowhere to go)
+        messages.append(message)
     return messages
+
+
+def _reasoning_text(item, where: str) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary."""
+    if item.content:
+        return content_text(item.content, f"{where}.content", ("reasoning_text",))
+    return content_text(item.summary, f"{where}.summary", ("summary_text",))
 
 
 def _function_item(item, where: str, messages: list[dict]) -> dict:
@@ -311,21 +406,24 @@ class _OutputItem:
         self.id = item_id
         self.output_index = output_index
         self.parts: list[str] = []
+        self.logprobs: list[OutputLogprob] = []   # message: its text's, when included
         self.status = "in_progress"       # -> "completed" | "incomplete"
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
-    def part(self, text: str) -> OutputText | ReasoningText:
-        return ReasoningText(text=text) if self.kind == "reasoning" else OutputText(text=text)
+    def part(self, text: str, logprobs: list | None = None) -> OutputText | ReasoningText:
+        if self.kind == "reasoning":
+            return ReasoningText(text=text)
+        return OutputText(text=text, logprobs=logprobs or [])
 
     def reply(self, *, with_content: bool = True) -> MessageItem | ReasoningItem | FunctionCallItem:
         if self.kind == "function_call":
             return FunctionCallItem(arguments=self.call.arguments if with_content else "",
                                     call_id=self.call.id, name=self.call.name, id=self.id,
                                     status=self.status)
-        content = [self.part(self.text)] if with_content else []
+        content = [self.part(self.text, self.logprobs)] if with_content else []
         if self.kind == "reasoning":
             return ReasoningItem(id=self.id, content=content, status=self.status)
         return MessageItem(id=self.id, status=self.status, content=content)
@@ -337,6 +435,10 @@ class ResponsesFramer(Framer):
         self.id = f"resp_{req.request_id}"
         self._seq = 0
         self._items: list[_OutputItem] = []
+        # include message.output_text.logprobs: the logprobs of the tokens of the answer
+        # (a step's tokens count as the answer's when the step brought answer text)
+        self._wants_logprobs = req.sampling.options.logprobs is not None
+        self._held: list = []
 
     # -- state shared by both modes
 
@@ -412,13 +514,27 @@ class ResponsesFramer(Framer):
                             item=item.reply(with_content=False))
                 + self._event(part_event, **self._where(item), part=item.part("")))
 
-    def _text_delta(self, item: _OutputItem, text: str) -> bytes:
+    def _text_delta(self, item: _OutputItem, text: str, logprobs=()) -> bytes:
         item.parts.append(text)
         if item.kind == "reasoning":
             return self._event("response.reasoning_text.delta", **self._where(item),
                                delta=text)
+        item.logprobs += output_logprobs(logprobs)
         return self._event("response.output_text.delta", **self._where(item), delta=text,
-                           logprobs=[])
+                           logprobs=delta_logprobs(logprobs))
+
+    def _answer_logprobs(self, delta: Delta) -> tuple:
+        """The logprobs to show with this delta's answer text (call once per delta): a
+        reasoning step's are not the answer's; a step with no text yet (a stop string's
+        hold-back) keeps its own for the text that follows, and those no text follows (the
+        end-of-turn token) are dropped."""
+        if not self._wants_logprobs or (delta.reasoning and not delta.content):
+            return ()
+        self._held += delta.logprobs
+        if not delta.content:
+            return ()
+        out, self._held = tuple(self._held), []
+        return out
 
     def _done(self, item: _OutputItem) -> bytes:
         text = item.text
@@ -429,9 +545,9 @@ class ResponsesFramer(Framer):
                                     part=item.part(text))
         else:
             text_done = self._event("response.output_text.done", **self._where(item),
-                                    text=text, logprobs=[])
+                                    text=text, logprobs=delta_logprobs_of(item.logprobs))
             part_done = self._event("response.content_part.done", **self._where(item),
-                                    part=item.part(text))
+                                    part=item.part(text, item.logprobs))
         return text_done + part_done + self._event(
             "response.output_item.done", output_index=item.output_index, item=item.reply())
 
@@ -459,6 +575,7 @@ class ResponsesFramer(Framer):
 
     def _stream(self, delta: Delta) -> bytes:
         out = []
+        logprobs = self._answer_logprobs(delta)
         if delta.reasoning and self._takes_reasoning():
             item, opened = self._open("reasoning")
             out += [opened, self._text_delta(item, delta.reasoning)]
@@ -468,7 +585,7 @@ class ResponsesFramer(Framer):
             item, opened = self._open("message")
             out.append(opened)
             if delta.content:
-                out.append(self._text_delta(item, delta.content))
+                out.append(self._text_delta(item, delta.content, logprobs))
         for call in delta.tool_calls:
             out.append(self._stream_call(call))
         if reason is FinishReason.ERROR:
@@ -510,10 +627,13 @@ class ResponsesFramer(Framer):
                                  item=item.reply())
 
     def _accumulate(self, delta: Delta) -> bytes:
+        logprobs = self._answer_logprobs(delta)
         if delta.reasoning and self._takes_reasoning():
             self._item("reasoning")[0].parts.append(delta.reasoning)
         if delta.content:
-            self._item("message")[0].parts.append(delta.content)
+            item = self._item("message")[0]
+            item.parts.append(delta.content)
+            item.logprobs += output_logprobs(logprobs)
         for call in delta.tool_calls:
             self._add_call(call)
         if delta.finish_reason is None:

@@ -122,11 +122,25 @@ def tool_request(tools: list[dict] | None, tool_choice: Any, parallel: bool | No
     # required: a JSON array of {"name", "parameters"} calls, at least one.
     items = {"anyOf": [{"type": "object", "properties": {
         "name": {"type": "string", "enum": [n]},
-        "parameters": fn.get("parameters") or {"type": "object"}},
-        "required": ["name", "parameters"]} for n, fn in functions.items()]}
+        "parameters": _rebased(fn.get("parameters") or {"type": "object"},
+                               f"#/items/anyOf/{i}/properties/parameters")},
+        "required": ["name", "parameters"]} for i, (n, fn) in enumerate(functions.items())]}
     schema = {"type": "array", "minItems": 1, "items": items}
     if parallel is False:
         schema["maxItems"] = 1
     return ToolRequest(tools, ToolPlan("required", parallel=parallel is not False),
                        checked(Constraint("json_schema", json.dumps(schema), compact=True),
                                "tools"))
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """A tool's parameter schema moved from the root of a document to the JSON pointer
+    `root`: its local references ("#/$defs/Item", pydantic's nested models, and "#" itself)
+    follow it, so that each tool's $defs stay where its $refs resolve (xgrammar resolves a
+    $ref from the root of the whole schema)."""
+    if isinstance(schema, dict):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else _rebased(v, root)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    return schema

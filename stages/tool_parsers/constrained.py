@@ -19,6 +19,12 @@ class NamedToolParser(ToolParser):
         self.buf += text
         if not final:
             return "", []
+        try:
+            json.loads(self.buf)
+        except ValueError:
+            # cut by max tokens before the arguments closed: an incomplete call is not a
+            # call (as vLLM: no tool_calls, finish_reason "length"); the text is all there is
+            return self.buf, []
         return "", [ToolCall(self.name, arguments_text(self.buf))]
 
 

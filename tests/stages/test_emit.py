@@ -171,8 +171,9 @@ def test_chat_non_stream_body():
         "id": "chatcmpl-abc", "object": "chat.completion", "created": CREATED, "model": "tiny",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello",
                                              "refusal": None, "reasoning": "r"},
-                     "logprobs": None, "finish_reason": "stop", "stop_reason": "</s>"}],
-        "usage": USAGE_3_2}
+                     "logprobs": None, "finish_reason": "stop", "stop_reason": "</s>",
+                     "token_ids": None}],
+        "usage": USAGE_3_2, "prompt_logprobs": None, "prompt_token_ids": None}
 
 
 def test_non_stream_error_is_500_json():
@@ -209,7 +210,9 @@ def test_completion_non_stream_body():
     assert body == {"id": "cmpl-abc", "object": "text_completion", "created": CREATED,
                     "model": "tiny",
                     "choices": [{"index": 0, "text": "ab", "logprobs": None,
-                                 "finish_reason": "length", "stop_reason": None}],
+                                 "finish_reason": "length", "stop_reason": None,
+                                 "prompt_logprobs": None, "prompt_token_ids": None,
+                                 "token_ids": None}],
                     "usage": USAGE_3_2}
 
 

@@ -78,6 +78,9 @@ def test_named_and_required():
     for pieces in splits(text):
         assert run(RequiredToolParser(), pieces) == ("", [W, T])
     assert run(RequiredToolParser(), ['[{"name": "get_w']) == ('[{"name": "get_w', [])
+    # cut by max tokens: no call with the broken arguments, the text is the content
+    for pieces in splits('{"city": "Pa'):
+        assert run(NamedToolParser("get_weather"), pieces) == ('{"city": "Pa', [])
 
 
 def test_call_ids_are_stable_and_distinct():

@@ -3,13 +3,16 @@ series keep vLLM's names, types and model_name label; tailrace's own are prefixe
 stat shows up without a name of its own. (/metrics over HTTP: tests/web/test_app.py.)"""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import attrs
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.stats import EngineStats, Latencies
-from stages.account import Accountant
+from pipeline.stats import EngineStats, Latencies, RequestShapes
+from stages.account import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Accountant, Histogram
 from stages.delta import FinishReason
 from web.metrics import EngineCollector
 
@@ -36,8 +39,16 @@ def snapshot(acc: Accountant | None = None, **changes) -> EngineStats:
         prefix_cache_queries_total=a.prefix_cache_queries_total,
         prefix_cache_hits_total=a.prefix_cache_hits_total,
         requests_finished_total=dict(a.finished_total), steps_total=40,
+        num_waiting_by_reason={"capacity": 1, "deferred": 0},
+        cache_config={"block_size": "16", "num_gpu_blocks": "8", "engine": "0"},
         latency=Latencies(ttft=a.ttft, itl=a.itl, e2e=a.e2e, queue=a.queue, prefill=a.prefill,
-                          decode=a.decode))
+                          decode=a.decode, inference=a.inference),
+        shapes=RequestShapes(prompt_tokens=a.request_prompt_tokens,
+                             generation_tokens=a.request_generation_tokens,
+                             params_n=a.request_params_n,
+                             params_max_tokens=a.request_params_max_tokens,
+                             num_preemptions=Histogram(PREEMPTION_BUCKETS),
+                             iteration_tokens=Histogram(ITERATION_BUCKETS)))
     return attrs.evolve(stats, **changes)
 
 
@@ -157,3 +168,48 @@ def test_no_latency_histograms_before_the_engine_has_any():
     got = samples(exposition(EngineStats(num_running=1)))
     assert got[("vllm:num_requests_running", M)] == 1
     assert not any(name.endswith("_bucket") for name, _ in got)
+
+
+def test_vllms_request_shape_series_and_info_gauges():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
+    from rendered import rendered
+    from stages.delta import Delta
+    from stages.messages import Step
+
+    acc = Accountant(max_model_len=100)
+    req = rendered("r1", body={"n": 2}, max_tokens=7)
+    acc.process(Step(0, (req,), (Delta("r1", (5,), index=0, scheduled_at=1.0),
+                                 Delta("r1", (6,), index=1, scheduled_at=1.0)), done_at=2.0))
+    acc.process(Step(1, (), (Delta("r1", (7,), FinishReason.STOP, index=0),
+                             Delta("r1", (8,), FinishReason.LENGTH, index=1)), done_at=3.5))
+    stats = snapshot(acc)
+    stats.shapes.iteration_tokens.observe(24)
+    stats.shapes.num_preemptions.observe(0)
+    text = exposition(stats)
+    got, kinds = samples(text), types(text)
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                 "request_params_max_tokens", "request_num_preemptions",
+                 "iteration_tokens_total", "request_inference_time_seconds"):
+        assert kinds[f"vllm:{name}"] == "histogram", name
+        assert got[f"vllm:{name}_count", M] == 1, name
+    prompt = len(req.prompt_token_ids)
+    assert got["vllm:request_prompt_tokens_sum", M] == prompt
+    assert got["vllm:request_generation_tokens_sum", M] == 4      # both choices' tokens
+    assert got["vllm:request_params_n_sum", M] == 2
+    assert got["vllm:request_params_max_tokens_sum", M] == 7
+    assert got["vllm:request_inference_time_seconds_sum", M] == pytest.approx(2.5)
+    # vLLM's buckets, written as prometheus_client writes them
+    assert got["vllm:request_params_n_bucket", (("le", "2.0"), *M)] == 1
+    assert got["vllm:request_params_n_bucket", (("le", "1.0"), *M)] == 0
+    assert ("vllm:request_prompt_tokens_bucket", (("le", "100.0"), *M)) in got
+    assert ("vllm:request_prompt_tokens_bucket", (("le", "200.0"), *M)) not in got
+    assert got["vllm:iteration_tokens_total_bucket", (("le", "32.0"), *M)] == 1
+    assert got["vllm:iteration_tokens_total_bucket", (("le", "16.0"), *M)] == 0
+    by_reason = {dict(labels)["reason"]: v for (name, labels), v in got.items()
+                 if name == "vllm:num_requests_waiting_by_reason"}
+    assert by_reason == {"capacity": 1, "deferred": 0}
+    [(labels, value)] = [(dict(labels), v) for (name, labels), v in got.items()
+                         if name == "vllm:cache_config_info"]
+    assert value == 1 and labels == {"block_size": "16", "num_gpu_blocks": "8", "engine": "0"}
+    assert not any(name.startswith("tailrace:cache_config") or "by_reason" in name
+                   and name.startswith("tailrace:") for name, _ in got)
