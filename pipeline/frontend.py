@@ -119,9 +119,12 @@ async def _send_requests(receive: trio.MemoryReceiveChannel, link: Link, replies
 
 
 async def _receive(link: Link, engine: RemoteEngine, steps: trio.MemorySendChannel,
-                   requests: dict) -> None:
+                   requests: dict, log=None) -> None:
     """The engine's frames: admission answers onto reply channels, Steps to detokenize,
-    stats queries and answers. When the engine goes, stop as a failed stage does."""
+    stats queries and answers. When the engine goes, stop as a failed stage does.
+
+    With an event log, each Step is logged as it arrived (`scheduled`, without the plan,
+    which the engine's own file has), so this frontend's file replays on its own."""
     replies = engine.replies
     async with steps:
         while True:
@@ -130,7 +133,10 @@ async def _receive(link: Link, engine: RemoteEngine, steps: trio.MemorySendChann
             except trio.EndOfChannel:
                 break
             if kind == STEP:
-                await steps.send(unpack_step(payload, requests))
+                step = unpack_step(payload, requests)
+                if log is not None:
+                    log("scheduled", plan=None, preempted=(), message=step)
+                await steps.send(step)
                 continue
             msg = pickle.loads(payload)
             if isinstance(msg, Accepted):
@@ -188,7 +194,7 @@ async def open_frontend(setup: FrontendSetup, link: Link) -> AsyncIterator[Remot
             nursery.start_soon(forward, to_engine_out, link)
             nursery.start_soon(render.run, render_out, sent_in, replies, ctx, ev("render"))
             nursery.start_soon(_send_requests, sent_out, link, replies, requests)
-            nursery.start_soon(_receive, link, engine, detok_in, requests)
+            nursery.start_soon(_receive, link, engine, detok_in, requests, ev("wire"))
             nursery.start_soon(detokenize.run, detok_out, parse_in, to_engine,
                                detokenize.Detokenizer(ctx.tokenizer), ev("detokenize"))
             nursery.start_soon(parse.run, parse_out, acct_in, parse.Parser(setup.reasoning_parser),

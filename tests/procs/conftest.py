@@ -25,6 +25,10 @@ class Server:
     proc: subprocess.Popen
     err: Path
 
+    @property
+    def event_log(self) -> Path:
+        return self.err.parent / "events.jsonl"
+
     def children(self) -> dict[str, list[int]]:
         """{'engine': [pid], 'frontend': [pid, ...]} among the server's child processes."""
         out: dict[str, list[int]] = {"engine": [], "frontend": []}
@@ -122,8 +126,9 @@ def metrics(url: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def two_frontends(tmp_path_factory):
     """N = 2, few admitted requests (2 running + 1 queued), so overload is easy to reach."""
-    server = start(tmp_path_factory.mktemp("procs2"), "--api-server-count", "2",
-                   "--max-num-seqs", "2", "--max-queued-requests", "1")
+    tmp = tmp_path_factory.mktemp("procs2")
+    server = start(tmp, "--api-server-count", "2", "--max-num-seqs", "2",
+                   "--max-queued-requests", "1", "--event-log", str(tmp / "events.jsonl"))
     yield server
     server.stop()
 

@@ -4,6 +4,9 @@ engine, stop strings found by a frontend ending the sequence in the engine (same
 and usage as one process), and /metrics summed over every process."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import orjson
 import httpx
 
@@ -100,9 +103,11 @@ def test_a_disconnect_aborts_the_request_in_the_engine_and_frees_its_blocks(two_
             while not next(lines).startswith("data: "):
                 pass
             assert metrics(url)["tailrace:kv_blocks_used"] > 0
-    after = _idle(url)
+    _idle(url)
     aborted = 'tailrace:requests_finished_total{finished_reason="abort"}'
-    assert after[aborted] == before[aborted] + 1
+    # the frontend counts the abort once the engine's last delta has reached it
+    after = wait_for(lambda: (lambda m: m if m[aborted] == before[aborted] + 1 else None)(
+        metrics(url)), 30, "the abort to be counted")
     assert after["vllm:generation_tokens_total"] < before["vllm:generation_tokens_total"] + 400
 
 
@@ -117,3 +122,28 @@ def test_metrics_add_up_over_the_processes(two_frontends):
     for _ in range(4):      # whichever frontend is scraped, the sum over all of them
         m = metrics(url)
         assert m["vllm:generation_tokens_total"] == before + made
+
+
+def test_the_event_log_one_file_a_process_replays_and_joins(two_frontends, tmp_path):
+    """Last in this module: it stops the server, so that every line is written."""
+    assert two_frontends.stop() == 0
+    log = two_frontends.event_log
+    parts = sorted(log.parent.glob("events.jsonl.frontend-*"))
+    assert [p.name for p in parts] == ["events.jsonl.frontend-0", "events.jsonl.frontend-1"]
+    headers = [orjson.loads(p.read_bytes().split(b"\n", 1)[0]) for p in (log, *parts)]
+    assert all(h["event"] == "header" for h in headers)
+    assert len({orjson.dumps({k: v for k, v in h.items() if k not in ("t", "wall_time")})
+                for h in headers}) == 1               # the same header in every file
+    replay = subprocess.run([sys.executable, "-m", "web.cli", "replay", str(log)],
+                            capture_output=True, text=True, timeout=300)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    line = next(ln for ln in replay.stdout.splitlines() if ln.startswith("replayed"))
+    checked = int(line.split()[1])
+    assert checked >= 10 and line.endswith(f"{checked} identical, 0 differ")
+    page = tmp_path / "run.html"
+    html = subprocess.run([sys.executable, "-m", "web.cli", "replay", str(log), "--timeline",
+                           "--html", str(page)], capture_output=True, text=True, timeout=300)
+    assert html.returncode == 0, html.stderr
+    rows = [ln for ln in html.stdout.splitlines() if ln[:2] in ("0:", "1:")]
+    assert len(rows) >= checked                        # every frontend's requests, joined
+    assert page.stat().st_size > 1000
