@@ -115,7 +115,14 @@ async def _send_requests(receive: trio.MemoryReceiveChannel, link: Link, replies
                 replies.release(rid)
                 continue
             requests[rid] = req
-            await link.send(attrs.evolve(req, request=None))
+            try:
+                await link.send(attrs.evolve(req, request=None))
+            except trio.BrokenResourceError:      # the engine has gone (_receive stops us)
+                requests.pop(rid, None)
+                replies.send(rid, RequestError(
+                    "The engine stopped: the engine process has exited", status=503,
+                    type="server_error", code="engine_stopped"))
+                replies.release(rid)
 
 
 async def _receive(link: Link, engine: RemoteEngine, steps: trio.MemorySendChannel,

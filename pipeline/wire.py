@@ -209,7 +209,8 @@ class Link:
 async def forward(receive: trio.MemoryReceiveChannel, link: Link) -> None:
     """Send what arrives on a memory channel over `link`, everything waiting in one write:
     the back-edges (aborts, stop strings) are sent without waiting (send_nowait) by
-    stages that must not block, into an unbounded channel that this drains."""
+    stages that must not block, into an unbounded channel that this drains. Once the
+    other end has gone it keeps draining, sending nothing, so those senders never fail."""
     async with receive:
         async for msg in receive:
             frames = [pack(msg)]
@@ -218,10 +219,12 @@ async def forward(receive: trio.MemoryReceiveChannel, link: Link) -> None:
                     frames.append(pack(receive.receive_nowait()))
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
+            if link.closed:
+                continue
             try:
                 await link.send_frame(b"".join(frames))
             except trio.BrokenResourceError:
-                return
+                pass      # the reader of this link sees it close and acts
 
 
 def outbox() -> tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel]:
