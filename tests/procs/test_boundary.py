@@ -10,7 +10,7 @@ import sys
 import orjson
 import httpx
 
-from conftest import metrics, wait_for
+from procs_util import metrics, wait_for
 
 PROMPT = "The capital of France is"
 

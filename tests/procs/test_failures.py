@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import metrics, process_group, start, wait_for
+from procs_util import metrics, process_group, start, wait_for
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
