@@ -126,7 +126,7 @@ async def _send_requests(receive: trio.MemoryReceiveChannel, link: Link, replies
 
 
 async def _receive(link: Link, engine: RemoteEngine, steps: trio.MemorySendChannel,
-                   requests: dict, log=None) -> None:
+                   requests: dict, events=None) -> None:
     """The engine's frames: admission answers onto reply channels, Steps to detokenize,
     stats queries and answers. When the engine goes, stop as a failed stage does.
 
@@ -141,8 +141,8 @@ async def _receive(link: Link, engine: RemoteEngine, steps: trio.MemorySendChann
                 break
             if kind == STEP:
                 step = unpack_step(payload, requests)
-                if log is not None:
-                    log("scheduled", plan=None, preempted=(), message=step)
+                if events is not None:
+                    events("scheduled", plan=None, preempted=(), message=step)
                 await steps.send(step)
                 continue
             msg = pickle.loads(payload)

@@ -39,14 +39,20 @@ def _holder(pids: list[int], inode: str) -> int:
 
 
 def test_a_frontend_dies_the_engine_aborts_its_requests_the_other_serves_on(tmp_path):
-    server = start(tmp_path, "--api-server-count", "2", "--max-num-seqs", "4")
+    server = start(tmp_path, "--api-server-count", "2", "--max-num-seqs", "4",
+                   "--api-key", "sekret")
+    key = {"Authorization": "Bearer sekret"}
     kids = server.children()
+    for _ in range(4):        # every frontend applies the flags: new connections, each 401
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 401
     assert len(kids["engine"]) == 1 and len(kids["frontend"]) == 2
     group = kids["engine"][0]
     port = int(server.url.rsplit(":", 1)[1])
     try:
         with httpx.Client(timeout=120) as client:
-            with client.stream("POST", f"{server.url}/v1/completions", json=LONG) as r:
+            with client.stream("POST", f"{server.url}/v1/completions", json=LONG,
+                               headers=key) as r:
                 lines = r.iter_lines()
                 while not next(lines).startswith("data: "):
                     pass
@@ -63,7 +69,7 @@ def test_a_frontend_dies_the_engine_aborts_its_requests_the_other_serves_on(tmp_
                           and m["tailrace:kv_blocks_used"] == 0)(metrics(server.url)),
                  60, "the dead frontend's request to be aborted")
         assert metrics(server.url)["tailrace:engine_steps_total"] < 400   # cut short
-        ok = httpx.post(f"{server.url}/v1/completions", timeout=120,
+        ok = httpx.post(f"{server.url}/v1/completions", timeout=120, headers=key,
                         json={"prompt": "Hello", "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         assert httpx.get(f"{server.url}/health").status_code == 200
