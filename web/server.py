@@ -182,6 +182,11 @@ async def open_http(gate: LoadingGate, sock: socket.socket, *, log_level: str = 
             stop.set()       # Hypercorn stops listening and closes the connections
 
 
+# The class each connection's TCPServer builds on; None: web/sse.py's FastWriteTCPServer
+# (scripts/bench_sse_write.py sets Hypercorn's own to compare the two).
+tcp_server_base: type | None = None
+
+
 async def _serve_hypercorn(app, config, connections: weakref.WeakSet, stop: trio.Event, *,
                            task_status) -> None:
     """hypercorn.trio.serve for plain-HTTP sockets, whose connections go through our
@@ -191,12 +196,13 @@ async def _serve_hypercorn(app, config, connections: weakref.WeakSet, stop: trio
     tailrace does not use, rather than a patch of hypercorn's class for the whole process."""
     from hypercorn.trio.lifespan import Lifespan
     from hypercorn.trio.statsd import StatsdLogger
-    from hypercorn.trio.tcp_server import TCPServer
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
     from hypercorn.utils import repr_socket_addr, wrap_app
 
-    class TrackedTCPServer(TCPServer):
+    from web.sse import FastWriteTCPServer
+
+    class TrackedTCPServer(tcp_server_base or FastWriteTCPServer):
         def __init__(self, app, config, context, state, stream) -> None:
             super().__init__(app, config, context, state, stream)
             connections.add(stream)

@@ -11,6 +11,7 @@ import orjson
 from web.bench.account import RequestResult, StreamAccount, failed_result
 from web.bench.backends import Backend, error_message
 from web.bench.sse import SSEParser
+from web.bench.transport import StreamClient
 
 
 def request_headers(request_id: str, extra: dict[str, str]) -> dict[str, str]:
@@ -32,8 +33,8 @@ def _http_error(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message[:500]}"
 
 
-async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, payload: dict[str, Any],
-                       headers: dict[str, str], prompt_len: int) -> RequestResult:
+async def send_request(client: StreamClient | httpx.AsyncClient, backend: Backend, url: str,
+                       payload: dict[str, Any], headers: dict[str, str], prompt_len: int) -> RequestResult:
     """Stream one request and account for it; never raises for server or transport failures."""
     start_ns = time.perf_counter_ns()
     account = StreamAccount(prompt_len=prompt_len, start_ns=start_ns)
