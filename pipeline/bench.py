@@ -165,10 +165,12 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
 
         compiles0 = _compiles(engine.runner)
         t0 = so_far["t0"] = time.perf_counter()
+        cpu0 = time.process_time()       # every thread of the process: the host's whole work
         async with trio.open_nursery() as reqs_nursery:
             for body in reqs:
                 reqs_nursery.start_soon(one, body)
         elapsed = time.perf_counter() - t0
+        cpu_s = time.process_time() - cpu0
         compiles1 = _compiles(engine.runner)
         progress.close()
         stats = engine.stats()
@@ -176,6 +178,7 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
         "model": engine.model_names[0], "device": str(engine.device),
         "dtype": str(engine.loaded.model.dtype).removeprefix("torch."), "num_prompts": len(reqs),
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": round(elapsed, 3),
+        "cpu_s": round(cpu_s, 3),
         "output_tokens_per_s": round(out_tokens / elapsed, 2),
         "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 2),
         "preemptions": stats.num_preemptions, "steps": stats.steps_total,

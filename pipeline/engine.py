@@ -23,11 +23,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -38,22 +35,19 @@ from gpu.runner import ModelRunner
 from gpu.simulate import SimulatedRunner
 from pipeline.config import EngineConfig
 from pipeline.events import EventLog
-from pipeline.reply import Reply, describe
+from pipeline.client import EngineClient
+from pipeline.reply import describe
 from pipeline.startup import (Built, build, chat_template_source, freeze_heap,
                               generation_defaults, open_event_log, pick_device)
-from pipeline.stats import EngineStats, Latencies, RequestShapes
+from pipeline.stats import EngineStats, Latencies, RequestShapes, cache_config_labels
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
-from stages.admit import Accepted, Admission
+from stages.admit import Admission
 from stages.api.chat import MAX_CHOICES
 from stages.blocks import BlockManager
-from stages.messages import Abort, Submission
-from stages.render import RenderContext, RequestError
+from stages.render import RenderContext
 from stages.replies import Replies
 from stages.schedule import Scheduler
 from stages.stream_interval import StreamInterval
-
-if TYPE_CHECKING:
-    from stages.api.tokenize import DetokenizeResponse, TokenizeResponse
 
 log = logging.getLogger("tailrace")
 
@@ -61,119 +55,18 @@ STOP_GRACE_S = 2.0      # after a stage failure, how long the body may run on (s
 
 
 @attrs.define(kw_only=True, eq=False)
-class Engine:
-    """A running engine: built and started by open_engine, never half-made."""
+class Engine(EngineClient):
+    """A running engine: built and started by open_engine, never half-made. What web
+    calls (submit, abort, the drain) is pipeline/client.py's, shared with a frontend
+    process's RemoteEngine; this adds the stages' own state."""
 
     config: EngineConfig
     device: torch.device
     loaded: LoadedModel
-    model_names: tuple[str, ...]
-    max_model_len: int
     runner: ModelRunner | SimulatedRunner
     blocks: BlockManager
     scheduler: Scheduler
     accountant: account.Accountant
-    replies: Replies
-    admission: Admission
-    render_in: trio.MemorySendChannel       # web -> render
-    render_context: RenderContext           # what tokenize and detokenize use
-    schedule_in: trio.MemorySendChannel     # aborts -> schedule's inbox
-    event_log: EventLog | None = None       # --event-log (web/server.py adds the API keys to hide)
-    failure: BaseException | None = None    # a stage raised: the engine has stopped
-
-    @property
-    def healthy(self) -> bool:
-        """Running and taking requests (/health): not stopped, not draining."""
-        return self.failure is None and not self.admission.draining
-
-    async def submit(self, api: str, body: object, request_id: str | None = None,
-                     headers: tuple[tuple[str, str], ...] = ()) -> Reply:
-        """Render and admit one request. Raises RequestError before anything is streamed.
-
-        A request that admission would refuse whatever it asks (overload, shutdown) is
-        refused here at once, before render spends any work on it."""
-        refusal = self._stopped_error() or self.admission.refusal()
-        if refusal is not None:
-            raise refusal
-        rid = request_id or uuid.uuid4().hex
-        if rid in self.replies:
-            rid = f"{rid}-{uuid.uuid4().hex[:8]}"
-        receive = self.replies.open(rid)
-        accepted = False
-        try:
-            try:
-                await self.render_in.send(Submission(rid, api, body, time.monotonic(), headers))
-                first = await receive.receive()
-            except (trio.EndOfChannel, trio.BrokenResourceError):  # the engine stopped meanwhile
-                raise self._stopped_error() from None
-            if isinstance(first, RequestError):
-                raise first
-            assert isinstance(first, Accepted), first
-            accepted = True
-            return Reply(self, rid, first.stream, receive)
-        finally:
-            if not accepted:  # refused (already released), or cancelled on the way in
-                self.abort(rid)
-
-    def tokenize(self, body: object) -> TokenizeResponse:
-        """POST /tokenize: the prompt's token ids as render would make them, at once (no
-        engine step). Raises RequestError."""
-        return render.tokenize(body, self.render_context)
-
-    def detokenize(self, body: object) -> DetokenizeResponse:
-        """POST /detokenize: token ids back to text, at once. Raises RequestError."""
-        return render.detokenize(body, self.render_context)
-
-    def tokenizer_info(self) -> dict:
-        """GET /tokenizer_info. Raises RequestError."""
-        return render.tokenizer_info(self.render_context)
-
-    @property
-    def load(self) -> int:
-        """GET /load: the requests in flight (admitted, their replies not yet all sent)."""
-        return self.replies.num_admitted
-
-    def _stopped_error(self) -> RequestError | None:
-        if self.failure is None:
-            return None
-        return RequestError(f"The engine stopped: {describe(self.failure)}", status=503,
-                            type="server_error", code="engine_stopped")
-
-    def abort(self, request_id: str) -> None:
-        """The client is gone. Its request keeps its admission slot until emit releases it."""
-        self.replies.detach(request_id)
-        self._abort(request_id, None)
-
-    def _abort(self, request_id: str, error: str | None) -> None:
-        # Only an admitted request is known to schedule, and each gets one Abort at most:
-        # schedule's inbox is sized for that (see _start), so this never blocks. A request
-        # not admitted yet is dropped by admit once its reply is detached.
-        if not self.replies.mark_aborted(request_id):
-            return
-        try:
-            self.schedule_in.send_nowait(Abort(request_id, error))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass  # the engine is shutting down
-
-    # -- shutdown (web/server.py drives it) ---------------------------------------------------
-    def begin_drain(self) -> None:
-        """Take no new request (503, and /health 503); those in flight run on."""
-        self.admission.draining = True
-
-    def abort_all(self, message: str) -> None:
-        """End every admitted request now with `message` as an in-band error (an error
-        chunk and [DONE], or a 500 body); schedule frees their blocks with its next step."""
-        for rid in self.replies.admitted_ids():
-            self._abort(rid, message)
-
-    async def wait_idle(self) -> None:
-        """Until no request is in flight (every reply's last byte handed to its reader)."""
-        await self.replies.wait_empty()
-
-    def _stop(self, exc: BaseException) -> None:
-        """A stage raised: refuse everything from now on and end every reply with an error."""
-        self.failure = exc
-        self.replies.close_all()
 
     def stats(self) -> EngineStats:
         s, a = self.scheduler, self.accountant
@@ -201,16 +94,37 @@ class Engine:
 
     @property
     def cache_config(self) -> dict[str, str]:
-        """vllm:cache_config_info's labels (vLLM's CacheConfig field names)."""
-        cfg = self.config
-        return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(self.blocks.num_blocks),
-                "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
-                "enable_prefix_caching": str(cfg.enable_prefix_caching),
-                "cache_dtype": "auto", "num_gpu_blocks_override":
-                    str(cfg.num_gpu_blocks_override), "engine": "0"}
+        return cache_config_labels(self.config, self.blocks.num_blocks)
 
 
 # -- the stages, wired -----------------------------------------------------------------
+
+def render_context(cfg: EngineConfig, built: Built) -> RenderContext:
+    """What render needs (the tokenizer, the template, the defaults): plain data, which
+    the engine process hands each frontend (pipeline/frontend.py)."""
+    loaded = built.loaded
+    return RenderContext(tokenizer=loaded.tokenizer, served_model_names=built.model_names,
+                         max_model_len=built.max_model_len,
+                         default_sampling=generation_defaults(cfg, loaded.generation_config),
+                         reasoning=built.parsers.reasoning_parser is not None,
+                         vocab_size=loaded.config.vocab_size,
+                         chat_template=chat_template_source(cfg.chat_template),
+                         max_tokens_ceiling=cfg.override_generation_config.get("max_new_tokens"),
+                         force_include_usage=cfg.enable_force_include_usage,
+                         per_request_metrics=cfg.enable_per_request_metrics,
+                         tools=built.parsers.tools, harmony=built.parsers.harmony)
+
+
+def admission_limits(cfg: EngineConfig) -> tuple[int, int]:
+    """(requests admitted at once, schedule's inbox size).
+
+    Admitted at once: at most max_queued_requests + max_num_seqs requests (admission
+    counts a request until emit has sent its last byte), each putting at most one request,
+    one Abort and one FinishRequest per choice (<= MAX_CHOICES) into schedule's inbox: the
+    back-edges never block."""
+    max_admitted = cfg.max_queued_requests + cfg.max_num_seqs
+    return max_admitted, (2 + MAX_CHOICES) * max_admitted + 16
+
 
 def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built: Built,
            events: EventLog | None) -> Engine:
@@ -219,22 +133,8 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     loaded, tok = built.loaded, built.loaded.tokenizer
     replies = Replies(built.max_model_len + 4)
     accountant = account.Accountant(built.max_model_len)
-    ctx = RenderContext(tokenizer=tok, served_model_names=built.model_names,
-                        max_model_len=built.max_model_len,
-                        default_sampling=generation_defaults(cfg, loaded.generation_config),
-                        reasoning=built.parsers.reasoning_parser is not None,
-                        vocab_size=loaded.config.vocab_size,
-                        chat_template=chat_template_source(cfg.chat_template),
-                        max_tokens_ceiling=cfg.override_generation_config.get("max_new_tokens"),
-                        force_include_usage=cfg.enable_force_include_usage,
-                        per_request_metrics=cfg.enable_per_request_metrics,
-                        tools=built.parsers.tools, harmony=built.parsers.harmony)
-    # Admitted at once: at most max_queued_requests + max_num_seqs requests (admission
-    # counts a request until emit has sent its last byte), each putting at most one request,
-    # one Abort and one FinishRequest per choice (<= MAX_CHOICES) into schedule's inbox: the
-    # back-edges never block.
-    max_admitted = cfg.max_queued_requests + cfg.max_num_seqs
-    inbox_size = (2 + MAX_CHOICES) * max_admitted + 16
+    ctx = render_context(cfg, built)
+    max_admitted, inbox_size = admission_limits(cfg)
     render_in, render_out = trio.open_memory_channel(cfg.max_queued_requests)
     admit_in, admit_out = trio.open_memory_channel(0)
     sched_in, sched_out = trio.open_memory_channel(inbox_size)

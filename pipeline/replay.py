@@ -218,8 +218,11 @@ def _setup(args: argparse.Namespace, log: Log) -> tuple[object, str | None, list
 
 
 def main(args: argparse.Namespace) -> int:
+    from pipeline.logfile import frontend_logs, joined
+
     try:
         log = Log.read(args.event_log)
+        parts = frontend_logs(args.event_log)   # a run of --api-server-count
     except FileNotFoundError as exc:
         print(f"tailrace replay: {exc}", file=sys.stderr)
         return 2
@@ -228,7 +231,7 @@ def main(args: argparse.Namespace) -> int:
     if args.timeline or args.html:
         from pipeline import timeline
 
-        tl = timeline.build(log)
+        tl = timeline.build(joined(args.event_log) if parts else log)
         if args.timeline:
             sys.stdout.write(timeline.text(tl))
         if args.html:
@@ -244,7 +247,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
-    result = replay_log(log, tok, reasoning)
+    if parts:
+        # each frontend's file holds its requests whole (the Steps it got, and its bytes)
+        print(f"{len(parts)} frontend files beside the engine's: each replayed on its own")
+        result = _merged([replay_log(Log.read(p), tok, reasoning) for p in parts])
+    else:
+        result = replay_log(log, tok, reasoning)
     bad = len(result.differences)
     print(f"replayed {len(result.checked)} requests: {len(result.checked) - bad} identical, "
           f"{bad} differ")
@@ -266,3 +274,16 @@ def main(args: argparse.Namespace) -> int:
             return 1
         sys.stdout.write(result.reproduced.get(args.request_id, b"").decode(errors="replace"))
     return 1 if bad else 0
+
+
+def _merged(results: list[Result]) -> Result:
+    """The frontends' results as one (their request ids are each frontend's own: a
+    difference is reported under the id that frontend gave it)."""
+    out = results[0]
+    for r in results[1:]:
+        out = attrs.evolve(
+            out, checked=out.checked + r.checked, differences=out.differences + r.differences,
+            unfinished=out.unfinished + r.unfinished, not_checked=out.not_checked + r.not_checked,
+            reproduced={**out.reproduced, **r.reproduced}, logged={**out.logged, **r.logged},
+            apis={**out.apis, **r.apis})
+    return out

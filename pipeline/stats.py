@@ -58,3 +58,12 @@ class EngineStats:
     cache_config: Mapping[str, str] = attrs.field(factory=dict)   # vllm:cache_config_info's labels
     latency: Latencies | None = None
     shapes: RequestShapes | None = None
+
+
+def cache_config_labels(cfg, num_blocks: int) -> dict[str, str]:
+    """vllm:cache_config_info's labels (vLLM's CacheConfig field names) for an EngineConfig."""
+    return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(num_blocks),
+            "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
+            "cache_dtype": "auto", "num_gpu_blocks_override": str(cfg.num_gpu_blocks_override),
+            "engine": "0"}

@@ -250,7 +250,8 @@ class Views:
         self.config = config
         self.started_at = int(time.time())
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(engine))
+        self.collector = EngineCollector(engine)
+        self.registry.register(self.collector)
 
     async def generate(self, api: str | None) -> Response:
         """POST /v1/chat/completions, /v1/completions, /v1/responses; POST /invocations
@@ -341,7 +342,14 @@ class Views:
         return _json({"version": v})
 
     async def metrics(self) -> Response:
-        return Response(generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
+        # in one process the stats are read as they are; a frontend process of
+        # --api-server-count asks the engine process, which sums every frontend's
+        fetch = getattr(self.engine, "fetch_stats", None)   # an engine double may lack it
+        self.collector.snapshot = await fetch() if fetch is not None else None
+        try:
+            return Response(generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
+        finally:
+            self.collector.snapshot = None
 
     async def http_error(self, exc: HTTPException) -> Response:
         if exc.code == 404:

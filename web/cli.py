@@ -90,6 +90,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="Serve GET /tokenizer_info (the tokenizer's configuration, the chat "
                         "template included).")
+    p.add_argument("--api-server-count", "-asc", type=int, default=None, metavar="N",
+                   help="Run the engine (admit, schedule, GPU step) in a process of its own and "
+                        "N HTTP frontend processes (render, detokenize, parse, account, emit) "
+                        "sharing the listening socket (vLLM's flag; docs/architecture.md). "
+                        "Default: one process does both.")
     p.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S,
                    metavar="SECONDS",
                    help="On SIGTERM/SIGINT, how long requests in flight may run on before "
@@ -98,6 +103,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def app_config(args: argparse.Namespace) -> AppConfig:
     """The server's settings from its flags; ValueError for a bad value."""
+    if getattr(args, "api_server_count", None) is not None and args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if args.graceful_timeout < 0:
         raise ValueError(f"--graceful-timeout must not be negative, got {args.graceful_timeout}")
     return AppConfig(api_keys=api_keys(args.api_key),
@@ -177,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, args.serve_args = parser.parse_known_args(argv)
     else:
         args = parser.parse_args(argv)
+    args.argv = argv
     if args.command == "bench":
         from web.logs import configure as configure_logs
 
@@ -231,6 +239,14 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         log.error("tailrace serve: cannot listen on %s: %s", _bind(args.host, args.port),
                   exc.strerror or exc)
         return 1
+    if args.api_server_count is not None:
+        from pipeline import procs
+
+        try:
+            return procs.run(args.argv[1:], args.api_server_count, sock,
+                             log_level=args.log_level, log_format=args.log_format)
+        finally:
+            sock.close()
     try:
         import trio
 

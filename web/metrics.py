@@ -90,11 +90,15 @@ def _family(name: str, doc: str, labels: list[str] | None = None) -> Metric:
 
 
 class EngineCollector(Collector):
+    """`snapshot`, when set, is what the next collection exports (a frontend process
+    fetches it from the engine process before a scrape); else `engine.stats()`."""
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.snapshot: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats()
+        stats = self.snapshot if self.snapshot is not None else self.engine.stats()
         model = self.engine.model_names[0]
         yield from _vllm(stats, model)
         yield from _own(stats)

@@ -70,16 +70,48 @@ async def serve_model(config: EngineConfig, sock: socket.socket, *,
     return 0
 
 
+async def serve_frontend(engine_sock: socket.socket, sock: socket.socket, *, index: int,
+                         log_level: str = "info") -> int:
+    """One frontend process of --api-server-count (pipeline/procs.py starts it): serve the
+    listening socket it inherited at once (503 while the engine process loads the model),
+    take its setup from the engine over `engine_sock`, then serve the app over a
+    pipeline.frontend.RemoteEngine, as serve_model does over an Engine; shutdown is the
+    same. The engine going away comes out as pipeline.frontend.EngineGone."""
+    from pipeline.frontend import EngineGone, open_frontend
+    from pipeline.wire import Link
+
+    shutdown, abort, serving = trio.Event(), trio.Event(), trio.Event()
+    gate = LoadingGate()
+    link = Link(trio.socket.from_stdlib_socket(engine_sock))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_watch_signals, shutdown, abort, serving, nursery.cancel_scope)
+        async with open_http(gate, sock, log_level=log_level):
+            try:
+                setup = await link.receive()
+            except trio.EndOfChannel:
+                raise EngineGone("the engine process exited before it was ready") from None
+            async with open_frontend(setup, link) as engine:
+                async with trio.open_nursery() as server:
+                    await server.start(partial(
+                        serve, engine, None, app_config=setup.app_config,
+                        graceful_timeout=setup.graceful_timeout, shutdown=shutdown,
+                        abort=abort, gate=gate, announce=index == 0))
+                    serving.set()
+        nursery.cancel_scope.cancel()     # stops the signal watcher
+    return 0
+
+
 async def serve(engine: Engine, sock: socket.socket | None, *,
                 app_config: AppConfig = AppConfig(), log_level: str = "info",
                 graceful_timeout: float = GRACEFUL_TIMEOUT_S, shutdown: trio.Event | None = None,
                 abort: trio.Event | None = None, gate: LoadingGate | None = None,
-                task_status=None) -> None:
+                announce: bool = True, task_status=None) -> None:
     """Serve the app of a running engine on a listening socket (listen_socket) until
     `shutdown` is set, then drain (see drain) and stop. Prints the listening line.
 
     With `gate` (a web.app.LoadingGate already served by open_http; `sock` None), open
-    that gate to the app instead of starting a server of its own."""
+    that gate to the app instead of starting a server of its own. `announce` False: no
+    listening line (the frontends of --api-server-count but the first)."""
     shutdown = shutdown if shutdown is not None else trio.Event()
     abort = abort if abort is not None else trio.Event()
     async with contextlib.AsyncExitStack() as stack:
@@ -90,7 +122,7 @@ async def serve(engine: Engine, sock: socket.socket | None, *,
         if event_log is not None:   # an API key sent anywhere in a body is never logged
             event_log.secrets = frozenset(app_config.api_keys)
         gate.open(create_app(engine, app_config))
-        for bind in gate.binds:
+        for bind in gate.binds if announce else ():
             print(f"{LISTENING_PREFIX}{bind}", flush=True)
         if task_status is not None:
             task_status.started(gate.binds)

@@ -1,0 +1,23 @@
+"""The servers tests/procs share (helpers: procs_util.py)."""
+from __future__ import annotations
+
+import pytest
+
+from procs_util import start
+
+@pytest.fixture(scope="module")
+def two_frontends(tmp_path_factory):
+    """N = 2, few admitted requests (2 running + 1 queued), so overload is easy to reach."""
+    tmp = tmp_path_factory.mktemp("procs2")
+    server = start(tmp, "--api-server-count", "2", "--max-num-seqs", "2",
+                   "--max-queued-requests", "1", "--event-log", str(tmp / "events.jsonl"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    server = start(tmp_path_factory.mktemp("single"), "--max-num-seqs", "2",
+                   "--max-queued-requests", "1")
+    yield server
+    server.stop()

@@ -1,0 +1,123 @@
+"""Helpers of tests/procs: real `tailrace serve --api-server-count N` servers (the bundled SmolLM2 on the CPU),
+and what the tests read of their processes from /proc (no psutil)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+
+LISTENING = "tailrace: listening on "
+START_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 60
+FLAGS = ("--max-model-len", "512", "--dtype", "float32", "--log-level", "warning")
+
+
+@attrs.frozen
+class Server:
+    url: str
+    proc: subprocess.Popen
+    err: Path
+
+    @property
+    def event_log(self) -> Path:
+        return self.err.parent / "events.jsonl"
+
+    def children(self) -> dict[str, list[int]]:
+        """{'engine': [pid], 'frontend': [pid, ...]} among the server's child processes."""
+        out: dict[str, list[int]] = {"engine": [], "frontend": []}
+        for pid, ppid, cmd in processes():
+            if ppid == self.proc.pid:
+                for kind in out:
+                    if f"pipeline.procs\0{kind}" in cmd:
+                        out[kind].append(pid)
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def processes():
+    """(pid, ppid, command line with NULs) of every process, from /proc."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        yield int(entry), int(fields[1]), cmd
+
+
+def process_group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of a process group."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def start(tmp: Path, *flags: str) -> Server:
+    out, err = tmp / "stdout.txt", tmp / "stderr.txt"
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    with open(out, "wb") as o, open(err, "wb") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", "0",
+                                 *FLAGS, *flags], stdout=o, stderr=e, env=env)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        text = out.read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.startswith(LISTENING)]
+        if lines:
+            url = lines[0][len(LISTENING):].strip()
+            break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not start:\n{err.read_text()[-3000:]}")
+        time.sleep(0.2)
+    server = Server(url, proc, err)
+    # every frontend answers once the engine is up: /health is 200 on any of them
+    wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "/health 200")
+    return server
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The unlabelled and model-labelled samples of /metrics, by name."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        out[name.split("{")[0] if "model_name" in name and "," not in name else name] = float(value)
+    return out

@@ -1,0 +1,67 @@
+"""The wire between the engine and frontend processes (pipeline/wire.py): Step frames
+round-trip exactly, whatever is in the deltas, and frames survive any split of the
+byte stream."""
+import socket
+
+import trio
+
+from gpu.interface import TokenLogprobs
+from pipeline.wire import OBJ, STEP, Link, Refused, pack, pack_step, unpack_step
+from stages.delta import Delta, FinishReason
+from stages.messages import Abort, Step
+
+
+def _step() -> Step:
+    lp = TokenLogprobs(-0.5, (3, 4), (-0.5, -1.25))
+    return Step(7, (), (
+        Delta("a", (11,), scheduled_at=1.5, num_cached_tokens=16),
+        Delta("b", (12, 13), FinishReason.STOP, 2, index=1, scheduled_at=2.0),
+        Delta("c", (), FinishReason.ERROR, None, error="boom"),
+        Delta("d", (14,), token_logprobs=(lp,), prompt_token_logprobs=(None, lp)),
+        Delta("e", (15,), FinishReason.STOP, "stop here"),
+    ), num_running=3, num_waiting=1, kv_blocks_used=9, done_at=12.25)
+
+
+def test_a_step_round_trips():
+    step = _step()
+    frame = pack_step(step, [], [(d.request_id, d) for d in step.deltas])
+    assert frame[4] == STEP
+    assert unpack_step(frame[5:], {}) == step
+
+
+def test_new_requests_are_named_by_id_and_renamed_deltas_keep_the_frontends_ids():
+    step = _step()
+    held = {"x": "the frontend's own request"}
+    items = [("local-" + d.request_id, d) for d in step.deltas[:1]]
+    out = unpack_step(pack_step(step, ["x"], items)[5:], held)
+    assert out.new_requests == ("the frontend's own request",)
+    assert held == {}                                # each request is new once
+    assert [d.request_id for d in out.deltas] == ["local-a"]
+    assert out.deltas[0].token_ids == (11,) and out.deltas[0].num_cached_tokens == 16
+
+
+async def test_frames_survive_any_split_of_the_stream():
+    a, b = socket.socketpair()
+    left = Link(trio.socket.from_stdlib_socket(a))
+    right = Link(trio.socket.from_stdlib_socket(b))
+    step = _step()
+    frames = [pack(Abort("r1", "why")), pack_step(step, [], [(d.request_id, d) for d in step.deltas]),
+              pack(Refused("r2", "no", 503, "server_overloaded")), pack("x" * 300_000)]
+    blob = b"".join(frames)
+
+    async def write_in_odd_pieces() -> None:
+        for i in range(0, len(blob), 997):           # cut anywhere, headers included
+            await left.send_frame(blob[i:i + 997])
+        left.close()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write_in_odd_pieces)
+        got = [await right.receive_frame() for _ in frames]
+        try:
+            await right.receive_frame()
+            raise AssertionError("no EndOfChannel")
+        except trio.EndOfChannel:
+            pass
+    assert [kind for kind, _ in got] == [OBJ, STEP, OBJ, OBJ]
+    assert unpack_step(got[1][1], {}) == step
+    right.close()
