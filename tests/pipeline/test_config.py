@@ -120,13 +120,14 @@ def test_a_tool_parser_plugin_adds_its_name(tmp_path):
         "class Mine(TOOL_PARSERS['hermes']):\n"
         "    pass\n")
     try:
-        cfg = EngineConfig(tool_parser_plugin=str(plugin), tool_call_parser="utests_plugin",
-                           enable_auto_tool_choice=True)
+        # the flags load the plugin before the config is made (EngineConfig runs no code)
+        cfg = engine_config(flags("--tool-parser-plugin", str(plugin), "--tool-call-parser",
+                                  "utests_plugin", "--enable-auto-tool-choice"))
         assert cfg.tool_call_parser == "utests_plugin" and "utests_plugin" in TOOL_PARSERS
     finally:
         TOOL_PARSERS.pop("utests_plugin", None)     # the registry is process-wide
     with pytest.raises(ValueError, match="--tool-parser-plugin .*missing.py: no such file"):
-        EngineConfig(tool_parser_plugin=str(tmp_path / "missing.py"))
+        engine_config(flags("--tool-parser-plugin", str(tmp_path / "missing.py")))
 
 
 def test_fault_steps_name_the_bad_item():
