@@ -15,6 +15,7 @@ which every frontend sees as its socket closing.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 from functools import partial
@@ -150,7 +151,7 @@ class Stats:
     def __init__(self, scheduler, blocks, ports: list[Port]) -> None:
         self.scheduler, self.blocks, self.ports = scheduler, blocks, ports
         self._waiting: dict[int, tuple[trio.Event, list]] = {}
-        self._numbers = iter(range(1 << 62))
+        self._numbers = itertools.count()
 
     def answer(self, reply: AccountReply) -> None:
         waiting = self._waiting.get(reply.query)
