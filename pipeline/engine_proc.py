@@ -15,6 +15,7 @@ which every frontend sees as its socket closing.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 from functools import partial
@@ -151,7 +152,7 @@ class Stats:
         self.scheduler, self.blocks, self.ports = scheduler, blocks, ports
         self.cache_config = cache_config
         self._waiting: dict[int, tuple[trio.Event, list]] = {}
-        self._numbers = iter(range(1 << 62))
+        self._numbers = itertools.count()
 
     def answer(self, reply: AccountReply) -> None:
         waiting = self._waiting.get(reply.query)

@@ -79,13 +79,19 @@ def process_group(pgid: int) -> list[int]:
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    """Poll until `predicate()` is truthy; an HTTP error (a busy machine's timeout) counts
+    as not yet."""
     deadline = time.monotonic() + timeout
+    last = None
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+        except httpx.HTTPError as exc:
+            value, last = None, exc
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what} (last error: {last!r})")
         time.sleep(0.1)
 
 
@@ -108,7 +114,8 @@ def start(tmp: Path, *flags: str) -> Server:
         time.sleep(0.2)
     server = Server(url, proc, err)
     # every frontend answers once the engine is up: /health is 200 on any of them
-    wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "/health 200")
+    wait_for(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, 120,
+             "/health 200")
     return server
 
 
