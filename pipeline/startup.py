@@ -26,6 +26,7 @@ from pipeline.config import EngineConfig
 from pipeline.events import EventLog, make_header
 from stages.api.common import ToolSettings
 from stages.blocks import BlockManager
+from stages.drafter import make_drafter
 from stages.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
 from stages.schedule import Scheduler
 
@@ -153,7 +154,12 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
     scheduler = Scheduler(blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
                           max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids,
                           grammars=grammars,
-                          think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer))
+                          think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer),
+                          drafter=make_drafter(cfg.speculative_config),
+                          num_speculative_tokens=(cfg.speculative_config.num_speculative_tokens
+                                                  if cfg.speculative_config else 0),
+                          spec_disable_by_batch_size=(cfg.speculative_config.disable_by_batch_size
+                                                      if cfg.speculative_config else None))
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
                     "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "

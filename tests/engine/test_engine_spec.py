@@ -1,0 +1,117 @@
+"""Speculative decoding (n-gram prompt lookup) on the whole engine, real SmolLM2 in fp32:
+the streams are those of decoding one token at a time, byte for byte."""
+from __future__ import annotations
+
+import re
+
+import orjson
+import trio
+
+from pipeline.config import EngineConfig
+from pipeline.engine import open_engine
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}
+TEXT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "
+        "lazy dog. The quick brown fox")
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+
+
+def engine_of(smollm, **cfg):
+    return open_engine(EngineConfig(**{"max_model_len": 256, "max_num_seqs": 8,
+                                       "async_scheduling": False, **cfg}), loaded=smollm)
+
+
+def _norm(raw: bytes) -> bytes:
+    raw = re.sub(rb'"created":\d+', b'"created":0', raw)
+    # a verify pass is a wider forward than a decode: fp32's last digits move
+    return re.sub(rb"-?\d+\.\d+(?:e-?\d+)?", lambda m: b"%.3f" % float(m.group()), raw)
+
+
+def by_choice(stream: bytes) -> dict[int, str]:
+    """n > 1: each choice's text and finish, joined (how choices interleave is timing)."""
+    out: dict[int, list] = {}
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for c in orjson.loads(event[6:])["choices"]:
+                out.setdefault(c["index"], []).append((c.get("text"), c.get("finish_reason"),
+                                                       c.get("logprobs")))
+    return {i: orjson.dumps(v) for i, v in out.items()}
+
+
+def texts(stream: bytes) -> dict[int, tuple[str, str]]:
+    """Each choice's text and finish_reason, whatever the chunking (several tokens may
+    come in one chunk; choices interleave by timing)."""
+    out: dict[int, list] = {}
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for c in orjson.loads(event[6:])["choices"]:
+                o = out.setdefault(c["index"], ["", None])
+                o[0] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+                o[1] = c.get("finish_reason") or o[1]
+    return {i: tuple(v) for i, v in out.items()}
+
+
+BODIES = [
+    ("completions", dict(prompt="Repeat this text: " + TEXT, max_tokens=24, logprobs=2)),
+    ("completions", dict(prompt="Repeat this text: " + TEXT, max_tokens=24, temperature=0.8,
+                         seed=11, logprobs=1)),
+    ("completions", dict(prompt=CODE + "\n# the same, again:\n" + CODE[:20], max_tokens=30,
+                         temperature=0.8, seed=3, n=2)),
+    ("completions", dict(prompt="Copy: " + TEXT, max_tokens=30, stop=["lazy"])),
+    ("completions", dict(prompt="Copy: " + TEXT, max_tokens=20, frequency_penalty=0.5,
+                         presence_penalty=0.3, repetition_penalty=1.1, temperature=0.8, seed=5)),
+    ("completions", dict(prompt="Copy: " + TEXT, max_tokens=20, min_tokens=15,
+                         logit_bias={"13": -2.0}, bad_words=["dog"])),
+    ("chat", dict(messages=[{"role": "user", "content": "Repeat exactly: " + TEXT}],
+                  max_tokens=24, logprobs=True, top_logprobs=2)),
+    ("completions", dict(prompt="xq zv 81 plk wre 5 mm", max_tokens=12, temperature=0.8, seed=9)),
+]
+
+
+async def _streams(smollm, spec, bodies, **cfg) -> tuple[list[bytes], object]:
+    out: list[bytes] = [b""] * len(bodies)
+    async with engine_of(smollm, speculative_config=spec, **cfg) as engine:
+        async def one(i, api, body):
+            reply = await engine.submit(api, {"model": engine.model_names[0], "temperature": 0,
+                                              "stream": True, **body}, request_id=f"r{i}")
+            out[i] = await reply.read()
+        async with trio.open_nursery() as n:
+            for i, (api, body) in enumerate(bodies):
+                n.start_soon(one, i, api, body)
+        stats = engine.stats()
+        spec_counts = engine.scheduler.spec
+    return out, (stats, spec_counts)
+
+
+async def test_spec_decoding_changes_no_token_of_any_stream(smollm):
+    """Greedy, seeded at temperature 0.8, n = 2, a stop string inside a copied run,
+    penalties, min_tokens, logit_bias and bad words, with logprobs: the text of every
+    stream, its logprobs and finish are those without speculation."""
+    off, _ = await _streams(smollm, None, BODIES)
+    on, (_, counts) = await _streams(smollm, SPEC, BODIES)
+    for i, (a, b) in enumerate(zip(off, on)):
+        assert a.endswith(b"data: [DONE]\n\n") and b.endswith(b"data: [DONE]\n\n")
+        assert texts(a) == texts(b), (BODIES[i], texts(a), texts(b))
+        assert len(texts(a)) == BODIES[i][1].get("n", 1)
+        assert _logprob_list(a) == _logprob_list(b), BODIES[i]
+    assert counts.num_accepted_tokens > 10, vars(counts)
+
+
+def _logprob_list(stream: bytes) -> list:
+    """Every emitted token's logprob entries (to 3 places), in order, per choice."""
+    out: dict[int, list] = {}
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for c in orjson.loads(event[6:])["choices"]:
+                lp = c.get("logprobs")
+                if not lp:
+                    continue
+                if "content" in lp:          # chat
+                    items = [(x["token"], round(x["logprob"], 3),
+                              [(t["token"], round(t["logprob"], 3)) for t in x["top_logprobs"]])
+                             for x in lp["content"]]
+                else:
+                    items = list(zip(lp["tokens"], [round(v, 3) for v in lp["token_logprobs"]]))
+                out.setdefault(c["index"], []).extend(items)
+    return sorted(out.items())
