@@ -74,7 +74,8 @@ async def _streams(smollm, spec, bodies, **cfg) -> tuple[list[bytes], object]:
     async with engine_of(smollm, speculative_config=spec, **cfg) as engine:
         async def one(i, api, body):
             reply = await engine.submit(api, {"model": engine.model_names[0], "temperature": 0,
-                                              "stream": True, **body}, request_id=f"r{i}")
+                                              "stream": True, "stream_options": {"include_usage": True},
+                                              **body}, request_id=f"r{i}")
             out[i] = await reply.read()
         async with trio.open_nursery() as n:
             for i, (api, body) in enumerate(bodies):
@@ -95,6 +96,7 @@ async def test_spec_decoding_changes_no_token_of_any_stream(smollm):
         assert texts(a) == texts(b), (BODIES[i], texts(a), texts(b))
         assert len(texts(a)) == BODIES[i][1].get("n", 1)
         assert _logprob_list(a) == _logprob_list(b), BODIES[i]
+        assert _usage(a) == _usage(b), BODIES[i]
     assert counts.num_accepted_tokens > 10, vars(counts)
 
 
@@ -115,3 +117,12 @@ def _logprob_list(stream: bytes) -> list:
                     items = list(zip(lp["tokens"], [round(v, 3) for v in lp["token_logprobs"]]))
                 out.setdefault(c["index"], []).extend(items)
     return sorted(out.items())
+
+
+def _usage(stream: bytes) -> dict:
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            chunk = orjson.loads(event[6:])
+            if chunk.get("usage"):    # cached tokens depend on which request came first
+                return {k: chunk["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+    raise AssertionError("no usage chunk")
