@@ -41,7 +41,7 @@ from pipeline.events import EventLog
 from pipeline.reply import Reply, describe
 from pipeline.startup import (Built, build, chat_template_source, freeze_heap,
                               generation_defaults, open_event_log, pick_device)
-from pipeline.stats import EngineStats, Latencies
+from pipeline.stats import EngineStats, Latencies, SpecDecodeStats
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.api.chat import MAX_CHOICES
@@ -180,7 +180,11 @@ class Engine:
             prefix_cache_hits_total=a.prefix_cache_hits_total,
             requests_finished_total=dict(a.finished_total), steps_total=s.step,
             latency=Latencies(ttft=a.ttft, itl=a.itl, e2e=a.e2e, queue=a.queue,
-                              prefill=a.prefill, decode=a.decode))
+                              prefill=a.prefill, decode=a.decode),
+            spec_decode=None if s.drafter is None else SpecDecodeStats(
+                num_drafts=s.spec.num_drafts, num_draft_tokens=s.spec.num_draft_tokens,
+                num_accepted_tokens=s.spec.num_accepted_tokens,
+                accepted_per_pos=tuple(s.spec.accepted_per_pos)))
 
 
 # -- the stages, wired -----------------------------------------------------------------

@@ -23,6 +23,15 @@ class Latencies:
 
 
 @attrs.frozen(kw_only=True)
+class SpecDecodeStats:
+    """Speculative decoding's counters since start (--speculative-config), as vLLM's."""
+    num_drafts: int = 0                # verify passes: sequences that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()   # [i]: drafts accepted at position i
+
+
+@attrs.frozen(kw_only=True)
 class EngineStats:
     """Gauges (the scheduler's queues, the KV blocks) and counters (`_total`, since start)."""
     num_running: int = 0
@@ -40,3 +49,4 @@ class EngineStats:
     requests_finished_total: Mapping[str, int] = attrs.field(factory=dict)  # by FinishReason
     steps_total: int = 0
     latency: Latencies | None = None
+    spec_decode: SpecDecodeStats | None = None   # None: speculative decoding is off

@@ -17,7 +17,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
-from pipeline.stats import EngineStats, Latencies
+from pipeline.stats import EngineStats, Latencies, SpecDecodeStats
 from stages.delta import FinishReason
 
 if TYPE_CHECKING:
@@ -111,6 +111,29 @@ def _vllm(stats: EngineStats, model: str) -> Iterator[Metric]:
             family = HistogramMetricFamily(VLLM + name, doc, labels=["model_name"])
             family.add_metric([model], hist.cumulative(), hist.sum)
             yield family
+    if stats.spec_decode is not None:
+        yield from _spec_decode(stats.spec_decode, model)
+
+
+# -- speculative decoding (vLLM's spec_decode counters) ---------------------------------------
+_SPEC: dict[str, tuple[str, str]] = {
+    "num_drafts": ("spec_decode_num_drafts", "Verify passes: sequences that carried drafts."),
+    "num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+
+
+def _spec_decode(spec: SpecDecodeStats, model: str) -> Iterator[Metric]:
+    for field, (name, doc) in _SPEC.items():
+        family = CounterMetricFamily(VLLM + name, doc, labels=["model_name"])
+        family.add_metric([model], getattr(spec, field))
+        yield family
+    family = CounterMetricFamily(VLLM + "spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by their position among the drafts.",
+                                 labels=["model_name", "position"])
+    for pos, n in enumerate(spec.accepted_per_pos):
+        family.add_metric([model, str(pos)], n)
+    yield family
 
 
 def _own(stats: EngineStats) -> Iterator[Metric]:
