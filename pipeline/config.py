@@ -90,6 +90,10 @@ class EngineConfig:
     # speculative decoding (n-gram prompt lookup); None: off. The flag's JSON or a dict.
     speculative_config: SpeculativeConfig | None = attrs.field(
         default=None, converter=SpeculativeConfig.parse)
+    # the stand-in's chance that each draft holds (needs simulate_gpu and speculative_config)
+    simulate_draft_acceptance: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(
+            [attrs.validators.ge(0.0), attrs.validators.le(1.0)]))
 
     def __attrs_post_init__(self) -> None:
         # A --tool-parser-plugin's names count once it is loaded (engine_config loads it).
@@ -98,6 +102,10 @@ class EngineConfig:
                              f"{', '.join(sorted(TOOL_PARSERS))}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.simulate_draft_acceptance is not None and (
+                self.simulate_gpu is None or self.speculative_config is None):
+            raise ValueError("--simulate-draft-acceptance needs --simulate-gpu and "
+                             "--speculative-config")
 
     @property
     def fault_step_kinds(self) -> dict[int, str]:
@@ -261,6 +269,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "\"prompt_lookup_max\": B}' drafts up to K tokens by prompt lookup and "
                         "verifies them in one forward pass; outputs are unchanged. Turns async "
                         "scheduling off (docs/cli.md) (default: off).")
+    p.add_argument("--simulate-draft-acceptance", type=float, default=None, metavar="P",
+                   help="With --simulate-gpu and --speculative-config: every decode verifies "
+                        "K drafts, each accepted with probability P while the ones before it "
+                        "were (the stand-in's tokens are random, so lookup alone finds few).")
     # Test-only: the GPU steps to fail (stages/gpu_step.py), e.g. "3,7:fatal".
     p.add_argument("--fault-steps", default=os.environ.get(FAULT_STEPS_ENV, ""),
                    help=argparse.SUPPRESS)

@@ -128,7 +128,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
         num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size,
                                                                    cfg.gpu_memory_utilization)
         runner = SimulatedRunner(cost, cfg.block_size,
-                                 ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed)
+                                 ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed,
+                                 draft_acceptance=cfg.simulate_draft_acceptance or 0.0)
     else:
         num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, budget)
         num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks)
@@ -155,7 +156,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
                           max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids,
                           grammars=grammars,
                           think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer),
-                          drafter=make_drafter(cfg.speculative_config),
+                          drafter=make_drafter(cfg.speculative_config,
+                                               stand_in=cfg.simulate_draft_acceptance is not None),
                           num_speculative_tokens=(cfg.speculative_config.num_speculative_tokens
                                                   if cfg.speculative_config else 0),
                           spec_disable_by_batch_size=(cfg.speculative_config.disable_by_batch_size

@@ -141,5 +141,18 @@ class NgramDrafter:
         self.indexes.pop(seq_id, None)
 
 
-def make_drafter(config: SpeculativeConfig | None) -> Drafter | None:
-    return None if config is None else NgramDrafter(config)
+class StandInDrafter(NgramDrafter):
+    """For the GPU stand-in (--simulate-gpu with --simulate-draft-acceptance), whose random
+    tokens leave prompt lookup little to find: the lookup runs (its host cost is real) and
+    its proposal is padded to k with the last token, so that every decode verifies k
+    drafts and the stand-in's acceptance probability decides how many hold."""
+
+    def propose(self, seq_id: str, token_ids: list[int], k: int) -> tuple[int, ...]:
+        found = super().propose(seq_id, token_ids, k)
+        return found + (token_ids[-1],) * (k - len(found)) if k > 0 else ()
+
+
+def make_drafter(config: SpeculativeConfig | None, stand_in: bool = False) -> Drafter | None:
+    if config is None:
+        return None
+    return StandInDrafter(config) if stand_in else NgramDrafter(config)
