@@ -614,7 +614,9 @@ class Scheduler:
             deltas.append(Delta(seq.req.request_id, tuple(kept), reason, stop,
                                 seq.num_cached_tokens, token_logprobs=token_logprobs,
                                 scheduled_at=seq.scheduled_at, index=seq.index,
-                                prompt_token_logprobs=prompt_logprobs))
+                                prompt_token_logprobs=prompt_logprobs,
+                                draft_tokens=chunk.num_drafts,
+                                accepted_tokens=len(toks) - 1 if chunk.num_drafts else 0))
             if reason is not None:
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)

@@ -149,3 +149,43 @@ async def test_stand_in_accepts_drafts_at_its_probability():
     assert 1.2 < per_step < 1.9, per_step
     assert spec.accepted_per_pos[0] >= spec.accepted_per_pos[1] >= spec.accepted_per_pos[2]
     assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
+
+
+async def test_per_request_metrics_and_metrics_counters(smollm):
+    """With --enable-per-request-metrics a reply that verified drafts carries its own
+    acceptance figures; the engine's counters (vLLM's spec_decode_*) add up; /metrics
+    names them as vLLM does."""
+    from web.metrics import EngineCollector
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    async with engine_of(smollm, speculative_config=SPEC, enable_per_request_metrics=True) as engine:
+        reply = await engine.submit("completions", {
+            "model": engine.model_names[0], "prompt": "Repeat this text: " + TEXT,
+            "max_tokens": 24, "temperature": 0})
+        body = orjson.loads(await reply.read())
+        spec = engine.stats().spec_decode
+        registry = CollectorRegistry()
+        registry.register(EngineCollector(engine))
+        text = generate_latest(registry).decode()
+    m = body["metrics"]
+    assert m["spec_num_drafts"] == spec.num_drafts > 0
+    assert m["spec_num_draft_tokens"] == spec.num_draft_tokens
+    assert m["spec_num_accepted_tokens"] == spec.num_accepted_tokens > 0
+    assert m["spec_acceptance_length"] == round(1 + spec.num_accepted_tokens / spec.num_drafts, 3)
+    # a copied text: more than one token per verify pass, fewer steps than tokens
+    assert m["spec_acceptance_length"] > 1.5
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total"):
+        assert f"vllm:{name}{{" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{engine.model_names[0]}",position="0"}} {float(spec.accepted_per_pos[0])}' in text
+
+
+async def test_random_text_accepts_few_drafts(smollm):
+    """Text with nothing to copy: lookup proposes little, and little of it holds."""
+    async with engine_of(smollm, speculative_config=SPEC) as engine:
+        reply = await engine.submit("completions", {
+            "model": engine.model_names[0], "prompt": "xq zv 81 plk wre 5 mm tofu 7 ,; ab",
+            "max_tokens": 20, "temperature": 1.0, "seed": 1})
+        await reply.read()
+        spec = engine.stats().spec_decode
+    assert spec.num_accepted_tokens <= 0.5 * max(1, spec.num_draft_tokens)
