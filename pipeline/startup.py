@@ -166,6 +166,11 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
                     "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "
                     "or lower --max-model-len", num_blocks * cfg.block_size, max_model_len)
+    if cfg.speculative_config is not None:
+        spec = cfg.speculative_config
+        log.info("speculative decoding: %s, %d tokens, lookup %d-%d; async scheduling off (drafts "
+                 "need each sequence's last token)", spec.method, spec.num_speculative_tokens,
+                 spec.prompt_lookup_min, spec.prompt_lookup_max)
     if loaded.tokenizer is None:
         log.warning("the model has no tokenizer: only token-id prompts are accepted and "
                     "replies carry no text (like vLLM's --skip-tokenizer-init)")
