@@ -15,6 +15,7 @@ import json
 import time
 
 import orjson
+import torch
 import trio
 
 from pipeline.config import EngineConfig
@@ -104,8 +105,8 @@ def requests(workload: str, n: int, max_tokens: int) -> list[dict]:
     return out
 
 
-async def run(cfg: EngineConfig, reqs: list[dict], streams: int) -> dict:
-    async with open_engine(cfg) as engine:
+async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) -> dict:
+    async with open_engine(cfg, loaded) as engine:
         limit = trio.CapacityLimiter(streams)
         out_tokens = 0
 
@@ -121,8 +122,9 @@ async def run(cfg: EngineConfig, reqs: list[dict], streams: int) -> dict:
                 n.start_soon(one, body)
         elapsed = time.perf_counter() - t0
         stats = engine.stats()
-    res = {"output_tokens": out_tokens, "elapsed_s": round(elapsed, 2),
-           "output_tok_s": round(out_tokens / elapsed, 2), "steps": stats.steps_total}
+    gen = stats.generation_tokens_total      # the engine's own count of emitted tokens
+    res = {"output_tokens": gen, "usage_tokens": out_tokens, "elapsed_s": round(elapsed, 2),
+           "output_tok_s": round(gen / elapsed, 2), "steps": stats.steps_total}
     if stats.spec_decode is not None and stats.spec_decode.num_drafts:
         s = stats.spec_decode
         res.update(acceptance_length=round(1 + s.num_accepted_tokens / s.num_drafts, 2),
@@ -142,9 +144,14 @@ def main() -> None:
     a = p.parse_args()
     reqs = requests(a.workload, a.requests or max(2, a.streams), a.max_tokens)
     base = dict(max_model_len=2048, max_num_seqs=max(8, a.streams))
+    # the model loaded once (loading the GGUF takes a minute under load) and shared
+    from gpu.loader import choose_dtype, load_model
+    dtype, _ = choose_dtype("auto", torch.device("cpu"))
+    loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
+    trio.run(run, EngineConfig(**base), requests(a.workload, 1, 8), 1, loaded)   # warm, untimed
     for r in range(a.rounds):
         for label, extra in (("off", {}), ("on", {"speculative_config": a.spec})):
-            res = trio.run(run, EngineConfig(**base, **extra), reqs, a.streams)
+            res = trio.run(run, EngineConfig(**base, **extra), reqs, a.streams, loaded)
             print(json.dumps({"workload": a.workload, "streams": a.streams, "round": r,
                               "spec": label, **res}), flush=True)
 
