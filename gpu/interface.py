@@ -98,6 +98,10 @@ class SeqChunk:
     start_pos: int                    # tokens of this sequence already in the KV cache
     block_table: tuple[int, ...]      # covers start_pos + len(token_ids) tokens
     sample: bool                      # sample after this chunk (decode, or a prefill's last chunk)
+    # speculative decoding: the chunk's last num_drafts tokens are drafts to verify; its
+    # last 1 + num_drafts rows are sampled, and the drafts kept while each equals the
+    # token sampled before it (StepResult.num_tokens says how many tokens came out)
+    num_drafts: int = 0
 
 
 @attrs.frozen
@@ -131,11 +135,13 @@ class PromptLogprobs:
 class StepResult:
     step: int
     seq_ids: tuple[str, ...]           # the chunks that sampled, in plan order
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]         # the sampled tokens, flat: num_tokens[i] for seq_ids[i]
     duration_s: float
     error: str | None = None           # the step failed: every sequence in the plan is lost
-    logprobs: tuple[TokenLogprobs | None, ...] = ()   # per sampled sequence, when any asked
+    logprobs: tuple[TokenLogprobs | None, ...] = ()   # per token of token_ids, when any asked
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # for the sequences that asked
+    # tokens each sampled sequence got (accepted drafts + 1); empty: one each (no drafts)
+    num_tokens: tuple[int, ...] = ()
 
 
 @runtime_checkable

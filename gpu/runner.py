@@ -18,7 +18,7 @@ from gpu.attention import KVCache, TorchPagedAttention
 from gpu.grammar import Guide, accept, mask_logits
 from gpu.interface import (PromptLogprobs, SamplingOptions, SeqChunk, SeqStart, StagingRunner,
                            StepPlan, StepResult, TokenLogprobs)
-from gpu.sampler import (DeviceSampler, SeqSamplingState, apply_logit_controls, sample,
+from gpu.sampler import (DeviceSampler, DraftRow, SeqSamplingState, apply_logit_controls, sample,
                          token_logprobs)
 from gpu.staging import (BlockTables, HostInputs, StagedTokens, Staging, last_token, stage_plan,
                          upload_inputs)
@@ -110,12 +110,17 @@ class ModelRunner(StagingRunner):
                 self.attn.prepare(meta)
                 hidden = self.model(input_ids, positions, self.attn)      # [T, D]
             prompt_logprobs = self._prompt_logprobs(plan.chunks, hidden) if self.prompt_logprobs else ()
-            seq_ids = tuple(c.seq_id for c in plan.chunks if c.sample)
+            sampling = [c for c in plan.chunks if c.sample]
+            seq_ids = tuple(c.seq_id for c in sampling)
             if not seq_ids:
                 return StepResult(plan.step, (), (), time.perf_counter() - t0,
                                   prompt_logprobs=prompt_logprobs)
-            logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [B, V]
+            logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [R, V]
             states = [self.states[s] for s in seq_ids]
+            verify = any(c.num_drafts for c in sampling)
+            if verify:      # one row per position: the sequence as if the drafts before it held
+                states = [st if j == 0 else DraftRow(st, c.token_ids[-c.num_drafts:][:j])
+                          for c, st in zip(sampling, states) for j in range(c.num_drafts + 1)]
             want = [i for i, st in enumerate(states) if st.opts.logprobs is not None]
             raw = torch.log_softmax(logits[want].float(), dim=-1) if want else None  # before sampling edits
             logits = apply_logit_controls(logits, states)   # logit_bias, allowed ids, bad words
@@ -125,7 +130,7 @@ class ModelRunner(StagingRunner):
                 if constrained:
                     logits = logits.float()
                     mask_logits(logits, matchers)
-                tokens = self.device_sampler.sample(logits, seq_ids, states)
+                tokens = self.device_sampler.sample(logits, None if verify else seq_ids, states)
             else:
                 host = logits.float().cpu()
                 if constrained:
@@ -139,11 +144,41 @@ class ModelRunner(StagingRunner):
                                                         [states[i].opts.logprobs for i in want])))
                 logprobs = tuple(TokenLogprobs(*per_row[i]) if i in per_row else None
                                  for i in range(len(states)))
+        if verify:
+            return self._accept(plan.step, sampling, tokens, logprobs, prompt_logprobs, t0)
         for st, tok in zip(states, tokens):
             st.output_ids.append(tok)
         self.staged_tokens.executed(plan.step, tokens)
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _accept(self, step: int, sampling: list[SeqChunk], tokens: list[int],
+                logprobs: tuple, prompt_logprobs: tuple, t0: float) -> StepResult:
+        """A verify step's tokens: per sequence, the rows' tokens while each draft equals
+        the token sampled before it, and the first one that differs (or the bonus token
+        after the last draft)."""
+        out: list[int] = []
+        lps: list = []
+        counts: list[int] = []
+        last: list[int] = []
+        row = 0
+        for c in sampling:
+            drafts = c.token_ids[len(c.token_ids) - c.num_drafts:]
+            n = 1
+            while n <= c.num_drafts and tokens[row + n - 1] == drafts[n - 1]:
+                n += 1
+            emitted = tokens[row:row + n]
+            out.extend(emitted)
+            if logprobs:
+                lps.extend(logprobs[row:row + n])
+            counts.append(n)
+            last.append(emitted[-1])
+            self.states[c.seq_id].output_ids.extend(emitted)
+            row += c.num_drafts + 1
+        self.staged_tokens.executed(step, last)
+        return StepResult(step, tuple(c.seq_id for c in sampling), tuple(out),
+                          time.perf_counter() - t0, logprobs=tuple(lps),
+                          prompt_logprobs=prompt_logprobs, num_tokens=tuple(counts))
 
     def _prompt_logprobs(self, chunks: tuple[SeqChunk, ...], hidden: torch.Tensor
                          ) -> tuple[PromptLogprobs, ...]:

@@ -1,8 +1,11 @@
 """Token sampling: logit controls, penalties, temperature, top-k/top-p/min-p, min_tokens, logprobs.
 
-sample() is the host path (CPU): each sequence owns a torch.Generator seeded from its
-request seed (or from the engine's seed sequence), so a seeded request samples the same
-tokens whatever else is in the batch; greedy rows never touch a generator.
+sample() is the host path (CPU): each draw's noise comes from a generator seeded with the
+key (sequence seed, output index) (`draw_key`; the seed is the request's, or one from the
+engine's seed sequence), so a seeded request samples the same tokens whatever else is in
+the batch, and a row can be sampled out of turn: speculative decoding samples the rows
+of a sequence's drafts in one batch (`DraftRow`) and gets the very tokens that decoding
+one at a time would. Greedy rows never touch a generator.
 DeviceSampler is the CUDA path, through gpu/kernels/sampling.py: it keeps the batch's
 sampling parameters and penalty token counts on the device between steps.
 """
@@ -22,10 +25,34 @@ class SeqSamplingState:
         self.output_ids: list[int] = []
         # one non-negative int64 for both paths (torch.Generator, the kernels' philox)
         self.seed = (opts.seed if opts.seed is not None else fallback_seed) % 2**63
-        self.generator: torch.Generator | None = None
         self.guide = None       # a gpu.grammar.Guide when the output is constrained
-        if not opts.greedy:
-            self.generator = torch.Generator().manual_seed(self.seed)
+
+
+class DraftRow:
+    """A sequence's state as it will be once `drafts` are accepted: what a verify row
+    samples from (its penalties, min_tokens and bad words see the drafts before it, its
+    draw is keyed by its own output index). Constrained sequences get no drafts."""
+
+    __slots__ = ("opts", "prompt_ids", "output_ids", "seed", "guide")
+
+    def __init__(self, st: SeqSamplingState, drafts: tuple[int, ...]) -> None:
+        self.opts = st.opts
+        self.prompt_ids = st.prompt_ids
+        self.output_ids = st.output_ids + list(drafts)
+        self.seed = st.seed
+        self.guide = None
+
+
+_MASK64 = 2**64 - 1
+
+
+def draw_key(seed: int, index: int) -> int:
+    """The generator seed of a sequence's draw for output token `index`: splitmix64 of
+    the pair, so that neighbouring seeds and indices give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def apply_logit_controls(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
@@ -155,8 +182,11 @@ def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
         rows = torch.stack([filter_logits(logits[i], states[i].opts) for i in rand])   # [R, V]
         probs = torch.softmax(rows, dim=-1)
         u = torch.empty_like(probs)
+        gen = torch.Generator()
         for r, i in enumerate(rand):
-            u[r].uniform_(generator=states[i].generator)   # uniform_ is ~7x cheaper than exponential_
+            st = states[i]
+            gen.manual_seed(draw_key(st.seed, len(st.output_ids)))   # ~2 us
+            u[r].uniform_(generator=gen)   # uniform_ is ~7x cheaper than exponential_
         noise = -torch.log(u)                                # Exp(1)
         for i, tok in zip(rand, (probs / noise).argmax(dim=-1).tolist()):
             out[i] = tok

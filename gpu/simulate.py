@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import accumulate
 
 import attrs
 import numpy as np
@@ -206,7 +207,8 @@ class SimulatedRunner(StagingRunner):
     through emit do real work on real text.
     """
 
-    def __init__(self, cost: CostModel, block_size: int, token_ids: np.ndarray, seed: int = 0) -> None:
+    def __init__(self, cost: CostModel, block_size: int, token_ids: np.ndarray, seed: int = 0,
+                 draft_acceptance: float = 0.0) -> None:
         self.cost = cost
         self.block_size = block_size
         self.device = torch.device("cpu")
@@ -219,6 +221,10 @@ class SimulatedRunner(StagingRunner):
         self.block_tables = BlockTables()
         self.staged_tokens = StagedTokens()
         self.waited_s = 0.0           # the sum of the waits: the stand-in's own ceiling
+        # speculative decoding: each draft holds with this probability while those before
+        # it held (a generator of its own, drawn in the runner thread)
+        self.draft_acceptance = draft_acceptance
+        self.accept_rng = np.random.default_rng(seed + 2)
         self.steps = 0
 
     def stage(self, plan: StepPlan) -> tuple[HostInputs, float, list[int]] | None:
@@ -229,7 +235,9 @@ class SimulatedRunner(StagingRunner):
         if host is None:
             return None
         num_sampled = len(host.sampled)
-        wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, num_sampled)
+        # a verify pass costs its tokens, and its logits a row per draft as well
+        rows = num_sampled + sum(c.num_drafts for c in plan.chunks if c.sample)
+        wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, rows)
         return host, wait, self.rng.choice(self.token_ids, size=num_sampled).tolist()
 
     def execute(self, plan: StepPlan, staged=None) -> StepResult:
@@ -248,16 +256,41 @@ class SimulatedRunner(StagingRunner):
                       previous=self.staged_tokens.previous(host))
         seq_ids = host.sampled
         states = [self.states[s] for s in seq_ids]
+        counts: tuple[int, ...] = ()
+        if any(c.num_drafts for c in plan.chunks):
+            tokens, counts = self._verify(plan, tokens)
+            states = [st for st, n in zip(states, counts) for _ in range(n)]
         logprobs = self._logprobs(states, tokens)
         for st, tok in zip(states, tokens):
             st.output_ids.append(tok)
-        self.staged_tokens.executed(plan.step, tokens)
+        if counts:
+            ends = list(accumulate(counts))
+            self.staged_tokens.executed(plan.step, [tokens[e - 1] for e in ends])
+        else:
+            self.staged_tokens.executed(plan.step, tokens)
         # the device runs after the host has prepared and launched: wait from here
         time.sleep(wait)
         self.waited_s += wait
         self.steps += 1
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0,
-                          logprobs=logprobs)
+                          logprobs=logprobs, num_tokens=counts)
+
+    def _verify(self, plan: StepPlan, bonus: list[int]) -> tuple[list[int], tuple[int, ...]]:
+        """Each sequence's drafts held one after another with probability draft_acceptance;
+        the first that fails is replaced by its random token, and when all hold the random
+        token follows them (the bonus)."""
+        out: list[int] = []
+        counts: list[int] = []
+        p = self.draft_acceptance
+        for c, tok in zip((c for c in plan.chunks if c.sample), bonus):
+            drafts = c.token_ids[len(c.token_ids) - c.num_drafts:] if c.num_drafts else ()
+            n = 0
+            while n < len(drafts) and self.accept_rng.random() < p:
+                n += 1
+            out.extend(drafts[:n])
+            out.append(tok)
+            counts.append(n + 1)
+        return out, tuple(counts)
 
     def _logprobs(self, states: list[SeqSamplingState], tokens: list[int]
                   ) -> tuple[TokenLogprobs | None, ...]:

@@ -177,7 +177,8 @@ def stage_inputs(chunks: tuple[SeqChunk, ...], bs: int,
     row = np.repeat(np.arange(n), q_lens_np)                                # [T]
     pos = np.repeat(np.asarray(starts) - np.asarray(q_starts[:-1]), q_lens_np) + np.arange(q_starts[-1])
     slots = tables[row, pos // bs].astype(np.int64) * bs + pos % bs
-    all_sample = all(c.sample for c in chunks)
+    # a chunk with drafts samples its last 1 + num_drafts rows (speculative decoding)
+    all_sample = all(c.sample and not c.num_drafts for c in chunks)
     ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=q_starts[-1])
     fill_rows, fill_ids = (np.flatnonzero(ids == PLACEHOLDER), [])
     if fill_rows.size:   # a PLACEHOLDER is only ever a chunk's last token
@@ -185,7 +186,8 @@ def stage_inputs(chunks: tuple[SeqChunk, ...], bs: int,
     arrays = [ids, pos.astype(np.int64), slots, tables, np.asarray(q_starts, dtype=np.int32),
               np.asarray(ctx_lens, dtype=np.int32)]
     if not all_sample:
-        arrays.append(np.asarray([q_starts[i + 1] - 1 for i, c in enumerate(chunks) if c.sample],
+        arrays.append(np.asarray([r for i, c in enumerate(chunks) if c.sample
+                                  for r in range(q_starts[i + 1] - 1 - c.num_drafts, q_starts[i + 1])],
                                  dtype=np.int64))
     return HostInputs(ids, fill_rows, fill_ids, arrays, all_sample, q_starts, q_lens, ctx_lens,
                       starts, decode_rows=[i for i, q in enumerate(q_lens) if q == 1],

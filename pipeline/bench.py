@@ -186,6 +186,11 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
         "failed_requests": len(failures), "first_error": failures[0] if failures else None,
     }
     result.update(_runner_facts(engine.runner))
+    spec = stats.spec_decode
+    if spec is not None and spec.num_drafts:   # --speculative-config
+        result.update(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                      spec_num_accepted_tokens=spec.num_accepted_tokens,
+                      spec_acceptance_length=round(1 + spec.num_accepted_tokens / spec.num_drafts, 3))
     if compiles0 is not None and compiles1 is not None:
         # Triton compiles inside the timed window: must be 0 (each costs 1-2 s on a GPU)
         result["triton_compiles_in_timed_window"] = compiles1 - compiles0
@@ -259,6 +264,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"Throughput ({result['dtype']}): {result['output_tokens_per_s']:.2f} output tokens/s "
           f"({result['output_tokens']} tokens from {result['num_prompts']} requests in "
           f"{result['elapsed_s']:.2f} s; total {result['total_tokens_per_s']:.2f} tokens/s)")
+    if "spec_acceptance_length" in result:
+        print(f"Speculative decoding: {result['spec_acceptance_length']:.2f} tokens per verify pass "
+              f"({result['spec_num_accepted_tokens']} of {result['spec_num_draft_tokens']} drafts "
+              f"accepted in {result['spec_num_drafts']} passes)")
     if "gpu_wait_s" in result:
         print(f"Simulated {result['simulate_gpu']}: ceiling {result['ceiling_output_tokens_per_s']:.2f} "
               f"output tokens/s (the waits alone, {result['gpu_wait_s']:.2f} s); reached "

@@ -13,6 +13,7 @@ import attrs
 from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS
 from gpu.simulate import GPUS
 from stages.gpu_step import FAULT_KINDS
+from stages.drafter import SpeculativeConfig
 from stages.parse import REASONING_PARSERS
 from pipeline.validators import positive
 from stages.tool_parsers import TOOL_PARSERS, load_plugin
@@ -86,6 +87,13 @@ class EngineConfig:
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(GPUS))))
     skip_tokenizer_init: bool = False         # serve token ids only, without a tokenizer
     fault_steps: str = attrs.field(default="", validator=_fault_steps)   # tests only: "3,7:fatal"
+    # speculative decoding (n-gram prompt lookup); None: off. The flag's JSON or a dict.
+    speculative_config: SpeculativeConfig | None = attrs.field(
+        default=None, converter=SpeculativeConfig.parse)
+    # the stand-in's chance that each draft holds (needs simulate_gpu and speculative_config)
+    simulate_draft_acceptance: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(
+            [attrs.validators.ge(0.0), attrs.validators.le(1.0)]))
 
     def __attrs_post_init__(self) -> None:
         # A --tool-parser-plugin's names count once it is loaded (engine_config loads it).
@@ -94,6 +102,10 @@ class EngineConfig:
                              f"{', '.join(sorted(TOOL_PARSERS))}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.simulate_draft_acceptance is not None and (
+                self.simulate_gpu is None or self.speculative_config is None):
+            raise ValueError("--simulate-draft-acceptance needs --simulate-gpu and "
+                             "--speculative-config")
 
     @property
     def fault_step_kinds(self) -> dict[int, str]:
@@ -251,6 +263,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Requests admitted beyond the --max-num-seqs that run; more get a 503 "
                         "with Retry-After before their reply starts (default: %(default)s). "
                         "--max-waiting is an alias.")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="Speculative decoding, as vLLM spells it: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": K, \"prompt_lookup_min\": A, "
+                        "\"prompt_lookup_max\": B}' drafts up to K tokens by prompt lookup and "
+                        "verifies them in one forward pass; outputs are unchanged. Turns async "
+                        "scheduling off (docs/cli.md) (default: off).")
+    p.add_argument("--simulate-draft-acceptance", type=float, default=None, metavar="P",
+                   help="With --simulate-gpu and --speculative-config: every decode verifies "
+                        "K drafts, each accepted with probability P while the ones before it "
+                        "were (the stand-in's tokens are random, so lookup alone finds few).")
     # Test-only: the GPU steps to fail (stages/gpu_step.py), e.g. "3,7:fatal".
     p.add_argument("--fault-steps", default=os.environ.get(FAULT_STEPS_ENV, ""),
                    help=argparse.SUPPRESS)

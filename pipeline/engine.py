@@ -39,7 +39,8 @@ from pipeline.client import EngineClient
 from pipeline.reply import describe
 from pipeline.startup import (Built, build, chat_template_source, freeze_heap,
                               generation_defaults, open_event_log, pick_device)
-from pipeline.stats import EngineStats, Latencies, RequestShapes, cache_config_labels
+from pipeline.stats import (EngineStats, Latencies, RequestShapes, SpecDecodeStats,
+                            cache_config_labels)
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Admission
 from stages.api.chat import MAX_CHOICES
@@ -90,11 +91,21 @@ class Engine(EngineClient):
                                  params_n=a.request_params_n,
                                  params_max_tokens=a.request_params_max_tokens,
                                  num_preemptions=s.request_preemptions,
-                                 iteration_tokens=s.iteration_tokens))
+                                 iteration_tokens=s.iteration_tokens),
+            spec_decode=spec_decode_stats(s))
 
     @property
     def cache_config(self) -> dict[str, str]:
         return cache_config_labels(self.config, self.blocks.num_blocks)
+
+
+def spec_decode_stats(s: Scheduler) -> SpecDecodeStats | None:
+    """Speculative decoding's counters (None: --speculative-config is off)."""
+    if s.drafter is None:
+        return None
+    return SpecDecodeStats(num_drafts=s.spec.num_drafts, num_draft_tokens=s.spec.num_draft_tokens,
+                           num_accepted_tokens=s.spec.num_accepted_tokens,
+                           accepted_per_pos=tuple(s.spec.accepted_per_pos))
 
 
 # -- the stages, wired -----------------------------------------------------------------
@@ -156,7 +167,9 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     nursery.start_soon(admit.run, admit_out, sched_in.clone(), replies, admission, ev("admit"))
     nursery.start_soon(partial(schedule.run, sched_out, plan_in, result_out, detok_in,
                                built.scheduler, ev("schedule"),
-                               async_scheduling=cfg.async_scheduling))
+                               # drafts need the last token: no planning ahead (docs/cli.md)
+                               async_scheduling=(cfg.async_scheduling
+                                                 and cfg.speculative_config is None)))
     nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner, ev("gpu_step"),
                                faults=cfg.fault_step_kinds))
     nursery.start_soon(detokenize.run, detok_out, parse_in, sched_in,

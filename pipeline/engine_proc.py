@@ -24,7 +24,7 @@ import attrs
 import trio
 
 from pipeline.config import EngineConfig
-from pipeline.engine import admission_limits, render_context
+from pipeline.engine import admission_limits, render_context, spec_decode_stats
 from pipeline.reply import describe
 from pipeline.startup import build, freeze_heap, open_event_log, pick_device
 from pipeline.stats import EngineStats, Latencies, RequestShapes, cache_config_labels
@@ -203,7 +203,7 @@ class Stats:
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting) + len(s.compiling),
             num_waiting_by_reason={"capacity": len(s.waiting), "deferred": len(s.compiling)},
-            cache_config=self.cache_config, shapes=shapes,
+            cache_config=self.cache_config, shapes=shapes, spec_decode=spec_decode_stats(s),
             num_preemptions=s.num_preemptions, kv_blocks_total=b.num_blocks,
             kv_blocks_free=b.num_free, kv_blocks_used=b.num_used, kv_blocks_cached=len(b.cached),
             prompt_tokens_total=sum(t.prompt_tokens_total for t in totals),

@@ -26,6 +26,7 @@ from pipeline.config import EngineConfig
 from pipeline.events import EventLog, make_header
 from stages.api.common import ToolSettings
 from stages.blocks import BlockManager
+from stages.drafter import make_drafter
 from stages.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
 from stages.schedule import Scheduler
 
@@ -127,7 +128,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
         num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size,
                                                                    cfg.gpu_memory_utilization)
         runner = SimulatedRunner(cost, cfg.block_size,
-                                 ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed)
+                                 ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed,
+                                 draft_acceptance=cfg.simulate_draft_acceptance or 0.0)
     else:
         num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, budget)
         num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks)
@@ -153,11 +155,22 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
     scheduler = Scheduler(blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
                           max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids,
                           grammars=grammars,
-                          think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer))
+                          think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer),
+                          drafter=make_drafter(cfg.speculative_config,
+                                               stand_in=cfg.simulate_draft_acceptance is not None),
+                          num_speculative_tokens=(cfg.speculative_config.num_speculative_tokens
+                                                  if cfg.speculative_config else 0),
+                          spec_disable_by_batch_size=(cfg.speculative_config.disable_by_batch_size
+                                                      if cfg.speculative_config else None))
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
                     "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "
                     "or lower --max-model-len", num_blocks * cfg.block_size, max_model_len)
+    if cfg.speculative_config is not None:
+        spec = cfg.speculative_config
+        log.info("speculative decoding: %s, %d tokens, lookup %d-%d; async scheduling off (drafts "
+                 "need each sequence's last token)", spec.method, spec.num_speculative_tokens,
+                 spec.prompt_lookup_min, spec.prompt_lookup_max)
     if loaded.tokenizer is None:
         log.warning("the model has no tokenizer: only token-id prompts are accepted and "
                     "replies carry no text (like vLLM's --skip-tokenizer-init)")

@@ -36,6 +36,15 @@ class RequestShapes:
 
 
 @attrs.frozen(kw_only=True)
+class SpecDecodeStats:
+    """Speculative decoding's counters since start (--speculative-config), as vLLM's."""
+    num_drafts: int = 0                # verify passes: sequences that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()   # [i]: drafts accepted at position i
+
+
+@attrs.frozen(kw_only=True)
 class EngineStats:
     """Gauges (the scheduler's queues, the KV blocks) and counters (`_total`, since start)."""
     num_running: int = 0
@@ -58,6 +67,7 @@ class EngineStats:
     cache_config: Mapping[str, str] = attrs.field(factory=dict)   # vllm:cache_config_info's labels
     latency: Latencies | None = None
     shapes: RequestShapes | None = None
+    spec_decode: SpecDecodeStats | None = None   # None: speculative decoding is off
 
 
 def cache_config_labels(cfg, num_blocks: int) -> dict[str, str]:

@@ -12,7 +12,7 @@ import bisect
 import attrs
 import trio
 
-from stages.delta import Delta, FinishReason, RequestMetrics, Usage
+from stages.delta import Delta, FinishReason, RequestMetrics, SpecRequestMetrics, Usage
 from stages.messages import RenderedRequest, Step
 
 _with_usage = Delta.evolver("usage")
@@ -69,7 +69,7 @@ class Histogram:
 class _RequestUsage:
     __slots__ = ("prompt", "completion", "reasoning", "arrival", "scheduled", "first_token",
                  "last_token", "wants_metrics", "open_choices", "cached", "n", "prompt_lens",
-                 "prompt_cached", "continuous", "max_tokens")
+                 "prompt_cached", "continuous", "max_tokens", "spec")
 
     def __init__(self, req: RenderedRequest) -> None:
         self.prompt = req.num_prompt_tokens      # every prompt's, once (not per choice)
@@ -87,18 +87,26 @@ class _RequestUsage:
         self.prompt_cached: list[int | None] = [None] * len(self.prompt_lens)
         self.continuous = req.continuous_usage   # every delta carries the usage so far
         self.max_tokens = req.sampling.max_tokens
+        self.spec: list[int] | None = None   # [verify passes, draft tokens, accepted], once drafted
 
     def metrics(self) -> RequestMetrics:
         """The request's own timings (vLLM's per-request metrics), in milliseconds."""
         n = self.completion
         generation = (self.last_token - self.first_token) if n else 0.0
         since_scheduled = self.last_token - self.scheduled if n else 0.0
-        return RequestMetrics(
+        timings = dict(
             queue_time_ms=_ms(self.scheduled - self.arrival) if self.scheduled else 0.0,
             time_to_first_token_ms=_ms(self.first_token - self.scheduled) if n else 0.0,
             generation_time_ms=_ms(generation),
             mean_itl_ms=_ms(generation / (n - 1)) if n > 1 else 0.0,
             tokens_per_second=round(n / since_scheduled, 3) if since_scheduled > 0 else 0.0)
+        if self.spec is None:
+            return RequestMetrics(**timings)
+        drafts, draft_tokens, accepted = self.spec
+        return SpecRequestMetrics(**timings, spec_num_drafts=drafts,
+                                  spec_num_draft_tokens=draft_tokens,
+                                  spec_num_accepted_tokens=accepted,
+                                  spec_acceptance_length=round(1 + accepted / drafts, 3))
 
 
 def _ms(seconds: float) -> float:
@@ -175,6 +183,12 @@ class Accountant:
                 u.completion += n
                 generated += n
             u.reasoning += d.reasoning_tokens   # this delta's (so a running usage grows)
+            if d.draft_tokens:
+                if u.spec is None:
+                    u.spec = [0, 0, 0]
+                u.spec[0] += 1
+                u.spec[1] += d.draft_tokens
+                u.spec[2] += d.accepted_tokens
             reason = d.finish_reason
             if reason is None:
                 deltas.append(_with_usage(d, Usage(u.prompt, u.completion, u.cached, u.reasoning))

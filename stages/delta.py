@@ -50,6 +50,16 @@ class RequestMetrics:
 
 
 @attrs.frozen
+class SpecRequestMetrics(RequestMetrics):
+    """RequestMetrics of a request that verified drafts (--speculative-config): its own
+    acceptance figures too (a request that never drafted gets plain RequestMetrics)."""
+    spec_num_drafts: int = 0              # verify passes of its sequences with drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_length: float = 0.0   # tokens per verify pass: 1 + accepted / drafts
+
+
+@attrs.frozen
 class TokenLogprob:
     """One output token's logprob with its text, and the top alternatives with theirs."""
     token: str
@@ -98,6 +108,9 @@ class Delta:
     index: int = 0                             # the choice (n > 1), each its own sequence
     # on a choice's first delta, with prompt_logprobs: one per prompt token (None first)
     prompt_token_logprobs: tuple[TokenLogprobs | None, ...] = ()
+    # speculative decoding: drafts this step verified for the choice, and how many held
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     # -- detokenize
     text: str = ""                             # new text
     logprobs: tuple[TokenLogprob, ...] = ()    # token_logprobs with their text

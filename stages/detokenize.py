@@ -179,6 +179,7 @@ class DetokState:
         # A stop string must end after `check_from`: in this step's text (anything through
         # older text was looked for already), and past the first min_tokens tokens' text.
         check_from = len(self.pending)
+        ends = []   # len(pending) after each token: where a stop string's token is found
         for t in (ids[:-1] if hide_last else ids) if self.stream is not None else ():
             piece = self.stream.step(tokenizer, t)
             if piece:
@@ -194,6 +195,7 @@ class DetokState:
                     self.in_header = True
                 if self.in_header:
                     self.content_from = len(self.pending)
+            ends.append(len(self.pending))
         finish, stop_reason = d.finish_reason, d.stop_reason
         if self.stops and finish != FinishReason.ABORT:
             hit = self._find_stop(check_from)
@@ -201,6 +203,13 @@ class DetokState:
                 pos, s = hit
                 self.pending = self.pending[:pos + len(s) if self.include_stop else pos]
                 finish, stop_reason = FinishReason.STOP, s
+                # several tokens in one delta (speculative decoding, --stream-interval): the
+                # tokens after the one that completes the stop string were never output
+                last = next((i for i, e in enumerate(ends) if e >= pos + len(s)), len(ids) - 1)
+                if last < len(ids) - 1:
+                    d = attrs.evolve(d, token_ids=ids[:last + 1],
+                                     token_logprobs=d.token_logprobs[:last + 1])
+                    ids = d.token_ids
         cut = len(self.pending) if finish is not None else max(0, len(self.pending) - self.hold)
         text, self.pending = self.pending[:cut], self.pending[cut:]
         self.content_from = max(0, self.content_from - cut)

@@ -21,6 +21,7 @@ from gpu.interface import (PLACEHOLDER, SamplingOptions, SeqChunk, SeqStart, Ste
 from stages.account import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
 from stages.blocks import BlockManager
 from stages.delta import Delta, FinishReason
+from stages.drafter import Drafter
 from stages.messages import Abort, FinishRequest, RenderedRequest, Step
 
 _PLACEHOLDER = (PLACEHOLDER,)
@@ -73,6 +74,8 @@ class Sequence:
         self.end_len = self.prompt_len + self.max_tokens
         # a sampled token's Delta, less the token: the instance dict (once first scheduled)
         self.delta_proto: dict | None = None
+        # speculative decoding: verify steps, drafts proposed, drafts accepted
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
 
     @property
     def num_output(self) -> int:
@@ -94,7 +97,7 @@ _new = object.__new__
 
 # Likewise SeqChunk, one per sequence per step: slotted and frozen, its __init__ sets each
 # field through a guarded object.__setattr__; _chunk sets the slots through their descriptors.
-_set_seq_id, _set_token_ids, _set_start_pos, _set_block_table, _set_sample = (
+_set_seq_id, _set_token_ids, _set_start_pos, _set_block_table, _set_sample, _set_num_drafts = (
     SeqChunk.__dict__[a.name].__set__ for a in attrs.fields(SeqChunk))
 if any(a.validator or a.converter for a in attrs.fields(SeqChunk)) or hasattr(
         SeqChunk, "__attrs_post_init__"):
@@ -110,6 +113,23 @@ def _delta_proto(seq: Sequence) -> dict:
     return proto
 
 
+class SpecCounters:
+    """Speculative decoding's totals since start (vLLM's spec_decode counters)."""
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = 0             # verify passes: sequences that carried drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k   # [i]: drafts accepted at position i
+
+    def count(self, drafts: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafts
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+
 def sampling_options(seq: Sequence) -> SamplingOptions:
     """The request's options, with EOS among the stop ids unless ignore_eos (min_tokens
     masks them all); choice i of a seeded request draws from seed + i."""
@@ -123,7 +143,9 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...],
                  grammars: GrammarCompiler | None = None,
-                 think_ids: tuple[int, int] | None = None) -> None:
+                 think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
+                 num_speculative_tokens: int = 0,
+                 spec_disable_by_batch_size: int | None = None) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -148,6 +170,13 @@ class Scheduler:
         self._pending: list[Delta] = []         # finishes decided outside a step (aborts)
         self._released: list[str] = []
         self._planned: dict[int, list[tuple[Sequence, int]]] = {}   # step -> (seq, epoch) per chunk
+        # speculative decoding (stages/drafter.py): drafts for decodes, verified by the runner.
+        # Drafts need the sequence's last token, so they are only made for a sequence with
+        # no step in flight (the engine runs speculation without async scheduling).
+        self.drafter = drafter if num_speculative_tokens > 0 else None
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
+        self.spec = SpecCounters(num_speculative_tokens)
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
@@ -215,6 +244,8 @@ class Scheduler:
             self.request_preemptions.observe(self._preemptions_of.pop(seq.req.request_id, 0))
         self._free(seq)
         self._released.append(seq.id)
+        if self.drafter is not None:
+            self.drafter.forget(seq.id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
@@ -237,6 +268,10 @@ class Scheduler:
         # (Every sequence, every step: Sequence's properties are inlined, and _grow is
         # called only when the chunk needs another block.)
         running = self.running
+        drafter = self.drafter
+        if drafter is not None and (self.spec_disable_by_batch_size is not None and
+                                    len(running) >= self.spec_disable_by_batch_size):
+            drafter = None      # a batch this large is compute-bound: verifying costs real work
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -250,6 +285,18 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if n == 1 and drafter is not None and not seq.num_pending and seq.grammar is None:
+                # at most K, what max_tokens / max_model_len leave after the bonus token,
+                # and the step's token budget
+                k = min(self.num_speculative_tokens, seq.end_len - total - 1, budget - 1)
+                drafts = drafter.propose(seq.id, seq.token_ids, k) if k > 0 else ()
+                if drafts and (seq.num_computed + 1 + len(drafts) <= len(seq.table) * bs
+                               or self._grow(seq, 1 + len(drafts))):
+                    chunks.append(self._draft_chunk(seq, drafts))
+                    planned.append((seq, seq.epoch))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             if seq.num_computed + n > len(seq.table) * bs and not self._grow(seq, n):
                 victim = running[-1]
                 self._unplan(chunks, planned, victim)
@@ -364,7 +411,29 @@ class Scheduler:
         _set_start_pos(chunk, start)
         _set_block_table(chunk, seq.table_t)
         _set_sample(chunk, last)
+        _set_num_drafts(chunk, 0)
         return chunk
+
+    def _draft_chunk(self, seq: Sequence, drafts: tuple[int, ...]) -> SeqChunk:
+        """Plan a decode with drafts: the last token and the drafts, all sampled; the drafts
+        count as computed until the result says which were accepted (update rolls back)."""
+        start = seq.num_computed
+        tokens = (seq.token_ids[-1], *drafts)
+        seq.num_computed = start + len(tokens)
+        seq.num_pending += 1
+        return SeqChunk(seq.id, tokens, start, seq.table_t, True, len(drafts))
+
+    def _rollback(self, seq: Sequence, done: int) -> None:
+        """A verified chunk kept the KV of `done` tokens: the rejected drafts' positions
+        are computed again (overwritten), and the blocks that hold nothing but rejected
+        positions past the next token's are freed (they never got a hash)."""
+        seq.num_computed = done
+        keep = self.blocks.blocks_for(done + 1)
+        if len(seq.table) > keep:
+            tail = seq.table[keep:]
+            del seq.table[keep:]
+            seq.table_t = tuple(seq.table)
+            self.blocks.release(tail)
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.table)
@@ -405,6 +474,8 @@ class Scheduler:
             return self.drain()
         if plan.chunks:
             self.iteration_tokens.observe(sum(len(c.token_ids) for c in plan.chunks))
+        if result.num_tokens:      # verified drafts: several tokens per sequence
+            return self._update_verified(plan, result, planned)
         sampled = dict(zip(result.seq_ids, result.token_ids))
         logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else None
         for pl in result.prompt_logprobs:
@@ -476,6 +547,89 @@ class Scheduler:
                     self.running.remove(seq)
                 else:               # preempted while its last step ran
                     self.waiting.remove(seq)
+                self._retire(seq)
+        new, self._new_requests = tuple(self._new_requests), []
+        return Step(plan.step, new, tuple(deltas), len(self.running), len(self.waiting),
+                    self.blocks.num_used, time.monotonic())
+
+    def _update_verified(self, plan: StepPlan, result: StepResult,
+                         planned: list[tuple[Sequence, int]]) -> Step:
+        """update for a step that verified drafts (result.num_tokens): each sequence may
+        get several tokens, which a stop token, EOS or the length limit cuts; the rejected
+        drafts' KV is rolled back, and only the kept tokens' blocks are hashed."""
+        got: dict[str, tuple[tuple[int, ...], tuple]] = {}
+        at = 0
+        for sid, n in zip(result.seq_ids, result.num_tokens):
+            got[sid] = (result.token_ids[at:at + n], result.logprobs[at:at + n] if result.logprobs else ())
+            at += n
+        for pl in result.prompt_logprobs:
+            seq = self.by_id.get(pl.seq_id)
+            if seq is not None:
+                seq.prompt_logprobs_so_far.extend(pl.entries)
+        deltas = list(self._pending)
+        self._pending = []
+        bm = self.blocks
+        spec = self.spec
+        for chunk, (seq, epoch) in zip(plan.chunks, planned):
+            if seq.retired:
+                continue
+            toks, lps = got.get(seq.id, ((), ())) if chunk.sample else ((), ())
+            if chunk.num_drafts:
+                spec.count(chunk.num_drafts, len(toks) - 1)
+                seq.spec_drafts += 1
+                seq.spec_draft_tokens += chunk.num_drafts
+                seq.spec_accepted += len(toks) - 1
+            kept: list[int] = []
+            reason = stop = None
+            for tok in toks:
+                kept.append(tok)
+                seq.token_ids.append(tok)
+                if tok in seq.stop_ids:
+                    reason = FinishReason.STOP
+                    stop = tok if tok in seq.req.sampling.options.stop_token_ids else None
+                    break
+                if len(seq.token_ids) >= seq.end_len:
+                    reason = FinishReason.LENGTH
+                    break
+            if toks:
+                seq.num_pending -= 1
+            if epoch == seq.epoch:
+                if chunk.num_drafts:
+                    done = chunk.start_pos + len(kept)
+                    self._rollback(seq, done)
+                else:
+                    done = chunk.start_pos + len(chunk.token_ids)
+                seq.num_done = done
+                if bm.prefix_caching and done // bm.block_size > seq.hash_cursor[0]:
+                    seq.hash_cursor = bm.commit_full_blocks(seq.table, seq.token_ids, done,
+                                                            *seq.hash_cursor)
+                if bm.sliding is not None:
+                    seq.passed = bm.pass_window(seq.table, seq.passed, done)
+            if not kept:
+                continue
+            prompt_logprobs = ()
+            if seq.prompt_logprobs is not None and seq.num_output == len(kept):   # the first
+                prompt_logprobs = (None, *seq.prompt_logprobs_so_far)
+                seq.prompt_logprobs_so_far = []
+            if seq.max_tokens == 0:     # echo alone (see update)
+                seq.token_ids.pop()
+                deltas.append(Delta(seq.req.request_id, (), FinishReason.LENGTH, None,
+                                    seq.num_cached_tokens, scheduled_at=seq.scheduled_at,
+                                    index=seq.index, prompt_token_logprobs=prompt_logprobs))
+                (self.running if epoch == seq.epoch else self.waiting).remove(seq)
+                self._retire(seq)
+                continue
+            token_logprobs = ()
+            if lps and all(lp is not None for lp in lps[:len(kept)]):
+                token_logprobs = tuple(lps[:len(kept)])
+            deltas.append(Delta(seq.req.request_id, tuple(kept), reason, stop,
+                                seq.num_cached_tokens, token_logprobs=token_logprobs,
+                                scheduled_at=seq.scheduled_at, index=seq.index,
+                                prompt_token_logprobs=prompt_logprobs,
+                                draft_tokens=chunk.num_drafts,
+                                accepted_tokens=len(toks) - 1 if chunk.num_drafts else 0))
+            if reason is not None:
+                (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
         new, self._new_requests = tuple(self._new_requests), []
         return Step(plan.step, new, tuple(deltas), len(self.running), len(self.waiting),

@@ -18,7 +18,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from pipeline.stats import EngineStats
+from pipeline.stats import EngineStats, SpecDecodeStats
 from stages.delta import FinishReason
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ _SHAPES: dict[str, tuple[str, str]] = {
     "iteration_tokens": ("iteration_tokens_total", "Tokens computed per engine step."),
 }
 # fields exported under vLLM's names by _vllm (not again as tailrace:<field>)
-_AS_VLLM = ("latency", "shapes", "num_waiting_by_reason", "cache_config")
+_AS_VLLM = ("latency", "shapes", "num_waiting_by_reason", "cache_config", "spec_decode")
 # vLLM's request_success_total counts finished requests only, not aborts or errors.
 _SUCCESS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
 # EngineStats field -> (tailrace metric name, help, label name for a mapping)
@@ -144,6 +144,29 @@ def _vllm(stats: EngineStats, model: str) -> Iterator[Metric]:
             family = HistogramMetricFamily(VLLM + name, doc, labels=["model_name"])
             family.add_metric([model], _go_bounds(hist.cumulative()), hist.sum)
             yield family
+    if stats.spec_decode is not None:
+        yield from _spec_decode(stats.spec_decode, model)
+
+
+# -- speculative decoding (vLLM's spec_decode counters) ---------------------------------------
+_SPEC: dict[str, tuple[str, str]] = {
+    "num_drafts": ("spec_decode_num_drafts", "Verify passes: sequences that carried drafts."),
+    "num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+
+
+def _spec_decode(spec: SpecDecodeStats, model: str) -> Iterator[Metric]:
+    for field, (name, doc) in _SPEC.items():
+        family = CounterMetricFamily(VLLM + name, doc, labels=["model_name"])
+        family.add_metric([model], getattr(spec, field))
+        yield family
+    family = CounterMetricFamily(VLLM + "spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by their position among the drafts.",
+                                 labels=["model_name", "position"])
+    for pos, n in enumerate(spec.accepted_per_pos):
+        family.add_metric([model, str(pos)], n)
+    yield family
 
 
 def _go_bounds(cumulative: list[tuple[str, int]]) -> list[tuple[str, int]]:

@@ -125,5 +125,8 @@ def test_sampling_follows_the_controls():
     # random draws stay in the allowed set, and every allowed token is drawn sometimes
     st = SeqSamplingState(SamplingOptions(temperature=2.0, allowed_token_ids=(0, 5, 11)), (), 3)
     flat = torch.zeros(1, V)
-    seen = {sample(apply_logit_controls(flat.clone(), [st]), [st])[0] for _ in range(200)}
+    seen = set()
+    for _ in range(200):   # each draw is keyed by the output index: the tokens join the output
+        seen.add(tok := sample(apply_logit_controls(flat.clone(), [st]), [st])[0])
+        st.output_ids.append(tok)
     assert seen == {0, 5, 11}

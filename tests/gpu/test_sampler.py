@@ -10,8 +10,15 @@ LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
 
 def draws(opts: SamplingOptions, n: int = 300, logits: torch.Tensor = LOGITS) -> set[int]:
+    """n tokens of one sequence (each draw is keyed by the output index: as the runner
+    does, each token joins the output before the next draw)."""
     st = SeqSamplingState(opts, (), fallback_seed=5)
-    return {sample(logits[None].clone(), [st])[0] for _ in range(n)}
+    out = set()
+    for _ in range(n):
+        tok = sample(logits[None].clone(), [st])[0]
+        st.output_ids.append(tok)
+        out.add(tok)
+    return out
 
 
 def test_greedy_is_argmax():

@@ -1,0 +1,157 @@
+"""Speculative decoding, spec on against off, in one process on the CPU (docs/benchmarks.md).
+
+Workloads: `code` (a 40-80-line source file and "rename X to Y and return the whole
+file", each prompt its own file and names so the prefix cache does not serve it) and
+`chat` (short questions, little to copy). Runs alternate off, on, off, on, ... so that
+the load other processes put on the machine falls on both; each run prints output tok/s
+and, with spec, the tokens per verify pass.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_spec.py --workload code --streams 1 --requests 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import orjson
+import torch
+import trio
+
+from pipeline.config import EngineConfig
+from pipeline.engine import open_engine
+
+FILE = '''import json
+import os
+
+
+class {cls}:
+    """Keeps {noun} records in a JSON file."""
+
+    def __init__(self, path):
+        self.path = path
+        self.{field} = {{}}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.{field} = json.load(f)
+
+    def add(self, key, value):
+        if key in self.{field}:
+            raise KeyError(key)
+        self.{field}[key] = value
+        self.save()
+
+    def get(self, key, default=None):
+        return self.{field}.get(key, default)
+
+    def remove(self, key):
+        value = self.{field}.pop(key)
+        self.save()
+        return value
+
+    def save(self):
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.{field}, f, indent=2)
+        os.replace(tmp, self.path)
+
+    def __len__(self):
+        return len(self.{field})
+
+    def __contains__(self, key):
+        return key in self.{field}
+
+
+def load_{noun}s(path):
+    store = {cls}(path)
+    return [store.get(k) for k in sorted(store.{field})]
+
+
+def count_{noun}s(path):
+    return len({cls}(path))
+
+
+def main():
+    store = {cls}("{noun}s.json")
+    store.add("first", 1)
+    store.add("second", 2)
+    print(count_{noun}s("{noun}s.json"))
+
+
+if __name__ == "__main__":
+    main()
+'''
+NOUNS = ["user", "order", "book", "ticket", "song", "city", "team", "device", "invoice",
+         "recipe", "player", "course", "movie", "plant", "sensor", "report"]
+QUESTIONS = ["What is the capital of France?", "Give me three tips for better sleep.",
+             "Why is the sky blue?", "Write a haiku about autumn.",
+             "What does a compiler do?", "How do plants make food?",
+             "Name a few uses of copper.", "What is the tallest mountain on Earth?"]
+
+
+def requests(workload: str, n: int, max_tokens: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        if workload == "code":
+            noun = NOUNS[i % len(NOUNS)] + ("" if i < len(NOUNS) else str(i))
+            cls = noun.capitalize() + "Store"
+            src = FILE.format(cls=cls, noun=noun, field="items")
+            text = (f"Rename the attribute `items` to `entries` in this file and return the "
+                    f"whole file.\n\n```python\n{src}```")
+        else:
+            text = QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})")
+        out.append({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                    "temperature": 0})
+    return out
+
+
+async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) -> dict:
+    async with open_engine(cfg, loaded) as engine:
+        limit = trio.CapacityLimiter(streams)
+        async def one(body):
+            async with limit:
+                reply = await engine.submit("chat", {"model": engine.model_names[0], **body})
+                assert "usage" in orjson.loads(await reply.read())
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as n:
+            for body in reqs:
+                n.start_soon(one, body)
+        elapsed = time.perf_counter() - t0
+        stats = engine.stats()
+    gen = stats.generation_tokens_total      # the engine's own count of emitted tokens
+    res = {"output_tokens": gen, "elapsed_s": round(elapsed, 2),
+           "output_tok_s": round(gen / elapsed, 2), "steps": stats.steps_total}
+    if stats.spec_decode is not None and stats.spec_decode.num_drafts:
+        s = stats.spec_decode
+        res.update(acceptance_length=round(1 + s.num_accepted_tokens / s.num_drafts, 2),
+                   accepted=s.num_accepted_tokens, drafted=s.num_draft_tokens, passes=s.num_drafts)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workload", choices=("code", "chat"), default="code")
+    p.add_argument("--streams", type=int, default=1)
+    p.add_argument("--requests", type=int, default=None, help="default: streams (at least 2)")
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
+    p.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 3, '
+                                     '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    a = p.parse_args()
+    reqs = requests(a.workload, a.requests or max(2, a.streams), a.max_tokens)
+    base = dict(max_model_len=2048, max_num_seqs=max(8, a.streams))
+    # the model loaded once (loading the GGUF takes a minute under load) and shared
+    from gpu.loader import choose_dtype, load_model
+    dtype, _ = choose_dtype("auto", torch.device("cpu"))
+    loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
+    trio.run(run, EngineConfig(**base), requests(a.workload, 1, 8), 1, loaded)   # warm, untimed
+    for r in range(a.rounds):
+        for label, extra in (("off", {}), ("on", {"speculative_config": a.spec})):
+            res = trio.run(run, EngineConfig(**base, **extra), reqs, a.streams, loaded)
+            print(json.dumps({"workload": a.workload, "streams": a.streams, "round": r,
+                              "spec": label, **res}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Speculative decoding (n-gram prompt lookup) on the whole engine, real SmolLM2 in fp32:
+the streams are those of decoding one token at a time, byte for byte."""
+from __future__ import annotations
+
+
+import orjson
+import pytest
+import trio
+
+from pipeline.config import EngineConfig
+from pipeline.engine import open_engine
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}
+TEXT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "
+        "lazy dog. The quick brown fox")
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+
+
+def engine_of(smollm, **cfg):
+    return open_engine(EngineConfig(**{"max_model_len": 256, "max_num_seqs": 8,
+                                       "async_scheduling": False, **cfg}), loaded=smollm)
+
+
+def texts(stream: bytes) -> dict[int, tuple[str, str]]:
+    """Each choice's text and finish_reason, whatever the chunking (several tokens may
+    come in one chunk; choices interleave by timing)."""
+    out: dict[int, list] = {}
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for c in orjson.loads(event[6:])["choices"]:
+                o = out.setdefault(c["index"], ["", None])
+                o[0] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+                o[1] = c.get("finish_reason") or o[1]
+    return {i: tuple(v) for i, v in out.items()}
+
+
+BODIES = [
+    ("completions", dict(prompt="Repeat this text: " + TEXT, max_tokens=24, logprobs=2)),
+    ("completions", dict(prompt="Repeat this text: " + TEXT, max_tokens=24, temperature=0.8,
+                         seed=11, logprobs=1)),
+    ("completions", dict(prompt=CODE + "\n# the same, again:\n" + CODE[:20], max_tokens=30,
+                         temperature=0.8, seed=3, n=2)),
+    ("completions", dict(prompt="Copy: " + TEXT, max_tokens=30, stop=["lazy"])),
+    ("completions", dict(prompt="Copy: " + TEXT, max_tokens=20, frequency_penalty=0.5,
+                         presence_penalty=0.3, repetition_penalty=1.1, temperature=0.8, seed=5)),
+    ("completions", dict(prompt="Copy: " + TEXT, max_tokens=20, min_tokens=15,
+                         logit_bias={"13": -2.0}, bad_words=["dog"])),
+    ("chat", dict(messages=[{"role": "user", "content": "Repeat exactly: " + TEXT}],
+                  max_tokens=24, logprobs=True, top_logprobs=2)),
+    ("completions", dict(prompt="xq zv 81 plk wre 5 mm", max_tokens=12, temperature=0.8, seed=9)),
+    # constrained output drafts nothing (docs/cli.md) but shares the batch with drafts
+    ("chat", dict(messages=[{"role": "user", "content": "Repeat as JSON: " + TEXT}], max_tokens=20,
+                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                      "type": "object", "properties": {"text": {"type": "string", "maxLength": 40}},
+                      "required": ["text"]}}})),
+]
+
+
+async def _streams(smollm, spec, bodies, **cfg) -> tuple[list[bytes], object]:
+    out: list[bytes] = [b""] * len(bodies)
+    async with engine_of(smollm, speculative_config=spec, **cfg) as engine:
+        async def one(i, api, body):
+            reply = await engine.submit(api, {"model": engine.model_names[0], "temperature": 0,
+                                              "stream": True, "stream_options": {"include_usage": True},
+                                              **body}, request_id=f"r{i}")
+            out[i] = await reply.read()
+        async with trio.open_nursery() as n:
+            for i, (api, body) in enumerate(bodies):
+                n.start_soon(one, i, api, body)
+        stats = engine.stats()
+        spec_counts = engine.scheduler.spec
+    return out, (stats, spec_counts)
+
+
+# a KV cache small enough to preempt, and chunked prefill
+TIGHT = dict(num_gpu_blocks_override=14, block_size=8, max_num_batched_tokens=32)
+
+
+@pytest.mark.parametrize("cfg", [{}, TIGHT], ids=["roomy", "preempting"])
+async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg):
+    """Greedy, seeded at temperature 0.8, n = 2, a stop string inside a copied run,
+    penalties, min_tokens, logit_bias and bad words, a JSON schema, with logprobs: the text
+    of every stream, its logprobs, usage and finish are those without speculation, with
+    room to spare and under preemption with chunked prefill."""
+    off, _ = await _streams(smollm, None, BODIES, **cfg)
+    on, (stats, counts) = await _streams(smollm, SPEC, BODIES, **cfg)
+    if cfg:
+        assert stats.num_preemptions > 0
+    for i, (a, b) in enumerate(zip(off, on)):
+        assert a.endswith(b"data: [DONE]\n\n") and b.endswith(b"data: [DONE]\n\n")
+        assert texts(a) == texts(b), (BODIES[i], texts(a), texts(b))
+        assert len(texts(a)) == BODIES[i][1].get("n", 1)
+        assert _same_logprobs(_logprob_list(a), _logprob_list(b)), BODIES[i]
+        assert _usage(a) == _usage(b), BODIES[i]
+    assert counts.num_accepted_tokens > 10, vars(counts)
+
+
+def _logprob_list(stream: bytes) -> list:
+    """Every emitted token's logprob entries, in order, per choice."""
+    out: dict[int, list] = {}
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for c in orjson.loads(event[6:])["choices"]:
+                lp = c.get("logprobs")
+                if not lp:
+                    continue
+                if "content" in lp:          # chat
+                    items = [(x["token"], x["logprob"],
+                              [(t["token"], t["logprob"]) for t in x["top_logprobs"]])
+                             for x in lp["content"]]
+                else:
+                    items = list(zip(lp["tokens"], lp["token_logprobs"]))
+                out.setdefault(c["index"], []).extend(items)
+    return sorted(out.items())
+
+
+def _same_logprobs(a: list, b: list) -> bool:
+    """The same tokens with the same logprobs, to fp32's noise: a verify pass (or a
+    prefill recomputed after preemption) is a wider forward than a decode."""
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(a - b) < 2e-3
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_logprobs(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _usage(stream: bytes) -> dict:
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            chunk = orjson.loads(event[6:])
+            if chunk.get("usage"):    # cached tokens depend on which request came first
+                return {k: chunk["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+    raise AssertionError("no usage chunk")
+
+
+async def test_stand_in_accepts_drafts_at_its_probability():
+    """--simulate-gpu h200 with --simulate-draft-acceptance 0.7 and K = 3: every decode
+    verifies 3 drafts; about 0.7 + 0.49 + 0.34 = 1.53 hold per verify pass; the reply has
+    exactly max_tokens tokens and /metrics' counters agree with each other."""
+    cfg = EngineConfig(simulate_gpu="h200", max_model_len=512, max_num_seqs=4,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                       simulate_draft_acceptance=0.7)
+    async with open_engine(cfg) as engine:
+        reply = await engine.submit("completions", {
+            "model": engine.model_names[0], "prompt": "Once upon a time", "max_tokens": 300,
+            "ignore_eos": True, "logprobs": 1})
+        body = orjson.loads(await reply.read())
+        spec = engine.stats().spec_decode
+    assert body["usage"]["completion_tokens"] == 300
+    assert len(body["choices"][0]["logprobs"]["tokens"]) == 300
+    # K = 3 each, but the last ones: capped by what max_tokens leaves
+    assert 3 * spec.num_drafts - 3 <= spec.num_draft_tokens <= 3 * spec.num_drafts
+    per_step = spec.num_accepted_tokens / spec.num_drafts
+    assert 1.2 < per_step < 1.9, per_step
+    assert spec.accepted_per_pos[0] >= spec.accepted_per_pos[1] >= spec.accepted_per_pos[2]
+    assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
+
+
+async def test_per_request_metrics_and_metrics_counters(smollm):
+    """With --enable-per-request-metrics a reply that verified drafts carries its own
+    acceptance figures; the engine's counters (vLLM's spec_decode_*) add up; /metrics
+    names them as vLLM does."""
+    from web.metrics import EngineCollector
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    async with engine_of(smollm, speculative_config=SPEC, enable_per_request_metrics=True) as engine:
+        reply = await engine.submit("completions", {
+            "model": engine.model_names[0], "prompt": "Repeat this text: " + TEXT,
+            "max_tokens": 24, "temperature": 0})
+        body = orjson.loads(await reply.read())
+        spec = engine.stats().spec_decode
+        registry = CollectorRegistry()
+        registry.register(EngineCollector(engine))
+        text = generate_latest(registry).decode()
+    m = body["metrics"]
+    assert m["spec_num_drafts"] == spec.num_drafts > 0
+    assert m["spec_num_draft_tokens"] == spec.num_draft_tokens
+    assert m["spec_num_accepted_tokens"] == spec.num_accepted_tokens > 0
+    assert m["spec_acceptance_length"] == round(1 + spec.num_accepted_tokens / spec.num_drafts, 3)
+    # a copied text: more than one token per verify pass, fewer steps than tokens
+    assert m["spec_acceptance_length"] > 1.5
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total"):
+        assert f"vllm:{name}{{" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{engine.model_names[0]}",position="0"}} {float(spec.accepted_per_pos[0])}' in text
+
+
+async def test_random_text_accepts_few_drafts(smollm):
+    """Text with nothing to copy: lookup proposes little, and little of it holds."""
+    async with engine_of(smollm, speculative_config=SPEC) as engine:
+        reply = await engine.submit("completions", {
+            "model": engine.model_names[0], "prompt": "xq zv 81 plk wre 5 mm tofu 7 ,; ab",
+            "max_tokens": 20, "temperature": 1.0, "seed": 1})
+        await reply.read()
+        spec = engine.stats().spec_decode
+    assert spec.num_accepted_tokens <= 0.5 * max(1, spec.num_draft_tokens)
+
+
+async def test_a_speculative_run_replays_from_its_event_log(smollm, tmp_path):
+    """Multi-token deltas in the event log: replay reproduces every reply byte for byte."""
+    from pipeline.replay import Log, replay_log
+
+    log = tmp_path / "events.jsonl"
+    seen: dict[str, bytes] = {}
+    async with engine_of(smollm, speculative_config=SPEC, event_log=str(log)) as engine:
+        for i, (api, body) in enumerate(BODIES[:4]):
+            reply = await engine.submit(api, {"model": engine.model_names[0], "temperature": 0,
+                                              "stream": True, **body}, request_id=f"r{i}")
+            seen[reply.request_id] = await reply.read()
+        assert engine.stats().spec_decode.num_accepted_tokens > 0
+    result = replay_log(Log.read(log), smollm.tokenizer)
+    assert result.reproduced == result.logged == seen
