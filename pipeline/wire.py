@@ -102,10 +102,11 @@ def pack_step(step: Step, new_ids: list[str], items: list[tuple[str, Delta]]) ->
         sched.append(d.scheduled_at)
         cached.append(d.num_cached_tokens)
         if (d.finish_reason is not None or d.token_logprobs or d.prompt_token_logprobs
-                or d.error is not None):
+                or d.error is not None or d.draft_tokens):
             extras.append((i, None if d.finish_reason is None else d.finish_reason.value,
                            d.stop_reason, d.error, tuple(map(_lp, d.token_logprobs)),
-                           tuple(map(_lp, d.prompt_token_logprobs))))
+                           tuple(map(_lp, d.prompt_token_logprobs)), d.draft_tokens,
+                           d.accepted_tokens))
     payload = marshal.dumps((step.step, step.num_running, step.num_waiting, step.kv_blocks_used,
                              step.done_at, tuple(new_ids), tuple(rids), tuple(toks), tuple(index),
                              tuple(sched), tuple(cached), tuple(extras)))
@@ -129,13 +130,15 @@ def unpack_step(payload: bytes | memoryview, requests: dict) -> Step:
         f["scheduled_at"] = s
         f["num_cached_tokens"] = c
         append(d)
-    for i, reason, stop, error, lps, plps in extras:
+    for i, reason, stop, error, lps, plps, drafted, accepted in extras:
         f = deltas[i].__dict__
         f["finish_reason"] = None if reason is None else FinishReason(reason)
         f["stop_reason"] = stop
         f["error"] = error
         f["token_logprobs"] = tuple(map(_unlp, lps))
         f["prompt_token_logprobs"] = tuple(map(_unlp, plps))
+        f["draft_tokens"] = drafted          # speculative decoding's per-request figures
+        f["accepted_tokens"] = accepted
     new = tuple(requests.pop(rid) for rid in new_ids)
     return Step(number, new, tuple(deltas), running, waiting, kv_used, done_at)
 
