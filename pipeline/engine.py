@@ -289,8 +289,8 @@ class _Built:
 
 def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -> _Built:
     """Weights, tokenizer, KV cache, runner, scheduler."""
-    from gpu.loader import (choose_dtype, implied_tokenizer, load_model, load_shell,
-                            load_tokenizer, merge_eos_ids)
+    from gpu.loader import (choose_dtype, choose_residual_dtype, cpu_threads, implied_tokenizer,
+                            load_model, load_shell, load_tokenizer, merge_eos_ids)
 
     t0 = time.perf_counter()
     if loaded is None and cfg.simulate_gpu:
@@ -299,9 +299,12 @@ def _build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) 
                  GPUS[cfg.simulate_gpu].name)
     elif loaded is None:
         dtype, why = choose_dtype(cfg.dtype, device)
-        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
+        residual, rwhy = choose_residual_dtype(cfg.residual_dtype, dtype, device)
+        log.info("dtype %s (%s), residual stream %s (%s)%s", str(dtype).removeprefix("torch."), why,
+                 str(residual).removeprefix("torch."), rwhy,
+                 f"; {cpu_threads()}" if device.type == "cpu" else "")
         loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=dtype,
-                            device=str(device), seed=cfg.seed)
+                            device=str(device), seed=cfg.seed, residual_dtype=residual)
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
         loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
