@@ -5,8 +5,10 @@ Hugging Face transformers in bf16 (same weights):
   position of a fixed text (TEXT below, ~420 tokens, one sequence, dense attention);
 - greedy: how many of the CHATS (chat-templated, greedy, --new-tokens tokens each) produce
   exactly tailrace fp32's tokens (up to and including a first EOS), through the serving path
-  (ModelRunner: paged KV cache, sampler, all prompts batched); HF through `generate`, one
-  prompt at a time, with EOS not stopping it;
+  (ModelRunner: paged KV cache, sampler): "alone", each prompt by itself (one user on the
+  server: the 1-row GEMMs take other kernels than batched ones, so they round differently),
+  and "batched", all prompts in one batch; HF through `generate`, one prompt at a time, with
+  EOS not stopping it;
 - first divergence: the median token index where the disagreeing ones part.
 
     .venv/bin/python scripts/dtype_quality.py            # every recipe, HF bf16 and HF fp32
@@ -122,6 +124,10 @@ def our_greedy(model: CausalLM, prompts: list[list[int]], n: int) -> list[list[i
     return out
 
 
+def our_alone(model: CausalLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    return [our_greedy(model, [p], n)[0] for p in prompts]
+
+
 def hf_text_logprobs(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
@@ -144,9 +150,11 @@ def until_eos(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
     return tokens if end is None else tokens[:end + 1]
 
 
-def compare(ref_lp: torch.Tensor, lp: torch.Tensor, ref_out, out, eos) -> dict:
+def compare(ref_lp: torch.Tensor, lp: torch.Tensor, ref_out, out, eos, ref_batched=None, batched=None) -> dict:
     kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)  # [T]
     parts = []
+    more = {} if batched is None else {"greedy_agree_batched": sum(
+        until_eos(a, eos) == until_eos(b, eos) for a, b in zip(ref_batched, batched))}
     for a, b in zip(ref_out, out):
         a, b = until_eos(a, eos), until_eos(b, eos)
         parts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
@@ -155,7 +163,7 @@ def compare(ref_lp: torch.Tensor, lp: torch.Tensor, ref_out, out, eos) -> dict:
     return {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
             "top1_agree": (ref_lp.argmax(-1) == lp.argmax(-1)).float().mean().item(),
             "greedy_agree": sum(d is None for d in parts), "prompts": len(parts),
-            "first_divergence_median": statistics.median(differ) if differ else None}
+            "first_divergence_median": statistics.median(differ) if differ else None, **more}
 
 
 def main() -> None:
@@ -171,7 +179,8 @@ def main() -> None:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True))
                for c in CHATS]
     ref_lp = our_text_logprobs(loaded.model, text)
-    ref_out = our_greedy(loaded.model, prompts, a.new_tokens)
+    ref_out = our_alone(loaded.model, prompts, a.new_tokens)
+    ref_batched = our_greedy(loaded.model, prompts, a.new_tokens)
     print(json.dumps({"text_tokens": len(text), "chats": len(prompts), "new_tokens": a.new_tokens,
                       "threads": torch.get_num_threads(), "cpu": torch.cpu.get_capabilities().get("cpu_name")}))
     print(json.dumps({"contender": "tailrace fp32", "france": tok.decode(until_eos(ref_out[0], eos))}))
@@ -179,8 +188,9 @@ def main() -> None:
     for name in a.recipes:
         model = our_recipe(loaded.model, name)
         t0 = time.perf_counter()
-        lp, out = our_text_logprobs(model, text), our_greedy(model, prompts, a.new_tokens)
-        r = {"contender": f"tailrace {name}", **compare(ref_lp, lp, ref_out, out, eos),
+        lp, out = our_text_logprobs(model, text), our_alone(model, prompts, a.new_tokens)
+        batched = our_greedy(model, prompts, a.new_tokens)
+        r = {"contender": f"tailrace {name}", **compare(ref_lp, lp, ref_out, out, eos, ref_batched, batched),
              "seconds": round(time.perf_counter() - t0, 1), "france": tok.decode(until_eos(out[0], eos))}
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -194,10 +204,13 @@ def main() -> None:
                  "seconds": round(time.perf_counter() - t0, 1), "france": tok.decode(until_eos(out[0], eos))}
             rows.append(r)
             print(json.dumps(r), flush=True)
-    print(f"\n{'contender':28s} {'mean KL':>9s} {'max KL':>8s} {'top-1':>6s} {'greedy = fp32':>14s}")
+    print(f"\n{'contender':30s} {'mean KL':>9s} {'max KL':>8s} {'top-1':>6s} {'greedy alone':>13s} "
+          f"{'batched':>8s}  France, alone")
     for r in rows:
-        print(f"{r['contender']:28s} {r['kl_mean']:9.2e} {r['kl_max']:8.3f} {r['top1_agree']:6.3f} "
-              f"{r['greedy_agree']:>8d}/{r['prompts']}")
+        n, b = r["prompts"], r.get("greedy_agree_batched")
+        batched = "-" if b is None else f"{b}/{n}"
+        print(f"{r['contender']:30s} {r['kl_mean']:9.2e} {r['kl_max']:8.3f} {r['top1_agree']:6.3f} "
+              f"{r['greedy_agree']:>10d}/{n} {batched:>8s}  {r['france'][:40]!r}")
 
 
 if __name__ == "__main__":
