@@ -135,6 +135,8 @@ class DecoderLayer(nn.Module):
             h, residual = fused_add_rms_norm(x, residual, norm1.weight, norm1.eps)
         h = self.self_attn(h, positions, cos_sin, attn)
         h, residual = fused_add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        if isinstance(self.mlp, MoE):  # its router and grouped GEMMs take the weights' dtype only
+            h = h.to(norm2.weight.dtype)
         return self.mlp(h), residual
 
 
