@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu.attention_dense import DenseCausalAttention
 from gpu.loader import choose_residual_dtype
 from gpu.model import CausalLM, exact_top_logits
 from test_bf16_agreement import PROMPTS, greedy_runner
@@ -32,7 +33,6 @@ def test_residual_stream_is_fp32_and_gemms_bf16(recipe_model):
     layer = recipe_model.layers[0]
     assert layer.mlp.gate_up_proj.weight.dtype == torch.bfloat16
     with torch.inference_mode():
-        from gpu.attention_dense import DenseCausalAttention
         hidden = recipe_model(torch.tensor([1, 2, 3]), torch.arange(3), DenseCausalAttention())
         logits = recipe_model.compute_logits(hidden)
     assert hidden.dtype == torch.float32 and logits.dtype == torch.float32
