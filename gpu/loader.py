@@ -76,6 +76,38 @@ def choose_dtype(dtype: str | torch.dtype, device: str | torch.device,
     return DTYPES[name], f"--dtype {dtype}"
 
 
+def choose_residual_dtype(residual: str | torch.dtype | None, dtype: torch.dtype,
+                          device: str | torch.device) -> tuple[torch.dtype, str]:
+    """The residual stream's dtype (CausalLM's residual_dtype), and why. auto: float32 on a
+    CPU under 16-bit weights, where the GEMMs stay 16-bit but their outputs add into fp32
+    sums (the recipe measured in docs/benchmarks.md); elsewhere the weights' dtype (the
+    CUDA kernels take one dtype)."""
+    if isinstance(residual, torch.dtype):
+        return residual, "asked for"
+    if residual in (None, "auto"):
+        if torch.device(device).type == "cpu" and dtype != torch.float32:
+            return torch.float32, CPU_RECIPE
+        return dtype, "the weights' dtype"
+    return choose_dtype(residual, device)[0], f"--residual-dtype {residual}"
+
+
+# Why auto keeps the residual stream in fp32 on CPU (scripts/dtype_quality.py, docs/benchmarks.md).
+CPU_RECIPE = ("bf16 GEMMs into an fp32 residual stream, exact top logits: KL from fp32 "
+              "0.45x HF bf16's, 19/24 greedy chats as fp32's against HF bf16's 16, ~6% slower than "
+              "pure bf16; docs/benchmarks.md")
+
+
+def cpu_threads() -> str:
+    """The CPU thread settings the step runs under, in words (for the start-up line)."""
+    import os
+
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PROC_BIND",
+                                      "KMP_AFFINITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    onednn = "oneDNN" if torch.backends.mkldnn.is_available() else "no oneDNN"
+    return (f"{torch.get_num_threads()} intra-op threads ({torch.get_num_interop_threads()} inter-op), "
+            f"{onednn}, {' '.join(f'{k}={v}' for k, v in env.items()) or 'OMP_NUM_THREADS unset'}")
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
     """choose_dtype without the reason."""
     return choose_dtype(dtype, device)[0]
@@ -90,6 +122,7 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     experts: str = "auto",
+    residual_dtype: str | torch.dtype | None = "auto",
 ) -> LoadedModel:
     """experts (mixture-of-experts models): "packed" keeps MXFP4 experts as the checkpoint stores
     them (a dummy load draws random packed experts), "dequantized" expands them to dtype; "auto"
@@ -105,8 +138,9 @@ def load_model(
     source = _open_source(path, load_format)
 
     config = source.config
-    lm = CausalLM(config, torch_dtype, device, packed_experts=_packs_experts(experts, config, device, source,
-                                                                     load_format == "dummy"))
+    lm = CausalLM(config, torch_dtype, device,
+                  packed_experts=_packs_experts(experts, config, device, source, load_format == "dummy"),
+                  residual_dtype=choose_residual_dtype(residual_dtype, torch_dtype, device)[0])
     if load_format == "dummy":
         _init_random(lm, seed)
     else:

@@ -63,6 +63,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if x.dtype != w.dtype:  # an fp32 residual stream's normed rows into a bf16 GEMM (CausalLM)
+            x = x.to(w.dtype)
         if x.device.type != "cpu" or w.dtype not in _PACKABLE or not _ONEDNN:
             return F.linear(x, w, self.bias)
         version = 0 if w.is_inference() else w._version    # inference tensors keep none
@@ -144,6 +146,8 @@ class DecoderLayer(nn.Module):
             h, residual = fused_add_rms_norm(x, residual, norm1.weight, norm1.eps)
         h = self.self_attn(h, positions, cos_sin, attn)
         h, residual = fused_add_rms_norm(h, residual, norm2.weight, norm2.eps)
+        if isinstance(self.mlp, MoE):  # its router and grouped GEMMs take the weights' dtype only
+            h = h.to(norm2.weight.dtype)
         return self.mlp(h), residual
 
 
@@ -156,14 +160,23 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CausalLM(nn.Module):
-    """Parameters start uninitialised (torch.empty): fill them with load_weights."""
+    """Parameters start uninitialised (torch.empty): fill them with load_weights.
+
+    dtype: the weights', GEMM inputs' and KV cache's dtype. residual_dtype (default: dtype):
+    the residual stream's, so the norms' too. With bf16 weights and an fp32 residual stream
+    (the CPU's default recipe, docs/benchmarks.md) every GEMM still runs in bf16 with fp32
+    accumulation (Linear casts its input) and its bf16 output is added into fp32 sums: the
+    rounding error no longer accumulates along the 30 layers' residual additions.
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
-                 max_positions: int | None = None, packed_experts: bool = False):
+                 max_positions: int | None = None, packed_experts: bool = False,
+                 residual_dtype: torch.dtype | None = None):
         super().__init__()
         self.config = config
         # MXFP4 experts kept as the checkpoint stores them (gpu/moe.py PackedExperts)
         self.packed_experts = packed_experts and bool(config.num_experts)
+        self.residual_dtype = residual_dtype or dtype
         c = config
         # _weight: no init at all (skip_init still runs Embedding's normal_ on the meta device,
         # seconds for a 201k-token vocabulary)
@@ -183,7 +196,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids [T], positions [T] -> final normed hidden states [T, D]."""
-        x, residual = self.embed_tokens(input_ids), None  # [T, D]
+        x, residual = self.embed_tokens(input_ids).to(self.residual_dtype), None  # [T, D]
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin, attn)
         hidden, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
@@ -194,10 +207,17 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, V]: fp32 on CPU; in the model's dtype on CUDA, where the device sampler reads
-        bf16 directly and whoever needs fp32 (logprobs, grammar masks) converts its rows."""
+        """[N, V]: fp32 on CPU (with bf16 weights under an fp32 residual stream, the top
+        logits recomputed in fp32: exact_top_logits); in the model's dtype on CUDA, where the
+        device sampler reads bf16 directly and whoever needs fp32 (logprobs, grammar masks)
+        converts its rows."""
         logits = self.lm_head(hidden)
-        return logits if logits.is_cuda else logits.float()
+        if logits.is_cuda:
+            return logits
+        logits = logits.float()
+        if hidden.dtype == torch.float32 and logits.dtype != self.lm_head.weight.dtype:
+            return exact_top_logits(logits, hidden, self.lm_head.weight)
+        return logits
 
     def hf_weight_names(self) -> list[str]:
         """The HF checkpoint names load_weights needs (lm_head.weight only when untied)."""
@@ -247,6 +267,24 @@ class CausalLM(nn.Module):
         sizes = [c.q_size, c.kv_size, c.kv_size] if merged == "qkv_proj" else [c.intermediate_size] * 2
         start = sum(sizes[:shard])
         return f"{parent}.{merged}.{kind}", slice(start, start + sizes[shard])
+
+
+# A bf16 logit is known to half an ulp, 2^-8 of its size: candidates within 2^-6 of the
+# row's largest logit are recomputed (four ulps: room for the input's rounding as well).
+_TOP_MARGIN = 2.0 ** -6
+
+
+def exact_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] from a bf16 GEMM (rounded to bf16 on output), hidden [N, D] fp32,
+    weight [V, D] -> logits whose near-top entries are recomputed in fp32 from the fp32
+    hidden state, as a GEMM with an fp32 output would give them. The output rounding
+    (up to 0.06 at a logit of 16) decides near-ties; greedy picks and the top
+    probabilities then match what an fp32-output kernel (llama.cpp's) gives, for a few
+    hundred multiply-adds a row. torch on CPU has no bf16 GEMM with an fp32 output."""
+    top = logits.amax(-1, keepdim=True)
+    rows, cols = (logits >= top - top.abs() * _TOP_MARGIN).nonzero(as_tuple=True)
+    logits[rows, cols] = (hidden[rows] * weight[cols].float()).sum(-1)
+    return logits
 
 
 _HF_EXPERT_MATRICES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")

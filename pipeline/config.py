@@ -51,6 +51,9 @@ class EngineConfig:
     load_format: str = attrs.field(default="auto", validator=attrs.validators.in_(LOAD_FORMATS))
     dtype: str = attrs.field(default="auto", converter=lambda d: DTYPE_ALIASES.get(d, d),
                              validator=attrs.validators.in_(DTYPE_CHOICES))
+    # the residual stream's (and norms') dtype; auto: float32 on CPU under bf16/fp16 weights
+    residual_dtype: str = attrs.field(default="auto", converter=lambda d: DTYPE_ALIASES.get(d, d),
+                                      validator=attrs.validators.in_(DTYPE_CHOICES))
     device: str = "auto"                      # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = attrs.field(default=None, validator=positive)
@@ -166,6 +169,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    choices=(*DTYPE_CHOICES, *DTYPE_ALIASES),
                    help="Weight and activation dtype; auto: bfloat16 on CUDA, and on a CPU "
                         "with native bf16 (AVX512_BF16 or AMX), else float32 "
+                        "(default: %(default)s).")
+    p.add_argument("--residual-dtype", default=_default("residual_dtype"),
+                   choices=(*DTYPE_CHOICES, *DTYPE_ALIASES),
+                   help="dtype of the residual stream and norms; auto: float32 on a CPU under "
+                        "bfloat16/float16 weights (the GEMMs stay in the weights' dtype: "
+                        "docs/benchmarks.md, CPU precision recipe), else the weights' dtype "
                         "(default: %(default)s).")
     p.add_argument("--seed", type=int, default=_default("seed"),
                    help="Random seed for sampling (default: %(default)s).")

@@ -91,7 +91,8 @@ class Built:
 
 def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -> Built:
     """Weights, tokenizer, KV cache, runner, scheduler."""
-    from gpu.loader import choose_dtype, load_model, load_shell, merge_eos_ids
+    from gpu.loader import (choose_dtype, choose_residual_dtype, cpu_threads, load_model,
+                            load_shell, merge_eos_ids)
     from gpu.tokenizer_files import implied_tokenizer, load_tokenizer
 
     t0 = time.perf_counter()
@@ -101,9 +102,12 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
                  GPUS[cfg.simulate_gpu].name)
     elif loaded is None:
         dtype, why = choose_dtype(cfg.dtype, device)
-        log.info("dtype %s (%s)", str(dtype).removeprefix("torch."), why)
+        residual, rwhy = choose_residual_dtype(cfg.residual_dtype, dtype, device)
+        log.info("dtype %s (%s), residual stream %s (%s)%s", str(dtype).removeprefix("torch."), why,
+                 str(residual).removeprefix("torch."), rwhy,
+                 f"; {cpu_threads()}" if device.type == "cpu" else "")
         loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=dtype,
-                            device=str(device), seed=cfg.seed)
+                            device=str(device), seed=cfg.seed, residual_dtype=residual)
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
         loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(

@@ -7,7 +7,8 @@ one JSON object per contender and a summary table.
         --dtypes float32 bfloat16 --hf-dtypes bfloat16 --hf-serial-prompts 0
 
 HF one-at-a-time is slow (~70 ms/token), so it runs --hf-serial-prompts of the prompts and
-reports tokens/s over those.
+reports tokens/s over those. A --dtypes entry DTYPE:RESIDUAL sets --residual-dtype too
+(bfloat16:bfloat16 is the pure-bf16 path; plain bfloat16 on CPU has an fp32 residual stream).
 """
 from __future__ import annotations
 
@@ -62,11 +63,12 @@ def main() -> None:
              output_len=a.output_len, seed=0, ignore_eos=True)
     prompts = [r["prompt"] for r in make_requests(s, 49152, 0.0)]
     rows = []
-    for dtype in a.dtypes:
-        cfg = EngineConfig(dtype=dtype, max_model_len=a.input_len + a.output_len + 16,
+    for spec in a.dtypes:
+        dtype, _, residual = spec.partition(":")  # bfloat16:bfloat16 -> --residual-dtype bfloat16
+        cfg = EngineConfig(dtype=dtype, residual_dtype=residual or "auto", max_model_len=a.input_len + a.output_len + 16,
                            max_num_seqs=max(a.num_prompts, 1), max_queued_requests=max(1024, a.num_prompts))
         r = trio.run(_bench, cfg, s, 0.0)
-        rows.append((f"tailrace {dtype} (continuous batching)", r["output_tokens"], r["elapsed_s"]))
+        rows.append((f"tailrace {spec} (continuous batching)", r["output_tokens"], r["elapsed_s"]))
         print(json.dumps({"contender": rows[-1][0], **r}), flush=True)
     if not a.skip_hf:
         for dtype in a.hf_dtypes:

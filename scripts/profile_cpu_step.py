@@ -4,32 +4,34 @@ aten::mm/addmm/_linear_pointwise are the linear layers, *scaled_dot_product* and
 index_select gathers the attention, argmax the (greedy) sampling.
 
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16
+
+A/B on a shared machine: --residual-dtypes with more than one value builds one runner per
+value (same weights) and times them alternately, --rounds times, so that load from other
+processes hits both alike; it prints each round's median and best, and the spread.
+
+    .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --residual-dtypes bfloat16 float32 --rounds 5
 """
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gpu.attention import KVCache
-from gpu.loader import load_model
+from gpu.loader import cpu_threads, load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.runner import ModelRunner
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--num-seqs", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=20)
-    a = ap.parse_args()
-    lm = load_model(None, dtype=a.dtype, progress=False)
-    c, n, bs = lm.config, a.num_seqs, 16
-    cache = KVCache(c.num_hidden_layers, n * 17, bs, c.num_key_value_heads, c.head_dim, lm.model.dtype, "cpu")
-    runner = ModelRunner(lm.model, cache, device=torch.device("cpu"))
+def make_decoder(lm, n: int, bs: int = 16):
+    """A runner with n sequences prefilled; returns decode(step) -> seconds."""
+    c = lm.config
+    cache = KVCache(c.num_hidden_layers, n * 17, bs, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
+    runner = ModelRunner(lm, cache, device=torch.device("cpu"))
     rng = random.Random(0)
     prompts = [tuple(rng.randrange(10000) for _ in range(128)) for _ in range(n)]
     tables = [tuple(range(i * 17, (i + 1) * 17)) for i in range(n)]
@@ -39,16 +41,49 @@ def main() -> None:
 
     def decode(step: int) -> float:
         t = time.perf_counter()
-        runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (5,), 128 + step, tables[i], True)
+        # positions wrap inside the 17 blocks (272 slots) whatever the number of steps
+        runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (5,), 128 + step % 128, tables[i], True)
                                             for i in range(n))))
         return time.perf_counter() - t
 
-    times = sorted(decode(s) for s in range(1, a.steps + 1))
-    print(f"decode step of {n}: median {times[len(times) // 2] * 1e3:.1f} ms, best {times[0] * 1e3:.1f} ms")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for s in range(a.steps + 1, a.steps + 6):
-            decode(s)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    return decode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--residual-dtypes", nargs="+", default=["auto"])
+    ap.add_argument("--num-seqs", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--no-profile", action="store_true")
+    a = ap.parse_args()
+    print(cpu_threads())
+    decoders = {}
+    for r in a.residual_dtypes:
+        lm = load_model(None, dtype=a.dtype, residual_dtype=r, progress=False)
+        decoders[f"{a.dtype}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}"] = \
+            (make_decoder(lm.model, a.num_seqs), [])
+    step = 1
+    for rnd in range(a.rounds):
+        for name, (decode, medians) in decoders.items():
+            times = sorted(decode(s) for s in range(step, step + a.steps))
+            step += a.steps
+            medians.append(times[len(times) // 2])
+            print(f"round {rnd} {name}: decode step of {a.num_seqs}: median {medians[-1] * 1e3:.1f} ms, "
+                  f"best {times[0] * 1e3:.1f} ms", flush=True)
+    for name, (decode, medians) in decoders.items():
+        spread = f" (rounds' medians {min(medians) * 1e3:.1f}-{max(medians) * 1e3:.1f})" if len(medians) > 1 else ""
+        print(f"{name}: median of medians {statistics.median(medians) * 1e3:.1f} ms{spread}")
+    if a.no_profile:
+        return
+    for name, (decode, _) in decoders.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for s in range(step, step + 5):
+                decode(s)
+        step += 5
+        print(name)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

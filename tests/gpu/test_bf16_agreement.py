@@ -1,5 +1,6 @@
-"""bf16 against fp32 on the bundled SmolLM2: what `--dtype auto` changes on a CPU with
-native bf16.
+"""Pure bf16 (bf16 residual stream too) against fp32 on the bundled SmolLM2: what
+`--dtype bfloat16 --residual-dtype bfloat16` changes on a CPU with native bf16 (auto's
+recipe, with an fp32 residual stream, is held closer in test_cpu_precision.py).
 
 The tolerance (also in docs/benchmarks.md):
 - first step (the prompt's last position): the logits differ by at most 1.0 anywhere and
