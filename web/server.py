@@ -32,6 +32,8 @@ LISTENING_PREFIX = "tailrace: listening on "
 GRACEFUL_TIMEOUT_S = 20.0   # leaves room under Kubernetes' default 30 s before SIGKILL
 ABORT_TIMEOUT_S = 5.0       # for aborted requests to reach their readers (one engine step)
 FLUSH_TIMEOUT_S = 2.0       # for Hypercorn to write the last bytes once every reply has ended
+DRAIN_BODY_BYTES = 1 << 20  # of a request body left unread when its reply ends (see read_body_first)
+DRAIN_BODY_TIMEOUT_S = 1.0
 SHUTDOWN_MESSAGE = "The server is shutting down: this request was stopped before it finished."
 
 
@@ -208,7 +210,7 @@ async def _serve_hypercorn(app, config, connections: weakref.WeakSet, stop: trio
             connections.add(stream)
 
     config.set_statsd_logger_class(StatsdLogger)
-    app = wrap_app(app, config.wsgi_max_body_size, None)
+    app = wrap_app(read_body_first(app), config.wsgi_max_body_size, None)
     lifespan_state: dict = {}
     lifespan = Lifespan(app, config, lifespan_state)
     context = WorkerContext(None)
@@ -237,6 +239,62 @@ async def _serve_hypercorn(app, config, connections: weakref.WeakSet, stop: trio
                 server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
+
+
+def read_body_first(app):
+    """ASGI middleware: a response does not end before its request has been read to the end.
+
+    Hypercorn keeps an HTTP/1.1 connection alive only if, when the response ends, h11 has
+    parsed the whole request; otherwise it closes the connection, with no ``Connection:
+    close`` header, and a client that reuses it (a keep-alive pool) gets "Server
+    disconnected without sending a response". An app that answers without reading the
+    body (LoadingGate's 503, require_api_key's 401) races Hypercorn's reader task, which
+    parses the end of a request (even a GET's) only after the app has started; with
+    web/sse.py's direct writes the app's whole response goes out without yielding and
+    often wins. So, before the last body message, read what is left of the request (at
+    most DRAIN_BODY_BYTES, for DRAIN_BODY_TIMEOUT_S: past that Hypercorn closes the
+    connection, as HTTP allows). Where the app reads the request itself in another task
+    (Quart does, concurrently), wait for that task to see the end rather than take its
+    messages."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        ended = trio.Event()       # the request's last message, or the client gone, received
+        received = trio.Event()    # replaced at each message received
+        receiving = 0              # receive calls under way (the app's own)
+
+        async def tracked_receive():
+            nonlocal receiving, received
+            receiving += 1
+            try:
+                message = await receive()
+            finally:
+                receiving -= 1
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                ended.set()
+            received.set()
+            received = trio.Event()
+            return message
+
+        async def read_rest() -> None:
+            left = DRAIN_BODY_BYTES
+            with trio.move_on_after(DRAIN_BODY_TIMEOUT_S):
+                while not ended.is_set() and left > 0:
+                    if receiving:      # the app's reader takes the next message: wait for it
+                        await received.wait()
+                    else:
+                        left -= len((await tracked_receive()).get("body", b""))
+
+        async def finishing_send(message):
+            if (not ended.is_set() and message["type"] == "http.response.body"
+                    and not message.get("more_body", False)):
+                await read_rest()
+            await send(message)
+
+        return await app(scope, tracked_receive, finishing_send)
+
+    return wrapped
 
 
 async def drain(engine: Engine, timeout: float, abort: trio.Event) -> None:

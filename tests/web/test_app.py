@@ -299,3 +299,51 @@ async def test_every_route_answers_503_while_the_model_loads(monkeypatch, nurser
                 await trio.sleep(0.01)
         assert (await http.get("/v1/models")).json()["data"][0]["id"] == "fake-model"
     nursery.cancel_scope.cancel()
+
+
+async def test_a_reply_sent_before_the_body_keeps_the_connection_alive():
+    """The gate answers 503 without reading the request body: the reply still ends only
+    after the body has come (web.server.read_body_first), so Hypercorn keeps the
+    connection alive for the next request rather than closing it under a keep-alive
+    client ("Server disconnected without sending a response")."""
+    import h11     # Hypercorn's HTTP/1.1 parser: a client that sees each byte the server sends
+
+    sock = listen_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    async with server.open_http(server.LoadingGate(), sock, log_level="warning"):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        client = h11.Connection(h11.CLIENT)
+
+        async def exchange(method: bytes, target: bytes, body: bytes = b"", split: int = 0) -> int:
+            headers = [(b"host", b"tailrace"), (b"content-length", b"%d" % len(body))]
+            await stream.send_all(client.send(h11.Request(method=method, target=target,
+                                                          headers=headers)))
+            if split:              # the body's end comes after the reply has started
+                await stream.send_all(client.send(h11.Data(data=body[:split])))
+                await trio.sleep(0.05)
+            await stream.send_all(client.send(h11.Data(data=body[split:])))
+            await stream.send_all(client.send(h11.EndOfMessage()))
+            status = 0
+            with trio.fail_after(5):
+                while True:
+                    event = client.next_event()
+                    if event is h11.NEED_DATA:
+                        client.receive_data(await stream.receive_some())
+                    elif isinstance(event, h11.Response):
+                        status = event.status_code
+                    elif isinstance(event, h11.EndOfMessage):
+                        break
+                    else:
+                        assert isinstance(event, h11.Data), event   # not ConnectionClosed
+            client.start_next_cycle()      # h11: the server said nothing of closing
+            return status
+
+        async with stream:
+            body = b'{"messages": []}'
+            for _ in range(20):   # the whole request at once: the gate races Hypercorn's reader
+                assert await exchange(b"POST", b"/v1/chat/completions", body) == 503
+            assert await exchange(b"POST", b"/v1/chat/completions", body, split=5) == 503
+            for _ in range(3):
+                assert await exchange(b"GET", b"/health") == 503
+            with trio.move_on_after(0.2):   # and the connection stays open after them
+                assert await stream.receive_some() != b""
