@@ -31,7 +31,7 @@ from pipeline.stats import EngineStats, Latencies, RequestShapes, cache_config_l
 from pipeline.wire import (AccountQuery, AccountReply, FrontendSetup, Link, Refused, StatsQuery,
                            StatsReply, forward, outbox, pack_step)
 from stages import admit, gpu_step, schedule
-from stages.account import Histogram
+from stages.histogram import Histogram
 from stages.admit import Accepted, Admission
 from stages.messages import Abort, FinishRequest, RenderedRequest, Step
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 if TYPE_CHECKING:
-    from stages.account import Histogram
+    from stages.histogram import Histogram
 
 
 @attrs.frozen(kw_only=True)

@@ -18,7 +18,7 @@ import trio
 from gpu.grammar import GrammarCompiler
 from gpu.interface import (PLACEHOLDER, SamplingOptions, SeqChunk, SeqStart, StepPlan, StepResult,
                            TokenLogprobs)
-from stages.account import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
+from stages.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
 from stages.blocks import BlockManager
 from stages.delta import Delta, FinishReason
 from stages.drafter import Drafter

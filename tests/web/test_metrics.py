@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.stats import EngineStats, Latencies, RequestShapes
-from stages.account import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Accountant, Histogram
+from stages.account import Accountant
+from stages.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
 from stages.delta import FinishReason
 from web.metrics import EngineCollector
 
