@@ -57,7 +57,7 @@ async def test_long_request_same_output_with_sliding_blocks_freed(model_dir):
     # sequence) leave room for 40 * 3 - 5 * 2 = 110 full-layer blocks
     assert layout == (110, 5)
     # 97 tokens span 7 blocks, more than the 5 slots: the halves were freed as the window passed
-    assert stats["num_preemptions"] == 0 and in_use == 0
+    assert stats.num_preemptions == 0 and in_use == 0
     for got, want in ((a, plain_a), (b, plain_b)):
         g, w = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
         assert g["tokens"] == w["tokens"] and len(g["tokens"]) == 60
@@ -87,7 +87,7 @@ async def test_concurrent_requests_with_preemption_same_output(model_dir):
                     nursery.start_soon(one, i)
             stats = engine.stats()
             layout = (engine.blocks.num_blocks, engine.blocks.sliding and engine.blocks.sliding.num_slots)
-        return outs, stats["num_preemptions"], layout
+        return outs, stats.num_preemptions, layout
 
     plain, plain_pre, plain_layout = await run(False)
     hybrid, hybrid_pre, layout = await run(True)
