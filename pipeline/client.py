@@ -139,7 +139,10 @@ class EngineClient:
         self.replies.close_all()
 
     def stats(self) -> EngineStats:
-        raise NotImplementedError
+        """The stats read at once: only pipeline.engine.Engine, which holds the scheduler and
+        the accountant in this process, has them; a frontend's RemoteEngine overrides
+        fetch_stats instead (it asks the engine process)."""
+        raise NotImplementedError(f"{type(self).__name__} reads its stats with fetch_stats")
 
     async def fetch_stats(self) -> EngineStats:
         """The stats for a /metrics scrape (a frontend asks the engine process for them)."""
