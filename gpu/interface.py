@@ -64,6 +64,9 @@ class Constraint:
     kind: str = attrs.field(validator=attrs.validators.in_(CONSTRAINT_KINDS))
     spec: str = ""
     compact: bool = False   # JSON without free whitespace (vLLM's disable_any_whitespace)
+    # The request field it came from, for a 400 naming it (admit checks the constraint:
+    # stages/admit.py). Not part of its identity: equal constraints share a compiled grammar.
+    param: str = attrs.field(default="", eq=False)
 
     @staticmethod
     def choice(options: list[str]) -> Constraint:

@@ -3,7 +3,8 @@
 A request that will be refused is refused here, with its HTTP status, before the
 response starts: too many requests admitted (503 with Retry-After, like vLLM's overload
 answer), the server shutting down (503), or a request that could never fit in the whole
-KV cache (400).
+KV cache (400), or a structured-output constraint that does not parse (400; checked
+here, in the engine's process, because xgrammar imports torch).
 
 The limit counts admitted requests: from here until emit has sent their last byte
 (stages/replies.py). At most ``--max-num-seqs`` of them run; the rest wait in schedule,
@@ -16,6 +17,7 @@ from typing import Callable
 import attrs
 import trio
 
+from stages.api.structured import refusal as constraint_refusal
 from stages.messages import RenderedRequest
 from stages.render import RequestError
 from stages.replies import Replies
@@ -65,6 +67,9 @@ class Admission:
                 f"The request needs up to {need} tokens of KV cache (prompt plus max_tokens), "
                 f"more than the whole cache holds ({self.kv_capacity_tokens}). Reduce max_tokens "
                 "or the prompt, or start the server with a larger KV cache.", param="max_tokens")
+        constraint = req.sampling.constraint
+        if constraint is not None and (bad := constraint_refusal(constraint)) is not None:
+            return bad
         return self.refusal()
 
 

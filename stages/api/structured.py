@@ -7,8 +7,9 @@
   and `structural_tag`;
 - the Responses API's `text.format` (json_schema, json_object).
 
-At most one may be given. The constraint is checked here (a schema that is not one, a
-regex that does not parse) so that the client gets a 400 naming the field.
+At most one may be given. Each constraint carries the field it came from, and admit checks
+it (a schema that is not one, a regex that does not parse: `refusal`) so that the client
+gets a 400 naming the field before the response starts.
 """
 from __future__ import annotations
 
@@ -125,18 +126,28 @@ def constraint_of(req: ChoiceRequest | ResponsesRequest) -> Constraint | None:
         raise RequestError(f"Only one kind of structured output may be requested; got {names}.",
                            param=found[1][0])
     param, constraint = found[0]
-    checked(constraint, param)
-    return constraint
+    return named(constraint, param)
 
 
-def checked(constraint: Constraint, param: str) -> Constraint:
-    # xgrammar imports torch: loaded on the first constrained request, not with the module
+def named(constraint: Constraint, param: str) -> Constraint:
+    """The constraint with the request field it came from, for admit's 400."""
+    return attrs.evolve(constraint, param=param)
+
+
+_WHAT = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice",
+         "grammar": "grammar", "structural_tag": "structural tag"}
+
+
+def refusal(constraint: Constraint) -> RequestError | None:
+    """A 400 naming the field when the schema, regex or grammar does not parse; None if it
+    does. Called by admit (stages/admit.py), in the engine's process: xgrammar imports
+    torch, which a frontend process (--api-server-count) never loads. Rendering stays
+    torch-free; the refusal still comes before the response starts."""
     from gpu.grammar import check
     try:
         check(constraint)
     except GrammarError as exc:
-        what = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice",
-                "grammar": "grammar", "structural_tag": "structural tag"}.get(
-                    constraint.kind, "constraint")
-        raise RequestError(f"'{param}' is not a valid {what}: {exc}", param=param) from None
-    return constraint
+        param = constraint.param or "response_format"
+        what = _WHAT.get(constraint.kind, "constraint")
+        return RequestError(f"'{param}' is not a valid {what}: {exc}", param=param)
+    return None

@@ -17,7 +17,7 @@ import attrs
 
 from gpu.interface import Constraint
 from stages.api.common import RequestError, ToolPlan, ToolSettings
-from stages.api.structured import checked
+from stages.api.structured import named
 
 
 @attrs.frozen
@@ -118,7 +118,7 @@ def tool_request(tools: list[dict] | None, tool_choice: Any, parallel: bool | No
         schema = functions[name].get("parameters") or {"type": "object"}
         constraint = Constraint("json_schema", json.dumps(schema), compact=True)
         return ToolRequest(tools, ToolPlan("named", name=name),
-                           checked(constraint, "tools"))
+                           named(constraint, "tools"))
     # required: a JSON array of {"name", "parameters"} calls, at least one.
     items = {"anyOf": [{"type": "object", "properties": {
         "name": {"type": "string", "enum": [n]},
@@ -129,8 +129,8 @@ def tool_request(tools: list[dict] | None, tool_choice: Any, parallel: bool | No
     if parallel is False:
         schema["maxItems"] = 1
     return ToolRequest(tools, ToolPlan("required", parallel=parallel is not False),
-                       checked(Constraint("json_schema", json.dumps(schema), compact=True),
-                               "tools"))
+                       named(Constraint("json_schema", json.dumps(schema), compact=True),
+                             "tools"))
 
 
 def _rebased(schema: Any, root: str) -> Any:

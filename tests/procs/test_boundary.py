@@ -124,6 +124,33 @@ def test_metrics_add_up_over_the_processes(two_frontends):
         assert m["vllm:generation_tokens_total"] == before + made
 
 
+def _loads_torch(pid: int) -> bool:
+    from pathlib import Path
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_structured_output_is_checked_in_the_engine_and_frontends_stay_torch_free(two_frontends):
+    """xgrammar imports torch: the constraint is checked by admit, in the engine, so a
+    bad regex is still a 400 naming its field and the frontends never load torch."""
+    url = two_frontends.url
+    for _ in range(2):      # a connection each: both frontends, in the kernel's turn
+        bad = httpx.post(f"{url}/v1/completions", timeout=120,
+                         json={"prompt": "x", "max_tokens": 4, "guided_regex": "(unclosed"})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "guided_regex"
+        assert "is not a valid regex" in bad.json()["error"]["message"]
+        good = httpx.post(f"{url}/v1/completions", timeout=120,
+                          json={"prompt": "The year is", "max_tokens": 10,
+                                "structured_outputs": {"regex": r" \d{4}"}})
+        assert good.status_code == 200, good.text
+        text = good.json()["choices"][0]["text"]
+        assert len(text) == 5 and text[1:].isdigit()
+    kids = two_frontends.children()
+    assert len(kids["frontend"]) == 2 and kids["engine"]
+    assert [_loads_torch(pid) for pid in kids["frontend"]] == [False, False]
+    assert _loads_torch(kids["engine"][0])        # the check is not vacuous
+
+
 def test_the_event_log_one_file_a_process_replays_and_joins(two_frontends, tmp_path):
     """Last in this module: it stops the server, so that every line is written."""
     assert two_frontends.stop() == 0

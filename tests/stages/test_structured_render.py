@@ -1,4 +1,6 @@
-"""Every request form of structured output maps to one Constraint on SamplingParams."""
+"""Every request form of structured output maps to one Constraint on SamplingParams; a
+constraint that does not parse is a 400 naming its field (render finds the request's
+shape errors, admit the grammar's: stages/api/structured.py refusal)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +8,9 @@ import json
 import pytest
 
 from gpu.interface import Constraint
-from test_render import chat, completion, error_of, responses
+from stages.api.common import RequestError
+from stages.api.structured import refusal
+from test_render import chat, completion, responses
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 AS_SCHEMA = Constraint("json_schema", json.dumps(SCHEMA))
@@ -52,6 +56,10 @@ def test_request_forms_map_to_one_constraint(fn, body, expected):
      "text.format", "foo"),
 ])
 def test_bad_constraints_are_400_naming_the_field(fn, body, param, words):
-    err = error_of(fn, body)
+    try:
+        err = refusal(fn(body).sampling.constraint)      # rendered: admit checks the grammar
+    except RequestError as exc:                          # refused by render
+        err = exc
+    assert err is not None
     assert (err.status, err.param) == (400, param)
     assert words in err.message and "RuntimeError" not in err.message, err.message
