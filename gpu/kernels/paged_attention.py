@@ -48,6 +48,69 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@triton.jit
+def _softmax_start(sinks_ptr, head, row_mask, split, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Running max and sum of the online softmax before the first KV tile. A sink starts
+    them at its logit and exp(0) = 1, in split 0 only, so the combine counts it once."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, float("-inf"))
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.where(split == 0, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def _split_range(kv_lo, kv_end, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The KV positions [kv_start, kv_stop) of this program: all of kv_lo..kv_end, or with
+    NUM_SPLITS > 1 (flash-decoding) one contiguous share of its KV tiles."""
+    kv_start = kv_lo
+    kv_stop = kv_end
+    if NUM_SPLITS > 1:
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_lo, BLOCK_N), NUM_SPLITS)
+        kv_start = kv_lo + split * tiles_per_split * BLOCK_N
+        kv_stop = tl.minimum(kv_end, kv_start + tiles_per_split * BLOCK_N)
+    return kv_start, kv_stop
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, n_mask, kv_head, offs_d, d_mask,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """K transposed [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] at KV positions offs_n of one
+    sequence (table: its row of the block table): each position looks up its own page."""
+    page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    in_page = offs_n % PAGE_SIZE
+    k = tl.load(k_cache_ptr + page[None, :] * stride_kb + in_page[None, :] * stride_ks
+                + kv_head * stride_kh + offs_d[:, None],
+                mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + page[:, None] * stride_vb + in_page[:, None] * stride_vs
+                + kv_head * stride_vh + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(s, visible, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Folds one KV tile into the running max m_i, sum l_i and output acc: s [BLOCK_M, BLOCK_N]
+    its scores (base 2), hidden where not visible, v [BLOCK_N, BLOCK_D] its values."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen nothing yet keeps m = -inf; shift by 0 to avoid inf - inf.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # Shape arguments that change every step are not specialised (Triton would otherwise
 # compile a new variant whenever one equals 1 or turns a multiple of 16, in the middle of
 # a timed run): a variant buys nothing for them.
@@ -119,13 +182,7 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_i = tl.where(split == 0, sink, float("-inf"))
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.where(split == 0, 1.0, 0.0)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = _softmax_start(sinks_ptr, head, row_mask, split, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # The last query of this tile sees positions < kv_end.
@@ -134,46 +191,19 @@ def _paged_attention_kernel(
     kv_lo = 0
     if SLIDING:  # the first query of the tile sees positions > its own - window
         kv_lo = tl.maximum(first_pos + tile * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
-    kv_start = kv_lo
-    if NUM_SPLITS > 1:  # flash-decoding: this program takes one contiguous share of the KV tiles
-        tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_lo, BLOCK_N), NUM_SPLITS)
-        kv_start = kv_lo + split * tiles_per_split * BLOCK_N
-        kv_stop = tl.minimum(kv_end, kv_start + tiles_per_split * BLOCK_N)
-    else:
-        kv_stop = kv_end
+    kv_start, kv_stop = _split_range(kv_lo, kv_end, split, BLOCK_N, NUM_SPLITS)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start_n in range(kv_start, kv_stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        kv_mask = n_mask[None, :] & d_mask[:, None]
-        # K loaded transposed: [BLOCK_D, BLOCK_N].
-        k_ptrs = (k_cache_ptr + page[None, :] * stride_kb + in_page[None, :] * stride_ks
-                  + kv_head * stride_kh + offs_d[:, None])
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v_ptrs = (v_cache_ptr + page[:, None] * stride_vb + in_page[:, None] * stride_vs
-                  + kv_head * stride_vh + offs_d[None, :])
-        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, n_mask, kv_head, offs_d, d_mask,
+                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                             PAGE_SIZE, UPCAST)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if SLIDING:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen nothing yet keeps m = -inf; shift by 0 to avoid inf - inf.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc, DOT_PRECISION)
 
     o_mask = row_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS > 1:
@@ -239,52 +269,25 @@ def _decode_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_i = tl.where(split == 0, sink, float("-inf"))
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.where(split == 0, 1.0, 0.0)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = _softmax_start(sinks_ptr, head, row_mask, split, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     kv_lo = 0
     if SLIDING:
         kv_lo = tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N
-    kv_start = kv_lo
-    kv_stop = seq_len
-    if NUM_SPLITS > 1:
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, BLOCK_N), NUM_SPLITS)
-        kv_start = kv_lo + split * tiles_per_split * BLOCK_N
-        kv_stop = tl.minimum(seq_len, kv_start + tiles_per_split * BLOCK_N)
+    kv_start, kv_stop = _split_range(kv_lo, seq_len, split, BLOCK_N, NUM_SPLITS)
     table = block_tables_ptr + row * stride_bt
     for start_n in range(kv_start, kv_stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < seq_len
-        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        k = tl.load(k_cache_ptr + page[None, :] * stride_kb + in_page[None, :] * stride_ks
-                    + kv_head * stride_kh + offs_d[:, None],
-                    mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_cache_ptr + page[:, None] * stride_vb + in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, n_mask, kv_head, offs_d, d_mask,
+                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                             PAGE_SIZE, UPCAST)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = n_mask
+        visible = n_mask  # q_pos = seq_len - 1 sees every position below seq_len
         if SLIDING:
             visible = visible & (offs_n > q_pos - window)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, visible[None, :], v, m_i, l_i, acc, DOT_PRECISION)
 
     o_mask = row_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS > 1:
