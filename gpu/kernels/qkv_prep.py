@@ -13,9 +13,9 @@ token's q, k and v once, writes the normed, rotated q (for attention) and puts k
 into the cache (slot < 0: a padding row of a CUDA graph, nothing written).
 
 Numerics follow the unfused path: statistics and rotation in fp32, and the normed value
-rounded to the model's dtype before the rotation, as rms_norm's output is; rope as in
-gpu/kernels/rope.py (NeoX halves, cos in the first half of the table row, sin in the
-second). KV cache layout as in gpu/kernels/kv_cache.py (any strides).
+rounded to the model's dtype before the rotation, as rms_norm's output is; the rotation
+is gpu/kernels/rope.py's own (NeoX halves, cos in the first half of the table row, sin in
+the second). KV cache layout as in gpu/kernels/kv_cache.py (any strides).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from gpu.kernels.rope import cos_sin_row, rotate
 
 
 @triton.jit
@@ -38,9 +40,7 @@ def _norm_rope(x1, x2, w_ptr, eps, cos, sin, offs_d, d_mask,
         dt = w_ptr.dtype.element_ty
         x1 = (x1 * rstd[:, None] * w1[None, :]).to(dt).to(tl.float32)
         x2 = (x2 * rstd[:, None] * w2[None, :]).to(dt).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
-    return o1, o2
+    return rotate(x1, x2, cos, sin)
 
 
 @triton.jit(do_not_specialize=["eps"],
@@ -64,8 +64,7 @@ def _qkv_prep_kernel(
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    cos, sin = cos_sin_row(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HALF)
     row = qkv_ptr + tok * stride_t
 
     # q: normed, rotated, stored for attention

@@ -18,6 +18,22 @@ import triton.language as tl
 
 
 @triton.jit
+def cos_sin_row(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HALF: tl.constexpr):
+    """cos and sin [BLOCK_HALF] fp32 of position pos, from its row of the table."""
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def rotate(x1, x2, cos, sin):
+    """x1, x2 [heads, BLOCK_HALF] fp32 halves -> the rotated halves."""
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    return o1, o2
+
+
+@triton.jit
 def _rotate_heads(x_ptr, o_ptr, stride_xt, stride_xh, stride_ot, stride_oh, tok, cos, sin,
                   n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     offs_h = tl.arange(0, BLOCK_H)
@@ -26,8 +42,7 @@ def _rotate_heads(x_ptr, o_ptr, stride_xt, stride_xh, stride_ot, stride_oh, tok,
     x1_ptrs = x_ptr + tok * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    o1, o2 = rotate(x1, x2, cos, sin)
     o1_ptrs = o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
     tl.store(o1_ptrs, o1.to(o_ptr.dtype.element_ty), mask=mask)
     tl.store(o1_ptrs + HALF, o2.to(o_ptr.dtype.element_ty), mask=mask)
@@ -49,8 +64,7 @@ def _rope_kernel(
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    cos, sin = cos_sin_row(cos_sin_ptr, pos, stride_cs, offs_d, d_mask, HALF)
     _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, tok, cos, sin,
                   n_q_heads, HALF, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, tok, cos, sin,
