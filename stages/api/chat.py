@@ -9,12 +9,11 @@ import attrs
 from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, ChoiceRequest,
                                ContentPart, FunctionCall, Invalid, PromptPlan, RequestError,
                                ToolCallOut, ToolSettings, UsageInfo, at_least, omit_absent,
-                               opt, reply, server_error)
-from stages.api.framing import (DONE, ChoiceState, ChunkBytes, Framer, error_bytes, json_body,
-                                prompt_logprobs_json, sse_data, usage_info)
+                               one_constraint, opt, reply)
+from stages.api.framing import ChoicesFramer, ChoiceState, prompt_logprobs_json, usage_info
 from stages.api.structured import constraint_of
 from stages.api.tools import chat_tools, tool_request
-from stages.delta import Delta, FinishReason, TokenLogprob, Usage
+from stages.delta import Delta, TokenLogprob, Usage
 
 _ROUTER_CHAT_EXTRAS = {**ROUTER_EXTRAS, "separate_reasoning": (True,),
                        "stream_reasoning": (True,)}
@@ -172,12 +171,7 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
          tools: ToolSettings = ToolSettings()) -> PromptPlan:
     check_n(req.n)
     tr = tool_request(chat_tools(req.tools), req.tool_choice, req.parallel_tool_calls, tools)
-    constraint = constraint_of(req)
-    if tr.constraint is not None:
-        if constraint is not None:
-            raise RequestError("tool_choice \"required\" or a named function cannot be "
-                               "combined with structured outputs.", param="tool_choice")
-        constraint = tr.constraint
+    constraint = one_constraint(constraint_of(req), tr.constraint, "structured outputs")
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise RequestError("'modalities' other than [\"text\"] are not supported.",
                            param="modalities")
@@ -406,10 +400,12 @@ def _content_choice(index: int, content: str) -> ChatChunkChoice:
     return ChatChunkChoice(index=index, delta=ChatDelta(content=content), logprobs=None)
 
 
-class ChatFramer(Framer):
+class ChatFramer(ChoicesFramer):
+    chunk_type = ChatCompletionChunk
+    body_type = ChatCompletion
+
     def __init__(self, req) -> None:
-        super().__init__(req)
-        self.id = f"chatcmpl-{req.request_id}"
+        super().__init__(req, f"chatcmpl-{req.request_id}")
         self._choices = [ChoiceState() for _ in range(req.n)]
         self._echo = req.echo[0] if req.echo else ""   # echo: the reply starts with it
         self._prompt_logprobs = None     # prompt_logprobs: brought by choice 0's first delta
@@ -418,11 +414,6 @@ class ChatFramer(Framer):
         self._return_ids = req.request.return_token_ids
         # no token ids or usage per chunk: a running choice's chunk is its content
         self._plain_stream = not (self._return_ids or req.continuous_usage)
-        # OpenAI: with include_usage every chunk has "usage", null but on the last.
-        self._chunk = ChunkBytes(ChatCompletionChunk(
-            id=self.id, created=req.created, model=req.model, choices=[],
-            **({"usage": None} if req.include_usage else {})),
-            continuous_usage=req.continuous_usage)
 
     def _visible(self, delta: Delta) -> tuple[str, tuple[TokenLogprob, ...], tuple[int, ...]]:
         """The reasoning text, logprobs and token ids to show: include_reasoning=false hides
@@ -475,18 +466,12 @@ class ChatFramer(Framer):
             out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(
                 tool_calls=[ToolCallChunk(index=call.index, function=FunctionChunk(
                     arguments=call.arguments))]))], usage))
-        reason = delta.finish_reason
-        if reason is FinishReason.ERROR:
-            out += [sse_data(server_error(delta.error)), DONE]
-        elif reason is not None:
-            out.append(self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(),
-                                                    finish_reason=reason,
-                                                    stop_reason=delta.stop_reason)], usage))
-            if self.closing:
-                if self.req.include_usage:
-                    out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
-                out.append(DONE)
+        out += self._stream_end(delta, usage)
         return b"".join(out)
+
+    def _finish_choice(self, delta: Delta) -> ChatChunkChoice:
+        return ChatChunkChoice(index=delta.index, delta=ChatDelta(),
+                               finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
 
     def _accumulate(self, delta: Delta) -> bytes:
         reasoning, logprobs, token_ids = self._visible(delta)
@@ -501,22 +486,14 @@ class ChatFramer(Framer):
         c.tool_calls.extend(ToolCallOut(id=t.id, function=FunctionCall(name=t.name,
                                                                        arguments=t.arguments))
                             for t in delta.tool_calls)
-        if delta.finish_reason is not None:
-            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
-        if not self.closing:
-            return b""
-        if delta.finish_reason is FinishReason.ERROR:
-            self.status = 500
-            return error_bytes(delta)
-        return json_body(ChatCompletion(
-            id=self.id, created=self.req.created, model=self.req.model,
-            choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
-            usage=usage_info(delta.usage),
-            **({} if delta.metrics is None else {"metrics": delta.metrics}),
-            # vLLM's body has these keys, null when not asked for
+        return self._body_end(delta)
+
+    def _body_fields(self) -> dict[str, Any]:
+        # vLLM's body has these keys, null when not asked for
+        return dict(
             prompt_logprobs=(prompt_logprobs_json(self._prompt_logprobs or ())
                              if self.req.sampling.prompt_logprobs is not None else None),
-            prompt_token_ids=list(self.req.prompt_token_ids) if self._return_ids else None))
+            prompt_token_ids=list(self.req.prompt_token_ids) if self._return_ids else None)
 
     def _body_choice(self, index: int, c: ChoiceState) -> ChatChoice:
         text, reasoning = self._echo + "".join(c.text), "".join(c.reasoning)

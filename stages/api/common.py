@@ -523,6 +523,18 @@ class ToolPlan:
     parallel: bool = True        # parallel_tool_calls: false keeps the first call only
 
 
+def one_constraint(structured: Constraint | None, tools: Constraint | None,
+                   structured_param: str) -> Constraint | None:
+    """The request's output constraint: its structured output's (`structured_param` names
+    that in the API), or its tool choice's ("required" or a named function), never both."""
+    if tools is None:
+        return structured
+    if structured is not None:
+        raise RequestError("tool_choice \"required\" or a named function cannot be "
+                           f"combined with {structured_param}.", param="tool_choice")
+    return tools
+
+
 @attrs.frozen(kw_only=True)
 class PromptPlan:
     """What an API's request asks render to do: which prompt, and the API's own rules

@@ -7,12 +7,11 @@ import attrs
 
 from stages.api.chat import MAX_CHOICES, MAX_LOGPROBS, check_n, check_prompt_logprobs
 from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest, Invalid,
-                               PromptPlan, RequestError, UsageInfo, omit_absent, opt,
-                               reply, server_error)
-from stages.api.framing import (DONE, MIN_LOGPROB, ChoiceState, ChunkBytes, Framer, error_bytes,
-                                json_body, prompt_logprobs_json, sse_data, usage_info)
+                               PromptPlan, RequestError, UsageInfo, omit_absent, opt, reply)
+from stages.api.framing import (MIN_LOGPROB, ChoicesFramer, ChoiceState, prompt_logprobs_json,
+                                usage_info)
 from stages.api.structured import constraint_of
-from stages.delta import Delta, FinishReason, PromptLogprob
+from stages.delta import Delta, PromptLogprob
 
 @attrs.frozen
 class CompletionRequest(ChoiceRequest):
@@ -131,13 +130,15 @@ def _prompts(prompt: object) -> list[str | tuple[int, ...]]:
 
 # -- the reply -----------------------------------------------------------------------------
 
-class CompletionFramer(Framer):
+class CompletionFramer(ChoicesFramer):
     """Choice i * n + j is prompt i's choice j (vLLM's order). With echo each choice starts
     with its prompt: text, and (with logprobs) the prompt tokens' logprobs, the first null."""
 
+    chunk_type = Completion
+    body_type = Completion
+
     def __init__(self, req) -> None:
-        super().__init__(req)
-        self.id = f"cmpl-{req.request_id}"
+        super().__init__(req, f"cmpl-{req.request_id}")
         num = req.num_choices
         self._choices = [ChoiceState() for _ in range(num)]
         self._wants_logprobs = req.sampling.options.logprobs is not None
@@ -151,10 +152,6 @@ class CompletionFramer(Framer):
         self._show_prompt_logprobs = req.sampling.prompt_logprobs is not None
         # no echo, token ids or usage per chunk: a running choice's chunk is its text
         self._plain_stream = not (req.echo is not None or self._return_ids or req.continuous_usage)
-        self._chunk = ChunkBytes(Completion(
-            id=self.id, created=req.created, model=req.model, choices=[],
-            **({"usage": None} if req.include_usage else {})),
-            continuous_usage=req.continuous_usage)
 
     def _logprobs_json(self, index: int, entries) -> CompletionLogprobs:
         offsets, tokens, values, tops = [], [], [], []
@@ -202,18 +199,12 @@ class CompletionFramer(Framer):
         if text or lp or ids:
             out.append(self._chunk([CompletionChoice(index=delta.index, text=text,
                                                      logprobs=lp, **ids)], usage))
-        reason = delta.finish_reason
-        if reason is FinishReason.ERROR:
-            out += [sse_data(server_error(delta.error)), DONE]
-        elif reason is not None:
-            out.append(self._chunk([CompletionChoice(index=delta.index, text="",
-                                                     finish_reason=reason,
-                                                     stop_reason=delta.stop_reason)], usage))
-            if self.closing:
-                if self.req.include_usage:
-                    out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
-                out.append(DONE)
+        out += self._stream_end(delta, usage)
         return b"".join(out)
+
+    def _finish_choice(self, delta: Delta) -> CompletionChoice:
+        return CompletionChoice(index=delta.index, text="", finish_reason=delta.finish_reason,
+                                stop_reason=delta.stop_reason)
 
     def _ids(self, delta: Delta) -> dict:
         """return_token_ids on a streamed choice: its tokens, and its prompt's on its first."""
@@ -235,18 +226,7 @@ class CompletionFramer(Framer):
             c.logprobs.extend(echo_lps + delta.logprobs)
         if self._return_ids:
             c.token_ids.extend(delta.token_ids)
-        if delta.finish_reason is not None:
-            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
-        if not self.closing:
-            return b""
-        if delta.finish_reason is FinishReason.ERROR:
-            self.status = 500
-            return error_bytes(delta)
-        return json_body(Completion(
-            id=self.id, created=self.req.created, model=self.req.model,
-            choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
-            usage=usage_info(delta.usage),
-            **({} if delta.metrics is None else {"metrics": delta.metrics})))
+        return self._body_end(delta)
 
     def _body_choice(self, i: int, c: ChoiceState) -> CompletionChoice:
         # vLLM's body has these keys, null when not asked for (a stream leaves them out)

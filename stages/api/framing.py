@@ -9,7 +9,7 @@ so replaying the event log reproduces a reply byte for byte.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import attrs
 import orjson
@@ -177,3 +177,70 @@ class ChoiceState:
         self.tool_calls: list = []           # chat: ToolCallOut, from the parse stage
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+
+
+class ChoicesFramer(Framer):
+    """Chat's and completions' framing: stream chunks of the API's `chunk_type` that carry
+    choices, a body of its `body_type` made of the choices kept in `_choices`. A subclass
+    says what a finished choice's chunk (`_finish_choice`) and a body's choice
+    (`_body_choice`) are, and what else its body has (`_body_fields`)."""
+
+    chunk_type: ClassVar[type]
+    body_type: ClassVar[type]
+    _choices: list[ChoiceState]
+
+    def __init__(self, req: RenderedRequest, reply_id: str) -> None:
+        """Every chunk and the body have id `reply_id`."""
+        super().__init__(req)
+        self.id = reply_id
+        # OpenAI: with include_usage every chunk has "usage", null but on the last.
+        self._chunk = ChunkBytes(self.chunk_type(
+            id=self.id, created=req.created, model=req.model, choices=[],
+            **({"usage": None} if req.include_usage else {})),
+            continuous_usage=req.continuous_usage)
+
+    @abstractmethod
+    def _finish_choice(self, delta: Delta) -> Any:
+        """The choice of the chunk that finishes choice delta.index."""
+
+    @abstractmethod
+    def _body_choice(self, index: int, c: ChoiceState) -> Any:
+        """Choice `index` of the body, from what was kept of it."""
+
+    def _body_fields(self) -> dict[str, Any]:
+        """Top-level fields of the body besides id, created, model, choices, usage, metrics."""
+        return {}
+
+    def _stream_end(self, delta: Delta, usage: Any) -> list[bytes]:
+        """The events that end a choice's stream (none while it runs): its finish chunk,
+        then after the last choice's the usage chunk (include_usage) and [DONE]; an engine
+        error instead ends the whole stream."""
+        reason = delta.finish_reason
+        if reason is FinishReason.ERROR:
+            return [sse_data(server_error(delta.error)), DONE]
+        if reason is None:
+            return []
+        out = [self._chunk([self._finish_choice(delta)], usage)]
+        if self.closing:
+            if self.req.include_usage:
+                out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
+            out.append(DONE)
+        return out
+
+    def _body_end(self, delta: Delta) -> bytes:
+        """Non-streaming, once the delta's own content is kept: its choice's finish noted;
+        b"" until the request closes, then the whole body (or the engine's error)."""
+        if delta.finish_reason is not None:
+            c = self._choices[delta.index]
+            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+        if not self.closing:
+            return b""
+        if delta.finish_reason is FinishReason.ERROR:
+            self.status = 500
+            return error_bytes(delta)
+        return json_body(self.body_type(
+            id=self.id, created=self.req.created, model=self.req.model,
+            choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
+            usage=usage_info(delta.usage),
+            **({} if delta.metrics is None else {"metrics": delta.metrics}),
+            **self._body_fields()))

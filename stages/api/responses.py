@@ -16,7 +16,7 @@ import orjson
 from stages.api.chat import content_text, template_role, template_tool_calls
 from stages.api.common import (Content, Invalid, PromptPlan, RequestError, ResponseUsage,
                                SamplingRequest, Stop, StreamOptions, ToolSettings, at_least,
-                               between, converter, mismatch, opt, reply,
+                               between, converter, mismatch, one_constraint, opt, reply,
                                structure_hook, structure_list, tolerant, unstructure)
 from stages.api.framing import Framer, error_bytes, json_body, response_usage
 from stages.api.structured import constraint_of
@@ -275,12 +275,7 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
     choice = req.tool_choice if req.tools or req.tool_choice not in ("auto", "none") else None
     tr = tool_request(responses_tools(req.tools or None), choice, req.parallel_tool_calls,
                       tools)
-    constraint = constraint_of(req)
-    if tr.constraint is not None:
-        if constraint is not None:
-            raise RequestError("tool_choice \"required\" or a named function cannot be "
-                               "combined with text.format.", param="tool_choice")
-        constraint = tr.constraint
+    constraint = one_constraint(constraint_of(req), tr.constraint, "text.format")
     logprobs = _logprobs(req)
     if req.reasoning is not None and req.reasoning.effort is not None and not reasoning_parser:
         raise RequestError("'reasoning.effort' needs a reasoning model (serve with "
