@@ -510,14 +510,7 @@ class Scheduler:
                 prompt_logprobs = (None, *seq.prompt_logprobs_so_far)
                 seq.prompt_logprobs_so_far = []
             if seq.max_tokens == 0:
-                # echo alone (completions max_tokens 0): the prompt was computed for its
-                # logprobs; the token sampled after it is not part of the reply
-                seq.token_ids.pop()
-                deltas.append(Delta(seq.req.request_id, (), FinishReason.LENGTH, None,
-                                    seq.num_cached_tokens, scheduled_at=seq.scheduled_at,
-                                    index=seq.index, prompt_token_logprobs=prompt_logprobs))
-                (self.running if epoch == seq.epoch else self.waiting).remove(seq)
-                self._retire(seq)
+                deltas.append(self._end_echo_only(seq, epoch, prompt_logprobs))
                 continue
             reason = stop = None
             if tok in seq.stop_ids:  # the sampler masks stop ids until min_tokens
@@ -548,9 +541,7 @@ class Scheduler:
                 else:               # preempted while its last step ran
                     self.waiting.remove(seq)
                 self._retire(seq)
-        new, self._new_requests = tuple(self._new_requests), []
-        return Step(plan.step, new, tuple(deltas), len(self.running), len(self.waiting),
-                    self.blocks.num_used, time.monotonic())
+        return self._step(plan.step, deltas)
 
     def _update_verified(self, plan: StepPlan, result: StepResult,
                          planned: list[tuple[Sequence, int]]) -> Step:
@@ -611,13 +602,8 @@ class Scheduler:
             if seq.prompt_logprobs is not None and seq.num_output == len(kept):   # the first
                 prompt_logprobs = (None, *seq.prompt_logprobs_so_far)
                 seq.prompt_logprobs_so_far = []
-            if seq.max_tokens == 0:     # echo alone (see update)
-                seq.token_ids.pop()
-                deltas.append(Delta(seq.req.request_id, (), FinishReason.LENGTH, None,
-                                    seq.num_cached_tokens, scheduled_at=seq.scheduled_at,
-                                    index=seq.index, prompt_token_logprobs=prompt_logprobs))
-                (self.running if epoch == seq.epoch else self.waiting).remove(seq)
-                self._retire(seq)
+            if seq.max_tokens == 0:
+                deltas.append(self._end_echo_only(seq, epoch, prompt_logprobs))
                 continue
             token_logprobs = ()
             if lps and all(lp is not None for lp in lps[:len(kept)]):
@@ -631,16 +617,30 @@ class Scheduler:
             if reason is not None:
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
-        new, self._new_requests = tuple(self._new_requests), []
-        return Step(plan.step, new, tuple(deltas), len(self.running), len(self.waiting),
-                    self.blocks.num_used, time.monotonic())
+        return self._step(plan.step, deltas)
 
     def drain(self) -> Step:
         """A message for a step with nothing to run: new requests and pending finishes."""
+        deltas, self._pending = self._pending, []
+        return self._step(self.step, deltas)
+
+    def _step(self, step: int, deltas: list[Delta]) -> Step:
+        """The step's message: the requests admitted since the last, its deltas, the load."""
         new, self._new_requests = tuple(self._new_requests), []
-        deltas, self._pending = tuple(self._pending), []
-        return Step(self.step, new, deltas, len(self.running), len(self.waiting),
+        return Step(step, new, tuple(deltas), len(self.running), len(self.waiting),
                     self.blocks.num_used, time.monotonic())
+
+    def _end_echo_only(self, seq: Sequence, epoch: int, prompt_logprobs: tuple) -> Delta:
+        """Echo alone (completions max_tokens 0): the prompt was computed for its logprobs;
+        the token sampled after it is not part of the reply. The sequence is retired; its
+        last delta (no tokens, LENGTH) is returned."""
+        seq.token_ids.pop()
+        delta = Delta(seq.req.request_id, (), FinishReason.LENGTH, None,
+                      seq.num_cached_tokens, scheduled_at=seq.scheduled_at,
+                      index=seq.index, prompt_token_logprobs=prompt_logprobs)
+        (self.running if epoch == seq.epoch else self.waiting).remove(seq)
+        self._retire(seq)
+        return delta
 
 
 # -- the async shell -----------------------------------------------------------------------

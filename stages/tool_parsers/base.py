@@ -83,28 +83,35 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def json_end(text: str, start: int) -> int:
-    """Index just past the JSON value (object or array) opening at text[start], or -1 while
-    it is still open: brackets counted outside strings."""
-    depth, in_str, esc = 0, False, False
+def bracket_end(text: str, start: int, quotes: str, opens: str, closes: str) -> int:
+    """Index just past the bracketed value opening at text[start], or -1 while it is still
+    open: brackets (any of `opens` / `closes`) counted outside strings, which open and
+    close with the same one of `quotes` and take backslash escapes."""
+    depth, quote, esc = 0, "", False
     for i in range(start, len(text)):
         c = text[i]
-        if in_str:
+        if quote:
             if esc:
                 esc = False
             elif c == "\\":
                 esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "{[":
+            elif c == quote:
+                quote = ""
+        elif c in quotes:
+            quote = c
+        elif c in opens:
             depth += 1
-        elif c in "}]":
+        elif c in closes:
             depth -= 1
             if depth == 0:
                 return i + 1
     return -1
+
+
+def json_end(text: str, start: int) -> int:
+    """Index just past the JSON value (object or array) opening at text[start], or -1 while
+    it is still open."""
+    return bracket_end(text, start, '"', "{[", "}]")
 
 
 class StartsWith(ToolParser):

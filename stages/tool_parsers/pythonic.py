@@ -4,7 +4,7 @@ from __future__ import annotations
 import ast
 import json
 
-from stages.tool_parsers.base import StartsWith, ToolCall, register_tool_parser
+from stages.tool_parsers.base import StartsWith, ToolCall, bracket_end, register_tool_parser
 
 
 @register_tool_parser("pythonic")
@@ -15,7 +15,7 @@ class PythonicToolParser(StartsWith):
         s = self.buf.removeprefix("<|python_start|>").lstrip()
         if not s:
             return []
-        end = _python_list_end(s)
+        end = bracket_end(s, 0, "'\"", "([{", ")]}")   # the Python list at s[0]
         if end < 0:
             if final:
                 self.mode = "failed"
@@ -26,29 +26,6 @@ class PythonicToolParser(StartsWith):
         except (SyntaxError, ValueError):
             self.mode = "failed"
             return []
-
-
-def _python_list_end(text: str) -> int:
-    """Index past the Python list opening at text[0], or -1 while open (brackets counted
-    outside ' and " strings)."""
-    depth, quote, esc = 0, None, False
-    for i, c in enumerate(text):
-        if quote:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == quote:
-                quote = None
-        elif c in "'\"":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return -1
 
 
 def _pythonic_calls(source: str) -> list[ToolCall]:
