@@ -9,12 +9,9 @@ from collections import Counter
 
 from gpu.interface import StepResult
 from stages.blocks import BlockManager
-from rendered import rendered
 from stages.delta import FinishReason
 from stages.schedule import Scheduler
-
-def req(rid, prompt, max_tokens):
-    return rendered(rid, prompt, max_tokens=max_tokens)
+from workload import RunnerModel, Workload, sampled_token
 
 def check(s):
     bm = s.blocks
@@ -59,27 +56,19 @@ def kvcheck(s, plan, kv):
             written.add(slot)
             kv[slot] = tuple(seq.token_ids[:p+1])
 
-def run(seed):
+def random_scheduler(seed):
+    """A scheduler of random sizes (a tiny cache, so preemption happens) and its workload."""
     rng = random.Random(seed)
     nb, bs = rng.randint(4, 16), rng.choice([1, 2, 4])
     s = Scheduler(BlockManager(nb, bs), max_num_seqs=rng.randint(1, 4),
                   max_num_batched_tokens=rng.randint(1, 12), max_model_len=64, eos_token_ids=(0,))
-    cap = nb * bs
+    return rng, nb, bs, s, Workload(rng, s, nb * bs, max_prompt=10, max_new=8)
+
+def run(seed):
+    rng, nb, bs, s, w = random_scheduler(seed)
     kv = {}
-    n = 0
-    alive = set()
-    finished = {}
     for it in range(400):
-        if rng.random() < 0.3 and n < 20:
-            L = rng.randint(1, 10)
-            base = rng.choice([[1,2,3,4,5,6,7,8], [1,2,3,4,9,9,9,9], [5]*8])
-            prompt = (base * 3)[:L]
-            mt = rng.randint(1, 8)
-            if L + mt <= cap:
-                rid = f"r{n}"; n += 1
-                s.add(req(rid, prompt, mt)); alive.add(rid)
-        if rng.random() < 0.1 and alive:
-            rid = rng.choice(sorted(alive)); s.finish(rid, rng.choice([FinishReason.ABORT, FinishReason.STOP]))
+        w.arrive()
         check(s)
         if not s.has_work():
             continue
@@ -87,13 +76,10 @@ def run(seed):
         check(s)
         kvcheck(s, plan, kv)
         sampled = tuple(c.seq_id for c in plan.chunks if c.sample)
-        toks = tuple(rng.choice([0, 7, 8, 9]) if rng.random() < 0.1 else rng.choice([7,8,9]) for _ in sampled)
+        toks = tuple(sampled_token(rng) for _ in sampled)
         out = s.update(plan, StepResult(plan.step, sampled, toks, 0.0))
         for d in out.deltas:
-            if d.finished:
-                assert d.request_id not in finished, ("double finish", d)
-                finished[d.request_id] = d.finish_reason
-                alive.discard(d.request_id)
+            w.record(d)
         check(s)
     # drain
     for it in range(2000):
@@ -103,13 +89,11 @@ def run(seed):
         sampled = tuple(c.seq_id for c in plan.chunks if c.sample)
         out = s.update(plan, StepResult(plan.step, sampled, (7,)*len(sampled), 0.0))
         for d in out.deltas:
-            if d.finished:
-                assert d.request_id not in finished, ("double finish", d)
-                finished[d.request_id] = d.finish_reason
+            w.record(d)
         check(s)
     assert not s.has_work(), ("hang", seed, [(q.id, len(q.token_ids)) for q in s.waiting], len(s.running))
     assert s.blocks.num_free == nb, "leak"
-    assert len(finished) == n, (n, len(finished))
+    assert len(w.finished) == w.n, (w.n, len(w.finished))
 
 
 
@@ -128,34 +112,22 @@ def run_async(seed):
     checks its chunk against prompt + samples and its KV slots. Each step's result reaches
     the scheduler only after the next step was planned."""
     from gpu.interface import PLACEHOLDER
-    rng = random.Random(seed)
-    nb, bs = rng.randint(4, 16), rng.choice([1, 2, 4])
-    s = Scheduler(BlockManager(nb, bs), max_num_seqs=rng.randint(1, 4),
-                  max_num_batched_tokens=rng.randint(1, 12), max_model_len=64, eos_token_ids=(0,))
-    cap = nb * bs
+    rng, nb, bs, s, w = random_scheduler(seed)
     kv = {}
-    prompts, outputs = {}, {}           # the runner's view: seq id -> prompt, sampled tokens
-    n = 0
-    alive = set()
-    finished = {}
+    runner = RunnerModel(rng)
     produced = Counter()
-    max_tokens = {}
 
     def execute(plan):
-        for sid in plan.released:
-            outputs.pop(sid, None)
-        for ns in plan.new_seqs:
-            prompts[ns.seq_id], outputs[ns.seq_id] = list(ns.prompt_token_ids), []
+        runner.take(plan)
         written = set()
         read = {c.block_table[p // bs] * bs + p % bs for c in plan.chunks for p in range(c.start_pos)}
-        sampled, toks = [], []
         for c in plan.chunks:
-            full = prompts[c.seq_id] + outputs[c.seq_id]
+            full = runner.tokens(c.seq_id)
             ids = list(c.token_ids)
             assert PLACEHOLDER not in ids[:-1]
             if ids[-1] == PLACEHOLDER:
-                assert outputs[c.seq_id], "a placeholder before any sampled token"
-                ids[-1] = outputs[c.seq_id][-1]
+                assert runner.outputs[c.seq_id], "a placeholder before any sampled token"
+                ids[-1] = runner.outputs[c.seq_id][-1]
             assert ids == full[c.start_pos:c.start_pos + len(ids)], ("chunk", c, full)
             for p in range(c.start_pos):
                 slot = c.block_table[p // bs] * bs + p % bs
@@ -165,59 +137,27 @@ def run_async(seed):
                 assert slot not in written and slot not in read, "write conflict"
                 written.add(slot)
                 kv[slot] = tuple(full[:p + 1])
-            if c.sample:
-                tok = rng.choice([0, 7, 8, 9]) if rng.random() < 0.1 else rng.choice([7, 8, 9])
-                outputs[c.seq_id].append(tok)
-                sampled.append(c.seq_id)
-                toks.append(tok)
-        return StepResult(plan.step, tuple(sampled), tuple(toks), 0.0)
+        return runner.sample(plan)
 
     def apply(plan, result):
         out = s.update(plan, result)
         for d in out.deltas:
             produced[d.request_id] += len(d.token_ids)
+            w.record(d)
             if d.finished:
-                assert d.request_id not in finished, ("double finish", d)
-                finished[d.request_id] = d.finish_reason
-                alive.discard(d.request_id)
                 # what the scheduler reports is what the runner sampled, in order
-                assert produced[d.request_id] <= len(outputs.get(d.request_id, ())) or \
+                assert produced[d.request_id] <= len(runner.outputs.get(d.request_id, ())) or \
                     d.finish_reason in (FinishReason.ABORT, FinishReason.STOP)
         check(s)
 
-    ahead = None                          # (plan, result): executed, not applied yet
-    for it in range(2400):
-        if it < 400:
-            if rng.random() < 0.3 and n < 20:
-                L = rng.randint(1, 10)
-                base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5] * 8])
-                prompt = (base * 3)[:L]
-                mt = rng.randint(1, 8)
-                if L + mt <= cap:
-                    rid = f"r{n}"; n += 1
-                    s.add(req(rid, prompt, mt)); alive.add(rid)
-                    max_tokens[rid] = mt
-            if rng.random() < 0.1 and alive:
-                rid = rng.choice(sorted(alive))
-                s.finish(rid, rng.choice([FinishReason.ABORT, FinishReason.STOP]))
-        elif not s.has_work() and ahead is None:
-            break
-        plan = s.schedule() if s.has_work() else None
-        if plan is not None:
-            check(s)
-            result = execute(plan)
-        if ahead is not None:
-            apply(*ahead)
-        ahead = (plan, result) if plan is not None else None
-    if ahead is not None:
-        apply(*ahead)
+    w.run_one_ahead(check, execute, apply)
     assert not s.has_work(), ("hang", seed)
     assert s.blocks.num_free == nb, "leak"
-    assert len(finished) == n, (n, len(finished))
-    for rid, reason in finished.items():
-        assert produced[rid] <= max_tokens[rid], rid     # never a token past max_tokens
+    assert len(w.finished) == w.n, (w.n, len(w.finished))
+    for rid, reason in w.finished.items():
+        assert produced[rid] <= w.max_tokens[rid], rid     # never a token past max_tokens
         if reason == FinishReason.LENGTH:
-            assert produced[rid] == max_tokens[rid], rid
+            assert produced[rid] == w.max_tokens[rid], rid
 
 
 @pytest.mark.parametrize("seed", range(300))

@@ -15,8 +15,8 @@ import pytest
 from gpu.interface import PLACEHOLDER, StepResult
 from rendered import rendered
 from stages.blocks import BlockManager
-from stages.delta import FinishReason
 from stages.schedule import Scheduler
+from workload import RunnerModel, Workload
 
 
 def check_hybrid(s):
@@ -107,19 +107,15 @@ def run_async(seed):
     slots = rng.randint(need, max(need, nb))
     s = scheduler(nb, bs, slots, window, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                   max_model_len=64)
-    cap = nb * bs
+    w = Workload(rng, s, nb * bs, max_prompt=16, max_new=16)
     full_kv, sliding_kv = {}, {}
     slot_map = [0] * nb                                      # the runner's copy (KVCache.sliding_map)
-    prompts, outputs = {}, {}
-    n, alive, finished = 0, set(), {}
+    runner = RunnerModel(rng)
 
     def execute(plan):
         for b, slot in plan.kv_updates:
             slot_map[b] = max(slot, 0)
-        for sid in plan.released:
-            outputs.pop(sid, None)
-        for ns in plan.new_seqs:
-            prompts[ns.seq_id], outputs[ns.seq_id] = list(ns.prompt_token_ids), []
+        runner.take(plan)
 
         def sslot(c, p):
             return slot_map[c.block_table[p // bs]] * bs + p % bs
@@ -129,12 +125,11 @@ def run_async(seed):
             for q in range(c.start_pos, c.start_pos + len(c.token_ids)):
                 read |= {sslot(c, p) for p in range(max(0, q - window + 1), c.start_pos)}
         written = set()
-        sampled, toks = [], []
         for c in plan.chunks:
-            full = prompts[c.seq_id] + outputs[c.seq_id]
+            full = runner.tokens(c.seq_id)
             ids = list(c.token_ids)
             if ids[-1] == PLACEHOLDER:
-                ids[-1] = outputs[c.seq_id][-1]
+                ids[-1] = runner.outputs[c.seq_id][-1]
             assert ids == full[c.start_pos:c.start_pos + len(ids)]
             for q in range(c.start_pos, c.start_pos + len(ids)):
                 for p in range(max(0, q - window + 1), c.start_pos):    # what the window reads
@@ -146,48 +141,17 @@ def run_async(seed):
                 assert slot not in written and slot not in read, "sliding write conflict"
                 written.add(slot)
                 sliding_kv[slot] = full_kv[c.block_table[p // bs] * bs + p % bs] = tuple(full[:p + 1])
-            if c.sample:
-                tok = rng.choice([0, 7, 8, 9]) if rng.random() < 0.1 else rng.choice([7, 8, 9])
-                outputs[c.seq_id].append(tok)
-                sampled.append(c.seq_id)
-                toks.append(tok)
-        return StepResult(plan.step, tuple(sampled), tuple(toks), 0.0)
+        return runner.sample(plan)
 
     def apply(plan, result):
         for d in s.update(plan, result).deltas:
-            if d.finished:
-                assert d.request_id not in finished
-                finished[d.request_id] = d.finish_reason
-                alive.discard(d.request_id)
+            w.record(d)
         check_hybrid(s)
 
-    ahead = None
-    for it in range(2400):
-        if it < 400:
-            if rng.random() < 0.3 and n < 20:
-                L = rng.randint(1, 16)
-                base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5] * 8])
-                prompt = (base * 3)[:L]
-                mt = rng.randint(1, 16)
-                if L + mt <= cap:
-                    rid = f"r{n}"; n += 1
-                    s.add(rendered(rid, prompt, max_tokens=mt)); alive.add(rid)
-            if rng.random() < 0.1 and alive:
-                s.finish(rng.choice(sorted(alive)), rng.choice([FinishReason.ABORT, FinishReason.STOP]))
-        elif not s.has_work() and ahead is None:
-            break
-        plan = s.schedule() if s.has_work() else None
-        if plan is not None:
-            check_hybrid(s)
-            result = execute(plan)
-        if ahead is not None:
-            apply(*ahead)
-        ahead = (plan, result) if plan is not None else None
-    if ahead is not None:
-        apply(*ahead)
+    w.run_one_ahead(check_hybrid, execute, apply)
     assert not s.has_work(), ("hang", seed)
     assert s.blocks.num_free == nb and s.blocks.sliding.available == slots, "leak"
-    assert len(finished) == n
+    assert len(w.finished) == w.n
 
 
 @pytest.mark.parametrize("seed", range(200))
