@@ -3,6 +3,9 @@
 A script maps each received request to a ``Reply``: a status and a list of
 steps, each either bytes (written as one HTTP chunk) or a float (seconds to
 sleep). ``truncate=True`` closes the connection without the final chunk.
+
+Also what other bench tests share: ``LocalServer`` (the listening part, for servers of
+their own), ``split_at`` (a stream cut anywhere) and ``FakeTokenizer``.
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 
 
-class ScriptedServer:
-    def __init__(self, script: Callable[[Received], Reply]) -> None:
-        self.script = script
-        self.received: list[Received] = []
-        self.port = 0
+class LocalServer:
+    """A server on 127.0.0.1 and a free port: `await nursery.start(server.serve)` returns it
+    listening; `_handle` answers each connection."""
+
+    port = 0
 
     @property
     def base_url(self) -> str:
@@ -57,6 +60,15 @@ class ScriptedServer:
         self.port = listeners[0].socket.getsockname()[1]
         task_status.started(self)
         await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        raise NotImplementedError
+
+
+class ScriptedServer(LocalServer):
+    def __init__(self, script: Callable[[Received], Reply]) -> None:
+        self.script = script
+        self.received: list[Received] = []
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
@@ -97,6 +109,16 @@ class ScriptedServer:
                     await stream.send_all(b"%x\r\n" % len(step) + step + b"\r\n")
             if not reply.truncate:
                 await stream.send_all(b"0\r\n\r\n")
+
+
+def split_at(data: bytes, cuts) -> list[bytes]:
+    """`data` in pieces, cut at each of `cuts` (modulo its length + 1; empty pieces kept)."""
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    pieces, last = [], 0
+    for p in points + [len(data)]:
+        pieces.append(data[last:p])
+        last = p
+    return pieces
 
 
 def json_reply(status: int, obj: Any) -> Reply:

@@ -3,6 +3,8 @@ from hypothesis import strategies as st
 
 from web.bench.sse import SSEEvent, SSEParser
 
+from .sse_server import split_at
+
 
 def parse(chunks):
     parser = SSEParser()
@@ -10,15 +12,6 @@ def parse(chunks):
     for chunk in chunks:
         events.extend(parser.feed(chunk))
     return events, parser
-
-
-def split_at(data: bytes, cuts):
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
-    for p in points + [len(data)]:
-        pieces.append(data[last:p])
-        last = p
-    return pieces
 
 
 def test_data_only_framing_and_done():

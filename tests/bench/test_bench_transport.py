@@ -11,22 +11,13 @@ from web.bench.backends import CHAT, COMPLETIONS, RESPONSES, SamplingParams
 from web.bench.request import request_headers, send_request
 from web.bench.transport import ChunkedDecoder, StreamClient
 
-from .sse_server import DONE, KEEPALIVE, Reply, ScriptedServer, json_reply, sse
+from .sse_server import DONE, KEEPALIVE, LocalServer, Reply, ScriptedServer, json_reply, split_at, sse
 from .test_bench_accounting import RESPONSES_HEAD, chat_chunk, chat_usage, completion_chunk, resp, resp_done
 
 
 def encode_chunked(pieces, extension=b"", trailer=b""):
     body = b"".join(b"%x%s\r\n" % (len(p), extension) + p + b"\r\n" for p in pieces if p)
     return body + b"0\r\n" + trailer + b"\r\n"
-
-
-def split_at(data, cuts):
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
-    for p in points + [len(data)]:
-        pieces.append(data[last:p])
-        last = p
-    return pieces
 
 
 @settings(max_examples=300, deadline=None)
@@ -96,7 +87,7 @@ async def test_same_result_as_httpx(nursery, backend, reply):
     assert server.received[0].body == server.received[1].body
 
 
-class KeepAliveServer:
+class KeepAliveServer(LocalServer):
     """Answers every request on a connection with a small chunked SSE body, without
     ``Connection: close``. ``drop`` "idle": the server closes each connection once it
     has answered; "next": it closes it, silently, on the second request it receives."""
@@ -105,13 +96,6 @@ class KeepAliveServer:
         self.drop = drop
         self.connections = 0
         self.requests = 0
-        self.port = 0
-
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.port = listeners[0].socket.getsockname()[1]
-        task_status.started(self)
-        await trio.serve_listeners(self._handle, listeners)
 
     async def _handle(self, stream):
         self.connections += 1
