@@ -474,16 +474,16 @@ class Scheduler:
             return self.drain()
         if plan.chunks:
             self.iteration_tokens.observe(sum(len(c.token_ids) for c in plan.chunks))
-        if result.num_tokens:      # verified drafts: several tokens per sequence
-            return self._update_verified(plan, result, planned)
-        sampled = dict(zip(result.seq_ids, result.token_ids))
-        logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else None
         for pl in result.prompt_logprobs:
             seq = self.by_id.get(pl.seq_id)
             if seq is not None:
                 seq.prompt_logprobs_so_far.extend(pl.entries)
         deltas = list(self._pending)
         self._pending = []
+        if result.num_tokens:      # verified drafts: several tokens per sequence
+            return self._update_verified(plan, result, planned, deltas)
+        sampled = dict(zip(result.seq_ids, result.token_ids))
+        logprobs = dict(zip(result.seq_ids, result.logprobs)) if result.logprobs else None
         bs = self.blocks.block_size
         # a block to hash only once one fills (commit_full_blocks is a no-op until then)
         commit = self.blocks.commit_full_blocks if self.blocks.prefix_caching else None
@@ -544,21 +544,16 @@ class Scheduler:
         return self._step(plan.step, deltas)
 
     def _update_verified(self, plan: StepPlan, result: StepResult,
-                         planned: list[tuple[Sequence, int]]) -> Step:
+                         planned: list[tuple[Sequence, int]], deltas: list[Delta]) -> Step:
         """update for a step that verified drafts (result.num_tokens): each sequence may
         get several tokens, which a stop token, EOS or the length limit cuts; the rejected
-        drafts' KV is rolled back, and only the kept tokens' blocks are hashed."""
+        drafts' KV is rolled back, and only the kept tokens' blocks are hashed. `deltas`:
+        the pending ones, to which the step's are added."""
         got: dict[str, tuple[tuple[int, ...], tuple]] = {}
         at = 0
         for sid, n in zip(result.seq_ids, result.num_tokens):
             got[sid] = (result.token_ids[at:at + n], result.logprobs[at:at + n] if result.logprobs else ())
             at += n
-        for pl in result.prompt_logprobs:
-            seq = self.by_id.get(pl.seq_id)
-            if seq is not None:
-                seq.prompt_logprobs_so_far.extend(pl.entries)
-        deltas = list(self._pending)
-        self._pending = []
         bm = self.blocks
         spec = self.spec
         for chunk, (seq, epoch) in zip(plan.chunks, planned):

@@ -45,6 +45,30 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 
 
+async def read_request(stream: trio.SocketStream, buffer: bytes = b"") -> tuple[Received | None, bytes]:
+    """The next request on a connection (None if it closes first) and the bytes read past
+    it; `buffer`: those left from the request before."""
+    while b"\r\n\r\n" not in buffer:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return None, buffer
+        buffer += chunk
+    head, _, body = buffer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    method, path, _ = lines[0].split(" ", 2)
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return None, b""
+        body += chunk
+    return Received(method, path, headers, body[:length]), body[length:]
+
+
 class LocalServer:
     """A server on 127.0.0.1 and a free port: `await nursery.start(server.serve)` returns it
     listening; `_handle` answers each connection."""
@@ -72,26 +96,9 @@ class ScriptedServer(LocalServer):
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    return
-                data += chunk
-            head, _, body = data.partition(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, path, _ = lines[0].split(" ", 2)
-            headers = {}
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
-            length = int(headers.get("content-length", "0"))
-            while len(body) < length:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    return
-                body += chunk
-            received = Received(method, path, headers, body)
+            received, _ = await read_request(stream)
+            if received is None:
+                return
             self.received.append(received)
             reply = self.script(received)
             if reply.status != 200 or reply.content_type != "text/event-stream":

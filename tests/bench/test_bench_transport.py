@@ -11,7 +11,8 @@ from web.bench.backends import CHAT, COMPLETIONS, RESPONSES, SamplingParams
 from web.bench.request import request_headers, send_request
 from web.bench.transport import ChunkedDecoder, StreamClient
 
-from .sse_server import DONE, KEEPALIVE, LocalServer, Reply, ScriptedServer, json_reply, split_at, sse
+from .sse_server import (DONE, KEEPALIVE, LocalServer, Reply, ScriptedServer, json_reply, read_request,
+                         split_at, sse)
 from .test_bench_accounting import RESPONSES_HEAD, chat_chunk, chat_usage, completion_chunk, resp, resp_done
 
 
@@ -103,16 +104,9 @@ class KeepAliveServer(LocalServer):
         buffer = b""
         async with stream:
             while True:
-                while b"\r\n\r\n" not in buffer:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    buffer += data
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
-                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-                while len(buffer) < length:
-                    buffer += await stream.receive_some(65536)
-                buffer = buffer[length:]
+                received, buffer = await read_request(stream, buffer)
+                if received is None:
+                    return
                 if self.drop == "next" and answered == 1:
                     return
                 self.requests += 1
