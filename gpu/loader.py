@@ -131,8 +131,8 @@ def load_model(
     packs on CUDA when the checkpoint's experts are MXFP4 (or for a dummy load).
 
     tp: this rank's place in a tensor-parallel group (gpu/parallel.py). The model holds its
-    shard only: safetensors are read in part (get_slice), GGUF tensors are dequantised one at
-    a time and cut. Every rank calls load_model with the same arguments and its own tp."""
+    shard only: safetensors are read in part (get_slice); GGUF tensors are dequantised one at a
+    time, only the rank's rows of the ones cut by rows. Every rank calls load_model with the same arguments and its own tp."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     if experts not in EXPERT_FORMATS:
@@ -231,8 +231,7 @@ def _gguf_source(path: Path) -> _Source:
     f = GGUFFile(path)
     config = ModelConfig.from_hf(f.config_dict())
     return _Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
-                   # dequantised whole, one tensor at a time; load_weights cuts each
-                   name=f.name, num_tensors=len(f.tensors), named_tensors=lambda select=None: f.named_tensors())
+                   name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors)
 
 
 def _hf_source(model_dir: Path, need_weights: bool) -> _Source:

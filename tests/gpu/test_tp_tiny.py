@@ -70,3 +70,20 @@ def test_indivisible_sizes_name_the_flag(tmp_path):
     make_hf_model("llama", tmp_path)   # 4 query heads, intermediate 96
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by --tensor-parallel-size 3"):
         load_model(tmp_path, dtype="float32", progress=False, tp=TP(rank=0, size=3))
+
+
+def test_kv_heads_replicated_below_the_size():
+    """8 query heads over 2 KV heads at TP 4: ranks 0-1 read KV head 0, ranks 2-3 head 1 (the
+    head their query heads 0-1, 2-3 | 4-5, 6-7 belong to); at TP 2 one each; 3 KV heads at
+    TP 2 do not divide."""
+    from gpu.config import ModelConfig
+    from gpu.model import kv_heads, q_heads
+
+    c = ModelConfig(architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=64,
+                    num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                    rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=16)
+    assert [kv_heads(c, TP(r, 4)) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [q_heads(c, TP(r, 4)) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [kv_heads(c, TP(r, 2)) for r in range(2)] == [(0, 1), (1, 2)]
+    with pytest.raises(ValueError, match="num_key_value_heads 2 does not divide --tensor-parallel-size 3"):
+        kv_heads(c, TP(0, 3))
