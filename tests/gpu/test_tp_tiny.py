@@ -4,12 +4,16 @@ KV cache is token-identical. One spawn of two ranks runs every checkpoint (spawn
 slow part). Covered: a Llama with one KV head (replicated on both ranks), q/k/v/o biases
 (o's added once) and an odd, padded vocabulary; a Qwen3 with q/k norms and tied, padded
 embeddings; gpt-oss with sinks, a sliding window of 6 and its experts sharded, both
-dequantised and MXFP4-packed."""
+dequantised and MXFP4-packed; gpu/configs/gpt-oss-tiny's dummy weights (the 201k Harmony
+vocabulary), which every rank draws as a single process would and cuts."""
+
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import gpu
 from gpu import mxfp4
 from gpu.loader import load_model
 from gpu.parallel import SINGLE, TP
@@ -23,13 +27,16 @@ CHECKPOINTS = {  # name: (arch, overrides, experts)
     "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True, vocab_size=163), "auto"),
     "gpt-oss": ("gpt_oss", {}, "dequantized"),
     "gpt-oss-mxfp4": ("gpt_oss", dict(intermediate_size=128), "packed"),
+    "gpt-oss-tiny-dummy": (None, {}, "auto"),
 }
+TINY_CONFIG = Path(gpu.__file__).parent / "configs" / "gpt-oss-tiny"
 
 
 def _run(tp: TP, jobs):
     out = {}
     for name, path, experts in jobs:
-        m = load_model(path, dtype="float32", progress=False, tp=tp, experts=experts).model
+        fmt = "dummy" if path == TINY_CONFIG else "auto"
+        m = load_model(path, dtype="float32", progress=False, tp=tp, experts=experts, load_format=fmt).model
         out[name] = (logits(m, PROMPTS), [greedy(m, tp, p, NEW_TOKENS) for p in PROMPTS],
                      (m.local_q_heads, m.local_kv_heads))
     return out
@@ -48,6 +55,9 @@ def _quantize_experts(path):
 def results(tmp_path_factory):
     jobs = []
     for seed, (name, (arch, overrides, experts)) in enumerate(CHECKPOINTS.items()):
+        if arch is None:
+            jobs.append((name, TINY_CONFIG, experts))
+            continue
         path = tmp_path_factory.mktemp(name)
         make_hf_model(arch, path, seed=seed, **overrides)
         if experts == "packed":
