@@ -1,6 +1,7 @@
 """Tensor parallelism at TP = 2 over gloo on tiny random safetensors checkpoints, fp32: the
-logits of a batch of prompts agree with TP = 1 to 1e-4 and greedy decoding through each rank's
-KV cache is token-identical. One spawn of two ranks runs every checkpoint (spawning is the
+logits of a batch of prompts agree with TP = 1 to 1e-4, and greedy decoding through each rank's
+KV cache (a dense one, and the paged cache with chunked prefill and mixed batches) is
+token-identical. One spawn of two ranks runs every checkpoint (spawning is the
 slow part). Covered: a Llama with one KV head (replicated on both ranks), q/k/v/o biases
 (o's added once) and an odd, padded vocabulary; a Qwen3 with q/k norms and tied, padded
 embeddings; gpt-oss with sinks, a sliding window of 6 and its experts sharded, both
@@ -18,7 +19,7 @@ from gpu import mxfp4
 from gpu.loader import load_model
 from gpu.parallel import SINGLE, TP
 from gpu_testutil import make_hf_model
-from tp_testutil import greedy, logits, run_ranks
+from tp_testutil import greedy, logits, paged_greedy, run_ranks
 
 PROMPTS = [[3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1], [64, 9, 33, 120, 77, 2, 45, 101, 7, 7]]
 NEW_TOKENS = 6
@@ -38,7 +39,7 @@ def _run(tp: TP, jobs):
         fmt = "dummy" if path == TINY_CONFIG else "auto"
         m = load_model(path, dtype="float32", progress=False, tp=tp, experts=experts, load_format=fmt).model
         out[name] = (logits(m, PROMPTS), [greedy(m, tp, p, NEW_TOKENS) for p in PROMPTS],
-                     (m.local_q_heads, m.local_kv_heads))
+                     (m.local_q_heads, m.local_kv_heads), paged_greedy(m, tp, PROMPTS, NEW_TOKENS))
     return out
 
 
@@ -69,11 +70,12 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_tp2_matches_tp1(results, name):
     single, sharded = results
-    (want, want_tokens, heads), (got, got_tokens, local_heads) = single[name], sharded[name]
+    (want, want_tokens, heads, want_paged), (got, got_tokens, local_heads, got_paged) = single[name], sharded[name]
     assert local_heads == (heads[0] // 2, max(1, heads[1] // 2))
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert got_tokens == want_tokens
+    assert got_paged == want_paged == want_tokens  # chunked, batched, paged: the same tokens
 
 
 def test_indivisible_sizes_name_the_flag(tmp_path):
