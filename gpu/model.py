@@ -17,7 +17,8 @@ row-parallel, then an all-reduce. gate_up is column-parallel, down row-parallel,
 all-reduce; the MoE the same along each expert's intermediate dimension. The embedding and
 the LM head are vocabulary-parallel (the vocabulary padded to a multiple of tp.size).
 Replicated: norms, the router, q/k norms. Row-parallel biases are added once, by rank 0.
-load_weights slices each checkpoint tensor to the rank's rows or columns (shard_slices).
+load_weights cuts each checkpoint tensor to the rank's rows or columns (shard_spec), and
+checkpoint_slices tells a reader which part of a tensor to read.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from torch.nn.utils import skip_init
 from gpu import mxfp4
 from gpu.config import ModelConfig
 from gpu.moe import MoE
-from gpu.parallel import SINGLE, TP
 from gpu.ops import apply_rope, build_rope_cache, fused_add_rms_norm, rms_norm, silu_and_mul
+from gpu.parallel import SINGLE, TP
 
 
 class AttentionBackend(Protocol):
