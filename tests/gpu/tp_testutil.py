@@ -45,7 +45,8 @@ def run_ranks(size: int, fn, *args, timeout_s: float = 120.0):
 
 def _rank_main(rank: int, size: int, port: int, fn, args, out: str, timeout_s: float) -> None:
     torch.set_num_threads(1)
-    tp = init_group(rank, size, backend="gloo", init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s)
+    # half the run's deadline: a stuck collective raises (and names itself) before the deadline
+    tp = init_group(rank, size, backend="gloo", init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s / 2)
     try:
         result = fn(tp, *args)
         if tp.first:
