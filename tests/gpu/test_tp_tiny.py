@@ -99,3 +99,35 @@ def test_kv_heads_replicated_below_the_size():
     assert [kv_heads(c, TP(r, 2)) for r in range(2)] == [(0, 1), (1, 2)]
     with pytest.raises(ValueError, match="num_key_value_heads 2 does not divide --tensor-parallel-size 3"):
         kv_heads(c, TP(0, 3))
+
+
+def test_rank_loads_its_shard_read_in_part(tmp_path, monkeypatch):
+    """Loading needs no collective, so one process can play rank 1 of 2: its parameters are
+    TP 1's cut by heads, rows, columns and vocabulary, and safetensors hand it the dense
+    tensors already cut (get_slice), never whole."""
+    from gpu import weights_hf
+
+    make_hf_model("llama", tmp_path, num_key_value_heads=2, attention_bias=True, vocab_size=161)
+    arrived = {}
+    read = weights_hf.named_tensors
+
+    def recording(files, select=None):
+        for name, t in read(files, select):
+            arrived[name] = tuple(t.shape)
+            yield name, t
+    monkeypatch.setattr(weights_hf, "named_tensors", recording)
+    full = load_model(tmp_path, dtype="float32", progress=False).model.state_dict()
+    whole = dict(arrived)
+    rank1 = load_model(tmp_path, dtype="float32", progress=False, tp=TP(rank=1, size=2)).model.state_dict()
+    layer = "layers.0.self_attn."
+    q, k = full[layer + "qkv_proj.weight"].split([64, 32, 32])[:2]     # 4 q heads, 2 KV heads of 16
+    assert torch.equal(rank1[layer + "qkv_proj.weight"][:32], q[32:])   # q heads 2-3
+    assert torch.equal(rank1[layer + "qkv_proj.weight"][32:48], k[16:])  # KV head 1
+    assert torch.equal(rank1[layer + "o_proj.weight"], full[layer + "o_proj.weight"][:, 32:])
+    assert not rank1[layer + "o_proj.bias"].any()                       # rank 0 adds it
+    assert torch.equal(rank1["layers.1.mlp.down_proj.weight"], full["layers.1.mlp.down_proj.weight"][:, 48:])
+    assert torch.equal(rank1["embed_tokens.weight"][:80], full["embed_tokens.weight"][81:])  # rows 81-160
+    assert not rank1["embed_tokens.weight"][80:].any()                  # padding to 162
+    assert arrived["model.layers.0.self_attn.q_proj.weight"] == (32, 64)
+    assert arrived["model.layers.0.mlp.down_proj.weight"] == (64, 48)
+    assert arrived["lm_head.weight"] == (80, 64) and whole["lm_head.weight"] == (161, 64)
