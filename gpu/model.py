@@ -111,7 +111,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, tp: TP = SINGLE):
         super().__init__()
         c = config
-        self.layer_idx, self.tp = layer_idx, tp
+        self.layer_idx = layer_idx
         (q0, q1), (k0, k1) = q_heads(c, tp), kv_heads(c, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, c.head_dim
         q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
@@ -134,7 +134,7 @@ class Attention(nn.Module):
             q = attn.write_qkv(self.layer_idx, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                *norms, positions, cos_sin)
             o = attn.attend(self.layer_idx, q, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
-            return self.tp.all_reduce(self.o_proj(o.reshape(T, -1)))
+            return self.o_proj(o.reshape(T, -1))
         q, k, v = qkv.split(self.split, dim=-1)  # [T, Hq*Dh], [T, Hkv*Dh] x2
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, Dh]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
@@ -144,26 +144,26 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = apply_rope(q, k, positions, cos_sin)
         o = attn.forward(self.layer_idx, q, k, v, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
-        return self.tp.all_reduce(self.o_proj(o.reshape(T, -1)))  # [T, D], summed over the ranks' heads
+        return self.o_proj(o.reshape(T, -1))  # [T, D]: this rank's heads' part (DecoderLayer sums)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype, device, tp: TP = SINGLE):
         super().__init__()
-        self.tp = tp
         start, stop = tp.split(config.intermediate_size, "intermediate_size")
         kw = dict(bias=False, dtype=dtype, device=device)
         self.gate_up_proj = skip_init(Linear, config.hidden_size, 2 * (stop - start), **kw)
         self.down_proj = skip_init(Linear, stop - start, config.hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))  # [T, D]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, D]: this rank's part
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, packed_experts: bool = False,
                  tp: TP = SINGLE):
         super().__init__()
+        self.tp = tp
         self.self_attn = Attention(config, layer_idx, dtype, device, tp)
         self.mlp = (MoE(config, dtype, device, packed=packed_experts, tp=tp) if config.num_experts
                     else MLP(config, dtype, device, tp))
@@ -177,11 +177,19 @@ class DecoderLayer(nn.Module):
             h, residual = norm1(x), x
         else:
             h, residual = fused_add_rms_norm(x, residual, norm1.weight, norm1.eps)
-        h = self.self_attn(h, positions, cos_sin, attn)
+        h = self._sum(self.self_attn(h, positions, cos_sin, attn), residual)
         h, residual = fused_add_rms_norm(h, residual, norm2.weight, norm2.eps)
         if isinstance(self.mlp, MoE):  # its router and grouped GEMMs take the weights' dtype only
             h = h.to(norm2.weight.dtype)
-        return self.mlp(h), residual
+        return self._sum(self.mlp(h), residual), residual
+
+    def _sum(self, part: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Tensor-parallel: the ranks' row-parallel partial outputs summed, in the residual
+        stream's dtype (fp32 under bf16 weights on CPU: each partial is rounded once, as the
+        single process rounds its one output, and the sum adds no bf16 rounding of its own)."""
+        if self.tp.size == 1:
+            return part
+        return self.tp.all_reduce(part.to(residual.dtype))
 
 
 # HF checkpoint projections that are stored stacked in one of our weights: name -> (ours, shard).

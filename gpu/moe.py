@@ -23,7 +23,7 @@ dimension (gate_up's rows, down's columns; MXFP4 blocks cut at 32-column scale g
 intermediate_size / size must be a multiple of 32 for packed experts). The router is
 replicated, so every rank routes every token alike; each rank's down projection gives a
 partial sum, the down bias is added by rank 0 alone (the loader zeros it elsewhere), and one
-all-reduce per layer sums them. Expert parallelism (whole experts per rank) would need an
+all-reduce per layer (gpu/model.py DecoderLayer) sums them. Expert parallelism (whole experts per rank) would need an
 all-to-all and would leave ranks idle when routing is uneven.
 """
 
@@ -109,17 +109,13 @@ class MoE(nn.Module):
         if packed and tp.size > 1 and I % 32:
             raise ValueError(f"MXFP4 experts need intermediate_size / --tensor-parallel-size a multiple of 32, "
                              f"got {c.intermediate_size} / {tp.size}; load them dequantized instead")
-        self.tp = tp
         self.top_k, self.alpha, self.limit = c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit
         self.router = skip_init(nn.Linear, D, E, bias=True, dtype=dtype, device=device)
         self.experts = (PackedExperts if packed else Experts)(E, D, I, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D], summed over the ranks' intermediate slices."""
-        return self.tp.all_reduce(self._local(x))
-
-    def _local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum (the whole output at size 1)."""
+        """x [T, D] -> [T, D]; tensor-parallel: this rank's part, which DecoderLayer sums
+        over the ranks."""
         T, D = x.shape
         weights, experts = route(self.router(x), self.top_k)                   # [T, k] each
         flat = experts.flatten()                                               # [T*k] (token, slot) order
