@@ -33,7 +33,7 @@ from torch.nn.utils import skip_init
 
 from gpu import mxfp4
 from gpu.config import ModelConfig
-from gpu.moe import MoE
+from gpu.moe import MoE, expert_columns
 from gpu.ops import apply_rope, build_rope_cache, fused_add_rms_norm, rms_norm, silu_and_mul
 from gpu.parallel import SINGLE, TP
 
@@ -333,6 +333,10 @@ class CausalLM(nn.Module):
             dst = params[target].data[rows]
             if target in ("embed_tokens.weight", "lm_head.weight"):
                 dst = dst[:self.vocab_real]  # the rest: padding, zero
+            elif ".experts." in target and dst.shape != tensor.shape and dst.dim() == tensor.dim():
+                for dim, (have, want) in enumerate(zip(tensor.shape, dst.shape)):
+                    if have < want:  # expert_columns' zero padding stays
+                        dst = dst.narrow(dim, 0, have)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             with torch.no_grad():
@@ -376,13 +380,12 @@ class CausalLM(nn.Module):
         if leaf == "o_proj":
             return ONCE if kind == "bias" else (1, q0 * Dh, q1 * Dh, c.q_size)
         I = c.intermediate_size  # noqa: E741
-        i0, i1 = tp.split(I, "intermediate_size")
-        if leaf in ("gate_proj", "up_proj"):
-            return 0, i0, i1, I
-        if leaf == "down_proj":
-            return 1, i0, i1, I
+        if leaf in ("gate_proj", "up_proj", "down_proj"):
+            i0, i1 = tp.split(I, "intermediate_size")
+            return (0, i0, i1, I) if leaf != "down_proj" else (1, i0, i1, I)
         if ".experts." not in name + ".":
             return None
+        i0, i1, _ = expert_columns(c, tp, self.packed_experts)
         last = name.rsplit(".", 1)[-1]
         if last.startswith("gate_up_proj"):  # gate and up interleaved along the rows: pairs stay together
             return 1, 2 * i0, 2 * i1, 2 * I
@@ -391,9 +394,6 @@ class CausalLM(nn.Module):
         if last == "down_proj":
             return 2, i0, i1, I
         if last.startswith("down_proj_"):  # MXFP4 blocks or scales: 32 columns to a scale
-            if (i1 - i0) % 32:
-                raise ValueError(f"MXFP4 experts need intermediate_size / --tensor-parallel-size a multiple "
-                                 f"of 32, got {I} / {tp.size}")
             per = 16 if last.endswith(mxfp4.BLOCKS_SUFFIX) and ndim == 3 else 1
             return 2, i0 // 32 * per, i1 // 32 * per, I // 32 * per
         return None

@@ -5,7 +5,7 @@ token-identical. One spawn of two ranks runs every checkpoint (spawning is the
 slow part). Covered: a Llama with one KV head (replicated on both ranks), q/k/v/o biases
 (o's added once) and an odd, padded vocabulary; a Qwen3 with q/k norms and tied, padded
 embeddings; gpt-oss with sinks, a sliding window of 6 and its experts sharded, both
-dequantised and MXFP4-packed; gpu/configs/gpt-oss-tiny's dummy weights (the 201k Harmony
+dequantised and MXFP4-packed, with padded slices; gpu/configs/gpt-oss-tiny's dummy weights (the 201k Harmony
 vocabulary), which every rank draws as a single process would and cuts."""
 
 from pathlib import Path
@@ -26,8 +26,10 @@ NEW_TOKENS = 6
 CHECKPOINTS = {  # name: (arch, overrides, experts)
     "llama-kv1-bias": ("llama", dict(num_key_value_heads=1, attention_bias=True, vocab_size=161), "auto"),
     "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True, vocab_size=163), "auto"),
-    "gpt-oss": ("gpt_oss", {}, "dequantized"),
-    "gpt-oss-mxfp4": ("gpt_oss", dict(intermediate_size=128), "packed"),
+    # experts' intermediate 95 and 96: slices of 48 and, packed, 64 (whole scale groups), the
+    # last rank's padded with zero columns
+    "gpt-oss": ("gpt_oss", dict(intermediate_size=95), "dequantized"),
+    "gpt-oss-mxfp4": ("gpt_oss", {}, "packed"),
     "gpt-oss-tiny-dummy": (None, {}, "auto"),
 }
 TINY_CONFIG = Path(gpu.__file__).parent / "configs" / "gpt-oss-tiny"
