@@ -132,7 +132,8 @@ def load_model(
 
     tp: this rank's place in a tensor-parallel group (gpu/parallel.py). The model holds its
     shard only: safetensors are read in part (get_slice); GGUF tensors are dequantised one at a
-    time, only the rank's rows of the ones cut by rows. Every rank calls load_model with the same arguments and its own tp."""
+    time, only the rank's rows of the ones cut by rows. Every rank calls load_model with the
+    same arguments and its own tp."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     if experts not in EXPERT_FORMATS:
