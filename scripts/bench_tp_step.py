@@ -1,5 +1,5 @@
-"""Per-step cost of tensor parallelism's collectives on SmolLM2 (the default model) decoding a
-batch: TP = 1, 2 and 3 over gloo on this machine, alternated in rounds (A B C A B C ...),
+"""A whole SmolLM2 (the default model) decode step under tensor parallelism, and its
+collectives' share (scripts/bench_tp.py times the collectives and the plan broadcast alone): TP = 1, 2 and 3 over gloo on this machine, alternated in rounds (A B C A B C ...),
 median of each.
 
 Three ranks are spawned once (one intra-op thread each); TP 2 runs on ranks 0-1 in a
@@ -12,7 +12,7 @@ subgroup while rank 2 waits, TP 1 on rank 0 alone. For each size and round:
 On a CPU shared by the ranks this measures overhead, not speed-up: TP exists for models that
 do not fit one device, and the ranks here compete for the same cores.
 
-    .venv/bin/python scripts/bench_tp.py --batch 32 --steps 20 --rounds 3
+    .venv/bin/python scripts/bench_tp_step.py --batch 32 --steps 20 --rounds 3
 """
 from __future__ import annotations
 
