@@ -1,5 +1,6 @@
 """A whole SmolLM2 (the default model) decode step under tensor parallelism, and its
-collectives' share (scripts/bench_tp.py times the collectives and the plan broadcast alone): TP = 1, 2 and 3 over gloo on this machine, alternated in rounds (A B C A B C ...),
+collectives' share (scripts/bench_tp.py times the collectives and the plan broadcast
+alone): TP = 1, 2 and 3 over gloo on this machine, alternated in rounds (A B C A B C ...),
 median of each.
 
 Three ranks are spawned once (one intra-op thread each); TP 2 runs on ranks 0-1 in a
