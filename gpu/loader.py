@@ -17,6 +17,7 @@ from tqdm import tqdm
 from gpu import weights_hf
 from gpu.config import ModelConfig
 from gpu.model import CausalLM
+from gpu.parallel import SINGLE, TP
 from gpu.tokenizer import Tokenizer, tokenizer_from_hf_dir
 from gpu.tokenizer_files import default_model_path
 from gpu.weights_gguf import GGUFFile
@@ -123,10 +124,16 @@ def load_model(
     progress: bool = True,
     experts: str = "auto",
     residual_dtype: str | torch.dtype | None = "auto",
+    tp: TP = SINGLE,
 ) -> LoadedModel:
     """experts (mixture-of-experts models): "packed" keeps MXFP4 experts as the checkpoint stores
     them (a dummy load draws random packed experts), "dequantized" expands them to dtype; "auto"
-    packs on CUDA when the checkpoint's experts are MXFP4 (or for a dummy load)."""
+    packs on CUDA when the checkpoint's experts are MXFP4 (or for a dummy load).
+
+    tp: this rank's place in a tensor-parallel group (gpu/parallel.py). The model holds its
+    shard only: safetensors are read in part (get_slice); GGUF tensors are dequantised one at a
+    time, only the rank's rows of the ones cut by rows. Every rank calls load_model with the
+    same arguments and its own tp."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     if experts not in EXPERT_FORMATS:
@@ -140,14 +147,15 @@ def load_model(
     config = source.config
     lm = CausalLM(config, torch_dtype, device,
                   packed_experts=_packs_experts(experts, config, device, source, load_format == "dummy"),
-                  residual_dtype=choose_residual_dtype(residual_dtype, torch_dtype, device)[0])
+                  residual_dtype=choose_residual_dtype(residual_dtype, torch_dtype, device)[0], tp=tp)
     if load_format == "dummy":
         _init_random(lm, seed)
     else:
-        tensors = tqdm(source.named_tensors(), total=source.num_tensors, desc=f"loading {source.name}",
+        select = lm.checkpoint_slices if tp.size > 1 else None
+        tensors = tqdm(source.named_tensors(select), total=source.num_tensors, desc=f"loading {source.name}",
                        unit="tensor", delay=0.5,
-                       # a bar on a terminal only: a log file (or --log-format json) gets no bar
-                       disable=None if progress else True)
+                       # a bar on a terminal only (rank 0's): a log file (or --log-format json) gets no bar
+                       disable=None if progress and tp.first else True)
         lm.load_weights(tensors)
     lm.eval()
     return LoadedModel(config=config, model=lm, tokenizer=source.tokenizer, generation_config=source.generation_config,
@@ -186,7 +194,9 @@ class _Source:
     generation_config: dict
     name: str
     num_tensors: int
-    named_tensors: Any  # () -> Iterator[tuple[str, torch.Tensor]]
+    # (select) -> Iterator[tuple[str, torch.Tensor]]; select(name, shape) -> the slices of the
+    # tensor wanted, or None for all of it (a hint: a reader may ignore it and yield it whole)
+    named_tensors: Any
     mxfp4_experts: bool = False  # the checkpoint stores NAME_blocks / NAME_scales pairs
 
 
@@ -235,7 +245,7 @@ def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
     files = weights_hf.safetensors_files(model_dir) if need_weights else []
     names = weights_hf.tensor_names(files)
     return _Source(config=config, tokenizer=tokenizer, generation_config=generation_config, name=model_dir.resolve().name,
-                   num_tensors=len(names), named_tensors=lambda: weights_hf.named_tensors(files),
+                   num_tensors=len(names), named_tensors=lambda select=None: weights_hf.named_tensors(files, select),
                    mxfp4_experts=any(n.endswith("_blocks") for n in names))
 
 
@@ -248,16 +258,47 @@ def _as_tuple(value: int | Iterable[int] | None) -> tuple[int, ...]:
 @torch.no_grad()
 def _init_random(model: CausalLM, seed: int) -> None:
     """Deterministic random weights: N(0, 0.02) matrices, zero biases, unit norm weights; packed
-    experts draw uniform codes at a scale of the same size."""
+    experts draw uniform codes at a scale of the same size. A tensor-parallel rank gets its
+    shard of the very weights a single process draws (each drawn whole, one at a time, and
+    cut by load_weights), so a dummy model answers alike at every --tensor-parallel-size."""
+    if model.tp.size == 1:
+        params = dict(model.named_parameters())
+        for name, w in _random_weights(model, seed):
+            params[name].copy_(w)
+        return
+    model.load_weights(_as_checkpoint(model, _random_weights(model, seed)))
+
+
+def _random_weights(model: CausalLM, seed: int):
+    """(our parameter name, weight) in the order and at the shapes of a single process's model."""
+    whole = CausalLM(model.config, model.dtype, "meta", packed_experts=model.packed_experts)
     gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    for name, p in whole.named_parameters():
         if p.dtype == torch.uint8:  # packed MXFP4 experts: every code, scale 2^-8 (|w| <= 0.023)
-            fill = torch.full(p.shape, 119, dtype=torch.uint8) if name.endswith("_scales") else \
-                torch.randint(0, 256, p.shape, generator=gen, dtype=torch.uint8)
-            p.copy_(fill)
+            yield name, (torch.full(p.shape, 119, dtype=torch.uint8) if name.endswith("_scales") else
+                         torch.randint(0, 256, p.shape, generator=gen, dtype=torch.uint8))
         elif name.endswith("bias"):
-            p.zero_()
+            yield name, torch.zeros(p.shape)
         elif "norm" in name:
-            p.fill_(1.0)
+            yield name, torch.ones(p.shape)
         else:
-            p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
+            yield name, torch.empty(p.shape).normal_(0.0, 0.02, generator=gen)
+
+
+def _as_checkpoint(model: CausalLM, weights):
+    """Our merged weights as the HF checkpoint names them (what load_weights takes)."""
+    c = model.config
+    for name, w in weights:
+        prefix, _, kind = name.rpartition(".")
+        parent, _, module = prefix.rpartition(".")
+        hf = "model." + parent + "."
+        if module == "qkv_proj":
+            for part, t in zip(("q_proj", "k_proj", "v_proj"), w.split([c.q_size, c.kv_size, c.kv_size])):
+                yield f"{hf}{part}.{kind}", t
+        elif module == "gate_up_proj" and kind in ("weight", "bias") and not parent.endswith("experts"):
+            for part, t in zip(("gate_proj", "up_proj"), w.chunk(2)):
+                yield f"{hf}{part}.{kind}", t
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            yield "model." + name, w.transpose(1, 2)  # transformers' [E, in, out]
+        else:
+            yield (name if name.startswith("lm_head") else "model." + name), w
