@@ -36,7 +36,7 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         context = max_context or max_blocks * attn.cache.block_size
-        hkv = model.config.num_key_value_heads
+        hkv = model.local_kv_heads  # this rank's (tensor parallelism)
         self.num_kv_splits = {bs: suggest_num_kv_splits(bs, hkv, context, torch.device(device))
                               for bs in self.sizes}
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from gpu import weights_hf
 from gpu.config import ModelConfig
 from gpu.model import CausalLM
+from gpu.parallel import SINGLE, TP
 from gpu.tokenizer import Tokenizer, tokenizer_from_hf_dir
 from gpu.tokenizer_files import default_model_path
 from gpu.weights_gguf import GGUFFile
@@ -123,10 +124,15 @@ def load_model(
     progress: bool = True,
     experts: str = "auto",
     residual_dtype: str | torch.dtype | None = "auto",
+    tp: TP = SINGLE,
 ) -> LoadedModel:
     """experts (mixture-of-experts models): "packed" keeps MXFP4 experts as the checkpoint stores
     them (a dummy load draws random packed experts), "dequantized" expands them to dtype; "auto"
-    packs on CUDA when the checkpoint's experts are MXFP4 (or for a dummy load)."""
+    packs on CUDA when the checkpoint's experts are MXFP4 (or for a dummy load).
+
+    tp: this rank's place in a tensor-parallel group (gpu/parallel.py). The model holds its
+    shard only: safetensors are read in part (get_slice), GGUF tensors are dequantised one at
+    a time and cut. Every rank calls load_model with the same arguments and its own tp."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     if experts not in EXPERT_FORMATS:
@@ -140,14 +146,15 @@ def load_model(
     config = source.config
     lm = CausalLM(config, torch_dtype, device,
                   packed_experts=_packs_experts(experts, config, device, source, load_format == "dummy"),
-                  residual_dtype=choose_residual_dtype(residual_dtype, torch_dtype, device)[0])
+                  residual_dtype=choose_residual_dtype(residual_dtype, torch_dtype, device)[0], tp=tp)
     if load_format == "dummy":
         _init_random(lm, seed)
     else:
-        tensors = tqdm(source.named_tensors(), total=source.num_tensors, desc=f"loading {source.name}",
+        select = lm.checkpoint_slices if tp.size > 1 else None
+        tensors = tqdm(source.named_tensors(select), total=source.num_tensors, desc=f"loading {source.name}",
                        unit="tensor", delay=0.5,
-                       # a bar on a terminal only: a log file (or --log-format json) gets no bar
-                       disable=None if progress else True)
+                       # a bar on a terminal only (rank 0's): a log file (or --log-format json) gets no bar
+                       disable=None if progress and tp.first else True)
         lm.load_weights(tensors)
     lm.eval()
     return LoadedModel(config=config, model=lm, tokenizer=source.tokenizer, generation_config=source.generation_config,
@@ -186,7 +193,9 @@ class _Source:
     generation_config: dict
     name: str
     num_tensors: int
-    named_tensors: Any  # () -> Iterator[tuple[str, torch.Tensor]]
+    # (select) -> Iterator[tuple[str, torch.Tensor]]; select(name, shape) -> the slices of the
+    # tensor wanted, or None for all of it (a hint: a reader may ignore it and yield it whole)
+    named_tensors: Any
     mxfp4_experts: bool = False  # the checkpoint stores NAME_blocks / NAME_scales pairs
 
 
@@ -222,7 +231,8 @@ def _gguf_source(path: Path) -> _Source:
     f = GGUFFile(path)
     config = ModelConfig.from_hf(f.config_dict())
     return _Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
-                   name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors)
+                   # dequantised whole, one tensor at a time; load_weights cuts each
+                   name=f.name, num_tensors=len(f.tensors), named_tensors=lambda select=None: f.named_tensors())
 
 
 def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
@@ -235,7 +245,7 @@ def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
     files = weights_hf.safetensors_files(model_dir) if need_weights else []
     names = weights_hf.tensor_names(files)
     return _Source(config=config, tokenizer=tokenizer, generation_config=generation_config, name=model_dir.resolve().name,
-                   num_tensors=len(names), named_tensors=lambda: weights_hf.named_tensors(files),
+                   num_tensors=len(names), named_tensors=lambda select=None: weights_hf.named_tensors(files, select),
                    mxfp4_experts=any(n.endswith("_blocks") for n in names))
 
 
@@ -250,7 +260,9 @@ def _init_random(model: CausalLM, seed: int) -> None:
     """Deterministic random weights: N(0, 0.02) matrices, zero biases, unit norm weights; packed
     experts draw uniform codes at a scale of the same size."""
     gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if model.tp.size > 1:  # each parameter its own stream: replicated ones agree over the ranks
+            gen.manual_seed(seed * 1_000_003 + i)
         if p.dtype == torch.uint8:  # packed MXFP4 experts: every code, scale 2^-8 (|w| <= 0.023)
             fill = torch.full(p.shape, 119, dtype=torch.uint8) if name.endswith("_scales") else \
                 torch.randint(0, 256, p.shape, generator=gen, dtype=torch.uint8)

@@ -9,6 +9,15 @@ gpt-oss differs in three places: each attention layer has a learned sink logit p
 backend; the MLP is a mixture of experts (gpu/moe.py); and its expert weights may arrive
 MXFP4-quantised (gpu/mxfp4.py): kept packed with packed_experts (the loader's choice on CUDA,
 run by gpu/kernels/mxfp4_moe.py), else dequantised while loading.
+
+Tensor parallelism (gpu/parallel.py, Megatron's and vLLM's layout): with tp.size > 1 each rank
+holds a shard. qkv_proj is column-parallel by heads (q heads split; KV heads split, or, when
+there are fewer KV heads than ranks, each rank keeps the one its q heads read); o_proj is
+row-parallel, then an all-reduce. gate_up is column-parallel, down row-parallel, then an
+all-reduce; the MoE the same along each expert's intermediate dimension. The embedding and
+the LM head are vocabulary-parallel (the vocabulary padded to a multiple of tp.size).
+Replicated: norms, the router, q/k norms. Row-parallel biases are added once, by rank 0.
+load_weights slices each checkpoint tensor to the rank's rows or columns (shard_slices).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from torch.nn.utils import skip_init
 from gpu import mxfp4
 from gpu.config import ModelConfig
 from gpu.moe import MoE
+from gpu.parallel import SINGLE, TP
 from gpu.ops import apply_rope, build_rope_cache, fused_add_rms_norm, rms_norm, silu_and_mul
 
 
@@ -79,19 +89,38 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 _ONEDNN = torch.backends.mkldnn.is_available()
 
 
+def q_heads(config: ModelConfig, tp: TP) -> tuple[int, int]:
+    """This rank's [start, stop) of the query heads."""
+    return tp.split(config.num_attention_heads, "num_attention_heads")
+
+
+def kv_heads(config: ModelConfig, tp: TP) -> tuple[int, int]:
+    """This rank's [start, stop) of the KV heads: an even split, or with fewer KV heads than
+    ranks the one head this rank's query heads read (replicated over size / Hkv ranks)."""
+    hkv = config.num_key_value_heads
+    if hkv >= tp.size:
+        return tp.split(hkv, "num_key_value_heads")
+    if tp.size % hkv:
+        raise ValueError(f"num_key_value_heads {hkv} does not divide --tensor-parallel-size {tp.size}")
+    head = tp.rank * hkv // tp.size
+    return head, head + 1
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, tp: TP = SINGLE):
         super().__init__()
         c = config
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.split = (c.q_size, c.kv_size, c.kv_size)
+        self.layer_idx, self.tp = layer_idx, tp
+        (q0, q1), (k0, k1) = q_heads(c, tp), kv_heads(c, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, c.head_dim
+        q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
+        self.split = (q_size, kv_size, kv_size)
         kw = dict(dtype=dtype, device=device)
         self.qkv_proj = skip_init(Linear, c.hidden_size, sum(self.split), bias=c.attention_bias, **kw)
-        self.o_proj = skip_init(Linear, c.q_size, c.hidden_size, bias=c.o_proj_bias, **kw)
+        self.o_proj = skip_init(Linear, q_size, c.hidden_size, bias=c.o_proj_bias, **kw)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw) if c.qk_norm else None
-        self.sinks = nn.Parameter(torch.empty(c.num_attention_heads, **kw)) if c.attention_sinks else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, **kw)) if c.attention_sinks else None
         self.window = c.layer_window(layer_idx)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
@@ -104,7 +133,7 @@ class Attention(nn.Module):
             q = attn.write_qkv(self.layer_idx, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                *norms, positions, cos_sin)
             o = attn.attend(self.layer_idx, q, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
-            return self.o_proj(o.reshape(T, -1))
+            return self.tp.all_reduce(self.o_proj(o.reshape(T, -1)))
         q, k, v = qkv.split(self.split, dim=-1)  # [T, Hq*Dh], [T, Hkv*Dh] x2
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, Dh]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
@@ -114,26 +143,29 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = apply_rope(q, k, positions, cos_sin)
         o = attn.forward(self.layer_idx, q, k, v, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
-        return self.o_proj(o.reshape(T, -1))  # [T, D]
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, -1)))  # [T, D], summed over the ranks' heads
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device):
+    def __init__(self, config: ModelConfig, dtype, device, tp: TP = SINGLE):
         super().__init__()
+        self.tp = tp
+        start, stop = tp.split(config.intermediate_size, "intermediate_size")
         kw = dict(bias=False, dtype=dtype, device=device)
-        self.gate_up_proj = skip_init(Linear, config.hidden_size, 2 * config.intermediate_size, **kw)
-        self.down_proj = skip_init(Linear, config.intermediate_size, config.hidden_size, **kw)
+        self.gate_up_proj = skip_init(Linear, config.hidden_size, 2 * (stop - start), **kw)
+        self.down_proj = skip_init(Linear, stop - start, config.hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, D]
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))  # [T, D]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, packed_experts: bool = False):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, packed_experts: bool = False,
+                 tp: TP = SINGLE):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, dtype, device)
-        self.mlp = (MoE(config, dtype, device, packed=packed_experts) if config.num_experts
-                    else MLP(config, dtype, device))
+        self.self_attn = Attention(config, layer_idx, dtype, device, tp)
+        self.mlp = (MoE(config, dtype, device, packed=packed_experts, tp=tp) if config.num_experts
+                    else MLP(config, dtype, device, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -171,53 +203,93 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
                  max_positions: int | None = None, packed_experts: bool = False,
-                 residual_dtype: torch.dtype | None = None):
+                 residual_dtype: torch.dtype | None = None, tp: TP = SINGLE):
         super().__init__()
         self.config = config
+        self.tp = tp
         # MXFP4 experts kept as the checkpoint stores them (gpu/moe.py PackedExperts)
         self.packed_experts = packed_experts and bool(config.num_experts)
         self.residual_dtype = residual_dtype or dtype
         c = config
+        # This rank's rows of the vocabulary, padded to a multiple of tp.size: the padding rows
+        # are never looked up and their logits are cut off (compute_logits).
+        self.vocab_start, vocab_stop = tp.padded_split(c.vocab_size)
+        rows = vocab_stop - self.vocab_start
+        self.vocab_real = max(0, min(vocab_stop, c.vocab_size) - self.vocab_start)  # rows that are tokens
         # _weight: no init at all (skip_init still runs Embedding's normal_ on the meta device,
         # seconds for a 201k-token vocabulary)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
-                                         _weight=torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device, self.packed_experts)
+        self.embed_tokens = nn.Embedding(rows, c.hidden_size,
+                                         _weight=torch.empty(rows, c.hidden_size, dtype=dtype, device=device))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device, self.packed_experts, tp)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         if c.tie_word_embeddings:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
+            self.lm_head = Linear(c.hidden_size, rows, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
         else:
-            self.lm_head = skip_init(Linear, c.hidden_size, c.vocab_size, bias=False, dtype=dtype, device=device)
+            self.lm_head = skip_init(Linear, c.hidden_size, rows, bias=False, dtype=dtype, device=device)
+        if rows > self.vocab_real:
+            with torch.no_grad():
+                self.embed_tokens.weight[self.vocab_real:].zero_()
+                self.lm_head.weight[self.vocab_real:].zero_()
         # fp32 cos/sin table; a buffer so .to(device) moves it, not persistent so it is never "loaded".
         positions = max_positions or c.max_position_embeddings
         self.register_buffer("cos_sin", build_rope_cache(c, positions, device), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids [T], positions [T] -> final normed hidden states [T, D]."""
-        x, residual = self.embed_tokens(input_ids).to(self.residual_dtype), None  # [T, D]
+        x, residual = self.embed(input_ids).to(self.residual_dtype), None  # [T, D]
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin, attn)
         hidden, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return hidden  # [T, D]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, D]. Vocabulary-parallel: each rank looks up the ids in its rows, zeros the
+        others, and the all-reduce sums the one row each id has somewhere (exact)."""
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def local_q_heads(self) -> int:
+        """Query heads this rank computes (all of them at tensor-parallel size 1)."""
+        return self.layers[0].self_attn.num_heads
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank computes and caches: its KV cache's head count."""
+        return self.layers[0].self_attn.num_kv_heads
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, V]: fp32 on CPU (with bf16 weights under an fp32 residual stream, the top
         logits recomputed in fp32: exact_top_logits); in the model's dtype on CUDA, where the
         device sampler reads bf16 directly and whoever needs fp32 (logprobs, grammar masks)
-        converts its rows."""
+        converts its rows.
+
+        Tensor-parallel: a collective. Each rank computes its vocabulary slice (its exact top
+        logits too: a slice's near-top candidates are a superset of the row's, as its largest
+        logit is at most the row's); rank 0 gets them gathered, the other ranks None."""
         logits = self.lm_head(hidden)
-        if logits.is_cuda:
+        if self.vocab_real < logits.shape[-1]:  # padding rows: never the top, never sampled
+            logits[:, self.vocab_real:] = float("-inf")
+        if not logits.is_cuda:
+            logits = logits.float()
+            if hidden.dtype == torch.float32 and logits.dtype != self.lm_head.weight.dtype:
+                logits = exact_top_logits(logits, hidden, self.lm_head.weight)
+        if self.tp.size == 1:
             return logits
-        logits = logits.float()
-        if hidden.dtype == torch.float32 and logits.dtype != self.lm_head.weight.dtype:
-            return exact_top_logits(logits, hidden, self.lm_head.weight)
-        return logits
+        logits = self.tp.gather_first(logits, dim=-1)
+        if logits is None or logits.shape[-1] == self.config.vocab_size:
+            return logits
+        return logits[:, :self.config.vocab_size].contiguous()
 
     def hf_weight_names(self) -> list[str]:
         """The HF checkpoint names load_weights needs (lm_head.weight only when untied)."""
@@ -232,14 +304,17 @@ class CausalLM(nn.Module):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the merged parameters; raises ValueError on unknown, misshapen
-        or missing weights."""
+        or missing weights. Tensor-parallel: each tensor is cut to this rank's shard on arrival
+        (or arrives cut: checkpoint_slices), before anything else is done with it."""
         params = dict(self.named_parameters())
         missing = set(self.hf_weight_names())
         if self.packed_experts:
-            named_tensors = _blocks_flattened(named_tensors)
+            named_tensors = self._sharded(_blocks_flattened(named_tensors))
         elif self.config.num_experts:
-            named_tensors = mxfp4.dequantize_pairs(_experts_as_ours(named_tensors), self.dtype,
+            named_tensors = mxfp4.dequantize_pairs(self._sharded(_experts_as_ours(named_tensors)), self.dtype,
                                                    self.embed_tokens.weight.device)
+        else:
+            named_tensors = self._sharded(named_tensors)
         for hf_name, tensor in named_tensors:
             if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
@@ -247,6 +322,8 @@ class CausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for a {self.config.architecture} model")
             dst = params[target].data[rows]
+            if target in ("embed_tokens.weight", "lm_head.weight"):
+                dst = dst[:self.vocab_real]  # the rest: padding, zero
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             with torch.no_grad():
@@ -263,10 +340,78 @@ class CausalLM(nn.Module):
         if module not in _STACKED:
             return name, slice(None)
         merged, shard = _STACKED[module]
-        c = self.config
-        sizes = [c.q_size, c.kv_size, c.kv_size] if merged == "qkv_proj" else [c.intermediate_size] * 2
+        attn = self.layers[0].self_attn
+        sizes = list(attn.split) if merged == "qkv_proj" else [self.layers[0].mlp.down_proj.in_features] * 2
         start = sum(sizes[:shard])
         return f"{parent}.{merged}.{kind}", slice(start, start + sizes[shard])
+
+    def shard_spec(self, hf_name: str, ndim: int) -> tuple[int, int, int, int] | str | None:
+        """How this rank cuts an HF-named tensor (ours layout, experts [E, out, in], MXFP4 blocks
+        [E, out, G, 16] or flattened [E, out, in/2]): (dim, start, stop, full extent), ONCE for a
+        row-parallel bias that rank 0 alone adds (the others hold zeros), or None (replicated)."""
+        tp, c = self.tp, self.config
+        if tp.size == 1:
+            return None
+        name = hf_name.removeprefix("model.")
+        module, _, kind = name.rpartition(".")
+        leaf = module.rsplit(".", 1)[-1]
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return 0, self.vocab_start, self.vocab_start + self.vocab_real, c.vocab_size
+        Dh, (q0, q1), (k0, k1) = c.head_dim, q_heads(c, tp), kv_heads(c, tp)
+        if leaf == "q_proj":
+            return 0, q0 * Dh, q1 * Dh, c.q_size
+        if leaf in ("k_proj", "v_proj"):
+            return 0, k0 * Dh, k1 * Dh, c.kv_size
+        if name.endswith("self_attn.sinks"):
+            return 0, q0, q1, c.num_attention_heads
+        if leaf == "o_proj":
+            return ONCE if kind == "bias" else (1, q0 * Dh, q1 * Dh, c.q_size)
+        I = c.intermediate_size  # noqa: E741
+        i0, i1 = tp.split(I, "intermediate_size")
+        if leaf in ("gate_proj", "up_proj"):
+            return 0, i0, i1, I
+        if leaf == "down_proj":
+            return 1, i0, i1, I
+        if ".experts." not in name + ".":
+            return None
+        last = name.rsplit(".", 1)[-1]
+        if last.startswith("gate_up_proj"):  # gate and up interleaved along the rows: pairs stay together
+            return 1, 2 * i0, 2 * i1, 2 * I
+        if last == "down_proj_bias":
+            return ONCE
+        if last == "down_proj":
+            return 2, i0, i1, I
+        if last.startswith("down_proj_"):  # MXFP4 blocks or scales: 32 columns to a scale
+            if (i1 - i0) % 32:
+                raise ValueError(f"MXFP4 experts need intermediate_size / --tensor-parallel-size a multiple "
+                                 f"of 32, got {I} / {tp.size}")
+            per = 16 if last.endswith(mxfp4.BLOCKS_SUFFIX) and ndim == 3 else 1
+            return 2, i0 // 32 * per, i1 // 32 * per, I // 32 * per
+        return None
+
+    def checkpoint_slices(self, hf_name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The part of a checkpoint tensor this rank needs, for readers that can read part of
+        one (safetensors' get_slice); None: read it whole. Experts stay whole here (their
+        checkpoint layout differs from ours; load_weights cuts them)."""
+        if ".experts." in hf_name:
+            return None
+        spec = self.shard_spec(hf_name, len(shape))
+        if not isinstance(spec, tuple):
+            return None
+        dim, start, stop, _ = spec
+        return (slice(None),) * dim + (slice(start, stop),)
+
+    def _sharded(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        """Each tensor cut to this rank's shard (left as it is if it arrived cut)."""
+        for name, tensor in named_tensors:
+            spec = self.shard_spec(name, tensor.dim())
+            if spec == ONCE:
+                tensor = tensor if self.tp.first else torch.zeros_like(tensor)
+            elif spec is not None:
+                dim, start, stop, full = spec
+                if tensor.shape[dim] == full and stop - start != full:
+                    tensor = tensor.narrow(dim, start, stop - start)
+            yield name, tensor
 
 
 # A bf16 logit is known to half an ulp, 2^-8 of its size: candidates within 2^-6 of the
@@ -286,6 +431,8 @@ def exact_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.T
     logits[rows, cols] = (hidden[rows] * weight[cols].float()).sum(-1)
     return logits
 
+
+ONCE = "once"  # shard_spec: a row-parallel bias, added by rank 0 only
 
 _HF_EXPERT_MATRICES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

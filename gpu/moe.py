@@ -16,6 +16,15 @@ quarter of bf16's bytes) run through gpu/kernels/mxfp4_moe.py, which decodes the
 inside the grouped GEMM and fuses the gather, the bias, the clamped SwiGLU, the router weight
 and the scatter back to (token, slot) order. Without the kernel (CPU), they are dequantised
 on every call and run as above: a fallback for tests and tools, not for serving.
+
+Tensor parallelism (gpu/parallel.py) is tensor-parallel experts, as vLLM's default for
+gpt-oss: every rank holds every expert, but only its slice of each expert's intermediate
+dimension (gate_up's rows, down's columns; MXFP4 blocks cut at 32-column scale groups, so
+intermediate_size / size must be a multiple of 32 for packed experts). The router is
+replicated, so every rank routes every token alike; each rank's down projection gives a
+partial sum, the down bias is added by rank 0 alone (the loader zeros it elsewhere), and one
+all-reduce per layer sums them. Expert parallelism (whole experts per rank) would need an
+all-to-all and would leave ranks idle when routing is uneven.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from torch.nn.utils import skip_init
 
 from gpu import mxfp4
 from gpu.config import ModelConfig
+from gpu.parallel import SINGLE, TP
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -91,16 +101,25 @@ def padded_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> t
 class MoE(nn.Module):
     """Router plus E experts; parameters named as in the HF checkpoint (mlp.router.*, mlp.experts.*)."""
 
-    def __init__(self, config: ModelConfig, dtype, device, packed: bool = False):
+    def __init__(self, config: ModelConfig, dtype, device, packed: bool = False, tp: TP = SINGLE):
         super().__init__()
         c = config
-        E, D, I = c.num_experts, c.hidden_size, c.intermediate_size  # noqa: E741
+        start, stop = tp.split(c.intermediate_size, "intermediate_size")
+        E, D, I = c.num_experts, c.hidden_size, stop - start  # noqa: E741  I: this rank's slice
+        if packed and tp.size > 1 and I % 32:
+            raise ValueError(f"MXFP4 experts need intermediate_size / --tensor-parallel-size a multiple of 32, "
+                             f"got {c.intermediate_size} / {tp.size}; load them dequantized instead")
+        self.tp = tp
         self.top_k, self.alpha, self.limit = c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit
         self.router = skip_init(nn.Linear, D, E, bias=True, dtype=dtype, device=device)
         self.experts = (PackedExperts if packed else Experts)(E, D, I, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
+        """x [T, D] -> [T, D], summed over the ranks' intermediate slices."""
+        return self.tp.all_reduce(self._local(x))
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (the whole output at size 1)."""
         T, D = x.shape
         weights, experts = route(self.router(x), self.top_k)                   # [T, k] each
         flat = experts.flatten()                                               # [T*k] (token, slot) order

@@ -36,7 +36,7 @@ def profile_step_bytes(model, *, block_size: int, max_tokens: int, max_seqs: int
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
-    cache = KVCache(c.num_hidden_layers, nblocks, block_size, c.num_key_value_heads, c.head_dim,
+    cache = KVCache(c.num_hidden_layers, nblocks, block_size, model.local_kv_heads, c.head_dim,
                     model.dtype, device)
     cache_bytes = torch.cuda.memory_allocated(device) - base
     torch.cuda.reset_peak_memory_stats(device)

@@ -43,8 +43,12 @@ def tensor_names(files: list[Path]) -> list[str]:
     return names
 
 
-def named_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors(files: list[Path], select=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor. select(name, shape) -> a tuple of slices: read only that
+    part (a tensor-parallel rank's shard: safetensors reads just those bytes), or None: all."""
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                part = st.get_slice(name) if select is not None else None
+                index = select(name, tuple(part.get_shape())) if part is not None else None
+                yield name, st.get_tensor(name) if index is None else part[index]
