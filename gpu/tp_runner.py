@@ -139,26 +139,18 @@ def follow(runner: ModelRunner, group) -> int:
 
 
 def join(rank: int, size: int, device: torch.device, init_method: str, timeout_s: float):
-    """Join the TP group as `rank` of `size` (NCCL on CUDA, gloo on the CPU; the model's
-    collectives, bounded by timeout_s) and the plan's gloo group: (TP, plan group). Every
-    rank calls it in the same order: rank 0 listens at init_method."""
-    from gpu.parallel import TP
+    """Join the TP group as `rank` of `size` (gpu/parallel.py init_group: NCCL on CUDA,
+    gloo on the CPU, the model's collectives bounded by timeout_s) and the plan's gloo
+    group: (TP, plan group). Every rank calls it in the same order: rank 0 listens at
+    init_method."""
+    from gpu.parallel import init_group
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kw = {"device_id": device} if backend == "nccl" else {}
-    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank,
-                                         world_size=size,
-                                         timeout=datetime.timedelta(seconds=timeout_s), **kw)
-    tp = TP(rank=rank, size=size, group=torch.distributed.group.WORLD)
+    tp = init_group(rank, size, backend="nccl" if device.type == "cuda" else "gloo",
+                    init_method=init_method, timeout_s=timeout_s)
     plan = torch.distributed.new_group(backend="gloo", timeout=PLAN_TIMEOUT)
     return tp, plan
-
-
-def leave() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def min_over_ranks(value: int, group) -> int:

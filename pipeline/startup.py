@@ -140,17 +140,8 @@ def load_weights(cfg: EngineConfig, device: torch.device, tp: TP = SINGLE) -> Lo
     log.info("dtype %s (%s), residual stream %s (%s)%s", str(dtype).removeprefix("torch."), why,
              str(residual).removeprefix("torch."), rwhy,
              f"; {cpu_threads()}" if device.type == "cpu" else "")
-    shard = {"tp": tp} if tp.size > 1 and _sharded_loader() else {}
     return load_model(cfg.model, load_format=cfg.load_format, dtype=dtype,
-                      device=str(device), seed=cfg.seed, residual_dtype=residual, **shard)
-
-
-def _sharded_loader() -> bool:
-    # TEMPORARY until tpmodel's sharded load_model lands: each rank loads the whole model
-    import inspect
-
-    from gpu.loader import load_model
-    return "tp" in inspect.signature(load_model).parameters
+                      device=str(device), seed=cfg.seed, residual_dtype=residual, tp=tp)
 
 
 def resolve_max_model_len(cfg: EngineConfig, loaded: LoadedModel) -> int:
@@ -181,8 +172,8 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
 
 
 def kv_heads(loaded: LoadedModel) -> int:
-    """The KV heads this rank's cache holds."""
-    return getattr(loaded.model, "local_kv_heads", loaded.config.num_key_value_heads)
+    """The KV heads this rank's cache holds (every head without tensor parallelism)."""
+    return loaded.model.local_kv_heads
 
 
 def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,

@@ -58,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(cfg, rank: int, init_method: str, local_rank: int) -> int:
-    from gpu.tp_runner import follow, leave
+    from gpu.parallel import destroy_group
+    from gpu.tp_runner import follow
     from pipeline.startup import (join_ranks, load_weights, make_runner, pick_device,
                                   rank_device, resolve_max_model_len)
     from pipeline.tp_procs import collective_timeout_s
@@ -71,7 +72,7 @@ def serve(cfg, rank: int, init_method: str, local_rank: int) -> int:
     log.info("tensor-parallel worker rank %d of %d on %s: ready", rank, ranks.tp.size, device)
     steps = follow(runner, ranks.plan)
     log.info("tensor-parallel worker rank %d: stopped after %d steps", rank, steps)
-    leave()
+    destroy_group(ranks.tp)
     return 0
 
 
