@@ -6,6 +6,8 @@ official openai client, against one rank (the engine in this process, same sizes
 - the tiny dummy gpt-oss at TP = 2 (sinks, a sliding window, MoE, the hybrid KV cache's
   remaps): prefix caching, chunked prefill, preemption, n > 1, a JSON schema;
 - SIGTERM stops every worker; a killed worker fails the stream in flight, exit 1, no orphans.
+
+TAILRACE_TP_DEVICE=cuda runs the same on GPUs (NCCL; scripts/gpu_check.sh, with two or more).
 """
 from __future__ import annotations
 
@@ -28,10 +30,25 @@ from pipeline.config import EngineConfig
 from pipeline.engine import open_engine
 from procs_util import metrics, processes, start, wait_for
 
+DEVICE = os.environ.get("TAILRACE_TP_DEVICE", "cpu")
 # a small step budget (chunked prefill) and KV cache (preemption), at every size alike
 SIZES = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 64,
-         "num_gpu_blocks_override": 10}
+         "num_gpu_blocks_override": 10, "device": DEVICE}
 FLAGS = tuple(x for k, v in SIZES.items() for x in (f"--{k.replace('_', '-')}", str(v)))
+
+
+def _devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if DEVICE == "cuda" else 3
+
+
+def needs(n: int):
+    return pytest.mark.skipif(_devices() < n, reason=f"TP {n} on {DEVICE} needs {n} devices, "
+                                                     f"torch sees {_devices()}")
+
+
+pytestmark = needs(2)
 CHAT = [[{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "user", "content": "Name three colours."}]]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -65,7 +82,17 @@ def gpt_oss_dir(tmp_path_factory) -> str:
 def gpt_oss(gpt_oss_dir):
     from gpu.loader import load_model
 
-    return load_model(gpt_oss_dir, dtype="float32", device="cpu", progress=False)
+    return load_model(gpt_oss_dir, dtype="float32", device=DEVICE, progress=False)
+
+
+@pytest.fixture(scope="module")
+def smollm_ref(request):
+    """SmolLM2 on DEVICE for the one-rank reference (the session's CPU copy on the CPU)."""
+    if DEVICE == "cpu":
+        return request.getfixturevalue("smollm")
+    from gpu.loader import load_model
+
+    return load_model(None, dtype="float32", device=DEVICE, progress=False)
 
 
 def reference(loaded, calls: list[tuple[str, dict]], together: bool = False) -> list[dict]:
@@ -135,7 +162,7 @@ def smollm_tp3(tmp_path_factory):
         other = subprocess.Popen(
             [sys.executable, "-m", "pipeline.tp_worker", "--log-level", "warning", "--",
              "--dtype", "float32", "--tensor-parallel-size", "3", *FLAGS],
-            env={**env, "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}, stderr=err)
+            env={**env, "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2"}, stderr=err)
     mp = pytest.MonkeyPatch()
     try:
         for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("LOCAL_WORLD_SIZE", "2")):
@@ -160,12 +187,13 @@ def gpt_oss_tp2(tmp_path_factory, gpt_oss_dir):
     server.stop()
 
 
-def test_smollm2_greedy_at_tp3_over_two_hosts_is_one_ranks_token_for_token(smollm_tp3, smollm):
+@needs(3)
+def test_smollm2_greedy_at_tp3_over_two_hosts_is_one_ranks_token_for_token(smollm_tp3, smollm_ref):
     calls = ([("chat", {"messages": m, "max_tokens": 16, "temperature": 0, "logprobs": True})
               for m in CHAT]
              + [("completions", {"prompt": p, "max_tokens": 16, "temperature": 0, "logprobs": 1})
                 for p in PROMPTS])
-    want = reference(smollm, calls)
+    want = reference(smollm_ref, calls)
     server, _ = smollm_tp3
     got = [ask(client_of(server), api, body) for api, body in calls]
     assert len(workers_of(server.proc.pid)) == 1          # rank 1; rank 2 is the "other host"
@@ -179,6 +207,20 @@ def test_smollm2_greedy_at_tp3_over_two_hosts_is_one_ranks_token_for_token(smoll
         else:
             gl, wl = glp["token_logprobs"], wlp["token_logprobs"]
         assert gl == pytest.approx(wl, abs=1e-4)
+
+
+def _stops_cleanly(server) -> None:
+    workers = workers_of(server.proc.pid)
+    assert len(workers) == 1
+    assert server.stop() == 0
+    wait_for(lambda: not any(alive(p) for p in workers), 30, "the workers to exit")
+
+
+@needs(3)
+def test_sigterm_stops_the_other_hosts_rank_too(smollm_tp3):
+    server, other = smollm_tp3
+    _stops_cleanly(server)
+    assert other.wait(timeout=30) == 0        # the other "host"'s rank got its stop message
 
 
 def test_prefix_cache_chunked_prefill_n_and_json_schema_at_tp2(gpt_oss_tp2, gpt_oss):
@@ -227,13 +269,8 @@ def test_preemption_at_tp2_keeps_the_outputs(gpt_oss_tp2, gpt_oss):
     assert metrics(gpt_oss_tp2.url)["vllm:num_preemptions_total"] > before
 
 
-def test_sigterm_drains_then_stops_every_worker(gpt_oss_tp2, smollm_tp3):
-    for server in (gpt_oss_tp2, smollm_tp3[0]):
-        workers = workers_of(server.proc.pid)
-        assert len(workers) == 1
-        assert server.stop() == 0
-        wait_for(lambda: not any(alive(p) for p in workers), 30, "the workers to exit")
-    assert smollm_tp3[1].wait(timeout=30) == 0        # the other "host"'s rank: its stop message
+def test_sigterm_drains_then_stops_every_worker(gpt_oss_tp2):
+    _stops_cleanly(gpt_oss_tp2)
 
 
 def test_a_dead_worker_fails_in_flight_requests_and_the_server_exits_1(tmp_path, gpt_oss_dir):
