@@ -93,7 +93,7 @@ def worker_flags(cfg: EngineConfig) -> list[str]:
 
 
 def worker_command(rank: int, rdv: Rendezvous, cfg: EngineConfig, log_level: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.tp_worker", "--rank", str(rank),
+    return [sys.executable, "-m", "pipeline.tp_worker", "--die-with-parent", "--rank", str(rank),
             "--init-method", rdv.init_method, "--log-level", log_level, "--",
             *worker_flags(cfg)]
 

@@ -23,9 +23,12 @@ log = logging.getLogger("tailrace")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pipeline.procs import _die_with_parent
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--die-with-parent" in argv:     # started by rank 0 (not by hand on another host)
+        from pipeline.procs import _die_with_parent
 
-    _die_with_parent()
+        argv.remove("--die-with-parent")
+        _die_with_parent()
     # a signal to the process group is rank 0's to act on: it drains, then stops us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -37,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--init-method", default=None)
     p.add_argument("--log-level", default="info")
     add_engine_arguments(p)
-    args = p.parse_args([a for a in (sys.argv[1:] if argv is None else argv) if a != "--"])
+    args = p.parse_args([a for a in argv if a != "--"])
     configure(args.log_level, "text")
     if args.init_method is None:
         if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
