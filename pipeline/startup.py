@@ -21,6 +21,7 @@ import torch
 from gpu.attention import KVCache
 from gpu.grammar import GrammarCompiler
 from gpu.harmony import uses_harmony
+from gpu.interface import TPLost
 from gpu.loader import LoadedModel
 from gpu.parallel import SINGLE, TP
 from gpu.runner import ModelRunner
@@ -222,6 +223,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         if device.type == "cuda":  # compile what the first steps would, before any request
             try:
                 runner.warm_up(budget, cfg.max_num_seqs)
+            except TPLost:            # the ranks are out of step: nothing can run
+                raise
             except Exception as exc:  # the first real step will say more; do not hide it
                 log.error("warm-up failed: %s", exc, exc_info=exc)
             log.info("CUDA graphs %s (%.1fs); warm-up %.1fs",

@@ -171,11 +171,13 @@ class TensorParallel:
         """pipeline.startup.build as rank 0, in a worker thread, while watching the workers:
         one that exits meanwhile (a shard that fails to load) fails start-up at once rather
         than after the rendezvous' timeout."""
-        from pipeline.startup import build, join_ranks
+        from pipeline.startup import build, join_ranks, rank_device
 
         if loaded is not None:
             raise ValueError("--tensor-parallel-size: every rank loads its own shard; "
                              "a loaded model cannot be passed in")
+
+        device = rank_device(device, 0)     # cuda:K, not "cuda": the rank's device by index
 
         def rank0():
             ranks = join_ranks(cfg, device, 0, self.rdv.init_method, collective_timeout_s(),

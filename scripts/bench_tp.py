@@ -108,6 +108,22 @@ def _rank(rank: int, size: int, port: int, iters: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def pack_costs(iters: int) -> dict[str, float]:
+    """µs to pack a step on rank 0 and to unpack it on a worker, in this process: the
+    part of "broadcast" that is not gloo."""
+    from gpu.staging import BlockTables, StagedTokens, stage_plan, upload_inputs
+    from gpu.tp_runner import pack, unpack
+
+    out = {}
+    for name, batch, each in [(f"decode {b}", b, 1) for b in DECODE] + [(f"prefill {PREFILL}", 1, PREFILL)]:
+        host = stage_plan(_plan(batch, each), 16, BlockTables(), StagedTokens())
+        upload_inputs(host, torch.device("cpu"))
+        header, payload = pack(host, [], [], True, 1)
+        out[name] = (_time(lambda: pack(host, [], [], True, 1), iters),
+                     _time(lambda: unpack(header, payload), iters), payload.size * 8)
+    return out
+
+
 def run(size: int, iters: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "r.pt")
@@ -129,6 +145,11 @@ def main() -> None:
             runs[s].append(run(s, args.iters))
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end; "
           f"{args.rounds} rounds x {args.iters} steps, median; µs per step\n")
+    packs = pack_costs(args.iters)
+    print("| step | payload bytes | pack (rank 0) | unpack (worker) |\n|---|---|---|---|")
+    for name, (p_us, u_us, nbytes) in packs.items():
+        print(f"| {name} | {nbytes:,} | {p_us:,.0f} | {u_us:,.0f} |")
+    print()
     print("| what | step | " + " | ".join(f"TP {s}: rank 0 | TP {s}: worker" for s in sizes)
           + " |")
     print("|---|---|" + "---|---|" * len(sizes))
