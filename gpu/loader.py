@@ -131,8 +131,9 @@ def load_model(
     packs on CUDA when the checkpoint's experts are MXFP4 (or for a dummy load).
 
     tp: this rank's place in a tensor-parallel group (gpu/parallel.py). The model holds its
-    shard only: safetensors are read in part (get_slice), GGUF tensors are dequantised one at
-    a time and cut. Every rank calls load_model with the same arguments and its own tp."""
+    shard only: safetensors are read in part (get_slice); GGUF tensors are dequantised one at a
+    time, only the rank's rows of the ones cut by rows. Every rank calls load_model with the
+    same arguments and its own tp."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     if experts not in EXPERT_FORMATS:
@@ -231,8 +232,7 @@ def _gguf_source(path: Path) -> _Source:
     f = GGUFFile(path)
     config = ModelConfig.from_hf(f.config_dict())
     return _Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
-                   # dequantised whole, one tensor at a time; load_weights cuts each
-                   name=f.name, num_tensors=len(f.tensors), named_tensors=lambda select=None: f.named_tensors())
+                   name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors)
 
 
 def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
@@ -258,18 +258,47 @@ def _as_tuple(value: int | Iterable[int] | None) -> tuple[int, ...]:
 @torch.no_grad()
 def _init_random(model: CausalLM, seed: int) -> None:
     """Deterministic random weights: N(0, 0.02) matrices, zero biases, unit norm weights; packed
-    experts draw uniform codes at a scale of the same size."""
+    experts draw uniform codes at a scale of the same size. A tensor-parallel rank gets its
+    shard of the very weights a single process draws (each drawn whole, one at a time, and
+    cut by load_weights), so a dummy model answers alike at every --tensor-parallel-size."""
+    if model.tp.size == 1:
+        params = dict(model.named_parameters())
+        for name, w in _random_weights(model, seed):
+            params[name].copy_(w)
+        return
+    model.load_weights(_as_checkpoint(model, _random_weights(model, seed)))
+
+
+def _random_weights(model: CausalLM, seed: int):
+    """(our parameter name, weight) in the order and at the shapes of a single process's model."""
+    whole = CausalLM(model.config, model.dtype, "meta", packed_experts=model.packed_experts)
     gen = torch.Generator().manual_seed(seed)
-    for i, (name, p) in enumerate(model.named_parameters()):
-        if model.tp.size > 1:  # each parameter its own stream: replicated ones agree over the ranks
-            gen.manual_seed(seed * 1_000_003 + i)
+    for name, p in whole.named_parameters():
         if p.dtype == torch.uint8:  # packed MXFP4 experts: every code, scale 2^-8 (|w| <= 0.023)
-            fill = torch.full(p.shape, 119, dtype=torch.uint8) if name.endswith("_scales") else \
-                torch.randint(0, 256, p.shape, generator=gen, dtype=torch.uint8)
-            p.copy_(fill)
+            yield name, (torch.full(p.shape, 119, dtype=torch.uint8) if name.endswith("_scales") else
+                         torch.randint(0, 256, p.shape, generator=gen, dtype=torch.uint8))
         elif name.endswith("bias"):
-            p.zero_()
+            yield name, torch.zeros(p.shape)
         elif "norm" in name:
-            p.fill_(1.0)
+            yield name, torch.ones(p.shape)
         else:
-            p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
+            yield name, torch.empty(p.shape).normal_(0.0, 0.02, generator=gen)
+
+
+def _as_checkpoint(model: CausalLM, weights):
+    """Our merged weights as the HF checkpoint names them (what load_weights takes)."""
+    c = model.config
+    for name, w in weights:
+        prefix, _, kind = name.rpartition(".")
+        parent, _, module = prefix.rpartition(".")
+        hf = "model." + parent + "."
+        if module == "qkv_proj":
+            for part, t in zip(("q_proj", "k_proj", "v_proj"), w.split([c.q_size, c.kv_size, c.kv_size])):
+                yield f"{hf}{part}.{kind}", t
+        elif module == "gate_up_proj" and kind in ("weight", "bias") and not parent.endswith("experts"):
+            for part, t in zip(("gate_proj", "up_proj"), w.chunk(2)):
+                yield f"{hf}{part}.{kind}", t
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            yield "model." + name, w.transpose(1, 2)  # transformers' [E, in, out]
+        else:
+            yield (name if name.startswith("lm_head") else "model." + name), w

@@ -17,7 +17,8 @@ row-parallel, then an all-reduce. gate_up is column-parallel, down row-parallel,
 all-reduce; the MoE the same along each expert's intermediate dimension. The embedding and
 the LM head are vocabulary-parallel (the vocabulary padded to a multiple of tp.size).
 Replicated: norms, the router, q/k norms. Row-parallel biases are added once, by rank 0.
-load_weights slices each checkpoint tensor to the rank's rows or columns (shard_slices).
+load_weights cuts each checkpoint tensor to the rank's rows or columns (shard_spec), and
+checkpoint_slices tells a reader which part of a tensor to read.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from torch.nn.utils import skip_init
 
 from gpu import mxfp4
 from gpu.config import ModelConfig
-from gpu.moe import MoE
-from gpu.parallel import SINGLE, TP
+from gpu.moe import MoE, expert_columns
 from gpu.ops import apply_rope, build_rope_cache, fused_add_rms_norm, rms_norm, silu_and_mul
+from gpu.parallel import SINGLE, TP
 
 
 class AttentionBackend(Protocol):
@@ -110,7 +111,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, tp: TP = SINGLE):
         super().__init__()
         c = config
-        self.layer_idx, self.tp = layer_idx, tp
+        self.layer_idx = layer_idx
         (q0, q1), (k0, k1) = q_heads(c, tp), kv_heads(c, tp)
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, c.head_dim
         q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
@@ -133,7 +134,7 @@ class Attention(nn.Module):
             q = attn.write_qkv(self.layer_idx, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                *norms, positions, cos_sin)
             o = attn.attend(self.layer_idx, q, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
-            return self.tp.all_reduce(self.o_proj(o.reshape(T, -1)))
+            return self.o_proj(o.reshape(T, -1))
         q, k, v = qkv.split(self.split, dim=-1)  # [T, Hq*Dh], [T, Hkv*Dh] x2
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, Dh]
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
@@ -143,26 +144,26 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = apply_rope(q, k, positions, cos_sin)
         o = attn.forward(self.layer_idx, q, k, v, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
-        return self.tp.all_reduce(self.o_proj(o.reshape(T, -1)))  # [T, D], summed over the ranks' heads
+        return self.o_proj(o.reshape(T, -1))  # [T, D]: this rank's heads' part (DecoderLayer sums)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype, device, tp: TP = SINGLE):
         super().__init__()
-        self.tp = tp
         start, stop = tp.split(config.intermediate_size, "intermediate_size")
         kw = dict(bias=False, dtype=dtype, device=device)
         self.gate_up_proj = skip_init(Linear, config.hidden_size, 2 * (stop - start), **kw)
         self.down_proj = skip_init(Linear, stop - start, config.hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))  # [T, D]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, D]: this rank's part
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, packed_experts: bool = False,
                  tp: TP = SINGLE):
         super().__init__()
+        self.tp = tp
         self.self_attn = Attention(config, layer_idx, dtype, device, tp)
         self.mlp = (MoE(config, dtype, device, packed=packed_experts, tp=tp) if config.num_experts
                     else MLP(config, dtype, device, tp))
@@ -176,11 +177,19 @@ class DecoderLayer(nn.Module):
             h, residual = norm1(x), x
         else:
             h, residual = fused_add_rms_norm(x, residual, norm1.weight, norm1.eps)
-        h = self.self_attn(h, positions, cos_sin, attn)
+        h = self._sum(self.self_attn(h, positions, cos_sin, attn), residual)
         h, residual = fused_add_rms_norm(h, residual, norm2.weight, norm2.eps)
         if isinstance(self.mlp, MoE):  # its router and grouped GEMMs take the weights' dtype only
             h = h.to(norm2.weight.dtype)
-        return self.mlp(h), residual
+        return self._sum(self.mlp(h), residual), residual
+
+    def _sum(self, part: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Tensor-parallel: the ranks' row-parallel partial outputs summed, in the residual
+        stream's dtype (fp32 under bf16 weights on CPU: each partial is rounded once, as the
+        single process rounds its one output, and the sum adds no bf16 rounding of its own)."""
+        if self.tp.size == 1:
+            return part
+        return self.tp.all_reduce(part.to(residual.dtype))
 
 
 # HF checkpoint projections that are stored stacked in one of our weights: name -> (ours, shard).
@@ -324,6 +333,10 @@ class CausalLM(nn.Module):
             dst = params[target].data[rows]
             if target in ("embed_tokens.weight", "lm_head.weight"):
                 dst = dst[:self.vocab_real]  # the rest: padding, zero
+            elif ".experts." in target and dst.shape != tensor.shape and dst.dim() == tensor.dim():
+                for dim, (have, want) in enumerate(zip(tensor.shape, dst.shape)):
+                    if have < want:  # expert_columns' zero padding stays
+                        dst = dst.narrow(dim, 0, have)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             with torch.no_grad():
@@ -367,13 +380,12 @@ class CausalLM(nn.Module):
         if leaf == "o_proj":
             return ONCE if kind == "bias" else (1, q0 * Dh, q1 * Dh, c.q_size)
         I = c.intermediate_size  # noqa: E741
-        i0, i1 = tp.split(I, "intermediate_size")
-        if leaf in ("gate_proj", "up_proj"):
-            return 0, i0, i1, I
-        if leaf == "down_proj":
-            return 1, i0, i1, I
+        if leaf in ("gate_proj", "up_proj", "down_proj"):
+            i0, i1 = tp.split(I, "intermediate_size")
+            return (0, i0, i1, I) if leaf != "down_proj" else (1, i0, i1, I)
         if ".experts." not in name + ".":
             return None
+        i0, i1, _ = expert_columns(c, tp, self.packed_experts)
         last = name.rsplit(".", 1)[-1]
         if last.startswith("gate_up_proj"):  # gate and up interleaved along the rows: pairs stay together
             return 1, 2 * i0, 2 * i1, 2 * I
@@ -382,9 +394,6 @@ class CausalLM(nn.Module):
         if last == "down_proj":
             return 2, i0, i1, I
         if last.startswith("down_proj_"):  # MXFP4 blocks or scales: 32 columns to a scale
-            if (i1 - i0) % 32:
-                raise ValueError(f"MXFP4 experts need intermediate_size / --tensor-parallel-size a multiple "
-                                 f"of 32, got {I} / {tp.size}")
             per = 16 if last.endswith(mxfp4.BLOCKS_SUFFIX) and ndim == 3 else 1
             return 2, i0 // 32 * per, i1 // 32 * per, I // 32 * per
         return None

@@ -19,11 +19,13 @@ on every call and run as above: a fallback for tests and tools, not for serving.
 
 Tensor parallelism (gpu/parallel.py) is tensor-parallel experts, as vLLM's default for
 gpt-oss: every rank holds every expert, but only its slice of each expert's intermediate
-dimension (gate_up's rows, down's columns; MXFP4 blocks cut at 32-column scale groups, so
-intermediate_size / size must be a multiple of 32 for packed experts). The router is
+dimension (gate_up's rows, down's columns; expert_columns). A slice that does not come out
+even (or, packed, to whole 32-column MXFP4 scale groups) is padded with zero columns: a zero
+gate and up give a zero SwiGLU, so the padding adds nothing (as vLLM pads gpt-oss's 2880 for
+MXFP4 at TP 4). The router is
 replicated, so every rank routes every token alike; each rank's down projection gives a
 partial sum, the down bias is added by rank 0 alone (the loader zeros it elsewhere), and one
-all-reduce per layer sums them. Expert parallelism (whole experts per rank) would need an
+all-reduce per layer (gpu/model.py DecoderLayer) sums them. Expert parallelism (whole experts per rank) would need an
 all-to-all and would leave ranks idle when routing is uneven.
 """
 
@@ -98,28 +100,37 @@ def padded_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> t
     return out[expert, slot]
 
 
+def expert_columns(config: ModelConfig, tp: TP, packed: bool) -> tuple[int, int, int]:
+    """This rank's [start, stop) of each expert's intermediate columns, and the width it holds:
+    ceil(I / size), rounded up to a multiple of 32 for MXFP4; columns past stop are zero padding
+    (the last ranks may hold little or nothing but padding)."""
+    I, unit = config.intermediate_size, 32 if packed else 1  # noqa: E741
+    if tp.size == 1:
+        return 0, I, I
+    width = -(-I // (unit * tp.size)) * unit
+    start = min(tp.rank * width, I)
+    return start, min(start + width, I), width
+
+
 class MoE(nn.Module):
     """Router plus E experts; parameters named as in the HF checkpoint (mlp.router.*, mlp.experts.*)."""
 
     def __init__(self, config: ModelConfig, dtype, device, packed: bool = False, tp: TP = SINGLE):
         super().__init__()
         c = config
-        start, stop = tp.split(c.intermediate_size, "intermediate_size")
-        E, D, I = c.num_experts, c.hidden_size, stop - start  # noqa: E741  I: this rank's slice
-        if packed and tp.size > 1 and I % 32:
-            raise ValueError(f"MXFP4 experts need intermediate_size / --tensor-parallel-size a multiple of 32, "
-                             f"got {c.intermediate_size} / {tp.size}; load them dequantized instead")
-        self.tp = tp
+        start, stop, width = expert_columns(c, tp, packed)
+        E, D = c.num_experts, c.hidden_size
         self.top_k, self.alpha, self.limit = c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit
         self.router = skip_init(nn.Linear, D, E, bias=True, dtype=dtype, device=device)
-        self.experts = (PackedExperts if packed else Experts)(E, D, I, dtype, device)
+        self.experts = (PackedExperts if packed else Experts)(E, D, width, dtype, device)
+        if width > stop - start:  # padding columns stay zero (zero codes and scales: 0.0 in MXFP4)
+            with torch.no_grad():
+                for p in self.experts.parameters():
+                    p.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D], summed over the ranks' intermediate slices."""
-        return self.tp.all_reduce(self._local(x))
-
-    def _local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum (the whole output at size 1)."""
+        """x [T, D] -> [T, D]; tensor-parallel: this rank's part, which DecoderLayer sums
+        over the ranks."""
         T, D = x.shape
         weights, experts = route(self.router(x), self.top_k)                   # [T, k] each
         flat = experts.flatten()                                               # [T*k] (token, slot) order

@@ -82,7 +82,8 @@ def init_group(rank: int, size: int, *, backend: str | None = None, init_method:
                timeout_s: float = 300.0) -> TP:
     """Join the default torch.distributed group (rank of size) and return this rank's TP.
 
-    backend: "nccl" when CUDA is available, else "gloo". init_method: "tcp://HOST:PORT"
+    backend: "nccl" when CUDA is available (call torch.cuda.set_device for this rank's device
+    first: the group is bound to the current device), else "gloo". init_method: "tcp://HOST:PORT"
     (rank 0 listens there) or "env://" (MASTER_ADDR, MASTER_PORT: torchrun's and multi-node
     start-up's way). timeout_s bounds the rendezvous and every later collective."""
     if size == 1:

@@ -121,8 +121,12 @@ class GGUFFile:
         c = self.config_dict()
         return {"bos_token_id": c["bos_token_id"], "eos_token_id": c["eos_token_id"]}
 
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor) for every weight, dequantized and un-permuted."""
+    def named_tensors(self, select=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor) for every weight, dequantized and un-permuted.
+
+        select(name, shape) -> slices (a tensor-parallel rank's part) or None: a cut along the
+        first dimension (whole rows: whole quantisation blocks) is made before dequantising;
+        other tensors come whole, for the caller to cut."""
         import torch
 
         a = self.arch
@@ -133,13 +137,18 @@ class GGUFFile:
             if name is None:
                 raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r}")
             # A plain ndarray view: numpy's memmap subclass makes dequantize ~2x slower.
-            w = gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type)
-            w = w.reshape(tuple(reversed(t.shape.tolist())))
+            data, shape = t.data.view(np.ndarray), tuple(reversed(t.shape.tolist()))
+            index = select(name, shape) if select is not None else None
+            full_rows = shape[0]
+            if index is not None and len(index) == 1 and data.shape[0] == full_rows:
+                data = data[index[0]]
+                shape = (data.shape[0], *shape[1:])
+            w = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
             w = torch.from_numpy(w if w.flags.writeable else w.copy())
-            if a == "llama" and ".attn_q." in t.name:
-                w = _unpermute(w, heads)
+            if a == "llama" and ".attn_q." in t.name:   # per head: a cut of whole heads keeps its own
+                w = _unpermute(w, heads * shape[0] // full_rows)
             elif a == "llama" and ".attn_k." in t.name:
-                w = _unpermute(w, kv_heads)
+                w = _unpermute(w, kv_heads * shape[0] // full_rows)
             yield name, w
 
     def tokenizer(self) -> Tokenizer | None:

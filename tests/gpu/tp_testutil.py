@@ -45,7 +45,8 @@ def run_ranks(size: int, fn, *args, timeout_s: float = 120.0):
 
 def _rank_main(rank: int, size: int, port: int, fn, args, out: str, timeout_s: float) -> None:
     torch.set_num_threads(1)
-    tp = init_group(rank, size, backend="gloo", init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s)
+    # half the run's deadline: a stuck collective raises (and names itself) before the deadline
+    tp = init_group(rank, size, backend="gloo", init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s / 2)
     try:
         result = fn(tp, *args)
         if tp.first:
@@ -77,4 +78,46 @@ def greedy(model, tp: TP, ids: list[int], n: int) -> list[int]:
                 torch.distributed.broadcast(token, src=0, group=tp.group)
             new.append(int(token))
             start, step = start + len(step), new[-1:]
+    return new
+
+
+def paged_greedy(model, tp: TP, prompts: list[list[int]], n: int, block_size: int = 4,
+                 chunk: int = 5) -> list[list[int]]:
+    """n argmax tokens for each prompt, batched the engine's way: prompts prefilled in chunks
+    of `chunk` tokens, decode rows mixed with the other prompt's prefill, through a paged
+    KVCache of this rank's KV heads (TorchPagedAttention, gpu/staging.py's inputs)."""
+    from gpu.attention import KVCache, TorchPagedAttention
+    from gpu.interface import SeqChunk
+    from gpu.staging import prepare_step
+
+    c = model.config
+    per_seq = -(-(max(map(len, prompts)) + n) // block_size)
+    cache = KVCache(c.num_hidden_layers, 1 + per_seq * len(prompts), block_size, model.local_kv_heads,
+                    c.head_dim, model.dtype, "cpu")
+    attn = TorchPagedAttention(cache, c.head_dim ** -0.5)
+    tables = [tuple(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
+    seqs, done, new = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts]
+    with torch.inference_mode():
+        while any(len(t) < n for t in new):
+            chunks, rows = [], []
+            for i, s in enumerate(seqs):
+                if len(new[i]) == n:
+                    continue
+                todo = s[done[i]:done[i] + chunk]
+                end = done[i] + len(todo)
+                chunks.append(SeqChunk(str(i), tuple(todo), done[i], tables[i][:-(-end // block_size)],
+                                       end == len(s)))
+                if end == len(s):
+                    rows.append(i)
+                done[i] = end
+            input_ids, positions, meta, sample_idx = prepare_step(tuple(chunks), block_size, torch.device("cpu"))
+            attn.prepare(meta)
+            hidden = model(input_ids, positions, attn)
+            logits = model.compute_logits(hidden.index_select(0, sample_idx))
+            tokens = torch.full((len(rows),), -1) if logits is None else logits.argmax(-1)
+            if tp.size > 1:
+                torch.distributed.broadcast(tokens, src=0, group=tp.group)
+            for i, t in zip(rows, tokens.tolist()):
+                new[i].append(t)
+                seqs[i].append(t)
     return new
