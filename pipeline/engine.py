@@ -10,7 +10,8 @@ Back-edges go into schedule's inbox only: aborts (web) and stop-string finishes
 (detokenize), through cloned send channels.
 
 Lifetime: ``async with open_engine(config) as engine:`` runs start-up (in a worker
-thread Ctrl-C can abandon), starts the stages in the context manager's own nursery and
+thread Ctrl-C can abandon; with --tensor-parallel-size, after starting the worker ranks,
+pipeline/tp_procs.py, which it stops on the way out), starts the stages in the context manager's own nursery and
 yields a running Engine; leaving the block cancels the stages and closes the event log.
 
 A stage that raises stops the engine cleanly: ``engine.failure`` is set (so /health

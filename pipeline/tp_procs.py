@@ -40,6 +40,7 @@ log = logging.getLogger("tailrace")
 TP_TIMEOUT_ENV = "TAILRACE_TP_TIMEOUT_S"
 DEFAULT_TP_TIMEOUT_S = 120.0   # one collective, or the rendezvous (loading included)
 STOP_TIMEOUT_S = 10.0
+LOST_GRACE_S = 3.0       # at start-up, after a worker exits: for rank 0's own error
 
 # The EngineConfig fields a worker rank needs: what loads its shard and sizes its KV cache
 # and CUDA graphs as rank 0 does. (Sampling, parsers and templates are rank 0's alone.)
@@ -185,6 +186,7 @@ class TensorParallel:
             return build(cfg, device, None, ranks)
 
         lost: TPLost | None = None
+        done: outcome.Outcome | None = None
         async with trio.open_nursery() as nursery:
             async def watch():
                 nonlocal lost
@@ -192,13 +194,18 @@ class TensorParallel:
                     await self.workers.watch()
                 except TPLost as exc:
                     lost = exc
+                    # rank 0 often fails the same way a moment later (a size that does not
+                    # divide): its own error says why, the exit code does not
+                    await trio.sleep(LOST_GRACE_S)
                     nursery.cancel_scope.cancel()
             nursery.start_soon(watch)
             done = await outcome.acapture(trio.to_thread.run_sync, rank0, abandon_on_cancel=True)
             nursery.cancel_scope.cancel()
+        if isinstance(done, outcome.Error) and not isinstance(done.error, trio.Cancelled):
+            done.unwrap()          # rank 0's own error, out here: unwrapped by any nursery
         if lost is not None:
             raise lost
-        built = done.unwrap()      # out here: its error unwrapped by any nursery
+        built = done.unwrap()
         self.broadcast = built.runner.broadcast
         return built
 

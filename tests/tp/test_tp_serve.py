@@ -308,3 +308,17 @@ def test_a_dead_worker_fails_in_flight_requests_and_the_server_exits_1(tmp_path,
     finally:
         server.stop()
     assert "TPLost" in server.err.read_text()
+
+
+def test_a_size_that_does_not_divide_fails_start_up_naming_the_flag(smollm_ref):
+    """SmolLM2's 9 heads at TP 2: start-up fails with the loader's own message (not only
+    "a worker exited"), and the worker started for it is gone."""
+    before = {p for p, _, cmd in processes() if "pipeline.tp_worker" in cmd}
+
+    async def main():
+        async with open_engine(EngineConfig(**{**SIZES, "tensor_parallel_size": 2})):
+            pass
+    with pytest.raises(ValueError, match="not divisible by --tensor-parallel-size 2"):
+        trio.run(main)
+    assert not [p for p, _, cmd in processes()
+                if "pipeline.tp_worker" in cmd and p not in before and alive(p)]
