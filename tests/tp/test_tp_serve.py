@@ -318,7 +318,13 @@ def test_a_size_that_does_not_divide_fails_start_up_naming_the_flag(smollm_ref):
     async def main():
         async with open_engine(EngineConfig(**{**SIZES, "tensor_parallel_size": 2})):
             pass
-    with pytest.raises(ValueError, match="not divisible by --tensor-parallel-size 2"):
-        trio.run(main)
+    import torch
+
+    threads = torch.get_num_threads()     # rank 0 here takes its share of the cores
+    try:
+        with pytest.raises(ValueError, match="not divisible by --tensor-parallel-size 2"):
+            trio.run(main)
+    finally:
+        torch.set_num_threads(threads)
     assert not [p for p, _, cmd in processes()
                 if "pipeline.tp_worker" in cmd and p not in before and alive(p)]
