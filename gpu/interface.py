@@ -73,6 +73,12 @@ class Constraint:
         return Constraint("choice", json.dumps(list(options)))
 
 
+class TPLost(RuntimeError):
+    """The tensor-parallel ranks can no longer step together: a worker rank has gone, or a
+    step failed between its broadcast and its last collective (the other ranks are left
+    inside one). The engine must stop (stages/gpu_step.py counts it as a lost device)."""
+
+
 class GrammarError(ValueError):
     """The constraint is not a valid schema, regex or grammar (the client's fault)."""
 

@@ -17,7 +17,7 @@ import torch
 from gpu.attention import KVCache, TorchPagedAttention
 from gpu.grammar import Guide, accept, mask_logits
 from gpu.interface import (PromptLogprobs, SamplingOptions, SeqChunk, SeqStart, StagingRunner,
-                           StepPlan, StepResult, TokenLogprobs)
+                           StepPlan, StepResult, TokenLogprobs, TPLost)
 from gpu.sampler import (DeviceSampler, DraftRow, SeqSamplingState, apply_logit_controls, sample,
                          token_logprobs)
 from gpu.staging import (BlockTables, HostInputs, StagedTokens, Staging, last_token, stage_plan,
@@ -28,8 +28,12 @@ _log = logging.getLogger("tailrace.gpu")
 
 class ModelRunner(StagingRunner):
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
-                 use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0) -> None:
+                 use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
+                 broadcast=None) -> None:
+        """broadcast: tensor parallelism's rank 0 (gpu/tp_runner.py StepBroadcast): each
+        step's inputs go to the worker ranks before the forward."""
         self.model = model
+        self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
         self.use_triton = use_triton
@@ -88,6 +92,8 @@ class ModelRunner(StagingRunner):
             staged = self.stage(plan)
         if plan.kv_updates:
             self.cache.remap(plan.kv_updates)
+            if self.broadcast is not None:
+                self.broadcast.remapped(plan.kv_updates)
         for sid in plan.released:
             self.states.pop(sid, None)
             self.prompt_logprobs.pop(sid, None)
@@ -102,20 +108,26 @@ class ModelRunner(StagingRunner):
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
         input_ids, positions, meta, sample_idx = upload_inputs(
             staged, self.device, self.staging, self.last_token, self.staged_tokens.previous(staged))
+        spans = self._prompt_logprob_spans(plan.chunks) if self.prompt_logprobs else []
+        sampling = [c for c in plan.chunks if c.sample]
+        seq_ids = tuple(c.seq_id for c in sampling)
+        if self.broadcast is not None:
+            self.broadcast.send(staged, [(a, b) for _, a, b, _ in spans], bool(seq_ids), plan.step)
         with torch.inference_mode():
-            if (self.graphs is not None and not meta.prefill_rows
-                    and self.graphs.fits(len(plan.chunks), meta.block_tables.shape[1])):
-                hidden = self.graphs.run(input_ids, positions, meta)      # [T, D]
-            else:
-                self.attn.prepare(meta)
-                hidden = self.model(input_ids, positions, self.attn)      # [T, D]
-            prompt_logprobs = self._prompt_logprobs(plan.chunks, hidden) if self.prompt_logprobs else ()
-            sampling = [c for c in plan.chunks if c.sample]
-            seq_ids = tuple(c.seq_id for c in sampling)
+            try:   # the forward and the logits: collectives under tensor parallelism
+                hidden = self.forward(input_ids, positions, meta)                   # [T, D]
+                prompt_logprobs = self._prompt_logprobs(spans, hidden) if spans else ()
+                logits = (self.model.compute_logits(hidden.index_select(0, sample_idx))  # [R, V]
+                          if seq_ids else None)
+            except Exception as exc:
+                if self.broadcast is None:
+                    raise
+                # a rank that fails here leaves the others inside a collective
+                raise TPLost(f"step {plan.step} failed on rank 0 between its broadcast and "
+                             f"its last collective: {type(exc).__name__}: {exc}") from exc
             if not seq_ids:
                 return StepResult(plan.step, (), (), time.perf_counter() - t0,
                                   prompt_logprobs=prompt_logprobs)
-            logits = self.model.compute_logits(hidden.index_select(0, sample_idx))  # [R, V]
             states = [self.states[s] for s in seq_ids]
             verify = any(c.num_drafts for c in sampling)
             if verify:      # one row per position: the sequence as if the drafts before it held
@@ -180,26 +192,43 @@ class ModelRunner(StagingRunner):
                           time.perf_counter() - t0, logprobs=tuple(lps),
                           prompt_logprobs=prompt_logprobs, num_tokens=tuple(counts))
 
-    def _prompt_logprobs(self, chunks: tuple[SeqChunk, ...], hidden: torch.Tensor
-                         ) -> tuple[PromptLogprobs, ...]:
-        """The prompt logprobs the step's chunks owe: row p of a chunk (position p) gives
-        the logprob of prompt token p + 1. A position is reported once, even when a
-        preempted sequence computes its prompt again."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The step's hidden states [T, D]: a captured graph for a decode batch that fits
+        one, else eager. Every tensor-parallel rank decides alike from the same inputs."""
+        if (self.graphs is not None and not meta.prefill_rows
+                and self.graphs.fits(len(meta.q_lens), meta.block_tables.shape[1])):
+            return self.graphs.run(input_ids, positions, meta)
+        self.attn.prepare(meta)
+        return self.model(input_ids, positions, self.attn)
+
+    def _prompt_logprob_spans(self, chunks: tuple[SeqChunk, ...]) -> list[tuple[str, int, int, int]]:
+        """(seq id, first row, end row, first position) of the rows of the step's hidden
+        states whose prompt logprobs are owed: row p of a chunk (position p) gives the
+        logprob of prompt token p + 1. A position is reported once, even when a preempted
+        sequence computes its prompt again."""
         out = []
         row0 = 0
         for c in chunks:
             want = self.prompt_logprobs.get(c.seq_id)
             if want is not None:
-                k, owed = want
                 prompt = self.states[c.seq_id].prompt_ids
-                first = max(c.start_pos, owed - 1)
+                first = max(c.start_pos, want[1] - 1)
                 end = min(c.start_pos + len(c.token_ids), len(prompt) - 1)
                 if end > first:
-                    rows = hidden[row0 + first - c.start_pos:row0 + end - c.start_pos]
-                    entries = compute_prompt_logprobs(self.model, rows, prompt[first + 1:end + 1], k)
-                    out.append(PromptLogprobs(c.seq_id, entries))
-                    want[1] = end + 1
+                    out.append((c.seq_id, row0 + first - c.start_pos, row0 + end - c.start_pos, first))
             row0 += len(c.token_ids)
+        return out
+
+    def _prompt_logprobs(self, spans: list[tuple[str, int, int, int]], hidden: torch.Tensor
+                         ) -> tuple[PromptLogprobs, ...]:
+        out = []
+        for seq_id, a, b, first in spans:
+            want = self.prompt_logprobs[seq_id]
+            prompt = self.states[seq_id].prompt_ids
+            entries = compute_prompt_logprobs(self.model, hidden[a:b],
+                                              prompt[first + 1:first + 1 + b - a], want[0])
+            out.append(PromptLogprobs(seq_id, entries))
+            want[1] = first + b - a + 1
         return tuple(out)
 
     def last_token(self, seq_id: str) -> int:
@@ -239,7 +268,7 @@ class ModelRunner(StagingRunner):
         return self.warmup_s
 
 
-_PROMPT_LOGPROB_ROWS = 256   # rows of [rows, vocab] logits at a time
+PROMPT_LOGPROB_ROWS = 256   # rows of [rows, vocab] logits at a time
 
 
 def compute_prompt_logprobs(model, hidden: torch.Tensor, targets: tuple[int, ...], k: int
@@ -247,10 +276,10 @@ def compute_prompt_logprobs(model, hidden: torch.Tensor, targets: tuple[int, ...
     """hidden [R, D] at positions p..p+R-1 and the prompt tokens that follow each: their
     raw log-softmax logprob, rank (1 + the tokens more likely) and the top k."""
     out = []
-    for s in range(0, len(targets), _PROMPT_LOGPROB_ROWS):
-        lp = torch.log_softmax(model.compute_logits(hidden[s:s + _PROMPT_LOGPROB_ROWS]).float(),
+    for s in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        lp = torch.log_softmax(model.compute_logits(hidden[s:s + PROMPT_LOGPROB_ROWS]).float(),
                                dim=-1)                                          # [r, V]
-        t = torch.tensor(targets[s:s + _PROMPT_LOGPROB_ROWS], device=lp.device)[:, None]
+        t = torch.tensor(targets[s:s + PROMPT_LOGPROB_ROWS], device=lp.device)[:, None]
         picked = lp.gather(1, t)                                               # [r, 1]
         ranks = ((lp > picked).sum(dim=-1) + 1).tolist()
         picked = picked[:, 0].tolist()

@@ -43,6 +43,11 @@ def _fault_steps(inst, attribute, value):
     parse_fault_steps(value)
 
 
+def _at_least_one(inst, attribute, value):
+    if value < 1:
+        raise ValueError(f"--{attribute.name.replace('_', '-')} must be at least 1, got {value}")
+
+
 @attrs.frozen
 class EngineConfig:
     model: str | None = None                  # .gguf file or HF directory; None: bundled SmolLM2
@@ -67,6 +72,8 @@ class EngineConfig:
     # hybrid models (gpt-oss): sliding-window layers in a KV pool of their own, sized to their windows
     disable_hybrid_kv_cache_manager: bool = False
     enforce_eager: bool = False
+    # ranks one model is split over (issue 25): rank 0 here, workers 1..N-1 (pipeline/tp_procs.py)
+    tensor_parallel_size: int = attrs.field(default=1, validator=_at_least_one)
     async_scheduling: bool = True             # plan step N+1 while step N runs (as vLLM)
     stream_interval: int = attrs.field(default=1, validator=positive)  # tokens per stream write
     # admission: at most max_num_seqs + max_queued_requests requests admitted at once
@@ -105,6 +112,9 @@ class EngineConfig:
                              f"{', '.join(sorted(TOOL_PARSERS))}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.tensor_parallel_size > 1 and self.simulate_gpu is not None:
+            raise ValueError("--tensor-parallel-size does not combine with --simulate-gpu (the "
+                             "stand-in runs no model to split)")
         if self.simulate_draft_acceptance is not None and (
                 self.simulate_gpu is None or self.speculative_config is None):
             raise ValueError("--simulate-draft-acceptance needs --simulate-gpu and "
@@ -210,6 +220,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Write a streaming reply to its client every N tokens (the first at "
                         "once, the rest with the reply's end), which cuts the host cost of "
                         "many streams; every SSE event is kept (default: %(default)s).")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=_default("tensor_parallel_size"), metavar="N",
+                   help="Split the model over N ranks (tensor parallelism): this process is "
+                        "rank 0, and starts N-1 worker processes, one per GPU (cuda:1..N-1) or "
+                        "on the CPU; MASTER_ADDR/MASTER_PORT and LOCAL_WORLD_SIZE spread them "
+                        "over several hosts (docs/scaling.md) (default: %(default)s).")
     p.add_argument("--enforce-eager", action="store_true",
                    help="Never capture CUDA graphs; run every step eagerly.")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,

@@ -10,7 +10,8 @@ Back-edges go into schedule's inbox only: aborts (web) and stop-string finishes
 (detokenize), through cloned send channels.
 
 Lifetime: ``async with open_engine(config) as engine:`` runs start-up (in a worker
-thread Ctrl-C can abandon), starts the stages in the context manager's own nursery and
+thread Ctrl-C can abandon; with --tensor-parallel-size, after starting the worker ranks,
+pipeline/tp_procs.py, which it stops on the way out), starts the stages in the context manager's own nursery and
 yields a running Engine; leaving the block cancels the stages and closes the event log.
 
 A stage that raises stops the engine cleanly: ``engine.failure`` is set (so /health
@@ -39,6 +40,7 @@ from pipeline.client import EngineClient
 from pipeline.reply import describe
 from pipeline.startup import (Built, build, chat_template_source, freeze_heap,
                               generation_defaults, open_event_log, pick_device)
+from pipeline.tp_procs import TensorParallel, open_tensor_parallel
 from pipeline.stats import (EngineStats, Latencies, RequestShapes, SpecDecodeStats,
                             cache_config_labels)
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
@@ -138,7 +140,7 @@ def admission_limits(cfg: EngineConfig) -> tuple[int, int]:
 
 
 def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built: Built,
-           events: EventLog | None) -> Engine:
+           events: EventLog | None, tp: TensorParallel | None = None) -> Engine:
     """Open the channels, start every stage in `nursery`, return the running Engine."""
     ev = events.stage if events else (lambda name: None)
     loaded, tok = built.loaded, built.loaded.tokenizer
@@ -179,17 +181,20 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     nursery.start_soon(account.run, acct_out, emit_in, accountant, ev("account"))
     held = StreamInterval(cfg.stream_interval) if cfg.stream_interval > 1 else None
     nursery.start_soon(emit.run, emit_out, replies, emit.Emitter(), ev("emit"), held)
+    if tp is not None:   # a worker rank that exits stops the engine as a failed stage does
+        nursery.start_soon(tp.watch)
     return engine
 
 
 async def _run_stages(cfg: EngineConfig, device: torch.device, built: Built,
-                      events: EventLog | None, *, task_status) -> None:
+                      events: EventLog | None, tp: TensorParallel | None = None, *,
+                      task_status) -> None:
     """The stages in their own nursery. When one raises, the engine stops (Engine._stop)
     and the body gets STOP_GRACE_S before the error, raised here, cancels it."""
     engine: Engine | None = None
     try:
         async with trio.open_nursery() as stages:
-            engine = _start(stages, cfg, device, built, events)
+            engine = _start(stages, cfg, device, built, events, tp)
             task_status.started(engine)
     except Exception as exc:
         if engine is None:
@@ -212,14 +217,25 @@ async def open_engine(config: EngineConfig, loaded: LoadedModel | None = None
     out of the ``async with``, whether the body finished on its own or was cancelled.
     """
     device = pick_device(config.device)
-    built = await trio.to_thread.run_sync(partial(build, config, device, loaded),
-                                          abandon_on_cancel=True)
+    async with open_tensor_parallel(config, device) as tp:
+        if tp is None:
+            built = await trio.to_thread.run_sync(partial(build, config, device, loaded),
+                                                  abandon_on_cancel=True)
+        else:   # rank 0 of --tensor-parallel-size: the workers build their shards alongside
+            built = await tp.build(config, device, loaded)
+        async with _running(config, device, built, tp) as engine:
+            yield engine
+
+
+@contextlib.asynccontextmanager
+async def _running(config: EngineConfig, device: torch.device, built: Built,
+                   tp: TensorParallel | None) -> AsyncIterator[Engine]:
     events = open_event_log(config, built) if config.event_log else None
     engine: Engine | None = None
     body_error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            engine = await nursery.start(_run_stages, config, device, built, events)
+            engine = await nursery.start(_run_stages, config, device, built, events, tp)
             freeze_heap()
             try:
                 yield engine

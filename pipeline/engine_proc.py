@@ -27,6 +27,7 @@ from pipeline.config import EngineConfig
 from pipeline.engine import admission_limits, render_context, spec_decode_stats
 from pipeline.reply import describe
 from pipeline.startup import build, freeze_heap, open_event_log, pick_device
+from pipeline.tp_procs import TensorParallel, open_tensor_parallel
 from pipeline.stats import EngineStats, Latencies, RequestShapes, cache_config_labels
 from pipeline.wire import (AccountQuery, AccountReply, FrontendSetup, Link, Refused, StatsQuery,
                            StatsReply, forward, outbox, pack_step)
@@ -254,8 +255,17 @@ async def run_engine(cfg: EngineConfig, socks: list[socket.socket], setup: Front
     """Load the model, hand each frontend its setup, serve them until the last has gone.
     `setup` is every frontend's, less what the model decides (filled in here)."""
     device = pick_device(cfg.device)
-    built = await trio.to_thread.run_sync(partial(build, cfg, device, None),
-                                          abandon_on_cancel=True)
+    async with open_tensor_parallel(cfg, device) as tp:
+        if tp is None:
+            built = await trio.to_thread.run_sync(partial(build, cfg, device, None),
+                                                  abandon_on_cancel=True)
+        else:   # rank 0 of --tensor-parallel-size: the workers build their shards alongside
+            built = await tp.build(cfg, device)
+        return await _serve(cfg, socks, setup, built, tp)
+
+
+async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendSetup, built,
+                 tp: TensorParallel | None) -> int:
     events = open_event_log(cfg, built) if cfg.event_log else None
     ev = events.stage if events else (lambda name: None)
     header = _header(cfg, built) if events is not None else None
@@ -285,6 +295,8 @@ async def run_engine(cfg: EngineConfig, socks: list[socket.socket], setup: Front
             nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner,
                                        ev("gpu_step"), faults=cfg.fault_step_kinds))
             nursery.start_soon(route, steps_out, replies)
+            if tp is not None:   # a worker rank that exits stops the engine (exit 1)
+                nursery.start_soon(tp.watch)
             async with trio.open_nursery() as frontends:
                 for port in ports:
                     mine = attrs.evolve(

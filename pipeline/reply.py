@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 
 
 def describe(exc: BaseException | None) -> str:
-    """One line for an error (a group of one is its member)."""
+    """One line for an error (a group of one is its member; of several, theirs joined)."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(describe(e) for e in exc.exceptions)
     return "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
 
 

@@ -9,8 +9,10 @@ import gc
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import jinja2
@@ -19,7 +21,9 @@ import torch
 from gpu.attention import KVCache
 from gpu.grammar import GrammarCompiler
 from gpu.harmony import uses_harmony
+from gpu.interface import TPLost
 from gpu.loader import LoadedModel
+from gpu.parallel import SINGLE, TP
 from gpu.runner import ModelRunner
 from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
 from pipeline.config import EngineConfig
@@ -89,10 +93,95 @@ class Built:
     parsers: Parsers
 
 
-def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -> Built:
-    """Weights, tokenizer, KV cache, runner, scheduler."""
-    from gpu.loader import (choose_dtype, choose_residual_dtype, cpu_threads, load_model,
-                            load_shell, merge_eos_ids)
+@attrs.frozen
+class Ranks:
+    """This process's place among the tensor-parallel ranks (issue 25)."""
+    tp: TP
+    plan: Any        # the gloo group each step's inputs are broadcast over (gpu/tp_runner.py)
+
+
+def join_ranks(cfg: EngineConfig, device: torch.device, rank: int, init_method: str,
+               timeout_s: float, local_size: int | None = None) -> Ranks:
+    """Join the TP group as `rank` (every rank, in the same order). On the CPU each rank
+    gets its share of the cores (unless OMP_NUM_THREADS says): N ranks each with every
+    core would fight over them."""
+    from gpu.tp_runner import join
+
+    size = cfg.tensor_parallel_size
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (local_size or size)))
+    tp, plan = join(rank, size, device, init_method, timeout_s)
+    return Ranks(tp, plan)
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """A rank's device: cuda:(rank 0's index + local rank), or the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + local_rank)
+
+
+def check_tensor_parallel(cfg: EngineConfig, device: torch.device) -> None:
+    """--tensor-parallel-size N on CUDA needs N devices from rank 0's on."""
+    n = cfg.tensor_parallel_size
+    if n > 1 and device.type == "cuda":
+        have = torch.cuda.device_count() - (device.index or 0)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or n)
+        if local > have:
+            raise ValueError(f"--tensor-parallel-size {n} needs {local} CUDA devices on this "
+                             f"host from {device} on; torch sees {have}")
+
+
+def load_weights(cfg: EngineConfig, device: torch.device, tp: TP = SINGLE) -> LoadedModel:
+    """The model's weights (this rank's shard under tensor parallelism) and tokenizer."""
+    from gpu.loader import choose_dtype, choose_residual_dtype, cpu_threads, load_model
+
+    dtype, why = choose_dtype(cfg.dtype, device)
+    residual, rwhy = choose_residual_dtype(cfg.residual_dtype, dtype, device)
+    log.info("dtype %s (%s), residual stream %s (%s)%s", str(dtype).removeprefix("torch."), why,
+             str(residual).removeprefix("torch."), rwhy,
+             f"; {cpu_threads()}" if device.type == "cpu" else "")
+    return load_model(cfg.model, load_format=cfg.load_format, dtype=dtype,
+                      device=str(device), seed=cfg.seed, residual_dtype=residual, tp=tp)
+
+
+def resolve_max_model_len(cfg: EngineConfig, loaded: LoadedModel) -> int:
+    return cfg.max_model_len or min(loaded.max_model_len, loaded.config.max_position_embeddings)
+
+
+def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, max_model_len: int,
+                ranks: Ranks | None = None) -> tuple[ModelRunner, int]:
+    """The KV cache (this rank's heads; under tensor parallelism as many blocks as the
+    smallest rank's memory holds) and the runner over it: (runner, full-layer blocks).
+    Every rank runs it, in step: the CUDA profiling and graph capture run collectives."""
+    from gpu.tp_runner import StepBroadcast, min_over_ranks
+
+    mc = loaded.config
+    num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg))
+    if ranks is not None:
+        num_blocks = min_over_ranks(num_blocks, ranks.plan)
+    num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks)
+    cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, kv_heads(loaded),
+                    mc.head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
+                    num_sliding_blocks=sliding_slots)
+    broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
+    runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
+                         use_triton=device.type == "cuda", max_model_len=max_model_len,
+                         cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
+                         broadcast=broadcast)
+    return runner, num_blocks
+
+
+def kv_heads(loaded: LoadedModel) -> int:
+    """The KV heads this rank's cache holds (every head without tensor parallelism)."""
+    return loaded.model.local_kv_heads
+
+
+def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
+          ranks: Ranks | None = None) -> Built:
+    """Weights, tokenizer, KV cache, runner, scheduler. `ranks`: rank 0's place among the
+    tensor-parallel ranks, whose workers build their shard alongside (pipeline/tp_worker.py)."""
+    from gpu.loader import load_shell, merge_eos_ids
     from gpu.tokenizer_files import implied_tokenizer, load_tokenizer
 
     t0 = time.perf_counter()
@@ -101,13 +190,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
         log.info("simulating a %s: no weights loaded, the forward is a timed wait",
                  GPUS[cfg.simulate_gpu].name)
     elif loaded is None:
-        dtype, why = choose_dtype(cfg.dtype, device)
-        residual, rwhy = choose_residual_dtype(cfg.residual_dtype, dtype, device)
-        log.info("dtype %s (%s), residual stream %s (%s)%s", str(dtype).removeprefix("torch."), why,
-                 str(residual).removeprefix("torch."), rwhy,
-                 f"; {cpu_threads()}" if device.type == "cpu" else "")
-        loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=dtype,
-                            device=str(device), seed=cfg.seed, residual_dtype=residual)
+        loaded = load_weights(cfg, device, ranks.tp if ranks is not None else SINGLE)
     if cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
         loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
@@ -122,7 +205,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
         loaded = attrs.evolve(loaded, tokenizer=None)
     mc = loaded.config
     model_names = tuple(cfg.served_model_name) or (loaded.name,)
-    max_model_len = cfg.max_model_len or min(loaded.max_model_len, mc.max_position_embeddings)
+    max_model_len = resolve_max_model_len(cfg, loaded)
     if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
         log.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
                     cfg.max_model_len, mc.max_position_embeddings)
@@ -135,17 +218,13 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None) -
                                  ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed,
                                  draft_acceptance=cfg.simulate_draft_acceptance or 0.0)
     else:
-        num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, budget)
-        num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks)
-        cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, mc.num_key_value_heads,
-                        mc.head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
-                        num_sliding_blocks=sliding_slots)
-        runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
-                             use_triton=device.type == "cuda", max_model_len=max_model_len,
-                             cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512))
+        runner, num_blocks = make_runner(cfg, loaded, device, max_model_len, ranks)
+        cache = runner.cache
         if device.type == "cuda":  # compile what the first steps would, before any request
             try:
                 runner.warm_up(budget, cfg.max_num_seqs)
+            except TPLost:            # the ranks are out of step: nothing can run
+                raise
             except Exception as exc:  # the first real step will say more; do not hide it
                 log.error("warm-up failed: %s", exc, exc_info=exc)
             log.info("CUDA graphs %s (%.1fs); warm-up %.1fs",
@@ -231,7 +310,7 @@ def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
     per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
-                                        mc.num_key_value_heads, mc.head_dim, loaded.model.dtype)
+                                        kv_heads(loaded), mc.head_dim, loaded.model.dtype)
     if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, cfg.kv_cache_memory_bytes // per_block)
     if device.type == "cuda":

@@ -18,7 +18,8 @@
 #   kernels_tests.json  3. kernel tests on CUDA (a summary of pytest's junit report)
 #   kernels_tests.log   its output
 #   kernels_bench.json  4. kernel micro-benchmarks (Qwen3-0.6B shapes, GB/s vs 4.8 TB/s)
-#   steps.log           every step's output (throughput's too, 5. the MXFP4 MoE bench) and what was skipped, and why
+#   steps.log           every step's output (throughput's too, 5. the MXFP4 MoE bench, 6. the
+#                       tensor-parallel tests: 2+ GPUs) and what was skipped, and why
 # The first line of results (RESULT, printed after step 1 and again at the end) says
 # whether CUDA graphs were captured: a capture failure means an eager figure, said loudly.
 # On a machine without CUDA (PYTHON=/work/main/.venv/bin/python bash scripts/gpu_check.sh)
@@ -272,9 +273,31 @@ else
     say "5. SKIPPED MXFP4 MoE bench: the budget is spent"; rc_moe=budget
 fi
 
+# 6. Tensor parallelism (issue 25) on the GPUs, NCCL: tests/tp's servers with --device cuda
+#    (TP 2 on the tiny gpt-oss; TP 3 on SmolLM2 with three or more GPUs), greedy output
+#    against one rank, CUDA graphs with their collectives captured, a killed worker. Needs
+#    two GPUs or more: skipped with the reason otherwise (one GPU cannot show TP).
+rc_tp=skipped
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+MISSING_TP=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in ('openai', 'transformers', 'httpx') if u.find_spec(m) is None))" 2>/dev/null)
+if [ "$NGPU" -lt 2 ]; then
+    say "6. SKIPPED tensor-parallel tests: they need 2 or more GPUs, torch sees $NGPU"
+elif [ -n "$MISSING_TP" ]; then
+    say "6. SKIPPED tensor-parallel tests: the image lacks $MISSING_TP (carry their wheels in .whl/)"
+else
+    t=$(left 0); [ "$t" -gt 240 ] && t=240; say "6. tensor-parallel tests on $NGPU GPUs, up to ${t}s"
+    if [ "$t" -gt 60 ]; then
+        TAILRACE_TP_DEVICE=cuda TAILRACE_TP_TIMEOUT_S=30 timeout "$t" "$PY" -m pytest tests/tp -q \
+            -p no:cacheprovider -o addopts="" -rfEs 2>&1 | tee -a "$STEPS_LOG"
+        rc_tp=${PIPESTATUS[0]}
+    else
+        say "6. SKIPPED tensor-parallel tests: the budget is spent"; rc_tp=budget
+    fi
+fi
+
 [ "$CUDA" = 1 ] && headline | tee -a "$STEPS_LOG"
-say "done in ${SECONDS}s: throughput rc=$rc_e2e, bf16 greedy rc=$rc_bf16, graphs vs eager rc=$rc_graphs, kernel tests rc=$rc_tests, kernel bench rc=$rc_bench, MXFP4 MoE bench rc=$rc_moe"
-for rc in "$rc_e2e" "$rc_bf16" "$rc_graphs" "$rc_tests" "$rc_bench" "$rc_moe"; do
+say "done in ${SECONDS}s: throughput rc=$rc_e2e, bf16 greedy rc=$rc_bf16, graphs vs eager rc=$rc_graphs, kernel tests rc=$rc_tests, kernel bench rc=$rc_bench, MXFP4 MoE bench rc=$rc_moe, TP tests rc=$rc_tp"
+for rc in "$rc_e2e" "$rc_bf16" "$rc_graphs" "$rc_tests" "$rc_bench" "$rc_moe" "$rc_tp"; do
     [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1   # "budget": a step the time limit cut
 done
 exit 0

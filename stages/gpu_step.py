@@ -12,7 +12,8 @@ start the runner thread only fills in the PLACEHOLDER tokens and uploads the inp
 A step that raises fails its own requests (a StepResult with the error) and the next
 step runs as usual. Every failure is logged (logger "tailrace.gpu", with its traceback),
 whether or not an event log is set. An error that leaves the device unusable does not: a CUDA error
-(torch.AcceleratorError: the CUDA context is lost after one), or
+(torch.AcceleratorError: the CUDA context is lost after one), a lost tensor-parallel
+rank (gpu.interface.TPLost), or
 MAX_CONSECUTIVE_FAILURES failed steps in a row, raises EngineDead out of this stage,
 which stops the engine (pipeline/engine.py: /health turns 503, every request in flight
 ends with an error, the server exits non-zero).
@@ -35,7 +36,7 @@ import outcome
 import torch
 import trio
 
-from gpu.interface import Runner, StagingRunner, StepPlan, StepResult
+from gpu.interface import Runner, StagingRunner, StepPlan, StepResult, TPLost
 
 _log = logging.getLogger("tailrace.gpu")
 
@@ -65,7 +66,7 @@ class EngineDead(RuntimeError):
 
 
 def _fatal(exc: BaseException) -> bool:
-    return isinstance(exc, (DeviceLost, torch.AcceleratorError))
+    return isinstance(exc, (DeviceLost, TPLost, torch.AcceleratorError))
 
 
 def _execute(runner: Runner, plan: StepPlan, fault: str | None,

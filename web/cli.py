@@ -250,10 +250,10 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         import trio
 
-        from pipeline.startup import pick_device
+        from pipeline.startup import check_tensor_parallel, pick_device
 
         try:
-            pick_device(config.device)
+            check_tensor_parallel(config, pick_device(config.device))
         except ValueError as exc:
             parser.error(str(exc))
         return trio.run(partial(serve_model, config, sock, app_config=web_config,
