@@ -150,9 +150,10 @@ def resolve_max_model_len(cfg: EngineConfig, loaded: LoadedModel) -> int:
 
 
 def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, max_model_len: int,
-                ranks: Ranks | None = None) -> tuple[ModelRunner, int]:
+                ranks: Ranks | None = None) -> tuple[ModelRunner, KVCache, int]:
     """The KV cache (this rank's heads; under tensor parallelism as many blocks as the
-    smallest rank's memory holds) and the runner over it: (runner, full-layer blocks).
+    smallest rank's memory holds) and the runner over it: (runner, cache, full-layer
+    blocks). The cache is returned apart: tests stand a scripted runner in for ModelRunner.
     Every rank runs it, in step: the CUDA profiling and graph capture run collectives."""
     from gpu.tp_runner import StepBroadcast, min_over_ranks
 
@@ -169,7 +170,7 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
                          use_triton=device.type == "cuda", max_model_len=max_model_len,
                          cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
                          broadcast=broadcast)
-    return runner, num_blocks
+    return runner, cache, num_blocks
 
 
 def kv_heads(loaded: LoadedModel) -> int:
@@ -218,8 +219,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                                  ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed,
                                  draft_acceptance=cfg.simulate_draft_acceptance or 0.0)
     else:
-        runner, num_blocks = make_runner(cfg, loaded, device, max_model_len, ranks)
-        cache = runner.cache
+        runner, cache, num_blocks = make_runner(cfg, loaded, device, max_model_len, ranks)
         if device.type == "cuda":  # compile what the first steps would, before any request
             try:
                 runner.warm_up(budget, cfg.max_num_seqs)

@@ -71,7 +71,7 @@ def serve(cfg, rank: int, init_method: str, local_rank: int) -> int:
     ranks = join_ranks(cfg, device, rank, init_method, collective_timeout_s(),
                        int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.tensor_parallel_size))
     loaded = load_weights(cfg, device, ranks.tp)
-    runner, _ = make_runner(cfg, loaded, device, resolve_max_model_len(cfg, loaded), ranks)
+    runner, _, _ = make_runner(cfg, loaded, device, resolve_max_model_len(cfg, loaded), ranks)
     log.info("tensor-parallel worker rank %d of %d on %s: ready", rank, ranks.tp.size, device)
     steps = follow(runner, ranks.plan)
     log.info("tensor-parallel worker rank %d: stopped after %d steps", rank, steps)
