@@ -5,11 +5,14 @@ index_select gathers the attention, argmax the (greedy) sampling.
 
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16
 
-A/B on a shared machine: --residual-dtypes with more than one value builds one runner per
-value (same weights) and times them alternately, --rounds times, so that load from other
-processes hits both alike; it prints each round's median and best, and the spread.
+A/B on a shared machine: --residual-dtypes or --attention with more than one value builds
+one runner per combination (same weights) and times them alternately, --rounds times, so
+that load from other processes hits all alike; it prints each round's median and best, and
+the spread. --attention c is the decode path through gpu/cpu_kernels.c (the default where it
+builds), torch the gather + SDPA path (TAILRACE_CPU_KERNELS=0).
 
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --residual-dtypes bfloat16 float32 --rounds 5
+    .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --attention torch c --rounds 5
 """
 from __future__ import annotations
 
@@ -27,11 +30,15 @@ from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.runner import ModelRunner
 
 
-def make_decoder(lm, n: int, bs: int = 16):
+def make_decoder(lm, n: int, bs: int = 16, attention: str = "c"):
     """A runner with n sequences prefilled; returns decode(step) -> seconds."""
     c = lm.config
     cache = KVCache(c.num_hidden_layers, n * 17, bs, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
     runner = ModelRunner(lm, cache, device=torch.device("cpu"))
+    if attention == "torch":
+        runner.attn.kernels = None
+    elif runner.attn.kernels is None:
+        raise SystemExit("--attention c: gpu/cpu_kernels.c is not available here")
     rng = random.Random(0)
     prompts = [tuple(rng.randrange(10000) for _ in range(128)) for _ in range(n)]
     tables = [tuple(range(i * 17, (i + 1) * 17)) for i in range(n)]
@@ -53,6 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--residual-dtypes", nargs="+", default=["auto"])
+    ap.add_argument("--attention", nargs="+", default=["c"], choices=["c", "torch"])
     ap.add_argument("--num-seqs", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1)
@@ -62,8 +70,9 @@ def main() -> None:
     decoders = {}
     for r in a.residual_dtypes:
         lm = load_model(None, dtype=a.dtype, residual_dtype=r, progress=False)
-        decoders[f"{a.dtype}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}"] = \
-            (make_decoder(lm.model, a.num_seqs), [])
+        for att in a.attention:
+            decoders[f"{a.dtype}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {att}"] = \
+                (make_decoder(lm.model, a.num_seqs, attention=att), [])
     step = 1
     for rnd in range(a.rounds):
         for name, (decode, medians) in decoders.items():
@@ -83,7 +92,7 @@ def main() -> None:
                 decode(s)
         step += 5
         print(name)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
 if __name__ == "__main__":

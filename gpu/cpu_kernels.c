@@ -1,0 +1,396 @@
+/* CPU kernels for the decode step, built by gpu/cpu_kernels.py with the system C compiler
+ * (-O3 -march=native -fopenmp) and called through ctypes. No torch headers: it compiles in
+ * about a second. OpenMP resolves to the libgomp torch has already loaded (same soname), so
+ * these loops share torch's thread pool instead of oversubscribing the cores.
+ *
+ * Tensors arrive as raw pointers with their dtype as a flag (0: fp32, 1: bf16) and are read
+ * in place; all arithmetic is fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* n elements of a row of dtype `bf16` (0/1) starting at element `off` -> fp32 dst. */
+static inline void load_row(const void *base, int64_t off, int n, int bf16, float *restrict dst) {
+#if defined(__AVX512F__)
+    if (bf16 && n % 16 == 0) {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int i = 0; i < n; i += 16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(src + i));
+            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+        return;
+    }
+#endif
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + off, (size_t)n * 4);
+    }
+}
+
+static inline void store_row(void *base, int64_t off, int n, int bf16, const float *restrict src) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)base + off, src, (size_t)n * 4);
+    }
+}
+
+/* exp(x) for x <= 0 (a score minus its row's max), vectorisable (glibc's expf is not
+ * without -ffast-math, whose finite-math assumption the -inf of an empty max breaks):
+ * Cephes' expf, 2^n * p(r) with r = x - n ln 2, about 1 ulp; below -87 it returns
+ * exp(-87) ~ 1.6e-38, nothing against a denominator >= 1. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+#if defined(__AVX512F__)
+#define VECTOR_WIDTH 16
+
+/* exp_nonpos on 16 lanes */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load16(const void *base, int64_t off, int bf16) {
+    if (bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + off);
+}
+
+/* acc[g][0:64] = sum over tokens t0..len-1 of p[g][t] * v[t][0:64], g < GN (a constant
+ * once inlined): GN x 4 accumulators stay in registers across the tokens. v of token t
+ * at element (slot(t) * row + col) of v_cache; p rows max_len apart; acc rows D apart. */
+static inline __attribute__((always_inline)) void pv_tile(
+        const void *v_cache, int bf16, const int32_t *table, int64_t bs, int64_t t0, int64_t len,
+        int64_t row, int64_t col, const float *p, int64_t max_len, float *acc, int64_t D, const int GN) {
+    __m512 a[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
+    for (int64_t t = t0; t < len;) {
+        const int64_t off = t % bs, n = (bs - off < len - t) ? bs - off : len - t;
+        const int64_t base = (int64_t)table[t / bs] * bs + off;
+        for (int64_t j = 0; j < n; j++, t++) {
+            const int64_t e = (base + j) * row + col;
+            const __m512 v0 = load16(v_cache, e, bf16), v1 = load16(v_cache, e + 16, bf16);
+            const __m512 v2 = load16(v_cache, e + 32, bf16), v3 = load16(v_cache, e + 48, bf16);
+            for (int g = 0; g < GN; g++) {
+                const __m512 pb = _mm512_set1_ps(p[g * max_len + t]);
+                a[g][0] = _mm512_fmadd_ps(pb, v0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(pb, v1, a[g][1]);
+                a[g][2] = _mm512_fmadd_ps(pb, v2, a[g][2]);
+                a[g][3] = _mm512_fmadd_ps(pb, v3, a[g][3]);
+            }
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
+}
+
+/* The sums of four vectors' lanes, in one vector (a reduction each would cost twice). */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+#define HALVES(a) _mm256_add_ps(_mm512_castps512_ps256(a), \
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)))
+    const __m256 h01 = _mm256_hadd_ps(HALVES(a0), HALVES(a1)), h23 = _mm256_hadd_ps(HALVES(a2), HALVES(a3));
+#undef HALVES
+    const __m256 h = _mm256_hadd_ps(h01, h23);  /* per 128-bit lane: the four rows' partial sums */
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* s[g][t] = q[g] . k[t] for tokens t0..len-1 and g < GN (a constant once inlined), and
+ * mx[g] = max(mx[g], max_t s[g][t]); k of token t at element (slot(t) * row + col) of
+ * k_cache, D % 64 == 0; q rows D apart, s rows max_len apart. */
+static inline __attribute__((always_inline)) void qk_tile(
+        const void *k_cache, int bf16, const int32_t *table, int64_t bs, int64_t t0, int64_t len,
+        int64_t row, int64_t col, const float *q, int64_t D, float *s, int64_t max_len, float *mx,
+        const int GN) {
+    float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, r[4];
+    for (int g = 0; g < GN; g++) m[g] = mx[g];
+    __m128 m4 = _mm_loadu_ps(m);
+    for (int64_t t = t0; t < len;) {
+        const int64_t off = t % bs, n = (bs - off < len - t) ? bs - off : len - t;
+        const int64_t base = (int64_t)table[t / bs] * bs + off;
+        for (int64_t j = 0; j < n; j++, t++) {
+            const int64_t e = (base + j) * row + col;
+            __m512 a[4];
+            for (int g = 0; g < 4; g++) a[g] = _mm512_setzero_ps();
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const __m512 k0 = load16(k_cache, e + d0, bf16), k1 = load16(k_cache, e + d0 + 16, bf16);
+                const __m512 k2 = load16(k_cache, e + d0 + 32, bf16), k3 = load16(k_cache, e + d0 + 48, bf16);
+                for (int g = 0; g < GN; g++) {
+                    const float *qg = q + g * D + d0;
+                    a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qg), k0, a[g]);
+                    a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, a[g]);
+                    a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, a[g]);
+                    a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, a[g]);
+                }
+            }
+            const __m128 r4 = reduce4(a[0], a[1], a[2], a[3]);
+            m4 = _mm_max_ps(m4, r4);
+            _mm_storeu_ps(r, r4);
+            for (int g = 0; g < GN; g++) s[g * max_len + t] = r[g];
+        }
+    }
+    _mm_storeu_ps(m, m4);
+    for (int g = 0; g < GN; g++) mx[g] = m[g];
+}
+
+static void qk_tiles(const void *k_cache, int bf16, const int32_t *table, int64_t bs, int64_t t0,
+                     int64_t len, int64_t row, int64_t col, const float *q, int64_t D, float *s,
+                     int64_t max_len, float *mx, int64_t gn) {
+    switch (gn) {
+    case 1: qk_tile(k_cache, bf16, table, bs, t0, len, row, col, q, D, s, max_len, mx, 1); break;
+    case 2: qk_tile(k_cache, bf16, table, bs, t0, len, row, col, q, D, s, max_len, mx, 2); break;
+    case 3: qk_tile(k_cache, bf16, table, bs, t0, len, row, col, q, D, s, max_len, mx, 3); break;
+    default: qk_tile(k_cache, bf16, table, bs, t0, len, row, col, q, D, s, max_len, mx, 4); break;
+    }
+}
+
+/* pv_tile over GN = 1..4 query heads */
+static void pv_tiles(const void *v_cache, int bf16, const int32_t *table, int64_t bs, int64_t t0,
+                     int64_t len, int64_t row, int64_t col, const float *p, int64_t max_len,
+                     float *acc, int64_t D, int64_t gn) {
+    switch (gn) {
+    case 1: pv_tile(v_cache, bf16, table, bs, t0, len, row, col, p, max_len, acc, D, 1); break;
+    case 2: pv_tile(v_cache, bf16, table, bs, t0, len, row, col, p, max_len, acc, D, 2); break;
+    case 3: pv_tile(v_cache, bf16, table, bs, t0, len, row, col, p, max_len, acc, D, 3); break;
+    default: pv_tile(v_cache, bf16, table, bs, t0, len, row, col, p, max_len, acc, D, 4); break;
+    }
+}
+#else
+#define VECTOR_WIDTH 0
+#endif
+
+/* 16 when the hot loops below are AVX-512 (the only ones measured faster than torch's
+ * gather + SDPA; the caller keeps torch otherwise), else 0. */
+int cpu_kernels_vector_width(void) { return VECTOR_WIDTH; }
+
+/* Decode attention over a paged KV cache, one query token per sequence, read in place.
+ *
+ * q, out:        [T, Hq, D], q's rows q_stride elements apart, out contiguous; sequence i's
+ *                query is row q_rows[i]
+ * k_cache, v_cache: [num_blocks, bs, Hkv, D]
+ * tables:        [B, table_stride] int32 block ids; seq_lens [B] int64 (context incl. the new token)
+ * new_k, new_v:  [T, Hkv, D] this step's k/v, rows k_stride, v_stride elements apart (NULL: already
+ *                in the cache); sequence i's written first to slot slots[i] (< 0: not written)
+ * sinks:         [Hq] fp32 logits joining each softmax denominator, or NULL
+ * window:        > 0: a query at position p sees keys p - window + 1 .. p only
+ * Returns 0, or -1 when a block id or slot is out of range or scratch memory runs out
+ * (nothing is read or written out of bounds: the caller falls back to torch).
+ *
+ * A work item is one sequence and a range of its KV heads: it walks the sequence's tokens
+ * block by block, reading each token's [heads, D] row once and contiguously (a head per
+ * item instead read 128 of every 384 bytes and ran at a third of the speed). Two passes:
+ * scores and their max, then exp, sum and the weighted values.
+ */
+int paged_decode_attention(const void *q, int64_t q_stride, const int64_t *q_rows, void *out,
+                           void *k_cache, void *v_cache, int64_t num_blocks,
+                           const int32_t *tables, int64_t table_stride, const int64_t *seq_lens,
+                           const void *new_k, const void *new_v, int64_t k_stride, int64_t v_stride,
+                           const int64_t *slots,
+                           const float *sinks, int64_t window,
+                           int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                           float scale, int bf16) {
+    const int64_t G = Hq / Hkv;
+    if (G * Hkv != Hq || D < 1 || bs < 1) return -1;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = seq_lens[b];
+        if (len < 1 || (len + bs - 1) / bs > table_stride) return -1;
+        for (int64_t j = 0; j < (len + bs - 1) / bs; j++)
+            if (tables[b * table_stride + j] < 0 || tables[b * table_stride + j] >= num_blocks) return -1;
+        if (slots && slots[b] >= num_blocks * bs) return -1;
+        if (len > max_len) max_len = len;
+    }
+    /* few sequences: split their heads too, so that every thread has work */
+    const int64_t parts = B >= 16 ? 1 : Hkv, hper = Hkv / parts;
+    const size_t esz = bf16 ? 2 : 4;
+    const int vec = VECTOR_WIDTH && D % 16 == 0;  /* whole vectors per head */
+    (void)vec;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const int64_t nq = hper * G;  /* query heads per item */
+        float *scores = malloc(sizeof(float) * (size_t)(nq * max_len));
+        float *qf = malloc(sizeof(float) * (size_t)(nq * D));
+        float *acc = malloc(sizeof(float) * (size_t)(nq * D));
+        float *row = malloc(sizeof(float) * (size_t)(hper * D));
+        float *mx = malloc(sizeof(float) * (size_t)nq);
+        const int ok = scores && qf && acc && row && mx;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < B * parts; item++) {
+            if (!ok) continue;
+            const int64_t b = item / parts, h0 = (item % parts) * hper;
+            const int64_t len = seq_lens[b], qrow = q_rows[b];
+            const int32_t *table = tables + b * table_stride;
+            if (slots && slots[b] >= 0) {  /* this step's k/v into the cache */
+                const int64_t dst = (slots[b] * Hkv + h0) * D;
+                memcpy((char *)k_cache + dst * esz, (const char *)new_k + (qrow * k_stride + h0 * D) * esz,
+                       hper * D * esz);
+                memcpy((char *)v_cache + dst * esz, (const char *)new_v + (qrow * v_stride + h0 * D) * esz,
+                       hper * D * esz);
+            }
+            const int64_t t0 = (window > 0 && len > window) ? len - window : 0;
+            load_row(q, qrow * q_stride + h0 * G * D, nq * D, bf16, qf);
+            for (int64_t i = 0; i < nq * D; i++) qf[i] *= scale;
+            for (int64_t i = 0; i < nq; i++) mx[i] = sinks ? sinks[h0 * G + i] : -INFINITY;
+            /* pass 1: scores and their running max */
+#if VECTOR_WIDTH
+            if (D % 64 == 0)  /* tiles of 4 query heads: one k row read serves them all */
+                for (int64_t h = 0; h < hper; h++)
+                    for (int64_t g0 = 0; g0 < G; g0 += 4)
+                        qk_tiles(k_cache, bf16, table, bs, t0, len, Hkv * D, (h0 + h) * D,
+                                 qf + (h * G + g0) * D, D, scores + (h * G + g0) * max_len, max_len,
+                                 mx + h * G + g0, G - g0 < 4 ? G - g0 : 4);
+#endif
+            for (int64_t t = t0; t < len && !(VECTOR_WIDTH && D % 64 == 0);) {
+                const int64_t off = t % bs, n = (bs - off < len - t) ? bs - off : len - t;
+                const int64_t base = (int64_t)table[t / bs] * bs + off;
+                for (int64_t j = 0; j < n; j++, t++) {
+                    load_row(k_cache, ((base + j) * Hkv + h0) * D, hper * D, bf16, row);
+                    for (int64_t h = 0, i = 0; h < hper; h++) {   /* no divisions: i = h * G + g */
+                        const float *kh = row + h * D;
+                        for (int64_t g = 0; g < G; g++, i++) {
+                            const float *qi = qf + i * D;
+                            float s = 0.f;
+#if VECTOR_WIDTH
+                            if (vec) {
+                                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qi), _mm512_loadu_ps(kh));
+                                for (int64_t d = 16; d < D; d += 16)
+                                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + d), _mm512_loadu_ps(kh + d), a);
+                                s = _mm512_reduce_add_ps(a);
+                            } else
+#endif
+                            for (int64_t d = 0; d < D; d++) s += qi[d] * kh[d];
+                            scores[i * max_len + t] = s;
+                            if (s > mx[i]) mx[i] = s;
+                        }
+                    }
+                }
+            }
+            /* softmax numerators; 1/denominator kept in mx */
+            for (int64_t i = 0; i < nq; i++) {
+                float sum = sinks ? expf(sinks[h0 * G + i] - mx[i]) : 0.f;
+                float *si = scores + i * max_len;
+                const float m = mx[i];
+                int64_t t = t0;
+#if VECTOR_WIDTH
+                if (vec) {
+                    __m512 vs = _mm512_setzero_ps();
+                    const __m512 vm = _mm512_set1_ps(m);
+                    for (; t < len; t += 16) {
+                        const __mmask16 k = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+                        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, si + t), vm));
+                        _mm512_mask_storeu_ps(si + t, k, e);
+                        vs = _mm512_mask_add_ps(vs, k, vs, e);
+                    }
+                    sum += _mm512_reduce_add_ps(vs);
+                }
+#endif
+                for (; t < len; t++) {
+                    si[t] = exp_nonpos(si[t] - m);
+                    sum += si[t];
+                }
+                mx[i] = 1.f / sum;
+            }
+            /* pass 2: probabilities x values */
+#if VECTOR_WIDTH
+            if (D % 64 == 0) {  /* register tiles of 4 query heads x 64 dims */
+                for (int64_t h = 0; h < hper; h++)
+                    for (int64_t g0 = 0; g0 < G; g0 += 4)
+                        for (int64_t d0 = 0; d0 < D; d0 += 64)
+                            pv_tiles(v_cache, bf16, table, bs, t0, len, Hkv * D, (h0 + h) * D + d0,
+                                     scores + (h * G + g0) * max_len, max_len, acc + (h * G + g0) * D + d0,
+                                     D, G - g0 < 4 ? G - g0 : 4);
+            } else
+#endif
+            memset(acc, 0, sizeof(float) * (size_t)(nq * D));
+            for (int64_t t = t0; t < len && !(VECTOR_WIDTH && D % 64 == 0);) {
+                const int64_t off = t % bs, n = (bs - off < len - t) ? bs - off : len - t;
+                const int64_t base = (int64_t)table[t / bs] * bs + off;
+                for (int64_t j = 0; j < n; j++, t++) {
+                    load_row(v_cache, ((base + j) * Hkv + h0) * D, hper * D, bf16, row);
+                    for (int64_t h = 0, i = 0; h < hper; h++) {
+                        const float *vh = row + h * D;
+                        for (int64_t g = 0; g < G; g++, i++) {
+                            const float p = scores[i * max_len + t];
+                            float *ai = acc + i * D;
+#if VECTOR_WIDTH
+                            if (vec) {
+                                const __m512 vp = _mm512_set1_ps(p);
+                                for (int64_t d = 0; d < D; d += 16)
+                                    _mm512_storeu_ps(ai + d, _mm512_fmadd_ps(vp, _mm512_loadu_ps(vh + d),
+                                                                             _mm512_loadu_ps(ai + d)));
+                                continue;
+                            }
+#endif
+                            for (int64_t d = 0; d < D; d++) ai[d] += p * vh[d];
+                        }
+                    }
+                }
+            }
+            for (int64_t i = 0; i < nq; i++)
+                for (int64_t d = 0; d < D; d++) acc[i * D + d] *= mx[i];
+            store_row(out, (qrow * Hq + h0 * G) * D, nq * D, bf16, acc);
+        }
+        free(scores);
+        free(qf);
+        free(acc);
+        free(row);
+        free(mx);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,131 @@
+"""C kernels for the CPU decode step (gpu/cpu_kernels.c), built on first use and called
+through ctypes.
+
+Why C: decode attention over the paged cache in torch needs a gather of every sequence's
+blocks per layer (index_select, then SDPA over the copy), which reads and writes the whole
+context twice more than attending in place; torch.compile could fuse it but its compile
+took minutes on a 2-core machine. The C file needs no torch headers and builds in about a
+second with the system compiler (cc -O3 -march=native -fopenmp), once per machine: the
+shared object is cached under $XDG_CACHE_HOME/tailrace/cpu_kernels, keyed by the source,
+the compiler command and the CPU's flags.
+
+Without a compiler, or with TAILRACE_CPU_KERNELS=0, `kernels()` returns None and the
+callers keep their torch path (the fallback, also what the tests compare against).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+DISABLE_ENV = "TAILRACE_CPU_KERNELS"     # "0": never build or use the C kernels
+CACHE_ENV = "TAILRACE_CPU_KERNELS_CACHE"
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tailrace", "cpu_kernels")
+    return Path(base)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(cc: str) -> Path:
+    """The shared object for this source, compiler and CPU (built now unless cached)."""
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(tmp, out)  # atomic: processes starting together never load half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class CpuKernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        f = lib.paged_decode_attention
+        f.restype = ctypes.c_int
+        f.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I64,
+                      _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+        self._decode = f
+        lib.cpu_kernels_vector_width.restype = ctypes.c_int
+        # 0: built without AVX-512, where the loops were never measured against torch's
+        self.vector_width = lib.cpu_kernels_vector_width()
+
+    def paged_decode_attention(self, q: torch.Tensor, q_rows: torch.Tensor, out: torch.Tensor,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float, *,
+                               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               slots: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                               window: int | None = None) -> bool:
+        """Decode attention in place over the paged cache; False when the kernel declines
+        (a block id or slot out of range, no memory): the caller's fallback then rewrites
+        whatever k/v it may have written.
+
+        q [T, Hq, D] with contiguous rows (any row stride), sequence i's row q_rows[i]
+        (int64); out [T, Hq, D] contiguous; k_cache/v_cache [num_blocks, bs, Hkv, D]
+        contiguous, of q's dtype (fp32 or bf16); tables [B, N] int32 contiguous; seq_lens
+        [B] int64; new_kv [T, Hkv, D] each with contiguous rows (any row stride),
+        sequence i's written first to slot slots[i] (int64, < 0: skip); sinks [Hq] fp32
+        contiguous."""
+        nb, bs, hkv, d = k_cache.shape
+        if new_kv is not None:
+            nk, nv = new_kv
+            kv_ptrs = (nk.data_ptr(), nv.data_ptr(), nk.stride(0), nv.stride(0), slots.data_ptr())
+        else:
+            kv_ptrs = (None, None, 0, 0, None)
+        with torch.profiler.record_function("cpu_kernels::paged_decode_attention"):
+            rc = self._decode(q.data_ptr(), q.stride(0), q_rows.data_ptr(), out.data_ptr(),
+                              k_cache.data_ptr(), v_cache.data_ptr(), nb, tables.data_ptr(), tables.shape[1],
+                              seq_lens.data_ptr(),
+                              *kv_ptrs, None if sinks is None else sinks.data_ptr(), window or 0,
+                              seq_lens.shape[0], q.shape[1], hkv, d, bs, scale, _DTYPES[q.dtype])
+        return rc == 0
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPES
+
+
+@functools.cache
+def kernels() -> CpuKernels | None:
+    """The built kernels, or None (disabled, no compiler, or the build failed: the torch
+    path serves instead)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(_build(cc))))
+    except (OSError, subprocess.SubprocessError):
+        return None
