@@ -394,3 +394,90 @@ int paged_decode_attention(const void *q, int64_t q_stride, const int64_t *q_row
     }
     return failed ? -1 : 0;
 }
+
+/* ---- The decoder's elementwise ops (gpu/ops.py's CPU path): one call for what torch runs
+ * as eight to twenty small ops. Compiled with -ffp-contract=off, each product and sum is
+ * rounded as torch's separate ops round it; rows are split among threads only when large
+ * (a parallel region costs more than a decode step's few rows). */
+
+#define PARALLEL_MIN 65536  /* elements */
+#define MAX_ROPE_DIM 1024  /* head_dim; the caller keeps torch beyond */
+
+/* sum_out = x + residual (residual may be NULL: sum_out = x), out = rms_norm(sum_out) * weight;
+ * N rows of D, contiguous. dtypes: 0 fp32, 1 bf16. sum_out may be NULL (no residual).
+ * The statistics use the sum as stored (rounded to bf16 when o_bf16), as torch's two ops do. */
+void add_rms_norm(const void *x, int x_bf16, const void *residual, int r_bf16, const void *weight,
+                  int w_bf16, void *out, void *sum_out, int o_bf16, int64_t N, int64_t D, float eps) {
+#pragma omp parallel for schedule(static) if (N * D >= PARALLEL_MIN)
+    for (int64_t n = 0; n < N; n++) {
+        float *buf = malloc(sizeof(float) * 2 * (size_t)D), *tmp = buf + D;
+        if (!buf) continue;  /* cannot happen for any sane D; out keeps garbage rather than crash */
+        load_row(x, n * D, (int)D, x_bf16, buf);
+        if (residual) {
+            load_row(residual, n * D, (int)D, r_bf16, tmp);
+            for (int64_t d = 0; d < D; d++) buf[d] += tmp[d];
+        }
+        if (sum_out) {
+            store_row(sum_out, n * D, (int)D, o_bf16, buf);
+            if (o_bf16) load_row(sum_out, n * D, (int)D, 1, buf);
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < D; d++) ss += buf[d] * buf[d];
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        load_row(weight, 0, (int)D, w_bf16, tmp);
+        for (int64_t d = 0; d < D; d++) buf[d] = (buf[d] * inv) * tmp[d];
+        store_row(out, n * D, (int)D, o_bf16, buf);
+        free(buf);
+    }
+}
+
+/* NeoX rotary embedding of q [T, Hq, D] and k [T, Hkv, D] (rows q_stride / k_stride elements
+ * apart, heads contiguous) into q_out / k_out (contiguous): with c, s the first and second
+ * halves of cos_sin[positions[t]] (fp32 [P, D]), x = [x1, x2] -> [x1 c - x2 s, x2 c + x1 s].
+ * bf16: dtype of q, k and the outputs. -1 (nothing written) for a position outside cos_sin's P rows. */
+int rope(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const int64_t *positions,
+         const float *cos_sin, int64_t P, void *q_out, void *k_out, int64_t T, int64_t Hq, int64_t Hkv,
+         int64_t D, int bf16) {
+    const int64_t half = D / 2;
+    if (D > MAX_ROPE_DIM) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= P) return -1;
+#pragma omp parallel for schedule(static) if (T * (Hq + Hkv) * D >= PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_sin + positions[t] * D, *s = c + half;
+        float x[2 * MAX_ROPE_DIM];
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            const int is_q = h < Hq;
+            const int64_t src = is_q ? t * q_stride + h * D : t * k_stride + (h - Hq) * D;
+            const int64_t dst = is_q ? (t * Hq + h) * D : (t * Hkv + h - Hq) * D;
+            load_row(is_q ? q : k, src, (int)D, bf16, x);
+            float *y = x + MAX_ROPE_DIM;
+            for (int64_t i = 0; i < half; i++) {
+                y[i] = x[i] * c[i] - x[i + half] * s[i];
+                y[i + half] = x[i + half] * c[i] + x[i] * s[i];
+            }
+            store_row(is_q ? q_out : k_out, dst, (int)D, bf16, y);
+        }
+    }
+    return 0;
+}
+
+/* out [N, I] = silu(x[:, :I]) * x[:, I:] for x [N, 2I] contiguous; silu(g) = g / (1 + exp(-g)),
+ * within an ulp or two of torch's */
+void silu_and_mul(const void *x, void *out, int64_t N, int64_t I, int bf16) {
+#pragma omp parallel for schedule(static) if (N * I >= PARALLEL_MIN)
+    for (int64_t n = 0; n < N; n++) {
+        float *buf = malloc(sizeof(float) * 2 * (size_t)I);
+        if (!buf) continue;
+        load_row(x, n * 2 * I, (int)(2 * I), bf16, buf);
+        for (int64_t i = 0; i < I; i++) {  /* exp of -|g| only: never overflows, vectorises */
+            const float g = buf[i], e = exp_nonpos(-fabsf(g));
+            float silu = g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
+            if (bf16) silu = bf16_to_f32(f32_to_bf16(silu));  /* torch's silu output is a bf16 tensor */
+            buf[i] = silu * buf[I + i];
+        }
+        store_row(out, n * I, (int)I, bf16, buf);
+        free(buf);
+    }
+}

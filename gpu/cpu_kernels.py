@@ -28,7 +28,7 @@ import torch
 DISABLE_ENV = "TAILRACE_CPU_KERNELS"     # "0": never build or use the C kernels
 CACHE_ENV = "TAILRACE_CPU_KERNELS_CACHE"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -77,6 +77,14 @@ class CpuKernels:
         f.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I64,
                       _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
         self._decode = f
+        lib.add_rms_norm.restype = None
+        lib.add_rms_norm.argtypes = [_P, ctypes.c_int, _P, ctypes.c_int, _P, ctypes.c_int, _P, _P,
+                                     ctypes.c_int, _I64, _I64, ctypes.c_float]
+        lib.rope.restype = ctypes.c_int
+        lib.rope.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
+        lib.silu_and_mul.restype = None
+        lib.silu_and_mul.argtypes = [_P, _P, _I64, _I64, ctypes.c_int]
+        self._lib = lib
         lib.cpu_kernels_vector_width.restype = ctypes.c_int
         # 0: built without AVX-512, where the loops were never measured against torch's
         self.vector_width = lib.cpu_kernels_vector_width()
@@ -110,6 +118,62 @@ class CpuKernels:
                               *kv_ptrs, None if sinks is None else sinks.data_ptr(), window or 0,
                               seq_lens.shape[0], q.shape[1], hkv, d, bs, scale, _DTYPES[q.dtype])
         return rc == 0
+
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(rms_norm(x + residual) * weight, x + residual) (None for the sum without a
+        residual), in torch's promoted dtype, as gpu/ops.py computes them; None when the
+        arguments are not ones it takes (the caller's torch path serves)."""
+        if (not _plain(x, residual, weight) or x.dim() != 2 or not x.is_contiguous() or x.dtype not in _DTYPES
+                or weight.dtype not in _DTYPES
+                or not weight.is_contiguous() or weight.shape != x.shape[-1:]):
+            return None
+        if residual is not None and (residual.shape != x.shape or residual.dtype not in _DTYPES
+                                     or not residual.is_contiguous()):
+            return None
+        dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        out = torch.empty(x.shape, dtype=dtype)
+        summed = None if residual is None else torch.empty(x.shape, dtype=dtype)
+        with torch.profiler.record_function("cpu_kernels::add_rms_norm"):
+            self._lib.add_rms_norm(x.data_ptr(), _DTYPES[x.dtype],
+                                   None if residual is None else residual.data_ptr(),
+                                   0 if residual is None else _DTYPES[residual.dtype],
+                                   weight.data_ptr(), _DTYPES[weight.dtype], out.data_ptr(),
+                                   None if summed is None else summed.data_ptr(), _DTYPES[dtype],
+                                   x.shape[0], x.shape[1], eps)
+        return out, summed
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """gpu/ops.apply_rope's (q, k) rotated, new contiguous tensors; None when the
+        arguments are not ones it takes (or a position is beyond the table)."""
+        T, hq, d = q.shape
+        if (not _plain(q, k, positions, cos_sin) or q.dtype not in _DTYPES or k.dtype != q.dtype or d % 2 or d > 1024 or k.shape[2] != d
+                or q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1) or positions.dtype != torch.int64
+                or not positions.is_contiguous() or cos_sin.dtype != torch.float32
+                or not cos_sin.is_contiguous() or cos_sin.shape[1] != d):
+            return None
+        q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+        with torch.profiler.record_function("cpu_kernels::rope"):
+            rc = self._lib.rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+                                cos_sin.data_ptr(), cos_sin.shape[0], q_out.data_ptr(), k_out.data_ptr(), T,
+                                hq, k.shape[1], d, _DTYPES[q.dtype])
+        return (q_out, k_out) if rc == 0 else None
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not _plain(x) or x.dim() != 2 or not x.is_contiguous() or x.dtype not in _DTYPES or x.shape[1] % 2:
+            return None
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        with torch.profiler.record_function("cpu_kernels::silu_and_mul"):
+            self._lib.silu_and_mul(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2, _DTYPES[x.dtype])
+        return out
+
+
+def _plain(*tensors: torch.Tensor | None) -> bool:
+    """CPU tensors with data, and no autograd to record (the kernels write raw memory)."""
+    grad = torch.is_grad_enabled()
+    return all(t is None or (t.device.type == "cpu" and not (grad and t.requires_grad)) for t in tensors)
 
 
 def supports(dtype: torch.dtype) -> bool:

@@ -8,11 +8,12 @@ index_select gathers the attention, argmax the (greedy) sampling.
 A/B on a shared machine: --residual-dtypes or --attention with more than one value builds
 one runner per combination (same weights) and times them alternately, --rounds times, so
 that load from other processes hits all alike; it prints each round's median and best, and
-the spread. --attention c is the decode path through gpu/cpu_kernels.c (the default where it
-builds), torch the gather + SDPA path (TAILRACE_CPU_KERNELS=0).
+the spread. --paths c is the step with gpu/cpu_kernels.c (the default where it builds:
+decode attention reading the paged cache in place, norms, rope, silu*mul), torch the same step
+without it (TAILRACE_CPU_KERNELS=0: gather + SDPA, torch's elementwise ops).
 
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --residual-dtypes bfloat16 float32 --rounds 5
-    .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --attention torch c --rounds 5
+    .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --paths torch c --rounds 5
 """
 from __future__ import annotations
 
@@ -24,21 +25,25 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from gpu import ops
 from gpu.attention import KVCache
 from gpu.loader import cpu_threads, load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.runner import ModelRunner
 
 
-def make_decoder(lm, n: int, bs: int = 16, attention: str = "c"):
+cpu_ops = ops._cpu
+
+
+def make_decoder(lm, n: int, bs: int = 16, path: str = "c"):
     """A runner with n sequences prefilled; returns decode(step) -> seconds."""
     c = lm.config
     cache = KVCache(c.num_hidden_layers, n * 17, bs, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
     runner = ModelRunner(lm, cache, device=torch.device("cpu"))
-    if attention == "torch":
+    if path == "torch":
         runner.attn.kernels = None
     elif runner.attn.kernels is None:
-        raise SystemExit("--attention c: gpu/cpu_kernels.c is not available here")
+        raise SystemExit("--paths c: gpu/cpu_kernels.c is not available here")
     rng = random.Random(0)
     prompts = [tuple(rng.randrange(10000) for _ in range(128)) for _ in range(n)]
     tables = [tuple(range(i * 17, (i + 1) * 17)) for i in range(n)]
@@ -47,6 +52,8 @@ def make_decoder(lm, n: int, bs: int = 16, attention: str = "c"):
                             tuple(SeqStart(str(i), p, greedy) for i, p in enumerate(prompts))))
 
     def decode(step: int) -> float:
+        # torch: gpu/ops.py's torch code too, for this runner's steps only
+        ops._cpu = (lambda: None) if path == "torch" else cpu_ops
         t = time.perf_counter()
         # positions wrap inside the 17 blocks (272 slots) whatever the number of steps
         runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (5,), 128 + step % 128, tables[i], True)
@@ -60,7 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--residual-dtypes", nargs="+", default=["auto"])
-    ap.add_argument("--attention", nargs="+", default=["c"], choices=["c", "torch"])
+    ap.add_argument("--paths", nargs="+", default=["c"], choices=["c", "torch"])
     ap.add_argument("--num-seqs", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1)
@@ -70,9 +77,9 @@ def main() -> None:
     decoders = {}
     for r in a.residual_dtypes:
         lm = load_model(None, dtype=a.dtype, residual_dtype=r, progress=False)
-        for att in a.attention:
-            decoders[f"{a.dtype}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {att}"] = \
-                (make_decoder(lm.model, a.num_seqs, attention=att), [])
+        for path in a.paths:
+            decoders[f"{a.dtype}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}"] = \
+                (make_decoder(lm.model, a.num_seqs, path=path), [])
     step = 1
     for rnd in range(a.rounds):
         for name, (decode, medians) in decoders.items():
