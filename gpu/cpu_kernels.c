@@ -107,6 +107,19 @@ static inline __m512 load16(const void *base, int64_t off, int bf16) {
     return _mm512_loadu_ps((const float *)base + off);
 }
 
+/* Prefetch the [64]-element rows (from element col) of the block after the one holding token
+ * t: the tiles walk each sequence's blocks in table order, which the hardware prefetcher cannot
+ * guess (measured: 12 GB/s without, when the layers' caches are not in L2). */
+static inline void prefetch_next_block(const void *cache, int bf16, const int32_t *table, int64_t bs,
+                                       int64_t t, int64_t len, int64_t row, int64_t col) {
+    const int64_t next = (t / bs + 1) * bs;
+    if (next >= len) return;
+    const size_t esz = bf16 ? 2 : 4;
+    const char *base = (const char *)cache + ((int64_t)table[next / bs] * bs * row + col) * esz;
+    for (int64_t j = 0; j < bs; j++)
+        for (size_t b = 0; b < 64 * esz; b += 64) _mm_prefetch(base + j * row * esz + b, _MM_HINT_T0);
+}
+
 /* acc[g][0:64] = sum over tokens t0..len-1 of p[g][t] * v[t][0:64], g < GN (a constant
  * once inlined): GN x 4 accumulators stay in registers across the tokens. v of token t
  * at element (slot(t) * row + col) of v_cache; p rows max_len apart; acc rows D apart. */
@@ -119,6 +132,7 @@ static inline __attribute__((always_inline)) void pv_tile(
     for (int64_t t = t0; t < len;) {
         const int64_t off = t % bs, n = (bs - off < len - t) ? bs - off : len - t;
         const int64_t base = (int64_t)table[t / bs] * bs + off;
+        prefetch_next_block(v_cache, bf16, table, bs, t, len, row, col);
         for (int64_t j = 0; j < n; j++, t++) {
             const int64_t e = (base + j) * row + col;
             const __m512 v0 = load16(v_cache, e, bf16), v1 = load16(v_cache, e + 16, bf16);
@@ -159,6 +173,7 @@ static inline __attribute__((always_inline)) void qk_tile(
     for (int64_t t = t0; t < len;) {
         const int64_t off = t % bs, n = (bs - off < len - t) ? bs - off : len - t;
         const int64_t base = (int64_t)table[t / bs] * bs + off;
+        prefetch_next_block(k_cache, bf16, table, bs, t, len, row, col);
         for (int64_t j = 0; j < n; j++, t++) {
             const int64_t e = (base + j) * row + col;
             __m512 a[4];
@@ -461,23 +476,4 @@ int rope(const void *q, int64_t q_stride, const void *k, int64_t k_stride, const
         }
     }
     return 0;
-}
-
-/* out [N, I] = silu(x[:, :I]) * x[:, I:] for x [N, 2I] contiguous; silu(g) = g / (1 + exp(-g)),
- * within an ulp or two of torch's */
-void silu_and_mul(const void *x, void *out, int64_t N, int64_t I, int bf16) {
-#pragma omp parallel for schedule(static) if (N * I >= PARALLEL_MIN)
-    for (int64_t n = 0; n < N; n++) {
-        float *buf = malloc(sizeof(float) * 2 * (size_t)I);
-        if (!buf) continue;
-        load_row(x, n * 2 * I, (int)(2 * I), bf16, buf);
-        for (int64_t i = 0; i < I; i++) {  /* exp of -|g| only: never overflows, vectorises */
-            const float g = buf[i], e = exp_nonpos(-fabsf(g));
-            float silu = g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
-            if (bf16) silu = bf16_to_f32(f32_to_bf16(silu));  /* torch's silu output is a bf16 tensor */
-            buf[i] = silu * buf[I + i];
-        }
-        store_row(out, n * I, (int)I, bf16, buf);
-        free(buf);
-    }
 }

@@ -82,8 +82,6 @@ class CpuKernels:
                                      ctypes.c_int, _I64, _I64, ctypes.c_float]
         lib.rope.restype = ctypes.c_int
         lib.rope.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
-        lib.silu_and_mul.restype = None
-        lib.silu_and_mul.argtypes = [_P, _P, _I64, _I64, ctypes.c_int]
         self._lib = lib
         lib.cpu_kernels_vector_width.restype = ctypes.c_int
         # 0: built without AVX-512, where the loops were never measured against torch's
@@ -160,14 +158,6 @@ class CpuKernels:
                                 cos_sin.data_ptr(), cos_sin.shape[0], q_out.data_ptr(), k_out.data_ptr(), T,
                                 hq, k.shape[1], d, _DTYPES[q.dtype])
         return (q_out, k_out) if rc == 0 else None
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        if not _plain(x) or x.dim() != 2 or not x.is_contiguous() or x.dtype not in _DTYPES or x.shape[1] % 2:
-            return None
-        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
-        with torch.profiler.record_function("cpu_kernels::silu_and_mul"):
-            self._lib.silu_and_mul(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2, _DTYPES[x.dtype])
-        return out
 
 
 def _plain(*tensors: torch.Tensor | None) -> bool:

@@ -1,6 +1,6 @@
 """The model's elementwise ops: Triton kernels on CUDA; on the CPU gpu/cpu_kernels.c where it
-is built (one call where torch runs 8-20 small ops, which dominated a decode step's op
-count), torch otherwise and for whatever those kernels do not take.
+is built for the norms and rope (one call where torch runs 8-20 small ops, which dominated a
+decode step's op count), torch otherwise and for whatever those kernels do not take.
 
 gpu/kernels/ implements the same signatures (and is tested against its own torch
 references); on a CUDA tensor each op here dispatches to its kernel. None of them work
@@ -57,8 +57,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [N, 2*I] -> silu(x[:, :I]) * x[:, I:], [N, I]."""
     if x.is_cuda:
         return _kernel("activation", "silu_and_mul")(x)
-    if (c := _cpu()) is not None and (r := c.silu_and_mul(x)) is not None:
-        return r
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
