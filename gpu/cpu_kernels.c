@@ -50,9 +50,14 @@ static inline void load_row(const void *base, int64_t off, int n, int bf16, floa
 }
 
 static inline void store_row(void *base, int64_t off, int n, int bf16, const float *restrict src) {
-    if (bf16) {
-        uint16_t *dst = (uint16_t *)base + off;
-        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    if (bf16) {  /* f32_to_bf16 without branches, so that it vectorises */
+        uint16_t *restrict dst = (uint16_t *)base + off;
+        for (int i = 0; i < n; i++) {
+            uint32_t u;
+            memcpy(&u, src + i, 4);
+            const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+            dst[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+        }
     } else {
         memcpy((float *)base + off, src, (size_t)n * 4);
     }
@@ -423,9 +428,12 @@ int paged_decode_attention(const void *q, int64_t q_stride, const int64_t *q_row
  * The statistics use the sum as stored (rounded to bf16 when o_bf16), as torch's two ops do. */
 void add_rms_norm(const void *x, int x_bf16, const void *residual, int r_bf16, const void *weight,
                   int w_bf16, void *out, void *sum_out, int o_bf16, int64_t N, int64_t D, float eps) {
-#pragma omp parallel for schedule(static) if (N * D >= PARALLEL_MIN)
+#pragma omp parallel if (N * D >= PARALLEL_MIN)
+    {
+    float *buf = malloc(sizeof(float) * 3 * (size_t)D), *tmp = buf + D, *w = buf + 2 * D;
+    if (buf) load_row(weight, 0, (int)D, w_bf16, w);
+#pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        float *buf = malloc(sizeof(float) * 2 * (size_t)D), *tmp = buf + D;
         if (!buf) continue;  /* cannot happen for any sane D; out keeps garbage rather than crash */
         load_row(x, n * D, (int)D, x_bf16, buf);
         if (residual) {
@@ -440,10 +448,10 @@ void add_rms_norm(const void *x, int x_bf16, const void *residual, int r_bf16, c
 #pragma omp simd reduction(+ : ss)
         for (int64_t d = 0; d < D; d++) ss += buf[d] * buf[d];
         const float inv = 1.f / sqrtf(ss / (float)D + eps);
-        load_row(weight, 0, (int)D, w_bf16, tmp);
-        for (int64_t d = 0; d < D; d++) buf[d] = (buf[d] * inv) * tmp[d];
+        for (int64_t d = 0; d < D; d++) buf[d] = (buf[d] * inv) * w[d];
         store_row(out, n * D, (int)D, o_bf16, buf);
-        free(buf);
+    }
+    free(buf);
     }
 }
 

@@ -133,13 +133,12 @@ class CpuKernels:
         dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         out = torch.empty(x.shape, dtype=dtype)
         summed = None if residual is None else torch.empty(x.shape, dtype=dtype)
-        with torch.profiler.record_function("cpu_kernels::add_rms_norm"):
-            self._lib.add_rms_norm(x.data_ptr(), _DTYPES[x.dtype],
-                                   None if residual is None else residual.data_ptr(),
-                                   0 if residual is None else _DTYPES[residual.dtype],
-                                   weight.data_ptr(), _DTYPES[weight.dtype], out.data_ptr(),
-                                   None if summed is None else summed.data_ptr(), _DTYPES[dtype],
-                                   x.shape[0], x.shape[1], eps)
+        # no record_function here (5 us, a fifth of the call): in a profile this shows as the
+        # caller's self time
+        self._lib.add_rms_norm(x.data_ptr(), _DTYPES[x.dtype], None if residual is None else residual.data_ptr(),
+                               0 if residual is None else _DTYPES[residual.dtype], weight.data_ptr(),
+                               _DTYPES[weight.dtype], out.data_ptr(), None if summed is None else summed.data_ptr(),
+                               _DTYPES[dtype], x.shape[0], x.shape[1], eps)
         return out, summed
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -153,10 +152,9 @@ class CpuKernels:
                 or not cos_sin.is_contiguous() or cos_sin.shape[1] != d):
             return None
         q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-        with torch.profiler.record_function("cpu_kernels::rope"):
-            rc = self._lib.rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
-                                cos_sin.data_ptr(), cos_sin.shape[0], q_out.data_ptr(), k_out.data_ptr(), T,
-                                hq, k.shape[1], d, _DTYPES[q.dtype])
+        rc = self._lib.rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+                            cos_sin.data_ptr(), cos_sin.shape[0], q_out.data_ptr(), k_out.data_ptr(), T,
+                            hq, k.shape[1], d, _DTYPES[q.dtype])
         return (q_out, k_out) if rc == 0 else None
 
 
