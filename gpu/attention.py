@@ -17,8 +17,10 @@ map (`sliding_view`, once per forward, inside a captured CUDA graph too); blocks
 no longer reaches map to slot 0 or to another block's slot, which the window masks.
 
 Two backends share one metadata object:
-- TorchPagedAttention: CPU (and reference) path. Decodes are batched into one SDPA call
-  over gathered blocks; each prefill chunk is its own SDPA call.
+- TorchPagedAttention: CPU (and reference) path. Decodes go in one call of
+  gpu/cpu_kernels.c's paged_decode_attention, which reads the blocks in place (where it is
+  built: a C compiler, AVX-512); otherwise, and with cpu_kernels=False, they are batched
+  into one SDPA call over gathered blocks. Each prefill chunk is its own SDPA call.
 - TritonPagedAttention: CUDA path, gpu/kernels/kv_cache.write_kv + paged_attention; on
   CUDA the model instead hands it the raw qkv projection, and one kernel per layer norms,
   rotates and writes (gpu/kernels/qkv_prep.py) before paged_attention.

@@ -82,6 +82,8 @@ class CpuKernels:
                                      ctypes.c_int, _I64, _I64, ctypes.c_float]
         lib.rope.restype = ctypes.c_int
         lib.rope.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
+        lib.exact_top_logits.restype = None
+        lib.exact_top_logits.argtypes = [_P, _P, _P, ctypes.c_int, _I64, _I64, _I64, ctypes.c_float]
         self._lib = lib
         lib.cpu_kernels_vector_width.restype = ctypes.c_int
         # 0: built without AVX-512, where the loops were never measured against torch's
@@ -156,6 +158,22 @@ class CpuKernels:
                             cos_sin.data_ptr(), cos_sin.shape[0], q_out.data_ptr(), k_out.data_ptr(), T,
                             hq, k.shape[1], d, _DTYPES[q.dtype])
         return (q_out, k_out) if rc == 0 else None
+
+
+    def exact_top_logits(self, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                         margin: float) -> bool:
+        """gpu/model.exact_top_logits in place on logits [N, V] fp32 (hidden [N, D] fp32,
+        weight [V, D] fp32 or bf16, all contiguous); False (nothing done) when the arguments
+        are not ones it takes."""
+        if (not _plain(logits, hidden, weight) or logits.dtype != torch.float32 or hidden.dtype != torch.float32
+                or weight.dtype not in _DTYPES or not (logits.is_contiguous() and hidden.is_contiguous()
+                                                       and weight.is_contiguous())
+                or logits.dim() != 2 or hidden.shape != (logits.shape[0], weight.shape[1])
+                or weight.shape[0] != logits.shape[1]):
+            return False
+        self._lib.exact_top_logits(logits.data_ptr(), hidden.data_ptr(), weight.data_ptr(), _DTYPES[weight.dtype],
+                                   logits.shape[0], logits.shape[1], hidden.shape[1], margin)
+        return True
 
 
 def _plain(*tensors: torch.Tensor | None) -> bool:

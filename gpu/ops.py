@@ -23,6 +23,11 @@ def _cpu():
     return cpu_kernels.kernels()
 
 
+def cpu_kernels_or_none():
+    """What the CPU ops here use (gpu/model.exact_top_logits shares it)."""
+    return _cpu()
+
+
 def _kernel(module: str, name: str):
     """A Triton launcher, imported on first use (the CPU path never imports triton)."""
     import importlib

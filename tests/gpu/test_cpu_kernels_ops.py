@@ -73,3 +73,23 @@ def test_autograd_and_odd_shapes_keep_torch():
     with torch.no_grad():
         assert cpu_kernels.kernels().add_rms_norm(x, None, w, 1e-6) is not None
     assert cpu_kernels.kernels().add_rms_norm(x.t(), None, w[:4].detach(), 1e-6) is None  # not contiguous
+
+
+@pytest.mark.parametrize("w_dtype", DTYPES)
+def test_exact_top_logits(torch_ops, w_dtype):
+    """The C pass recomputes the same near-top entries as the torch code, to fp32 rounding,
+    and leaves the rest alone (rows of 4099: a tail past the 16-wide loop)."""
+    from gpu.model import exact_top_logits
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(4099, 64, generator=g) * 0.5).to(w_dtype)
+    hidden = weight[7].float() * 2 + torch.randn(9, 64, generator=g) * 0.1
+    hidden[3] = weight[4098].float() * 3              # the top in the tail
+    logits = (hidden.bfloat16() @ weight.bfloat16().T).float()
+    got = exact_top_logits(logits.clone(), hidden, weight)
+    want = torch_ops(exact_top_logits, logits.clone(), hidden, weight)
+    top = logits.amax(-1, keepdim=True)
+    near = logits >= top - top.abs() * 2.0 ** -6
+    assert torch.equal(got[~near], logits[~near])                    # the rest untouched
+    assert (got[near] != logits[near]).any()                         # the near ones recomputed
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert int(got.argmax(-1)[3]) == 4098
