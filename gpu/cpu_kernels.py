@@ -1,5 +1,6 @@
 """C kernels for the CPU decode step (gpu/cpu_kernels.c), built on first use and called
-through ctypes.
+through ctypes: paged decode attention (gpu/attention.py), fused add + RMSNorm and RoPE
+(gpu/ops.py), exact_top_logits (gpu/model.py).
 
 Why C: decode attention over the paged cache in torch needs a gather of every sequence's
 blocks per layer (index_select, then SDPA over the copy), which reads and writes the whole
@@ -28,7 +29,10 @@ import torch
 DISABLE_ENV = "TAILRACE_CPU_KERNELS"     # "0": never build or use the C kernels
 CACHE_ENV = "TAILRACE_CPU_KERNELS_CACHE"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# -ffp-contract=off: elementwise products and sums rounded one by one, as torch's ops round
+# them (RoPE comes out bit-identical); the attention's FMAs are explicit intrinsics
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-ffp-contract=off",
+          "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
