@@ -17,8 +17,10 @@ map (`sliding_view`, once per forward, inside a captured CUDA graph too); blocks
 no longer reaches map to slot 0 or to another block's slot, which the window masks.
 
 Two backends share one metadata object:
-- TorchPagedAttention: CPU (and reference) path. Decodes are batched into one SDPA call
-  over gathered blocks; each prefill chunk is its own SDPA call.
+- TorchPagedAttention: CPU (and reference) path. Decodes go in one call of
+  gpu/cpu_kernels.c's paged_decode_attention, which reads the blocks in place (where it is
+  built: a C compiler, AVX-512); otherwise, and with cpu_kernels=False, they are batched
+  into one SDPA call over gathered blocks. Each prefill chunk is its own SDPA call.
 - TritonPagedAttention: CUDA path, gpu/kernels/kv_cache.write_kv + paged_attention; on
   CUDA the model instead hands it the raw qkv projection, and one kernel per layer norms,
   rotates and writes (gpu/kernels/qkv_prep.py) before paged_attention.
@@ -150,8 +152,22 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
 
 
+def _decode_kernels(cache: KVCache):
+    """gpu/cpu_kernels for a CPU cache of fp32 or bf16, when built with AVX-512 loops (the
+    only ones measured against gather + SDPA); else None."""
+    if not cache.k or cache.k[0].device.type != "cpu":
+        return None
+    from gpu import cpu_kernels
+    if not cpu_kernels.supports(cache.k[0].dtype):
+        return None
+    kernels = cpu_kernels.kernels()
+    return kernels if kernels is not None and kernels.vector_width else None
+
+
 class TorchPagedAttention:
-    def __init__(self, cache: KVCache, scale: float) -> None:
+    def __init__(self, cache: KVCache, scale: float, *, cpu_kernels: bool = True) -> None:
+        """cpu_kernels: decode rows through gpu/cpu_kernels.c where it is available (False:
+        always gather + SDPA, the reference path)."""
         self.cache = cache
         self.scale = scale
         self.meta: AttentionMetadata | None = None
@@ -161,12 +177,16 @@ class TorchPagedAttention:
         self._decode_lens: torch.Tensor | None = None
         self._decode_windowed: dict[int, torch.Tensor] = {}
         self._sliding: TorchPagedAttention | None = None
+        # decode rows through gpu/cpu_kernels.c (reads the blocks in place) where it is built
+        # and vectorised; None: the gather + SDPA path below
+        self.kernels = _decode_kernels(cache) if cpu_kernels else None
+        self._c_args: tuple | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precompute what every layer reuses: the decode rows' blocks and mask."""
         self.meta = meta
         self._sliding = None    # a hybrid cache's sliding layers: made by the first of them
-        self._decode_blocks = self._decode_mask = self._decode_rows = None
+        self._decode_blocks = self._decode_mask = self._decode_rows = self._c_args = None
         self._decode_windowed = {}
         rows = meta.decode_rows
         if rows:
@@ -182,6 +202,12 @@ class TorchPagedAttention:
             # when every row decodes, the rows are 0..B-1 and need no gather/scatter
             if not all_rows:
                 self._decode_rows = torch.tensor([meta.q_starts[r] for r in rows], device=dev)
+            if self.kernels is not None:
+                # the C kernel's per-step arguments: tables, lengths, query rows and, when no
+                # prefill shares the step, the slots it writes this step's k/v to itself
+                q_rows = (torch.arange(len(rows), device=dev) if all_rows else self._decode_rows)
+                slots = meta.slot_mapping.index_select(0, q_rows).to(torch.int64) if all_rows else None
+                self._c_args = (table.to(torch.int32).contiguous(), lens.contiguous(), q_rows, slots)
 
     def _decode_visible(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, K] decode mask; with a window, also drop keys older than the last `window`
@@ -198,7 +224,8 @@ class TorchPagedAttention:
                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         if layer in self.cache.sliding_layers:
             if layer == self.cache.first_sliding or self._sliding is None:
-                self._sliding = TorchPagedAttention(self.cache, self.scale)
+                self._sliding = TorchPagedAttention(self.cache, self.scale,
+                                                    cpu_kernels=self.kernels is not None)
                 self._sliding.prepare(self.cache.sliding_view(self.meta))
             return self._sliding._attend(layer, q, k, v, sinks, window)
         return self._attend(layer, q, k, v, sinks, window)
@@ -206,13 +233,45 @@ class TorchPagedAttention:
     def _attend(self, layer: int, q, k, v, sinks, window) -> torch.Tensor:
         meta = self.meta
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        num_slots = kc.shape[0] * kc.shape[1]
-        flat_k = kc.view(num_slots, kc.shape[2], kc.shape[3])
-        flat_v = vc.view(num_slots, vc.shape[2], vc.shape[3])
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        flat_k = kc.view(-1, kc.shape[2], kc.shape[3])
+        flat_v = vc.view(-1, vc.shape[2], vc.shape[3])
         out = q.new_empty(q.shape)
-        starts = meta.q_starts
+        # the C kernel writes the step's k/v itself when every row decodes (its slots)
+        kernel_writes = self._c_args is not None and self._c_args[3] is not None
+        if not kernel_writes:
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
+        if self._c_args is not None and self._kernel_decode(layer, q, k, v, out, sinks, window):
+            if not meta.prefill_rows:
+                return out
+        else:
+            if kernel_writes:   # it declined: nothing it may have written differs from these
+                flat_k.index_copy_(0, meta.slot_mapping, k)
+                flat_v.index_copy_(0, meta.slot_mapping, v)
+            out = self._torch_decode(layer, q, out, sinks, window)
+        return self._prefill(q, k, v, out, sinks, window, flat_k, flat_v)
+
+    def _kernel_decode(self, layer: int, q, k, v, out, sinks, window) -> bool:
+        """The decode rows through the C kernel (which also writes their k/v when no prefill
+        shares the step); False when it declines, having written nothing the torch path
+        would not rewrite."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if q.dtype != kc.dtype or k.dtype != kc.dtype or q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+            return False
+        tables, lens, q_rows, slots = self._c_args
+        new_kv = None
+        if slots is not None:
+            if k.stride()[1:] != (k.shape[-1], 1) or v.stride()[1:] != (v.shape[-1], 1):
+                return False
+            new_kv = (k, v)
+        return self.kernels.paged_decode_attention(
+            q, q_rows, out, kc, vc, tables, lens, self.scale, new_kv=new_kv, slots=slots,
+            sinks=None if sinks is None else sinks.float().contiguous(), window=window)
+
+    def _torch_decode(self, layer: int, q, out, sinks, window) -> torch.Tensor:
+        """out with the decode rows: their blocks gathered, one SDPA call (k/v already written)."""
+        meta = self.meta
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
         if meta.decode_rows:
             B, (_, bs, hkv, d) = len(meta.decode_rows), kc.shape
             rows = self._decode_rows
@@ -225,9 +284,13 @@ class TorchPagedAttention:
             od = sdpa(qd, kd, vd, self._decode_visible(window), self.scale, sink)  # [B, Hkv, G, D]
             od = od.reshape(B, -1, d)                                           # [B, Hq, D]
             if rows is None:
-                out = od
-            else:
-                out.index_copy_(0, rows, od)
+                return od
+            out.index_copy_(0, rows, od)
+        return out
+
+    def _prefill(self, q, k, v, out, sinks, window, flat_k, flat_v) -> torch.Tensor:
+        """out with the prefill rows: one SDPA call each (k/v already written)."""
+        meta, starts = self.meta, self.meta.q_starts
         for r in meta.prefill_rows:
             s, e = starts[r], starts[r + 1]
             qp = q[s:e].transpose(0, 1)[None]                                   # [1, Hq, Q, D]

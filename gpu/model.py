@@ -435,6 +435,9 @@ def exact_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.T
     (up to 0.06 at a logit of 16) decides near-ties; greedy picks and the top
     probabilities then match what an fp32-output kernel (llama.cpp's) gives, for a few
     hundred multiply-adds a row. torch on CPU has no bf16 GEMM with an fp32 output."""
+    from gpu.ops import cpu_kernels_or_none   # the same, in one C call (gpu/cpu_kernels.c)
+    if (c := cpu_kernels_or_none()) is not None and c.exact_top_logits(logits, hidden, weight, _TOP_MARGIN):
+        return logits
     top = logits.amax(-1, keepdim=True)
     rows, cols = (logits >= top - top.abs() * _TOP_MARGIN).nonzero(as_tuple=True)
     logits[rows, cols] = (hidden[rows] * weight[cols].float()).sum(-1)

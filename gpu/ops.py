@@ -1,4 +1,6 @@
-"""The model's elementwise ops: Triton kernels on CUDA, torch everywhere else.
+"""The model's elementwise ops: Triton kernels on CUDA; on the CPU gpu/cpu_kernels.c where it
+is built for the norms and rope (one call where torch runs 8-20 small ops, which dominated a
+decode step's op count), torch otherwise and for whatever those kernels do not take.
 
 gpu/kernels/ implements the same signatures (and is tested against its own torch
 references); on a CUDA tensor each op here dispatches to its kernel. None of them work
@@ -15,6 +17,17 @@ import torch.nn.functional as F
 from gpu.config import ModelConfig
 
 
+def _cpu():
+    """gpu/cpu_kernels, or None (not built, or TAILRACE_CPU_KERNELS=0): the torch code below."""
+    from gpu import cpu_kernels
+    return cpu_kernels.kernels()
+
+
+def cpu_kernels_or_none():
+    """What the CPU ops here use (gpu/model.exact_top_logits shares it)."""
+    return _cpu()
+
+
 def _kernel(module: str, name: str):
     """A Triton launcher, imported on first use (the CPU path never imports triton)."""
     import importlib
@@ -26,6 +39,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [N, D], weight [D] -> [N, D]; statistics and scaling in fp32, result in x.dtype."""
     if x.is_cuda:
         return _kernel("rmsnorm", "rms_norm")(x, weight, eps)
+    if (c := _cpu()) is not None and (r := c.add_rms_norm(x, None, weight, eps)) is not None:
+        return r[0]
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
@@ -37,6 +52,8 @@ def fused_add_rms_norm(
     """Returns (rms_norm(x + residual), x + residual); both [N, D]."""
     if x.is_cuda:
         return _kernel("rmsnorm", "fused_add_rms_norm")(x, residual, weight, eps)
+    if (c := _cpu()) is not None and (r := c.add_rms_norm(x, residual, weight, eps)) is not None:
+        return r
     summed = x + residual
     return rms_norm(summed, weight, eps), summed
 
@@ -121,6 +138,8 @@ def apply_rope(
     """q [T, Hq, Dh], k [T, Hkv, Dh], positions [T] -> rotated (q, k), NeoX/HF rotate_half layout."""
     if q.is_cuda:
         return _kernel("rope", "apply_rope")(q, k, positions, cos_sin)
+    if (c := _cpu()) is not None and (r := c.rope(q, k, positions, cos_sin)) is not None:
+        return r
     cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)  # [T, 1, Dh/2] each
 
     def rotate(x: torch.Tensor) -> torch.Tensor:

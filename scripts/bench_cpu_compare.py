@@ -8,12 +8,18 @@ one JSON object per contender and a summary table.
 
 HF one-at-a-time is slow (~70 ms/token), so it runs --hf-serial-prompts of the prompts and
 reports tokens/s over those. A --dtypes entry DTYPE:RESIDUAL sets --residual-dtype too
-(bfloat16:bfloat16 is the pure-bf16 path; plain bfloat16 on CPU has an fp32 residual stream).
+(bfloat16:bfloat16 is the pure-bf16 path; plain bfloat16 on CPU has an fp32 residual stream);
+a /torch suffix runs that contender without gpu/cpu_kernels.c (TAILRACE_CPU_KERNELS=0: gather +
+SDPA decode attention, torch's norms and rope), for an A/B in one run:
+
+    .venv/bin/python scripts/bench_cpu_compare.py --dtypes bfloat16 bfloat16/torch bfloat16 bfloat16/torch \
+        --hf-dtypes bfloat16 float32
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -63,11 +69,23 @@ def main() -> None:
              output_len=a.output_len, seed=0, ignore_eos=True)
     prompts = [r["prompt"] for r in make_requests(s, 49152, 0.0)]
     rows = []
+    from gpu import cpu_kernels
     for spec in a.dtypes:
-        dtype, _, residual = spec.partition(":")  # bfloat16:bfloat16 -> --residual-dtype bfloat16
+        spec_dtype, _, path = spec.partition("/")
+        dtype, _, residual = spec_dtype.partition(":")  # bfloat16:bfloat16 -> --residual-dtype bfloat16
         cfg = EngineConfig(dtype=dtype, residual_dtype=residual or "auto", max_model_len=a.input_len + a.output_len + 16,
                            max_num_seqs=max(a.num_prompts, 1), max_queued_requests=max(1024, a.num_prompts))
-        r = trio.run(_bench, cfg, s, 0.0)
+        saved = os.environ.get(cpu_kernels.DISABLE_ENV)
+        if path == "torch":
+            os.environ[cpu_kernels.DISABLE_ENV] = "0"
+        cpu_kernels.kernels.cache_clear()
+        try:
+            r = trio.run(_bench, cfg, s, 0.0)
+        finally:
+            os.environ.pop(cpu_kernels.DISABLE_ENV, None)
+            if saved is not None:
+                os.environ[cpu_kernels.DISABLE_ENV] = saved
+            cpu_kernels.kernels.cache_clear()
         rows.append((f"tailrace {spec} (continuous batching)", r["output_tokens"], r["elapsed_s"]))
         print(json.dumps({"contender": rows[-1][0], **r}), flush=True)
     if not a.skip_hf:

@@ -5,11 +5,15 @@ index_select gathers the attention, argmax the (greedy) sampling.
 
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16
 
-A/B on a shared machine: --residual-dtypes with more than one value builds one runner per
-value (same weights) and times them alternately, --rounds times, so that load from other
-processes hits both alike; it prints each round's median and best, and the spread.
+A/B on a shared machine: --residual-dtypes or --attention with more than one value builds
+one runner per combination (same weights) and times them alternately, --rounds times, so
+that load from other processes hits all alike; it prints each round's median and best, and
+the spread. --paths c is the step with gpu/cpu_kernels.c (the default where it builds:
+decode attention reading the paged cache in place, norms, rope, silu*mul), torch the same step
+without it (TAILRACE_CPU_KERNELS=0: gather + SDPA, torch's elementwise ops).
 
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --residual-dtypes bfloat16 float32 --rounds 5
+    .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --paths torch c --rounds 5
 """
 from __future__ import annotations
 
@@ -21,17 +25,25 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from gpu import ops
 from gpu.attention import KVCache
 from gpu.loader import cpu_threads, load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.runner import ModelRunner
 
 
-def make_decoder(lm, n: int, bs: int = 16):
+cpu_ops = ops._cpu
+
+
+def make_decoder(lm, n: int, bs: int = 16, path: str = "c"):
     """A runner with n sequences prefilled; returns decode(step) -> seconds."""
     c = lm.config
     cache = KVCache(c.num_hidden_layers, n * 17, bs, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
     runner = ModelRunner(lm, cache, device=torch.device("cpu"))
+    if path == "torch":
+        runner.attn.kernels = None
+    elif runner.attn.kernels is None:
+        raise SystemExit("--paths c: gpu/cpu_kernels.c is not available here")
     rng = random.Random(0)
     prompts = [tuple(rng.randrange(10000) for _ in range(128)) for _ in range(n)]
     tables = [tuple(range(i * 17, (i + 1) * 17)) for i in range(n)]
@@ -40,6 +52,8 @@ def make_decoder(lm, n: int, bs: int = 16):
                             tuple(SeqStart(str(i), p, greedy) for i, p in enumerate(prompts))))
 
     def decode(step: int) -> float:
+        # torch: gpu/ops.py's torch code too, for this runner's steps only
+        ops._cpu = (lambda: None) if path == "torch" else cpu_ops
         t = time.perf_counter()
         # positions wrap inside the 17 blocks (272 slots) whatever the number of steps
         runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (5,), 128 + step % 128, tables[i], True)
@@ -53,6 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--residual-dtypes", nargs="+", default=["auto"])
+    ap.add_argument("--paths", nargs="+", default=["c"], choices=["c", "torch"])
     ap.add_argument("--num-seqs", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1)
@@ -62,8 +77,9 @@ def main() -> None:
     decoders = {}
     for r in a.residual_dtypes:
         lm = load_model(None, dtype=a.dtype, residual_dtype=r, progress=False)
-        decoders[f"{a.dtype}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}"] = \
-            (make_decoder(lm.model, a.num_seqs), [])
+        for path in a.paths:
+            decoders[f"{a.dtype}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}"] = \
+                (make_decoder(lm.model, a.num_seqs, path=path), [])
     step = 1
     for rnd in range(a.rounds):
         for name, (decode, medians) in decoders.items():
@@ -83,7 +99,7 @@ def main() -> None:
                 decode(s)
         step += 5
         print(name)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
 if __name__ == "__main__":
