@@ -203,3 +203,15 @@ def kernels() -> CpuKernels | None:
         return CpuKernels(ctypes.CDLL(str(_build(cc))))
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def describe() -> str:
+    """Whether the C kernels serve this process, in words (the start-up line)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return f"C kernels off ({DISABLE_ENV}=0)"
+    k = kernels()
+    if k is None:
+        return "C kernels off (no C compiler, or the build failed: torch ops serve)"
+    if not k.vector_width:
+        return "C kernels for norms and rope; decode attention by gather + SDPA (no AVX-512)"
+    return f"C kernels on (AVX-512, {k.vector_width} fp32 lanes: paged decode attention, norms, rope)"

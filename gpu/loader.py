@@ -104,9 +104,12 @@ def cpu_threads() -> str:
 
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PROC_BIND",
                                       "KMP_AFFINITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    from gpu import cpu_kernels
+
     onednn = "oneDNN" if torch.backends.mkldnn.is_available() else "no oneDNN"
     return (f"{torch.get_num_threads()} intra-op threads ({torch.get_num_interop_threads()} inter-op), "
-            f"{onednn}, {' '.join(f'{k}={v}' for k, v in env.items()) or 'OMP_NUM_THREADS unset'}")
+            f"{onednn}, {' '.join(f'{k}={v}' for k, v in env.items()) or 'OMP_NUM_THREADS unset'}; "
+            f"{cpu_kernels.describe()}")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
