@@ -23,6 +23,7 @@ from gpu.grammar import GrammarCompiler
 from gpu.harmony import uses_harmony
 from gpu.interface import TPLost
 from gpu.loader import LoadedModel
+from gpu.openmp import release_team
 from gpu.parallel import SINGLE, TP
 from gpu.runner import ModelRunner
 from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
@@ -260,6 +261,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     log.info("loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens",
              model_names[0], mc.architecture, device, time.perf_counter() - t0,
              num_blocks, cfg.block_size)
+    # this thread's OpenMP team would throttle the runner thread's (gpu/openmp.py)
+    release_team()
     return Built(loaded=loaded, model_names=model_names, max_model_len=max_model_len,
                  runner=runner, blocks=blocks, scheduler=scheduler, parsers=parsers)
 

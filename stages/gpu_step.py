@@ -37,6 +37,7 @@ import torch
 import trio
 
 from gpu.interface import Runner, StagingRunner, StepPlan, StepResult, TPLost
+from gpu.openmp import release_team
 
 _log = logging.getLogger("tailrace.gpu")
 
@@ -152,6 +153,10 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
         jobs.put(None)           # the plans ended: results end after the queued ones
 
     thread = threading.Thread(target=work, name="tailrace-runner", daemon=True)
+    # Start-up's OpenMP team (the weights loaded on this thread) would outlive it and make
+    # libgomp throttle the runner thread's team: 70 ms CPU decode steps instead of 46
+    # (gpu/openmp.py). Nothing on this thread runs parallel regions from here on.
+    release_team()
     previous_interval = sys.getswitchinterval()
     sys.setswitchinterval(min(previous_interval, SWITCH_INTERVAL_S))
     thread.start()
