@@ -1,5 +1,5 @@
 """What web holds of an engine (`EngineClient`): submit a request and read its Reply,
-abort it, tokenize, read the stats, drain. Torch-free, so that a frontend process
+abort it, tokenize, drain (the stats for /metrics: each subclass's `fetch_stats`). Torch-free, so that a frontend process
 (pipeline/frontend.py) holds one over the wire while the in-process `Engine`
 (pipeline/engine.py) holds the stages themselves: web cannot tell them apart.
 
@@ -24,7 +24,6 @@ from stages.replies import Replies
 
 if TYPE_CHECKING:
     from pipeline.events import EventLog
-    from pipeline.stats import EngineStats
     from stages.api.tokenize import DetokenizeResponse, TokenizeResponse
 
 
@@ -138,12 +137,3 @@ class EngineClient:
         self.failure = exc
         self.replies.close_all()
 
-    def stats(self) -> EngineStats:
-        """The stats read at once: only pipeline.engine.Engine, which holds the scheduler and
-        the accountant in this process, has them; a frontend's RemoteEngine overrides
-        fetch_stats instead (it asks the engine process)."""
-        raise NotImplementedError(f"{type(self).__name__} reads its stats with fetch_stats")
-
-    async def fetch_stats(self) -> EngineStats:
-        """The stats for a /metrics scrape (a frontend asks the engine process for them)."""
-        return self.stats()

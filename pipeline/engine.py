@@ -71,6 +71,11 @@ class Engine(EngineClient):
     scheduler: Scheduler
     accountant: account.Accountant
 
+    async def fetch_stats(self) -> EngineStats:
+        """The stats for a /metrics scrape: read at once here (a frontend process's
+        RemoteEngine asks the engine process instead)."""
+        return self.stats()
+
     def stats(self) -> EngineStats:
         s, a = self.scheduler, self.accountant
         return EngineStats(
