@@ -11,7 +11,7 @@ the softmax denominator.
 Sliding-window layers keep their k/v in the same blocks as full layers, unless the cache is
 *hybrid* (KVCache(sliding_layers=..., num_sliding_blocks=...), gpt-oss by default): then the
 sliding layers have a smaller pool of their own, and block b of a table holds their k/v in
-slot sliding_map[b] (stages/blocks.py SlidingHalves lends the slots; the plan ships changes,
+slot sliding_map[b] (stages/schedule/blocks.py SlidingHalves lends the slots; the plan ships changes,
 KVCache.remap applies them). A sliding layer reads its table and slot mapping through that
 map (`sliding_view`, once per forward, inside a captured CUDA graph too); blocks the window
 no longer reaches map to slot 0 or to another block's slot, which the window masks.

@@ -50,7 +50,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 def implied_tokenizer(config: ModelConfig | dict) -> Tokenizer | None:
     """The tokenizer a model's type implies when its checkpoint ships none: Harmony's o200k
     for gpt-oss (gpu/harmony.py, offline), else None. The one place this is decided: the
-    server (pipeline/startup.py) and `tailrace replay` (through load_tokenizer) both ask here."""
+    server (pipeline/core/startup.py) and `tailrace replay` (through load_tokenizer) both ask here."""
     from gpu.harmony import harmony_tokenizer, uses_harmony
 
     return harmony_tokenizer() if uses_harmony(config) else None

@@ -25,8 +25,8 @@ import time
 import torch
 import trio
 
-from pipeline.bench import _bench, make_requests
-from pipeline.config import EngineConfig
+from pipeline.tools.bench import _bench, make_requests
+from pipeline.core.config import EngineConfig
 
 
 def hf_model(path: str | None, dtype: torch.dtype = torch.float32):

@@ -29,7 +29,7 @@ import attrs  # noqa: E402
 
 from gpu.interface import StepResult  # noqa: E402
 from rendered import rendered  # noqa: E402
-from stages.blocks import BlockManager  # noqa: E402
+from stages.schedule.blocks import BlockManager  # noqa: E402
 from stages.schedule import Scheduler  # noqa: E402
 
 

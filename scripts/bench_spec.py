@@ -18,8 +18,8 @@ import orjson
 import torch
 import trio
 
-from pipeline.config import EngineConfig
-from pipeline.engine import open_engine
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import open_engine
 
 FILE = '''import json
 import os

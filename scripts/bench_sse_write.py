@@ -2,7 +2,7 @@
 
 The server process runs ``web.app.create_app`` behind ``LoadingGate`` with Hypercorn, as
 ``tailrace serve`` does (``web.server.open_http``), over a stand-in engine: ``submit``
-returns a real ``pipeline.engine.Reply``, and a step task puts one completions chunk
+returns a real ``pipeline.core.engine.Reply``, and a step task puts one completions chunk
 (the bytes tailrace's completions API writes) on every open reply each ``--step-ms``,
 then the finishing chunk, the usage chunk, ``[DONE]`` and ``ReplyEnd``, as the emit
 stage does. A reader in another process (stdlib sockets and ``select``, cheap enough to
@@ -51,7 +51,7 @@ def serve(variant: str, tokens: int, step_s: float, interval: int) -> None:
 
     import trio
 
-    from pipeline.reply import Reply
+    from pipeline.core.reply import Reply
     from stages.emit import ReplyEnd
     from web import app as web_app
     from web.server import open_http

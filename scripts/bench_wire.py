@@ -1,4 +1,4 @@
-"""The wire's cost per engine step (pipeline/wire.py): a decode step of N sequences (one
+"""The wire's cost per engine step (pipeline/layouts/wire.py): a decode step of N sequences (one
 token each), packed by the engine, written to a socketpair, read and unpacked by a
 frontend into a Step. CPU time (process_time), so a loaded machine moves it little.
 
@@ -17,8 +17,8 @@ import time
 
 import trio
 
-from pipeline.wire import Link, pack_step, unpack_step
-from stages.delta import Delta
+from pipeline.layouts.wire import Link, pack_step, unpack_step
+from stages.lib.delta import Delta
 from stages.messages import Step
 
 

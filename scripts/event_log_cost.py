@@ -17,8 +17,8 @@ from pathlib import Path
 import attrs
 
 from gpu.interface import SeqChunk, StepPlan
-from pipeline.events import EventLog
-from stages.delta import Delta, Usage
+from pipeline.core.events import EventLog
+from stages.lib.delta import Delta, Usage
 from stages.emit import ReplyEnd
 from stages.messages import Step
 

@@ -9,7 +9,7 @@
 # and pydantic's stack (about 7.5 MiB, compiled for cp312 x86-64).
 # Not carried: openai-harmony and bpe-openai (gpt-oss's Harmony format and o200k vocabulary:
 # bpe-openai's wheel alone is 41 MiB of the 64 MiB a call may carry, and gpt-oss is no
-# device-check model); stages/harmony.py imports them only for a Harmony model, so every
+# device-check model); stages/api/harmony.py imports them only for a Harmony model, so every
 # other model runs without them. scripts/device_image/sitecustomize.py blocks, on a CPU
 # dry run, every package that the image lacks and this list does not carry.
 set -euo pipefail

@@ -122,7 +122,7 @@ fi
 # entry points the steps below run (not a list of packages, which drifts from the code).
 if ! "$PY" - 2>>"$STEPS_LOG" <<'PY'
 import importlib, importlib.util, sys
-for name in ("pipeline.bench", "gpu.kernels.bench", "gpu.kernels.compile_count"):
+for name in ("pipeline.tools.bench", "gpu.kernels.bench", "gpu.kernels.compile_count"):
     importlib.import_module(name)
 for path in ("scripts/compare_paths.py",):   # a script: loaded as a module, main() not run
     spec = importlib.util.spec_from_file_location("_check_" + path.replace("/", "_")[:-3], path)
@@ -145,7 +145,7 @@ if [ "$CUDA" = 1 ] && [ "$(left 260)" -gt 30 ]; then
     t=$(left 260); say "1. end-to-end throughput (nano-vllm workload), up to ${t}s"
     # nano-vllm's engine settings: max_model_len 4096, max_num_seqs 512,
     # max_num_batched_tokens 16384, CUDA graphs, gpu_memory_utilization 0.9
-    timeout -s INT -k 15 "$t" "$PY" -m pipeline.bench gpu/configs/qwen3-0.6b --load-format dummy --workload nano-vllm \
+    timeout -s INT -k 15 "$t" "$PY" -m pipeline.tools.bench gpu/configs/qwen3-0.6b --load-format dummy --workload nano-vllm \
         --dtype bfloat16 --max-model-len 4096 --max-num-seqs 512 --max-num-batched-tokens 16384 \
         --output-json "$OUT/throughput.json" 2>&1 | tee -a "$STEPS_LOG"
     rc_e2e=${PIPESTATUS[0]}
@@ -159,8 +159,8 @@ else
     # (not only at import) is checked here too
     tiny=$(mktemp -d)
     "$PY" -c "import json, sys; sys.path.insert(0, 'tests/kernels'); from conftest import TINY_QWEN3; json.dump(TINY_QWEN3, open('$tiny/config.json', 'w'))"
-    say "1. instead: pipeline.bench end to end on a tiny Qwen3 (CPU, dummy weights)"
-    timeout 120 "$PY" -m pipeline.bench "$tiny" --load-format dummy --num-prompts 4 --input-len 16 \
+    say "1. instead: pipeline.tools.bench end to end on a tiny Qwen3 (CPU, dummy weights)"
+    timeout 120 "$PY" -m pipeline.tools.bench "$tiny" --load-format dummy --num-prompts 4 --input-len 16 \
         --output-len 8 --dtype float32 --output-json "$tiny/throughput.json" 2>&1 | tee -a "$STEPS_LOG"
     rc_e2e=${PIPESTATUS[0]}
 fi

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu.simulate as simulate  # noqa: E402
 import gpu.runner as runner  # noqa: E402
-from pipeline import bench  # noqa: E402
+from pipeline.tools import bench  # noqa: E402
 from stages import account, detokenize, emit, parse, schedule  # noqa: E402
 
 cpu: collections.Counter = collections.Counter()

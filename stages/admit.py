@@ -7,7 +7,7 @@ KV cache (400), or a structured-output constraint that does not parse (400; chec
 here, in the engine's process, because xgrammar imports torch).
 
 The limit counts admitted requests: from here until emit has sent their last byte
-(stages/replies.py). At most ``--max-num-seqs`` of them run; the rest wait in schedule,
+(stages/lib/replies.py). At most ``--max-num-seqs`` of them run; the rest wait in schedule,
 so ``max_admitted = --max-num-seqs + --max-queued-requests`` bounds the queue.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import trio
 from stages.api.structured import refusal as constraint_refusal
 from stages.messages import RenderedRequest
 from stages.render import RequestError
-from stages.replies import Replies
+from stages.lib.replies import Replies
 
 
 @attrs.frozen

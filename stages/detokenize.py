@@ -17,7 +17,7 @@ import attrs
 import trio
 from tokenizers.decoders import ByteLevel, DecodeStream
 
-from stages.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
+from stages.lib.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
 from stages.messages import FinishRequest, RenderedRequest, Step
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces

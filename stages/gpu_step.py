@@ -15,13 +15,13 @@ whether or not an event log is set. An error that leaves the device unusable doe
 (torch.AcceleratorError: the CUDA context is lost after one), a lost tensor-parallel
 rank (gpu.interface.TPLost), or
 MAX_CONSECUTIVE_FAILURES failed steps in a row, raises EngineDead out of this stage,
-which stops the engine (pipeline/engine.py: /health turns 503, every request in flight
+which stops the engine (pipeline/core/engine.py: /health turns 503, every request in flight
 ends with an error, the server exits non-zero).
 
 Fault injection, for tests (off unless asked for): ``faults`` maps a step number to
 "error" (that step raises StepFault after the model ran) or "fatal" (it raises
 DeviceLost, which counts as a lost device). The engine fills it from
-``--fault-steps`` / ``TAILRACE_FAULT_STEPS`` (pipeline/config.py).
+``--fault-steps`` / ``TAILRACE_FAULT_STEPS`` (pipeline/core/config.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 hands to render (`Submission`), what render hands on (`RenderedRequest` with its
 `SamplingParams`), the scheduler's control messages (`Abort`, `FinishRequest`) and the one
 message on every channel from schedule to emit (`Step`, its per-request `Delta`s in
-stages/delta.py). What the runner takes and returns is gpu/interface.py.
+stages/lib/delta.py). What the runner takes and returns is gpu/interface.py.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from stages.api.chat import ChatCompletionRequest
 from stages.api.common import ToolPlan
 from stages.api.completions import CompletionRequest
 from stages.api.responses import ResponsesRequest
-from stages.delta import Delta
+from stages.lib.delta import Delta
 
 # The typed request a RenderedRequest keeps, for what replies echo.
 ApiRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest

@@ -1,7 +1,7 @@
 """parse: text deltas -> content, reasoning and tool calls.
 
 A request with a tool plan (stages/api/tools.py) gets a tool parser
-(stages/tool_parsers/), fed the content after any reasoning: calls come out whole in
+(stages/api/tool_parsers/), fed the content after any reasoning: calls come out whole in
 `Delta.tool_calls`, and a turn that made a call and stopped ends with finish_reason
 tool_calls.
 
@@ -11,7 +11,7 @@ whether it is a tag. qwen3 starts in content and enters reasoning on a leading <
 deepseek_r1's template opens <think> in the prompt, so it starts in reasoning.
 
 openai_gptoss (gpt-oss, implied for that model) parses Harmony from the token ids, not the
-text (stages/harmony.py): channels give reasoning, content and tool calls at once. A
+text (stages/api/harmony.py): channels give reasoning, content and tool calls at once. A
 named or required tool_choice is constrained JSON there as for every model, read by the
 same text parsers.
 """
@@ -21,12 +21,12 @@ import attrs
 import trio
 
 from stages.api.common import ToolPlan
-from stages.delta import Delta, FinishReason, ToolCallDelta
-from stages.harmony import HARMONY_REASONING_PARSER, HarmonyState
+from stages.lib.delta import Delta, FinishReason, ToolCallDelta
+from stages.api.harmony import HARMONY_REASONING_PARSER, HarmonyState
 from stages.messages import Step
-from stages.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,
+from stages.api.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,
                                  ToolParser, call_id)
-from stages.tool_parsers.base import partial_suffix
+from stages.api.tool_parsers.base import partial_suffix
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY_REASONING_PARSER)
 _OPEN, _CLOSE = "<think>", "</think>"

@@ -14,7 +14,7 @@ import attrs
 import jinja2
 
 from gpu.interface import SamplingOptions
-from stages import harmony
+from stages.api import harmony
 from stages.api import APIS, chat
 from stages.api.common import (ChoiceRequest, PromptPlan, RequestError, SamplingRequest,
                                ToolSettings, parse_request, usage_flags)
@@ -39,7 +39,7 @@ class RenderContext:
     force_include_usage: bool = False  # --enable-force-include-usage
     per_request_metrics: bool = False  # --enable-per-request-metrics
     tools: ToolSettings = ToolSettings()   # --enable-auto-tool-choice, --tool-call-parser...
-    harmony: bool = False         # gpt-oss: messages render through Harmony (stages/harmony.py)
+    harmony: bool = False         # gpt-oss: messages render through Harmony (stages/api/harmony.py)
 
 
 def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -375,7 +375,7 @@ async def run(receive, send, replies, ctx: RenderContext, log=None) -> None:
     """Render each submission; a bad one gets its error on its reply channel."""
     async with receive, send:
         async for sub in receive:
-            if log is not None:   # pipeline.events redacts credentials from body and headers
+            if log is not None:   # pipeline.core.events redacts credentials from body and headers
                 log("received", request_id=sub.request_id, api=sub.api, arrival=sub.arrival,
                     headers=sub.headers, body=sub.body)
             try:

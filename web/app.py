@@ -30,15 +30,15 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from pipeline.validators import non_negative, positive
+from pipeline.core.validators import non_negative, positive
 from stages.api import APIS
 from stages.api.common import RequestError, unstructure
 from web import access
 from web.metrics import EngineCollector
 
 if TYPE_CHECKING:     # the app is imported without the engine (torch)
-    from pipeline.engine import Engine
-    from pipeline.reply import Reply
+    from pipeline.core.engine import Engine
+    from pipeline.core.reply import Reply
 
 log = logging.getLogger("tailrace.web")
 
@@ -52,7 +52,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 
 @attrs.frozen
 class AppConfig:
-    """The HTTP server's own settings (the engine's are pipeline.config.EngineConfig)."""
+    """The HTTP server's own settings (the engine's are pipeline.core.config.EngineConfig)."""
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, repr=False)
     allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # (): no CORS
     allowed_methods: tuple[str, ...] = attrs.field(default=("*",), converter=tuple)
@@ -389,7 +389,7 @@ def _invocation_api(body: object) -> str:
 
 
 def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
-    """The app for one running engine (see pipeline.engine.open_engine): the engine
+    """The app for one running engine (see pipeline.core.engine.open_engine): the engine
     outlives the app, so serving it neither starts nor stops the engine."""
     app = QuartTrio("tailrace")
     # Quart refuses a larger body with 413 as soon as its Content-Length (or, chunked, the

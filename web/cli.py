@@ -1,13 +1,13 @@
 """`tailrace` command line: serve, cluster, bench serve, bench throughput, replay.
 
 The flags and the dispatch; what each command runs lives elsewhere (serve:
-web/server.py, cluster: pipeline/cluster.py, bench: web/bench/ and pipeline/bench.py,
-replay: pipeline/replay.py).
+web/server.py, cluster: pipeline/tools/cluster.py, bench: web/bench/ and pipeline/tools/bench.py,
+replay: pipeline/tools/replay.py).
 
 `serve` flags are named as vLLM names them; each maps onto one EngineConfig
 field. serve binds its socket and serves it first (a taken port fails at once,
 before the model loads; every request, /health included, gets 503 while it
-loads), then loads the model and starts the engine (pipeline.engine.open_engine),
+loads), then loads the model and starts the engine (pipeline.core.engine.open_engine),
 then serves the app on that socket and prints one machine-readable line on stdout:
 
     tailrace: listening on http://127.0.0.1:8000
@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 
-from pipeline.config import add_engine_arguments, byte_size, engine_config
+from pipeline.core.config import add_engine_arguments, byte_size, engine_config
 from web.access import api_keys
 from web.app import DEFAULT_MAX_REQUEST_BODY_BYTES, AppConfig
 from web.server import GRACEFUL_TIMEOUT_S, listen_socket, serve_model
@@ -133,7 +133,7 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
                     "(pip install 'tailrace[cluster]'). Every flag not listed here goes to "
                     "each replica's `tailrace serve` (model, --max-model-len, ...). "
                     "See docs/scaling.md.")
-    from pipeline import cluster as cluster_module
+    from pipeline.tools import cluster as cluster_module
     cluster_module.add_arguments(cluster)
     cluster.set_defaults(func=partial(run_cluster, cluster))
 
@@ -146,14 +146,14 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
                                  description="Re-run detokenize, parse, account and emit from an "
                                              "event log and compare with the bytes clients got.")
     replay.set_defaults(func=_run_replay, replay_parser=replay)
-    from pipeline.replay import add_arguments as add_replay_arguments
+    from pipeline.tools.replay import add_arguments as add_replay_arguments
     add_replay_arguments(replay)
     if with_bench:
-        # Imported only when asked for: pipeline.bench pulls in torch.
+        # Imported only when asked for: pipeline.tools.bench pulls in torch.
         from web.bench import serve as bench_serve_module
         bench_serve_module.add_arguments(bench_serve)
         bench_serve.set_defaults(func=bench_serve_module.main)
-        from pipeline import bench as bench_throughput_module
+        from pipeline.tools import bench as bench_throughput_module
         bench_throughput_module.add_arguments(bench_throughput)
         bench_throughput.set_defaults(func=bench_throughput_module.main)
         for p in (bench_serve, bench_throughput):
@@ -162,7 +162,7 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from pipeline.replay import main as replay_main
+    from pipeline.tools.replay import main as replay_main
 
     return replay_main(args)
 
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- cluster -------------------------------------------------------------------
 
 def run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from pipeline import cluster
+    from pipeline.tools import cluster
 
     from web.logs import configure as configure_logs
 
@@ -240,7 +240,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                   exc.strerror or exc)
         return 1
     if args.api_server_count is not None:
-        from pipeline import procs
+        from pipeline.layouts import procs
 
         try:
             return procs.run(args.argv[1:], args.api_server_count, sock,
@@ -250,7 +250,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         import trio
 
-        from pipeline.startup import check_tensor_parallel, pick_device
+        from pipeline.core.startup import check_tensor_parallel, pick_device
 
         try:
             check_tensor_parallel(config, pick_device(config.device))
@@ -260,7 +260,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                 log_level=args.log_level,
                                 graceful_timeout=args.graceful_timeout))
     except Exception as exc:  # start-up failures (model), or the engine crashed
-        from pipeline.reply import describe
+        from pipeline.core.reply import describe
 
         log.error("tailrace serve failed: %s", describe(exc))
         log.debug("details", exc_info=True)

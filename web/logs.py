@@ -13,7 +13,7 @@ the same way:
 
 Structured fields are a call's ``extra={...}`` (e.g. gpu_step's ``step``, web/app.py's
 ``request_id``); a structlog logger (``structlog.get_logger("tailrace...")``) passes them as
-keywords. The event log (pipeline/events.py) is separate: orjson lines from its own thread.
+keywords. The event log (pipeline/core/events.py) is separate: orjson lines from its own thread.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics read from `engine.stats()` (pipeline.stats.EngineStats) at scrape time.
+"""Prometheus metrics read from `engine.stats()` (pipeline.core.stats.EngineStats) at scrape time.
 
 The series vLLM exports carry vLLM's names (`vllm:num_requests_running`, ...) and a
 `model_name` label, so dashboards and autoscalers built for vLLM work unchanged.
@@ -18,11 +18,11 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from pipeline.stats import EngineStats, SpecDecodeStats
-from stages.delta import FinishReason
+from pipeline.core.stats import EngineStats, SpecDecodeStats
+from stages.lib.delta import FinishReason
 
 if TYPE_CHECKING:
-    from pipeline.engine import Engine
+    from pipeline.core.engine import Engine
 
 PREFIX = "tailrace:"
 VLLM = "vllm:"

@@ -23,8 +23,8 @@ import trio
 from web.app import AppConfig, LoadingGate, create_app
 
 if TYPE_CHECKING:     # the engine (torch) is imported when a model is served, not before
-    from pipeline.config import EngineConfig
-    from pipeline.engine import Engine
+    from pipeline.core.config import EngineConfig
+    from pipeline.core.engine import Engine
 
 log = logging.getLogger("tailrace")
 
@@ -52,7 +52,7 @@ async def serve_model(config: EngineConfig, sock: socket.socket, *,
     """Serve `sock` at once (503 on every route while the model loads: web.app.LoadingGate),
     load the model and start the engine, then serve it until SIGINT/SIGTERM.
     0 on a clean shutdown; an engine crash propagates (as an exception group)."""
-    from pipeline.engine import open_engine   # here: the engine brings torch
+    from pipeline.core.engine import open_engine   # here: the engine brings torch
 
     shutdown, abort, serving = trio.Event(), trio.Event(), trio.Event()
     gate = LoadingGate()
@@ -74,13 +74,13 @@ async def serve_model(config: EngineConfig, sock: socket.socket, *,
 
 async def serve_frontend(engine_sock: socket.socket, sock: socket.socket, *, index: int,
                          log_level: str = "info") -> int:
-    """One frontend process of --api-server-count (pipeline/procs.py starts it): serve the
+    """One frontend process of --api-server-count (pipeline/layouts/procs.py starts it): serve the
     listening socket it inherited at once (503 while the engine process loads the model),
     take its setup from the engine over `engine_sock`, then serve the app over a
-    pipeline.frontend.RemoteEngine, as serve_model does over an Engine; shutdown is the
-    same. The engine going away comes out as pipeline.frontend.EngineGone."""
-    from pipeline.frontend import EngineGone, open_frontend
-    from pipeline.wire import Link
+    pipeline.layouts.frontend.RemoteEngine, as serve_model does over an Engine; shutdown is the
+    same. The engine going away comes out as pipeline.layouts.frontend.EngineGone."""
+    from pipeline.layouts.frontend import EngineGone, open_frontend
+    from pipeline.layouts.wire import Link
 
     shutdown, abort, serving = trio.Event(), trio.Event(), trio.Event()
     gate = LoadingGate()

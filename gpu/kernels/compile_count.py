@@ -1,5 +1,5 @@
 """How many Triton kernels this process has compiled: the sum of the launch caches of every
-@triton.jit kernel in gpu/. `pipeline.bench` reads it at the start and the end of the timed
+@triton.jit kernel in gpu/. `pipeline.tools.bench` reads it at the start and the end of the timed
 window; any difference is a compile in the middle of a run (1-2 s each on an H200), which
 must not happen (issue 26): the warm-up and graph capture compile every variant a run meets,
 and the kernels' do_not_specialize / do_not_specialize_on_alignment lists keep the variants

@@ -1,7 +1,7 @@
 """Makes this Python look like the lent GPU machine's image: every package that the image
 lacks and scripts/fetch_gpu_wheels.sh does not carry fails to import.
 
-    TAILRACE_DEVICE_IMAGE=1 PYTHONPATH=scripts/device_image:$PWD python -c "import pipeline.bench"
+    TAILRACE_DEVICE_IMAGE=1 PYTHONPATH=scripts/device_image:$PWD python -c "import pipeline.tools.bench"
 
 Put this folder first on PYTHONPATH: Python imports `sitecustomize` at start-up, and with
 TAILRACE_DEVICE_IMAGE=1 it installs a meta-path finder that raises ImportError for those

@@ -13,7 +13,7 @@ from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, 
 from stages.api.framing import ChoicesFramer, ChoiceState, prompt_logprobs_json, usage_info
 from stages.api.structured import constraint_of
 from stages.api.tools import chat_tools, tool_request
-from stages.delta import Delta, TokenLogprob, Usage
+from stages.lib.delta import Delta, TokenLogprob, Usage
 
 _ROUTER_CHAT_EXTRAS = {**ROUTER_EXTRAS, "separate_reasoning": (True,),
                        "stream_reasoning": (True,)}

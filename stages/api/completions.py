@@ -11,7 +11,7 @@ from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest
 from stages.api.framing import (MIN_LOGPROB, ChoicesFramer, ChoiceState, prompt_logprobs_json,
                                 usage_info)
 from stages.api.structured import constraint_of
-from stages.delta import Delta, PromptLogprob
+from stages.lib.delta import Delta, PromptLogprob
 
 @attrs.frozen
 class CompletionRequest(ChoiceRequest):

@@ -17,7 +17,7 @@ import orjson
 from stages.api.common import (CompletionTokensDetails, InputTokensDetails, OutputTokensDetails,
                                PromptTokensDetails, ResponseUsage, UsageInfo, server_error,
                                unstructure)
-from stages.delta import Delta, FinishReason, Usage
+from stages.lib.delta import Delta, FinishReason, Usage
 
 if TYPE_CHECKING:
     from stages.messages import RenderedRequest

@@ -21,7 +21,7 @@ from stages.api.common import (Content, Invalid, PromptPlan, RequestError, Respo
 from stages.api.framing import Framer, error_bytes, json_body, response_usage
 from stages.api.structured import constraint_of
 from stages.api.tools import responses_tools, tool_request
-from stages.delta import Delta, FinishReason
+from stages.lib.delta import Delta, FinishReason
 
 @attrs.frozen
 class InputItem:

@@ -93,7 +93,7 @@ def _stop(launched: Launched) -> int:
 
 def _sessions_alive(leaders: set[int]) -> list[str]:
     """Processes still alive in the sessions the launcher's children led (each child is a
-    session leader: pipeline/cluster.py)."""
+    session leader: pipeline/tools/cluster.py)."""
     alive = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

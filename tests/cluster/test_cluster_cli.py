@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pipeline import cluster
+from pipeline.tools import cluster
 from web import cli
 
 

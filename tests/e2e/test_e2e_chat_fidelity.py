@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 
-import pipeline.startup
+import pipeline.core.startup
 from gpu.interface import TokenLogprobs
-from pipeline.harness import ScriptedRunner
+from pipeline.tools.harness import ScriptedRunner
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))   # shared server helpers
 from relutil import threaded_server  # noqa: E402
@@ -83,7 +83,7 @@ def servers(smollm):
         try:
             for parser in ("qwen3", "deepseek_r1"):
                 runner = Script(smollm.tokenizer)
-                mp.setattr(pipeline.startup, "ModelRunner", lambda *a, _r=runner, **k: _r)
+                mp.setattr(pipeline.core.startup, "ModelRunner", lambda *a, _r=runner, **k: _r)
                 cm = threaded_server(smollm, max_model_len=1024, reasoning_parser=parser,
                                      enable_auto_tool_choice=True, tool_call_parser="hermes",
                                      enable_per_request_metrics=True)

@@ -18,8 +18,8 @@ import openai
 import orjson
 import pytest
 
-from pipeline.events import event_files, read_events
-from pipeline.replay import Log, replay_log
+from pipeline.core.events import event_files, read_events
+from pipeline.tools.replay import Log, replay_log
 
 KEY = "sk-tailrace-secret-0123456789"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]

@@ -18,11 +18,11 @@ import openai
 import pytest
 from openai_harmony import Message, Role
 
-import pipeline.startup
+import pipeline.core.startup
 from gpu.config import ModelConfig
 from gpu.harmony import harmony_encoding
 from gpu.loader import LoadedModel, load_model
-from pipeline.harness import ScriptedRunner
+from pipeline.tools.harness import ScriptedRunner
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))   # shared server helpers
 from relutil import threaded_server  # noqa: E402
@@ -101,7 +101,7 @@ def tiny_gpt_oss() -> LoadedModel:
 def server():
     runner = HarmonyScript()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline.startup, "ModelRunner", lambda *a, **k: runner)
+        mp.setattr(pipeline.core.startup, "ModelRunner", lambda *a, **k: runner)
         with threaded_server(tiny_gpt_oss(), max_model_len=4096) as srv:
             yield SimpleNamespace(url=srv.url, runner=runner)
 
@@ -286,24 +286,24 @@ def test_named_tool_choice_is_constrained_json(client, stream):
     ({"tool_call_parser": "hermes"}, "gpt-oss models speak Harmony"),
 ])
 def test_other_parsers_are_refused_for_gpt_oss(flags, words):
-    from pipeline.config import EngineConfig
+    from pipeline.core.config import EngineConfig
     with pytest.raises(ValueError, match=words):
-        pipeline.startup.Parsers.of(EngineConfig(**flags), gpt_oss_config())
+        pipeline.core.startup.Parsers.of(EngineConfig(**flags), gpt_oss_config())
 
 
 def test_harmony_parsers_are_implied_and_refused_elsewhere():
-    from pipeline.config import EngineConfig
-    implied = pipeline.startup.Parsers.of(EngineConfig(), gpt_oss_config())
+    from pipeline.core.config import EngineConfig
+    implied = pipeline.core.startup.Parsers.of(EngineConfig(), gpt_oss_config())
     assert implied.harmony and implied.reasoning_parser == "openai_gptoss"
     assert implied.tools.tool_call_parser == "openai" and implied.tools.enable_auto_tool_choice
     assert implied.tools.exclude_tools_when_tool_choice_none
-    same = pipeline.startup.Parsers.of(EngineConfig(
+    same = pipeline.core.startup.Parsers.of(EngineConfig(
         reasoning_parser="openai_gptoss", tool_call_parser="openai",
         enable_auto_tool_choice=True), gpt_oss_config())
     assert same == implied
     for flags in ({"reasoning_parser": "openai_gptoss"}, {"tool_call_parser": "openai"}):
         with pytest.raises(ValueError, match="needs a gpt-oss model"):
-            pipeline.startup.Parsers.of(EngineConfig(**flags), ModelConfig.from_hf(
+            pipeline.core.startup.Parsers.of(EngineConfig(**flags), ModelConfig.from_hf(
                 {"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
                  "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}))
 

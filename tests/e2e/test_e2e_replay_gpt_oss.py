@@ -11,7 +11,7 @@ from pathlib import Path
 
 import openai
 
-from pipeline.events import read_events
+from pipeline.core.events import read_events
 
 CONFIG = Path(__file__).parents[2] / "gpu" / "configs" / "gpt-oss-tiny"
 TOOLS = [{"type": "function", "function": {

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pipeline import bench
+from pipeline.tools import bench
 from web import cli
 
 

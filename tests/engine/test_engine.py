@@ -10,11 +10,11 @@ import trio
 
 from gpu.attention_dense import DenseCausalAttention
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-import pipeline.engine
-from pipeline.config import EngineConfig
-from pipeline.engine import Engine, open_engine
-from pipeline.events import read_events
-from pipeline.replay import replay
+import pipeline.core.engine
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import Engine, open_engine
+from pipeline.core.events import read_events
+from pipeline.tools.replay import replay
 from stages.render import RequestError
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -316,7 +316,7 @@ async def test_a_crashed_stage_stops_the_engine_cleanly(smollm):
 
 
 async def test_a_crashed_stage_cancels_a_body_that_does_not_finish(smollm, monkeypatch):
-    monkeypatch.setattr(pipeline.engine, "STOP_GRACE_S", 0.2)
+    monkeypatch.setattr(pipeline.core.engine, "STOP_GRACE_S", 0.2)
     with trio.fail_after(30), pytest.raises(BaseExceptionGroup) as info:
         async with engine_of(smollm) as engine:
             def broken():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import trio
 
-from pipeline import timeline
-from pipeline.events import event_files
-from pipeline.replay import Log, replay_log
+from pipeline.tools import timeline
+from pipeline.core.events import event_files
+from pipeline.tools.replay import Log, replay_log
 from test_engine import QUESTION, engine_of
 
 

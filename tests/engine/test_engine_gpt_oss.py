@@ -9,8 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from pipeline.config import EngineConfig
-from pipeline.engine import open_engine
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import open_engine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gpu"))   # tests/gpu's model helpers
 from gpu_testutil import make_hf_model  # noqa: E402

@@ -1,4 +1,4 @@
-"""How start-up sizes the KV cache from the flags (pipeline/startup.py num_kv_blocks):
+"""How start-up sizes the KV cache from the flags (pipeline/core/startup.py num_kv_blocks):
 --num-gpu-blocks-override, then --kv-cache-memory-bytes on every device, then the CPU
 default. Only the model's shape and dtype matter, so a stand-in carries them. (Profiling
 a step for the CUDA budget: tests/kernels/test_kv_sizing.py.)"""
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import torch
 
 from gpu.attention import KVCache
-from pipeline.config import EngineConfig
-from pipeline.startup import _CPU_KV_DEFAULT_BYTES
-from pipeline.startup import num_kv_blocks as _num_kv_blocks
+from pipeline.core.config import EngineConfig
+from pipeline.core.startup import _CPU_KV_DEFAULT_BYTES
+from pipeline.core.startup import num_kv_blocks as _num_kv_blocks
 
 # tests/kernels' tiny Qwen3: 2 layers, 2 KV heads of 16, fp32
 LOADED = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2,

@@ -105,7 +105,7 @@ async def test_prompt_list_is_several_prompts_indexed_as_vllm(smollm):
 async def test_replay_reproduces_prompt_lists_echo_and_prompt_logprobs(smollm, tmp_path):
     import trio
 
-    from pipeline.replay import replay
+    from pipeline.tools.replay import replay
 
     log = tmp_path / "events.jsonl"
     seen: dict[str, bytes] = {}

@@ -7,8 +7,8 @@ import math
 import orjson
 import pytest
 
-from pipeline.config import EngineConfig
-from pipeline.engine import open_engine
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import open_engine
 
 
 async def test_engine_serves_text_on_a_simulated_h200():

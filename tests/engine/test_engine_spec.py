@@ -7,8 +7,8 @@ import orjson
 import pytest
 import trio
 
-from pipeline.config import EngineConfig
-from pipeline.engine import open_engine
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import open_engine
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
@@ -199,7 +199,7 @@ async def test_random_text_accepts_few_drafts(smollm):
 
 async def test_a_speculative_run_replays_from_its_event_log(smollm, tmp_path):
     """Multi-token deltas in the event log: replay reproduces every reply byte for byte."""
-    from pipeline.replay import Log, replay_log
+    from pipeline.tools.replay import Log, replay_log
 
     log = tmp_path / "events.jsonl"
     seen: dict[str, bytes] = {}

@@ -90,7 +90,7 @@ async def test_preemption_keeps_the_matcher(smollm):
 
 async def test_replay_of_tool_calls_and_constraints(smollm, tmp_path):
     """The event log carries constraints and tool plans: replay reproduces every byte."""
-    from pipeline.replay import replay
+    from pipeline.tools.replay import replay
     import trio
 
     log = tmp_path / "events.jsonl"

@@ -1,11 +1,11 @@
-"""pipeline.reply.Reply: what piled up on a reply channel since the reader last ran is
+"""pipeline.core.reply.Reply: what piled up on a reply channel since the reader last ran is
 read as one chunk (one socket write per stream per read, not per engine step), with the
 same bytes in the same order; the last item's status is kept."""
 from __future__ import annotations
 
 import trio
 
-from pipeline.reply import Reply
+from pipeline.core.reply import Reply
 from stages.emit import ReplyEnd
 
 

@@ -1,4 +1,4 @@
-"""gpu/kernels/compile_count.py, which pipeline.bench reads around its timed window, and
+"""gpu/kernels/compile_count.py, which pipeline.tools.bench reads around its timed window, and
 the graphs-vs-eager check (scripts/check_graph_splits.py) at a tiny size."""
 from __future__ import annotations
 

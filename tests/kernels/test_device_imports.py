@@ -35,7 +35,7 @@ def test_the_blocker_blocks_what_the_image_lacks():
     assert "blocked" in r.stdout and "not on the GPU image" in r.stdout
 
 
-@pytest.mark.parametrize("module", ["pipeline.bench", "gpu.kernels.bench"])
+@pytest.mark.parametrize("module", ["pipeline.tools.bench", "gpu.kernels.bench"])
 def test_entry_points_import_without_the_missing_packages(module):
     r = _run(f"import {module}, sys; "
              "bad = [m for m in ('openai_harmony', 'quart', 'hypercorn', 'pydantic_core') "

@@ -1,4 +1,4 @@
-"""pipeline/config.py: EngineConfig's validation at construction, the flags that build it,
+"""pipeline/core/config.py: EngineConfig's validation at construction, the flags that build it,
 and the byte sizes the flags read. A bad value is refused with a message that names the
 setting and the value, before anything loads."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import argparse
 import attrs
 import pytest
 
-from pipeline.config import (FAULT_STEPS_ENV, EngineConfig, add_engine_arguments, byte_size,
+from pipeline.core.config import (FAULT_STEPS_ENV, EngineConfig, add_engine_arguments, byte_size,
                              engine_config)
-from stages.tool_parsers import TOOL_PARSERS
+from stages.api.tool_parsers import TOOL_PARSERS
 
 
 def flags(*argv: str) -> argparse.Namespace:
@@ -115,7 +115,7 @@ def test_tool_flags_must_go_together():
 def test_a_tool_parser_plugin_adds_its_name(tmp_path):
     plugin = tmp_path / "my_parser.py"
     plugin.write_text(
-        "from stages.tool_parsers import ToolParser, register_tool_parser, TOOL_PARSERS\n"
+        "from stages.api.tool_parsers import ToolParser, register_tool_parser, TOOL_PARSERS\n"
         "@register_tool_parser('utests_plugin')\n"
         "class Mine(TOOL_PARSERS['hermes']):\n"
         "    pass\n")

@@ -1,4 +1,4 @@
-"""pipeline/events.py alone: every message type written by the EventLog and read back
+"""pipeline/core/events.py alone: every message type written by the EventLog and read back
 (`scheduled` structures back into the very Step schedule sent), the per-stage rows, the
 header, rotation, redaction, a writer that survives a bad event, and logs written by older
 versions (fields they did not have yet, no header, a cut last line).
@@ -17,16 +17,16 @@ import pytest
 from gpu.grammar import Constraint
 from gpu.interface import SeqChunk, SeqStart, StepPlan, TokenLogprobs
 from gpu.sampler import SamplingOptions
-from pipeline.config import EngineConfig
-from pipeline.events import (SCHEMA_VERSION, EventLog, event_files, make_header, plain,
+from pipeline.core.config import EngineConfig
+from pipeline.core.events import (SCHEMA_VERSION, EventLog, event_files, make_header, plain,
                              read_events, redact, redact_headers, stage_deltas, structure_step,
                              tokenizer_hash)
-from pipeline.replay import Log, replay_log
+from pipeline.tools.replay import Log, replay_log
 from stages.api.chat import ChatCompletionRequest
 from stages.api.common import ToolPlan
 from stages.api.completions import CompletionRequest
 from stages.api.responses import ResponsesRequest
-from stages.delta import (Delta, FinishReason, PromptLogprob, RequestMetrics, TokenLogprob,
+from stages.lib.delta import (Delta, FinishReason, PromptLogprob, RequestMetrics, TokenLogprob,
                           ToolCallDelta, Usage)
 from stages.emit import ReplyEnd
 from stages.messages import Step

@@ -1,4 +1,4 @@
-"""pipeline/timeline.py on a small synthetic event log: per request its times, durations,
+"""pipeline/tools/timeline.py on a small synthetic event log: per request its times, durations,
 tokens and outcome; per engine step its batch, tokens and KV use; the text table and the
 HTML page. (A real log with preemptions: tests/engine/test_engine_events.py; the page in
 a browser: tests/e2e/test_e2e_events.py.)"""
@@ -9,8 +9,8 @@ import re
 import orjson
 import pytest
 
-from pipeline import timeline
-from pipeline.replay import Log
+from pipeline.tools import timeline
+from pipeline.tools.replay import Log
 
 T0 = 1000.0          # the header's monotonic t: every time is relative to it
 

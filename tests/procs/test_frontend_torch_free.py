@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 CHECK = (Path(__file__).parents[1] / "stages" / "test_torch_free.py").read_text()
-MODULES = ("pipeline.frontend", "pipeline.wire", "pipeline.client", "pipeline.procs",
+MODULES = ("pipeline.layouts.frontend", "pipeline.layouts.wire", "pipeline.core.client", "pipeline.layouts.procs",
            "web.server")
 
 

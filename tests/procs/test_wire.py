@@ -1,4 +1,4 @@
-"""The wire between the engine and frontend processes (pipeline/wire.py): Step frames
+"""The wire between the engine and frontend processes (pipeline/layouts/wire.py): Step frames
 round-trip exactly, whatever is in the deltas, and frames survive any split of the
 byte stream."""
 import socket
@@ -6,8 +6,8 @@ import socket
 import trio
 
 from gpu.interface import TokenLogprobs
-from pipeline.wire import OBJ, STEP, Link, Refused, pack, pack_step, unpack_step
-from stages.delta import Delta, FinishReason
+from pipeline.layouts.wire import OBJ, STEP, Link, Refused, pack, pack_step, unpack_step
+from stages.lib.delta import Delta, FinishReason
 from stages.messages import Abort, Step
 
 

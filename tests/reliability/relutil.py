@@ -24,8 +24,8 @@ import attrs
 import orjson
 import trio
 
-from pipeline.config import EngineConfig
-from pipeline.engine import Engine, open_engine
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import Engine, open_engine
 from web.app import AppConfig
 from web.server import LISTENING_PREFIX, listen_socket, serve
 

@@ -13,7 +13,7 @@ import torch
 import trio
 
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from pipeline.harness import ScriptedRunner, run_stage
+from pipeline.tools.harness import ScriptedRunner, run_stage
 from relutil import record, served, settled, sse_events
 from stages import gpu_step
 
@@ -50,7 +50,7 @@ async def test_a_failed_step_fails_its_requests_and_the_next_ones_succeed(smollm
 
 
 def test_step_faults_are_parsed_and_checked():
-    from pipeline.config import EngineConfig, parse_fault_steps
+    from pipeline.core.config import EngineConfig, parse_fault_steps
 
     assert parse_fault_steps("") == {}
     assert parse_fault_steps("3, 7:fatal") == {3: "error", 7: "fatal"}

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import trio
 
-from pipeline.events import read_events
+from pipeline.core.events import read_events
 from relutil import (engine_figures, memory_channel_count, record, rss_bytes, served, settled,
                      sse_events, trio_task_count)
 

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import trio
 
-from pipeline.events import read_events
+from pipeline.core.events import read_events
 from relutil import record, served, settled, sse_events, tailrace_serve
 from web import server
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.blocks import BlockManager, block_hash
+from stages.schedule.blocks import BlockManager, block_hash
 
 
 def admit(bm: BlockManager, tokens: list[int], root: int | None = None) -> list[int] | None:

@@ -3,8 +3,8 @@ included (requests are covered by the engine's replay test)."""
 import orjson
 
 from gpu.interface import TokenLogprobs
-from pipeline.events import structure_step, unstructure
-from stages.delta import Delta, FinishReason, TokenLogprob, Usage
+from pipeline.core.events import structure_step, unstructure
+from stages.lib.delta import Delta, FinishReason, TokenLogprob, Usage
 from stages.messages import Step
 
 

@@ -16,9 +16,9 @@ from openai_harmony import (Author, Conversation, DeveloperContent, Message, Rea
 
 from gpu.harmony import harmony_encoding, uses_harmony
 from stages.api.common import RequestError, ToolPlan, ToolSettings
-from stages.delta import Delta, FinishReason, Usage
+from stages.lib.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
-from stages.harmony import HarmonyState
+from stages.api.harmony import HarmonyState
 from stages.parse import Parser
 from stages.messages import Step, Submission
 from stages.render import RenderContext, render, tokenize

@@ -4,10 +4,10 @@ from __future__ import annotations
 import attrs
 
 from gpu.interface import StepResult
-from stages.blocks import BlockManager
+from stages.schedule.blocks import BlockManager
 from rendered import rendered
 from stages.messages import RenderedRequest
-from stages.delta import FinishReason
+from stages.lib.delta import FinishReason
 from stages.schedule import Scheduler
 
 

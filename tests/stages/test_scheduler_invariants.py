@@ -8,8 +8,8 @@ import random
 from collections import Counter
 
 from gpu.interface import StepResult
-from stages.blocks import BlockManager
-from stages.delta import FinishReason
+from stages.schedule.blocks import BlockManager
+from stages.lib.delta import FinishReason
 from stages.schedule import Scheduler
 from workload import RunnerModel, Workload, sampled_token
 

@@ -1,4 +1,4 @@
-"""The hybrid KV block manager (stages/blocks.py SlidingHalves): sliding-window layers keep
+"""The hybrid KV block manager (stages/schedule/blocks.py SlidingHalves): sliding-window layers keep
 their K/V in a pool of their own, and a block's sliding half goes back to that pool once every
 holder's window has passed it.
 
@@ -14,7 +14,7 @@ import pytest
 
 from gpu.interface import PLACEHOLDER, StepResult
 from rendered import rendered
-from stages.blocks import BlockManager
+from stages.schedule.blocks import BlockManager
 from stages.schedule import Scheduler
 from workload import RunnerModel, Workload
 

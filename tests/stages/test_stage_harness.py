@@ -5,15 +5,15 @@ import attrs
 import orjson
 import trio
 
-from pipeline.harness import Recorder, ScriptedRunner, run_stage
+from pipeline.tools.harness import Recorder, ScriptedRunner, run_stage
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
-from stages.blocks import BlockManager
-from stages.delta import Delta, FinishReason, Usage
+from stages.schedule.blocks import BlockManager
+from stages.lib.delta import Delta, FinishReason, Usage
 from rendered import rendered as make_rendered
 from stages.messages import Abort, FinishRequest, RenderedRequest, SamplingParams, Step, Submission
 from stages.render import RenderContext, RequestError
-from stages.replies import Replies
+from stages.lib.replies import Replies
 from stages.schedule import Scheduler
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from stages.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolCall,
+from stages.api.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser, ToolCall,
                                  call_id)
 
 

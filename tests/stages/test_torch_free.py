@@ -6,10 +6,10 @@ import sys
 import textwrap
 
 MODULES = ("web.app", "stages.render", "stages.detokenize", "stages.parse", "stages.account",
-           "stages.emit", "stages.messages", "stages.delta", "gpu.interface", "stages.api",
+           "stages.emit", "stages.messages", "stages.lib.delta", "gpu.interface", "stages.api",
            "stages.api.common", "stages.api.chat", "stages.api.completions",
            "stages.api.responses", "stages.api.tokenize", "stages.api.framing",
-           "stages.api.structured", "stages.api.tools", "stages.tool_parsers")
+           "stages.api.structured", "stages.api.tools", "stages.api.tool_parsers")
 
 _CHECK = textwrap.dedent("""
     import importlib, importlib.abc, sys

@@ -12,8 +12,8 @@ from gpu.interface import PLACEHOLDER, SamplingOptions, SeqChunk, StepPlan
 from gpu.runner import PROMPT_LOGPROB_ROWS
 from gpu.staging import BlockTables, stage_inputs, upload_inputs
 from gpu.tp_runner import HEADER, STEP, logit_calls, pack, unpack
-from pipeline.config import EngineConfig, add_engine_arguments, engine_config
-from pipeline.tp_procs import rendezvous, worker_flags
+from pipeline.core.config import EngineConfig, add_engine_arguments, engine_config
+from pipeline.layouts.tp_procs import rendezvous, worker_flags
 
 
 def _chunks(drafts: int = 0):

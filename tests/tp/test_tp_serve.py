@@ -26,8 +26,8 @@ import orjson
 import pytest
 import trio
 
-from pipeline.config import EngineConfig
-from pipeline.engine import open_engine
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import open_engine
 from procs_util import metrics, processes, start, wait_for
 
 DEVICE = os.environ.get("TAILRACE_TP_DEVICE", "cpu")
@@ -129,7 +129,7 @@ def texts(reply: dict) -> list[str]:
 
 
 def workers_of(pid: int) -> list[int]:
-    return [p for p, ppid, cmd in processes() if ppid == pid and "pipeline.tp_worker" in cmd]
+    return [p for p, ppid, cmd in processes() if ppid == pid and "pipeline.layouts.tp_worker" in cmd]
 
 
 def alive(pid: int) -> bool:
@@ -160,7 +160,7 @@ def smollm_tp3(tmp_path_factory):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     with open(tmp / "rank2.txt", "wb") as err:
         other = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.tp_worker", "--log-level", "warning", "--",
+            [sys.executable, "-m", "pipeline.layouts.tp_worker", "--log-level", "warning", "--",
              "--dtype", "float32", "--tensor-parallel-size", "3", *FLAGS],
             env={**env, "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2"}, stderr=err)
     mp = pytest.MonkeyPatch()
@@ -313,7 +313,7 @@ def test_a_dead_worker_fails_in_flight_requests_and_the_server_exits_1(tmp_path,
 def test_a_size_that_does_not_divide_fails_start_up_naming_the_flag(smollm_ref):
     """SmolLM2's 9 heads at TP 2: start-up fails with the loader's own message (not only
     "a worker exited"), and the worker started for it is gone."""
-    before = {p for p, _, cmd in processes() if "pipeline.tp_worker" in cmd}
+    before = {p for p, _, cmd in processes() if "pipeline.layouts.tp_worker" in cmd}
 
     async def main():
         async with open_engine(EngineConfig(**{**SIZES, "tensor_parallel_size": 2})):
@@ -327,4 +327,4 @@ def test_a_size_that_does_not_divide_fails_start_up_naming_the_flag(smollm_ref):
     finally:
         torch.set_num_threads(threads)
     assert not [p for p, _, cmd in processes()
-                if "pipeline.tp_worker" in cmd and p not in before and alive(p)]
+                if "pipeline.layouts.tp_worker" in cmd and p not in before and alive(p)]

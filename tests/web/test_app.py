@@ -12,8 +12,8 @@ import trio
 
 import httpx
 
-import pipeline.engine
-from pipeline.stats import EngineStats
+import pipeline.core.engine
+from pipeline.core.stats import EngineStats
 from stages.render import RequestError
 from web import cli, server
 from web.server import listen_socket, serve
@@ -205,7 +205,7 @@ async def test_models_and_metrics(served):
 
 
 def _fake_open_engine(crash_after: float | None = None, opened: list | None = None):
-    """Stands in for pipeline.engine.open_engine: a FakeEngine whose 'stages' run in the
+    """Stands in for pipeline.core.engine.open_engine: a FakeEngine whose 'stages' run in the
     context manager's own nursery, and optionally crash."""
 
     @contextlib.asynccontextmanager
@@ -227,7 +227,7 @@ def _fake_open_engine(crash_after: float | None = None, opened: list | None = No
 
 
 def test_engine_failure_stops_the_server_with_exit_1(monkeypatch, capsys, caplog):
-    monkeypatch.setattr(pipeline.engine, "open_engine", _fake_open_engine(crash_after=0.3))
+    monkeypatch.setattr(pipeline.core.engine, "open_engine", _fake_open_engine(crash_after=0.3))
     rc = cli.main(["serve", "--port", "0", "--log-level", "critical"])
     assert rc == 1
     assert capsys.readouterr().out.startswith(server.LISTENING_PREFIX)   # it did serve first
@@ -236,7 +236,7 @@ def test_engine_failure_stops_the_server_with_exit_1(monkeypatch, capsys, caplog
 
 def test_a_taken_port_fails_before_the_model_loads(monkeypatch, caplog):
     opened: list = []
-    monkeypatch.setattr(pipeline.engine, "open_engine", _fake_open_engine(opened=opened))
+    monkeypatch.setattr(pipeline.core.engine, "open_engine", _fake_open_engine(opened=opened))
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with caplog.at_level(logging.ERROR, logger="tailrace"):
@@ -250,7 +250,7 @@ def test_a_signal_shuts_down_gracefully(monkeypatch, capsys):
     import signal
     import threading
 
-    monkeypatch.setattr(pipeline.engine, "open_engine", _fake_open_engine())
+    monkeypatch.setattr(pipeline.core.engine, "open_engine", _fake_open_engine())
     # Once the listening line is out, send SIGTERM to ourselves (handled by serve's watcher).
     def print_then_signal(*args, **kwargs):
         print(*args, **kwargs)
@@ -275,7 +275,7 @@ async def test_every_route_answers_503_while_the_model_loads(monkeypatch, nurser
         async with fake(config) as engine:
             yield engine
 
-    monkeypatch.setattr(pipeline.engine, "open_engine", slow_open_engine)
+    monkeypatch.setattr(pipeline.core.engine, "open_engine", slow_open_engine)
     sock = listen_socket("127.0.0.1", 0)
     url = "http://127.0.0.1:%d" % sock.getsockname()[1]
     nursery.start_soon(partial(server.serve_model, None, sock, log_level="warning"))

@@ -1,0 +1,392 @@
+"""Start-up: everything the engine needs made before its stages run, synchronously (in a
+worker thread, see pipeline.core.engine.open_engine): the device, the weights and tokenizer,
+the parsers, the KV cache sized to the memory left, the runner (warmed up on CUDA), the
+block manager and scheduler; then the render context's templates and sampling defaults,
+and the event log's header."""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import jinja2
+import torch
+
+from gpu.attention import KVCache
+from gpu.grammar import GrammarCompiler
+from gpu.harmony import uses_harmony
+from gpu.interface import TPLost
+from gpu.loader import LoadedModel
+from gpu.openmp import release_team
+from gpu.parallel import SINGLE, TP
+from gpu.runner import ModelRunner
+from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
+from pipeline.core.config import EngineConfig
+from pipeline.core.events import EventLog, make_header
+from stages.api.common import ToolSettings
+from stages.schedule.blocks import BlockManager
+from stages.schedule.drafter import make_drafter
+from stages.api.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
+from stages.schedule import Scheduler
+
+log = logging.getLogger("tailrace")
+
+_CPU_KV_DEFAULT_BYTES = 1 << 30
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+@attrs.frozen
+class Parsers:
+    """The reasoning and tool parsers a model is served with: the flags', or Harmony's."""
+    reasoning_parser: str | None
+    tools: ToolSettings
+    harmony: bool = False
+
+    @classmethod
+    def of(cls, cfg: EngineConfig, model_config) -> Parsers:
+        """gpt-oss (model_type gpt_oss) speaks only Harmony: --reasoning-parser
+        openai_gptoss and --tool-call-parser openai (with auto tool choice) are implied, and
+        tool_choice "none" leaves the tools out of the prompt. Those two parsers read
+        Harmony tokens, so they serve no other model."""
+        if not uses_harmony(model_config):
+            if cfg.reasoning_parser == HARMONY_REASONING_PARSER:
+                raise ValueError(f"--reasoning-parser {HARMONY_REASONING_PARSER} needs a gpt-oss "
+                                 "model (Harmony format)")
+            if cfg.tool_call_parser == HARMONY_TOOL_PARSER:
+                raise ValueError(f"--tool-call-parser {HARMONY_TOOL_PARSER} needs a gpt-oss "
+                                 "model (Harmony format)")
+            return cls(cfg.reasoning_parser, ToolSettings(
+                cfg.enable_auto_tool_choice, cfg.tool_call_parser,
+                cfg.exclude_tools_when_tool_choice_none))
+        if cfg.reasoning_parser not in (None, HARMONY_REASONING_PARSER):
+            raise ValueError(f"--reasoning-parser {cfg.reasoning_parser}: gpt-oss models speak "
+                             f"Harmony; use {HARMONY_REASONING_PARSER} (implied) or leave it out")
+        if cfg.tool_call_parser not in (None, HARMONY_TOOL_PARSER):
+            raise ValueError(f"--tool-call-parser {cfg.tool_call_parser}: gpt-oss models speak "
+                             f"Harmony; use {HARMONY_TOOL_PARSER} (implied) or leave it out")
+        return cls(HARMONY_REASONING_PARSER, ToolSettings(True, HARMONY_TOOL_PARSER, True),
+                   harmony=True)
+
+
+@attrs.frozen
+class Built:
+    """What the synchronous part of start-up makes (in a worker thread)."""
+
+    loaded: LoadedModel
+    model_names: tuple[str, ...]
+    max_model_len: int
+    runner: ModelRunner | SimulatedRunner
+    blocks: BlockManager
+    scheduler: Scheduler
+    parsers: Parsers
+
+
+@attrs.frozen
+class Ranks:
+    """This process's place among the tensor-parallel ranks (issue 25)."""
+    tp: TP
+    plan: Any        # the gloo group each step's inputs are broadcast over (gpu/tp_runner.py)
+
+
+def join_ranks(cfg: EngineConfig, device: torch.device, rank: int, init_method: str,
+               timeout_s: float, local_size: int | None = None) -> Ranks:
+    """Join the TP group as `rank` (every rank, in the same order). On the CPU each rank
+    gets its share of the cores (unless OMP_NUM_THREADS says): N ranks each with every
+    core would fight over them."""
+    from gpu.tp_runner import join
+
+    size = cfg.tensor_parallel_size
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (local_size or size)))
+    tp, plan = join(rank, size, device, init_method, timeout_s)
+    return Ranks(tp, plan)
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """A rank's device: cuda:(rank 0's index + local rank), or the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + local_rank)
+
+
+def check_tensor_parallel(cfg: EngineConfig, device: torch.device) -> None:
+    """--tensor-parallel-size N on CUDA needs N devices from rank 0's on."""
+    n = cfg.tensor_parallel_size
+    if n > 1 and device.type == "cuda":
+        have = torch.cuda.device_count() - (device.index or 0)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or n)
+        if local > have:
+            raise ValueError(f"--tensor-parallel-size {n} needs {local} CUDA devices on this "
+                             f"host from {device} on; torch sees {have}")
+
+
+def load_weights(cfg: EngineConfig, device: torch.device, tp: TP = SINGLE) -> LoadedModel:
+    """The model's weights (this rank's shard under tensor parallelism) and tokenizer."""
+    from gpu.loader import choose_dtype, choose_residual_dtype, cpu_threads, load_model
+
+    dtype, why = choose_dtype(cfg.dtype, device)
+    residual, rwhy = choose_residual_dtype(cfg.residual_dtype, dtype, device)
+    log.info("dtype %s (%s), residual stream %s (%s)%s", str(dtype).removeprefix("torch."), why,
+             str(residual).removeprefix("torch."), rwhy,
+             f"; {cpu_threads()}" if device.type == "cpu" else "")
+    return load_model(cfg.model, load_format=cfg.load_format, dtype=dtype,
+                      device=str(device), seed=cfg.seed, residual_dtype=residual, tp=tp)
+
+
+def resolve_max_model_len(cfg: EngineConfig, loaded: LoadedModel) -> int:
+    return cfg.max_model_len or min(loaded.max_model_len, loaded.config.max_position_embeddings)
+
+
+def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, max_model_len: int,
+                ranks: Ranks | None = None) -> tuple[ModelRunner, KVCache, int]:
+    """The KV cache (this rank's heads; under tensor parallelism as many blocks as the
+    smallest rank's memory holds) and the runner over it: (runner, cache, full-layer
+    blocks). The cache is returned apart: tests stand a scripted runner in for ModelRunner.
+    Every rank runs it, in step: the CUDA profiling and graph capture run collectives."""
+    from gpu.tp_runner import StepBroadcast, min_over_ranks
+
+    mc = loaded.config
+    num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg))
+    if ranks is not None:
+        num_blocks = min_over_ranks(num_blocks, ranks.plan)
+    num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks)
+    cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, kv_heads(loaded),
+                    mc.head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
+                    num_sliding_blocks=sliding_slots)
+    broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
+    runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
+                         use_triton=device.type == "cuda", max_model_len=max_model_len,
+                         cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
+                         broadcast=broadcast)
+    return runner, cache, num_blocks
+
+
+def kv_heads(loaded: LoadedModel) -> int:
+    """The KV heads this rank's cache holds (every head without tensor parallelism)."""
+    return loaded.model.local_kv_heads
+
+
+def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
+          ranks: Ranks | None = None) -> Built:
+    """Weights, tokenizer, KV cache, runner, scheduler. `ranks`: rank 0's place among the
+    tensor-parallel ranks, whose workers build their shard alongside (pipeline/layouts/tp_worker.py)."""
+    from gpu.loader import load_shell, merge_eos_ids
+    from gpu.tokenizer_files import implied_tokenizer, load_tokenizer
+
+    t0 = time.perf_counter()
+    if loaded is None and cfg.simulate_gpu:
+        loaded = load_shell(cfg.model, load_format=cfg.load_format)
+        log.info("simulating a %s: no weights loaded, the forward is a timed wait",
+                 GPUS[cfg.simulate_gpu].name)
+    elif loaded is None:
+        loaded = load_weights(cfg, device, ranks.tp if ranks is not None else SINGLE)
+    if cfg.tokenizer:
+        tok = load_tokenizer(cfg.tokenizer)
+        loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
+            tok, loaded.config, loaded.generation_config))
+    parsers = Parsers.of(cfg, loaded.config)
+    if parsers.harmony and loaded.tokenizer is None and not cfg.skip_tokenizer_init:
+        # a dummy gpt-oss config ships no tokenizer.json: Harmony's o200k, offline
+        tok = implied_tokenizer(loaded.config)
+        loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
+            tok, loaded.config, loaded.generation_config))
+    if cfg.skip_tokenizer_init:
+        loaded = attrs.evolve(loaded, tokenizer=None)
+    mc = loaded.config
+    model_names = tuple(cfg.served_model_name) or (loaded.name,)
+    max_model_len = resolve_max_model_len(cfg, loaded)
+    if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
+        log.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
+                    cfg.max_model_len, mc.max_position_embeddings)
+    budget = step_budget(cfg)
+    if cfg.simulate_gpu:
+        cost = CostModel.of(mc, GPUS[cfg.simulate_gpu])
+        num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size,
+                                                                   cfg.gpu_memory_utilization)
+        runner = SimulatedRunner(cost, cfg.block_size,
+                                 ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed,
+                                 draft_acceptance=cfg.simulate_draft_acceptance or 0.0)
+    else:
+        runner, cache, num_blocks = make_runner(cfg, loaded, device, max_model_len, ranks)
+        if device.type == "cuda":  # compile what the first steps would, before any request
+            try:
+                runner.warm_up(budget, cfg.max_num_seqs)
+            except TPLost:            # the ranks are out of step: nothing can run
+                raise
+            except Exception as exc:  # the first real step will say more; do not hide it
+                log.error("warm-up failed: %s", exc, exc_info=exc)
+            log.info("CUDA graphs %s (%.1fs); warm-up %.1fs",
+                     f"captured for {runner.cuda_graph_sizes}" if runner.cuda_graphs else "off",
+                     runner.cuda_graph_capture_s, runner.warmup_s)
+    hybrid = not cfg.simulate_gpu and bool(cache.sliding_layers)
+    blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                          sliding=(cache.num_sliding_blocks, mc.sliding_window) if hybrid else None)
+    grammars = (GrammarCompiler(loaded.tokenizer, mc.vocab_size, loaded.eos_token_ids)
+                if loaded.tokenizer is not None else None)
+    scheduler = Scheduler(blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
+                          max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids,
+                          grammars=grammars,
+                          think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer),
+                          drafter=make_drafter(cfg.speculative_config,
+                                               stand_in=cfg.simulate_draft_acceptance is not None),
+                          num_speculative_tokens=(cfg.speculative_config.num_speculative_tokens
+                                                  if cfg.speculative_config else 0),
+                          spec_disable_by_batch_size=(cfg.speculative_config.disable_by_batch_size
+                                                      if cfg.speculative_config else None))
+    if num_blocks * cfg.block_size < max_model_len:
+        log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
+                    "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "
+                    "or lower --max-model-len", num_blocks * cfg.block_size, max_model_len)
+    if cfg.speculative_config is not None:
+        spec = cfg.speculative_config
+        log.info("speculative decoding: %s, %d tokens, lookup %d-%d; async scheduling off (drafts "
+                 "need each sequence's last token)", spec.method, spec.num_speculative_tokens,
+                 spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if loaded.tokenizer is None:
+        log.warning("the model has no tokenizer: only token-id prompts are accepted and "
+                    "replies carry no text (like vLLM's --skip-tokenizer-init)")
+    log.info("loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens",
+             model_names[0], mc.architecture, device, time.perf_counter() - t0,
+             num_blocks, cfg.block_size)
+    # this thread's OpenMP team would throttle the runner thread's (gpu/openmp.py)
+    release_team()
+    return Built(loaded=loaded, model_names=model_names, max_model_len=max_model_len,
+                 runner=runner, blocks=blocks, scheduler=scheduler, parsers=parsers)
+
+
+def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | None:
+    """With a <think> reasoning parser, constrained output starts after </think>: the tags'
+    ids, when each is one token. (Harmony's constrained output is the whole answer.)"""
+    if reasoning_parser in (None, HARMONY_REASONING_PARSER) or tokenizer is None:
+        return None
+    ids = tuple(tokenizer.hf.token_to_id(t) for t in ("<think>", "</think>"))
+    if None in ids:
+        log.warning("--reasoning-parser: <think>/</think> are not single tokens of this "
+                    "tokenizer; constrained output is constrained from its first token")
+        return None
+    return ids
+
+
+def hybrid_kv(cfg: EngineConfig, mc, num_blocks: int) -> tuple[int, tuple[int, ...], int]:
+    """The KV sizing of a model with sliding-window layers (gpt-oss): the memory of
+    `num_blocks` plain blocks as (full-layer blocks, sliding layers, sliding slots)
+    (gpu/attention.py hybrid_layout); unchanged without them or with
+    --disable-hybrid-kv-cache-manager. With --num-gpu-blocks-override the full layers get
+    that many blocks."""
+    from gpu.attention import hybrid_layout
+
+    if cfg.disable_hybrid_kv_cache_manager:
+        return num_blocks, (), 0
+    full, sliding, slots = hybrid_layout(mc, num_blocks, cfg.block_size, cfg.max_num_seqs, step_budget(cfg))
+    if sliding:
+        log.info("hybrid KV cache: %d blocks for the %d full-attention layers, %d for the %d "
+                 "sliding-window ones (%d plain blocks' memory)", full, mc.num_hidden_layers - len(sliding),
+                 slots, len(sliding), num_blocks)
+        if cfg.num_gpu_blocks_override:
+            full = num_blocks
+    return full, sliding, slots
+
+
+def step_budget(cfg: EngineConfig) -> int:
+    """Tokens one engine step may schedule."""
+    return cfg.max_num_batched_tokens or max(2048, cfg.max_num_seqs)
+
+
+def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
+                  max_model_len: int, step_tokens: int) -> int:
+    """KV cache blocks: the override, --kv-cache-memory-bytes, what a profiled full-size
+    step leaves of --gpu-memory-utilization on CUDA, else the CPU default."""
+    mc = loaded.config
+    if cfg.num_gpu_blocks_override:
+        return cfg.num_gpu_blocks_override
+    per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
+                                        kv_heads(loaded), mc.head_dim, loaded.model.dtype)
+    if cfg.kv_cache_memory_bytes:  # on every device
+        return max(1, cfg.kv_cache_memory_bytes // per_block)
+    if device.type == "cuda":
+        from gpu.profiling import kv_budget_bytes, profile_step_bytes
+
+        peak = profile_step_bytes(loaded.model, block_size=cfg.block_size, max_tokens=step_tokens,
+                                  max_seqs=cfg.max_num_seqs, device=device)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = kv_budget_bytes(total=total, free=free, step_peak=peak,
+                                 utilization=cfg.gpu_memory_utilization)
+        log.info("profiled one full-size step (%d tokens, %d sequences): %.2f GiB at its peak; "
+                 "KV cache budget %.2f GiB", step_tokens, cfg.max_num_seqs, peak / 2**30,
+                 max(0, budget) / 2**30)
+        if budget <= per_block:
+            raise ValueError("no GPU memory left for the KV cache; raise --gpu-memory-utilization "
+                             "or set --kv-cache-memory-bytes")
+        return budget // per_block
+    # CPU default: 1 GiB, or less when that is more than every sequence could use.
+    enough = cfg.max_num_seqs * math.ceil(max_model_len / cfg.block_size)
+    return max(1, min(_CPU_KV_DEFAULT_BYTES // per_block, enough))
+
+
+def generation_defaults(cfg: EngineConfig, model_generation_config: dict | None) -> dict:
+    """Sampling defaults for requests that leave a field out: --generation-config's source,
+    then --override-generation-config on top (vLLM's two flags)."""
+    source = cfg.generation_config
+    if source == "auto":
+        base = dict(model_generation_config or {})
+    elif source == "vllm":
+        base = {}
+    else:
+        path = Path(source) / "generation_config.json"
+        try:
+            base = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--generation-config {source}: cannot read {path}: {exc}") from None
+    return {**base, **cfg.override_generation_config}
+
+
+def chat_template_source(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself; checked
+    for syntax at start-up rather than at the first request."""
+    if value is None:
+        return None
+    path = Path(value)
+    source = path.read_text() if len(value) < 4096 and path.is_file() else value
+    try:
+        jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template does not parse: {exc}") from None
+    return source
+
+
+def open_event_log(cfg: EngineConfig, built: Built) -> EventLog:
+    """The event log, its header line written (docs/events.md)."""
+    from gpu.tokenizer_files import default_model_path
+
+    events = EventLog(cfg.event_log, max_bytes=cfg.event_log_max_bytes,
+                      backup_count=cfg.event_log_backup_count)
+    events.write_header(make_header(
+        cfg, model_path=str(cfg.model or built.loaded.path or default_model_path()),
+        model_name=built.loaded.name, tokenizer=built.loaded.tokenizer,
+        served_model_names=built.model_names, max_model_len=built.max_model_len,
+        kv_blocks_total=built.blocks.num_blocks, block_size=cfg.block_size,
+        parsers=built.parsers))
+    return events
+
+
+def freeze_heap() -> None:
+    """Once loaded, move everything alive (the model, the tokenizer, the modules) out of
+    the cyclic garbage collector's sight, as vLLM does: otherwise every full collection
+    while serving walks those hundreds of thousands of objects, a stall of about 0.15 s
+    on the GIL the engine steps need (docs/benchmarks.md, "garbage collector").
+    open_engine unfreezes on exit."""
+    gc.collect()
+    gc.freeze()
