@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,13 +30,31 @@ def test_greedy_paths_agree(tiny_qwen3_dir):
         assert result["triton"]["greedy_agreement"] == 1.0 and result["triton"]["max_rel_err"] < 1e-3
 
 
-def test_a_wrong_kernel_fails_the_comparison(tiny_qwen3_dir, monkeypatch):
-    """Negative control: attention that scales q wrongly is far from the reference."""
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused_qkv"])
+def test_a_wrong_kernel_fails_the_comparison(tiny_qwen3_dir, monkeypatch, fused):
+    """Negative control: attention that scales q wrongly is far from the reference.
+
+    The wrong scale goes into `attend`, which both of TritonPagedAttention's paths call: the
+    unfused one (`forward`: write_kv, then attend; the CPU's) and the fused one the model
+    takes on CUDA (`write_qkv`'s q/k norm + RoPE + KV write, then attend). fused_qkv forces
+    one or the other on either device (the fused kernel runs under the interpreter here),
+    and the patch must have bitten on the path taken."""
     from gpu import attention
 
-    forward = attention.TritonPagedAttention.forward
-    monkeypatch.setattr(attention.TritonPagedAttention, "forward",
-                        lambda self, layer, q, k, v, **kw: forward(self, layer, q * 1.5, k, v, **kw))
+    cls = attention.TritonPagedAttention
+    init, attend, paths = cls.__init__, cls.attend, []
+
+    def init_on(self, *a, **kw):
+        init(self, *a, **kw)
+        self.fused_qkv = fused
+
+    def wrong(self, layer, q, **kw):
+        paths.append(self.fused_qkv)
+        return attend(self, layer, q * 1.5, **kw)
+
+    monkeypatch.setattr(cls, "__init__", init_on)
+    monkeypatch.setattr(cls, "attend", wrong)
     script = _script()
     result = script.compare(str(tiny_qwen3_dir), "float32", [3, 9, 20], 3)
+    assert paths and set(paths) == {fused}          # the wrong kernel ran, on the path asked for
     assert not script.judge(result, 3.0)

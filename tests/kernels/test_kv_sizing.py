@@ -47,10 +47,13 @@ def test_profile_step_bytes_measures_a_peak(tiny):
                               device=torch.device("cuda")) > 0
 
 
-def test_profile_step_bytes_runs_its_step_here(tiny, monkeypatch):
-    """Without a GPU: torch.cuda's memory counters faked, the profiled step itself really
-    runs (the Triton path under the interpreter), and the peak is what the counters say
-    beyond the weights and the throwaway cache."""
+def test_profile_step_bytes_runs_its_step_here(tiny_qwen3_dir, device, monkeypatch):
+    """torch.cuda's memory counters faked, the profiled step itself really runs, on the
+    kernel tests' device: on CUDA the Triton kernels on the GPU, on CPU under the
+    interpreter (without it, a Triton launch on CPU tensors raises: gpu_check's CUDA run
+    does not set it, so the model and cache must be where the kernels run). The peak is what
+    the counters say beyond the weights and the throwaway cache."""
+    tiny = load_model(tiny_qwen3_dir, load_format="dummy", dtype="float32", device=device, progress=False)
     allocated = iter([1000, 1000 + 64])           # before, and after the throwaway cache
     for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
@@ -59,5 +62,5 @@ def test_profile_step_bytes_runs_its_step_here(tiny, monkeypatch):
     ran = []
     execute = ModelRunner.execute
     monkeypatch.setattr(ModelRunner, "execute", lambda self, plan: ran.append(execute(self, plan)))
-    peak = profile_step_bytes(tiny.model, block_size=4, max_tokens=24, max_seqs=6, device=torch.device("cpu"))
+    peak = profile_step_bytes(tiny.model, block_size=4, max_tokens=24, max_seqs=6, device=torch.device(device))
     assert peak == 500 and len(ran[0].token_ids) == 6
