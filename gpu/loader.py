@@ -272,20 +272,33 @@ def _init_random(model: CausalLM, seed: int) -> None:
     model.load_weights(_as_checkpoint(model, _random_weights(model, seed)))
 
 
+def draw_device(model: CausalLM) -> torch.device:
+    """Where dummy weights are drawn: on a CUDA model's own GPU (one kernel a tensor, instead
+    of one CPU thread: about 10 s for Qwen3-0.6B), elsewhere on the CPU. CUDA's generator
+    draws other numbers than the CPU's, so a seed gives one model on the CPU (every CPU test's
+    figures) and another on CUDA; on CUDA the same one on every GPU of one kind, whichever
+    its index (the draw's grid follows the kind's SM count), so every rank of a
+    tensor-parallel group draws the same whole tensors, at any size."""
+    dev = next(model.parameters()).device
+    return dev if dev.type == "cuda" else torch.device("cpu")
+
+
 def _random_weights(model: CausalLM, seed: int):
-    """(our parameter name, weight) in the order and at the shapes of a single process's model."""
+    """(our parameter name, weight) in the order and at the shapes of a single process's model,
+    drawn in fp32 (rounded to the model's dtype by the copy) on draw_device(model)."""
     whole = CausalLM(model.config, model.dtype, "meta", packed_experts=model.packed_experts)
-    gen = torch.Generator().manual_seed(seed)
+    dev = draw_device(model)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     for name, p in whole.named_parameters():
         if p.dtype == torch.uint8:  # packed MXFP4 experts: every code, scale 2^-8 (|w| <= 0.023)
-            yield name, (torch.full(p.shape, 119, dtype=torch.uint8) if name.endswith("_scales") else
-                         torch.randint(0, 256, p.shape, generator=gen, dtype=torch.uint8))
+            yield name, (torch.full(p.shape, 119, dtype=torch.uint8, device=dev) if name.endswith("_scales") else
+                         torch.randint(0, 256, p.shape, generator=gen, dtype=torch.uint8, device=dev))
         elif name.endswith("bias"):
-            yield name, torch.zeros(p.shape)
+            yield name, torch.zeros(p.shape, device=dev)
         elif "norm" in name:
-            yield name, torch.ones(p.shape)
+            yield name, torch.ones(p.shape, device=dev)
         else:
-            yield name, torch.empty(p.shape).normal_(0.0, 0.02, generator=gen)
+            yield name, torch.empty(p.shape, device=dev).normal_(0.0, 0.02, generator=gen)
 
 
 def _as_checkpoint(model: CausalLM, weights):
