@@ -23,6 +23,11 @@ shipped in the triton wheel, for GPUTarget("cuda", arch, 32).  Nothing is
 launched.  TRITON_INTERPRET is cleared, so the launchers take their GPU paths.
 
 Prints one line per compiled variant, OK or FAIL, and exits 1 on any failure.
+
+KERNELS below is the one list of the kernels scripts/gpu_check.sh checks on the device:
+
+    python scripts/check_triton_compile.py --list            # each kernel: in this tree or not yet
+    python scripts/check_triton_compile.py --tests --gpus 1  # their test files (gpu_check step 3)
 """
 
 from __future__ import annotations
@@ -47,6 +52,68 @@ MODELS = [
     ("qwen3-0.6b", 16, 8, 128, 1024, 3072, 151936),
 ]
 PAGE = 16
+
+# The kernels gpu_check checks, in one place: (name, kernel module, the test file comparing
+# it on the device against its torch reference, GPUs it needs). gpu_check's step 3 runs
+# tests/kernels and every test file listed here; this script compiles the launches in
+# _cases and, for a listed module that defines aot_cases() (yielding (label, kernel
+# names, launch)), those too. Adding a kernel is one line here (and its module's
+# aot_cases). Module None: planned this turn, not in this tree yet (--list says so).
+KERNELS = [
+    ("paged_attention", "gpu.kernels.paged_attention", "tests/kernels/test_paged_attention.py", 1),
+    ("write_kv", "gpu.kernels.kv_cache", "tests/kernels/test_kv_cache.py", 1),
+    ("prepare_qkv", "gpu.kernels.qkv_prep", "tests/kernels/test_qkv_prep.py", 1),
+    ("rms_norm", "gpu.kernels.rmsnorm", "tests/kernels/test_rmsnorm.py", 1),
+    ("apply_rope", "gpu.kernels.rope", "tests/kernels/test_rope.py", 1),
+    ("silu_and_mul", "gpu.kernels.activation", "tests/kernels/test_activation.py", 1),
+    ("sample / apply_penalties", "gpu.kernels.sampling", "tests/kernels/test_sampling.py", 1),
+    ("mxfp4_moe", "gpu.kernels.mxfp4_moe", "tests/kernels/test_mxfp4_moe.py", 1),
+    ("lora shrink/expand", None, None, 1),
+    ("encoder attention (non-causal)", None, None, 1),
+    ("vision tower attention", None, None, 1),
+    ("EAGLE heads forward", None, None, 1),
+    ("NIXL with CUDA buffers", None, None, 2),
+]
+
+
+def kernel_status(gpus: int = 1) -> list[tuple[str, str, str | None]]:
+    """(name, status, test file to run or None) for each of KERNELS; status: "ok", "not in
+    this tree yet", "module missing: M", "no test file: T", "needs N GPUs"."""
+    import importlib.util
+
+    out = []
+    for name, module, test, need in KERNELS:
+        try:
+            found = module is not None and importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if module is None:
+            out.append((name, "not in this tree yet", None))
+        elif not found:
+            out.append((name, f"module missing: {module}", None))
+        elif test is None or not os.path.exists(os.path.join(REPO, test)):
+            out.append((name, f"no test file: {test}", None))
+        elif need > gpus:
+            out.append((name, f"needs {need} GPUs", None))
+        else:
+            out.append((name, "ok", test))
+    return out
+
+
+def _registered_cases(only):
+    """The launches each listed module's aot_cases() yields (new kernels bring their own)."""
+    import importlib
+
+    for name, module, _, _ in KERNELS:
+        if module is None:
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        for label, kernel_names, launch in getattr(mod, "aot_cases", lambda: ())():
+            if only is None or only in label:
+                yield label, mod, kernel_names, launch
 
 
 class _Recorder:
@@ -282,6 +349,8 @@ def _cases(only):
 
                 yield label, sampling, ["_penalties_kernel"], launch
 
+    yield from _registered_cases(only)
+
 
 def _variant_key(fn, args, kwargs, target) -> str:
     """What Triton compiles a launch under: the specialization of every argument (an int
@@ -426,7 +495,19 @@ def main() -> int:
     parser.add_argument("--variants", action="store_true",
                         help="compile nothing: check that each kernel binds to one variant whatever "
                              "the batch size (do_not_specialize; block sizes from the model's shapes)")
+    parser.add_argument("--list", action="store_true",
+                        help="print KERNELS: each kernel gpu_check checks, in this tree or not yet")
+    parser.add_argument("--tests", action="store_true",
+                        help="print the test files of KERNELS that exist here, one a line")
+    parser.add_argument("--gpus", type=int, default=1, help="with --list/--tests: GPUs there are")
     args = parser.parse_args()
+    if args.list or args.tests:
+        for name, status, test in kernel_status(args.gpus):
+            if args.list:
+                print(f"{name}: {status}" + (f" ({test})" if test else ""))
+            elif test:
+                print(test)
+        return 0
 
     tmp = None
     if args.cache_dir:
