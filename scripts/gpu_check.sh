@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # Device check for the lent GPU machine (H200 image: Python 3.12, torch 2.11 CUDA, triton 3.6).
 #
-# How to spend the 15 minutes of device time (start-up, both calls, idle waits: all of it):
-#   here, once:  bash scripts/fetch_gpu_wheels.sh    # py3.12 wheels the image lacks -> .whl/
-#   call 1, the figure: the device tool's `run`, command
-#                  "GPU_CHECK_BUDGET_S=240 bash scripts/gpu_check.sh", carry [".whl"], timeout_s 300
-#                the wheels, the imports, then only step 1: nano-vllm's workload end to end. It
-#                prints the RESULT lines (CUDA graphs captured or not; output tok/s) and the
-#                summary, nothing else.
-#   call 2, the rest, straight after (a warm machine waits ~30 s idle, then a fresh one
-#                starts, minutes of the budget): command
-#                  "GPU_CHECK_PART=rest GPU_CHECK_BUDGET_S=<budget_left_s - 60, at most 540> bash scripts/gpu_check.sh",
-#                carry [".whl"], timeout_s that budget + 45 (`status` says budget_left_s): steps
-#                2-6, the comparisons, the kernel tests (kernels_tests.json), the benchmarks.
-#   then:        give_back at once (idle time counts against the 15 minutes).
-# Start-up (~3 min) + call 1 (~4.5 min) + call 2 leave call 2 about 6 min.
+# How to spend the 15 minutes of device time (start-up, both calls and idle waits all count):
+#   0. here, before any device time: bash scripts/fetch_gpu_wheels.sh (py3.12 wheels the
+#      image lacks -> .whl/); this script's first line says whether .whl/ holds them all.
+#   1. the figure: the device tool's `run`, command "GPU_CHECK_BUDGET_S=240 bash scripts/gpu_check.sh",
+#      carry [".whl"], timeout_s 300. After the wheel and import checks, step 1 only
+#      (nano-vllm's workload end to end): the RESULT lines (CUDA graphs captured or not;
+#      output tok/s), then the SUMMARY line; nothing else.
+#   2. the rest, straight after call 1 returns (a warm machine waits only ~30 s, a fresh one
+#      costs minutes): `status` for budget_left_s, then `run` command
+#      "GPU_CHECK_PART=rest GPU_CHECK_BUDGET_S=B bash scripts/gpu_check.sh" with
+#      B = budget_left_s - 90 (at most 540), carry [".whl"], timeout_s B + 45: steps 2-6, the
+#      bf16 comparison, the kernel tests (kernels_tests.json), graphs vs eager, the benchmarks.
+#   3. give_back at once: idle time counts too.
+#   Start-up ~3 min and call 1 ~4.5 min leave call 2 about 6 min (B ~ 270).
 # GPU_CHECK_PART: figure (step 1), rest (steps 2-6) or all; unset: all when the budget is
-# 480 s or more (one 600 s call, the first machine that gives more time), else figure.
+# 480 s or more (everything in one 600 s call), else figure.
 # What travels: the working tree (tracked and untracked-not-ignored files) and, through
 # carry, .whl/ (trio, outcome, sniffio, cattrs, structlog, orjson, gguf, attrs,
 # typing-extensions, and structured output's xgrammar and pydantic: about 9 MiB). The first
@@ -25,7 +25,8 @@
 # Time limit: the steps of a call share GPU_CHECK_BUDGET_S (default 540, inside the tool's
 # 600 s a command); each step gets what is left, less what the later ones of its part need.
 # The last line of every call: SUMMARY, what passed, failed, timed out, was skipped for lack
-# of time, and what this part does not run.
+# of time, and what this part does not run. Exit 0 unless a step failed or timed out.
+# The rest runs in the order 2, 3, 2b, 4, 5, 6: the kernel tests before graphs vs eager.
 # Results: at most 8 files in $OUT (./results when unset):
 #   env.json            versions, the device, the wheel checks
 #   throughput.json     1. nano-vllm's workload end to end (the figure), with failures,
