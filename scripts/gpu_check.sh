@@ -293,8 +293,8 @@ elif [ "$CUDA" != 1 ]; then
     ST[bf16_greedy]="skip:no CUDA; step 3's test_compare_paths.py runs it tiny"
     say "2. SKIPPED bf16 greedy comparison: no CUDA device (bf16 tensor-core dots need the GPU;"
     say "   step 3's tests/kernels/test_compare_paths.py runs the same comparison, tiny, here)"
-elif [ "$(left 200)" -gt 20 ]; then
-    t=$(left 200); [ "$t" -gt 60 ] && t=60; say "2. bf16 greedy Triton vs torch, up to ${t}s"
+elif [ "$(left 150)" -gt 20 ]; then
+    t=$(left 150); [ "$t" -gt 60 ] && t=60; say "2. bf16 greedy Triton vs torch, up to ${t}s"
     timeout "$t" "$PY" scripts/compare_paths.py --config gpu/configs/qwen3-0.6b --dtype bfloat16 \
         --out "$OUT/bf16_greedy.json" 2>&1 | tee -a "$STEPS_LOG"
     ran bf16_greedy "${PIPESTATUS[0]}"
