@@ -58,7 +58,9 @@ PAGE = 16
 # tests/kernels and every test file listed here; this script compiles the launches in
 # _cases and, for a listed module that defines aot_cases() (yielding (label, kernel
 # names, launch)), those too. Adding a kernel is one line here (and its module's
-# aot_cases). Module None: planned this turn, not in this tree yet (--list says so).
+# aot_cases). Module None: planned this turn, not in this tree yet (--list says so). Tests
+# in tests/kernels also get each case's error and tolerance into kernels_tests.json (its
+# conftest measures every torch.testing.assert_close); tests elsewhere run, unmeasured.
 KERNELS = [
     ("paged_attention", "gpu.kernels.paged_attention", "tests/kernels/test_paged_attention.py", 1),
     ("write_kv", "gpu.kernels.kv_cache", "tests/kernels/test_kv_cache.py", 1),
