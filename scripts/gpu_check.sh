@@ -119,6 +119,13 @@ summary() {
     [ -n "$other" ] && { [ "$PART" = figure ] && hint=" (GPU_CHECK_PART=rest runs them)" || hint=" (GPU_CHECK_PART=figure)"; }
     say "SUMMARY part $PART, ${SECONDS}s of ${BUDGET_S}s: passed: ${passed:-none}; failed: ${failed:-none}; timed out: ${timed:-none}; skipped for time: ${budget:-none}; not in this part: ${other:-none}${hint}; skipped: ${skipped:-none}"
 }
+stopped() {   # stopped WHY: the summary of a call that stops before its steps
+    local n
+    for n in "${STEP_NAMES[@]}"; do
+        { [ "$n" = throughput ] && wants figure; } || { [ "$n" != throughput ] && wants rest; } && ST[$n]="skip:$1"
+    done
+    summary
+}
 say "part $PART of the device check, budget ${BUDGET_S}s (header: call 1 figure, call 2 rest)"
 
 # 0. Carried wheels. First every carried wheel's own requirements, read from the wheels,
@@ -181,7 +188,7 @@ if problems:
     print("FAIL: a carried wheel's requirements do not hold on this image:\n  " + "\n  ".join(problems))
     sys.exit(3)
 PY
-[ "${PIPESTATUS[0]}" -eq 0 ] || { say "stopping: fix scripts/fetch_gpu_wheels.sh's versions (above)"; summary; exit 3; }
+[ "${PIPESTATUS[0]}" -eq 0 ] || { say "stopping: fix scripts/fetch_gpu_wheels.sh's versions (above)"; stopped "a wheel's requirements"; exit 3; }
 
 CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 PYVER=$("$PY" -c "import sys; print('%d.%d' % sys.version_info[:2])")
@@ -191,7 +198,7 @@ elif [ "$PYVER" != 3.12 ] && [ "$CUDA" != 1 ]; then
     say "SKIPPED installing .whl/: its wheels are for the GPU image's Python 3.12, this is $PYVER"
 else
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || { say "FAIL: installing the carried wheels (.whl/) failed"; summary; exit 2; }
+        --target /tmp/site .whl/*.whl || { say "FAIL: installing the carried wheels (.whl/) failed"; stopped "the wheels did not install"; exit 2; }
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
     say "installed $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site"
 fi
@@ -209,7 +216,7 @@ PY
 then
     say "FAIL: an entry point does not import (steps.log has the traceback)."
     say "      Here: bash scripts/fetch_gpu_wheels.sh; then run with carry [\".whl\"]."
-    summary; exit 2
+    stopped "an entry point does not import"; exit 2
 fi
 
 tiny_config() {   # a folder holding tests/kernels' tiny Qwen3 config (CPU stand-ins)
