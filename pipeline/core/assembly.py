@@ -28,22 +28,24 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 import trio
 
 from pipeline.core.client import EngineClient
-from pipeline.core.config import EngineConfig
-from pipeline.core.events import EventLog
 from pipeline.core.reply import describe
-from pipeline.core.startup import Built, chat_template_source, generation_defaults
-from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
+from stages import account, admit, detokenize, emit, parse, render
 from stages.admit import Admission
 from stages.api.chat import MAX_CHOICES
 from stages.lib.replies import Replies
 from stages.lib.stream_interval import StreamInterval
 from stages.render import RenderContext
+
+if TYPE_CHECKING:   # the engine core's side brings torch; a frontend process never loads it
+    from pipeline.core.config import EngineConfig
+    from pipeline.core.events import EventLog
+    from pipeline.core.startup import Built
 
 log = logging.getLogger("tailrace")
 
@@ -89,6 +91,9 @@ class RequestSideSpec:
 
     @classmethod
     def of(cls, cfg: EngineConfig, built: Built) -> RequestSideSpec:
+        """Made where the model was built (the engine core's process)."""
+        from pipeline.core.startup import chat_template_source, generation_defaults
+
         loaded = built.loaded
         ctx = RenderContext(
             tokenizer=loaded.tokenizer, served_model_names=built.model_names,
@@ -157,6 +162,8 @@ def start_engine_core(nursery: trio.Nursery, cfg: EngineConfig, built: Built, *,
     Replies in one process, the engine process's EngineReplies), schedule (its inbox
     `inbox`, whose send end admit gets a clone of; its Steps to `steps`) and the GPU step.
     `watch`: a task that raises when a tensor-parallel worker rank exits."""
+    from stages import gpu_step, schedule   # torch: only where the core runs
+
     ev = _stage_events(events)
     inbox_send, inbox_receive = inbox
     plan_in, plan_out = trio.open_memory_channel(0)
