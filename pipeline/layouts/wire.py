@@ -27,6 +27,7 @@ import struct
 import attrs
 import trio
 
+from pipeline.core.assembly import RequestSideSpec
 from stages.lib.delta import Delta, FinishReason
 from stages.messages import Step
 from gpu.interface import TokenLogprobs
@@ -243,7 +244,7 @@ class FrontendSetup:
     the parsers), the flags a frontend applies (web.app.AppConfig: API keys, CORS, limits)
     and the event log's."""
     index: int
-    side: object                      # pipeline.core.assembly.RequestSideSpec; None until loaded
+    side: RequestSideSpec | None      # None until the engine has loaded the model
     app_config: object                # web.app.AppConfig
     graceful_timeout: float
     event_log: str | None = None      # this frontend's file (the engine's path + .frontend-K)
