@@ -165,6 +165,8 @@ def _decode_kernels(cache: KVCache):
 
 
 class TorchPagedAttention:
+    fused_qkv = False     # takes q, k, v normed and roped (gpu/model.py AttentionBackend)
+
     def __init__(self, cache: KVCache, scale: float, *, cpu_kernels: bool = True) -> None:
         """cpu_kernels: decode rows through gpu/cpu_kernels.c where it is available (False:
         always gather + SDPA, the reference path)."""

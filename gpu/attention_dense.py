@@ -18,6 +18,8 @@ class DenseCausalAttention:
     seq_lens: lengths of the concatenated sequences; None means the batch is one sequence.
     """
 
+    fused_qkv = False     # takes q, k, v normed and roped (gpu/model.py AttentionBackend)
+
     def __init__(self, seq_lens: Sequence[int] | None = None):
         self.seq_lens = None if seq_lens is None else list(seq_lens)
 
@@ -38,6 +40,8 @@ class DenseCausalAttention:
 
 class DenseCachedAttention:
     """One sequence decoded step by step: keeps every layer's k/v and attends to all of it."""
+
+    fused_qkv = False     # takes q, k, v normed and roped (gpu/model.py AttentionBackend)
 
     def __init__(self):
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -39,6 +39,10 @@ from gpu.parallel import SINGLE, TP
 
 
 class AttentionBackend(Protocol):
+    # True: the backend takes the raw qkv projection (write_qkv: q/k norm, rope and the
+    # KV-cache write in one kernel) and then attend(); False: forward() below, normed and roped
+    fused_qkv: bool
+
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         """q [T, Hq, Dh], k/v [T, Hkv, Dh] (normed and roped) -> [T, Hq, Dh].
@@ -127,7 +131,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
-        if getattr(attn, "fused_qkv", False):
+        if attn.fused_qkv:
             # CUDA: q/k norm, rope and the KV-cache write in one kernel (gpu/kernels/qkv_prep.py)
             norms = (None, None, 0.0) if self.q_norm is None else (
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)

@@ -344,8 +344,7 @@ class Views:
     async def metrics(self) -> Response:
         # in one process the stats are read as they are; a frontend process of
         # --api-server-count asks the engine process, which sums every frontend's
-        fetch = getattr(self.engine, "fetch_stats", None)   # an engine double may lack it
-        self.collector.snapshot = await fetch() if fetch is not None else None
+        self.collector.snapshot = await self.engine.fetch_stats()
         try:
             return Response(generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
         finally:

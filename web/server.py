@@ -59,7 +59,7 @@ async def serve_model(config: EngineConfig, sock: socket.socket, *,
     async with trio.open_nursery() as nursery:
         await nursery.start(_watch_signals, shutdown, abort, serving, nursery.cancel_scope)
         async with open_http(gate, sock, log_level=log_level):
-            async with open_engine(config) as engine:
+            async with open_engine(config, secrets=frozenset(app_config.api_keys)) as engine:
                 async with trio.open_nursery() as server:
                     binds = await server.start(partial(
                         serve, engine, None, app_config=app_config,
@@ -120,9 +120,6 @@ async def serve(engine: Engine, sock: socket.socket | None, *,
         if gate is None:
             gate = LoadingGate()
             await stack.enter_async_context(open_http(gate, sock, log_level=log_level))
-        event_log = getattr(engine, "event_log", None)
-        if event_log is not None:   # an API key sent anywhere in a body is never logged
-            event_log.secrets = frozenset(app_config.api_keys)
         gate.open(create_app(engine, app_config))
         for bind in gate.binds if announce else ():
             print(f"{LISTENING_PREFIX}{bind}", flush=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import trio
@@ -27,6 +27,16 @@ if TYPE_CHECKING:
     from stages.api.tokenize import DetokenizeResponse, TokenizeResponse
 
 
+class AdmissionGate(Protocol):
+    """What a client asks before render spends work on a request: stages.admit.Admission
+    in one process, a frontend's LocalAdmission (the engine process's admit decides the rest)."""
+    draining: bool
+
+    def refusal(self) -> RequestError | None:
+        """What any new request would get now (overload, shutdown), or None."""
+        ...
+
+
 @attrs.define(kw_only=True, eq=False)
 class EngineClient:
     """The engine as web sees it. `admission` answers `refusal()` (what any new request
@@ -36,7 +46,7 @@ class EngineClient:
     model_names: tuple[str, ...]
     max_model_len: int
     replies: Replies
-    admission: object
+    admission: AdmissionGate
     render_in: trio.MemorySendChannel       # web -> render
     render_context: RenderContext           # what tokenize and detokenize use
     schedule_in: trio.MemorySendChannel     # aborts -> schedule's inbox

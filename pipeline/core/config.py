@@ -74,7 +74,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # ranks one model is split over (issue 25): rank 0 here, workers 1..N-1 (pipeline/layouts/tp_procs.py)
     tensor_parallel_size: int = attrs.field(default=1, validator=_at_least_one)
-    async_scheduling: bool = True             # plan step N+1 while step N runs (as vLLM)
+    # plan step N+1 while step N runs (as vLLM); None: on unless speculative decoding is,
+    # resolved at construction (the combination rule, __attrs_post_init__): never None after
+    async_scheduling: bool | None = None
     stream_interval: int = attrs.field(default=1, validator=positive)  # tokens per stream write
     # admission: at most max_num_seqs + max_queued_requests requests admitted at once
     max_queued_requests: int = attrs.field(default=1024, validator=positive)
@@ -115,6 +117,13 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.simulate_gpu is not None:
             raise ValueError("--tensor-parallel-size does not combine with --simulate-gpu (the "
                              "stand-in runs no model to split)")
+        # Drafts need each sequence's last token, which an async plan does not know yet (it
+        # is a placeholder the runner fills in): speculation plans one step at a time.
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("--async-scheduling does not combine with --speculative-config "
+                             "(drafts need the last token; leave the flag out)")
+        if self.async_scheduling is None:
+            object.__setattr__(self, "async_scheduling", self.speculative_config is None)
         if self.simulate_draft_acceptance is not None and (
                 self.simulate_gpu is None or self.speculative_config is None):
             raise ValueError("--simulate-draft-acceptance needs --simulate-gpu and "
@@ -215,7 +224,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=_default("async_scheduling"),
                    help="Plan the next engine step while the current one runs, so the GPU "
-                        "never waits for the host between steps (default: on).")
+                        "never waits for the host between steps (default: on, off with "
+                        "--speculative-config, which it does not combine with).")
     p.add_argument("--stream-interval", type=int, default=_default("stream_interval"),
                    help="Write a streaming reply to its client every N tokens (the first at "
                         "once, the rest with the reply's end), which cuts the host cost of "

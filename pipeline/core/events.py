@@ -322,10 +322,11 @@ class EventLog:
 
     MAX_QUEUED = 8192
 
-    def __init__(self, path: str | Path, *, max_bytes: int = 0, backup_count: int = 0) -> None:
+    def __init__(self, path: str | Path, *, max_bytes: int = 0, backup_count: int = 0,
+                 secrets: frozenset[str] = frozenset()) -> None:
         self.path = Path(path)
         self._sink = _Sink(self.path, max_bytes, backup_count)
-        self.secrets: frozenset[str] = frozenset()   # strings never written (the API keys)
+        self.secrets = secrets     # strings never written (the API keys)
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Lock()          # one writer of the file at a time
         self._wake = threading.Event()

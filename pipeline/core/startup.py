@@ -367,18 +367,24 @@ def chat_template_source(value: str | None) -> str | None:
     return source
 
 
-def open_event_log(cfg: EngineConfig, built: Built) -> EventLog:
-    """The event log, its header line written (docs/events.md)."""
+def event_log_header(cfg: EngineConfig, built: Built) -> dict:
+    """The event log's header line (docs/events.md): every process's file starts with it."""
     from gpu.tokenizer_files import default_model_path
 
-    events = EventLog(cfg.event_log, max_bytes=cfg.event_log_max_bytes,
-                      backup_count=cfg.event_log_backup_count)
-    events.write_header(make_header(
+    return make_header(
         cfg, model_path=str(cfg.model or built.loaded.path or default_model_path()),
         model_name=built.loaded.name, tokenizer=built.loaded.tokenizer,
         served_model_names=built.model_names, max_model_len=built.max_model_len,
         kv_blocks_total=built.blocks.num_blocks, block_size=cfg.block_size,
-        parsers=built.parsers))
+        parsers=built.parsers)
+
+
+def open_event_log(cfg: EngineConfig, built: Built,
+                   secrets: frozenset[str] = frozenset()) -> EventLog:
+    """The event log, its header line written; `secrets` (the API keys) are never written."""
+    events = EventLog(cfg.event_log, max_bytes=cfg.event_log_max_bytes,
+                      backup_count=cfg.event_log_backup_count, secrets=secrets)
+    events.write_header(event_log_header(cfg, built))
     return events
 
 

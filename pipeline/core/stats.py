@@ -1,14 +1,20 @@
-"""`Engine.stats()`: one snapshot of the engine's gauges and counters, read at each
-/metrics scrape (web/metrics.py names them for Prometheus), as vLLM's SchedulerStats."""
+"""`EngineStats`: one snapshot of the engine's gauges and counters, read at each /metrics
+scrape (web/metrics.py names them for Prometheus), as vLLM's SchedulerStats. It is always
+`merge`d from its two halves' parts: the engine core's `CoreStats` and each request side's
+`AccountStats` (one in one process, one per frontend process)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
+from stages.lib.histogram import Histogram
+
 if TYPE_CHECKING:
-    from stages.lib.histogram import Histogram
+    from stages.account import Accountant
+    from stages.schedule import Scheduler
+    from stages.schedule.blocks import BlockManager
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +75,40 @@ class EngineStats:
     shapes: RequestShapes | None = None
     spec_decode: SpecDecodeStats | None = None   # None: speculative decoding is off
 
+    @classmethod
+    def merge(cls, core: CoreStats, accounts: Sequence[AccountStats]) -> EngineStats:
+        """The one EngineStats of an engine core and every request side it serves (one in one
+        process, one per frontend with --api-server-count): counters summed, histograms added
+        bucket by bucket. Without a request side there are no latencies or request shapes."""
+        finished: dict[str, int] = {}
+        for a in accounts:
+            for k, v in a.requests_finished_total.items():
+                finished[k] = finished.get(k, 0) + v
+        latency = shapes = None
+        if accounts:
+            latency = Latencies(**{f.name: Histogram.summed(getattr(a.latency, f.name) for a in accounts)
+                                   for f in attrs.fields(Latencies)})
+            if core.request_preemptions is not None and core.iteration_tokens is not None:
+                shapes = RequestShapes(
+                    prompt_tokens=Histogram.summed(a.prompt_tokens for a in accounts),
+                    generation_tokens=Histogram.summed(a.generation_tokens for a in accounts),
+                    params_n=Histogram.summed(a.params_n for a in accounts),
+                    params_max_tokens=Histogram.summed(a.params_max_tokens for a in accounts),
+                    num_preemptions=core.request_preemptions, iteration_tokens=core.iteration_tokens)
+        return cls(
+            num_running=core.num_running, num_waiting=core.num_waiting,
+            num_waiting_by_reason=core.num_waiting_by_reason, num_preemptions=core.num_preemptions,
+            kv_blocks_total=core.kv_blocks_total, kv_blocks_free=core.kv_blocks_free,
+            kv_blocks_used=core.kv_blocks_used, kv_blocks_cached=core.kv_blocks_cached,
+            steps_total=core.steps_total, cache_config=core.cache_config,
+            spec_decode=core.spec_decode, latency=latency, shapes=shapes,
+            prompt_tokens_total=sum(a.prompt_tokens_total for a in accounts),
+            generation_tokens_total=sum(a.generation_tokens_total for a in accounts),
+            cached_tokens_total=sum(a.cached_tokens_total for a in accounts),
+            prefix_cache_queries_total=sum(a.prefix_cache_queries_total for a in accounts),
+            prefix_cache_hits_total=sum(a.prefix_cache_hits_total for a in accounts),
+            requests_finished_total=finished)
+
 
 def cache_config_labels(cfg, num_blocks: int) -> dict[str, str]:
     """vllm:cache_config_info's labels (vLLM's CacheConfig field names) for an EngineConfig."""
@@ -77,3 +117,74 @@ def cache_config_labels(cfg, num_blocks: int) -> dict[str, str]:
             "enable_prefix_caching": str(cfg.enable_prefix_caching),
             "cache_dtype": "auto", "num_gpu_blocks_override": str(cfg.num_gpu_blocks_override),
             "engine": "0"}
+
+
+# -- the two halves' parts, and the one merge ------------------------------------------------
+@attrs.frozen(kw_only=True)
+class AccountStats:
+    """One request side's accounting (stages/account.py's Accountant): its counters and
+    histograms. Plain data: a frontend process sends it to the engine process."""
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    requests_finished_total: Mapping[str, int] = attrs.field(factory=dict)
+    latency: Latencies
+    prompt_tokens: Histogram
+    generation_tokens: Histogram
+    params_n: Histogram
+    params_max_tokens: Histogram
+
+    @classmethod
+    def of(cls, a: Accountant) -> AccountStats:
+        """The accountant's numbers now (its histograms as they are, not copied)."""
+        return cls(prompt_tokens_total=a.prompt_tokens_total,
+                   generation_tokens_total=a.generation_tokens_total,
+                   cached_tokens_total=a.cached_tokens_total,
+                   prefix_cache_queries_total=a.prefix_cache_queries_total,
+                   prefix_cache_hits_total=a.prefix_cache_hits_total,
+                   requests_finished_total={str(k): v for k, v in a.finished_total.items()},
+                   latency=Latencies(ttft=a.ttft, itl=a.itl, e2e=a.e2e, queue=a.queue,
+                                     prefill=a.prefill, decode=a.decode,
+                                     inference=a.inference),
+                   prompt_tokens=a.request_prompt_tokens,
+                   generation_tokens=a.request_generation_tokens,
+                   params_n=a.request_params_n, params_max_tokens=a.request_params_max_tokens)
+
+
+@attrs.frozen(kw_only=True)
+class CoreStats:
+    """The engine core's gauges and counters: the scheduler's queues, the KV blocks, the
+    steps, speculative decoding (stages/schedule/, stages/schedule/blocks.py)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_by_reason: Mapping[str, int] = attrs.field(factory=dict)
+    num_preemptions: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    steps_total: int = 0
+    cache_config: Mapping[str, str] = attrs.field(factory=dict)
+    spec_decode: SpecDecodeStats | None = None
+    request_preemptions: Histogram | None = None
+    iteration_tokens: Histogram | None = None
+
+    @classmethod
+    def of(cls, s: Scheduler, blocks: BlockManager, cache_config: Mapping[str, str]) -> CoreStats:
+        spec = None
+        if s.drafter is not None:
+            spec = SpecDecodeStats(num_drafts=s.spec.num_drafts,
+                                   num_draft_tokens=s.spec.num_draft_tokens,
+                                   num_accepted_tokens=s.spec.num_accepted_tokens,
+                                   accepted_per_pos=tuple(s.spec.accepted_per_pos))
+        return cls(num_running=len(s.running), num_waiting=len(s.waiting) + len(s.compiling),
+                   num_waiting_by_reason={"capacity": len(s.waiting),
+                                          "deferred": len(s.compiling)},
+                   num_preemptions=s.num_preemptions, kv_blocks_total=blocks.num_blocks,
+                   kv_blocks_free=blocks.num_free, kv_blocks_used=blocks.num_used,
+                   kv_blocks_cached=len(blocks.cached), steps_total=s.step,
+                   cache_config=cache_config, spec_decode=spec,
+                   request_preemptions=s.request_preemptions,
+                   iteration_tokens=s.iteration_tokens)

@@ -18,23 +18,21 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-from functools import partial
 
 import attrs
 import trio
 
+from pipeline.core.assembly import (RequestSideSpec, core_admission, inbox_channel,
+                                    start_engine_core)
 from pipeline.core.config import EngineConfig
-from pipeline.core.engine import admission_limits, render_context, spec_decode_stats
 from pipeline.core.reply import describe
-from pipeline.core.startup import build, freeze_heap, open_event_log, pick_device
-from pipeline.layouts.tp_procs import TensorParallel, open_tensor_parallel
-from pipeline.core.stats import EngineStats, Latencies, RequestShapes, cache_config_labels
-from pipeline.layouts.wire import (AccountQuery, AccountReply, FrontendSetup, Link, Refused, StatsQuery,
-                           StatsReply, forward, outbox, pack_step)
-from stages import admit, gpu_step, schedule
-from stages.lib.histogram import Histogram
-from stages.admit import Accepted, Admission
-from stages.messages import Abort, FinishRequest, RenderedRequest, Step
+from pipeline.core.startup import event_log_header, freeze_heap, open_event_log
+from pipeline.core.stats import AccountStats, CoreStats, EngineStats, cache_config_labels
+from pipeline.layouts.tp_procs import TensorParallel, open_built
+from pipeline.layouts.wire import (AccountQuery, AccountReply, FrontendSetup, Link, Refused,
+                                   StatsQuery, StatsReply, forward, outbox, pack_step)
+from stages.admit import Accepted
+from stages.messages import Abort, FinishRequest, RenderedRequest
 
 log = logging.getLogger("tailrace")
 
@@ -146,13 +144,13 @@ async def route(receive: trio.MemoryReceiveChannel, replies: EngineReplies) -> N
 
 
 class Stats:
-    """/metrics over every process: the scheduler's gauges here, each frontend's
-    accounting asked for at scrape time and summed."""
+    """/metrics over every process: the core's gauges here, each frontend's accounting
+    asked for at scrape time, merged (EngineStats.merge)."""
 
     def __init__(self, scheduler, blocks, ports: list[Port], cache_config: dict[str, str]) -> None:
         self.scheduler, self.blocks, self.ports = scheduler, blocks, ports
         self.cache_config = cache_config
-        self._waiting: dict[int, tuple[trio.Event, list]] = {}
+        self._waiting: dict[int, tuple[trio.Event, list[AccountStats]]] = {}
         self._numbers = itertools.count()
 
     def answer(self, reply: AccountReply) -> None:
@@ -176,43 +174,9 @@ class Stats:
         if port.alive:
             port.outbox.send_nowait(StatsReply(query.query, self.merge(totals)))
 
-    def merge(self, totals: list) -> EngineStats:
-        s, b = self.scheduler, self.blocks
-        finished: dict[str, int] = {}
-        hists: dict[str, Histogram] = {}
-        for t in totals:
-            for k, v in t.finished_total.items():
-                finished[k] = finished.get(k, 0) + v
-            for name, buckets, counts, total in t.histograms:
-                h = hists.get(name)
-                if h is None:
-                    h = hists[name] = Histogram(tuple(buckets))
-                h.counts = [x + y for x, y in zip(h.counts, counts)]
-                h.sum += total
-        lat_names = [f.name for f in attrs.fields(Latencies)]
-        latency = (Latencies(**{k: hists[k] for k in lat_names})
-                   if all(k in hists for k in lat_names) else None)
-        shapes = None
-        if all(f"request_{k}" in hists for k in ("prompt_tokens", "generation_tokens", "params_n",
-                                                 "params_max_tokens")):
-            shapes = RequestShapes(prompt_tokens=hists["request_prompt_tokens"],
-                                   generation_tokens=hists["request_generation_tokens"],
-                                   params_n=hists["request_params_n"],
-                                   params_max_tokens=hists["request_params_max_tokens"],
-                                   num_preemptions=s.request_preemptions,
-                                   iteration_tokens=s.iteration_tokens)
-        return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting) + len(s.compiling),
-            num_waiting_by_reason={"capacity": len(s.waiting), "deferred": len(s.compiling)},
-            cache_config=self.cache_config, shapes=shapes, spec_decode=spec_decode_stats(s),
-            num_preemptions=s.num_preemptions, kv_blocks_total=b.num_blocks,
-            kv_blocks_free=b.num_free, kv_blocks_used=b.num_used, kv_blocks_cached=len(b.cached),
-            prompt_tokens_total=sum(t.prompt_tokens_total for t in totals),
-            generation_tokens_total=sum(t.generation_tokens_total for t in totals),
-            cached_tokens_total=sum(t.cached_tokens_total for t in totals),
-            prefix_cache_queries_total=sum(t.prefix_cache_queries_total for t in totals),
-            prefix_cache_hits_total=sum(t.prefix_cache_hits_total for t in totals),
-            requests_finished_total=finished, steps_total=s.step, latency=latency)
+    def merge(self, totals: list[AccountStats]) -> EngineStats:
+        return EngineStats.merge(CoreStats.of(self.scheduler, self.blocks, self.cache_config),
+                                 totals)
 
 
 async def _serve_frontend(port: Port, replies: EngineReplies, stats: Stats,
@@ -254,54 +218,36 @@ async def _serve_frontend(port: Port, replies: EngineReplies, stats: Stats,
 async def run_engine(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendSetup) -> int:
     """Load the model, hand each frontend its setup, serve them until the last has gone.
     `setup` is every frontend's, less what the model decides (filled in here)."""
-    device = pick_device(cfg.device)
-    async with open_tensor_parallel(cfg, device) as tp:
-        if tp is None:
-            built = await trio.to_thread.run_sync(partial(build, cfg, device, None),
-                                                  abandon_on_cancel=True)
-        else:   # rank 0 of --tensor-parallel-size: the workers build their shards alongside
-            built = await tp.build(cfg, device)
+    async with open_built(cfg) as (_device, built, tp):
         return await _serve(cfg, socks, setup, built, tp)
 
 
 async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendSetup, built,
                  tp: TensorParallel | None) -> int:
-    events = open_event_log(cfg, built) if cfg.event_log else None
-    ev = events.stage if events else (lambda name: None)
-    header = _header(cfg, built) if events is not None else None
+    secrets = frozenset(setup.app_config.api_keys)
+    events = open_event_log(cfg, built, secrets) if cfg.event_log else None
+    header = event_log_header(cfg, built) if events is not None else None
     ports = []
     for k, sock in enumerate(socks):
         send, receive = outbox()
         ports.append(Port(k, Link(trio.socket.from_stdlib_socket(sock)), send, receive))
     replies = EngineReplies(ports)
-    max_admitted, inbox_size = admission_limits(cfg)
-    admission = Admission(max_admitted=max_admitted,
-                          kv_capacity_tokens=built.blocks.num_blocks * cfg.block_size,
-                          admitted=lambda: replies.num_admitted)
     stats = Stats(built.scheduler, built.blocks, ports, cache_config_labels(cfg, built.blocks.num_blocks))
-    ctx = render_context(cfg, built)
+    side = RequestSideSpec.of(cfg, built)
     try:
         async with trio.open_nursery() as nursery:
-            admit_in, admit_out = trio.open_memory_channel(0)
-            sched_in, sched_out = trio.open_memory_channel(inbox_size)
-            plan_in, plan_out = trio.open_memory_channel(0)
-            result_in, result_out = trio.open_memory_channel(0)
+            requests_in, requests_out = trio.open_memory_channel(0)
             steps_in, steps_out = trio.open_memory_channel(1)
-            nursery.start_soon(admit.run, admit_out, sched_in.clone(), replies, admission,
-                               ev("admit"))
-            nursery.start_soon(partial(schedule.run, sched_out, plan_in, result_out, steps_in,
-                                       built.scheduler, ev("schedule"),
-                                       async_scheduling=cfg.async_scheduling))
-            nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner,
-                                       ev("gpu_step"), faults=cfg.fault_step_kinds))
+            inbox_in, inbox_out = inbox_channel(cfg)
+            start_engine_core(nursery, cfg, built, replies=replies,
+                              admission=core_admission(cfg, built, lambda: replies.num_admitted),
+                              requests=requests_out, inbox=(inbox_in, inbox_out), steps=steps_in,
+                              events=events, watch=None if tp is None else tp.watch)
             nursery.start_soon(route, steps_out, replies)
-            if tp is not None:   # a worker rank that exits stops the engine (exit 1)
-                nursery.start_soon(tp.watch)
             async with trio.open_nursery() as frontends:
                 for port in ports:
                     mine = attrs.evolve(
-                        setup, index=port.index, render_context=ctx,
-                        reasoning_parser=built.parsers.reasoning_parser,
+                        setup, index=port.index, side=side,
                         event_log=None if cfg.event_log is None
                         else f"{cfg.event_log}.frontend-{port.index}",
                         event_log_header=header)
@@ -311,9 +257,9 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
                         port.alive = False
                     frontends.start_soon(forward, port.pending_out, port.link)
                     frontends.start_soon(_serve_frontend, port, replies, stats,
-                                         admit_in.clone(), sched_in.clone(), nursery)
-                admit_in.close()
-                sched_in.close()
+                                         requests_in.clone(), inbox_in.clone(), nursery)
+                requests_in.close()
+                inbox_in.close()
                 freeze_heap()
                 log.info("engine serving %d frontends", len(ports))
             nursery.cancel_scope.cancel()    # every frontend has gone
@@ -324,15 +270,3 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
         if events is not None:
             events.close()
     return 0
-
-
-def _header(cfg: EngineConfig, built) -> dict:
-    from gpu.tokenizer_files import default_model_path
-    from pipeline.core.events import make_header
-
-    return make_header(
-        cfg, model_path=str(cfg.model or built.loaded.path or default_model_path()),
-        model_name=built.loaded.name, tokenizer=built.loaded.tokenizer,
-        served_model_names=built.model_names, max_model_len=built.max_model_len,
-        kv_blocks_total=built.blocks.num_blocks, block_size=cfg.block_size,
-        parsers=built.parsers)

@@ -162,10 +162,7 @@ def _engine_main(fds: str, serve_args: list[str]) -> int:
     args = build_parser(with_bench=False).parse_args(["serve", *serve_args])
     configure(args.log_level, args.log_format)
     cfg = engine_config(args)
-    setup = FrontendSetup(index=0, render_context=None, reasoning_parser=None,
-                          stream_interval=cfg.stream_interval,
-                          max_queued_requests=cfg.max_queued_requests,
-                          app_config=app_config(args), graceful_timeout=args.graceful_timeout,
+    setup = FrontendSetup(index=0, side=None, app_config=app_config(args), graceful_timeout=args.graceful_timeout,
                           event_log_max_bytes=cfg.event_log_max_bytes,
                           event_log_backup_count=cfg.event_log_backup_count)
     socks = [socket.socket(fileno=int(fd)) for fd in fds.split(",")]

@@ -20,6 +20,7 @@ GPU stage has ended, and kills whatever has not exited STOP_TIMEOUT_S later.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 import logging
 import os
 import socket
@@ -233,3 +234,21 @@ async def open_tensor_parallel(cfg: EngineConfig, device) -> AsyncIterator[Tenso
         with trio.CancelScope(shield=True):
             codes = await trio.to_thread.run_sync(tp.workers.stop, tp.broadcast, clean)
         log.info("tensor-parallel workers stopped (exit codes %s)", codes)
+
+
+@contextlib.asynccontextmanager
+async def open_built(cfg: EngineConfig, loaded=None) -> AsyncIterator[tuple]:
+    """Start-up, for every layout that runs an engine core: the device, the worker ranks
+    (with --tensor-parallel-size) and the model built (pipeline.core.startup.build, in a
+    worker thread that a cancellation abandons). Yields (device, built, tp), tp None
+    without tensor parallelism; on exit the workers are stopped."""
+    from pipeline.core.startup import build, pick_device
+
+    device = pick_device(cfg.device)
+    async with open_tensor_parallel(cfg, device) as tp:
+        if tp is None:
+            built = await trio.to_thread.run_sync(partial(build, cfg, device, loaded),
+                                                  abandon_on_cancel=True)
+        else:   # rank 0: the workers build their shards alongside
+            built = await tp.build(cfg, device, loaded)
+        yield device, built, tp

@@ -27,6 +27,7 @@ import struct
 import attrs
 import trio
 
+from pipeline.core.assembly import RequestSideSpec
 from stages.lib.delta import Delta, FinishReason
 from stages.messages import Step
 from gpu.interface import TokenLogprobs
@@ -73,7 +74,7 @@ class AccountQuery:
 @attrs.frozen
 class AccountReply:
     query: int
-    totals: object          # pipeline.layouts.frontend.AccountTotals
+    totals: object          # pipeline.core.stats.AccountStats
 
 
 @attrs.frozen
@@ -238,30 +239,15 @@ def outbox() -> tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel]:
 
 @attrs.frozen
 class FrontendSetup:
-    """What the engine process hands each frontend once the model has loaded: what render
-    needs (stages.render.RenderContext, its tokenizer included), the parsers, the flags
-    a frontend applies (web.app.AppConfig: API keys, CORS, limits) and the event log's."""
+    """What the engine process hands each frontend once the model has loaded: its request
+    side (pipeline.core.assembly.RequestSideSpec: the render context with the tokenizer,
+    the parsers), the flags a frontend applies (web.app.AppConfig: API keys, CORS, limits)
+    and the event log's."""
     index: int
-    render_context: object            # stages.render.RenderContext
-    reasoning_parser: str | None
-    stream_interval: int
-    max_queued_requests: int
+    side: RequestSideSpec | None      # None until the engine has loaded the model
     app_config: object                # web.app.AppConfig
     graceful_timeout: float
     event_log: str | None = None      # this frontend's file (the engine's path + .frontend-K)
     event_log_header: dict | None = None
     event_log_max_bytes: int = 0
     event_log_backup_count: int = 5
-
-
-@attrs.frozen
-class AccountTotals:
-    """One frontend's accountant: its counters, and its latency histograms as
-    (name, buckets, counts, sum); the engine sums them over every frontend."""
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    cached_tokens_total: int
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
-    finished_total: dict
-    histograms: tuple

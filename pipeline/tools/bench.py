@@ -20,6 +20,8 @@ import attrs
 import trio
 from tqdm import tqdm
 
+from gpu.runner import ModelRunner
+from gpu.simulate import SimulatedRunner
 from pipeline.core.config import EngineConfig, add_engine_arguments, engine_config
 from pipeline.core.engine import open_engine
 from pipeline.core.reply import describe
@@ -194,7 +196,7 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
     if compiles0 is not None and compiles1 is not None:
         # Triton compiles inside the timed window: must be 0 (each costs 1-2 s on a GPU)
         result["triton_compiles_in_timed_window"] = compiles1 - compiles0
-    waited = getattr(engine.runner, "waited_s", None)
+    waited = engine.runner.waited_s if isinstance(engine.runner, SimulatedRunner) else 0.0
     if waited:  # a simulated GPU: its waits are the ceiling, the rest is host time
         steps = engine.runner.steps
         result.update(simulate_gpu=cfg.simulate_gpu, gpu_wait_s=round(waited, 3),
@@ -207,7 +209,7 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
 
 def _compiles(runner) -> int | None:
     """Triton kernels compiled so far (gpu/kernels/compile_count.py); None without Triton."""
-    if not getattr(runner, "use_triton", False):
+    if not (isinstance(runner, ModelRunner) and runner.use_triton):
         return None
     from gpu.kernels.compile_count import compiled_kernels
     return compiled_kernels()
@@ -216,11 +218,12 @@ def _compiles(runner) -> int | None:
 def _runner_facts(runner) -> dict:
     """What the runner did before t0 (graphs, warm-up) and the kernel stack."""
     facts = {}
-    for key in ("cuda_graphs", "cuda_graph_sizes", "cuda_graph_capture_s", "cuda_graph_error",
-                "warmup_s", "use_triton"):
-        if hasattr(runner, key):
-            facts[key] = getattr(runner, key)
-    if getattr(runner, "use_triton", False):
+    if isinstance(runner, ModelRunner):
+        facts.update(cuda_graphs=runner.cuda_graphs, cuda_graph_sizes=runner.cuda_graph_sizes,
+                     cuda_graph_capture_s=runner.cuda_graph_capture_s,
+                     cuda_graph_error=runner.cuda_graph_error, warmup_s=runner.warmup_s,
+                     use_triton=runner.use_triton)
+    if isinstance(runner, ModelRunner) and runner.use_triton:
         import triton
         facts["triton"] = triton.__version__
     import torch

@@ -40,6 +40,18 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
 
+    @classmethod
+    def summed(cls, hists) -> Histogram:
+        """A new histogram holding every observation of `hists` (the same buckets)."""
+        hists = list(hists)
+        out = cls(hists[0].buckets)
+        for h in hists:
+            if h.buckets != out.buckets:
+                raise ValueError("histograms with different buckets do not add up")
+            out.counts = [x + y for x, y in zip(out.counts, h.counts)]
+            out.sum += h.sum
+        return out
+
     @property
     def count(self) -> int:
         return sum(self.counts)

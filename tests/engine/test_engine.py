@@ -10,6 +10,7 @@ import trio
 
 from gpu.attention_dense import DenseCausalAttention
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+import pipeline.core.assembly
 import pipeline.core.engine
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import Engine, open_engine
@@ -316,7 +317,7 @@ async def test_a_crashed_stage_stops_the_engine_cleanly(smollm):
 
 
 async def test_a_crashed_stage_cancels_a_body_that_does_not_finish(smollm, monkeypatch):
-    monkeypatch.setattr(pipeline.core.engine, "STOP_GRACE_S", 0.2)
+    monkeypatch.setattr(pipeline.core.assembly, "STOP_GRACE_S", 0.2)
     with trio.fail_after(30), pytest.raises(BaseExceptionGroup) as info:
         async with engine_of(smollm) as engine:
             def broken():

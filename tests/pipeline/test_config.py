@@ -164,3 +164,15 @@ def test_override_generation_config_must_be_a_json_object(value, words, capsys):
         flags("--override-generation-config", value)
     err = capsys.readouterr().err
     assert "--override-generation-config" in err and words in err
+
+
+def test_speculation_turns_async_scheduling_off_and_refuses_it_asked_for():
+    """The combination rule, decided once here: drafts need each sequence's last token,
+    which an async plan does not know yet."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert EngineConfig().async_scheduling is True
+    assert EngineConfig(async_scheduling=False).async_scheduling is False
+    assert EngineConfig(speculative_config=spec).async_scheduling is False
+    assert EngineConfig(speculative_config=spec, async_scheduling=False).async_scheduling is False
+    with pytest.raises(ValueError, match="--async-scheduling does not combine"):
+        EngineConfig(speculative_config=spec, async_scheduling=True)

@@ -92,6 +92,9 @@ class FakeEngine:
         self.replies.append(reply)
         return reply
 
+    async def fetch_stats(self):   # EngineClient's: /metrics reads it
+        return self.stats()
+
     def stats(self) -> EngineStats:
         return EngineStats(num_running=len([r for r in self.replies if not r.finished]),
                            num_waiting=0, kv_blocks_total=10, kv_blocks_free=10,
@@ -209,7 +212,7 @@ def _fake_open_engine(crash_after: float | None = None, opened: list | None = No
     context manager's own nursery, and optionally crash."""
 
     @contextlib.asynccontextmanager
-    async def open_engine(config, loaded=None):
+    async def open_engine(config, loaded=None, *, secrets=frozenset()):
         if opened is not None:
             opened.append(config)
         async with trio.open_nursery() as nursery:
@@ -270,7 +273,7 @@ async def test_every_route_answers_503_while_the_model_loads(monkeypatch, nurser
     fake = _fake_open_engine()
 
     @contextlib.asynccontextmanager
-    async def slow_open_engine(config, loaded_model=None):
+    async def slow_open_engine(config, loaded_model=None, *, secrets=frozenset()):
         await loaded.wait()                              # "loading the model"
         async with fake(config) as engine:
             yield engine

@@ -1,0 +1,106 @@
+"""The engine process's bookkeeping (pipeline/layouts/engine_proc.py), with no processes:
+EngineReplies (who owns each request, the admitted count over every frontend) and `route`
+(one frame per frontend per step, under the frontend's own ids)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import attrs
+import trio
+
+from pipeline.layouts.engine_proc import EngineReplies, Port, route
+from pipeline.layouts.wire import Refused, outbox, unpack_step
+from stages.admit import Accepted
+from stages.lib.delta import Delta, FinishReason
+from stages.messages import Step
+from stages.render import RequestError
+sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
+from rendered import rendered  # noqa: E402
+
+
+class FakeLink:
+    """Keeps the frames `route` sends."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    async def send_frame(self, frame: bytes) -> None:
+        self.frames.append(frame)
+
+
+def _ports(n: int) -> list[Port]:
+    ports = []
+    for k in range(n):
+        send, receive = outbox()
+        ports.append(Port(k, FakeLink(), send, receive))
+    return ports
+
+
+def test_requests_are_named_by_frontend_and_answered_to_their_owner():
+    ports = _ports(2)
+    replies = EngineReplies(ports)
+    a = replies.add(0, rendered("x"))
+    b = replies.add(1, rendered("x"))          # the same local id on another frontend
+    assert (a.request_id, b.request_id) == ("0:x", "1:x")
+    replies.admit("0:x")
+    replies.admit("0:x")                       # counted once
+    assert replies.num_admitted == 1
+    assert replies.send("0:x", Accepted("0:x", True))
+    assert ports[0].pending_out.receive_nowait() == Accepted("x", True)   # the local id
+    assert replies.send("1:x", RequestError("too long", status=400, param="messages"))
+    refused = ports[1].pending_out.receive_nowait()
+    assert isinstance(refused, Refused) and refused.request_id == "x"
+    assert (refused.status, refused.param) == (400, "messages")
+    replies.release("1:x")                     # never admitted: the count stays
+    assert replies.num_admitted == 1
+    replies.release("0:x")
+    assert replies.num_admitted == 0 and replies.of_frontend(0) == []
+
+
+def test_an_abort_is_taken_once_and_only_for_an_admitted_request():
+    replies = EngineReplies(_ports(1))
+    replies.add(0, rendered("x"))
+    assert not replies.mark_aborted("0:x")     # not admitted yet: admit drops it itself
+    replies.admit("0:x")
+    assert replies.mark_aborted("0:x")
+    assert not replies.mark_aborted("0:x")
+    assert not replies.mark_aborted("0:unknown")
+
+
+def test_a_dead_frontend_gets_no_answers():
+    ports = _ports(1)
+    replies = EngineReplies(ports)
+    replies.add(0, rendered("x"))
+    ports[0].alive = False
+    assert not replies.is_open("0:x")
+    assert not replies.send("0:x", Accepted("0:x", False))
+
+
+async def test_route_sends_each_frontend_its_own_deltas_and_releases_finished_requests():
+    ports = _ports(3)
+    replies = EngineReplies(ports)
+    r0 = replies.add(0, attrs.evolve(rendered("a"), n=2))
+    r1 = replies.add(1, rendered("a"))
+    replies.add(2, rendered("idle"))
+    for rid in ("0:a", "1:a", "2:idle"):
+        replies.admit(rid)
+    step = Step(7, new_requests=(r0, r1), deltas=(
+        Delta("0:a", (5,), finish_reason=FinishReason.LENGTH, index=0),
+        Delta("0:a", (6,), index=1),
+        Delta("1:a", (9,), finish_reason=FinishReason.STOP)))
+    send, receive = trio.open_memory_channel(1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(route, receive, replies)
+        await send.send(step)
+        await send.aclose()
+    got = {k: unpack_step(memoryview(p.link.frames[0])[5:], {"a": "the request"})
+           for k, p in enumerate(ports) if p.link.frames}
+    assert set(got) == {0, 1}                  # frontend 2 had nothing in this step
+    assert [(d.request_id, d.index, d.token_ids) for d in got[0].deltas] == [
+        ("a", 0, (5,)), ("a", 1, (6,))]
+    assert got[0].new_requests == ("the request",) and got[0].step == 7
+    assert [(d.request_id, d.finish_reason) for d in got[1].deltas] == [("a", FinishReason.STOP)]
+    # 1:a's only choice finished: released; 0:a has a choice left
+    assert "1:a" not in replies.entries and "0:a" in replies.entries
+    assert replies.num_admitted == 2
