@@ -194,7 +194,7 @@ async def _supervise(start: Callable[[trio.Nursery], C], *, task_status) -> None
         if client is None:
             raise
         log.error("the engine stopped: %s", describe(exc))
-        client._stop(exc)
+        client.stop(exc)
         await trio.sleep(STOP_GRACE_S)
         raise
 

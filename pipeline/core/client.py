@@ -142,7 +142,7 @@ class EngineClient:
         """Until no request is in flight (every reply's last byte handed to its reader)."""
         await self.replies.wait_empty()
 
-    def _stop(self, exc: BaseException) -> None:
+    def stop(self, exc: BaseException) -> None:
         """The engine stopped: refuse everything from now on and end every reply with an error."""
         self.failure = exc
         self.replies.close_all()
