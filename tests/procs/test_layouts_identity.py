@@ -111,7 +111,7 @@ def _events(body: bytes) -> list:
 
 def _post(server, api: str, body: dict) -> list:
     r = httpx.post(f"{server.url}{PATHS[api]}", json={"model": "m", **body, **STREAM},
-                   timeout=120)
+                   timeout=300)     # a loaded 2-core machine runs three servers
     assert r.status_code == 200, r.text
     events = _events(r.content)
     assert events[-1] == "[DONE]" and events[-2]["usage"], events[-2:]
@@ -135,12 +135,14 @@ def _stop_request(servers) -> tuple[str, dict]:
 
 @pytest.fixture(scope="module")
 def replies(servers) -> dict[str, list[list]]:
-    """Every layout's events for the same calls, sent one at a time (so the prefix cache
-    holds the same blocks in each, and cached_tokens agree)."""
+    """Every layout's events for the same calls, sent to each one at a time (so its prefix
+    cache holds the same blocks as the others', and cached_tokens agree)."""
     t0 = time.monotonic()
     calls = [*REQUESTS, _stop_request(servers)]
-    got = {name: [_post(server, api, body) for api, body in calls]
-           for name, server in servers.items()}
+    def run(server):
+        return [_post(server, api, body) for api, body in calls]
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:   # the layouts at once
+        got = dict(zip(servers, pool.map(run, servers.values())))
     print(f"layouts identity: {len(calls)} requests x {len(got)} layouts in "
           f"{time.monotonic() - t0:.1f} s")
     return {"calls": calls, **got}
