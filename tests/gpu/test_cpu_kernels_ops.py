@@ -3,6 +3,9 @@ functions with the kernels off): fp32 within 1e-6 relative (only the order of th
 sum of squares differs), bf16 within one bf16 rounding (2^-8 relative)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -42,9 +45,38 @@ def test_fused_add_rms_norm(torch_ops, x_dtype, r_dtype, w_dtype):
     close(ops.rms_norm(x, w, 1e-6), torch_ops(ops.rms_norm, x, w, 1e-6))
 
 
+# In a fresh interpreter (no OpenMP team yet on its main thread), with a team of two: a
+# norm under PARALLEL_MIN elements (gpu/cpu_kernels.c) starts no thread, one past it starts
+# the team's worker, and the threaded result is the serial one's.
+THREADS = r"""
+import os, torch
+from gpu import cpu_kernels
+torch.set_num_threads(2)          # the team the kernels get (libgomp's, shared with torch)
+def tasks(): return len(os.listdir("/proc/self/task"))
+k, g = cpu_kernels.kernels(), torch.Generator().manual_seed(0)
+w, small, big = torch.rand(512, generator=g), torch.randn(4, 512, generator=g), torch.randn(300, 512, generator=g)
+base = tasks()
+k.add_rms_norm(small, None, w, 1e-6)
+after_small = tasks()
+threaded = k.add_rms_norm(big, None, w, 1e-6)[0]
+after_big = tasks()
+serial = torch.cat([k.add_rms_norm(big[i:i + 4], None, w, 1e-6)[0] for i in range(0, 300, 4)])
+print(base, after_small, after_big, torch.equal(threaded, serial))
+"""
+
+
 def test_a_big_norm_runs_threaded(torch_ops):
+    """The big norm's rows are split over the OpenMP team: its worker thread appears with
+    it (and not with a small one), and the rows come out as the serial loop's."""
     x, w = torch.randn(300, 512), torch.rand(512)     # past PARALLEL_MIN elements
     close(ops.rms_norm(x, w, 1e-6), torch_ops(ops.rms_norm, x, w, 1e-6))
+    done = subprocess.run([sys.executable, "-c", THREADS], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    base, after_small, after_big, same = done.stdout.split()
+    assert int(after_small) == int(base)              # serial: no team started
+    assert int(after_big) == int(base) + 1            # the team of two: one worker thread
+    assert same == "True"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

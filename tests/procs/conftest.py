@@ -10,7 +10,7 @@ def two_frontends(tmp_path_factory):
     """N = 2, few admitted requests (2 running + 1 queued), so overload is easy to reach."""
     tmp = tmp_path_factory.mktemp("procs2")
     server = start(tmp, "--api-server-count", "2", "--max-num-seqs", "2",
-                   "--max-queued-requests", "1", "--event-log", str(tmp / "events.jsonl"))
+                   "--max-queued-requests", "1")
     yield server
     server.stop()
 

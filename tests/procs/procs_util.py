@@ -2,6 +2,7 @@
 and what the tests read of their processes from /proc (no psutil)."""
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -78,6 +79,46 @@ def process_group(pgid: int) -> list[int]:
     return out
 
 
+def server_side_inode(server_port: int, client_port: int) -> str:
+    """The socket inode of the server's end of one TCP connection (/proc/net/tcp)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port = int(fields[1].split(":")[1], 16)
+        remote_port = int(fields[2].split(":")[1], 16)
+        if local_port == server_port and remote_port == client_port:
+            return fields[9]
+    raise AssertionError("no such connection")
+
+
+def holder(pids: list[int], inode: str) -> int:
+    """Which of `pids` holds the socket `inode` (the frontend that accepted a connection)."""
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                continue
+    raise AssertionError("no frontend holds the connection")
+
+
+def scrape_on_new_connection(server: Server) -> tuple[int, dict[str, float]]:
+    """GET /metrics on a connection of its own: (the pid of the frontend that accepted
+    it, read from /proc while the connection is still open; the samples, as `metrics`)."""
+    host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        reply = conn.getresponse()
+        text = reply.read().decode()
+        assert reply.status == 200, text
+        pid = holder(server.children()["frontend"],
+                     server_side_inode(int(port), conn.sock.getsockname()[1]))
+    finally:
+        conn.close()
+    return pid, _samples(text)
+
+
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
     """Poll until `predicate()` is truthy; an HTTP error (a busy machine's timeout) counts
     as not yet."""
@@ -121,8 +162,12 @@ def start(tmp: Path, *flags: str) -> Server:
 
 def metrics(url: str) -> dict[str, float]:
     """The unlabelled and model-labelled samples of /metrics, by name."""
+    return _samples(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def _samples(text: str) -> dict[str, float]:
     out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+    for line in text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         name, value = line.rsplit(" ", 1)

@@ -10,7 +10,7 @@ import sys
 import orjson
 import httpx
 
-from procs_util import metrics, wait_for
+from procs_util import metrics, scrape_on_new_connection, start, wait_for
 
 PROMPT = "The capital of France is"
 
@@ -119,9 +119,17 @@ def test_metrics_add_up_over_the_processes(two_frontends):
         r = httpx.post(f"{url}/v1/completions", timeout=120,
                        json={"prompt": f"{PROMPT} {i}", "max_tokens": 3 + i % 3})
         made += r.json()["usage"]["completion_tokens"]
-    for _ in range(4):      # whichever frontend is scraped, the sum over all of them
-        m = metrics(url)
-        assert m["vllm:generation_tokens_total"] == before + made
+    # whichever frontend the kernel hands a scrape to, it answers the sum over all of
+    # them; new connections until each frontend has answered at least one (the pid that
+    # accepted each scrape's connection, from /proc)
+    frontends = set(two_frontends.children()["frontend"])
+    assert len(frontends) == 2
+    answered: list[int] = []
+    while set(answered) != frontends:
+        assert len(answered) < 40, f"one frontend answered every scrape: {answered}"
+        pid, m = scrape_on_new_connection(two_frontends)
+        assert m["vllm:generation_tokens_total"] == before + made, (pid, answered)
+        answered.append(pid)
 
 
 def _loads_torch(pid: int) -> bool:
@@ -151,10 +159,27 @@ def test_structured_output_is_checked_in_the_engine_and_frontends_stay_torch_fre
     assert _loads_torch(kids["engine"][0])        # the check is not vacuous
 
 
-def test_the_event_log_one_file_a_process_replays_and_joins(two_frontends, tmp_path):
-    """Last in this module: it stops the server, so that every line is written."""
-    assert two_frontends.stop() == 0
-    log = two_frontends.event_log
+def test_the_event_log_one_file_a_process_replays_and_joins(tmp_path):
+    """A server of its own, stopped here so that every line is written (stopping the
+    module's would make the tests after it depend on the order)."""
+    server = start(tmp_path, "--api-server-count", "2", "--event-log", str(tmp_path / "events.jsonl"))
+    try:
+        url = server.url
+        for i in range(10):   # a connection each: both frontends, in the kernel's turn
+            body = {"prompt": f"{PROMPT} {i}", "max_tokens": 4 + i % 3, "temperature": 0}
+            if i % 2:
+                body.update(stream=True, stop=["the"], logprobs=1)
+            if i == 4:
+                body["structured_outputs"] = {"regex": r" \d{4}"}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "seed": 1})
+        assert chat.status_code == 200, chat.text
+    finally:
+        code = server.stop()
+    assert code == 0
+    log = server.event_log
     parts = sorted(log.parent.glob("events.jsonl.frontend-*"))
     assert [p.name for p in parts] == ["events.jsonl.frontend-0", "events.jsonl.frontend-1"]
     headers = [orjson.loads(p.read_bytes().split(b"\n", 1)[0]) for p in (log, *parts)]
@@ -173,4 +198,5 @@ def test_the_event_log_one_file_a_process_replays_and_joins(two_frontends, tmp_p
     assert html.returncode == 0, html.stderr
     rows = [ln for ln in html.stdout.splitlines() if ln[:2] in ("0:", "1:")]
     assert len(rows) >= checked                        # every frontend's requests, joined
+    assert {ln[:2] for ln in rows} == {"0:", "1:"}
     assert page.stat().st_size > 1000

@@ -11,31 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from procs_util import metrics, process_group, start, wait_for
+from procs_util import holder, metrics, process_group, server_side_inode, start, wait_for
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
-
-
-def _server_side_inode(server_port: int, client_port: int) -> str:
-    """The socket inode of the server's end of one TCP connection (/proc/net/tcp)."""
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local_port = int(fields[1].split(":")[1], 16)
-        remote_port = int(fields[2].split(":")[1], 16)
-        if local_port == server_port and remote_port == client_port:
-            return fields[9]
-    raise AssertionError("no such connection")
-
-
-def _holder(pids: list[int], inode: str) -> int:
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
-                    return pid
-            except OSError:
-                continue
-    raise AssertionError("no frontend holds the connection")
 
 
 def test_a_frontend_dies_the_engine_aborts_its_requests_the_other_serves_on(tmp_path):
@@ -58,7 +36,7 @@ def test_a_frontend_dies_the_engine_aborts_its_requests_the_other_serves_on(tmp_
                 while not next(lines).startswith("data: "):
                     pass
                 client_port = r.extensions["network_stream"].get_extra_info("client_addr")[1]
-                victim = _holder(kids["frontend"], _server_side_inode(port, client_port))
+                victim = holder(kids["frontend"], server_side_inode(port, client_port))
                 os.kill(victim, signal.SIGKILL)
                 try:
                     for _ in lines:

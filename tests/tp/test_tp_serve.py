@@ -151,14 +151,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def smollm_tp3(tmp_path_factory):
+@pytest.fixture
+def smollm_tp3(tmp_path):
     """SmolLM2 at TP = 3: rank 0 starts rank 1 (LOCAL_WORLD_SIZE=2); rank 2 is started by
-    hand, as on another host (docs/scaling.md). Yields (server, rank 2's process)."""
-    tmp = tmp_path_factory.mktemp("tp3")
+    hand, as on another host (docs/scaling.md). Yields (server, rank 2's process). A server
+    per test: the test stops it."""
     port = str(_free_port())
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    with open(tmp / "rank2.txt", "wb") as err:
+    with open(tmp_path / "rank2.txt", "wb") as err:
         other = subprocess.Popen(
             [sys.executable, "-m", "pipeline.layouts.tp_worker", "--log-level", "warning", "--",
              "--dtype", "float32", "--tensor-parallel-size", "3", *FLAGS],
@@ -167,7 +167,7 @@ def smollm_tp3(tmp_path_factory):
     try:
         for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("LOCAL_WORLD_SIZE", "2")):
             mp.setenv(k, v)
-        server = start(tmp, "--served-model-name", "m", "-tp", "3", *FLAGS)
+        server = start(tmp_path, "--served-model-name", "m", "-tp", "3", *FLAGS)
         mp.undo()
         yield server, other
         server.stop()
@@ -188,7 +188,10 @@ def gpt_oss_tp2(tmp_path_factory, gpt_oss_dir):
 
 
 @needs(3)
-def test_smollm2_greedy_at_tp3_over_two_hosts_is_one_ranks_token_for_token(smollm_tp3, smollm_ref):
+def test_smollm2_greedy_at_tp3_over_two_hosts_is_one_ranks_then_sigterm_stops_every_rank(
+        smollm_tp3, smollm_ref):
+    """One server for both (a TP 3 start-up is the costly part): greedy token for token,
+    then SIGTERM stops rank 1 and the other "host"'s rank 2 too."""
     calls = ([("chat", {"messages": m, "max_tokens": 16, "temperature": 0, "logprobs": True})
               for m in CHAT]
              + [("completions", {"prompt": p, "max_tokens": 16, "temperature": 0, "logprobs": 1})
@@ -207,6 +210,8 @@ def test_smollm2_greedy_at_tp3_over_two_hosts_is_one_ranks_token_for_token(smoll
         else:
             gl, wl = glp["token_logprobs"], wlp["token_logprobs"]
         assert gl == pytest.approx(wl, abs=1e-4)
+    _stops_cleanly(server)
+    assert smollm_tp3[1].wait(timeout=30) == 0   # the other "host"'s rank got its stop message
 
 
 def _stops_cleanly(server) -> None:
@@ -214,13 +219,6 @@ def _stops_cleanly(server) -> None:
     assert len(workers) == 1
     assert server.stop() == 0
     wait_for(lambda: not any(alive(p) for p in workers), 30, "the workers to exit")
-
-
-@needs(3)
-def test_sigterm_stops_the_other_hosts_rank_too(smollm_tp3):
-    server, other = smollm_tp3
-    _stops_cleanly(server)
-    assert other.wait(timeout=30) == 0        # the other "host"'s rank got its stop message
 
 
 def test_prefix_cache_chunked_prefill_n_and_json_schema_at_tp2(gpt_oss_tp2, gpt_oss):
@@ -269,8 +267,15 @@ def test_preemption_at_tp2_keeps_the_outputs(gpt_oss_tp2, gpt_oss):
     assert metrics(gpt_oss_tp2.url)["vllm:num_preemptions_total"] > before
 
 
-def test_sigterm_drains_then_stops_every_worker(gpt_oss_tp2):
-    _stops_cleanly(gpt_oss_tp2)
+def test_sigterm_drains_then_stops_every_worker(tmp_path, gpt_oss_dir):
+    """A server of its own (stopping the module's would make the tests after it depend
+    on the order)."""
+    server = start(tmp_path, gpt_oss_dir, "--served-model-name", "m", "--tensor-parallel-size",
+                   "2", *FLAGS)
+    try:
+        _stops_cleanly(server)
+    finally:
+        server.stop()
 
 
 def test_a_dead_worker_fails_in_flight_requests_and_the_server_exits_1(tmp_path, gpt_oss_dir):
