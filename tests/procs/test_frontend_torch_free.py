@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 CHECK = (Path(__file__).parents[1] / "stages" / "test_torch_free.py").read_text()
-MODULES = ("pipeline.layouts.frontend", "pipeline.layouts.wire", "pipeline.core.client", "pipeline.layouts.procs",
-           "web.server")
+MODULES = ("pipeline.layouts.frontend", "pipeline.layouts.wire", "pipeline.core.client",
+           "pipeline.layouts.procs", "pipeline.layouts.process", "pipeline.core.logs",
+           "web.server", "web.child")
 
 
 def test_the_frontend_process_imports_without_torch():
