@@ -80,10 +80,16 @@ def _alive(pid: int) -> bool:
 
 
 def test_the_runner_switch_interval_is_set_for_the_block_and_restored():
-    before = sys.getswitchinterval()
-    with process.runner_switch_interval():
-        assert sys.getswitchinterval() == pytest.approx(min(before, process.SWITCH_INTERVAL_S))
-    assert sys.getswitchinterval() == before
+    outer = sys.getswitchinterval()        # the session's (tests/conftest.py)
+    try:
+        sys.setswitchinterval(0.005)       # CPython's default
+        with process.runner_switch_interval():
+            assert sys.getswitchinterval() == pytest.approx(process.SWITCH_INTERVAL_S, abs=1e-6)
+        assert sys.getswitchinterval() == pytest.approx(0.005, abs=1e-6)
+        with process.runner_switch_interval(1.0):        # lowers it only, never raises it
+            assert sys.getswitchinterval() == pytest.approx(0.005, abs=1e-6)
+    finally:
+        sys.setswitchinterval(outer)
 
 
 async def test_the_gpu_stage_leaves_the_switch_interval_alone():
