@@ -20,6 +20,7 @@ import trio
 
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
+from pipeline.layouts.process import runner_switch_interval
 
 FILE = '''import json
 import os
@@ -145,12 +146,13 @@ def main() -> None:
     from gpu.loader import choose_dtype, load_model
     dtype, _ = choose_dtype("auto", torch.device("cpu"))
     loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
-    trio.run(run, EngineConfig(**base), requests(a.workload, 1, 8), 1, loaded)   # warm, untimed
-    for r in range(a.rounds):
-        for label, extra in (("off", {}), ("on", {"speculative_config": a.spec})):
-            res = trio.run(run, EngineConfig(**base, **extra), reqs, a.streams, loaded)
-            print(json.dumps({"workload": a.workload, "streams": a.streams, "round": r,
-                              "spec": label, **res}), flush=True)
+    with runner_switch_interval():       # the GPU step runs in this process, as in serve
+        trio.run(run, EngineConfig(**base), requests(a.workload, 1, 8), 1, loaded)   # warm
+        for r in range(a.rounds):
+            for label, extra in (("off", {}), ("on", {"speculative_config": a.spec})):
+                res = trio.run(run, EngineConfig(**base, **extra), reqs, a.streams, loaded)
+                print(json.dumps({"workload": a.workload, "streams": a.streams, "round": r,
+                                  "spec": label, **res}), flush=True)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def serve(variant: str, tokens: int, step_s: float, interval: int) -> None:
                         send.close()
                         del self.open[request_id]
 
-    install(variant)
+    tcp_server_base = server_class(variant)
 
     async def main() -> None:
         engine = StandInEngine()
@@ -110,7 +110,8 @@ def serve(variant: str, tokens: int, step_s: float, interval: int) -> None:
                 nursery.start_soon(_null_http, engine, sock)
                 print(port, flush=True)
                 return
-            async with open_http(gate, sock, log_level="warning"):
+            async with open_http(gate, sock, log_level="warning",
+                                 tcp_server_base=tcp_server_base):
                 print(port, flush=True)
                 await trio.sleep_forever()
 
@@ -148,13 +149,13 @@ def serve(variant: str, tokens: int, step_s: float, interval: int) -> None:
     trio.run(main)
 
 
-def install(variant: str) -> None:
-    """The variant's server path, put in place before Hypercorn starts."""
+def server_class(variant: str) -> type:
+    """The class the variant's connections' TCPServer builds on (web.server.open_http)."""
     from hypercorn.trio.tcp_server import TCPServer
 
-    from web import server, sse
+    from web import sse
 
-    server.tcp_server_base = sse.FastWriteTCPServer if variant.startswith("fastwrite") else TCPServer
+    return sse.FastWriteTCPServer if variant.startswith("fastwrite") else TCPServer
 
 
 # -- the reader (another process) -----------------------------------------------------

@@ -8,6 +8,9 @@ ends, so the thread starts it at once instead of waiting for the event loop to n
 A plan's host-side input preparation (`runner.stage`) runs here in the event loop as the
 plan arrives, while the step before it runs: between one step's end and the next one's
 start the runner thread only fills in the PLACEHOLDER tokens and uploads the inputs.
+The runner thread and the event loop share the GIL: the runtime that starts this stage
+lowers the interpreter's switch interval for it (pipeline/layouts/process.py,
+`runner_switch_interval`); the stage itself changes no process-wide setting.
 
 A step that raises fails its own requests (a StepResult with the error) and the next
 step runs as usual. Every failure is logged (logger "tailrace.gpu", with its traceback),
@@ -28,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import sys
 import threading
 from collections.abc import Mapping
 
@@ -43,14 +45,6 @@ _log = logging.getLogger("tailrace.gpu")
 
 MAX_CONSECUTIVE_FAILURES = 3
 
-# The interpreter's switch interval while the GPU stage runs (CPython's default: 5 ms).
-# The runner thread takes the GIL back after every wait on the device (and after each
-# torch call that releases it); while the event loop runs Python code, a thread that wants
-# the GIL gets it only when the holder is asked to drop it, one switch interval later. At
-# 5 ms that can be more than a whole GPU step; at 0.1 ms the runner's wait is bounded by a
-# few percent of a step, and the loop pays a few µs a switch only while the runner wants
-# the GIL (docs/benchmarks.md, "switch interval").
-SWITCH_INTERVAL_S = 1e-4
 FAULT_KINDS = ("error", "fatal")
 
 
@@ -157,8 +151,6 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
     # libgomp throttle the runner thread's team: 70 ms CPU decode steps instead of 46
     # (gpu/openmp.py). Nothing on this thread runs parallel regions from here on.
     release_team()
-    previous_interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(previous_interval, SWITCH_INTERVAL_S))
     thread.start()
     dead: EngineDead | None = None
     try:
@@ -187,4 +179,3 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
         jobs.put(None)
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(thread.join)
-        sys.setswitchinterval(previous_interval)

@@ -31,3 +31,14 @@ def smollm():
 @pytest.fixture(scope="session")
 def smollm_tokenizer(smollm):
     return smollm.tokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runner_switch_interval():
+    """The tests run engines in this process, as `tailrace serve` does: with its switch
+    interval for the GPU step's runner thread (pipeline/layouts/process.py: the runtime sets
+    it, no longer the stage), so that their timings are those of a server."""
+    from pipeline.layouts.process import runner_switch_interval
+
+    with runner_switch_interval():
+        yield

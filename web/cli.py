@@ -2,7 +2,7 @@
 
 The flags and the dispatch; what each command runs lives elsewhere (serve:
 web/server.py, cluster: pipeline/tools/cluster.py, bench: web/bench/ and pipeline/tools/bench.py,
-replay: pipeline/tools/replay.py).
+replay: pipeline/tools/replay.py, the children: web/child.py).
 
 `serve` flags are named as vLLM names them; each maps onto one EngineConfig
 field. serve binds its socket and serves it first (a taken port fails at once,
@@ -43,7 +43,7 @@ def string_list(text: str) -> list[str]:
 
 
 def add_log_format_argument(p: argparse.ArgumentParser) -> None:
-    from web.logs import LOG_FORMATS
+    from pipeline.core.logs import LOG_FORMATS
 
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="How the server's own logs are written to stderr (structlog): text, "
@@ -103,7 +103,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def app_config(args: argparse.Namespace) -> AppConfig:
     """The server's settings from its flags; ValueError for a bad value."""
-    if getattr(args, "api_server_count", None) is not None and args.api_server_count < 1:
+    if args.api_server_count is not None and args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if args.graceful_timeout < 0:
         raise ValueError(f"--graceful-timeout must not be negative, got {args.graceful_timeout}")
@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     args.argv = argv
     if args.command == "bench":
-        from web.logs import configure as configure_logs
+        from pipeline.core.logs import configure as configure_logs
 
         configure_logs("info", args.log_format)
     return int(args.func(args) or 0)
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from pipeline.tools import cluster
 
-    from web.logs import configure as configure_logs
+    from pipeline.core.logs import configure as configure_logs
 
     configure_logs("info", _peek_log_format(args.serve_args))
     logging.getLogger("httpx").setLevel(logging.WARNING)      # one line per /health poll
@@ -230,7 +230,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         web_config = app_config(args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
-    from web.logs import configure as configure_logs
+    from pipeline.core.logs import configure as configure_logs
 
     configure_logs(args.log_level, args.log_format)
     try:
@@ -241,10 +241,14 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
     if args.api_server_count is not None:
         from pipeline.layouts import procs
+        from web import child
 
         try:
-            return procs.run(args.argv[1:], args.api_server_count, sock,
-                             log_level=args.log_level, log_format=args.log_format)
+            return procs.run(args.api_server_count, sock,
+                             engine_command=partial(child.engine_command, args.argv[1:]),
+                             frontend_command=partial(child.frontend_command,
+                                                      log_level=args.log_level,
+                                                      log_format=args.log_format))
         finally:
             sock.close()
     try:

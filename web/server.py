@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from pipeline.layouts.process import runner_switch_interval
 from web.app import AppConfig, LoadingGate, create_app
 
 if TYPE_CHECKING:     # the engine (torch) is imported when a model is served, not before
@@ -59,22 +60,24 @@ async def serve_model(config: EngineConfig, sock: socket.socket, *,
     async with trio.open_nursery() as nursery:
         await nursery.start(_watch_signals, shutdown, abort, serving, nursery.cancel_scope)
         async with open_http(gate, sock, log_level=log_level):
-            async with open_engine(config, secrets=frozenset(app_config.api_keys)) as engine:
-                async with trio.open_nursery() as server:
-                    binds = await server.start(partial(
-                        serve, engine, None, app_config=app_config,
-                        graceful_timeout=graceful_timeout, shutdown=shutdown, abort=abort,
-                        gate=gate))
-                    serving.set()
-                    if task_status is not None:
-                        task_status.started(binds)
+            # the process's setting for the GPU step's runner thread, for the engine's life
+            with runner_switch_interval():
+                async with open_engine(config, secrets=frozenset(app_config.api_keys)) as engine:
+                    async with trio.open_nursery() as server:
+                        binds = await server.start(partial(
+                            serve, engine, None, app_config=app_config,
+                            graceful_timeout=graceful_timeout, shutdown=shutdown,
+                            abort=abort, gate=gate))
+                        serving.set()
+                        if task_status is not None:
+                            task_status.started(binds)
         nursery.cancel_scope.cancel()     # stops the signal watcher
     return 0
 
 
 async def serve_frontend(engine_sock: socket.socket, sock: socket.socket, *, index: int,
                          log_level: str = "info") -> int:
-    """One frontend process of --api-server-count (pipeline/layouts/procs.py starts it): serve the
+    """One frontend process of --api-server-count (web/child.py runs it): serve the
     listening socket it inherited at once (503 while the engine process loads the model),
     take its setup from the engine over `engine_sock`, then serve the app over a
     pipeline.layouts.frontend.RemoteEngine, as serve_model does over an Engine; shutdown is the
@@ -131,17 +134,22 @@ async def serve(engine: Engine, sock: socket.socket | None, *,
 
 
 @contextlib.asynccontextmanager
-async def open_http(gate: LoadingGate, sock: socket.socket, *, log_level: str = "info"):
+async def open_http(gate: LoadingGate, sock: socket.socket, *, log_level: str = "info",
+                    tcp_server_base: type | None = None):
     """Serve the ASGI app `gate` with Hypercorn on a listening socket for the block (its
     addresses in ``gate.binds``); at the end, or at ``gate.stop_serving()``, stop
     listening, give the connections FLUSH_TIMEOUT_S to write their last bytes, and close
-    those still open after that."""
+    those still open after that.
+
+    `tcp_server_base`: the class each connection's TCPServer builds on; None (what serve
+    uses) is web/sse.py's FastWriteTCPServer. scripts/bench_sse_write.py passes
+    Hypercorn's own to compare the two."""
     from hypercorn.config import Config
 
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]   # Hypercorn owns the socket from here
     config.loglevel = log_level.upper()
-    # Hypercorn's errors through the root handler (web/logs.py), not a handler of its own
+    # Hypercorn's errors through the root handler (pipeline/core/logs.py), not one of its own
     config.errorlog = logging.getLogger("hypercorn.error")
     config.errorlog.setLevel(log_level.upper())
     config.graceful_timeout = FLUSH_TIMEOUT_S
@@ -151,7 +159,8 @@ async def open_http(gate: LoadingGate, sock: socket.socket, *, log_level: str = 
 
     async def run_hypercorn(task_status) -> None:
         try:
-            await _serve_hypercorn(gate, config, connections, stop, task_status=task_status)
+            await _serve_hypercorn(gate, config, connections, stop, tcp_server_base,
+                                   task_status=task_status)
         finally:
             hypercorn_done.set()
 
@@ -181,13 +190,8 @@ async def open_http(gate: LoadingGate, sock: socket.socket, *, log_level: str = 
             stop.set()       # Hypercorn stops listening and closes the connections
 
 
-# The class each connection's TCPServer builds on; None: web/sse.py's FastWriteTCPServer
-# (scripts/bench_sse_write.py sets Hypercorn's own to compare the two).
-tcp_server_base: type | None = None
-
-
-async def _serve_hypercorn(app, config, connections: weakref.WeakSet, stop: trio.Event, *,
-                           task_status) -> None:
+async def _serve_hypercorn(app, config, connections: weakref.WeakSet, stop: trio.Event,
+                           tcp_server_base: type | None, *, task_status) -> None:
     """hypercorn.trio.serve for plain-HTTP sockets, whose connections go through our
     TCPServer subclass, which files each client stream in `connections` (so shutdown can
     close those left). hypercorn.trio.serve hard-wires its TCPServer; this is its worker

@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Mapping
 
 import attrs
@@ -34,7 +33,7 @@ import trio
 
 from gpu.interface import TPLost
 from pipeline.core.config import EngineConfig
-from pipeline.layouts.procs import _wait as wait_process
+from pipeline.layouts import process
 
 log = logging.getLogger("tailrace")
 
@@ -95,9 +94,9 @@ def worker_flags(cfg: EngineConfig) -> list[str]:
 
 
 def worker_command(rank: int, rdv: Rendezvous, cfg: EngineConfig, log_level: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.layouts.tp_worker", "--die-with-parent", "--rank", str(rank),
-            "--init-method", rdv.init_method, "--log-level", log_level, "--",
-            *worker_flags(cfg)]
+    return process.python_command(
+        "pipeline.layouts.tp_worker", "--die-with-parent", "--rank", str(rank),
+        "--init-method", rdv.init_method, "--log-level", log_level, "--", *worker_flags(cfg))
 
 
 class Workers:
@@ -109,13 +108,12 @@ class Workers:
 
     @classmethod
     def start(cls, cfg: EngineConfig, rdv: Rendezvous) -> Workers:
-        """Call it on the main thread: PR_SET_PDEATHSIG fires when the thread that forked
-        exits, and trio retires its worker threads."""
+        """Call it on the main thread (see pipeline.layouts.process.spawn)."""
         level = logging.getLevelName(logging.getLogger("tailrace").getEffectiveLevel()).lower()
         procs = {}
         for rank in rdv.local_ranks:
             # in this process's group (a signal to the group: workers ignore it)
-            procs[rank] = subprocess.Popen(worker_command(rank, rdv, cfg, level))
+            procs[rank] = process.spawn(worker_command(rank, rdv, cfg, level))
         log.info("tensor parallelism over %d ranks at %s: worker processes %s", rdv.size,
                  rdv.init_method, ", ".join(f"rank {r} pid {p.pid}" for r, p in procs.items()))
         return cls(procs)
@@ -134,7 +132,7 @@ class Workers:
 
     @staticmethod
     async def _report_exit(rank: int, proc: subprocess.Popen, exits) -> None:
-        exits.send_nowait((rank, await wait_process(proc)))
+        exits.send_nowait((rank, await process.wait(proc)))
 
     def stop(self, broadcast, clean: bool) -> list[int]:
         """Stop every worker: the stop message when `clean` (the GPU stage has ended and

@@ -25,15 +25,15 @@ log = logging.getLogger("tailrace")
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--die-with-parent" in argv:     # started by rank 0 (not by hand on another host)
-        from pipeline.layouts.procs import _die_with_parent
+        from pipeline.layouts.process import die_with_parent
 
         argv.remove("--die-with-parent")
-        _die_with_parent()
+        die_with_parent()
     # a signal to the process group is rank 0's to act on: it drains, then stops us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from pipeline.core.config import add_engine_arguments, engine_config
-    from web.logs import configure
+    from pipeline.core.logs import configure
 
     p = argparse.ArgumentParser(prog="python -m pipeline.layouts.tp_worker")
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", -1)))

@@ -25,6 +25,7 @@ from gpu.simulate import SimulatedRunner
 from pipeline.core.config import EngineConfig, add_engine_arguments, engine_config
 from pipeline.core.engine import open_engine
 from pipeline.core.reply import describe
+from pipeline.layouts.process import runner_switch_interval
 
 log = logging.getLogger("tailrace.bench")
 
@@ -239,7 +240,8 @@ def main(args: argparse.Namespace) -> int:
                        max_queued_requests=max(args.max_queued_requests, s["num_prompts"]))
     so_far: dict = {}
     try:
-        result = trio.run(_bench, cfg, s, args.temperature, so_far)
+        with runner_switch_interval():     # the GPU step runs in this process, as in serve
+            result = trio.run(_bench, cfg, s, args.temperature, so_far)
     except KeyboardInterrupt:  # Ctrl-C, or `timeout -s INT`: say how far it got
         t0 = so_far.get("t0")
         elapsed = time.perf_counter() - t0 if t0 else None

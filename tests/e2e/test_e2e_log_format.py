@@ -1,4 +1,4 @@
-"""The server's own logs through structlog (web/logs.py): `tailrace serve --log-format json`
+"""The server's own logs through structlog (pipeline/core/logs.py): `tailrace serve --log-format json`
 writes one JSON object per stderr line; a failed GPU step's line carries its step number and
 the whole traceback. The text format keeps one readable line with key=value fields."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import openai
 import pytest
 
-from web.logs import formatter
+from pipeline.core.logs import formatter
 
 
 def test_a_failed_step_is_one_json_line_with_its_traceback(tmp_path, serve_with_flags):

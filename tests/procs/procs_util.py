@@ -36,7 +36,7 @@ class Server:
         for pid, ppid, cmd in processes():
             if ppid == self.proc.pid:
                 for kind in out:
-                    if f"pipeline.layouts.procs\0{kind}" in cmd:
+                    if f"web.child\0{kind}" in cmd:
                         out[kind].append(pid)
         return out
 

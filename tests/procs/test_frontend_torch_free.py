@@ -3,8 +3,9 @@ torch, triton and xgrammar blocked (tests/import_block.py, the check
 tests/stages/test_torch_free.py runs too)."""
 from import_block import import_blocked
 
-MODULES = ("pipeline.layouts.frontend", "pipeline.layouts.wire", "pipeline.core.client", "pipeline.layouts.procs",
-           "web.server")
+MODULES = ("pipeline.layouts.frontend", "pipeline.layouts.wire", "pipeline.core.client",
+           "pipeline.layouts.procs", "pipeline.layouts.process", "pipeline.core.logs",
+           "web.server", "web.child")
 
 
 def test_the_frontend_process_imports_without_torch():

@@ -1,6 +1,9 @@
-"""The server's own operational logs through structlog (serve, cluster, bench).
+"""The server's own operational logs through structlog (serve, cluster, bench, and each
+child process: the engine, a frontend, a tensor-parallel worker).
 
-`configure(level, fmt)` is called once by web/cli.py. It puts one handler on the root
+`configure(level, fmt)` is called once per process by its entry point (web/cli.py,
+web/child.py, pipeline/layouts/tp_worker.py). It lives below web so that a child that runs
+no HTTP (a worker rank) sets its logs up without importing web. It puts one handler on the root
 logger whose formatter is structlog's ProcessorFormatter, so every stdlib
 ``logging.getLogger("tailrace...")`` call (and Hypercorn's, and the libraries') comes out
 the same way:
@@ -56,20 +59,23 @@ def configure(level: str | int = "info", fmt: str = "text", stream=None) -> None
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True)
     level = logging.getLevelName(level.upper()) if isinstance(level, str) else level
-    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
+    handler = _Handler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(formatter(fmt))
     handler.setLevel(level)
-    handler.tailrace = True
     root = logging.getLogger()
     for old in list(root.handlers):   # a second call replaces ours; others (pytest's) stay
-        if getattr(old, "tailrace", False):
+        if isinstance(old, _Handler):
             root.removeHandler(old)
     root.addHandler(handler)
     # the handler filters by --log-level; the root only lets records through to it
     root.setLevel(min(root.getEffectiveLevel(), level))
 
 
-class _StderrHandler(logging.StreamHandler):
+class _Handler(logging.StreamHandler):
+    """The root handler `configure` installs (a later call replaces it)."""
+
+
+class _StderrHandler(_Handler):
     """Writes to whatever sys.stderr is at the time (a test may have swapped it)."""
 
     def __init__(self) -> None:

@@ -1,0 +1,124 @@
+"""The child processes of `tailrace serve --api-server-count N`: their entry point and
+command lines, which web/cli.py hands to pipeline/layouts/procs.py to start:
+
+    python -m web.child engine --fds A0,A1.. -- SERVE_ARGS      (admit, schedule, GPU step)
+    python -m web.child frontend --index K --engine-fd BK --listen-fd L --log-level LEVEL
+                                 --log-format FORMAT            (HTTP, no torch)
+
+Here in web/ because a frontend runs the HTTP server (web/server.py) and the engine
+parses the `serve` flags (web/cli.py's parser) once for every frontend; pipeline/ only
+spawns and supervises the children by command line. A child's own flags (the fds it
+inherits) are parsed here rather than in web/cli.py, which imports the engine's config and
+so torch: a frontend never loads it. Each child dies with its parent, first thing.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from functools import partial
+
+import trio
+
+from pipeline.layouts.process import die_with_parent, python_command, runner_switch_interval
+
+log = logging.getLogger("tailrace")
+
+MODULE = "web.child"
+
+
+def engine_command(serve_args: Sequence[str], fds: Sequence[int]) -> list[str]:
+    """The engine process: the fds of its ends of the socketpairs, and the whole `serve`
+    command line (less `serve`), which it parses once for every frontend."""
+    return python_command(MODULE, "engine", "--fds", ",".join(map(str, fds)), "--",
+                          *serve_args)
+
+
+def frontend_command(index: int, engine_fd: int, listen_fd: int, *, log_level: str,
+                     log_format: str) -> list[str]:
+    """Frontend `index`: its end of its socketpair with the engine, the listening socket;
+    its other settings come from the engine (FrontendSetup) once the model has loaded."""
+    return python_command(MODULE, "frontend", "--index", str(index), "--engine-fd",
+                          str(engine_fd), "--listen-fd", str(listen_fd), "--log-level",
+                          log_level, "--log-format", log_format)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of the command lines above."""
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}")
+    kinds = p.add_subparsers(dest="kind", required=True)
+    e = kinds.add_parser("engine")
+    e.add_argument("--fds", required=True)
+    e.add_argument("serve_args", nargs=argparse.REMAINDER)
+    f = kinds.add_parser("frontend")
+    f.add_argument("--index", type=int, required=True)
+    f.add_argument("--engine-fd", type=int, required=True)
+    f.add_argument("--listen-fd", type=int, required=True)
+    f.add_argument("--log-level", default="info")
+    f.add_argument("--log-format", default="text")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()
+    args = build_parser().parse_args(argv)
+    if args.kind == "engine":
+        serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+        return engine_main(args.fds, serve_args)
+    return frontend_main(args.index, args.engine_fd, args.listen_fd, args.log_level,
+                         args.log_format)
+
+
+def engine_main(fds: str, serve_args: list[str]) -> int:
+    """The engine process: parse the `serve` flags once, for every frontend (their
+    FrontendSetup), then run the engine over the socketpairs `fds` until its last
+    frontend has gone."""
+    from pipeline.core.config import engine_config
+    from pipeline.core.logs import configure
+    from pipeline.core.reply import describe
+    from pipeline.layouts.engine_proc import run_engine
+    from pipeline.layouts.wire import FrontendSetup
+    from web.cli import app_config, build_parser
+
+    serve = build_parser(with_bench=False).parse_args(["serve", *serve_args])
+    configure(serve.log_level, serve.log_format)
+    cfg = engine_config(serve)
+    setup = FrontendSetup(index=0, side=None, app_config=app_config(serve), graceful_timeout=serve.graceful_timeout,
+                          event_log_max_bytes=cfg.event_log_max_bytes,
+                          event_log_backup_count=cfg.event_log_backup_count)
+    socks = [socket.socket(fileno=int(fd)) for fd in fds.split(",")]
+    # Ctrl-C reaches the parent, which drains the frontends: the engine stops with them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with runner_switch_interval():      # this process runs the GPU step
+            return trio.run(partial(run_engine, cfg, socks, setup))
+    except Exception as exc:
+        log.error("tailrace engine process failed: %s", describe(exc))
+        log.debug("details", exc_info=True)
+        return 1
+
+
+def frontend_main(index: int, engine_fd: int, listen_fd: int, log_level: str,
+                  log_format: str) -> int:
+    """Frontend `index`: serve the inherited listening socket over the engine's link."""
+    from pipeline.core.logs import configure
+    from pipeline.core.reply import describe
+    from web.server import serve_frontend
+
+    configure(log_level, log_format)
+    engine_sock = socket.socket(fileno=engine_fd)
+    sock = socket.socket(fileno=listen_fd)
+    try:
+        return trio.run(partial(serve_frontend, engine_sock, sock, index=index,
+                                log_level=log_level))
+    except Exception as exc:
+        log.error("tailrace frontend %d stopped: %s", index, describe(exc))
+        log.debug("details", exc_info=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
