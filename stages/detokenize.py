@@ -21,10 +21,6 @@ from stages.lib.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
 from stages.messages import FinishRequest, RenderedRequest, Step
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
-# content starts as the text, what a request without a parser shows, so that parse passes
-# such a request's deltas on as they are; parse splits it for a request with one
-_with_text = Delta.evolver("text", "content", "logprobs", "finish_reason", "stop_reason")
-_with_prompt_logprobs = Delta.evolver("prompt_logprobs")
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -197,6 +193,7 @@ class DetokState:
                     self.content_from = len(self.pending)
             ends.append(len(self.pending))
         finish, stop_reason = d.finish_reason, d.stop_reason
+        token_logprobs = d.token_logprobs
         if self.stops and finish != FinishReason.ABORT:
             hit = self._find_stop(check_from)
             if hit is not None:
@@ -207,9 +204,7 @@ class DetokState:
                 # tokens after the one that completes the stop string were never output
                 last = next((i for i, e in enumerate(ends) if e >= pos + len(s)), len(ids) - 1)
                 if last < len(ids) - 1:
-                    d = attrs.evolve(d, token_ids=ids[:last + 1],
-                                     token_logprobs=d.token_logprobs[:last + 1])
-                    ids = d.token_ids
+                    ids, token_logprobs = ids[:last + 1], token_logprobs[:last + 1]
         cut = len(self.pending) if finish is not None else max(0, len(self.pending) - self.hold)
         text, self.pending = self.pending[:cut], self.pending[cut:]
         self.content_from = max(0, self.content_from - cut)
@@ -217,11 +212,11 @@ class DetokState:
         logprobs = tuple(
             TokenLogprob(token_text(named_by, t), lp.logprob,
                          tuple((token_text(named_by, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
-            for t, lp in zip(ids, d.token_logprobs))
-        out = _with_text(d, text, text, logprobs, finish, stop_reason)
-        if d.prompt_token_logprobs:
-            out = _with_prompt_logprobs(out, self.prompt_logprobs(tokenizer, d.prompt_token_logprobs))
-        return out
+            for t, lp in zip(ids, token_logprobs))
+        prompt_logprobs = (self.prompt_logprobs(tokenizer, d.prompt_token_logprobs)
+                           if d.prompt_token_logprobs else ())
+        return d.detokenized(text, logprobs, finish, stop_reason, ids, token_logprobs,
+                             prompt_logprobs)
 
     def prompt_logprobs(self, tokenizer, raw) -> tuple[PromptLogprob, ...]:
         """The prompt's logprobs with their tokens' text: entry i is prompt token i's (the
@@ -271,10 +266,10 @@ class Detokenizer:
                 continue  # already finished here (a stop string), the scheduler catching up
             ids = d.token_ids
             if (st.plain and d.finish_reason is None and len(ids) == 1 and not d.token_logprobs
-                    and not d.prompt_token_logprobs):
+                    and not d.prompt_token_logprobs):     # Delta.running_text's premise
                 piece = st.stream.step(hf, ids[0]) or ""
                 st.num_output += 1
-                deltas.append(_with_text(d, piece, piece, (), None, None))
+                deltas.append(d.running_text(piece))
                 continue
             out = st.step(hf, d)
             if out.finished:
@@ -282,7 +277,7 @@ class Detokenizer:
                 if not d.finished:
                     stopped.append(key)
             deltas.append(out)
-        return attrs.evolve(msg, deltas=tuple(deltas)), stopped
+        return msg.with_deltas(tuple(deltas)), stopped
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,

@@ -35,8 +35,6 @@ STEP, OBJ = 1, 2
 _HEADER = struct.Struct("<IB")
 _RECV = 1 << 20
 
-_new = object.__new__
-_DEFAULTS = {a.name: a.default for a in attrs.fields(Delta) if a.default is not attrs.NOTHING}
 
 
 # -- messages that only cross the wire -------------------------------------------------------
@@ -118,27 +116,18 @@ def unpack_step(payload: bytes | memoryview, requests: dict) -> Step:
     RenderedRequests this frontend sent (popped here: each is new once)."""
     (number, running, waiting, kv_used, done_at, new_ids, rids, toks, index, sched, cached,
      extras) = marshal.loads(payload)
+    rare = {x[0]: x[1:] for x in extras}
     deltas = []
     append = deltas.append
-    for rid, tok, i, s, c in zip(rids, toks, index, sched, cached):
-        d = _new(Delta)
-        f = d.__dict__
-        f.update(_DEFAULTS)
-        f["request_id"] = rid
-        f["token_ids"] = tok
-        f["index"] = i
-        f["scheduled_at"] = s
-        f["num_cached_tokens"] = c
-        append(d)
-    for i, reason, stop, error, lps, plps, drafted, accepted in extras:
-        f = deltas[i].__dict__
-        f["finish_reason"] = None if reason is None else FinishReason(reason)
-        f["stop_reason"] = stop
-        f["error"] = error
-        f["token_logprobs"] = tuple(map(_unlp, lps))
-        f["prompt_token_logprobs"] = tuple(map(_unlp, plps))
-        f["draft_tokens"] = drafted          # speculative decoding's per-request figures
-        f["accepted_tokens"] = accepted
+    for k, (rid, tok, i, s, c) in enumerate(zip(rids, toks, index, sched, cached)):
+        x = rare.get(k) if rare else None
+        if x is None:       # a running sequence's tokens: most rows of most steps
+            append(Delta(rid, tok, num_cached_tokens=c, scheduled_at=s, index=i))
+            continue
+        reason, stop, error, lps, plps, drafted, accepted = x
+        append(Delta(rid, tok, None if reason is None else FinishReason(reason), stop, c, error,
+                     tuple(map(_unlp, lps)), s, i, tuple(map(_unlp, plps)),
+                     drafted, accepted))     # speculative decoding's per-request figures
     new = tuple(requests.pop(rid) for rid in new_ids)
     return Step(number, new, tuple(deltas), running, waiting, kv_used, done_at)
 
