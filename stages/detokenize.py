@@ -155,7 +155,7 @@ class DetokState:
         self.include_stop = sp.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.min_tokens = sp.options.min_tokens
-        self.num_output = 0  # output tokens seen so far
+        self.num_output = 0  # output tokens seen so far (where a stop string reads it)
         self.pending = ""   # decoded text not yet emitted: at most `hold` characters between steps
         # No stop strings: nothing is ever held back, so a running sequence's one new token
         # is just its decoded piece (Detokenizer.process's fast path, most tokens of most steps).
@@ -258,6 +258,7 @@ class Detokenizer:
                     None if self.clean is None else self.clean[req.sampling.skip_special_tokens],
                     self.harmony)
         deltas, stopped = [], []
+        append = deltas.append
         hf, states = self.hf, self.states
         for d in msg.deltas:
             key = (d.request_id, d.index)
@@ -267,16 +268,16 @@ class Detokenizer:
             ids = d.token_ids
             if (st.plain and d.finish_reason is None and len(ids) == 1 and not d.token_logprobs
                     and not d.prompt_token_logprobs):     # Delta.running_text's premise
-                piece = st.stream.step(hf, ids[0]) or ""
-                st.num_output += 1
-                deltas.append(d.running_text(piece))
+                # (no stop strings, so num_output, which only min_tokens' hold on a stop
+                # string reads, is not kept)
+                append(d.running_text(st.stream.step(hf, ids[0]) or ""))
                 continue
             out = st.step(hf, d)
             if out.finished:
                 del self.states[key]
                 if not d.finished:
                     stopped.append(key)
-            deltas.append(out)
+            append(out)
         return msg.with_deltas(tuple(deltas)), stopped
 
 

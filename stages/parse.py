@@ -235,8 +235,8 @@ class Parser:
                 if req.tools is not None:
                     self.tools[req.request_id, i] = ToolState(f"{req.request_id}#{i}", req.tools)
         if not self.states and not self.tools and not self.harmony:
-            for d in msg.deltas:
-                if not _unparsed(d):
+            for d in msg.deltas:   # _unparsed(d), inline: this loop sees every token
+                if d.content != d.text or d.reasoning or d.reasoning_tokens or d.reasoning_span:
                     return msg.with_deltas(tuple(d.parsed(d.text, "", d.tool_calls,
                                                           d.finish_reason, 0, 0)
                                                  for d in msg.deltas))
