@@ -58,18 +58,19 @@ class ByteLevelStream:
     becomes [that token], its text, with no decode at all. Any other step decodes as
     DecodeStream does. tests/stages/test_detokenize_stream.py holds the two step for step."""
 
-    __slots__ = ("ids", "prefix", "prefix_index", "clean", "steady")
+    __slots__ = ("ids", "prefix", "prefix_index", "clean", "pieces", "steady")
 
     def __init__(self, ids: list[int], clean: CleanPieces) -> None:
         self.ids = ids
         self.prefix = ""
         self.prefix_index = 0
         self.clean = clean
+        self.pieces = clean.pieces   # clean's, read once per token
         self.steady = False   # ids == [one token], prefix_index 1, prefix its whole piece
 
     def step(self, tokenizer, token_id: int) -> str | None:
         if self.steady:
-            piece = self.clean.pieces.get(token_id, _UNSEEN)
+            piece = self.pieces.get(token_id, _UNSEEN)
             if piece is _UNSEEN:
                 piece = self.clean.learn(token_id)
             if piece is not None:
@@ -243,7 +244,9 @@ class Detokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.hf = tokenizer.hf if hasattr(tokenizer, "hf") else tokenizer
-        self.states: dict[tuple[str, int], DetokState] = {}   # (request id, choice)
+        # request id -> its choices' states, None once a choice finished (by request, not
+        # (request, choice): one str hash per token, no tuple built and hashed)
+        self.states: dict[str, list[DetokState | None]] = {}
         # a ByteLevel tokenizer's whole pieces, by skip_special_tokens (ByteLevelStream)
         self.clean = ({skip: CleanPieces(self.hf, skip) for skip in (False, True)}
                       if byte_level(self.hf) else None)
@@ -252,8 +255,9 @@ class Detokenizer:
     def process(self, msg: Step) -> tuple[Step, list[tuple[str, int]]]:
         """Returns the step's deltas and the (request, choice) a stop string finished."""
         for req in msg.new_requests:
+            self.states[req.request_id] = choices = [None] * req.num_choices
             for i in range(req.num_choices):
-                self.states[req.request_id, i] = DetokState(
+                choices[i] = DetokState(
                     req, self.hf is not None, i,
                     None if self.clean is None else self.clean[req.sampling.skip_special_tokens],
                     self.harmony)
@@ -261,8 +265,8 @@ class Detokenizer:
         append = deltas.append
         hf, states = self.hf, self.states
         for d in msg.deltas:
-            key = (d.request_id, d.index)
-            st = states.get(key)
+            choices = states.get(d.request_id)
+            st = None if choices is None else choices[d.index]
             if st is None:
                 continue  # already finished here (a stop string), the scheduler catching up
             ids = d.token_ids
@@ -274,9 +278,11 @@ class Detokenizer:
                 continue
             out = st.step(hf, d)
             if out.finished:
-                del self.states[key]
+                choices[d.index] = None
+                if all(c is None for c in choices):
+                    del states[d.request_id]
                 if not d.finished:
-                    stopped.append(key)
+                    stopped.append((d.request_id, d.index))
             append(out)
         return msg.with_deltas(tuple(deltas)), stopped
 
