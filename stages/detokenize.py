@@ -215,7 +215,7 @@ class DetokState:
                          tuple((token_text(named_by, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
             for t, lp in zip(ids, token_logprobs))
         prompt_logprobs = (self.prompt_logprobs(tokenizer, d.prompt_token_logprobs)
-                           if d.prompt_token_logprobs else ())
+                           if d.prompt_token_logprobs else d.prompt_logprobs)
         return d.detokenized(text, logprobs, finish, stop_reason, ids, token_logprobs,
                              prompt_logprobs)
 
