@@ -214,6 +214,8 @@ class DetokState:
             TokenLogprob(token_text(named_by, t), lp.logprob,
                          tuple((token_text(named_by, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
             for t, lp in zip(ids, token_logprobs))
+        if finish is None and not token_logprobs and not d.prompt_token_logprobs:
+            return d.running_text(text)    # its premise (a stop string's request, running)
         prompt_logprobs = (self.prompt_logprobs(tokenizer, d.prompt_token_logprobs)
                            if d.prompt_token_logprobs else d.prompt_logprobs)
         return d.detokenized(text, logprobs, finish, stop_reason, ids, token_logprobs,
