@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import bisect
 
-import attrs
 import trio
 
-from stages.lib.delta import Delta, FinishReason, RequestMetrics, SpecRequestMetrics, Usage
+from stages.lib.delta import FinishReason, RequestMetrics, SpecRequestMetrics, Usage
 from stages.lib.histogram import (ITL_BUCKETS, N_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, Histogram,
                               one_two_five)
 from stages.messages import RenderedRequest, Step
 
-_with_usage = Delta.evolver("usage")
-_with_usage_and_metrics = Delta.evolver("usage", "metrics")
 
 
 class _RequestUsage:
@@ -146,13 +143,13 @@ class Accountant:
                 u.spec[2] += d.accepted_tokens
             reason = d.finish_reason
             if reason is None:
-                deltas.append(_with_usage(d, Usage(u.prompt, u.completion, u.cached, u.reasoning))
+                deltas.append(d.accounted(Usage(u.prompt, u.completion, u.cached, u.reasoning))
                               if u.continuous else d)
                 continue
             usage = Usage(u.prompt, u.completion, u.cached, u.reasoning)
             u.open_choices -= 1
             if u.open_choices > 0:
-                deltas.append(_with_usage(d, usage))
+                deltas.append(d.accounted(usage))
                 continue
             del requests[d.request_id]
             self.prompt_tokens_total += u.prompt
@@ -170,11 +167,10 @@ class Accountant:
                     self.decode.observe(u.last_token - u.first_token)
                     self.inference.observe(u.last_token - u.scheduled)
             finished.append((d.request_id, usage, reason))
-            deltas.append(_with_usage_and_metrics(d, usage, u.metrics()) if u.wants_metrics
-                          else _with_usage(d, usage))
+            deltas.append(d.accounted(usage, u.metrics() if u.wants_metrics else None))
         itl.sum = itl_sum
         self.generation_tokens_total += generated
-        return attrs.evolve(msg, deltas=tuple(deltas)), finished
+        return msg.with_deltas(tuple(deltas)), finished
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,

@@ -21,10 +21,6 @@ from stages.lib.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
 from stages.messages import FinishRequest, RenderedRequest, Step
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
-# content starts as the text, what a request without a parser shows, so that parse passes
-# such a request's deltas on as they are; parse splits it for a request with one
-_with_text = Delta.evolver("text", "content", "logprobs", "finish_reason", "stop_reason")
-_with_prompt_logprobs = Delta.evolver("prompt_logprobs")
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -62,18 +58,19 @@ class ByteLevelStream:
     becomes [that token], its text, with no decode at all. Any other step decodes as
     DecodeStream does. tests/stages/test_detokenize_stream.py holds the two step for step."""
 
-    __slots__ = ("ids", "prefix", "prefix_index", "clean", "steady")
+    __slots__ = ("ids", "prefix", "prefix_index", "clean", "pieces", "steady")
 
     def __init__(self, ids: list[int], clean: CleanPieces) -> None:
         self.ids = ids
         self.prefix = ""
         self.prefix_index = 0
         self.clean = clean
+        self.pieces = clean.pieces   # clean's, read once per token
         self.steady = False   # ids == [one token], prefix_index 1, prefix its whole piece
 
     def step(self, tokenizer, token_id: int) -> str | None:
         if self.steady:
-            piece = self.clean.pieces.get(token_id, _UNSEEN)
+            piece = self.pieces.get(token_id, _UNSEEN)
             if piece is _UNSEEN:
                 piece = self.clean.learn(token_id)
             if piece is not None:
@@ -159,7 +156,7 @@ class DetokState:
         self.include_stop = sp.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.min_tokens = sp.options.min_tokens
-        self.num_output = 0  # output tokens seen so far
+        self.num_output = 0  # output tokens seen so far (where a stop string reads it)
         self.pending = ""   # decoded text not yet emitted: at most `hold` characters between steps
         # No stop strings: nothing is ever held back, so a running sequence's one new token
         # is just its decoded piece (Detokenizer.process's fast path, most tokens of most steps).
@@ -197,6 +194,7 @@ class DetokState:
                     self.content_from = len(self.pending)
             ends.append(len(self.pending))
         finish, stop_reason = d.finish_reason, d.stop_reason
+        token_logprobs = d.token_logprobs
         if self.stops and finish != FinishReason.ABORT:
             hit = self._find_stop(check_from)
             if hit is not None:
@@ -207,9 +205,7 @@ class DetokState:
                 # tokens after the one that completes the stop string were never output
                 last = next((i for i, e in enumerate(ends) if e >= pos + len(s)), len(ids) - 1)
                 if last < len(ids) - 1:
-                    d = attrs.evolve(d, token_ids=ids[:last + 1],
-                                     token_logprobs=d.token_logprobs[:last + 1])
-                    ids = d.token_ids
+                    ids, token_logprobs = ids[:last + 1], token_logprobs[:last + 1]
         cut = len(self.pending) if finish is not None else max(0, len(self.pending) - self.hold)
         text, self.pending = self.pending[:cut], self.pending[cut:]
         self.content_from = max(0, self.content_from - cut)
@@ -217,11 +213,13 @@ class DetokState:
         logprobs = tuple(
             TokenLogprob(token_text(named_by, t), lp.logprob,
                          tuple((token_text(named_by, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
-            for t, lp in zip(ids, d.token_logprobs))
-        out = _with_text(d, text, text, logprobs, finish, stop_reason)
-        if d.prompt_token_logprobs:
-            out = _with_prompt_logprobs(out, self.prompt_logprobs(tokenizer, d.prompt_token_logprobs))
-        return out
+            for t, lp in zip(ids, token_logprobs))
+        if finish is None and not token_logprobs and not d.prompt_token_logprobs:
+            return d.running_text(text)    # its premise (a stop string's request, running)
+        prompt_logprobs = (self.prompt_logprobs(tokenizer, d.prompt_token_logprobs)
+                           if d.prompt_token_logprobs else d.prompt_logprobs)
+        return d.detokenized(text, logprobs, finish, stop_reason, ids, token_logprobs,
+                             prompt_logprobs)
 
     def prompt_logprobs(self, tokenizer, raw) -> tuple[PromptLogprob, ...]:
         """The prompt's logprobs with their tokens' text: entry i is prompt token i's (the
@@ -248,7 +246,9 @@ class Detokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.hf = tokenizer.hf if hasattr(tokenizer, "hf") else tokenizer
-        self.states: dict[tuple[str, int], DetokState] = {}   # (request id, choice)
+        # request id -> its choices' states, None once a choice finished (by request, not
+        # (request, choice): one str hash per token, no tuple built and hashed)
+        self.states: dict[str, list[DetokState | None]] = {}
         # a ByteLevel tokenizer's whole pieces, by skip_special_tokens (ByteLevelStream)
         self.clean = ({skip: CleanPieces(self.hf, skip) for skip in (False, True)}
                       if byte_level(self.hf) else None)
@@ -257,32 +257,36 @@ class Detokenizer:
     def process(self, msg: Step) -> tuple[Step, list[tuple[str, int]]]:
         """Returns the step's deltas and the (request, choice) a stop string finished."""
         for req in msg.new_requests:
+            self.states[req.request_id] = choices = [None] * req.num_choices
             for i in range(req.num_choices):
-                self.states[req.request_id, i] = DetokState(
+                choices[i] = DetokState(
                     req, self.hf is not None, i,
                     None if self.clean is None else self.clean[req.sampling.skip_special_tokens],
                     self.harmony)
         deltas, stopped = [], []
+        append = deltas.append
         hf, states = self.hf, self.states
         for d in msg.deltas:
-            key = (d.request_id, d.index)
-            st = states.get(key)
+            choices = states.get(d.request_id)
+            st = None if choices is None else choices[d.index]
             if st is None:
                 continue  # already finished here (a stop string), the scheduler catching up
             ids = d.token_ids
             if (st.plain and d.finish_reason is None and len(ids) == 1 and not d.token_logprobs
-                    and not d.prompt_token_logprobs):
-                piece = st.stream.step(hf, ids[0]) or ""
-                st.num_output += 1
-                deltas.append(_with_text(d, piece, piece, (), None, None))
+                    and not d.prompt_token_logprobs):     # Delta.running_text's premise
+                # (no stop strings, so num_output, which only min_tokens' hold on a stop
+                # string reads, is not kept)
+                append(d.running_text(st.stream.step(hf, ids[0]) or ""))
                 continue
             out = st.step(hf, d)
             if out.finished:
-                del self.states[key]
+                choices[d.index] = None
+                if all(c is None for c in choices):
+                    del states[d.request_id]
                 if not d.finished:
-                    stopped.append(key)
-            deltas.append(out)
-        return attrs.evolve(msg, deltas=tuple(deltas)), stopped
+                    stopped.append((d.request_id, d.index))
+            append(out)
+        return msg.with_deltas(tuple(deltas)), stopped
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,

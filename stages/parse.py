@@ -30,9 +30,6 @@ from stages.api.tool_parsers.base import partial_suffix
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY_REASONING_PARSER)
 _OPEN, _CLOSE = "<think>", "</think>"
-_with_content = Delta.evolver("content", "reasoning", "reasoning_tokens", "reasoning_span")
-_with_tools = Delta.evolver("content", "reasoning", "tool_calls", "finish_reason",
-                            "reasoning_tokens", "reasoning_span")
 
 
 def _unparsed(d: Delta) -> bool:
@@ -194,8 +191,8 @@ class HarmonyChoice:
         if reason is FinishReason.STOP and self.tools is not None and self.tools.num_calls:
             reason = FinishReason.TOOL_CALLS
         # the analysis tokens, each counted by HarmonyState (account sums the deltas)
-        return _with_tools(d, out.content, out.reasoning, calls, reason,
-                           out.reasoning_tokens, out.reasoning_span)
+        return d.parsed(out.content, out.reasoning, calls, reason, out.reasoning_tokens,
+                        out.reasoning_span)
 
 
 def _tool_parser(plan: ToolPlan) -> ToolParser:
@@ -238,10 +235,11 @@ class Parser:
                 if req.tools is not None:
                     self.tools[req.request_id, i] = ToolState(f"{req.request_id}#{i}", req.tools)
         if not self.states and not self.tools and not self.harmony:
-            for d in msg.deltas:
-                if not _unparsed(d):
-                    return attrs.evolve(msg, deltas=tuple(_with_content(d, d.text, "", 0, 0)
-                                                          for d in msg.deltas))
+            for d in msg.deltas:   # _unparsed(d), inline: this loop sees every token
+                if d.content != d.text or d.reasoning or d.reasoning_tokens or d.reasoning_span:
+                    return msg.with_deltas(tuple(d.parsed(d.text, "", d.tool_calls,
+                                                          d.finish_reason, 0, 0)
+                                                 for d in msg.deltas))
             return msg    # every delta already is its own parse (see _unparsed)
         out = []
         for d in msg.deltas:
@@ -261,14 +259,15 @@ class Parser:
                 self.tools.pop(key, None)
             if tools is None:
                 out.append(d if st is None and _unparsed(d)
-                           else _with_content(d, content, reasoning, counted, span))
+                           else d.parsed(content, reasoning, d.tool_calls, d.finish_reason,
+                                         counted, span))
                 continue
             content, calls = tools.feed(content, d.finished)
             reason = d.finish_reason
             if reason is FinishReason.STOP and tools.num_calls:
                 reason = FinishReason.TOOL_CALLS
-            out.append(_with_tools(d, content, reasoning, calls, reason, counted, span))
-        return attrs.evolve(msg, deltas=tuple(out))
+            out.append(d.parsed(content, reasoning, calls, reason, counted, span))
+        return msg.with_deltas(tuple(out))
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel, core: Parser,

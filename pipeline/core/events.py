@@ -221,26 +221,20 @@ def make_header(cfg, *, model_path: str | None, model_name: str, tokenizer,
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-def _delta_writer() -> Callable[[Delta], dict]:
-    """A Delta as a dict of the fields that differ from their defaults, compiled (the
-    writer thread writes one per sequence per step, four times)."""
-    lines = ["def write(d):", "    r = {}"]
-    for a in attrs.fields(Delta):
-        if a.default is attrs.NOTHING:
-            lines.append(f"    r[{a.name!r}] = d.{a.name}")
-        elif a.default is None:
-            lines.append(f"    if d.{a.name} is not None: r[{a.name!r}] = d.{a.name}")
-        elif not a.default:    # (), "", 0, 0.0, False
-            lines.append(f"    if d.{a.name}: r[{a.name!r}] = d.{a.name}")
-        else:
-            raise TypeError(f"Delta.{a.name}: a default the event log does not expect")
-    lines.append("    return r")
-    namespace: dict = {}
-    exec("\n".join(lines), namespace)
-    return namespace["write"]
+# A delta is written as the fields that differ from their defaults. Every default is
+# None or falsy ((), "", 0, 0.0), so a field is written when it is truthy, or, where its
+# default is None (or it has none), when it is not None: a stop token id 0 still shows.
+_WRITE_UNLESS_NONE = frozenset(a.name for a in attrs.fields(Delta)
+                               if a.default is attrs.NOTHING or a.default is None)
+if any(a.default for a in attrs.fields(Delta) if a.default is not attrs.NOTHING):
+    raise TypeError("a Delta field has a default the event log does not expect")
 
 
-_write_delta = _delta_writer()
+def _write_delta(d: Delta) -> dict:
+    """A Delta as a dict of its fields that differ from their defaults, in field order (the
+    writer thread writes one per sequence per step, four times; Delta is a dict class,
+    so its fields are its instance dict)."""
+    return {k: v for k, v in vars(d).items() if v or (v is not None and k in _WRITE_UNLESS_NONE)}
 _STEP_FIELDS = tuple(a.name for a in attrs.fields(Step))
 
 

@@ -1,17 +1,18 @@
 """The one per-request delta that flows schedule -> detokenize -> parse -> account -> emit.
 
 schedule creates a `Delta` for each request an engine step touched; each later stage
-fills in only its own fields through a `Delta.evolver` (detokenize: text and logprobs with
-text, and a stop string's finish; parse: content, reasoning, tool calls, and finish_reason
-tool_calls when the turn ends in a call; account: usage where a reply reads it).
-Nothing is repacked by position. The deltas of one engine step travel together in one
-`Step` (stages/schedule.py), the message on every channel from schedule to emit.
+builds its own output delta once, with the constructor, from the one it received and
+what it adds (`detokenized`: text and logprobs with text, and a stop string's finish;
+`parsed`: content, reasoning, tool calls, and finish_reason tool_calls when the turn ends
+in a call; `accounted`: usage where a reply reads it). A stage with nothing to add passes
+the delta on as it came. What a stage must remember between steps lives in its own
+per-choice state object (DetokState, ThinkState, _RequestUsage, a Framer), never in the
+message. The deltas of one engine step travel together in one `Step`
+(stages/messages.py), the message on every channel from schedule to emit.
 """
 from __future__ import annotations
 
 import enum
-from typing import Callable
-
 import attrs
 
 from gpu.interface import TokenLogprobs
@@ -89,13 +90,18 @@ class ToolCallDelta:
     arguments: str
 
 
-@attrs.frozen(slots=False)
+@attrs.frozen(slots=False, init=False)
 class Delta:
     """What one engine step produced for one request.
 
-    Not slotted: every stage makes a new Delta for every sequence of every step, and a
-    frozen class with a __dict__ is built by one dict copy (see `evolver`) instead of an
-    object.__setattr__ per field."""
+    Built up to twice per sequence per step (schedule's, and detokenize's with the text),
+    so its constructor is on the host path of every token:
+    - not slotted: a frozen class with a __dict__ is built by storing into that dict,
+      where a slotted one pays an object.__setattr__ per field;
+    - `__init__` written out (init=False): it is attrs' own for a frozen dict class less
+      the object.__setattr__ that attrs binds first and never uses here (10% of a build);
+      tests/stages/test_delta.py holds it to the fields, their order and defaults;
+    - no field has a validator, a converter or a factory."""
     # -- schedule
     request_id: str
     token_ids: tuple[int, ...] = ()            # sampled this step (after a stop string: none)
@@ -128,26 +134,86 @@ class Delta:
     usage: Usage | None = None
     metrics: RequestMetrics | None = None      # the finished request's timings, when asked for
 
+    def __init__(self, request_id: str, token_ids: tuple[int, ...] = (),
+                 finish_reason: FinishReason | None = None, stop_reason: str | int | None = None,
+                 num_cached_tokens: int = 0, error: str | None = None,
+                 token_logprobs: tuple[TokenLogprobs, ...] = (), scheduled_at: float = 0.0,
+                 index: int = 0, prompt_token_logprobs: tuple[TokenLogprobs | None, ...] = (),
+                 draft_tokens: int = 0, accepted_tokens: int = 0, text: str = "",
+                 logprobs: tuple[TokenLogprob, ...] = (),
+                 prompt_logprobs: tuple[PromptLogprob, ...] = (), content: str = "",
+                 reasoning: str = "", tool_calls: tuple[ToolCallDelta, ...] = (),
+                 reasoning_tokens: int = 0, reasoning_span: int = 0, usage: Usage | None = None,
+                 metrics: RequestMetrics | None = None) -> None:
+        fields = self.__dict__     # frozen: __setattr__ raises, as attrs' own __init__ does this
+        fields["request_id"] = request_id
+        fields["token_ids"] = token_ids
+        fields["finish_reason"] = finish_reason
+        fields["stop_reason"] = stop_reason
+        fields["num_cached_tokens"] = num_cached_tokens
+        fields["error"] = error
+        fields["token_logprobs"] = token_logprobs
+        fields["scheduled_at"] = scheduled_at
+        fields["index"] = index
+        fields["prompt_token_logprobs"] = prompt_token_logprobs
+        fields["draft_tokens"] = draft_tokens
+        fields["accepted_tokens"] = accepted_tokens
+        fields["text"] = text
+        fields["logprobs"] = logprobs
+        fields["prompt_logprobs"] = prompt_logprobs
+        fields["content"] = content
+        fields["reasoning"] = reasoning
+        fields["tool_calls"] = tool_calls
+        fields["reasoning_tokens"] = reasoning_tokens
+        fields["reasoning_span"] = reasoning_span
+        fields["usage"] = usage
+        fields["metrics"] = metrics
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @staticmethod
-    def evolver(*names: str) -> Callable[..., Delta]:
-        """`evolver("text", "logprobs")` is `lambda d, text, logprobs: attrs.evolve(d,
-        text=text, logprobs=logprobs)`, compiled: every stage evolves every delta of every
-        step, and attrs.evolve's per-call introspection is most of that cost."""
-        unknown = set(names) - set(_DELTA_FIELDS)
-        if unknown:
-            raise AttributeError(f"Delta has no field {sorted(unknown)[0]!r}")
-        # The fields have no validators or converters, so a copy of d's attributes with
-        # the new values is exactly what Delta(...) would build.
-        sets = "".join(f"    new[{n!r}] = {n}\n" for n in names)
-        namespace = {"Delta": Delta, "_new": object.__new__}
-        exec(f"def evolve(d, {', '.join(names)}):\n"
-             f"    out = _new(Delta)\n    new = out.__dict__\n    new.update(d.__dict__)\n"
-             f"{sets}    return out\n", namespace)
-        return namespace["evolve"]
+    def detokenized(self, text: str, logprobs: tuple[TokenLogprob, ...],
+                    finish_reason: FinishReason | None, stop_reason: str | int | None,
+                    token_ids: tuple[int, ...], token_logprobs: tuple[TokenLogprobs, ...],
+                    prompt_logprobs: tuple[PromptLogprob, ...]) -> Delta:
+        """detokenize's output: this delta with its text (content starts as the text, what
+        a request without a parser shows), logprobs with text, a stop string's finish (the
+        tokens after the stop string cut off)."""
+        # Positional, in field order (a third faster than by keyword: this runs per token
+        # of every request with logprobs or stop strings); tests/stages/test_delta.py
+        # checks every builder carries each field it does not set.
+        return Delta(self.request_id, token_ids, finish_reason, stop_reason,
+                     self.num_cached_tokens, self.error, token_logprobs, self.scheduled_at,
+                     self.index, self.prompt_token_logprobs, self.draft_tokens,
+                     self.accepted_tokens, text, logprobs, prompt_logprobs, text,
+                     self.reasoning, self.tool_calls, self.reasoning_tokens,
+                     self.reasoning_span, self.usage, self.metrics)
 
+    def running_text(self, text: str) -> Delta:
+        """detokenized(text, ...) for a running delta of schedule's with nothing but its
+        tokens, per-request fields and draft counts (no finish, logprobs, prompt logprobs
+        or error): most deltas of most steps, so it passes 16 fields, not 22."""
+        return Delta(self.request_id, self.token_ids, None, None, self.num_cached_tokens,
+                     None, (), self.scheduled_at, self.index, (), self.draft_tokens,
+                     self.accepted_tokens, text, (), (), text)
 
-_DELTA_FIELDS = tuple(a.name for a in attrs.fields(Delta))
+    def parsed(self, content: str, reasoning: str, tool_calls: tuple[ToolCallDelta, ...],
+               finish_reason: FinishReason | None, reasoning_tokens: int,
+               reasoning_span: int) -> Delta:
+        """parse's output: this delta split into content, reasoning and tool calls."""
+        return Delta(self.request_id, self.token_ids, finish_reason, self.stop_reason,
+                     self.num_cached_tokens, self.error, self.token_logprobs,
+                     self.scheduled_at, self.index, self.prompt_token_logprobs,
+                     self.draft_tokens, self.accepted_tokens, self.text, self.logprobs,
+                     self.prompt_logprobs, content, reasoning, tool_calls, reasoning_tokens,
+                     reasoning_span, self.usage, self.metrics)
+
+    def accounted(self, usage: Usage, metrics: RequestMetrics | None = None) -> Delta:
+        """account's output: this delta with the usage so far (and the request's timings)."""
+        return Delta(self.request_id, self.token_ids, self.finish_reason, self.stop_reason,
+                     self.num_cached_tokens, self.error, self.token_logprobs,
+                     self.scheduled_at, self.index, self.prompt_token_logprobs,
+                     self.draft_tokens, self.accepted_tokens, self.text, self.logprobs,
+                     self.prompt_logprobs, self.content, self.reasoning, self.tool_calls,
+                     self.reasoning_tokens, self.reasoning_span, usage, metrics)

@@ -56,3 +56,84 @@ def test_account_timings_histograms_and_per_request_metrics():
     assert (acc.prefix_cache_queries_total, acc.prefix_cache_hits_total) == (4, 2)
     cumulative = dict(acc.ttft.cumulative())
     assert cumulative["0.5"] == 0 and cumulative["1.0"] == 1 and cumulative["+Inf"] == 1
+
+
+# -- building a Delta: the constructor and each stage's builder -----------------------------
+
+def _every_field_set(**over):
+    """A Delta whose every field differs from its default (and from every other Delta's
+    this makes with other `over`)."""
+    import attrs
+    from stages.lib.delta import PromptLogprob, RequestMetrics, ToolCallDelta
+    values = dict(request_id="r", token_ids=(1, 2), finish_reason=FinishReason.LENGTH,
+                  stop_reason=9, num_cached_tokens=3, error="e",
+                  token_logprobs=(TokenLogprobs(-1.0, (1,), (-1.0,)),), scheduled_at=4.0,
+                  index=5, prompt_token_logprobs=(None,), draft_tokens=6, accepted_tokens=7,
+                  text="t", logprobs=(TokenLogprob("t", -1.0),),
+                  prompt_logprobs=(PromptLogprob(1, "p", None),), content="c", reasoning="z",
+                  tool_calls=(ToolCallDelta(0, "id", "f", "{}"),), reasoning_tokens=8,
+                  reasoning_span=9, usage=Usage(1, 2), metrics=RequestMetrics(1, 2, 3, 4, 5))
+    assert set(values) == {a.name for a in attrs.fields(Delta)}
+    return Delta(**{**values, **over})
+
+
+def test_delta_init_is_its_fields_in_order_with_their_defaults():
+    import inspect
+
+    import attrs
+    params = list(inspect.signature(Delta.__init__).parameters.values())[1:]
+    assert [(p.name, p.default) for p in params] == [
+        (a.name, inspect.Parameter.empty if a.default is attrs.NOTHING else a.default)
+        for a in attrs.fields(Delta)]
+    d = _every_field_set()
+    assert attrs.evolve(d) == d and vars(d) == attrs.asdict(d, recurse=False)
+    try:
+        d.text = "x"
+    except attrs.exceptions.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("Delta is not frozen")
+
+
+def test_each_stage_builder_sets_its_fields_and_carries_every_other():
+    import attrs
+    from stages.lib.delta import RequestMetrics
+    d = _every_field_set()
+    lp, plp = (TokenLogprob("u", -2.0),), ()
+    cases = [
+        (d.detokenized("T", lp, None, None, (1,), (), plp),
+         dict(text="T", content="T", logprobs=lp, finish_reason=None, stop_reason=None,
+              token_ids=(1,), token_logprobs=(), prompt_logprobs=plp)),
+        (d.parsed("C", "R", (), FinishReason.TOOL_CALLS, 1, 2),
+         dict(content="C", reasoning="R", tool_calls=(), finish_reason=FinishReason.TOOL_CALLS,
+              reasoning_tokens=1, reasoning_span=2)),
+        (d.accounted(Usage(5, 6), RequestMetrics(0, 0, 0, 0, 0)),
+         dict(usage=Usage(5, 6), metrics=RequestMetrics(0, 0, 0, 0, 0))),
+        (d.accounted(Usage(5, 6)), dict(usage=Usage(5, 6), metrics=None)),
+    ]
+    for built, changed in cases:
+        assert built == attrs.evolve(d, **changed)
+
+
+def test_running_text_is_detokenized_for_a_plain_running_delta():
+    d = Delta("r", (4,), num_cached_tokens=3, scheduled_at=2.0, index=1, draft_tokens=2,
+              accepted_tokens=1)
+    assert d.running_text("x") == d.detokenized("x", (), None, None, d.token_ids, (), ())
+
+
+def test_step_with_deltas_keeps_every_other_field():
+    import attrs
+    step = Step(3, (), (Delta("a"),), num_running=1, num_waiting=2, kv_blocks_used=3, done_at=4.0)
+    new = (Delta("b"),)
+    assert step.with_deltas(new) == attrs.evolve(step, deltas=new)
+    assert len(attrs.fields(Step)) == 7    # with_deltas names each of them
+
+
+def test_the_event_log_writes_a_delta_as_its_fields_off_their_defaults():
+    from pipeline.core.events import _write_delta
+    assert _write_delta(Delta("a")) == {"request_id": "a"}
+    assert _write_delta(Delta("a", (0,), FinishReason.STOP, 0, text="x")) == {
+        "request_id": "a", "token_ids": (0,), "finish_reason": FinishReason.STOP,
+        "stop_reason": 0, "text": "x"}          # a stop token id 0 still shows
+    d = _every_field_set()
+    assert list(_write_delta(d)) == list(vars(d))   # every field, in field order
