@@ -173,10 +173,7 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
     nursery.start_soon(render.run, render_out, admit_in, replies, ctx, ev("render"))
     nursery.start_soon(admit.run, admit_out, sched_in.clone(), replies, admission, ev("admit"))
     nursery.start_soon(partial(schedule.run, sched_out, plan_in, result_out, detok_in,
-                               built.scheduler, ev("schedule"),
-                               # drafts need the last token: no planning ahead (docs/cli.md)
-                               async_scheduling=(cfg.async_scheduling
-                                                 and cfg.speculative_config is None)))
+                               built.scheduler, ev("schedule")))
     nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner, ev("gpu_step"),
                                faults=cfg.fault_step_kinds))
     nursery.start_soon(detokenize.run, detok_out, parse_in, sched_in,

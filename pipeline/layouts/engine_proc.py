@@ -290,8 +290,7 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
             nursery.start_soon(admit.run, admit_out, sched_in.clone(), replies, admission,
                                ev("admit"))
             nursery.start_soon(partial(schedule.run, sched_out, plan_in, result_out, steps_in,
-                                       built.scheduler, ev("schedule"),
-                                       async_scheduling=cfg.async_scheduling))
+                                       built.scheduler, ev("schedule")))
             nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner,
                                        ev("gpu_step"), faults=cfg.fault_step_kinds))
             nursery.start_soon(route, steps_out, replies)
