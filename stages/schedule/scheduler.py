@@ -364,14 +364,13 @@ class Scheduler:
         for chunk, (seq, epoch) in zip(plan.chunks, planned):
             if seq.retired:
                 continue    # finished while this step ran: its row is thrown away
-            toks, lps = outputs.get(seq.id, _NOTHING) if chunk.sample else _NOTHING
-            kept, stop = 0, None
-            if toks:
+            got, lps = outputs.get(seq.id, _NOTHING) if chunk.sample else _NOTHING
+            kept, stop, toks = 0, None, got
+            if got:
                 self._sampled(seq)
-                kept, stop = check_stop(seq, toks)
-                seq.token_ids.extend(toks[:kept])
-                if chunk.num_drafts:
-                    self.speculation.verified(seq, chunk.num_drafts, len(toks) - 1)
+                kept, stop = check_stop(seq, got)
+                toks = got[:kept]
+                seq.token_ids.extend(toks)
             if epoch == seq.epoch:   # not preempted since: these blocks now hold the chunk's KV
                 if chunk.num_drafts:
                     done = chunk.start_pos + kept
@@ -379,21 +378,25 @@ class Scheduler:
                 else:
                     done = chunk.start_pos + len(chunk.token_ids)
                 self._computed(seq, done)
-            if not toks:
+            if not got:
                 continue
+            # verified drafts: the drafts that held, then the token sampled after them
+            accepted = len(got) - 1 if chunk.num_drafts else 0
+            if chunk.num_drafts:
+                self.speculation.verified(seq, chunk.num_drafts, accepted)
             prompt_logprobs = ()
             if seq.prompt_logprobs is not None and seq.num_output == kept:   # the first
                 prompt_logprobs = (None, *seq.prompt_logprobs_so_far)   # none for the first
                 seq.prompt_logprobs_so_far = []
             deltas.append(Delta(
-                seq.req.request_id, toks[:kept], None if stop is None else stop.reason,
+                seq.req.request_id, toks, None if stop is None else stop.reason,
                 None if stop is None else stop.stop_token, seq.num_cached_tokens,
-                token_logprobs=_kept_logprobs(lps, kept), scheduled_at=seq.scheduled_at,
-                index=seq.index, prompt_token_logprobs=prompt_logprobs,
-                draft_tokens=chunk.num_drafts,
-                accepted_tokens=len(toks) - 1 if chunk.num_drafts else 0))
+                token_logprobs=_kept_logprobs(lps, kept) if lps else (),
+                scheduled_at=seq.scheduled_at, index=seq.index,
+                prompt_token_logprobs=prompt_logprobs, draft_tokens=chunk.num_drafts,
+                accepted_tokens=accepted))
             if stop is not None:
-                # preempted while its last step ran: waiting again
+                # preempted while its last step ran: it is waiting again
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
         return self._step(plan.step, deltas)
@@ -443,7 +446,5 @@ def _outputs(result: StepResult) -> dict[str, tuple[tuple[int, ...], tuple]]:
 
 def _kept_logprobs(lps: tuple[TokenLogprobs | None, ...], kept: int) -> tuple[TokenLogprobs, ...]:
     """The kept tokens' logprobs: all of them, or none if the sequence did not ask."""
-    if not lps:
-        return ()
     lps = lps[:kept]
     return () if any(lp is None for lp in lps) else lps
