@@ -27,10 +27,6 @@ from stages.schedule.sequence import Sequence, sampling_options
 from stages.schedule.spec import SpecCounters, Speculation
 from stages.schedule.stop import check_stop, tokens_left
 
-# a step's output for a sequence it did not sample: no tokens, no logprobs
-_NOTHING: tuple[tuple[int, ...], tuple] = ((), ())
-
-
 class Scheduler:
     # steps it may have planned whose results have not come back (the schedule stage's depth)
     max_in_flight = 1
@@ -360,11 +356,11 @@ class Scheduler:
                 seq.prompt_logprobs_so_far.extend(pl.entries)
         deltas = self._pending
         self._pending = []
-        outputs = _outputs(result)
+        tokens, logprobs = _outputs(result)
         for chunk, (seq, epoch) in zip(plan.chunks, planned):
             if seq.retired:
                 continue    # finished while this step ran: its row is thrown away
-            got, lps = outputs.get(seq.id, _NOTHING) if chunk.sample else _NOTHING
+            got = tokens.get(seq.id, ()) if chunk.sample else ()
             kept, stop, toks = 0, None, got
             if got:
                 self._sampled(seq)
@@ -391,7 +387,7 @@ class Scheduler:
             deltas.append(Delta(
                 seq.req.request_id, toks, None if stop is None else stop.reason,
                 None if stop is None else stop.stop_token, seq.num_cached_tokens,
-                token_logprobs=_kept_logprobs(lps, kept) if lps else (),
+                token_logprobs=_kept_logprobs(logprobs.get(seq.id, ()), kept) if logprobs else (),
                 scheduled_at=seq.scheduled_at, index=seq.index,
                 prompt_token_logprobs=prompt_logprobs, draft_tokens=chunk.num_drafts,
                 accepted_tokens=accepted))
@@ -428,20 +424,20 @@ class Scheduler:
                     self.blocks.num_used, time.monotonic())
 
 
-def _outputs(result: StepResult) -> dict[str, tuple[tuple[int, ...], tuple]]:
-    """Sequence id -> (its tokens, their logprobs or ()) in a step's result: one token each,
-    or result.num_tokens each when the step verified drafts."""
+def _outputs(result: StepResult) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple]]:
+    """A step's result by sequence id: its tokens, and their logprobs (an empty dict when
+    none asked). One token each, or result.num_tokens each when the step verified drafts."""
+    sids = result.seq_ids
     if not result.num_tokens:
+        return (dict(zip(sids, zip(result.token_ids))),
+                dict(zip(sids, zip(result.logprobs))) if result.logprobs else {})
+    tokens, logprobs, at = {}, {}, 0
+    for sid, n in zip(sids, result.num_tokens):
+        tokens[sid] = result.token_ids[at:at + n]
         if result.logprobs:
-            return {sid: ((tok,), (lp,)) for sid, tok, lp in
-                    zip(result.seq_ids, result.token_ids, result.logprobs)}
-        return {sid: ((tok,), ()) for sid, tok in zip(result.seq_ids, result.token_ids)}
-    out, at = {}, 0
-    for sid, n in zip(result.seq_ids, result.num_tokens):
-        out[sid] = (result.token_ids[at:at + n],
-                    result.logprobs[at:at + n] if result.logprobs else ())
+            logprobs[sid] = result.logprobs[at:at + n]
         at += n
-    return out
+    return tokens, logprobs
 
 
 def _kept_logprobs(lps: tuple[TokenLogprobs | None, ...], kept: int) -> tuple[TokenLogprobs, ...]:
