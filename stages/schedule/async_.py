@@ -49,5 +49,5 @@ class AsyncScheduler(Scheduler):
             seq.num_pending -= 1
         return chunk
 
-    def _sampled(self, seq: Sequence) -> None:
+    def _token_came_back(self, seq: Sequence) -> None:
         seq.num_pending -= 1

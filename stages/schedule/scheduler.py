@@ -363,7 +363,7 @@ class Scheduler:
             got = tokens.get(seq.id, ()) if chunk.sample else ()
             kept, stop, toks = 0, None, got
             if got:
-                self._sampled(seq)
+                self._token_came_back(seq)
                 kept, stop = check_stop(seq, got)
                 toks = got[:kept]
                 seq.token_ids.extend(toks)
@@ -384,21 +384,21 @@ class Scheduler:
             if seq.prompt_logprobs is not None and seq.num_output == kept:   # the first
                 prompt_logprobs = (None, *seq.prompt_logprobs_so_far)   # none for the first
                 seq.prompt_logprobs_so_far = []
+            lps = _kept_logprobs(logprobs.get(seq.id, ()), kept) if logprobs else ()
             deltas.append(Delta(
                 seq.req.request_id, toks, None if stop is None else stop.reason,
                 None if stop is None else stop.stop_token, seq.num_cached_tokens,
-                token_logprobs=_kept_logprobs(logprobs.get(seq.id, ()), kept) if logprobs else (),
-                scheduled_at=seq.scheduled_at, index=seq.index,
+                token_logprobs=lps, scheduled_at=seq.scheduled_at, index=seq.index,
                 prompt_token_logprobs=prompt_logprobs, draft_tokens=chunk.num_drafts,
                 accepted_tokens=accepted))
-            if stop is not None:
-                # preempted while its last step ran: it is waiting again
+            if stop is not None:     # (waiting again if preempted while this step ran)
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
         return self._step(plan.step, deltas)
 
-    def _sampled(self, seq: Sequence) -> None:
-        """A token the sequence's chunk sampled has come back (AsyncScheduler counts them)."""
+    def _token_came_back(self, seq: Sequence) -> None:
+        """The token a planned chunk sampled is in this result (AsyncScheduler counts the
+        ones on their way)."""
 
     def _computed(self, seq: Sequence, done: int) -> None:
         """The KV cache holds the sequence's first `done` tokens: hash the blocks that
