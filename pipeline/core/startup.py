@@ -239,6 +239,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     spec = cfg.speculative_config
     # async scheduling plans a step ahead (EngineConfig turns it off with speculation)
     scheduler_class = AsyncScheduler if cfg.async_scheduling else Scheduler
+    if spec is not None:   # TEMPORARY, until EngineConfig decides the combination (issue 31)
+        scheduler_class = Scheduler
     scheduler = scheduler_class(
         blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids, grammars=grammars,
