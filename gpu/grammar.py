@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from gpu.interface import Constraint, GrammarError
+from gpu.interface import Constraint, ConstraintCompiler, GrammarError
 
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -74,7 +74,7 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
                              add_prefix_space=meta["add_prefix_space"])
 
 
-class GrammarCompiler:
+class GrammarCompiler(ConstraintCompiler):
     """Compiles constraints in one worker thread; the last `cache_size` stay cached."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], *,

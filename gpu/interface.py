@@ -5,11 +5,13 @@ sequences' `SeqStart`), a runner executes it and answers a `StepResult` (token i
 logprobs as tuples of Python numbers). `SamplingOptions` and `Constraint` are what a
 request asks of the sampler and of constrained decoding; render builds them, so they
 live here rather than beside the torch code that applies them (gpu/sampler.py,
-gpu/grammar.py). `Runner` is the interface ModelRunner and the simulated runner share.
+gpu/grammar.py). `Runner` is the interface ModelRunner and the simulated runner share;
+`ConstraintCompiler` the one the scheduler sees of gpu/grammar.py's compiler.
 """
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -151,6 +153,18 @@ class StepResult:
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # for the sequences that asked
     # tokens each sampled sequence got (accepted drafts + 1); empty: one each (no drafts)
     num_tokens: tuple[int, ...] = ()
+
+
+@runtime_checkable
+class ConstraintCompiler(Protocol):
+    """Compiles a request's Constraint against the model's vocabulary off the engine's step
+    path (gpu/grammar.py GrammarCompiler: xgrammar, in a worker thread). The scheduler keeps
+    the request waiting until the future is done; its result goes to the runner in
+    SeqStart.grammar, its exception fails the request."""
+
+    def submit(self, constraint: Constraint) -> Future:
+        """The compiled grammar's future (already done on a cache hit)."""
+        ...
 
 
 @runtime_checkable

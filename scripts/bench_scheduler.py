@@ -30,7 +30,7 @@ import attrs  # noqa: E402
 from gpu.interface import StepResult  # noqa: E402
 from rendered import rendered  # noqa: E402
 from stages.schedule.blocks import BlockManager  # noqa: E402
-from stages.schedule import Scheduler  # noqa: E402
+from stages.schedule import AsyncScheduler  # noqa: E402
 
 
 def workload(rng: random.Random, num: int, shared_prefix: bool):
@@ -44,7 +44,7 @@ def workload(rng: random.Random, num: int, shared_prefix: bool):
 
 def run(*, num_blocks: int, digest: bool, seed: int = 0) -> tuple[float, float, int, str]:
     rng = random.Random(seed)
-    s = Scheduler(BlockManager(num_blocks, 16), max_num_seqs=256, max_num_batched_tokens=8192,
+    s = AsyncScheduler(BlockManager(num_blocks, 16), max_num_seqs=256, max_num_batched_tokens=8192,
                   max_model_len=4096, eos_token_ids=(2,))
     for r in workload(rng, 256, shared_prefix=digest):
         s.add(r)

@@ -3,7 +3,7 @@
 The runner is synchronous code (gpu/ imports no trio). Steps run one at a time, in
 plan order, in one runner thread fed through a queue, which keeps the event loop
 serving HTTP while a step runs; a cancellation lands between steps, never inside one.
-With async scheduling (stages/schedule.py) the next plan is already queued when a step
+With async scheduling (stages/schedule/async_.py) the next plan is already queued when a step
 ends, so the thread starts it at once instead of waiting for the event loop to notice.
 A plan's host-side input preparation (`runner.stage`) runs here in the event loop as the
 plan arrives, while the step before it runs: between one step's end and the next one's

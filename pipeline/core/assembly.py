@@ -169,9 +169,9 @@ def start_engine_core(nursery: trio.Nursery, cfg: EngineConfig, built: Built, *,
     plan_in, plan_out = trio.open_memory_channel(0)
     result_in, result_out = trio.open_memory_channel(0)
     nursery.start_soon(admit.run, requests, inbox_send.clone(), replies, admission, ev("admit"))
-    nursery.start_soon(partial(schedule.run, inbox_receive, plan_in, result_out, steps,
-                               built.scheduler, ev("schedule"),
-                               async_scheduling=cfg.async_scheduling))
+    # the scheduler's class says whether it plans ahead (startup.build: cfg.async_scheduling)
+    nursery.start_soon(schedule.run, inbox_receive, plan_in, result_out, steps,
+                       built.scheduler, ev("schedule"))
     nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner, ev("gpu_step"),
                                faults=cfg.fault_step_kinds))
     if watch is not None:

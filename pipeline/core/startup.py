@@ -33,7 +33,7 @@ from stages.api.common import ToolSettings
 from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import make_drafter
 from stages.api.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
-from stages.schedule import Scheduler
+from stages.schedule import AsyncScheduler, Scheduler
 
 log = logging.getLogger("tailrace")
 
@@ -236,16 +236,16 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                           sliding=(cache.num_sliding_blocks, mc.sliding_window) if hybrid else None)
     grammars = (GrammarCompiler(loaded.tokenizer, mc.vocab_size, loaded.eos_token_ids)
                 if loaded.tokenizer is not None else None)
-    scheduler = Scheduler(blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
-                          max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids,
-                          grammars=grammars,
-                          think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer),
-                          drafter=make_drafter(cfg.speculative_config,
-                                               stand_in=cfg.simulate_draft_acceptance is not None),
-                          num_speculative_tokens=(cfg.speculative_config.num_speculative_tokens
-                                                  if cfg.speculative_config else 0),
-                          spec_disable_by_batch_size=(cfg.speculative_config.disable_by_batch_size
-                                                      if cfg.speculative_config else None))
+    spec = cfg.speculative_config
+    # async scheduling plans a step ahead (EngineConfig turns it off with speculation)
+    scheduler_class = AsyncScheduler if cfg.async_scheduling else Scheduler
+    scheduler = scheduler_class(
+        blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
+        max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids, grammars=grammars,
+        think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer),
+        drafter=make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None),
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
                     "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "

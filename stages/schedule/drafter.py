@@ -35,8 +35,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        def whole(name: str, lo: int) -> int:
-            v = getattr(self, name)
+        def whole(name: str, v: object, lo: int) -> int:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"--speculative-config: {name} must be an integer >= {lo}, "
                                  f"got {v!r}")
@@ -44,15 +43,16 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculative-config: method {self.method!r} is not supported "
                              f"(supported: {', '.join(SPECULATIVE_METHODS)})")
-        k = whole("num_speculative_tokens", 1)
+        k = whole("num_speculative_tokens", self.num_speculative_tokens, 1)
         if k > 32:
             raise ValueError(f"--speculative-config: num_speculative_tokens {k} is more than 32")
-        lo, hi = whole("prompt_lookup_min", 1), whole("prompt_lookup_max", 1)
+        lo = whole("prompt_lookup_min", self.prompt_lookup_min, 1)
+        hi = whole("prompt_lookup_max", self.prompt_lookup_max, 1)
         if lo > hi:
             raise ValueError(f"--speculative-config: prompt_lookup_min ({lo}) is larger than "
                              f"prompt_lookup_max ({hi})")
         if self.disable_by_batch_size is not None:
-            whole("disable_by_batch_size", 1)
+            whole("disable_by_batch_size", self.disable_by_batch_size, 1)
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:

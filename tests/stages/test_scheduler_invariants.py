@@ -10,7 +10,7 @@ from collections import Counter
 from gpu.interface import StepResult
 from stages.schedule.blocks import BlockManager
 from stages.lib.delta import FinishReason
-from stages.schedule import Scheduler
+from stages.schedule import AsyncScheduler, Scheduler
 from workload import RunnerModel, Workload, sampled_token
 
 def check(s):
@@ -21,10 +21,6 @@ def check(s):
         assert len(seq.table) >= bm.blocks_for(seq.num_computed), (seq.id, seq.table, seq.num_computed)
         assert seq.table_t == tuple(seq.table), (seq.id, seq.table_t, seq.table)   # the cached copy
         assert seq.end_len == min(seq.prompt_len + seq.max_tokens, s.max_model_len)
-        if seq.delta_proto is not None:     # what schedule's deltas copy: still the sequence's
-            assert {k: seq.delta_proto[k] for k in ("num_cached_tokens", "scheduled_at", "index")} \
-                == {"num_cached_tokens": seq.num_cached_tokens, "scheduled_at": seq.scheduled_at,
-                    "index": seq.index}
     for b in range(bm.num_blocks):
         assert bm.ref_count[b] == refs[b], (b, bm.ref_count[b], refs[b])
         assert (b in bm.free) == (refs[b] == 0), b
@@ -56,11 +52,11 @@ def kvcheck(s, plan, kv):
             written.add(slot)
             kv[slot] = tuple(seq.token_ids[:p+1])
 
-def random_scheduler(seed):
+def random_scheduler(seed, scheduler_class=Scheduler):
     """A scheduler of random sizes (a tiny cache, so preemption happens) and its workload."""
     rng = random.Random(seed)
     nb, bs = rng.randint(4, 16), rng.choice([1, 2, 4])
-    s = Scheduler(BlockManager(nb, bs), max_num_seqs=rng.randint(1, 4),
+    s = scheduler_class(BlockManager(nb, bs), max_num_seqs=rng.randint(1, 4),
                   max_num_batched_tokens=rng.randint(1, 12), max_model_len=64, eos_token_ids=(0,))
     return rng, nb, bs, s, Workload(rng, s, nb * bs, max_prompt=10, max_new=8)
 
@@ -112,7 +108,7 @@ def run_async(seed):
     checks its chunk against prompt + samples and its KV slots. Each step's result reaches
     the scheduler only after the next step was planned."""
     from gpu.interface import PLACEHOLDER
-    rng, nb, bs, s, w = random_scheduler(seed)
+    rng, nb, bs, s, w = random_scheduler(seed, AsyncScheduler)
     kv = {}
     runner = RunnerModel(rng)
     produced = Counter()

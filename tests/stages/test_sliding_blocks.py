@@ -15,7 +15,7 @@ import pytest
 from gpu.interface import PLACEHOLDER, StepResult
 from rendered import rendered
 from stages.schedule.blocks import BlockManager
-from stages.schedule import Scheduler
+from stages.schedule import AsyncScheduler, Scheduler
 from workload import RunnerModel, Workload
 
 
@@ -38,8 +38,8 @@ def check_hybrid(s):
     assert in_use == sum(1 for b in range(bm.num_blocks) if users[b]), in_use
 
 
-def scheduler(nb, bs, slots, window, **kw):
-    return Scheduler(BlockManager(nb, bs, sliding=(slots, window)), max_model_len=kw.pop("max_model_len", 256),
+def scheduler(nb, bs, slots, window, scheduler_class=Scheduler, **kw):
+    return scheduler_class(BlockManager(nb, bs, sliding=(slots, window)), max_model_len=kw.pop("max_model_len", 256),
                      eos_token_ids=(0,), **kw)
 
 
@@ -105,8 +105,8 @@ def run_async(seed):
     max_seqs = rng.randint(1, 4)
     need = per_seq + -(-budget // bs)                        # one sequence alone
     slots = rng.randint(need, max(need, nb))
-    s = scheduler(nb, bs, slots, window, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                  max_model_len=64)
+    s = scheduler(nb, bs, slots, window, AsyncScheduler, max_num_seqs=max_seqs,
+                  max_num_batched_tokens=budget, max_model_len=64)
     w = Workload(rng, s, nb * bs, max_prompt=16, max_new=16)
     full_kv, sliding_kv = {}, {}
     slot_map = [0] * nb                                      # the runner's copy (KVCache.sliding_map)

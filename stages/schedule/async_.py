@@ -1,0 +1,53 @@
+"""Async scheduling (as vLLM's AsyncScheduler): step N+1 is planned and sent while step N
+runs, so the GPU never waits for the host's update, detokenize..emit or the next plan.
+
+A sequence that step N samples is fed that token in step N+1 as a PLACEHOLDER, which the
+runner fills in from its own last sample. The sequence counts it in num_pending from the
+plan until the result: the plain Scheduler reads num_pending (a sequence whose pending
+token ends it by length is not planned again; a sequence preempted with a step in flight
+restarts once its token is known), this class keeps it.
+"""
+from __future__ import annotations
+
+from gpu.interface import PLACEHOLDER, SeqChunk
+from stages.schedule.scheduler import Scheduler
+from stages.schedule.sequence import Sequence
+
+_PLACEHOLDER = (PLACEHOLDER,)
+
+
+class AsyncScheduler(Scheduler):
+    max_in_flight = 2
+
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        """Plan the next n tokens of the sequence, the last of them perhaps still on its
+        way from the running step: they count as computed from now on; a chunk that ends at
+        the sequence's end samples, and its token is pending until update."""
+        start = seq.num_computed
+        known = len(seq.token_ids)
+        end = start + n
+        if end <= known:
+            tokens = tuple(seq.token_ids[start:end])
+        elif start >= known:  # all on its way from the running step (an async decode)
+            tokens = _PLACEHOLDER if n == 1 else (PLACEHOLDER,) * n
+        else:                # the last token is still on its way from the running step
+            tokens = tuple(seq.token_ids[start:end]) + (PLACEHOLDER,) * (end - known)
+        last = end == known + seq.num_pending
+        seq.num_computed = end
+        if last:
+            seq.num_pending += 1
+        return SeqChunk(seq.id, tokens, start, seq.table_t, last)
+
+    def _draft_chunk(self, seq: Sequence, drafts: tuple[int, ...]) -> SeqChunk:
+        chunk = super()._draft_chunk(seq, drafts)
+        seq.num_pending += 1
+        return chunk
+
+    def _unplan(self, chunks, planned, seq: Sequence) -> SeqChunk | None:
+        chunk = super()._unplan(chunks, planned, seq)
+        if chunk is not None and chunk.sample:
+            seq.num_pending -= 1
+        return chunk
+
+    def _token_came_back(self, seq: Sequence) -> None:
+        seq.num_pending -= 1

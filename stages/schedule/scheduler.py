@@ -1,0 +1,446 @@
+"""The scheduler's pure core: waiting/running queues, the KV block manager, prefix hashes.
+
+Each step it builds a StepPlan under a token budget (--max-num-batched-tokens) and a
+sequence budget (--max-num-seqs): running sequences first (one decode token each, or the
+next chunk of a chunked prefill), then waiting ones. When blocks run out it preempts the
+most recently admitted running sequence by recompute: its blocks are freed and it goes
+back to the front of the waiting queue, keeping the tokens it already generated.
+
+`Scheduler` plans a step only once the one before has come back; `AsyncScheduler`
+(async_.py) plans one ahead. The stop rule is stop.py's, speculative decoding's choices
+spec.py's, the blocks (and the hybrid cache's sliding halves) blocks.py's.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+
+from gpu.interface import (ConstraintCompiler, SeqChunk, SeqStart, StepPlan, StepResult,
+                           TokenLogprobs)
+from stages.lib.delta import Delta, FinishReason
+from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
+from stages.messages import RenderedRequest, Step
+from stages.schedule.blocks import BlockManager
+from stages.schedule.drafter import Drafter
+from stages.schedule.sequence import Sequence, sampling_options
+from stages.schedule.spec import SpecCounters, Speculation
+from stages.schedule.stop import check_stop, tokens_left
+
+class Scheduler:
+    # steps it may have planned whose results have not come back (the schedule stage's depth)
+    max_in_flight = 1
+
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...],
+                 grammars: ConstraintCompiler | None = None,
+                 think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
+                 num_speculative_tokens: int = 0,
+                 spec_disable_by_batch_size: int | None = None) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.grammars = grammars
+        self.think_ids = think_ids              # reasoning's <think>, </think>: constrain after
+        self.compiling: list[Sequence] = []     # constrained, waiting for their grammar
+        self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}              # sequence id -> sequence
+        self.choices: dict[str, list[Sequence]] = {}      # request id -> its live sequences
+        self.step = 0
+        self.num_preemptions = 0
+        self.preempted: list[str] = []          # sequence ids preempted by the current step
+        # /metrics (vLLM's iteration_tokens_total, request_num_preemptions): tokens computed
+        # per step, and preemptions per request once it leaves (its choices' together)
+        self.iteration_tokens = Histogram(ITERATION_BUCKETS)
+        self.request_preemptions = Histogram(PREEMPTION_BUCKETS)
+        self._preemptions_of: dict[str, int] = {}     # request id -> preemptions so far
+        self._new_requests: list[RenderedRequest] = []
+        self._pending: list[Delta] = []         # finishes decided outside a step (aborts)
+        self._released: list[str] = []
+        self._planned: dict[int, list[tuple[Sequence, int]]] = {}   # step -> (seq, epoch) per chunk
+        # speculative decoding (spec.py): drafts for decodes, verified by the runner
+        self.drafter = drafter if num_speculative_tokens > 0 else None
+        self.spec = SpecCounters(num_speculative_tokens)
+        self.speculation = (None if self.drafter is None else Speculation(
+            self.drafter, num_speculative_tokens, spec_disable_by_batch_size, self.spec))
+
+    # -- inbox ---------------------------------------------------------------------------
+    def add(self, req: RenderedRequest) -> None:
+        if req.request_id in self.choices:  # the engine keeps ids unique while in flight
+            raise ValueError(f"request id {req.request_id!r} is already scheduled")
+        seqs: list[Sequence] = []
+        for i in range(req.num_choices):   # prompt i // n, its first choice leading
+            seqs.append(Sequence(req, self.eos_token_ids, self.max_model_len, i,
+                                 None if i % req.n == 0 else seqs[i - i % req.n]))
+        self.choices[req.request_id] = seqs
+        self._new_requests.append(req)
+        constraint = req.sampling.constraint
+        grammar = None
+        if constraint is not None and self.grammars is not None:
+            grammar = self.grammars.submit(constraint)   # every choice shares the grammar
+        for seq in seqs:
+            self.by_id[seq.id] = seq
+            seq.grammar = grammar
+            (self.waiting if grammar is None else self.compiling).append(seq)
+        if constraint is not None and self.grammars is None:
+            self.finish(req.request_id, FinishReason.ERROR,
+                        "this server cannot constrain output (the model has no tokenizer)")
+
+    def grammars_compiling(self) -> set[Future]:
+        """The grammars that constrained sequences wait for, still compiling: the schedule
+        stage wakes when one is done."""
+        return {seq.grammar for seq in self.compiling if not seq.grammar.done()}
+
+    def _admit_compiled(self) -> None:
+        """Constrained sequences whose grammar is ready join the waiting queue (in order);
+        a grammar that failed to compile fails its request."""
+        ready, still = [], []
+        for seq in self.compiling:
+            (ready if seq.grammar.done() else still).append(seq)
+        self.compiling = still
+        self.waiting.extend(ready)
+        for seq in ready:
+            exc = seq.grammar.exception()
+            if exc is not None and seq.req.request_id in self.choices:
+                self.finish(seq.req.request_id, FinishReason.ERROR,
+                            f"could not compile the grammar: {exc}")
+
+    def finish(self, request_id: str, reason: FinishReason, error: str | None = None,
+               index: int | None = None) -> None:
+        """Abort (every choice) or a stop string (one choice, `index`): free now, report
+        downstream with the next step."""
+        for seq in list(self.choices.get(request_id, ())):
+            if index is None or seq.index == index:
+                if seq in self.running:
+                    self.running.remove(seq)
+                elif seq in self.compiling:
+                    self.compiling.remove(seq)
+                else:
+                    self.waiting.remove(seq)
+                self._retire(seq)
+                self._pending.append(Delta(request_id, finish_reason=reason,
+                                           num_cached_tokens=seq.num_cached_tokens,
+                                           error=error, scheduled_at=seq.scheduled_at,
+                                           index=seq.index))
+
+    def _retire(self, seq: Sequence) -> None:
+        """A finished sequence: its blocks freed, the GPU told, the bookkeeping dropped."""
+        seq.retired = True
+        del self.by_id[seq.id]
+        live = self.choices[seq.req.request_id]
+        live.remove(seq)
+        if not live:
+            del self.choices[seq.req.request_id]
+            self.request_preemptions.observe(self._preemptions_of.pop(seq.req.request_id, 0))
+        self._free(seq)
+        self._released.append(seq.id)
+        if self.speculation is not None:
+            self.speculation.forget(seq.id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending or self._new_requests
+                    or self._released or self.compiling)
+
+    # -- planning ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        if len(self._planned) >= self.max_in_flight:
+            raise RuntimeError(f"{type(self).__name__} plans at most {self.max_in_flight} "
+                               "step(s) ahead of the results")
+        self.step += 1
+        if self.preempted:
+            self.preempted = []
+        if self.compiling:
+            self._admit_compiled()
+        budget = self.max_num_batched_tokens
+        bs = self.blocks.block_size
+        chunks: list[SeqChunk] = []
+        planned: list[tuple[Sequence, int]] = []    # (seq, epoch) of each chunk
+        new_seqs: list[SeqStart] = []
+
+        # Running sequences first, oldest first; preempt from the newest end when short.
+        # (Every sequence, every step: Sequence's properties are inlined, and _grow is
+        # called only when the chunk needs another block.)
+        running = self.running
+        spec = self.speculation
+        if spec is not None and not spec.on_for(len(running)):
+            spec = None
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            total = len(seq.token_ids) + seq.num_pending
+            if seq.num_pending and tokens_left(seq, total) <= 0:
+                i += 1      # ends with the token on its way (max_tokens, max_model_len)
+                continue
+            n = total - seq.num_computed        # seq.num_uncomputed
+            if n > budget:
+                n = budget
+            if n <= 0:
+                i += 1
+                continue
+            if n == 1 and spec is not None:
+                drafts = spec.drafts(seq, budget)
+                if drafts and (seq.num_computed + 1 + len(drafts) <= len(seq.table) * bs
+                               or self._grow(seq, 1 + len(drafts))):
+                    chunks.append(self._draft_chunk(seq, drafts))
+                    planned.append((seq, seq.epoch))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
+            if seq.num_computed + n > len(seq.table) * bs and not self._grow(seq, n):
+                victim = running[-1]
+                self._unplan(chunks, planned, victim)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                continue
+            chunks.append(self._chunk(seq, n))
+            planned.append((seq, seq.epoch))
+            budget -= n
+            i += 1
+
+        # Then waiting sequences, in arrival order, while the budgets allow.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_pending:
+                break   # preempted with a step in flight: restart once its token is known
+            leader = seq.leader
+            if (leader is not None and leader in self.running
+                    and leader.num_done < leader.prompt_len):
+                break   # its prompt's blocks are being computed: take them next step
+            if not seq.table and not self._take_prefix(seq, budget):
+                break
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, n):
+                if not self.running:
+                    raise RuntimeError("KV cache too small for a single sequence's chunk")
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            if not seq.first_scheduled:
+                seq.first_scheduled = True
+                seq.scheduled_at = time.monotonic()
+                new_seqs.append(self._start(seq))
+            chunks.append(self._chunk(seq, n))
+            planned.append((seq, seq.epoch))
+            budget -= n
+
+        released, self._released = tuple(self._released), []
+        if chunks:
+            self._planned[self.step] = planned
+        sliding = self.blocks.sliding
+        return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released,
+                        sliding.drain_updates() if sliding is not None else ())
+
+    def _unplan(self, chunks: list[SeqChunk], planned: list[tuple[Sequence, int]],
+                seq: Sequence) -> SeqChunk | None:
+        """Take the sequence's chunk planned in this step, if any, back out (it is being
+        preempted); the chunk taken out."""
+        for k, (s, _) in enumerate(planned):
+            if s is seq:
+                del planned[k]
+                return chunks.pop(k)
+        return None
+
+    def _start(self, seq: Sequence) -> SeqStart:
+        prompt = tuple(seq.token_ids[:seq.prompt_len])
+        if seq.grammar is None:
+            return SeqStart(seq.id, prompt, sampling_options(seq),
+                            prompt_logprobs=seq.prompt_logprobs)
+        think, thinking = self.think_ids, False
+        if think is not None:   # does the prompt leave a <think> open (deepseek_r1 style)?
+            last = {t: i for i, t in enumerate(prompt) if t in think}
+            thinking = last.get(think[0], -1) > last.get(think[1], -1)
+        return SeqStart(seq.id, prompt, sampling_options(seq), seq.grammar.result(), think,
+                        thinking, prompt_logprobs=seq.prompt_logprobs)
+
+    def _take_prefix(self, seq: Sequence, budget: int) -> bool:
+        """Attach cached prefix blocks to a sequence about to start (or restart), if the
+        blocks for its first chunk fit as well."""
+        bm = self.blocks
+        if seq.prompt_logprobs is not None and not seq.num_output:
+            # as vLLM: every prompt position is computed (a restart after preemption too,
+            # until they are all reported: others may have cached more of the prompt)
+            hits, last_hash = [], seq.hash_root
+        else:
+            hits, last_hash = bm.match_prefix(seq.token_ids, seq.hash_root)
+        cached = len(hits) * bm.block_size
+        n = min(len(seq.token_ids) - cached, budget)
+        if not bm.can_take(hits, bm.blocks_for(cached + n) - len(hits)):
+            return False
+        seq.passed = bm.take_cached(hits)
+        seq.table = list(hits)
+        seq.table_t = tuple(hits)
+        seq.num_computed = seq.num_done = cached
+        seq.hash_cursor = (len(hits), last_hash)
+        if not seq.first_scheduled:
+            seq.num_cached_tokens = cached
+        return True
+
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        """Plan the next n tokens of the sequence, all known: they count as computed from
+        now on; a chunk that ends at the sequence's end samples."""
+        start = seq.num_computed
+        end = start + n
+        seq.num_computed = end
+        return SeqChunk(seq.id, tuple(seq.token_ids[start:end]), start, seq.table_t,
+                        end == len(seq.token_ids))
+
+    def _draft_chunk(self, seq: Sequence, drafts: tuple[int, ...]) -> SeqChunk:
+        """Plan a decode with drafts: the last token and the drafts, all sampled; the drafts
+        count as computed until the result says which were accepted (update rolls back)."""
+        start = seq.num_computed
+        tokens = (seq.token_ids[-1], *drafts)
+        seq.num_computed = start + len(tokens)
+        return SeqChunk(seq.id, tokens, start, seq.table_t, True, len(drafts))
+
+    def _rollback(self, seq: Sequence, done: int) -> None:
+        """A verified chunk kept the KV of `done` tokens: the rejected drafts' positions
+        are computed again (overwritten), and the blocks that hold nothing but rejected
+        positions past the next token's are freed (they never got a hash)."""
+        seq.num_computed = done
+        keep = self.blocks.blocks_for(done + 1)
+        if len(seq.table) > keep:
+            tail = seq.table[keep:]
+            del seq.table[keep:]
+            seq.table_t = tuple(seq.table)
+            self.blocks.release(tail)
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.table)
+        if need <= 0:
+            return True
+        if not self.blocks.can_allocate(need):
+            return False
+        seq.table.extend(self.blocks.allocate(need))
+        seq.table_t = tuple(seq.table)
+        return True
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.release(seq.table, seq.passed)
+        seq.passed = 0
+        seq.table = []
+        seq.table_t = ()
+        seq.num_computed = seq.num_done = 0
+        seq.hash_cursor = (0, seq.hash_root)
+        seq.epoch += 1       # a step in flight for it no longer speaks for these blocks
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self.preempted.append(seq.id)
+        rid = seq.req.request_id
+        self._preemptions_of[rid] = self._preemptions_of.get(rid, 0) + 1
+
+    # -- results -------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> Step:
+        """Apply a step's result; decide finishes (stop.py); build the downstream message.
+        A sequence gets one token, or with verified drafts (result.num_tokens) several,
+        which the stop rule may cut; the rejected drafts' KV is rolled back, and only the
+        kept tokens' blocks are hashed."""
+        planned = self._planned.pop(plan.step, ())
+        if result.error is not None:
+            for seq, _ in planned:
+                if not seq.retired:
+                    self.finish(seq.req.request_id, FinishReason.ERROR, result.error)
+            return self.drain()
+        if plan.chunks:
+            self.iteration_tokens.observe(sum(len(c.token_ids) for c in plan.chunks))
+        for pl in result.prompt_logprobs:
+            seq = self.by_id.get(pl.seq_id)
+            if seq is not None:
+                seq.prompt_logprobs_so_far.extend(pl.entries)
+        deltas = self._pending
+        self._pending = []
+        tokens, logprobs = _outputs(result)
+        for chunk, (seq, epoch) in zip(plan.chunks, planned):
+            if seq.retired:
+                continue    # finished while this step ran: its row is thrown away
+            got = tokens.get(seq.id, ()) if chunk.sample else ()
+            kept, stop, toks = 0, None, got
+            if got:
+                self._token_came_back(seq)
+                kept, stop = check_stop(seq, got)
+                toks = got[:kept]
+                seq.token_ids.extend(toks)
+            if epoch == seq.epoch:   # not preempted since: these blocks now hold the chunk's KV
+                if chunk.num_drafts:
+                    done = chunk.start_pos + kept
+                    self._rollback(seq, done)
+                else:
+                    done = chunk.start_pos + len(chunk.token_ids)
+                self._computed(seq, done)
+            if not got:
+                continue
+            # verified drafts: the drafts that held, then the token sampled after them
+            accepted = len(got) - 1 if chunk.num_drafts else 0
+            if chunk.num_drafts:
+                self.speculation.verified(seq, chunk.num_drafts, accepted)
+            prompt_logprobs = ()
+            if seq.prompt_logprobs is not None and seq.num_output == kept:   # the first
+                prompt_logprobs = (None, *seq.prompt_logprobs_so_far)   # none for the first
+                seq.prompt_logprobs_so_far = []
+            lps = _kept_logprobs(logprobs.get(seq.id, ()), kept) if logprobs else ()
+            deltas.append(Delta(
+                seq.req.request_id, toks, None if stop is None else stop.reason,
+                None if stop is None else stop.stop_token, seq.num_cached_tokens,
+                token_logprobs=lps, scheduled_at=seq.scheduled_at, index=seq.index,
+                prompt_token_logprobs=prompt_logprobs, draft_tokens=chunk.num_drafts,
+                accepted_tokens=accepted))
+            if stop is not None:     # (waiting again if preempted while this step ran)
+                (self.running if epoch == seq.epoch else self.waiting).remove(seq)
+                self._retire(seq)
+        return self._step(plan.step, deltas)
+
+    def _token_came_back(self, seq: Sequence) -> None:
+        """The token a planned chunk sampled is in this result (AsyncScheduler counts the
+        ones on their way)."""
+
+    def _computed(self, seq: Sequence, done: int) -> None:
+        """The KV cache holds the sequence's first `done` tokens: hash the blocks that
+        filled (a no-op until one does), and with a hybrid cache let go of the sliding
+        halves behind the next query's window (blocks.py)."""
+        bm = self.blocks
+        seq.num_done = done
+        if bm.prefix_caching and done // bm.block_size > seq.hash_cursor[0]:
+            seq.hash_cursor = bm.commit_full_blocks(seq.table, seq.token_ids, done,
+                                                    *seq.hash_cursor)
+        if bm.sliding is not None:
+            seq.passed = bm.pass_window(seq.table, seq.passed, done)
+
+    def drain(self) -> Step:
+        """A message for a step with nothing to run: new requests and pending finishes."""
+        deltas, self._pending = self._pending, []
+        return self._step(self.step, deltas)
+
+    def _step(self, step: int, deltas: list[Delta]) -> Step:
+        """The step's message: the requests admitted since the last, its deltas, the load."""
+        new, self._new_requests = tuple(self._new_requests), []
+        return Step(step, new, tuple(deltas), len(self.running), len(self.waiting),
+                    self.blocks.num_used, time.monotonic())
+
+
+def _outputs(result: StepResult) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple]]:
+    """A step's result by sequence id: its tokens, and their logprobs (an empty dict when
+    none asked). One token each, or result.num_tokens each when the step verified drafts."""
+    sids = result.seq_ids
+    if not result.num_tokens:
+        return (dict(zip(sids, zip(result.token_ids))),
+                dict(zip(sids, zip(result.logprobs))) if result.logprobs else {})
+    tokens, logprobs, at = {}, {}, 0
+    for sid, n in zip(sids, result.num_tokens):
+        tokens[sid] = result.token_ids[at:at + n]
+        if result.logprobs:
+            logprobs[sid] = result.logprobs[at:at + n]
+        at += n
+    return tokens, logprobs
+
+
+def _kept_logprobs(lps: tuple[TokenLogprobs | None, ...], kept: int) -> tuple[TokenLogprobs, ...]:
+    """The kept tokens' logprobs: all of them, or none if the sequence did not ask."""
+    lps = lps[:kept]
+    return () if any(lp is None for lp in lps) else lps
