@@ -82,7 +82,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
             prompt_logprobs=plan.prompt_logprobs),
         stream=plan.stream,
         include_usage=include_usage,
-        created=int(time.time()), arrival=sub.arrival, request=req,
+        created=int(time.time()), arrival=sub.arrival, reply=plan.reply,
         continuous_usage=continuous_usage,
         cache_salt=req.cache_salt or None,
         # per-request metrics describe one sequence: not with n > 1 or several prompts

@@ -15,6 +15,7 @@ import attrs
 from stages.api import chat, completions, responses
 from stages.api.common import PromptPlan, SamplingRequest
 from stages.api.framing import Framer
+from stages.messages import ReplySpec
 
 
 @attrs.frozen
@@ -25,13 +26,15 @@ class ApiSpec:
     request: type[SamplingRequest]
     plan: Callable[..., PromptPlan]
     framer: type[Framer]
+    reply_spec: Callable[..., ReplySpec]   # what plan puts in PromptPlan.reply (the event
+                                           # log's older files logged the typed request)
 
 
 APIS: dict[str, ApiSpec] = {spec.name: spec for spec in (
     ApiSpec("chat", "/v1/chat/completions", chat.ChatCompletionRequest, chat.plan,
-            chat.ChatFramer),
+            chat.ChatFramer, chat.reply_spec),
     ApiSpec("completions", "/v1/completions", completions.CompletionRequest, completions.plan,
-            completions.CompletionFramer),
+            completions.CompletionFramer, completions.reply_spec),
     ApiSpec("responses", "/v1/responses", responses.ResponsesRequest, responses.plan,
-            responses.ResponsesFramer),
+            responses.ResponsesFramer, responses.reply_spec),
 )}

@@ -14,6 +14,7 @@ from stages.api.framing import ChoicesFramer, ChoiceState, prompt_logprobs_json,
 from stages.api.structured import constraint_of
 from stages.api.tools import chat_tools, tool_request
 from stages.lib.delta import Delta, TokenLogprob, Usage
+from stages.messages import ReplySpec
 
 _ROUTER_CHAT_EXTRAS = {**ROUTER_EXTRAS, "separate_reasoning": (True,),
                        "stream_reasoning": (True,)}
@@ -213,7 +214,14 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
         logprobs=_logprobs(req), stream=req.stream,
         stream_options=req.stream_options,
         constraint=constraint, tools=tr.plan, echo=_echo(req, messages),
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, reply=reply_spec(req))
+
+
+def reply_spec(req: ChatCompletionRequest) -> ReplySpec:
+    """What the chat reply shows of the request: token ids, tokens named by id, reasoning."""
+    return ReplySpec(return_token_ids=req.return_token_ids,
+                     return_tokens_as_token_ids=req.return_tokens_as_token_ids,
+                     include_reasoning=req.include_reasoning)
 
 
 def _echo(req: ChatCompletionRequest, messages: list[dict]) -> str | None:
@@ -410,8 +418,8 @@ class ChatFramer(ChoicesFramer):
         self._echo = req.echo[0] if req.echo else ""   # echo: the reply starts with it
         self._prompt_logprobs = None     # prompt_logprobs: brought by choice 0's first delta
         self._wants_logprobs = req.sampling.options.logprobs is not None
-        self._show_reasoning = req.request.include_reasoning
-        self._return_ids = req.request.return_token_ids
+        self._show_reasoning = req.reply.include_reasoning
+        self._return_ids = req.reply.return_token_ids
         # no token ids or usage per chunk: a running choice's chunk is its content
         self._plain_stream = not (self._return_ids or req.continuous_usage)
 

@@ -31,6 +31,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from gpu.interface import Constraint
+from stages.messages import ReplySpec, ToolPlan
 
 
 class RequestError(Exception):
@@ -514,15 +515,6 @@ class ToolSettings:
     exclude_tools_when_tool_choice_none: bool = False
 
 
-@attrs.frozen
-class ToolPlan:
-    """How the parse stage finds a request's tool calls."""
-    kind: str                    # "auto": the server's parser | "named" | "required"
-    parser: str | None = None    # auto: the --tool-call-parser name
-    name: str | None = None      # named: the function
-    parallel: bool = True        # parallel_tool_calls: false keeps the first call only
-
-
 def one_constraint(structured: Constraint | None, tools: Constraint | None,
                    structured_param: str) -> Constraint | None:
     """The request's output constraint: its structured output's (`structured_param` names
@@ -563,6 +555,7 @@ class PromptPlan:
     echo: str | None = None                  # chat echo: the text the reply starts with
     echo_prompt: bool = False                # completions echo: each prompt starts its choices
     prompt_logprobs: int | None = None       # logprobs of the prompt tokens (top k); None: off
+    reply: ReplySpec = ReplySpec()           # what the reply shows and echoes (the API's reply_spec)
 
 
 R = TypeVar("R")

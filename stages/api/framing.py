@@ -9,7 +9,7 @@ so replaying the event log reproduces a reply byte for byte.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import attrs
 import orjson
@@ -18,9 +18,7 @@ from stages.api.common import (CompletionTokensDetails, InputTokensDetails, Outp
                                PromptTokensDetails, ResponseUsage, UsageInfo, server_error,
                                unstructure)
 from stages.lib.delta import Delta, FinishReason, Usage
-
-if TYPE_CHECKING:
-    from stages.messages import RenderedRequest
+from stages.messages import RenderedRequest
 
 DONE = b"data: [DONE]\n\n"
 

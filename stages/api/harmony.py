@@ -34,8 +34,9 @@ import attrs
 
 from gpu.harmony import harmony_encoding, uses_harmony
 from stages.api.chat import Arguments
-from stages.api.common import RequestError, ToolPlan
+from stages.api.common import RequestError
 from stages.api.tool_parsers import ToolCall
+from stages.messages import ToolPlan
 
 __all__ = ["HARMONY_REASONING_PARSER", "HARMONY_TOOL_PARSER", "HarmonyState", "render_ids",
            "uses_harmony"]

@@ -22,6 +22,7 @@ from stages.api.framing import Framer, error_bytes, json_body, response_usage
 from stages.api.structured import constraint_of
 from stages.api.tools import responses_tools, tool_request
 from stages.lib.delta import Delta, FinishReason
+from stages.messages import ReplySpec, ResponseEcho
 
 @attrs.frozen
 class InputItem:
@@ -295,7 +296,17 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
                       max_tokens_param="max_output_tokens", stream=req.stream,
                       # the Response carries its usage, streamed or not
                       stream_options=_WITH_USAGE, constraint=constraint, tools=tr.plan,
-                      logprobs=logprobs)
+                      logprobs=logprobs, reply=reply_spec(req))
+
+
+def reply_spec(req: ResponsesRequest) -> ReplySpec:
+    """What the Response repeats of its request, with a Response's defaults."""
+    reasoning = req.reasoning if req.reasoning is not None else Reasoning()
+    return ReplySpec(response=ResponseEcho(
+        instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+        parallel_tool_calls=req.parallel_tool_calls, reasoning_effort=reasoning.effort,
+        reasoning_summary=reasoning.summary, tool_choice=req.tool_choice or "auto",
+        tools=tuple(req.tools or ()), user=req.user, metadata=req.metadata or {}))
 
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
@@ -434,6 +445,8 @@ class ResponsesFramer(Framer):
         # (a step's tokens count as the answer's when the step brought answer text)
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._held: list = []
+        # what the Response repeats of its request (a request without one repeats the defaults)
+        self._echo = req.reply.response or ResponseEcho()
 
     # -- state shared by both modes
 
@@ -462,7 +475,7 @@ class ResponsesFramer(Framer):
 
     def _response(self, status: str, *, usage=None, incomplete_reason: str | None = None,
                   error: str | None = None) -> Response:
-        r: ResponsesRequest = self.req.request
+        r = self._echo
         options = self.req.sampling.options
         return Response(
             id=self.id, created_at=self.req.created, status=status, model=self.req.model,
@@ -472,11 +485,10 @@ class ResponsesFramer(Framer):
                                 else IncompleteDetails(reason=incomplete_reason)),
             instructions=r.instructions, max_output_tokens=r.max_output_tokens,
             parallel_tool_calls=r.parallel_tool_calls,
-            reasoning=ReasoningOut(effort=r.reasoning.effort, summary=r.reasoning.summary)
-            if r.reasoning is not None else ReasoningOut(),
+            reasoning=ReasoningOut(effort=r.reasoning_effort, summary=r.reasoning_summary),
             temperature=options.temperature, top_p=options.top_p,
-            tool_choice=r.tool_choice or "auto", tools=r.tools or [], user=r.user,
-            metadata=r.metadata or {},
+            tool_choice=r.tool_choice, tools=list(r.tools), user=r.user,
+            metadata=r.metadata,
             usage=None if usage is None else response_usage(usage))
 
     def _final(self, delta: Delta) -> Response:

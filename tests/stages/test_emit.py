@@ -143,7 +143,7 @@ def test_include_reasoning_false_hides_the_token_ids_of_the_reasoning(stream):
     assert b'"reasoning"' not in out and b"ret" not in out
     assert ids == [21, 22] and tokens == ["ans", "wer"]
     # include_reasoning true: all of it
-    f = Framer(attrs.evolve(req, request=attrs.evolve(req.request, include_reasoning=True)))
+    f = Framer(attrs.evolve(req, reply=attrs.evolve(req.reply, include_reasoning=True)))
     f.start()
     out = f.on_delta(attrs.evolve(delta(reasoning="se", finish=FinishReason.STOP),
                                   token_ids=(11, 12), logprobs=lp("s", "e"), reasoning_span=2))
