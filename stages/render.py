@@ -16,8 +16,8 @@ import jinja2
 from gpu.interface import SamplingOptions
 from stages.api import harmony
 from stages.api import APIS, chat
-from stages.api.common import (ChoiceRequest, PromptPlan, RequestError, SamplingRequest,
-                               ToolSettings, parse_request, usage_flags)
+from stages.api.common import PromptPlan, RequestError, ToolSettings, parse_request, usage_flags
+from stages.api.request_types import ChoiceRequest, SamplingRequest
 from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                  TokenizeResponse)
 from stages.messages import RenderedRequest, SamplingParams, Submission

@@ -6,11 +6,12 @@ from typing import Any, ClassVar
 
 import attrs
 
-from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, ChoiceRequest,
-                               ContentPart, FunctionCall, Invalid, PromptPlan, RequestError,
-                               ToolCallOut, ToolSettings, UsageInfo, at_least, omit_absent,
-                               one_constraint, opt, reply)
-from stages.api.framing import ChoicesFramer, ChoiceState, prompt_logprobs_json, usage_info
+from stages.api.common import (ABSENT, Invalid, PromptPlan, RequestError, ToolSettings,
+                               at_least, omit_absent, one_constraint, opt, reply)
+from stages.api.framing import (ChoicesFramer, ChoiceState, UsageInfo, prompt_logprobs_json,
+                                usage_info)
+from stages.api.request_types import (ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, ChoiceRequest,
+                                      ContentPart)
 from stages.api.structured import constraint_of
 from stages.api.tools import chat_tools, tool_request
 from stages.lib.delta import Delta, TokenLogprob, Usage
@@ -53,6 +54,19 @@ class ChatCompletionRequest(ChoiceRequest):
 
 
 # -- replies ----------------------------------------------------------------------------
+
+@reply
+class FunctionCall:
+    name: str
+    arguments: str            # a JSON string
+
+
+@reply
+class ToolCallOut:
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
 
 @reply
 class TopLogprob:

@@ -6,10 +6,10 @@ from typing import Any, ClassVar
 import attrs
 
 from stages.api.chat import MAX_CHOICES, MAX_LOGPROBS, check_n, check_prompt_logprobs
-from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest, Invalid,
-                               PromptPlan, RequestError, UsageInfo, omit_absent, opt, reply)
-from stages.api.framing import (MIN_LOGPROB, ChoicesFramer, ChoiceState, prompt_logprobs_json,
-                                usage_info)
+from stages.api.common import ABSENT, Invalid, PromptPlan, RequestError, omit_absent, opt, reply
+from stages.api.framing import (MIN_LOGPROB, ChoicesFramer, ChoiceState, UsageInfo,
+                                prompt_logprobs_json, usage_info)
+from stages.api.request_types import ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest
 from stages.api.structured import constraint_of
 from stages.lib.delta import Delta, PromptLogprob
 from stages.messages import ReplySpec

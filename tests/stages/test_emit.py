@@ -9,7 +9,7 @@ from stages.messages import SamplingParams
 from stages.api.chat import ChatFramer
 from stages.api.completions import CompletionFramer
 from stages.api.framing import STATUS_CLIENT_CLOSED
-from stages.api.responses import ResponsesFramer
+from stages.api.responses_framing import ResponsesFramer
 from stages.emit import framer_for as Framer
 from rendered import rendered
 
