@@ -319,9 +319,10 @@ def template_messages(messages: list[ChatMessage], param: str) -> list[dict]:
                                "parts, got null.", param=f"{where}.content")
         message = {"role": template_role(m.role),
                    "content": content_text(m.content, f"{where}.content", CHAT_PART_TYPES)}
-        for key in ("name", "tool_call_id"):
-            if getattr(m, key) is not None:
-                message[key] = getattr(m, key)
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         if m.tool_calls is not None:
             message["tool_calls"] = template_tool_calls(m.tool_calls)
         reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
@@ -397,8 +398,8 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
         if part.type not in part_types:
             raise RequestError(f"'{where}.type' {part.type!r} is not supported; expected "
                                f"{' or '.join(part_types)}.", param=f"{where}.type")
-        key = part.type if part.type in ("refusal", "thinking") else "text"   # its text's key
-        text = getattr(part, key)
+        key, text = {"refusal": ("refusal", part.refusal),   # its text's key, and the text
+                     "thinking": ("thinking", part.thinking)}.get(part.type, ("text", part.text))
         if text is None:
             raise RequestError(f"'{where}.{key}' must be a string.", param=f"{where}.{key}")
         if key != "thinking":      # the turn's reasoning (_thinking), not its text

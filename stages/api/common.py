@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import (AttributeValidationNote, ClassValidationError,
+                           ForbiddenExtraKeysError, IterableValidationError,
+                           IterableValidationNote)
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from gpu.interface import Constraint
@@ -165,7 +167,7 @@ converter.register_structure_hook(float, _float)
 converter.register_structure_hook(bool, _bool)
 converter.register_structure_hook(str, _str)
 converter.register_structure_hook(dict, _object)
-converter.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is dict, _object)
+converter.register_structure_hook_func(lambda t: typing.get_origin(t) is dict, _object)
 converter.register_structure_hook(Any, lambda v, _: v)
 
 
@@ -208,7 +210,7 @@ def structure_list(value: object, t: Any) -> list:
     return out
 
 
-converter.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is list,
+converter.register_structure_hook_func(lambda t: typing.get_origin(t) is list,
                                        structure_list)
 
 
@@ -371,10 +373,10 @@ def _request_error(exc: BaseException, path: str = "") -> RequestError:
     if isinstance(exc, (ClassValidationError, IterableValidationError)):
         with_notes, without = exc.group_exceptions()
         for sub, note in with_notes:
-            name = getattr(note, "name", None)
-            if name is None:
-                return _request_error(sub, f"{path}[{getattr(note, 'index', 0)}]")
-            return _request_error(sub, f"{path}.{name}" if path else name)
+            if isinstance(note, AttributeValidationNote):
+                return _request_error(sub, f"{path}.{note.name}" if path else note.name)
+            index = note.index if isinstance(note, IterableValidationNote) else 0
+            return _request_error(sub, f"{path}[{index}]")
         if without:
             return _request_error(without[0], path)
     if isinstance(exc, ForbiddenExtraKeysError):

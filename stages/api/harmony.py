@@ -66,7 +66,7 @@ def _effort(value: Any) -> ReasoningEffort:
         # "minimal" and "none" exist in OpenAI's API; gpt-oss knows low, medium, high.
         raise RequestError(f"'reasoning_effort' must be one of low, medium, high for this "
                            f"model, got {value!r}.", param="reasoning_effort")
-    return getattr(_oh().ReasoningEffort, _EFFORTS[value])
+    return _oh().ReasoningEffort[_EFFORTS[value]]
 
 
 def _tool_descriptions(tools: list[dict]) -> list[ToolDescription]:

@@ -63,7 +63,9 @@ class ContentPart:
 
     @property
     def media_key(self) -> str | None:
-        return next((k for k in self.MEDIA_KEYS if getattr(self, k) is not None), None)
+        values = (self.image_url, self.input_audio, self.video_url, self.audio_url, self.image,
+                  self.file)   # in MEDIA_KEYS' order
+        return next((k for k, v in zip(self.MEDIA_KEYS, values) if v is not None), None)
 
 
 def _content(value: object, _: type) -> str | tuple[ContentPart, ...] | None:
