@@ -275,6 +275,8 @@ def tolerant(cls: type):
     return lambda value, t: fn(_object(value, t), t)
 
 
+# -- the plan an API hands render --------------------------------------------------------
+
 def usage_flags(stream: bool, options: StreamOptions | None, *,
                 force: bool = False) -> tuple[bool, bool]:
     """(include_usage, continuous_usage) of a reply. Not streamed: the usage is always in
@@ -287,8 +289,6 @@ def usage_flags(stream: bool, options: StreamOptions | None, *,
     # as vLLM: continuous_usage_stats only adds to include_usage, never turns it on
     return include, force or (include and bool(options and options.continuous_usage_stats))
 
-
-# -- the plan an API hands render --------------------------------------------------------
 
 @attrs.frozen
 class ToolSettings:
