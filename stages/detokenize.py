@@ -13,12 +13,17 @@ only counts inside a message's content: the header words between a header token
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 import trio
 from tokenizers.decoders import ByteLevel, DecodeStream
 
 from stages.lib.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
 from stages.messages import FinishRequest, RenderedRequest, Step
+
+if TYPE_CHECKING:
+    from gpu.tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
 
@@ -165,7 +170,7 @@ class DetokState:
         self.in_header = harmony is not None and harmony.in_header(self.prompt)
         self.content_from = 0   # a stop string starts at or after this index of pending
         # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
-        self.ids_as_tokens = getattr(req.request, "return_tokens_as_token_ids", False)
+        self.ids_as_tokens = req.reply.return_tokens_as_token_ids
 
     def step(self, tokenizer, d: Delta) -> Delta:
         ids = d.token_ids
@@ -244,8 +249,8 @@ class Detokenizer:
     """The pure core: per-request states, one Step in, the same Step with text out.
     With no tokenizer (a model served from token ids only) deltas carry tokens, no text."""
 
-    def __init__(self, tokenizer) -> None:
-        self.hf = tokenizer.hf if hasattr(tokenizer, "hf") else tokenizer
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.hf = None if tokenizer is None else tokenizer.hf
         # request id -> its choices' states, None once a choice finished (by request, not
         # (request, choice): one str hash per token, no tuple built and hashed)
         self.states: dict[str, list[DetokState | None]] = {}

@@ -1,22 +1,22 @@
 """The messages that cross stages, as plain frozen data (no torch, no callables): what web
 hands to render (`Submission`), what render hands on (`RenderedRequest` with its
-`SamplingParams`), the scheduler's control messages (`Abort`, `FinishRequest`) and the one
-message on every channel from schedule to emit (`Step`, its per-request `Delta`s in
-stages/lib/delta.py). What the runner takes and returns is gpu/interface.py.
+`SamplingParams`, `ToolPlan` and `ReplySpec`), the scheduler's control messages (`Abort`,
+`FinishRequest`) and the one message on every channel from schedule to emit (`Step`, its
+per-request `Delta`s in stages/lib/delta.py). What the runner takes and returns is
+gpu/interface.py.
+
+This module sits below the protocol (stages/api/): it imports no API module, and each
+API's plan builds the parts of a RenderedRequest that are its own (`ToolPlan`,
+`ReplySpec`) from its typed request, which goes no further than render.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import attrs
 
 from gpu.interface import Constraint, SamplingOptions
-from stages.api.chat import ChatCompletionRequest
-from stages.api.common import ToolPlan
-from stages.api.completions import CompletionRequest
-from stages.api.responses import ResponsesRequest
 from stages.lib.delta import Delta
-
-# The typed request a RenderedRequest keeps, for what replies echo.
-ApiRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest
 
 
 @attrs.frozen
@@ -44,6 +44,41 @@ class SamplingParams:
 
 
 @attrs.frozen
+class ToolPlan:
+    """How the parse stage finds a request's tool calls (stages/api/tools.py makes it)."""
+    kind: str                    # "auto": the server's parser | "named" | "required"
+    parser: str | None = None    # auto: the --tool-call-parser name
+    name: str | None = None      # named: the function
+    parallel: bool = True        # parallel_tool_calls: false keeps the first call only
+
+
+@attrs.frozen
+class ResponseEcho:
+    """What a Response object repeats of its request (OpenAI's Response echoes these),
+    with the defaults a Response shows for what the request left out."""
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
+    reasoning_summary: str | None = None
+    tool_choice: Any = "auto"                 # as sent: a string or a JSON object
+    tools: tuple[dict[str, Any], ...] = ()    # as sent
+    user: str | None = None
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class ReplySpec:
+    """What a reply shows and echoes of its request beyond the generated text, decided once
+    by the API's plan at render time (stages/api/<api>.py `reply_spec`). detokenize and the
+    framers read it; nothing downstream sees the typed request."""
+    return_token_ids: bool = False    # the token ids (and the prompt's) on the reply
+    return_tokens_as_token_ids: bool = False   # logprobs name each token "token_id:N"
+    include_reasoning: bool = True    # false: the reasoning, its logprobs and ids are hidden
+    response: ResponseEcho | None = None   # the Responses API's echo; None for the others
+
+
+@attrs.frozen
 class RenderedRequest:
     request_id: str
     api: str                      # "chat" | "completions" | "responses"
@@ -54,7 +89,7 @@ class RenderedRequest:
     include_usage: bool           # stream_options.include_usage (always usage when not streaming)
     created: int                  # unix seconds
     arrival: float
-    request: ApiRequest = attrs.field(eq=False)   # the typed request, for what replies echo
+    reply: ReplySpec              # what the reply shows and echoes of the request
     continuous_usage: bool = False  # streaming: every chunk carries the usage so far
     cache_salt: str | None = None   # prefix-cache blocks are shared only with the same salt
     per_request_metrics: bool = False   # the reply carries the request's own timings

@@ -20,10 +20,9 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.api.common import ToolPlan
 from stages.lib.delta import Delta, FinishReason, ToolCallDelta
 from stages.api.harmony import HARMONY_REASONING_PARSER, HarmonyState
-from stages.messages import Step
+from stages.messages import Step, ToolPlan
 from stages.api.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,
                                  ToolParser, call_id)
 from stages.api.tool_parsers.base import partial_suffix

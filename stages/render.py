@@ -8,7 +8,7 @@ request raises RequestError here, before any HTTP response has started.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import jinja2
@@ -16,17 +16,21 @@ import jinja2
 from gpu.interface import SamplingOptions
 from stages.api import harmony
 from stages.api import APIS, chat
-from stages.api.common import (ChoiceRequest, PromptPlan, RequestError, SamplingRequest,
-                               ToolSettings, parse_request, usage_flags)
+from stages.api.common import PromptPlan, RequestError, ToolSettings, parse_request, usage_flags
+from stages.api.request_types import ChoiceRequest
+from stages.api.responses import ResponsesRequest
 from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                  TokenizeResponse)
 from stages.messages import RenderedRequest, SamplingParams, Submission
+
+if TYPE_CHECKING:
+    from gpu.tokenizer import Tokenizer
 
 __all__ = ["RenderContext", "RequestError", "render", "run"]
 
 @attrs.frozen
 class RenderContext:
-    tokenizer: Any
+    tokenizer: Tokenizer | None   # None: --skip-tokenizer-init (prompts and replies are ids)
     served_model_names: tuple[str, ...]
     max_model_len: int
     # generation_config defaults (temperature, top_p, top_k, min_p,
@@ -82,7 +86,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
             prompt_logprobs=plan.prompt_logprobs),
         stream=plan.stream,
         include_usage=include_usage,
-        created=int(time.time()), arrival=sub.arrival, request=req,
+        created=int(time.time()), arrival=sub.arrival, reply=plan.reply,
         continuous_usage=continuous_usage,
         cache_salt=req.cache_salt or None,
         # per-request metrics describe one sequence: not with n > 1 or several prompts
@@ -180,14 +184,14 @@ def _resolve_model(name: str | None, ctx: RenderContext) -> str:
     return ctx.served_model_names[0]
 
 
-def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext) -> SamplingOptions:
-    """The request's sampling fields; generation_config, then the sampler's defaults,
-    fill the ones it left out."""
+def _sampling_options(req: ChoiceRequest | ResponsesRequest, plan: PromptPlan,
+                      ctx: RenderContext) -> SamplingOptions:
+    """The request's sampling fields (every API's request has the sampler's); generation_config,
+    then the sampler's defaults, fill the ones it left out."""
     defaults = ctx.default_sampling
     fields = attrs.fields_dict(SamplingOptions)
 
-    def pick(name: str) -> Any:
-        value = getattr(req, name)   # every API's request has the sampler's fields
+    def pick(name: str, value: Any) -> Any:
         if value is None:
             value = defaults.get(name)
         return fields[name].default if value is None else value
@@ -199,18 +203,19 @@ def _sampling_options(req: SamplingRequest, plan: PromptPlan, ctx: RenderContext
                            f"vocabulary: token ids must be below the vocabulary size "
                            f"{ctx.vocab_size}.", param="stop_token_ids")
     return SamplingOptions(
-        temperature=float(pick("temperature")), top_p=float(pick("top_p")), top_k=pick("top_k"),
-        min_p=float(pick("min_p")), seed=req.seed,
-        repetition_penalty=float(pick("repetition_penalty")),
-        frequency_penalty=float(pick("frequency_penalty")),
-        presence_penalty=float(pick("presence_penalty")),
+        temperature=float(pick("temperature", req.temperature)),
+        top_p=float(pick("top_p", req.top_p)), top_k=pick("top_k", req.top_k),
+        min_p=float(pick("min_p", req.min_p)), seed=req.seed,
+        repetition_penalty=float(pick("repetition_penalty", req.repetition_penalty)),
+        frequency_penalty=float(pick("frequency_penalty", req.frequency_penalty)),
+        presence_penalty=float(pick("presence_penalty", req.presence_penalty)),
         min_tokens=req.min_tokens, stop_token_ids=stop_ids, logprobs=plan.logprobs,
         **(_logit_controls(req, ctx) if isinstance(req, ChoiceRequest) else {}))
 
 
 def _vocab_size(ctx: RenderContext) -> int | None:
     """The model's embedding rows, else the tokenizer's vocabulary (None: neither known)."""
-    return ctx.vocab_size or getattr(ctx.tokenizer, "vocab_size", None)
+    return ctx.vocab_size or (None if ctx.tokenizer is None else ctx.tokenizer.vocab_size)
 
 
 def check_vocab(ids, vocab: int | None, param: str, *, negative: bool = False) -> None:

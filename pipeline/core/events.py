@@ -32,15 +32,13 @@ from typing import Callable, Iterable, Iterator
 import attrs
 import cattrs
 import orjson
+from cattrs.gen import make_dict_structure_fn
 from cattrs.strategies import configure_union_passthrough
 
 from gpu.interface import StepPlan
-from stages.api import common
-from stages.api.chat import ChatCompletionRequest
-from stages.api.completions import CompletionRequest
-from stages.api.responses import ResponsesRequest
+from stages.api import APIS, common
 from stages.lib.delta import Delta
-from stages.messages import ApiRequest, RenderedRequest, Step
+from stages.messages import RenderedRequest, Step
 
 SCHEMA_VERSION = 1
 
@@ -50,15 +48,24 @@ converter = cattrs.Converter()
 configure_union_passthrough(str | int | float | bool | None, converter)
 
 
-def _structure_api_request(data: dict, _) -> ApiRequest:
-    """A logged typed request back through the protocol's own converter; the API is the
-    one whose required field the body holds."""
-    cls = next(c for key, c in (("messages", ChatCompletionRequest), ("prompt", CompletionRequest),
-                                ("input", ResponsesRequest)) if key in data)
-    return common.converter.structure(data, cls)
+def _old_reply_spec(api: str, typed: dict) -> dict:
+    """The ReplySpec of a request logged before there was one, from its typed request
+    (logged whole): the API's own reply_spec of it, back through the protocol's converter."""
+    spec = APIS[api]
+    return converter.unstructure(spec.reply_spec(common.converter.structure(typed, spec.request)))
 
 
-converter.register_structure_hook(ApiRequest, _structure_api_request)
+_structure_rendered_request = make_dict_structure_fn(RenderedRequest, converter)
+
+
+def _structure_rendered(data: dict, cls: type) -> RenderedRequest:
+    if "reply" not in data:   # logged before ReplySpec: the typed request (None in an engine's)
+        typed = data.get("request")
+        data = {**data, "reply": {} if typed is None else _old_reply_spec(data["api"], typed)}
+    return _structure_rendered_request(data, cls)
+
+
+converter.register_structure_hook(RenderedRequest, _structure_rendered)
 
 
 def _unstructure_plan(plan: StepPlan) -> dict:
@@ -240,7 +247,7 @@ _STEP_FIELDS = tuple(a.name for a in attrs.fields(Step))
 
 def _json_default(obj):
     """orjson's hook for what it cannot write itself: a Delta as its fields that differ
-    from their defaults, a typed request through the protocol's converter, other attrs
+    from their defaults, a RenderedRequest whole (its ReplySpec nested), other attrs
     classes as their fields."""
     cls = type(obj)
     if cls is Step:   # its deltas built here: a callback per Delta from orjson costs more

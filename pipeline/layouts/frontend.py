@@ -107,7 +107,7 @@ async def _send_requests(receive: trio.MemoryReceiveChannel, link: Link, replies
                 continue
             requests[rid] = req
             try:
-                await link.send(attrs.evolve(req, request=None))
+                await link.send(req)
             except trio.BrokenResourceError:      # the engine has gone (_receive stops us)
                 requests.pop(rid, None)
                 replies.send(rid, RequestError(

@@ -6,14 +6,16 @@ from typing import Any, ClassVar
 
 import attrs
 
-from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, ChoiceRequest,
-                               ContentPart, FunctionCall, Invalid, PromptPlan, RequestError,
-                               ToolCallOut, ToolSettings, UsageInfo, at_least, omit_absent,
-                               one_constraint, opt, reply)
-from stages.api.framing import ChoicesFramer, ChoiceState, prompt_logprobs_json, usage_info
+from stages.api.common import (ABSENT, Invalid, PromptPlan, RequestError, ToolSettings,
+                               at_least, omit_absent, one_constraint, opt, reply)
+from stages.api.framing import (ChoicesFramer, ChoiceState, UsageInfo, prompt_logprobs_json,
+                                usage_info)
+from stages.api.request_types import (ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, ChoiceRequest,
+                                      ContentPart)
 from stages.api.structured import constraint_of
 from stages.api.tools import chat_tools, tool_request
 from stages.lib.delta import Delta, TokenLogprob, Usage
+from stages.messages import ReplySpec
 
 _ROUTER_CHAT_EXTRAS = {**ROUTER_EXTRAS, "separate_reasoning": (True,),
                        "stream_reasoning": (True,)}
@@ -52,6 +54,19 @@ class ChatCompletionRequest(ChoiceRequest):
 
 
 # -- replies ----------------------------------------------------------------------------
+
+@reply
+class FunctionCall:
+    name: str
+    arguments: str            # a JSON string
+
+
+@reply
+class ToolCallOut:
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
 
 @reply
 class TopLogprob:
@@ -213,7 +228,14 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
         logprobs=_logprobs(req), stream=req.stream,
         stream_options=req.stream_options,
         constraint=constraint, tools=tr.plan, echo=_echo(req, messages),
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, reply=reply_spec(req))
+
+
+def reply_spec(req: ChatCompletionRequest) -> ReplySpec:
+    """What the chat reply shows of the request: token ids, tokens named by id, reasoning."""
+    return ReplySpec(return_token_ids=req.return_token_ids,
+                     return_tokens_as_token_ids=req.return_tokens_as_token_ids,
+                     include_reasoning=req.include_reasoning)
 
 
 def _echo(req: ChatCompletionRequest, messages: list[dict]) -> str | None:
@@ -297,9 +319,10 @@ def template_messages(messages: list[ChatMessage], param: str) -> list[dict]:
                                "parts, got null.", param=f"{where}.content")
         message = {"role": template_role(m.role),
                    "content": content_text(m.content, f"{where}.content", CHAT_PART_TYPES)}
-        for key in ("name", "tool_call_id"):
-            if getattr(m, key) is not None:
-                message[key] = getattr(m, key)
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         if m.tool_calls is not None:
             message["tool_calls"] = template_tool_calls(m.tool_calls)
         reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
@@ -375,8 +398,8 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
         if part.type not in part_types:
             raise RequestError(f"'{where}.type' {part.type!r} is not supported; expected "
                                f"{' or '.join(part_types)}.", param=f"{where}.type")
-        key = part.type if part.type in ("refusal", "thinking") else "text"   # its text's key
-        text = getattr(part, key)
+        key, text = {"refusal": ("refusal", part.refusal),   # its text's key, and the text
+                     "thinking": ("thinking", part.thinking)}.get(part.type, ("text", part.text))
         if text is None:
             raise RequestError(f"'{where}.{key}' must be a string.", param=f"{where}.{key}")
         if key != "thinking":      # the turn's reasoning (_thinking), not its text
@@ -410,8 +433,8 @@ class ChatFramer(ChoicesFramer):
         self._echo = req.echo[0] if req.echo else ""   # echo: the reply starts with it
         self._prompt_logprobs = None     # prompt_logprobs: brought by choice 0's first delta
         self._wants_logprobs = req.sampling.options.logprobs is not None
-        self._show_reasoning = req.request.include_reasoning
-        self._return_ids = req.request.return_token_ids
+        self._show_reasoning = req.reply.include_reasoning
+        self._return_ids = req.reply.return_token_ids
         # no token ids or usage per chunk: a running choice's chunk is its content
         self._plain_stream = not (self._return_ids or req.continuous_usage)
 

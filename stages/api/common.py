@@ -1,6 +1,7 @@
-"""What every API's protocol shares: errors, the strict converter, the request pieces and
-fields the APIs have in common, the plan an API hands render, usage objects and the usage
-rule of a stream.
+"""The protocol's machinery, what every API shares: errors, the strict converter and its
+validators, `parse_request`, the plan an API hands render (`PromptPlan`, with its tool
+settings, one constraint rule and usage rule of a stream) and the helpers of reply classes.
+The request pieces and fields the APIs share are stages/api/request_types.py.
 
 Requests are attrs classes structured from the JSON body by `parse_request`, which
 keeps OpenAI's strictness (`true` is not an integer, NaN is not a number, null counts
@@ -23,14 +24,21 @@ from __future__ import annotations
 import math
 import types
 import typing
-from typing import Any, Callable, ClassVar, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import (AttributeValidationNote, ClassValidationError,
+                           ForbiddenExtraKeysError, IterableValidationError,
+                           IterableValidationNote)
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from gpu.interface import Constraint
+from stages.messages import ReplySpec, ToolPlan
+
+if TYPE_CHECKING:
+    from stages.api.request_types import StreamOptions
+
 
 
 class RequestError(Exception):
@@ -159,7 +167,7 @@ converter.register_structure_hook(float, _float)
 converter.register_structure_hook(bool, _bool)
 converter.register_structure_hook(str, _str)
 converter.register_structure_hook(dict, _object)
-converter.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is dict, _object)
+converter.register_structure_hook_func(lambda t: typing.get_origin(t) is dict, _object)
 converter.register_structure_hook(Any, lambda v, _: v)
 
 
@@ -202,7 +210,7 @@ def structure_list(value: object, t: Any) -> list:
     return out
 
 
-converter.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is list,
+converter.register_structure_hook_func(lambda t: typing.get_origin(t) is list,
                                        structure_list)
 
 
@@ -259,113 +267,6 @@ def seed_range(_, attribute, value) -> None:
         raise exc
 
 
-# -- request pieces ----------------------------------------------------------------------
-
-def _stop(value: object, _: type) -> tuple[str, ...]:
-    if type(value) is str:
-        value = [value]
-    if type(value) is not list or not all(type(s) is str for s in value):
-        raise Invalid("must be a string or an array of strings.")
-    if any(s == "" for s in value):
-        raise Invalid("cannot contain an empty string.")
-    return tuple(value)
-
-
-Stop = Union[str, list[str]]
-structure_hook(Stop, _stop)
-
-
-def _stop_token_ids(value: object, _: type) -> tuple[int, ...]:
-    if type(value) is not list or not all(type(i) is int and i >= 0 for i in value):
-        raise Invalid("must be an array of non-negative integers.")
-    return tuple(value)
-
-
-StopTokenIds = tuple[int, ...]
-structure_hook(StopTokenIds, _stop_token_ids)
-
-
-@attrs.frozen
-class ContentPart:
-    """One part of a message's content; only text parts are rendered. The media keys are
-    kept so that a part carrying one is refused even when it says it is text."""
-    type: str
-    text: str | None = None
-    refusal: str | None = None    # a "refusal" part's text (an assistant turn OpenAI's SDK replays)
-    thinking: str | None = None   # a "thinking" part's text (vLLM's: the turn's reasoning)
-    image_url: Any = None
-    input_audio: Any = None
-    video_url: Any = None
-    audio_url: Any = None
-    image: Any = None
-    file: Any = None
-
-    MEDIA_KEYS: ClassVar[tuple[str, ...]] = ("image_url", "input_audio", "video_url",
-                                              "audio_url", "image", "file")
-
-    @property
-    def media_key(self) -> str | None:
-        return next((k for k in self.MEDIA_KEYS if getattr(self, k) is not None), None)
-
-
-def _content(value: object, _: type) -> str | tuple[ContentPart, ...] | None:
-    if value is None or type(value) is str:
-        return value
-    if type(value) is not list:
-        raise mismatch("a string or an array of content parts", value)
-    return tuple(structure_list(value, list[ContentPart]))
-
-
-Content = Union[str, tuple[ContentPart, ...], None]
-structure_hook(Content, _content)
-
-
-@attrs.frozen
-class ChatMessage:
-    role: str
-    content: Content = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    reasoning: str | None = None            # vLLM's name for an assistant turn's reasoning
-    reasoning_content: str | None = None    # the older name
-
-
-@attrs.frozen
-class StreamOptions:
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
-
-
-@attrs.frozen
-class JsonSchemaFormat:
-    name: str | None = None
-    schema: Any = None             # a JSON schema object (or boolean)
-    strict: bool | None = None
-    description: str | None = None
-
-
-@attrs.frozen
-class ResponseFormat:
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-
-
-@attrs.frozen
-class StructuredOutputs:
-    """vLLM's `structured_outputs`: exactly one of the constraint fields."""
-    json: Any = None               # a JSON schema (object or JSON text)
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    disable_fallback: bool = False             # ignored: one backend
-    disable_any_whitespace: bool = False       # compact JSON (no free whitespace)
-    disable_additional_properties: bool = False  # ignored
-    whitespace_pattern: str | None = None      # ignored
-
-
 # Structured pieces tolerate keys they do not know (message fields, content parts of other
 # types, tool call shapes): what they hold is checked where it is used.
 def tolerant(cls: type):
@@ -374,10 +275,7 @@ def tolerant(cls: type):
     return lambda value, t: fn(_object(value, t), t)
 
 
-for _cls in (ContentPart, ChatMessage, StreamOptions, ResponseFormat, JsonSchemaFormat,
-             StructuredOutputs):
-    converter.register_structure_hook(_cls, tolerant(_cls))
-
+# -- the plan an API hands render --------------------------------------------------------
 
 def usage_flags(stream: bool, options: StreamOptions | None, *,
                 force: bool = False) -> tuple[bool, bool]:
@@ -392,135 +290,12 @@ def usage_flags(stream: bool, options: StreamOptions | None, *,
     return include, force or (include and bool(options and options.continuous_usage_stats))
 
 
-# -- requests ----------------------------------------------------------------------------
-
-@attrs.frozen
-class SamplingRequest:
-    """The sampling fields every API shares (OpenAI's, then vLLM's extensions).
-    None means "not given": generation_config or the sampler's default applies."""
-    model: str | None = opt()
-    stream: bool = opt(default=False)
-    temperature: float | None = opt(between(0.0, 2.0))
-    top_p: float | None = opt(between(0.0, 1.0, lo_open=True))
-    seed: Any = opt(seed_range)                # int | None, checked by seed_range
-    user: str | None = opt()                                   # ignored
-    # vLLM's sampling extensions
-    top_k: int | None = opt()
-    min_p: float | None = opt(between(0.0, 1.0))
-    repetition_penalty: float | None = opt()
-    stop_token_ids: StopTokenIds = opt(default=())
-    ignore_eos: bool = opt(default=False)
-    min_tokens: int = opt(at_least(0), default=0)
-    include_stop_str_in_output: bool = opt(default=False)
-    skip_special_tokens: bool = opt(default=True)
-    spaces_between_special_tokens: bool = opt(default=True)    # ignored: tokenizers decides
-    priority: int = opt(default=0)                             # ignored: one priority class
-    request_id: str | None = opt()                             # ignored: x-request-id names it
-    cache_salt: str | None = opt()   # prefix-cache blocks are shared only with the same salt
-    _not_implemented: ClassVar[dict[str, Any]] = {}
-
-    @top_k.validator
-    def _top_k(self, attribute, value) -> None:
-        if value is not None and value < -1:
-            raise Invalid(f"must be -1 or 0 (off) or at least 1, got {value}.", attribute.name)
-
-    @repetition_penalty.validator
-    def _repetition(self, attribute, value) -> None:
-        if value is not None and value <= 0.0:
-            raise Invalid(f"must be greater than 0, got {value:g}.", attribute.name)
-
-
-@attrs.frozen
-class ChoiceRequest(SamplingRequest):
-    """What chat and completions share beyond sampling."""
-    stop: Stop | None = opt()
-    n: int = opt(default=1)
-    frequency_penalty: float | None = opt(between(-2.0, 2.0))
-    presence_penalty: float | None = opt(between(-2.0, 2.0))
-    stream_options: StreamOptions | None = opt()
-    # logit controls (render resolves them against the vocabulary and the tokenizer)
-    logit_bias: dict[str, float] | None = opt()    # token id (a string) -> bias, clamped to ±100
-    allowed_token_ids: list[int] | None = opt()    # sample only among these
-    bad_words: list[str] | None = opt()            # words never generated
-    max_tokens: int | None = opt(at_least(0))     # 0: completions echo only
-    add_special_tokens: bool | None = opt()
-    metadata: dict[str, Any] | None = opt()                     # ignored
-    service_tier: str | None = opt()                            # ignored
-    store: bool | None = opt()                                  # ignored: nothing is stored
-    truncate_prompt_tokens: int | None = opt()     # keep this many prompt tokens; -1: max_model_len
-    truncation_side: str | None = opt(one_of("left", "right"))   # which end truncation cuts
-    return_token_ids: bool = opt(default=False)    # prompt_token_ids and token_ids on replies
-    return_tokens_as_token_ids: bool = opt(default=False)   # logprobs name tokens token_id:N
-    kv_transfer_params: dict[str, Any] | None = opt()   # chat: prompt_token_ids as the prompt
-    prompt_logprobs: int | None = opt()            # the prompt tokens' logprobs (top k)
-    echo: bool = opt(default=False)                # the reply starts with the prompt (chat:
-                                                    # with the final message's text)
-    # structured outputs (vLLM's extensions; stages/api/structured.py maps them)
-    response_format: ResponseFormat | None = opt()
-    structured_outputs: StructuredOutputs | None = opt()
-    guided_json: Any = opt()
-    guided_regex: str | None = opt()
-    guided_choice: list[str] | None = opt()
-    guided_grammar: str | None = opt()
-    structural_tag: str | None = opt()
-    guided_decoding_backend: str | None = opt()                 # ignored: xgrammar
-    guided_whitespace_pattern: str | None = opt()               # ignored
-
-    @truncate_prompt_tokens.validator
-    def _truncate(self, attribute, value) -> None:
-        if value is not None and value < -1:
-            raise Invalid(f"must be -1 (max_model_len) or at least 0, got {value}.",
-                           attribute.name)
-
-    @logit_bias.validator
-    def _logit_bias(self, attribute, value) -> None:
-        for key, bias in (value or {}).items():
-            if not is_token_id(key):
-                raise Invalid(f"keys must be token ids (non-negative integers as strings), "
-                               f"got {key!r}.", attribute.name)
-            if not (type(bias) is int or (type(bias) is float and math.isfinite(bias))):
-                raise Invalid(f"values must be finite numbers, got {json_type(bias)} for "
-                               f"token {key}.", attribute.name)
-
-    @allowed_token_ids.validator
-    def _allowed_token_ids(self, attribute, value) -> None:
-        if value is not None and not value:
-            raise Invalid("must not be empty.", attribute.name)
-        if value and min(value) < 0:
-            raise Invalid("must be non-negative integers.", attribute.name)
-
-    @bad_words.validator
-    def _bad_words(self, attribute, value) -> None:
-        if value and any(not w.strip() for w in value):
-            raise Invalid("cannot contain an empty or blank string.", attribute.name)
-
-
-# Fields of vLLM's and OpenAI's schemas this server does not act on yet: a 400 naming the
-# field, unless the value is one of the harmless ones listed.
-VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
-                "logits_processors": (),
-                "vllm_xargs": (),
-                "mm_processor_kwargs": (), "prompt_embeds": (),
-                "thinking_token_budget": (), "logprob_token_ids": ()}
-# What SGLang's router and vllm-router (derived from it) add to every request they forward,
-# with their defaults (docs/scaling.md): accepted at those values, a 400 at any other.
-ROUTER_EXTRAS = {"no_stop_trim": (False,), "return_hidden_states": (False,)}
-
 @attrs.frozen
 class ToolSettings:
     """The server's tool flags, as render hands them to the API modules."""
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
-
-
-@attrs.frozen
-class ToolPlan:
-    """How the parse stage finds a request's tool calls."""
-    kind: str                    # "auto": the server's parser | "named" | "required"
-    parser: str | None = None    # auto: the --tool-call-parser name
-    name: str | None = None      # named: the function
-    parallel: bool = True        # parallel_tool_calls: false keeps the first call only
 
 
 def one_constraint(structured: Constraint | None, tools: Constraint | None,
@@ -563,6 +338,7 @@ class PromptPlan:
     echo: str | None = None                  # chat echo: the text the reply starts with
     echo_prompt: bool = False                # completions echo: each prompt starts its choices
     prompt_logprobs: int | None = None       # logprobs of the prompt tokens (top k); None: off
+    reply: ReplySpec = ReplySpec()           # what the reply shows and echoes (the API's reply_spec)
 
 
 R = TypeVar("R")
@@ -597,10 +373,10 @@ def _request_error(exc: BaseException, path: str = "") -> RequestError:
     if isinstance(exc, (ClassValidationError, IterableValidationError)):
         with_notes, without = exc.group_exceptions()
         for sub, note in with_notes:
-            name = getattr(note, "name", None)
-            if name is None:
-                return _request_error(sub, f"{path}[{getattr(note, 'index', 0)}]")
-            return _request_error(sub, f"{path}.{name}" if path else name)
+            if isinstance(note, AttributeValidationNote):
+                return _request_error(sub, f"{path}.{note.name}" if path else note.name)
+            index = note.index if isinstance(note, IterableValidationNote) else 0
+            return _request_error(sub, f"{path}[{index}]")
         if without:
             return _request_error(without[0], path)
     if isinstance(exc, ForbiddenExtraKeysError):
@@ -626,60 +402,8 @@ def omit_absent(cls: type) -> type:
     return cls
 
 
-@attrs.frozen
-class PromptTokensDetails:
-    cached_tokens: int = 0
-
-
-@attrs.frozen
-class CompletionTokensDetails:
-    reasoning_tokens: int = 0
-
-
-@attrs.frozen
-class UsageInfo:
-    """The chat/completions usage object (OpenAI's names, vLLM's details)."""
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    completion_tokens_details: CompletionTokensDetails
-
-
-@attrs.frozen
-class InputTokensDetails:
-    cached_tokens: int = 0
-
-
-@attrs.frozen
-class OutputTokensDetails:
-    reasoning_tokens: int = 0
-
-
-@attrs.frozen
-class ResponseUsage:
-    input_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails
-    total_tokens: int
-
-
 # Reply classes are keyword-only so that their fields can follow OpenAI's key order.
 reply = attrs.frozen(kw_only=True)
-
-
-@reply
-class FunctionCall:
-    name: str
-    arguments: str            # a JSON string
-
-
-@reply
-class ToolCallOut:
-    id: str
-    type: str = "function"
-    function: FunctionCall
 
 
 _unstructure_hooks: dict[type, Callable[[Any], Any]] = {}

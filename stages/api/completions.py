@@ -6,12 +6,13 @@ from typing import Any, ClassVar
 import attrs
 
 from stages.api.chat import MAX_CHOICES, MAX_LOGPROBS, check_n, check_prompt_logprobs
-from stages.api.common import (ABSENT, ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest, Invalid,
-                               PromptPlan, RequestError, UsageInfo, omit_absent, opt, reply)
-from stages.api.framing import (MIN_LOGPROB, ChoicesFramer, ChoiceState, prompt_logprobs_json,
-                                usage_info)
+from stages.api.common import ABSENT, Invalid, PromptPlan, RequestError, omit_absent, opt, reply
+from stages.api.framing import (MIN_LOGPROB, ChoicesFramer, ChoiceState, UsageInfo,
+                                prompt_logprobs_json, usage_info)
+from stages.api.request_types import ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest
 from stages.api.structured import constraint_of
 from stages.lib.delta import Delta, PromptLogprob
+from stages.messages import ReplySpec
 
 @attrs.frozen
 class CompletionRequest(ChoiceRequest):
@@ -100,7 +101,13 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool, tools=None) -> Promp
         truncate=req.truncate_prompt_tokens, truncation_side=req.truncation_side or "left",
         default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs, stream=req.stream,
         stream_options=req.stream_options,
-        constraint=constraint_of(req))
+        constraint=constraint_of(req), reply=reply_spec(req))
+
+
+def reply_spec(req: CompletionRequest) -> ReplySpec:
+    """What the completion shows of the request: token ids, tokens named by id."""
+    return ReplySpec(return_token_ids=req.return_token_ids,
+                     return_tokens_as_token_ids=req.return_tokens_as_token_ids)
 
 
 def _is_token_ids(value: object) -> bool:
@@ -143,8 +150,8 @@ class CompletionFramer(ChoicesFramer):
         self._choices = [ChoiceState() for _ in range(num)]
         self._wants_logprobs = req.sampling.options.logprobs is not None
         self._offsets = [0] * num          # text_offset of each choice's next token
-        self._return_ids = req.request.return_token_ids
-        self._ids_as_tokens = req.request.return_tokens_as_token_ids
+        self._return_ids = req.reply.return_token_ids
+        self._ids_as_tokens = req.reply.return_tokens_as_token_ids
         self._prompt_sent = [False] * num
         self._echoed = [False] * num
         # each prompt's logprobs (its first choice brings them), as a choice shows them

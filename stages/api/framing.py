@@ -9,18 +9,14 @@ so replaying the event log reproduces a reply byte for byte.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import attrs
 import orjson
 
-from stages.api.common import (CompletionTokensDetails, InputTokensDetails, OutputTokensDetails,
-                               PromptTokensDetails, ResponseUsage, UsageInfo, server_error,
-                               unstructure)
+from stages.api.common import server_error, unstructure
 from stages.lib.delta import Delta, FinishReason, Usage
-
-if TYPE_CHECKING:
-    from stages.messages import RenderedRequest
+from stages.messages import RenderedRequest
 
 DONE = b"data: [DONE]\n\n"
 
@@ -39,6 +35,47 @@ def sse_data(obj: Any) -> bytes:
 
 def json_body(obj: Any) -> bytes:
     return orjson.dumps(unstructure(obj))
+
+
+# -- usage objects: chat's and completions' (UsageInfo), the Responses API's (ResponseUsage)
+
+@attrs.frozen
+class PromptTokensDetails:
+    cached_tokens: int = 0
+
+
+@attrs.frozen
+class CompletionTokensDetails:
+    reasoning_tokens: int = 0
+
+
+@attrs.frozen
+class UsageInfo:
+    """The chat/completions usage object (OpenAI's names, vLLM's details)."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+
+
+@attrs.frozen
+class InputTokensDetails:
+    cached_tokens: int = 0
+
+
+@attrs.frozen
+class OutputTokensDetails:
+    reasoning_tokens: int = 0
+
+
+@attrs.frozen
+class ResponseUsage:
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
 
 
 def usage_info(usage: Usage) -> UsageInfo:

@@ -34,8 +34,9 @@ import attrs
 
 from gpu.harmony import harmony_encoding, uses_harmony
 from stages.api.chat import Arguments
-from stages.api.common import RequestError, ToolPlan
+from stages.api.common import RequestError
 from stages.api.tool_parsers import ToolCall
+from stages.messages import ToolPlan
 
 __all__ = ["HARMONY_REASONING_PARSER", "HARMONY_TOOL_PARSER", "HarmonyState", "render_ids",
            "uses_harmony"]
@@ -65,7 +66,7 @@ def _effort(value: Any) -> ReasoningEffort:
         # "minimal" and "none" exist in OpenAI's API; gpt-oss knows low, medium, high.
         raise RequestError(f"'reasoning_effort' must be one of low, medium, high for this "
                            f"model, got {value!r}.", param="reasoning_effort")
-    return getattr(_oh().ReasoningEffort, _EFFORTS[value])
+    return _oh().ReasoningEffort[_EFFORTS[value]]
 
 
 def _tool_descriptions(tools: list[dict]) -> list[ToolDescription]:

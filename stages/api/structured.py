@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from gpu.interface import Constraint, GrammarError
-from stages.api.common import ChoiceRequest, RequestError
+from stages.api.common import RequestError
+from stages.api.request_types import ChoiceRequest
 
 if TYPE_CHECKING:   # the API modules import this one
     from stages.api.responses import ResponsesRequest

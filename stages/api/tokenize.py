@@ -6,7 +6,8 @@ from typing import Any, ClassVar
 
 import attrs
 
-from stages.api.common import ChatMessage, Invalid, opt
+from stages.api.common import Invalid, opt
+from stages.api.request_types import ChatMessage
 
 @attrs.frozen
 class TokenizeRequest:

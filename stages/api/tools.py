@@ -16,7 +16,8 @@ from typing import Any
 import attrs
 
 from gpu.interface import Constraint
-from stages.api.common import RequestError, ToolPlan, ToolSettings
+from stages.api.common import RequestError, ToolSettings
+from stages.messages import ToolPlan
 from stages.api.structured import named
 
 

@@ -125,7 +125,8 @@ def test_seed_range_both_ends():
 
 def test_custom_role_reaches_the_template():
     from stages.api.chat import template_messages
-    from stages.api.common import ChatMessage, converter
+    from stages.api.common import converter
+    from stages.api.request_types import ChatMessage
     msgs = [converter.structure({"role": "my-custom-role", "content": "x"}, ChatMessage)]
     assert template_messages(msgs, "messages") == [{"role": "my-custom-role", "content": "x"}]
 

@@ -22,14 +22,11 @@ from pipeline.core.events import (SCHEMA_VERSION, EventLog, event_files, make_he
                              read_events, redact, redact_headers, stage_deltas, structure_step,
                              tokenizer_hash)
 from pipeline.tools.replay import Log, replay_log
-from stages.api.chat import ChatCompletionRequest
 from stages.api.common import ToolPlan
-from stages.api.completions import CompletionRequest
-from stages.api.responses import ResponsesRequest
 from stages.lib.delta import (Delta, FinishReason, PromptLogprob, RequestMetrics, TokenLogprob,
                           ToolCallDelta, Usage)
 from stages.emit import ReplyEnd
-from stages.messages import Step
+from stages.messages import ReplySpec, ResponseEcho, Step
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
 from rendered import rendered  # noqa: E402
@@ -41,7 +38,8 @@ DATA = Path(__file__).parent / "data"
 def requests():
     """One request of each API, with the optional parts a log must carry back."""
     chat = attrs.evolve(rendered("c", (1, 2, 3), "chat", stream=True, body={
-        "tools": TOOLS, "n": 2, "stream_options": {"include_usage": True}}),
+        "tools": TOOLS, "n": 2, "stream_options": {"include_usage": True},
+        "include_reasoning": False, "return_tokens_as_token_ids": True}),
         tools=ToolPlan("auto", parser="hermes"), continuous_usage=True, cache_salt="tenant")
     chat = attrs.evolve(chat, sampling=attrs.evolve(
         chat.sampling, constraint=Constraint("json_schema", '{"type": "object"}'), prompt_logprobs=2,
@@ -51,7 +49,9 @@ def requests():
                  stop_token_ids=(9,), logit_bias=((4, 1.5),), body={"prompt": ["a", "b"]}),
         prompts=((4, 5), (6,)), prompt_max_tokens=(3, 2), echo=("a", "b"), arrival=12.5,
         per_request_metrics=True)
-    responses = rendered("r", (7,), "responses", body={"instructions": "be brief"})
+    responses = rendered("r", (7,), "responses", body={
+        "instructions": "be brief", "tools": TOOLS, "tool_choice": {"type": "function",
+        "name": "get_weather"}, "metadata": {"k": "v"}, "reasoning": {"effort": "low"}})
     return chat, completions, responses
 
 
@@ -102,10 +102,11 @@ def test_a_scheduled_step_reads_back_as_the_step_schedule_sent(tmp_path):
                           "new_seqs": ["c#0"]}
     back = structure_step(ev["message"])
     assert back == step
-    # the typed request is not part of equality (eq=False): it must come back all the same
-    for got, sent, cls in zip(back.new_requests, reqs,
-                              (ChatCompletionRequest, CompletionRequest, ResponsesRequest)):
-        assert type(got.request) is cls and got.request == sent.request
+    # each reply spec comes back whole (equality covers it), nested echo included
+    chat, _, responses = back.new_requests
+    assert (chat.reply.include_reasoning, chat.reply.return_tokens_as_token_ids) == (False, True)
+    assert responses.reply.response.tools == tuple(TOOLS)
+    assert responses.reply.response.metadata == {"k": "v"}
     assert type(back.deltas[1].finish_reason) is FinishReason
     assert [d.stop_reason for d in back.deltas[2:4]] == [9, "\n\n"]   # an id, a string
 
@@ -249,9 +250,29 @@ def test_a_scheduled_message_from_before_later_fields_still_reads():
     assert (req.n, req.prompts, req.tools, req.cache_salt, req.continuous_usage) == (
         1, (), None, None, False)
     assert req.sampling.options == SamplingOptions(temperature=0.0) and req.sampling.stop == ()
-    assert type(req.request) is CompletionRequest and req.request.max_tokens == 4
+    assert req.reply == ReplySpec()   # from the logged typed request, by completions' rule
     assert step.deltas[1] == Delta("a", (8,), FinishReason.LENGTH)
     assert (step.done_at, step.num_running, step.kv_blocks_used) == (0.0, 0, 0)
+
+
+def test_a_request_logged_with_its_typed_request_gets_its_apis_reply_spec():
+    """Before ReplySpec the log carried the typed request whole (null in an engine
+    process's file): replay makes each API's spec of it, as render makes it now."""
+    def new_request(rid, api, typed):
+        return {"request_id": rid, "api": api, "model": "m", "prompt_token_ids": [1],
+                "sampling": {"max_tokens": 4}, "stream": True, "include_usage": False,
+                "created": 0, "arrival": 0.0, "request": typed}
+    step = structure_step({"step": 1, "new_requests": [
+        new_request("c", "chat", {"messages": [{"role": "user", "content": "hi"}],
+                                  "include_reasoning": False, "return_token_ids": True}),
+        new_request("r", "responses", {"input": "hi", "instructions": "be brief",
+                                       "metadata": {"k": "v"}}),
+        new_request("e", "completions", None)]})
+    chat, responses, engine_side = step.new_requests
+    assert chat.reply == ReplySpec(return_token_ids=True, include_reasoning=False)
+    assert responses.reply == ReplySpec(response=ResponseEcho(instructions="be brief",
+                                                              metadata={"k": "v"}))
+    assert engine_side.reply == ReplySpec()
 
 
 def _log_file(path: Path, *lines: bytes) -> Path:

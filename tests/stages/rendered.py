@@ -1,5 +1,6 @@
 """One way for stage tests to make a RenderedRequest: the typed request is parsed from a
-JSON body as render would, the prompt ids and sampling options are given directly."""
+JSON body as render would and its API makes the ReplySpec of it, the prompt ids and
+sampling options are given directly."""
 from __future__ import annotations
 
 from gpu.interface import SamplingOptions
@@ -22,4 +23,4 @@ def rendered(rid: str = "r1", prompt=(1, 2, 3), api: str = "completions", *, str
     sp = SamplingParams(max_tokens=max_tokens,
                         options=SamplingOptions(**{"temperature": 0.0, **sampling}), **own)
     return RenderedRequest(rid, api, model, tuple(prompt), sp, stream, include_usage, created,
-                           0.0, typed, n=getattr(typed, "n", 1))
+                           0.0, APIS[api].reply_spec(typed), n=getattr(typed, "n", 1))

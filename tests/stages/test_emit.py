@@ -9,7 +9,7 @@ from stages.messages import SamplingParams
 from stages.api.chat import ChatFramer
 from stages.api.completions import CompletionFramer
 from stages.api.framing import STATUS_CLIENT_CLOSED
-from stages.api.responses import ResponsesFramer
+from stages.api.responses_framing import ResponsesFramer
 from stages.emit import framer_for as Framer
 from rendered import rendered
 
@@ -143,7 +143,7 @@ def test_include_reasoning_false_hides_the_token_ids_of_the_reasoning(stream):
     assert b'"reasoning"' not in out and b"ret" not in out
     assert ids == [21, 22] and tokens == ["ans", "wer"]
     # include_reasoning true: all of it
-    f = Framer(attrs.evolve(req, request=attrs.evolve(req.request, include_reasoning=True)))
+    f = Framer(attrs.evolve(req, reply=attrs.evolve(req.reply, include_reasoning=True)))
     f.start()
     out = f.on_delta(attrs.evolve(delta(reasoning="se", finish=FinishReason.STOP),
                                   token_ids=(11, 12), logprobs=lp("s", "e"), reasoning_span=2))

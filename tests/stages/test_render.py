@@ -345,7 +345,7 @@ def test_responses_string_input_with_instructions():
     assert ctx.tokenizer.template_calls[-1][0] == [
         {"role": "system", "content": "be nice"}, {"role": "user", "content": "hi"}]
     assert req.sampling.max_tokens == 5 and req.sampling.options.temperature == 0.5
-    r = req.request
+    r = req.reply.response
     assert (r.instructions, r.max_output_tokens, r.metadata) == ("be nice", 5, {"k": "v"})
     assert req.sampling.options.top_p == 1.0
 
@@ -365,7 +365,7 @@ def test_responses_message_items():
 def test_responses_max_output_tokens_absent_fills_the_context():
     req = responses({})
     assert req.sampling.max_tokens == 100 - len("<user>hi<assistant>")
-    assert req.request.max_output_tokens is None
+    assert req.reply.response.max_output_tokens is None
 
 
 @pytest.mark.parametrize("body, param", [
@@ -394,7 +394,7 @@ def test_responses_errors(body, param):
 
 def test_responses_reasoning_effort_is_accepted_with_a_reasoning_parser():
     req = responses({"reasoning": {"effort": "low"}}, make_ctx(reasoning=True))
-    assert req.request.reasoning.effort == "low"
+    assert req.reply.response.reasoning_effort == "low"
 
 
 def test_responses_accepts_harmless_defaults():
