@@ -97,8 +97,8 @@ class RemoteEngine(EngineClient):
 
 async def _send_requests(receive: trio.MemoryReceiveChannel, link: Link, replies: Replies,
                          requests: dict) -> None:
-    """render -> the engine's admit. Keeps each request here (its typed request is for
-    the framers, and Step frames name new requests by id); the engine gets it without."""
+    """render -> the engine's admit: the RenderedRequest whole (plain data). It is kept
+    here too, since Step frames name new requests by id."""
     async with receive:
         async for req in receive:
             rid = req.request_id
