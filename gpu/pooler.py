@@ -39,29 +39,43 @@ class VarlenAttention:
         """The step's layout, shared by every layer."""
         self.lens = list(seq_lens)
         B, L = len(seq_lens), max(seq_lens)
-        starts = torch.tensor([0, *seq_lens], dtype=torch.int64).cumsum(0)
-        T = int(starts[-1])
-        cols = torch.arange(L)
-        valid = cols[None, :] < torch.tensor(seq_lens)[:, None]                   # [B, L]
-        rows = starts[:-1, None] + cols[None, :]                                  # [B, L]
+        starts = [0]
+        for n in seq_lens:
+            starts.append(starts[-1] + n)
+        T = starts[-1]
         if self.use_triton:
             # the step's k/v as a paged cache of one-token pages: page t is token t
+            rows = torch.tensor(starts[:-1])[:, None] + torch.arange(L)[None, :]
             self.block_tables = rows.clamp(max=max(T - 1, 0)).to(torch.int32).to(device)
-            self.cu_seqlens = starts.to(torch.int32).to(device)
+            self.cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
             self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
             self.max_len = L
             return
-        self.single = B == 1
-        if self.single:
-            return
-        # padded layout: row T of the inputs (a zero row appended) fills the padding
-        self.pad_index = torch.where(valid, rows, T).reshape(-1).to(device)       # [B * L]
-        self.unpad_index = (torch.arange(B)[:, None] * L + cols[None, :])[valid].to(device)  # [T]
-        mask = valid[:, None, None, :].to(device)                                 # [B, 1, 1, L] keys
-        if self.causal:
-            mask = mask & torch.ones(L, L, dtype=torch.bool, device=device).tril()
-        self.mask = mask
-        self.shape = (B, L)
+        self.groups = [self._group(g, seq_lens, starts, device) for g in _buckets(seq_lens)]
+
+    def _group(self, members: list[int], lens: list[int], starts: list[int], device) -> tuple:
+        """One SDPA call's sequences: (start, end) of a lone one's rows; else the gather
+        index of the padded [G, L] layout (a padding slot repeats its sequence's last row,
+        which the key mask hides), the key mask (None when all are as long), the valid
+        slots of the padded layout and the rows they go to."""
+        if len(members) == 1:
+            b = members[0]
+            return (starts[b], starts[b + 1])
+        L = max(lens[b] for b in members)
+        cols = torch.arange(L)
+        glens = torch.tensor([lens[b] for b in members])
+        first = torch.tensor([starts[b] for b in members])
+        valid = cols[None, :] < glens[:, None]                                   # [G, L]
+        gather = (first[:, None] + torch.minimum(cols[None, :], glens[:, None] - 1)).reshape(-1)
+        mask = None
+        if not bool(valid.all()):
+            mask = valid[:, None, None, :]
+            if self.causal:
+                mask = mask & torch.ones(L, L, dtype=torch.bool).tril()
+            mask = mask.to(device)
+        keep = valid.reshape(-1).nonzero()[:, 0]
+        dest = gather.index_select(0, keep)
+        return (gather.to(device), mask, keep.to(device), dest.to(device), len(members), L)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
@@ -74,20 +88,54 @@ class VarlenAttention:
             return paged_attention(q, k.reshape(T, 1, hkv, dh), v.reshape(T, 1, hkv, dh), self.block_tables,
                                    self.cu_seqlens, self.seq_lens, self.scale, causal=self.causal,
                                    max_seqlen_q=self.max_len)
-        if self.single:
+        gqa = q.shape[1] != k.shape[1]
+        if len(self.groups) == 1 and len(self.groups[0]) == 2:      # one sequence: no copy
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=self.causal, scale=self.scale,
-                                               enable_gqa=q.shape[1] != k.shape[1])
+                                               is_causal=self.causal, scale=self.scale, enable_gqa=gqa)
             return o.transpose(0, 1)
-        B, L = self.shape
+        out = q.new_empty(q.shape)
+        for group in self.groups:
+            if len(group) == 2:
+                s, e = group
+                o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                                   v[s:e].transpose(0, 1), is_causal=self.causal,
+                                                   scale=self.scale, enable_gqa=gqa)
+                out[s:e] = o.transpose(0, 1)
+                continue
+            gather, mask, keep, dest, G, L = group
 
-        def padded(x: torch.Tensor) -> torch.Tensor:                               # -> [B, H, L, Dh]
-            x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-            return x.index_select(0, self.pad_index).view(B, L, *x.shape[1:]).transpose(1, 2)
+            def padded(x: torch.Tensor) -> torch.Tensor:                       # -> [G, H, L, Dh]
+                return x.index_select(0, gather).view(G, L, *x.shape[1:]).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=self.mask,
-                                           scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
-        return o.transpose(1, 2).reshape(B * L, *q.shape[1:]).index_select(0, self.unpad_index)
+            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask,
+                                               is_causal=self.causal and mask is None,
+                                               scale=self.scale, enable_gqa=gqa)
+            out.index_copy_(0, dest, o.transpose(1, 2).reshape(G * L, *q.shape[1:]).index_select(0, keep))
+        return out
+
+
+# A bucket of sequences padded to its longest may hold this much more than its tokens.
+PAD_SLACK = 1.25
+
+
+def _buckets(lens: list[int]) -> list[list[int]]:
+    """The sequences (by index) in groups of similar length, one SDPA call each: sorted by
+    length, a group grows while padding it to its longest costs at most PAD_SLACK x its
+    tokens (and attention's L^2 at most PAD_SLACK^2)."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for b in order:
+        n = lens[b]
+        if cur and n * (len(cur) + 1) > PAD_SLACK * (total + n):
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(b)
+        total += n
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def pool(hidden: torch.Tensor, seq_lens: list[int], pooling_type: str) -> torch.Tensor:

@@ -14,6 +14,8 @@ CASES = {
     "encoder_mha": ([5, 1, 17, 9], 4, 4, 16),
     "decoder_gqa": ([3, 20, 2], 4, 2, 32),
     "one_sequence": ([13], 2, 2, 16),
+    "buckets": ([7, 8, 31, 8, 9, 30, 2], 2, 1, 16),    # (2) (7 8 8 9) (30 31): padded groups
+    "equal_lengths": ([6, 6, 6], 2, 2, 16),           # one group, no mask
 }
 
 
@@ -52,6 +54,16 @@ def test_varlen_attention_paths_match_dense(case, causal, dtype, device, tol):
         out = attn.forward(0, q.to(dev), k.to(dev), v.to(dev))
         assert out.shape == q.shape and out.dtype == dtype
         torch.testing.assert_close(out.float().cpu(), dense, **tol(dtype))
+
+
+def test_buckets_bound_the_padding():
+    from gpu.pooler import PAD_SLACK, _buckets
+    lens = [7, 8, 31, 8, 9, 30, 2]
+    groups = _buckets(lens)
+    assert sorted(b for g in groups for b in g) == list(range(len(lens)))
+    assert [sorted(lens[b] for b in g) for g in groups] == [[2], [7, 8, 8, 9], [30, 31]]
+    for g in groups:
+        assert max(lens[b] for b in g) * len(g) <= PAD_SLACK * sum(lens[b] for b in g)
 
 
 def test_varlen_attention_refuses_sinks_and_windows():
