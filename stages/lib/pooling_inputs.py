@@ -2,7 +2,8 @@
 sentence-transformers truncates (special tokens kept, the text cut at its right end; a pair's
 longer text first), and refused when too long without truncation.
 
-Token-id inputs are taken as they are (no special tokens added), cut at the right end.
+Token-id inputs are taken as they are (no special tokens added); truncation keeps their
+last tokens, as vLLM does.
 A pair (a cross-encoder's query and document) is encoded as the tokenizer's post-processor
 joins two texts, and its `segment` is where the second text's token type 1 starts (0 where
 the model has a single token type, as RoBERTa).
@@ -33,7 +34,7 @@ def input_ids(inp: PoolingInput, tokenizer: Any, max_model_len: int, vocab_size:
         if bad:
             raise RequestError(f"'{inp.param}' has token id {bad[0]}, which is out of vocabulary "
                                f"(ids are in [0, {vocab_size})).", param=inp.param)
-        ids = list(inp.token_ids[:keep] if keep is not None else inp.token_ids)
+        ids = list(inp.token_ids[-keep:] if keep is not None else inp.token_ids)
     elif tokenizer is None:
         raise RequestError("This server has no tokenizer: inputs must be token ids.", param=inp.param)
     elif inp.pair is not None:
