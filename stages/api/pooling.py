@@ -24,7 +24,10 @@ import orjson
 
 from gpu.interface import PoolingOptions
 from gpu.pooling_config import PoolingConfigError, PoolingSpec, check_dimensions
-from stages.api.common import Invalid, RequestError, one_of, opt
+from stages.api.common import Invalid, RequestError, one_of, opt, server_error
+from stages.api.framing import Framer, json_body
+from stages.lib.delta import Delta, FinishReason
+from stages.messages import PoolingReply
 
 ENCODING_FORMATS = ("float", "base64")
 MAX_INPUTS = 2048        # inputs (sequences) per request: vLLM has no limit; a bound on memory
@@ -103,18 +106,6 @@ class PoolingInput:
     param: str = "input"                 # the field it came from, for a 400 naming it
     add_special_tokens: bool = True
     max_tokens: int | None = None        # keep this many tokens (truncate_prompt_tokens)
-
-
-@attrs.frozen
-class PoolingReply:
-    """What the reply needs beyond the vectors, in the sequences' order."""
-    kind: str                            # embeddings | pooling | score | rerank | classify
-    encoding_format: str = "float"
-    # score and rerank: (sequence a, sequence b) per pair, or (sequence,) for a cross-encoder
-    pairs: tuple[tuple[int, ...], ...] = ()
-    documents: tuple[str, ...] = ()      # rerank with return_documents: each pair's document
-    top_n: int = 0                       # rerank: 0 keeps every result
-    labels: tuple[str, ...] = ()         # classify: the model's labels
 
 
 @attrs.frozen
@@ -353,6 +344,36 @@ def body(reply: PoolingReply, *, request_id: str, model: str, created: int, vect
         out = {"id": rid, "model": model, "usage": {"total_tokens": prompt_tokens}, "results": results}
     return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
+
+class PoolingFramer(Framer):
+    """A pooling request's one JSON body, once every sequence has its vector: vectors are
+    kept by sequence (Delta.index) as they come, whatever the order of the steps."""
+
+    def __init__(self, req) -> None:
+        super().__init__(req)
+        self.vectors: list[bytes | None] = [None] * req.num_choices
+
+    def _stream(self, delta: Delta) -> bytes:
+        raise AssertionError("a pooling reply is never streamed")
+
+    def _accumulate(self, delta: Delta) -> bytes:
+        if delta.finish_reason is FinishReason.ERROR:
+            self.status = 500
+            return json_body(server_error(delta.error))
+        self.vectors[delta.index] = delta.pooled
+        if not self.closing:
+            return b""
+        req = self.req
+        return body(req.pooling.reply, request_id=req.request_id, model=req.model, created=req.created,
+                    vectors=self.vectors, prompt_tokens=req.num_prompt_tokens)
+
+
+# The routes (web/app.py serves them; the first of each is the one errors name)
+POOLING_PATHS: dict[str, str] = {"embeddings": "/v1/embeddings", "pooling": "/pooling", "score": "/score",
+                                 "rerank": "/rerank", "classify": "/classify"}
+ROUTES: dict[str, str] = {"/v1/embeddings": "embeddings", "/pooling": "pooling", "/score": "score",
+                          "/v1/score": "score", "/rerank": "rerank", "/v1/rerank": "rerank",
+                          "/v2/rerank": "rerank", "/classify": "classify"}
 
 # The APIs: name -> (request type, plan)
 POOLING_APIS: dict[str, tuple[type, Any]] = {

@@ -133,6 +133,9 @@ class Delta:
     # stats; None on the others (most deltas: building it for each is a step's cost)
     usage: Usage | None = None
     metrics: RequestMetrics | None = None      # the finished request's timings, when asked for
+    # -- a pooling sequence's one delta (schedule, from StepResult.pooled): its vector,
+    # float32 little-endian (gpu/pooling_runner.py)
+    pooled: bytes | None = None
 
     def __init__(self, request_id: str, token_ids: tuple[int, ...] = (),
                  finish_reason: FinishReason | None = None, stop_reason: str | int | None = None,

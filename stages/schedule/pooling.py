@@ -16,7 +16,7 @@ import time
 from gpu.interface import PoolingOptions, SamplingOptions, SeqChunk, SeqStart, StepPlan, StepResult
 from stages.lib.delta import Delta, FinishReason
 from stages.messages import Step
-from stages.schedule.scheduler import Scheduler
+from stages.schedule import Scheduler
 
 _NONE = SamplingOptions()
 _DEFAULT = PoolingOptions()
