@@ -22,7 +22,7 @@ from stages.api.request_types import ChoiceRequest
 from stages.api.responses import ResponsesRequest
 from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                  TokenizeResponse)
-from stages.api.pooling import POOLING_APIS, POOLING_PATHS
+from stages.api.pooling import INVOCATION_INPUT, POOLING_APIS, POOLING_PATHS
 from stages.lib.pooling_inputs import input_ids
 from stages.messages import PoolingWork, RenderedRequest, ReplySpec, SamplingParams, Submission
 
@@ -55,6 +55,9 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
 
     Raises RequestError (4xx, OpenAI-shaped) for anything the client got wrong.
     """
+    if sub.api == INVOCATION_INPUT:
+        task = ctx.pooling.task if ctx.pooling is not None else "embed"
+        sub = attrs.evolve(sub, api="classify" if task == "classify" else "embeddings")
     if sub.api in POOLING_APIS:
         return render_pooling(sub, ctx)
     api = APIS.get(sub.api)

@@ -375,6 +375,9 @@ ROUTES: dict[str, str] = {"/v1/embeddings": "embeddings", "/pooling": "pooling",
                           "/v1/score": "score", "/rerank": "rerank", "/v1/rerank": "rerank",
                           "/v2/rerank": "rerank", "/classify": "classify"}
 
+# /invocations with an `input`: embeddings, or a classifier's classes (render decides)
+INVOCATION_INPUT = "input"
+
 # The APIs: name -> (request type, plan)
 POOLING_APIS: dict[str, tuple[type, Any]] = {
     "embeddings": (EmbeddingRequest, plan_embeddings),

@@ -23,7 +23,11 @@ _DEFAULT = PoolingOptions()
 
 
 class PoolingScheduler(Scheduler):
-    """The core Scheduler with a pooling server's plan and update."""
+    """The core Scheduler with a pooling server's plan and update. Its plans are
+    independent of the results before them (each takes new sequences only), so the next
+    step is planned while one runs: two in flight."""
+
+    max_in_flight = 2
 
     def schedule(self) -> StepPlan:
         self.step += 1
