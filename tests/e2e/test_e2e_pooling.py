@@ -197,3 +197,28 @@ def test_replay_reproduces_every_reply(pooling_server, tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert " 0 differ" in out.stdout + out.stderr
+
+
+def test_langchain_openai_embeddings(pooling_server, reference):
+    """LangChain's OpenAIEmbeddings, as vLLM documents it (check_embedding_ctx_length=False:
+    no tiktoken, the texts are sent as they are)."""
+    from langchain_openai import OpenAIEmbeddings
+    emb = OpenAIEmbeddings(model="minilm", base_url=pooling_server.base_url, api_key="x",
+                           check_embedding_ctx_length=False, max_retries=0)
+    got = np.array(emb.embed_documents(SENTENCES[:8]))
+    assert _cos(got, reference[:8]).min() >= 0.99999
+    assert _cos(np.array(emb.embed_query(SENTENCES[9])), reference[9]) >= 0.99999
+
+
+def test_cohere_sdk_rerank(pooling_server, st_model):
+    """The cohere SDK's rerank: ClientV2 posts to /v2/rerank, Client (v1) to /v1/rerank."""
+    import cohere
+    query, docs = "a man eats food", ["a dog runs", "the man eats food", "blue river"]
+    e = st_model.encode([query] + docs)
+    order = list(np.argsort(-_cos(e[1:], e[0][None, :])))
+    v2 = cohere.ClientV2(api_key="x", base_url=pooling_server.url).rerank(
+        model="minilm", query=query, documents=docs, top_n=2)
+    assert [r.index for r in v2.results] == order[:2]
+    v1 = cohere.Client(api_key="x", base_url=pooling_server.url).rerank(
+        model="minilm", query=query, documents=docs)
+    assert [r.index for r in v1.results] == order
