@@ -222,3 +222,17 @@ def test_cohere_sdk_rerank(pooling_server, st_model):
     v1 = cohere.Client(api_key="x", base_url=pooling_server.url).rerank(
         model="minilm", query=query, documents=docs)
     assert [r.index for r in v1.results] == order
+
+
+def test_bench_serve_embeddings_backend(pooling_server, minilm_dir):
+    """`tailrace bench serve --backend openai-embeddings` against the server: every request
+    answered, inputs per second reported."""
+    host, port = pooling_server.url.removeprefix("http://").rsplit(":", 1)
+    out = subprocess.run([sys.executable, "-m", "web.cli", "bench", "serve", "--backend", "openai-embeddings",
+                          "--host", host, "--port", port, "--tokenizer", str(minilm_dir),
+                          "--random-input-len", "16", "--num-prompts", "32", "--inputs-per-request", "4",
+                          "--max-concurrency", "4", "--percentile-metrics", "e2el", "--disable-tqdm"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Successful requests:                     8" in out.stdout
+    assert "Embedding inputs per second:" in out.stdout
