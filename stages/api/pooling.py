@@ -24,7 +24,7 @@ import orjson
 
 from gpu.interface import PoolingOptions
 from gpu.pooling_config import PoolingConfigError, PoolingSpec, check_dimensions
-from stages.api.common import Invalid, RequestError, one_of, opt, server_error
+from stages.api.common import ChatMessage, Invalid, RequestError, one_of, opt, server_error
 from stages.api.framing import Framer, json_body
 from stages.lib.delta import Delta, FinishReason
 from stages.messages import PoolingReply
@@ -56,7 +56,7 @@ class EmbeddingRequest(PoolingBase):
     """POST /v1/embeddings (OpenAI's; vLLM's extensions) and POST /pooling: `input`, or
     vLLM's chat-style `messages` rendered through the chat template."""
     input: Any = opt()                 # a string, strings, token ids or lists of them
-    messages: list[dict[str, Any]] | None = opt()
+    messages: list[ChatMessage] | None = opt()
     encoding_format: str = opt(one_of(*ENCODING_FORMATS), default="float")
     dimensions: int | None = opt()
     normalize: bool | None = opt()     # vLLM's: L2-normalize (the model's default when absent)
@@ -113,7 +113,7 @@ class PoolingPlan:
     inputs: tuple[PoolingInput, ...]
     options: PoolingOptions
     reply: PoolingReply
-    messages: tuple[dict[str, Any], ...] | None = None   # embeddings' chat-style input
+    messages: tuple[ChatMessage, ...] | None = None   # embeddings' chat-style input
     chat_template: str | None = None
     template_kwargs: dict[str, Any] = attrs.field(factory=dict)
     add_generation_prompt: bool = False
@@ -178,7 +178,7 @@ def plan_embeddings(req: EmbeddingRequest, spec: PoolingSpec, kind: str = "embed
     reply = PoolingReply(kind=kind, encoding_format=req.encoding_format)
     options = PoolingOptions(dimensions=_dimensions(req, spec), normalize=req.normalize)
     if req.messages is not None:
-        if not req.messages or not all(isinstance(m, dict) for m in req.messages):
+        if not req.messages:
             raise RequestError("'messages' must be a non-empty array of messages.", param="messages")
         return PoolingPlan(
             inputs=(PoolingInput(param="messages", max_tokens=req.truncate_prompt_tokens,

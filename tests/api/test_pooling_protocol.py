@@ -66,7 +66,8 @@ def test_embedding_inputs_of_every_shape():
     p = plan("embeddings", {"input": "x", "dimensions": 2, "normalize": False}, MATRYOSHKA)
     assert (p.options.dimensions, p.options.normalize) == (2, False)
     p = plan("embeddings", {"messages": [{"role": "user", "content": "hi"}]})
-    assert p.messages == ({"role": "user", "content": "hi"},) and p.inputs[0].add_special_tokens is False
+    assert [(m.role, m.content) for m in p.messages] == [("user", "hi")]
+    assert p.inputs[0].add_special_tokens is False
 
 
 def test_score_pairs_bi_encoder_and_cross_encoder():

@@ -129,6 +129,8 @@ def test_pooling_route_and_invocations(http, client):
     ("/v1/embeddings", {"input": "x", "dimensions": 32}, "dimensions"),
     ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ("/v1/embeddings", {"input": [1, 99999999]}, "input"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "x"}]}, "messages"),   # no template
+    ("/v1/embeddings", {"input": "x", "temperature": 0.5}, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
     ("/classify", {"input": "x"}, "model"),
