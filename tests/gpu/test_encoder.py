@@ -258,3 +258,14 @@ def test_smollm2_gguf_as_embedding_matches_its_decoder(smollm):
         with torch.inference_mode():
             hidden = smollm.model(torch.tensor(prompt), torch.arange(n), attn)[-1]
         np.testing.assert_allclose(vec, torch.nn.functional.normalize(hidden, dim=-1).numpy(), atol=2e-5)
+
+
+def test_minilm_bf16_within_its_tolerance(minilm_dir, st_model):
+    """bf16 weights and activations (CPU: oneDNN's bf16 GEMMs): cosine >= 0.999 against
+    sentence-transformers in fp32 (measured: about 0.9999)."""
+    loaded = load_pooling_model(minilm_dir, dtype="bfloat16")
+    batch = [loaded.tokenizer.encode(s, add_special_tokens=True) for s in SENTENCES]
+    ours = np.stack(_run(PoolingRunner(loaded), batch))
+    ref = st_model.encode(SENTENCES)
+    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.999, cos
