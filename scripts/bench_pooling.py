@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--skip-st", action="store_true")
     ap.add_argument("--slice", type=int, default=256, help="sentences per interleaved slice")
     ap.add_argument("--latency-calls", type=int, default=50)
+    ap.add_argument("--write-jsonl", default=None, metavar="PATH",
+                    help="write the sentences as bench serve's custom dataset ({\"prompt\"} lines) and stop")
     args = ap.parse_args()
     import importlib.util
     from pathlib import Path
@@ -61,6 +63,10 @@ def main() -> None:
     loaded = load_pooling_model(folder, dtype=args.dtype)
     runner = PoolingRunner(loaded)
     texts = sentences(loaded.tokenizer, args.num)
+    if args.write_jsonl:
+        with open(args.write_jsonl, "w") as f:
+            f.writelines(json.dumps({"prompt": t}) + "\n" for t in texts)
+        return
     encode = loaded.tokenizer.hf.encode_batch
 
     def ours(batch: list[str]) -> list[np.ndarray]:
