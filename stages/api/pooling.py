@@ -24,8 +24,9 @@ import orjson
 
 from gpu.interface import PoolingOptions
 from gpu.pooling_config import PoolingConfigError, PoolingSpec, check_dimensions
-from stages.api.common import ChatMessage, Invalid, RequestError, one_of, opt, server_error
+from stages.api.common import Invalid, RequestError, one_of, opt, server_error
 from stages.api.framing import Framer, json_body
+from stages.api.request_types import ChatMessage
 from stages.lib.delta import Delta, FinishReason
 from stages.messages import PoolingReply
 
