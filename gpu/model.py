@@ -216,7 +216,9 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
                  max_positions: int | None = None, packed_experts: bool = False,
-                 residual_dtype: torch.dtype | None = None, tp: TP = SINGLE):
+                 residual_dtype: torch.dtype | None = None, tp: TP = SINGLE, lm_head: bool = True):
+        """lm_head=False: the backbone alone (a pooling model's, gpu/pooler.py): no LM head is
+        built, and a checkpoint's lm_head.weight is skipped."""
         super().__init__()
         self.config = config
         self.tp = tp
@@ -236,15 +238,17 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device, self.packed_experts, tp)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        if c.tie_word_embeddings:
+        self.lm_head: Linear | None = None
+        if lm_head and c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, rows, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
-        else:
+        elif lm_head:
             self.lm_head = skip_init(Linear, c.hidden_size, rows, bias=False, dtype=dtype, device=device)
         if rows > self.vocab_real:
             with torch.no_grad():
                 self.embed_tokens.weight[self.vocab_real:].zero_()
-                self.lm_head.weight[self.vocab_real:].zero_()
+                if self.lm_head is not None:
+                    self.lm_head.weight[self.vocab_real:].zero_()
         # fp32 cos/sin table; a buffer so .to(device) moves it, not persistent so it is never "loaded".
         positions = max_positions or c.max_position_embeddings
         self.register_buffer("cos_sin", build_rope_cache(c, positions, device), persistent=False)
@@ -329,7 +333,8 @@ class CausalLM(nn.Module):
         else:
             named_tensors = self._sharded(named_tensors)
         for hf_name, tensor in named_tensors:
-            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and (
+                    self.config.tie_word_embeddings or self.lm_head is None)):
                 continue
             target, rows = self._destination(hf_name)
             if target not in params:

@@ -134,6 +134,10 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
     """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) from a HF model directory.
     eos_token_ids: the tokenizer's own eos_token (gpu.loader.merge_eos_ids adds the model's)."""
     hf = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    # some tokenizer.json files (sentence-transformers' all-MiniLM-L6-v2) pad and truncate every
+    # encoding to 128: the server decides lengths itself (render refuses or truncates)
+    hf.no_truncation()
+    hf.no_padding()
     cfg = read_json(path / "tokenizer_config.json")
     template: Any = cfg.get("chat_template")
     if isinstance(template, list):

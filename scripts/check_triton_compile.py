@@ -71,7 +71,7 @@ KERNELS = [
     ("sample / apply_penalties", "gpu.kernels.sampling", "tests/kernels/test_sampling.py", 1),
     ("mxfp4_moe", "gpu.kernels.mxfp4_moe", "tests/kernels/test_mxfp4_moe.py", 1),
     ("lora shrink/expand", None, None, 1),
-    ("encoder attention (non-causal)", None, None, 1),
+    ("encoder attention (non-causal)", "gpu.kernels.paged_attention", "tests/kernels/test_varlen_attention.py", 1),
     ("vision tower attention", None, None, 1),
     ("EAGLE heads forward", None, None, 1),
     ("NIXL with CUDA buffers", None, None, 2),

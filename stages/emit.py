@@ -11,9 +11,12 @@ import attrs
 
 from stages.api import APIS
 from stages.api.framing import Framer
+from stages.api.pooling import PoolingFramer
 from stages.messages import RenderedRequest, Step
 
 def framer_for(req: RenderedRequest) -> Framer:
+    if req.pooling is not None:
+        return PoolingFramer(req)
     try:
         framer = APIS[req.api].framer
     except KeyError:

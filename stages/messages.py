@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from gpu.interface import Constraint, SamplingOptions
+from gpu.interface import Constraint, PoolingOptions, SamplingOptions
 from stages.lib.delta import Delta
 
 
@@ -79,6 +79,31 @@ class ReplySpec:
 
 
 @attrs.frozen
+class PoolingReply:
+    """What a pooling reply needs beyond the vectors (stages/api/pooling.py frames it)."""
+    kind: str                            # embeddings | pooling | score | rerank | classify
+    encoding_format: str = "float"
+    # score and rerank: (sequence a, sequence b) per pair, or (sequence,) for a cross-encoder
+    pairs: tuple[tuple[int, ...], ...] = ()
+    documents: tuple[str, ...] = ()      # rerank with return_documents: each pair's document
+    top_n: int = 0                       # rerank: 0 keeps every result
+    labels: tuple[str, ...] = ()         # classify: the model's labels
+
+
+@attrs.frozen
+class PoolingWork:
+    """A pooling request's own part (issue 32): each of its prompts is one sequence,
+    pooled whole in one step; what each asks of the runner, and what the reply needs."""
+    options: PoolingOptions
+    reply: PoolingReply
+    segments: tuple[int, ...] = ()       # per sequence: a cross-encoder pair's second text
+
+    def options_of(self, index: int) -> PoolingOptions:
+        segment = self.segments[index] if self.segments else 0
+        return attrs.evolve(self.options, segment=segment) if segment else self.options
+
+
+@attrs.frozen
 class RenderedRequest:
     request_id: str
     api: str                      # "chat" | "completions" | "responses"
@@ -100,6 +125,7 @@ class RenderedRequest:
     prompts: tuple[tuple[int, ...], ...] = ()
     prompt_max_tokens: tuple[int, ...] = ()   # with several prompts: each one's max_tokens
     echo: tuple[str, ...] | None = None      # echo: the text each prompt's choices start with
+    pooling: PoolingWork | None = None       # a pooling request: its prompts are its inputs
 
     @property
     def num_choices(self) -> int:

@@ -14,6 +14,7 @@ import attrs
 import jinja2
 
 from gpu.interface import SamplingOptions
+from gpu.pooling_config import PoolingSpec
 from stages.api import harmony
 from stages.api import APIS, chat
 from stages.api.common import PromptPlan, RequestError, ToolSettings, parse_request, usage_flags
@@ -21,7 +22,9 @@ from stages.api.request_types import ChoiceRequest
 from stages.api.responses import ResponsesRequest
 from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                  TokenizeResponse)
-from stages.messages import RenderedRequest, SamplingParams, Submission
+from stages.api.pooling import INVOCATION_INPUT, POOLING_APIS, POOLING_PATHS
+from stages.lib.pooling_inputs import input_ids
+from stages.messages import PoolingWork, RenderedRequest, ReplySpec, SamplingParams, Submission
 
 if TYPE_CHECKING:
     from gpu.tokenizer import Tokenizer
@@ -44,6 +47,7 @@ class RenderContext:
     per_request_metrics: bool = False  # --enable-per-request-metrics
     tools: ToolSettings = ToolSettings()   # --enable-auto-tool-choice, --tool-call-parser...
     harmony: bool = False         # gpt-oss: messages render through Harmony (stages/api/harmony.py)
+    pooling: PoolingSpec | None = None   # a pooling model (--runner pooling): what it does
 
 
 def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -51,9 +55,18 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
 
     Raises RequestError (4xx, OpenAI-shaped) for anything the client got wrong.
     """
+    if sub.api == INVOCATION_INPUT:
+        task = ctx.pooling.task if ctx.pooling is not None else "embed"
+        sub = attrs.evolve(sub, api="classify" if task == "classify" else "embeddings")
+    if sub.api in POOLING_APIS:
+        return render_pooling(sub, ctx)
     api = APIS.get(sub.api)
     if api is None:
         raise RequestError(f"Unknown API {sub.api!r}.", status=404, type="not_found_error")
+    if ctx.pooling is not None:
+        raise RequestError(f"The model `{ctx.served_model_names[0]}` is a pooling model (--runner "
+                           f"pooling): it does not serve {api.path}; use /v1/embeddings, /pooling, "
+                           f"/score, /rerank or /classify.", param="model")
     req = parse_request(sub.body, api.request)
     if ctx.tokenizer is None and isinstance(req, ChoiceRequest):
         req = attrs.evolve(req, return_token_ids=True)   # no text to send: send the ids
@@ -96,6 +109,41 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
         prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),
         echo=_echo(plan, req, prompts, ctx))
+
+
+def render_pooling(sub: Submission, ctx: RenderContext) -> RenderedRequest:
+    """A pooling request (stages/api/pooling.py): each input tokenized, truncated or refused
+    when too long (stages/lib/pooling_inputs.py), one sequence each."""
+    cls, make_plan = POOLING_APIS[sub.api]
+    req = parse_request(sub.body, cls)
+    model = _resolve_model(req.model, ctx)
+    if ctx.pooling is None:
+        raise RequestError(f"The model `{model}` generates text: it does not serve "
+                           f"{POOLING_PATHS[sub.api]} (start the server with --runner pooling and an "
+                           f"embedding or classification model).", param="model")
+    plan = make_plan(req, ctx.pooling)
+    vocab = _vocab_size(ctx)
+    if plan.messages is not None:
+        if ctx.tokenizer is None:
+            raise RequestError("This server has no tokenizer: 'messages' cannot be rendered.",
+                               param="messages")
+        chat_plan = PromptPlan(messages=chat.template_messages(list(plan.messages), "messages"),
+                               add_generation_prompt=plan.add_generation_prompt,
+                               continue_final_message=plan.continue_final_message,
+                               chat_template=plan.chat_template, template_kwargs=plan.template_kwargs,
+                               prompt_param="messages", max_tokens=None, max_tokens_param="")
+        encoded = [input_ids(plan.inputs[0], ctx.tokenizer, ctx.max_model_len, vocab,
+                             text=_apply_template(ctx, chat_plan))]
+    else:
+        encoded = [input_ids(inp, ctx.tokenizer, ctx.max_model_len, vocab) for inp in plan.inputs]
+    prompts = tuple(tuple(ids) for ids, _ in encoded)
+    segments = tuple(seg for _, seg in encoded)
+    return RenderedRequest(
+        request_id=sub.request_id, api=sub.api, model=model, prompt_token_ids=prompts[0],
+        sampling=SamplingParams(max_tokens=0), stream=False, include_usage=True,
+        created=int(time.time()), arrival=sub.arrival, reply=ReplySpec(),
+        prompts=prompts if len(prompts) > 1 else (),
+        pooling=PoolingWork(plan.options, plan.reply, segments if any(segments) else ()))
 
 
 def _echo(plan: PromptPlan, req, prompts: list[list[int]], ctx: RenderContext

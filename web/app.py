@@ -32,6 +32,7 @@ from werkzeug.exceptions import HTTPException
 
 from pipeline.core.validators import non_negative, positive
 from stages.api import APIS
+from stages.api.pooling import INVOCATION_INPUT, ROUTES as POOLING_ROUTES
 from stages.api.common import RequestError, unstructure
 from web import access
 from web.metrics import EngineCollector
@@ -42,7 +43,7 @@ if TYPE_CHECKING:     # the app is imported without the engine (torch)
 
 log = logging.getLogger("tailrace.web")
 
-_API_ROUTES = {spec.path: name for name, spec in APIS.items()}
+_API_ROUTES = {spec.path: name for name, spec in APIS.items()} | POOLING_ROUTES
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _REPLIES_KEY = "tailrace.replies"
 _PROMPT_FIELDS = ("messages", "prompt", "input")      # what a request log line shows
@@ -383,8 +384,16 @@ def _invocation_api(body: object) -> str:
             return "chat"
         if "prompt" in body:
             return "completions"
-    raise RequestError("/invocations takes a chat completion request (with 'messages') or a "
-                       "completion request (with 'prompt').")
+        if "input" in body:     # an embedding model's embeddings, a classifier's classes
+            return INVOCATION_INPUT
+        if "text_1" in body:
+            return "score"
+        if "query" in body and "documents" in body:
+            return "rerank"
+    raise RequestError("/invocations takes a chat completion request (with 'messages'), a "
+                       "completion request (with 'prompt'), an embeddings or classification "
+                       "request (with 'input'), a score request (with 'text_1') or a rerank "
+                       "request (with 'query' and 'documents').")
 
 
 def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
@@ -400,7 +409,7 @@ def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
     for path, api in _API_ROUTES.items():
         async def view(api: str = api) -> Response:
             return await views.generate(api)
-        app.add_url_rule(path, endpoint=api, view_func=view, methods=["POST"])
+        app.add_url_rule(path, endpoint=path, view_func=view, methods=["POST"])
 
     async def invocations() -> Response:
         return await views.generate(None)

@@ -228,6 +228,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         config = engine_config(args)
         web_config = app_config(args)
+        if config.pooling and args.api_server_count is not None:
+            raise ValueError("--api-server-count does not combine with a pooling model (--runner pooling) yet")
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     from pipeline.core.logs import configure as configure_logs

@@ -145,6 +145,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
+    CAUSAL: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -185,9 +186,12 @@ def _paged_attention_kernel(
     m_i, l_i = _softmax_start(sinks_ptr, head, row_mask, split, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # The last query of this tile sees positions < kv_end.
+    # The last query of this tile sees positions < kv_end (every query sees the whole
+    # context when not causal: an encoder's bidirectional attention).
     last_tok = tl.minimum(q_len, (tile + 1) * BLOCK_Q)
     kv_end = first_pos + last_tok
+    if not CAUSAL:
+        kv_end = seq_len
     kv_lo = 0
     if SLIDING:  # the first query of the tile sees positions > its own - window
         kv_lo = tl.maximum(first_pos + tile * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -200,7 +204,10 @@ def _paged_attention_kernel(
                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                              PAGE_SIZE, UPCAST)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if CAUSAL:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        else:
+            visible = n_mask[None, :] & row_mask[:, None]
         if SLIDING:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc, DOT_PRECISION)
@@ -384,8 +391,10 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over their paged context.
+    """Causal attention of packed new tokens over their paged context (causal=False:
+    every query sees its sequence's whole context, an encoder's bidirectional attention).
 
     max_seqlen_q is an optional host-side hint (the longest q_len in the batch);
     it only picks tile sizes and never has to be exact, except that passing 1
@@ -411,6 +420,7 @@ def paged_attention(
     if sinks is not None:
         assert sinks.shape == (Hq,) and sinks.is_contiguous(), f"sinks must be [{Hq}], got {tuple(sinks.shape)}"
     assert window is None or window > 0, f"window must be positive, got {window}"
+    assert causal or window is None, "a sliding window is causal"
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1
@@ -420,6 +430,7 @@ def paged_attention(
     group = Hq // Hkv
     upcast = _INTERPRET or q.dtype == torch.float32 or k_cache.dtype != q.dtype
     splits = max(1, int(num_kv_splits))
+    # one query per sequence at the context's end: it sees the whole context either way
     decode = max_seqlen_q is not None and max_seqlen_q <= 1
     if decode:  # the promise: one token per sequence, row b is sequence b
         assert T == B, f"max_seqlen_q=1 promises one query per sequence: {T} rows, {B} sequences"
@@ -439,6 +450,8 @@ def paged_attention(
     common = dict(GROUP=group, HEAD_DIM=Dh, PAGE_SIZE=page_size, UPCAST=upcast,
                   DOT_PRECISION="ieee" if upcast else None, NUM_SPLITS=splits,
                   HAS_SINKS=sinks is not None, SLIDING=window is not None, **cfg)
+    if not causal and not decode:
+        common["CAUSAL"] = False
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     sinks_arg = q if sinks is None else sinks  # a valid pointer the kernel never reads
@@ -484,8 +497,10 @@ def paged_attention_ref(
     *,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Per-sequence gather of the paged K/V and plain causal softmax attention in fp32;
+    """Per-sequence gather of the paged K/V and plain causal (or, causal=False, full)
+    softmax attention in fp32;
     a sink is one more score column, dropped after the softmax."""
     T, Hq, Dh = q.shape
     _, page_size, Hkv, _ = k_cache.shape
@@ -504,6 +519,8 @@ def paged_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
         q_pos = seq_len - q_len + torch.arange(q_len, device=q.device)
         hidden = pos[None, None, :] > q_pos[None, :, None]
+        if not causal:
+            hidden = torch.zeros_like(hidden)
         if window is not None:
             hidden = hidden | (pos[None, None, :] <= q_pos[None, :, None] - window)
         scores = scores.masked_fill(hidden, float("-inf"))

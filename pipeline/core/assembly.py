@@ -95,6 +95,15 @@ class RequestSideSpec:
         from pipeline.core.startup import chat_template_source, generation_defaults
 
         loaded = built.loaded
+        if built.pooling is not None:   # a pooling model (pipeline/core/pooling.py)
+            tok = loaded.tokenizer
+            ctx = RenderContext(tokenizer=tok, served_model_names=built.model_names,
+                                max_model_len=built.max_model_len,
+                                vocab_size=tok.vocab_size if tok is not None else None,
+                                chat_template=chat_template_source(cfg.chat_template),
+                                pooling=built.pooling)
+            return cls(render_context=ctx, reasoning_parser=None, stream_interval=1,
+                       max_queued_requests=cfg.max_queued_requests)
         ctx = RenderContext(
             tokenizer=loaded.tokenizer, served_model_names=built.model_names,
             max_model_len=built.max_model_len,
@@ -136,11 +145,14 @@ def start_request_side(nursery: trio.Nursery, spec: RequestSideSpec, *,
     emit_in, emit_out = trio.open_memory_channel(1)
     held = StreamInterval(spec.stream_interval) if spec.stream_interval > 1 else None
     nursery.start_soon(render.run, render_out, requests, replies, ctx, ev("render"))
-    nursery.start_soon(detokenize.run, steps, parse_in, back_edges,
-                       detokenize.Detokenizer(tok), ev("detokenize"))
-    nursery.start_soon(parse.run, parse_out, acct_in,
-                       parse.Parser(spec.reasoning_parser, tok), ev("parse"))
-    nursery.start_soon(account.run, acct_out, emit_in, accountant, ev("account"))
+    if ctx.pooling is not None:     # pooled vectors: nothing to detokenize or parse
+        nursery.start_soon(account.run, steps, emit_in, accountant, ev("account"))
+    else:
+        nursery.start_soon(detokenize.run, steps, parse_in, back_edges,
+                           detokenize.Detokenizer(tok), ev("detokenize"))
+        nursery.start_soon(parse.run, parse_out, acct_in,
+                           parse.Parser(spec.reasoning_parser, tok), ev("parse"))
+        nursery.start_soon(account.run, acct_out, emit_in, accountant, ev("account"))
     nursery.start_soon(emit.run, emit_out, replies, emit.Emitter(), ev("emit"), held)
     return RequestSide(render_in=render_in, replies=replies, accountant=accountant)
 

@@ -11,6 +11,7 @@ import os
 import attrs
 
 from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS
+from gpu.pooling_config import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
 from gpu.simulate import GPUS
 from stages.gpu_step import FAULT_KINDS
 from stages.schedule.drafter import SpeculativeConfig
@@ -106,8 +107,32 @@ class EngineConfig:
     simulate_draft_acceptance: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(
             [attrs.validators.ge(0.0), attrs.validators.le(1.0)]))
+    # pooling models (issue 32), vLLM's flags: which runner serves the model (auto: pooling for
+    # an encoder, a classifier or a sentence-transformers folder, or with --convert), a
+    # decoder converted to one, and the pooler's settings over the checkpoint's
+    runner: str = attrs.field(default="auto", validator=attrs.validators.in_(RUNNERS))
+    convert: str = attrs.field(default="auto", validator=attrs.validators.in_(CONVERTS))
+    pooler_config: PoolerConfig = attrs.field(
+        default=PoolerConfig(), converter=lambda v: v if isinstance(v, PoolerConfig) else parse_pooler_config(
+            v if v is None or isinstance(v, str) else json.dumps(v)))
+
+    @property
+    def pooling(self) -> bool:
+        """Served by the pooling runner (gpu/pooling_runner.py): embeddings, scores, classes."""
+        if self.runner != "auto":
+            return self.runner == "pooling"
+        return self.convert in ("embed", "classify") or detect_runner(self.model) == "pooling"
 
     def __attrs_post_init__(self) -> None:
+        if self.runner == "generate" and self.convert in ("embed", "classify"):
+            raise ValueError(f"--convert {self.convert} makes a pooling model: it needs --runner pooling "
+                             "(or auto)")
+        if self.pooling:
+            for flag, on in (("--speculative-config", self.speculative_config is not None),
+                             ("--tensor-parallel-size", self.tensor_parallel_size > 1),
+                             ("--simulate-gpu", self.simulate_gpu is not None)):
+                if on:
+                    raise ValueError(f"{flag} does not combine with a pooling model (--runner pooling)")
         # A --tool-parser-plugin's names count once it is loaded (engine_config loads it).
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of "
@@ -309,6 +334,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "K drafts, each accepted with probability P while the ones before it "
                         "were (the stand-in's tokens are random, so lookup alone finds few).")
     # Test-only: the GPU steps to fail (stages/gpu_step.py), e.g. "3,7:fatal".
+    p.add_argument("--runner", default=_default("runner"), choices=RUNNERS,
+                   help="generate or pooling (embeddings, scores, classes); auto: pooling for an "
+                        "encoder, a classifier or a sentence-transformers folder, or with --convert")
+    p.add_argument("--convert", default=_default("convert"), choices=CONVERTS,
+                   help="serve a decoder as an embedding model (embed: last-token pooling) or a "
+                        "classifier (classify); implies --runner pooling")
+    p.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='the pooler, over the checkpoint\'s: {"pooling_type": "MEAN|CLS|LAST", '
+                        '"normalize": bool, "dimensions": int, "use_activation": bool}')
     p.add_argument("--fault-steps", default=os.environ.get(FAULT_STEPS_ENV, ""),
                    help=argparse.SUPPRESS)
 

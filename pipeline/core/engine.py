@@ -21,6 +21,8 @@ import torch
 import trio
 
 from gpu.loader import LoadedModel
+from gpu.pooling_loader import LoadedPooling
+from gpu.pooling_runner import PoolingRunner
 from gpu.runner import ModelRunner
 from gpu.simulate import SimulatedRunner
 from pipeline.core.assembly import (RequestSideSpec, core_admission, inbox_channel, running,
@@ -44,8 +46,8 @@ class Engine(EngineClient):
 
     config: EngineConfig
     device: torch.device
-    loaded: LoadedModel
-    runner: ModelRunner | SimulatedRunner
+    loaded: LoadedModel | LoadedPooling
+    runner: ModelRunner | SimulatedRunner | PoolingRunner
     blocks: BlockManager
     scheduler: Scheduler
     accountant: account.Accountant

@@ -19,6 +19,7 @@ the header, and `event_files` lists a rotated set oldest first.
 """
 from __future__ import annotations
 
+import base64
 import collections
 import hashlib
 import os
@@ -66,6 +67,8 @@ def _structure_rendered(data: dict, cls: type) -> RenderedRequest:
 
 
 converter.register_structure_hook(RenderedRequest, _structure_rendered)
+# a pooled vector (Delta.pooled: float32 bytes) is logged as base64
+converter.register_structure_hook(bytes, lambda value, _: base64.b64decode(value))
 
 
 def _unstructure_plan(plan: StepPlan) -> dict:
@@ -250,6 +253,8 @@ def _json_default(obj):
     from their defaults, a RenderedRequest whole (its ReplySpec nested), other attrs
     classes as their fields."""
     cls = type(obj)
+    if cls is bytes:   # a pooled vector
+        return base64.b64encode(obj).decode("ascii")
     if cls is Step:   # its deltas built here: a callback per Delta from orjson costs more
         out = {name: getattr(obj, name) for name in _STEP_FIELDS}
         out["deltas"] = [_write_delta(d) for d in obj.deltas]

@@ -24,6 +24,7 @@ from gpu.harmony import uses_harmony
 from gpu.interface import TPLost
 from gpu.loader import LoadedModel
 from gpu.openmp import release_team
+from gpu.pooling_config import PoolingSpec
 from gpu.parallel import SINGLE, TP
 from gpu.runner import ModelRunner
 from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
@@ -92,6 +93,7 @@ class Built:
     blocks: BlockManager
     scheduler: Scheduler
     parsers: Parsers
+    pooling: PoolingSpec | None = None   # a pooling model's behaviour (pipeline/core/pooling.py)
 
 
 @attrs.frozen
@@ -186,6 +188,9 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     from gpu.loader import load_shell, merge_eos_ids
     from gpu.tokenizer_files import implied_tokenizer, load_tokenizer
 
+    if cfg.pooling:
+        from pipeline.core.pooling import build_pooling
+        return build_pooling(cfg, device)
     t0 = time.perf_counter()
     if loaded is None and cfg.simulate_gpu:
         loaded = load_shell(cfg.model, load_format=cfg.load_format)

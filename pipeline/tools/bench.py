@@ -235,6 +235,11 @@ def _runner_facts(runner) -> dict:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     s = _settings(args)
+    if engine_config(args).pooling:
+        print("bench throughput measures generation; for a pooling model (embeddings) use "
+              "scripts/bench_pooling.py, or `tailrace bench serve --backend openai-embeddings` "
+              "against `tailrace serve`", file=sys.stderr)
+        return 2
     cfg = attrs.evolve(engine_config(args),
                        max_model_len=args.max_model_len or (s["input_len"] + s["output_len"] + 16),
                        max_queued_requests=max(args.max_queued_requests, s["num_prompts"]))

@@ -83,6 +83,7 @@ def replay_log(log: Log, tokenizer, reasoning_parser: str | None = None) -> Resu
     ended: set[str] = set()
     known: set[str] = set()
     apis: dict[str, str] = {}
+    pooled: set[str] = set()      # pooling requests: the server skips detokenize and parse
     # per stage event, per request: the rows logged, and the rows the replay produced
     logged_rows: dict[str, dict[str, list]] = {e: defaultdict(list) for e, _ in STAGES}
     replay_rows: dict[str, dict[str, list]] = {e: defaultdict(list) for e, _ in STAGES}
@@ -98,10 +99,15 @@ def replay_log(log: Log, tokenizer, reasoning_parser: str | None = None) -> Resu
             for req in step.new_requests:
                 known.add(req.request_id)
                 apis[req.request_id] = f"{req.api}, {'streaming' if req.stream else 'not streaming'}"
-            out, _ = detok.process(step)
-            keep(replay_rows["detokenized"], out.step, plain(stage_deltas("detokenized", out.deltas)))
-            out = parser.process(out)
-            keep(replay_rows["parsed"], out.step, plain(stage_deltas("parsed", out.deltas)))
+                if req.pooling is not None:
+                    pooled.add(req.request_id)
+            out = step
+            if not (all(r.request_id in pooled for r in step.new_requests)
+                    and all(d.request_id in pooled for d in step.deltas)):
+                out, _ = detok.process(step)
+                keep(replay_rows["detokenized"], out.step, plain(stage_deltas("detokenized", out.deltas)))
+                out = parser.process(out)
+                keep(replay_rows["parsed"], out.step, plain(stage_deltas("parsed", out.deltas)))
             out, _ = accountant.process(out)
             keep(replay_rows["accounted"], out.step, plain(stage_deltas("accounted", out.deltas)))
             for rid, item in emitter.process(out):

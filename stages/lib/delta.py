@@ -133,6 +133,9 @@ class Delta:
     # stats; None on the others (most deltas: building it for each is a step's cost)
     usage: Usage | None = None
     metrics: RequestMetrics | None = None      # the finished request's timings, when asked for
+    # -- a pooling sequence's one delta (schedule, from StepResult.pooled): its vector,
+    # float32 little-endian (gpu/pooling_runner.py)
+    pooled: bytes | None = None
 
     def __init__(self, request_id: str, token_ids: tuple[int, ...] = (),
                  finish_reason: FinishReason | None = None, stop_reason: str | int | None = None,
@@ -144,7 +147,7 @@ class Delta:
                  prompt_logprobs: tuple[PromptLogprob, ...] = (), content: str = "",
                  reasoning: str = "", tool_calls: tuple[ToolCallDelta, ...] = (),
                  reasoning_tokens: int = 0, reasoning_span: int = 0, usage: Usage | None = None,
-                 metrics: RequestMetrics | None = None) -> None:
+                 metrics: RequestMetrics | None = None, pooled: bytes | None = None) -> None:
         fields = self.__dict__     # frozen: __setattr__ raises, as attrs' own __init__ does this
         fields["request_id"] = request_id
         fields["token_ids"] = token_ids
@@ -168,6 +171,7 @@ class Delta:
         fields["reasoning_span"] = reasoning_span
         fields["usage"] = usage
         fields["metrics"] = metrics
+        fields["pooled"] = pooled
 
     @property
     def finished(self) -> bool:
@@ -188,7 +192,7 @@ class Delta:
                      self.index, self.prompt_token_logprobs, self.draft_tokens,
                      self.accepted_tokens, text, logprobs, prompt_logprobs, text,
                      self.reasoning, self.tool_calls, self.reasoning_tokens,
-                     self.reasoning_span, self.usage, self.metrics)
+                     self.reasoning_span, self.usage, self.metrics, self.pooled)
 
     def running_text(self, text: str) -> Delta:
         """detokenized(text, ...) for a running delta of schedule's with nothing but its
@@ -207,7 +211,7 @@ class Delta:
                      self.scheduled_at, self.index, self.prompt_token_logprobs,
                      self.draft_tokens, self.accepted_tokens, self.text, self.logprobs,
                      self.prompt_logprobs, content, reasoning, tool_calls, reasoning_tokens,
-                     reasoning_span, self.usage, self.metrics)
+                     reasoning_span, self.usage, self.metrics, self.pooled)
 
     def accounted(self, usage: Usage, metrics: RequestMetrics | None = None) -> Delta:
         """account's output: this delta with the usage so far (and the request's timings)."""
@@ -216,4 +220,4 @@ class Delta:
                      self.scheduled_at, self.index, self.prompt_token_logprobs,
                      self.draft_tokens, self.accepted_tokens, self.text, self.logprobs,
                      self.prompt_logprobs, self.content, self.reasoning, self.tool_calls,
-                     self.reasoning_tokens, self.reasoning_span, usage, metrics)
+                     self.reasoning_tokens, self.reasoning_span, usage, metrics, self.pooled)

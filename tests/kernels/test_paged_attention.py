@@ -199,3 +199,50 @@ def test_decode_promise_is_checked(device):
     q, kc, vc, bt, cu, sl = _make_batch([2, 1], [5, 9], 2, 1, 16, 16, torch.float32, device, seed=12)
     with pytest.raises(AssertionError, match="one query per sequence"):
         paged_attention(q, kc, vc, bt, cu, sl, 0.25, max_seqlen_q=1)
+
+
+# Non-causal mode (an encoder's bidirectional attention, issue 32).
+NONCAUSAL_CASES = {
+    # name: (q_lens, seq_lens, Hq, Hkv, Dh, page_size)
+    "encoder_pages1": ([5, 1, 17, 9], [5, 1, 17, 9], 4, 4, 32, 1),   # the encoder's layout
+    "encoder_gqa2_page8": ([3, 20], [3, 20], 4, 2, 16, 8),
+    "with_context": ([2, 6], [9, 6], 2, 1, 32, 4),   # queries also see a cached prefix, and later keys
+}
+
+
+def _dense_noncausal(q, kc, vc, bt, cu, sl, scale):
+    """Each sequence's keys gathered and one full (unmasked) SDPA call per sequence."""
+    _, page, hkv, _ = kc.shape
+    group = q.shape[1] // hkv
+    out = torch.empty_like(q)
+    for b, n in enumerate(sl.tolist()):
+        s, e = int(cu[b]), int(cu[b + 1])
+        pos = torch.arange(n)
+        pages = bt[b].long()[pos // page]
+        k = kc[pages, pos % page].float().repeat_interleave(group, dim=1)
+        v = vc[pages, pos % page].float().repeat_interleave(group, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
+        out[s:e] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(NONCAUSAL_CASES))
+def test_paged_attention_noncausal_matches_dense(case, dtype, device, tol):
+    q_lens, seq_lens, hq, hkv, dh, page = NONCAUSAL_CASES[case]
+    q, kc, vc, bt, cu, sl = _make_batch(q_lens, seq_lens, hq, hkv, dh, page, dtype, device, seed=9)
+    scale = dh ** -0.5
+    out = paged_attention(q, kc, vc, bt, cu, sl, scale, causal=False, max_seqlen_q=max(q_lens))
+    dense = _dense_noncausal(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), cu.cpu(), sl.cpu(), scale)
+    torch.testing.assert_close(out.cpu(), dense, **tol(dtype))
+    ref = paged_attention_ref(q, kc, vc, bt, cu, sl, scale, causal=False)
+    torch.testing.assert_close(ref.cpu(), dense, **tol(dtype))
+    # and it is not the causal answer
+    assert not torch.allclose(out.float(), paged_attention(q, kc, vc, bt, cu, sl, scale).float(), atol=1e-3)
+
+
+def test_paged_attention_noncausal_refuses_a_window(device):
+    q, kc, vc, bt, cu, sl = _make_batch([3], [3], 2, 2, 16, 4, torch.float32, device)
+    with pytest.raises(AssertionError, match="causal"):
+        paged_attention(q, kc, vc, bt, cu, sl, 0.25, causal=False, window=2)

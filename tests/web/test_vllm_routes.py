@@ -48,7 +48,14 @@ async def test_invocations_dispatch_on_the_bodys_shape(nursery):
         assert r.json() == {"api": "chat", "ok": True}
         r = await http.post("/invocations", json={"prompt": "hi"})
         assert r.json() == {"api": "completions", "ok": True}
+        # pooling bodies (issue 32): embeddings or classes by the model, a score, a rerank
         r = await http.post("/invocations", json={"input": "hi"})
+        assert r.json() == {"api": "input", "ok": True}
+        r = await http.post("/invocations", json={"text_1": "a", "text_2": "b"})
+        assert r.json() == {"api": "score", "ok": True}
+        r = await http.post("/invocations", json={"query": "q", "documents": ["d"]})
+        assert r.json() == {"api": "rerank", "ok": True}
+        r = await http.post("/invocations", json={"foo": "hi"})
         assert r.status_code == 400 and "/invocations" in r.json()["error"]["message"]
     nursery.cancel_scope.cancel()
 

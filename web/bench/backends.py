@@ -62,6 +62,7 @@ class Backend:
     build_payload: Callable[..., dict[str, Any]]
     interpret: Callable[[SSEEvent], Observation]
     unsupported_sampling: frozenset[str] = frozenset()
+    stream: bool = True   # False: one JSON body, read whole and interpreted as one event
 
     def check_endpoint(self, endpoint: str) -> None:
         path = endpoint.rstrip("/")
@@ -210,13 +211,41 @@ def interpret_responses(event: SSEEvent) -> Observation:
     return Observation()
 
 
+def embeddings_payload(*, model: str, prompt: str | list[str], max_tokens: int, sampling: SamplingParams,
+                       ignore_eos: bool = False, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's openai-embeddings backend: the prompt (or several, --inputs-per-request) as input."""
+    payload: dict[str, Any] = {"model": model, "input": prompt}
+    if extra_body:
+        payload.update(extra_body)
+    return payload
+
+
+def interpret_embeddings(event: SSEEvent) -> Observation:
+    """The whole reply body: one token-bearing, terminal event (its arrival is the latency)."""
+    body = _load(event)
+    if isinstance(body, Observation):
+        return body
+    if body.get("error") is not None:
+        return Observation(error=error_message(body["error"]))
+    if not isinstance(body.get("data"), list) or not body["data"]:
+        return Observation(error=f"no embeddings in the reply: {event.data[:200]!r}")
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    return Observation(is_token=True, terminal=True,
+                       usage=Usage(prompt_tokens=usage.get("prompt_tokens"), output_tokens=0))
+
+
 CHAT = Backend("openai-chat", "/v1/chat/completions", "/chat/completions", chat_payload, interpret_chat)
 COMPLETIONS = Backend("openai-completions", "/v1/completions", "/completions", completions_payload,
                       interpret_completions)
 RESPONSES = Backend("openai-responses", "/v1/responses", "/responses", responses_payload, interpret_responses,
                     unsupported_sampling=frozenset({"min_p"}))
 
+EMBEDDINGS = Backend("openai-embeddings", "/v1/embeddings", "/embeddings", embeddings_payload,
+                     interpret_embeddings, unsupported_sampling=frozenset(attrs.fields_dict(SamplingParams)),
+                     stream=False)
+
 # vLLM's `bench serve` also calls the completions backend "openai" and "vllm", so a copied
 # `vllm bench serve --backend vllm ...` command runs unchanged.
 BACKEND_ALIASES = {"openai": COMPLETIONS, "vllm": COMPLETIONS}
-BACKENDS: dict[str, Backend] = {**{b.name: b for b in (CHAT, COMPLETIONS, RESPONSES)}, **BACKEND_ALIASES}
+BACKENDS: dict[str, Backend] = {**{b.name: b for b in (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)},
+                                **BACKEND_ALIASES}

@@ -10,7 +10,7 @@ import orjson
 
 from web.bench.account import RequestResult, StreamAccount, failed_result
 from web.bench.backends import Backend, error_message
-from web.bench.sse import SSEParser
+from web.bench.sse import SSEEvent, SSEParser
 from web.bench.transport import StreamClient
 
 
@@ -47,6 +47,11 @@ async def send_request(client: StreamClient | httpx.AsyncClient, backend: Backen
             if response.status_code != 200:
                 body = await response.aread()
                 return failed_result(prompt_len, _http_error(response.status_code, body), start_ns)
+            if not backend.stream:      # one JSON body (embeddings)
+                body = await response.aread()
+                account.observe(backend.interpret(SSEEvent(body.decode("utf-8", errors="replace"))),
+                                time.perf_counter_ns())
+                return account.finish()
             async for chunk in response.aiter_bytes():
                 now_ns = time.perf_counter_ns()
                 for event in parser.feed(chunk):

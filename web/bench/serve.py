@@ -68,6 +68,7 @@ class BenchConfig:
     result_filename: str | None
     disable_tqdm: bool
     request_timeout: float | None
+    inputs_per_request: int = 1
 
     @property
     def url(self) -> str:
@@ -106,6 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 is Poisson")
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--ignore-eos", action="store_true")
+    load.add_argument("--inputs-per-request", type=int, default=1,
+                      help="openai-embeddings: each request embeds this many of the prompts (an input list)")
 
     sampling = parser.add_argument_group("sampling (sent only when given)")
     sampling.add_argument("--temperature", type=float, default=None)
@@ -174,6 +177,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         raise BenchConfigError("--max-concurrency must be >= 1")
     if args.dataset_name in ("sharegpt", "custom") and not args.dataset_path:
         raise BenchConfigError(f"--dataset-name {args.dataset_name} needs --dataset-path")
+    if args.inputs_per_request < 1 or (args.inputs_per_request > 1 and backend.stream):
+        raise BenchConfigError("--inputs-per-request is at least 1, and more only with --backend openai-embeddings")
     return BenchConfig(
         backend=backend,
         base_url=args.base_url or f"http://{args.host}:{args.port}",
@@ -208,6 +213,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         result_filename=args.result_filename,
         disable_tqdm=args.disable_tqdm,
         request_timeout=args.request_timeout,
+        inputs_per_request=args.inputs_per_request,
     )
 
 
@@ -281,8 +287,12 @@ async def run_benchmark(config: BenchConfig, requests: Sequence[datasets.SampleR
             model = config.served_model_name or config.model or await _discover_model(client, config)
 
             async def one(index: int, sample: datasets.SampleRequest) -> None:
+                prompt = sample.prompt
+                if config.inputs_per_request > 1:   # this request's share of the prompts
+                    k = config.inputs_per_request
+                    prompt = [s.prompt for s in requests[index * k:(index + 1) * k]]
                 payload = config.backend.build_payload(
-                    model=model, prompt=sample.prompt, max_tokens=sample.expected_output_len,
+                    model=model, prompt=prompt, max_tokens=sample.expected_output_len,
                     sampling=config.sampling, ignore_eos=config.ignore_eos, extra_body=config.extra_body)
                 headers = request_headers(f"{config.request_id_prefix}{index}", config.headers)
                 async with limiter:
@@ -293,12 +303,13 @@ async def run_benchmark(config: BenchConfig, requests: Sequence[datasets.SampleR
             start = time.perf_counter()
             start_trio = trio.current_time()
             async with trio.open_nursery() as nursery:
-                for index, (sample, offset) in enumerate(zip(requests, offsets)):
+                k = config.inputs_per_request
+                for index, (sample, offset) in enumerate(zip(requests[:-(-len(requests) // k)], offsets)):
                     await trio.sleep_until(start_trio + offset)
                     nursery.start_soon(one, index, sample)
             duration = time.perf_counter() - start
     done = tuple(r for r in results if r is not None)
-    assert len(done) == len(requests)
+    assert len(done) == -(-len(requests) // config.inputs_per_request)
     return BenchOutcome(results=done, duration=duration, model=model)
 
 
@@ -371,7 +382,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     record = result_record(config, outcome)
+    if not config.backend.stream:   # embeddings: the inputs embedded per second too
+        done = sum(1 for r in outcome.results if r.success) * config.inputs_per_request
+        record["inputs_per_request"] = config.inputs_per_request
+        record["input_throughput"] = min(done, len(requests)) / outcome.duration if outcome.duration else 0.0
     print(metrics.format_table(record, metrics.TableOptions(config.percentile_metrics, config.metric_percentiles)))
+    if not config.backend.stream:
+        print(f"Embedding inputs per second:             {record['input_throughput']:.2f}")
     _report_errors(outcome.results)
     if config.save_result:
         path = save_record(config, record, outcome.model)

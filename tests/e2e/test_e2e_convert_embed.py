@@ -1,0 +1,57 @@
+"""A decoder served as an embedding model (issue 32): `tailrace serve --convert embed` on the
+bundled SmolLM2 GGUF: last-token pooling, normalized; vLLM's chat-style `messages` input;
+the runner pooling, with no KV cache."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from gpu.interface import PoolingOptions, SamplingOptions, SeqChunk, SeqStart, StepPlan
+
+
+@pytest.fixture(scope="module")
+def http(serve_with_flags, tmp_path_factory):
+    for server in serve_with_flags(tmp_path_factory.mktemp("e2e-convert"), "--convert", "embed",
+                                   "--served-model-name", "smol-embed"):
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            yield c
+
+
+@pytest.fixture(scope="module")
+def runner():
+    from gpu.pooling_loader import load_pooling_model
+    from gpu.pooling_runner import PoolingRunner
+    return PoolingRunner(load_pooling_model(None, convert="embed"))
+
+
+def _pool(runner, ids: list[int]) -> np.ndarray:
+    plan = StepPlan(1, (SeqChunk("a", tuple(ids), 0, (), True),),
+                    (SeqStart("a", (), SamplingOptions(), pooling=PoolingOptions()),))
+    return np.frombuffer(runner.execute(plan).pooled[0], dtype="<f4")
+
+
+def test_embeddings_are_the_last_tokens_normalized(http, runner):
+    r = http.post("/v1/embeddings", json={"input": ["The capital of France is", "Hello"],
+                                          "encoding_format": "float"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "smol-embed" and len(body["data"][0]["embedding"]) == 576
+    ids = http.post("/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    np.testing.assert_allclose(body["data"][0]["embedding"], _pool(runner, ids), atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(body["data"][1]["embedding"]), 1.0, atol=1e-5)
+    assert body["usage"]["prompt_tokens"] == len(ids) + len(
+        http.post("/tokenize", json={"prompt": "Hello"}).json()["tokens"])
+
+
+def test_chat_style_messages(http, runner):
+    messages = [{"role": "user", "content": "What is an embedding?"}]
+    r = http.post("/v1/embeddings", json={"messages": messages, "encoding_format": "float"})
+    assert r.status_code == 200, r.text
+    ids = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], _pool(runner, ids), atol=1e-5)
+
+
+def test_generation_is_refused(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
