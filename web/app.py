@@ -1,7 +1,7 @@
 """The HTTP edge: a Quart (quart-trio) app over an Engine.
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /invocations
-(SageMaker's), /tokenize, /detokenize; GET /v1/models, /v1/models/{id}, /health, /load,
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages and
+/v1/messages/count_tokens (Anthropic's), /invocations (SageMaker's), /tokenize, /detokenize; GET /v1/models, /v1/models/{id}, /health, /load,
 /metrics, /version, /tokenizer_info (with --enable-tokenizer-info-endpoint); under
 --root-path as well. Until the model has loaded, LoadingGate answers every request with 503. Every error is OpenAI-shaped JSON; every
 503 (overload, shutdown, a stopped engine) carries Retry-After. API keys and CORS wrap
@@ -32,7 +32,8 @@ from werkzeug.exceptions import HTTPException
 
 from pipeline.core.validators import non_negative, positive
 from stages.api import APIS
-from stages.api.common import RequestError, unstructure
+from stages.api import anthropic
+from stages.api.common import RequestError, parse_request, unstructure
 from web import access
 from web.metrics import EngineCollector
 
@@ -80,11 +81,17 @@ def error_response(message: str, status: int, *, type: str = "invalid_request_er
                        request_id)
 
 
-def _json_error(err: RequestError, request_id: str | None = None) -> Response:
+def _json_error(err: RequestError, request_id: str | None = None,
+                api: str | None = None) -> Response:
+    """The error as JSON: in the shape of `api` (APIS), else of the path's API (Anthropic's
+    under /v1/messages), else OpenAI's."""
     headers = {"x-request-id": request_id} if request_id else {}
     if err.status == 503:
         headers["Retry-After"] = str(RETRY_AFTER_S)
-    return Response(orjson.dumps(err.to_dict()), status=err.status,
+    if api is None and access.is_messages_path(request.path):
+        api = "messages"
+    body = APIS[api].error_body(err) if api in APIS else err.to_dict()
+    return Response(orjson.dumps(body), status=err.status,
                     content_type="application/json", headers=headers)
 
 
@@ -271,7 +278,7 @@ class Views:
             reply = await self.engine.submit(api, body, request_id,
                                              headers=tuple(request.headers.items()))
         except RequestError as err:
-            return _json_error(err, request_id)
+            return _json_error(err, request_id, api)
         request.scope[_REPLIES_KEY].append(reply)
         headers = {"x-request-id": reply.request_id}
         if reply.stream:
@@ -290,6 +297,18 @@ class Views:
     async def detokenize(self) -> Response:
         """POST /detokenize."""
         return await self._at_once(self.engine.detokenize)
+
+    async def count_tokens(self) -> Response:
+        """POST /v1/messages/count_tokens: the prompt a Messages request renders, counted by
+        the tokenizer at once (through /tokenize's path: same template, tools, kwargs)."""
+        try:
+            body = anthropic.count_tokens_body(
+                await _json_body(), reasoning_parser=self.engine.render_context.reasoning,
+                tools=self.engine.render_context.tools, parse=parse_request)
+            count = self.engine.tokenize(body).count
+        except RequestError as err:
+            return _json_error(err, api="messages")
+        return _json({"input_tokens": count})
 
     async def _at_once(self, call: Callable[[object], object]) -> Response:
         try:
@@ -407,6 +426,8 @@ def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
     app.add_url_rule("/invocations", endpoint="invocations", view_func=invocations,
                      methods=["POST"])
 
+    app.add_url_rule("/v1/messages/count_tokens", view_func=views.count_tokens,
+                     methods=["POST"])
     app.add_url_rule("/tokenize", view_func=views.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=views.detokenize, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=views.models, methods=["GET"])
