@@ -173,14 +173,15 @@ def test_a_background_stream_replays_from_its_cursor(alice, server):
 
 
 def test_200_concurrent_stored_responses_stay_within_the_bound(alice, server):
-    rss = _rss_kib(server)
-
     def one(i: int) -> str:
         return alice.responses.create(model="", input=f"Count to {i}.", max_output_tokens=2,
                                       **GREEDY).id
 
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        ids = list(pool.map(one, range(200)))
+    rss = None
+    for _ in range(2):   # the first round fills the store (and warms the engine's buffers)
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            ids = list(pool.map(one, range(200)))
+        rss = rss or _rss_kib(server)
     kept = 0
     for rid in ids:
         try:
@@ -189,8 +190,8 @@ def test_200_concurrent_stored_responses_stay_within_the_bound(alice, server):
         except openai.NotFoundError:
             pass
     assert kept == BOUND
-    grown = _rss_kib(server) - rss
-    assert grown < 64 * 1024, f"RSS grew {grown} KiB"
+    grown = _rss_kib(server) - rss     # 200 more stored, 200 more evicted: no growth
+    assert grown < 32 * 1024, f"RSS grew {grown} KiB"
 
 
 def _rss_kib(server) -> int:
