@@ -226,7 +226,7 @@ class LoadingGate:
             return
         err = RequestError("The model is still loading: try again shortly.", status=503,
                            type="server_unavailable", code="model_loading")
-        await access.send_error(send, err, retry)
+        await access.send_error(send, err, retry, path=scope["path"])
 
 
 def _json(value: object) -> Response:
