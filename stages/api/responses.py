@@ -73,7 +73,7 @@ class ResponsesRequest(SamplingRequest):
     top_logprobs: int | None = opt()
     # Stateful Responses (web/responses_routes.py keeps them): render sees previous_response_id's
     # conversation already put in front of `input`; the reply echoes these three.
-    store: bool = opt(default=True)
+    store: bool | None = opt()                 # None: true, OpenAI's default
     previous_response_id: str | None = opt()
     background: bool = opt(default=False)
     service_tier: str | None = opt()                            # ignored
@@ -129,7 +129,7 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
     if req.reasoning is not None and req.reasoning.effort is not None and not reasoning_parser:
         raise RequestError("'reasoning.effort' needs a reasoning model (serve with "
                            "--reasoning-parser).", param="reasoning.effort")
-    if req.background and not req.store:
+    if req.background and req.store is False:
         raise RequestError("'background' needs 'store' true: a background response is read "
                            "back from the store.", param="background")
     if req.truncation != "disabled":
@@ -158,7 +158,7 @@ def reply_spec(req: ResponsesRequest) -> ReplySpec:
         parallel_tool_calls=req.parallel_tool_calls, reasoning_effort=reasoning.effort,
         reasoning_summary=reasoning.summary, tool_choice=req.tool_choice or "auto",
         tools=tuple(req.tools or ()), user=req.user, metadata=req.metadata or {},
-        store=req.store, previous_response_id=req.previous_response_id,
+        store=req.store is not False, previous_response_id=req.previous_response_id,
         background=req.background))
 
 
