@@ -173,8 +173,10 @@ def test_a_background_stream_replays_from_its_cursor(alice, server):
 
 
 def test_200_concurrent_stored_responses_stay_within_the_bound(alice, server):
+    patient = alice.with_options(timeout=600)     # 200 at once on a shared 2-core box
+
     def one(i: int) -> str:
-        return alice.responses.create(model="", input=f"Count to {i}.", max_output_tokens=2,
+        return patient.responses.create(model="", input=f"Count to {i}.", max_output_tokens=2,
                                       **GREEDY).id
 
     rss = None
