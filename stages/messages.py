@@ -65,6 +65,10 @@ class ResponseEcho:
     tools: tuple[dict[str, Any], ...] = ()    # as sent
     user: str | None = None
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    # stateful Responses (web/responses_routes.py keeps them)
+    store: bool = True
+    previous_response_id: str | None = None
+    background: bool = False
 
 
 @attrs.frozen

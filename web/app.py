@@ -1,7 +1,9 @@
 """The HTTP edge: a Quart (quart-trio) app over an Engine.
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /invocations
-(SageMaker's), /tokenize, /detokenize; GET /v1/models, /v1/models/{id}, /health, /load,
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages and
+/v1/messages/count_tokens (Anthropic's), /invocations (SageMaker's); GET/DELETE
+/v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel
+(stored Responses, web/responses_routes.py); /tokenize, /detokenize; GET /v1/models, /v1/models/{id}, /health, /load,
 /metrics, /version, /tokenizer_info (with --enable-tokenizer-info-endpoint); under
 --root-path as well. Until the model has loaded, LoadingGate answers every request with 503. Every error is OpenAI-shaped JSON; every
 503 (overload, shutdown, a stopped engine) carries Retry-After. API keys and CORS wrap
@@ -32,10 +34,13 @@ from werkzeug.exceptions import HTTPException
 
 from pipeline.core.validators import non_negative, positive
 from stages.api import APIS
+from stages.api import anthropic
+from stages.api.common import RequestError, parse_request, unstructure
 from stages.api.pooling import INVOCATION_INPUT, ROUTES as POOLING_ROUTES
-from stages.api.common import RequestError, unstructure
 from web import access
 from web.metrics import EngineCollector
+from web.responses_routes import StatefulResponses
+from web.responses_store import DEFAULT_MAX_ITEMS, open_store
 
 if TYPE_CHECKING:     # the app is imported without the engine (torch)
     from pipeline.core.engine import Engine
@@ -67,6 +72,9 @@ class AppConfig:
     # /v1/... still works), as vLLM's --root-path
     root_path: str = attrs.field(default="", converter=lambda p: (p or "").rstrip("/"))
     enable_tokenizer_info_endpoint: bool = False   # GET /tokenizer_info (shows the template)
+    # stored Responses (web/responses_store.py): an SQLite file, else memory; LRU bound
+    responses_store: str | None = None
+    responses_store_max_items: int = attrs.field(default=DEFAULT_MAX_ITEMS, validator=positive)
 
     @root_path.validator
     def _root_path(self, attribute, value: str) -> None:
@@ -81,11 +89,17 @@ def error_response(message: str, status: int, *, type: str = "invalid_request_er
                        request_id)
 
 
-def _json_error(err: RequestError, request_id: str | None = None) -> Response:
+def _json_error(err: RequestError, request_id: str | None = None,
+                api: str | None = None) -> Response:
+    """The error as JSON: in the shape of `api` (APIS), else of the path's API (Anthropic's
+    under /v1/messages), else OpenAI's."""
     headers = {"x-request-id": request_id} if request_id else {}
     if err.status == 503:
         headers["Retry-After"] = str(RETRY_AFTER_S)
-    return Response(orjson.dumps(err.to_dict()), status=err.status,
+    if api is None and access.is_messages_path(request.path):
+        api = "messages"
+    body = APIS[api].error_body(err) if api in APIS else err.to_dict()
+    return Response(orjson.dumps(body), status=err.status,
                     content_type="application/json", headers=headers)
 
 
@@ -213,7 +227,7 @@ class LoadingGate:
             return
         err = RequestError("The model is still loading: try again shortly.", status=503,
                            type="server_unavailable", code="model_loading")
-        await access.send_error(send, err, retry)
+        await access.send_error(send, err, retry, path=scope["path"])
 
 
 def _json(value: object) -> Response:
@@ -253,6 +267,9 @@ class Views:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = EngineCollector(engine)
         self.registry.register(self.collector)
+        self.responses = StatefulResponses(
+            open_store(config.responses_store, config.responses_store_max_items), engine,
+            keyed=bool(config.api_keys))
 
     async def generate(self, api: str | None) -> Response:
         """POST /v1/chat/completions, /v1/completions, /v1/responses; POST /invocations
@@ -262,9 +279,13 @@ class Views:
         if rank is not None:   # vLLM's data-parallel routing hint: one engine here
             log.info("request %s: X-data-parallel-rank %s (one engine serves all ranks)",
                      request_id, rank[:16])
+        prepared = None
         try:
             body = await _json_body()
             api = api or _invocation_api(body)
+            if api == "responses":   # previous_response_id's conversation goes in front
+                prepared = await self.responses.prepare(body)
+                body = prepared.body if prepared is not None else body
             if self.config.enable_log_requests:
                 log.info("request %s (%s): %s", request_id, api,
                          _prompt_preview(body, self.config.max_log_len),
@@ -272,9 +293,13 @@ class Views:
             reply = await self.engine.submit(api, body, request_id,
                                              headers=tuple(request.headers.items()))
         except RequestError as err:
-            return _json_error(err, request_id)
-        request.scope[_REPLIES_KEY].append(reply)
+            return _json_error(err, request_id, api)
         headers = {"x-request-id": reply.request_id}
+        if prepared is not None and prepared.background:   # no client holds it: not closed
+            return await self.responses.reply(prepared, reply, headers, _close_quietly)
+        request.scope[_REPLIES_KEY].append(reply)
+        if prepared is not None:     # stored once it ends (unless store: false)
+            return await self.responses.reply(prepared, reply, headers, _close_quietly)
         if reply.stream:
             return _stream_response(reply, headers)
         try:
@@ -291,6 +316,30 @@ class Views:
     async def detokenize(self) -> Response:
         """POST /detokenize."""
         return await self._at_once(self.engine.detokenize)
+
+    async def stored_response(self, response_id: str, action: str = "get") -> Response:
+        """GET/DELETE /v1/responses/{id}, GET .../input_items, POST .../cancel."""
+        try:
+            if action == "get":
+                return await (self.responses.get(response_id) if request.method == "GET"
+                              else self.responses.delete(response_id))
+            if action == "input_items":
+                return await self.responses.input_items(response_id)
+            return await self.responses.cancel(response_id)
+        except RequestError as err:
+            return _json_error(err)
+
+    async def count_tokens(self) -> Response:
+        """POST /v1/messages/count_tokens: the prompt a Messages request renders, counted by
+        the tokenizer at once (through /tokenize's path: same template, tools, kwargs)."""
+        try:
+            body = anthropic.count_tokens_body(
+                await _json_body(), reasoning_parser=self.engine.render_context.reasoning,
+                tools=self.engine.render_context.tools, parse=parse_request)
+            count = self.engine.tokenize(body).count
+        except RequestError as err:
+            return _json_error(err, api="messages")
+        return _json({"input_tokens": count})
 
     async def _at_once(self, call: Callable[[object], object]) -> Response:
         try:
@@ -416,6 +465,16 @@ def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
     app.add_url_rule("/invocations", endpoint="invocations", view_func=invocations,
                      methods=["POST"])
 
+    app.add_url_rule("/v1/messages/count_tokens", view_func=views.count_tokens,
+                     methods=["POST"])
+    app.add_url_rule("/v1/responses/<response_id>", view_func=views.stored_response,
+                     methods=["GET", "DELETE"])
+    app.add_url_rule("/v1/responses/<response_id>/input_items", endpoint="input_items",
+                     view_func=views.stored_response, methods=["GET"],
+                     defaults={"action": "input_items"})
+    app.add_url_rule("/v1/responses/<response_id>/cancel", endpoint="cancel",
+                     view_func=views.stored_response, methods=["POST"],
+                     defaults={"action": "cancel"})
     app.add_url_rule("/tokenize", view_func=views.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=views.detokenize, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=views.models, methods=["GET"])

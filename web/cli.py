@@ -26,6 +26,7 @@ from functools import partial
 from pipeline.core.config import add_engine_arguments, byte_size, engine_config
 from web.access import api_keys
 from web.app import DEFAULT_MAX_REQUEST_BODY_BYTES, AppConfig
+from web.responses_store import DEFAULT_MAX_ITEMS
 from web.server import GRACEFUL_TIMEOUT_S, listen_socket, serve_model
 
 log = logging.getLogger("tailrace")
@@ -90,6 +91,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="Serve GET /tokenizer_info (the tokenizer's configuration, the chat "
                         "template included).")
+    p.add_argument("--responses-store", default=None, metavar="PATH",
+                   help="Keep stored Responses (store: true) in this SQLite file, which "
+                        "survives restarts. Default: in memory, lost at exit.")
+    p.add_argument("--responses-store-max-items", type=int, default=DEFAULT_MAX_ITEMS,
+                   metavar="N",
+                   help="Keep at most N stored Responses; one more evicts the least recently "
+                        "used (default: %(default)s).")
     p.add_argument("--api-server-count", "-asc", type=int, default=None, metavar="N",
                    help="Run the engine (admit, schedule, GPU step) in a process of its own and "
                         "N HTTP frontend processes (render, detokenize, parse, account, emit) "
@@ -114,7 +122,9 @@ def app_config(args: argparse.Namespace) -> AppConfig:
                      max_request_body_bytes=args.max_request_body_bytes,
                      enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                      root_path=args.root_path,
-                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                     responses_store=args.responses_store,
+                     responses_store_max_items=args.responses_store_max_items)
 
 
 def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:

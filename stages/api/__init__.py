@@ -1,4 +1,5 @@
-"""One module per OpenAI API (chat.py, completions.py, responses.py): its request and reply
+"""One module per API (chat.py, completions.py, responses.py, and Anthropic's Messages API
+in anthropic.py): its request and reply
 types, its request -> PromptPlan mapping (with the ReplySpec of what the reply shows and
 echoes) and its reply framer; the Responses API's reply and framer have a module of their
 own (responses_framing.py). common.py holds the machinery they share (errors, the strict
@@ -15,8 +16,8 @@ from typing import Callable
 
 import attrs
 
-from stages.api import chat, completions, responses, responses_framing
-from stages.api.common import PromptPlan
+from stages.api import anthropic, chat, completions, responses, responses_framing
+from stages.api.common import PromptPlan, RequestError
 from stages.api.framing import Framer
 from stages.api.request_types import SamplingRequest
 from stages.messages import ReplySpec
@@ -32,6 +33,8 @@ class ApiSpec:
     framer: type[Framer]
     reply_spec: Callable[..., ReplySpec]   # what plan puts in PromptPlan.reply (the event
                                            # log's older files logged the typed request)
+    # the body of an error before the reply starts (OpenAI's shape unless the API has its own)
+    error_body: Callable[[RequestError], dict] = RequestError.to_dict
 
 
 APIS: dict[str, ApiSpec] = {spec.name: spec for spec in (
@@ -41,4 +44,6 @@ APIS: dict[str, ApiSpec] = {spec.name: spec for spec in (
             completions.CompletionFramer, completions.reply_spec),
     ApiSpec("responses", "/v1/responses", responses.ResponsesRequest, responses.plan,
             responses_framing.ResponsesFramer, responses.reply_spec),
+    ApiSpec("messages", "/v1/messages", anthropic.MessagesRequest, anthropic.plan,
+            anthropic.MessagesFramer, anthropic.reply_spec, anthropic.error_dict),
 )}

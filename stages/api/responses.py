@@ -71,7 +71,11 @@ class ResponsesRequest(SamplingRequest):
     truncation: str = opt(default="disabled")
     include: list[str] | None = opt()
     top_logprobs: int | None = opt()
-    store: bool | None = opt()                                  # ignored: nothing is stored
+    # Stateful Responses (web/responses_routes.py keeps them): render sees previous_response_id's
+    # conversation already put in front of `input`; the reply echoes these three.
+    store: bool | None = opt()                 # None: true, OpenAI's default
+    previous_response_id: str | None = opt()
+    background: bool = opt(default=False)
     service_tier: str | None = opt()                            # ignored
     prompt_cache_key: str | None = opt()                        # ignored
     safety_identifier: str | None = opt()                       # ignored
@@ -83,7 +87,7 @@ class ResponsesRequest(SamplingRequest):
     frequency_penalty: float | None = opt(between(-2.0, 2.0))
     presence_penalty: float | None = opt(between(-2.0, 2.0))
     _not_implemented: ClassVar[dict[str, Any]] = {
-        "previous_response_id": (), "conversation": (), "prompt": (), "background": (False,),
+        "conversation": (), "prompt": (),
         "mm_processor_kwargs": (), "enable_response_messages": (False,),
         "previous_input_messages": ()}
 
@@ -125,6 +129,9 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
     if req.reasoning is not None and req.reasoning.effort is not None and not reasoning_parser:
         raise RequestError("'reasoning.effort' needs a reasoning model (serve with "
                            "--reasoning-parser).", param="reasoning.effort")
+    if req.background and req.store is False:
+        raise RequestError("'background' needs 'store' true: a background response is read "
+                           "back from the store.", param="background")
     if req.truncation != "disabled":
         raise RequestError("'truncation' other than \"disabled\" is not supported.",
                            param="truncation")
@@ -150,7 +157,9 @@ def reply_spec(req: ResponsesRequest) -> ReplySpec:
         instructions=req.instructions, max_output_tokens=req.max_output_tokens,
         parallel_tool_calls=req.parallel_tool_calls, reasoning_effort=reasoning.effort,
         reasoning_summary=reasoning.summary, tool_choice=req.tool_choice or "auto",
-        tools=tuple(req.tools or ()), user=req.user, metadata=req.metadata or {}))
+        tools=tuple(req.tools or ()), user=req.user, metadata=req.metadata or {},
+        store=req.store is not False, previous_response_id=req.previous_response_id,
+        background=req.background))
 
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"

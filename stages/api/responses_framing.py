@@ -157,7 +157,7 @@ class Response:
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: ReasoningOut = ReasoningOut()
-    store: bool = False              # nothing is ever stored
+    store: bool = True
     temperature: float = 1.0
     text: TextOut = TextOut()
     tool_choice: Any = "auto"
@@ -252,7 +252,8 @@ class ResponsesFramer(Framer):
             incomplete_details=(None if incomplete_reason is None
                                 else IncompleteDetails(reason=incomplete_reason)),
             instructions=r.instructions, max_output_tokens=r.max_output_tokens,
-            parallel_tool_calls=r.parallel_tool_calls,
+            parallel_tool_calls=r.parallel_tool_calls, store=r.store,
+            previous_response_id=r.previous_response_id, background=r.background,
             reasoning=ReasoningOut(effort=r.reasoning_effort, summary=r.reasoning_summary),
             temperature=options.temperature, top_p=options.top_p,
             tool_choice=r.tool_choice, tools=list(r.tools), user=r.user,

@@ -199,8 +199,8 @@ def test_responses_non_stream_and_incomplete(client, model_name):
 
 def test_responses_unsupported_field_is_400(client, model_name):
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model=model_name, input="hi", previous_response_id="resp_1")
-    assert info.value.param == "previous_response_id"
+        client.responses.create(model=model_name, input="hi", conversation="conv_1")
+    assert info.value.param == "conversation"
 
 
 # -- the rest of the surface ----------------------------------------------------

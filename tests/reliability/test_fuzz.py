@@ -27,6 +27,8 @@ BASES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
     "/v1/completions": {"prompt": "Hi", "max_tokens": 3},
     "/v1/responses": {"input": "Hi", "max_output_tokens": 3},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "Hi"}]},
     "/tokenize": {"prompt": "Hi"},
     "/detokenize": {"tokens": [1, 2, 3]},
 }
@@ -37,7 +39,10 @@ FIELDS = ["model", "messages", "prompt", "input", "instructions", "max_tokens",
           "top_logprobs", "tools", "tool_choice", "echo", "response_format", "metadata", "user",
           "tokens", "add_special_tokens", "include_stop_str_in_output", "logit_bias", "text",
           "reasoning", "chat_template_kwargs", "skip_special_tokens", "best_of", "suffix",
-          "allowed_token_ids", "bad_words", "prompt_logprobs"]
+          "allowed_token_ids", "bad_words", "prompt_logprobs",
+          # Anthropic's Messages API; stateful Responses
+          "system", "stop_sequences", "thinking", "output_format", "output_config",
+          "previous_response_id", "store", "background"]
 
 EXAMPLES = 40           # per property: the whole file stays within ~20 s on 2 cores
 TIMEOUT_S = 30.0        # a hang is a failure, not a stuck suite
@@ -97,7 +102,8 @@ def http(server):
 
 
 def check(response: httpx.Response) -> None:
-    """A 2xx, or a 4xx whose body is an OpenAI error; never a 5xx or a traceback."""
+    """A 2xx, or a 4xx whose body is an OpenAI error (or Anthropic's, whose "error" has a
+    type and a message too); never a 5xx or a traceback."""
     assert response.status_code < 500, (response.status_code, response.text[:500])
     assert "Traceback" not in response.text
     if response.status_code >= 400:
@@ -113,7 +119,8 @@ def still_serving(http: httpx.Client) -> None:
 
 
 def test_every_post_endpoint_is_fuzzed(post_paths):
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses"} <= set(post_paths)
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+            "/v1/messages/count_tokens"} <= set(post_paths)
 
 
 mutations = st.one_of(

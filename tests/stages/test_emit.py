@@ -358,7 +358,7 @@ def test_responses_non_stream_body():
          "content": [{"type": "output_text", "text": "Paris", "annotations": [],
                       "logprobs": []}]}]
     assert (body["instructions"], body["max_output_tokens"]) == ("be nice", 8)
-    assert (body["temperature"], body["top_p"], body["store"]) == (0.5, 0.9, False)
+    assert (body["temperature"], body["top_p"], body["store"]) == (0.5, 0.9, True)
     assert body["usage"]["total_tokens"] == 5
 
 

@@ -370,8 +370,7 @@ def test_responses_max_output_tokens_absent_fills_the_context():
 
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"include": ["nonsense"]}, "include[0]"),     # (known include values are served)
     ({"text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
