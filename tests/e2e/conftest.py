@@ -56,6 +56,8 @@ def _serve(tmp: Path, *flags: str):
             # native bf16, which ties differently (tests/gpu/test_bf16_agreement.py)
             _command() + ["serve", "--port", "0", "--max-model-len", "1024",
                           "--max-num-seqs", "32", "--dtype", "float32",
+                          # a quarter of the CPU default: the session's servers live at once
+                          "--kv-cache-memory-bytes", "256Mi",
                           "--log-level", "warning", *flags],
             stdout=out_f, stderr=err_f, env=env)
     try:
