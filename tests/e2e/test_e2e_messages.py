@@ -32,7 +32,7 @@ def server(tmp_path_factory, serve_with_flags):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)   # a busy 2-core CI box
 
 
 @pytest.fixture(scope="module")
