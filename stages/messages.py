@@ -130,6 +130,7 @@ class RenderedRequest:
     prompt_max_tokens: tuple[int, ...] = ()   # with several prompts: each one's max_tokens
     echo: tuple[str, ...] | None = None      # echo: the text each prompt's choices start with
     pooling: PoolingWork | None = None       # a pooling request: its prompts are its inputs
+    priority: int = 0        # --scheduling-policy priority: lower runs first (stages/schedule/priority.py)
 
     @property
     def num_choices(self) -> int:

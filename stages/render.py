@@ -48,6 +48,7 @@ class RenderContext:
     tools: ToolSettings = ToolSettings()   # --enable-auto-tool-choice, --tool-call-parser...
     harmony: bool = False         # gpt-oss: messages render through Harmony (stages/api/harmony.py)
     pooling: PoolingSpec | None = None   # a pooling model (--runner pooling): what it does
+    priority_scheduling: bool = False    # --scheduling-policy priority: `priority` is served
 
 
 def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -71,6 +72,11 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
     if ctx.tokenizer is None and isinstance(req, ChoiceRequest):
         req = attrs.evolve(req, return_token_ids=True)   # no text to send: send the ids
     model = _resolve_model(req.model, ctx)
+    priority = getattr(req, "priority", 0)
+    if priority != 0 and not ctx.priority_scheduling:   # as vLLM
+        raise RequestError(f"Got priority {priority} but priority scheduling is not "
+                           "enabled (start the server with --scheduling-policy priority).",
+                           param="priority")
     plan = api.plan(req, reasoning_parser=ctx.reasoning, tools=ctx.tools)
     sampling = _sampling_options(req, plan, ctx)
     if plan.batch is None:
@@ -108,7 +114,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         n=n, tools=plan.tools,
         prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
         prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),
-        echo=_echo(plan, req, prompts, ctx))
+        echo=_echo(plan, req, prompts, ctx), priority=priority)
 
 
 def render_pooling(sub: Submission, ctx: RenderContext) -> RenderedRequest:

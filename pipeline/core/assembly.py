@@ -114,6 +114,7 @@ class RequestSideSpec:
             max_tokens_ceiling=cfg.override_generation_config.get("max_new_tokens"),
             force_include_usage=cfg.enable_force_include_usage,
             per_request_metrics=cfg.enable_per_request_metrics,
+            priority_scheduling=cfg.scheduling_policy == "priority",
             tools=built.parsers.tools, harmony=built.parsers.harmony)
         return cls(render_context=ctx, reasoning_parser=built.parsers.reasoning_parser,
                    stream_interval=cfg.stream_interval,

@@ -15,6 +15,7 @@ from gpu.pooling_config import CONVERTS, RUNNERS, PoolerConfig, detect_runner, p
 from gpu.simulate import GPUS
 from stages.gpu_step import FAULT_KINDS
 from stages.schedule.drafter import SpeculativeConfig
+from stages.schedule.priority import POLICIES
 from stages.parse import REASONING_PARSERS
 from pipeline.core.validators import positive
 from stages.api.tool_parsers import TOOL_PARSERS, load_plugin
@@ -81,6 +82,8 @@ class EngineConfig:
     stream_interval: int = attrs.field(default=1, validator=positive)  # tokens per stream write
     # admission: at most max_num_seqs + max_queued_requests requests admitted at once
     max_queued_requests: int = attrs.field(default=1024, validator=positive)
+    # fcfs, or priority: a request's `priority` orders it (lower first), preempting (issue 37)
+    scheduling_policy: str = attrs.field(default="fcfs", validator=attrs.validators.in_(POLICIES))
     reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
         default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))
     enable_auto_tool_choice: bool = False      # tool_choice "auto" (needs tool_call_parser)
@@ -323,6 +326,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Requests admitted beyond the --max-num-seqs that run; more get a 503 "
                         "with Retry-After before their reply starts (default: %(default)s). "
                         "--max-waiting is an alias.")
+    p.add_argument("--scheduling-policy", default=_default("scheduling_policy"), choices=POLICIES,
+                   help="fcfs: requests run in arrival order; priority: by each request's "
+                        "`priority` (lower first, ties by arrival), and a waiting request "
+                        "short of KV blocks preempts a running one of lower priority "
+                        "(default: %(default)s).")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="Speculative decoding, as vLLM spells it: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": K, \"prompt_lookup_min\": A, "

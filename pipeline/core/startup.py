@@ -250,7 +250,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         think_ids=_think_ids(parsers.reasoning_parser, loaded.tokenizer),
         drafter=make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None),
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-        spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
+        spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+        policy=cfg.scheduling_policy)
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
                     "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "

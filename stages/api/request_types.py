@@ -153,7 +153,7 @@ class SamplingRequest:
     include_stop_str_in_output: bool = opt(default=False)
     skip_special_tokens: bool = opt(default=True)
     spaces_between_special_tokens: bool = opt(default=True)    # ignored: tokenizers decides
-    priority: int = opt(default=0)                             # ignored: one priority class
+    priority: int = opt(default=0)   # --scheduling-policy priority: lower first; else 0 only
     request_id: str | None = opt()                             # ignored: x-request-id names it
     cache_salt: str | None = opt()   # prefix-cache blocks are shared only with the same salt
     _not_implemented: ClassVar[dict[str, Any]] = {}

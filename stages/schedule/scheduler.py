@@ -23,6 +23,7 @@ from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogra
 from stages.messages import RenderedRequest, Step
 from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import Drafter
+from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, worst_running
 from stages.schedule.sequence import Sequence, sampling_options
 from stages.schedule.spec import SpecCounters, Speculation
 from stages.schedule.stop import check_stop, tokens_left
@@ -36,8 +37,16 @@ class Scheduler:
                  grammars: ConstraintCompiler | None = None,
                  think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
                  num_speculative_tokens: int = 0,
-                 spec_disable_by_batch_size: int | None = None) -> None:
+                 spec_disable_by_batch_size: int | None = None,
+                 policy: str = "fcfs") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.blocks = blocks
+        # fcfs: arrival order; priority: a request's priority (lower first), then arrival
+        # (priority.py); the waiting queue is kept in that order, and preemption takes the
+        # running sequence that comes last in it
+        self.priority = policy == "priority"
+        self._arrivals = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -76,6 +85,9 @@ class Scheduler:
             seqs.append(Sequence(req, self.eos_token_ids, self.max_model_len, i,
                                  None if i % req.n == 0 else seqs[i - i % req.n]))
         self.choices[req.request_id] = seqs
+        self._arrivals += 1
+        for seq in seqs:
+            seq.order = order_key(req, self._arrivals, seq.index)
         self._new_requests.append(req)
         constraint = req.sampling.constraint
         grammar = None
@@ -84,7 +96,12 @@ class Scheduler:
         for seq in seqs:
             self.by_id[seq.id] = seq
             seq.grammar = grammar
-            (self.waiting if grammar is None else self.compiling).append(seq)
+            if grammar is not None:
+                self.compiling.append(seq)
+            elif self.priority:
+                enqueue(self.waiting, seq)
+            else:
+                self.waiting.append(seq)
         if constraint is not None and self.grammars is None:
             self.finish(req.request_id, FinishReason.ERROR,
                         "this server cannot constrain output (the model has no tokenizer)")
@@ -101,7 +118,11 @@ class Scheduler:
         for seq in self.compiling:
             (ready if seq.grammar.done() else still).append(seq)
         self.compiling = still
-        self.waiting.extend(ready)
+        for seq in ready:
+            if self.priority:
+                enqueue(self.waiting, seq)
+            else:
+                self.waiting.append(seq)
         for seq in ready:
             exc = seq.grammar.exception()
             if exc is not None and seq.req.request_id in self.choices:
@@ -190,8 +211,13 @@ class Scheduler:
                     i += 1
                     continue
             if seq.num_computed + n > len(seq.table) * bs and not self._grow(seq, n):
-                victim = running[-1]
-                self._unplan(chunks, planned, victim)
+                victim = worst_running(running) if self.priority else running[-1]
+                at = running.index(victim) if self.priority else len(running) - 1
+                taken = self._unplan(chunks, planned, victim)
+                if taken is not None:
+                    budget += len(taken.token_ids)
+                if at < i:
+                    i -= 1      # it came before this one: the list shifts left
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -211,11 +237,17 @@ class Scheduler:
                     and leader.num_done < leader.prompt_len):
                 break   # its prompt's blocks are being computed: take them next step
             if not seq.table and not self._take_prefix(seq, budget):
+                if self.priority and (freed := self._preempt_for(seq, chunks, planned)) is not None:
+                    budget += freed
+                    continue
                 break
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
                 if not self.running:
                     raise RuntimeError("KV cache too small for a single sequence's chunk")
+                if self.priority and (freed := self._preempt_for(seq, chunks, planned)) is not None:
+                    budget += freed
+                    continue
                 break
             self.waiting.popleft()
             self.running.append(seq)
@@ -233,6 +265,18 @@ class Scheduler:
         sliding = self.blocks.sliding
         return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released,
                         sliding.drain_updates() if sliding is not None else ())
+
+    def _preempt_for(self, seq: Sequence, chunks: list[SeqChunk],
+                     planned: list[tuple[Sequence, int]]) -> int | None:
+        """Priority scheduling: a waiting sequence short of blocks preempts the running
+        sequence that comes last in priority order, if that one comes after it. None when
+        none does; else the budget its chunk planned in this step gives back."""
+        victim = victim_for(seq, self.running)
+        if victim is None:
+            return None
+        taken = self._unplan(chunks, planned, victim)
+        self._preempt(victim)
+        return 0 if taken is None else len(taken.token_ids)
 
     def _unplan(self, chunks: list[SeqChunk], planned: list[tuple[Sequence, int]],
                 seq: Sequence) -> SeqChunk | None:
@@ -330,7 +374,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)
-        self.waiting.appendleft(seq)
+        if self.priority:
+            enqueue(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
         self.preempted.append(seq.id)
         rid = seq.req.request_id
