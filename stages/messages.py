@@ -188,3 +188,18 @@ class FinishRequest:
     """detokenize matched a stop string in one choice: stop generating it, free its blocks."""
     request_id: str
     index: int = 0
+
+
+@attrs.frozen(eq=False)
+class Control:
+    """An operation on the engine core from the HTTP edge (issue 37), answered through
+    `answer` (called on the schedule stage's trio task, once):
+    - "reset_prefix_cache": drop every cached prefix block (`reset_running`: preempt the
+      running sequences first); answers whether it was reset.
+    - "sleep" (`level` 1 or 2) and "wake_up": once no request runs, the runner drops (and
+      gets back) its KV cache, and at level 2 its weights; answers None or an error string.
+    In-process only: the answer is a callable (the one-process Engine holds it)."""
+    op: str
+    answer: Any
+    level: int = 1
+    reset_running: bool = False

@@ -38,6 +38,7 @@ from stages.api import anthropic
 from stages.api.common import RequestError, parse_request, unstructure
 from stages.api.pooling import INVOCATION_INPUT, ROUTES as POOLING_ROUTES
 from web import access
+from web.control_routes import ControlViews, add_control_routes
 from web.metrics import EngineCollector
 from web.responses_routes import StatefulResponses
 from web.responses_store import DEFAULT_MAX_ITEMS, open_store
@@ -485,6 +486,8 @@ def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
         app.add_url_rule("/tokenizer_info", view_func=views.tokenizer_info, methods=["GET"])
     app.add_url_rule("/version", view_func=views.version, methods=["GET"])
     app.add_url_rule("/metrics", view_func=views.metrics, methods=["GET"])
+    add_control_routes(app, ControlViews(engine, _json_error, views.health),   # issue 37
+                       sleep_mode=getattr(engine, "sleep_mode", False))
     app.register_error_handler(HTTPException, views.http_error)
     app.register_error_handler(Exception, views.unexpected_error)
     return app

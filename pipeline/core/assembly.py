@@ -184,7 +184,7 @@ def start_engine_core(nursery: trio.Nursery, cfg: EngineConfig, built: Built, *,
     nursery.start_soon(admit.run, requests, inbox_send.clone(), replies, admission, ev("admit"))
     # the scheduler's class says whether it plans ahead (startup.build: cfg.async_scheduling)
     nursery.start_soon(schedule.run, inbox_receive, plan_in, result_out, steps,
-                       built.scheduler, ev("schedule"))
+                       built.scheduler, ev("schedule"), built.sleeper)
     nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner, ev("gpu_step"),
                                faults=cfg.fault_step_kinds))
     if watch is not None:

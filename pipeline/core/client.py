@@ -52,6 +52,10 @@ class EngineClient:
     schedule_in: trio.MemorySendChannel     # aborts -> schedule's inbox
     event_log: EventLog | None = None       # --event-log (web/server.py adds the API keys to hide)
     failure: BaseException | None = None    # the engine has stopped
+    # sleep mode (--enable-sleep-mode, pipeline/core/engine.py): "awake", "falling" (asked to
+    # sleep, waiting for what runs to finish) or "asleep"; new requests are refused unless awake
+    sleep_mode: bool = False
+    sleep_state: str = "awake"
 
     @property
     def healthy(self) -> bool:
@@ -64,7 +68,7 @@ class EngineClient:
 
         A request that admission would refuse whatever it asks (overload, shutdown) is
         refused here at once, before render spends any work on it."""
-        refusal = self._stopped_error() or self.admission.refusal()
+        refusal = self._stopped_error() or self._asleep_error() or self.admission.refusal()
         if refusal is not None:
             raise refusal
         rid = request_id or uuid.uuid4().hex
@@ -110,6 +114,18 @@ class EngineClient:
             return None
         return RequestError(f"The engine stopped: {describe(self.failure)}", status=503,
                             type="server_error", code="engine_stopped")
+
+    def _asleep_error(self) -> RequestError | None:
+        if self.sleep_state == "awake":
+            return None
+        return RequestError("The engine is asleep (POST /sleep): POST /wake_up first.", status=503,
+                            type="server_unavailable", code="engine_sleeping")
+
+    async def control(self, op: str, **kw) -> object:
+        """An operation on the engine core (stages.messages.Control): the one-process
+        Engine's; a frontend process of --api-server-count has none."""
+        raise RequestError(f"{op} is served by a one-process server only (not with "
+                           "--api-server-count).", status=400)
 
     def abort(self, request_id: str) -> None:
         """The client is gone. Its request keeps its admission slot until emit releases it."""

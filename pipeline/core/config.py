@@ -84,6 +84,8 @@ class EngineConfig:
     max_queued_requests: int = attrs.field(default=1024, validator=positive)
     # fcfs, or priority: a request's `priority` orders it (lower first), preempting (issue 37)
     scheduling_policy: str = attrs.field(default="fcfs", validator=attrs.validators.in_(POLICIES))
+    # POST /sleep, /wake_up, GET /is_sleeping: the runner lets go of its memory (gpu/sleep.py)
+    enable_sleep_mode: bool = False
     reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
         default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))
     enable_auto_tool_choice: bool = False      # tool_choice "auto" (needs tool_call_parser)
@@ -142,6 +144,10 @@ class EngineConfig:
                              f"{', '.join(sorted(TOOL_PARSERS))}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.enable_sleep_mode and (self.tensor_parallel_size > 1 or self.pooling):
+            raise ValueError("--enable-sleep-mode does not combine with --tensor-parallel-size "
+                             "or a pooling model (the worker ranks and the pooling runner "
+                             "cannot sleep yet)")
         if self.tensor_parallel_size > 1 and self.simulate_gpu is not None:
             raise ValueError("--tensor-parallel-size does not combine with --simulate-gpu (the "
                              "stand-in runs no model to split)")
@@ -331,6 +337,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "`priority` (lower first, ties by arrival), and a waiting request "
                         "short of KV blocks preempts a running one of lower priority "
                         "(default: %(default)s).")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="Serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping: "
+                        "level 1 drops the KV cache and keeps the weights in host memory, "
+                        "level 2 drops both (waking reloads the weights from the checkpoint); "
+                        "requests while asleep get 503 (docs/api.md).")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="Speculative decoding, as vLLM spells it: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": K, \"prompt_lookup_min\": A, "

@@ -34,6 +34,7 @@ from pipeline.core.startup import Built, freeze_heap, open_event_log
 from pipeline.core.stats import AccountStats, CoreStats, EngineStats, cache_config_labels
 from pipeline.layouts.tp_procs import TensorParallel, open_built
 from stages import account
+from stages.messages import Control
 from stages.schedule.blocks import BlockManager
 from stages.schedule import Scheduler
 
@@ -51,6 +52,18 @@ class Engine(EngineClient):
     blocks: BlockManager
     scheduler: Scheduler
     accountant: account.Accountant
+
+    async def control(self, op: str, **kw) -> object:
+        """Send schedule a Control (stages/messages.py) and wait for its answer."""
+        done, box = trio.Event(), []
+
+        def answer(value: object) -> None:
+            box.append(value)
+            done.set()
+
+        await self.schedule_in.send(Control(op, answer, **kw))
+        await done.wait()
+        return box[0]
 
     async def fetch_stats(self) -> EngineStats:
         """The stats for a /metrics scrape: read at once here (a frontend process's
@@ -83,7 +96,8 @@ def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built
                   max_model_len=built.max_model_len, runner=built.runner, blocks=built.blocks,
                   scheduler=built.scheduler, accountant=side.accountant, replies=side.replies,
                   admission=admission, render_in=side.render_in,
-                  render_context=spec.render_context, schedule_in=inbox_in, event_log=events)
+                  render_context=spec.render_context, schedule_in=inbox_in, event_log=events,
+                  sleep_mode=cfg.enable_sleep_mode)
 
 
 @contextlib.asynccontextmanager

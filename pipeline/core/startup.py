@@ -94,6 +94,7 @@ class Built:
     scheduler: Scheduler
     parsers: Parsers
     pooling: PoolingSpec | None = None   # a pooling model's behaviour (pipeline/core/pooling.py)
+    sleeper: object | None = None        # --enable-sleep-mode: gpu/sleep.py's Sleeper
 
 
 @attrs.frozen
@@ -269,8 +270,14 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
              num_blocks, cfg.block_size)
     # this thread's OpenMP team would throttle the runner thread's (gpu/openmp.py)
     release_team()
+    sleeper = None
+    if cfg.enable_sleep_mode:
+        from gpu.sleep import Sleeper
+        sleeper = Sleeper(runner, None if cfg.simulate_gpu else
+                          lambda: load_weights(cfg, device).model)
     return Built(loaded=loaded, model_names=model_names, max_model_len=max_model_len,
-                 runner=runner, blocks=blocks, scheduler=scheduler, parsers=parsers)
+                 runner=runner, blocks=blocks, scheduler=scheduler, parsers=parsers,
+                 sleeper=sleeper)
 
 
 def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | None:

@@ -18,7 +18,7 @@ import trio
 
 from gpu.interface import StepPlan
 from stages.lib.delta import FinishReason
-from stages.messages import Abort, FinishRequest, RenderedRequest, Step
+from stages.messages import Abort, Control, FinishRequest, RenderedRequest, Step
 from stages.schedule.async_ import AsyncScheduler
 from stages.schedule.scheduler import Scheduler
 from stages.schedule.sequence import Sequence, sampling_options
@@ -81,14 +81,21 @@ async def _message_or(inbox: trio.MemoryReceiveChannel, event: trio.Event):
 
 async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
               from_gpu: trio.MemoryReceiveChannel, downstream: trio.MemorySendChannel,
-              scheduler: Scheduler, log=None) -> None:
+              scheduler: Scheduler, log=None, sleeper=None) -> None:
     """Engine loop: take everything in the inbox, plan, run one step, forward the result.
 
     Up to scheduler.max_in_flight steps run at once: with AsyncScheduler the next step is
-    planned and sent while the current one runs. Results come back in plan order."""
+    planned and sent while the current one runs. Results come back in plan order.
+
+    Control messages (issue 37): a prefix-cache reset happens as it comes; a sleep waits
+    until no step is in flight and nothing runs, then `sleeper` (gpu/sleep.py, None without
+    --enable-sleep-mode) lets go of the runner's memory in a worker thread, and nothing is
+    planned until the wake-up (requests that arrive meanwhile wait)."""
     depth = scheduler.max_in_flight
     inflight: deque[tuple[StepPlan, tuple[str, ...]]] = deque()   # plans sent, their preemptions
     compiled = _CompileWakeup()
+    controls: deque[Control] = deque()          # sleeps and wake-ups, in order
+    asleep = False
 
     def take(msg) -> None:
         if isinstance(msg, RenderedRequest):
@@ -100,6 +107,11 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
                 scheduler.finish(msg.request_id, FinishReason.ERROR, msg.error)
         elif isinstance(msg, FinishRequest):
             scheduler.finish(msg.request_id, FinishReason.STOP, index=msg.index)
+        elif isinstance(msg, Control):
+            if msg.op == "reset_prefix_cache":
+                msg.answer(scheduler.reset_prefix_cache(msg.reset_running))
+            else:
+                controls.append(msg)
         else:
             raise TypeError(f"schedule got {type(msg).__name__}")
 
@@ -114,8 +126,41 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
     # A step's result, applied but not yet passed on: the next plan goes to the GPU first,
     # so the runner never waits behind detokenize..emit taking their turn in the loop.
     applied: tuple[StepPlan, tuple[str, ...], Step] | None = None
+
+    async def control(msg: Control) -> None:
+        nonlocal asleep
+        error = None
+        if sleeper is None:
+            error = "sleep mode is off (start the server with --enable-sleep-mode)"
+        else:
+            try:
+                if msg.op == "sleep":
+                    await trio.to_thread.run_sync(sleeper.sleep, msg.level)
+                    if msg.level and not scheduler.reset_prefix_cache():   # KV contents gone
+                        raise RuntimeError("blocks still held while going to sleep")
+                    asleep = True
+                else:
+                    await trio.to_thread.run_sync(sleeper.wake_up)
+                    asleep = False
+            except Exception as exc:     # a failed wake-up leaves the engine asleep
+                error = f"{type(exc).__name__}: {exc}"
+        msg.answer(error)
+
+    def quiet() -> bool:
+        return not inflight and applied is None and not scheduler.running
+
     async with inbox, to_gpu, downstream:
         while True:
+            while controls and (controls[0].op == "wake_up" or asleep or quiet()):
+                await control(controls.popleft())
+            if asleep:       # plan nothing: take messages, pass on finishes (aborts)
+                try:
+                    take(await inbox.receive())
+                except trio.EndOfChannel:
+                    return
+                out = scheduler.drain()
+                await forward(None, (), out)
+                continue
             if not scheduler.has_work() and not inflight and applied is None:
                 try:
                     take(await inbox.receive())

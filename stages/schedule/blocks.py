@@ -152,6 +152,16 @@ class BlockManager:
             prev = self.block_hash[hits[-1]] if hits else root
         return hits, prev
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (POST /reset_prefix_cache); False, and nothing
+        changed, while any block is held."""
+        if self.num_used:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+        return True
+
     # -- allocation ----------------------------------------------------------------------
     def take_cached(self, blocks: list[int]) -> int:
         """Hold a cached prefix (match_prefix's hits). Returns how many of its leading blocks

@@ -161,6 +161,18 @@ class Scheduler:
         if self.speculation is not None:
             self.speculation.forget(seq.id)
 
+    def reset_prefix_cache(self, reset_running: bool = False) -> bool:
+        """Forget every cached prefix block, as vLLM's reset_prefix_cache: refused (False)
+        while sequences hold blocks, unless `reset_running`, which preempts them first
+        (they restart by recompute)."""
+        if reset_running:
+            for seq in list(self.running):
+                self._preempt(seq)
+            for seq in self.waiting:
+                if seq.table:       # took its prefix but could not grow: let go of it
+                    self._free(seq)
+        return self.blocks.reset_prefix_cache()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
                     or self._released or self.compiling)

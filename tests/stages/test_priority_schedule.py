@@ -150,3 +150,16 @@ def test_priority_invariants_hold(seed, cls):
     assert not s.has_work() and not ahead, ("hang", seed)
     assert s.blocks.num_free == nb, "leak"
     assert len(w.finished) == w.n
+
+
+# -- render: the request field -------------------------------------------------------------
+def test_render_refuses_priority_without_the_policy_and_carries_it_with():
+    from test_render import chat, completion, error_of, make_ctx
+
+    err = error_of(chat, {"priority": 3})
+    assert err.status == 400 and err.param == "priority"
+    assert "priority scheduling is not enabled" in err.message
+    assert chat({"priority": 0}).priority == 0
+    ctx = make_ctx(priority_scheduling=True)
+    assert chat({"priority": -2}, ctx).priority == -2
+    assert completion({"priority": 7}, ctx).priority == 7
