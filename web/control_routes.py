@@ -115,7 +115,8 @@ class ControlViews:
 def _generate_request(r, rid: str, ids: tuple[int, ...], max_tokens: int, tok) -> dict:
     """vLLM's GenerateRequest (its disaggregated serving's tokens-in request) for one prompt."""
     sp = r.sampling
-    opts = attrs.asdict(sp.options, retain_collection_types=False)
+    opts = {k: [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v
+            for k, v in attrs.asdict(sp.options).items()}
     params = {"n": r.n, **opts, "max_tokens": max_tokens, "stop": list(sp.stop),
               "ignore_eos": sp.ignore_eos,
               "include_stop_str_in_output": sp.include_stop_str_in_output,

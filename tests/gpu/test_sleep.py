@@ -1,0 +1,53 @@
+"""gpu/sleep.py: what each sleep level lets go of, and that waking gives back the same
+weights (reloaded at level 2) and a KV cache of the same shape."""
+import pytest
+import torch
+
+from gpu.attention import KVCache
+from gpu.sleep import Sleeper
+
+
+class Runner:
+    def __init__(self, seed=0):
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        self.model.register_buffer("table", torch.arange(5.0))
+        self.cache = KVCache(2, 4, 4, 2, 8, torch.float32, "cpu")
+        self.graphs = None
+
+
+def weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_drops_then_wake_restores(level):
+    r = Runner()
+    original = weights(r.model)
+    shapes = [t.shape for t in (*r.cache.k, *r.cache.v)]
+    reloads = []
+
+    def reload():
+        reloads.append(1)
+        return Runner().model              # the checkpoint: the same weights
+    s = Sleeper(r, reload)
+    s.sleep(level)
+    assert all(t.numel() == 0 for t in (*r.cache.k, *r.cache.v))
+    kept = all(v.numel() for v in r.model.state_dict().values())
+    assert kept == (level == 1)
+    s.sleep(level)                         # asleep already: nothing more
+    s.wake_up()
+    assert [t.shape for t in (*r.cache.k, *r.cache.v)] == shapes
+    assert all(not t.any() for t in r.cache.k)
+    now = weights(r.model)
+    assert now.keys() == original.keys()
+    assert all(torch.equal(now[k], original[k]) for k in original)
+    assert reloads == ([1] if level == 2 else [])
+    assert s.level == 0
+    s.wake_up()                            # awake already: nothing
+    assert r.model(torch.ones(1, 8)).shape == (1, 8)
+
+
+def test_bad_level_is_refused():
+    with pytest.raises(ValueError):
+        Sleeper(Runner(), None).sleep(3)
