@@ -41,6 +41,8 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias in [-100, 100]) added
     allowed_token_ids: tuple[int, ...] = ()          # non-empty: every other token is banned
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never completed
+    # reasoning tokens allowed before </think> is forced (SeqStart.think names the tags); None: any
+    thinking_token_budget: int | None = None
 
     @property
     def controls_logits(self) -> bool:

@@ -18,6 +18,7 @@ from gpu.attention import KVCache, TorchPagedAttention
 from gpu.grammar import Guide, accept, mask_logits
 from gpu.interface import (PromptLogprobs, SamplingOptions, SeqChunk, SeqStart, StagingRunner,
                            StepPlan, StepResult, TokenLogprobs, TPLost)
+from gpu.think_budget import ThinkBudget
 from gpu.sampler import (DeviceSampler, DraftRow, SeqSamplingState, apply_logit_controls, sample,
                          token_logprobs)
 from gpu.staging import (BlockTables, HostInputs, StagedTokens, Staging, last_token, stage_plan,
@@ -102,6 +103,8 @@ class ModelRunner(StagingRunner):
             st = self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
             if ns.grammar is not None:
                 st.guide = Guide(ns.grammar, ns.think, ns.thinking)
+            if ns.sampling.thinking_token_budget is not None and ns.think is not None:
+                st.budget = ThinkBudget(ns.sampling.thinking_token_budget, ns.think, ns.thinking)
             if ns.prompt_logprobs is not None:
                 self.prompt_logprobs[ns.seq_id] = [ns.prompt_logprobs, 1]
         if not plan.chunks:
@@ -148,6 +151,10 @@ class ModelRunner(StagingRunner):
                 if constrained:
                     mask_logits(host, matchers)
                 tokens = sample(host, states)
+            if any(st.budget is not None for st in states):   # </think> forced at the budget
+                # (a budgeted sequence gets no drafts, stages/schedule/spec.py: one row each)
+                tokens = [tok if st.budget is None else st.budget.next(tok)
+                          for st, tok in zip(states, tokens)]
             if constrained:
                 accept(matchers, tokens)
             logprobs: tuple[TokenLogprobs | None, ...] = ()

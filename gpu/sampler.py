@@ -26,6 +26,7 @@ class SeqSamplingState:
         # one non-negative int64 for both paths (torch.Generator, the kernels' philox)
         self.seed = (opts.seed if opts.seed is not None else fallback_seed) % 2**63
         self.guide = None       # a gpu.grammar.Guide when the output is constrained
+        self.budget = None      # a gpu.think_budget.ThinkBudget with thinking_token_budget
 
 
 class DraftRow:
@@ -33,7 +34,7 @@ class DraftRow:
     samples from (its penalties, min_tokens and bad words see the drafts before it, its
     draw is keyed by its own output index). Constrained sequences get no drafts."""
 
-    __slots__ = ("opts", "prompt_ids", "output_ids", "seed", "guide")
+    __slots__ = ("opts", "prompt_ids", "output_ids", "seed", "guide", "budget")
 
     def __init__(self, st: SeqSamplingState, drafts: tuple[int, ...]) -> None:
         self.opts = st.opts
@@ -41,6 +42,7 @@ class DraftRow:
         self.output_ids = st.output_ids + list(drafts)
         self.seed = st.seed
         self.guide = None
+        self.budget = None
 
 
 _MASK64 = 2**64 - 1

@@ -264,7 +264,19 @@ def _sampling_options(req: ChoiceRequest | ResponsesRequest, plan: PromptPlan,
         frequency_penalty=float(pick("frequency_penalty", req.frequency_penalty)),
         presence_penalty=float(pick("presence_penalty", req.presence_penalty)),
         min_tokens=req.min_tokens, stop_token_ids=stop_ids, logprobs=plan.logprobs,
+        thinking_token_budget=_thinking_budget(req, ctx),
         **(_logit_controls(req, ctx) if isinstance(req, ChoiceRequest) else {}))
+
+
+def _thinking_budget(req, ctx: RenderContext) -> int | None:
+    budget = getattr(req, "thinking_token_budget", None)
+    if budget is None or budget == -1:
+        return None
+    if not ctx.reasoning or ctx.harmony:
+        raise RequestError("'thinking_token_budget' needs a <think> reasoning parser (start "
+                           "the server with --reasoning-parser qwen3 or deepseek_r1).",
+                           param="thinking_token_budget")
+    return budget
 
 
 def _vocab_size(ctx: RenderContext) -> int | None:

@@ -156,7 +156,14 @@ class SamplingRequest:
     priority: int = opt(default=0)   # --scheduling-policy priority: lower first; else 0 only
     request_id: str | None = opt()                             # ignored: x-request-id names it
     cache_salt: str | None = opt()   # prefix-cache blocks are shared only with the same salt
+    # most reasoning tokens (a <think> reasoning parser): then </think> is forced (issue 37)
+    thinking_token_budget: int | None = opt()
     _not_implemented: ClassVar[dict[str, Any]] = {}
+
+    @thinking_token_budget.validator
+    def _thinking_budget(self, attribute, value) -> None:
+        if value is not None and value < -1:
+            raise Invalid(f"must be -1 (no limit) or at least 0, got {value}.", attribute.name)
 
     @top_k.validator
     def _top_k(self, attribute, value) -> None:
@@ -240,7 +247,7 @@ VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
                 "logits_processors": (),
                 "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": (),
-                "thinking_token_budget": (), "logprob_token_ids": ()}
+                "logprob_token_ids": ()}
 # What SGLang's router and vllm-router (derived from it) add to every request they forward,
 # with their defaults (docs/scaling.md): accepted at those values, a 400 at any other.
 ROUTER_EXTRAS = {"no_stop_trim": (False,), "return_hidden_states": (False,)}

@@ -105,6 +105,10 @@ class Scheduler:
         if constraint is not None and self.grammars is None:
             self.finish(req.request_id, FinishReason.ERROR,
                         "this server cannot constrain output (the model has no tokenizer)")
+        elif req.sampling.options.thinking_token_budget is not None and self.think_ids is None:
+            self.finish(req.request_id, FinishReason.ERROR,
+                        "thinking_token_budget: this tokenizer's <think> and </think> are not "
+                        "single tokens")
 
     def grammars_compiling(self) -> set[Future]:
         """The grammars that constrained sequences wait for, still compiling: the schedule
@@ -302,14 +306,15 @@ class Scheduler:
 
     def _start(self, seq: Sequence) -> SeqStart:
         prompt = tuple(seq.token_ids[:seq.prompt_len])
-        if seq.grammar is None:
+        if seq.grammar is None and seq.req.sampling.options.thinking_token_budget is None:
             return SeqStart(seq.id, prompt, sampling_options(seq),
                             prompt_logprobs=seq.prompt_logprobs)
         think, thinking = self.think_ids, False
         if think is not None:   # does the prompt leave a <think> open (deepseek_r1 style)?
             last = {t: i for i, t in enumerate(prompt) if t in think}
             thinking = last.get(think[0], -1) > last.get(think[1], -1)
-        return SeqStart(seq.id, prompt, sampling_options(seq), seq.grammar.result(), think,
+        return SeqStart(seq.id, prompt, sampling_options(seq),
+                        None if seq.grammar is None else seq.grammar.result(), think,
                         thinking, prompt_logprobs=seq.prompt_logprobs)
 
     def _take_prefix(self, seq: Sequence, budget: int) -> bool:

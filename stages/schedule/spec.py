@@ -48,8 +48,9 @@ class Speculation:
     def drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Drafts for a decode of one token: at most k, what the length limit leaves after
         the bonus token, and what the step's token budget leaves after the decode."""
-        if seq.num_pending or seq.grammar is not None:
-            return ()      # its last token is not known yet / a grammar checks every token
+        if (seq.num_pending or seq.grammar is not None
+                or seq.req.sampling.options.thinking_token_budget is not None):
+            return ()      # its last token is not known yet / a grammar or a budget checks every token
         k = min(self.k, stop.tokens_left(seq, len(seq.token_ids)) - 1, budget - 1)
         return self.drafter.propose(seq.id, seq.token_ids, k) if k > 0 else ()
 

@@ -163,3 +163,15 @@ def test_render_refuses_priority_without_the_policy_and_carries_it_with():
     ctx = make_ctx(priority_scheduling=True)
     assert chat({"priority": -2}, ctx).priority == -2
     assert completion({"priority": 7}, ctx).priority == 7
+
+
+def test_render_thinking_token_budget_needs_a_reasoning_parser():
+    from test_render import chat, completion, error_of, make_ctx
+
+    err = error_of(chat, {"thinking_token_budget": 5})
+    assert err.status == 400 and err.param == "thinking_token_budget"
+    assert chat({"thinking_token_budget": -1}).sampling.options.thinking_token_budget is None
+    ctx = make_ctx(reasoning=True)
+    assert chat({"thinking_token_budget": 5}, ctx).sampling.options.thinking_token_budget == 5
+    assert completion({"thinking_token_budget": 0}, ctx).sampling.options.thinking_token_budget == 0
+    assert error_of(chat, {"thinking_token_budget": -2}, ctx).status == 400
