@@ -49,6 +49,7 @@ class RenderContext:
     harmony: bool = False         # gpt-oss: messages render through Harmony (stages/api/harmony.py)
     pooling: PoolingSpec | None = None   # a pooling model (--runner pooling): what it does
     priority_scheduling: bool = False    # --scheduling-policy priority: `priority` is served
+    think_tags: bool = True   # <think>/</think> are single tokens (thinking_token_budget needs it)
 
 
 def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -276,6 +277,9 @@ def _thinking_budget(req, ctx: RenderContext) -> int | None:
         raise RequestError("'thinking_token_budget' needs a <think> reasoning parser (start "
                            "the server with --reasoning-parser qwen3 or deepseek_r1).",
                            param="thinking_token_budget")
+    if not ctx.think_tags:
+        raise RequestError("'thinking_token_budget' needs <think> and </think> to be single "
+                           "tokens of this model's tokenizer.", param="thinking_token_budget")
     return budget
 
 

@@ -115,6 +115,7 @@ class RequestSideSpec:
             force_include_usage=cfg.enable_force_include_usage,
             per_request_metrics=cfg.enable_per_request_metrics,
             priority_scheduling=cfg.scheduling_policy == "priority",
+            think_tags=built.scheduler.think_ids is not None,
             tools=built.parsers.tools, harmony=built.parsers.harmony)
         return cls(render_context=ctx, reasoning_parser=built.parsers.reasoning_parser,
                    stream_interval=cfg.stream_interval,

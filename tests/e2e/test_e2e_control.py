@@ -193,3 +193,10 @@ def test_sleep_and_wake_up(srv, oai, model, level):
     after = oai.chat.completions.create(model=model, messages=messages, max_tokens=12,
                                         temperature=0.0).choices[0].message.content
     assert after == before
+
+
+def test_thinking_token_budget_without_a_reasoning_parser_is_a_400(oai, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=2, extra_body={"thinking_token_budget": 4})
+    assert info.value.body["param"] == "thinking_token_budget"

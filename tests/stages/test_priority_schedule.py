@@ -175,3 +175,5 @@ def test_render_thinking_token_budget_needs_a_reasoning_parser():
     assert chat({"thinking_token_budget": 5}, ctx).sampling.options.thinking_token_budget == 5
     assert completion({"thinking_token_budget": 0}, ctx).sampling.options.thinking_token_budget == 0
     assert error_of(chat, {"thinking_token_budget": -2}, ctx).status == 400
+    no_tags = make_ctx(reasoning=True, think_tags=False)
+    assert "single tokens" in error_of(chat, {"thinking_token_budget": 5}, no_tags).message
