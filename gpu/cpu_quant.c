@@ -65,9 +65,97 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) 
     }
 }
 
+#if defined(__AVX512F__)
+/* 16 bytes -> 16 int32 lanes (zero- or sign-extended) */
+#define U8X16(v) _mm512_cvtepu8_epi32(v)
+#define I8X16(v) _mm512_cvtepi8_epi32(v)
+#define ST16(o, v) _mm512_storeu_ps(o, v)
+#define SET1(f) _mm512_set1_ps(f)
+#define CVT(v) _mm512_cvtepi32_ps(v)
+#define MUL(a, b) _mm512_mul_ps(a, b)
+#define ADD(a, b) _mm512_add_ps(a, b)
+#define SUBI(a, i) _mm512_sub_epi32(a, _mm512_set1_epi32(i))
+/* The 32-element formats with intrinsics: the same products and sums as the scalar code. */
+static int dequant_row_simd(int fmt, const uint8_t *restrict b, int64_t nb, float *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    switch (fmt) {
+    case Q4_0:
+        for (int64_t i = 0; i < nb; i++, b += 18, out += 32) {
+            const __m512 d = SET1(f16(b));
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));
+            ST16(out, MUL(d, CVT(SUBI(U8X16(_mm_and_si128(raw, m4)), 8))));
+            ST16(out + 16, MUL(d, CVT(SUBI(U8X16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), 8))));
+        }
+        return 1;
+    case Q4_1:
+        for (int64_t i = 0; i < nb; i++, b += 20, out += 32) {
+            const __m512 d = SET1(f16(b)), m = SET1(f16(b + 2));
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 4));
+            ST16(out, ADD(MUL(d, CVT(U8X16(_mm_and_si128(raw, m4)))), m));
+            ST16(out + 16, ADD(MUL(d, CVT(U8X16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)))), m));
+        }
+        return 1;
+    case Q8_0:
+        for (int64_t i = 0; i < nb; i++, b += 34, out += 32) {
+            const __m512 d = SET1(f16(b));
+            ST16(out, MUL(CVT(I8X16(_mm_loadu_si128((const __m128i *)(b + 2)))), d));
+            ST16(out + 16, MUL(CVT(I8X16(_mm_loadu_si128((const __m128i *)(b + 18)))), d));
+        }
+        return 1;
+    }
+    return 0;
+}
+#elif defined(__AVX2__)
+/* 8 bytes (the low half of v) -> 8 int32 lanes */
+#define U8X8(v) _mm256_cvtepu8_epi32(v)
+#define I8X8(v) _mm256_cvtepi8_epi32(v)
+#define HI8(v) _mm_srli_si128(v, 8)
+static int dequant_row_simd(int fmt, const uint8_t *restrict b, int64_t nb, float *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    switch (fmt) {
+    case Q4_0:
+    case Q4_1:
+        for (int64_t i = 0; i < nb; i++, out += 32) {
+            const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(fmt == Q4_1 ? f16(b + 2) : 0.f);
+            const int off = fmt == Q4_1 ? 4 : 2;
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + off));
+            const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+            const __m128i parts[4] = {lo, HI8(lo), hi, HI8(hi)};
+            for (int p = 0; p < 4; p++) {
+                __m256i q = U8X8(parts[p]);
+                if (fmt == Q4_0) {
+                    q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+                    _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+                } else {
+                    _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m));
+                }
+            }
+            b += fmt == Q4_1 ? 20 : 18;
+        }
+        return 1;
+    case Q8_0:
+        for (int64_t i = 0; i < nb; i++, b += 34, out += 32) {
+            const __m256 d = _mm256_set1_ps(f16(b));
+            const __m128i r0 = _mm_loadu_si128((const __m128i *)(b + 2)), r1 = _mm_loadu_si128((const __m128i *)(b + 18));
+            const __m128i parts[4] = {r0, HI8(r0), r1, HI8(r1)};
+            for (int p = 0; p < 4; p++)
+                _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(_mm256_cvtepi32_ps(I8X8(parts[p])), d));
+        }
+        return 1;
+    }
+    return 0;
+}
+#else
+static int dequant_row_simd(int fmt, const uint8_t *b, int64_t nb, float *out) {
+    (void)fmt; (void)b; (void)nb; (void)out;
+    return 0;
+}
+#endif
+
 /* One row of K elements -> fp32, as gguf-py's dequantize_blocks computes them. */
 static void dequant_row(int fmt, const uint8_t *restrict b, int64_t K, float *restrict out) {
     const int64_t nb = K / block_elems(fmt);
+    if (dequant_row_simd(fmt, b, nb, out)) return;
     switch (fmt) {
     case Q4_0:
         for (int64_t i = 0; i < nb; i++, b += 18, out += 32) {
@@ -187,30 +275,42 @@ static inline float vsum(vf v) { return v; }
 
 int cpu_quant_vector_width(void) { return VL; }
 
-/* y[m, n] (+)= sum_k x[m, k] w[n, k] for mr <= MR rows of x and nr <= NR rows of w (fp32, in buf). */
-static inline void tile(const float *restrict x, int64_t ldx, int mr, const float *restrict w, int64_t K, int nr,
-                        float *restrict y, int64_t ldy) {
+/* y[m, n] = sum_k x[m, k] w[n, k] for mr <= MR rows of x and nr <= NR rows of w (fp32, in buf).
+ * Always inlined with constant mr and nr (tile_any's switch), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, int64_t ldx, const int mr,
+                                                       const float *restrict w, int64_t K, const int nr,
+                                                       float *restrict y, int64_t ldy) {
     vf acc[MR][NR];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) acc[i][j] = VZERO();
-    if (mr == MR && nr == NR) {
-        for (int64_t k = 0; k < K; k += VL) {
-            vf wv[NR];
-            for (int j = 0; j < NR; j++) wv[j] = VLOAD(w + j * K + k);
-            for (int i = 0; i < MR; i++) {
-                const vf xv = VLOAD(x + i * ldx + k);
-                for (int j = 0; j < NR; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
-            }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = VZERO();
+    for (int64_t k = 0; k < K; k += VL) {
+        vf wv[NR];
+        for (int j = 0; j < nr; j++) wv[j] = VLOAD(w + j * K + k);
+        for (int i = 0; i < mr; i++) {
+            const vf xv = VLOAD(x + i * ldx + k);
+            for (int j = 0; j < nr; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
         }
-    } else {
-        for (int64_t k = 0; k < K; k += VL)
-            for (int i = 0; i < mr; i++) {
-                const vf xv = VLOAD(x + i * ldx + k);
-                for (int j = 0; j < nr; j++) acc[i][j] = VFMA(xv, VLOAD(w + j * K + k), acc[i][j]);
-            }
     }
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) y[i * ldy + j] = vsum(acc[i][j]);
+}
+
+static void tile_any(const float *restrict x, int64_t ldx, int mr, const float *restrict w, int64_t K, int nr,
+                     float *restrict y, int64_t ldy) {
+    if (nr == NR) {
+        switch (mr) {
+        case 1: tile(x, ldx, 1, w, K, NR, y, ldy); return;
+        case 2: tile(x, ldx, 2, w, K, NR, y, ldy); return;
+#if MR > 2
+        case 3: tile(x, ldx, 3, w, K, NR, y, ldy); return;
+#endif
+#if MR > 3
+        case 4: tile(x, ldx, 4, w, K, NR, y, ldy); return;
+#endif
+        }
+    }
+    for (int i = 0; i < mr; i++)   /* the last few rows of W */
+        for (int j = 0; j < nr; j++) tile(x + i * ldx, ldx, 1, w + j * K, K, 1, y + i * ldy + j, ldy);
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N]), W [N, row_bytes] packed
@@ -222,8 +322,6 @@ int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, in
         || K > (1 << 16))
         return -1;
     const int64_t tiles = (N + NR - 1) / NR;
-    /* x rows in chunks that stay in L2 with the tile: dequantize again per chunk (MCHUNK rows) */
-    const int64_t mchunk = M <= 64 ? M : 64;
 #pragma omp parallel
     {
         float *buf = aligned_alloc(64, (size_t)NR * K * sizeof(float));
@@ -232,12 +330,9 @@ int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, in
             const int64_t n0 = t * NR;
             const int nr = N - n0 < NR ? (int)(N - n0) : NR;
             for (int j = 0; j < nr; j++) dequant_row(fmt, w + (n0 + j) * row_bytes, K, buf + j * K);
-            for (int64_t m0 = 0; m0 < M; m0 += mchunk) {
-                const int64_t m1 = m0 + mchunk < M ? m0 + mchunk : M;
-                for (int64_t m = m0; m < m1; m += MR) {
-                    const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
-                    tile(x + m * ldx, ldx, mr, buf, K, nr, y + m * ldy + n0, ldy);
-                }
+            for (int64_t m = 0; m < M; m += MR) {
+                const int mr = M - m < MR ? (int)(M - m) : MR;
+                tile_any(x + m * ldx, ldx, mr, buf, K, nr, y + m * ldy + n0, ldy);
             }
             if (bias)
                 for (int64_t m = 0; m < M; m++)

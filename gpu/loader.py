@@ -24,7 +24,8 @@ from gpu.weights_gguf import GGUFFile
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 # auto: a GGUF file's quantized linears stay packed on a CPU (gpu/gguf_packed.py) when the
-# kernels are built and the dtype is auto; gguf: the same, or an error; none: dequantize at load
+# kernels are built and the dtype is auto; gguf: the same (dtype auto or float32), or an
+# error; none: dequantize at load to the dtype
 QUANTIZATIONS = ("auto", "gguf", "none")
 EXPERT_FORMATS = ("auto", "packed", "dequantized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -205,6 +206,8 @@ def _packs_gguf(quantization: str, source: "Source", load_format: str, dtype, de
         why = "packed GGUF kernels are CPU kernels"
     elif tp.size > 1:
         why = "not with --tensor-parallel-size > 1"
+    elif quantization == "auto" and dtype != "auto":
+        why = f"--dtype {dtype} asked for: dequantized to it"
     elif dtype not in ("auto", "float32", "fp32", "float", torch.float32):
         why = f"packed GGUF linears compute in float32 (--dtype {dtype} asked)"
     else:
