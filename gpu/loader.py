@@ -156,9 +156,10 @@ def load_model(
     path = Path(model).expanduser() if model is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
+    torch_dtype = resolve_dtype(dtype, device)   # a bad --dtype fails before the file is read
     source = open_source(path, load_format)
     packed = _packs_gguf(quantization, source, load_format, dtype, device, tp)
-    torch_dtype = torch.float32 if packed else resolve_dtype(dtype, device)
+    torch_dtype = torch.float32 if packed else torch_dtype
 
     config = source.config
     lm = CausalLM(config, torch_dtype, device,

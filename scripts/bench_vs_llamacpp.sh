@@ -51,3 +51,54 @@ build() {
 cmd="${1:-run}"
 build
 [[ "$cmd" == build ]] && { echo "$BIN"; exit 0; }
+
+GGUF="${GGUF:-$("$PYTHON" -c 'from gpu.tokenizer_files import default_model_path; print(default_model_path())')}"
+N_IN="${N_IN:-128}" N_OUT="${N_OUT:-128}"
+PROMPTS_1="${PROMPTS_1:-8}" PROMPTS_32="${PROMPTS_32:-64}"
+OUTDIR="${OUTDIR:-$(mktemp -d /tmp/bench_vs_llamacpp.XXXXXX)}"
+PORT_T="${PORT_T:-18931}" PORT_L="${PORT_L:-18932}"
+THREADS="${THREADS:-$(nproc)}"
+export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+wait_up() {  # url
+  for _ in $(seq 600); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 1; done
+  echo "server at $1 did not come up" >&2; return 1
+}
+rss_mb() { awk '/VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
+
+bench() {  # name port concurrency prompts
+  "$PYTHON" -m web.cli bench serve --backend openai-chat --base-url "http://127.0.0.1:$2" \
+    --tokenizer "$GGUF" --dataset-name random --random-input-len "$N_IN" --random-output-len "$N_OUT" \
+    --ignore-eos --temperature 0 --num-prompts "$4" --max-concurrency "$3" --disable-tqdm \
+    --save-result --result-dir "$OUTDIR" --result-filename "$1-c$3.json" > "$OUTDIR/$1-c$3.txt" 2>&1
+  "$PYTHON" - "$OUTDIR/$1-c$3.json" "$1" "$3" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{sys.argv[2]:>10s} c={sys.argv[3]:>2s}  TPOT p50 {r.get('median_tpot_ms', 0):7.1f} ms  "
+      f"TTFT p50 {r.get('median_ttft_ms', 0):8.1f} ms  output {r.get('output_throughput', 0):7.1f} tok/s")
+PY
+}
+
+echo "# $(date -u +%FT%TZ) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) ($isa), $THREADS threads; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "# GGUF $GGUF; $N_IN in / $N_OUT out, greedy, ignore_eos; results in $OUTDIR"
+# shellcheck disable=SC2086
+OMP_NUM_THREADS="$THREADS" "$PYTHON" -m web.cli serve --model "$GGUF" --host 127.0.0.1 --port "$PORT_T" \
+  --kv-cache-memory-bytes "${KV_BYTES:-1GiB}" ${TAILRACE_ARGS:-} > "$OUTDIR/tailrace.log" 2>&1 &
+pids+=($!); tpid=$!
+wait_up "http://127.0.0.1:$PORT_T/v1/models"
+grep -m1 -o 'weights: .*' "$OUTDIR/tailrace.log" || true
+for c in 1 32; do bench tailrace "$PORT_T" "$c" "$([[ $c == 1 ]] && echo "$PROMPTS_1" || echo "$PROMPTS_32")"; done
+echo "tailrace RSS $(rss_mb "$tpid") MB"
+kill "$tpid"; wait "$tpid" 2>/dev/null || true
+
+"$BIN/llama-server" -m "$GGUF" --host 127.0.0.1 --port "$PORT_L" -t "$THREADS" -np 32 -c $((32 * (N_IN + N_OUT + 64))) \
+  > "$OUTDIR/llama-server.log" 2>&1 &
+pids+=($!); lpid=$!
+wait_up "http://127.0.0.1:$PORT_L/health"
+for c in 1 32; do bench llama "$PORT_L" "$c" "$([[ $c == 1 ]] && echo "$PROMPTS_1" || echo "$PROMPTS_32")"; done
+echo "llama-server RSS $(rss_mb "$lpid") MB"
+kill "$lpid"; wait "$lpid" 2>/dev/null || true
+"$BIN/llama-bench" -m "$GGUF" -t "$THREADS" -p "$N_IN" -n "$N_OUT" -o md 2>/dev/null | tail -n +1
