@@ -72,8 +72,10 @@ class QuantKernels:
 @functools.cache
 def kernels() -> QuantKernels | None:
     """The built kernels, or None (TAILRACE_CPU_KERNELS=0, no compiler, a failed build)."""
+    global _KERNELS
     lib = cpu_kernels.load_library(_SOURCE)
-    return None if lib is None else QuantKernels(lib)
+    _KERNELS = None if lib is None else QuantKernels(lib)
+    return _KERNELS
 
 
 def isa() -> str:
@@ -85,6 +87,18 @@ def isa() -> str:
     if k.vector_width == 16:
         return "AVX-512" + (" (CPU also has AVX512_VNNI)" if "avx512_vnni" in flags else "")
     return {8: "AVX2+FMA"}.get(k.vector_width, "scalar C")
+
+
+_SCRATCH: list[torch.Tensor] = []
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """One fp32 buffer for the large-M path's dequantized weight, grown to the largest linear
+    that has needed it and then reused: no allocation (nor page faults) per call. The model
+    runs in one thread at a time (the runner's), and each call is done with it on return."""
+    if not _SCRATCH or _SCRATCH[0].numel() < numel:
+        _SCRATCH[:] = [torch.empty(numel, dtype=torch.float32)]
+    return _SCRATCH[0][:numel]
 
 
 class PackedLinear(nn.Module):
@@ -120,17 +134,37 @@ class PackedLinear(nn.Module):
         k = kernels()
         return torch.cat([k.dequantize(fmt, w, self.in_features) for fmt, w in self._segments()])
 
+    def _calls(self) -> list[tuple]:
+        """Per segment: (ggml type, packed rows, first output column, last, bias part), made
+        once (and again if the buffers were replaced, e.g. by .to())."""
+        plan = self.__dict__.get("_plan")
+        segs = list(self._segments())
+        if plan is None or any(p[1] is not w for p, (_, w) in zip(plan, segs)):
+            plan, start = [], 0
+            for (fmt, w), rows in zip(segs, self.rows):
+                bias = None if self.bias is None else self.bias.detach()[start:start + rows]
+                plan.append((fmt, w, start, start + rows, bias))
+                start += rows
+            self.__dict__["_plan"] = plan
+        return plan
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = kernels()
-        x = x.float()
-        if x.stride(-1) != 1 or x.dim() != 2:
+        """x [T, in] (any float dtype) -> [T, out] fp32. The additive hook for LoRA
+        (y = base(x) + lora(x)) goes around this call, as around a Linear's."""
+        k = _KERNELS or kernels()
+        if x.dtype != torch.float32:
+            x = x.float()
+        if x.dim() != 2 or x.stride(-1) != 1:
             x = x.reshape(-1, self.in_features).contiguous()
         if x.shape[0] > LARGE_M:
-            return torch.nn.functional.linear(x, self.dequantized(), self.bias)
+            w = _scratch(self.out_features * self.in_features).view(self.out_features, self.in_features)
+            for fmt, packed, start, stop, _ in self._calls():
+                k.dequantize(fmt, packed, self.in_features, w[start:stop])
+            return torch.nn.functional.linear(x, w, self.bias)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        start = 0
-        for (fmt, w), rows in zip(self._segments(), self.rows):
-            bias = None if self.bias is None else self.bias[start:start + rows]
-            k.matmul(fmt, w, x, y[:, start:start + rows], bias)
-            start += rows
+        for fmt, packed, start, stop, bias in self._calls():
+            k.matmul(fmt, packed, x, y if start == 0 and stop == self.out_features else y[:, start:stop], bias)
         return y
+
+
+_KERNELS = None   # kernels() once built: skips the cache lookup per call
