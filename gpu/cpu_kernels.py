@@ -54,18 +54,18 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, source: Path = _SOURCE) -> Path:
     """The shared object for this source, compiler and CPU (built now unless cached)."""
-    src = _SOURCE.read_bytes()
+    src = source.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernels-{key}.so"
+    out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
+        subprocess.run([cc, *_FLAGS, str(source), "-o", tmp, "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(tmp, out)  # atomic: processes starting together never load half a file
     finally:
@@ -196,11 +196,20 @@ def kernels() -> CpuKernels | None:
     path serves instead)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
+    lib = load_library(_SOURCE)
+    return None if lib is None else CpuKernels(lib)
+
+
+def load_library(source: Path) -> ctypes.CDLL | None:
+    """A C file of gpu/ built (or found cached) for this CPU and loaded; None without a
+    compiler, with TAILRACE_CPU_KERNELS=0, or when the build fails (gpu/cpu_quant.py's too)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(cc))))
+        return ctypes.CDLL(str(_build(cc, source)))
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -23,6 +23,10 @@ from gpu.tokenizer_files import default_model_path
 from gpu.weights_gguf import GGUFFile
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+# auto: a GGUF file's quantized linears stay packed on a CPU (gpu/gguf_packed.py) when the
+# kernels are built and the dtype is auto; gguf: the same (dtype auto or float32), or an
+# error; none: dequantize at load to the dtype
+QUANTIZATIONS = ("auto", "gguf", "none")
 EXPERT_FORMATS = ("auto", "packed", "dequantized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
@@ -41,6 +45,8 @@ class LoadedModel:
     # Every id that ends a sequence: the tokenizer's eos_token, then config.json's, then
     # generation_config.json's (e.g. Qwen's <|im_end|> and <|endoftext|>). Merged here only.
     eos_token_ids: tuple[int, ...] = ()
+    # what holds the weights, in words (the start-up line): packed GGUF formats and kernel
+    weights: str = ""
 
 
 # CPU features under which torch computes bf16 matmuls natively (oneDNN's bf16 kernels):
@@ -128,6 +134,7 @@ def load_model(
     experts: str = "auto",
     residual_dtype: str | torch.dtype | None = "auto",
     tp: TP = SINGLE,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """experts (mixture-of-experts models): "packed" keeps MXFP4 experts as the checkpoint stores
     them (a dummy load draws random packed experts), "dequantized" expands them to dtype; "auto"
@@ -136,7 +143,12 @@ def load_model(
     tp: this rank's place in a tensor-parallel group (gpu/parallel.py). The model holds its
     shard only: safetensors are read in part (get_slice); GGUF tensors are dequantised one at a
     time, only the rank's rows of the ones cut by rows. Every rank calls load_model with the
-    same arguments and its own tp."""
+    same arguments and its own tp.
+
+    quantization (QUANTIZATIONS): whether a GGUF file's quantized linears stay packed on a
+    CPU; they compute in fp32 (activations, residual stream and KV cache fp32)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     if experts not in EXPERT_FORMATS:
@@ -144,18 +156,30 @@ def load_model(
     path = Path(model).expanduser() if model is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device)   # a bad --dtype fails before the file is read
     source = open_source(path, load_format)
+    packed = _packs_gguf(quantization, source, load_format, dtype, device, tp)
+    torch_dtype = torch.float32 if packed else torch_dtype
 
     config = source.config
     lm = CausalLM(config, torch_dtype, device,
                   packed_experts=_packs_experts(experts, config, device, source, load_format == "dummy"),
-                  residual_dtype=choose_residual_dtype(residual_dtype, torch_dtype, device)[0], tp=tp)
+                  residual_dtype=torch.float32 if packed else choose_residual_dtype(residual_dtype, torch_dtype, device)[0],
+                  tp=tp)
+    weights = f"{str(torch_dtype).removeprefix('torch.')} weights"
+    named_tensors = source.named_tensors
+    if packed:
+        from gpu import gguf_packed
+        taken, formats = gguf_packed.pack_linears(lm, source.gguf)
+        weights = gguf_packed.describe(formats)
+        named_tensors = lambda select=None: source.gguf.named_tensors(select, skip=taken)  # noqa: E731
+    elif source.gguf is not None and device_type(device) == "cpu":
+        weights += f" (GGUF dequantized at load: --quantization {quantization}, --dtype {dtype})"
     if load_format == "dummy":
         _init_random(lm, seed)
     else:
         select = lm.checkpoint_slices if tp.size > 1 else None
-        tensors = tqdm(source.named_tensors(select), total=source.num_tensors, desc=f"loading {source.name}",
+        tensors = tqdm(named_tensors(select), total=source.num_tensors, desc=f"loading {source.name}",
                        unit="tensor", delay=0.5,
                        # a bar on a terminal only (rank 0's): a log file (or --log-format json) gets no bar
                        disable=None if progress and tp.first else True)
@@ -163,7 +187,36 @@ def load_model(
     lm.eval()
     return LoadedModel(config=config, model=lm, tokenizer=source.tokenizer, generation_config=source.generation_config,
                        name=source.name, path=str(path), max_model_len=config.max_position_embeddings,
-                       eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config))
+                       eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config),
+                       weights=weights)
+
+
+def device_type(device: str | torch.device) -> str:
+    return torch.device(device).type
+
+
+def _packs_gguf(quantization: str, source: "Source", load_format: str, dtype, device, tp: TP) -> bool:
+    """Whether a GGUF file's linears stay packed (gpu/gguf_packed.py); raises ValueError when
+    --quantization gguf asks for what cannot be."""
+    if quantization == "none" or load_format == "dummy":
+        return False
+    why = None
+    if source.gguf is None:
+        why = "the model is not a GGUF file"
+    elif device_type(device) != "cpu":
+        why = "packed GGUF kernels are CPU kernels"
+    elif tp.size > 1:
+        why = "not with --tensor-parallel-size > 1"
+    elif quantization == "auto" and dtype != "auto":
+        why = f"--dtype {dtype} asked for: dequantized to it"
+    elif dtype not in ("auto", "float32", "fp32", "float", torch.float32):
+        why = f"packed GGUF linears compute in float32 (--dtype {dtype} asked)"
+    else:
+        from gpu import gguf_packed
+        why = gguf_packed.why_not_packed(source.gguf)
+    if why is not None and quantization == "gguf":
+        raise ValueError(f"--quantization gguf: {why}")
+    return why is None
 
 
 def load_shell(model: str | Path | None = None, *, load_format: str = "auto",
@@ -201,6 +254,7 @@ class Source:
     # tensor wanted, or None for all of it (a hint: a reader may ignore it and yield it whole)
     named_tensors: Any
     mxfp4_experts: bool = False  # the checkpoint stores NAME_blocks / NAME_scales pairs
+    gguf: GGUFFile | None = None  # the open file, for a GGUF source
 
 
 def _packs_experts(experts: str, config: ModelConfig, device, source: Source, dummy: bool) -> bool:
@@ -235,7 +289,7 @@ def _gguf_source(path: Path) -> Source:
     f = GGUFFile(path)
     config = ModelConfig.from_hf(f.config_dict())
     return Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
-                   name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors)
+                   name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors, gguf=f)
 
 
 def _hf_source(model_dir: Path, need_weights: bool) -> Source:

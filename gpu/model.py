@@ -299,7 +299,8 @@ class CausalLM(nn.Module):
             logits[:, self.vocab_real:] = float("-inf")
         if not logits.is_cuda:
             logits = logits.float()
-            if hidden.dtype == torch.float32 and logits.dtype != self.lm_head.weight.dtype:
+            if (hidden.dtype == torch.float32 and isinstance(self.lm_head, Linear)
+                    and logits.dtype != self.lm_head.weight.dtype):
                 logits = exact_top_logits(logits, hidden, self.lm_head.weight)
         if self.tp.size == 1:
             return logits

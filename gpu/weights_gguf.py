@@ -121,8 +121,26 @@ class GGUFFile:
         c = self.config_dict()
         return {"bos_token_id": c["bos_token_id"], "eos_token_id": c["eos_token_id"]}
 
-    def named_tensors(self, select=None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor) for every weight, dequantized and un-permuted.
+    def packed(self, gguf_name: str) -> tuple[int, torch.Tensor]:
+        """(ggml type id, the tensor's blocks as stored: uint8 [rows, row_bytes]), rows
+        un-permuted as named_tensors un-permutes them (a row holds whole blocks, so rows
+        move as they are): for the packed CPU linears (gpu/gguf_packed.py)."""
+        import torch
+
+        t = self.tensors[gguf_name]
+        data = torch.from_numpy(np.array(t.data.view(np.ndarray), dtype=np.uint8, copy=True))
+        data = data.reshape(int(t.shape[-1]), -1)
+        a = self.arch
+        heads = self.field(f"{a}.attention.head_count")
+        if a == "llama" and ".attn_q." in gguf_name:
+            data = _unpermute(data, heads)
+        elif a == "llama" and ".attn_k." in gguf_name:
+            data = _unpermute(data, self.field(f"{a}.attention.head_count_kv", heads))
+        return int(t.tensor_type), data.contiguous()
+
+    def named_tensors(self, select=None, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor) for every weight, dequantized and un-permuted; the GGUF
+        names in skip are left out (the ones kept packed).
 
         select(name, shape) -> slices (a tensor-parallel rank's part) or None: a cut along the
         first dimension (whole rows: whole quantisation blocks) is made before dequantising;
@@ -133,6 +151,8 @@ class GGUFFile:
         heads = self.field(f"{a}.attention.head_count")
         kv_heads = self.field(f"{a}.attention.head_count_kv", heads)
         for t in self.reader.tensors:
+            if t.name in skip:
+                continue
             name = _hf_name(t.name)
             if name is None:
                 raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r}")

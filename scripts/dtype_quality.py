@@ -21,6 +21,8 @@ Recipes (weights / GEMM inputs and KV cache, residual stream and norms):
               row's top recomputed in fp32: gpu/model.exact_top_logits): CPU auto's recipe
   bf16-res32-bf16logits  as bf16-res32 without that recomputation
   bf16-res32-lm32  as bf16-res32, the vocabulary projection an fp32 GEMM on fp32 weights
+  gguf        the GGUF's Q4_1/Q8_0 blocks kept packed (gpu/cpu_quant.c) / fp32: the default for a
+              GGUF file on a CPU since issue 39 (the reference, fp32, is the file dequantized)
 Printed: one JSON object per contender, then a table.
 """
 from __future__ import annotations
@@ -85,6 +87,8 @@ CHATS = [
 def our_recipe(fp32: CausalLM, name: str) -> CausalLM:
     if name == "fp32":
         return fp32
+    if name == "gguf":
+        return load_model(None, quantization="gguf", progress=False).model
     residual = {"bf16": torch.bfloat16}.get(name, torch.float32)
     model = CausalLM(fp32.config, torch.bfloat16, residual_dtype=residual)
     model.load_state_dict(fp32.state_dict())
@@ -168,12 +172,13 @@ def compare(ref_lp: torch.Tensor, lp: torch.Tensor, ref_out, out, eos, ref_batch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recipes", nargs="*", default=["bf16", "bf16-res32", "bf16-res32-bf16logits", "bf16-res32-lm32"])
+    ap.add_argument("--recipes", nargs="*", default=["gguf", "bf16", "bf16-res32", "bf16-res32-bf16logits",
+                                                     "bf16-res32-lm32"])
     ap.add_argument("--hf-dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--new-tokens", type=int, default=24)
     a = ap.parse_args()
-    loaded = load_model(None, dtype="float32", progress=False)
+    loaded = load_model(None, dtype="float32", quantization="none", progress=False)
     tok, eos = loaded.tokenizer, loaded.eos_token_ids
     text = tok.encode(TEXT)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True))

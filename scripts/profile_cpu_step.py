@@ -14,6 +14,11 @@ without it (TAILRACE_CPU_KERNELS=0: gather + SDPA, torch's elementwise ops).
 
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --residual-dtypes bfloat16 float32 --rounds 5
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --paths torch c --rounds 5
+
+--quantizations gguf: the GGUF's linears kept packed (gpu/cpu_quant.c, float32 activations;
+--dtype is then ignored); none (the default): dequantized to --dtype. A/B of both, at 1 stream:
+
+    .venv/bin/python scripts/profile_cpu_step.py --quantizations none gguf --num-seqs 1 --rounds 3
 """
 from __future__ import annotations
 
@@ -72,14 +77,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "gguf"])
     a = ap.parse_args()
     print(cpu_threads())
     decoders = {}
-    for r in a.residual_dtypes:
-        lm = load_model(None, dtype=a.dtype, residual_dtype=r, progress=False)
-        for path in a.paths:
-            decoders[f"{a.dtype}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}"] = \
-                (make_decoder(lm.model, a.num_seqs, path=path), [])
+    for quant in a.quantizations:
+        for r in a.residual_dtypes if quant == "none" else ["float32"]:
+            lm = load_model(None, dtype="auto" if quant == "gguf" else a.dtype, residual_dtype=r,
+                            quantization=quant, progress=False)
+            kind = "GGUF packed" if quant == "gguf" else a.dtype
+            for path in a.paths:
+                decoders[f"{kind}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}"] = \
+                    (make_decoder(lm.model, a.num_seqs, path=path), [])
+    layers = lm.model.config.num_hidden_layers
     step = 1
     for rnd in range(a.rounds):
         for name, (decode, medians) in decoders.items():
@@ -90,7 +100,8 @@ def main() -> None:
                   f"best {times[0] * 1e3:.1f} ms", flush=True)
     for name, (decode, medians) in decoders.items():
         spread = f" (rounds' medians {min(medians) * 1e3:.1f}-{max(medians) * 1e3:.1f})" if len(medians) > 1 else ""
-        print(f"{name}: median of medians {statistics.median(medians) * 1e3:.1f} ms{spread}")
+        mid = statistics.median(medians)
+        print(f"{name}: median of medians {mid * 1e3:.1f} ms{spread}, {mid / layers * 1e6:.0f} us a layer")
     if a.no_profile:
         return
     for name, (decode, _) in decoders.items():

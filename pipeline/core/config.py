@@ -10,7 +10,7 @@ import os
 
 import attrs
 
-from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS
+from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from gpu.pooling_config import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
 from gpu.simulate import GPUS
 from stages.gpu_step import FAULT_KINDS
@@ -56,6 +56,8 @@ class EngineConfig:
     served_model_name: tuple[str, ...] = attrs.field(   # empty: the model's own name
         default=(), converter=lambda names: tuple(names or ()))
     load_format: str = attrs.field(default="auto", validator=attrs.validators.in_(LOAD_FORMATS))
+    # a GGUF file's quantized linears on a CPU: auto/gguf keep them packed, none dequantizes (issue 39)
+    quantization: str = attrs.field(default="auto", validator=attrs.validators.in_(QUANTIZATIONS))
     dtype: str = attrs.field(default="auto", converter=lambda d: DTYPE_ALIASES.get(d, d),
                              validator=attrs.validators.in_(DTYPE_CHOICES))
     # the residual stream's (and norms') dtype; auto: float32 on CPU under bf16/fp16 weights
@@ -237,6 +239,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    choices=LOAD_FORMATS,
                    help="Weight format; dummy: random weights of the model's shape "
                         "(default: %(default)s).")
+    p.add_argument("--quantization", "-q", default=_default("quantization"), choices=QUANTIZATIONS,
+                   help="GGUF weights on a CPU: gguf keeps the file's quantized blocks (Q4_0, Q4_1, "
+                        "Q8_0, Q4_K, Q5_K, Q6_K) packed and computes in float32; auto: gguf for a "
+                        "GGUF file on a CPU with --dtype auto, else none; none: dequantize at load "
+                        "to --dtype (default: %(default)s).")
     p.add_argument("--block-size", type=int, default=_default("block_size"),
                    help="Tokens per KV cache block (default: %(default)s).")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,

@@ -145,8 +145,11 @@ def load_weights(cfg: EngineConfig, device: torch.device, tp: TP = SINGLE) -> Lo
     log.info("dtype %s (%s), residual stream %s (%s)%s", str(dtype).removeprefix("torch."), why,
              str(residual).removeprefix("torch."), rwhy,
              f"; {cpu_threads()}" if device.type == "cpu" else "")
-    return load_model(cfg.model, load_format=cfg.load_format, dtype=dtype,
-                      device=str(device), seed=cfg.seed, residual_dtype=residual, tp=tp)
+    loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype if cfg.dtype == "auto" else dtype,
+                        device=str(device), seed=cfg.seed, residual_dtype=residual, tp=tp,
+                        quantization=cfg.quantization)
+    log.info("weights: %s", loaded.weights)
+    return loaded
 
 
 def resolve_max_model_len(cfg: EngineConfig, loaded: LoadedModel) -> int:

@@ -1,0 +1,344 @@
+/* GGUF-quantized linear layers on the CPU (issue 39): y[M, N] = x[M, K] @ W[N, K]^T + bias,
+ * with W kept in its GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), built and loaded by
+ * gpu/cpu_quant.py the way gpu/cpu_kernels.c is (cc -O3 -march=native -fopenmp, cached per CPU).
+ *
+ * How: a thread takes NR weight rows at a time, dequantizes them into an fp32 buffer in L1/L2
+ * (exactly gguf-py's values: the same fp32 products and sums, -ffp-contract=off), then
+ * multiplies them with MR activation rows at a time in fp32 FMAs (MR x NR vector accumulators
+ * over K). The dequantization is paid once per weight row and step, whatever M; the weights
+ * are read packed (4.5-8.5 bits a weight). fp32 activations, no Q8 rounding of them: the
+ * result is the dequantized fp32 model's up to the order of the sums.
+ * Vector width from the build: AVX-512 (16 lanes), AVX2+FMA (8 lanes), else scalar.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml type ids */
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t u;
+    if (e == 0x1f) u = s | 0x7f800000u | (m << 13);
+    else if (e) u = s | ((e + 112) << 23) | (m << 13);
+    else if (!m) u = s;
+    else {  /* subnormal: normalise */
+        int ee = 113;
+        uint32_t mm = m;
+        while (!(mm & 0x400)) { mm <<= 1; ee--; }
+        u = s | ((uint32_t)ee << 23) | ((mm & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* (elements, bytes) of one block */
+static int block_elems(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K ? 256 : 32; }
+static int block_bytes(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 18; case Q4_1: return 20; case Q8_0: return 34;
+    case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+int cpu_quant_block_bytes(int fmt) { return block_bytes(fmt); }
+int cpu_quant_block_elems(int fmt) { return block_bytes(fmt) ? block_elems(fmt) : 0; }
+
+/* the 6-bit scales and mins of a K-quant super-block (gguf-py's Q4_K.get_scale_min) */
+static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+
+#if defined(__AVX512F__)
+/* 16 bytes -> 16 int32 lanes (zero- or sign-extended) */
+#define U8X16(v) _mm512_cvtepu8_epi32(v)
+#define I8X16(v) _mm512_cvtepi8_epi32(v)
+#define ST16(o, v) _mm512_storeu_ps(o, v)
+#define SET1(f) _mm512_set1_ps(f)
+#define CVT(v) _mm512_cvtepi32_ps(v)
+#define MUL(a, b) _mm512_mul_ps(a, b)
+#define ADD(a, b) _mm512_add_ps(a, b)
+#define SUBI(a, i) _mm512_sub_epi32(a, _mm512_set1_epi32(i))
+/* The 32-element formats with intrinsics: the same products and sums as the scalar code. */
+static int dequant_row_simd(int fmt, const uint8_t *restrict b, int64_t nb, float *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    switch (fmt) {
+    case Q4_0:
+        for (int64_t i = 0; i < nb; i++, b += 18, out += 32) {
+            const __m512 d = SET1(f16(b));
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));
+            ST16(out, MUL(d, CVT(SUBI(U8X16(_mm_and_si128(raw, m4)), 8))));
+            ST16(out + 16, MUL(d, CVT(SUBI(U8X16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), 8))));
+        }
+        return 1;
+    case Q4_1:
+        for (int64_t i = 0; i < nb; i++, b += 20, out += 32) {
+            const __m512 d = SET1(f16(b)), m = SET1(f16(b + 2));
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 4));
+            ST16(out, ADD(MUL(d, CVT(U8X16(_mm_and_si128(raw, m4)))), m));
+            ST16(out + 16, ADD(MUL(d, CVT(U8X16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)))), m));
+        }
+        return 1;
+    case Q8_0:
+        for (int64_t i = 0; i < nb; i++, b += 34, out += 32) {
+            const __m512 d = SET1(f16(b));
+            ST16(out, MUL(CVT(I8X16(_mm_loadu_si128((const __m128i *)(b + 2)))), d));
+            ST16(out + 16, MUL(CVT(I8X16(_mm_loadu_si128((const __m128i *)(b + 18)))), d));
+        }
+        return 1;
+    }
+    return 0;
+}
+#elif defined(__AVX2__)
+/* 8 bytes (the low half of v) -> 8 int32 lanes */
+#define U8X8(v) _mm256_cvtepu8_epi32(v)
+#define I8X8(v) _mm256_cvtepi8_epi32(v)
+#define HI8(v) _mm_srli_si128(v, 8)
+static int dequant_row_simd(int fmt, const uint8_t *restrict b, int64_t nb, float *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    switch (fmt) {
+    case Q4_0:
+    case Q4_1:
+        for (int64_t i = 0; i < nb; i++, out += 32) {
+            const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(fmt == Q4_1 ? f16(b + 2) : 0.f);
+            const int off = fmt == Q4_1 ? 4 : 2;
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + off));
+            const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+            const __m128i parts[4] = {lo, HI8(lo), hi, HI8(hi)};
+            for (int p = 0; p < 4; p++) {
+                __m256i q = U8X8(parts[p]);
+                if (fmt == Q4_0) {
+                    q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+                    _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+                } else {
+                    _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m));
+                }
+            }
+            b += fmt == Q4_1 ? 20 : 18;
+        }
+        return 1;
+    case Q8_0:
+        for (int64_t i = 0; i < nb; i++, b += 34, out += 32) {
+            const __m256 d = _mm256_set1_ps(f16(b));
+            const __m128i r0 = _mm_loadu_si128((const __m128i *)(b + 2)), r1 = _mm_loadu_si128((const __m128i *)(b + 18));
+            const __m128i parts[4] = {r0, HI8(r0), r1, HI8(r1)};
+            for (int p = 0; p < 4; p++)
+                _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(_mm256_cvtepi32_ps(I8X8(parts[p])), d));
+        }
+        return 1;
+    }
+    return 0;
+}
+#else
+static int dequant_row_simd(int fmt, const uint8_t *b, int64_t nb, float *out) {
+    (void)fmt; (void)b; (void)nb; (void)out;
+    return 0;
+}
+#endif
+
+/* One row of K elements -> fp32, as gguf-py's dequantize_blocks computes them. */
+static void dequant_row(int fmt, const uint8_t *restrict b, int64_t K, float *restrict out) {
+    const int64_t nb = K / block_elems(fmt);
+    if (dequant_row_simd(fmt, b, nb, out)) return;
+    switch (fmt) {
+    case Q4_0:
+        for (int64_t i = 0; i < nb; i++, b += 18, out += 32) {
+            const float d = f16(b);
+            const uint8_t *q = b + 2;
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)((int)(q[j] & 15) - 8);
+                out[j + 16] = d * (float)((int)(q[j] >> 4) - 8);
+            }
+        }
+        break;
+    case Q4_1:
+        for (int64_t i = 0; i < nb; i++, b += 20, out += 32) {
+            const float d = f16(b), m = f16(b + 2);
+            const uint8_t *q = b + 4;
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)(q[j] & 15) + m;
+                out[j + 16] = d * (float)(q[j] >> 4) + m;
+            }
+        }
+        break;
+    case Q8_0:
+        for (int64_t i = 0; i < nb; i++, b += 34, out += 32) {
+            const float d = f16(b);
+            const int8_t *q = (const int8_t *)(b + 2);
+            for (int j = 0; j < 32; j++) out[j] = (float)q[j] * d;
+        }
+        break;
+    case Q4_K:
+    case Q5_K:
+        for (int64_t i = 0; i < nb; i++, out += 256) {
+            const float d = f16(b), dmin = f16(b + 2);
+            uint8_t sc[8], mn[8];
+            scale_min_k4(b + 4, sc, mn);
+            const uint8_t *qh = b + 16, *qs = fmt == Q4_K ? b + 16 : b + 48;
+            for (int s = 0; s < 8; s++) {   /* sub-block s: 32 values, nibble s & 1 of bytes 32 (s / 2).. */
+                const float ds = d * (float)sc[s], ms = dmin * (float)mn[s];
+                const uint8_t *q = qs + 32 * (s / 2);
+                const int shift = 4 * (s & 1);
+                float *o = out + 32 * s;
+                if (fmt == Q4_K) {
+                    for (int j = 0; j < 32; j++) o[j] = ds * (float)((q[j] >> shift) & 15) - ms;
+                } else {
+                    for (int j = 0; j < 32; j++)
+                        o[j] = ds * (float)(((q[j] >> shift) & 15) | (((qh[j] >> s) & 1) << 4)) - ms;
+                }
+            }
+            b += fmt == Q4_K ? 144 : 176;
+        }
+        break;
+    case Q6_K:
+        for (int64_t i = 0; i < nb; i++, b += 210, out += 256) {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = f16(b + 208);
+            /* element e = 128 h + 32 r + j (h: half, r: 0..3): low nibble from ql[64 h + 32 (r & 1) + j]
+             * (shifted by 4 for r >= 2), high 2 bits from qh[32 h + j] >> 2 r */
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < 4; r++) {
+                    const uint8_t *l = ql + 64 * h + 32 * (r & 1), *hh = qh + 32 * h;
+                    const int lshift = r >= 2 ? 4 : 0;
+                    float *o = out + 128 * h + 32 * r;
+                    const float d0 = d * (float)sc[8 * h + 2 * r], d1 = d * (float)sc[8 * h + 2 * r + 1];
+                    for (int j = 0; j < 32; j++) {
+                        const int q = (int)(((l[j] >> lshift) & 15) | (((hh[j] >> (2 * r)) & 3) << 4)) - 32;
+                        o[j] = (j < 16 ? d0 : d1) * (float)q;
+                    }
+                }
+        }
+        break;
+    }
+}
+
+/* Rows [r0, r1) of a packed tensor -> fp32 [r1 - r0, K] (a large-M call's GEMM operand, tests). */
+int cpu_quant_dequantize(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t K,
+                         float *out) {
+    if (!block_bytes(fmt) || K % block_elems(fmt) || row_bytes != K / block_elems(fmt) * block_bytes(fmt))
+        return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = r0; r < r1; r++) dequant_row(fmt, w + r * row_bytes, K, out + (r - r0) * K);
+    return 0;
+}
+
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VL 16
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#define MR 4
+#define NR 4
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vf;
+#define VL 8
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#define MR 3
+#define NR 4
+#else
+typedef float vf;
+#define VL 1
+#define VZERO() 0.f
+#define VLOAD(p) (*(p))
+#define VFMA(a, b, c) ((a) * (b) + (c))
+static inline float vsum(vf v) { return v; }
+#define MR 2
+#define NR 2
+#endif
+
+int cpu_quant_vector_width(void) { return VL; }
+
+/* y[m, n] = sum_k x[m, k] w[n, k] for mr <= MR rows of x and nr <= NR rows of w (fp32, in buf).
+ * Always inlined with constant mr and nr (tile_any's switch), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, int64_t ldx, const int mr,
+                                                       const float *restrict w, int64_t K, const int nr,
+                                                       float *restrict y, int64_t ldy) {
+    vf acc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = VZERO();
+    for (int64_t k = 0; k < K; k += VL) {
+        vf wv[NR];
+        for (int j = 0; j < nr; j++) wv[j] = VLOAD(w + j * K + k);
+        for (int i = 0; i < mr; i++) {
+            const vf xv = VLOAD(x + i * ldx + k);
+            for (int j = 0; j < nr; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = vsum(acc[i][j]);
+}
+
+static void tile_any(const float *restrict x, int64_t ldx, int mr, const float *restrict w, int64_t K, int nr,
+                     float *restrict y, int64_t ldy) {
+    if (nr == NR) {
+        switch (mr) {
+        case 1: tile(x, ldx, 1, w, K, NR, y, ldy); return;
+        case 2: tile(x, ldx, 2, w, K, NR, y, ldy); return;
+#if MR > 2
+        case 3: tile(x, ldx, 3, w, K, NR, y, ldy); return;
+#endif
+#if MR > 3
+        case 4: tile(x, ldx, 4, w, K, NR, y, ldy); return;
+#endif
+        }
+    }
+    for (int i = 0; i < mr; i++)   /* the last few rows of W */
+        for (int j = 0; j < nr; j++) tile(x + i * ldx, ldx, 1, w + j * K, K, 1, y + i * ldy + j, ldy);
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N]), W [N, row_bytes] packed
+ * in format fmt. K a multiple of the format's block (and so of the vector width). Returns -1 for
+ * arguments it does not take (nothing written). */
+int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const float *x,
+                     int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias) {
+    if (!block_bytes(fmt) || K % block_elems(fmt) || row_bytes != K / block_elems(fmt) * block_bytes(fmt)
+        || K > (1 << 16))
+        return -1;
+    const int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel
+    {
+        float *buf = aligned_alloc(64, (size_t)NR * K * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * NR;
+            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+            for (int j = 0; j < nr; j++) dequant_row(fmt, w + (n0 + j) * row_bytes, K, buf + j * K);
+            for (int64_t m = 0; m < M; m += MR) {
+                const int mr = M - m < MR ? (int)(M - m) : MR;
+                tile_any(x + m * ldx, ldx, mr, buf, K, nr, y + m * ldy + n0, ldy);
+            }
+            if (bias)
+                for (int64_t m = 0; m < M; m++)
+                    for (int j = 0; j < nr; j++) y[m * ldy + n0 + j] += bias[n0 + j];
+        }
+        free(buf);
+    }
+    return 0;
+}

@@ -1,0 +1,154 @@
+"""GGUF weights kept packed on the CPU (gpu/cpu_quant.c, gpu/gguf_packed.py, issue 39), against
+gguf-py's own dequantization: tensors quantized here with gguf-py, K-quant blocks drawn at random
+(gguf-py cannot quantize them), and the bundled SmolLM2's tensors; then the whole packed model's
+logits and greedy tokens against the dequantized fp32 model.
+
+Tolerances: the kernels' dequantized values equal gguf-py's bit for bit (max error 0, every
+format); a linear's outputs are fp32 dot products of those values, so they match an fp64
+product of gguf-py's dequantized weight to fp32 summation error: |err| <= 2e-5 * sqrt(K) *
+max|x| * max|w| (measured ~10x below); the model's logits within 2e-3 of the dequantized fp32
+model's (measured 6e-5 on logits of magnitude ~28)."""
+
+import subprocess
+import ctypes
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gpu import cpu_quant
+from gpu.attention_dense import DenseCausalAttention, greedy_generate
+from gpu.loader import load_model
+from gpu.parallel import SINGLE
+from gpu.tokenizer_files import default_model_path
+
+Q = gguf.GGMLQuantizationType
+K = cpu_quant.kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="the CPU quant kernels are not built (no C compiler)")
+
+BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+
+
+def _quantized(qtype, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(packed [rows, row_bytes] uint8, gguf-py's dequantization [rows, cols] fp32)."""
+    rng = np.random.default_rng(seed)
+    if qtype in BLOCK_BYTES:   # random blocks with sane fp16 scales (d, dmin / d at the block's end)
+        bb = BLOCK_BYTES[qtype]
+        packed = rng.integers(0, 256, (rows, cols // 256 * bb), dtype=np.uint8)
+        blocks = packed.reshape(rows, -1, bb)
+        scale = np.frombuffer(np.float16(0.003).tobytes(), np.uint8)
+        if qtype == Q.Q6_K:
+            blocks[..., 208:210] = scale
+        else:
+            blocks[..., 0:2] = scale
+            blocks[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    else:
+        packed = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    return packed, gguf.quants.dequantize(packed, qtype).reshape(rows, cols)
+
+
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_each_format_against_gguf_py(qtype):
+    rows, cols = 37, 512   # rows: not a multiple of the kernel's tile
+    packed, ref = _quantized(qtype, rows, cols)
+    w = torch.from_numpy(packed)
+    assert np.array_equal(K.dequantize(int(qtype), w, cols).numpy(), ref)   # max error 0
+    bias = torch.randn(rows)
+    lin = cpu_quant.PackedLinear(cols, [(int(qtype), w)], bias)
+    ref64 = torch.from_numpy(ref).double()
+    for m in (1, 3, 5, 8, cpu_quant.LARGE_M + 3):   # the GEMV tiles, their tails, the large-M path
+        x = torch.randn(m, cols)
+        y = lin(x)
+        want = x.double() @ ref64.T + bias.double()
+        bound = 2e-5 * cols ** 0.5 * x.abs().max().item() * max(ref64.abs().max().item(), 1.0)
+        assert y.shape == (m, rows) and y.dtype == torch.float32
+        assert (y.double() - want).abs().max().item() <= bound, (qtype.name, m)
+
+
+def test_mixed_segments_and_strided_input():
+    """A merged projection whose parts differ in format (a Q4_K_M file's attn_v is Q6_K),
+    fed a non-contiguous view."""
+    (a, ra), (b, rb) = _quantized(Q.Q4_K, 20, 256, 1), _quantized(Q.Q6_K, 9, 256, 2)
+    lin = cpu_quant.PackedLinear(256, [(int(Q.Q4_K), torch.from_numpy(a)), (int(Q.Q6_K), torch.from_numpy(b))])
+    x = torch.randn(4, 512)[:, ::2]
+    want = x.double() @ torch.from_numpy(np.concatenate([ra, rb])).double().T
+    assert torch.allclose(lin(x).double(), want, atol=1e-4, rtol=1e-5)
+    assert torch.equal(lin.dequantized(), torch.from_numpy(np.concatenate([ra, rb])))
+
+
+def test_bundled_model_tensors():
+    """The SmolLM2 file's own Q4_1 and Q8_0 tensors (the embedding's first 1024 rows)
+    dequantize exactly as gguf-py does."""
+    reader = gguf.GGUFReader(default_model_path())
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("blk.0.attn_q.weight", "blk.29.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        data = np.array(t.data[:1024], copy=True)
+        cols = int(t.shape[0])
+        ref = gguf.quants.dequantize(data, t.tensor_type).reshape(-1, cols)
+        assert np.array_equal(K.dequantize(int(t.tensor_type), torch.from_numpy(data), cols).numpy(), ref), name
+    assert {tensors[n].tensor_type for n in ("blk.0.attn_q.weight", "token_embd.weight")} == {Q.Q4_1, Q.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def packed_smollm():
+    return load_model(None, progress=False)   # the default for a GGUF file on a CPU
+
+
+def test_default_keeps_gguf_packed(packed_smollm, smollm):
+    lm = packed_smollm.model
+    assert "kept packed" in packed_smollm.weights and "Q4_1" in packed_smollm.weights
+    assert isinstance(lm.layers[0].self_attn.qkv_proj, cpu_quant.PackedLinear)
+    assert isinstance(lm.lm_head, cpu_quant.PackedLinear) and lm.lm_head.formats == (int(Q.Q8_0),)
+    packed_bytes = sum(m.packed_bytes for m in lm.modules() if isinstance(m, cpu_quant.PackedLinear))
+    assert packed_bytes < 0.3 * 4 * 134.5e6   # ~92 MB against the fp32 model's 538
+    assert not isinstance(smollm.model.lm_head, cpu_quant.PackedLinear)   # --dtype float32: dequantized
+
+
+def test_logits_and_greedy_match_dequantized_fp32(packed_smollm, smollm):
+    tok = smollm.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True))
+    with torch.inference_mode():
+        pos = torch.arange(len(ids))
+        got = packed_smollm.model.compute_logits(packed_smollm.model(torch.tensor(ids), pos, DenseCausalAttention()))
+        want = smollm.model.compute_logits(smollm.model(torch.tensor(ids), pos, DenseCausalAttention()))
+    assert (got - want).abs().max().item() < 2e-3
+    assert greedy_generate(packed_smollm.model, ids, 8) == greedy_generate(smollm.model, ids, 8)
+
+
+def test_quantization_flag_errors():
+    from gpu.loader import _packs_gguf, Source
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(None, quantization="int3", progress=False)
+    not_gguf = Source(config=None, tokenizer=None, generation_config={}, name="x", num_tensors=0,
+                      named_tensors=None)
+    with pytest.raises(ValueError, match="--quantization gguf: the model is not a GGUF file"):
+        _packs_gguf("gguf", not_gguf, "auto", "auto", "cpu", SINGLE)
+    assert not _packs_gguf("auto", not_gguf, "auto", "auto", "cpu", SINGLE)
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
+def test_other_isa_builds_agree(tmp_path, march):
+    """The same source built for an AVX2-only CPU and for no vector ISA gives the same results
+    (what a machine without AVX-512 runs)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path / f"q-{march}.so"
+    subprocess.run([cc, "-O2", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+                    "-std=gnu11", str(cpu_quant._SOURCE), "-o", str(so)], check=True, timeout=120)
+    other = cpu_quant.QuantKernels(ctypes.CDLL(str(so)))
+    assert other.vector_width == (8 if march == "haswell" else 1)
+    for qtype in FORMATS:
+        packed, ref = _quantized(qtype, 13, 256, 3)
+        w = torch.from_numpy(packed)
+        assert np.array_equal(other.dequantize(int(qtype), w, 256).numpy(), ref), qtype.name
+        x, y = torch.randn(5, 256), torch.empty(5, 13)
+        other.matmul(int(qtype), w, x, y)
+        assert torch.allclose(y.double(), x.double() @ torch.from_numpy(ref).double().T, atol=1e-4), qtype.name
