@@ -114,6 +114,19 @@ def _prompt_preview(body: object, max_len: int | None) -> str:
     return text
 
 
+def _data_parallel_rank(value: str, size: int) -> int:
+    """X-data-parallel-rank's rank, checked against --data-parallel-size (400 otherwise)."""
+    try:
+        rank = int(value.strip())
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < size:
+        raise RequestError(f"X-data-parallel-rank header: {value[:16]!r} is not a data-parallel "
+                           f"rank of this server (0 to {size - 1})", status=400,
+                           param="X-data-parallel-rank")
+    return rank
+
+
 def _request_id() -> str:
     given = request.headers.get("x-request-id", "")
     return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
@@ -277,11 +290,14 @@ class Views:
         (SageMaker's; `api` None: the body's shape says which)."""
         request_id = _request_id()
         rank = request.headers.get("X-data-parallel-rank")
-        if rank is not None:   # vLLM's data-parallel routing hint: one engine here
-            log.info("request %s: X-data-parallel-rank %s (one engine serves all ranks)",
-                     request_id, rank[:16])
+        size = getattr(self.engine, "data_parallel_size", 1)
         prepared = None
         try:
+            if rank is not None and size > 1:   # vLLM's data-parallel routing: that engine
+                self.engine.pin_rank(request_id, _data_parallel_rank(rank, size))
+            elif rank is not None:   # one engine serves every rank
+                log.info("request %s: X-data-parallel-rank %s (one engine serves all ranks)",
+                         request_id, rank[:16])
             body = await _json_body()
             api = api or _invocation_api(body)
             if api == "responses":   # previous_response_id's conversation goes in front
@@ -294,6 +310,8 @@ class Views:
             reply = await self.engine.submit(api, body, request_id,
                                              headers=tuple(request.headers.items()))
         except RequestError as err:
+            if size > 1:
+                self.engine.unpin(request_id)
             return _json_error(err, request_id, api)
         headers = {"x-request-id": reply.request_id}
         if prepared is not None and prepared.background:   # no client holds it: not closed

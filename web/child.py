@@ -1,9 +1,12 @@
 """The child processes of `tailrace serve --api-server-count N`: their entry point and
 command lines, which web/cli.py hands to pipeline/layouts/procs.py to start:
 
-    python -m web.child engine --fds A0,A1.. -- SERVE_ARGS      (admit, schedule, GPU step)
-    python -m web.child frontend --index K --engine-fd BK --listen-fd L --log-level LEVEL
+    python -m web.child engine --dp-rank R --fds A0,A1.. -- SERVE_ARGS  (admit, schedule, GPU step)
+    python -m web.child frontend --index K --engine-fds B0,B1.. --listen-fd L --log-level LEVEL
                                  --log-format FORMAT            (HTTP, no torch)
+
+With --data-parallel-size D there are D engine processes (ranks 0..D-1) and each
+frontend holds one link to each of them.
 
 Here in web/ because a frontend runs the HTTP server (web/server.py) and the engine
 parses the `serve` flags (web/cli.py's parser) once for every frontend; pipeline/ only
@@ -30,20 +33,20 @@ log = logging.getLogger("tailrace")
 MODULE = "web.child"
 
 
-def engine_command(serve_args: Sequence[str], fds: Sequence[int]) -> list[str]:
-    """The engine process: the fds of its ends of the socketpairs, and the whole `serve`
-    command line (less `serve`), which it parses once for every frontend."""
-    return python_command(MODULE, "engine", "--fds", ",".join(map(str, fds)), "--",
-                          *serve_args)
+def engine_command(serve_args: Sequence[str], rank: int, fds: Sequence[int]) -> list[str]:
+    """Engine `rank` (data parallel): the fds of its ends of the socketpairs, and the whole
+    `serve` command line (less `serve`), which it parses once for every frontend."""
+    return python_command(MODULE, "engine", "--dp-rank", str(rank), "--fds",
+                          ",".join(map(str, fds)), "--", *serve_args)
 
 
-def frontend_command(index: int, engine_fd: int, listen_fd: int, *, log_level: str,
+def frontend_command(index: int, engine_fds: Sequence[int], listen_fd: int, *, log_level: str,
                      log_format: str) -> list[str]:
-    """Frontend `index`: its end of its socketpair with the engine, the listening socket;
-    its other settings come from the engine (FrontendSetup) once the model has loaded."""
-    return python_command(MODULE, "frontend", "--index", str(index), "--engine-fd",
-                          str(engine_fd), "--listen-fd", str(listen_fd), "--log-level",
-                          log_level, "--log-format", log_format)
+    """Frontend `index`: its ends of its socketpairs with the engines, the listening socket;
+    its other settings come from the engines (FrontendSetup) once the model has loaded."""
+    return python_command(MODULE, "frontend", "--index", str(index), "--engine-fds",
+                          ",".join(map(str, engine_fds)), "--listen-fd", str(listen_fd),
+                          "--log-level", log_level, "--log-format", log_format)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     kinds = p.add_subparsers(dest="kind", required=True)
     e = kinds.add_parser("engine")
     e.add_argument("--fds", required=True)
+    e.add_argument("--dp-rank", type=int, default=0)
     e.add_argument("serve_args", nargs=argparse.REMAINDER)
     f = kinds.add_parser("frontend")
     f.add_argument("--index", type=int, required=True)
-    f.add_argument("--engine-fd", type=int, required=True)
+    f.add_argument("--engine-fds", required=True)
     f.add_argument("--listen-fd", type=int, required=True)
     f.add_argument("--log-level", default="info")
     f.add_argument("--log-format", default="text")
@@ -67,15 +71,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.kind == "engine":
         serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
-        return engine_main(args.fds, serve_args)
-    return frontend_main(args.index, args.engine_fd, args.listen_fd, args.log_level,
-                         args.log_format)
+        return engine_main(args.fds, serve_args, args.dp_rank)
+    return frontend_main(args.index, [int(fd) for fd in args.engine_fds.split(",")],
+                         args.listen_fd, args.log_level, args.log_format)
 
 
-def engine_main(fds: str, serve_args: list[str]) -> int:
-    """The engine process: parse the `serve` flags once, for every frontend (their
+def engine_main(fds: str, serve_args: list[str], dp_rank: int = 0) -> int:
+    """Engine `dp_rank`: parse the `serve` flags once, for every frontend (their
     FrontendSetup), then run the engine over the socketpairs `fds` until its last
-    frontend has gone."""
+    frontend has gone. With data parallel on the CPU each engine takes its share of the
+    cores (unless OMP_NUM_THREADS says); on CUDA engine R takes the devices from R * TP."""
     from pipeline.core.config import engine_config
     from pipeline.core.logs import configure
     from pipeline.core.reply import describe
@@ -85,7 +90,7 @@ def engine_main(fds: str, serve_args: list[str]) -> int:
 
     serve = build_parser(with_bench=False).parse_args(["serve", *serve_args])
     configure(serve.log_level, serve.log_format)
-    cfg = engine_config(serve)
+    cfg = data_parallel_config(engine_config(serve), serve.data_parallel_size, dp_rank)
     setup = FrontendSetup(index=0, side=None, app_config=app_config(serve), graceful_timeout=serve.graceful_timeout,
                           event_log_max_bytes=cfg.event_log_max_bytes,
                           event_log_backup_count=cfg.event_log_backup_count)
@@ -94,25 +99,49 @@ def engine_main(fds: str, serve_args: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with runner_switch_interval():      # this process runs the GPU step
-            return trio.run(partial(run_engine, cfg, socks, setup))
+            return trio.run(partial(run_engine, cfg, socks, setup, dp_rank=dp_rank,
+                                    data_parallel=serve.data_parallel_size > 1))
     except Exception as exc:
         log.error("tailrace engine process failed: %s", describe(exc))
         log.debug("details", exc_info=True)
         return 1
 
 
-def frontend_main(index: int, engine_fd: int, listen_fd: int, log_level: str,
+def data_parallel_config(cfg, size: int, rank: int):
+    """Engine `rank` of `size`'s config: its device (cuda:R*TP on CUDA; on the CPU a share
+    of the threads), its event log's path (PATH.engine-R past rank 0)."""
+    import os
+
+    import attrs
+    import torch
+
+    if size <= 1:
+        return cfg
+    changes = {}
+    if cfg.event_log is not None and rank > 0:
+        changes["event_log"] = f"{cfg.event_log}.engine-{rank}"
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        first = int(cfg.device.split(":")[1]) if ":" in cfg.device else 0
+        changes["device"] = f"cuda:{first + rank * cfg.tensor_parallel_size}"
+    elif "OMP_NUM_THREADS" not in os.environ:
+        share = (os.cpu_count() or 1) // (size * cfg.tensor_parallel_size)
+        torch.set_num_threads(max(1, share))
+    return attrs.evolve(cfg, **changes)
+
+
+def frontend_main(index: int, engine_fds: list[int], listen_fd: int, log_level: str,
                   log_format: str) -> int:
-    """Frontend `index`: serve the inherited listening socket over the engine's link."""
+    """Frontend `index`: serve the inherited listening socket over the engines' links."""
     from pipeline.core.logs import configure
     from pipeline.core.reply import describe
     from web.server import serve_frontend
 
     configure(log_level, log_format)
-    engine_sock = socket.socket(fileno=engine_fd)
+    engine_socks = [socket.socket(fileno=fd) for fd in engine_fds]
     sock = socket.socket(fileno=listen_fd)
     try:
-        return trio.run(partial(serve_frontend, engine_sock, sock, index=index,
+        return trio.run(partial(serve_frontend, engine_socks, sock, index=index,
                                 log_level=log_level))
     except Exception as exc:
         log.error("tailrace frontend %d stopped: %s", index, describe(exc))

@@ -103,6 +103,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "N HTTP frontend processes (render, detokenize, parse, account, emit) "
                         "sharing the listening socket (vLLM's flag; docs/architecture.md). "
                         "Default: one process does both.")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="Run N engine processes (each its own scheduler, KV cache and model "
+                        "runner; on CUDA engine R on the devices from R * TP, on the CPU each "
+                        "with its share of the cores) behind the --api-server-count frontends, "
+                        "which pick an engine per request by load or by the "
+                        "X-data-parallel-rank header (vLLM's flag; docs/cli.md). Default: 1.")
     p.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT_S,
                    metavar="SECONDS",
                    help="On SIGTERM/SIGINT, how long requests in flight may run on before "
@@ -113,6 +119,8 @@ def app_config(args: argparse.Namespace) -> AppConfig:
     """The server's settings from its flags; ValueError for a bad value."""
     if args.api_server_count is not None and args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    if getattr(args, "data_parallel_size", 1) < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.graceful_timeout < 0:
         raise ValueError(f"--graceful-timeout must not be negative, got {args.graceful_timeout}")
     return AppConfig(api_keys=api_keys(args.api_key),
@@ -240,6 +248,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         web_config = app_config(args)
         if config.pooling and args.api_server_count is not None:
             raise ValueError("--api-server-count does not combine with a pooling model (--runner pooling) yet")
+        if config.pooling and args.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size does not combine with a pooling model (--runner pooling) yet")
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     from pipeline.core.logs import configure as configure_logs
@@ -251,16 +261,17 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         log.error("tailrace serve: cannot listen on %s: %s", _bind(args.host, args.port),
                   exc.strerror or exc)
         return 1
-    if args.api_server_count is not None:
+    if args.api_server_count is not None or args.data_parallel_size > 1:
         from pipeline.layouts import procs
         from web import child
 
         try:
-            return procs.run(args.api_server_count, sock,
+            return procs.run(args.api_server_count or 1, sock,
                              engine_command=partial(child.engine_command, args.argv[1:]),
                              frontend_command=partial(child.frontend_command,
                                                       log_level=args.log_level,
-                                                      log_format=args.log_format))
+                                                      log_format=args.log_format),
+                             engines=args.data_parallel_size)
         finally:
             sock.close()
     try:

@@ -6,6 +6,11 @@ tailrace's own series keep a `tailrace:` prefix; a field of EngineStats without 
 here is exported as `tailrace:<field>` (a counter when it ends in `_total`), and one that
 maps names to numbers becomes one labelled metric, so new engine stats show up without
 touching this file.
+
+With data parallel (--data-parallel-size, `EngineStats.engines`), the engine cores' series
+(queues, KV cache, preemptions, steps, cache_config_info) carry an `engine` label, one
+row per engine, as vLLM's; the request side's (tokens, latencies, finished requests) are
+the server's, unlabelled.
 """
 from __future__ import annotations
 
@@ -104,16 +109,35 @@ class EngineCollector(Collector):
         yield from _own(stats)
 
 
+# EngineStats fields that are one engine core's (labelled engine="K" with data parallel)
+_CORE = ("num_running", "num_waiting", "num_preemptions", "kv_blocks_total", "kv_blocks_free",
+         "kv_blocks_used", "kv_blocks_cached", "steps_total")
+
+
+def _rows(stats: EngineStats, field: str, labels: list[str]) -> tuple[list[str], list]:
+    """A core field's label names and rows ([label values], value): one per engine with
+    data parallel (an `engine` label), else the one."""
+    if stats.engines and field in _CORE:
+        return ([*labels, "engine"],
+                [(str(k), getattr(e, field)) for k, e in enumerate(stats.engines)])
+    return labels, [(None, getattr(stats, field))]
+
+
 def _vllm(stats: EngineStats, model: str) -> Iterator[Metric]:
     for field, (name, doc) in _VLLM.items():
-        family = _family(VLLM + name, doc, ["model_name"])
-        family.add_metric([model], getattr(stats, field))
+        names, rows = _rows(stats, field, ["model_name"])
+        family = _family(VLLM + name, doc, names)
+        for engine, value in rows:
+            family.add_metric([model] if engine is None else [model, engine], value)
         yield family
     if stats.kv_blocks_total:
+        per = list(enumerate(stats.engines)) if stats.engines else [(None, stats)]
         family = GaugeMetricFamily(VLLM + "kv_cache_usage_perc",
                                    "KV cache usage: 1 means every block is held.",
-                                   labels=["model_name"])
-        family.add_metric([model], stats.kv_blocks_used / stats.kv_blocks_total)
+                                   labels=["model_name"] + (["engine"] if stats.engines else []))
+        for k, e in per:
+            family.add_metric([model] if k is None else [model, str(k)],
+                              e.kv_blocks_used / e.kv_blocks_total if e.kv_blocks_total else 0.0)
         yield family
     family = CounterMetricFamily(VLLM + "request_success",
                                  "Requests finished (not aborted, not failed), by reason.",
@@ -132,7 +156,8 @@ def _vllm(stats: EngineStats, model: str) -> Iterator[Metric]:
         family = GaugeMetricFamily(VLLM + "cache_config_info",
                                    "Information of the engine's cache configuration.",
                                    labels=list(stats.cache_config))
-        family.add_metric(list(stats.cache_config.values()), 1)
+        for e in stats.engines or (stats,):
+            family.add_metric([e.cache_config.get(k, "") for k in stats.cache_config], 1)
         yield family
     for group, names, unit in ((stats.latency, _HISTOGRAMS, "_seconds"),
                                (stats.shapes, _SHAPES, "")):
@@ -184,8 +209,10 @@ def _own(stats: EngineStats) -> Iterator[Metric]:
         if key == "requests_finished_total":
             value = {**dict.fromkeys(FinishReason, 0), **value}
         if _is_number(value):
-            family = _family(PREFIX + name, doc)
-            family.add_metric([], value)
+            names, rows = _rows(stats, key, [])
+            family = _family(PREFIX + name, doc, names)
+            for engine, v in rows:
+                family.add_metric([] if engine is None else [engine], v)
         elif isinstance(value, Mapping) and all(_is_number(v) for v in value.values()):
             family = _family(PREFIX + name, doc, [label or "key"])
             for k, v in value.items():

@@ -75,27 +75,31 @@ async def serve_model(config: EngineConfig, sock: socket.socket, *,
     return 0
 
 
-async def serve_frontend(engine_sock: socket.socket, sock: socket.socket, *, index: int,
+async def serve_frontend(engine_socks: list[socket.socket], sock: socket.socket, *, index: int,
                          log_level: str = "info") -> int:
     """One frontend process of --api-server-count (web/child.py runs it): serve the
-    listening socket it inherited at once (503 while the engine process loads the model),
-    take its setup from the engine over `engine_sock`, then serve the app over a
+    listening socket it inherited at once (503 while the engine processes load the model),
+    take its setup from the engines over `engine_socks` (one per data-parallel rank; the
+    first's is used, once every engine has sent its own), then serve the app over a
     pipeline.layouts.frontend.RemoteEngine, as serve_model does over an Engine; shutdown is the
-    same. The engine going away comes out as pipeline.layouts.frontend.EngineGone."""
+    same. An engine going away comes out as pipeline.layouts.frontend.EngineGone."""
     from pipeline.layouts.frontend import EngineGone, open_frontend
     from pipeline.layouts.wire import Link
 
     shutdown, abort, serving = trio.Event(), trio.Event(), trio.Event()
     gate = LoadingGate()
-    link = Link(trio.socket.from_stdlib_socket(engine_sock))
+    links = [Link(trio.socket.from_stdlib_socket(s)) for s in engine_socks]
     async with trio.open_nursery() as nursery:
         await nursery.start(_watch_signals, shutdown, abort, serving, nursery.cancel_scope)
         async with open_http(gate, sock, log_level=log_level):
-            try:
-                setup = await link.receive()
-            except trio.EndOfChannel:
-                raise EngineGone("the engine process exited before it was ready") from None
-            async with open_frontend(setup, link) as engine:
+            setups = []
+            for rank, link in enumerate(links):
+                try:
+                    setups.append(await link.receive())
+                except trio.EndOfChannel:
+                    raise EngineGone(f"engine {rank} exited before it was ready") from None
+            setup = setups[0]
+            async with open_frontend(setup, links) as engine:
                 async with trio.open_nursery() as server:
                     await server.start(partial(
                         serve, engine, None, app_config=setup.app_config,

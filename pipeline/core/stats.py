@@ -74,6 +74,9 @@ class EngineStats:
     latency: Latencies | None = None
     shapes: RequestShapes | None = None
     spec_decode: SpecDecodeStats | None = None   # None: speculative decoding is off
+    # data parallel (--data-parallel-size): each engine's stats, by rank (the gauges above
+    # are their sums); /metrics labels their core series engine="K"
+    engines: tuple[EngineStats, ...] = ()
 
     @classmethod
     def merge(cls, core: CoreStats, accounts: Sequence[AccountStats]) -> EngineStats:

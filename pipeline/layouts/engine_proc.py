@@ -12,6 +12,12 @@ A frontend that goes away (its socket closes) gets every request of its aborted,
 frees their KV blocks with the next step; the others keep being served. When the last
 frontend has gone the engine stops (exit 0); a stage that raises stops it (exit 1),
 which every frontend sees as its socket closing.
+
+With --data-parallel-size D, D such processes (ranks 0..D-1) serve the same frontends,
+each its own engine core; each reports its load (`Load`: waiting, running, KV usage)
+to every frontend when it changes, as vLLM's DP coordinator publishes it, and the
+frontends pick an engine per request. For /metrics rank 0 gathers the frontends'
+accounting (it is the server's, not one engine's); the others answer with their core's.
 """
 from __future__ import annotations
 
@@ -29,14 +35,15 @@ from pipeline.core.reply import describe
 from pipeline.core.startup import event_log_header, freeze_heap, open_event_log
 from pipeline.core.stats import AccountStats, CoreStats, EngineStats, cache_config_labels
 from pipeline.layouts.tp_procs import TensorParallel, open_built
-from pipeline.layouts.wire import (AccountQuery, AccountReply, FrontendSetup, Link, Refused,
-                                   StatsQuery, StatsReply, forward, outbox, pack_step)
+from pipeline.layouts.wire import (AccountQuery, AccountReply, FrontendSetup, Link, Load,
+                                   Refused, StatsQuery, StatsReply, forward, outbox, pack_step)
 from stages.admit import Accepted
 from stages.messages import Abort, FinishRequest, RenderedRequest
 
 log = logging.getLogger("tailrace")
 
 ACCOUNT_TIMEOUT_S = 2.0
+LOAD_INTERVAL_S = 0.02      # how often an engine looks whether its load changed
 
 
 @attrs.define(eq=False)
@@ -147,9 +154,11 @@ class Stats:
     """/metrics over every process: the core's gauges here, each frontend's accounting
     asked for at scrape time, merged (EngineStats.merge)."""
 
-    def __init__(self, scheduler, blocks, ports: list[Port], cache_config: dict[str, str]) -> None:
+    def __init__(self, scheduler, blocks, ports: list[Port], cache_config: dict[str, str],
+                 accounts: bool = True) -> None:
         self.scheduler, self.blocks, self.ports = scheduler, blocks, ports
         self.cache_config = cache_config
+        self.accounts = accounts      # False: a data-parallel rank past 0 (rank 0 asks)
         self._waiting: dict[int, tuple[trio.Event, list[AccountStats]]] = {}
         self._numbers = itertools.count()
 
@@ -161,6 +170,10 @@ class Stats:
                 waiting[0].set()
 
     async def reply(self, port: Port, query: StatsQuery) -> None:
+        if not self.accounts:
+            port.outbox.send_nowait(StatsReply(query.query, EngineStats.merge(
+                CoreStats.of(self.scheduler, self.blocks, self.cache_config), [])))
+            return
         number = next(self._numbers)
         done, totals = self._waiting[number] = (trio.Event(), [])
         try:
@@ -177,6 +190,25 @@ class Stats:
     def merge(self, totals: list[AccountStats]) -> EngineStats:
         return EngineStats.merge(CoreStats.of(self.scheduler, self.blocks, self.cache_config),
                                  totals)
+
+
+def load_of(scheduler, blocks, rank: int) -> Load:
+    return Load(rank, len(scheduler.waiting) + len(scheduler.compiling), len(scheduler.running),
+                blocks.num_used / blocks.num_blocks if blocks.num_blocks else 0.0)
+
+
+async def report_load(scheduler, blocks, ports: list[Port], rank: int) -> None:
+    """Each frontend gets this engine's load whenever it changes (looked at every
+    LOAD_INTERVAL_S), so they pick the least loaded engine (data parallel)."""
+    last = None
+    while True:
+        load = load_of(scheduler, blocks, rank)
+        if load != last:
+            for p in ports:
+                if p.alive:
+                    p.outbox.send_nowait(load)
+            last = load
+        await trio.sleep(LOAD_INTERVAL_S)
 
 
 async def _serve_frontend(port: Port, replies: EngineReplies, stats: Stats,
@@ -215,15 +247,16 @@ async def _serve_frontend(port: Port, replies: EngineReplies, stats: Stats,
                 inbox.send_nowait(Abort(rid))
 
 
-async def run_engine(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendSetup) -> int:
+async def run_engine(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendSetup, *,
+                     dp_rank: int = 0, data_parallel: bool = False) -> int:
     """Load the model, hand each frontend its setup, serve them until the last has gone.
     `setup` is every frontend's, less what the model decides (filled in here)."""
     async with open_built(cfg) as (_device, built, tp):
-        return await _serve(cfg, socks, setup, built, tp)
+        return await _serve(cfg, socks, setup, built, tp, dp_rank, data_parallel)
 
 
 async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendSetup, built,
-                 tp: TensorParallel | None) -> int:
+                 tp: TensorParallel | None, dp_rank: int = 0, data_parallel: bool = False) -> int:
     secrets = frozenset(setup.app_config.api_keys)
     events = open_event_log(cfg, built, secrets) if cfg.event_log else None
     header = event_log_header(cfg, built) if events is not None else None
@@ -232,7 +265,8 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
         send, receive = outbox()
         ports.append(Port(k, Link(trio.socket.from_stdlib_socket(sock)), send, receive))
     replies = EngineReplies(ports)
-    stats = Stats(built.scheduler, built.blocks, ports, cache_config_labels(cfg, built.blocks.num_blocks))
+    labels = {**cache_config_labels(cfg, built.blocks.num_blocks), "engine": str(dp_rank)}
+    stats = Stats(built.scheduler, built.blocks, ports, labels, accounts=dp_rank == 0)
     side = RequestSideSpec.of(cfg, built)
     try:
         async with trio.open_nursery() as nursery:
@@ -244,6 +278,8 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
                               requests=requests_out, inbox=(inbox_in, inbox_out), steps=steps_in,
                               events=events, watch=None if tp is None else tp.watch)
             nursery.start_soon(route, steps_out, replies)
+            if data_parallel:
+                nursery.start_soon(report_load, built.scheduler, built.blocks, ports, dp_rank)
             async with trio.open_nursery() as frontends:
                 for port in ports:
                     mine = attrs.evolve(
@@ -261,7 +297,7 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
                 requests_in.close()
                 inbox_in.close()
                 freeze_heap()
-                log.info("engine serving %d frontends", len(ports))
+                log.info("engine %d serving %d frontends", dp_rank, len(ports))
             nursery.cancel_scope.cancel()    # every frontend has gone
     except Exception as exc:
         log.error("the engine stopped: %s", describe(exc))

@@ -76,6 +76,16 @@ class AccountReply:
 
 
 @attrs.frozen
+class Load:
+    """An engine's load (data parallel), sent to every frontend when it changes: what a
+    frontend picks the engine of a new request by (vLLM's DP coordinator's counts)."""
+    rank: int
+    waiting: int
+    running: int
+    kv_usage: float         # KV blocks held / all
+
+
+@attrs.frozen
 class Drain:
     """Take no new request (the server is shutting down)."""
 
