@@ -62,3 +62,16 @@ def make_llava(out_dir: Path, seed: int = 0):
     processor.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
     return model, processor
+
+
+def llava_dir(tmp_path_factory) -> tuple[Path, object, object]:
+    """The tiny LLaVA saved once per test session (every module that asks shares it):
+    (folder, transformers model, processor)."""
+    import transformers
+
+    out = tmp_path_factory.getbasetemp() / "tiny-llava"
+    if not (out / "model.safetensors").is_file():
+        out.mkdir(exist_ok=True)
+        return (out, *make_llava(out))
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(out).eval()
+    return out, model, transformers.AutoProcessor.from_pretrained(out)

@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 import attrs
 import orjson
 
-from stages.api.common import server_error, unstructure
+from stages.api.common import ABSENT, omit_absent, server_error, unstructure
 from stages.lib.delta import Delta, FinishReason, Usage
 from stages.messages import RenderedRequest
 
@@ -39,9 +39,11 @@ def json_body(obj: Any) -> bytes:
 
 # -- usage objects: chat's and completions' (UsageInfo), the Responses API's (ResponseUsage)
 
+@omit_absent
 @attrs.frozen
 class PromptTokensDetails:
     cached_tokens: int = 0
+    multimodal_tokens: dict[str, int] = ABSENT     # {"image": N} when the prompt had pictures
 
 
 @attrs.frozen
@@ -49,13 +51,15 @@ class CompletionTokensDetails:
     reasoning_tokens: int = 0
 
 
-@attrs.frozen
+@omit_absent
+@attrs.frozen(kw_only=True)
 class UsageInfo:
-    """The chat/completions usage object (OpenAI's names, vLLM's details)."""
+    """The chat/completions usage object (OpenAI's names, vLLM's details): as vLLM,
+    prompt_tokens_details only with --enable-prompt-tokens-details."""
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails = ABSENT
     completion_tokens_details: CompletionTokensDetails
 
 
@@ -79,9 +83,13 @@ class ResponseUsage:
 
 
 def usage_info(usage: Usage) -> UsageInfo:
-    return UsageInfo(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
-                     PromptTokensDetails(usage.cached_tokens),
-                     CompletionTokensDetails(usage.reasoning_tokens))
+    details = ABSENT
+    if usage.details:
+        details = PromptTokensDetails(usage.cached_tokens, {"image": usage.image_tokens}
+                                      if usage.image_tokens else ABSENT)
+    return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                     total_tokens=usage.total_tokens, prompt_tokens_details=details,
+                     completion_tokens_details=CompletionTokensDetails(usage.reasoning_tokens))
 
 
 def response_usage(usage: Usage) -> ResponseUsage:

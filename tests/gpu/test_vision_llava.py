@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
-from vision_models import make_llava  # noqa: E402
+from vision_models import llava_dir  # noqa: E402
 from gpu_testutil import our_logits  # noqa: E402
 
 
@@ -26,9 +26,7 @@ def picture(h: int, w: int, seed: int):
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-llava")
-    model, processor = make_llava(out)
-    return out, model, processor
+    return llava_dir(tmp_path_factory)
 
 
 SIZES = [(40, 57), (57, 40), (30, 30), (12, 100), (301, 17), (8, 8), (64, 64)]
