@@ -21,7 +21,7 @@ from stages.messages import RenderedRequest, Step
 class _RequestUsage:
     __slots__ = ("prompt", "completion", "reasoning", "arrival", "scheduled", "first_token",
                  "last_token", "wants_metrics", "open_choices", "cached", "n", "prompt_lens",
-                 "prompt_cached", "continuous", "max_tokens", "spec", "details", "image_tokens")
+                 "prompt_cached", "continuous", "max_tokens", "spec")
 
     def __init__(self, req: RenderedRequest) -> None:
         self.prompt = req.num_prompt_tokens      # every prompt's, once (not per choice)
@@ -40,8 +40,6 @@ class _RequestUsage:
         self.continuous = req.continuous_usage   # every delta carries the usage so far
         self.max_tokens = req.sampling.max_tokens
         self.spec: list[int] | None = None   # [verify passes, draft tokens, accepted], once drafted
-        self.details = req.reply.prompt_tokens_details     # --enable-prompt-tokens-details
-        self.image_tokens = sum(im.length for im in req.images)
 
     def metrics(self) -> RequestMetrics:
         """The request's own timings (vLLM's per-request metrics), in milliseconds."""
@@ -145,12 +143,10 @@ class Accountant:
                 u.spec[2] += d.accepted_tokens
             reason = d.finish_reason
             if reason is None:
-                deltas.append(d.accounted(Usage(u.prompt, u.completion, u.cached, u.reasoning, u.details,
-                              u.image_tokens))
+                deltas.append(d.accounted(Usage(u.prompt, u.completion, u.cached, u.reasoning))
                               if u.continuous else d)
                 continue
-            usage = Usage(u.prompt, u.completion, u.cached, u.reasoning, u.details,
-                              u.image_tokens)
+            usage = Usage(u.prompt, u.completion, u.cached, u.reasoning)
             u.open_choices -= 1
             if u.open_choices > 0:
                 deltas.append(d.accounted(usage))

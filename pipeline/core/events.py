@@ -62,7 +62,11 @@ _structure_rendered_request = make_dict_structure_fn(RenderedRequest, converter)
 def _structure_rendered(data: dict, cls: type) -> RenderedRequest:
     if "reply" not in data:   # logged before ReplySpec: the typed request (None in an engine's)
         typed = data.get("request")
-        data = {**data, "reply": {} if typed is None else _old_reply_spec(data["api"], typed)}
+        data = {**data, "reply": {**({} if typed is None else _old_reply_spec(data["api"], typed)),
+                                  "prompt_tokens_details": True}}
+    if "prompt_tokens_details" not in data["reply"]:
+        # logged before --enable-prompt-tokens-details (issue 34): replies then always had them
+        data = {**data, "reply": {**data["reply"], "prompt_tokens_details": True}}
     return _structure_rendered_request(data, cls)
 
 

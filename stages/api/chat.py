@@ -485,9 +485,7 @@ class ChatFramer(ChoicesFramer):
         if not self.req.stream:
             return b""
         prompt = {"prompt_token_ids": list(self.req.prompt_token_ids)} if self._return_ids else {}
-        usage = usage_info(Usage(len(self.req.prompt_token_ids), 0,
-                                 details=self.req.reply.prompt_tokens_details,
-                                 image_tokens=sum(im.length for im in self.req.images)))
+        usage = usage_info(Usage(len(self.req.prompt_token_ids), 0), self.req)
         out = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
                            usage, **(prompt if i == 0 else {}))
                for i in range(self.req.n)]
@@ -506,7 +504,7 @@ class ChatFramer(ChoicesFramer):
         reasoning, logprobs, token_ids = self._visible(delta)
         lp = chat_logprobs(logprobs) if self._wants_logprobs and logprobs else None
         ids = self._return_ids and bool(token_ids)
-        usage = usage_info(delta.usage) if self.req.continuous_usage else None
+        usage = usage_info(delta.usage, self.req) if self.req.continuous_usage else None
         if delta.content or reasoning or lp or ids:
             message = (ChatDelta(content=delta.content, reasoning=reasoning) if reasoning
                        else ChatDelta(content=delta.content))

@@ -60,7 +60,7 @@ class UsageInfo:
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = ABSENT
-    completion_tokens_details: CompletionTokensDetails
+    completion_tokens_details: CompletionTokensDetails = ABSENT   # always set (ABSENT: key order)
 
 
 @attrs.frozen
@@ -82,11 +82,14 @@ class ResponseUsage:
     total_tokens: int
 
 
-def usage_info(usage: Usage) -> UsageInfo:
+def usage_info(usage: Usage, req: RenderedRequest | None = None) -> UsageInfo:
+    """prompt_tokens_details when the request's reply asks for them (render sets it under
+    --enable-prompt-tokens-details), with multimodal_tokens when its prompt had pictures."""
     details = ABSENT
-    if usage.details:
-        details = PromptTokensDetails(usage.cached_tokens, {"image": usage.image_tokens}
-                                      if usage.image_tokens else ABSENT)
+    if req is not None and req.reply.prompt_tokens_details:
+        images = sum(im.length for im in req.images)
+        details = PromptTokensDetails(usage.cached_tokens,
+                                      {"image": images} if images else ABSENT)
     return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                      total_tokens=usage.total_tokens, prompt_tokens_details=details,
                      completion_tokens_details=CompletionTokensDetails(usage.reasoning_tokens))
@@ -268,7 +271,7 @@ class ChoicesFramer(Framer):
         out = [self._chunk([self._finish_choice(delta)], usage)]
         if self.closing:
             if self.req.include_usage:
-                out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
+                out.append(self._chunk.with_usage(usage_info(delta.usage, self.req), delta.metrics))
             out.append(DONE)
         return out
 
@@ -286,6 +289,6 @@ class ChoicesFramer(Framer):
         return json_body(self.body_type(
             id=self.id, created=self.req.created, model=self.req.model,
             choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
-            usage=usage_info(delta.usage),
+            usage=usage_info(delta.usage, self.req),
             **({} if delta.metrics is None else {"metrics": delta.metrics}),
             **self._body_fields()))

@@ -33,10 +33,6 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
-    # --enable-prompt-tokens-details: the reply's usage shows prompt_tokens_details
-    # (cached_tokens, and multimodal_tokens when the prompt had pictures)
-    details: bool = False
-    image_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

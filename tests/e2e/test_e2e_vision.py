@@ -288,10 +288,14 @@ def test_every_refusal_is_a_400_naming_the_part(vl, media, tmp_path):
     assert r.status_code == 400 and r.json()["error"]["type"]
 
 
-def test_a_text_only_model_refuses_pictures_and_omits_details(client, model_name):
-    """The session's SmolLM2 server (no --enable-prompt-tokens-details): an image part is a
-    400 naming it; usage has no prompt_tokens_details (vLLM: absent without the flag)."""
+def test_a_text_only_model_refuses_pictures_and_omits_details(tools_client):
+    """The session's SmolLM2 tools server (no --enable-prompt-tokens-details): an image
+    part is a 400 naming it; usage has no prompt_tokens_details (vLLM: absent without the
+    flag)."""
     import openai
+
+    client = tools_client
+    model_name = client.models.list().data[0].id
 
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_name, max_tokens=2,
