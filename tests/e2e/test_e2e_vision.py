@@ -125,6 +125,8 @@ def vl(llava, local_dir, tmp_path_factory, serve_with_flags):
     folder = llava[0]
     for server in serve_with_flags(
             tmp_path_factory.mktemp("e2e-vision-server"), str(folder),
+            # steps of 16 tokens: every prefill is chunked, cutting through a picture's 25
+            "--max-num-batched-tokens", "16",
             "--enable-prompt-tokens-details", "--limit-mm-per-prompt", '{"image": 2}',
             "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(local_dir),
             "--media-fetch-timeout", str(FETCH_TIMEOUT_S), "--max-media-bytes", str(MAX_BYTES)):

@@ -86,3 +86,56 @@ def test_logits_match_transformers(llava):
     # the picture matters: without it (placeholder embeddings) the logits differ
     plain = our_logits(loaded.model, ids)
     assert (plain - ref).abs().max() > 1e-2
+
+
+def test_runner_chunks_through_a_picture_and_encodes_it_once(llava):
+    """A prefill in chunks of 7 tokens cuts through the 25 image tokens: the runner puts
+    each chunk's part of the picture's features in place, and its greedy tokens are
+    transformers'; a second sequence with the same picture is not encoded again."""
+    from gpu.attention import KVCache
+    from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+    from gpu.loader import load_model
+    from gpu.runner import ModelRunner
+    from stages.lib.images import content_hash, pixel_values
+    from stages.lib.vision_prompt import expand
+
+    out, model, processor = llava
+    loaded = load_model(out, dtype="float32", progress=False)
+    spec, mc = loaded.vision_spec, loaded.config
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"},
+                                      {"type": "text", "text": "what is it?"}]}],
+        add_generation_prompt=True)
+    img = picture(45, 33, 5)
+    inputs = processor(images=[img], text=text, return_tensors="pt")
+    with torch.inference_mode():
+        want = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    pixels = pixel_values(img, spec.processing)
+    short = [t for i, t in enumerate(inputs["input_ids"][0].tolist())
+             if t != spec.image_token_id or inputs["input_ids"][0][i - 1] != spec.image_token_id]
+    ids, images = expand(short, spec, [(pixels, content_hash(pixels))], "messages")
+    assert ids == inputs["input_ids"][0].tolist()
+    cache = KVCache(mc.num_hidden_layers, 16, 16, mc.num_key_value_heads, mc.head_dim,
+                    torch.float32, "cpu")
+    runner = ModelRunner(loaded.model, cache, device=torch.device("cpu"), vision=loaded.vision)
+    greedy = SamplingOptions(temperature=0.0)
+
+    def run(sid: str, table: tuple[int, ...], step0: int) -> list[int]:
+        got, pos, step = [], 0, step0
+        new = (SeqStart(sid, tuple(ids), greedy, images=images),)
+        while pos < len(ids):
+            chunk = ids[pos:pos + 7]
+            res = runner.execute(StepPlan(step, (SeqChunk(sid, tuple(chunk), pos, table,
+                                                          pos + len(chunk) == len(ids)),), new))
+            new, pos, step = (), pos + len(chunk), step + 1
+        got += res.token_ids
+        while len(got) < 4:
+            res = runner.execute(StepPlan(step, (SeqChunk(sid, (got[-1],), pos, table, True),)))
+            got += res.token_ids
+            pos, step = pos + 1, step + 1
+        return got
+
+    assert run("a", (0, 1, 2, 3), 0) == want.tolist()
+    assert runner.encoder_cache.encoded == 1
+    assert run("b", (4, 5, 6, 7), 100) == want.tolist()
+    assert runner.encoder_cache.encoded == 1          # the same picture: from the cache
