@@ -100,6 +100,18 @@ class GrammarError(ValueError):
 
 
 @attrs.frozen
+class ImageInput:
+    """One picture of a prompt (issue 34): its placeholder tokens are prompt positions
+    offset .. offset + length - 1, its features come from the vision tower run on `pixels`
+    (a float32 numpy array [3, H, W], made in render), and `hash` names its content (the
+    runner's encoder cache and the prefix cache key on it)."""
+    offset: int
+    length: int
+    hash: str
+    pixels: object = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen
 class SeqStart:
     """Registers a sequence's sampling state with the runner (sent once, on first schedule).
 
@@ -114,6 +126,7 @@ class SeqStart:
     thinking: bool = False                 # the prompt leaves the reasoning open
     prompt_logprobs: int | None = None     # the prompt tokens' logprobs (top k); None: off
     pooling: PoolingOptions | None = None  # a pooling sequence (prefill only, never split)
+    images: tuple[ImageInput, ...] = ()    # the prompt's pictures (a vision-language model)
 
 
 @attrs.frozen

@@ -20,6 +20,7 @@ from gpu.model import CausalLM
 from gpu.parallel import SINGLE, TP
 from gpu.tokenizer import Tokenizer, tokenizer_from_hf_dir
 from gpu.tokenizer_files import default_model_path
+from gpu.vision_config import VisionSpec, is_vision_config, text_config, vision_spec
 from gpu.weights_gguf import GGUFFile
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -47,6 +48,9 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...] = ()
     # what holds the weights, in words (the start-up line): packed GGUF formats and kernel
     weights: str = ""
+    # a vision-language model (issue 34): gpu/vision.py's LlavaVision, and what render needs
+    vision: Any = None
+    vision_spec: VisionSpec | None = None
 
 
 # CPU features under which torch computes bf16 matmuls natively (oneDNN's bf16 kernels):
@@ -175,20 +179,37 @@ def load_model(
         named_tensors = lambda select=None: source.gguf.named_tensors(select, skip=taken)  # noqa: E731
     elif source.gguf is not None and device_type(device) == "cpu":
         weights += f" (GGUF dequantized at load: --quantization {quantization}, --dtype {dtype})"
+    vision = None
+    if source.vision_config is not None:
+        if tp.size > 1:
+            raise ValueError("a vision-language model is not served with --tensor-parallel-size > 1")
+        from gpu.vision import LlavaVision
+        vision = LlavaVision(source.vision_config, config.hidden_size, torch_dtype, device)
     if load_format == "dummy":
         _init_random(lm, seed)
+        if vision is not None:
+            _init_random_module(vision, seed + 1)
     else:
         select = lm.checkpoint_slices if tp.size > 1 else None
-        tensors = tqdm(named_tensors(select), total=source.num_tensors, desc=f"loading {source.name}",
+        named = named_tensors(select)
+        vision_tensors: list = []
+        if vision is not None:
+            from gpu.vision import split_checkpoint
+            named = split_checkpoint(named, vision_tensors)
+        tensors = tqdm(named, total=source.num_tensors, desc=f"loading {source.name}",
                        unit="tensor", delay=0.5,
                        # a bar on a terminal only (rank 0's): a log file (or --log-format json) gets no bar
                        disable=None if progress and tp.first else True)
         lm.load_weights(tensors)
+        if vision is not None:
+            vision.load_weights(vision_tensors)
     lm.eval()
+    if vision is not None:
+        vision.eval()
     return LoadedModel(config=config, model=lm, tokenizer=source.tokenizer, generation_config=source.generation_config,
                        name=source.name, path=str(path), max_model_len=config.max_position_embeddings,
                        eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config),
-                       weights=weights)
+                       weights=weights, vision=vision, vision_spec=source.vision_spec)
 
 
 def device_type(device: str | torch.device) -> str:
@@ -231,7 +252,8 @@ def load_shell(model: str | Path | None = None, *, load_format: str = "auto",
     return LoadedModel(config=config, model=CausalLM(config, dtype, "meta"), tokenizer=source.tokenizer,
                        generation_config=source.generation_config, name=source.name, path=str(path),
                        max_model_len=config.max_position_embeddings,
-                       eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config))
+                       eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config),
+                       vision_spec=source.vision_spec)
 
 
 def merge_eos_ids(tokenizer: Tokenizer | None, config: ModelConfig, generation_config: dict) -> tuple[int, ...]:
@@ -255,6 +277,8 @@ class Source:
     named_tensors: Any
     mxfp4_experts: bool = False  # the checkpoint stores NAME_blocks / NAME_scales pairs
     gguf: GGUFFile | None = None  # the open file, for a GGUF source
+    vision_config: dict | None = None     # a vision-language model's whole config.json
+    vision_spec: VisionSpec | None = None
 
 
 def _packs_experts(experts: str, config: ModelConfig, device, source: Source, dummy: bool) -> bool:
@@ -296,14 +320,18 @@ def _hf_source(model_dir: Path, need_weights: bool) -> Source:
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json (expected a HF model directory or a .gguf file)")
     generation_config = weights_hf.read_json(model_dir / "generation_config.json")
-    config = ModelConfig.from_hf(weights_hf.read_json(model_dir / "config.json"))
+    raw = weights_hf.read_json(model_dir / "config.json")
+    vision = is_vision_config(raw)
+    config = ModelConfig.from_hf(text_config(raw) if vision else raw)
     tokenizer = (tokenizer_from_hf_dir(model_dir)
                  if (model_dir / "tokenizer.json").is_file() else None)
+    spec = vision_spec(model_dir, raw, tokenizer) if vision else None
     files = weights_hf.safetensors_files(model_dir) if need_weights else []
     names = weights_hf.tensor_names(files)
     return Source(config=config, tokenizer=tokenizer, generation_config=generation_config, name=model_dir.resolve().name,
                    num_tensors=len(names), named_tensors=lambda select=None: weights_hf.named_tensors(files, select),
-                   mxfp4_experts=any(n.endswith("_blocks") for n in names))
+                   mxfp4_experts=any(n.endswith("_blocks") for n in names),
+                   vision_config=raw if vision else None, vision_spec=spec)
 
 
 def _as_tuple(value: int | Iterable[int] | None) -> tuple[int, ...]:
@@ -324,6 +352,19 @@ def _init_random(model: CausalLM, seed: int) -> None:
             params[name].copy_(w)
         return
     model.load_weights(_as_checkpoint(model, _random_weights(model, seed)))
+
+
+@torch.no_grad()
+def _init_random_module(module: torch.nn.Module, seed: int) -> None:
+    """A vision tower's dummy weights: N(0, 0.02), zero biases, unit norms."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
 
 
 def draw_device(model: CausalLM) -> torch.device:

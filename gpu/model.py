@@ -253,9 +253,14 @@ class CausalLM(nn.Module):
         positions = max_positions or c.max_position_embeddings
         self.register_buffer("cos_sin", build_rope_cache(c, positions, device), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final normed hidden states [T, D]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final normed hidden states [T, D]. embeds: (rows
+        [R], values [R, D]) put in place of those rows' token embeddings (a picture's
+        features at its placeholder tokens, gpu/vision.py)."""
         x, residual = self.embed(input_ids).to(self.residual_dtype), None  # [T, D]
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin, attn)
         hidden, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)

@@ -30,10 +30,15 @@ _log = logging.getLogger("tailrace.gpu")
 class ModelRunner(StagingRunner):
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
-                 broadcast=None) -> None:
+                 broadcast=None, vision=None, encoder_cache_size: int = 64) -> None:
         """broadcast: tensor parallelism's rank 0 (gpu/tp_runner.py StepBroadcast): each
-        step's inputs go to the worker ranks before the forward."""
+        step's inputs go to the worker ranks before the forward. vision: a vision-language
+        model's tower and projector (gpu/vision.py), with an encoder cache of
+        `encoder_cache_size` pictures' features."""
         self.model = model
+        self.vision = vision
+        self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
+        self.encoder_cache = EncoderCache(encoder_cache_size)
         self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
@@ -98,7 +103,10 @@ class ModelRunner(StagingRunner):
         for sid in plan.released:
             self.states.pop(sid, None)
             self.prompt_logprobs.pop(sid, None)
+            self.images.pop(sid, None)
         for ns in plan.new_seqs:
+            if ns.images:
+                self.images[ns.seq_id] = ns.images
             fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             st = self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
             if ns.grammar is not None:
@@ -118,7 +126,8 @@ class ModelRunner(StagingRunner):
             self.broadcast.send(staged, [(a, b) for _, a, b, _ in spans], bool(seq_ids), plan.step)
         with torch.inference_mode():
             try:   # the forward and the logits: collectives under tensor parallelism
-                hidden = self.forward(input_ids, positions, meta)                   # [T, D]
+                embeds = self._image_embeds(plan.chunks) if self.images else None
+                hidden = self.forward(input_ids, positions, meta, embeds)           # [T, D]
                 prompt_logprobs = self._prompt_logprobs(spans, hidden) if spans else ()
                 logits = (self.model.compute_logits(hidden.index_select(0, sample_idx))  # [R, V]
                           if seq_ids else None)
@@ -199,14 +208,65 @@ class ModelRunner(StagingRunner):
                           time.perf_counter() - t0, logprobs=tuple(lps),
                           prompt_logprobs=prompt_logprobs, num_tokens=tuple(counts))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                embeds=None) -> torch.Tensor:
         """The step's hidden states [T, D]: a captured graph for a decode batch that fits
-        one, else eager. Every tensor-parallel rank decides alike from the same inputs."""
-        if (self.graphs is not None and not meta.prefill_rows
+        one, else eager. Every tensor-parallel rank decides alike from the same inputs.
+        embeds: pictures' features for some rows (`_image_embeds`)."""
+        if (embeds is None and self.graphs is not None and not meta.prefill_rows
                 and self.graphs.fits(len(meta.q_lens), meta.block_tables.shape[1])):
             return self.graphs.run(input_ids, positions, meta)
         self.attn.prepare(meta)
+        if embeds is not None:
+            return self.model(input_ids, positions, self.attn, embeds=embeds)
         return self.model(input_ids, positions, self.attn)
+
+    def _image_embeds(self, chunks: tuple[SeqChunk, ...]):
+        """(rows, features) for the step's rows that are pictures' placeholder tokens, or
+        None: each picture a chunk cuts into is encoded (once: the encoder cache keeps its
+        features by content hash), and the chunk's part of its features taken, so a
+        chunked prefill may cut through a picture."""
+        spans = []     # (first row, image, first feature, end feature)
+        row0 = 0
+        for c in chunks:
+            start, end = c.start_pos, c.start_pos + len(c.token_ids)
+            for im in self.images.get(c.seq_id, ()):
+                a, b = max(start, im.offset), min(end, im.offset + im.length)
+                if a < b:
+                    spans.append((row0 + a - start, im, a - im.offset, b - im.offset))
+            row0 += len(c.token_ids)
+        if not spans:
+            return None
+        cache = self.encoder_cache
+        have = {im.hash: cache.get(im.hash) for _, im, _, _ in spans if im.hash in cache}
+        missing = {im.hash: im for _, im, _, _ in spans if im.hash not in have}
+        if missing:
+            have.update(self._encode(list(missing.values())))
+        rows, feats = [], []
+        for r, im, a, b in spans:
+            rows.append(torch.arange(r, r + b - a))
+            feats.append(have[im.hash][a:b])
+        return (torch.cat(rows).to(self.device), torch.cat(feats))
+
+    def _encode(self, images: list) -> dict[str, torch.Tensor]:
+        """Run the vision tower on pictures (those of one size in one batch): their
+        features by hash, also kept in the encoder cache."""
+        out = {}
+        by_shape: dict[tuple, list] = {}
+        for im in images:
+            by_shape.setdefault(tuple(im.pixels.shape), []).append(im)
+        for group in by_shape.values():
+            pixels = torch.stack([torch.from_numpy(im.pixels) for im in group]).to(
+                self.device, self.vision.dtype)
+            feats = self.vision(pixels)                        # [N, tokens, D]
+            for im, f in zip(group, feats):
+                if f.shape[0] != im.length:
+                    raise ValueError(f"a picture has {im.length} placeholder tokens, its "
+                                     f"features {f.shape[0]}")
+                self.encoder_cache.put(im.hash, f)
+                out[im.hash] = f
+            self.encoder_cache.encoded += len(group)
+        return out
 
     def _prompt_logprob_spans(self, chunks: tuple[SeqChunk, ...]) -> list[tuple[str, int, int, int]]:
         """(seq id, first row, end row, first position) of the rows of the step's hidden
@@ -273,6 +333,32 @@ class ModelRunner(StagingRunner):
             torch.cuda.synchronize(self.device)
         self.warmup_s = round(time.perf_counter() - t0, 3)
         return self.warmup_s
+
+
+class EncoderCache:
+    """Pictures' features by content hash, least recently used out first (issue 34): a
+    picture that comes again (another request, a later chunk of the same prefill) is not
+    encoded again. `encoded` counts the pictures the tower ran on."""
+
+    def __init__(self, capacity: int) -> None:
+        from collections import OrderedDict
+
+        self.capacity = max(1, capacity)
+        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.encoded = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def get(self, key: str) -> torch.Tensor:
+        self.entries.move_to_end(key)
+        return self.entries[key]
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        self.entries[key] = value
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
 
 
 PROMPT_LOGPROB_ROWS = 256   # rows of [rows, vocab] logits at a time

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from gpu.interface import Constraint, PoolingOptions, SamplingOptions
+from gpu.interface import Constraint, ImageInput, PoolingOptions, SamplingOptions
 from stages.lib.delta import Delta
 
 
@@ -80,6 +80,7 @@ class ReplySpec:
     return_tokens_as_token_ids: bool = False   # logprobs name each token "token_id:N"
     include_reasoning: bool = True    # false: the reasoning, its logprobs and ids are hidden
     response: ResponseEcho | None = None   # the Responses API's echo; None for the others
+    prompt_tokens_details: bool = False    # --enable-prompt-tokens-details (render sets it)
 
 
 @attrs.frozen
@@ -131,6 +132,7 @@ class RenderedRequest:
     echo: tuple[str, ...] | None = None      # echo: the text each prompt's choices start with
     pooling: PoolingWork | None = None       # a pooling request: its prompts are its inputs
     priority: int = 0        # --scheduling-policy priority: lower runs first (stages/schedule/priority.py)
+    images: tuple[ImageInput, ...] = ()      # the prompt's pictures, in order (issue 34)
 
     @property
     def num_choices(self) -> int:

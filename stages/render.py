@@ -23,11 +23,14 @@ from stages.api.responses import ResponsesRequest
 from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                  TokenizeResponse)
 from stages.api.pooling import INVOCATION_INPUT, POOLING_APIS, POOLING_PATHS
+from stages.lib.media import MediaError, MediaSettings
 from stages.lib.pooling_inputs import input_ids
+from stages.lib.vision_prompt import check_limit, expand, image_parts, load_images, template_form
 from stages.messages import PoolingWork, RenderedRequest, ReplySpec, SamplingParams, Submission
 
 if TYPE_CHECKING:
     from gpu.tokenizer import Tokenizer
+    from gpu.vision_config import VisionSpec
 
 __all__ = ["RenderContext", "RequestError", "render", "run"]
 
@@ -50,6 +53,9 @@ class RenderContext:
     pooling: PoolingSpec | None = None   # a pooling model (--runner pooling): what it does
     priority_scheduling: bool = False    # --scheduling-policy priority: `priority` is served
     think_tags: bool = True   # <think>/</think> are single tokens (thinking_token_budget needs it)
+    vision: VisionSpec | None = None     # a vision-language model: its pictures' processing
+    media: MediaSettings = MediaSettings()   # fetching pictures: the media flags
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
 
 
 def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -80,7 +86,12 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
                            param="priority")
     plan = api.plan(req, reasoning_parser=ctx.reasoning, tools=ctx.tools)
     sampling = _sampling_options(req, plan, ctx)
-    if plan.batch is None:
+    parts = image_parts(plan.messages) if plan.messages is not None else []
+    images = ()
+    if parts:
+        ids, images = _vision_ids(plan, ctx, parts)
+        prompts = [ids]
+    elif plan.batch is None:
         prompts = [_prompt_ids(plan, ctx)]
     else:   # several prompts: each rendered (and checked) on its own, named by its place
         prompts = [_prompt_ids(attrs.evolve(
@@ -106,7 +117,10 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
             prompt_logprobs=plan.prompt_logprobs),
         stream=plan.stream,
         include_usage=include_usage,
-        created=int(time.time()), arrival=sub.arrival, reply=plan.reply,
+        created=int(time.time()), arrival=sub.arrival,
+        reply=(attrs.evolve(plan.reply, prompt_tokens_details=True)
+               if ctx.prompt_tokens_details else plan.reply),
+        images=images,
         continuous_usage=continuous_usage,
         cache_salt=req.cache_salt or None,
         # per-request metrics describe one sequence: not with n > 1 or several prompts
@@ -116,6 +130,49 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
         prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),
         echo=_echo(plan, req, prompts, ctx), priority=priority)
+
+
+def _text_only(part: dict) -> RequestError:
+    where = part["param"].removesuffix(".image_url")
+    return RequestError(f"'{where}' is a image_url part: the served model takes text only.",
+                        param=f"{where}.type")
+
+
+def _vision_ids(plan: PromptPlan, ctx: RenderContext, parts: list[dict]):
+    """The prompt's token ids with each picture's placeholders, and the pictures (fetched
+    and processed): a RequestError (400) naming the part that cannot be had."""
+    if ctx.vision is None:
+        raise _text_only(parts[0])
+    if plan.truncate is not None:
+        raise RequestError("'truncate_prompt_tokens' does not combine with images (it could "
+                           "cut a picture's tokens).", param="truncate_prompt_tokens")
+    try:
+        check_limit(parts, ctx.media)
+        loaded = load_images(parts, ctx.vision, ctx.media)
+        template = plan.chat_template or ctx.chat_template or (
+            ctx.tokenizer.chat_template if ctx.tokenizer is not None else None)
+        messages = template_form(plan.messages, template, ctx.vision)
+        ids = _prompt_ids(attrs.evolve(plan, messages=messages), ctx)
+        return expand(ids, ctx.vision, loaded, plan.prompt_param)
+    except MediaError as err:
+        raise RequestError(err.message, param=err.param) from None
+
+
+def has_images(body: object) -> bool:
+    """Whether a request body may name pictures (render then runs it in a worker thread:
+    fetching and decoding them takes time)."""
+    if not isinstance(body, dict):
+        return False
+    items = body.get("messages") if "messages" in body else body.get("input")
+    if not isinstance(items, list):
+        return False
+    for item in items:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, list) and any(
+                isinstance(p, dict) and ("image_url" in p or p.get("type") == "input_image")
+                for p in content):
+            return True
+    return False
 
 
 def render_pooling(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -134,7 +191,10 @@ def render_pooling(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         if ctx.tokenizer is None:
             raise RequestError("This server has no tokenizer: 'messages' cannot be rendered.",
                                param="messages")
-        chat_plan = PromptPlan(messages=chat.template_messages(list(plan.messages), "messages"),
+        messages = chat.template_messages(list(plan.messages), "messages")
+        if image_parts(messages):
+            raise _text_only(image_parts(messages)[0])
+        chat_plan = PromptPlan(messages=messages,
                                add_generation_prompt=plan.add_generation_prompt,
                                continue_final_message=plan.continue_final_message,
                                chat_template=plan.chat_template, template_kwargs=plan.template_kwargs,
@@ -189,7 +249,11 @@ def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
             kwargs["tools"] = req.tools
-        plan = PromptPlan(messages=chat.template_messages(req.messages, "messages"),
+        messages = chat.template_messages(req.messages, "messages")
+        if image_parts(messages):
+            raise RequestError("/tokenize does not take images.",
+                               param=image_parts(messages)[0]["param"])
+        plan = PromptPlan(messages=messages,
                           add_generation_prompt=req.add_generation_prompt,
                           continue_final_message=req.continue_final_message,
                           chat_template=req.chat_template, template_kwargs=kwargs,
@@ -409,6 +473,8 @@ def _apply_template(ctx: RenderContext, plan: PromptPlan) -> str:
         # The prompt ends where the last (assistant) message's text ends: whatever the
         # template adds after it (an end-of-turn token) is cut, so the model continues it.
         final = plan.messages[-1]["content"]
+        if not isinstance(final, str):     # a picture's parts: the last text part
+            final = next((p["text"] for p in reversed(final) if p.get("type") == "text"), "")
         end = prompt.rfind(final) if final else -1
         if end >= 0:
             prompt = prompt[:end + len(final)]
@@ -446,30 +512,55 @@ def _resolve_max_tokens(ctx: RenderContext, prompt_len: int, plan: PromptPlan) -
     return requested
 
 
+IMAGE_RENDERS = 8     # requests with pictures rendered at once (each in a worker thread)
+
+
 async def run(receive, send, replies, ctx: RenderContext, log=None) -> None:
-    """Render each submission; a bad one gets its error on its reply channel."""
-    async with receive, send:
+    """Render each submission; a bad one gets its error on its reply channel. A request
+    with pictures renders in a worker thread (fetching, decoding, preprocessing) while the
+    others go on."""
+    import trio
+
+    limiter = trio.CapacityLimiter(IMAGE_RENDERS)
+    async with receive, send, trio.open_nursery() as nursery:
         async for sub in receive:
             if log is not None:   # pipeline.core.events redacts credentials from body and headers
                 log("received", request_id=sub.request_id, api=sub.api, arrival=sub.arrival,
                     headers=sub.headers, body=sub.body)
-            try:
-                req = render(sub, ctx)
-            except RequestError as err:
-                if log is not None:
-                    log("rejected", request_id=sub.request_id, status=err.status, message=err.message)
-                replies.send(sub.request_id, err)
-                replies.release(sub.request_id)
+            if ctx.vision is not None and has_images(sub.body):
+                nursery.start_soon(_render_one, sub, send.clone(), replies, ctx, log, limiter)
                 continue
-            except Exception as exc:  # a bug must cost one request, not the server
-                if log is not None:
-                    log("render_failed", request_id=sub.request_id, error=repr(exc))
-                replies.send(sub.request_id, RequestError(
-                    f"Internal error while rendering the request: {exc}", status=500,
-                    type="server_error"))
-                replies.release(sub.request_id)
-                continue
-            if log is not None:
-                log("rendered", request_id=req.request_id, api=req.api,
-                    prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens)
-            await send.send(req)
+            await _render_one(sub, None, replies, ctx, log, None, send)
+
+
+async def _render_one(sub, own_send, replies, ctx, log, limiter, send=None) -> None:
+    """One submission: rendered (in a worker thread under `limiter`, when given) and sent
+    on, or its error on its reply channel. `own_send`: a clone of the channel, closed when
+    done (a task of its own)."""
+    import trio
+
+    if own_send is not None:
+        async with own_send:
+            await _render_one(sub, None, replies, ctx, log, limiter, own_send)
+        return
+    try:
+        req = (render(sub, ctx) if limiter is None else
+               await trio.to_thread.run_sync(render, sub, ctx, limiter=limiter))
+    except RequestError as err:
+        if log is not None:
+            log("rejected", request_id=sub.request_id, status=err.status, message=err.message)
+        replies.send(sub.request_id, err)
+        replies.release(sub.request_id)
+        return
+    except Exception as exc:  # a bug must cost one request, not the server
+        if log is not None:
+            log("render_failed", request_id=sub.request_id, error=repr(exc))
+        replies.send(sub.request_id, RequestError(
+            f"Internal error while rendering the request: {exc}", status=500,
+            type="server_error"))
+        replies.release(sub.request_id)
+        return
+    if log is not None:
+        log("rendered", request_id=req.request_id, api=req.api,
+            prompt_tokens=len(req.prompt_token_ids), max_tokens=req.sampling.max_tokens)
+    await send.send(req)

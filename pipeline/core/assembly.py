@@ -35,6 +35,7 @@ import trio
 
 from pipeline.core.client import EngineClient
 from pipeline.core.reply import describe
+from stages.lib.media import MediaSettings
 from stages import account, admit, detokenize, emit, parse, render
 from stages.admit import Admission
 from stages.api.chat import MAX_CHOICES
@@ -116,7 +117,14 @@ class RequestSideSpec:
             per_request_metrics=cfg.enable_per_request_metrics,
             priority_scheduling=cfg.scheduling_policy == "priority",
             think_tags=built.scheduler.think_ids is not None,
-            tools=built.parsers.tools, harmony=built.parsers.harmony)
+            tools=built.parsers.tools, harmony=built.parsers.harmony,
+            vision=loaded.vision_spec, prompt_tokens_details=cfg.enable_prompt_tokens_details,
+            media=MediaSettings(allowed_domains=tuple(cfg.allowed_media_domains),
+                                allowed_local_path=cfg.allowed_local_media_path,
+                                limits=tuple(sorted(cfg.limit_mm_per_prompt.items())),
+                                fetch_timeout_s=cfg.media_fetch_timeout,
+                                max_bytes=cfg.max_media_bytes,
+                                max_redirects=cfg.media_max_redirects))
         return cls(render_context=ctx, reasoning_parser=built.parsers.reasoning_parser,
                    stream_interval=cfg.stream_interval,
                    max_queued_requests=cfg.max_queued_requests)

@@ -50,6 +50,14 @@ def _at_least_one(inst, attribute, value):
         raise ValueError(f"--{attribute.name.replace('_', '-')} must be at least 1, got {value}")
 
 
+def _mm_limits(instance, attribute, value: dict) -> None:
+    for k, v in value.items():
+        if k not in ("image",):
+            raise ValueError(f"--limit-mm-per-prompt: unsupported modality {k!r}; supported: image")
+        if type(v) is not int or v < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {k} must be a non-negative integer, got {v!r}")
+
+
 @attrs.frozen
 class EngineConfig:
     model: str | None = None                  # .gguf file or HF directory; None: bundled SmolLM2
@@ -102,6 +110,17 @@ class EngineConfig:
     override_generation_config: dict = attrs.field(factory=dict)   # wins over the above
     enable_force_include_usage: bool = False  # every stream: usage chunk + continuous usage
     enable_per_request_metrics: bool = False  # replies carry the request's own timings
+    # usage.prompt_tokens_details (cached_tokens, multimodal_tokens) on chat/completions replies
+    enable_prompt_tokens_details: bool = False
+    # pictures (issue 34, vLLM's flags): where they may be fetched from, how many a prompt
+    # takes, and the fetch's bounds (stages/lib/media.py)
+    allowed_media_domains: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    allowed_local_media_path: str | None = None
+    limit_mm_per_prompt: dict = attrs.field(factory=dict, validator=_mm_limits)
+    media_fetch_timeout: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
+    max_media_bytes: int = attrs.field(default=20 * 1024 * 1024, validator=positive)
+    media_max_redirects: int = attrs.field(default=5, validator=attrs.validators.ge(0))
+    encoder_cache_size: int = attrs.field(default=64, validator=positive)
     tokenizer: str | None = None              # .gguf file or HF directory; None: the model's
     simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS: a timed stand-in
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(GPUS))))
@@ -369,6 +388,30 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooler-config", default=None, metavar="JSON",
                    help='the pooler, over the checkpoint\'s: {"pooling_type": "MEAN|CLS|LAST", '
                         '"normalize": bool, "dimensions": int, "use_activation": bool}')
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="Chat and completions usage carries prompt_tokens_details: "
+                        "cached_tokens, and multimodal_tokens ({\"image\": N}) when the prompt "
+                        "had pictures. Off: the key is absent, as in vLLM.")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="Fetch http(s) images only from these hosts (redirects included); "
+                        "default: any host.")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="Allow file:// image URLs beneath DIR (default: file:// is refused).")
+    p.add_argument("--limit-mm-per-prompt", type=_json_object, default={}, metavar="JSON",
+                   help="At most this many items per modality in one prompt, e.g. "
+                        "'{\"image\": 2}' (default: 999 images).")
+    p.add_argument("--media-fetch-timeout", type=float, default=_default("media_fetch_timeout"),
+                   metavar="SECONDS",
+                   help="The whole fetch of one image URL, however slowly its server sends "
+                        "(vLLM's VLLM_IMAGE_FETCH_TIMEOUT; default: %(default)s).")
+    p.add_argument("--max-media-bytes", type=byte_size, default=_default("max_media_bytes"),
+                   metavar="BYTES", help="The largest image (fetched, data: or file://) "
+                                         "accepted (default: 20MiB).")
+    p.add_argument("--media-max-redirects", type=int, default=_default("media_max_redirects"),
+                   metavar="N", help="Redirects an image fetch follows (default: %(default)s).")
+    p.add_argument("--encoder-cache-size", type=int, default=_default("encoder_cache_size"),
+                   metavar="N", help="Pictures whose vision-encoder output the runner keeps "
+                                     "(by content hash; default: %(default)s).")
     p.add_argument("--fault-steps", default=os.environ.get(FAULT_STEPS_ENV, ""),
                    help=argparse.SUPPRESS)
 

@@ -36,7 +36,7 @@ import orjson
 from cattrs.gen import make_dict_structure_fn
 from cattrs.strategies import configure_union_passthrough
 
-from gpu.interface import StepPlan
+from gpu.interface import ImageInput, StepPlan
 from stages.api import APIS, common
 from stages.lib.delta import Delta
 from stages.messages import RenderedRequest, Step
@@ -62,11 +62,20 @@ _structure_rendered_request = make_dict_structure_fn(RenderedRequest, converter)
 def _structure_rendered(data: dict, cls: type) -> RenderedRequest:
     if "reply" not in data:   # logged before ReplySpec: the typed request (None in an engine's)
         typed = data.get("request")
-        data = {**data, "reply": {} if typed is None else _old_reply_spec(data["api"], typed)}
+        data = {**data, "reply": {**({} if typed is None else _old_reply_spec(data["api"], typed)),
+                                  "prompt_tokens_details": True}}
+    if "prompt_tokens_details" not in data["reply"]:
+        # logged before --enable-prompt-tokens-details (issue 34): replies then always had them
+        data = {**data, "reply": {**data["reply"], "prompt_tokens_details": True}}
     return _structure_rendered_request(data, cls)
 
 
 converter.register_structure_hook(RenderedRequest, _structure_rendered)
+# a picture (issue 34) is logged by its place and content hash, without its pixels
+converter.register_unstructure_hook(
+    ImageInput, lambda im: {"offset": im.offset, "length": im.length, "hash": im.hash})
+converter.register_structure_hook(
+    ImageInput, lambda d, _: ImageInput(d["offset"], d["length"], d["hash"], None))
 # a pooled vector (Delta.pooled: float32 bytes) is logged as base64
 converter.register_structure_hook(bytes, lambda value, _: base64.b64decode(value))
 

@@ -176,7 +176,8 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
     runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
                          use_triton=device.type == "cuda", max_model_len=max_model_len,
                          cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
-                         broadcast=broadcast)
+                         broadcast=broadcast, vision=loaded.vision,
+                         encoder_cache_size=cfg.encoder_cache_size)
     return runner, cache, num_blocks
 
 

@@ -216,7 +216,9 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
     return PromptPlan(
         # kv_transfer_params' ids are not the prompt when echo needs the messages' text
         messages=messages,
-        token_ids=None if req.echo else kv_prompt_token_ids(req.kv_transfer_params),
+        # and not when a part is not text (a picture is rendered: vLLM's rule)
+        token_ids=(None if req.echo or _has_media(messages)
+                   else kv_prompt_token_ids(req.kv_transfer_params)),
         token_ids_param="kv_transfer_params.prompt_token_ids",
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
@@ -229,6 +231,10 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
         stream_options=req.stream_options,
         constraint=constraint, tools=tr.plan, echo=_echo(req, messages),
         prompt_logprobs=prompt_logprobs, reply=reply_spec(req))
+
+
+def _has_media(messages: list[dict]) -> bool:
+    return any(isinstance(m["content"], list) for m in messages)
 
 
 def reply_spec(req: ChatCompletionRequest) -> ReplySpec:
@@ -245,7 +251,10 @@ def _echo(req: ChatCompletionRequest, messages: list[dict]) -> str | None:
     if not req.echo:
         return None
     role = "assistant" if req.add_generation_prompt else req.messages[-1].role
-    return messages[-1]["content"] if req.messages[-1].role == role else ""
+    content = messages[-1]["content"]
+    if isinstance(content, list):       # a picture's parts: the text of them
+        content = "\n".join(p["text"] for p in content if p["type"] == "text")
+    return content if req.messages[-1].role == role else ""
 
 
 def kv_prompt_token_ids(params: dict | None) -> tuple[int, ...] | None:
@@ -382,15 +391,35 @@ def _thinking(content) -> str | None:
     return "\n".join(thinking) if thinking else None
 
 
+# A picture's part (chat's image_url, the Responses API's input_image, vLLM's shorthand
+# {"image_url": "..."}) comes out of content_text as {"type": "image", "image_url": URL,
+# "param": ...}: render fetches it, or refuses it when the model takes text only.
+IMAGE_PART_TYPES = ("image_url", "input_image")
+
+
+def _image_url(part: ContentPart) -> object:
+    url = part.image_url
+    return url.get("url") if isinstance(url, dict) else url
+
+
 def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
-                 part_types: tuple[str, ...]) -> str:
+                 part_types: tuple[str, ...]) -> str | list[dict]:
+    """The text of a message's content, parts joined with a newline; with pictures, the
+    parts in order as [{"type": "image", ...}, {"type": "text", "text": ...}]."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     texts = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
+        if part.type in IMAGE_PART_TYPES or (part.type is None and part.image_url is not None):
+            parts.append({"type": "image", "image_url": _image_url(part),
+                          "param": f"{where}.image_url"})
+            continue
+        if part.type is None:
+            raise RequestError(f"'{where}.type' is required.", param=f"{where}.type")
         media = part.type if part.type in ContentPart.MEDIA_KEYS else part.media_key
         if media is not None:
             raise RequestError(f"'{where}' is a {media} part: the served model takes text "
@@ -404,6 +433,9 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
             raise RequestError(f"'{where}.{key}' must be a string.", param=f"{where}.{key}")
         if key != "thinking":      # the turn's reasoning (_thinking), not its text
             texts.append(text)
+            parts.append({"type": "text", "text": text})
+    if any(p["type"] == "image" for p in parts):
+        return parts
     # vLLM joins text parts with a newline.
     return "\n".join(texts)
 
@@ -453,7 +485,7 @@ class ChatFramer(ChoicesFramer):
         if not self.req.stream:
             return b""
         prompt = {"prompt_token_ids": list(self.req.prompt_token_ids)} if self._return_ids else {}
-        usage = usage_info(Usage(len(self.req.prompt_token_ids), 0))
+        usage = usage_info(Usage(len(self.req.prompt_token_ids), 0), self.req)
         out = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
                            usage, **(prompt if i == 0 else {}))
                for i in range(self.req.n)]
@@ -472,7 +504,7 @@ class ChatFramer(ChoicesFramer):
         reasoning, logprobs, token_ids = self._visible(delta)
         lp = chat_logprobs(logprobs) if self._wants_logprobs and logprobs else None
         ids = self._return_ids and bool(token_ids)
-        usage = usage_info(delta.usage) if self.req.continuous_usage else None
+        usage = usage_info(delta.usage, self.req) if self.req.continuous_usage else None
         if delta.content or reasoning or lp or ids:
             message = (ChatDelta(content=delta.content, reasoning=reasoning) if reasoning
                        else ChatDelta(content=delta.content))

@@ -202,7 +202,7 @@ class CompletionFramer(ChoicesFramer):
         lp = (self._logprobs_json(delta.index, echo_lps + delta.logprobs)
               if self._wants_logprobs and (delta.logprobs or echo_lps) else None)
         ids = self._ids(delta) if self._return_ids and delta.token_ids else {}
-        usage = usage_info(delta.usage) if self.req.continuous_usage else None
+        usage = usage_info(delta.usage, self.req) if self.req.continuous_usage else None
         if text or lp or ids:
             out.append(self._chunk([CompletionChoice(index=delta.index, text=text,
                                                      logprobs=lp, **ids)], usage))

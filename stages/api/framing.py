@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 import attrs
 import orjson
 
-from stages.api.common import server_error, unstructure
+from stages.api.common import ABSENT, omit_absent, server_error, unstructure
 from stages.lib.delta import Delta, FinishReason, Usage
 from stages.messages import RenderedRequest
 
@@ -39,9 +39,11 @@ def json_body(obj: Any) -> bytes:
 
 # -- usage objects: chat's and completions' (UsageInfo), the Responses API's (ResponseUsage)
 
+@omit_absent
 @attrs.frozen
 class PromptTokensDetails:
     cached_tokens: int = 0
+    multimodal_tokens: dict[str, int] = ABSENT     # {"image": N} when the prompt had pictures
 
 
 @attrs.frozen
@@ -49,14 +51,16 @@ class CompletionTokensDetails:
     reasoning_tokens: int = 0
 
 
-@attrs.frozen
+@omit_absent
+@attrs.frozen(kw_only=True)
 class UsageInfo:
-    """The chat/completions usage object (OpenAI's names, vLLM's details)."""
+    """The chat/completions usage object (OpenAI's names, vLLM's details): as vLLM,
+    prompt_tokens_details only with --enable-prompt-tokens-details."""
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    completion_tokens_details: CompletionTokensDetails
+    prompt_tokens_details: PromptTokensDetails = ABSENT
+    completion_tokens_details: CompletionTokensDetails = ABSENT   # always set (ABSENT: key order)
 
 
 @attrs.frozen
@@ -78,10 +82,17 @@ class ResponseUsage:
     total_tokens: int
 
 
-def usage_info(usage: Usage) -> UsageInfo:
-    return UsageInfo(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
-                     PromptTokensDetails(usage.cached_tokens),
-                     CompletionTokensDetails(usage.reasoning_tokens))
+def usage_info(usage: Usage, req: RenderedRequest | None = None) -> UsageInfo:
+    """prompt_tokens_details when the request's reply asks for them (render sets it under
+    --enable-prompt-tokens-details), with multimodal_tokens when its prompt had pictures."""
+    details = ABSENT
+    if req is not None and req.reply.prompt_tokens_details:
+        images = sum(im.length for im in req.images)
+        details = PromptTokensDetails(usage.cached_tokens,
+                                      {"image": images} if images else ABSENT)
+    return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                     total_tokens=usage.total_tokens, prompt_tokens_details=details,
+                     completion_tokens_details=CompletionTokensDetails(usage.reasoning_tokens))
 
 
 def response_usage(usage: Usage) -> ResponseUsage:
@@ -260,7 +271,7 @@ class ChoicesFramer(Framer):
         out = [self._chunk([self._finish_choice(delta)], usage)]
         if self.closing:
             if self.req.include_usage:
-                out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
+                out.append(self._chunk.with_usage(usage_info(delta.usage, self.req), delta.metrics))
             out.append(DONE)
         return out
 
@@ -278,6 +289,6 @@ class ChoicesFramer(Framer):
         return json_body(self.body_type(
             id=self.id, created=self.req.created, model=self.req.model,
             choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
-            usage=usage_info(delta.usage),
+            usage=usage_info(delta.usage, self.req),
             **({} if delta.metrics is None else {"metrics": delta.metrics}),
             **self._body_fields()))

@@ -47,7 +47,7 @@ structure_hook(StopTokenIds, _stop_token_ids)
 class ContentPart:
     """One part of a message's content; only text parts are rendered. The media keys are
     kept so that a part carrying one is refused even when it says it is text."""
-    type: str
+    type: str | None = None       # None: vLLM's shorthand {"image_url": "..."}
     text: str | None = None
     refusal: str | None = None    # a "refusal" part's text (an assistant turn OpenAI's SDK replays)
     thinking: str | None = None   # a "thinking" part's text (vLLM's: the turn's reasoning)
@@ -57,6 +57,7 @@ class ContentPart:
     audio_url: Any = None
     image: Any = None
     file: Any = None
+    detail: str | None = None     # an image's detail (auto/low/high): every picture is seen whole
 
     MEDIA_KEYS: ClassVar[tuple[str, ...]] = ("image_url", "input_audio", "video_url",
                                               "audio_url", "image", "file")

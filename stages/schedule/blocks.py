@@ -24,6 +24,17 @@ def block_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
     return hash((prev, tokens))
 
 
+def image_block_keys(images, block_size: int) -> dict[int, tuple]:
+    """Block index -> the content hashes of the pictures whose placeholder tokens it holds
+    (issue 34): mixed into those blocks' keys, so the same picture reuses its KV and
+    another picture at the same positions (the same placeholder ids) never does."""
+    keys: dict[int, tuple] = {}
+    for im in images:
+        for i in range(im.offset // block_size, (im.offset + im.length - 1) // block_size + 1):
+            keys[i] = keys.get(i, ()) + (("image", im.hash),)
+    return keys
+
+
 class SlidingHalves:
     """The sliding layers' pool: `num_slots` slots lent to blocks of a `num_blocks` id space.
 
@@ -126,8 +137,8 @@ class BlockManager:
         return new + sum(1 for b in hits[start:] if sl.users[b] == 0) <= sl.available
 
     # -- prefix cache --------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], root: int | None = None
-                     ) -> tuple[list[int], int | None]:
+    def match_prefix(self, token_ids: list[int], root: int | None = None,
+                     keys: dict[int, tuple] | None = None) -> tuple[list[int], int | None]:
         """Cached full blocks that hold a prefix of token_ids (at most len-1 tokens, so at
         least one token is left to compute and sample from), and the last one's hash.
         `root` seeds the hash chain (a request's cache_salt): chains with different roots
@@ -139,6 +150,8 @@ class BlockManager:
         prev = root
         for i in range((len(token_ids) - 1) // bs):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            if keys and i in keys:
+                toks += keys[i]
             h = block_hash(prev, toks)
             b = self.cached.get(h)
             if b is None or self.block_tokens[b] != toks:
@@ -220,7 +233,8 @@ class BlockManager:
                     self.free[b] = None
 
     def commit_full_blocks(self, table: list[int], token_ids: list[int], num_computed: int,
-                           first_uncommitted: int, prev_hash: int | None) -> tuple[int, int | None]:
+                           first_uncommitted: int, prev_hash: int | None,
+                           keys: dict[int, tuple] | None = None) -> tuple[int, int | None]:
         """Hash the blocks of ``table`` that became full once ``num_computed`` tokens are in
         the cache. Returns the new (first_uncommitted, prev_hash) cursor for the sequence."""
         if not self.prefix_caching:
@@ -229,6 +243,8 @@ class BlockManager:
         full = num_computed // bs
         for i in range(first_uncommitted, full):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            if keys and i in keys:
+                toks += keys[i]
             h = block_hash(prev_hash, toks)
             b = table[i]
             if self.block_hash[b] is None:

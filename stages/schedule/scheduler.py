@@ -21,7 +21,7 @@ from gpu.interface import (ConstraintCompiler, SeqChunk, SeqStart, StepPlan, Ste
 from stages.lib.delta import Delta, FinishReason
 from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
 from stages.messages import RenderedRequest, Step
-from stages.schedule.blocks import BlockManager
+from stages.schedule.blocks import BlockManager, image_block_keys
 from stages.schedule.drafter import Drafter
 from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, worst_running
 from stages.schedule.sequence import Sequence, sampling_options
@@ -93,9 +93,11 @@ class Scheduler:
         grammar = None
         if constraint is not None and self.grammars is not None:
             grammar = self.grammars.submit(constraint)   # every choice shares the grammar
+        keys = image_block_keys(req.images, self.blocks.block_size) if req.images else None
         for seq in seqs:
             self.by_id[seq.id] = seq
             seq.grammar = grammar
+            seq.block_keys = keys
             if grammar is not None:
                 self.compiling.append(seq)
             elif self.priority:
@@ -308,14 +310,14 @@ class Scheduler:
         prompt = tuple(seq.token_ids[:seq.prompt_len])
         if seq.grammar is None and seq.req.sampling.options.thinking_token_budget is None:
             return SeqStart(seq.id, prompt, sampling_options(seq),
-                            prompt_logprobs=seq.prompt_logprobs)
+                            prompt_logprobs=seq.prompt_logprobs, images=seq.req.images)
         think, thinking = self.think_ids, False
         if think is not None:   # does the prompt leave a <think> open (deepseek_r1 style)?
             last = {t: i for i, t in enumerate(prompt) if t in think}
             thinking = last.get(think[0], -1) > last.get(think[1], -1)
         return SeqStart(seq.id, prompt, sampling_options(seq),
                         None if seq.grammar is None else seq.grammar.result(), think,
-                        thinking, prompt_logprobs=seq.prompt_logprobs)
+                        thinking, prompt_logprobs=seq.prompt_logprobs, images=seq.req.images)
 
     def _take_prefix(self, seq: Sequence, budget: int) -> bool:
         """Attach cached prefix blocks to a sequence about to start (or restart), if the
@@ -326,7 +328,7 @@ class Scheduler:
             # until they are all reported: others may have cached more of the prompt)
             hits, last_hash = [], seq.hash_root
         else:
-            hits, last_hash = bm.match_prefix(seq.token_ids, seq.hash_root)
+            hits, last_hash = bm.match_prefix(seq.token_ids, seq.hash_root, seq.block_keys)
         cached = len(hits) * bm.block_size
         n = min(len(seq.token_ids) - cached, budget)
         if not bm.can_take(hits, bm.blocks_for(cached + n) - len(hits)):
@@ -471,7 +473,7 @@ class Scheduler:
         seq.num_done = done
         if bm.prefix_caching and done // bm.block_size > seq.hash_cursor[0]:
             seq.hash_cursor = bm.commit_full_blocks(seq.table, seq.token_ids, done,
-                                                    *seq.hash_cursor)
+                                                    *seq.hash_cursor, seq.block_keys)
         if bm.sliding is not None:
             seq.passed = bm.pass_window(seq.table, seq.passed, done)
 

@@ -50,6 +50,7 @@ class Sequence:
         # The prefix-hash chain starts from the request's cache_salt, when it has one.
         self.hash_root = None if req.cache_salt is None else hash(("cache_salt", req.cache_salt))
         self.hash_cursor: tuple[int, int | None] = (0, self.hash_root)
+        self.block_keys: dict[int, tuple] | None = None   # pictures' hashes by block (blocks.py)
         # what the stop rule reads (stages/schedule/stop.py)
         sp = req.sampling
         self.max_tokens = req.max_tokens_of(index)

@@ -28,7 +28,9 @@ LISTENING = "tailrace: listening on "
 START_TIMEOUT_S = 300        # two model loads on a busy 2-core box
 STOP_TIMEOUT_S = 60
 REPORT_TIMEOUT_S = 30
+# usage.prompt_tokens_details (the cache-aware test reads cached_tokens) needs its flag
 SERVE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--dtype", "float32",
+               "--enable-prompt-tokens-details",
                "--log-level", "warning", "--served-model-name", "tiny", "tiny-alias"]
 
 

@@ -94,7 +94,8 @@ def serve_with_flags():
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
-    yield from _serve(tmp_path_factory.mktemp("e2e-server"))
+    # usage.prompt_tokens_details (cached_tokens) is sent only with its flag, as in vLLM
+    yield from _serve(tmp_path_factory.mktemp("e2e-server"), "--enable-prompt-tokens-details")
 
 
 @pytest.fixture(scope="session")

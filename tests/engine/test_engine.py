@@ -39,7 +39,7 @@ async def test_greedy_paris(smollm):
 
 
 async def test_prefix_cache_hit_same_output(smollm):
-    async with engine_of(smollm) as engine:
+    async with engine_of(smollm, enable_prompt_tokens_details=True) as engine:
         first = await complete(engine, "chat", messages=QUESTION, max_tokens=8)
         second = await complete(engine, "chat", messages=QUESTION, max_tokens=8)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -33,7 +33,8 @@ async def test_engine_prefix_cache_hit_same_logprobs_as_cold(checkpoint):
         reply = await engine.submit("completions", {"model": engine.model_names[0], **body})
         return orjson.loads(await reply.read())
 
-    cfg = dict(model=str(checkpoint), dtype="float32", max_model_len=128, max_num_seqs=4)
+    cfg = dict(model=str(checkpoint), dtype="float32", max_model_len=128, max_num_seqs=4,
+               enable_prompt_tokens_details=True)
     async with open_engine(EngineConfig(**cfg, enable_prefix_caching=False)) as engine:
         cold = await run(engine)
     async with open_engine(EngineConfig(**cfg)) as engine:

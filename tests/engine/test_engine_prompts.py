@@ -39,7 +39,8 @@ async def test_prompt_logprobs_match_a_dense_forward_across_chunks_and_skip_the_
     ids = smollm.tokenizer.encode(TEXT)
     assert len(ids) > 2 * 16
     ref = dense_logprobs(smollm, ids)
-    async with engine_of(smollm, max_num_batched_tokens=8) as engine:   # prefill in chunks
+    async with engine_of(smollm, max_num_batched_tokens=8,    # prefill in chunks
+                         enable_prompt_tokens_details=True) as engine:
         first = await complete(engine, prompt=ids, max_tokens=2, prompt_logprobs=3)
         again = await complete(engine, prompt=ids, max_tokens=2, prompt_logprobs=3)
         plain = await complete(engine, prompt=ids, max_tokens=2)

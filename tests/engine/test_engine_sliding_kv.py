@@ -36,7 +36,8 @@ async def _run(path, hybrid: bool):
     body = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "logprobs": 2, "ignore_eos": True}
     cfg = EngineConfig(model=str(path), dtype="float32", max_model_len=128, max_num_seqs=1,
                        max_num_batched_tokens=16, kv_cache_memory_bytes=40 * PER_BLOCK,
-                       disable_hybrid_kv_cache_manager=not hybrid)
+                       disable_hybrid_kv_cache_manager=not hybrid,
+                       enable_prompt_tokens_details=True)
     async with open_engine(cfg) as engine:
         outs = []
         for _ in range(2):

@@ -250,7 +250,8 @@ def test_a_scheduled_message_from_before_later_fields_still_reads():
     assert (req.n, req.prompts, req.tools, req.cache_salt, req.continuous_usage) == (
         1, (), None, None, False)
     assert req.sampling.options == SamplingOptions(temperature=0.0) and req.sampling.stop == ()
-    assert req.reply == ReplySpec()   # from the logged typed request, by completions' rule
+    # from the logged typed request, by completions' rule; before the flag: with the details
+    assert req.reply == ReplySpec(prompt_tokens_details=True)
     assert step.deltas[1] == Delta("a", (8,), FinishReason.LENGTH)
     assert (step.done_at, step.num_running, step.kv_blocks_used) == (0.0, 0, 0)
 
@@ -269,10 +270,13 @@ def test_a_request_logged_with_its_typed_request_gets_its_apis_reply_spec():
                                        "metadata": {"k": "v"}}),
         new_request("e", "completions", None)]})
     chat, responses, engine_side = step.new_requests
-    assert chat.reply == ReplySpec(return_token_ids=True, include_reasoning=False)
+    # such a log predates --enable-prompt-tokens-details: its replies always had the details
+    assert chat.reply == ReplySpec(return_token_ids=True, include_reasoning=False,
+                                   prompt_tokens_details=True)
     assert responses.reply == ReplySpec(response=ResponseEcho(instructions="be brief",
-                                                              metadata={"k": "v"}))
-    assert engine_side.reply == ReplySpec()
+                                                              metadata={"k": "v"}),
+                                        prompt_tokens_details=True)
+    assert engine_side.reply == ReplySpec(prompt_tokens_details=True)
 
 
 def _log_file(path: Path, *lines: bytes) -> Path:

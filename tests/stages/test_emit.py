@@ -33,8 +33,8 @@ def sse(obj):
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+# no prompt_tokens_details: that needs --enable-prompt-tokens-details (as vLLM)
 USAGE_3_2 = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-             "prompt_tokens_details": {"cached_tokens": 0},
              "completion_tokens_details": {"reasoning_tokens": 0}}
 
 

@@ -182,7 +182,8 @@ def smollm_tp3(tmp_path):
 @pytest.fixture(scope="module")
 def gpt_oss_tp2(tmp_path_factory, gpt_oss_dir):
     server = start(tmp_path_factory.mktemp("tp2"), gpt_oss_dir, "--served-model-name", "m",
-                   "--tensor-parallel-size", "2", *FLAGS)
+                   "--tensor-parallel-size", "2", *FLAGS,
+                   "--enable-prompt-tokens-details")   # cached_tokens is read below
     yield server
     server.stop()
 

@@ -1,0 +1,77 @@
+"""Tiny random-weight vision-language checkpoints made with transformers (issue 34): a
+llava-hf LLaVA (CLIP vision tower, MLP projector, Llama decoder) saved as a HF folder
+with its processor (preprocessor_config.json, processor_config.json), tokenizer (SmolLM2's
+with an added <image> token) and chat template."""
+from __future__ import annotations
+
+from pathlib import Path
+
+# A chat template that takes content as a string or as parts ({"type": "image"} / text),
+# as llava-hf templates do.
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+IMAGE_SIZE = 30     # the CLIP tower's input (crop) size
+PATCH = 6           # 5 x 5 patches: 25 image tokens a picture
+
+
+def make_llava(out_dir: Path, seed: int = 0):
+    """Save the tiny LLaVA to out_dir; returns (model, processor)."""
+    import torch
+    import transformers
+    from tokenizers import AddedToken
+
+    from gpu.tokenizer_files import load_tokenizer
+
+    hf = load_tokenizer(None).hf
+    hf.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    image_id = hf.token_to_id("<image>")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=hf, bos_token="<|im_start|>",
+                                               eos_token="<|im_end|>", pad_token="<|im_end|>")
+    text = transformers.LlamaConfig(
+        vocab_size=image_id + 1, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, eos_token_id=hf.token_to_id("<|im_end|>"),
+        bos_token_id=hf.token_to_id("<|im_start|>"))
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                      image_token_index=image_id, projector_hidden_act="gelu",
+                                      vision_feature_select_strategy="default",
+                                      vision_feature_layer=-2)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():   # norms and biases away from their 1/0 init, so loading them wrongly shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif p.dim() >= 2:
+                p.mul_(3.0)     # large enough weights that the picture changes the answer
+    images = transformers.CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = transformers.LlavaProcessor(
+        image_processor=images, tokenizer=tok, patch_size=PATCH,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token="<image>", chat_template=LLAVA_TEMPLATE)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    processor.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    return model, processor
+
+
+def llava_dir(tmp_path_factory) -> tuple[Path, object, object]:
+    """The tiny LLaVA saved once per test session (every module that asks shares it):
+    (folder, transformers model, processor)."""
+    import transformers
+
+    out = tmp_path_factory.getbasetemp() / "tiny-llava"
+    if not (out / "model.safetensors").is_file():
+        out.mkdir(exist_ok=True)
+        return (out, *make_llava(out))
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(out).eval()
+    return out, model, transformers.AutoProcessor.from_pretrained(out)
