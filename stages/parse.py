@@ -160,6 +160,9 @@ class ToolState:
         self.parser = _tool_parser(plan)
         self.parallel = plan.parallel
         self.num_calls = 0
+        # as vLLM (and OpenAI): a call made for "auto" or "required" finishes the turn with
+        # tool_calls, one of a named tool_choice with stop
+        self.finishes_with_calls = plan.kind != "named"
 
     def feed(self, text: str, final: bool) -> tuple[str, tuple[ToolCallDelta, ...]]:
         content, calls = self.parser.feed(text, final)
@@ -263,7 +266,7 @@ class Parser:
                 continue
             content, calls = tools.feed(content, d.finished)
             reason = d.finish_reason
-            if reason is FinishReason.STOP and tools.num_calls:
+            if reason is FinishReason.STOP and tools.num_calls and tools.finishes_with_calls:
                 reason = FinishReason.TOOL_CALLS
             out.append(d.parsed(content, reasoning, calls, reason, counted, span))
         return msg.with_deltas(tuple(out))

@@ -402,17 +402,16 @@ def _resolve_max_tokens(ctx: RenderContext, prompt_len: int, plan: PromptPlan) -
             param=plan.prompt_param, code="context_length_exceeded")
     room = limit - prompt_len
     requested = plan.max_tokens
-    ceiling = ctx.max_tokens_ceiling
-    if type(ceiling) is int and ceiling > 0:
-        room = min(room, ceiling)
-        if requested is not None:
-            requested = min(requested, ceiling)
+    # As vLLM's get_max_tokens: the generation config's max_new_tokens (the model's, a
+    # --generation-config folder's, or --override-generation-config's) is a ceiling on
+    # every request's max tokens, asked for or not.
+    for ceiling in (ctx.max_tokens_ceiling, ctx.default_sampling.get("max_new_tokens")):
+        if type(ceiling) is int and ceiling > 0:
+            room = min(room, ceiling)
+            if requested is not None:
+                requested = min(requested, ceiling)
     if requested is None:
-        # generation_config's max_new_tokens is only a default: a request may ask for more.
-        cap = ctx.default_sampling.get("max_new_tokens")
         value = room if plan.default_max_tokens is None else plan.default_max_tokens
-        if type(cap) is int and cap > 0:
-            value = min(value, cap)
         return min(value, room)
     if requested > room:
         where = "messages" if plan.prompt_param == "messages" else "prompt"

@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 import attrs
 import orjson
 
-from stages.api.common import server_error, unstructure
+from stages.api.common import ABSENT, omit_absent, server_error, unstructure
 from stages.lib.delta import Delta, FinishReason, Usage
 from stages.messages import RenderedRequest
 
@@ -49,14 +49,16 @@ class CompletionTokensDetails:
     reasoning_tokens: int = 0
 
 
+@omit_absent
 @attrs.frozen
 class UsageInfo:
-    """The chat/completions usage object (OpenAI's names, vLLM's details)."""
+    """The chat/completions usage object (OpenAI's names, vLLM's details: the reasoning
+    tokens only with a reasoning parser, as vLLM)."""
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    completion_tokens_details: CompletionTokensDetails
+    completion_tokens_details: CompletionTokensDetails = ABSENT
 
 
 @attrs.frozen
@@ -78,10 +80,12 @@ class ResponseUsage:
     total_tokens: int
 
 
-def usage_info(usage: Usage) -> UsageInfo:
+def usage_info(usage: Usage, reasoning_details: bool = False) -> UsageInfo:
+    """`reasoning_details`: a reasoning parser is on (ReplySpec.reasoning_details)."""
     return UsageInfo(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
                      PromptTokensDetails(usage.cached_tokens),
-                     CompletionTokensDetails(usage.reasoning_tokens))
+                     CompletionTokensDetails(usage.reasoning_tokens) if reasoning_details
+                     else ABSENT)
 
 
 def response_usage(usage: Usage) -> ResponseUsage:
@@ -248,6 +252,17 @@ class ChoicesFramer(Framer):
         """Top-level fields of the body besides id, created, model, choices, usage, metrics."""
         return {}
 
+    def _usage(self, usage: Usage) -> UsageInfo:
+        return usage_info(usage, self.req.reply.reasoning_details)
+
+    def _chunk_usage(self, delta: Delta) -> UsageInfo | None:
+        """A chunk's usage with continuous usage stats: its choice's own counts (as vLLM;
+        account's Usage.choice where the request has several choices), else None."""
+        if not self.req.continuous_usage or delta.usage is None:
+            return None
+        usage = delta.usage
+        return self._usage(usage.choice if usage.choice is not None else usage)
+
     def _stream_end(self, delta: Delta, usage: Any) -> list[bytes]:
         """The events that end a choice's stream (none while it runs): its finish chunk,
         then after the last choice's the usage chunk (include_usage) and [DONE]; an engine
@@ -260,7 +275,7 @@ class ChoicesFramer(Framer):
         out = [self._chunk([self._finish_choice(delta)], usage)]
         if self.closing:
             if self.req.include_usage:
-                out.append(self._chunk.with_usage(usage_info(delta.usage), delta.metrics))
+                out.append(self._chunk.with_usage(self._usage(delta.usage), delta.metrics))
             out.append(DONE)
         return out
 
@@ -278,6 +293,6 @@ class ChoicesFramer(Framer):
         return json_body(self.body_type(
             id=self.id, created=self.req.created, model=self.req.model,
             choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
-            usage=usage_info(delta.usage),
+            usage=self._usage(delta.usage),
             **({} if delta.metrics is None else {"metrics": delta.metrics}),
             **self._body_fields()))
