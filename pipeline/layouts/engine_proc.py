@@ -232,7 +232,8 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
         send, receive = outbox()
         ports.append(Port(k, Link(trio.socket.from_stdlib_socket(sock)), send, receive))
     replies = EngineReplies(ports)
-    stats = Stats(built.scheduler, built.blocks, ports, cache_config_labels(cfg, built.blocks.num_blocks))
+    stats = Stats(built.scheduler, built.blocks, ports, cache_config_labels(cfg, built.blocks.num_blocks,
+                                                                        built.max_model_len))
     side = RequestSideSpec.of(cfg, built)
     try:
         async with trio.open_nursery() as nursery:
