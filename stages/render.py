@@ -47,6 +47,7 @@ class RenderContext:
     per_request_metrics: bool = False  # --enable-per-request-metrics
     tools: ToolSettings = ToolSettings()   # --enable-auto-tool-choice, --tool-call-parser...
     harmony: bool = False         # gpt-oss: messages render through Harmony (stages/api/harmony.py)
+    mistral: bool = False         # --tokenizer-mode mistral: mistral-common renders chats
     pooling: PoolingSpec | None = None   # a pooling model (--runner pooling): what it does
 
 
@@ -330,6 +331,8 @@ def _prompt_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
                            "kv_transfer_params.prompt_token_ids).", param=plan.prompt_param)
     if plan.messages is not None and ctx.harmony:
         return _truncated(_harmony_ids(plan), plan, ctx)
+    if plan.messages is not None and ctx.mistral:
+        return _truncated(_mistral_ids(plan, ctx), plan, ctx)
     if plan.messages is not None:
         text = _apply_template(ctx, plan)
     else:
@@ -352,6 +355,19 @@ def _truncated(ids: list[int], plan: PromptPlan, ctx: RenderContext) -> list[int
         raise RequestError("'truncate_prompt_tokens' 0 leaves no prompt.",
                            param="truncate_prompt_tokens")
     return ids[-keep:] if plan.truncation_side == "left" else ids[:keep]
+
+
+def _mistral_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
+    """--tokenizer-mode mistral: mistral-common's encoding of the chat (gpu/mistral.py),
+    as vLLM's; what it refuses is a 400 with its reason."""
+    if plan.chat_template is not None:
+        raise RequestError("This server renders chats with mistral-common (--tokenizer-mode "
+                           "mistral); 'chat_template' does not apply.", param="chat_template")
+    try:
+        return ctx.tokenizer.encode_chat(plan.messages, plan.template_kwargs.get("tools"),
+                                         continue_final_message=plan.continue_final_message)
+    except ValueError as e:
+        raise RequestError(str(e), param=plan.prompt_param) from None
 
 
 _HARMONY_ROLES = ("system", "developer", "user", "assistant", "tool")
