@@ -12,7 +12,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # HF defaults where config.json may omit a key (they differ per model family).
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "gpt_oss": 131072}
 _DEFAULT_ROPE_THETA = {"gpt_oss": 150000.0}
-_ARCH_FROM_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+_ARCH_FROM_CLASS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                     "GptOssForCausalLM": "gpt_oss"}
 # transformers' GptOssConfig default when config.json has no rope parameters.
 _GPT_OSS_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -128,6 +128,13 @@ class ModelConfig:
         arch = d.get("model_type")
         if arch is None:
             arch = next((_ARCH_FROM_CLASS.get(a) for a in d.get("architectures") or ()), None)
+        if arch == "mistral":
+            # Mistral is Llama's architecture (the same weights' names) when no sliding
+            # window limits its attention (Mistral 7B v0.3 on, Mistral-Nemo, Small)
+            if d.get("sliding_window") not in (None, 0) and d["sliding_window"] < d.get(
+                    "max_position_embeddings", 0):
+                raise ValueError("Mistral with a sliding_window is not supported")
+            arch = "llama"
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch or d.get('architectures')!r}; "

@@ -18,6 +18,8 @@ from gpu.weights_hf import read_json
 
 
 class Tokenizer:
+    tool_call_ids = "openai"    # the form of the tool-call ids replies give ("mistral": 9 alphanumerics)
+
     def __init__(
         self,
         hf: tokenizers.Tokenizer,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 
+import attrs
 import trio
 
 from stages.lib.delta import FinishReason, RequestMetrics, SpecRequestMetrics, Usage
@@ -21,7 +22,7 @@ from stages.messages import RenderedRequest, Step
 class _RequestUsage:
     __slots__ = ("prompt", "completion", "reasoning", "arrival", "scheduled", "first_token",
                  "last_token", "wants_metrics", "open_choices", "cached", "n", "prompt_lens",
-                 "prompt_cached", "continuous", "max_tokens", "spec")
+                 "prompt_cached", "continuous", "max_tokens", "spec", "per_choice")
 
     def __init__(self, req: RenderedRequest) -> None:
         self.prompt = req.num_prompt_tokens      # every prompt's, once (not per choice)
@@ -40,6 +41,19 @@ class _RequestUsage:
         self.continuous = req.continuous_usage   # every delta carries the usage so far
         self.max_tokens = req.sampling.max_tokens
         self.spec: list[int] | None = None   # [verify passes, draft tokens, accepted], once drafted
+        # continuous usage of several choices: each choice's [completion, reasoning] tokens
+        self.per_choice = ([[0, 0] for _ in range(req.num_choices)]
+                           if self.continuous and req.num_choices > 1 else None)
+
+    def usage(self, index: int) -> Usage:
+        """The request's usage so far; with per-choice counts, choice `index`'s own too."""
+        total = Usage(self.prompt, self.completion, self.cached, self.reasoning)
+        if self.per_choice is None:
+            return total
+        p = index // self.n
+        completion, reasoning = self.per_choice[index]
+        own = Usage(self.prompt_lens[p], completion, self.prompt_cached[p] or 0, reasoning)
+        return attrs.evolve(total, choice=own)
 
     def metrics(self) -> RequestMetrics:
         """The request's own timings (vLLM's per-request metrics), in milliseconds."""
@@ -135,6 +149,10 @@ class Accountant:
                 u.completion += n
                 generated += n
             u.reasoning += d.reasoning_tokens   # this delta's (so a running usage grows)
+            if u.per_choice is not None:
+                own = u.per_choice[index]
+                own[0] += n
+                own[1] += d.reasoning_tokens
             if d.draft_tokens:
                 if u.spec is None:
                     u.spec = [0, 0, 0]
@@ -143,10 +161,9 @@ class Accountant:
                 u.spec[2] += d.accepted_tokens
             reason = d.finish_reason
             if reason is None:
-                deltas.append(d.accounted(Usage(u.prompt, u.completion, u.cached, u.reasoning))
-                              if u.continuous else d)
+                deltas.append(d.accounted(u.usage(index)) if u.continuous else d)
                 continue
-            usage = Usage(u.prompt, u.completion, u.cached, u.reasoning)
+            usage = u.usage(index)
             u.open_choices -= 1
             if u.open_choices > 0:
                 deltas.append(d.accounted(usage))

@@ -78,7 +78,11 @@ class ReplySpec:
     framers read it; nothing downstream sees the typed request."""
     return_token_ids: bool = False    # the token ids (and the prompt's) on the reply
     return_tokens_as_token_ids: bool = False   # logprobs name each token "token_id:N"
-    include_reasoning: bool = True    # false: the reasoning, its logprobs and ids are hidden
+    include_reasoning: bool = True    # false: the reasoning is hidden
+    # include_reasoning false with a parser on (reasoning or tools): no choice carries
+    # logprobs or token ids, streamed or not (vLLM's hide_stream_metadata)
+    hide_token_metadata: bool = False
+    reasoning_details: bool = False   # a reasoning parser is on: completion_tokens_details
     response: ResponseEcho | None = None   # the Responses API's echo; None for the others
     prompt_tokens_details: bool = False    # --enable-prompt-tokens-details (render sets it)
 

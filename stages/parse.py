@@ -24,7 +24,7 @@ from stages.lib.delta import Delta, FinishReason, ToolCallDelta
 from stages.api.harmony import HARMONY_REASONING_PARSER, HarmonyState
 from stages.messages import Step, ToolPlan
 from stages.api.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,
-                                 ToolParser, call_id)
+                                 ToolParser, CALL_IDS, call_id)
 from stages.api.tool_parsers.base import partial_suffix
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY_REASONING_PARSER)
@@ -155,11 +155,16 @@ class ThinkState:
 class ToolState:
     """One request's tool-call parsing: its parser, and how many calls it has made."""
 
-    def __init__(self, request_id: str, plan: ToolPlan) -> None:
+    def __init__(self, request_id: str, plan: ToolPlan, make_id=call_id) -> None:
+        """`make_id(request_id, n)`: call n's id (the tokenizer's form, CALL_IDS)."""
         self.request_id = request_id
+        self.make_id = make_id
         self.parser = _tool_parser(plan)
         self.parallel = plan.parallel
         self.num_calls = 0
+        # as vLLM (and OpenAI): a call made for "auto" or "required" finishes the turn with
+        # tool_calls, one of a named tool_choice with stop
+        self.finishes_with_calls = plan.kind != "named"
 
     def feed(self, text: str, final: bool) -> tuple[str, tuple[ToolCallDelta, ...]]:
         content, calls = self.parser.feed(text, final)
@@ -170,7 +175,7 @@ class ToolState:
         for call in calls:
             if self.num_calls and not self.parallel:
                 break                  # parallel_tool_calls false: the first call only
-            out.append(ToolCallDelta(self.num_calls, call_id(self.request_id, self.num_calls),
+            out.append(ToolCallDelta(self.num_calls, self.make_id(self.request_id, self.num_calls),
                                      call.name, call.arguments))
             self.num_calls += 1
         return tuple(out)
@@ -210,6 +215,7 @@ class Parser:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; "
                              f"choose from {', '.join(REASONING_PARSERS)}")
         self.reasoning_parser = reasoning_parser
+        self.call_id = CALL_IDS[tokenizer.tool_call_ids if tokenizer is not None else "openai"]
         self.think_tags = (ThinkTags.of(tokenizer) if reasoning_parser in ("qwen3", "deepseek_r1")
                            else ThinkTags())
         self.states: dict[tuple[str, int], ThinkState] = {}   # (request id, choice)
@@ -232,7 +238,8 @@ class Parser:
                     self.states[req.request_id, i] = ThinkState(
                         self.reasoning_parser, starts[p], self.think_tags)
                 if req.tools is not None:
-                    self.tools[req.request_id, i] = ToolState(f"{req.request_id}#{i}", req.tools)
+                    self.tools[req.request_id, i] = ToolState(f"{req.request_id}#{i}", req.tools,
+                                                              self.call_id)
         if not self.states and not self.tools and not self.harmony:
             for d in msg.deltas:   # _unparsed(d), inline: this loop sees every token
                 if d.content != d.text or d.reasoning or d.reasoning_tokens or d.reasoning_span:
@@ -263,7 +270,7 @@ class Parser:
                 continue
             content, calls = tools.feed(content, d.finished)
             reason = d.finish_reason
-            if reason is FinishReason.STOP and tools.num_calls:
+            if reason is FinishReason.STOP and tools.num_calls and tools.finishes_with_calls:
                 reason = FinishReason.TOOL_CALLS
             out.append(d.parsed(content, reasoning, calls, reason, counted, span))
         return msg.with_deltas(tuple(out))

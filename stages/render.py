@@ -50,6 +50,7 @@ class RenderContext:
     per_request_metrics: bool = False  # --enable-per-request-metrics
     tools: ToolSettings = ToolSettings()   # --enable-auto-tool-choice, --tool-call-parser...
     harmony: bool = False         # gpt-oss: messages render through Harmony (stages/api/harmony.py)
+    mistral: bool = False         # --tokenizer-mode mistral: mistral-common renders chats
     pooling: PoolingSpec | None = None   # a pooling model (--runner pooling): what it does
     priority_scheduling: bool = False    # --scheduling-policy priority: `priority` is served
     think_tags: bool = True   # <think>/</think> are single tokens (thinking_token_budget needs it)
@@ -416,6 +417,8 @@ def _prompt_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
                            "kv_transfer_params.prompt_token_ids).", param=plan.prompt_param)
     if plan.messages is not None and ctx.harmony:
         return _truncated(_harmony_ids(plan), plan, ctx)
+    if plan.messages is not None and ctx.mistral:
+        return _truncated(_mistral_ids(plan, ctx), plan, ctx)
     if plan.messages is not None:
         text = _apply_template(ctx, plan)
     else:
@@ -438,6 +441,19 @@ def _truncated(ids: list[int], plan: PromptPlan, ctx: RenderContext) -> list[int
         raise RequestError("'truncate_prompt_tokens' 0 leaves no prompt.",
                            param="truncate_prompt_tokens")
     return ids[-keep:] if plan.truncation_side == "left" else ids[:keep]
+
+
+def _mistral_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
+    """--tokenizer-mode mistral: mistral-common's encoding of the chat (gpu/mistral.py),
+    as vLLM's; what it refuses is a 400 with its reason."""
+    if plan.chat_template is not None:
+        raise RequestError("This server renders chats with mistral-common (--tokenizer-mode "
+                           "mistral); 'chat_template' does not apply.", param="chat_template")
+    try:
+        return ctx.tokenizer.encode_chat(plan.messages, plan.template_kwargs.get("tools"),
+                                         continue_final_message=plan.continue_final_message)
+    except ValueError as e:
+        raise RequestError(str(e), param=plan.prompt_param) from None
 
 
 _HARMONY_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -490,17 +506,16 @@ def _resolve_max_tokens(ctx: RenderContext, prompt_len: int, plan: PromptPlan) -
             param=plan.prompt_param, code="context_length_exceeded")
     room = limit - prompt_len
     requested = plan.max_tokens
-    ceiling = ctx.max_tokens_ceiling
-    if type(ceiling) is int and ceiling > 0:
-        room = min(room, ceiling)
-        if requested is not None:
-            requested = min(requested, ceiling)
+    # As vLLM's get_max_tokens: the generation config's max_new_tokens (the model's, a
+    # --generation-config folder's, or --override-generation-config's) is a ceiling on
+    # every request's max tokens, asked for or not.
+    for ceiling in (ctx.max_tokens_ceiling, ctx.default_sampling.get("max_new_tokens")):
+        if type(ceiling) is int and ceiling > 0:
+            room = min(room, ceiling)
+            if requested is not None:
+                requested = min(requested, ceiling)
     if requested is None:
-        # generation_config's max_new_tokens is only a default: a request may ask for more.
-        cap = ctx.default_sampling.get("max_new_tokens")
         value = room if plan.default_max_tokens is None else plan.default_max_tokens
-        if type(cap) is int and cap > 0:
-            value = min(value, cap)
         return min(value, room)
     if requested > room:
         where = "messages" if plan.prompt_param == "messages" else "prompt"

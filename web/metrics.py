@@ -62,7 +62,9 @@ _SHAPES: dict[str, tuple[str, str]] = {
     "params_max_tokens": ("request_params_max_tokens",
                           "The max_tokens request parameter (resolved), per finished request."),
     "num_preemptions": ("request_num_preemptions", "Preemptions per request."),
-    "iteration_tokens": ("iteration_tokens_total", "Tokens computed per engine step."),
+    "iteration_tokens": ("iteration_tokens_total",
+                         "Tokens per engine step: the prompts of sequences that got their "
+                         "first token, plus the tokens generated (vLLM's definition)."),
 }
 # fields exported under vLLM's names by _vllm (not again as tailrace:<field>)
 _AS_VLLM = ("latency", "shapes", "num_waiting_by_reason", "cache_config", "spec_decode")

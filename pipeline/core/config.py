@@ -122,6 +122,10 @@ class EngineConfig:
     media_max_redirects: int = attrs.field(default=5, validator=attrs.validators.ge(0))
     encoder_cache_size: int = attrs.field(default=64, validator=positive)
     tokenizer: str | None = None              # .gguf file or HF directory; None: the model's
+    # auto: the model's tokenizer.json (or GGUF); mistral: its tekken.json through
+    # mistral-common, chats rendered by mistral-common (gpu/mistral.py)
+    tokenizer_mode: str = attrs.field(default="auto",
+                                      validator=attrs.validators.in_(("auto", "mistral")))
     simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS: a timed stand-in
         default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(GPUS))))
     skip_tokenizer_init: bool = False         # serve token ids only, without a tokenizer
@@ -349,6 +353,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="Tokenizer to use instead of the model's: a .gguf file or a Hugging "
                         "Face directory with tokenizer.json.")
+    p.add_argument("--tokenizer-mode", default="auto", choices=("auto", "mistral"),
+                   help="auto: the model's tokenizer.json (or its GGUF's); mistral: a Mistral "
+                        "model's tekken.json (in the model folder, or the file --tokenizer "
+                        "names) through mistral-common, whose request encoding renders chats "
+                        "(no chat template), as vLLM's --tokenizer-mode mistral.")
     p.add_argument("--simulate-gpu", default=None, choices=tuple(GPUS),
                    help="Replace the model's forward with a timed wait from a cost model of "
                         "this GPU running the model in bf16, and sample random ordinary tokens; "

@@ -76,7 +76,7 @@ class Engine(EngineClient):
 
     @property
     def cache_config(self) -> dict[str, str]:
-        return cache_config_labels(self.config, self.blocks.num_blocks)
+        return cache_config_labels(self.config, self.blocks.num_blocks, self.max_model_len)
 
 
 def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built: Built,

@@ -203,7 +203,12 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                  GPUS[cfg.simulate_gpu].name)
     elif loaded is None:
         loaded = load_weights(cfg, device, ranks.tp if ranks is not None else SINGLE)
-    if cfg.tokenizer:
+    if cfg.tokenizer_mode == "mistral" and not cfg.skip_tokenizer_init:
+        from gpu.mistral import MistralTokenizer
+        tok = MistralTokenizer(cfg.tokenizer or cfg.model)
+        loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
+            tok, loaded.config, loaded.generation_config))
+    elif cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
         loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
             tok, loaded.config, loaded.generation_config))

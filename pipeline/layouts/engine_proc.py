@@ -265,7 +265,8 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
         send, receive = outbox()
         ports.append(Port(k, Link(trio.socket.from_stdlib_socket(sock)), send, receive))
     replies = EngineReplies(ports)
-    labels = {**cache_config_labels(cfg, built.blocks.num_blocks), "engine": str(dp_rank)}
+    labels = {**cache_config_labels(cfg, built.blocks.num_blocks, built.max_model_len),
+              "engine": str(dp_rank)}
     stats = Stats(built.scheduler, built.blocks, ports, labels, accounts=dp_rank == 0)
     side = RequestSideSpec.of(cfg, built)
     try:

@@ -8,8 +8,7 @@ import attrs
 
 from stages.api.common import (ABSENT, Invalid, PromptPlan, RequestError, ToolSettings,
                                at_least, omit_absent, one_constraint, opt, reply)
-from stages.api.framing import (ChoicesFramer, ChoiceState, UsageInfo, prompt_logprobs_json,
-                                usage_info)
+from stages.api.framing import ChoicesFramer, ChoiceState, UsageInfo, prompt_logprobs_json
 from stages.api.request_types import (ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, ChoiceRequest,
                                       ContentPart)
 from stages.api.structured import constraint_of
@@ -230,18 +229,28 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
         logprobs=_logprobs(req), stream=req.stream,
         stream_options=req.stream_options,
         constraint=constraint, tools=tr.plan, echo=_echo(req, messages),
-        prompt_logprobs=prompt_logprobs, reply=reply_spec(req))
+        prompt_logprobs=prompt_logprobs,
+        reply=reply_spec(req, reasoning_parser=reasoning_parser,
+                         tool_parser=tools.enable_auto_tool_choice and bool(tools.tool_call_parser)))
 
 
 def _has_media(messages: list[dict]) -> bool:
     return any(isinstance(m["content"], list) for m in messages)
 
 
-def reply_spec(req: ChatCompletionRequest) -> ReplySpec:
-    """What the chat reply shows of the request: token ids, tokens named by id, reasoning."""
+def reply_spec(req: ChatCompletionRequest, *, reasoning_parser: bool = False,
+               tool_parser: bool = False) -> ReplySpec:
+    """What the chat reply shows of the request: token ids, tokens named by id, reasoning.
+    As vLLM: include_reasoning false with any parser on (a reasoning parser, or the auto
+    tool parser) drops every logprob and token id of the choices, so that nothing of the
+    hidden reasoning can be decoded from them; only a reasoning parser's usage has
+    completion_tokens_details."""
     return ReplySpec(return_token_ids=req.return_token_ids,
                      return_tokens_as_token_ids=req.return_tokens_as_token_ids,
-                     include_reasoning=req.include_reasoning)
+                     include_reasoning=req.include_reasoning,
+                     hide_token_metadata=not req.include_reasoning and (reasoning_parser
+                                                                        or tool_parser),
+                     reasoning_details=reasoning_parser)
 
 
 def _echo(req: ChatCompletionRequest, messages: list[dict]) -> str | None:
@@ -464,28 +473,28 @@ class ChatFramer(ChoicesFramer):
         self._choices = [ChoiceState() for _ in range(req.n)]
         self._echo = req.echo[0] if req.echo else ""   # echo: the reply starts with it
         self._prompt_logprobs = None     # prompt_logprobs: brought by choice 0's first delta
-        self._wants_logprobs = req.sampling.options.logprobs is not None
+        self._hidden = hidden = req.reply.hide_token_metadata
+        self._wants_logprobs = req.sampling.options.logprobs is not None and not hidden
         self._show_reasoning = req.reply.include_reasoning
-        self._return_ids = req.reply.return_token_ids
+        self._return_ids = req.reply.return_token_ids      # the prompt's ids
+        self._choice_ids = self._return_ids and not hidden   # each choice's own
         # no token ids or usage per chunk: a running choice's chunk is its content
-        self._plain_stream = not (self._return_ids or req.continuous_usage)
+        self._plain_stream = not (self._choice_ids or req.continuous_usage)
 
     def _visible(self, delta: Delta) -> tuple[str, tuple[TokenLogprob, ...], tuple[int, ...]]:
         """The reasoning text, logprobs and token ids to show: include_reasoning=false hides
-        all of the reasoning, the logprobs and ids of its tokens (parse's reasoning_span:
-        the delta's leading tokens that are the reasoning's) too; they are still counted."""
-        if self._show_reasoning:
-            return delta.reasoning, delta.logprobs, delta.token_ids
-        span = delta.reasoning_span
-        if delta.reasoning and not delta.content:   # all of it is the reasoning's
-            span = max(span, len(delta.token_ids), len(delta.logprobs))
-        return "", delta.logprobs[span:], delta.token_ids[span:]
+        the reasoning (still counted); with a parser on, the logprobs and token ids of every
+        token go too (hide_token_metadata), as vLLM."""
+        reasoning = delta.reasoning if self._show_reasoning else ""
+        if self._hidden:
+            return reasoning, (), ()
+        return reasoning, delta.logprobs, delta.token_ids
 
     def start(self) -> bytes:
         if not self.req.stream:
             return b""
         prompt = {"prompt_token_ids": list(self.req.prompt_token_ids)} if self._return_ids else {}
-        usage = usage_info(Usage(len(self.req.prompt_token_ids), 0), self.req)
+        usage = self._usage(Usage(len(self.req.prompt_token_ids), 0))
         out = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
                            usage, **(prompt if i == 0 else {}))
                for i in range(self.req.n)]
@@ -503,8 +512,8 @@ class ChatFramer(ChoicesFramer):
         out = []
         reasoning, logprobs, token_ids = self._visible(delta)
         lp = chat_logprobs(logprobs) if self._wants_logprobs and logprobs else None
-        ids = self._return_ids and bool(token_ids)
-        usage = usage_info(delta.usage, self.req) if self.req.continuous_usage else None
+        ids = self._choice_ids and bool(token_ids)
+        usage = self._chunk_usage(delta)
         if delta.content or reasoning or lp or ids:
             message = (ChatDelta(content=delta.content, reasoning=reasoning) if reasoning
                        else ChatDelta(content=delta.content))
@@ -536,7 +545,7 @@ class ChatFramer(ChoicesFramer):
         c.text.append(delta.content)
         c.reasoning.append(reasoning)
         c.logprobs.extend(logprobs)
-        if self._return_ids:
+        if self._choice_ids:
             c.token_ids.extend(token_ids)
         c.tool_calls.extend(ToolCallOut(id=t.id, function=FunctionCall(name=t.name,
                                                                        arguments=t.arguments))
@@ -560,4 +569,4 @@ class ChatFramer(ChoicesFramer):
         return ChatChoice(index=index, message=message, finish_reason=c.finish_reason,
                           stop_reason=c.stop_reason,
                           logprobs=chat_logprobs(c.logprobs) if self._wants_logprobs else None,
-                          token_ids=c.token_ids if self._return_ids else None)
+                          token_ids=c.token_ids if self._choice_ids else None)

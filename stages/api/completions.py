@@ -8,7 +8,7 @@ import attrs
 from stages.api.chat import MAX_CHOICES, MAX_LOGPROBS, check_n, check_prompt_logprobs
 from stages.api.common import ABSENT, Invalid, PromptPlan, RequestError, omit_absent, opt, reply
 from stages.api.framing import (MIN_LOGPROB, ChoicesFramer, ChoiceState, UsageInfo,
-                                prompt_logprobs_json, usage_info)
+                                prompt_logprobs_json)
 from stages.api.request_types import ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest
 from stages.api.structured import constraint_of
 from stages.lib.delta import Delta, PromptLogprob
@@ -202,7 +202,7 @@ class CompletionFramer(ChoicesFramer):
         lp = (self._logprobs_json(delta.index, echo_lps + delta.logprobs)
               if self._wants_logprobs and (delta.logprobs or echo_lps) else None)
         ids = self._ids(delta) if self._return_ids and delta.token_ids else {}
-        usage = usage_info(delta.usage, self.req) if self.req.continuous_usage else None
+        usage = self._chunk_usage(delta)
         if text or lp or ids:
             out.append(self._chunk([CompletionChoice(index=delta.index, text=text,
                                                      logprobs=lp, **ids)], usage))

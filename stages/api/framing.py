@@ -55,12 +55,13 @@ class CompletionTokensDetails:
 @attrs.frozen(kw_only=True)
 class UsageInfo:
     """The chat/completions usage object (OpenAI's names, vLLM's details): as vLLM,
-    prompt_tokens_details only with --enable-prompt-tokens-details."""
+    prompt_tokens_details only with --enable-prompt-tokens-details, and the reasoning
+    tokens only with a reasoning parser."""
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = ABSENT
-    completion_tokens_details: CompletionTokensDetails = ABSENT   # always set (ABSENT: key order)
+    completion_tokens_details: CompletionTokensDetails = ABSENT
 
 
 @attrs.frozen
@@ -84,15 +85,18 @@ class ResponseUsage:
 
 def usage_info(usage: Usage, req: RenderedRequest | None = None) -> UsageInfo:
     """prompt_tokens_details when the request's reply asks for them (render sets it under
-    --enable-prompt-tokens-details), with multimodal_tokens when its prompt had pictures."""
+    --enable-prompt-tokens-details), with multimodal_tokens when its prompt had pictures;
+    completion_tokens_details when a reasoning parser is on (ReplySpec.reasoning_details)."""
     details = ABSENT
     if req is not None and req.reply.prompt_tokens_details:
         images = sum(im.length for im in req.images)
         details = PromptTokensDetails(usage.cached_tokens,
                                       {"image": images} if images else ABSENT)
+    reasoning = req is not None and req.reply.reasoning_details
     return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                      total_tokens=usage.total_tokens, prompt_tokens_details=details,
-                     completion_tokens_details=CompletionTokensDetails(usage.reasoning_tokens))
+                     completion_tokens_details=CompletionTokensDetails(usage.reasoning_tokens)
+                     if reasoning else ABSENT)
 
 
 def response_usage(usage: Usage) -> ResponseUsage:
@@ -259,6 +263,17 @@ class ChoicesFramer(Framer):
         """Top-level fields of the body besides id, created, model, choices, usage, metrics."""
         return {}
 
+    def _usage(self, usage: Usage) -> UsageInfo:
+        return usage_info(usage, self.req)
+
+    def _chunk_usage(self, delta: Delta) -> UsageInfo | None:
+        """A chunk's usage with continuous usage stats: its choice's own counts (as vLLM;
+        account's Usage.choice where the request has several choices), else None."""
+        if not self.req.continuous_usage or delta.usage is None:
+            return None
+        usage = delta.usage
+        return self._usage(usage.choice if usage.choice is not None else usage)
+
     def _stream_end(self, delta: Delta, usage: Any) -> list[bytes]:
         """The events that end a choice's stream (none while it runs): its finish chunk,
         then after the last choice's the usage chunk (include_usage) and [DONE]; an engine
@@ -271,7 +286,7 @@ class ChoicesFramer(Framer):
         out = [self._chunk([self._finish_choice(delta)], usage)]
         if self.closing:
             if self.req.include_usage:
-                out.append(self._chunk.with_usage(usage_info(delta.usage, self.req), delta.metrics))
+                out.append(self._chunk.with_usage(self._usage(delta.usage), delta.metrics))
             out.append(DONE)
         return out
 
@@ -289,6 +304,6 @@ class ChoicesFramer(Framer):
         return json_body(self.body_type(
             id=self.id, created=self.req.created, model=self.req.model,
             choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
-            usage=usage_info(delta.usage, self.req),
+            usage=self._usage(delta.usage),
             **({} if delta.metrics is None else {"metrics": delta.metrics}),
             **self._body_fields()))

@@ -33,6 +33,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    # continuous usage stats of a request of several choices: this delta's choice's own
+    # counts (what its chunks carry, as vLLM), beside the request's totals above
+    choice: Usage | None = None
 
     @property
     def total_tokens(self) -> int:

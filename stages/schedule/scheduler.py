@@ -61,8 +61,11 @@ class Scheduler:
         self.step = 0
         self.num_preemptions = 0
         self.preempted: list[str] = []          # sequence ids preempted by the current step
-        # /metrics (vLLM's iteration_tokens_total, request_num_preemptions): tokens computed
-        # per step, and preemptions per request once it leaves (its choices' together)
+        # /metrics (vLLM's iteration_tokens_total, request_num_preemptions): per step, as
+        # vLLM counts it, the prompt of each sequence whose first token the step brought
+        # plus the tokens it generated (not the tokens fed: 10 requests of 9 prompt tokens
+        # and 10 generated are 190, not 180); preemptions per request once it leaves
+        # (its choices' together)
         self.iteration_tokens = Histogram(ITERATION_BUCKETS)
         self.request_preemptions = Histogram(PREEMPTION_BUCKETS)
         self._preemptions_of: dict[str, int] = {}     # request id -> preemptions so far
@@ -414,8 +417,7 @@ class Scheduler:
                 if not seq.retired:
                     self.finish(seq.req.request_id, FinishReason.ERROR, result.error)
             return self.drain()
-        if plan.chunks:
-            self.iteration_tokens.observe(sum(len(c.token_ids) for c in plan.chunks))
+        iteration = 0    # vLLM's iteration tokens: prompts at their first token, and tokens out
         for pl in result.prompt_logprobs:
             seq = self.by_id.get(pl.seq_id)
             if seq is not None:
@@ -442,6 +444,7 @@ class Scheduler:
                 self._computed(seq, done)
             if not got:
                 continue
+            iteration += kept + (seq.prompt_len if seq.num_output == kept else 0)
             # verified drafts: the drafts that held, then the token sampled after them
             accepted = len(got) - 1 if chunk.num_drafts else 0
             if chunk.num_drafts:
@@ -459,6 +462,8 @@ class Scheduler:
             if stop is not None:     # (waiting again if preempted while this step ran)
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
+        if iteration:
+            self.iteration_tokens.observe(iteration)
         return self._step(plan.step, deltas)
 
     def _token_came_back(self, seq: Sequence) -> None:

@@ -58,7 +58,7 @@ def test_named_streams_openai_tool_call_deltas(tools_client):
             calls[d.index]["arguments"] += d.function.arguments or ""
         if choice.finish_reason:
             reasons.append(choice.finish_reason)
-    assert reasons == ["tool_calls"]
+    assert reasons == ["stop"]       # a named tool_choice's, as vLLM and OpenAI
     [call] = calls.values()
     assert call["name"] == "get_weather" and call["id"].startswith("call_")
     jsonschema.validate(json.loads(call["arguments"]), WEATHER_PARAMS)

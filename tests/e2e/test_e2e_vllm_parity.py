@@ -213,8 +213,32 @@ def test_vllms_request_and_step_metrics(server, client, model_name):
     assert grew("vllm:iteration_tokens_total_sum") >= grew("vllm:request_prompt_tokens_sum")
     assert {dict(labels)["reason"] for name, labels in after
             if name == "vllm:num_requests_waiting_by_reason"} == {"capacity", "deferred"}
+    # vLLM's iteration tokens: each choice's prompt (at its first token) plus the tokens out
+    assert grew("vllm:iteration_tokens_total_sum") == 2 * grew("vllm:request_prompt_tokens_sum") + 6
     [info] = [dict(labels) for name, labels in after if name == "vllm:cache_config_info"]
     assert info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 0
+    blocks = int(info["num_gpu_blocks"])
+    assert int(info["kv_cache_size_tokens"]) == blocks * 16
+    max_len = client.models.list().data[0].model_extra["max_model_len"]
+    assert float(info["kv_cache_max_concurrency"]) == pytest.approx(
+        blocks / -(-max_len // 16), abs=0.01)
+
+
+def test_vllms_metrics_counts(server, client, model_name):
+    """vLLM's test_metrics_counts: 10 requests of 9 prompt tokens and 10 generated each
+    add 190 to vllm:iteration_tokens_total's sum (prompt + generated, not the 180 tokens
+    fed), 90 prompt and 100 generation tokens."""
+    before = _scrape(server)
+    client.completions.create(model=model_name, prompt=[list(range(100, 109))] * 10,
+                              max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    after = _scrape(server)
+
+    def grew(name: str) -> float:
+        return after[name, ()] - before.get((name, ()), 0)
+
+    assert grew("vllm:iteration_tokens_total_sum") == 190
+    assert grew("vllm:prompt_tokens_total") == 90
+    assert grew("vllm:generation_tokens_total") == 100
 
 
 # -- 10. a custom role goes to the chat template -----------------------------------------

@@ -321,7 +321,8 @@ def test_a_log_recorded_by_an_earlier_tailrace_replays_byte_for_byte(smollm_toke
     the message types become, this log keeps reading and every reply reproduces. (Where the
     reply format itself changed on purpose (issue 22: vLLM's null keys in non-streaming
     bodies, the sampled token in completions' top_logprobs; issue 40: a Response says
-    `store: true`, OpenAI's default, now that responses are stored), those logged bodies
+    `store: true`, OpenAI's default, now that responses are stored; issue 37: no
+    completion_tokens_details without a reasoning parser, as vLLM), those logged bodies
     were rewritten to the new bytes; nothing else was.)"""
     log = Log.read(DATA / "events_v1.jsonl")
     assert log.warnings == []

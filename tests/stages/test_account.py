@@ -154,6 +154,22 @@ def test_continuous_usage_shows_the_reasoning_tokens_so_far():
     assert seen[-1] == Usage(2, 4, reasoning_tokens=3)
 
 
+def test_continuous_usage_of_several_choices_carries_each_choice_own_counts():
+    """n > 1: each choice's chunks carry that choice's own completion tokens (vLLM's
+    previous_num_tokens[i]), beside the request's running total (the final usage)."""
+    run = Run(attrs.evolve(rendered("a", (1, 2), stream=True), continuous_usage=True, n=2))
+    first = run(Delta("a", (7,), index=0), Delta("a", (8, 9), index=1))
+    assert first["a", 0].usage.choice == Usage(2, 1) and first["a", 1].usage.choice == Usage(2, 2)
+    assert first["a", 1].usage.completion_tokens == 3
+    last = run(Delta("a", (5,), FinishReason.STOP, index=0),
+               Delta("a", (6,), FinishReason.STOP, index=1))
+    assert last["a", 0].usage.choice == Usage(2, 2) and last["a", 1].usage.choice == Usage(2, 3)
+    assert last["a", 1].usage.completion_tokens == 5     # the request's, for the usage chunk
+    # n == 1: the request's counts are the choice's, and there is no second copy
+    run = Run(attrs.evolve(rendered("b", (1, 2), stream=True), continuous_usage=True))
+    assert run(Delta("b", (7,)))["b", 0].usage == Usage(2, 1)
+
+
 # -- Histogram: Prometheus' cumulative `le` buckets -------------------------------------------
 
 def test_histogram_buckets_are_upper_bounds_inclusive():

@@ -33,9 +33,15 @@ def sse(obj):
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-# no prompt_tokens_details: that needs --enable-prompt-tokens-details (as vLLM)
-USAGE_3_2 = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-             "completion_tokens_details": {"reasoning_tokens": 0}}
+# no prompt_tokens_details: that needs --enable-prompt-tokens-details (as vLLM); no
+# completion_tokens_details without a reasoning parser (as vLLM)
+USAGE_3_2 = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def with_parser(req, **reply):
+    """`req` as rendered on a server with a reasoning parser (its usage has
+    completion_tokens_details), and `reply`'s ReplySpec fields."""
+    return attrs.evolve(req, reply=attrs.evolve(req.reply, reasoning_details=True, **reply))
 
 
 def chat_chunk(choices, **extra):
@@ -73,16 +79,18 @@ def test_chat_stream_bytes():
 
 
 def test_chat_stream_include_usage_and_reasoning():
-    f = Framer(request("chat", stream=True, include_usage=True))
+    f = Framer(with_parser(request("chat", stream=True, include_usage=True)))
     f.start()
     assert f.on_delta(delta(reasoning="hmm")) == sse(chat_chunk([
         {"index": 0, "delta": {"content": "", "reasoning": "hmm"}, "logprobs": None,
          "finish_reason": None}], usage=None))
-    out = f.on_delta(delta(finish=FinishReason.LENGTH, completion=2, stop_reason=None))
+    out = f.on_delta(delta(finish=FinishReason.LENGTH, completion=2, stop_reason=None,
+                           reasoning_tokens=1))
     assert out == (
         sse(chat_chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
                          "stop_reason": None}], usage=None))
-        + sse(chat_chunk([], usage=USAGE_3_2))
+        + sse(chat_chunk([], usage={**USAGE_3_2,
+                                    "completion_tokens_details": {"reasoning_tokens": 1}}))
         + b"data: [DONE]\n\n")
 
 
@@ -91,42 +99,19 @@ def test_chat_include_reasoning_false_hides_reasoning():
     assert f.on_delta(delta(reasoning="secret")) == b""
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_include_reasoning_false_hides_the_logprobs_of_reasoning_tokens(stream):
-    req = attrs.evolve(request("chat", stream=stream, body={"include_reasoning": False,
-                                                           "logprobs": True}),
-                       sampling=SamplingParams(max_tokens=8, options=SamplingOptions(logprobs=0)))
-    lp = lambda token: (TokenLogprob(token, -0.5),)   # noqa: E731
-    f = Framer(req)
-    out = f.on_delta(attrs.evolve(delta(reasoning="secret"), logprobs=lp("secret")))
-    out += f.on_delta(attrs.evolve(delta("answer", finish=FinishReason.STOP, completion=2),
-                                   logprobs=lp("answer")))
-    assert b"secret" not in out and b"answer" in out
-    if stream:
-        chunks = [orjson.loads(line[6:]) for line in out.split(b"\n\n")
-                  if line.startswith(b"data: {")]
-        tokens = [t["token"] for c in chunks for ch in c["choices"] if ch["logprobs"]
-                  for t in ch["logprobs"]["content"]]
-    else:
-        tokens = [t["token"] for t in orjson.loads(out)["choices"][0]["logprobs"]["content"]]
-    assert tokens == ["answer"]
-
-
-@pytest.mark.parametrize("stream", [True, False])
-def test_include_reasoning_false_hides_the_token_ids_of_the_reasoning(stream):
-    """parse's reasoning_span: the leading ids of a delta that are the reasoning's (its
-    closing tag too) are not sent, so the hidden reasoning cannot be decoded from them."""
+def _hidden_reply(stream, hide):
+    """include_reasoning false, logprobs and return_token_ids asked for, on a server with a
+    parser (`hide`: render's ReplySpec.hide_token_metadata) or without."""
     req = attrs.evolve(request("chat", stream=stream, body={"include_reasoning": False,
                                                            "return_token_ids": True,
                                                            "logprobs": True}),
                        sampling=SamplingParams(max_tokens=8, options=SamplingOptions(logprobs=0)))
+    req = with_parser(req, hide_token_metadata=True) if hide else req
     lp = lambda *tokens: tuple(TokenLogprob(t, -0.5) for t in tokens)   # noqa: E731
     f = Framer(req)
-    f.start()
-    out = f.on_delta(attrs.evolve(delta(reasoning="se"), token_ids=(11, 12),
-                                  logprobs=lp("s", "e"), reasoning_span=2))
-    out += f.on_delta(attrs.evolve(delta(""), token_ids=(13,), logprobs=lp("c"),
-                                   reasoning_span=1))    # a held-back token of the reasoning
+    out = f.start()
+    out += f.on_delta(attrs.evolve(delta(reasoning="se"), token_ids=(11, 12),
+                                   logprobs=lp("s", "e"), reasoning_span=2))
     out += f.on_delta(attrs.evolve(
         delta("answer", reasoning="ret", finish=FinishReason.STOP, completion=6),
         token_ids=(14, 99, 21, 22), logprobs=lp("ret", "</think>", "ans", "wer"),
@@ -134,20 +119,39 @@ def test_include_reasoning_false_hides_the_token_ids_of_the_reasoning(stream):
     if stream:
         chunks = [orjson.loads(line[6:]) for line in out.split(b"\n\n")
                   if line.startswith(b"data: {")]
-        ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
-        tokens = [t["token"] for c in chunks for ch in c["choices"] if ch["logprobs"]
+        choices = [ch for c in chunks for ch in c["choices"]]
+        ids = [t for ch in choices for t in ch.get("token_ids") or ()]
+        tokens = [t["token"] for ch in choices if ch["logprobs"]
                   for t in ch["logprobs"]["content"]]
-    else:
-        choice = orjson.loads(out)["choices"][0]
-        ids, tokens = choice["token_ids"], [t["token"] for t in choice["logprobs"]["content"]]
-    assert b'"reasoning"' not in out and b"ret" not in out
-    assert ids == [21, 22] and tokens == ["ans", "wer"]
-    # include_reasoning true: all of it
-    f = Framer(attrs.evolve(req, reply=attrs.evolve(req.reply, include_reasoning=True)))
-    f.start()
-    out = f.on_delta(attrs.evolve(delta(reasoning="se", finish=FinishReason.STOP),
-                                  token_ids=(11, 12), logprobs=lp("s", "e"), reasoning_span=2))
-    assert b"11" in out and b'"se"' in out
+        return out, ids, tokens, chunks[0].get("prompt_token_ids"), any(
+            "token_ids" in ch or ch["logprobs"] is not None for ch in choices)
+    body = orjson.loads(out)
+    choice = body["choices"][0]
+    tokens = [t["token"] for t in (choice["logprobs"] or {"content": []})["content"]]
+    return out, choice["token_ids"] or [], tokens, body["prompt_token_ids"], (
+        choice["token_ids"] is not None or choice["logprobs"] is not None)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_include_reasoning_false_with_a_parser_drops_every_logprob_and_token_id(stream):
+    """As vLLM's chat serving (hide_stream_metadata, streamed; suppress_metadata, not):
+    include_reasoning false with a parser on sends no logprobs and no token ids for any
+    token, the answer's included (`logprobs` and `token_ids` null in the body, absent from
+    every chunk), so that the hidden reasoning cannot be decoded from them. The prompt's
+    ids (return_token_ids) are still sent, as vLLM."""
+    out, ids, tokens, prompt_ids, any_metadata = _hidden_reply(stream, hide=True)
+    assert b'"reasoning"' not in out and b"ret" not in out and b"answer" in out
+    assert ids == [] and tokens == [] and not any_metadata
+    assert prompt_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_include_reasoning_false_without_a_parser_keeps_the_logprobs(stream):
+    """Without a parser there is no reasoning to hide: every token's logprob and id is
+    sent, as vLLM (whose hiding needs a parser)."""
+    out, ids, tokens, _, _ = _hidden_reply(stream, hide=False)
+    assert ids == [11, 12, 14, 99, 21, 22]
+    assert tokens == ["s", "e", "ret", "</think>", "ans", "wer"]
 
 
 def test_chat_stream_error_and_abort():

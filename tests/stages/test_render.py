@@ -208,7 +208,7 @@ def test_generation_config_defaults_fill_omitted_fields():
     assert (o.temperature, o.top_p, o.top_k, o.repetition_penalty) == (0.6, 0.9, 20, 1.1)
     assert s.max_tokens == 10
     assert chat({"temperature": 0.0, "max_tokens": 50}, ctx).sampling.options.temperature == 0.0
-    assert chat({"max_tokens": 50}, ctx).sampling.max_tokens == 50
+    assert chat({"max_tokens": 5}, ctx).sampling.max_tokens == 5
 
 
 def test_min_tokens_above_max_tokens():
@@ -520,12 +520,18 @@ def test_continue_final_message_ends_inside_the_last_message():
     assert err.param == "continue_final_message"
 
 
-def test_override_max_new_tokens_is_a_ceiling_but_generation_config_only_a_default():
-    assert chat({"max_tokens": 50}, make_ctx(default_sampling={"max_new_tokens": 10})
-                ).sampling.max_tokens == 50
-    capped = make_ctx(default_sampling={"max_new_tokens": 10}, max_tokens_ceiling=10)
-    assert chat({"max_tokens": 50}, capped).sampling.max_tokens == 10
-    assert chat({}, capped).sampling.max_tokens == 10
+def test_generation_config_max_new_tokens_is_a_ceiling():
+    """As vLLM's get_max_tokens (default_sampling_params' max_tokens and
+    override_max_tokens both in its min): the generation config's max_new_tokens (the
+    model's or a --generation-config folder's) caps a request's max tokens as
+    --override-generation-config's does; completions' default of 16 too."""
+    folder = make_ctx(default_sampling={"max_new_tokens": 10})
+    assert chat({"max_tokens": 50}, folder).sampling.max_tokens == 10
+    assert chat({"max_tokens": 4}, folder).sampling.max_tokens == 4
+    assert completion({}, folder).sampling.max_tokens == 10
+    capped = make_ctx(default_sampling={"max_new_tokens": 10}, max_tokens_ceiling=7)
+    assert chat({"max_tokens": 50}, capped).sampling.max_tokens == 7
+    assert chat({}, capped).sampling.max_tokens == 7
 
 
 def test_explicit_temperature_zero_beats_generation_config():

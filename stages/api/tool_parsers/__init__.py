@@ -25,7 +25,7 @@ package registers the built-in parsers.
 """
 from __future__ import annotations
 
-from stages.api.tool_parsers.base import (TOOL_PARSERS, ToolCall, ToolParser, arguments_text, call_id,
+from stages.api.tool_parsers.base import (CALL_IDS, TOOL_PARSERS, ToolCall, ToolParser, arguments_text, call_id,
                                       load_plugin, register_tool_parser)
 from stages.api.tool_parsers.constrained import NamedToolParser, RequiredToolParser
 from stages.api.tool_parsers.harmony import HarmonyToolParser
@@ -33,6 +33,6 @@ from stages.api.tool_parsers.hermes import HermesToolParser
 from stages.api.tool_parsers.llama3_json import Llama3JsonToolParser
 from stages.api.tool_parsers.pythonic import PythonicToolParser
 
-__all__ = ["TOOL_PARSERS", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser",
+__all__ = ["CALL_IDS", "TOOL_PARSERS", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser",
            "NamedToolParser", "PythonicToolParser", "RequiredToolParser", "ToolCall",
            "ToolParser", "arguments_text", "call_id", "load_plugin", "register_tool_parser"]

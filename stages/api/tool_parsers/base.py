@@ -56,6 +56,24 @@ def call_id(request_id: str, index: int) -> str:
     return "call_" + hashlib.sha256(f"{request_id}/{index}".encode()).hexdigest()[:24]
 
 
+_ALPHANUMERIC = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def mistral_call_id(request_id: str, index: int) -> str:
+    """A Mistral tokenizer's tool-call id (--tokenizer-mode mistral): 9 alphanumerics, the
+    only form mistral-common accepts back in a conversation (vLLM's MistralToolCall ids);
+    deterministic like call_id."""
+    n = int.from_bytes(hashlib.sha256(f"{request_id}/{index}".encode()).digest()[:8], "big")
+    out = []
+    for _ in range(9):
+        n, r = divmod(n, len(_ALPHANUMERIC))
+        out.append(_ALPHANUMERIC[r])
+    return "".join(out)
+
+
+CALL_IDS = {"openai": call_id, "mistral": mistral_call_id}   # by Tokenizer.tool_call_ids
+
+
 def arguments_text(value: object) -> str:
     """Arguments as OpenAI sends them: a JSON string of an object."""
     if isinstance(value, str):
