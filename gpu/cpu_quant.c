@@ -8,7 +8,7 @@
  * over K). The dequantization is paid once per weight row and step, whatever M; the weights
  * are read packed (4.5-8.5 bits a weight). fp32 activations, no Q8 rounding of them: the
  * result is the dequantized fp32 model's up to the order of the sums.
- * Vector width from the build: AVX-512 (16 lanes), AVX2+FMA (8 lanes), else scalar.
+ * Vector width from the build: AVX-512 (16 lanes, 4x4 tile), AVX2+FMA (8 lanes, 2x4), else scalar.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -260,7 +260,7 @@ static inline float vsum(vf v) {
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
-#define MR 3
+#define MR 2   /* 2 x 4 accumulators + 4 weight vectors + 1 input: 13 of AVX2's 16 registers */
 #define NR 4
 #else
 typedef float vf;

@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--hf-dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--batched-only", action="store_true",
+                    help="skip the prompts-alone runs (a busy machine): 'greedy' is then the batched one")
     a = ap.parse_args()
     loaded = load_model(None, dtype="float32", quantization="none", progress=False)
     tok, eos = loaded.tokenizer, loaded.eos_token_ids
@@ -184,8 +186,8 @@ def main() -> None:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True))
                for c in CHATS]
     ref_lp = our_text_logprobs(loaded.model, text)
-    ref_out = our_alone(loaded.model, prompts, a.new_tokens)
     ref_batched = our_greedy(loaded.model, prompts, a.new_tokens)
+    ref_out = ref_batched if a.batched_only else our_alone(loaded.model, prompts, a.new_tokens)
     print(json.dumps({"text_tokens": len(text), "chats": len(prompts), "new_tokens": a.new_tokens,
                       "threads": torch.get_num_threads(), "cpu": torch.cpu.get_capabilities().get("cpu_name")}))
     print(json.dumps({"contender": "tailrace fp32", "france": tok.decode(until_eos(ref_out[0], eos))}))
@@ -193,8 +195,8 @@ def main() -> None:
     for name in a.recipes:
         model = our_recipe(loaded.model, name)
         t0 = time.perf_counter()
-        lp, out = our_text_logprobs(model, text), our_alone(model, prompts, a.new_tokens)
-        batched = our_greedy(model, prompts, a.new_tokens)
+        lp, batched = our_text_logprobs(model, text), our_greedy(model, prompts, a.new_tokens)
+        out = batched if a.batched_only else our_alone(model, prompts, a.new_tokens)
         r = {"contender": f"tailrace {name}", **compare(ref_lp, lp, ref_out, out, eos, ref_batched, batched),
              "seconds": round(time.perf_counter() - t0, 1), "france": tok.decode(until_eos(out[0], eos))}
         rows.append(r)
