@@ -93,6 +93,17 @@ class TPLost(RuntimeError):
     inside one). The engine must stop (stages/gpu_step.py counts it as a lost device)."""
 
 
+@attrs.frozen
+class LoRARef:
+    """The LoRA adapter a request runs with (issue 33): its served name, the id it got when it
+    was loaded (unique for the server's life: a reload under the same name gets a new one, so
+    neither the prefix cache nor the runner's loaded weights mix the two), and its folder
+    (PEFT's adapter_config.json + adapter_model.safetensors), which the runner loads from."""
+    name: str
+    id: int
+    path: str
+
+
 class GrammarError(ValueError):
     """The constraint is not a valid schema, regex or grammar (the client's fault)."""
 
@@ -112,6 +123,7 @@ class SeqStart:
     thinking: bool = False                 # the prompt leaves the reasoning open
     prompt_logprobs: int | None = None     # the prompt tokens' logprobs (top k); None: off
     pooling: PoolingOptions | None = None  # a pooling sequence (prefill only, never split)
+    lora: LoRARef | None = None            # the LoRA adapter its rows run with; None: the base
 
 
 @attrs.frozen

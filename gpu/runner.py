@@ -29,10 +29,12 @@ _log = logging.getLogger("tailrace.gpu")
 class ModelRunner(StagingRunner):
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
-                 broadcast=None) -> None:
+                 broadcast=None, lora=None) -> None:
         """broadcast: tensor parallelism's rank 0 (gpu/tp_runner.py StepBroadcast): each
-        step's inputs go to the worker ranks before the forward."""
+        step's inputs go to the worker ranks before the forward. lora: a gpu.lora.LoRAManager
+        (--enable-lora): the adapters' terms added to the step's rows that use one."""
         self.model = model
+        self.lora = lora
         self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
@@ -97,6 +99,8 @@ class ModelRunner(StagingRunner):
         for sid in plan.released:
             self.states.pop(sid, None)
             self.prompt_logprobs.pop(sid, None)
+            if self.lora is not None:
+                self.lora.release(sid)
         for ns in plan.new_seqs:
             fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             st = self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
@@ -104,6 +108,8 @@ class ModelRunner(StagingRunner):
                 st.guide = Guide(ns.grammar, ns.think, ns.thinking)
             if ns.prompt_logprobs is not None:
                 self.prompt_logprobs[ns.seq_id] = [ns.prompt_logprobs, 1]
+            if ns.lora is not None:
+                self.lora.start(ns.seq_id, ns.lora)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
         input_ids, positions, meta, sample_idx = upload_inputs(
@@ -115,7 +121,12 @@ class ModelRunner(StagingRunner):
             self.broadcast.send(staged, [(a, b) for _, a, b, _ in spans], bool(seq_ids), plan.step)
         with torch.inference_mode():
             try:   # the forward and the logits: collectives under tensor parallelism
-                hidden = self.forward(input_ids, positions, meta)                   # [T, D]
+                lora = self.lora is not None and self.lora.prepare(plan.chunks)
+                try:
+                    hidden = self.forward(input_ids, positions, meta, lora)          # [T, D]
+                finally:
+                    if lora:
+                        self.lora.done()
                 prompt_logprobs = self._prompt_logprobs(spans, hidden) if spans else ()
                 logits = (self.model.compute_logits(hidden.index_select(0, sample_idx))  # [R, V]
                           if seq_ids else None)
@@ -192,10 +203,12 @@ class ModelRunner(StagingRunner):
                           time.perf_counter() - t0, logprobs=tuple(lps),
                           prompt_logprobs=prompt_logprobs, num_tokens=tuple(counts))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                lora: bool = False) -> torch.Tensor:
         """The step's hidden states [T, D]: a captured graph for a decode batch that fits
-        one, else eager. Every tensor-parallel rank decides alike from the same inputs."""
-        if (self.graphs is not None and not meta.prefill_rows
+        one, else eager (always with LoRA rows: the graphs hold the base model alone).
+        Every tensor-parallel rank decides alike from the same inputs."""
+        if (self.graphs is not None and not lora and not meta.prefill_rows
                 and self.graphs.fits(len(meta.q_lens), meta.block_tables.shape[1])):
             return self.graphs.run(input_ids, positions, meta)
         self.attn.prepare(meta)

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from gpu.interface import Constraint, PoolingOptions, SamplingOptions
+from gpu.interface import Constraint, LoRARef, PoolingOptions, SamplingOptions
 from stages.lib.delta import Delta
 
 
@@ -130,6 +130,7 @@ class RenderedRequest:
     prompt_max_tokens: tuple[int, ...] = ()   # with several prompts: each one's max_tokens
     echo: tuple[str, ...] | None = None      # echo: the text each prompt's choices start with
     pooling: PoolingWork | None = None       # a pooling request: its prompts are its inputs
+    lora: LoRARef | None = None              # the LoRA adapter `model` named (issue 33); None: base
 
     @property
     def num_choices(self) -> int:

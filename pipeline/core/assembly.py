@@ -114,7 +114,7 @@ class RequestSideSpec:
             max_tokens_ceiling=cfg.override_generation_config.get("max_new_tokens"),
             force_include_usage=cfg.enable_force_include_usage,
             per_request_metrics=cfg.enable_per_request_metrics,
-            tools=built.parsers.tools, harmony=built.parsers.harmony)
+            tools=built.parsers.tools, harmony=built.parsers.harmony, loras=built.loras)
         return cls(render_context=ctx, reasoning_parser=built.parsers.reasoning_parser,
                    stream_interval=cfg.stream_interval,
                    max_queued_requests=cfg.max_queued_requests)

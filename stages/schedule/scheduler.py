@@ -36,8 +36,9 @@ class Scheduler:
                  grammars: ConstraintCompiler | None = None,
                  think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
                  num_speculative_tokens: int = 0,
-                 spec_disable_by_batch_size: int | None = None) -> None:
+                 spec_disable_by_batch_size: int | None = None, max_loras: int = 1) -> None:
         self.blocks = blocks
+        self.max_loras = max_loras      # distinct LoRA adapters among the running sequences
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -210,6 +211,8 @@ class Scheduler:
             if (leader is not None and leader in self.running
                     and leader.num_done < leader.prompt_len):
                 break   # its prompt's blocks are being computed: take them next step
+            if seq.req.lora is not None and self._lora_full(seq.req.lora.id):
+                break   # --max-loras adapters run already: it waits for one of them to end
             if not seq.table and not self._take_prefix(seq, budget):
                 break
             n = min(seq.num_uncomputed, budget)
@@ -244,17 +247,23 @@ class Scheduler:
                 return chunks.pop(k)
         return None
 
+    def _lora_full(self, lora_id: int) -> bool:
+        """The running sequences use max_loras distinct adapters, lora_id not among them
+        (every step plans only running sequences: no step mixes more than max_loras)."""
+        ids = {s.req.lora.id for s in self.running if s.req.lora is not None}
+        return lora_id not in ids and len(ids) >= self.max_loras
+
     def _start(self, seq: Sequence) -> SeqStart:
         prompt = tuple(seq.token_ids[:seq.prompt_len])
         if seq.grammar is None:
             return SeqStart(seq.id, prompt, sampling_options(seq),
-                            prompt_logprobs=seq.prompt_logprobs)
+                            prompt_logprobs=seq.prompt_logprobs, lora=seq.req.lora)
         think, thinking = self.think_ids, False
         if think is not None:   # does the prompt leave a <think> open (deepseek_r1 style)?
             last = {t: i for i, t in enumerate(prompt) if t in think}
             thinking = last.get(think[0], -1) > last.get(think[1], -1)
         return SeqStart(seq.id, prompt, sampling_options(seq), seq.grammar.result(), think,
-                        thinking, prompt_logprobs=seq.prompt_logprobs)
+                        thinking, prompt_logprobs=seq.prompt_logprobs, lora=seq.req.lora)
 
     def _take_prefix(self, seq: Sequence, budget: int) -> bool:
         """Attach cached prefix blocks to a sequence about to start (or restart), if the
