@@ -150,6 +150,7 @@ class Stats:
     def __init__(self, scheduler, blocks, ports: list[Port], cache_config: dict[str, str]) -> None:
         self.scheduler, self.blocks, self.ports = scheduler, blocks, ports
         self.cache_config = cache_config
+        self.lora = False        # --enable-lora: vllm:lora_requests_info
         self._waiting: dict[int, tuple[trio.Event, list[AccountStats]]] = {}
         self._numbers = itertools.count()
 
@@ -175,8 +176,8 @@ class Stats:
             port.outbox.send_nowait(StatsReply(query.query, self.merge(totals)))
 
     def merge(self, totals: list[AccountStats]) -> EngineStats:
-        return EngineStats.merge(CoreStats.of(self.scheduler, self.blocks, self.cache_config),
-                                 totals)
+        return EngineStats.merge(CoreStats.of(self.scheduler, self.blocks, self.cache_config,
+                                              self.lora), totals)
 
 
 async def _serve_frontend(port: Port, replies: EngineReplies, stats: Stats,
@@ -233,6 +234,7 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
         ports.append(Port(k, Link(trio.socket.from_stdlib_socket(sock)), send, receive))
     replies = EngineReplies(ports)
     stats = Stats(built.scheduler, built.blocks, ports, cache_config_labels(cfg, built.blocks.num_blocks))
+    stats.lora = cfg.enable_lora
     side = RequestSideSpec.of(cfg, built)
     try:
         async with trio.open_nursery() as nursery:
