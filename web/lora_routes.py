@@ -12,7 +12,7 @@ from stages.api.common import RequestError
 
 
 def adapter_cards(engine, created: int) -> list[dict]:
-    registry = getattr(engine.render_context, "loras", None)
+    registry = getattr(getattr(engine, "render_context", None), "loras", None)
     if registry is None:
         return []
     return [{"id": s.name, "object": "model", "created": created, "owned_by": "tailrace",
