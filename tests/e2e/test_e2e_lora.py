@@ -97,9 +97,14 @@ def test_three_adapters_and_base_in_one_batch_match_the_merged_models(lora, lcli
             assert ids == oracles[name][1], name
             for a, b in zip(lps, oracles[name][2]):
                 assert abs(a - b) < 2e-3, (name, lps, oracles[name][2])
-    # the adapters really change what the model says (the server without LoRA differs)
-    for name, (base_ids, _) in zip(ADAPTERS, without):
-        assert base_ids != oracles[name][1], name
+    # the adapters really change what the model says (the server without LoRA differs): the
+    # tokens of most, the logprobs of each (the MLP adapter keeps fibonacci's greedy tokens)
+    changed = 0
+    for name, (base_ids, base_lps) in zip(ADAPTERS, without):
+        changed += base_ids != oracles[name][1]
+        assert base_ids != oracles[name][1] or max(
+            abs(a - b) for a, b in zip(base_lps, oracles[name][2])) > 0.05, name
+    assert changed >= 2
     # base requests: exactly what the server without LoRA answers
     for (_, ids, lps), (want, want_lps) in zip(got[3:], without[3:]):
         assert ids == want
