@@ -95,6 +95,17 @@ class TPLost(RuntimeError):
     inside one). The engine must stop (stages/gpu_step.py counts it as a lost device)."""
 
 
+@attrs.frozen
+class LoRARef:
+    """The LoRA adapter a request runs with (issue 33): its served name, the id it got when it
+    was loaded (unique for the server's life: a reload under the same name gets a new one, so
+    neither the prefix cache nor the runner's loaded weights mix the two), and its folder
+    (PEFT's adapter_config.json + adapter_model.safetensors), which the runner loads from."""
+    name: str
+    id: int
+    path: str
+
+
 class GrammarError(ValueError):
     """The constraint is not a valid schema, regex or grammar (the client's fault)."""
 
@@ -127,6 +138,7 @@ class SeqStart:
     prompt_logprobs: int | None = None     # the prompt tokens' logprobs (top k); None: off
     pooling: PoolingOptions | None = None  # a pooling sequence (prefill only, never split)
     images: tuple[ImageInput, ...] = ()    # the prompt's pictures (a vision-language model)
+    lora: LoRARef | None = None            # the LoRA adapter its rows run with; None: the base
 
 
 @attrs.frozen

@@ -30,15 +30,17 @@ _log = logging.getLogger("tailrace.gpu")
 class ModelRunner(StagingRunner):
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
-                 broadcast=None, vision=None, encoder_cache_size: int = 64) -> None:
+                 broadcast=None, vision=None, encoder_cache_size: int = 64, lora=None) -> None:
         """broadcast: tensor parallelism's rank 0 (gpu/tp_runner.py StepBroadcast): each
         step's inputs go to the worker ranks before the forward. vision: a vision-language
         model's tower and projector (gpu/vision.py), with an encoder cache of
-        `encoder_cache_size` pictures' features."""
+        `encoder_cache_size` pictures' features. lora: a gpu.lora.LoRAManager
+        (--enable-lora): the adapters' terms added to the step's rows that use one."""
         self.model = model
         self.vision = vision
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
         self.encoder_cache = EncoderCache(encoder_cache_size)
+        self.lora = lora
         self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
@@ -104,6 +106,8 @@ class ModelRunner(StagingRunner):
             self.states.pop(sid, None)
             self.prompt_logprobs.pop(sid, None)
             self.images.pop(sid, None)
+            if self.lora is not None:
+                self.lora.release(sid)
         for ns in plan.new_seqs:
             if ns.images:
                 self.images[ns.seq_id] = ns.images
@@ -115,6 +119,8 @@ class ModelRunner(StagingRunner):
                 st.budget = ThinkBudget(ns.sampling.thinking_token_budget, ns.think, ns.thinking)
             if ns.prompt_logprobs is not None:
                 self.prompt_logprobs[ns.seq_id] = [ns.prompt_logprobs, 1]
+            if ns.lora is not None:
+                self.lora.start(ns.seq_id, ns.lora)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
         input_ids, positions, meta, sample_idx = upload_inputs(
@@ -127,7 +133,12 @@ class ModelRunner(StagingRunner):
         with torch.inference_mode():
             try:   # the forward and the logits: collectives under tensor parallelism
                 embeds = self._image_embeds(plan.chunks) if self.images else None
-                hidden = self.forward(input_ids, positions, meta, embeds)           # [T, D]
+                lora = self.lora is not None and self.lora.prepare(plan.chunks)
+                try:
+                    hidden = self.forward(input_ids, positions, meta, embeds, lora)   # [T, D]
+                finally:
+                    if lora:
+                        self.lora.done()
                 prompt_logprobs = self._prompt_logprobs(spans, hidden) if spans else ()
                 logits = (self.model.compute_logits(hidden.index_select(0, sample_idx))  # [R, V]
                           if seq_ids else None)
@@ -209,11 +220,12 @@ class ModelRunner(StagingRunner):
                           prompt_logprobs=prompt_logprobs, num_tokens=tuple(counts))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                embeds=None) -> torch.Tensor:
+                embeds=None, lora: bool = False) -> torch.Tensor:
         """The step's hidden states [T, D]: a captured graph for a decode batch that fits
-        one, else eager. Every tensor-parallel rank decides alike from the same inputs.
+        one, else eager (always with LoRA rows or pictures: the graphs hold the base model's
+        text path alone). Every tensor-parallel rank decides alike from the same inputs.
         embeds: pictures' features for some rows (`_image_embeds`)."""
-        if (embeds is None and self.graphs is not None and not meta.prefill_rows
+        if (embeds is None and self.graphs is not None and not lora and not meta.prefill_rows
                 and self.graphs.fits(len(meta.q_lens), meta.block_tables.shape[1])):
             return self.graphs.run(input_ids, positions, meta)
         self.attn.prepare(meta)

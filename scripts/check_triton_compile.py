@@ -70,7 +70,7 @@ KERNELS = [
     ("silu_and_mul", "gpu.kernels.activation", "tests/kernels/test_activation.py", 1),
     ("sample / apply_penalties", "gpu.kernels.sampling", "tests/kernels/test_sampling.py", 1),
     ("mxfp4_moe", "gpu.kernels.mxfp4_moe", "tests/kernels/test_mxfp4_moe.py", 1),
-    ("lora shrink/expand", None, None, 1),
+    ("lora shrink/expand", "gpu.kernels.lora", "tests/kernels/test_lora_kernels.py", 1),
     ("encoder attention (non-causal)", "gpu.kernels.paged_attention", "tests/kernels/test_varlen_attention.py", 1),
     ("vision tower attention", None, None, 1),
     ("EAGLE heads forward", None, None, 1),

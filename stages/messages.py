@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from gpu.interface import Constraint, ImageInput, PoolingOptions, SamplingOptions
+from gpu.interface import Constraint, ImageInput, LoRARef, PoolingOptions, SamplingOptions
 from stages.lib.delta import Delta
 
 
@@ -137,6 +137,7 @@ class RenderedRequest:
     pooling: PoolingWork | None = None       # a pooling request: its prompts are its inputs
     priority: int = 0        # --scheduling-policy priority: lower runs first (stages/schedule/priority.py)
     images: tuple[ImageInput, ...] = ()      # the prompt's pictures, in order (issue 34)
+    lora: LoRARef | None = None              # the LoRA adapter `model` named (issue 33); None: base
 
     @property
     def num_choices(self) -> int:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import jinja2
 
-from gpu.interface import SamplingOptions
+from gpu.interface import LoRARef, SamplingOptions
+from gpu.lora_spec import LoRARegistry
 from gpu.pooling_config import PoolingSpec
 from stages.api import harmony
 from stages.api import APIS, chat
@@ -57,6 +58,9 @@ class RenderContext:
     vision: VisionSpec | None = None     # a vision-language model: its pictures' processing
     media: MediaSettings = MediaSettings()   # fetching pictures: the media flags
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+    # --enable-lora: the served adapters (gpu/lora_spec.py LoRARegistry, changed at run time
+    # by the load/unload endpoints); a request's `model` may name one
+    loras: LoRARegistry | None = None
 
 
 def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -130,7 +134,8 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         n=n, tools=plan.tools,
         prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
         prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),
-        echo=_echo(plan, req, prompts, ctx), priority=priority)
+        echo=_echo(plan, req, prompts, ctx), priority=priority,
+        lora=_lora(model, ctx))
 
 
 def _text_only(part: dict) -> RequestError:
@@ -298,10 +303,17 @@ def tokenizer_info(ctx: RenderContext) -> dict:
 def _resolve_model(name: str | None, ctx: RenderContext) -> str:
     """Replies name the first served model, whichever alias the request used; like vLLM,
     an absent or empty model means the default (first) one."""
+    if name and ctx.loras is not None and name in ctx.loras:
+        return name      # a LoRA adapter: replies name it, as vLLM's do
     if name and name not in ctx.served_model_names:
         raise RequestError(f"The model `{name}` does not exist.", status=404,
                            type="NotFoundError", param="model", code="model_not_found")
     return ctx.served_model_names[0]
+
+
+def _lora(model: str, ctx: RenderContext) -> LoRARef | None:
+    served = ctx.loras.get(model) if ctx.loras is not None else None
+    return served.ref if served is not None else None
 
 
 def _sampling_options(req: ChoiceRequest | ResponsesRequest, plan: PromptPlan,

@@ -37,7 +37,7 @@ from stages.api import APIS
 from stages.api import anthropic
 from stages.api.common import RequestError, parse_request, unstructure
 from stages.api.pooling import INVOCATION_INPUT, ROUTES as POOLING_ROUTES
-from web import access
+from web import access, lora_routes
 from web.control_routes import ControlViews, add_control_routes
 from web.metrics import EngineCollector
 from web.responses_routes import StatefulResponses
@@ -374,11 +374,15 @@ class Views:
 
     async def models(self) -> Response:
         data = [self._model_card(name) for name in self.engine.model_names]
+        data += lora_routes.adapter_cards(self.engine, self.started_at)
         return _json({"object": "list", "data": data})
 
     async def model(self, model_id: str) -> Response:
         """GET /v1/models/{id} (the openai client's models.retrieve); an id may hold
         slashes (`org/name`)."""
+        cards = {c["id"]: c for c in lora_routes.adapter_cards(self.engine, self.started_at)}
+        if model_id in cards:
+            return _json(cards[model_id])
         if model_id not in self.engine.model_names:
             return error_response(f"The model `{model_id}` does not exist.", 404,
                                   type="NotFoundError", param="model", code="model_not_found")
@@ -506,6 +510,7 @@ def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:
     app.add_url_rule("/metrics", view_func=views.metrics, methods=["GET"])
     add_control_routes(app, ControlViews(engine, _json_error, views.health),   # issue 37
                        sleep_mode=getattr(engine, "sleep_mode", False))
+    lora_routes.register(app, engine, _json_body, _json_error)
     app.register_error_handler(HTTPException, views.http_error)
     app.register_error_handler(Exception, views.unexpected_error)
     return app

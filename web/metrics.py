@@ -14,6 +14,8 @@ the server's, unlabelled.
 """
 from __future__ import annotations
 
+import time
+
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -154,6 +156,13 @@ def _vllm(stats: EngineStats, model: str) -> Iterator[Metric]:
     for reason in ("capacity", "deferred"):
         family.add_metric([model, reason], stats.num_waiting_by_reason.get(reason, 0))
     yield family
+    if stats.max_loras:      # vLLM's: the value is the scrape's time, the adapters in labels
+        family = GaugeMetricFamily(VLLM + "lora_requests_info", "Running stats on LoRA requests.",
+                                   labels=["running_lora_adapters", "max_lora",
+                                           "waiting_lora_adapters"])
+        family.add_metric([",".join(stats.lora_running), str(stats.max_loras),
+                           ",".join(stats.lora_waiting)], time.time())
+        yield family
     if stats.cache_config:   # an info metric: always 1, the configuration in its labels
         family = GaugeMetricFamily(VLLM + "cache_config_info",
                                    "Information of the engine's cache configuration.",

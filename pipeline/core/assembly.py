@@ -117,7 +117,7 @@ class RequestSideSpec:
             per_request_metrics=cfg.enable_per_request_metrics,
             priority_scheduling=cfg.scheduling_policy == "priority",
             think_tags=built.scheduler.think_ids is not None,
-            tools=built.parsers.tools, harmony=built.parsers.harmony,
+            tools=built.parsers.tools, harmony=built.parsers.harmony, loras=built.loras,
             mistral=cfg.tokenizer_mode == "mistral" and loaded.tokenizer is not None,
             vision=loaded.vision_spec, prompt_tokens_details=cfg.enable_prompt_tokens_details,
             media=MediaSettings(allowed_domains=tuple(cfg.allowed_media_domains),

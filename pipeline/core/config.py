@@ -17,6 +17,7 @@ from stages.gpu_step import FAULT_KINDS
 from stages.schedule.drafter import SpeculativeConfig
 from stages.schedule.priority import POLICIES
 from stages.parse import REASONING_PARSERS
+from pipeline.core.lora_config import LORA_DTYPES, add_lora_arguments, check_lora, lora_modules
 from pipeline.core.validators import positive
 from stages.api.tool_parsers import TOOL_PARSERS, load_plugin
 
@@ -145,6 +146,13 @@ class EngineConfig:
     pooler_config: PoolerConfig = attrs.field(
         default=PoolerConfig(), converter=lambda v: v if isinstance(v, PoolerConfig) else parse_pooler_config(
             v if v is None or isinstance(v, str) else json.dumps(v)))
+    # LoRA adapters (issue 33, pipeline/core/lora_config.py): vLLM's flags
+    enable_lora: bool = False
+    lora_modules: tuple = attrs.field(default=(), converter=lora_modules)   # LoRAModule values
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None          # None: max_loras
+    lora_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(LORA_DTYPES))
 
     @property
     def pooling(self) -> bool:
@@ -181,6 +189,7 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("--async-scheduling does not combine with --speculative-config "
                              "(drafts need the last token; leave the flag out)")
+        check_lora(self)
         if self.async_scheduling is None:
             object.__setattr__(self, "async_scheduling", self.speculative_config is None)
         if self.simulate_draft_acceptance is not None and (
@@ -421,6 +430,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder-cache-size", type=int, default=_default("encoder_cache_size"),
                    metavar="N", help="Pictures whose vision-encoder output the runner keeps "
                                      "(by content hash; default: %(default)s).")
+    add_lora_arguments(p)
     p.add_argument("--fault-steps", default=os.environ.get(FAULT_STEPS_ENV, ""),
                    help=argparse.SUPPRESS)
 

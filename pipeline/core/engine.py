@@ -71,7 +71,8 @@ class Engine(EngineClient):
         return self.stats()
 
     def stats(self) -> EngineStats:
-        return EngineStats.merge(CoreStats.of(self.scheduler, self.blocks, self.cache_config),
+        return EngineStats.merge(CoreStats.of(self.scheduler, self.blocks, self.cache_config,
+                                                self.config.enable_lora),
                                  [AccountStats.of(self.accountant)])
 
     @property

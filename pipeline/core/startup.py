@@ -95,6 +95,7 @@ class Built:
     parsers: Parsers
     pooling: PoolingSpec | None = None   # a pooling model's behaviour (pipeline/core/pooling.py)
     sleeper: object | None = None        # --enable-sleep-mode: gpu/sleep.py's Sleeper
+    loras: Any = None    # --enable-lora: the served adapters (gpu.lora_spec.LoRARegistry)
 
 
 @attrs.frozen
@@ -177,8 +178,46 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
                          use_triton=device.type == "cuda", max_model_len=max_model_len,
                          cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
                          broadcast=broadcast, vision=loaded.vision,
-                         encoder_cache_size=cfg.encoder_cache_size)
+                         encoder_cache_size=cfg.encoder_cache_size,
+                         lora=lora_manager(cfg, loaded, device))
     return runner, cache, num_blocks
+
+
+def lora_manager(cfg: EngineConfig, loaded: LoadedModel, device: torch.device):
+    """--enable-lora: the runner's gpu.lora.LoRAManager (hooks on the model's linears)."""
+    if not cfg.enable_lora:
+        return None
+    from gpu.lora import LoRAManager
+    from gpu.loader import resolve_dtype
+
+    dtype = loaded.model.dtype if cfg.lora_dtype == "auto" else resolve_dtype(cfg.lora_dtype, device)
+    return LoRAManager(loaded.model, max_loras=cfg.max_loras,
+                       max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras,
+                       max_rank=cfg.max_lora_rank, dtype=dtype, device=device)
+
+
+def lora_registry(cfg: EngineConfig, loaded: LoadedModel, base_name: str, runner):
+    """--enable-lora: the served adapters, each --lora-modules folder checked (its config
+    against the model and --max-lora-rank, its tensors' names and shapes) before serving."""
+    if not cfg.enable_lora:
+        return None
+    from gpu.lora import load_adapter, read_adapter_config
+    from gpu.lora_spec import LoRARegistry
+
+    registry = LoRARegistry(base_name, cfg.max_loras)
+    manager = getattr(runner, "lora", None)
+    for m in cfg.lora_modules:
+        try:
+            adapter_cfg = read_adapter_config(m.path, loaded.config, cfg.max_lora_rank)
+            served = registry.add(m.name, adapter_cfg.path, m.base_model_name)
+            load_adapter(served.ref, adapter_cfg, loaded.model, torch.float32, torch.device("cpu"))
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {m.name}: {exc}") from None
+        log.info("LoRA adapter %s: rank %d, scale %g, %s (%s)", m.name, adapter_cfg.r,
+                 adapter_cfg.scale, ",".join(sorted(adapter_cfg.targets)), m.path)
+    if manager is None:
+        raise ValueError("--enable-lora needs the model runner")
+    return registry
 
 
 def kv_heads(loaded: LoadedModel) -> int:
@@ -261,7 +300,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         drafter=make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None),
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-        policy=cfg.scheduling_policy)
+        policy=cfg.scheduling_policy, max_loras=cfg.max_loras)
+    loras = lora_registry(cfg, loaded, model_names[0], runner)
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
                     "will be refused; raise --kv-cache-memory-bytes / --gpu-memory-utilization "
@@ -286,7 +326,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                           lambda: load_weights(cfg, device).model)
     return Built(loaded=loaded, model_names=model_names, max_model_len=max_model_len,
                  runner=runner, blocks=blocks, scheduler=scheduler, parsers=parsers,
-                 sleeper=sleeper)
+                 sleeper=sleeper, loras=loras)
 
 
 def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | None:

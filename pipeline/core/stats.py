@@ -77,6 +77,11 @@ class EngineStats:
     # data parallel (--data-parallel-size): each engine's stats, by rank (the gauges above
     # are their sums); /metrics labels their core series engine="K"
     engines: tuple[EngineStats, ...] = ()
+    # vllm:lora_requests_info (issue 33): the adapters of the running and waiting requests;
+    # max_loras 0: LoRA is off (no metric)
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @classmethod
     def merge(cls, core: CoreStats, accounts: Sequence[AccountStats]) -> EngineStats:
@@ -110,7 +115,8 @@ class EngineStats:
             cached_tokens_total=sum(a.cached_tokens_total for a in accounts),
             prefix_cache_queries_total=sum(a.prefix_cache_queries_total for a in accounts),
             prefix_cache_hits_total=sum(a.prefix_cache_hits_total for a in accounts),
-            requests_finished_total=finished)
+            requests_finished_total=finished, lora_running=core.lora_running,
+            lora_waiting=core.lora_waiting, max_loras=core.max_loras)
 
 
 def cache_config_labels(cfg, num_blocks: int, max_model_len: int) -> dict[str, str]:
@@ -179,9 +185,13 @@ class CoreStats:
     spec_decode: SpecDecodeStats | None = None
     request_preemptions: Histogram | None = None
     iteration_tokens: Histogram | None = None
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @classmethod
-    def of(cls, s: Scheduler, blocks: BlockManager, cache_config: Mapping[str, str]) -> CoreStats:
+    def of(cls, s: Scheduler, blocks: BlockManager, cache_config: Mapping[str, str],
+           lora: bool = False) -> CoreStats:
         spec = None
         if s.drafter is not None:
             spec = SpecDecodeStats(num_drafts=s.spec.num_drafts,
@@ -196,4 +206,12 @@ class CoreStats:
                    kv_blocks_cached=len(blocks.cached), steps_total=s.step,
                    cache_config=cache_config, spec_decode=spec,
                    request_preemptions=s.request_preemptions,
-                   iteration_tokens=s.iteration_tokens)
+                   iteration_tokens=s.iteration_tokens,
+                   lora_running=_adapters(s.running) if lora else (),
+                   lora_waiting=_adapters([*s.waiting, *s.compiling]) if lora else (),
+                   max_loras=s.max_loras if lora else 0)
+
+
+def _adapters(seqs) -> tuple[str, ...]:
+    """The LoRA adapters' names among sequences, sorted, each once."""
+    return tuple(sorted({q.req.lora.name for q in seqs if q.req.lora is not None}))

@@ -159,6 +159,7 @@ class Stats:
         self.scheduler, self.blocks, self.ports = scheduler, blocks, ports
         self.cache_config = cache_config
         self.accounts = accounts      # False: a data-parallel rank past 0 (rank 0 asks)
+        self.lora = False        # --enable-lora: vllm:lora_requests_info
         self._waiting: dict[int, tuple[trio.Event, list[AccountStats]]] = {}
         self._numbers = itertools.count()
 
@@ -188,8 +189,8 @@ class Stats:
             port.outbox.send_nowait(StatsReply(query.query, self.merge(totals)))
 
     def merge(self, totals: list[AccountStats]) -> EngineStats:
-        return EngineStats.merge(CoreStats.of(self.scheduler, self.blocks, self.cache_config),
-                                 totals)
+        return EngineStats.merge(CoreStats.of(self.scheduler, self.blocks, self.cache_config,
+                                              self.lora), totals)
 
 
 def load_of(scheduler, blocks, rank: int) -> Load:
@@ -268,6 +269,7 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
     labels = {**cache_config_labels(cfg, built.blocks.num_blocks, built.max_model_len),
               "engine": str(dp_rank)}
     stats = Stats(built.scheduler, built.blocks, ports, labels, accounts=dp_rank == 0)
+    stats.lora = cfg.enable_lora
     side = RequestSideSpec.of(cfg, built)
     try:
         async with trio.open_nursery() as nursery:

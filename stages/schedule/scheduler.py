@@ -38,10 +38,11 @@ class Scheduler:
                  think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
                  num_speculative_tokens: int = 0,
                  spec_disable_by_batch_size: int | None = None,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", max_loras: int = 1) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.blocks = blocks
+        self.max_loras = max_loras      # distinct LoRA adapters among the running sequences
         # fcfs: arrival order; priority: a request's priority (lower first), then arrival
         # (priority.py); the waiting queue is kept in that order, and preemption takes the
         # running sequence that comes last in it
@@ -257,6 +258,8 @@ class Scheduler:
             if (leader is not None and leader in self.running
                     and leader.num_done < leader.prompt_len):
                 break   # its prompt's blocks are being computed: take them next step
+            if seq.req.lora is not None and self._lora_full(seq.req.lora.id):
+                break   # --max-loras adapters run already: it waits for one of them to end
             if not seq.table and not self._take_prefix(seq, budget):
                 if self.priority and (freed := self._preempt_for(seq, chunks, planned)) is not None:
                     budget += freed
@@ -309,18 +312,26 @@ class Scheduler:
                 return chunks.pop(k)
         return None
 
+    def _lora_full(self, lora_id: int) -> bool:
+        """The running sequences use max_loras distinct adapters, lora_id not among them
+        (every step plans only running sequences: no step mixes more than max_loras)."""
+        ids = {s.req.lora.id for s in self.running if s.req.lora is not None}
+        return lora_id not in ids and len(ids) >= self.max_loras
+
     def _start(self, seq: Sequence) -> SeqStart:
         prompt = tuple(seq.token_ids[:seq.prompt_len])
         if seq.grammar is None and seq.req.sampling.options.thinking_token_budget is None:
             return SeqStart(seq.id, prompt, sampling_options(seq),
-                            prompt_logprobs=seq.prompt_logprobs, images=seq.req.images)
+                            prompt_logprobs=seq.prompt_logprobs, images=seq.req.images,
+                            lora=seq.req.lora)
         think, thinking = self.think_ids, False
         if think is not None:   # does the prompt leave a <think> open (deepseek_r1 style)?
             last = {t: i for i, t in enumerate(prompt) if t in think}
             thinking = last.get(think[0], -1) > last.get(think[1], -1)
         return SeqStart(seq.id, prompt, sampling_options(seq),
                         None if seq.grammar is None else seq.grammar.result(), think,
-                        thinking, prompt_logprobs=seq.prompt_logprobs, images=seq.req.images)
+                        thinking, prompt_logprobs=seq.prompt_logprobs, images=seq.req.images,
+                        lora=seq.req.lora)
 
     def _take_prefix(self, seq: Sequence, budget: int) -> bool:
         """Attach cached prefix blocks to a sequence about to start (or restart), if the

@@ -47,8 +47,11 @@ class Sequence:
         self.num_cached_tokens = 0
         self.first_scheduled = False
         self.scheduled_at = 0.0   # time.monotonic() when first scheduled
-        # The prefix-hash chain starts from the request's cache_salt, when it has one.
+        # The prefix-hash chain starts from the request's cache_salt, when it has one, and
+        # its LoRA adapter's id, when it runs with one: two adapters never share KV blocks.
         self.hash_root = None if req.cache_salt is None else hash(("cache_salt", req.cache_salt))
+        if req.lora is not None:
+            self.hash_root = hash(("lora", req.lora.id, self.hash_root))
         self.hash_cursor: tuple[int, int | None] = (0, self.hash_root)
         self.block_keys: dict[int, tuple] | None = None   # pictures' hashes by block (blocks.py)
         # what the stop rule reads (stages/schedule/stop.py)

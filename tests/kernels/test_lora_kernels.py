@@ -1,0 +1,30 @@
+"""LoRA shrink/expand Triton kernels (gpu/kernels/lora.py) against the torch reference,
+under the interpreter on CPU: uneven groups of rows per adapter, rows without an adapter,
+ranks padded to the largest."""
+import pytest
+import torch
+
+from gpu.kernels.lora import lora_expand, lora_ref, lora_shrink
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T,K,N,R,idx", [
+    (7, 64, 96, 16, [0, 0, -1, 2, 1, 1, 1]),       # uneven groups, one base row
+    (5, 40, 24, 8, [-1, -1, -1, -1, -1]),           # no adapter at all: out untouched
+    (3, 130, 150, 24, [1, -1, 1]),                  # K, N past a block; R not a power of 2
+])
+def test_shrink_expand_match_the_reference(T, K, N, R, idx, dtype, device, tol):
+    g = torch.Generator().manual_seed(T * K)
+    L = 3
+    x = torch.randn(T, K, generator=g).to(dtype).to(device)
+    a = (torch.randn(L, R, K, generator=g) / K ** 0.5).to(dtype).to(device)
+    b = torch.randn(L, N, R, generator=g).to(dtype).to(device)
+    a[2, R // 2:] = 0     # adapter 2 has a smaller rank, padded with zeros
+    b[2, :, R // 2:] = 0
+    out = torch.randn(T, N, generator=g).to(dtype).to(device)
+    index = torch.tensor(idx, dtype=torch.int32, device=device)
+    want = lora_ref(x, a, b, index, out)
+    got = lora_expand(lora_shrink(x, a, index), b, index, out.clone())
+    torch.testing.assert_close(got, want, **tol(dtype))
+    base = [t for t, i in enumerate(idx) if i < 0]
+    assert torch.equal(got[base], out[base])
