@@ -29,10 +29,13 @@ _log = logging.getLogger("tailrace.gpu")
 class ModelRunner(StagingRunner):
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
-                 broadcast=None) -> None:
+                 broadcast=None, draft=None) -> None:
         """broadcast: tensor parallelism's rank 0 (gpu/tp_runner.py StepBroadcast): each
-        step's inputs go to the worker ranks before the forward."""
+        step's inputs go to the worker ranks before the forward. draft: speculative
+        decoding's draft model (gpu/draft.py DraftModel), which fills each step's DRAFT
+        placeholders before the verify forward."""
         self.model = model
+        self.draft = draft
         self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
@@ -104,8 +107,13 @@ class ModelRunner(StagingRunner):
                 st.guide = Guide(ns.grammar, ns.think, ns.thinking)
             if ns.prompt_logprobs is not None:
                 self.prompt_logprobs[ns.seq_id] = [ns.prompt_logprobs, 1]
+        if self.draft is not None:
+            for sid in plan.released:
+                self.draft.release(sid)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
+        if self.draft is not None:      # the drafts, written into the plan and its inputs
+            plan = self.draft.fill(plan, staged, self.states)
         input_ids, positions, meta, sample_idx = upload_inputs(
             staged, self.device, self.staging, self.last_token, self.staged_tokens.previous(staged))
         spans = self._prompt_logprob_spans(plan.chunks) if self.prompt_logprobs else []
@@ -186,6 +194,8 @@ class ModelRunner(StagingRunner):
             counts.append(n)
             last.append(emitted[-1])
             self.states[c.seq_id].output_ids.extend(emitted)
+            if self.draft is not None and c.num_drafts:
+                self.draft.verified(c.seq_id, c.start_pos, n)
             row += c.num_drafts + 1
         self.staged_tokens.executed(step, last)
         return StepResult(step, tuple(c.seq_id for c in sampling), tuple(out),

@@ -24,7 +24,7 @@ from stages.messages import RenderedRequest, Step
 from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import Drafter
 from stages.schedule.sequence import Sequence, sampling_options
-from stages.schedule.spec import SpecCounters, Speculation
+from stages.schedule.spec import CostGate, SpecCounters, Speculation
 from stages.schedule.stop import check_stop, tokens_left
 
 class Scheduler:
@@ -36,7 +36,8 @@ class Scheduler:
                  grammars: ConstraintCompiler | None = None,
                  think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
                  num_speculative_tokens: int = 0,
-                 spec_disable_by_batch_size: int | None = None) -> None:
+                 spec_disable_by_batch_size: int | None = None,
+                 spec_adaptive: bool = False) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,7 +66,8 @@ class Scheduler:
         self.drafter = drafter if num_speculative_tokens > 0 else None
         self.spec = SpecCounters(num_speculative_tokens)
         self.speculation = (None if self.drafter is None else Speculation(
-            self.drafter, num_speculative_tokens, spec_disable_by_batch_size, self.spec))
+            self.drafter, num_speculative_tokens, spec_disable_by_batch_size, self.spec,
+            CostGate() if spec_adaptive else None))
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
@@ -350,6 +352,8 @@ class Scheduler:
             return self.drain()
         if plan.chunks:
             self.iteration_tokens.observe(sum(len(c.token_ids) for c in plan.chunks))
+            if self.speculation is not None:
+                self.speculation.observe(plan, result)
         for pl in result.prompt_logprobs:
             seq = self.by_id.get(pl.seq_id)
             if seq is not None:
