@@ -12,8 +12,9 @@ import trio
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 
+# drafts at every decode ("adaptive": false): the cost gate's choices depend on timing
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}
+        "prompt_lookup_max": 3, "adaptive": False}
 TEXT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "
         "lazy dog. The quick brown fox")
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
