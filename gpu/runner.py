@@ -30,17 +30,21 @@ _log = logging.getLogger("tailrace.gpu")
 class ModelRunner(StagingRunner):
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
-                 broadcast=None, vision=None, encoder_cache_size: int = 64, lora=None) -> None:
+                 broadcast=None, vision=None, encoder_cache_size: int = 64, lora=None,
+                 draft=None) -> None:
         """broadcast: tensor parallelism's rank 0 (gpu/tp_runner.py StepBroadcast): each
         step's inputs go to the worker ranks before the forward. vision: a vision-language
         model's tower and projector (gpu/vision.py), with an encoder cache of
         `encoder_cache_size` pictures' features. lora: a gpu.lora.LoRAManager
-        (--enable-lora): the adapters' terms added to the step's rows that use one."""
+        (--enable-lora): the adapters' terms added to the step's rows that use one.
+        draft: speculative decoding's draft model (gpu/draft.py DraftModel), which fills
+        each step's DRAFT placeholders before the verify forward."""
         self.model = model
         self.vision = vision
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
         self.encoder_cache = EncoderCache(encoder_cache_size)
         self.lora = lora
+        self.draft = draft
         self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
@@ -121,8 +125,13 @@ class ModelRunner(StagingRunner):
                 self.prompt_logprobs[ns.seq_id] = [ns.prompt_logprobs, 1]
             if ns.lora is not None:
                 self.lora.start(ns.seq_id, ns.lora)
+        if self.draft is not None:
+            for sid in plan.released:
+                self.draft.release(sid)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
+        if self.draft is not None:      # the drafts, written into the plan and its inputs
+            plan = self.draft.fill(plan, staged, self.states)
         input_ids, positions, meta, sample_idx = upload_inputs(
             staged, self.device, self.staging, self.last_token, self.staged_tokens.previous(staged))
         spans = self._prompt_logprob_spans(plan.chunks) if self.prompt_logprobs else []
@@ -213,6 +222,8 @@ class ModelRunner(StagingRunner):
             counts.append(n)
             last.append(emitted[-1])
             self.states[c.seq_id].output_ids.extend(emitted)
+            if self.draft is not None and c.num_drafts:
+                self.draft.verified(c.seq_id, c.start_pos, n)
             row += c.num_drafts + 1
         self.staged_tokens.executed(step, last)
         return StepResult(step, tuple(c.seq_id for c in sampling), tuple(out),

@@ -137,9 +137,16 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=None, help="default: streams (at least 2)")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
-    p.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 3, '
-                                     '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    p.add_argument("--spec", action="append", default=None,
+                   help="a --speculative-config; repeat it for several (each round runs off, "
+                        "then each in turn); 'draft-self' is draft_model with the bundled "
+                        "SmolLM2 drafting for itself. Default: n-gram 3 tokens, lookup 2-4")
     a = p.parse_args()
+    from gpu.tokenizer_files import default_model_path
+    specs = [s if s != "draft-self" else json.dumps(
+        {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3})
+        for s in a.spec or ['{"method": "ngram", "num_speculative_tokens": 3, '
+                            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}']]
     reqs = requests(a.workload, a.requests or max(2, a.streams), a.max_tokens)
     base = dict(max_model_len=2048, max_num_seqs=max(8, a.streams))
     # the model loaded once (loading the GGUF takes a minute under load) and shared
@@ -149,8 +156,10 @@ def main() -> None:
     with runner_switch_interval():       # the GPU step runs in this process, as in serve
         trio.run(run, EngineConfig(**base), requests(a.workload, 1, 8), 1, loaded)   # warm
         for r in range(a.rounds):
-            for label, extra in (("off", {}), ("on", {"speculative_config": a.spec})):
+            for label, extra in (("off", {}), *((s, {"speculative_config": s}) for s in specs)):
                 res = trio.run(run, EngineConfig(**base, **extra), reqs, a.streams, loaded)
+                label = label if label == "off" else json.loads(label)["method"] + (
+                    "" if json.loads(label).get("adaptive", True) else " (every step)")
                 print(json.dumps({"workload": a.workload, "streams": a.streams, "round": r,
                                   "spec": label, **res}), flush=True)
 

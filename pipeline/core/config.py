@@ -190,6 +190,10 @@ class EngineConfig:
             raise ValueError("--async-scheduling does not combine with --speculative-config "
                              "(drafts need the last token; leave the flag out)")
         check_lora(self)
+        spec = self.speculative_config
+        if (spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1):
+            raise ValueError('--speculative-config: method "draft_model" does not combine with '
+                             "--tensor-parallel-size (the draft runs on rank 0 alone)")
         if self.async_scheduling is None:
             object.__setattr__(self, "async_scheduling", self.speculative_config is None)
         if self.simulate_draft_acceptance is not None and (

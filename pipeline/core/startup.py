@@ -166,7 +166,11 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
     from gpu.tp_runner import StepBroadcast, min_over_ranks
 
     mc = loaded.config
-    num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg))
+    draft = load_draft(cfg, loaded, device)
+    extra = 0 if draft is None else KVCache.bytes_per_block(
+        draft.config.num_hidden_layers, cfg.block_size, draft.model.local_kv_heads,
+        draft.config.head_dim, draft.model.dtype)
+    num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg), extra)
     if ranks is not None:
         num_blocks = min_over_ranks(num_blocks, ranks.plan)
     num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks)
@@ -174,12 +178,22 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
                     mc.head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
                     num_sliding_blocks=sliding_slots)
     broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
+    drafting = None
+    if draft is not None:
+        from gpu.draft import DraftModel
+        dc = draft.config
+        drafting = DraftModel(draft.model, KVCache(
+            dc.num_hidden_layers, num_blocks, cfg.block_size, draft.model.local_kv_heads,
+            dc.head_dim, draft.model.dtype, device), device, use_triton=device.type == "cuda")
+        log.info("draft model %s (%s, %s): its own KV cache of %d blocks, %.1f MiB",
+                 draft.name, dc.architecture, str(draft.model.dtype).removeprefix("torch."),
+                 num_blocks, extra * num_blocks / 2**20)
     runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
                          use_triton=device.type == "cuda", max_model_len=max_model_len,
                          cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
                          broadcast=broadcast, vision=loaded.vision,
                          encoder_cache_size=cfg.encoder_cache_size,
-                         lora=lora_manager(cfg, loaded, device))
+                         lora=lora_manager(cfg, loaded, device), draft=drafting)
     return runner, cache, num_blocks
 
 
@@ -218,6 +232,28 @@ def lora_registry(cfg: EngineConfig, loaded: LoadedModel, base_name: str, runner
     if manager is None:
         raise ValueError("--enable-lora needs the model runner")
     return registry
+
+
+def load_draft(cfg: EngineConfig, loaded: LoadedModel, device: torch.device) -> LoadedModel | None:
+    """method draft_model's draft (gpu/draft.py), checked against the target: a missing
+    path or another vocabulary is a start-up error that names it."""
+    spec = cfg.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from gpu.draft import check_draft
+    from gpu.loader import load_model
+
+    path = Path(spec.model).expanduser()
+    if not path.exists():
+        raise ValueError(f"--speculative-config: the draft model {spec.model} does not exist")
+    dtype = spec.dtype if spec.dtype not in (None, "auto") else loaded.model.dtype
+    try:
+        draft = load_model(path, dtype=dtype, device=str(device), seed=cfg.seed, progress=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--speculative-config: cannot load the draft model {spec.model}: "
+                         f"{exc}") from exc
+    check_draft(loaded.config, draft.config, spec.model)
+    return draft
 
 
 def kv_heads(loaded: LoadedModel) -> int:
@@ -300,7 +336,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         drafter=make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None),
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-        policy=cfg.scheduling_policy, max_loras=cfg.max_loras)
+        policy=cfg.scheduling_policy, max_loras=cfg.max_loras,
+        spec_adaptive=spec.adaptive if spec else False)
     loras = lora_registry(cfg, loaded, model_names[0], runner)
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
@@ -308,9 +345,11 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                     "or lower --max-model-len", num_blocks * cfg.block_size, max_model_len)
     if cfg.speculative_config is not None:
         spec = cfg.speculative_config
-        log.info("speculative decoding: %s, %d tokens, lookup %d-%d; async scheduling off (drafts "
+        how = (f"lookup {spec.prompt_lookup_min}-{spec.prompt_lookup_max}" if spec.method == "ngram"
+               else f"draft {spec.model}")
+        log.info("speculative decoding: %s, %d tokens, %s, %s; async scheduling off (drafts "
                  "need each sequence's last token)", spec.method, spec.num_speculative_tokens,
-                 spec.prompt_lookup_min, spec.prompt_lookup_max)
+                 how, "decided per step from measured costs" if spec.adaptive else "every step")
     if loaded.tokenizer is None:
         log.warning("the model has no tokenizer: only token-id prompts are accepted and "
                     "replies carry no text (like vLLM's --skip-tokenizer-init)")
@@ -368,14 +407,16 @@ def step_budget(cfg: EngineConfig) -> int:
 
 
 def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
-                  max_model_len: int, step_tokens: int) -> int:
+                  max_model_len: int, step_tokens: int, extra_per_block: int = 0) -> int:
     """KV cache blocks: the override, --kv-cache-memory-bytes, what a profiled full-size
-    step leaves of --gpu-memory-utilization on CUDA, else the CPU default."""
+    step leaves of --gpu-memory-utilization on CUDA, else the CPU default.
+    extra_per_block: a draft model's KV bytes per block (its pool has as many blocks)."""
     mc = loaded.config
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
     per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
                                         kv_heads(loaded), mc.head_dim, loaded.model.dtype)
+    per_block += extra_per_block
     if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, cfg.kv_cache_memory_bytes // per_block)
     if device.type == "cuda":

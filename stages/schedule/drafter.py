@@ -11,7 +11,9 @@ earlier in the prompt or the output, proposes the K tokens that followed its fir
 occurrence. Each sequence keeps an index (n-gram -> where it first ended), grown by the
 tokens added since its last lookup, so a lookup costs O(new tokens), not O(context).
 
-A model-based drafter (EAGLE, a draft model) would implement the same `Drafter` protocol.
+`"method": "draft_model"` drafts with a smaller model of the same vocabulary, which runs
+in the GPU stage beside the target (gpu/draft.py): its `ModelDrafter` here only says how
+many drafts a decode carries, as DRAFT placeholders the runner fills in before it verifies.
 """
 from __future__ import annotations
 
@@ -20,19 +22,29 @@ from typing import Protocol
 
 import attrs
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+# A draft token the scheduler leaves to the runner (method draft_model): the draft model,
+# run in the GPU step before the verify forward, writes the real one.
+DRAFT = -2
 
 
 @attrs.frozen
 class SpeculativeConfig:
-    """vLLM's --speculative-config for the n-gram method, checked at construction."""
+    """vLLM's --speculative-config (methods ngram and draft_model), checked at construction."""
     method: str = "ngram"
+    model: str | None = None       # draft_model: the draft's path (a .gguf, a HF folder)
+    # draft_model: the draft's dtype (tailrace's own key; default: the target's)
+    dtype: str | None = None
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 5     # vLLM's defaults; one bound given alone sets the other
     prompt_lookup_max: int = 5
     # no drafts while this many sequences or more run (vLLM's disable_by_batch_size):
     # a large batch is compute-bound and verifying drafts that fail costs real work
     disable_by_batch_size: int | None = None
+    # tailrace's own key: decide each step from the measured cost of verifying against the
+    # measured gain (spec.py CostGate), so that speculation is never slower than off
+    adaptive: bool = True
 
     def __attrs_post_init__(self) -> None:
         def whole(name: str, v: object, lo: int) -> int:
@@ -53,6 +65,18 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({hi})")
         if self.disable_by_batch_size is not None:
             whole("disable_by_batch_size", self.disable_by_batch_size, 1)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"--speculative-config: adaptive must be true or false, "
+                             f"got {self.adaptive!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError('--speculative-config: method "draft_model" needs "model" '
+                             "(the draft model's path)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('--speculative-config: "model" is for method "draft_model", '
+                             'not "ngram"')
+        if self.dtype is not None and self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--speculative-config: dtype {self.dtype!r} is not one of auto, "
+                             "float32, bfloat16, float16")
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -73,7 +97,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: unknown key {unknown[0]!r} "
                              f"(known: {', '.join(sorted(known))})")
         if "method" not in value:
-            raise ValueError('--speculative-config needs "method" (supported: ngram)')
+            raise ValueError('--speculative-config needs "method" (supported: '
+                             + ", ".join(SPECULATIVE_METHODS) + ")")
         if "num_speculative_tokens" not in value:
             raise ValueError('--speculative-config needs "num_speculative_tokens"')
         value = dict(value)
@@ -152,7 +177,20 @@ class StandInDrafter(NgramDrafter):
         return found + (token_ids[-1],) * (k - len(found)) if k > 0 else ()
 
 
+class ModelDrafter:
+    """method draft_model, the scheduler's half: every decode offered drafts carries k
+    DRAFT placeholders, which the draft model fills in the GPU step (gpu/draft.py)."""
+
+    def propose(self, seq_id: str, token_ids: list[int], k: int) -> tuple[int, ...]:
+        return (DRAFT,) * k if k > 0 else ()
+
+    def forget(self, seq_id: str) -> None:
+        pass
+
+
 def make_drafter(config: SpeculativeConfig | None, stand_in: bool = False) -> Drafter | None:
     if config is None:
         return None
-    return StandInDrafter(config) if stand_in else NgramDrafter(config)
+    if stand_in:     # the stand-in has no draft model: it draws the acceptance instead
+        return StandInDrafter(config)
+    return ModelDrafter() if config.method == "draft_model" else NgramDrafter(config)

@@ -25,7 +25,7 @@ from stages.schedule.blocks import BlockManager, image_block_keys
 from stages.schedule.drafter import Drafter
 from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, worst_running
 from stages.schedule.sequence import Sequence, sampling_options
-from stages.schedule.spec import SpecCounters, Speculation
+from stages.schedule.spec import CostGate, SpecCounters, Speculation
 from stages.schedule.stop import check_stop, tokens_left
 
 class Scheduler:
@@ -38,7 +38,7 @@ class Scheduler:
                  think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
                  num_speculative_tokens: int = 0,
                  spec_disable_by_batch_size: int | None = None,
-                 policy: str = "fcfs", max_loras: int = 1) -> None:
+                 policy: str = "fcfs", max_loras: int = 1, spec_adaptive: bool = False) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.blocks = blocks
@@ -78,7 +78,8 @@ class Scheduler:
         self.drafter = drafter if num_speculative_tokens > 0 else None
         self.spec = SpecCounters(num_speculative_tokens)
         self.speculation = (None if self.drafter is None else Speculation(
-            self.drafter, num_speculative_tokens, spec_disable_by_batch_size, self.spec))
+            self.drafter, num_speculative_tokens, spec_disable_by_batch_size, self.spec,
+            CostGate() if spec_adaptive else None))
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
@@ -429,6 +430,8 @@ class Scheduler:
                     self.finish(seq.req.request_id, FinishReason.ERROR, result.error)
             return self.drain()
         iteration = 0    # vLLM's iteration tokens: prompts at their first token, and tokens out
+        if plan.chunks and self.speculation is not None:
+            self.speculation.observe(plan, result)
         for pl in result.prompt_logprobs:
             seq = self.by_id.get(pl.seq_id)
             if seq is not None:

@@ -1,5 +1,7 @@
-"""Speculative decoding (n-gram prompt lookup) on the whole engine, real SmolLM2 in fp32:
-the streams are those of decoding one token at a time, byte for byte."""
+"""Speculative decoding (n-gram prompt lookup, and a draft model) on the whole engine, real
+SmolLM2 in fp32: the streams are those of decoding one token at a time, byte for byte.
+The draft model is SmolLM2 itself (so nearly every draft must hold) and SmolLM2 in
+bfloat16 (another precision: fewer hold, none changes a token)."""
 from __future__ import annotations
 
 
@@ -10,8 +12,9 @@ import trio
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 
+# drafts at every decode ("adaptive": false): the cost gate's choices depend on timing
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}
+        "prompt_lookup_max": 3, "adaptive": False}
 TEXT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "
         "lazy dog. The quick brown fox")
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
@@ -75,18 +78,44 @@ async def _streams(smollm, spec, bodies, **cfg) -> tuple[list[bytes], object]:
 
 # a KV cache small enough to preempt, and chunked prefill
 TIGHT = dict(num_gpu_blocks_override=14, block_size=8, max_num_batched_tokens=32)
+CFGS = {"roomy": {}, "preempting": TIGHT}
 
 
-@pytest.mark.parametrize("cfg", [{}, TIGHT], ids=["roomy", "preempting"])
-async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg):
+def draft_spec(**kw) -> dict:
+    from gpu.tokenizer_files import default_model_path
+
+    return {"method": "draft_model", "model": str(default_model_path()),
+            "num_speculative_tokens": 3, **kw}
+
+
+SPECS = {"ngram": SPEC, "draft-self": draft_spec(), "draft-bf16": draft_spec(dtype="bfloat16")}
+_OFF: dict[str, list[bytes]] = {}     # each layout's streams without speculation, made once
+
+
+@pytest.mark.parametrize("cfg,method", [("roomy", "ngram"), ("preempting", "ngram"),
+                                        ("preempting", "draft-self"), ("roomy", "draft-bf16")])
+async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg, method):
     """Greedy, seeded at temperature 0.8, n = 2, a stop string inside a copied run,
     penalties, min_tokens, logit_bias and bad words, a JSON schema, with logprobs: the text
     of every stream, its logprobs, usage and finish are those without speculation, with
-    room to spare and under preemption with chunked prefill."""
-    off, _ = await _streams(smollm, None, BODIES, **cfg)
-    on, (stats, counts) = await _streams(smollm, SPEC, BODIES, **cfg)
-    if cfg:
+    room to spare and under preemption with chunked prefill; for n-gram lookup and for a
+    draft model. Speculation is on at every step here (adaptive off): the cost gate only
+    ever turns drafting off, which is decoding without speculation."""
+    if cfg not in _OFF:
+        _OFF[cfg], _ = await _streams(smollm, None, BODIES, **CFGS[cfg])
+    off = _OFF[cfg]
+    on, (stats, counts) = await _streams(smollm, {**SPECS[method], "adaptive": False}, BODIES,
+                                         **CFGS[cfg])
+    if cfg != "roomy":
         assert stats.num_preemptions > 0
+    if method == "draft-self":
+        # SmolLM2 drafting for itself samples what the target samples: all but a few hold
+        # (fp32's noise between a one-row draft forward and the wider verify pass)
+        assert counts.num_draft_tokens > 100, vars(counts)
+        assert counts.num_accepted_tokens >= 0.95 * counts.num_draft_tokens, vars(counts)
+    elif method == "draft-bf16":
+        assert counts.num_draft_tokens > 100, vars(counts)
+        assert counts.num_accepted_tokens >= 0.5 * counts.num_draft_tokens, vars(counts)
     for i, (a, b) in enumerate(zip(off, on)):
         assert a.endswith(b"data: [DONE]\n\n") and b.endswith(b"data: [DONE]\n\n")
         assert texts(a) == texts(b), (BODIES[i], texts(a), texts(b))

@@ -24,7 +24,9 @@ import pytest
 from procs_util import metrics, start
 
 CONFIG = Path(__file__).parents[2] / "gpu" / "configs" / "gpt-oss-tiny"
-SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+# drafts at every step ("adaptive": false): the cost gate's choices depend on timing
+SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 3, "adaptive": false}')
 # the same sizes everywhere: a TP server sizes its KV cache as the minimum over its ranks
 COMMON = ("--served-model-name", "m", "--max-num-seqs", "4", "--num-gpu-blocks-override", "64",
           "--speculative-config", SPEC)

@@ -1,0 +1,151 @@
+"""Speculative decoding with a draft model (`"method": "draft_model"`): the runner's half.
+
+The scheduler plans a decode with drafts as the last token followed by DRAFT placeholders
+(stages/schedule/drafter.py ModelDrafter). Before the verify forward, `DraftModel.fill`
+runs the draft model over the step, K forwards, and writes the drafts into the step's
+inputs; the target then verifies them exactly as it verifies n-gram drafts
+(gpu/runner.py), so a draft only ever changes how many tokens a step yields, never which.
+
+- **Its own paged KV pool**: a KVCache with as many blocks as the target's, addressed by
+  the target's block tables (the block manager allocates for both; KV sizing counts both,
+  pipeline/core/startup.py). A block the prefix cache hands over carries the draft's KV too.
+- **Prefill in the draft too, chunked like the target**: every prompt chunk of the step
+  runs through the draft in the first draft forward.
+- **Rollback**: `done[seq]` is where the draft's KV stops being that of the sequence's
+  tokens. After a verify it is cut back to the accepted run; the next draft forward starts
+  from there (one more token when every draft held: the last draft's position was never
+  written), and catches up the decodes that ran without drafts (steps the cost gate left
+  off), so nothing stale is ever read for long. Stale draft KV could only lower the
+  acceptance: the target decides every token.
+- **Sampling**: each draft is sampled as the target would sample that position (its
+  penalties, logit controls, and the (seed, output index) draw: gpu/sampler.py), from the
+  draft's logits. A draft that is the target itself therefore proposes exactly what the
+  target samples, greedy or seeded, and every draft holds.
+"""
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+
+from gpu.attention import KVCache, TorchPagedAttention
+from gpu.interface import SeqChunk, StepPlan
+from gpu.sampler import DraftRow, SeqSamplingState, apply_logit_controls, sample
+from gpu.staging import BlockTables, HostInputs, prepare_step
+
+
+class DraftError(ValueError):
+    """A draft model that cannot draft for this target (start-up refuses it)."""
+
+
+def check_draft(target_config, draft_config, draft_path: str) -> None:
+    """The draft must share the target's vocabulary (its token ids mean the same)."""
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise DraftError(
+            f"--speculative-config: the draft model {draft_path} has a vocabulary of "
+            f"{draft_config.vocab_size} tokens, the target {target_config.vocab_size}: a draft "
+            "model must share the target's vocabulary")
+
+
+def tokens_of(st: SeqSamplingState, a: int, b: int) -> list[int]:
+    """The sequence's tokens at positions [a, b): the prompt, then the outputs."""
+    p = st.prompt_ids
+    n = len(p)
+    out = list(p[a:min(b, n)]) if a < n else []
+    if b > n:
+        out.extend(st.output_ids[max(a - n, 0):b - n])
+    return out
+
+
+class DraftModel:
+    """The draft model, its KV cache, and where each sequence's draft KV stops."""
+
+    def __init__(self, model, cache: KVCache, device: torch.device, use_triton: bool = False) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.use_triton = use_triton
+        scale = model.config.head_dim ** -0.5
+        if use_triton:
+            from gpu.attention import TritonPagedAttention
+            self.attn = TritonPagedAttention(cache, scale)
+        else:
+            self.attn = TorchPagedAttention(cache, scale)
+        self.tables = BlockTables()
+        self.done: dict[str, int] = {}     # seq id -> positions [0, done) hold its draft KV
+        self.forwards = 0                  # draft forwards run (a figure for the tests)
+
+    def release(self, seq_id: str) -> None:
+        self.done.pop(seq_id, None)
+        self.tables.release(seq_id)
+
+    def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
+        """The draft's logits at the sampled rows of `chunks` ([R, V]), its KV written."""
+        input_ids, positions, meta, sample_idx = prepare_step(
+            tuple(chunks), self.cache.block_size, self.device, block_tables=self.tables)
+        self.attn.prepare(meta)
+        hidden = self.model(input_ids, positions, self.attn)
+        self.forwards += 1
+        if not any(c.sample for c in chunks):
+            return None
+        return self.model.compute_logits(hidden.index_select(0, sample_idx))
+
+    def _sample(self, logits: torch.Tensor, rows: list) -> list[int]:
+        logits = apply_logit_controls(logits, rows)
+        return sample(logits.float().cpu(), rows)
+
+    def fill(self, plan: StepPlan, host: HostInputs | None,
+             states: dict[str, SeqSamplingState]) -> StepPlan:
+        """Draft the plan's DRAFT placeholders (and prefill its prompt chunks in the draft):
+        the plan with its drafts written, and the same tokens in `host`'s input ids."""
+        first: list[SeqChunk] = []
+        verify: list[int] = []          # indexes of the chunks that carry drafts
+        for i, c in enumerate(plan.chunks):
+            sid = c.seq_id
+            if c.num_drafts:
+                st = states[sid]
+                begin = min(self.done.get(sid, c.start_pos), c.start_pos)
+                toks = tokens_of(st, begin, c.start_pos) + [c.token_ids[0]]
+                first.append(SeqChunk(sid, tuple(toks), begin, c.block_table, True))
+                verify.append(i)
+            elif len(c.token_ids) > 1:     # a prompt chunk: the draft prefills it too
+                first.append(SeqChunk(sid, c.token_ids, c.start_pos, c.block_table, False))
+                self.done[sid] = c.start_pos + len(c.token_ids)
+            else:                          # a decode without drafts: caught up later
+                self.done[sid] = min(self.done.get(sid, c.start_pos), c.start_pos)
+        if not first:
+            return plan
+        with torch.inference_mode():
+            logits = self._forward(first)
+            if not verify:
+                return plan
+            chunks = [plan.chunks[i] for i in verify]
+            drafted: list[list[int]] = [[] for _ in chunks]
+            live = list(range(len(chunks)))     # those still drafting
+            while True:
+                rows = [DraftRow(states[chunks[j].seq_id], tuple(drafted[j])) for j in live]
+                for j, tok in zip(live, self._sample(logits, rows)):
+                    drafted[j].append(tok)
+                live = [j for j in live if len(drafted[j]) < chunks[j].num_drafts]
+                if not live:
+                    break
+                step = [SeqChunk(chunks[j].seq_id, (drafted[j][-1],),
+                                 chunks[j].start_pos + len(drafted[j]), chunks[j].block_table, True)
+                        for j in live]
+                logits = self._forward(step)
+        new = list(plan.chunks)
+        for i, c, d in zip(verify, chunks, drafted):
+            # written: positions up to the last draft's (exclusive); verified() cuts it back
+            self.done[c.seq_id] = c.start_pos + c.num_drafts
+            new[i] = attrs.evolve(c, token_ids=(c.token_ids[0], *d))
+            if host is not None:
+                at = host.q_starts[i] + 1
+                host.ids[at:at + len(d)] = np.asarray(d, dtype=np.int64)
+        return attrs.evolve(plan, chunks=tuple(new))
+
+    def verified(self, seq_id: str, start_pos: int, emitted: int) -> None:
+        """A verify at `start_pos` kept `emitted` tokens (accepted drafts + 1): the draft's
+        KV holds the sequence's tokens up to the last accepted draft's position."""
+        done = self.done.get(seq_id)
+        if done is not None:
+            self.done[seq_id] = min(done, start_pos + emitted)
