@@ -45,7 +45,7 @@ def srv(serve_with_flags, tmp_path_factory, tiny_llama):
                            "--served-model-name", "tiny",
                            "--scheduling-policy", "priority", "--enable-sleep-mode",
                            "--max-num-seqs", "2", "--num-gpu-blocks-override", "48",
-                           "--block-size", "16")
+                           "--block-size", "16", "--enable-prompt-tokens-details")
     server = next(gen)
     yield server
     gen.close()

@@ -54,7 +54,8 @@ def lora(smollm, tmp_path_factory, serve_with_flags):
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     try:
         gen = serve_with_flags(tmp, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
-                               "--max-cpu-loras", "4", "--lora-modules", *modules)
+                               "--max-cpu-loras", "4", "--enable-prompt-tokens-details",
+                               "--lora-modules", *modules)
         server = next(gen)
     finally:
         if old is None:
