@@ -41,7 +41,8 @@ def tiny(tmp_path_factory):
 
 def _cfg(root, **kw):
     return EngineConfig(model=str(root / "base"), max_model_len=128, block_size=4,
-                        kv_cache_memory_bytes=8 << 20, enable_lora=True, max_loras=2, enable_prompt_tokens_details=True,
+                        kv_cache_memory_bytes=8 << 20, enable_lora=True, max_loras=2,
+                        enable_prompt_tokens_details=True,
                         lora_modules=[f"a={root / 'a'}", f"b={root / 'b'}"], **kw)
 
 
