@@ -194,7 +194,7 @@ def test_the_requests_cover_what_they_claim(replies, servers):
     made = [call for e in one[2][:-2] for c in e["choices"]
             for call in (c["delta"].get("tool_calls") or ())]
     assert made and made[0]["function"]["name"] == "get_weather"
-    assert one[2][-3]["choices"][0]["finish_reason"] == "tool_calls"
+    assert one[2][-3]["choices"][0]["finish_reason"] == "stop"   # named: as vLLM (docs/api.md)
     assert any(c["logprobs"] for e in one[3][:-2] for c in e["choices"])
     assert len({t for e in one[4][:-2] for c in e["choices"]
                 for t in (c["logprobs"] or {}).get("tokens", ())}) == 1          # the biased token
