@@ -219,10 +219,7 @@ def device_type(device: str | torch.device) -> str:
 def _packs_gguf(quantization: str, source: "Source", load_format: str, dtype, device, tp: TP) -> bool:
     """Whether a GGUF file's linears stay packed (gpu/gguf_packed.py); raises ValueError when
     --quantization gguf asks for what cannot be."""
-    # auto: dequantized, as before issue 39: the packed fp32 kernels read a third of the
-    # bytes and answer like fp32, but measured no faster at one stream and ~2x slower at 32
-    # (docs/benchmarks.md, issue 39), so they stay opt-in (-q gguf) until they win
-    if quantization in ("none", "auto") or load_format == "dummy":
+    if quantization == "none" or load_format == "dummy":
         return False
     why = None
     if source.gguf is None:
@@ -231,6 +228,8 @@ def _packs_gguf(quantization: str, source: "Source", load_format: str, dtype, de
         why = "packed GGUF kernels are CPU kernels"
     elif tp.size > 1:
         why = "not with --tensor-parallel-size > 1"
+    elif quantization == "auto" and dtype != "auto":
+        why = f"--dtype {dtype} asked for: dequantized to it"
     elif dtype not in ("auto", "float32", "fp32", "float", torch.float32):
         why = f"packed GGUF linears compute in float32 (--dtype {dtype} asked)"
     else:

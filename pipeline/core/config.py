@@ -277,9 +277,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s).")
     p.add_argument("--quantization", "-q", default=_default("quantization"), choices=QUANTIZATIONS,
                    help="GGUF weights on a CPU: gguf keeps the file's quantized blocks (Q4_0, Q4_1, "
-                        "Q8_0, Q4_K, Q5_K, Q6_K) packed and computes in float32; auto and none: "
-                        "dequantize at load to --dtype (default: %(default)s; docs/cli.md says "
-                        "why gguf is not yet the default).")
+                        "Q8_0, Q4_K, Q5_K, Q6_K) packed and computes in float32; auto: gguf for a "
+                        "GGUF file on a CPU with --dtype auto, else none; none: dequantize at load "
+                        "to --dtype (default: %(default)s).")
     p.add_argument("--block-size", type=int, default=_default("block_size"),
                    help="Tokens per KV cache block (default: %(default)s).")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,

@@ -1,5 +1,5 @@
-"""`tailrace serve --quantization gguf` (issue 39; opt-in, the default `auto` dequantizes:
-docs/cli.md): the bundled SmolLM2's Q4_1/Q8_0 blocks kept packed, over real HTTP with the
+"""`tailrace serve --quantization gguf` (issue 39; what `auto` does for a GGUF file on a CPU
+with --dtype auto): the bundled SmolLM2's Q4_1/Q8_0 blocks kept packed, over real HTTP with the
 official openai client. The start-up log says what runs; the greedy answer is fp32's (the
 dequantized float32 model's, which the other e2e servers run)."""
 from __future__ import annotations

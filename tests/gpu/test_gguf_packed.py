@@ -97,10 +97,10 @@ def test_bundled_model_tensors():
 
 @pytest.fixture(scope="module")
 def packed_smollm():
-    return load_model(None, quantization="gguf", progress=False)
+    return load_model(None, progress=False)   # the default for a GGUF file on a CPU
 
 
-def test_gguf_quantization_keeps_gguf_packed(packed_smollm, smollm):
+def test_default_keeps_gguf_packed(packed_smollm, smollm):
     lm = packed_smollm.model
     assert "kept packed" in packed_smollm.weights and "Q4_1" in packed_smollm.weights
     assert isinstance(lm.layers[0].self_attn.qkv_proj, cpu_quant.PackedLinear)
