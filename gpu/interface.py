@@ -37,6 +37,9 @@ class SamplingOptions:
     min_tokens: int = 0               # stop_token_ids are masked until this many outputs
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None       # None: off; k: the sampled token's logprob and the top k
+    # logprob_token_ids (with logprobs 0): the alternatives are the sampled token, then these
+    # ids (vLLM's order), in place of the top k
+    logprob_token_ids: tuple[int, ...] = ()
     # logit controls (apply_logit_controls): ids already checked against the vocabulary
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias in [-100, 100]) added
     allowed_token_ids: tuple[int, ...] = ()          # non-empty: every other token is banned

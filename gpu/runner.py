@@ -188,8 +188,10 @@ class ModelRunner(StagingRunner):
                 accept(matchers, tokens)
             logprobs: tuple[TokenLogprobs | None, ...] = ()
             if want:
+                chosen = [states[i].opts.logprob_token_ids for i in want]
                 per_row = dict(zip(want, token_logprobs(raw, [tokens[i] for i in want],
-                                                        [states[i].opts.logprobs for i in want])))
+                                                        [states[i].opts.logprobs for i in want],
+                                                        chosen if any(chosen) else None)))
                 logprobs = tuple(TokenLogprobs(*per_row[i]) if i in per_row else None
                                  for i in range(len(states)))
         if verify:
@@ -399,6 +401,7 @@ def compute_prompt_logprobs(model, hidden: torch.Tensor, targets: tuple[int, ...
         picked = lp.gather(1, t)                                               # [r, 1]
         ranks = ((lp > picked).sum(dim=-1) + 1).tolist()
         picked = picked[:, 0].tolist()
+        k = min(k, lp.shape[-1])    # -1 (the whole vocabulary) arrives as the vocabulary size
         if k:
             top_v, top_i = lp.topk(k, dim=-1)
             top_v, top_i = top_v.tolist(), top_i.tolist()

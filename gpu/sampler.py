@@ -289,17 +289,25 @@ class DeviceSampler:
         return out
 
 
-def token_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], ks: list[int]):
+def token_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], ks: list[int],
+                   chosen: list[tuple[int, ...]] | None = None):
     """raw_logprobs: [R, V] log-softmax of the model's logits (before penalties and
-    temperature, as vLLM reports them); one (logprob, top ids, top logprobs) per row."""
+    temperature, as vLLM reports them); one (logprob, top ids, top logprobs) per row.
+    chosen[r] (logprob_token_ids): row r's alternatives are its sampled token, then these
+    ids (once each), in place of its top k, as vLLM's sampler gathers them."""
     picked = raw_logprobs.gather(1, torch.tensor(tokens, device=raw_logprobs.device)[:, None])[:, 0]
-    kmax = max(ks)
+    kmax = min(max(ks), raw_logprobs.shape[-1])   # the whole vocabulary at most
     top_v, top_i = raw_logprobs.topk(kmax, dim=-1) if kmax > 0 else (None, None)
     picked = picked.tolist()
     top_v = top_v.tolist() if top_v is not None else None
     top_i = top_i.tolist() if top_i is not None else None
     out = []
     for r, k in enumerate(ks):
+        if chosen is not None and chosen[r]:
+            ids = tuple(dict.fromkeys((tokens[r], *chosen[r])))
+            vals = tuple(raw_logprobs[r, torch.tensor(ids, device=raw_logprobs.device)].tolist())
+            out.append((picked[r], ids, vals))
+            continue
         ids = tuple(top_i[r][:k]) if k else ()
         vals = tuple(top_v[r][:k]) if k else ()
         out.append((picked[r], ids, vals))

@@ -305,6 +305,10 @@ class SimulatedRunner(StagingRunner):
             if k is None:
                 out.append(None)
                 continue
+            if st.opts.logprob_token_ids:    # the sampled token, then the chosen ids
+                top = tuple(dict.fromkeys((tok, *st.opts.logprob_token_ids)))
+                out.append(TokenLogprobs(lp, top, (lp,) * len(top)))
+                continue
             others = self.lp_rng.choice(self.token_ids, size=max(k - 1, 0)).tolist()
             top = (tok, *others)[:k]
             out.append(TokenLogprobs(lp, top, (lp,) * len(top)))

@@ -58,6 +58,7 @@ class RenderContext:
     vision: VisionSpec | None = None     # a vision-language model: its pictures' processing
     media: MediaSettings = MediaSettings()   # fetching pictures: the media flags
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+    max_logprobs: int = 20               # --max-logprobs: alternatives per token; -1: the vocabulary
     # --enable-lora: the served adapters (gpu/lora_spec.py LoRARegistry, changed at run time
     # by the load/unload endpoints); a request's `model` may name one
     loras: LoRARegistry | None = None
@@ -89,7 +90,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         raise RequestError(f"Got priority {priority} but priority scheduling is not "
                            "enabled (start the server with --scheduling-policy priority).",
                            param="priority")
-    plan = api.plan(req, reasoning_parser=ctx.reasoning, tools=ctx.tools)
+    plan = _held_logprobs(api.plan(req, reasoning_parser=ctx.reasoning, tools=ctx.tools), ctx)
     sampling = _sampling_options(req, plan, ctx)
     parts = image_parts(plan.messages) if plan.messages is not None else []
     images = ()
@@ -342,8 +343,49 @@ def _sampling_options(req: ChoiceRequest | ResponsesRequest, plan: PromptPlan,
         frequency_penalty=float(pick("frequency_penalty", req.frequency_penalty)),
         presence_penalty=float(pick("presence_penalty", req.presence_penalty)),
         min_tokens=req.min_tokens, stop_token_ids=stop_ids, logprobs=plan.logprobs,
+        logprob_token_ids=plan.logprob_token_ids,
         thinking_token_budget=_thinking_budget(req, ctx),
         **(_logit_controls(req, ctx) if isinstance(req, ChoiceRequest) else {}))
+
+
+def _held_logprobs(plan: PromptPlan, ctx: RenderContext) -> PromptPlan:
+    """The plan's logprobs and prompt_logprobs with -1 made the vocabulary size, each held
+    to --max-logprobs (-1: the vocabulary), with vLLM's 400; logprob_token_ids' ids checked
+    against the vocabulary."""
+    vocab = _vocab_size(ctx)
+    cap = vocab if ctx.max_logprobs == -1 else ctx.max_logprobs
+
+    def held(k: int | None, what: str, param: str) -> int | None:
+        if k is None:
+            return None
+        if k == -1 and vocab is None:
+            raise RequestError(f"'{param}' -1 (the whole vocabulary) needs the vocabulary "
+                               f"size, which this server does not know.", param=param)
+        n = vocab if k == -1 else k
+        if cap is not None and n > cap:   # vLLM's words
+            raise RequestError(f"Requested {what} logprobs of {n}, which is greater than max "
+                               f"allowed: {cap}", param=param)
+        return n
+
+    if plan.logprob_token_ids:
+        check_logprob_token_ids(plan.logprob_token_ids, vocab)
+    return attrs.evolve(plan, logprobs=held(plan.logprobs, "sample", plan.logprobs_param),
+                        prompt_logprobs=held(plan.prompt_logprobs, "prompt", "prompt_logprobs"))
+
+
+MAX_LOGPROB_TOKEN_IDS = 128   # vLLM's bound on logprob_token_ids
+
+
+def check_logprob_token_ids(ids: tuple[int, ...], vocab: int | None) -> None:
+    """vLLM's rules and words for logprob_token_ids: at most 128 ids, each in the vocabulary."""
+    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        raise RequestError(f"Requested logprob_token_ids of length {len(ids)}, which is "
+                           f"greater than max allowed: {MAX_LOGPROB_TOKEN_IDS}",
+                           param="logprob_token_ids")
+    bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise RequestError(f"token_id(s) {bad} in logprob_token_ids contain out-of-vocab "
+                           f"token ids. Vocabulary size: {vocab}", param="logprob_token_ids")
 
 
 def _thinking_budget(req, ctx: RenderContext) -> int | None:

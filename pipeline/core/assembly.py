@@ -120,6 +120,7 @@ class RequestSideSpec:
             tools=built.parsers.tools, harmony=built.parsers.harmony, loras=built.loras,
             mistral=cfg.tokenizer_mode == "mistral" and loaded.tokenizer is not None,
             vision=loaded.vision_spec, prompt_tokens_details=cfg.enable_prompt_tokens_details,
+            max_logprobs=cfg.max_logprobs,
             media=MediaSettings(allowed_domains=tuple(cfg.allowed_media_domains),
                                 allowed_local_path=cfg.allowed_local_media_path,
                                 limits=tuple(sorted(cfg.limit_mm_per_prompt.items())),

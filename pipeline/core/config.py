@@ -113,6 +113,9 @@ class EngineConfig:
     enable_per_request_metrics: bool = False  # replies carry the request's own timings
     # usage.prompt_tokens_details (cached_tokens, multimodal_tokens) on chat/completions replies
     enable_prompt_tokens_details: bool = False
+    # alternatives a token's logprobs may ask for (top_logprobs, logprobs, prompt_logprobs);
+    # -1: the whole vocabulary (vLLM's --max-logprobs)
+    max_logprobs: int = attrs.field(default=20, validator=attrs.validators.ge(-1))
     # pictures (issue 34, vLLM's flags): where they may be fetched from, how many a prompt
     # takes, and the fetch's bounds (stages/lib/media.py)
     allowed_media_domains: tuple[str, ...] = attrs.field(default=(), converter=tuple)
@@ -414,6 +417,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Chat and completions usage carries prompt_tokens_details: "
                         "cached_tokens, and multimodal_tokens ({\"image\": N}) when the prompt "
                         "had pictures. Off: the key is absent, as in vLLM.")
+    p.add_argument("--max-logprobs", type=int, default=_default("max_logprobs"), metavar="N",
+                   help="Most logprob alternatives a request may ask per token (top_logprobs, "
+                        "logprobs, prompt_logprobs); -1: the whole vocabulary, which a request "
+                        "asks with -1 (default: %(default)s, as vLLM).")
     p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                    help="Fetch http(s) images only from these hosts (redirects included); "
                         "default: any host.")

@@ -173,7 +173,7 @@ class ChatCompletion:
     metrics: Any = ABSENT                       # --enable-per-request-metrics
 
 
-MAX_LOGPROBS = 20   # vLLM's default --max-logprobs
+MAX_LOGPROBS = 20   # vLLM's default --max-logprobs (and OpenAI's top_logprobs limit)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")   # OpenAI's (others pass on)
 # chat_template_kwargs may not override what render itself decides.
@@ -226,7 +226,10 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
         add_special_tokens=bool(req.add_special_tokens), prompt_param="messages",
         max_tokens=req.max_completion_tokens if use_completion_tokens else req.max_tokens,
         max_tokens_param="max_completion_tokens" if use_completion_tokens else "max_tokens",
-        logprobs=_logprobs(req), stream=req.stream,
+        logprobs=0 if req.logprob_token_ids else _logprobs(req), logprobs_param="top_logprobs",
+        logprob_token_ids=logprob_token_ids(req.logprob_token_ids, bool(req.logprobs),
+                                            "'logprobs' must be set to true"),
+        stream=req.stream,
         stream_options=req.stream_options,
         constraint=constraint, tools=tr.plan, echo=_echo(req, messages),
         prompt_logprobs=prompt_logprobs,
@@ -292,28 +295,41 @@ def check_n(n: int) -> None:
 
 
 def check_prompt_logprobs(value: int | None, stream: bool) -> None:
-    """prompt_logprobs: 0..MAX_LOGPROBS alternatives per prompt token; not with stream
-    (vLLM's rule: streamed chunks have no field for them)."""
+    """prompt_logprobs: k alternatives per prompt token, or -1 for the whole vocabulary
+    (render holds k to --max-logprobs); not with stream (vLLM's rule: streamed chunks have
+    no field for them)."""
     if value is None:
         return
-    if value == -1:   # vLLM's "the whole vocabulary", which needs its --max-logprobs -1
-        raise RequestError(f"'prompt_logprobs' -1 (the whole vocabulary) is not served: at "
-                           f"most {MAX_LOGPROBS} per token (vLLM's default --max-logprobs).",
-                           param="prompt_logprobs")
-    if not 0 <= value <= MAX_LOGPROBS:
-        raise RequestError(f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}, got "
-                           f"{value}.", param="prompt_logprobs")
-    if stream and value > 0:
+    if value < -1:
+        raise RequestError(f"'prompt_logprobs' must be a non-negative integer, or -1 for the "
+                           f"whole vocabulary; got {value}.", param="prompt_logprobs")
+    if stream and value != 0:
         raise RequestError("'prompt_logprobs' are not available when 'stream' is true.",
                            param="prompt_logprobs")
 
 
+def logprob_token_ids(ids: list[int] | None, logprobs: bool, needs: str) -> tuple[int, ...]:
+    """logprob_token_ids (vLLM's): the ids whose logprobs every generated position reports,
+    in place of the top alternatives; it needs logprobs on. Render checks them against the
+    vocabulary."""
+    if ids is None:
+        return ()
+    if not ids:
+        raise RequestError("'logprob_token_ids' must not be an empty list.",
+                           param="logprob_token_ids")
+    if not logprobs:
+        raise RequestError(f"when using 'logprob_token_ids', {needs}.",
+                           param="logprob_token_ids")
+    return tuple(ids)
+
+
 def _logprobs(req: ChatCompletionRequest) -> int | None:
-    """logprobs (bool) + top_logprobs (0-20) -> None, or the number of alternatives."""
+    """logprobs (bool) + top_logprobs (k, or -1: the whole vocabulary) -> None, or the
+    number of alternatives (render holds it to --max-logprobs)."""
     top = req.top_logprobs
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise RequestError(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {top}.",
-                           param="top_logprobs")
+    if top is not None and top < -1:
+        raise RequestError(f"'top_logprobs' must be a non-negative integer, or -1 for the "
+                           f"whole vocabulary; got {top}.", param="top_logprobs")
     if not req.logprobs:
         if top:
             raise RequestError("'top_logprobs' needs 'logprobs' set to true.",

@@ -329,7 +329,11 @@ class PromptPlan:
     default_max_tokens: int | None = None    # None: whatever the context leaves
     truncate: int | None = None              # keep this many prompt tokens (-1: max_model_len)
     truncation_side: str = "left"            # "left" keeps the end of the prompt
-    logprobs: int | None = None              # alternatives per token; None: off
+    logprobs: int | None = None              # alternatives per token (-1: all); None: off
+    logprobs_param: str = "logprobs"         # the field that asked (for the --max-logprobs 400)
+    # logprob_token_ids: these ids' logprobs at every generated position, in place of the
+    # top alternatives (logprobs is then 0)
+    logprob_token_ids: tuple[int, ...] = ()
     stream: bool = False
     stream_options: StreamOptions | None = None   # what a stream reports of usage (usage_flags)
     constraint: Constraint | None = None     # structured output (stages/api/structured.py)
@@ -337,7 +341,7 @@ class PromptPlan:
     batch: tuple[str | tuple[int, ...], ...] | None = None  # completions: several prompts
     echo: str | None = None                  # chat echo: the text the reply starts with
     echo_prompt: bool = False                # completions echo: each prompt starts its choices
-    prompt_logprobs: int | None = None       # logprobs of the prompt tokens (top k); None: off
+    prompt_logprobs: int | None = None       # logprobs of the prompt tokens (top k, -1: all); None: off
     reply: ReplySpec = ReplySpec()           # what the reply shows and echoes (the API's reply_spec)
 
 

@@ -5,7 +5,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from stages.api.chat import MAX_CHOICES, MAX_LOGPROBS, check_n, check_prompt_logprobs
+from stages.api.chat import MAX_CHOICES, check_n, check_prompt_logprobs, logprob_token_ids
 from stages.api.common import ABSENT, Invalid, PromptPlan, RequestError, omit_absent, opt, reply
 from stages.api.framing import (MIN_LOGPROB, ChoicesFramer, ChoiceState, UsageInfo,
                                 prompt_logprobs_json)
@@ -78,9 +78,9 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool, tools=None) -> Promp
                            "returns the prompt alone).", param="max_tokens")
     if req.suffix:
         raise RequestError("'suffix' is not supported by this server yet.", param="suffix")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise RequestError(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got "
-                           f"{req.logprobs}.", param="logprobs")
+    if req.logprobs is not None and req.logprobs < -1:   # render holds k to --max-logprobs
+        raise RequestError(f"'logprobs' must be a non-negative integer, or -1 for the whole "
+                           f"vocabulary; got {req.logprobs}.", param="logprobs")
     if req.stream_options is not None and not req.stream:
         raise RequestError("'stream_options' is only allowed when 'stream' is true.",
                            param="stream_options")
@@ -99,7 +99,11 @@ def plan(req: CompletionRequest, *, reasoning_parser: bool, tools=None) -> Promp
         add_special_tokens=True if req.add_special_tokens is None else req.add_special_tokens,
         prompt_param="prompt", max_tokens=req.max_tokens, max_tokens_param="max_tokens",
         truncate=req.truncate_prompt_tokens, truncation_side=req.truncation_side or "left",
-        default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=req.logprobs, stream=req.stream,
+        default_max_tokens=DEFAULT_MAX_TOKENS,
+        logprobs=0 if req.logprob_token_ids else req.logprobs,
+        logprob_token_ids=logprob_token_ids(req.logprob_token_ids, req.logprobs is not None,
+                                            "'logprobs' must be set"),
+        stream=req.stream,
         stream_options=req.stream_options,
         constraint=constraint_of(req), reply=reply_spec(req))
 

@@ -200,6 +200,7 @@ class ChoiceRequest(SamplingRequest):
     return_tokens_as_token_ids: bool = opt(default=False)   # logprobs name tokens token_id:N
     kv_transfer_params: dict[str, Any] | None = opt()   # chat: prompt_token_ids as the prompt
     prompt_logprobs: int | None = opt()            # the prompt tokens' logprobs (top k)
+    logprob_token_ids: list[int] | None = opt()    # these ids' logprobs at every position
     echo: bool = opt(default=False)                # the reply starts with the prompt (chat:
                                                     # with the final message's text)
     # structured outputs (vLLM's extensions; stages/api/structured.py maps them)
@@ -247,8 +248,7 @@ class ChoiceRequest(SamplingRequest):
 VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
                 "logits_processors": (),
                 "vllm_xargs": (),
-                "mm_processor_kwargs": (), "prompt_embeds": (),
-                "logprob_token_ids": ()}
+                "mm_processor_kwargs": (), "prompt_embeds": ()}
 # What SGLang's router and vllm-router (derived from it) add to every request they forward,
 # with their defaults (docs/scaling.md): accepted at those values, a 400 at any other.
 ROUTER_EXTRAS = {"no_stop_trim": (False,), "return_hidden_states": (False,)}

@@ -147,7 +147,7 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
                       max_tokens_param="max_output_tokens", stream=req.stream,
                       # the Response carries its usage, streamed or not
                       stream_options=_WITH_USAGE, constraint=constraint, tools=tr.plan,
-                      logprobs=logprobs, reply=reply_spec(req))
+                      logprobs=logprobs, logprobs_param="top_logprobs", reply=reply_spec(req))
 
 
 def reply_spec(req: ResponsesRequest) -> ReplySpec:

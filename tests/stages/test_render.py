@@ -617,3 +617,76 @@ def test_bad_words_need_a_tokenizer():
 
 def test_a_huge_integer_bias_is_clamped():
     assert chat({"logit_bias": {"4": 10**400}}).sampling.options.logit_bias == ((4, 100.0),)
+
+
+# -- --max-logprobs, -1 and logprob_token_ids (issue 37) ----------------------------------
+
+def test_minus_one_is_the_whole_vocabulary_under_max_logprobs_minus_one():
+    whole = make_ctx(max_logprobs=-1)    # FakeTokenizer's vocabulary: 1000
+    req = chat({"logprobs": True, "top_logprobs": -1}, whole)
+    assert req.sampling.options.logprobs == 1000
+    assert chat({"prompt_logprobs": -1}, whole).sampling.prompt_logprobs == 1000
+    assert completion({"logprobs": -1}, whole).sampling.options.logprobs == 1000
+    assert completion({"logprobs": 999, "prompt_logprobs": 1000}, whole).sampling.prompt_logprobs == 1000
+    # the embedding rows, when the model has more than the tokenizer
+    assert completion({"logprobs": -1}, make_ctx(max_logprobs=-1, vocab_size=1024)
+                      ).sampling.options.logprobs == 1024
+
+
+@pytest.mark.parametrize("fn, body, param, message", [
+    (chat, {"logprobs": True, "top_logprobs": -1}, "top_logprobs",
+     "Requested sample logprobs of 1000, which is greater than max allowed: 20"),
+    (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    (chat, {"prompt_logprobs": -1}, "prompt_logprobs",
+     "Requested prompt logprobs of 1000, which is greater than max allowed: 20"),
+    (completion, {"logprobs": -1}, "logprobs",
+     "Requested sample logprobs of 1000, which is greater than max allowed: 20"),
+    (completion, {"prompt_logprobs": 21}, "prompt_logprobs",
+     "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
+    (chat, {"logprobs": True, "top_logprobs": -2}, "top_logprobs", "or -1 for the whole"),
+    (completion, {"logprobs": -2}, "logprobs", "or -1 for the whole"),
+    (chat, {"prompt_logprobs": -2}, "prompt_logprobs", "or -1 for the whole"),
+    (chat, {"top_logprobs": -1}, "top_logprobs", "needs 'logprobs' set to true"),
+    (chat, {"prompt_logprobs": -1, "stream": True}, "prompt_logprobs", "not available"),
+])
+def test_logprobs_beyond_max_logprobs_are_vllms_400(fn, body, param, message):
+    err = error_of(fn, body)
+    assert (err.status, err.param) == (400, param) and message in err.message
+
+
+def test_max_logprobs_raises_and_lowers_the_limit():
+    assert chat({"logprobs": True, "top_logprobs": 50}, make_ctx(max_logprobs=50)
+                ).sampling.options.logprobs == 50
+    err = error_of(completion, {"logprobs": 3}, make_ctx(max_logprobs=2))
+    assert err.message == "Requested sample logprobs of 3, which is greater than max allowed: 2"
+    # 0 asks for no alternatives: never over the limit (vLLM's check skips it)
+    assert completion({"logprobs": 0}, make_ctx(max_logprobs=0)).sampling.options.logprobs == 0
+
+
+def test_logprob_token_ids_replace_the_top_alternatives():
+    req = chat({"logprobs": True, "top_logprobs": 5, "logprob_token_ids": [7, 3, 7]})
+    # logprobs stays on with no top-k: the sampler gathers the chosen ids instead
+    assert req.sampling.options.logprobs == 0
+    assert req.sampling.options.logprob_token_ids == (7, 3, 7)
+    req = completion({"logprobs": 1, "logprob_token_ids": [999]})
+    assert (req.sampling.options.logprobs, req.sampling.options.logprob_token_ids) == (0, (999,))
+    assert chat({"logprobs": True}).sampling.options.logprob_token_ids == ()
+
+
+@pytest.mark.parametrize("fn, body, message", [
+    (chat, {"logprob_token_ids": [1]}, "when using 'logprob_token_ids', 'logprobs' must be "
+                                       "set to true."),
+    (completion, {"logprob_token_ids": [1]}, "when using 'logprob_token_ids', 'logprobs' "
+                                             "must be set."),
+    (chat, {"logprobs": True, "logprob_token_ids": []}, "must not be an empty list"),
+    (chat, {"logprobs": True, "logprob_token_ids": [5, 1000]},
+     "token_id(s) [1000] in logprob_token_ids contain out-of-vocab token ids. Vocabulary "
+     "size: 1000"),
+    (completion, {"logprobs": 0, "logprob_token_ids": [-1]}, "token_id(s) [-1]"),
+    (completion, {"logprobs": 0, "logprob_token_ids": list(range(129))},
+     "Requested logprob_token_ids of length 129, which is greater than max allowed: 128"),
+])
+def test_logprob_token_ids_errors_are_vllms(fn, body, message):
+    err = error_of(fn, body)
+    assert (err.status, err.param) == (400, "logprob_token_ids") and message in err.message
