@@ -69,6 +69,11 @@ class ResponseEcho:
     store: bool = True
     previous_response_id: str | None = None
     background: bool = False
+    # enable_response_messages (vLLM's): the Response carries input_messages (the rendered
+    # prompt, as render decoded its ids, and the ids) and output_messages (the model's
+    # text and tokens); None: not asked
+    prompt_text: str | None = None
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen

@@ -124,8 +124,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         stream=plan.stream,
         include_usage=include_usage,
         created=int(time.time()), arrival=sub.arrival,
-        reply=(attrs.evolve(plan.reply, prompt_tokens_details=True)
-               if ctx.prompt_tokens_details else plan.reply),
+        reply=_reply(plan, ctx, ids),
         images=images,
         continuous_usage=continuous_usage,
         cache_salt=req.cache_salt or None,
@@ -315,6 +314,21 @@ def _resolve_model(name: str | None, ctx: RenderContext) -> str:
 def _lora(model: str, ctx: RenderContext) -> LoRARef | None:
     served = ctx.loras.get(model) if ctx.loras is not None else None
     return served.ref if served is not None else None
+
+
+def _reply(plan: PromptPlan, ctx: RenderContext, ids: list[int]) -> ReplySpec:
+    """The plan's ReplySpec, with the server's prompt_tokens_details, and for a Response
+    with enable_response_messages the rendered prompt: its ids decoded with their special
+    tokens (the template's text, as the model reads it: the ids win where they differ)."""
+    reply = plan.reply
+    if ctx.prompt_tokens_details:
+        reply = attrs.evolve(reply, prompt_tokens_details=True)
+    if reply.response is not None and reply.response.prompt_text is not None:
+        text = ("" if ctx.tokenizer is None
+                else ctx.tokenizer.decode(ids, skip_special_tokens=False))
+        reply = attrs.evolve(reply, response=attrs.evolve(
+            reply.response, prompt_text=text, prompt_token_ids=tuple(ids)))
+    return reply
 
 
 def _sampling_options(req: ChoiceRequest | ResponsesRequest, plan: PromptPlan,

@@ -86,10 +86,12 @@ class ResponsesRequest(SamplingRequest):
     stop: Stop | None = opt()
     frequency_penalty: float | None = opt(between(-2.0, 2.0))
     presence_penalty: float | None = opt(between(-2.0, 2.0))
+    # vLLM's: the Response carries the rendered prompt and the model's output, with their
+    # token ids (input_messages, output_messages)
+    enable_response_messages: bool = opt(default=False)
     _not_implemented: ClassVar[dict[str, Any]] = {
         "conversation": (), "prompt": (),
-        "mm_processor_kwargs": (), "enable_response_messages": (False,),
-        "previous_input_messages": ()}
+        "mm_processor_kwargs": (), "previous_input_messages": ()}
 
     @input.validator
     def _input(self, attribute, value) -> None:
@@ -159,7 +161,8 @@ def reply_spec(req: ResponsesRequest) -> ReplySpec:
         reasoning_summary=reasoning.summary, tool_choice=req.tool_choice or "auto",
         tools=tuple(req.tools or ()), user=req.user, metadata=req.metadata or {},
         store=req.store is not False, previous_response_id=req.previous_response_id,
-        background=req.background))
+        background=req.background,
+        prompt_text="" if req.enable_response_messages else None))   # render fills it in
 
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import orjson
 
-from stages.api.common import reply, unstructure
+from stages.api.common import ABSENT, omit_absent, reply, unstructure
 from stages.api.framing import Framer, ResponseUsage, error_bytes, json_body, response_usage
 from stages.lib.delta import Delta, FinishReason
 from stages.messages import ResponseEcho
@@ -141,6 +141,16 @@ class ReasoningOut:
 
 
 @reply
+class RawMessage:
+    """vLLM's ResponseRawMessageAndToken: a text and its token ids (the ids win where the
+    two differ)."""
+    message: str
+    tokens: list[int]
+    type: str = "raw_message_tokens"
+
+
+@omit_absent
+@reply
 class Response:
     id: str
     object: str = "response"
@@ -167,6 +177,9 @@ class Response:
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    # enable_response_messages: the rendered prompt, and the model's output, with their ids
+    input_messages: list[RawMessage] | Any = ABSENT
+    output_messages: list[RawMessage] | Any = ABSENT
 
 
 # -- the reply -----------------------------------------------------------------------------
@@ -215,6 +228,9 @@ class ResponsesFramer(Framer):
         self._held: list = []
         # what the Response repeats of its request (a request without one repeats the defaults)
         self._echo = req.reply.response or ResponseEcho()
+        # enable_response_messages: the model's whole output (its text before parsing)
+        self._raw_text: list[str] | None = None if self._echo.prompt_text is None else []
+        self._raw_ids: list[int] = []
 
     # -- state shared by both modes
 
@@ -241,11 +257,28 @@ class ResponsesFramer(Framer):
         self._items.append(item)
         return item
 
+    def _note(self, delta: Delta) -> None:
+        if self._raw_text is not None:
+            self._raw_text.append(delta.text)
+            self._raw_ids += delta.token_ids
+
+    def _messages(self, done: bool) -> dict[str, Any]:
+        """input_messages and output_messages (vLLM's raw form), on a finished Response
+        that asked for them."""
+        if self._raw_text is None or not done:
+            return {}
+        r = self._echo
+        output = "".join(self._raw_text)
+        return {"input_messages": [RawMessage(message=r.prompt_text,
+                                              tokens=list(r.prompt_token_ids))],
+                "output_messages": ([RawMessage(message=output, tokens=list(self._raw_ids))]
+                                    if output or self._raw_ids else [])}
+
     def _response(self, status: str, *, usage=None, incomplete_reason: str | None = None,
                   error: str | None = None) -> Response:
         r = self._echo
         options = self.req.sampling.options
-        return Response(
+        return Response(**self._messages(status in ("completed", "incomplete")),
             id=self.id, created_at=self.req.created, status=status, model=self.req.model,
             output=[item.reply() for item in self._items],
             error=None if error is None else ResponseError(message=error),
@@ -350,6 +383,7 @@ class ResponsesFramer(Framer):
                 + self._event("response.in_progress", response=created))
 
     def _stream(self, delta: Delta) -> bytes:
+        self._note(delta)
         out = []
         logprobs = self._answer_logprobs(delta)
         if delta.reasoning and self._takes_reasoning():
@@ -403,6 +437,7 @@ class ResponsesFramer(Framer):
                                  item=item.reply())
 
     def _accumulate(self, delta: Delta) -> bytes:
+        self._note(delta)
         logprobs = self._answer_logprobs(delta)
         if delta.reasoning and self._takes_reasoning():
             self._item("reasoning")[0].parts.append(delta.reasoning)

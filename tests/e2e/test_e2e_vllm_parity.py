@@ -332,3 +332,50 @@ def test_responses_output_text_logprobs(client, model_name):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=model_name, input="x", include=["nonsense"])
     assert info.value.param == "include[0]"
+
+
+# -- 10. issue 37: enable_response_messages, logprob_token_ids, --max-logprobs ------------
+
+def test_enable_response_messages(client, model_name, tokenizer):
+    """vLLM's test_enable_response_messages (it runs Qwen3; any model here too)."""
+    body = dict(model=model_name, input="Hello?", max_output_tokens=6, temperature=0,
+                extra_body={"enable_response_messages": True})
+    r = client.responses.create(**body)
+    assert r.status in ("completed", "incomplete")
+    [inp], [out] = r.input_messages, r.output_messages
+    assert inp["type"] == out["type"] == "raw_message_tokens"
+    assert len(inp["message"]) > 10 and "Hello?" in inp["message"]
+    assert len(inp["tokens"]) == r.usage.input_tokens and type(inp["tokens"][0]) is int
+    assert tokenizer.encode(inp["message"]) == inp["tokens"]
+    assert len(out["tokens"]) == r.usage.output_tokens and type(out["tokens"][0]) is int
+    assert out["message"] == tokenizer.decode(out["tokens"])
+    assert out["message"] == r.output_text
+    # streamed: the terminal event's Response carries the same
+    [final] = [e.response for e in client.responses.create(stream=True, **body)
+               if e.type in ("response.completed", "response.incomplete")]
+    assert (final.input_messages, final.output_messages) == (r.input_messages, r.output_messages)
+    plain = client.responses.create(model=model_name, input="Hello?", max_output_tokens=2)
+    assert "input_messages" not in plain.model_dump(exclude_unset=True)
+
+
+def test_logprob_token_ids_and_max_logprobs(client, model_name, tokenizer):
+    ids = tokenizer.encode(" Paris") + tokenizer.encode(" London")
+    r = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "The capital of France?"}],
+        max_tokens=3, temperature=0, logprobs=True, extra_body={"logprob_token_ids": ids})
+    for entry in r.choices[0].logprobs.content:
+        tops = [t.token for t in entry.top_logprobs]
+        assert tops[0] == entry.token and tops[0] != tops[1]
+        assert set(tops[1:]) | {entry.token} >= {tokenizer.decode([i]) for i in ids}
+        assert entry.top_logprobs[0].logprob == entry.logprob
+    # the default --max-logprobs (20): -1 is the whole vocabulary, over it (vLLM's words)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user",
+                                       "content": "x"}], logprobs=True, top_logprobs=-1)
+    assert info.value.param == "top_logprobs"
+    assert "Requested sample logprobs of 49152, which is greater than max allowed: 20" in str(
+        info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name, prompt="x", logprobs=1,
+                                  extra_body={"logprob_token_ids": [49152]})
+    assert info.value.param == "logprob_token_ids"
