@@ -690,3 +690,11 @@ def test_logprob_token_ids_replace_the_top_alternatives():
 def test_logprob_token_ids_errors_are_vllms(fn, body, message):
     err = error_of(fn, body)
     assert (err.status, err.param) == (400, "logprob_token_ids") and message in err.message
+
+
+def test_enable_response_messages_keeps_the_rendered_prompt():
+    req = responses({"enable_response_messages": True})
+    echo = req.reply.response
+    assert echo.prompt_token_ids == req.prompt_token_ids
+    assert echo.prompt_text == "<user>hi<assistant>"     # FakeTokenizer's template, decoded
+    assert responses({}).reply.response.prompt_text is None
