@@ -11,7 +11,8 @@
   without generating: vLLM's GenerateRequest shape (token_ids, sampling_params, model...),
   one object for chat, a list (one per prompt) for completions; `prompt` adds the text.
 
-Sleep, wake and the reset go to the engine core (Engine.control): one-process servers only.
+Sleep, wake and the reset go to the engine core (EngineClient.control: the one-process
+Engine, or a frontend's RemoteEngine over the wire to every engine process).
 """
 from __future__ import annotations
 

@@ -123,9 +123,9 @@ class EngineClient:
 
     async def control(self, op: str, **kw) -> object:
         """An operation on the engine core (stages.messages.Control): the one-process
-        Engine's; a frontend process of --api-server-count has none."""
-        raise RequestError(f"{op} is served by a one-process server only (not with "
-                           "--api-server-count).", status=400)
+        Engine sends it to schedule's inbox, a frontend's RemoteEngine over the wire to
+        every engine process."""
+        raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
         """The client is gone. Its request keeps its admission slot until emit releases it."""

@@ -35,10 +35,11 @@ from pipeline.core.reply import describe
 from pipeline.core.startup import event_log_header, freeze_heap, open_event_log
 from pipeline.core.stats import AccountStats, CoreStats, EngineStats, cache_config_labels
 from pipeline.layouts.tp_procs import TensorParallel, open_built
-from pipeline.layouts.wire import (AccountQuery, AccountReply, FrontendSetup, Link, Load,
-                                   Refused, StatsQuery, StatsReply, forward, outbox, pack_step)
+from pipeline.layouts.wire import (AccountQuery, AccountReply, ControlQuery, ControlReply,
+                                   FrontendSetup, Link, Load, Refused, SleepState, StatsQuery,
+                                   StatsReply, forward, outbox, pack_step)
 from stages.admit import Accepted
-from stages.messages import Abort, FinishRequest, RenderedRequest
+from stages.messages import Abort, Control, FinishRequest, RenderedRequest
 
 log = logging.getLogger("tailrace")
 
@@ -212,9 +213,35 @@ async def report_load(scheduler, blocks, ports: list[Port], rank: int) -> None:
         await trio.sleep(LOAD_INTERVAL_S)
 
 
+async def control(port: Port, query: ControlQuery, ports: list[Port], rank: int,
+                  inbox: trio.MemorySendChannel) -> None:
+    """A frontend's control operation, as the one-process Engine.control sends it: a Control
+    in schedule's inbox, whose answer goes back to that frontend. A sleep or a wake-up tells
+    every frontend the engine's new state (SleepState), so that each refuses new requests
+    while it sleeps, not only the one that asked."""
+    def tell(state: str) -> None:
+        for p in ports:
+            if p.alive:
+                p.outbox.send_nowait(SleepState(rank, state))
+
+    def answer(value: object) -> None:
+        if port.alive:
+            port.outbox.send_nowait(ControlReply(query.query, value))
+        if query.op == "sleep":
+            tell("asleep" if value is None else "awake")
+        elif query.op == "wake_up" and value is None:
+            tell("awake")
+
+    async with inbox:
+        if query.op == "sleep":
+            tell("falling")
+        await inbox.send(Control(query.op, answer, level=query.level,
+                                 reset_running=query.reset_running))
+
+
 async def _serve_frontend(port: Port, replies: EngineReplies, stats: Stats,
                           to_admit: trio.MemorySendChannel, inbox: trio.MemorySendChannel,
-                          nursery: trio.Nursery) -> None:
+                          nursery: trio.Nursery, rank: int = 0) -> None:
     """One frontend's frames: requests to admit, aborts and stop strings to schedule,
     stats. When its socket closes, abort every request it had."""
     k = port.index
@@ -236,6 +263,8 @@ async def _serve_frontend(port: Port, replies: EngineReplies, stats: Stats,
                 nursery.start_soon(stats.reply, port, msg)
             elif isinstance(msg, AccountReply):
                 stats.answer(msg)
+            elif isinstance(msg, ControlQuery):
+                nursery.start_soon(control, port, msg, replies.ports, rank, inbox.clone())
             else:
                 raise TypeError(f"the engine got {type(msg).__name__} from frontend {k}")
         port.alive = False
@@ -289,14 +318,14 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
                         setup, index=port.index, side=side,
                         event_log=None if cfg.event_log is None
                         else f"{cfg.event_log}.frontend-{port.index}",
-                        event_log_header=header)
+                        event_log_header=header, sleep_mode=cfg.enable_sleep_mode)
                     try:
                         await port.link.send(mine)
                     except trio.BrokenResourceError:
                         port.alive = False
                     frontends.start_soon(forward, port.pending_out, port.link)
                     frontends.start_soon(_serve_frontend, port, replies, stats,
-                                         requests_in.clone(), inbox_in.clone(), nursery)
+                                         requests_in.clone(), inbox_in.clone(), nursery, dp_rank)
                 requests_in.close()
                 inbox_in.close()
                 freeze_heap()

@@ -43,8 +43,9 @@ from pipeline.core.client import EngineClient
 from pipeline.core.events import EventLog
 from pipeline.core.reply import describe
 from pipeline.core.stats import AccountStats, EngineStats
-from pipeline.layouts.wire import (STEP, AccountQuery, AccountReply, FrontendSetup, Link, Load,
-                                   Refused, StatsQuery, StatsReply, forward, outbox, unpack_step)
+from pipeline.layouts.wire import (STEP, AccountQuery, AccountReply, ControlQuery, ControlReply,
+                                   FrontendSetup, Link, Load, Refused, SleepState, StatsQuery,
+                                   StatsReply, forward, outbox, unpack_step)
 from stages.messages import Abort, FinishRequest
 from stages import account
 from stages.admit import Accepted, shutting_down
@@ -82,6 +83,7 @@ class EngineLink:
     running: int = 0
     kv_usage: float = 0.0
     unreported: int = 0     # sent by this frontend since the engine's last Load
+    sleep_state: str = "awake"   # as the engine last told (SleepState)
 
     def score(self) -> int:
         return 4 * (self.waiting + self.unreported) + self.running
@@ -187,10 +189,39 @@ class RemoteEngine(EngineClient):
             return stats[0]
         return sum_engines(stats)
 
-    def answer(self, reply: StatsReply) -> None:
+    async def control(self, op: str, **kw) -> object:
+        """An operation on the engine core (stages.messages.Control), as the one-process
+        Engine.control: sent to every engine (data parallel: each is reset, put to sleep,
+        woken), answered when all have. Reset: whether every one was; sleep and wake-up:
+        the first error, or None."""
+        queries = []
+        try:
+            for e in self.balancer.engines:
+                query = next(self._numbers)
+                self._queries[query] = [trio.Event(), None]
+                queries.append(query)
+                e.outbox.send_nowait(ControlQuery(query, op, **kw))
+            for query in queries:
+                await self._queries[query][0].wait()
+            values = [self._queries[q][1] for q in queries]
+        finally:
+            for q in queries:
+                self._queries.pop(q, None)
+        if op == "reset_prefix_cache":
+            return all(values)
+        return next((v for v in values if v is not None), None)
+
+    def told(self, me: EngineLink, state: str) -> None:
+        """An engine's new sleep state (SleepState): the frontend's is "awake" once every
+        engine is, "asleep" once every one is, else "falling" (new requests are refused)."""
+        me.sleep_state = state
+        states = {e.sleep_state for e in self.balancer.engines}
+        self.sleep_state = states.pop() if len(states) == 1 else "falling"
+
+    def answer(self, reply: StatsReply | ControlReply) -> None:
         waiting = self._queries.get(reply.query)
         if waiting is not None:
-            waiting[1] = reply.stats
+            waiting[1] = reply.stats if isinstance(reply, StatsReply) else reply.value
             waiting[0].set()
 
 
@@ -281,8 +312,10 @@ async def _receive(me: EngineLink, engine: RemoteEngine, steps: trio.MemorySendC
                 balancer.forget(msg.request_id)
             elif isinstance(msg, Load):
                 me.report(msg)
-            elif isinstance(msg, StatsReply):
+            elif isinstance(msg, (StatsReply, ControlReply)):
                 engine.answer(msg)
+            elif isinstance(msg, SleepState):
+                engine.told(me, msg.state)
             elif isinstance(msg, AccountQuery):
                 me.outbox.send_nowait(AccountReply(msg.query, AccountStats.of(engine.accountant)))
             else:
@@ -322,7 +355,8 @@ async def open_frontend(setup: FrontendSetup, links: list[Link]) -> AsyncIterato
                               admission=LocalAdmission(), render_in=side.render_in,
                               render_context=ctx, schedule_in=back,
                               event_log=events, link=links[0], accountant=side.accountant,
-                              outbox=engines[0].outbox, balancer=balancer)
+                              outbox=engines[0].outbox, balancer=balancer,
+                              sleep_mode=setup.sleep_mode)
         sent: dict = {}     # request id -> its RenderedRequest, until its reply ends
         nursery.start_soon(_route_back, back_out, balancer)
         nursery.start_soon(_send_requests, requests_out, balancer, side.replies, sent)

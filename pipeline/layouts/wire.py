@@ -86,6 +86,31 @@ class Load:
 
 
 @attrs.frozen
+class ControlQuery:
+    """A frontend's POST /reset_prefix_cache, /sleep or /wake_up (frontend -> each engine):
+    a stages.messages.Control in the engine core's inbox, answered by a ControlReply."""
+    query: int
+    op: str
+    level: int = 1
+    reset_running: bool = False
+
+
+@attrs.frozen
+class ControlReply:
+    query: int
+    value: object           # the Control's answer: reset or not, or None / an error string
+
+
+@attrs.frozen
+class SleepState:
+    """An engine's sleep state ("awake", "falling", "asleep"), sent to every frontend when a
+    sleep or a wake-up changes it: every frontend refuses new requests unless all its
+    engines are awake, whichever frontend asked."""
+    rank: int
+    state: str
+
+
+@attrs.frozen
 class Drain:
     """Take no new request (the server is shutting down)."""
 
@@ -251,3 +276,4 @@ class FrontendSetup:
     event_log_header: dict | None = None
     event_log_max_bytes: int = 0
     event_log_backup_count: int = 5
+    sleep_mode: bool = False          # --enable-sleep-mode: the frontend serves /sleep...

@@ -9,11 +9,13 @@ from pathlib import Path
 import attrs
 import trio
 
-from pipeline.layouts.engine_proc import EngineReplies, Port, route
-from pipeline.layouts.wire import Refused, outbox, unpack_step
+from pipeline.layouts.engine_proc import EngineReplies, Port, control, route
+from pipeline.layouts.frontend import Balancer, EngineLink, RemoteEngine
+from pipeline.layouts.wire import (ControlQuery, ControlReply, Refused, SleepState, outbox,
+                                   unpack_step)
 from stages.admit import Accepted
 from stages.lib.delta import Delta, FinishReason
-from stages.messages import Step
+from stages.messages import Control, Step
 from stages.render import RequestError
 sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
 from rendered import rendered  # noqa: E402
@@ -104,3 +106,84 @@ async def test_route_sends_each_frontend_its_own_deltas_and_releases_finished_re
     # 1:a's only choice finished: released; 0:a has a choice left
     assert "1:a" not in replies.entries and "0:a" in replies.entries
     assert replies.num_admitted == 2
+
+
+def _sent(port: Port) -> list:
+    out = []
+    while True:
+        try:
+            out.append(port.pending_out.receive_nowait())
+        except trio.WouldBlock:
+            return out
+
+
+async def test_a_frontends_control_reaches_schedule_and_every_frontend_hears_the_sleep():
+    """POST /sleep on frontend 1 (--api-server-count 3): a Control in schedule's inbox, its
+    answer back to frontend 1, the engine's sleep state to all three (they refuse new
+    requests while it falls asleep and sleeps); a reset is answered to its asker alone."""
+    ports = _ports(3)
+    ports[2].alive = False                 # a frontend that has gone hears nothing
+    inbox, taken = trio.open_memory_channel(4)
+    await control(ports[1], ControlQuery(5, "sleep", level=2), ports, 0, inbox.clone())
+    msg = taken.receive_nowait()
+    assert isinstance(msg, Control) and (msg.op, msg.level) == ("sleep", 2)
+    assert _sent(ports[0]) == [SleepState(0, "falling")]
+    assert _sent(ports[1]) == [SleepState(0, "falling")]
+    msg.answer(None)                       # schedule: asleep
+    assert _sent(ports[0]) == [SleepState(0, "asleep")]
+    assert _sent(ports[1]) == [ControlReply(5, None), SleepState(0, "asleep")]
+    await control(ports[0], ControlQuery(6, "wake_up"), ports, 0, inbox.clone())
+    taken.receive_nowait().answer("no memory")     # a wake-up that failed: still asleep
+    assert _sent(ports[0]) == [ControlReply(6, "no memory")] and _sent(ports[1]) == []
+    await control(ports[0], ControlQuery(7, "reset_prefix_cache", reset_running=True), ports,
+                  0, inbox.clone())
+    msg = taken.receive_nowait()
+    assert (msg.op, msg.reset_running) == ("reset_prefix_cache", True)
+    msg.answer(True)
+    assert _sent(ports[0]) == [ControlReply(7, True)] and _sent(ports[1]) == []
+    assert _sent(ports[2]) == []
+
+
+async def test_a_remote_engine_asks_every_engine_and_sleeps_when_all_do():
+    """Data parallel 2: a frontend's control goes to both engines and is answered when
+    both have (a reset only if both reset; a sleep's first error); the frontend is awake
+    once both engines are, asleep once both are, falling between."""
+    engines, outs = [], []
+    for rank in range(2):
+        send, receive = outbox()
+        engines.append(EngineLink(rank, None, send))
+        outs.append(receive)
+    remote = RemoteEngine(model_names=("m",), max_model_len=8, replies=None, admission=None,
+                          render_in=None, render_context=None, schedule_in=None, link=None,
+                          accountant=None, outbox=engines[0].outbox, balancer=Balancer(engines))
+    for op, kw, values, want in (
+            ("reset_prefix_cache", {"reset_running": False}, (True, False), False),
+            ("reset_prefix_cache", {"reset_running": True}, (True, True), True),
+            ("sleep", {"level": 2}, (None, "busy"), "busy"),
+            ("wake_up", {}, (None, None), None)):
+        got = []
+
+        async def ask():
+            got.append(await remote.control(op, **kw))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            queries = [await out.receive() for out in outs]   # one query to each engine
+            assert all(q == ControlQuery(queries[0].query + i, op, **kw)
+                       for i, q in enumerate(queries))
+            for q, value in zip(queries, values):
+                assert got == []
+                remote.answer(ControlReply(q.query, value))
+        assert got == [want]
+    assert remote._queries == {}
+    assert remote.sleep_state == "awake"
+    remote.told(engines[0], "falling")
+    assert remote.sleep_state == "falling"
+    remote.told(engines[0], "asleep")
+    assert remote.sleep_state == "falling"       # engine 1 is still awake
+    remote.told(engines[1], "asleep")
+    assert remote.sleep_state == "asleep"
+    remote.told(engines[0], "awake")
+    assert remote.sleep_state == "falling"
+    remote.told(engines[1], "awake")
+    assert remote.sleep_state == "awake"
