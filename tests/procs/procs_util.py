@@ -105,18 +105,27 @@ def holder(pids: list[int], inode: str) -> int:
 def scrape_on_new_connection(server: Server) -> tuple[int, dict[str, float]]:
     """GET /metrics on a connection of its own: (the pid of the frontend that accepted
     it, read from /proc while the connection is still open; the samples, as `metrics`)."""
+    pid, status, text = on_new_connection(server, "GET", "/metrics")
+    assert status == 200, text
+    return pid, _samples(text)
+
+
+def on_new_connection(server: Server, method: str, path: str, body: bytes | None = None,
+                      timeout: float = 30) -> tuple[int, int, str]:
+    """One request on a connection of its own: (the pid of the frontend that accepted it,
+    read from /proc while the connection is still open; the status; the body)."""
     host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        conn.request("GET", "/metrics")
+        conn.request(method, path, body=body,
+                     headers={"Content-Type": "application/json"} if body else {})
         reply = conn.getresponse()
         text = reply.read().decode()
-        assert reply.status == 200, text
         pid = holder(server.children()["frontend"],
                      server_side_inode(int(port), conn.sock.getsockname()[1]))
     finally:
         conn.close()
-    return pid, _samples(text)
+    return pid, reply.status, text
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):

@@ -10,7 +10,7 @@ import sys
 import orjson
 import httpx
 
-from procs_util import metrics, scrape_on_new_connection, start, wait_for
+from procs_util import metrics, on_new_connection, scrape_on_new_connection, start, wait_for
 
 PROMPT = "The capital of France is"
 
@@ -200,3 +200,41 @@ def test_the_event_log_one_file_a_process_replays_and_joins(tmp_path):
     assert len(rows) >= checked                        # every frontend's requests, joined
     assert {ln[:2] for ln in rows} == {"0:", "1:"}
     assert page.stat().st_size > 1000
+
+
+def _on_each_frontend(server, method: str, path: str, body: bytes | None = None) -> dict:
+    """The request on new connections until each frontend has answered one: pid -> (status,
+    body) of its last answer."""
+    frontends = set(server.children()["frontend"])
+    answers: dict[int, tuple[int, str]] = {}
+    for _ in range(40):
+        pid, status, text = on_new_connection(server, method, path, body, timeout=120)
+        answers[pid] = (status, text)
+        if set(answers) == frontends:
+            return answers
+    raise AssertionError(f"one frontend answered every request: {answers}")
+
+
+def test_control_routes_work_across_the_frontends(two_frontends):
+    """Issue 37: /reset_prefix_cache, /sleep and /wake_up on any frontend act on the
+    engine; while it sleeps every frontend says so and refuses generation with 503, and
+    after the wake-up the answers are those from before (vLLM serves these with several
+    API servers too)."""
+    body = orjson.dumps({"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    before = httpx.post(f"{two_frontends.url}/v1/completions", content=body, timeout=120,
+                        headers={"Content-Type": "application/json"}).json()
+    for status, text in _on_each_frontend(two_frontends, "POST", "/reset_prefix_cache").values():
+        assert (status, text) == (200, "")
+    assert httpx.post(f"{two_frontends.url}/sleep?level=1", timeout=120).status_code == 200
+    for status, text in _on_each_frontend(two_frontends, "GET", "/is_sleeping").values():
+        assert (status, orjson.loads(text)) == (200, {"is_sleeping": True})
+    for status, text in _on_each_frontend(two_frontends, "POST", "/v1/completions",
+                                          body).values():
+        assert status == 503 and orjson.loads(text)["error"]["code"] == "engine_sleeping"
+    assert httpx.post(f"{two_frontends.url}/wake_up", timeout=120).status_code == 200
+    for status, text in _on_each_frontend(two_frontends, "GET", "/is_sleeping").values():
+        assert (status, orjson.loads(text)) == (200, {"is_sleeping": False})
+    for status, text in _on_each_frontend(two_frontends, "POST", "/v1/completions",
+                                          body).values():
+        assert status == 200
+        assert orjson.loads(text)["choices"][0]["text"] == before["choices"][0]["text"]
