@@ -39,7 +39,8 @@ FIELDS = ["model", "messages", "prompt", "input", "instructions", "max_tokens",
           "top_logprobs", "tools", "tool_choice", "echo", "response_format", "metadata", "user",
           "tokens", "add_special_tokens", "include_stop_str_in_output", "logit_bias", "text",
           "reasoning", "chat_template_kwargs", "skip_special_tokens", "best_of", "suffix",
-          "allowed_token_ids", "bad_words", "prompt_logprobs",
+          "allowed_token_ids", "bad_words", "prompt_logprobs", "logprob_token_ids",
+          "enable_response_messages",
           # Anthropic's Messages API; stateful Responses
           "system", "stop_sequences", "thinking", "output_format", "output_config",
           "previous_response_id", "store", "background"]
