@@ -166,3 +166,20 @@ def test_every_philox_output_is_a_draw(device):
     tokens = sample(torch.zeros(B, V, device=device), **_params(B, device, steps=1))
     freq = torch.bincount(tokens.cpu(), minlength=V).float() / B
     assert (freq - 1 / V).abs().max() < 0.03, freq
+
+
+def test_token_logprobs_gather_the_chosen_ids_of_the_rows_that_ask():
+    """logprob_token_ids (issue 37): a row with chosen ids reports its sampled token, then
+    those ids once each, in place of its top k; the other rows keep their top k; a k past
+    the vocabulary (-1's vocabulary size) is the whole row."""
+    from gpu.sampler import token_logprobs
+
+    raw = torch.log_softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(0)), -1)
+    out = token_logprobs(raw, [3, 4, 7], [2, 0, 0], [(), (4, 1, 4, 9), (7,)])
+    top_v, top_i = raw[0].topk(2)
+    assert out[0] == (raw[0, 3].item(), tuple(top_i.tolist()), tuple(top_v.tolist()))
+    assert out[1] == (raw[1, 4].item(), (4, 1, 9), tuple(raw[1, [4, 1, 9]].tolist()))
+    assert out[2] == (raw[2, 7].item(), (7,), (raw[2, 7].item(),))
+    whole = token_logprobs(raw, [3, 4, 7], [12, 0, 0])
+    assert whole[0][1] == tuple(raw[0].argsort(descending=True).tolist())
+    assert token_logprobs(raw[:1], [3], [1])[0][1] == (int(raw[0].argmax()),)
