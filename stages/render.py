@@ -58,7 +58,7 @@ class RenderContext:
     vision: VisionSpec | None = None     # a vision-language model: its pictures' processing
     media: MediaSettings = MediaSettings()   # fetching pictures: the media flags
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
-    max_logprobs: int = 20               # --max-logprobs: alternatives per token; -1: the vocabulary
+    max_logprobs: int = 20               # --max-logprobs: alternatives per token (-1: all)
     # --enable-lora: the served adapters (gpu/lora_spec.py LoRARegistry, changed at run time
     # by the load/unload endpoints); a request's `model` may name one
     loras: LoRARegistry | None = None

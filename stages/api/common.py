@@ -341,7 +341,7 @@ class PromptPlan:
     batch: tuple[str | tuple[int, ...], ...] | None = None  # completions: several prompts
     echo: str | None = None                  # chat echo: the text the reply starts with
     echo_prompt: bool = False                # completions echo: each prompt starts its choices
-    prompt_logprobs: int | None = None       # logprobs of the prompt tokens (top k, -1: all); None: off
+    prompt_logprobs: int | None = None       # the prompt's logprobs (top k, -1: all); None: off
     reply: ReplySpec = ReplySpec()           # what the reply shows and echoes (the API's reply_spec)
 
 
