@@ -25,10 +25,13 @@ def dense_rows(smollm, prompt: list[int], out: list[int]):
     return [ref[len(prompt) - 1 + j] for j in range(len(out))]
 
 
-async def test_top_logprobs_minus_one_is_the_whole_vocabulary(smollm):
+async def test_minus_one_is_the_whole_vocabulary(smollm):
+    """top_logprobs -1 (chat) and prompt_logprobs -1 (completions), one engine."""
+    ids = smollm.tokenizer.encode("Paris is the capital of")
     async with whole_vocabulary(smollm) as engine:
         out = await complete(engine, "chat", messages=QUESTION, max_tokens=2, logprobs=True,
                              top_logprobs=-1, return_token_ids=True)
+        prompt = await complete(engine, prompt=ids, max_tokens=1, prompt_logprobs=-1)
     choice = out["choices"][0]
     rows = dense_rows(smollm, out["prompt_token_ids"], choice["token_ids"])
     vocab = rows[0].shape[0]
@@ -42,14 +45,9 @@ async def test_top_logprobs_minus_one_is_the_whole_vocabulary(smollm):
         assert values[:20] == pytest.approx(ref_v.tolist(), abs=2e-3)
         assert tops[0]["token"] == entry["token"]        # greedy: the sampled one is the top
         assert entry["logprob"] == pytest.approx(row[tok].item(), abs=2e-3)
-
-
-async def test_prompt_logprobs_minus_one_scores_every_prompt_position(smollm):
-    ids = smollm.tokenizer.encode("Paris is the capital of")
-    async with whole_vocabulary(smollm) as engine:
-        out = await complete(engine, prompt=ids, max_tokens=1, prompt_logprobs=-1)
+    # every prompt position scores every id of the vocabulary
     ref = dense_logprobs(smollm, ids)
-    entries = out["choices"][0]["prompt_logprobs"]
+    entries = prompt["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(ids)
     for p in range(1, len(ids)):
         row, entry = ref[p - 1], entries[p]
