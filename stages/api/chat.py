@@ -171,6 +171,7 @@ class ChatCompletion:
     prompt_logprobs: list[Any] | None = None    # prompt_logprobs (vLLM's shape)
     prompt_token_ids: list[int] | None = None   # return_token_ids
     metrics: Any = ABSENT                       # --enable-per-request-metrics
+    kv_transfer_params: Any = ABSENT            # a prefill instance's, for the decode side
 
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+
+import attrs
 from concurrent.futures import Future
 
-from gpu.interface import (ConstraintCompiler, SeqChunk, SeqStart, StepPlan, StepResult,
-                           TokenLogprobs)
+from gpu.interface import (ConstraintCompiler, KVRead, SeqChunk, SeqStart, StepPlan,
+                           StepResult, TokenLogprobs)
 from stages.lib.delta import Delta, FinishReason
 from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
+from stages.lib.kv_transfer import KVTransferConfig, response_params
 from stages.messages import RenderedRequest, Step
 from stages.schedule.blocks import BlockManager, image_block_keys
 from stages.schedule.drafter import Drafter
@@ -38,7 +41,8 @@ class Scheduler:
                  think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
                  num_speculative_tokens: int = 0,
                  spec_disable_by_batch_size: int | None = None,
-                 policy: str = "fcfs", max_loras: int = 1, spec_adaptive: bool = False) -> None:
+                 policy: str = "fcfs", max_loras: int = 1, spec_adaptive: bool = False,
+                 kv_transfer: KVTransferConfig | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.blocks = blocks
@@ -80,6 +84,19 @@ class Scheduler:
         self.speculation = (None if self.drafter is None else Speculation(
             self.drafter, num_speculative_tokens, spec_disable_by_batch_size, self.spec,
             CostGate() if spec_adaptive else None))
+        # the KV connector (issue 36; kv_transfer.py has the protocol).
+        # Prefill side: a finished do_remote_decode request's prompt blocks, held by request
+        # id until the decode side has read them (KVRelease) or the abort timeout passes.
+        self.kv_transfer = kv_transfer
+        self.kv_port = kv_transfer.side_channel_port if kv_transfer is not None else 0
+        self.held: dict[str, tuple[list[int], float]] = {}     # request id -> (blocks, deadline)
+        self.kv_holds_expired = 0
+        # Decode side: a remote prefill is a sequence whose blocks are allocated and being
+        # filled by the GPU step's read (plan.kv_reads), out of the queues until it lands;
+        # one aborted meanwhile keeps its blocks until the read is over (the runner says).
+        self.receiving: dict[str, Sequence] = {}
+        self._kv_reads: list[KVRead] = []
+        self._abandoned_reads: dict[str, list[int]] = {}
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
@@ -150,6 +167,10 @@ class Scheduler:
                     self.running.remove(seq)
                 elif seq in self.compiling:
                     self.compiling.remove(seq)
+                elif seq.id in self.receiving:   # its read may still write into its blocks
+                    del self.receiving[seq.id]
+                    self._abandoned_reads[seq.id] = seq.table
+                    seq.table, seq.table_t = [], ()
                 else:
                     self.waiting.remove(seq)
                 self._retire(seq)
@@ -186,7 +207,85 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
-                    or self._released or self.compiling)
+                    or self._released or self.compiling or self.receiving
+                    or self._abandoned_reads)
+
+    # -- the KV connector --------------------------------------------------------------
+    def _hold(self, seq: Sequence) -> dict:
+        """A do_remote_decode request has finished: keep its prompt's blocks for the decode
+        side (the rest go back) and answer the params that name them."""
+        keep = self.blocks.blocks_for(seq.prompt_len)
+        table = seq.table
+        self.blocks.release(table[keep:])
+        rid = seq.req.request_id
+        self.held[rid] = (table[:keep], time.monotonic() + self.kv_transfer.abort_timeout_s)
+        seq.table, seq.table_t = [], ()
+        return response_params(self.kv_transfer, rid, table[:keep], self.kv_port)
+
+    def release_held(self, request_ids, expire: bool = False) -> None:
+        """KVRelease: free held requests (read, or refused by the decode side); with
+        `expire` those past their deadline too (vLLM's abort timeout)."""
+        for rid in request_ids:
+            got = self.held.pop(rid, None)
+            if got is not None:
+                self.blocks.release(got[0])
+        if expire and self.held:
+            now = time.monotonic()
+            for rid in [r for r, (_, deadline) in self.held.items() if deadline <= now]:
+                self.blocks.release(self.held.pop(rid)[0])
+                self.kv_holds_expired += 1
+
+    def _start_remote_prefill(self, seq: Sequence) -> bool:
+        """A waiting remote prefill: its blocks allocated and its read planned (False: not
+        enough free blocks yet). One whose blocks cannot be the prompt's fails."""
+        rp = seq.remote_prefill
+        need = self.blocks.blocks_for(seq.prompt_len)
+        if len(rp.block_ids) != need:     # finish() takes it from the queue
+            self.finish(seq.req.request_id, FinishReason.ERROR,
+                        f"kv_transfer_params.remote_block_ids has {len(rp.block_ids)} blocks; "
+                        f"this prompt of {seq.prompt_len} tokens is {need} blocks of "
+                        f"{self.blocks.block_size} (another prompt, or another --block-size "
+                        f"on the prefill instance)")
+            return True
+        if not self.blocks.can_allocate(need):
+            return False
+        seq.table = list(self.blocks.allocate(need))
+        seq.table_t = tuple(seq.table)
+        self.waiting.popleft()
+        self.receiving[seq.id] = seq
+        self._kv_reads.append(KVRead(seq.id, rp.engine_id, rp.request_id, rp.block_ids,
+                                     rp.host, rp.port, seq.table_t))
+        return True
+
+    def _kv_results(self, result: StepResult) -> None:
+        """Remote prefills the runner finished: landed, the prompt counts as computed and
+        cached but for its last token, which the next step feeds as a decode does (its
+        logits give the first token, as vLLM's decode side recomputes it); failed, the
+        request ends with the error."""
+        for sid in result.kv_loaded:
+            if sid in self._abandoned_reads:
+                self.blocks.release(self._abandoned_reads.pop(sid))
+                continue
+            seq = self.receiving.pop(sid, None)
+            if seq is None:
+                continue
+            seq.remote_prefill = None
+            done = seq.prompt_len - 1
+            seq.num_computed = done
+            seq.num_cached_tokens = done
+            self._computed(seq, done)
+            self.running.append(seq)
+        for sid, error in result.kv_failed:
+            if sid in self._abandoned_reads:
+                self.blocks.release(self._abandoned_reads.pop(sid))
+                continue
+            seq = self.receiving.get(sid)
+            if seq is None:
+                continue
+            del self.receiving[sid]
+            seq.remote_prefill = None
+            self.running.append(seq)        # finish() takes it from there, blocks and all
+            self.finish(seq.req.request_id, FinishReason.ERROR, error)
 
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -261,6 +360,14 @@ class Scheduler:
                 break   # its prompt's blocks are being computed: take them next step
             if seq.req.lora is not None and self._lora_full(seq.req.lora.id):
                 break   # --max-loras adapters run already: it waits for one of them to end
+            if seq.remote_prefill is not None:      # its KV comes from the prefill instance
+                if not self._start_remote_prefill(seq):
+                    break
+                if seq.id in self.receiving:
+                    seq.first_scheduled = True
+                    seq.scheduled_at = time.monotonic()
+                    new_seqs.append(self._start(seq))
+                continue
             if not seq.table and not self._take_prefix(seq, budget):
                 if self.priority and (freed := self._preempt_for(seq, chunks, planned)) is not None:
                     budget += freed
@@ -288,8 +395,10 @@ class Scheduler:
         if chunks:
             self._planned[self.step] = planned
         sliding = self.blocks.sliding
+        reads, self._kv_reads = tuple(self._kv_reads), []
         return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released,
-                        sliding.drain_updates() if sliding is not None else ())
+                        sliding.drain_updates() if sliding is not None else (), reads,
+                        bool(self.receiving or self._abandoned_reads))
 
     def _preempt_for(self, seq: Sequence, chunks: list[SeqChunk],
                      planned: list[tuple[Sequence, int]]) -> int | None:
@@ -424,6 +533,8 @@ class Scheduler:
         which the stop rule may cut; the rejected drafts' KV is rolled back, and only the
         kept tokens' blocks are hashed."""
         planned = self._planned.pop(plan.step, ())
+        if result.kv_loaded or result.kv_failed:
+            self._kv_results(result)
         if result.error is not None:
             for seq, _ in planned:
                 if not seq.retired:
@@ -469,10 +580,14 @@ class Scheduler:
                 seq.prompt_logprobs_so_far = []
             lps = _kept_logprobs(logprobs.get(seq.id, ()), kept) if logprobs else ()
             # positional, in Delta's field order (per token: a keyword call costs ~3x)
-            deltas.append(Delta(
+            delta = Delta(
                 seq.req.request_id, toks, None if stop is None else stop.reason,
                 None if stop is None else stop.stop_token, seq.num_cached_tokens, None, lps,
-                seq.scheduled_at, seq.index, prompt_logprobs, chunk.num_drafts, accepted))
+                seq.scheduled_at, seq.index, prompt_logprobs, chunk.num_drafts, accepted)
+            if (stop is not None and epoch == seq.epoch and seq.req.kv_transfer is not None
+                    and seq.req.kv_transfer.remote_decode and self.kv_transfer is not None):
+                delta = attrs.evolve(delta, kv_transfer_params=self._hold(seq))
+            deltas.append(delta)
             if stop is not None:     # (waiting again if preempted while this step ran)
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
