@@ -219,8 +219,8 @@ def run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
     configure_logs("info", _peek_log_format(args.serve_args))
     logging.getLogger("httpx").setLevel(logging.WARNING)      # one line per /health poll
-    if not cluster.router_installed():
-        log.error(cluster.MISSING_ROUTER)
+    if not (args.prefill or args.decode) and not cluster.router_installed():
+        log.error(cluster.MISSING_ROUTER)      # (the P/D proxy is tailrace's own)
         return 2
     # the replicas' flags, checked here once rather than failing in every replica
     serve_parser = argparse.ArgumentParser(prog="tailrace cluster ... (serve flags)")
