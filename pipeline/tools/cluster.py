@@ -307,8 +307,12 @@ class Cluster:
         self.router = Child("router", _url(self.config.host, self.port), self.router_command(),
                             {**os.environ})
         await self._spawn(nursery, self.router)
-        log.info("router: pid %d, vllm-router at %s, policy %s", self.router.proc.pid,
-                 self.router.url, self.config.policy)
+        if self.config.disaggregated:
+            log.info("router: pid %d, the P/D proxy at %s", self.router.proc.pid,
+                     self.router.url)
+        else:
+            log.info("router: pid %d, vllm-router at %s, policy %s", self.router.proc.pid,
+                     self.router.url, self.config.policy)
         await self._wait_healthy(self.router, started)
         self.router_up = True
 

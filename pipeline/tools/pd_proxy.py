@@ -131,9 +131,13 @@ def make_app(prefill: Pool, decode: Pool):
                               "(is it started with --kv-transfer-config?)")
         return await forward(d_url, path, "POST", json_body={**body, "kv_transfer_params": params})
 
+    def route(path: str):
+        async def view():
+            return await generate(path)
+        return view
+
     for path in GENERATE:
-        app.add_url_rule(path, f"generate{path}", lambda path=path: generate(path),
-                         methods=["POST"])
+        app.add_url_rule(path, f"generate{path}", route(path), methods=["POST"])
 
     @app.route("/<path:rest>", methods=["GET", "POST", "DELETE"])
     async def other(rest: str):
