@@ -17,7 +17,7 @@ import time
 
 from gpu.interface import KVRead
 from gpu.kv_transfer import Layout, NixlKV, TransferFailed
-from stages.lib.kv_transfer import KVTransferConfig, fetch_layout, layout_message
+from gpu.kv_side_channel import fetch_layout, layout_message
 
 _log = logging.getLogger("tailrace.kv")
 
@@ -25,7 +25,8 @@ READ_TIMEOUT_ENV = "TAILRACE_KV_READ_TIMEOUT_S"
 
 
 class KVConnector:
-    def __init__(self, config: KVTransferConfig, cache) -> None:
+    def __init__(self, config, cache) -> None:
+        """config: --kv-transfer-config (stages/lib/kv_transfer.py KVTransferConfig)."""
         if config.kv_buffer_device == "cuda" and cache.k[0].device.type != "cuda":
             raise ValueError('--kv-transfer-config: kv_buffer_device "cuda" needs the KV '
                              'cache on a CUDA device (this engine runs on the CPU: "cpu")')

@@ -24,8 +24,7 @@ from stages.api.responses import ResponsesRequest
 from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                  TokenizeResponse)
 from stages.api.pooling import INVOCATION_INPUT, POOLING_APIS, POOLING_PATHS
-from stages.lib.kv_transfer import (KVParamsError, KVTransfer, KVTransferConfig, notify_refused,
-                                    refused_remote_prefill, request_params)
+from stages.api.kv_params import KVTransferConfig, kv_transfer, notify_refused, refused_remote_prefill
 from stages.lib.media import MediaError, MediaSettings
 from stages.lib.pooling_inputs import input_ids
 from stages.lib.vision_prompt import check_limit, expand, image_parts, load_images, template_form
@@ -114,7 +113,6 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
                            param="min_tokens")
     ids = prompts[0]
     n = req.n if isinstance(req, ChoiceRequest) else 1   # the Responses API has one choice
-    kv = _kv_transfer(req, ctx, n, len(prompts), plan)
     include_usage, continuous_usage = usage_flags(plan.stream, plan.stream_options,
                                                   force=ctx.force_include_usage)
     return RenderedRequest(
@@ -139,33 +137,10 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
         prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),
         echo=_echo(plan, req, prompts, ctx), priority=priority,
-        lora=_lora(model, ctx), kv_transfer=kv)
+        lora=_lora(model, ctx), kv_transfer=kv_transfer(  # after every other check
+            getattr(req, "kv_transfer_params", None), ctx.kv_transfer, n, len(prompts),
+            plan.prompt_logprobs))
 
-
-def _kv_transfer(req, ctx: RenderContext, n: int, num_prompts: int,
-                 plan: PromptPlan) -> KVTransfer | None:
-    """kv_transfer_params as the KV connector reads them (stages/lib/kv_transfer.py),
-    checked against this server's role: a 400 for what it cannot do."""
-    try:
-        kv = request_params(getattr(req, "kv_transfer_params", None))
-    except KVParamsError as err:
-        raise RequestError(err.message, param=err.param) from None
-    if kv is None:
-        return None
-    field = "do_remote_decode" if kv.remote_decode else "do_remote_prefill"
-    param = f"kv_transfer_params.{field}"
-    cfg = ctx.kv_transfer
-    if cfg is None:
-        raise RequestError(f"'{param}': this server has no KV connector (start it with "
-                           "--kv-transfer-config).", param=param)
-    if kv.remote_decode and not cfg.producer or kv.remote_prefill and not cfg.consumer:
-        raise RequestError(f"'{param}': this server's kv_role is {cfg.kv_role}.", param=param)
-    if n != 1 or num_prompts != 1:
-        raise RequestError(f"'{param}' takes one prompt and n 1.", param=param)
-    if kv.remote_prefill is not None and plan.prompt_logprobs is not None:
-        raise RequestError(f"'{param}' does not combine with prompt_logprobs (the prompt is "
-                           "not computed here).", param="prompt_logprobs")
-    return kv
 
 
 def _text_only(part: dict) -> RequestError:
@@ -400,7 +375,6 @@ def check_vocab(ids, vocab: int | None, param: str, *, negative: bool = False) -
     `negative` (where the request's type does not already forbid it)."""
     bad = [t for t in ids if (negative and t < 0) or (vocab is not None and t >= vocab)]
     if bad:
-        # vLLM's wording ("Token id N is out of vocabulary"), then where and the bound
         raise RequestError(f"Token id {bad[0]} is out of vocabulary: '{param}' has ids in "
                            f"[0, {vocab}).", param=param)
 
@@ -610,7 +584,7 @@ async def _render_one(sub, own_send, replies, ctx, log, limiter, send=None) -> N
         replies.send(sub.request_id, err)
         replies.release(sub.request_id)
         if ctx.kv_transfer is not None and (rp := refused_remote_prefill(sub.body)) is not None:
-            notify_refused(rp)   # the prefill instance frees its blocks now, not at its timeout
+            notify_refused(rp)   # vLLM's rule: the prefill side frees now, not at its timeout
         return
     except Exception as exc:  # a bug must cost one request, not the server
         if log is not None:

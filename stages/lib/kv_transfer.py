@@ -24,14 +24,14 @@ request at once (a decode side that refused it). A finished read frees too, by t
 notification the read carries (the request id)."""
 from __future__ import annotations
 
-import base64
 import json
 import os
-import socket
 import uuid
 from typing import Any
 
 import attrs
+
+from gpu.kv_side_channel import send_free
 
 KV_CONNECTORS = ("NixlConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -41,7 +41,6 @@ ABORT_TIMEOUT_DEFAULT_S = 480.0       # vLLM's default
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 SIDE_CHANNEL_PORT_DEFAULT = 5600      # vLLM's default
-SIDE_CHANNEL_TIMEOUT_S = 5.0          # a side-channel exchange that takes longer fails
 PARAM = "kv_transfer_params"
 
 
@@ -192,76 +191,6 @@ def refused_remote_prefill(body: Any) -> RemotePrefill | None:
     except KVParamsError:
         return None
     return kv.remote_prefill if kv is not None else None
-
-
-# -- the side channel ------------------------------------------------------------------------
-def layout_message(engine_id: str, layout) -> bytes:
-    """The answer to {"op": "layout"}: the engine's id and its cache's Layout, as JSON."""
-    return json.dumps({
-        "engine_id": engine_id,
-        "agent_metadata": base64.b64encode(layout.agent_metadata).decode(),
-        "bases": [list(b) for b in layout.bases], "block_bytes": list(layout.block_bytes),
-        "num_blocks": layout.num_blocks, "device": layout.device,
-        "device_id": layout.device_id}).encode() + b"\n"
-
-
-def _exchange(host: str, port: int, message: dict, timeout: float) -> dict:
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.sendall(json.dumps(message).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            got = s.recv(1 << 16)
-            if not got:
-                break
-            data += got
-    if not data:
-        raise ConnectionError("the side channel closed without an answer")
-    return json.loads(data)
-
-
-def fetch_layout(host: str, port: int, timeout: float = SIDE_CHANNEL_TIMEOUT_S) -> dict:
-    """The remote engine's {"op": "layout"} answer (blocking: the runner thread calls it)."""
-    return _exchange(host, port, {"op": "layout"}, timeout)
-
-
-def send_free(host: str, port: int, request_id: str,
-              timeout: float = SIDE_CHANNEL_TIMEOUT_S) -> None:
-    """Tell a prefill instance to free a held request now (blocking)."""
-    _exchange(host, port, {"op": "free", "request_id": request_id}, timeout)
-
-
-async def serve_side_channel(listener, layout: bytes, free) -> None:
-    """The prefill side's listener (a trio SocketListener): answer each connection's one
-    JSON line; `free(request_id)` for a free (it puts the message in schedule's inbox)."""
-    import trio
-
-    async def one(stream) -> None:
-        async with stream:
-            data = b""
-            with trio.move_on_after(SIDE_CHANNEL_TIMEOUT_S):
-                while not data.endswith(b"\n") and len(data) < 1 << 16:
-                    got = await stream.receive_some(1 << 16)
-                    if not got:
-                        break
-                    data += got
-            try:
-                msg = json.loads(data)
-                op = msg.get("op")
-            except (ValueError, AttributeError):
-                op = None
-            if op == "layout":
-                answer = layout
-            elif op == "free" and isinstance(msg.get("request_id"), str):
-                free(msg["request_id"])
-                answer = b'{"ok": true}\n'
-            else:
-                answer = b'{"error": "unknown op"}\n'
-            try:
-                await stream.send_all(answer)
-            except trio.BrokenResourceError:
-                pass
-
-    await trio.serve_listeners(one, [listener])
 
 
 def notify_refused(rp: RemotePrefill) -> None:
