@@ -269,7 +269,8 @@ def _echo(req: ChatCompletionRequest, messages: list[dict]) -> str | None:
 
 def kv_prompt_token_ids(params: dict | None) -> tuple[int, ...] | None:
     """kv_transfer_params.prompt_token_ids: the prompt, already rendered (as vLLM's
-    disaggregated prefill hands it over). The rest of kv_transfer_params is not used."""
+    disaggregated prefill hands it over). The rest of kv_transfer_params is the KV
+    connector's (stages/api/kv_params.py)."""
     if not params or "prompt_token_ids" not in params:
         return None
     ids = params["prompt_token_ids"]
