@@ -10,7 +10,7 @@ __all__ = ["KVTransferConfig", "kv_transfer", "notify_refused", "refused_remote_
 
 
 def kv_transfer(params, cfg: KVTransferConfig | None, n: int, num_prompts: int,
-                prompt_logprobs: int | None) -> KVTransfer | None:
+                prompt_logprobs: int | None, stream: bool = False) -> KVTransfer | None:
     """kv_transfer_params as the KV connector reads them (stages/lib/kv_transfer.py),
     checked against this server's role: a 400 for what it cannot do."""
     try:
@@ -31,4 +31,7 @@ def kv_transfer(params, cfg: KVTransferConfig | None, n: int, num_prompts: int,
     if kv.remote_prefill is not None and prompt_logprobs is not None:
         raise RequestError(f"'{param}' does not combine with prompt_logprobs (the prompt is "
                            "not computed here).", param="prompt_logprobs")
+    if kv.remote_decode and stream:     # the params come on the body; a stream has none
+        raise RequestError(f"'{param}' needs stream false (the reply's body carries the "
+                           "kv_transfer_params for the decode instance).", param="stream")
     return kv

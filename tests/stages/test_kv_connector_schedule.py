@@ -154,3 +154,24 @@ def test_kv_transfer_params_as_vllm_sends_them():
     with pytest.raises(KVParamsError, match="remote_port"):
         request_params({"do_remote_prefill": True, "remote_block_ids": [], "remote_engine_id":
                         "E", "remote_request_id": "r", "remote_host": "h", "remote_port": 0})
+
+
+def test_render_refuses_what_this_server_cannot_transfer():
+    from stages.api.common import RequestError
+    from stages.api.kv_params import kv_transfer
+
+    decode = {"do_remote_decode": True}
+    prefill = {"do_remote_prefill": True, "remote_engine_id": "E", "remote_request_id": "r",
+               "remote_block_ids": [1], "remote_host": "h", "remote_port": 5600}
+    assert kv_transfer({"prompt_token_ids": [1]}, None, 1, 1, None) is None
+    for params, cfg, n, stream, message in [
+            (decode, None, 1, False, "no KV connector"),
+            (decode, attrs.evolve(CONFIG, kv_role="kv_consumer"), 1, False, "kv_consumer"),
+            (prefill, attrs.evolve(CONFIG, kv_role="kv_producer"), 1, False, "kv_producer"),
+            (decode, CONFIG, 2, False, "one prompt and n 1"),
+            (decode, CONFIG, 1, True, "stream false")]:
+        with pytest.raises(RequestError, match=message):
+            kv_transfer(params, cfg, n, 1, None, stream)
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        kv_transfer(prefill, CONFIG, 1, 1, 0)
+    assert kv_transfer(prefill, CONFIG, 1, 1, None).remote_prefill.block_ids == (1,)
