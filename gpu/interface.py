@@ -159,6 +159,21 @@ class SeqChunk:
 
 
 @attrs.frozen
+class KVRead:
+    """A remote prefill (issue 36, the decode side): read blocks `block_ids` of engine
+    `engine_id`'s KV cache (its side channel at host:port says where they are) into this
+    cache's `local_block_ids`, every layer's K and V; NIXL tells the owner `request_id` when
+    the read has landed, and it frees them."""
+    seq_id: str
+    engine_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    host: str
+    port: int
+    local_block_ids: tuple[int, ...]
+
+
+@attrs.frozen
 class StepPlan:
     step: int
     chunks: tuple[SeqChunk, ...]
@@ -166,6 +181,10 @@ class StepPlan:
     released: tuple[str, ...] = ()     # sequences finished or aborted: drop their state
     # hybrid KV cache: (block, sliding slot or -1) changes, applied before the step (KVCache.remap)
     kv_updates: tuple[tuple[int, int], ...] = ()
+    # the KV connector (issue 36): remote prefills to start reading before the step, and
+    # whether reads are in flight (the runner reports those that landed or failed)
+    kv_reads: tuple[KVRead, ...] = ()
+    kv_waiting: bool = False
 
 
 @attrs.frozen
@@ -198,6 +217,9 @@ class StepResult:
     num_tokens: tuple[int, ...] = ()
     # a pooling runner's output per sequence of seq_ids: float32 little-endian vectors
     pooled: tuple[bytes, ...] = ()
+    # the KV connector: remote prefills whose blocks have landed, and those that failed
+    kv_loaded: tuple[str, ...] = ()
+    kv_failed: tuple[tuple[str, str], ...] = ()
 
 
 @runtime_checkable

@@ -55,14 +55,19 @@ def _runs(remote: Sequence[int], local: Sequence[int]) -> list[tuple[int, int, i
 class NixlKV:
     """One engine's KV cache registered with a NIXL agent named `name`."""
 
-    def __init__(self, name: str, cache: KVCache, *, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, name: str, cache: KVCache, *, backends: Sequence[str] = ("UCX",),
+                 progress_thread: bool = True) -> None:
+        """progress_thread: NIXL's own thread driving UCX (its default); without it the
+        agent progresses only inside calls (`done`, `notifications`), which an owner must
+        then make often: the thread busy-polls, ~10% of a core while idle on a CPU."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         if cache.sliding_layers:
             raise ValueError("KV transfer does not take a hybrid (sliding-window) cache yet")
         self.name = name
         self.cache = cache
-        self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self.agent = nixl_agent(name, nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=list(backends)))
         tensors = [t for pair in zip(cache.k, cache.v) for t in pair]
         self._registered = self.agent.register_memory(tensors)
         dev = cache.k[0].device

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+import attrs
 import torch
 
 from gpu.attention import KVCache, TorchPagedAttention
@@ -25,6 +26,8 @@ from gpu.staging import (BlockTables, HostInputs, StagedTokens, Staging, last_to
                          upload_inputs)
 
 _log = logging.getLogger("tailrace.gpu")
+
+KV_POLL_WAIT_S = 0.01   # a plan with only remote prefills in flight waits this long for one
 
 
 class ModelRunner(StagingRunner):
@@ -45,6 +48,7 @@ class ModelRunner(StagingRunner):
         self.encoder_cache = EncoderCache(encoder_cache_size)
         self.lora = lora
         self.draft = draft
+        self.kv_connector = None     # --kv-transfer-config: gpu/kv_connector.py (set by start-up)
         self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
@@ -98,7 +102,27 @@ class ModelRunner(StagingRunner):
 
     def execute(self, plan: StepPlan, staged: HostInputs | None = None) -> StepResult:
         """Run one step; `staged` is `stage(plan)`'s result when the caller staged it
-        ahead (otherwise it is staged here)."""
+        ahead (otherwise it is staged here). With the KV connector, the plan's remote
+        prefills start reading first, and the result says which reads have landed: a
+        plan with nothing else to run waits for one a few ms (the scheduler sends such
+        plans while reads are in flight), so an idle decode side does not spin."""
+        kv = self.kv_connector
+        if kv is None or not (plan.kv_reads or plan.kv_waiting):
+            return self._execute(plan, staged)
+        for read in plan.kv_reads:
+            kv.start(read)
+        result = self._execute(plan, staged)
+        loaded, failed = kv.poll()
+        if not plan.chunks and not loaded and not failed:
+            deadline = time.monotonic() + KV_POLL_WAIT_S
+            while not (loaded or failed) and kv.reading and time.monotonic() < deadline:
+                time.sleep(0.0005)
+                loaded, failed = kv.poll()
+        if loaded or failed:
+            return attrs.evolve(result, kv_loaded=loaded, kv_failed=failed)
+        return result
+
+    def _execute(self, plan: StepPlan, staged: HostInputs | None = None) -> StepResult:
         t0 = time.perf_counter()
         if staged is None:
             staged = self.stage(plan)

@@ -24,23 +24,32 @@ from gpu.kv_transfer import NixlKV
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--no-progress-thread", action="store_true",
+                    help="both agents without NIXL's progress thread (what the KV connector "
+                         "runs on the CPU): the reader's polls drive UCX")
+    ap.add_argument("--sizes", default="1,64,64s,256,256s",
+                    help="blocks per read; a trailing s: every other block (scattered)")
     args = ap.parse_args()
     n = 520
     src, dst = (KVCache(30, n, 16, 3, 64, torch.float32, "cpu") for _ in range(2))
     for t in (*src.k, *src.v):
         t.normal_()
-    p, d = NixlKV("bench-p", src), NixlKV("bench-d", dst)
+    prog = not args.no_progress_thread
+    p = NixlKV("bench-p", src, progress_thread=prog)
+    d = NixlKV("bench-d", dst, progress_thread=prog)
     layout = p.layout()
     remote = d.add_remote(layout)
     block_bytes = 2 * sum(p.block_bytes)
-    for blocks, scattered in ((1, False), (64, False), (64, True), (256, False), (256, True)):
+    sizes = [(int(x.rstrip("s")), x.endswith("s")) for x in args.sizes.split(",")]
+    for blocks, scattered in sizes:
         ids = list(range(0, 2 * blocks, 2)) if scattered else list(range(blocks))
         times = []
         for _ in range(args.repeat + 1):
             t0 = time.perf_counter()
             h = d.read(remote, layout, ids, ids)
             while not d.done(h):
-                pass
+                if not prog:
+                    p.notifications()  # the owner's side progresses too (no thread)
             times.append(time.perf_counter() - t0)
         times = times[1:]          # the first read sets up the connection
         med = statistics.median(times)
@@ -50,7 +59,8 @@ def main() -> None:
                           "best_ms": round(min(times) * 1e3, 2),
                           "ms_per_block": round(med * 1e3 / blocks, 3),
                           "GiB_s": round(blocks * block_bytes / med / 2**30, 2)}), flush=True)
-    assert torch.equal(dst.k[5][:256:2], src.k[5][:256:2])
+    top = max(b for b, _ in sizes)
+    assert torch.equal(dst.k[5][:top:2], src.k[5][:top:2])
     p.close()
     d.close()
 

@@ -18,6 +18,7 @@ import attrs
 import trio
 
 from stages.api.structured import refusal as constraint_refusal
+from stages.lib.kv_transfer import notify_refused
 from stages.messages import RenderedRequest
 from stages.render import RequestError
 from stages.lib.replies import Replies
@@ -88,6 +89,9 @@ async def run(receive: trio.MemoryReceiveChannel, schedule: trio.MemorySendChann
                     log("rejected", request_id=req.request_id, status=err.status, message=err.message)
                 replies.send(req.request_id, err)
                 replies.release(req.request_id)
+                kv = req.kv_transfer
+                if kv is not None and kv.remote_prefill is not None:
+                    notify_refused(kv.remote_prefill)   # the prefill side frees at once
                 continue
             # schedule's inbox is sized to hold every admitted request: the send puts the
             # request in before it can yield, so an Abort can never overtake it.

@@ -17,6 +17,7 @@ import attrs
 
 from gpu.interface import Constraint, ImageInput, LoRARef, PoolingOptions, SamplingOptions
 from stages.lib.delta import Delta
+from stages.lib.kv_transfer import KVTransfer
 
 
 @attrs.frozen
@@ -143,6 +144,9 @@ class RenderedRequest:
     priority: int = 0        # --scheduling-policy priority: lower runs first (stages/schedule/priority.py)
     images: tuple[ImageInput, ...] = ()      # the prompt's pictures, in order (issue 34)
     lora: LoRARef | None = None              # the LoRA adapter `model` named (issue 33); None: base
+    # kv_transfer_params (issue 36): hold the prompt's blocks for a decode instance, or
+    # start from a remote prefill's (stages/lib/kv_transfer.py); None: neither
+    kv_transfer: KVTransfer | None = None
 
     @property
     def num_choices(self) -> int:
@@ -200,6 +204,15 @@ class FinishRequest:
     """detokenize matched a stop string in one choice: stop generating it, free its blocks."""
     request_id: str
     index: int = 0
+
+
+@attrs.frozen
+class KVRelease:
+    """The KV connector (issue 36, the prefill side): the decode instance has read these
+    held requests' blocks (NIXL's notification) or will not (its side-channel free), so
+    free them; `expire` also frees those held past VLLM_NIXL_ABORT_REQUEST_TIMEOUT."""
+    request_ids: tuple[str, ...] = ()
+    expire: bool = False
 
 
 @attrs.frozen(eq=False)

@@ -24,6 +24,7 @@ from stages.api.responses import ResponsesRequest
 from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                  TokenizeResponse)
 from stages.api.pooling import INVOCATION_INPUT, POOLING_APIS, POOLING_PATHS
+from stages.api.kv_params import KVTransferConfig, kv_transfer, notify_refused, refused_remote_prefill
 from stages.lib.media import MediaError, MediaSettings
 from stages.lib.pooling_inputs import input_ids
 from stages.lib.vision_prompt import check_limit, expand, image_parts, load_images, template_form
@@ -62,6 +63,7 @@ class RenderContext:
     # --enable-lora: the served adapters (gpu/lora_spec.py LoRARegistry, changed at run time
     # by the load/unload endpoints); a request's `model` may name one
     loras: LoRARegistry | None = None
+    kv_transfer: KVTransferConfig | None = None   # --kv-transfer-config: the KV connector's roles
 
 
 def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
@@ -135,7 +137,10 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         prompts=tuple(map(tuple, prompts)) if len(prompts) > 1 else (),
         prompt_max_tokens=tuple(limits) if len(prompts) > 1 else (),
         echo=_echo(plan, req, prompts, ctx), priority=priority,
-        lora=_lora(model, ctx))
+        lora=_lora(model, ctx), kv_transfer=kv_transfer(  # after every other check
+            getattr(req, "kv_transfer_params", None), ctx.kv_transfer, n, len(prompts),
+            plan.prompt_logprobs, plan.stream))
+
 
 
 def _text_only(part: dict) -> RequestError:
@@ -426,8 +431,8 @@ def check_vocab(ids, vocab: int | None, param: str, *, negative: bool = False) -
     `negative` (where the request's type does not already forbid it)."""
     bad = [t for t in ids if (negative and t < 0) or (vocab is not None and t >= vocab)]
     if bad:
-        raise RequestError(f"'{param}' has token id {bad[0]}, which is out of vocabulary "
-                           f"(ids are in [0, {vocab})).", param=param)
+        raise RequestError(f"Token id {bad[0]} is out of vocabulary: '{param}' has ids in "
+                           f"[0, {vocab}).", param=param)
 
 
 LOGIT_BIAS_LIMIT = 100.0   # OpenAI's range; vLLM clamps a bias into it
@@ -634,6 +639,8 @@ async def _render_one(sub, own_send, replies, ctx, log, limiter, send=None) -> N
             log("rejected", request_id=sub.request_id, status=err.status, message=err.message)
         replies.send(sub.request_id, err)
         replies.release(sub.request_id)
+        if ctx.kv_transfer is not None and (rp := refused_remote_prefill(sub.body)) is not None:
+            notify_refused(rp)   # vLLM's rule: the prefill side frees now, not at its timeout
         return
     except Exception as exc:  # a bug must cost one request, not the server
         if log is not None:

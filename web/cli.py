@@ -219,8 +219,8 @@ def run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
     configure_logs("info", _peek_log_format(args.serve_args))
     logging.getLogger("httpx").setLevel(logging.WARNING)      # one line per /health poll
-    if not cluster.router_installed():
-        log.error(cluster.MISSING_ROUTER)
+    if not (args.prefill or args.decode) and not cluster.router_installed():
+        log.error(cluster.MISSING_ROUTER)      # (the P/D proxy is tailrace's own)
         return 2
     # the replicas' flags, checked here once rather than failing in every replica
     serve_parser = argparse.ArgumentParser(prog="tailrace cluster ... (serve flags)")
@@ -250,6 +250,11 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             raise ValueError("--api-server-count does not combine with a pooling model (--runner pooling) yet")
         if config.pooling and args.data_parallel_size > 1:
             raise ValueError("--data-parallel-size does not combine with a pooling model (--runner pooling) yet")
+        if config.kv_transfer_config is not None and (args.api_server_count is not None
+                                                      or args.data_parallel_size > 1):
+            raise ValueError("--kv-transfer-config does not combine with --api-server-count or "
+                             "--data-parallel-size yet (the connector's params would have to "
+                             "cross the frontend wire): run one engine per instance")
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     from pipeline.core.logs import configure as configure_logs

@@ -121,6 +121,7 @@ class RequestSideSpec:
             mistral=cfg.tokenizer_mode == "mistral" and loaded.tokenizer is not None,
             vision=loaded.vision_spec, prompt_tokens_details=cfg.enable_prompt_tokens_details,
             max_logprobs=cfg.max_logprobs,
+            kv_transfer=cfg.kv_transfer_config,
             media=MediaSettings(allowed_domains=tuple(cfg.allowed_media_domains),
                                 allowed_local_path=cfg.allowed_local_media_path,
                                 limits=tuple(sorted(cfg.limit_mm_per_prompt.items())),
@@ -198,6 +199,9 @@ def start_engine_core(nursery: trio.Nursery, cfg: EngineConfig, built: Built, *,
                        built.scheduler, ev("schedule"), built.sleeper)
     nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner, ev("gpu_step"),
                                faults=cfg.fault_step_kinds))
+    if built.kv_connector is not None:   # --kv-transfer-config: the side channel, NIXL's notes
+        from pipeline.core import kv_task
+        nursery.start_soon(kv_task.run, built.kv_connector, inbox_send.clone(), built.scheduler)
     if watch is not None:
         nursery.start_soon(watch)
 

@@ -14,6 +14,7 @@ from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from gpu.pooling_config import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
 from gpu.simulate import GPUS
 from stages.gpu_step import FAULT_KINDS
+from stages.lib.kv_transfer import ABORT_TIMEOUT_ENV, KVTransferConfig
 from stages.schedule.drafter import SpeculativeConfig
 from stages.schedule.priority import POLICIES
 from stages.parse import REASONING_PARSERS
@@ -137,6 +138,9 @@ class EngineConfig:
     # speculative decoding (n-gram prompt lookup); None: off. The flag's JSON or a dict.
     speculative_config: SpeculativeConfig | None = attrs.field(
         default=None, converter=SpeculativeConfig.parse)
+    # the KV connector (issue 36): disaggregated prefill over NIXL; None: off
+    kv_transfer_config: KVTransferConfig | None = attrs.field(
+        default=None, converter=KVTransferConfig.parse)
     # the stand-in's chance that each draft holds (needs simulate_gpu and speculative_config)
     simulate_draft_acceptance: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(
@@ -197,6 +201,15 @@ class EngineConfig:
         if (spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1):
             raise ValueError('--speculative-config: method "draft_model" does not combine with '
                              "--tensor-parallel-size (the draft runs on rank 0 alone)")
+        if self.kv_transfer_config is not None:
+            for flag, on in (("--tensor-parallel-size > 1", self.tensor_parallel_size > 1),
+                             ("--speculative-config", self.speculative_config is not None),
+                             ("--simulate-gpu", self.simulate_gpu is not None),
+                             ("a pooling model (--runner pooling)", self.pooling)):
+                if on:
+                    raise ValueError(f"--kv-transfer-config does not combine with {flag} yet "
+                                     "(each TP rank would move its own KV-head shard; a draft "
+                                     "model's cache and the stand-in have no KV to move)")
         if self.async_scheduling is None:
             object.__setattr__(self, "async_scheduling", self.speculative_config is None)
         if self.simulate_draft_acceptance is not None and (
@@ -393,6 +406,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "level 1 drops the KV cache and keeps the weights in host memory, "
                         "level 2 drops both (waking reloads the weights from the checkpoint); "
                         "requests while asleep get 503 (docs/api.md).")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='The KV connector for disaggregated prefill (vLLM\'s flag), e.g. '
+                        '\'{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+                        '"kv_buffer_device": "cpu"}\': requests with kv_transfer_params '
+                        'do_remote_decode hold their prompt blocks for a decode instance, those '
+                        'with do_remote_prefill read them over NIXL (docs/scaling.md). The '
+                        'side channel listens on VLLM_NIXL_SIDE_CHANNEL_HOST:'
+                        'VLLM_NIXL_SIDE_CHANNEL_PORT (default 127.0.0.1:5600); held blocks are '
+                        f'freed after {ABORT_TIMEOUT_ENV} seconds (default 480) if never read.')
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="Speculative decoding, as vLLM spells it: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": K, \"prompt_lookup_min\": A, "

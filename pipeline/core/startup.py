@@ -96,6 +96,7 @@ class Built:
     pooling: PoolingSpec | None = None   # a pooling model's behaviour (pipeline/core/pooling.py)
     sleeper: object | None = None        # --enable-sleep-mode: gpu/sleep.py's Sleeper
     loras: Any = None    # --enable-lora: the served adapters (gpu.lora_spec.LoRARegistry)
+    kv_connector: Any = None   # --kv-transfer-config: gpu/kv_connector.py's KVConnector
 
 
 @attrs.frozen
@@ -337,7 +338,19 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
         policy=cfg.scheduling_policy, max_loras=cfg.max_loras,
-        spec_adaptive=spec.adaptive if spec else False)
+        spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config)
+    kv_connector = None
+    if cfg.kv_transfer_config is not None:
+        from gpu.kv_connector import KVConnector
+
+        kv_connector = KVConnector(cfg.kv_transfer_config, runner.cache)
+        runner.kv_connector = kv_connector
+        scheduler.kv_port = kv_connector.port
+        log.info("KV connector %s (%s): engine %s, side channel %s:%d, held blocks freed "
+                 "after %g s unread", cfg.kv_transfer_config.kv_connector,
+                 cfg.kv_transfer_config.kv_role, cfg.kv_transfer_config.engine_id,
+                 cfg.kv_transfer_config.side_channel_host, kv_connector.port,
+                 cfg.kv_transfer_config.abort_timeout_s)
     loras = lora_registry(cfg, loaded, model_names[0], runner)
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
@@ -365,7 +378,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                           lambda: load_weights(cfg, device).model)
     return Built(loaded=loaded, model_names=model_names, max_model_len=max_model_len,
                  runner=runner, blocks=blocks, scheduler=scheduler, parsers=parsers,
-                 sleeper=sleeper, loras=loras)
+                 sleeper=sleeper, loras=loras, kv_connector=kv_connector)
 
 
 def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | None:

@@ -198,7 +198,9 @@ class CoreStats:
                                    num_draft_tokens=s.spec.num_draft_tokens,
                                    num_accepted_tokens=s.spec.num_accepted_tokens,
                                    accepted_per_pos=tuple(s.spec.accepted_per_pos))
-        return cls(num_running=len(s.running), num_waiting=len(s.waiting) + len(s.compiling),
+        # a remote prefill whose KV is being read waits, as vLLM's WAITING_FOR_REMOTE_KVS
+        return cls(num_running=len(s.running),
+                   num_waiting=len(s.waiting) + len(s.compiling) + len(s.receiving),
                    num_waiting_by_reason={"capacity": len(s.waiting),
                                           "deferred": len(s.compiling)},
                    num_preemptions=s.num_preemptions, kv_blocks_total=blocks.num_blocks,

@@ -83,6 +83,14 @@ class ClusterConfig:
     stop_timeout: float = 30.0
     stop_on_replica_death: bool = False
     restart_replicas: bool = True           # start a dead replica again, with backoff
+    # disaggregated prefill (issue 36): this many prefill and decode instances behind
+    # pipeline/tools/pd_proxy.py instead of vllm-router; 0 and 0: plain replicas
+    prefill: int = 0
+    decode: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill or self.decode)
 
     @replicas.validator
     def _replicas(self, attribute, value) -> None:
@@ -90,6 +98,11 @@ class ClusterConfig:
             raise ValueError(f"--replicas must be at least 1, got {value}")
 
     def __attrs_post_init__(self) -> None:
+        if self.disaggregated:
+            if self.prefill < 1 or self.decode < 1:
+                raise ValueError("--prefill and --decode go together, each at least 1, got "
+                                 f"--prefill {self.prefill} --decode {self.decode}")
+            object.__setattr__(self, "replicas", self.prefill + self.decode)
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(ROUTER_POLICIES)}, "
                              f"got {self.policy!r}")
@@ -204,10 +217,28 @@ class Cluster:
             env["OMP_NUM_THREADS"] = str(cfg.threads_per_replica)
         command = [self.python, "-m", "web.cli", "serve", *cfg.serve_args,
                    "--host", cfg.replica_host, "--port", str(port)]
-        return Child(f"replica {i}", _url(cfg.replica_host, port), command, env)
+        name = f"replica {i}"
+        if cfg.disaggregated:
+            # every instance a KV connector (kv_both, as vLLM's examples), its side channel
+            # on a port of its own choosing (the prefill side's params name it)
+            name = f"prefill {i}" if i < cfg.prefill else f"decode {i - cfg.prefill}"
+            if not any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
+                       for a in cfg.serve_args):
+                device = "cuda" if cfg.devices else "cpu"
+                command += ["--kv-transfer-config",
+                            '{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+                            f'"kv_buffer_device": "{device}"}}']
+            env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", cfg.replica_host)
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = "0"
+        return Child(name, _url(cfg.replica_host, port), command, env)
 
     def router_command(self) -> list[str]:
         cfg = self.config
+        if cfg.disaggregated:       # the P/D proxy (pipeline/tools/pd_proxy.py)
+            return [self.python, "-m", "pipeline.tools.pd_proxy", "--host", cfg.host,
+                    "--port", str(self.port),
+                    "--prefill", *[r.url for r in self.replicas[:cfg.prefill]],
+                    "--decode", *[r.url for r in self.replicas[cfg.prefill:]]]
         metrics_port = cfg.router_metrics_port or free_port(cfg.host)
         return [self.python, "-m", "vllm_router.launch_router",
                 "--host", cfg.host, "--port", str(self.port),
@@ -237,8 +268,14 @@ class Cluster:
                     await self._start(nursery)
                 if not self.stop.is_set():
                     print(f"{LISTENING_PREFIX}{_url(cfg.host, self.port)}", flush=True)
-                    log.info("cluster ready: %d replicas behind vllm-router (policy %s) at %s",
-                             len(self.replicas), cfg.policy, _url(cfg.host, self.port))
+                    if cfg.disaggregated:
+                        log.info("cluster ready: %d prefill and %d decode instances behind "
+                                 "the P/D proxy at %s", cfg.prefill, cfg.decode,
+                                 _url(cfg.host, self.port))
+                    else:
+                        log.info("cluster ready: %d replicas behind vllm-router (policy %s) "
+                                 "at %s", len(self.replicas), cfg.policy,
+                                 _url(cfg.host, self.port))
                 await self.stop.wait()
                 await self._shutdown()
                 nursery.cancel_scope.cancel()
@@ -270,8 +307,12 @@ class Cluster:
         self.router = Child("router", _url(self.config.host, self.port), self.router_command(),
                             {**os.environ})
         await self._spawn(nursery, self.router)
-        log.info("router: pid %d, vllm-router at %s, policy %s", self.router.proc.pid,
-                 self.router.url, self.config.policy)
+        if self.config.disaggregated:
+            log.info("router: pid %d, the P/D proxy at %s", self.router.proc.pid,
+                     self.router.url)
+        else:
+            log.info("router: pid %d, vllm-router at %s, policy %s", self.router.proc.pid,
+                     self.router.url, self.config.policy)
         await self._wait_healthy(self.router, started)
         self.router_up = True
 
@@ -455,7 +496,7 @@ class Cluster:
 
 
 def run(config: ClusterConfig) -> int:
-    if not router_installed():
+    if not config.disaggregated and not router_installed():
         log.error(MISSING_ROUTER)
         return 2
     try:
@@ -474,6 +515,13 @@ def add_arguments(p) -> None:
     """The launcher's own flags; every other flag goes to each replica's `tailrace serve`."""
     p.add_argument("--replicas", type=int, default=2,
                    help="How many `tailrace serve` replicas to start (default: %(default)s).")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="Disaggregated prefill (issue 36): N prefill instances and --decode M "
+                        "decode instances, each with the NIXL KV connector, behind tailrace's "
+                        "P/D proxy instead of vllm-router (--replicas and --policy do not "
+                        "apply; docs/scaling.md).")
+    p.add_argument("--decode", type=int, default=0, metavar="M",
+                   help="With --prefill: the decode instances.")
     p.add_argument("--host", default="127.0.0.1",
                    help="Address the router binds: what clients call (default: %(default)s).")
     p.add_argument("--port", type=int, default=8000,
@@ -529,4 +577,5 @@ def config_from_args(args, serve_args: Sequence[str]) -> ClusterConfig:
                          router_log_level=args.router_log_level,
                          start_timeout=args.start_timeout, stop_timeout=args.stop_timeout,
                          stop_on_replica_death=args.stop_on_replica_death,
-                         restart_replicas=args.restart_replicas)
+                         restart_replicas=args.restart_replicas,
+                         prefill=args.prefill, decode=args.decode)

@@ -171,6 +171,7 @@ class ChatCompletion:
     prompt_logprobs: list[Any] | None = None    # prompt_logprobs (vLLM's shape)
     prompt_token_ids: list[int] | None = None   # return_token_ids
     metrics: Any = ABSENT                       # --enable-per-request-metrics
+    kv_transfer_params: Any = ABSENT            # a prefill instance's, for the decode side
 
 
 MAX_LOGPROBS = 20   # vLLM's default --max-logprobs (and OpenAI's top_logprobs limit)
@@ -271,7 +272,8 @@ def _echo(req: ChatCompletionRequest, messages: list[dict]) -> str | None:
 
 def kv_prompt_token_ids(params: dict | None) -> tuple[int, ...] | None:
     """kv_transfer_params.prompt_token_ids: the prompt, already rendered (as vLLM's
-    disaggregated prefill hands it over). The rest of kv_transfer_params is not used."""
+    disaggregated prefill hands it over). The rest of kv_transfer_params is the KV
+    connector's (stages/api/kv_params.py)."""
     if not params or "prompt_token_ids" not in params:
         return None
     ids = params["prompt_token_ids"]

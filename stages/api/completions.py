@@ -62,6 +62,7 @@ class Completion:
     choices: list[CompletionChoice]
     usage: UsageInfo | None = ABSENT
     metrics: Any = ABSENT                       # --enable-per-request-metrics
+    kv_transfer_params: Any = ABSENT            # a prefill instance's, for the decode side
 
 
 # OpenAI's default for /v1/completions.

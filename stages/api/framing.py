@@ -306,4 +306,6 @@ class ChoicesFramer(Framer):
             choices=[self._body_choice(i, c) for i, c in enumerate(self._choices)],
             usage=self._usage(delta.usage),
             **({} if delta.metrics is None else {"metrics": delta.metrics}),
+            **({} if delta.kv_transfer_params is None
+               else {"kv_transfer_params": delta.kv_transfer_params}),
             **self._body_fields()))

@@ -139,6 +139,9 @@ class Delta:
     # -- a pooling sequence's one delta (schedule, from StepResult.pooled): its vector,
     # float32 little-endian (gpu/pooling_runner.py)
     pooled: bytes | None = None
+    # -- the KV connector's reply params (issue 36): on a prefill instance's finishing delta
+    # of a request with do_remote_decode, what the decode instance needs (vLLM's keys)
+    kv_transfer_params: dict | None = None
 
     def __init__(self, request_id: str, token_ids: tuple[int, ...] = (),
                  finish_reason: FinishReason | None = None, stop_reason: str | int | None = None,
@@ -150,7 +153,8 @@ class Delta:
                  prompt_logprobs: tuple[PromptLogprob, ...] = (), content: str = "",
                  reasoning: str = "", tool_calls: tuple[ToolCallDelta, ...] = (),
                  reasoning_tokens: int = 0, reasoning_span: int = 0, usage: Usage | None = None,
-                 metrics: RequestMetrics | None = None, pooled: bytes | None = None) -> None:
+                 metrics: RequestMetrics | None = None, pooled: bytes | None = None,
+                 kv_transfer_params: dict | None = None) -> None:
         fields = self.__dict__     # frozen: __setattr__ raises, as attrs' own __init__ does this
         fields["request_id"] = request_id
         fields["token_ids"] = token_ids
@@ -175,6 +179,7 @@ class Delta:
         fields["usage"] = usage
         fields["metrics"] = metrics
         fields["pooled"] = pooled
+        fields["kv_transfer_params"] = kv_transfer_params
 
     @property
     def finished(self) -> bool:
@@ -195,7 +200,8 @@ class Delta:
                      self.index, self.prompt_token_logprobs, self.draft_tokens,
                      self.accepted_tokens, text, logprobs, prompt_logprobs, text,
                      self.reasoning, self.tool_calls, self.reasoning_tokens,
-                     self.reasoning_span, self.usage, self.metrics, self.pooled)
+                     self.reasoning_span, self.usage, self.metrics, self.pooled,
+                     self.kv_transfer_params)
 
     def running_text(self, text: str) -> Delta:
         """detokenized(text, ...) for a running delta of schedule's with nothing but its
@@ -214,7 +220,8 @@ class Delta:
                      self.scheduled_at, self.index, self.prompt_token_logprobs,
                      self.draft_tokens, self.accepted_tokens, self.text, self.logprobs,
                      self.prompt_logprobs, content, reasoning, tool_calls, reasoning_tokens,
-                     reasoning_span, self.usage, self.metrics, self.pooled)
+                     reasoning_span, self.usage, self.metrics, self.pooled,
+                     self.kv_transfer_params)
 
     def accounted(self, usage: Usage, metrics: RequestMetrics | None = None) -> Delta:
         """account's output: this delta with the usage so far (and the request's timings)."""
@@ -223,4 +230,5 @@ class Delta:
                      self.scheduled_at, self.index, self.prompt_token_logprobs,
                      self.draft_tokens, self.accepted_tokens, self.text, self.logprobs,
                      self.prompt_logprobs, self.content, self.reasoning, self.tool_calls,
-                     self.reasoning_tokens, self.reasoning_span, usage, metrics, self.pooled)
+                     self.reasoning_tokens, self.reasoning_span, usage, metrics, self.pooled,
+                     self.kv_transfer_params)

@@ -18,7 +18,7 @@ import trio
 
 from gpu.interface import StepPlan
 from stages.lib.delta import FinishReason
-from stages.messages import Abort, Control, FinishRequest, RenderedRequest, Step
+from stages.messages import Abort, Control, FinishRequest, KVRelease, RenderedRequest, Step
 from stages.schedule.async_ import AsyncScheduler
 from stages.schedule.scheduler import Scheduler
 from stages.schedule.sequence import Sequence, sampling_options
@@ -107,6 +107,8 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
                 scheduler.finish(msg.request_id, FinishReason.ERROR, msg.error)
         elif isinstance(msg, FinishRequest):
             scheduler.finish(msg.request_id, FinishReason.STOP, index=msg.index)
+        elif isinstance(msg, KVRelease):
+            scheduler.release_held(msg.request_ids, msg.expire)
         elif isinstance(msg, Control):
             if msg.op == "reset_prefix_cache":
                 msg.answer(scheduler.reset_prefix_cache(msg.reset_running))
@@ -176,7 +178,8 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
                 compiled.reset()        # before schedule() looks at the grammars
                 plan = scheduler.schedule()
                 # kv_updates alone too: a chunk taken back by a preemption keeps its block's slot
-                if plan.chunks or plan.new_seqs or plan.released or plan.kv_updates:
+                if (plan.chunks or plan.new_seqs or plan.released or plan.kv_updates
+                        or plan.kv_reads or plan.kv_waiting):
                     await to_gpu.send(plan)
                     inflight.append((plan, tuple(scheduler.preempted)))
                     if len(inflight) < depth and applied is None:

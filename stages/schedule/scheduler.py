@@ -14,21 +14,25 @@ from __future__ import annotations
 
 import time
 from collections import deque
+
+import attrs
 from concurrent.futures import Future
 
-from gpu.interface import (ConstraintCompiler, SeqChunk, SeqStart, StepPlan, StepResult,
-                           TokenLogprobs)
+from gpu.interface import (ConstraintCompiler, KVRead, SeqChunk, SeqStart, StepPlan,
+                           StepResult, TokenLogprobs)
 from stages.lib.delta import Delta, FinishReason
 from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
+from stages.lib.kv_transfer import KVTransferConfig
 from stages.messages import RenderedRequest, Step
 from stages.schedule.blocks import BlockManager, image_block_keys
 from stages.schedule.drafter import Drafter
+from stages.schedule.kv import KVConnectorSide
 from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, worst_running
 from stages.schedule.sequence import Sequence, sampling_options
 from stages.schedule.spec import CostGate, SpecCounters, Speculation
 from stages.schedule.stop import check_stop, tokens_left
 
-class Scheduler:
+class Scheduler(KVConnectorSide):
     # steps it may have planned whose results have not come back (the schedule stage's depth)
     max_in_flight = 1
 
@@ -38,7 +42,8 @@ class Scheduler:
                  think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
                  num_speculative_tokens: int = 0,
                  spec_disable_by_batch_size: int | None = None,
-                 policy: str = "fcfs", max_loras: int = 1, spec_adaptive: bool = False) -> None:
+                 policy: str = "fcfs", max_loras: int = 1, spec_adaptive: bool = False,
+                 kv_transfer: KVTransferConfig | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.blocks = blocks
@@ -80,6 +85,19 @@ class Scheduler:
         self.speculation = (None if self.drafter is None else Speculation(
             self.drafter, num_speculative_tokens, spec_disable_by_batch_size, self.spec,
             CostGate() if spec_adaptive else None))
+        # the KV connector (issue 36; kv_transfer.py has the protocol).
+        # Prefill side: a finished do_remote_decode request's prompt blocks, held by request
+        # id until the decode side has read them (KVRelease) or the abort timeout passes.
+        self.kv_transfer = kv_transfer
+        self.kv_port = kv_transfer.side_channel_port if kv_transfer is not None else 0
+        self.held: dict[str, tuple[list[int], float]] = {}     # request id -> (blocks, deadline)
+        self.kv_holds_expired = 0
+        # Decode side: a remote prefill is a sequence whose blocks are allocated and being
+        # filled by the GPU step's read (plan.kv_reads), out of the queues until it lands;
+        # one aborted meanwhile keeps its blocks until the read is over (the runner says).
+        self.receiving: dict[str, Sequence] = {}
+        self._kv_reads: list[KVRead] = []
+        self._abandoned_reads: dict[str, list[int]] = {}
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
@@ -150,6 +168,10 @@ class Scheduler:
                     self.running.remove(seq)
                 elif seq in self.compiling:
                     self.compiling.remove(seq)
+                elif seq.id in self.receiving:   # its read may still write into its blocks
+                    del self.receiving[seq.id]
+                    self._abandoned_reads[seq.id] = seq.table
+                    seq.table, seq.table_t = [], ()
                 else:
                     self.waiting.remove(seq)
                 self._retire(seq)
@@ -186,7 +208,8 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
-                    or self._released or self.compiling)
+                    or self._released or self.compiling or self.receiving
+                    or self._abandoned_reads)
 
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -261,6 +284,14 @@ class Scheduler:
                 break   # its prompt's blocks are being computed: take them next step
             if seq.req.lora is not None and self._lora_full(seq.req.lora.id):
                 break   # --max-loras adapters run already: it waits for one of them to end
+            if seq.remote_prefill is not None:      # its KV comes from the prefill instance
+                if not self._start_remote_prefill(seq):
+                    break
+                if seq.id in self.receiving:
+                    seq.first_scheduled = True
+                    seq.scheduled_at = time.monotonic()
+                    new_seqs.append(self._start(seq))
+                continue
             if not seq.table and not self._take_prefix(seq, budget):
                 if self.priority and (freed := self._preempt_for(seq, chunks, planned)) is not None:
                     budget += freed
@@ -288,8 +319,10 @@ class Scheduler:
         if chunks:
             self._planned[self.step] = planned
         sliding = self.blocks.sliding
+        reads, self._kv_reads = tuple(self._kv_reads), []
         return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released,
-                        sliding.drain_updates() if sliding is not None else ())
+                        sliding.drain_updates() if sliding is not None else (), reads,
+                        bool(self.receiving or self._abandoned_reads))
 
     def _preempt_for(self, seq: Sequence, chunks: list[SeqChunk],
                      planned: list[tuple[Sequence, int]]) -> int | None:
@@ -424,6 +457,8 @@ class Scheduler:
         which the stop rule may cut; the rejected drafts' KV is rolled back, and only the
         kept tokens' blocks are hashed."""
         planned = self._planned.pop(plan.step, ())
+        if result.kv_loaded or result.kv_failed:
+            self._kv_results(result)
         if result.error is not None:
             for seq, _ in planned:
                 if not seq.retired:
@@ -469,10 +504,14 @@ class Scheduler:
                 seq.prompt_logprobs_so_far = []
             lps = _kept_logprobs(logprobs.get(seq.id, ()), kept) if logprobs else ()
             # positional, in Delta's field order (per token: a keyword call costs ~3x)
-            deltas.append(Delta(
+            delta = Delta(
                 seq.req.request_id, toks, None if stop is None else stop.reason,
                 None if stop is None else stop.stop_token, seq.num_cached_tokens, None, lps,
-                seq.scheduled_at, seq.index, prompt_logprobs, chunk.num_drafts, accepted))
+                seq.scheduled_at, seq.index, prompt_logprobs, chunk.num_drafts, accepted)
+            if (stop is not None and epoch == seq.epoch and seq.req.kv_transfer is not None
+                    and seq.req.kv_transfer.remote_decode and self.kv_transfer is not None):
+                delta = attrs.evolve(delta, kv_transfer_params=self._hold(seq))
+            deltas.append(delta)
             if stop is not None:     # (waiting again if preempted while this step ran)
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)

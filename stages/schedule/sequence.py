@@ -61,6 +61,9 @@ class Sequence:
         self.stop_token_ids = frozenset(sp.options.stop_token_ids)   # their id is the stop_reason
         self.end_len = stop.end_len(self.prompt_len, self.max_tokens, max_model_len)
         self.grammar: Future | None = None     # the compiled grammar, while it compiles
+        # the KV connector (issue 36): a remote prefill's blocks still to read (until they land)
+        kv = req.kv_transfer
+        self.remote_prefill = kv.remote_prefill if kv is not None else None
         # speculative decoding: verify steps, drafts proposed, drafts accepted
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
 

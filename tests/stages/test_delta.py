@@ -73,7 +73,7 @@ def _every_field_set(**over):
                   prompt_logprobs=(PromptLogprob(1, "p", None),), content="c", reasoning="z",
                   tool_calls=(ToolCallDelta(0, "id", "f", "{}"),), reasoning_tokens=8,
                   reasoning_span=9, usage=Usage(1, 2), metrics=RequestMetrics(1, 2, 3, 4, 5),
-                  pooled=b"\x00\x00\x80?")
+                  pooled=b"\x00\x00\x80?", kv_transfer_params={"remote_request_id": "r"})
     assert set(values) == {a.name for a in attrs.fields(Delta)}
     return Delta(**{**values, **over})
 
