@@ -42,6 +42,10 @@ class ModelRunner(StagingRunner):
         self.model = model
         self.vision = vision
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
+        # M-RoPE (Qwen2.5-VL): seq id -> (its prompt's positions [3, L], rope delta), for
+        # the sequences with pictures; every other row keeps its one position
+        self.mrope = getattr(model, "mrope_columns", None) is not None
+        self.mrope_pos: dict[str, tuple] = {}
         self.encoder_cache = EncoderCache(encoder_cache_size)
         self.lora = lora
         self.draft = draft
@@ -110,11 +114,16 @@ class ModelRunner(StagingRunner):
             self.states.pop(sid, None)
             self.prompt_logprobs.pop(sid, None)
             self.images.pop(sid, None)
+            self.mrope_pos.pop(sid, None)
             if self.lora is not None:
                 self.lora.release(sid)
         for ns in plan.new_seqs:
             if ns.images:
                 self.images[ns.seq_id] = ns.images
+                if self.mrope:
+                    from gpu.qwen_vision import mrope_positions
+                    self.mrope_pos[ns.seq_id] = mrope_positions(
+                        len(ns.prompt_token_ids), ns.images, self.vision.merge)
             fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             st = self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
             if ns.grammar is not None:
@@ -134,6 +143,8 @@ class ModelRunner(StagingRunner):
             plan = self.draft.fill(plan, staged, self.states)
         input_ids, positions, meta, sample_idx = upload_inputs(
             staged, self.device, self.staging, self.last_token, self.staged_tokens.previous(staged))
+        if self.mrope_pos:
+            positions = self._mrope_positions(plan.chunks, positions)
         spans = self._prompt_logprob_spans(plan.chunks) if self.prompt_logprobs else []
         sampling = [c for c in plan.chunks if c.sample]
         seq_ids = tuple(c.seq_id for c in sampling)
@@ -244,6 +255,31 @@ class ModelRunner(StagingRunner):
             return self.model(input_ids, positions, self.attn, embeds=embeds)
         return self.model(input_ids, positions, self.attn)
 
+    def _mrope_positions(self, chunks: tuple[SeqChunk, ...], positions: torch.Tensor
+                         ) -> torch.Tensor:
+        """The step's positions under M-RoPE, when a sequence with pictures is in it: [3, T]
+        (t, h, w) when a chunk covers such a prompt's positions (its own table), else [T]
+        with p + rope delta past such prompts (the three agree there: one position still
+        does, and a decode batch keeps its CUDA graph). Other rows keep p."""
+        import numpy as np
+
+        rows, three = [], False
+        for c in chunks:
+            p = np.arange(c.start_pos, c.start_pos + len(c.token_ids), dtype=np.int64)
+            entry = self.mrope_pos.get(c.seq_id)
+            if entry is None:
+                rows.append(np.broadcast_to(p, (3, len(p))))
+                continue
+            table, delta = entry
+            inside = p < table.shape[1]
+            three |= bool(inside.any())
+            rows.append(np.where(inside[None], table[:, np.minimum(p, table.shape[1] - 1)],
+                                 p + delta))
+        host = np.concatenate(rows, axis=1)
+        if not three:
+            host = host[0]
+        return torch.from_numpy(np.ascontiguousarray(host)).to(positions.device)
+
     def _image_embeds(self, chunks: tuple[SeqChunk, ...]):
         """(rows, features) for the step's rows that are pictures' placeholder tokens, or
         None: each picture a chunk cuts into is encoded (once: the encoder cache keeps its
@@ -278,6 +314,16 @@ class ModelRunner(StagingRunner):
         by_shape: dict[tuple, list] = {}
         for im in images:
             by_shape.setdefault(tuple(im.pixels.shape), []).append(im)
+        if getattr(self.vision, "variable_size", False):    # Qwen2.5-VL: one picture at a time
+            for im in images:
+                f = self.vision(torch.from_numpy(im.pixels).to(self.device), im.grid)
+                if f.shape[0] != im.length:
+                    raise ValueError(f"a picture has {im.length} placeholder tokens, its "
+                                     f"features {f.shape[0]}")
+                self.encoder_cache.put(im.hash, f)
+                out[im.hash] = f
+            self.encoder_cache.encoded += len(images)
+            return out
         for group in by_shape.values():
             pixels = torch.stack([torch.from_numpy(im.pixels) for im in group]).to(
                 self.device, self.vision.dtype)
