@@ -154,7 +154,7 @@ def _vision_ids(plan: PromptPlan, ctx: RenderContext, parts: list[dict]):
                            "cut a picture's tokens).", param="truncate_prompt_tokens")
     try:
         check_limit(parts, ctx.media)
-        loaded = load_images(parts, ctx.vision, ctx.media)
+        loaded = load_images(parts, ctx.vision, ctx.media, plan.mm_processor_kwargs)
         template = plan.chat_template or ctx.chat_template or (
             ctx.tokenizer.chat_template if ctx.tokenizer is not None else None)
         messages = template_form(plan.messages, template, ctx.vision)
