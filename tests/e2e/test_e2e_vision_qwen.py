@@ -124,3 +124,24 @@ def test_mm_processor_kwargs_and_responses_input_image(vl, qwen):
         {"role": "user", "content": [{"type": "input_image", "image_url": data_url(IMG_TALL)},
                                      {"type": "input_text", "text": "What is this?"}]}])
     assert out.output_text == text
+
+
+def test_tokenize_takes_pictures(vl, qwen):
+    """/tokenize with a picture: the prompt's tokens with its placeholders expanded, the
+    Hugging Face processor's ids (mm_processor_kwargs too)."""
+    import httpx
+
+    server, _, model = vl
+    _, hf_model, processor = qwen
+    prompt = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is this?"}]}], add_generation_prompt=True)
+    base = server.base_url.removesuffix("/v1")
+    for opts, size in (({}, {}), ({"max_pixels": 24 * 24}, {"longest_edge": 24 * 24})):
+        want = processor(images=[IMG_WIDE], text=prompt, return_tensors="np", size={
+            "shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS, **size})
+        r = httpx.post(f"{base}/tokenize", timeout=30, json={
+            "model": model, "messages": ask("What is this?", IMG_WIDE),
+            **({"mm_processor_kwargs": opts} if opts else {})})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == want["input_ids"][0].tolist()
+        assert r.json()["count"] == want["input_ids"].shape[1]
