@@ -248,6 +248,7 @@ class ModelRunner(StagingRunner):
         text path alone). Every tensor-parallel rank decides alike from the same inputs.
         embeds: pictures' features for some rows (`_image_embeds`)."""
         if (embeds is None and self.graphs is not None and not lora and not meta.prefill_rows
+                and positions.dim() == 1      # M-RoPE's [3, T] runs eagerly
                 and self.graphs.fits(len(meta.q_lens), meta.block_tables.shape[1])):
             return self.graphs.run(input_ids, positions, meta)
         self.attn.prepare(meta)

@@ -173,3 +173,33 @@ def test_runner_chunks_through_a_picture_with_mrope(qwen, loaded):
     assert runner.encoder_cache.encoded == 1
     assert run("b", (5, 6, 7, 8, 9), 100) == want.tolist()
     assert runner.encoder_cache.encoded == 1          # the same picture: from the cache
+
+
+def test_transformers_4_layout_config_and_names():
+    """transformers 4's Qwen2.5-VL config.json (the decoder's fields at the top level,
+    rope_scaling {"type": "mrope"}) and 5's weight names (model.language_model.*,
+    model.visual.*) read as the tiny model's."""
+    from gpu.config import ModelConfig
+    from gpu.qwen_vision import split_checkpoint
+    from gpu.vision_config import is_vision_config, text_config
+
+    flat = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "rope_theta": 1e6, "max_position_embeddings": 512,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+            "vision_config": {"depth": 2}}
+    assert is_vision_config(flat)
+    c = ModelConfig.from_hf(text_config(flat))
+    assert c.architecture == "qwen2" and c.attention_bias and c.mrope_section == (2, 3, 3)
+    assert c.rope_theta == 1e6 and c.rope_scaling_dict.get("rope_type", "default") == "default"
+    assert ModelConfig.from_hf({**text_config(flat), "model_type": "qwen2",
+                                "rope_scaling": None}).mrope_section is None
+    vision: list = []
+    names = [n for n, _ in split_checkpoint(
+        [("model.language_model.layers.0.self_attn.q_proj.weight", 0),
+         ("model.language_model.embed_tokens.weight", 0), ("lm_head.weight", 0),
+         ("model.visual.blocks.0.attn.qkv.weight", 0), ("visual.merger.ln_q.weight", 0)], vision)]
+    assert names == ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight",
+                     "lm_head.weight"]
+    assert [n for n, _ in vision] == ["blocks.0.attn.qkv.weight", "merger.ln_q.weight"]
