@@ -118,17 +118,15 @@ def test_mm_processor_kwargs_and_responses_input_image(vl, qwen):
         assert resp.status_code == 400, resp.text
         err = resp.json()["error"]
         assert words in err["message"] and "mm_processor_kwargs" in err["param"], err
-    # Responses' input_image: the chat answer (with mm_processor_kwargs too)
-    for extra in ({}, {"mm_processor_kwargs": {"max_pixels": 24 * 24}}):
-        text = chat(client, model, ask("What is this?", IMG_TALL), **extra).choices[0].message.content
-        out = client.responses.create(model=model, temperature=0, max_output_tokens=8, input=[
-            {"role": "user", "content": [{"type": "input_image", "image_url": data_url(IMG_TALL)},
-                                         {"type": "input_text", "text": "What is this?"}]}],
-            extra_body=extra or None)
-        assert out.output_text == text
-        assert out.usage.input_tokens == chat(client, model, ask("What is this?", IMG_TALL),
-                                              **extra).usage.prompt_tokens
-
+    # Responses' input_image (with mm_processor_kwargs): the chat answer and count
+    extra = {"mm_processor_kwargs": {"max_pixels": 24 * 24}}
+    ref = chat(client, model, ask("What is this?", IMG_TALL), **extra)
+    out = client.responses.create(model=model, temperature=0, max_output_tokens=8, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(IMG_TALL)},
+                                     {"type": "input_text", "text": "What is this?"}]}],
+        extra_body=extra)
+    assert out.output_text == ref.choices[0].message.content
+    assert out.usage.input_tokens == ref.usage.prompt_tokens
 
 def test_tokenize_takes_pictures(vl, qwen):
     """/tokenize with a picture: the prompt's tokens with its placeholders expanded, the
