@@ -114,8 +114,8 @@ class GrammarError(ValueError):
 class ImageInput:
     """One picture of a prompt (issue 34): its placeholder tokens are prompt positions
     offset .. offset + length - 1, its features come from the vision tower run on `pixels`
-    (a float32 numpy array [3, H, W], made in render; Qwen2.5-VL's below), and `hash` names its content (the
-    runner's encoder cache and the prefix cache key on it)."""
+    (a float32 numpy array [3, H, W], made in render; Qwen2.5-VL's: below), and `hash`
+    names its content (the runner's encoder cache and the prefix cache key on it)."""
     offset: int
     length: int
     hash: str

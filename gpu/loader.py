@@ -216,14 +216,10 @@ def build_vision(config: dict, text_hidden: int, dtype, device):
     (gpu/qwen_vision.py) or LLaVA's tower and projector (gpu/vision.py); its
     `split_checkpoint` picks its tensors out of the checkpoint's."""
     if vision_architecture(config) == "qwen2_5_vl":
-        from gpu import qwen_vision
-        vision = qwen_vision.QwenVision(config, text_hidden, dtype, device)
-        vision.split_checkpoint = qwen_vision.split_checkpoint
-    else:
-        from gpu import vision as llava
-        vision = llava.LlavaVision(config, text_hidden, dtype, device)
-        vision.split_checkpoint = llava.split_checkpoint
-    return vision
+        from gpu.qwen_vision import QwenVision
+        return QwenVision(config, text_hidden, dtype, device)
+    from gpu.vision import LlavaVision
+    return LlavaVision(config, text_hidden, dtype, device)
 
 
 def device_type(device: str | torch.device) -> str:

@@ -254,7 +254,8 @@ class CausalLM(nn.Module):
         positions = max_positions or c.max_position_embeddings
         self.register_buffer("cos_sin", build_rope_cache(c, positions, device), persistent=False)
         if c.mrope_section:     # [head_dim]: the M-RoPE section of each rope column (Qwen2.5-VL)
-            self.register_buffer("mrope_columns", mrope_columns(c.mrope_section, c.head_dim, device),
+            self.register_buffer("mrope_columns",
+                                 mrope_columns(c.mrope_section, c.head_dim, device),
                                  persistent=False)
         else:
             self.mrope_columns = None

@@ -137,7 +137,8 @@ def mrope_columns(section: tuple[int, ...], head_dim: int, device=None) -> torch
     takes under M-RoPE: frequency j of the first section's j's the temporal one, the next
     section's the height, the last's the width (cos and sin halves alike)."""
     if sum(section) * 2 != head_dim:
-        raise ValueError(f"mrope_section {list(section)} does not sum to head_dim/2 = {head_dim // 2}")
+        raise ValueError(f"mrope_section {list(section)} does not sum to head_dim/2 = "
+                         f"{head_dim // 2}")
     half = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
     return torch.cat([half, half]).to(device)
 

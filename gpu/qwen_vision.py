@@ -174,8 +174,12 @@ class QwenVision(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full if i in self.full else windowed)
         g = self.merger
-        x = g.mlp[2](g.mlp[1](g.mlp[0](g.ln_q(x).view(n // unit, -1))))               # [P/unit, out]
+        x = g.mlp[2](g.mlp[1](g.mlp[0](g.ln_q(x).view(n // unit, -1))))    # [P/unit, out]
         return x[torch.from_numpy(np.argsort(order)).to(x.device)]
+
+    @staticmethod
+    def split_checkpoint(named, vision: list):
+        return split_checkpoint(named, vision)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Our names (patch_embed.*, blocks.*, merger.*); raises on unknown, misshapen or

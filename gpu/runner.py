@@ -16,6 +16,7 @@ import torch
 
 from gpu.attention import KVCache, TorchPagedAttention
 from gpu.grammar import Guide, accept, mask_logits
+from gpu.qwen_vision import mrope_positions
 from gpu.interface import (PromptLogprobs, SamplingOptions, SeqChunk, SeqStart, StagingRunner,
                            StepPlan, StepResult, TokenLogprobs, TPLost)
 from gpu.think_budget import ThinkBudget
@@ -44,7 +45,7 @@ class ModelRunner(StagingRunner):
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
         # M-RoPE (Qwen2.5-VL): seq id -> (its prompt's positions [3, L], rope delta), for
         # the sequences with pictures; every other row keeps its one position
-        self.mrope = getattr(model, "mrope_columns", None) is not None
+        self.mrope = bool(model.config.mrope_section)
         self.mrope_pos: dict[str, tuple] = {}
         self.encoder_cache = EncoderCache(encoder_cache_size)
         self.lora = lora
@@ -121,7 +122,6 @@ class ModelRunner(StagingRunner):
             if ns.images:
                 self.images[ns.seq_id] = ns.images
                 if self.mrope:
-                    from gpu.qwen_vision import mrope_positions
                     self.mrope_pos[ns.seq_id] = mrope_positions(
                         len(ns.prompt_token_ids), ns.images, self.vision.merge)
             fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
@@ -315,7 +315,7 @@ class ModelRunner(StagingRunner):
         by_shape: dict[tuple, list] = {}
         for im in images:
             by_shape.setdefault(tuple(im.pixels.shape), []).append(im)
-        if getattr(self.vision, "variable_size", False):    # Qwen2.5-VL: one picture at a time
+        if self.vision.variable_size:     # Qwen2.5-VL: one picture at a time
             for im in images:
                 f = self.vision(torch.from_numpy(im.pixels).to(self.device), im.grid)
                 if f.shape[0] != im.length:

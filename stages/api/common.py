@@ -339,7 +339,7 @@ class PromptPlan:
     echo_prompt: bool = False                # completions echo: each prompt starts its choices
     prompt_logprobs: int | None = None       # logprobs of the prompt tokens (top k); None: off
     reply: ReplySpec = ReplySpec()           # what the reply shows and echoes (the API's reply_spec)
-    mm_processor_kwargs: dict | None = None  # the image processor's options (stages/lib/vision_prompt.py)
+    mm_processor_kwargs: dict | None = None  # image processor options (stages/lib/vision_prompt.py)
 
 
 R = TypeVar("R")
