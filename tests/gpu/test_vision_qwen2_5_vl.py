@@ -203,3 +203,25 @@ def test_transformers_4_layout_config_and_names():
     assert names == ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight",
                      "lm_head.weight"]
     assert [n for n, _ in vision] == ["blocks.0.attn.qkv.weight", "merger.ln_q.weight"]
+
+
+def test_mm_processor_kwargs_are_checked_before_any_fetch(loaded):
+    """A bad option is a MediaError (the 400) naming mm_processor_kwargs before the
+    picture's URL is fetched; LLaVA's CLIP processor takes no options."""
+    import attrs
+
+    from gpu.vision_config import ImageProcessing
+    from stages.lib.media import MediaError, MediaSettings
+    from stages.lib.vision_prompt import load_images
+
+    parts = [{"type": "image", "image_url": "http://unreachable.invalid/a.png",
+              "param": "messages[0].content[0].image_url"}]
+    settings = MediaSettings(fetch_timeout_s=30.0)
+    for spec, opts, words in (
+            (loaded.vision_spec, {"max_pixels": 0}, "positive integer"),
+            (loaded.vision_spec, {"size": {"longest_edge": 9}}, "unknown option 'size'"),
+            (attrs.evolve(loaded.vision_spec, processing=ImageProcessing()), {"max_pixels": 100},
+             "takes no options")):
+        with pytest.raises(MediaError) as e:
+            load_images(parts, spec, settings, opts)
+        assert e.value.param == "mm_processor_kwargs" and words in e.value.message
