@@ -139,9 +139,10 @@ def qwen_patches(img: Image.Image, proc: QwenImageProcessing
     return patches, (1, gh, gw)
 
 
-def content_hash(pixels: np.ndarray) -> str:
-    """The picture's identity as the model sees it (its pixel values)."""
+def content_hash(pixels: np.ndarray, grid: tuple[int, ...] | None = None) -> str:
+    """The picture's identity as the model sees it (its pixel values, and Qwen2.5-VL's
+    patch grid, which its features and positions follow)."""
     h = hashlib.sha256()
-    h.update(repr(pixels.shape).encode())
+    h.update(repr(pixels.shape if grid is None else (pixels.shape, tuple(grid))).encode())
     h.update(pixels.tobytes())
     return h.hexdigest()[:32]

@@ -58,7 +58,7 @@ def load_images(parts: list[dict], spec: VisionSpec, settings: MediaSettings,
                 pixels, grid = imaging.pixel_values(img, processing), None
         except imaging.ImageError as exc:
             raise MediaError(f"'{p['param']}': {exc}.", p["param"]) from None
-        out.append((pixels, imaging.content_hash(pixels), grid))
+        out.append((pixels, imaging.content_hash(pixels, grid), grid))
     return out
 
 
