@@ -10,8 +10,10 @@ column), blocks of pre-RMSNorm attention and a SwiGLU MLP, the blocks in
 `fullatt_block_indexes` attending over the whole picture and the others within windows
 of window_size pixels. The patches are put in window order once (the window index
 permutation, by merge blocks) before the blocks and back in raster order after the merger.
-Attention is bidirectional, torch's SDPA with a block-diagonal mask (a fused kernel on
-CUDA), no KV cache."""
+Attention is bidirectional, torch's SDPA (a fused kernel on CUDA), no KV cache: a
+windowed block's windows (and a video's frames) are gathered into one padded batch
+[windows, heads, longest, head_dim] with a key mask, so a window costs its own length
+squared, not the picture's."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -50,16 +52,26 @@ class _Attention(nn.Module):
         self.proj = nn.Linear(dim, dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """x [S, D], cos/sin [S, hd], mask [S, S] (True: may attend) -> [S, D]."""
+                segments: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x [S, D], cos/sin [S, hd] -> [S, D]. segments: None (every row sees every row),
+        or (index [W, L], valid [W, L]): the rows of each of W segments, padded with S."""
         s, d = x.shape
         q, k, v = self.qkv(x).view(s, 3, self.heads, d // self.heads).unbind(1)   # [S, H, hd]
         c, sn = cos[:, None].float(), sin[:, None].float()
         q = (q.float() * c + _rotate_half(q.float()) * sn).to(x.dtype)
         k = (k.float() * c + _rotate_half(k.float()) * sn).to(x.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                             v.transpose(0, 1), attn_mask=mask)   # [H, S, hd]
-        return self.proj(out.transpose(0, 1).reshape(s, d))
+        if segments is None:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                 v.transpose(0, 1))              # [H, S, hd]
+            return self.proj(out.transpose(0, 1).reshape(s, d))
+        index, valid = segments
+
+        def batch(t: torch.Tensor) -> torch.Tensor:     # [S, H, hd] -> [W, H, L, hd]
+            return torch.cat([t, t.new_zeros(1, *t.shape[1:])])[index].transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v),
+                                             attn_mask=valid[:, None, None, :])  # [W, H, L, hd]
+        return self.proj(out.transpose(1, 2)[valid].reshape(s, d))
 
 
 class _Block(nn.Module):
@@ -75,11 +87,25 @@ class _Block(nn.Module):
             setattr(self.mlp, name, nn.Linear(i, o, dtype=dtype, device=device))
         self.act = _act(v["hidden_act"])
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         h = self.norm2(x)
         m = self.mlp
         return x + m.down_proj(self.act(m.gate_proj(h)) * m.up_proj(h))
+
+
+def _segments(lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Consecutive runs of rows of these lengths as (index [W, L], valid [W, L]), each run's
+    rows padded to the longest with the row count (a zero row the caller appends); None
+    for one run (plain attention over every row)."""
+    if len(lengths) == 1:
+        return None
+    longest, total = max(lengths), sum(lengths)
+    starts = np.cumsum([0, *lengths[:-1]])
+    index = starts[:, None] + np.arange(longest)[None, :]
+    valid = np.arange(longest)[None, :] < np.asarray(lengths)[:, None]
+    index = np.where(valid, index, total)
+    return torch.from_numpy(index).to(device), torch.from_numpy(valid).to(device)
 
 
 def window_index(grid: tuple[int, int, int], merge: int, window: int
@@ -165,12 +191,9 @@ class QwenVision(nn.Module):
         order_t = torch.from_numpy(order).to(x.device)
         x = x.view(n // unit, unit, -1)[order_t].reshape(n, -1)
         cos, sin = (c.view(n // unit, unit, -1)[order_t].reshape(n, -1) for c in self._rope(grid))
-        segment = torch.repeat_interleave(torch.arange(len(lengths), device=x.device),
-                                          torch.tensor(lengths, device=x.device) * unit)
-        windowed = segment[:, None] == segment[None, :]                               # [P, P]
-        frame = torch.arange(n, device=x.device) // (h * w) if t > 1 else None
-        full = (frame[:, None] == frame[None, :]) if frame is not None else None
-        # a whole frame's patches are a whole number of windows, so window order keeps frames apart
+        windowed = _segments([l * unit for l in lengths], x.device)
+        # a frame's patches are a whole number of windows: window order keeps frames apart
+        full = _segments([h * w] * t, x.device)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full if i in self.full else windowed)
         g = self.merger
