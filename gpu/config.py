@@ -69,6 +69,9 @@ class ModelConfig:
     sliding_window: int | None = None  # window (keys per query, itself included) of the sliding layers
     # Per layer "full_attention" or "sliding_attention"; empty means every layer is full.
     layer_types: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    # Qwen2.5-VL's M-RoPE: how many of the head_dim/2 frequencies take the temporal, height
+    # and width position (gpu/ops.py mrope_cos_sin); None: one position a token
+    mrope_section: tuple[int, ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -151,6 +154,15 @@ class ModelConfig:
         rope = dict(d.get("rope_parameters") or {})
         if "rope_type" not in rope and "type" in rope:
             rope["rope_type"] = rope.pop("type")
+        # Qwen2.5-VL's M-RoPE (transformers 4: rope_scaling {"type": "mrope", ...})
+        scaling = dict(d.get("rope_scaling") or {})
+        mrope = rope.pop("mrope_section", None) or scaling.pop("mrope_section", None)
+        if mrope is not None:
+            for r in (rope, scaling):
+                if r.get("rope_type", r.get("type")) == "mrope":
+                    r.pop("type", None)
+                    r["rope_type"] = "default"
+            d = {**d, "rope_scaling": scaling or None}
         rope_theta = rope.pop("rope_theta", None) or d.get("rope_theta") or _DEFAULT_ROPE_THETA.get(arch, 10000.0)
         rope_scaling = rope or dict(d.get("rope_scaling") or {}) or None
         if rope_scaling is not None:
@@ -183,6 +195,7 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=d.get("eos_token_id"),
+            mrope_section=tuple(mrope) if mrope is not None else None,
             **(_gpt_oss_fields(d) if gpt_oss else {}),
         )
 

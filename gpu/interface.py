@@ -117,12 +117,15 @@ class GrammarError(ValueError):
 class ImageInput:
     """One picture of a prompt (issue 34): its placeholder tokens are prompt positions
     offset .. offset + length - 1, its features come from the vision tower run on `pixels`
-    (a float32 numpy array [3, H, W], made in render), and `hash` names its content (the
-    runner's encoder cache and the prefix cache key on it)."""
+    (a float32 numpy array [3, H, W], made in render; Qwen2.5-VL's: below), and `hash`
+    names its content (the runner's encoder cache and the prefix cache key on it)."""
     offset: int
     length: int
     hash: str
     pixels: object = attrs.field(eq=False, repr=False)
+    # Qwen2.5-VL: the picture's patch grid (t, h, w), `pixels` its flattened patches
+    # [t*h*w, C*T*P*P]; its M-RoPE positions follow from it (gpu/qwen_vision.py)
+    grid: tuple[int, int, int] | None = None
 
 
 @attrs.frozen

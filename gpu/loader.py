@@ -20,7 +20,8 @@ from gpu.model import CausalLM
 from gpu.parallel import SINGLE, TP
 from gpu.tokenizer import Tokenizer, tokenizer_from_hf_dir
 from gpu.tokenizer_files import default_model_path
-from gpu.vision_config import VisionSpec, is_vision_config, text_config, vision_spec
+from gpu.vision_config import (VisionSpec, is_vision_config, text_config, vision_architecture,
+                               vision_spec)
 from gpu.weights_gguf import GGUFFile
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -183,8 +184,7 @@ def load_model(
     if source.vision_config is not None:
         if tp.size > 1:
             raise ValueError("a vision-language model is not served with --tensor-parallel-size > 1")
-        from gpu.vision import LlavaVision
-        vision = LlavaVision(source.vision_config, config.hidden_size, torch_dtype, device)
+        vision = build_vision(source.vision_config, config.hidden_size, torch_dtype, device)
     if load_format == "dummy":
         _init_random(lm, seed)
         if vision is not None:
@@ -194,8 +194,7 @@ def load_model(
         named = named_tensors(select)
         vision_tensors: list = []
         if vision is not None:
-            from gpu.vision import split_checkpoint
-            named = split_checkpoint(named, vision_tensors)
+            named = vision.split_checkpoint(named, vision_tensors)
         tensors = tqdm(named, total=source.num_tensors, desc=f"loading {source.name}",
                        unit="tensor", delay=0.5,
                        # a bar on a terminal only (rank 0's): a log file (or --log-format json) gets no bar
@@ -210,6 +209,17 @@ def load_model(
                        name=source.name, path=str(path), max_model_len=config.max_position_embeddings,
                        eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config),
                        weights=weights, vision=vision, vision_spec=source.vision_spec)
+
+
+def build_vision(config: dict, text_hidden: int, dtype, device):
+    """A vision-language model's vision side: Qwen2.5-VL's tower and merger
+    (gpu/qwen_vision.py) or LLaVA's tower and projector (gpu/vision.py); its
+    `split_checkpoint` picks its tensors out of the checkpoint's."""
+    if vision_architecture(config) == "qwen2_5_vl":
+        from gpu.qwen_vision import QwenVision
+        return QwenVision(config, text_hidden, dtype, device)
+    from gpu.vision import LlavaVision
+    return LlavaVision(config, text_hidden, dtype, device)
 
 
 def device_type(device: str | torch.device) -> str:

@@ -34,7 +34,8 @@ from torch.nn.utils import skip_init
 from gpu import mxfp4
 from gpu.config import ModelConfig
 from gpu.moe import MoE, expert_columns
-from gpu.ops import apply_rope, build_rope_cache, fused_add_rms_norm, rms_norm, silu_and_mul
+from gpu.ops import (apply_rope, build_rope_cache, fused_add_rms_norm, mrope_columns, mrope_cos_sin,
+                     rms_norm, silu_and_mul)
 from gpu.parallel import SINGLE, TP
 
 
@@ -252,17 +253,29 @@ class CausalLM(nn.Module):
         # fp32 cos/sin table; a buffer so .to(device) moves it, not persistent so it is never "loaded".
         positions = max_positions or c.max_position_embeddings
         self.register_buffer("cos_sin", build_rope_cache(c, positions, device), persistent=False)
+        if c.mrope_section:     # [head_dim]: the M-RoPE section of each rope column (Qwen2.5-VL)
+            self.register_buffer("mrope_columns",
+                                 mrope_columns(c.mrope_section, c.head_dim, device),
+                                 persistent=False)
+        else:
+            self.mrope_columns = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> final normed hidden states [T, D]. embeds: (rows
         [R], values [R, D]) put in place of those rows' token embeddings (a picture's
-        features at its placeholder tokens, gpu/vision.py)."""
+        features at its placeholder tokens, gpu/vision.py). An M-RoPE model (Qwen2.5-VL)
+        may get positions [3, T] (t, h, w): the step's rows' own cos/sin table is made
+        once and read by row."""
         x, residual = self.embed(input_ids).to(self.residual_dtype), None  # [T, D]
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
+        cos_sin = self.cos_sin
+        if positions.dim() == 2:
+            cos_sin = mrope_cos_sin(cos_sin, positions, self.mrope_columns)
+            positions = torch.arange(positions.shape[1], device=positions.device)
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin, attn)
+            x, residual = layer(x, residual, positions, cos_sin, attn)
         hidden, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return hidden  # [T, D]
 

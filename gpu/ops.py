@@ -132,6 +132,26 @@ def build_rope_cache(
     return cache.to(device=device, dtype=dtype)
 
 
+def mrope_columns(section: tuple[int, ...], head_dim: int, device=None) -> torch.Tensor:
+    """[head_dim]: which of the (t, h, w) positions each cos/sin column of the rope table
+    takes under M-RoPE: frequency j of the first section's j's the temporal one, the next
+    section's the height, the last's the width (cos and sin halves alike)."""
+    if sum(section) * 2 != head_dim:
+        raise ValueError(f"mrope_section {list(section)} does not sum to head_dim/2 = "
+                         f"{head_dim // 2}")
+    half = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+    return torch.cat([half, half]).to(device)
+
+
+def mrope_cos_sin(cos_sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor
+                  ) -> torch.Tensor:
+    """M-RoPE as one position a token: positions [3, T] (t, h, w) -> a [T, head_dim] table
+    whose row i holds token i's cos/sin, each column from the position its section takes
+    (mrope_columns); apply_rope then reads it with positions arange(T)."""
+    rows = cos_sin[positions]                                   # [3, T, Dh]
+    return rows.gather(0, columns.view(1, 1, -1).expand(1, rows.shape[1], -1))[0]
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

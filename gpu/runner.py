@@ -17,6 +17,7 @@ import torch
 
 from gpu.attention import KVCache, TorchPagedAttention
 from gpu.grammar import Guide, accept, mask_logits
+from gpu.qwen_vision import mrope_positions
 from gpu.interface import (PromptLogprobs, SamplingOptions, SeqChunk, SeqStart, StagingRunner,
                            StepPlan, StepResult, TokenLogprobs, TPLost)
 from gpu.think_budget import ThinkBudget
@@ -45,6 +46,10 @@ class ModelRunner(StagingRunner):
         self.model = model
         self.vision = vision
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
+        # M-RoPE (Qwen2.5-VL): seq id -> (its prompt's positions [3, L], rope delta), for
+        # the sequences with pictures; every other row keeps its one position
+        self.mrope = bool(model.config.mrope_section)
+        self.mrope_pos: dict[str, tuple] = {}
         self.encoder_cache = EncoderCache(encoder_cache_size)
         self.lora = lora
         self.draft = draft
@@ -134,11 +139,15 @@ class ModelRunner(StagingRunner):
             self.states.pop(sid, None)
             self.prompt_logprobs.pop(sid, None)
             self.images.pop(sid, None)
+            self.mrope_pos.pop(sid, None)
             if self.lora is not None:
                 self.lora.release(sid)
         for ns in plan.new_seqs:
             if ns.images:
                 self.images[ns.seq_id] = ns.images
+                if self.mrope:
+                    self.mrope_pos[ns.seq_id] = mrope_positions(
+                        len(ns.prompt_token_ids), ns.images, self.vision.merge)
             fallback = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             st = self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, fallback)
             if ns.grammar is not None:
@@ -158,6 +167,8 @@ class ModelRunner(StagingRunner):
             plan = self.draft.fill(plan, staged, self.states)
         input_ids, positions, meta, sample_idx = upload_inputs(
             staged, self.device, self.staging, self.last_token, self.staged_tokens.previous(staged))
+        if self.mrope_pos:
+            positions = self._mrope_positions(plan.chunks, positions)
         spans = self._prompt_logprob_spans(plan.chunks) if self.prompt_logprobs else []
         sampling = [c for c in plan.chunks if c.sample]
         seq_ids = tuple(c.seq_id for c in sampling)
@@ -263,12 +274,38 @@ class ModelRunner(StagingRunner):
         text path alone). Every tensor-parallel rank decides alike from the same inputs.
         embeds: pictures' features for some rows (`_image_embeds`)."""
         if (embeds is None and self.graphs is not None and not lora and not meta.prefill_rows
+                and positions.dim() == 1      # M-RoPE's [3, T] runs eagerly
                 and self.graphs.fits(len(meta.q_lens), meta.block_tables.shape[1])):
             return self.graphs.run(input_ids, positions, meta)
         self.attn.prepare(meta)
         if embeds is not None:
             return self.model(input_ids, positions, self.attn, embeds=embeds)
         return self.model(input_ids, positions, self.attn)
+
+    def _mrope_positions(self, chunks: tuple[SeqChunk, ...], positions: torch.Tensor
+                         ) -> torch.Tensor:
+        """The step's positions under M-RoPE, when a sequence with pictures is in it: [3, T]
+        (t, h, w) when a chunk covers such a prompt's positions (its own table), else [T]
+        with p + rope delta past such prompts (the three agree there: one position still
+        does, and a decode batch keeps its CUDA graph). Other rows keep p."""
+        import numpy as np
+
+        rows, three = [], False
+        for c in chunks:
+            p = np.arange(c.start_pos, c.start_pos + len(c.token_ids), dtype=np.int64)
+            entry = self.mrope_pos.get(c.seq_id)
+            if entry is None:
+                rows.append(np.broadcast_to(p, (3, len(p))))
+                continue
+            table, delta = entry
+            inside = p < table.shape[1]
+            three |= bool(inside.any())
+            rows.append(np.where(inside[None], table[:, np.minimum(p, table.shape[1] - 1)],
+                                 p + delta))
+        host = np.concatenate(rows, axis=1)
+        if not three:
+            host = host[0]
+        return torch.from_numpy(np.ascontiguousarray(host)).to(positions.device)
 
     def _image_embeds(self, chunks: tuple[SeqChunk, ...]):
         """(rows, features) for the step's rows that are pictures' placeholder tokens, or
@@ -304,6 +341,16 @@ class ModelRunner(StagingRunner):
         by_shape: dict[tuple, list] = {}
         for im in images:
             by_shape.setdefault(tuple(im.pixels.shape), []).append(im)
+        if self.vision.variable_size:     # Qwen2.5-VL: one picture at a time
+            for im in images:
+                f = self.vision(torch.from_numpy(im.pixels).to(self.device), im.grid)
+                if f.shape[0] != im.length:
+                    raise ValueError(f"a picture has {im.length} placeholder tokens, its "
+                                     f"features {f.shape[0]}")
+                self.encoder_cache.put(im.hash, f)
+                out[im.hash] = f
+            self.encoder_cache.encoded += len(images)
+            return out
         for group in by_shape.values():
             pixels = torch.stack([torch.from_numpy(im.pixels) for im in group]).to(
                 self.device, self.vision.dtype)

@@ -101,6 +101,8 @@ class ClipVisionTower(nn.Module):
 class LlavaVision(nn.Module):
     """The tower and the projector: pictures -> [N, tokens_per_image, text hidden size]."""
 
+    variable_size = False   # pictures of one size, encoded in batches (the runner's _encode)
+
     def __init__(self, config: dict, text_hidden: int, dtype=torch.float32, device="cpu"):
         super().__init__()
         v = vision_tower_config(config)
@@ -126,6 +128,10 @@ class LlavaVision(nn.Module):
             feats = feats[:, 1:]                                   # drop the class token
         p = self.multi_modal_projector
         return p.linear_2(self.act(p.linear_1(feats)))
+
+    @staticmethod
+    def split_checkpoint(named, vision: list):
+        return split_checkpoint(named, vision)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Our names (vision_tower.*, multi_modal_projector.*); raises on unknown, misshapen

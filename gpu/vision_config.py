@@ -3,8 +3,10 @@ render needs to turn a picture into pixel values and placeholder tokens (`Vision
 `ImageProcessing`, from preprocessor_config.json / processor_config.json), and what
 gpu/vision.py builds its vision tower from (config.json's vision_config).
 
-Only the llava-hf layout (`LlavaForConditionalGeneration`: a CLIP vision tower, the MLP
-projector, a Llama or Qwen2 decoder) is served."""
+Two layouts are served: llava-hf's (`LlavaForConditionalGeneration`: a CLIP vision tower,
+the MLP projector, a Llama or Qwen2 decoder) and Qwen2.5-VL's
+(`Qwen2_5_VLForConditionalGeneration`: dynamic resolution, a windowed vision tower, a
+Qwen2 decoder with M-RoPE)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +16,9 @@ import attrs
 
 from gpu.weights_hf import read_json
 
-VISION_ARCHITECTURES = ("llava",)
+VISION_ARCHITECTURES = ("llava", "qwen2_5_vl")
+_VISION_CLASSES = {"LlavaForConditionalGeneration": "llava",
+                   "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
 VISION_TOWERS = ("clip_vision_model",)
 # PIL's resampling filters by the numbers HF configs store (PIL.Image.Resampling)
 RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
@@ -72,29 +76,106 @@ class ImageProcessing:
 
 
 @attrs.frozen
+class QwenImageProcessing:
+    """Qwen2-VL's image processor (transformers' Qwen2VLImageProcessor): resize to a
+    multiple of patch_size x merge_size with the pixel count within [min_pixels,
+    max_pixels] (smart_resize), rescale, normalise, the picture repeated
+    temporal_patch_size times and cut into flattened patches [patches, C*T*P*P] in the
+    merge blocks' order."""
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    do_convert_rgb: bool = True
+    do_resize: bool = True
+    resample: int = 3
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+
+    # the options a request may set (vLLM's mm_processor_kwargs)
+    REQUEST_OPTIONS = ("min_pixels", "max_pixels")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> QwenImageProcessing:
+        size = d.get("size") or {}
+        min_pixels = d.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+        max_pixels = d.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+        return cls(
+            patch_size=int(d.get("patch_size", 14)), merge_size=int(d.get("merge_size", 2)),
+            temporal_patch_size=int(d.get("temporal_patch_size", 2)),
+            min_pixels=int(min_pixels or cls.min_pixels),
+            max_pixels=int(max_pixels or cls.max_pixels),
+            do_convert_rgb=bool(d.get("do_convert_rgb", True)),
+            do_resize=bool(d.get("do_resize", True)), resample=int(d.get("resample", 3)),
+            do_rescale=bool(d.get("do_rescale", True)),
+            rescale_factor=float(d.get("rescale_factor", 1 / 255)),
+            do_normalize=bool(d.get("do_normalize", True)),
+            image_mean=tuple(d.get("image_mean") or cls.image_mean),
+            image_std=tuple(d.get("image_std") or cls.image_std))
+
+    def with_options(self, options: dict[str, Any]) -> QwenImageProcessing:
+        """A request's mm_processor_kwargs applied; ValueError (a 400) on an unknown or
+        out-of-range option."""
+        changes = {}
+        for key, value in options.items():
+            if key not in self.REQUEST_OPTIONS:
+                raise ValueError(f"unknown option {key!r}; this model's processor takes "
+                                 f"{', '.join(self.REQUEST_OPTIONS)}")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{key!r} must be a positive integer")
+            changes[key] = value
+        out = attrs.evolve(self, **changes)
+        factor = out.patch_size * out.merge_size
+        if out.min_pixels > out.max_pixels:
+            raise ValueError(f"min_pixels ({out.min_pixels}) is more than max_pixels "
+                             f"({out.max_pixels})")
+        if out.max_pixels < factor * factor:
+            raise ValueError(f"max_pixels must be at least {factor * factor} "
+                             f"({factor}x{factor}, one merged patch)")
+        return out
+
+
+@attrs.frozen
 class VisionSpec:
     """What render needs of a vision-language model: its image placeholder token and how
-    many of them a picture takes, and its image processor."""
+    many of them a picture takes (fixed for LLaVA; 0 for Qwen2.5-VL, whose count follows
+    the picture's size), and its image processor."""
     architecture: str
     image_token: str
     image_token_id: int
     tokens_per_image: int
-    processing: ImageProcessing
+    processing: ImageProcessing | QwenImageProcessing
 
     @property
     def modalities(self) -> tuple[str, ...]:
         return ("image",)
 
 
+def vision_architecture(d: dict[str, Any]) -> str | None:
+    if d.get("model_type") in VISION_ARCHITECTURES:
+        return d["model_type"]
+    return next((_VISION_CLASSES[a] for a in d.get("architectures") or ()
+                 if a in _VISION_CLASSES), None)
+
+
 def is_vision_config(d: dict[str, Any]) -> bool:
-    return d.get("model_type") in VISION_ARCHITECTURES or any(
-        a == "LlavaForConditionalGeneration" for a in d.get("architectures") or ())
+    return vision_architecture(d) is not None
 
 
 def text_config(d: dict[str, Any]) -> dict[str, Any]:
-    """The decoder's config.json part of a vision-language config (llava: text_config),
-    with the top level's ids where the text part lacks them."""
-    text = dict(d.get("text_config") or {})
+    """The decoder's config.json part of a vision-language config (llava: text_config;
+    Qwen2.5-VL: text_config in transformers 5, the top level in 4), with the top level's
+    ids where the text part lacks them."""
+    if vision_architecture(d) == "qwen2_5_vl":
+        text = dict(d.get("text_config") or {k: v for k, v in d.items()
+                                             if k not in ("vision_config", "architectures")})
+        text["model_type"] = "qwen2"     # a Qwen2 decoder; its mrope_section read by ModelConfig
+    else:
+        text = dict(d.get("text_config") or {})
     text.setdefault("model_type", "llama")
     for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
         if key in d and key not in text:
@@ -119,7 +200,44 @@ def feature_layers(d: dict[str, Any]) -> tuple[int, ...]:
     return tuple(layer) if isinstance(layer, (list, tuple)) else (int(layer),)
 
 
+def qwen_vision_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2.5-VL config.json's vision_config with transformers' defaults filled in."""
+    v = {"depth": 32, "hidden_size": 3584, "hidden_act": "silu", "intermediate_size": 3420,
+         "num_heads": 16, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2,
+         "temporal_patch_size": 2, "window_size": 112, "out_hidden_size": 3584,
+         "fullatt_block_indexes": [7, 15, 23, 31], **(d.get("vision_config") or {})}
+    v["rope_theta"] = float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    return v
+
+
+def qwen_vision_spec(model_dir: Path, config: dict[str, Any], tokenizer=None) -> VisionSpec:
+    """A Qwen2.5-VL folder's VisionSpec: Qwen2-VL's image processor from
+    preprocessor_config.json; <|image_pad|> the placeholder, as many as the picture's
+    merged patches."""
+    proc = read_json(model_dir / "processor_config.json")
+    pre = read_json(model_dir / "preprocessor_config.json") or proc.get("image_processor") or {}
+    processing = QwenImageProcessing.from_hf(pre)
+    v = qwen_vision_config(config)
+    if (processing.patch_size, processing.merge_size, processing.temporal_patch_size) != (
+            v["patch_size"], v["spatial_merge_size"], v["temporal_patch_size"]):
+        raise ValueError(f"{model_dir}: the image processor's patch_size/merge_size/"
+                         "temporal_patch_size differ from the vision tower's")
+    token = "<|image_pad|>"
+    token_id = config.get("image_token_id")
+    if tokenizer is not None and tokenizer.hf.token_to_id(token) is not None:
+        token_id = tokenizer.hf.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"{model_dir}: config.json has no image_token_id")
+    return VisionSpec("qwen2_5_vl", token, int(token_id), 0, processing)
+
+
 def vision_spec(model_dir: Path, config: dict[str, Any], tokenizer=None) -> VisionSpec:
+    if vision_architecture(config) == "qwen2_5_vl":
+        return qwen_vision_spec(model_dir, config, tokenizer)
+    return llava_vision_spec(model_dir, config, tokenizer)
+
+
+def llava_vision_spec(model_dir: Path, config: dict[str, Any], tokenizer=None) -> VisionSpec:
     """The VisionSpec of a llava-hf folder: the image processor from
     preprocessor_config.json (else processor_config.json's image_processor), the
     placeholder count from the tower's patches and the feature select strategy."""

@@ -159,7 +159,7 @@ def _vision_ids(plan: PromptPlan, ctx: RenderContext, parts: list[dict]):
                            "cut a picture's tokens).", param="truncate_prompt_tokens")
     try:
         check_limit(parts, ctx.media)
-        loaded = load_images(parts, ctx.vision, ctx.media)
+        loaded = load_images(parts, ctx.vision, ctx.media, plan.mm_processor_kwargs)
         template = plan.chat_template or ctx.chat_template or (
             ctx.tokenizer.chat_template if ctx.tokenizer is not None else None)
         messages = template_form(plan.messages, template, ctx.vision)
@@ -261,15 +261,20 @@ def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:
         if req.tools:
             kwargs["tools"] = req.tools
         messages = chat.template_messages(req.messages, "messages")
-        if image_parts(messages):
-            raise RequestError("/tokenize does not take images.",
-                               param=image_parts(messages)[0]["param"])
         plan = PromptPlan(messages=messages,
                           add_generation_prompt=req.add_generation_prompt,
                           continue_final_message=req.continue_final_message,
                           chat_template=req.chat_template, template_kwargs=kwargs,
                           add_special_tokens=bool(req.add_special_tokens),
-                          prompt_param="messages", max_tokens=None, max_tokens_param="")
+                          prompt_param="messages", max_tokens=None, max_tokens_param="",
+                          mm_processor_kwargs=req.mm_processor_kwargs)
+        if image_parts(messages):     # fetched and expanded as for a chat (web/app.py: a thread)
+            if ctx.tokenizer is None:
+                raise RequestError("This model was loaded without a tokenizer.", param="prompt")
+            ids = _vision_ids(plan, ctx, image_parts(messages))[0]
+            strs = [ctx.tokenizer.hf.id_to_token(t) for t in ids] if req.return_token_strs else None
+            return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids,
+                                    token_strs=strs)
     else:
         plan = PromptPlan(text=req.prompt, prompt_param="prompt", max_tokens=None,
                           max_tokens_param="",

@@ -36,6 +36,7 @@ from pipeline.core.validators import non_negative, positive
 from stages.api import APIS
 from stages.api import anthropic
 from stages.api.common import RequestError, parse_request, unstructure
+from stages.render import has_images
 from stages.api.pooling import INVOCATION_INPUT, ROUTES as POOLING_ROUTES
 from web import access, lora_routes
 from web.control_routes import ControlViews, add_control_routes
@@ -362,7 +363,10 @@ class Views:
 
     async def _at_once(self, call: Callable[[object], object]) -> Response:
         try:
-            result = call(await _json_body())
+            body = await _json_body()
+            # pictures are fetched and preprocessed (/tokenize): not on the event loop
+            result = (await trio.to_thread.run_sync(call, body) if has_images(body)
+                      else call(body))
         except RequestError as err:
             return _json_error(err)
         return _json(unstructure(result))

@@ -71,11 +71,14 @@ def _structure_rendered(data: dict, cls: type) -> RenderedRequest:
 
 
 converter.register_structure_hook(RenderedRequest, _structure_rendered)
-# a picture (issue 34) is logged by its place and content hash, without its pixels
+# a picture (issue 34) is logged by its place and content hash (and Qwen2.5-VL's patch
+# grid, which its positions follow), without its pixels
 converter.register_unstructure_hook(
-    ImageInput, lambda im: {"offset": im.offset, "length": im.length, "hash": im.hash})
+    ImageInput, lambda im: {"offset": im.offset, "length": im.length, "hash": im.hash,
+                            **({"grid": list(im.grid)} if im.grid is not None else {})})
 converter.register_structure_hook(
-    ImageInput, lambda d, _: ImageInput(d["offset"], d["length"], d["hash"], None))
+    ImageInput, lambda d, _: ImageInput(d["offset"], d["length"], d["hash"], None,
+                                        tuple(d["grid"]) if "grid" in d else None))
 # a pooled vector (Delta.pooled: float32 bytes) is logged as base64
 converter.register_structure_hook(bytes, lambda value, _: base64.b64decode(value))
 

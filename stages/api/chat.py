@@ -36,11 +36,14 @@ class ChatCompletionRequest(ChoiceRequest):
     continue_final_message: bool = opt(default=False)
     chat_template: str | None = opt()
     chat_template_kwargs: dict[str, Any] | None = opt()
+    # options of the model's image processor (Qwen2.5-VL: min_pixels, max_pixels), as vLLM
+    mm_processor_kwargs: dict[str, Any] | None = opt()
     prompt_cache_key: str | None = opt()                        # ignored
     safety_identifier: str | None = opt()                       # ignored
     verbosity: str | None = opt()                               # ignored
     _not_implemented: ClassVar[dict[str, Any]] = {
-        **VLLM_EXTRAS, **_ROUTER_CHAT_EXTRAS, "functions": (), "function_call": (),
+        **{k: v for k, v in VLLM_EXTRAS.items() if k != "mm_processor_kwargs"},
+        **_ROUTER_CHAT_EXTRAS, "functions": (), "function_call": (),
         "audio": (), "prediction": (), "web_search_options": (), "documents": (),
         "best_of": (1,), "media_io_kwargs": ()}
 
@@ -223,6 +226,7 @@ def plan(req: ChatCompletionRequest, *, reasoning_parser: bool,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
         template_kwargs=kwargs, truncate=req.truncate_prompt_tokens,
+        mm_processor_kwargs=req.mm_processor_kwargs,
         truncation_side=req.truncation_side or "left",
         add_special_tokens=bool(req.add_special_tokens), prompt_param="messages",
         max_tokens=req.max_completion_tokens if use_completion_tokens else req.max_tokens,

@@ -82,6 +82,7 @@ class ResponsesRequest(SamplingRequest):
     stream_options: dict[str, Any] | None = opt()               # ignored
     max_tool_calls: int | None = opt()                          # ignored: no tools
     chat_template_kwargs: dict[str, Any] | None = opt()
+    mm_processor_kwargs: dict[str, Any] | None = opt()   # the image processor's options
     # vLLM accepts these on the Responses API as well
     stop: Stop | None = opt()
     frequency_penalty: float | None = opt(between(-2.0, 2.0))
@@ -91,7 +92,7 @@ class ResponsesRequest(SamplingRequest):
     enable_response_messages: bool = opt(default=False)
     _not_implemented: ClassVar[dict[str, Any]] = {
         "conversation": (), "prompt": (),
-        "mm_processor_kwargs": (), "previous_input_messages": ()}
+        "previous_input_messages": ()}
 
     @input.validator
     def _input(self, attribute, value) -> None:
@@ -149,7 +150,8 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
                       max_tokens_param="max_output_tokens", stream=req.stream,
                       # the Response carries its usage, streamed or not
                       stream_options=_WITH_USAGE, constraint=constraint, tools=tr.plan,
-                      logprobs=logprobs, logprobs_param="top_logprobs", reply=reply_spec(req))
+                      logprobs=logprobs, logprobs_param="top_logprobs", reply=reply_spec(req),
+                      mm_processor_kwargs=req.mm_processor_kwargs)
 
 
 def reply_spec(req: ResponsesRequest) -> ReplySpec:

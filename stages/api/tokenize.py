@@ -22,7 +22,8 @@ class TokenizeRequest:
     chat_template_kwargs: dict[str, Any] | None = opt()
     tools: list[dict[str, Any]] | None = opt()
     return_token_strs: bool = opt(default=False)
-    _not_implemented: ClassVar[dict[str, Any]] = {"mm_processor_kwargs": (), "media_io_kwargs": ()}
+    mm_processor_kwargs: dict[str, Any] | None = opt()    # the image processor's options
+    _not_implemented: ClassVar[dict[str, Any]] = {"media_io_kwargs": ()}
 
 
 @attrs.frozen

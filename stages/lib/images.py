@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
-from gpu.vision_config import ImageProcessing
+from gpu.vision_config import ImageProcessing, QwenImageProcessing
 
 MAX_PIXELS = 64_000_000     # a decoded picture larger than this is refused (a decompression bomb)
 
@@ -78,6 +78,11 @@ def pixel_values(img: Image.Image, proc: ImageProcessing) -> np.ndarray:
     image = arr.transpose(2, 0, 1)                        # [C, H, W], uint8
     if proc.do_center_crop:
         image = _center_crop(image, *proc.crop_size)
+    return _rescale_normalize(image, proc)
+
+
+def _rescale_normalize(image: np.ndarray, proc) -> np.ndarray:
+    """uint8 [C, H, W] -> float32, rescaled and normalised as transformers' numpy steps do."""
     if proc.do_rescale:
         image = (image.astype(np.float64) * proc.rescale_factor).astype(np.float32)
     else:
@@ -89,9 +94,55 @@ def pixel_values(img: Image.Image, proc: ImageProcessing) -> np.ndarray:
     return np.ascontiguousarray(image, dtype=np.float32)
 
 
-def content_hash(pixels: np.ndarray) -> str:
-    """The picture's identity as the model sees it (its pixel values)."""
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+                 ) -> tuple[int, int]:
+    """Qwen2-VL's target size: both sides multiples of `factor`, the pixel count within
+    [min_pixels, max_pixels], the aspect ratio kept as closely as that allows."""
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"the image is {width}x{height}: its aspect ratio is more than 200")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen_patches(img: Image.Image, proc: QwenImageProcessing
+                 ) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """A PIL image -> Qwen2-VL's flattened patches float32 [t*h*w, C*T*P*P] (the merge
+    blocks' patches together, each patch's values by channel, temporal copy, row, column)
+    and its grid (t, h, w) in patches, as Qwen2VLImageProcessor makes them."""
+    if proc.do_convert_rgb and img.mode != "RGB":
+        img = img.convert("RGB")
+    p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    if proc.do_resize:
+        h, w = smart_resize(img.height, img.width, p * m, proc.min_pixels, proc.max_pixels)
+        img = img.resize((w, h), resample=proc.resample)
+    arr = np.asarray(img)
+    if arr.ndim == 2:
+        arr = arr[:, :, None]
+    image = _rescale_normalize(arr.transpose(2, 0, 1), proc)       # [C, H, W]
+    c, height, width = image.shape
+    if height % (p * m) or width % (p * m):
+        raise ImageError(f"the image is {width}x{height}, not a multiple of {p * m} "
+                         "(do_resize is off in the processor config)")
+    gh, gw = height // p, width // p
+    x = image.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    x = np.broadcast_to(x[:, :, :, :, :, None], x.shape[:5] + (tp,) + x.shape[5:])
+    patches = np.ascontiguousarray(x.reshape(gh * gw, c * tp * p * p), dtype=np.float32)
+    return patches, (1, gh, gw)
+
+
+def content_hash(pixels: np.ndarray, grid: tuple[int, ...] | None = None) -> str:
+    """The picture's identity as the model sees it (its pixel values, and Qwen2.5-VL's
+    patch grid, which its features and positions follow)."""
     h = hashlib.sha256()
-    h.update(repr(pixels.shape).encode())
+    h.update(repr(pixels.shape if grid is None else (pixels.shape, tuple(grid))).encode())
     h.update(pixels.tobytes())
     return h.hexdigest()[:32]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from gpu.interface import ImageInput
-from gpu.vision_config import VisionSpec
+from gpu.vision_config import QwenImageProcessing, VisionSpec
 from stages.lib import images as imaging
 from stages.lib.media import MediaError, MediaSettings, load
 
@@ -32,19 +32,42 @@ def check_limit(parts: list[dict], settings: MediaSettings) -> None:
                          "(--limit-mm-per-prompt).", parts[limit]["param"])
 
 
-def load_images(parts: list[dict], spec: VisionSpec, settings: MediaSettings
-                ) -> list[tuple[object, str]]:
-    """Each part's (pixel values, content hash); MediaError naming the part it fails on."""
+def load_images(parts: list[dict], spec: VisionSpec, settings: MediaSettings,
+                options: dict | None = None) -> list[tuple]:
+    """Each part's (pixel values, content hash, grid: Qwen2.5-VL's patch grid, else
+    None); MediaError naming the part it fails on. options: the request's
+    mm_processor_kwargs (validated before anything is fetched)."""
+    processing = spec.processing
+    if options:
+        if not isinstance(processing, QwenImageProcessing):
+            raise MediaError("'mm_processor_kwargs': this model's image processor takes no "
+                             f"options (got {', '.join(map(repr, options))}).",
+                             "mm_processor_kwargs")
+        try:
+            processing = processing.with_options(options)
+        except ValueError as exc:
+            raise MediaError(f"'mm_processor_kwargs': {exc}.", "mm_processor_kwargs") from None
     out = []
     for p in parts:
         data = load(p["image_url"], settings, p["param"])
         try:
             img = imaging.decode(data)
-            pixels = imaging.pixel_values(img, spec.processing)
+            if isinstance(processing, QwenImageProcessing):
+                pixels, grid = imaging.qwen_patches(img, processing)
+            else:
+                pixels, grid = imaging.pixel_values(img, processing), None
         except imaging.ImageError as exc:
             raise MediaError(f"'{p['param']}': {exc}.", p["param"]) from None
-        out.append((pixels, imaging.content_hash(pixels)))
+        out.append((pixels, imaging.content_hash(pixels, grid), grid))
     return out
+
+
+def image_tokens(spec: VisionSpec, grid) -> int:
+    """A picture's placeholder count: fixed (LLaVA), or its merged patches (Qwen2.5-VL)."""
+    if grid is None:
+        return spec.tokens_per_image
+    t, h, w = grid
+    return t * h * w // spec.processing.merge_size ** 2
 
 
 def template_form(messages: list[dict], template: str | None, spec: VisionSpec) -> list[dict]:
@@ -67,23 +90,23 @@ def template_form(messages: list[dict], template: str | None, spec: VisionSpec) 
     return out
 
 
-def expand(ids: list[int], spec: VisionSpec, loaded: list[tuple[object, str]],
+def expand(ids: list[int], spec: VisionSpec, loaded: list[tuple],
            param: str) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """Each picture's placeholder token made tokens_per_image of them; the pictures with
-    their places. The prompt must hold one placeholder per picture."""
+    """Each picture's placeholder token made as many as the picture takes (image_tokens);
+    the pictures with their places. The prompt must hold one placeholder per picture."""
     places = [i for i, t in enumerate(ids) if t == spec.image_token_id]
     if len(places) != len(loaded):
         raise MediaError(f"The rendered prompt has {len(places)} image placeholder(s) "
                          f"({spec.image_token!r}) for {len(loaded)} image(s): the chat "
                          "template must place each picture once, and text may not hold "
                          "the placeholder itself.", param)
-    n = spec.tokens_per_image
     out: list[int] = []
     inputs = []
     prev = 0
-    for place, (pixels, h) in zip(places, loaded):
+    for place, (pixels, h, grid) in zip(places, loaded):
+        n = image_tokens(spec, grid)
         out += ids[prev:place]
-        inputs.append(ImageInput(len(out), n, h, pixels))
+        inputs.append(ImageInput(len(out), n, h, pixels, grid))
         out += [spec.image_token_id] * n
         prev = place + 1
     out += ids[prev:]

@@ -1,7 +1,8 @@
 """Pictures through the whole engine under preemption (issue 34): three one-image chats on
-the tiny LLaVA in a KV cache too small for them together, prefilled in chunks that cut
-through the pictures' tokens; each is preempted and recomputed (its picture's features
-put back from the encoder cache) and still gives transformers' greedy tokens."""
+the tiny LLaVA (and on the tiny Qwen2.5-VL, whose M-RoPE positions and rope delta must
+survive the recompute) in a KV cache too small for them together, prefilled in chunks
+that cut through the pictures' tokens; each is preempted and recomputed (its picture's
+features put back from the encoder cache) and still gives transformers' greedy tokens."""
 from __future__ import annotations
 
 import base64
@@ -15,7 +16,7 @@ import torch
 import trio
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from vision_models import llava_dir  # noqa: E402
+from vision_models import llava_dir, qwen_vl_dir  # noqa: E402
 
 
 def picture(seed: int):
@@ -30,11 +31,10 @@ def data_url(img) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-async def test_preempted_image_chats_give_transformers_tokens(tmp_path_factory):
+async def _preempted_chats(folder, model, processor, blocks: int):
     from pipeline.core.config import EngineConfig
     from pipeline.core.engine import open_engine
 
-    folder, model, processor = llava_dir(tmp_path_factory)
     imgs = [picture(s) for s in (11, 12, 13)]
     text = processor.apply_chat_template([{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": "Tell me."}]}], add_generation_prompt=True)
@@ -45,7 +45,7 @@ async def test_preempted_image_chats_give_transformers_tokens(tmp_path_factory):
             out = model.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False)
         want.append(out[0, inputs["input_ids"].shape[1]:].tolist())
     cfg = EngineConfig(model=str(folder), dtype="float32", max_model_len=256, max_num_seqs=3,
-                       num_gpu_blocks_override=10, block_size=8, max_num_batched_tokens=16,
+                       num_gpu_blocks_override=blocks, block_size=8, max_num_batched_tokens=16,
                        enable_prefix_caching=False)
     got: list = [None] * 3
     async with open_engine(cfg) as engine:
@@ -63,3 +63,11 @@ async def test_preempted_image_chats_give_transformers_tokens(tmp_path_factory):
                 reqs.start_soon(one, i)
         assert engine.stats().num_preemptions > 0
     assert got == want
+
+
+async def test_preempted_image_chats_give_transformers_tokens(tmp_path_factory):
+    await _preempted_chats(*llava_dir(tmp_path_factory), blocks=10)
+
+
+async def test_preempted_qwen2_5_vl_chats_give_transformers_tokens(tmp_path_factory):
+    await _preempted_chats(*qwen_vl_dir(tmp_path_factory), blocks=12)

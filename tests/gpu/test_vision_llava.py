@@ -113,7 +113,7 @@ def test_runner_chunks_through_a_picture_and_encodes_it_once(llava):
     pixels = pixel_values(img, spec.processing)
     short = [t for i, t in enumerate(inputs["input_ids"][0].tolist())
              if t != spec.image_token_id or inputs["input_ids"][0][i - 1] != spec.image_token_id]
-    ids, images = expand(short, spec, [(pixels, content_hash(pixels))], "messages")
+    ids, images = expand(short, spec, [(pixels, content_hash(pixels), None)], "messages")
     assert ids == inputs["input_ids"][0].tolist()
     cache = KVCache(mc.num_hidden_layers, 16, 16, mc.num_key_value_heads, mc.head_dim,
                     torch.float32, "cpu")
