@@ -3,12 +3,16 @@ stage alone (the messages it sends stay frozen)."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import attrs
 
 from gpu.interface import SamplingOptions, TokenLogprobs
 from stages.messages import RenderedRequest
 from stages.schedule import stop
+
+if TYPE_CHECKING:
+    from stages.schedule.beam import BeamGroup
 
 
 class Sequence:
@@ -63,6 +67,12 @@ class Sequence:
         self.grammar: Future | None = None     # the compiled grammar, while it compiles
         # speculative decoding: verify steps, drafts proposed, drafts accepted
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
+        # beam search (beam.py): the group it is a live beam of, its score's cumulative
+        # logprob, the shown logprobs of its output tokens, what the runner samples it with
+        self.beam: BeamGroup | None = None
+        self.cum_logprob = 0.0
+        self.beam_logprobs: tuple[TokenLogprobs, ...] = ()
+        self.beam_options: SamplingOptions | None = None
 
     @property
     def num_output(self) -> int:
@@ -75,7 +85,10 @@ class Sequence:
 
 def sampling_options(seq: Sequence) -> SamplingOptions:
     """The request's options, with EOS among the stop ids unless ignore_eos (min_tokens
-    masks them all); choice i of a seeded request draws from seed + i."""
+    masks them all); choice i of a seeded request draws from seed + i. A beam: what
+    beam.py asks (greedy, the top 2 x width logprobs)."""
+    if seq.beam_options is not None:
+        return seq.beam_options
     opts = seq.req.sampling.options
     choice = seq.index % seq.req.n     # within its prompt
     seed = opts.seed if opts.seed is None or not choice else opts.seed + choice
