@@ -36,34 +36,38 @@ def hf_model():
     return model
 
 
-@pytest.mark.parametrize("width, length_penalty", [(3, 1.0), (2, 0.6)])
-async def test_beams_equal_transformers_beam_search(smollm, hf_model, width, length_penalty):
-    tok = smollm.tokenizer
-    ids = tok.encode(PROMPT)
+def hf_beams(model, ids, width, length_penalty):
+    """transformers' beams (output token ids) and their cumulative logprobs."""
     with torch.inference_mode():
-        out = hf_model.generate(
+        out = model.generate(
             torch.tensor([ids]), num_beams=width, num_return_sequences=width, do_sample=False,
             max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, length_penalty=length_penalty,
             early_stopping=False, eos_token_id=None, pad_token_id=0, output_scores=True,
             return_dict_in_generate=True)
-    want = [tuple(s[len(ids):].tolist()) for s in out.sequences]
-    want_cum = [float(x) * MAX_TOKENS ** length_penalty for x in out.sequences_scores]
-    async with engine_of(smollm) as engine:
-        reply = await engine.submit("completions", {
-            "model": engine.model_names[0], "prompt": ids, "max_tokens": MAX_TOKENS,
-            "n": width, "use_beam_search": True, "length_penalty": length_penalty,
-            "ignore_eos": True, "logprobs": 0, "return_token_ids": True})
-        body = orjson.loads(await reply.read())
-        assert engine.stats().kv_blocks_used == 0       # every beam's blocks came back
-    got = [tuple(c["token_ids"]) for c in body["choices"]]
-    assert got == want
-    for c, cum in zip(body["choices"], want_cum):
-        assert sum(c["logprobs"]["token_logprobs"]) == pytest.approx(cum, abs=2e-3)
-        assert c["finish_reason"] == "length"
-    assert [c["index"] for c in body["choices"]] == list(range(width))
-    # as vLLM: the prompt once, the completion tokens of every returned beam
-    assert body["usage"]["prompt_tokens"] == len(ids)
-    assert body["usage"]["completion_tokens"] == width * MAX_TOKENS
+    return ([tuple(s[len(ids):].tolist()) for s in out.sequences],
+            [float(x) * MAX_TOKENS ** length_penalty for x in out.sequences_scores])
+
+
+async def test_beams_equal_transformers_beam_search(smollm, hf_model):
+    ids = smollm.tokenizer.encode(PROMPT)
+    async with engine_of(smollm) as engine:     # one engine for both cases
+        for width, length_penalty in ((3, 1.0), (2, 0.6)):
+            want, want_cum = hf_beams(hf_model, ids, width, length_penalty)
+            reply = await engine.submit("completions", {
+                "model": engine.model_names[0], "prompt": ids, "max_tokens": MAX_TOKENS,
+                "n": width, "use_beam_search": True, "length_penalty": length_penalty,
+                "ignore_eos": True, "logprobs": 0, "return_token_ids": True})
+            body = orjson.loads(await reply.read())
+            assert engine.stats().kv_blocks_used == 0       # every beam's blocks came back
+            got = [tuple(c["token_ids"]) for c in body["choices"]]
+            assert got == want
+            for c, cum in zip(body["choices"], want_cum):
+                assert sum(c["logprobs"]["token_logprobs"]) == pytest.approx(cum, abs=2e-3)
+                assert c["finish_reason"] == "length"
+            assert [c["index"] for c in body["choices"]] == list(range(width))
+            # as vLLM: the prompt once, the completion tokens of every returned beam
+            assert body["usage"]["prompt_tokens"] == len(ids)
+            assert body["usage"]["completion_tokens"] == width * MAX_TOKENS
 
 
 async def test_beam_search_streams_the_beams_at_the_end_and_aborts_cleanly(smollm):
