@@ -18,6 +18,7 @@ from __future__ import annotations
 import orjson
 import pytest
 import torch
+import trio
 
 from tests.engine.test_engine import engine_of
 
@@ -68,32 +69,14 @@ async def test_beams_equal_transformers_beam_search(smollm, hf_model):
             # as vLLM: the prompt once, the completion tokens of every returned beam
             assert body["usage"]["prompt_tokens"] == len(ids)
             assert body["usage"]["completion_tokens"] == width * MAX_TOKENS
-
-
-async def test_beam_search_streams_the_beams_at_the_end_and_aborts_cleanly(smollm):
-    import trio
-
-    async with engine_of(smollm) as engine:
-        name = engine.model_names[0]
-        body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
-                "n": 2, "use_beam_search": True, "stream": True}
-        reply = await engine.submit("chat", body)
-        events = [orjson.loads(line[6:]) for line in (await reply.read()).split(b"\n\n")
-                  if line.startswith(b"data: {")]
-        texts = {}
-        for e in events:
-            for ch in e["choices"]:
-                texts[ch["index"]] = texts.get(ch["index"], "") + (ch["delta"].get("content") or "")
-        plain = orjson.loads(await (await engine.submit("chat", {**body, "stream": False})).read())
-        assert [texts[i] for i in (0, 1)] == [c["message"]["content"] for c in plain["choices"]]
-        # an abort mid-search: every beam's blocks are freed
-        reply = await engine.submit("completions", {"model": name, "prompt": "Once upon",
-                                                    "max_tokens": 200, "n": 3,
-                                                    "use_beam_search": True, "stream": True})
+        # a client that goes away mid-search: every beam's blocks are freed
+        reply = await engine.submit("completions", {
+            "model": engine.model_names[0], "prompt": "Once upon", "max_tokens": 200, "n": 3,
+            "use_beam_search": True, "stream": True})
         with trio.move_on_after(2):
             async for _ in reply:
                 pass
         await reply.aclose()
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             while engine.stats().kv_blocks_used or engine.stats().num_running:
                 await trio.sleep(0.05)
