@@ -105,11 +105,13 @@ class BeamGroup:
             for tok, lp in zip(row.top_ids[:k], row.top_logprobs[:k]):
                 cum = beam.cum_logprob + lp
                 if tok in self.eos and not self.ignore_eos:
-                    toks = tuple(beam.token_ids[self.prompt_len:]) + ((tok,) if self.include_eos else ())
-                    lps = beam.beam_logprobs + ((self.shown(row, lp),) if self.include_eos else ())
+                    toks = tuple(beam.token_ids[self.prompt_len:])
+                    lps = beam.beam_logprobs
+                    if self.include_eos:
+                        toks, lps = toks + (tok,), self.extend(lps, row, lp)
                     last = toks[-1] if toks else None
                     self.finished.append(Hypothesis(
-                        toks, cum, FinishReason.STOP, tok, self._shown_all(lps),
+                        toks, cum, FinishReason.STOP, tok, lps,
                         score(self.prompt_len + len(toks), last, cum, self.eos,
                               self.length_penalty)))
                 else:
@@ -120,15 +122,14 @@ class BeamGroup:
         self.round += 1
         return cands[:self.width]
 
-    def shown(self, row: TokenLogprobs, lp: float) -> TokenLogprobs | None:
-        """The chosen token's logprobs as the reply shows them (top_logprobs alternatives)."""
+    def extend(self, lps: tuple[TokenLogprobs, ...], row: TokenLogprobs,
+               lp: float) -> tuple[TokenLogprobs, ...]:
+        """A beam's shown logprobs and its chosen token's (its logprob, the row's top
+        `top_logprobs` alternatives); none when the request asked for none."""
         if self.logprobs is None:
-            return None
+            return ()
         k = self.logprobs
-        return TokenLogprobs(lp, row.top_ids[:k], row.top_logprobs[:k])
-
-    def _shown_all(self, lps: tuple) -> tuple[TokenLogprobs, ...]:
-        return () if self.logprobs is None else lps
+        return lps + (TokenLogprobs(lp, row.top_ids[:k], row.top_logprobs[:k]),)
 
     def done(self) -> bool:
         return self.round >= self.rounds
@@ -139,8 +140,7 @@ class BeamGroup:
         for c in kept:
             beam = c.parent
             toks = tuple(beam.token_ids[self.prompt_len:]) + (c.token,)
-            lps = beam.beam_logprobs + ((self.shown(c.row, c.logprob),) if self.logprobs is not None else ())
             self.finished.append(Hypothesis(
-                toks, c.cum_logprob, FinishReason.LENGTH, None, lps,
-                c.score))
+                toks, c.cum_logprob, FinishReason.LENGTH, None,
+                self.extend(beam.beam_logprobs, c.row, c.logprob), c.score))
         return sorted(self.finished, key=lambda h: h.score, reverse=True)[:self.width]

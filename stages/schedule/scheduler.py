@@ -582,8 +582,7 @@ class Scheduler:
         for seq, c in plan:     # after the forks, which copy the parents as they were
             seq.token_ids.append(c.token)
             seq.cum_logprob = c.cum_logprob
-            if group.logprobs is not None:
-                seq.beam_logprobs = seq.beam_logprobs + (group.shown(c.row, c.logprob),)
+            seq.beam_logprobs = group.extend(seq.beam_logprobs, c.row, c.logprob)
         old, group.live = group.live, [seq for seq, _ in plan]
         for seq in old:
             if seq.id not in continued:
