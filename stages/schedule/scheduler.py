@@ -301,6 +301,10 @@ class Scheduler:
             budget -= n
             i += 1
 
+        # A beam search wider than --max-num-seqs: a running beam that only waits for its
+        # round to end makes room for a waiting sequence.
+        if self.beams and self.waiting and len(self.running) >= self.max_num_seqs:
+            self._preempt_idle_beam()
         # Then waiting sequences, in arrival order, while the budgets allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -605,8 +609,9 @@ class Scheduler:
             self.beams.pop(rid, None)
 
     def _preempt_idle_beam(self) -> bool:
-        """A waiting sequence is short of blocks while a running beam only waits for its
-        round to end (its row is in, nothing to compute): that beam lets go of its blocks
+        """A waiting sequence is short of blocks (or of a place among --max-num-seqs) while
+        a running beam only waits for its round to end (its row is in, nothing to compute):
+        that beam lets go of its blocks
         and waits at the back of the queue, since it needs them again only for the next
         round (it computes its tokens again then). False when no beam is idle."""
         for seq in reversed(self.running):

@@ -215,3 +215,14 @@ def test_a_batch_of_prompts_runs_a_search_per_prompt():
     want = reference(prompts[0], 2, 5) + reference(prompts[1], 2, 3)
     assert [g[0] for g in got] == [w[0] for w in want]
     check_no_leak(s)
+
+
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
+def test_a_search_wider_than_max_num_seqs_takes_turns(cls):
+    prompt = (3, 1, 4, 1, 5)
+    want = reference(prompt, 3, 6)
+    s = make(cls, max_seqs=2)
+    s.add(beam_request("r", prompt, 3, 6))
+    got = [d.token_ids for d in run(s, PagedRunner(4)) if d.finish_reason is not None]
+    assert got == [w[0] for w in want]
+    check_no_leak(s)
