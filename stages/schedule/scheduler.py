@@ -304,7 +304,7 @@ class Scheduler:
         # A beam search wider than --max-num-seqs: a running beam that only waits for its
         # round to end makes room for a waiting sequence.
         if self.beams and self.waiting and len(self.running) >= self.max_num_seqs:
-            self._preempt_idle_beam()
+            budget += self._preempt_idle_beam(chunks, planned) or 0
         # Then waiting sequences, in arrival order, while the budgets allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -320,12 +320,14 @@ class Scheduler:
                 if self.priority and (freed := self._preempt_for(seq, chunks, planned)) is not None:
                     budget += freed
                     continue
-                if self.beams and self._preempt_idle_beam():
+                if self.beams and (freed := self._preempt_idle_beam(chunks, planned)) is not None:
+                    budget += freed
                     continue
                 break
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
-                if self.beams and self._preempt_idle_beam():
+                if self.beams and (freed := self._preempt_idle_beam(chunks, planned)) is not None:
+                    budget += freed
                     continue
                 if not self.running:
                     raise RuntimeError("KV cache too small for a single sequence's chunk")
@@ -608,20 +610,28 @@ class Scheduler:
         if all(g.emitted for g in self.beams.get(rid, ())):
             self.beams.pop(rid, None)
 
-    def _preempt_idle_beam(self) -> bool:
+    def _preempt_idle_beam(self, chunks: list[SeqChunk],
+                           planned: list[tuple[Sequence, int]]) -> int | None:
         """A waiting sequence is short of blocks (or of a place among --max-num-seqs) while
         a running beam only waits for its round to end (its row is in, nothing to compute):
         that beam lets go of its blocks
         and waits at the back of the queue, since it needs them again only for the next
-        round (it computes its tokens again then). False when no beam is idle."""
+        round (it computes its tokens again then). None when no beam is idle; else the
+        budget its chunk planned in this step gives back (a preempted beam computing its
+        tokens again, whose row for the round is in already)."""
         for seq in reversed(self.running):
             if seq.beam is not None and not seq.num_pending and seq.id in seq.beam.rows:
+                taken = self._unplan(chunks, planned, seq)
                 self._preempt(seq)
-                if not self.priority:   # (priority order keeps it where enqueue put it)
-                    self.waiting.remove(seq)
+                self.waiting.remove(seq)
+                if self.priority:   # after its request's other beams
+                    seq.beam.serial += 1
+                    seq.order = (*seq.order[:3], seq.beam.serial)
+                    enqueue(self.waiting, seq)
+                else:
                     self.waiting.append(seq)
-                return True
-        return False
+                return 0 if taken is None else len(taken.token_ids)
+        return None
 
     def _fork(self, parent: Sequence, group: BeamGroup) -> Sequence:
         """A new beam from `parent` as it is now: it holds the parent's full KV blocks
@@ -634,7 +644,7 @@ class Scheduler:
         child.beam, child.beam_options = group, parent.beam_options
         child.token_ids = list(parent.token_ids)
         child.cum_logprob, child.beam_logprobs = parent.cum_logprob, parent.beam_logprobs
-        child.order = parent.order
+        child.order = (*parent.order, group.serial)     # after its parent (priority order)
         child.block_keys = parent.block_keys
         child.num_cached_tokens = parent.num_cached_tokens
         bm = self.blocks

@@ -43,8 +43,9 @@ class Sequence:
         self.num_done = 0       # tokens in the KV cache by the steps that have come back
         self.epoch = 0          # bumped by preemption: an older step's chunk is stale
         self.retired = False
-        # its place in priority order (priority.py): (priority, arrival, index)
-        self.order: tuple[int, int, int] = (0, 0, index)
+        # its place in priority order (priority.py): (priority, arrival, index), and a
+        # forked beam's serial after them (beam.py)
+        self.order: tuple[int, ...] = (0, 0, index)
         self.table: list[int] = []
         self.table_t: tuple[int, ...] = ()   # tuple(table), for the chunks: kept with table
         self.passed = 0     # hybrid KV: leading blocks whose sliding halves it let go (blocks.py)

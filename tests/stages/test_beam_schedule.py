@@ -96,9 +96,10 @@ def beam_request(rid, prompt, width, max_tokens, length_penalty=1.0, logprobs=No
                                                  length_penalty=length_penalty))
 
 
-def make(cls=Scheduler, num_blocks=64, bs=4, budget=64, max_seqs=16, prefix=True):
+def make(cls=Scheduler, num_blocks=64, bs=4, budget=64, max_seqs=16, prefix=True, policy="fcfs"):
     return cls(BlockManager(num_blocks, bs, enable_prefix_caching=prefix), max_num_seqs=max_seqs,
-               max_num_batched_tokens=budget, max_model_len=256, eos_token_ids=(EOS,))
+               max_num_batched_tokens=budget, max_model_len=256, eos_token_ids=(EOS,),
+               policy=policy)
 
 
 def run(s, runner, limit=500, watch=None):
@@ -178,11 +179,13 @@ def test_eos_finishes_hypotheses_with_and_without_the_eos_token():
     assert got == [w[0] for w in want] and all(len(t) == 8 for t in got)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
-def test_preemption_under_a_tiny_cache_keeps_the_beams(cls):
+def test_preemption_under_a_tiny_cache_keeps_the_beams(cls, policy):
     prompt = (3, 1, 4, 1, 5, 2, 6)
     want = reference(prompt, 3, 10)
-    s, runner = make(cls, num_blocks=9, bs=2, budget=8, prefix=False), PagedRunner(2)
+    s = make(cls, num_blocks=9, bs=2, budget=8, prefix=False, policy=policy)
+    runner = PagedRunner(2)
     s.add(beam_request("r", prompt, 3, 10, logprobs=0))
     got = choices(run(s, runner))
     assert s.num_preemptions > 0
@@ -217,11 +220,12 @@ def test_a_batch_of_prompts_runs_a_search_per_prompt():
     check_no_leak(s)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
-def test_a_search_wider_than_max_num_seqs_takes_turns(cls):
+def test_a_search_wider_than_max_num_seqs_takes_turns(cls, policy):
     prompt = (3, 1, 4, 1, 5)
     want = reference(prompt, 3, 6)
-    s = make(cls, max_seqs=2)
+    s = make(cls, max_seqs=2, policy=policy)
     s.add(beam_request("r", prompt, 3, 6))
     got = [d.token_ids for d in run(s, PagedRunner(4)) if d.finish_reason is not None]
     assert got == [w[0] for w in want]
