@@ -42,6 +42,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     constraint: Constraint | None = None           # structured output (gpu/grammar.py compiles it)
     prompt_logprobs: int | None = None             # the prompt tokens' logprobs (top k); None: off
+    # use_beam_search: the beam width (the request's n; stages/schedule/beam.py); 0: off
+    beam_width: int = 0
+    length_penalty: float = 1.0                    # beam search's score: logprob / len ** this
 
 
 @attrs.frozen

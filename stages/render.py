@@ -7,6 +7,7 @@ request raises RequestError here, before any HTTP response has started.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +115,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
                            param="min_tokens")
     ids = prompts[0]
     n = req.n if isinstance(req, ChoiceRequest) else 1   # the Responses API has one choice
+    beam_width = _beam_width(req, plan, limits) if isinstance(req, ChoiceRequest) else 0
     include_usage, continuous_usage = usage_flags(plan.stream, plan.stream_options,
                                                   force=ctx.force_include_usage)
     return RenderedRequest(
@@ -122,7 +124,8 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
             max_tokens=max_tokens, options=sampling, stop=req.stop or (),
             ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, constraint=plan.constraint,
-            prompt_logprobs=plan.prompt_logprobs),
+            prompt_logprobs=plan.prompt_logprobs, beam_width=beam_width,
+            length_penalty=float(req.length_penalty) if beam_width else 1.0),
         stream=plan.stream,
         include_usage=include_usage,
         created=int(time.time()), arrival=sub.arrival,
@@ -339,6 +342,25 @@ def _reply(plan: PromptPlan, ctx: RenderContext, ids: list[int]) -> ReplySpec:
         reply = attrs.evolve(reply, response=attrs.evolve(
             reply.response, prompt_text=text, prompt_token_ids=tuple(ids)))
     return reply
+def _beam_width(req: ChoiceRequest, plan: PromptPlan, limits: list[int]) -> int:
+    """use_beam_search: the width (n), or 0; a 400 for what beam search does not combine
+    with (vLLM's beam search ignores these; here they are refused rather than dropped)."""
+    if not req.use_beam_search:
+        return 0
+    if not math.isfinite(req.length_penalty):
+        raise RequestError("'length_penalty' must be a finite number.", param="length_penalty")
+    refused = (("stop", bool(req.stop)), ("response_format", plan.constraint is not None),
+               ("prompt_logprobs", plan.prompt_logprobs is not None))
+    for param, present in refused:
+        if present:
+            what = "a constrained output (structured outputs, or a named or required " \
+                   "tool_choice)" if param == "response_format" else f"'{param}'"
+            raise RequestError(f"'use_beam_search' does not combine with {what}.",
+                               param="use_beam_search")
+    if min(limits) < 1:
+        raise RequestError("'use_beam_search' needs at least 1 token to generate "
+                           "('max_tokens').", param="use_beam_search")
+    return req.n
 
 
 def _sampling_options(req: ChoiceRequest | ResponsesRequest, plan: PromptPlan,

@@ -201,6 +201,9 @@ class ChoiceRequest(SamplingRequest):
     kv_transfer_params: dict[str, Any] | None = opt()   # chat: prompt_token_ids as the prompt
     prompt_logprobs: int | None = opt()            # the prompt tokens' logprobs (top k)
     logprob_token_ids: list[int] | None = opt()    # these ids' logprobs at every position
+    # beam search (vLLM's): n beams, ranked by cumulative logprob / length ** length_penalty
+    use_beam_search: bool = opt(default=False)
+    length_penalty: float = opt(default=1.0)
     echo: bool = opt(default=False)                # the reply starts with the prompt (chat:
                                                     # with the final message's text)
     # structured outputs (vLLM's extensions; stages/api/structured.py maps them)
@@ -245,8 +248,7 @@ class ChoiceRequest(SamplingRequest):
 
 # Fields of vLLM's and OpenAI's schemas this server does not act on yet: a 400 naming the
 # field, unless the value is one of the harmless ones listed.
-VLLM_EXTRAS = {"use_beam_search": (False,), "length_penalty": (1.0, 1),
-                "logits_processors": (),
+VLLM_EXTRAS = {"logits_processors": (),
                 "vllm_xargs": (),
                 "mm_processor_kwargs": (), "prompt_embeds": ()}
 # What SGLang's router and vllm-router (derived from it) add to every request they forward,

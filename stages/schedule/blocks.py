@@ -191,6 +191,14 @@ class BlockManager:
             sl.use(b)
         return passed
 
+    def share(self, blocks: list[int]) -> None:
+        """One more holder of blocks already held (a forked beam takes its parent's full
+        blocks: beam.py). Not with a hybrid cache's sliding halves."""
+        if self.sliding is not None:
+            raise RuntimeError("a sliding-window hybrid KV cache cannot share held blocks")
+        for b in blocks:
+            self.ref_count[b] += 1
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} KV blocks, {len(self.free)} free")

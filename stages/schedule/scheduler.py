@@ -24,6 +24,7 @@ from stages.lib.delta import Delta, FinishReason
 from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
 from stages.lib.kv_transfer import KVTransferConfig
 from stages.messages import RenderedRequest, Step
+from stages.schedule.beam import BeamGroup, Candidate, beam_options
 from stages.schedule.blocks import BlockManager, image_block_keys
 from stages.schedule.drafter import Drafter
 from stages.schedule.kv import KVConnectorSide
@@ -79,6 +80,7 @@ class Scheduler(KVConnectorSide):
         self._pending: list[Delta] = []         # finishes decided outside a step (aborts)
         self._released: list[str] = []
         self._planned: dict[int, list[tuple[Sequence, int]]] = {}   # step -> (seq, epoch) per chunk
+        self.beams: dict[str, list[BeamGroup]] = {}   # beam search: request id -> a group per prompt
         # speculative decoding (spec.py): drafts for decodes, verified by the runner
         self.drafter = drafter if num_speculative_tokens > 0 else None
         self.spec = SpecCounters(num_speculative_tokens)
@@ -104,9 +106,12 @@ class Scheduler(KVConnectorSide):
         if req.request_id in self.choices:  # the engine keeps ids unique while in flight
             raise ValueError(f"request id {req.request_id!r} is already scheduled")
         seqs: list[Sequence] = []
-        for i in range(req.num_choices):   # prompt i // n, its first choice leading
-            seqs.append(Sequence(req, self.eos_token_ids, self.max_model_len, i,
-                                 None if i % req.n == 0 else seqs[i - i % req.n]))
+        if req.sampling.beam_width:
+            seqs = self._beam_groups(req)
+        else:
+            for i in range(req.num_choices):   # prompt i // n, its first choice leading
+                seqs.append(Sequence(req, self.eos_token_ids, self.max_model_len, i,
+                                     None if i % req.n == 0 else seqs[i - i % req.n]))
         self.choices[req.request_id] = seqs
         self._arrivals += 1
         for seq in seqs:
@@ -130,10 +135,31 @@ class Scheduler(KVConnectorSide):
         if constraint is not None and self.grammars is None:
             self.finish(req.request_id, FinishReason.ERROR,
                         "this server cannot constrain output (the model has no tokenizer)")
+        elif req.sampling.beam_width and self.blocks.sliding is not None:
+            self.finish(req.request_id, FinishReason.ERROR,
+                        "use_beam_search: not served with a sliding-window hybrid KV cache "
+                        "(its beams could not share their blocks)")
         elif req.sampling.options.thinking_token_budget is not None and self.think_ids is None:
             self.finish(req.request_id, FinishReason.ERROR,
                         "thinking_token_budget: this tokenizer's <think> and </think> are not "
                         "single tokens")
+
+    def _beam_groups(self, req: RenderedRequest) -> list[Sequence]:
+        """A beam-search request: one group per prompt, each starting as one sequence."""
+        sp = req.sampling
+        eos = frozenset(self.eos_token_ids)
+        opts = beam_options(sp.beam_width, sp.options.logprobs)
+        firsts, groups = [], []
+        for p in range(len(req.prompts) or 1):
+            seq = Sequence(req, self.eos_token_ids, self.max_model_len, p * req.n)
+            group = BeamGroup(seq, sp.beam_width, sp.length_penalty, eos, sp.ignore_eos,
+                              sp.include_stop_str_in_output, sp.options.logprobs)
+            seq.id = group.next_id(req.request_id)
+            seq.beam, seq.beam_options = group, opts
+            firsts.append(seq)
+            groups.append(group)
+        self.beams[req.request_id] = groups
+        return firsts
 
     def grammars_compiling(self) -> set[Future]:
         """The grammars that constrained sequences wait for, still compiling: the schedule
@@ -162,6 +188,23 @@ class Scheduler(KVConnectorSide):
                index: int | None = None) -> None:
         """Abort (every choice) or a stop string (one choice, `index`): free now, report
         downstream with the next step."""
+        groups = self.beams.get(request_id)
+        if groups is not None:      # beam search: every live beam, and a delta per choice
+            if index is not None:
+                return              # (no stop strings: render refuses them with beams)
+            first = groups[0].first
+            for seq in list(self.choices.get(request_id, ())):
+                self._drop_beam(seq)
+            for g in groups:
+                if not g.emitted:
+                    g.emitted = True
+                    self._pending.extend(
+                        Delta(request_id, finish_reason=reason, error=error,
+                              num_cached_tokens=first.num_cached_tokens,
+                              scheduled_at=first.scheduled_at, index=g.choice0 + k)
+                        for k in range(g.width))
+            self.beams.pop(request_id, None)
+            return
         for seq in list(self.choices.get(request_id, ())):
             if index is None or seq.index == index:
                 if seq in self.running:
@@ -179,6 +222,14 @@ class Scheduler(KVConnectorSide):
                                            num_cached_tokens=seq.num_cached_tokens,
                                            error=error, scheduled_at=seq.scheduled_at,
                                            index=seq.index))
+
+    def _drop_beam(self, seq: Sequence) -> None:
+        """A beam that leaves the search (no child, or the search is over)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._retire(seq)
 
     def _retire(self, seq: Sequence) -> None:
         """A finished sequence: its blocks freed, the GPU told, the bookkeeping dropped."""
@@ -238,16 +289,16 @@ class Scheduler(KVConnectorSide):
         while i < len(running) and budget > 0:
             seq = running[i]
             total = len(seq.token_ids) + seq.num_pending
-            if seq.num_pending and tokens_left(seq, total) <= 0:
-                i += 1      # ends with the token on its way (max_tokens, max_model_len)
-                continue
+            if seq.num_pending and (seq.beam is not None or tokens_left(seq, total) <= 0):
+                i += 1      # ends with the token on its way (max_tokens, max_model_len),
+                continue    # or a beam: its next token is chosen once its row is back
             n = total - seq.num_computed        # seq.num_uncomputed
             if n > budget:
                 n = budget
             if n <= 0:
                 i += 1
                 continue
-            if n == 1 and spec is not None:
+            if n == 1 and spec is not None and seq.beam is None:
                 drafts = spec.drafts(seq, budget)
                 if drafts and (seq.num_computed + 1 + len(drafts) <= len(seq.table) * bs
                                or self._grow(seq, 1 + len(drafts))):
@@ -273,6 +324,10 @@ class Scheduler(KVConnectorSide):
             budget -= n
             i += 1
 
+        # A beam search wider than --max-num-seqs: a running beam that only waits for its
+        # round to end makes room for a waiting sequence.
+        if self.beams and self.waiting and len(self.running) >= self.max_num_seqs:
+            budget += self._preempt_idle_beam(chunks, planned) or 0
         # Then waiting sequences, in arrival order, while the budgets allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -296,9 +351,15 @@ class Scheduler(KVConnectorSide):
                 if self.priority and (freed := self._preempt_for(seq, chunks, planned)) is not None:
                     budget += freed
                     continue
+                if self.beams and (freed := self._preempt_idle_beam(chunks, planned)) is not None:
+                    budget += freed
+                    continue
                 break
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
+                if self.beams and (freed := self._preempt_idle_beam(chunks, planned)) is not None:
+                    budget += freed
+                    continue
                 if not self.running:
                     raise RuntimeError("KV cache too small for a single sequence's chunk")
                 if self.priority and (freed := self._preempt_for(seq, chunks, planned)) is not None:
@@ -474,9 +535,13 @@ class Scheduler(KVConnectorSide):
         deltas = self._pending
         self._pending = []
         tokens, logprobs = _outputs(result)
+        beams: list[BeamGroup] = []     # the beam groups this step brought rows to
         for chunk, (seq, epoch) in zip(plan.chunks, planned):
             if seq.retired:
                 continue    # finished while this step ran: its row is thrown away
+            if seq.beam is not None:
+                iteration += self._beam_row(seq, chunk, epoch, tokens, logprobs, beams)
+                continue
             got = tokens.get(seq.id, ()) if chunk.sample else ()
             kept, stop, toks = 0, None, got
             if got:
@@ -515,9 +580,131 @@ class Scheduler(KVConnectorSide):
             if stop is not None:     # (waiting again if preempted while this step ran)
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
+        for group in beams:
+            if group.ready():
+                self._advance(group, deltas)
         if iteration:
             self.iteration_tokens.observe(iteration)
         return self._step(plan.step, deltas)
+
+    # -- beam search (beam.py) -----------------------------------------------------------
+    def _beam_row(self, seq: Sequence, chunk: SeqChunk, epoch: int, tokens: dict,
+                  logprobs: dict, beams: list[BeamGroup]) -> int:
+        """A beam's chunk came back: its KV is in, and its row (the top logprobs after
+        its last token) counts for the round unless a token was added to it since (a
+        preempted beam's recompute that was in flight when its round ended). The
+        iteration tokens it adds (vLLM's count: a prompt at its first token, one out)."""
+        got = tokens.get(seq.id, ()) if chunk.sample else ()
+        if got:
+            self._token_came_back(seq)
+        end = chunk.start_pos + len(chunk.token_ids)
+        if epoch == seq.epoch:
+            self._computed(seq, end)
+        group = seq.beam
+        if not got or end != len(seq.token_ids) or seq.id in group.rows:
+            return 0
+        group.rows[seq.id] = logprobs[seq.id][0]
+        if group not in beams:
+            beams.append(group)
+        return 1 + (seq.prompt_len if group.round == 0 else 0)
+
+    def _advance(self, group: BeamGroup, deltas: list[Delta]) -> None:
+        """Every live beam of the group has its row: rank the candidates, fork the beams
+        chosen more than once, drop the ones not chosen; after the last round, the group's
+        best beams go downstream as its choices."""
+        kept = group.rank()
+        if group.done() or not kept:
+            self._end_search(group, kept, deltas)
+            return
+        plan: list[tuple[Sequence, Candidate]] = []
+        continued: set[str] = set()
+        for c in kept:      # best first: the first child of a beam continues it
+            if c.parent.id in continued:
+                plan.append((self._fork(c.parent, group), c))
+            else:
+                continued.add(c.parent.id)
+                plan.append((c.parent, c))
+        for seq, c in plan:     # after the forks, which copy the parents as they were
+            seq.token_ids.append(c.token)
+            seq.cum_logprob = c.cum_logprob
+            seq.beam_logprobs = group.extend(seq.beam_logprobs, c.row, c.logprob)
+        old, group.live = group.live, [seq for seq, _ in plan]
+        for seq in old:
+            if seq.id not in continued:
+                self._drop_beam(seq)
+
+    def _end_search(self, group: BeamGroup, kept: list[Candidate], deltas: list[Delta]) -> None:
+        """The last round: the group's best hypotheses go downstream as its choices, each
+        whole in one delta; its beams let go of their blocks."""
+        rid = group.first.req.request_id
+        best = group.best(kept)
+        for seq in group.live:
+            self._drop_beam(seq)
+        group.live = []
+        first = group.first
+        for k, h in enumerate(best):
+            deltas.append(Delta(rid, h.tokens, h.finish, h.stop_reason, first.num_cached_tokens,
+                                None, h.logprobs, first.scheduled_at, group.choice0 + k))
+        group.emitted = True
+        if all(g.emitted for g in self.beams.get(rid, ())):
+            self.beams.pop(rid, None)
+
+    def _preempt_idle_beam(self, chunks: list[SeqChunk],
+                           planned: list[tuple[Sequence, int]]) -> int | None:
+        """A waiting sequence is short of blocks (or of a place among --max-num-seqs) while
+        a running beam only waits for its round to end (its row is in, nothing to compute):
+        that beam lets go of its blocks
+        and waits at the back of the queue, since it needs them again only for the next
+        round (it computes its tokens again then). None when no beam is idle; else the
+        budget its chunk planned in this step gives back (a preempted beam computing its
+        tokens again, whose row for the round is in already)."""
+        for seq in reversed(self.running):
+            if seq.beam is not None and not seq.num_pending and seq.id in seq.beam.rows:
+                taken = self._unplan(chunks, planned, seq)
+                self._preempt(seq)
+                self.waiting.remove(seq)
+                if self.priority:   # after its request's other beams
+                    seq.beam.serial += 1
+                    seq.order = (*seq.order[:3], seq.beam.serial)
+                    enqueue(self.waiting, seq)
+                else:
+                    self.waiting.append(seq)
+                return 0 if taken is None else len(taken.token_ids)
+        return None
+
+    def _fork(self, parent: Sequence, group: BeamGroup) -> Sequence:
+        """A new beam from `parent` as it is now: it holds the parent's full KV blocks
+        (one more reference each) and computes the tokens of the partly filled last block
+        again, in a fresh block of its own (copy-on-write by recompute). It waits at the
+        front of the queue, so that the next step starts it in the runner."""
+        req = parent.req
+        child = Sequence(req, self.eos_token_ids, self.max_model_len, parent.index)
+        child.id = group.next_id(req.request_id)
+        child.beam, child.beam_options = group, parent.beam_options
+        child.token_ids = list(parent.token_ids)
+        child.cum_logprob, child.beam_logprobs = parent.cum_logprob, parent.beam_logprobs
+        child.order = (*parent.order, group.serial)     # after its parent (priority order)
+        child.block_keys = parent.block_keys
+        child.num_cached_tokens = parent.num_cached_tokens
+        bm = self.blocks
+        full = min(parent.num_done // bm.block_size, len(parent.table))
+        shared = parent.table[:full]
+        bm.share(shared)
+        child.table, child.table_t = list(shared), tuple(shared)
+        child.num_computed = child.num_done = full * bm.block_size
+        if parent.hash_cursor[0] == full:
+            child.hash_cursor = parent.hash_cursor
+        elif bm.prefix_caching and full and bm.block_hash[shared[-1]] is not None:
+            child.hash_cursor = (full, bm.block_hash[shared[-1]])
+        else:
+            child.hash_cursor = (full, child.hash_root)
+        self.by_id[child.id] = child
+        self.choices[req.request_id].append(child)
+        if self.priority:
+            enqueue(self.waiting, child)
+        else:
+            self.waiting.appendleft(child)
+        return child
 
     def _token_came_back(self, seq: Sequence) -> None:
         """The token a planned chunk sampled is in this result (AsyncScheduler counts the

@@ -3,12 +3,16 @@ stage alone (the messages it sends stay frozen)."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import attrs
 
 from gpu.interface import SamplingOptions, TokenLogprobs
 from stages.messages import RenderedRequest
 from stages.schedule import stop
+
+if TYPE_CHECKING:
+    from stages.schedule.beam import BeamGroup
 
 
 class Sequence:
@@ -39,8 +43,9 @@ class Sequence:
         self.num_done = 0       # tokens in the KV cache by the steps that have come back
         self.epoch = 0          # bumped by preemption: an older step's chunk is stale
         self.retired = False
-        # its place in priority order (priority.py): (priority, arrival, index)
-        self.order: tuple[int, int, int] = (0, 0, index)
+        # its place in priority order (priority.py): (priority, arrival, index), and a
+        # forked beam's serial after them (beam.py)
+        self.order: tuple[int, ...] = (0, 0, index)
         self.table: list[int] = []
         self.table_t: tuple[int, ...] = ()   # tuple(table), for the chunks: kept with table
         self.passed = 0     # hybrid KV: leading blocks whose sliding halves it let go (blocks.py)
@@ -66,6 +71,12 @@ class Sequence:
         self.remote_prefill = kv.remote_prefill if kv is not None else None
         # speculative decoding: verify steps, drafts proposed, drafts accepted
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
+        # beam search (beam.py): the group it is a live beam of, its score's cumulative
+        # logprob, the shown logprobs of its output tokens, what the runner samples it with
+        self.beam: BeamGroup | None = None
+        self.cum_logprob = 0.0
+        self.beam_logprobs: tuple[TokenLogprobs, ...] = ()
+        self.beam_options: SamplingOptions | None = None
 
     @property
     def num_output(self) -> int:
@@ -78,7 +89,10 @@ class Sequence:
 
 def sampling_options(seq: Sequence) -> SamplingOptions:
     """The request's options, with EOS among the stop ids unless ignore_eos (min_tokens
-    masks them all); choice i of a seeded request draws from seed + i."""
+    masks them all); choice i of a seeded request draws from seed + i. A beam: what
+    beam.py asks (greedy, the top 2 x width logprobs)."""
+    if seq.beam_options is not None:
+        return seq.beam_options
     opts = seq.req.sampling.options
     choice = seq.index % seq.req.n     # within its prompt
     seed = opts.seed if opts.seed is None or not choice else opts.seed + choice

@@ -44,8 +44,8 @@ def test_unknown_field_is_refused_as_openai_does(api):
 
 
 @pytest.mark.parametrize("api, field, value", [
-    ("chat", "use_beam_search", True), ("chat", "logits_processors", ["m.f"]),
-    ("chat", "functions", [{"name": "f"}]), ("completions", "use_beam_search", True),
+    ("chat", "logits_processors", ["m.f"]),
+    ("chat", "functions", [{"name": "f"}]), ("completions", "vllm_xargs", {"k": 1}),
     ("responses", "conversation", "conv_1"),
 ])
 def test_known_but_unimplemented_field_names_itself(api, field, value):
@@ -58,7 +58,7 @@ def test_known_but_unimplemented_field_names_itself(api, field, value):
     ("chat", {"user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False,
               "prompt_cache_key": "tenant-1", "safety_identifier": "s", "priority": 0,
               "spaces_between_special_tokens": True, "echo": False,
-              "use_beam_search": False}),     # an unimplemented field at its harmless default
+              "use_beam_search": False}),
     ("completions", {"user": "u1", "metadata": {}, "best_of": 1, "echo": False, "suffix": ""}),
     ("responses", {"user": "u", "service_tier": "auto", "store": True, "background": False,
                    "prompt_cache_key": "k", "safety_identifier": "s"}),

@@ -137,12 +137,14 @@ def test_unserved_vllm_extensions_are_named():
     from stages.api.chat import ChatCompletionRequest
     from stages.api.common import RequestError, parse_request
     hi = {"messages": [{"role": "user", "content": "x"}]}
-    try:
-        parse_request({**hi, "use_beam_search": True}, ChatCompletionRequest)
-    except RequestError as err:
-        assert err.param == "use_beam_search" and "not supported" in err.message
-    else:
-        raise AssertionError("use_beam_search")
-    assert parse_request({**hi, "use_beam_search": False}, ChatCompletionRequest)
+    for field, value in (("logits_processors", ["x"]), ("vllm_xargs", {"a": 1})):
+        try:
+            parse_request({**hi, field: value}, ChatCompletionRequest)
+        except RequestError as err:
+            assert err.param == field and "not supported" in err.message
+        else:
+            raise AssertionError(field)
+    # beam search is served (issue 37): tests/stages/test_beam_schedule.py
+    assert parse_request({**hi, "use_beam_search": True}, ChatCompletionRequest).use_beam_search
     # logprob_token_ids, prompt_logprobs -1 and enable_response_messages are served (issue
     # 37): tests/stages/test_render.py

@@ -26,6 +26,8 @@ async def _record(smollm, log, **cfg) -> dict[str, bytes]:
                                         temperature=0))
             reqs.start_soon(lambda: raw("chat", messages=QUESTION, max_tokens=5, n=2, seed=1,
                                         temperature=1.0))
+            reqs.start_soon(lambda: raw("chat", messages=QUESTION, max_tokens=4, n=2,
+                                        use_beam_search=True, stream=True))   # issue 37
     return seen
 
 

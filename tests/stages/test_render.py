@@ -699,3 +699,23 @@ def test_enable_response_messages_keeps_the_rendered_prompt():
     assert echo.prompt_token_ids == req.prompt_token_ids
     assert echo.prompt_text == "<user>hi<assistant>"     # FakeTokenizer's template, decoded
     assert responses({}).reply.response.prompt_text is None
+
+
+def test_beam_search_renders_its_width_and_length_penalty():
+    r = chat({"use_beam_search": True, "n": 3, "length_penalty": 0.5, "max_tokens": 4})
+    assert (r.sampling.beam_width, r.sampling.length_penalty, r.n) == (3, 0.5, 3)
+    assert chat({"n": 3, "length_penalty": 0.5}).sampling.beam_width == 0  # read by beams only
+    assert completion({"use_beam_search": True, "prompt": ["a", "b"]}).sampling.beam_width == 1
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"stop": ["x"]}, "'stop'"), ({"prompt_logprobs": 1}, "'prompt_logprobs'"),
+    ({"response_format": {"type": "json_object"}}, "constrained output"),
+])
+def test_beam_search_refuses_what_it_does_not_combine_with(body, says):
+    with pytest.raises(RequestError) as err:
+        chat({"use_beam_search": True, "n": 2, **body})
+    assert err.value.param == "use_beam_search" and says in err.value.message
+    with pytest.raises(RequestError) as err:
+        completion({"use_beam_search": True, "max_tokens": 0, "echo": True})
+    assert err.value.param == "use_beam_search" and "max_tokens" in err.value.message
