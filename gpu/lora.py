@@ -153,6 +153,36 @@ def _slices(model, attr: str) -> list[int]:
     return [layer.get_submodule(attr).out_features]
 
 
+def _full_shape(mc: ModelConfig, name: str) -> tuple[int, int]:
+    """The unsharded [out, in] of an HF linear of the model."""
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    d, i = mc.hidden_size, mc.intermediate_size
+    return {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
+            "gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}[name]
+
+
+def _shard(model, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's part of an adapter's A [r, in] and B [out, r], sharded as
+    the linear it patches (gpu/model.py): column-parallel q/k/v/gate/up keep B's rows of this
+    rank's heads or intermediate slice (A whole); row-parallel o/down keep A's columns of this
+    rank's input slice (B whole): each rank's partial (x_r A_r^T) B^T is summed by the
+    layer's own all-reduce, as the base linear's partial output is."""
+    tp = getattr(model, "tp", None)
+    if tp is None or tp.size == 1:
+        return a, b
+    from gpu.model import kv_heads, q_heads
+
+    mc, dh = model.config, model.config.head_dim
+    if name in ("q_proj", "o_proj", "k_proj", "v_proj"):
+        h0, h1 = q_heads(mc, tp) if name in ("q_proj", "o_proj") else kv_heads(mc, tp)
+        lo, hi = h0 * dh, h1 * dh
+    else:
+        lo, hi = tp.split(mc.intermediate_size, "intermediate_size")
+    if name in ("o_proj", "down_proj"):
+        return a[:, lo:hi], b
+    return a, b[lo:hi]
+
+
 def load_adapter(ref: LoRARef, cfg: AdapterConfig, model, dtype: torch.dtype,
                  device: torch.device) -> Adapter:
     """The adapter's tensors, checked against the model (names, shapes, rank), as Adapter."""
@@ -184,17 +214,21 @@ def load_adapter(ref: LoRARef, cfg: AdapterConfig, model, dtype: torch.dtype,
             raise LoRAError(f"The adapter at {cfg.path}: layer {layer} {name} lacks lora_A or lora_B.")
         a, b = ab["A"], ab["B"]
         attr, part = TARGETS[name]
-        linear = model.layers[layer].get_submodule(attr)
-        widths = _slices(model, attr)
-        out = widths[part or 0]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != linear.in_features or b.shape[0] != out \
+        out, inp = _full_shape(model.config, name)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != inp or b.shape[0] != out \
                 or a.shape[0] != b.shape[1]:
             raise LoRAError(f"The adapter at {cfg.path}: layer {layer} {name} has A {tuple(a.shape)} "
                             f"and B {tuple(b.shape)}, which do not fit the model's "
-                            f"[{out} x {linear.in_features}] linear (another base model's adapter?).")
+                            f"[{out} x {inp}] linear (another base model's adapter?).")
         if a.shape[0] > cfg.r:
             raise LoRAError(f"The adapter at {cfg.path}: layer {layer} {name} has rank "
                             f"{a.shape[0]}, above its r {cfg.r}.")
+        a, b = _shard(model, name, a, b)
+        linear = model.layers[layer].get_submodule(attr)
+        if a.shape[1] != linear.in_features or b.shape[0] != _slices(model, attr)[part or 0]:
+            raise LoRAError(f"The adapter at {cfg.path}: layer {layer} {name} has A "
+                            f"{tuple(ab['A'].shape)} and B {tuple(ab['B'].shape)}, which do not "
+                            "fit the model's linear.")
         by_linear.setdefault((layer, attr), []).append((part or 0, a, b))
     for (layer, attr), items in by_linear.items():
         widths = _slices(model, attr)
@@ -266,7 +300,7 @@ class LoRAManager:
         with self._lock:
             self._forgotten.add(lora_id)
 
-    def _adapter(self, ref: LoRARef) -> Adapter:
+    def _adapter(self, ref: LoRARef, busy=()) -> Adapter:
         ad = self.loaded.get(ref.id)
         if ad is not None:
             self.loaded.move_to_end(ref.id)
@@ -278,42 +312,54 @@ class LoRAManager:
         for lid in list(self.loaded):     # LRU: evict idle adapters beyond max_cpu_loras
             if len(self.loaded) <= self.max_cpu_loras:
                 break
-            if lid not in self.users:
+            if lid not in self.users and lid not in busy:
                 del self.loaded[lid]
         return ad
 
     # -- steps ---------------------------------------------------------------------------
-    def prepare(self, chunks) -> bool:
-        """The step's row groups: rows of each adapter, sorted by adapter. False: no LoRA row."""
-        self._step = None
+    def groups(self, chunks) -> tuple:
+        """The step's LoRA rows: ((LoRARef, ((start, stop), ...)), ...) per adapter, in the
+        order of its first row; () when no row uses an adapter. Plain data: under tensor
+        parallelism rank 0 broadcasts it to the workers (gpu/tp_runner.py)."""
         with self._lock:
             idle = [i for i in self._forgotten if i not in self.users]
             self._forgotten.difference_update(idle)
         for i in idle:
             self.loaded.pop(i, None)
         if not self.seq_lora:
-            return False
-        rows: dict[int, list[range]] = {}
+            return ()
+        rows: dict[int, list[tuple[int, int]]] = {}
         refs: dict[int, LoRARef] = {}
         row = 0
         for c in chunks:
-            n = len(c.token_ids)
+            n = len(c.token_ids)      # a verify chunk's drafts included: every row its adapter's
             ref = self.seq_lora.get(c.seq_id)
             if ref is not None:
-                rows.setdefault(ref.id, []).append(range(row, row + n))
+                rows.setdefault(ref.id, []).append((row, row + n))
                 refs[ref.id] = ref
             row += n
-        if not rows:
+        return tuple((refs[lid], tuple(rs)) for lid, rs in rows.items())
+
+    def set_step(self, groups) -> bool:
+        """Sort the step's LoRA rows by adapter (`perm`) and load the adapters the step uses.
+        False: no LoRA row."""
+        self._step = None
+        if not groups:
             return False
         perm: list[int] = []
         spans = []
-        for lid, rs in rows.items():
+        busy = {ref.id for ref, _ in groups}
+        for ref, rs in groups:
             a = len(perm)
-            for r in rs:
-                perm.extend(r)
-            spans.append((self._adapter(refs[lid]), a, len(perm)))
+            for r0, r1 in rs:
+                perm.extend(range(r0, r1))
+            spans.append((self._adapter(ref, busy), a, len(perm)))
         self._step = (torch.tensor(perm, dtype=torch.int64, device=self.device), spans)
         return True
+
+    def prepare(self, chunks) -> bool:
+        """The step's row groups: rows of each adapter, sorted by adapter. False: no LoRA row."""
+        return self.set_step(self.groups(chunks))
 
     def done(self) -> None:
         self._step = None

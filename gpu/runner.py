@@ -177,7 +177,13 @@ class ModelRunner(StagingRunner):
         with torch.inference_mode():
             try:   # the forward and the logits: collectives under tensor parallelism
                 embeds = self._image_embeds(plan.chunks) if self.images else None
-                lora = self.lora is not None and self.lora.prepare(plan.chunks)
+                if self.lora is not None:
+                    groups = self.lora.groups(plan.chunks)
+                    if self.broadcast is not None:   # the workers add their shards' terms
+                        self.broadcast.send_lora(groups)
+                    lora = self.lora.set_step(groups)
+                else:
+                    lora = False
                 try:
                     hidden = self.forward(input_ids, positions, meta, embeds, lora)   # [T, D]
                 finally:

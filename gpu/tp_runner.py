@@ -7,7 +7,9 @@ a worker needs only what the forward and the logits collectives take. So once ra
 staged and uploaded a step (PLACEHOLDERs filled in), it broadcasts the host arrays it
 uploaded, concatenated into one int64 payload after a fixed header: no Python object is
 pickled per step. Two broadcasts, since a receiver must know the payload's size before it
-can receive it: the 16-int header, then the payload.
+can receive it: the 16-int header, then the payload. With --enable-lora a third follows,
+the step's LoRA rows (the one pickled object: adapter refs and row ranges, `send_lora`);
+each worker loads its shard of an adapter on first use (gpu/lora.py).
 
     header  [kind, T, B, W, all_sample, S, sample, K, L, step, payload length, 0...]
     payload ids[T] positions[T] slots[T] tables[B*W] cu_seqlens_q[B+1] seq_lens[B]
@@ -106,6 +108,16 @@ class StepBroadcast:
             raise TPLost(f"broadcasting step {step} to the tensor-parallel workers failed: "
                          f"{exc}") from exc
 
+    def send_lora(self, groups) -> None:
+        """With --enable-lora, after `send`: the step's LoRA rows (LoRAManager.groups, plain
+        data: refs and row ranges), pickled, so each worker adds its shard of the adapters'
+        terms to the same rows."""
+        try:
+            torch.distributed.broadcast_object_list([groups], 0, group=self.group)
+        except Exception as exc:
+            raise TPLost(f"broadcasting the LoRA rows to the tensor-parallel workers failed: "
+                         f"{exc}") from exc
+
     def stop(self) -> None:
         header = np.zeros(HEADER, dtype=np.int64)
         header[0] = STOP
@@ -129,8 +141,17 @@ def follow(runner: ModelRunner, group) -> int:
         if kv_updates:
             runner.cache.remap(kv_updates)
         input_ids, positions, meta, sample_idx = upload_inputs(host, runner.device, runner.staging)
+        lora = False
+        if runner.lora is not None:      # rank 0's LoRA rows of this step (send_lora)
+            got = [None]
+            torch.distributed.broadcast_object_list(got, 0, group=group)
+            lora = runner.lora.set_step(got[0])
         with torch.inference_mode():
-            hidden = runner.forward(input_ids, positions, meta)
+            try:
+                hidden = runner.forward(input_ids, positions, meta, lora=lora)
+            finally:
+                if lora:
+                    runner.lora.done()
             for a, b in logit_calls(spans):
                 model.compute_logits(hidden[a:b])
             if sample:

@@ -45,8 +45,7 @@ def check_lora(cfg) -> None:
                          f"({cfg.max_loras})")
     if not cfg.enable_lora:
         return
-    for flag, on in (("--tensor-parallel-size", cfg.tensor_parallel_size > 1),
-                     ("--simulate-gpu", cfg.simulate_gpu is not None),
+    for flag, on in (("--simulate-gpu", cfg.simulate_gpu is not None),
                      ("a pooling model (--runner pooling)", cfg.pooling)):
         if on:
             raise ValueError(f"--enable-lora does not combine with {flag} here")

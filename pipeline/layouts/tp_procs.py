@@ -47,7 +47,10 @@ LOST_GRACE_S = 3.0       # at start-up, after a worker exits: for rank 0's own e
 WORKER_FIELDS = ("load_format", "dtype", "residual_dtype", "device", "seed", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks_override",
                  "kv_cache_memory_bytes", "gpu_memory_utilization",
-                 "disable_hybrid_kv_cache_manager", "enforce_eager", "tensor_parallel_size")
+                 "disable_hybrid_kv_cache_manager", "enforce_eager", "tensor_parallel_size",
+                 # LoRA: a worker hooks its shard's linears and loads each adapter's shard
+                 # itself when a step first names it (the refs come with the step)
+                 "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")
 
 
 def collective_timeout_s(env: Mapping[str, str] = os.environ) -> float:

@@ -30,21 +30,32 @@ ADAPTERS = {          # name -> rank, targets, rslora
 PROMPTS = {"sql": "The capital of France is", "poet": "Once upon a time, there",
            "mlp": "def fibonacci(n):"}
 BASE_PROMPTS = ["The best way to learn", "Water boils at"]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+           "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                           "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def lora(smollm, tmp_path_factory, serve_with_flags):
     """(server, oracles, tmp): the LoRA server, and per adapter its prompt's ids, greedy
-    tokens and logprobs from the merged model."""
+    tokens and logprobs from the merged model; oracles["base"][name]: the base model's
+    greedy tokens on that prompt; oracles["chat"]: poet's on ASK with TOOLS as the server
+    renders them (its /tokenize)."""
     tmp = tmp_path_factory.mktemp("e2e-lora")
     tok = smollm.tokenizer
     hf = hf_from_ours(smollm.model)
-    oracles = {}
+    oracles = {"base": {}}
+    poet = None
     for i, (name, (r, targets, rslora)) in enumerate(ADAPTERS.items()):
         ids = tok.encode(PROMPTS[name])
         merged = make_adapter(hf, tmp / name, r=r, targets=targets, use_rslora=rslora, seed=i,
                               std=0.04)
         oracles[name] = (ids, *hf_greedy(merged, ids, N))
+        oracles["base"][name] = hf_greedy(hf, ids, N)[0]
+        if name == "poet":
+            poet = merged
         del merged
     del hf
     modules = ["sql=" + str(tmp / "sql"),
@@ -55,6 +66,7 @@ def lora(smollm, tmp_path_factory, serve_with_flags):
     try:
         gen = serve_with_flags(tmp, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
                                "--max-cpu-loras", "4", "--enable-prompt-tokens-details",
+                               "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                "--lora-modules", *modules)
         server = next(gen)
     finally:
@@ -62,6 +74,11 @@ def lora(smollm, tmp_path_factory, serve_with_flags):
             del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
         else:
             os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = old
+    r = httpx.post(server.url + "/tokenize", json={"model": "poet", "messages": ASK, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    oracles["chat"] = (ids, *hf_greedy(poet, ids, N))
+    del poet
     yield server, oracles, tmp
     gen.close()
 
@@ -219,3 +236,79 @@ def test_langchain_selects_an_adapter(lora, lclient):
     got = llm.invoke([("user", "Say something.")])
     assert got.content == want.choices[0].message.content
     assert got.response_metadata["model_name"] == "mlp"
+
+
+def test_auto_tool_choice_and_chat_logprobs_follow_the_merged_model(lora, lclient):
+    """Chat with tools (auto, hermes): the rendered prompt (tools included) through the
+    adapter gives the merged model's greedy tokens and logprobs; top_logprobs rank them."""
+    _, oracles, _ = lora
+    ids, want, want_lps = oracles["chat"]
+    r = lclient.chat.completions.create(
+        model="poet", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=N, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.model == "poet" and r.model_extra["prompt_token_ids"] == ids
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == want
+    assert c.finish_reason == "length" and c.message.content and not c.message.tool_calls
+    got = c.logprobs.content
+    assert len(got) == N
+    for t, lp in zip(got, want_lps):
+        assert abs(t.logprob - lp) < 2e-3, ([t.logprob for t in got], want_lps)
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob
+        assert t.top_logprobs[1].logprob <= t.logprob
+
+
+def test_named_tool_choice_on_an_adapter_streams_the_same_call(lora, lclient):
+    import jsonschema
+
+    body = dict(model="mlp", messages=ASK, tools=TOOLS, max_tokens=40, temperature=0,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = lclient.chat.completions.create(**body)
+    assert whole.model == "mlp"
+    [call] = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    args = ""
+    for chunk in lclient.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                args += d.function.arguments or ""
+    assert args == call.function.arguments
+
+
+def test_structured_outputs_take_the_adapter_greedy_path(lora, lclient, model_name, smollm):
+    """A choice between the adapter's greedy text and the base model's: each model, masked to
+    the two, follows its own argmax, so the adapter answers its merged model's text."""
+    _, oracles, _ = lora
+    tok = smollm.tokenizer
+    picked = 0
+    for name in ADAPTERS:
+        ids, want, _ = oracles[name]
+        a, b = tok.decode(want), tok.decode(oracles["base"][name])
+        if a.startswith(b) or b.startswith(a):
+            continue
+        picked += 1
+        for model, expect in ((name, a), (model_name, b)):
+            r = lclient.completions.create(model=model, prompt=ids, max_tokens=N + 8, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": [a, b]}})
+            assert r.choices[0].text == expect, (model, a, b)
+    assert picked >= 1
+
+
+def test_n2_seeded_json_schema_choices_equal_single_requests(lora, lclient):
+    """n=2 with a seed on an adapter, under a json_schema: choice i is the one-choice request
+    with seed + i (docs/api.md), each valid against the schema."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6}},
+              "required": ["word"], "additionalProperties": False}
+    body = dict(model="sql", messages=[{"role": "user", "content": "Give a word as JSON."}],
+                max_tokens=48, temperature=1.0,
+                response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    both = lclient.chat.completions.create(**body, n=2, seed=5)
+    assert both.model == "sql" and len(both.choices) == 2
+    singles = [lclient.chat.completions.create(**body, seed=5 + i).choices[0].message.content
+               for i in range(2)]
+    assert [c.message.content for c in sorted(both.choices, key=lambda c: c.index)] == singles
+    for text in singles:
+        jsonschema.validate(json.loads(text), schema)

@@ -126,3 +126,67 @@ async def test_runtime_load_unload_under_a_running_request(tiny, tmp_path):
         assert not manager.users and not manager.seq_lora
         assert {a.ref.name for a in manager.loaded.values()} <= {"a", "b"}
         assert engine.blocks.num_used == 0
+
+
+# adapters and base rows mixed; prompts with repeats (n-gram lookup finds drafts in them)
+JOBS = [("a", PROMPT), ("base", PROMPT[3:]), ("b", PROMPT), ("a", PROMPT[:6] * 3),
+        ("base", PROMPT), ("b", PROMPT[5:9] * 4), ("a", PROMPT[::-1])]
+
+
+async def _run_jobs(root, n=20, **kw):
+    """JOBS at once, n greedy tokens each: (token ids per job, stats, what is left held).
+    float32: the random model's logits are flat (near-ties), bf16 would tie differently."""
+    async with open_engine(_cfg(root, dtype="float32", **kw)) as engine:
+        base = engine.model_names[0]
+        out: list = [None] * len(JOBS)
+
+        async def one(i):
+            name, prompt = JOBS[i]
+            reply = await _complete(engine, base if name == "base" else name, n=n, prompt=prompt)
+            out[i] = reply["choices"][0]["token_ids"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(JOBS)):
+                nursery.start_soon(one, i)
+        stats = engine.stats()
+        # the finished sequences' releases reach the runner with the next step's plan
+        await _complete(engine, base, n=1)
+        manager = engine.runner.lora
+        held = (engine.blocks.num_used, dict(manager.users), dict(manager.seq_lora))
+        assert {a.ref.name for a in manager.loaded.values()} <= {"a", "b"}
+    return out, stats, held
+
+
+@pytest.fixture(scope="module")
+def free_run(tiny):
+    return trio.run(_run_jobs, tiny[0])
+
+
+async def test_preemption_and_chunked_prefill_with_adapters_keep_outputs(tiny, free_run):
+    """A KV pool too small for the batch (preemption, recompute) and a token budget under
+    one prompt (chunked prefill), adapters and base rows mixed: the same tokens as a roomy
+    run, nothing left held (blocks, adapter users)."""
+    root, want = tiny
+    free, free_stats, held = free_run
+    assert held == (0, {}, {})
+    assert free[0][:6] == want["a"] and free[2][:6] == want["b"] and free[4][:6] == want["base"]
+    tight, stats, held = await _run_jobs(root, num_gpu_blocks_override=24,
+                                         max_num_batched_tokens=8, enable_prefix_caching=False)
+    assert stats.num_preemptions > 0
+    assert stats.steps_total > free_stats.steps_total
+    assert tight == free
+    assert held == (0, {}, {})
+
+
+async def test_ngram_speculation_with_adapters_is_exact(tiny, free_run):
+    """n-gram drafts verified on adapters: every verify row of a sequence runs with its
+    adapter (LoRAManager.prepare maps a chunk's rows, drafts included), so greedy tokens
+    are those without speculation."""
+    root, _ = tiny
+    free, _, _ = free_run
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 3, "adaptive": False}
+    got, stats, held = await _run_jobs(root, speculative_config=spec)
+    assert stats.spec_decode.num_drafts > 0 and stats.spec_decode.num_accepted_tokens > 0
+    assert got == free
+    assert held == (0, {}, {})

@@ -31,7 +31,7 @@ def test_flags_with_vllms_names_and_both_module_forms():
     (dict(lora_modules=["a=/x"]), "needs --enable-lora"),
     (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), "at least --max-loras"),
     (dict(enable_lora=True, lora_modules=["a=/x", "a=/y"]), "more than once"),
-    (dict(enable_lora=True, tensor_parallel_size=2), "--tensor-parallel-size"),
+    (dict(enable_lora=True, simulate_gpu="h200"), "--simulate-gpu"),
     (dict(enable_lora=True, lora_modules=["nopath"]), "neither name=path"),
     (dict(enable_lora=True, lora_modules=['{"name": "a"}']), "'name' and 'path'"),
 ])
