@@ -252,6 +252,10 @@ class CausalLM(nn.Module):
         # fp32 cos/sin table; a buffer so .to(device) moves it, not persistent so it is never "loaded".
         positions = max_positions or c.max_position_embeddings
         self.register_buffer("cos_sin", build_rope_cache(c, positions, device), persistent=False)
+        # EAGLE3 (gpu/eagle.py): the layers whose input forward keeps, concatenated, in
+        # aux_hidden (an id equal to the layer count: the last layer's output, before the norm)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -261,9 +265,17 @@ class CausalLM(nn.Module):
         x, residual = self.embed(input_ids).to(self.residual_dtype), None  # [T, D]
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
-        for layer in self.layers:
+        aux = self.aux_layers
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if aux and i in aux:   # the residual stream entering layer i (vLLM's layer ids)
+                captured.append(x if residual is None else x + residual)
             x, residual = layer(x, residual, positions, self.cos_sin, attn)
-        hidden, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        hidden, last = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        if aux:
+            if len(self.layers) in aux:    # after the last layer, before the final norm
+                captured.append(last)
+            self.aux_hidden = torch.cat(captured, dim=-1)   # [T, len(aux) * D]
         return hidden  # [T, D]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
