@@ -64,9 +64,11 @@ async def _on(smollm, spec, cfg):
     return out, stats, counts, drafter
 
 
-@pytest.mark.parametrize("cfg,head", [("preempting", "eagle3"), ("roomy", "speculators"),
-                                      ("roomy", "eagle")])
+@pytest.mark.parametrize("cfg,head", [("preempting", "speculators"), ("roomy", "eagle")])
 async def test_eagle_heads_change_no_token_of_any_stream(smollm, heads, cfg, head):
+    """The speculators format (RedHat's, EAGLE3) under preemption with chunked prefill,
+    EAGLE-1 with room to spare (the EAGLE3 folder format drafts over HTTP:
+    tests/e2e/test_e2e_spec_harmony.py)."""
     if cfg not in base._OFF:        # shared with test_engine_spec.py's runs when both run
         base._OFF[cfg], _ = await base._streams(smollm, None, base.BODIES, **base.CFGS[cfg])
     off = base._OFF[cfg]
