@@ -113,3 +113,48 @@ async def test_a_bad_head_is_a_start_up_error_naming_it(smollm, tmp_path, case):
         async with open_engine(cfg, loaded=smollm):
             pass
     assert want in str(err.value) and str(path) in str(err.value), str(err.value)
+
+
+async def test_an_eagle_head_that_knows_the_target_drafts_what_it_samples(tmp_path):
+    """The wiring, not just the verify: a target whose attention adds nothing (o_proj zero,
+    one layer, final norm weights 1) is a bigram model, and an EAGLE-1 head made of its
+    layer with fc = [I | 0] computes the same logits up to the final norm's positive scale.
+    At position p the head reads token p + 1 and must propose token p + 2, and its later
+    drafts must feed on its own: then greedy decoding accepts every draft."""
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "gpu"))
+    from gpu_testutil import make_hf_model
+
+    target = tmp_path / "target"
+    hf = make_hf_model("llama", None, num_hidden_layers=1)
+    with torch.no_grad():
+        hf.model.layers[0].self_attn.o_proj.weight.zero_()
+        hf.model.norm.weight.fill_(1.0)
+    hf.save_pretrained(target, safe_serialization=True)
+    sd = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    H = hf.config.hidden_size
+    head = {k: v.clone() for k, v in sd.items()
+            if k.startswith("layers.0.") and "input_layernorm" not in k}
+    head["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
+    (tmp_path / "head").mkdir()
+    save_file(head, str(tmp_path / "head" / "model.safetensors"))
+    import json
+    cfg = {**hf.config.to_dict(), "architectures": ["EagleLlamaForCausalLM"]}
+    (tmp_path / "head" / "config.json").write_text(json.dumps(cfg))
+    spec = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
+            "adaptive": False}
+    import orjson
+    outs = []
+    for sc in (None, spec):
+        async with open_engine(EngineConfig(model=str(target), dtype="float32", max_model_len=128,
+                                            async_scheduling=False, speculative_config=sc)) as engine:
+            reply = await engine.submit("completions", {
+                "model": engine.model_names[0], "prompt": [3, 17, 42, 99, 5], "max_tokens": 25,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            outs.append(orjson.loads(await reply.read())["choices"][0]["token_ids"])
+            counts = engine.scheduler.spec
+    assert outs[0] == outs[1] and len(outs[0]) == 25
+    assert counts.num_draft_tokens >= 15, vars(counts)
+    assert counts.num_accepted_tokens == counts.num_draft_tokens, vars(counts)
