@@ -259,6 +259,10 @@ class CausalLM(nn.Module):
                                  persistent=False)
         else:
             self.mrope_columns = None
+        # EAGLE3 (gpu/eagle.py): the layers whose input forward keeps, concatenated, in
+        # aux_hidden (an id equal to the layer count: the last layer's output, before the norm)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -274,9 +278,17 @@ class CausalLM(nn.Module):
         if positions.dim() == 2:
             cos_sin = mrope_cos_sin(cos_sin, positions, self.mrope_columns)
             positions = torch.arange(positions.shape[1], device=positions.device)
-        for layer in self.layers:
+        aux = self.aux_layers
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if aux and i in aux:   # the residual stream entering layer i (vLLM's layer ids)
+                captured.append(x if residual is None else x + residual)
             x, residual = layer(x, residual, positions, cos_sin, attn)
-        hidden, _ = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        hidden, last = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        if aux:
+            if len(self.layers) in aux:    # after the last layer, before the final norm
+                captured.append(last)
+            self.aux_hidden = torch.cat(captured, dim=-1)   # [T, len(aux) * D]
         return hidden  # [T, D]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

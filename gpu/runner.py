@@ -41,8 +41,9 @@ class ModelRunner(StagingRunner):
         model's tower and projector (gpu/vision.py), with an encoder cache of
         `encoder_cache_size` pictures' features. lora: a gpu.lora.LoRAManager
         (--enable-lora): the adapters' terms added to the step's rows that use one.
-        draft: speculative decoding's draft model (gpu/draft.py DraftModel), which fills
-        each step's DRAFT placeholders before the verify forward."""
+        draft: speculative decoding's draft model (gpu/draft.py DraftModel) or EAGLE head
+        (gpu/eagle.py EagleDrafter), which fills each step's DRAFT placeholders before the
+        verify forward; a head also reads each step's hidden states (`captured`)."""
         self.model = model
         self.vision = vision
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
@@ -54,6 +55,8 @@ class ModelRunner(StagingRunner):
         self.lora = lora
         self.draft = draft
         self.kv_connector = None     # --kv-transfer-config: gpu/kv_connector.py (set by start-up)
+        # EAGLE3: the target layers whose input the head reads (model.aux_hidden each step)
+        model.aux_layers = tuple(getattr(draft, "aux_layers", ()))
         self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
@@ -189,6 +192,9 @@ class ModelRunner(StagingRunner):
                 finally:
                     if lora:
                         self.lora.done()
+                if self.draft is not None and hasattr(self.draft, "captured"):
+                    # an EAGLE head reads the target's hidden states (gpu/eagle.py)
+                    self.draft.captured(plan.chunks, hidden, self.model.aux_hidden)
                 prompt_logprobs = self._prompt_logprobs(spans, hidden) if spans else ()
                 logits = (self.model.compute_logits(hidden.index_select(0, sample_idx))  # [R, V]
                           if seq_ids else None)

@@ -15,7 +15,7 @@ from gpu.pooling_config import CONVERTS, RUNNERS, PoolerConfig, detect_runner, p
 from gpu.simulate import GPUS
 from stages.gpu_step import FAULT_KINDS
 from stages.lib.kv_transfer import ABORT_TIMEOUT_ENV, KVTransferConfig
-from stages.schedule.drafter import SpeculativeConfig
+from stages.schedule.drafter import MODEL_METHODS, SpeculativeConfig
 from stages.schedule.priority import POLICIES
 from stages.parse import REASONING_PARSERS
 from pipeline.core.lora_config import LORA_DTYPES, add_lora_arguments, check_lora, lora_modules
@@ -198,8 +198,8 @@ class EngineConfig:
                              "(drafts need the last token; leave the flag out)")
         check_lora(self)
         spec = self.speculative_config
-        if (spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1):
-            raise ValueError('--speculative-config: method "draft_model" does not combine with '
+        if (spec is not None and spec.method in MODEL_METHODS and self.tensor_parallel_size > 1):
+            raise ValueError(f'--speculative-config: method "{spec.method}" does not combine with '
                              "--tensor-parallel-size (the draft runs on rank 0 alone)")
         if self.kv_transfer_config is not None:
             for flag, on in (("--tensor-parallel-size > 1", self.tensor_parallel_size > 1),

@@ -168,9 +168,13 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
 
     mc = loaded.config
     draft = load_draft(cfg, loaded, device)
+    head = load_eagle_head(cfg, loaded, device)
     extra = 0 if draft is None else KVCache.bytes_per_block(
         draft.config.num_hidden_layers, cfg.block_size, draft.model.local_kv_heads,
         draft.config.head_dim, draft.model.dtype)
+    if head is not None:
+        from gpu.eagle import head_kv_bytes_per_block
+        extra = head_kv_bytes_per_block(head.spec, cfg.block_size, head.fc.weight.dtype)
     num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg), extra)
     if ranks is not None:
         num_blocks = min_over_ranks(num_blocks, ranks.plan)
@@ -189,9 +193,23 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
         log.info("draft model %s (%s, %s): its own KV cache of %d blocks, %.1f MiB",
                  draft.name, dc.architecture, str(draft.model.dtype).removeprefix("torch."),
                  num_blocks, extra * num_blocks / 2**20)
+    if head is not None:
+        from gpu.eagle import EagleDrafter
+        hc = head.config
+        dtype = head.fc.weight.dtype
+        drafting = EagleDrafter(head, KVCache(
+            hc.num_hidden_layers, num_blocks, cfg.block_size, hc.num_key_value_heads,
+            hc.head_dim, dtype, device), device, use_triton=device.type == "cuda")
+        log.info("%s head %s: %d layer(s), hidden %d, draft vocabulary %d%s; its own KV cache "
+                 "of %d blocks, %.1f MiB; CUDA graphs off (the head reads every step's hidden "
+                 "states)", head.kind.upper(), head.spec.path, hc.num_hidden_layers,
+                 hc.hidden_size, head.spec.draft_vocab_size,
+                 f", target layers {list(head.spec.aux_layer_ids)}" if head.spec.aux_layer_ids else "",
+                 num_blocks, extra * num_blocks / 2**20)
     runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
                          use_triton=device.type == "cuda", max_model_len=max_model_len,
-                         cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
+                         cuda_graph_max_bs=0 if cfg.enforce_eager or head is not None
+                         else min(cfg.max_num_seqs, 512),
                          broadcast=broadcast, vision=loaded.vision,
                          encoder_cache_size=cfg.encoder_cache_size,
                          lora=lora_manager(cfg, loaded, device), draft=drafting)
@@ -255,6 +273,21 @@ def load_draft(cfg: EngineConfig, loaded: LoadedModel, device: torch.device) -> 
                          f"{exc}") from exc
     check_draft(loaded.config, draft.config, spec.model)
     return draft
+
+
+def load_eagle_head(cfg: EngineConfig, loaded: LoadedModel, device: torch.device):
+    """methods eagle and eagle3: the head (gpu/eagle.py), checked against the target: a
+    missing folder or file, another vocabulary or hidden size is a start-up error that
+    names it."""
+    spec = cfg.speculative_config
+    if spec is None or spec.method not in ("eagle", "eagle3"):
+        return None
+    from gpu.eagle import load_head
+    from gpu.loader import resolve_dtype
+
+    dtype = (loaded.model.dtype if spec.dtype in (None, "auto")
+             else resolve_dtype(spec.dtype, device))
+    return load_head(spec.model, spec.method, loaded.model, dtype, device)
 
 
 def kv_heads(loaded: LoadedModel) -> int:

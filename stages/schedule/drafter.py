@@ -14,6 +14,8 @@ tokens added since its last lookup, so a lookup costs O(new tokens), not O(conte
 `"method": "draft_model"` drafts with a smaller model of the same vocabulary, which runs
 in the GPU stage beside the target (gpu/draft.py): its `ModelDrafter` here only says how
 many drafts a decode carries, as DRAFT placeholders the runner fills in before it verifies.
+`"method": "eagle"` and `"eagle3"` draft the same way, with an EAGLE head that reads the
+target's hidden states (gpu/eagle.py) in place of a draft model.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from typing import Protocol
 
 import attrs
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# the methods whose drafts the runner makes (a model or a head beside the target)
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 
 # A draft token the scheduler leaves to the runner (method draft_model): the draft model,
 # run in the GPU step before the verify forward, writes the real one.
@@ -33,8 +37,9 @@ DRAFT = -2
 class SpeculativeConfig:
     """vLLM's --speculative-config (methods ngram and draft_model), checked at construction."""
     method: str = "ngram"
-    model: str | None = None       # draft_model: the draft's path (a .gguf, a HF folder)
-    # draft_model: the draft's dtype (tailrace's own key; default: the target's)
+    # draft_model: the draft's path (a .gguf, a HF folder); eagle/eagle3: the head's folder
+    model: str | None = None
+    # draft_model/eagle/eagle3: the draft's dtype (tailrace's own key; default: the target's)
     dtype: str | None = None
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 5     # vLLM's defaults; one bound given alone sets the other
@@ -68,12 +73,12 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"--speculative-config: adaptive must be true or false, "
                              f"got {self.adaptive!r}")
-        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
-            raise ValueError('--speculative-config: method "draft_model" needs "model" '
-                             "(the draft model's path)")
+        if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
+            what = "the draft model's path" if self.method == "draft_model" else "the head's folder"
+            raise ValueError(f'--speculative-config: method "{self.method}" needs "model" ({what})')
         if self.method == "ngram" and self.model is not None:
-            raise ValueError('--speculative-config: "model" is for method "draft_model", '
-                             'not "ngram"')
+            raise ValueError('--speculative-config: "model" is for methods draft_model, eagle '
+                             'and eagle3, not "ngram"')
         if self.dtype is not None and self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--speculative-config: dtype {self.dtype!r} is not one of auto, "
                              "float32, bfloat16, float16")
@@ -178,8 +183,9 @@ class StandInDrafter(NgramDrafter):
 
 
 class ModelDrafter:
-    """method draft_model, the scheduler's half: every decode offered drafts carries k
-    DRAFT placeholders, which the draft model fills in the GPU step (gpu/draft.py)."""
+    """methods draft_model, eagle and eagle3, the scheduler's half: every decode offered
+    drafts carries k DRAFT placeholders, which the draft model (gpu/draft.py) or the EAGLE
+    head (gpu/eagle.py) fills in the GPU step."""
 
     def propose(self, seq_id: str, token_ids: list[int], k: int) -> tuple[int, ...]:
         return (DRAFT,) * k if k > 0 else ()
@@ -193,4 +199,4 @@ def make_drafter(config: SpeculativeConfig | None, stand_in: bool = False) -> Dr
         return None
     if stand_in:     # the stand-in has no draft model: it draws the acceptance instead
         return StandInDrafter(config)
-    return ModelDrafter() if config.method == "draft_model" else NgramDrafter(config)
+    return ModelDrafter() if config.method in MODEL_METHODS else NgramDrafter(config)

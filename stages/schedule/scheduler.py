@@ -19,21 +19,22 @@ import attrs
 from concurrent.futures import Future
 
 from gpu.interface import (ConstraintCompiler, KVRead, SeqChunk, SeqStart, StepPlan,
-                           StepResult, TokenLogprobs)
+                           StepResult)
 from stages.lib.delta import Delta, FinishReason
 from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
 from stages.lib.kv_transfer import KVTransferConfig
 from stages.messages import RenderedRequest, Step
-from stages.schedule.beam import BeamGroup, Candidate, beam_options
+from stages.schedule.beam import BeamGroup
 from stages.schedule.blocks import BlockManager, image_block_keys
 from stages.schedule.drafter import Drafter
+from stages.schedule.beam_side import BeamSide
 from stages.schedule.kv import KVConnectorSide
 from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, worst_running
 from stages.schedule.sequence import Sequence, sampling_options
-from stages.schedule.spec import CostGate, SpecCounters, Speculation
+from stages.schedule.spec import CostGate, SpecCounters, Speculation, kept_logprobs, step_outputs
 from stages.schedule.stop import check_stop, tokens_left
 
-class Scheduler(KVConnectorSide):
+class Scheduler(BeamSide, KVConnectorSide):
     # steps it may have planned whose results have not come back (the schedule stage's depth)
     max_in_flight = 1
 
@@ -144,23 +145,6 @@ class Scheduler(KVConnectorSide):
                         "thinking_token_budget: this tokenizer's <think> and </think> are not "
                         "single tokens")
 
-    def _beam_groups(self, req: RenderedRequest) -> list[Sequence]:
-        """A beam-search request: one group per prompt, each starting as one sequence."""
-        sp = req.sampling
-        eos = frozenset(self.eos_token_ids)
-        opts = beam_options(sp.beam_width, sp.options.logprobs)
-        firsts, groups = [], []
-        for p in range(len(req.prompts) or 1):
-            seq = Sequence(req, self.eos_token_ids, self.max_model_len, p * req.n)
-            group = BeamGroup(seq, sp.beam_width, sp.length_penalty, eos, sp.ignore_eos,
-                              sp.include_stop_str_in_output, sp.options.logprobs)
-            seq.id = group.next_id(req.request_id)
-            seq.beam, seq.beam_options = group, opts
-            firsts.append(seq)
-            groups.append(group)
-        self.beams[req.request_id] = groups
-        return firsts
-
     def grammars_compiling(self) -> set[Future]:
         """The grammars that constrained sequences wait for, still compiling: the schedule
         stage wakes when one is done."""
@@ -222,14 +206,6 @@ class Scheduler(KVConnectorSide):
                                            num_cached_tokens=seq.num_cached_tokens,
                                            error=error, scheduled_at=seq.scheduled_at,
                                            index=seq.index))
-
-    def _drop_beam(self, seq: Sequence) -> None:
-        """A beam that leaves the search (no child, or the search is over)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self._retire(seq)
 
     def _retire(self, seq: Sequence) -> None:
         """A finished sequence: its blocks freed, the GPU told, the bookkeeping dropped."""
@@ -534,7 +510,7 @@ class Scheduler(KVConnectorSide):
                 seq.prompt_logprobs_so_far.extend(pl.entries)
         deltas = self._pending
         self._pending = []
-        tokens, logprobs = _outputs(result)
+        tokens, logprobs = step_outputs(result)
         beams: list[BeamGroup] = []     # the beam groups this step brought rows to
         for chunk, (seq, epoch) in zip(plan.chunks, planned):
             if seq.retired:
@@ -567,7 +543,7 @@ class Scheduler(KVConnectorSide):
             if seq.prompt_logprobs is not None and seq.num_output == kept:   # the first
                 prompt_logprobs = (None, *seq.prompt_logprobs_so_far)   # none for the first
                 seq.prompt_logprobs_so_far = []
-            lps = _kept_logprobs(logprobs.get(seq.id, ()), kept) if logprobs else ()
+            lps = kept_logprobs(logprobs.get(seq.id, ()), kept) if logprobs else ()
             # positional, in Delta's field order (per token: a keyword call costs ~3x)
             delta = Delta(
                 seq.req.request_id, toks, None if stop is None else stop.reason,
@@ -588,124 +564,6 @@ class Scheduler(KVConnectorSide):
         return self._step(plan.step, deltas)
 
     # -- beam search (beam.py) -----------------------------------------------------------
-    def _beam_row(self, seq: Sequence, chunk: SeqChunk, epoch: int, tokens: dict,
-                  logprobs: dict, beams: list[BeamGroup]) -> int:
-        """A beam's chunk came back: its KV is in, and its row (the top logprobs after
-        its last token) counts for the round unless a token was added to it since (a
-        preempted beam's recompute that was in flight when its round ended). The
-        iteration tokens it adds (vLLM's count: a prompt at its first token, one out)."""
-        got = tokens.get(seq.id, ()) if chunk.sample else ()
-        if got:
-            self._token_came_back(seq)
-        end = chunk.start_pos + len(chunk.token_ids)
-        if epoch == seq.epoch:
-            self._computed(seq, end)
-        group = seq.beam
-        if not got or end != len(seq.token_ids) or seq.id in group.rows:
-            return 0
-        group.rows[seq.id] = logprobs[seq.id][0]
-        if group not in beams:
-            beams.append(group)
-        return 1 + (seq.prompt_len if group.round == 0 else 0)
-
-    def _advance(self, group: BeamGroup, deltas: list[Delta]) -> None:
-        """Every live beam of the group has its row: rank the candidates, fork the beams
-        chosen more than once, drop the ones not chosen; after the last round, the group's
-        best beams go downstream as its choices."""
-        kept = group.rank()
-        if group.done() or not kept:
-            self._end_search(group, kept, deltas)
-            return
-        plan: list[tuple[Sequence, Candidate]] = []
-        continued: set[str] = set()
-        for c in kept:      # best first: the first child of a beam continues it
-            if c.parent.id in continued:
-                plan.append((self._fork(c.parent, group), c))
-            else:
-                continued.add(c.parent.id)
-                plan.append((c.parent, c))
-        for seq, c in plan:     # after the forks, which copy the parents as they were
-            seq.token_ids.append(c.token)
-            seq.cum_logprob = c.cum_logprob
-            seq.beam_logprobs = group.extend(seq.beam_logprobs, c.row, c.logprob)
-        old, group.live = group.live, [seq for seq, _ in plan]
-        for seq in old:
-            if seq.id not in continued:
-                self._drop_beam(seq)
-
-    def _end_search(self, group: BeamGroup, kept: list[Candidate], deltas: list[Delta]) -> None:
-        """The last round: the group's best hypotheses go downstream as its choices, each
-        whole in one delta; its beams let go of their blocks."""
-        rid = group.first.req.request_id
-        best = group.best(kept)
-        for seq in group.live:
-            self._drop_beam(seq)
-        group.live = []
-        first = group.first
-        for k, h in enumerate(best):
-            deltas.append(Delta(rid, h.tokens, h.finish, h.stop_reason, first.num_cached_tokens,
-                                None, h.logprobs, first.scheduled_at, group.choice0 + k))
-        group.emitted = True
-        if all(g.emitted for g in self.beams.get(rid, ())):
-            self.beams.pop(rid, None)
-
-    def _preempt_idle_beam(self, chunks: list[SeqChunk],
-                           planned: list[tuple[Sequence, int]]) -> int | None:
-        """A waiting sequence is short of blocks (or of a place among --max-num-seqs) while
-        a running beam only waits for its round to end (its row is in, nothing to compute):
-        that beam lets go of its blocks
-        and waits at the back of the queue, since it needs them again only for the next
-        round (it computes its tokens again then). None when no beam is idle; else the
-        budget its chunk planned in this step gives back (a preempted beam computing its
-        tokens again, whose row for the round is in already)."""
-        for seq in reversed(self.running):
-            if seq.beam is not None and not seq.num_pending and seq.id in seq.beam.rows:
-                taken = self._unplan(chunks, planned, seq)
-                self._preempt(seq)
-                self.waiting.remove(seq)
-                if self.priority:   # after its request's other beams
-                    seq.beam.serial += 1
-                    seq.order = (*seq.order[:3], seq.beam.serial)
-                    enqueue(self.waiting, seq)
-                else:
-                    self.waiting.append(seq)
-                return 0 if taken is None else len(taken.token_ids)
-        return None
-
-    def _fork(self, parent: Sequence, group: BeamGroup) -> Sequence:
-        """A new beam from `parent` as it is now: it holds the parent's full KV blocks
-        (one more reference each) and computes the tokens of the partly filled last block
-        again, in a fresh block of its own (copy-on-write by recompute). It waits at the
-        front of the queue, so that the next step starts it in the runner."""
-        req = parent.req
-        child = Sequence(req, self.eos_token_ids, self.max_model_len, parent.index)
-        child.id = group.next_id(req.request_id)
-        child.beam, child.beam_options = group, parent.beam_options
-        child.token_ids = list(parent.token_ids)
-        child.cum_logprob, child.beam_logprobs = parent.cum_logprob, parent.beam_logprobs
-        child.order = (*parent.order, group.serial)     # after its parent (priority order)
-        child.block_keys = parent.block_keys
-        child.num_cached_tokens = parent.num_cached_tokens
-        bm = self.blocks
-        full = min(parent.num_done // bm.block_size, len(parent.table))
-        shared = parent.table[:full]
-        bm.share(shared)
-        child.table, child.table_t = list(shared), tuple(shared)
-        child.num_computed = child.num_done = full * bm.block_size
-        if parent.hash_cursor[0] == full:
-            child.hash_cursor = parent.hash_cursor
-        elif bm.prefix_caching and full and bm.block_hash[shared[-1]] is not None:
-            child.hash_cursor = (full, bm.block_hash[shared[-1]])
-        else:
-            child.hash_cursor = (full, child.hash_root)
-        self.by_id[child.id] = child
-        self.choices[req.request_id].append(child)
-        if self.priority:
-            enqueue(self.waiting, child)
-        else:
-            self.waiting.appendleft(child)
-        return child
-
     def _token_came_back(self, seq: Sequence) -> None:
         """The token a planned chunk sampled is in this result (AsyncScheduler counts the
         ones on their way)."""
@@ -732,25 +590,3 @@ class Scheduler(KVConnectorSide):
         new, self._new_requests = tuple(self._new_requests), []
         return Step(step, new, tuple(deltas), len(self.running), len(self.waiting),
                     self.blocks.num_used, time.monotonic())
-
-
-def _outputs(result: StepResult) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple]]:
-    """A step's result by sequence id: its tokens, and their logprobs (an empty dict when
-    none asked). One token each, or result.num_tokens each when the step verified drafts."""
-    sids = result.seq_ids
-    if not result.num_tokens:
-        return (dict(zip(sids, zip(result.token_ids))),
-                dict(zip(sids, zip(result.logprobs))) if result.logprobs else {})
-    tokens, logprobs, at = {}, {}, 0
-    for sid, n in zip(sids, result.num_tokens):
-        tokens[sid] = result.token_ids[at:at + n]
-        if result.logprobs:
-            logprobs[sid] = result.logprobs[at:at + n]
-        at += n
-    return tokens, logprobs
-
-
-def _kept_logprobs(lps: tuple[TokenLogprobs | None, ...], kept: int) -> tuple[TokenLogprobs, ...]:
-    """The kept tokens' logprobs: all of them, or none if the sequence did not ask."""
-    lps = lps[:kept]
-    return () if any(lp is None for lp in lps) else lps

@@ -7,6 +7,7 @@ The scheduler plans the chunk and, once verified, rolls the rejected drafts' KV 
 """
 from __future__ import annotations
 
+from gpu.interface import StepResult, TokenLogprobs
 from stages.schedule import stop
 from stages.schedule.drafter import Drafter
 from stages.schedule.sequence import Sequence
@@ -132,3 +133,25 @@ class Speculation:
 
     def forget(self, seq_id: str) -> None:
         self.drafter.forget(seq_id)
+
+
+def step_outputs(result: StepResult) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple]]:
+    """A step's result by sequence id: its tokens, and their logprobs (an empty dict when
+    none asked). One token each, or result.num_tokens each when the step verified drafts."""
+    sids = result.seq_ids
+    if not result.num_tokens:
+        return (dict(zip(sids, zip(result.token_ids))),
+                dict(zip(sids, zip(result.logprobs))) if result.logprobs else {})
+    tokens, logprobs, at = {}, {}, 0
+    for sid, n in zip(sids, result.num_tokens):
+        tokens[sid] = result.token_ids[at:at + n]
+        if result.logprobs:
+            logprobs[sid] = result.logprobs[at:at + n]
+        at += n
+    return tokens, logprobs
+
+
+def kept_logprobs(lps: tuple[TokenLogprobs | None, ...], kept: int) -> tuple[TokenLogprobs, ...]:
+    """The kept tokens' logprobs: all of them, or none if the sequence did not ask."""
+    lps = lps[:kept]
+    return () if any(lp is None for lp in lps) else lps
