@@ -186,7 +186,8 @@ def test_ngram_lookup():
 
 
 @pytest.mark.parametrize("bad, message", [
-    ('{"method": "eagle", "num_speculative_tokens": 3}', "method 'eagle' is not supported"),
+    ('{"method": "medusa", "num_speculative_tokens": 3}', "method 'medusa' is not supported"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', 'method "eagle" needs "model"'),
     ('{"method": "ngram"}', "needs \"num_speculative_tokens\""),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
