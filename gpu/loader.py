@@ -213,7 +213,7 @@ def load_model(
 
 def build_vision(config: dict, text_hidden: int, dtype, device):
     """A vision-language model's vision side: Qwen2.5-VL's tower and merger
-    (gpu/qwen_vision.py) or LLaVA's tower and projector (gpu/vision.py); its
+    (gpu/qwen_vision.py) or LLaVA's CLIP or SigLIP tower and projector (gpu/vision.py); its
     `split_checkpoint` picks its tensors out of the checkpoint's."""
     if vision_architecture(config) == "qwen2_5_vl":
         from gpu.qwen_vision import QwenVision

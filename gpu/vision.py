@@ -1,4 +1,4 @@
-"""The vision side of a llava-hf LLaVA (issue 34): a CLIP vision tower and the MLP
+"""The vision side of a llava-hf LLaVA (issue 34): a CLIP or SigLIP vision tower and the MLP
 projector that maps its patch features into the decoder's embedding space. The decoder
 is gpu/model.py's CausalLM; the runner (gpu/runner.py) puts each picture's features in
 place of its placeholder tokens' embeddings before the prefill chunk that holds them.
@@ -98,6 +98,47 @@ class ClipVisionTower(nn.Module):
         return [states[k % total] for k in layers]
 
 
+class SiglipVisionTower(nn.Module):
+    """SigLIP's vision transformer: patch embedding (a strided conv, with a bias), learned
+    positions, no class token and no pre-norm, pre-LN encoder layers. post_layernorm and
+    the attention-pooling head are in the checkpoint; LLaVA reads a layer's hidden states
+    before both (transformers' hidden_states), so neither is run, and the head is not kept."""
+
+    def __init__(self, v: dict, dtype, device):
+        super().__init__()
+        dim, patch = v["hidden_size"], v["patch_size"]
+        self.num_patches = (v["image_size"] // patch) ** 2
+        self.embeddings = nn.Module()
+        self.embeddings.patch_embedding = nn.Conv2d(v["num_channels"], dim, patch, stride=patch,
+                                                    dtype=dtype, device=device)
+        self.embeddings.position_embedding = nn.Embedding(self.num_patches, dim, dtype=dtype,
+                                                          device=device)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(_Layer(v, dtype, device)
+                                            for _ in range(v["num_hidden_layers"]))
+        self.post_layernorm = nn.LayerNorm(dim, eps=v["layer_norm_eps"], dtype=dtype, device=device)
+
+    # the checkpoint's tensors this tower does not use (vision_use_head's pooling head)
+    UNUSED = ("vision_tower.head.",)
+
+    def forward(self, pixels: torch.Tensor, layers: tuple[int, ...]) -> list[torch.Tensor]:
+        """pixels [N, 3, H, W] -> the hidden states [N, P, D] of each of `layers`, in HF's
+        numbering (0: the embeddings, k: after layer k; negative from the end)."""
+        e = self.embeddings
+        x = e.patch_embedding(pixels.to(e.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
+        x = x + e.position_embedding.weight[None]
+        total = len(self.encoder.layers) + 1
+        wanted = sorted({k % total for k in layers})
+        states = {0: x}
+        for i, layer in enumerate(self.encoder.layers[:wanted[-1]], start=1):
+            x = layer(x)
+            states[i] = x
+        return [states[k % total] for k in layers]
+
+
+_TOWERS = {"clip_vision_model": ClipVisionTower, "siglip_vision_model": SiglipVisionTower}
+
+
 class LlavaVision(nn.Module):
     """The tower and the projector: pictures -> [N, tokens_per_image, text hidden size]."""
 
@@ -108,7 +149,7 @@ class LlavaVision(nn.Module):
         v = vision_tower_config(config)
         self.layers = feature_layers(config)
         self.strategy = config.get("vision_feature_select_strategy", "default")
-        self.vision_tower = ClipVisionTower(v, dtype, device)
+        self.vision_tower = _TOWERS[v["model_type"]](v, dtype, device)
         bias = bool(config.get("multimodal_projector_bias", True))
         self.multi_modal_projector = nn.Module()
         self.multi_modal_projector.linear_1 = nn.Linear(v["hidden_size"] * len(self.layers),
@@ -125,7 +166,7 @@ class LlavaVision(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         feats = torch.cat(self.vision_tower(pixels, self.layers), dim=-1)
         if self.strategy == "default":
-            feats = feats[:, 1:]                                   # drop the class token
+            feats = feats[:, 1:]        # drop CLIP's class token (SigLIP's first patch)
         p = self.multi_modal_projector
         return p.linear_2(self.act(p.linear_1(feats)))
 
@@ -138,7 +179,10 @@ class LlavaVision(nn.Module):
         or missing weights."""
         params = dict(self.named_parameters())
         missing = set(params)
+        unused = getattr(self.vision_tower, "UNUSED", ())
         for name, tensor in named:
+            if name.startswith(unused) and name not in params:
+                continue
             if name not in params:
                 raise ValueError(f"unexpected vision weight {name!r}")
             dst = params[name]

@@ -3,8 +3,8 @@ render needs to turn a picture into pixel values and placeholder tokens (`Vision
 `ImageProcessing`, from preprocessor_config.json / processor_config.json), and what
 gpu/vision.py builds its vision tower from (config.json's vision_config).
 
-Two layouts are served: llava-hf's (`LlavaForConditionalGeneration`: a CLIP vision tower,
-the MLP projector, a Llama or Qwen2 decoder) and Qwen2.5-VL's
+Two layouts are served: llava-hf's (`LlavaForConditionalGeneration`: a CLIP or SigLIP
+vision tower, the MLP projector, a Llama or Qwen2 decoder) and Qwen2.5-VL's
 (`Qwen2_5_VLForConditionalGeneration`: dynamic resolution, a windowed vision tower, a
 Qwen2 decoder with M-RoPE)."""
 from __future__ import annotations
@@ -19,7 +19,16 @@ from gpu.weights_hf import read_json
 VISION_ARCHITECTURES = ("llava", "qwen2_5_vl")
 _VISION_CLASSES = {"LlavaForConditionalGeneration": "llava",
                    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
-VISION_TOWERS = ("clip_vision_model",)
+VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
+# each tower's config defaults (transformers' CLIPVisionConfig, SiglipVisionConfig)
+_TOWER_DEFAULTS = {
+    "clip_vision_model": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                          "num_attention_heads": 12, "num_channels": 3, "image_size": 224,
+                          "patch_size": 32, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+    "siglip_vision_model": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                            "num_attention_heads": 12, "num_channels": 3, "image_size": 224,
+                            "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
+                            "layer_norm_eps": 1e-6}}
 # PIL's resampling filters by the numbers HF configs store (PIL.Image.Resampling)
 RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
@@ -27,7 +36,9 @@ RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "b
 @attrs.frozen
 class ImageProcessing:
     """A CLIP-style image processor's steps: resize (shortest edge, or to height x width),
-    centre crop, rescale, normalise, as transformers' CLIPImageProcessor does them."""
+    centre crop, rescale, normalise, as transformers' CLIPImageProcessor does them.
+    SiglipImageProcessor's are the same less the crop: resize to height x width, rescale,
+    normalise (its config has no do_center_crop, and it does none)."""
     do_convert_rgb: bool = True
     do_resize: bool = True
     shortest_edge: int | None = 224
@@ -46,6 +57,7 @@ class ImageProcessing:
         size = d.get("size") or {"shortest_edge": 224}
         if isinstance(size, int):
             size = {"shortest_edge": size}
+        siglip = str(d.get("image_processor_type", "")).startswith("Siglip")
         crop = d.get("crop_size") or size
         if isinstance(crop, int):
             crop = {"height": crop, "width": crop}
@@ -57,7 +69,7 @@ class ImageProcessing:
             shortest_edge=size.get("shortest_edge"),
             resize_to=(size["height"], size["width"]) if "height" in size else None,
             resample=int(d.get("resample", 3)),
-            do_center_crop=bool(d.get("do_center_crop", True)),
+            do_center_crop=bool(d.get("do_center_crop", not siglip)),
             crop_size=tuple(crop_hw),
             do_rescale=bool(d.get("do_rescale", True)),
             rescale_factor=float(d.get("rescale_factor", 1 / 255)),
@@ -184,14 +196,17 @@ def text_config(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def vision_tower_config(d: dict[str, Any]) -> dict[str, Any]:
-    """config.json's vision_config with CLIP's defaults filled in."""
-    v = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-         "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 32,
-         "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5, "model_type": "clip_vision_model",
-         **(d.get("vision_config") or {})}
-    if v["model_type"] not in VISION_TOWERS:
-        raise ValueError(f"unsupported vision tower {v['model_type']!r}; supported: "
+    """config.json's vision_config with its tower's defaults (CLIP's or SigLIP's) filled in."""
+    given = d.get("vision_config") or {}
+    kind = given.get("model_type", "clip_vision_model")
+    if kind not in VISION_TOWERS:
+        raise ValueError(f"unsupported vision tower {kind!r}; supported: "
                          f"{', '.join(VISION_TOWERS)}")
+    v = {**_TOWER_DEFAULTS[kind], **given, "model_type": kind}
+    for key in ("image_size", "patch_size"):
+        if not isinstance(v[key], int):
+            raise ValueError(f"unsupported vision tower {key} {v[key]!r}: a single integer "
+                             "(square pictures and patches) is served")
     return v
 
 
@@ -249,7 +264,10 @@ def llava_vision_spec(model_dir: Path, config: dict[str, Any], tokenizer=None) -
     if strategy not in ("default", "full"):
         raise ValueError(f"unsupported vision_feature_select_strategy {strategy!r}")
     side = v["image_size"] // v["patch_size"]
-    tokens = side * side + (1 if strategy == "full" else 0)
+    # CLIP's features carry a class token first, SigLIP's none; "default" drops the first
+    # feature, "full" keeps them all (transformers' LlavaModel.get_image_features)
+    tokens = side * side + (1 if v["model_type"] == "clip_vision_model" else 0) - (
+        1 if strategy == "default" else 0)
     token = proc.get("image_token") or "<image>"
     token_id = config.get("image_token_index", config.get("image_token_id"))
     if tokenizer is not None and tokenizer.hf.token_to_id(token) is not None:

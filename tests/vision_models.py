@@ -1,5 +1,5 @@
 """Tiny random-weight vision-language checkpoints made with transformers (issue 34): a
-llava-hf LLaVA (CLIP vision tower, MLP projector, Llama decoder) saved as a HF folder
+llava-hf LLaVA (CLIP or SigLIP vision tower, MLP projector, Llama decoder) saved as a HF folder
 with its processor (preprocessor_config.json, processor_config.json), tokenizer (SmolLM2's
 with an added <image> token) and chat template."""
 from __future__ import annotations
@@ -17,10 +17,14 @@ LLAVA_TEMPLATE = (
 
 IMAGE_SIZE = 30     # the CLIP tower's input (crop) size
 PATCH = 6           # 5 x 5 patches: 25 image tokens a picture
+SIGLIP_SIZE = 28    # the SigLIP tower's input size (resized to, no crop)
+SIGLIP_PATCH = 7    # 4 x 4 patches: 16 image tokens a picture
 
 
-def make_llava(out_dir: Path, seed: int = 0):
-    """Save the tiny LLaVA to out_dir; returns (model, processor)."""
+def make_llava(out_dir: Path, seed: int = 0, tower: str = "clip"):
+    """Save the tiny LLaVA to out_dir; returns (model, processor). tower "siglip": a
+    2-layer SigLIP tower (28 px, 7 px patches: 16 image tokens, none dropped) read at its
+    last layer, with SiglipImageProcessor, as llava-interleave's layout."""
     import torch
     import transformers
     from tokenizers import AddedToken
@@ -37,13 +41,20 @@ def make_llava(out_dir: Path, seed: int = 0):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rms_norm_eps=1e-6, eos_token_id=hf.token_to_id("<|im_end|>"),
         bos_token_id=hf.token_to_id("<|im_start|>"))
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    if tower == "siglip":
+        vision = transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            image_size=SIGLIP_SIZE, patch_size=SIGLIP_PATCH)
+        strategy, layer, extra = "full", -1, 0
+    else:
+        vision = transformers.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+        strategy, layer, extra = "default", -2, 1
     config = transformers.LlavaConfig(vision_config=vision, text_config=text,
                                       image_token_index=image_id, projector_hidden_act="gelu",
-                                      vision_feature_select_strategy="default",
-                                      vision_feature_layer=-2)
+                                      vision_feature_select_strategy=strategy,
+                                      vision_feature_layer=layer)
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config).eval()
     with torch.no_grad():   # norms and biases away from their 1/0 init, so loading them wrongly shows
@@ -52,11 +63,17 @@ def make_llava(out_dir: Path, seed: int = 0):
                 p.add_(torch.randn_like(p) * 0.2)
             elif p.dim() >= 2:
                 p.mul_(3.0)     # large enough weights that the picture changes the answer
-    images = transformers.CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    if tower == "siglip":
+        from transformers.models.siglip.image_processing_pil_siglip import (
+            SiglipImageProcessorPil)
+        images = SiglipImageProcessorPil(size={"height": SIGLIP_SIZE, "width": SIGLIP_SIZE})
+    else:
+        images = transformers.CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = transformers.LlavaProcessor(
-        image_processor=images, tokenizer=tok, patch_size=PATCH,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_processor=images, tokenizer=tok, patch_size=vision.patch_size,
+        vision_feature_select_strategy=strategy, num_additional_image_tokens=extra,
         image_token="<image>", chat_template=LLAVA_TEMPLATE)
     model.save_pretrained(out_dir, safe_serialization=True)
     processor.save_pretrained(out_dir)
@@ -64,15 +81,16 @@ def make_llava(out_dir: Path, seed: int = 0):
     return model, processor
 
 
-def llava_dir(tmp_path_factory) -> tuple[Path, object, object]:
-    """The tiny LLaVA saved once per test session (every module that asks shares it):
-    (folder, transformers model, processor)."""
+def llava_dir(tmp_path_factory, tower: str = "clip") -> tuple[Path, object, object]:
+    """The tiny LLaVA (tower "clip" or "siglip") saved once per test session (every module
+    that asks shares it): (folder, transformers model, processor)."""
     import transformers
 
-    out = tmp_path_factory.getbasetemp() / "tiny-llava"
+    out = tmp_path_factory.getbasetemp() / ("tiny-llava" if tower == "clip" else
+                                            f"tiny-llava-{tower}")
     if not (out / "model.safetensors").is_file():
         out.mkdir(exist_ok=True)
-        return (out, *make_llava(out))
+        return (out, *make_llava(out, tower=tower))
     model = transformers.LlavaForConditionalGeneration.from_pretrained(out).eval()
     return out, model, transformers.AutoProcessor.from_pretrained(out)
 

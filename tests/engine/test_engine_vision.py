@@ -1,8 +1,9 @@
 """Pictures through the whole engine under preemption (issue 34): three one-image chats on
-the tiny LLaVA (and on the tiny Qwen2.5-VL, whose M-RoPE positions and rope delta must
-survive the recompute) in a KV cache too small for them together, prefilled in chunks
-that cut through the pictures' tokens; each is preempted and recomputed (its picture's
-features put back from the encoder cache) and still gives transformers' greedy tokens."""
+the tiny LLaVA, with its CLIP and with a SigLIP tower (and on the tiny Qwen2.5-VL, whose
+M-RoPE positions and rope delta must survive the recompute) in a KV cache too small for
+them together, prefilled in chunks that cut through the pictures' tokens; each is
+preempted and recomputed (its picture's features put back from the encoder cache) and
+still gives transformers' greedy tokens."""
 from __future__ import annotations
 
 import base64
@@ -71,3 +72,8 @@ async def test_preempted_image_chats_give_transformers_tokens(tmp_path_factory):
 
 async def test_preempted_qwen2_5_vl_chats_give_transformers_tokens(tmp_path_factory):
     await _preempted_chats(*qwen_vl_dir(tmp_path_factory), blocks=12)
+
+
+async def test_preempted_siglip_llava_chats_give_transformers_tokens(tmp_path_factory):
+    """The same with the LLaVA whose tower is SigLIP's (16 image tokens, none dropped)."""
+    await _preempted_chats(*llava_dir(tmp_path_factory, tower="siglip"), blocks=7)
