@@ -1,9 +1,9 @@
 """Pictures to pixel values, torch-free (numpy and Pillow), in render (issue 34): decode,
 convert to RGB, resize, centre crop, rescale and normalise as the model's image processor
 (gpu/vision_config.py `ImageProcessing`) says, the steps and rounding of transformers'
-CLIPImageProcessor (its PIL backend), so the pixel values are the Hugging Face
-processor's. A content hash names each picture: the encoder cache and the prefix cache
-key on it."""
+CLIPImageProcessor and SiglipImageProcessor (their PIL backends; SigLIP's resizes to
+height x width and crops nothing), so the pixel values are the Hugging Face processor's.
+A content hash names each picture: the encoder cache and the prefix cache key on it."""
 from __future__ import annotations
 
 import hashlib
