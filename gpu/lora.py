@@ -18,7 +18,7 @@ two matmuls per adapter over its contiguous run, and adds the result back with o
 On CUDA the term is instead the Triton shrink/expand pair of gpu/kernels/lora.py (the
 Punica / S-LoRA design): `_Slots` holds, per hooked linear, every adapter of the step in one
 of `max_loras` slots of a stacked A [S, R, in] and B [S, out, R] (R: --max-lora-rank times the
-linear's fused parts, zero-padded), `set_step` builds the step's row -> slot index once (-1:
+linear's fused parts; each slot's own rank in `ranks`, the part the kernels read), `set_step` builds the step's row -> slot index once (-1:
 no adapter), and each hook makes one shrink and one expand launch whatever the adapters.
 TAILRACE_LORA_BACKEND=torch|triton overrides the choice (triton on the CPU runs under
 TRITON_INTERPRET=1, for tests).
@@ -273,19 +273,22 @@ def load_adapter(ref: LoRARef, cfg: AdapterConfig, model, dtype: torch.dtype,
 
 class _Slots:
     """The Triton path's adapter weights: per hooked linear (layer, attr), A [S, R, in] and
-    B [S, out, R] stacked over S = max_loras slots, R = max_rank * the linear's fused parts
-    (each adapter's rank zero-padded). An adapter is copied into a slot when a step first
+    B [S, out, R] stacked over S = max_loras slots, R = max_rank * the linear's fused parts,
+    and each slot's own rank there (`ranks`, the rows of A / columns of B the kernels read;
+    0 where the adapter does not patch the linear). An adapter is copied into a slot when a step first
     needs it; a slot's adapter is replaced, least recently used first, only by a step that
     does not use it."""
 
     def __init__(self, model, keys, slots: int, max_rank: int, dtype, device) -> None:
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
+        self.ranks: dict[tuple[int, str], torch.Tensor] = {}   # [S] int32: the rank each slot holds
         for key in keys:
             linear = model.layers[key[0]].get_submodule(key[1])
             rank = max_rank * len(_slices(model, key[1]))
             self.a[key] = torch.zeros(slots, rank, linear.in_features, dtype=dtype, device=device)
             self.b[key] = torch.zeros(slots, linear.out_features, rank, dtype=dtype, device=device)
+            self.ranks[key] = torch.zeros(slots, dtype=torch.int32, device=device)
         self.owner: list[int | None] = [None] * slots   # the adapter id held (ids are never reused)
         self.used = [0] * slots        # the step count at its last use (LRU)
         self.clock = 0
@@ -310,14 +313,12 @@ class _Slots:
 
     def _write(self, s: int, ad: Adapter) -> None:
         for key, a in self.a.items():
-            b = self.b[key]
-            a[s].zero_()
-            b[s].zero_()
             w = ad.weights.get(key)
-            if w is not None:
-                r = w[0].shape[1]
+            r = 0 if w is None else w[0].shape[1]
+            if r:
                 a[s, :r].copy_(w[0].T)
-                b[s, :, :r].copy_(w[1].T)
+                self.b[key][s, :, :r].copy_(w[1].T)
+            self.ranks[key][s] = r
         self.owner[s] = ad.ref.id
 
 
@@ -461,7 +462,7 @@ class LoRAManager:
     def _triton_hook(self, key: tuple[int, str]):
         from gpu.kernels.lora import lora_expand, lora_shrink
 
-        a, b = self._slots.a[key], self._slots.b[key]
+        a, b, ranks = self._slots.a[key], self._slots.b[key], self._slots.ranks[key]
 
         def hook(module, args, out):
             step = self._index
@@ -472,12 +473,12 @@ class LoRAManager:
             x = args[0][:n]
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            h = lora_shrink(x, a, index)
+            h = lora_shrink(x, a, index, ranks)
             rows = out[:n]
             if rows.stride(-1) == 1:
-                lora_expand(h, b, index, rows)
+                lora_expand(h, b, index, rows, ranks)
             else:
-                rows.copy_(lora_expand(h, b, index, rows.contiguous()))
+                rows.copy_(lora_expand(h, b, index, rows.contiguous(), ranks))
             return out
         return hook
 

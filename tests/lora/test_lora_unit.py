@@ -186,10 +186,11 @@ def test_triton_slots_reuse_and_index(tiny, monkeypatch):
         mgr.prepare([SeqChunk("s1", (1,), 0, (), True), SeqChunk("s2", (2, 3), 0, (), True)])
         assert mgr._index[0].tolist() == [1, 0, 0] and mgr._slots.owner == [3, 2]
         mgr.done()
-        qkv = (0, "self_attn.qkv_proj")   # all16's q/k/v A rows, then zero padding up to 3 x 16
-        at = mgr.loaded[3].weights[qkv][0]
-        assert torch.equal(mgr._slots.a[qkv][0, :at.shape[1]], at.T)
-        assert not mgr._slots.a[qkv][0, at.shape[1]:].any()
+        qkv, down = (0, "self_attn.qkv_proj"), (0, "mlp.down_proj")   # all16's q/k/v: rank 48
+        at, bt = mgr.loaded[3].weights[qkv]
+        assert torch.equal(mgr._slots.a[qkv][0, :48], at.T) and torch.equal(mgr._slots.b[qkv][0, :, :48], bt.T)
+        assert mgr._slots.ranks[qkv].tolist() == [48, 0]    # mlp4 (slot 1) has no q/k/v
+        assert mgr._slots.ranks[down].tolist() == [16, 4]
         monkeypatch.setenv("TAILRACE_LORA_BACKEND", "cuda")
         with pytest.raises(ValueError, match="TAILRACE_LORA_BACKEND"):
             LoRAManager(loaded.model, max_loras=1, max_cpu_loras=1, max_rank=16,
