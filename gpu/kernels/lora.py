@@ -114,3 +114,19 @@ def lora_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, idx: torch.Tenso
         if lora >= 0:
             res[t] += (x[t].float() @ a[lora].float().T) @ b[lora].float().T
     return res.to(out.dtype)
+
+
+def aot_cases():
+    """scripts/check_triton_compile.py's launches (compiled for the device, none run): the
+    slot stacks gpu/lora.py builds for SmolLM2's qkv and gate_up at --max-lora-rank 64,
+    4 slots, a 32-row bf16 decode."""
+    for name, k, n, parts in (("qkv", 576, 960, 3), ("gate_up", 576, 3072, 2)):
+        def launch(k=k, n=n, parts=parts):
+            r, s, t = 64 * parts, 4, 32
+            x = torch.zeros(t, k, dtype=torch.bfloat16)
+            idx = torch.zeros(t, dtype=torch.int32)
+            ranks = torch.full((s,), r, dtype=torch.int32)
+            h = lora_shrink(x, torch.zeros(s, r, k, dtype=torch.bfloat16), idx, ranks)
+            lora_expand(h, torch.zeros(s, n, r, dtype=torch.bfloat16), idx,
+                        torch.zeros(t, n, dtype=torch.bfloat16), ranks)
+        yield f"lora[smollm2-135m,bf16,{name},rank 64 x {parts}]", ["_shrink_kernel", "_expand_kernel"], launch

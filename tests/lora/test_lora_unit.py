@@ -152,6 +152,7 @@ def test_triton_backend_equals_torch_backend_and_merged_models(tiny, monkeypatch
     (one forward: 2 layers x 4 linears x 2 launches)."""
     root, hf, merged, loaded = tiny
     who = ["qkv8", None, "all16", "mlp4", None]
+    monkeypatch.delenv("TAILRACE_LORA_BACKEND", raising=False)
     backend, want = _mixed_logits(root, loaded.model, who)
     assert backend == "torch"
     monkeypatch.setenv("TAILRACE_LORA_BACKEND", "triton")
