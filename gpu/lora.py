@@ -15,6 +15,14 @@ step's LoRA rows by adapter once (`perm`); each hooked linear gathers those rows
 two matmuls per adapter over its contiguous run, and adds the result back with one
 `index_add_`. Rows without an adapter cost nothing.
 
+On CUDA the term is instead the Triton shrink/expand pair of gpu/kernels/lora.py (the
+Punica / S-LoRA design): `_Slots` holds, per hooked linear, every adapter of the step in one
+of `max_loras` slots of a stacked A [S, R, in] and B [S, out, R] (R: --max-lora-rank times the
+linear's fused parts; each slot's own rank in `ranks`, the part the kernels read), `set_step` builds the step's row -> slot index once (-1:
+no adapter), and each hook makes one shrink and one expand launch whatever the adapters.
+TAILRACE_LORA_BACKEND=torch|triton overrides the choice (triton on the CPU runs under
+TRITON_INTERPRET=1, for tests).
+
 Weights are loaded on a sequence's first step (the runner thread), kept in an LRU of
 `--max-cpu-loras` adapters; an adapter in use by a running sequence is never evicted, and one
 unloaded at run time (`forget`) is dropped once its last sequence is released.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -43,6 +52,20 @@ TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj",
            "down_proj": ("mlp.down_proj", None)}
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+BACKENDS = ("torch", "triton")
+
+
+def lora_backend(device: torch.device) -> str:
+    """The batched LoRA term's implementation: TAILRACE_LORA_BACKEND if set, else triton on
+    CUDA and torch (grouped matmuls) elsewhere."""
+    value = os.environ.get("TAILRACE_LORA_BACKEND", "").strip().lower()
+    if not value:
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    if value not in BACKENDS:
+        raise ValueError(f"TAILRACE_LORA_BACKEND={value!r}: expected one of {', '.join(BACKENDS)}")
+    return value
 
 
 class LoRAError(ValueError):
@@ -248,6 +271,57 @@ def load_adapter(ref: LoRARef, cfg: AdapterConfig, model, dtype: torch.dtype,
     return Adapter(ref, weights, nbytes)
 
 
+class _Slots:
+    """The Triton path's adapter weights: per hooked linear (layer, attr), A [S, R, in] and
+    B [S, out, R] stacked over S = max_loras slots, R = max_rank * the linear's fused parts,
+    and each slot's own rank there (`ranks`, the rows of A / columns of B the kernels read;
+    0 where the adapter does not patch the linear). An adapter is copied into a slot when a step first
+    needs it; a slot's adapter is replaced, least recently used first, only by a step that
+    does not use it."""
+
+    def __init__(self, model, keys, slots: int, max_rank: int, dtype, device) -> None:
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        self.ranks: dict[tuple[int, str], torch.Tensor] = {}   # [S] int32: the rank each slot holds
+        for key in keys:
+            linear = model.layers[key[0]].get_submodule(key[1])
+            rank = max_rank * len(_slices(model, key[1]))
+            self.a[key] = torch.zeros(slots, rank, linear.in_features, dtype=dtype, device=device)
+            self.b[key] = torch.zeros(slots, linear.out_features, rank, dtype=dtype, device=device)
+            self.ranks[key] = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.owner: list[int | None] = [None] * slots   # the adapter id held (ids are never reused)
+        self.used = [0] * slots        # the step count at its last use (LRU)
+        self.clock = 0
+
+    def assign(self, adapters: list[Adapter]) -> list[int]:
+        """Each adapter's slot, copying in those not resident."""
+        self.clock += 1
+        step = {ad.ref.id for ad in adapters}
+        out = []
+        for ad in adapters:
+            s = next((i for i, o in enumerate(self.owner) if o == ad.ref.id), None)
+            if s is None:
+                free = [i for i, o in enumerate(self.owner) if o is None or o not in step]
+                if not free:
+                    raise RuntimeError(f"LoRA: a step uses more than {len(self.owner)} adapters "
+                                       "(--max-loras)")
+                s = min(free, key=lambda i: (self.owner[i] is not None, self.used[i]))
+                self._write(s, ad)
+            self.used[s] = self.clock
+            out.append(s)
+        return out
+
+    def _write(self, s: int, ad: Adapter) -> None:
+        for key, a in self.a.items():
+            w = ad.weights.get(key)
+            r = 0 if w is None else w[0].shape[1]
+            if r:
+                a[s, :r].copy_(w[0].T)
+                self.b[key][s, :, :r].copy_(w[1].T)
+            self.ranks[key][s] = r
+        self.owner[s] = ad.ref.id
+
+
 class LoRAManager:
     """The runner's LoRA state: hooks on every patchable linear, the loaded adapters (LRU of
     max_cpu_loras, the running ones pinned), each sequence's adapter and the step's row groups.
@@ -264,10 +338,16 @@ class LoRAManager:
         self._forgotten: set[int] = set()
         self._lock = threading.Lock()
         self._step: tuple[torch.Tensor, list[tuple[Adapter, int, int]]] | None = None
+        self._index: tuple[torch.Tensor, set] | None = None   # triton: row -> slot, keys used
         self.num_loads = 0
         attrs_ = sorted({attr for t in model_targets(model.config) for attr in [TARGETS[t][0]]})
-        self._hooks = [model.layers[i].get_submodule(attr).register_forward_hook(self._hook((i, attr)))
-                       for i in range(len(model.layers)) for attr in attrs_]
+        keys = [(i, attr) for i in range(len(model.layers)) for attr in attrs_]
+        self.backend = lora_backend(self.device)
+        self._slots = (_Slots(model, keys, max_loras, max_rank, dtype, self.device)
+                       if self.backend == "triton" else None)
+        hook = self._triton_hook if self._slots is not None else self._hook
+        self._hooks = [model.layers[i].get_submodule(attr).register_forward_hook(hook((i, attr)))
+                       for i, attr in keys]
 
     def close(self) -> None:
         for h in self._hooks:
@@ -343,9 +423,11 @@ class LoRAManager:
     def set_step(self, groups) -> bool:
         """Sort the step's LoRA rows by adapter (`perm`) and load the adapters the step uses.
         False: no LoRA row."""
-        self._step = None
+        self._step = self._index = None
         if not groups:
             return False
+        if self._slots is not None:
+            return self._set_index(groups)
         perm: list[int] = []
         spans = []
         busy = {ref.id for ref, _ in groups}
@@ -357,12 +439,48 @@ class LoRAManager:
         self._step = (torch.tensor(perm, dtype=torch.int64, device=self.device), spans)
         return True
 
+    def _set_index(self, groups) -> bool:
+        """Triton: the step's row -> slot index over its rows up to the last LoRA row."""
+        busy = {ref.id for ref, _ in groups}
+        adapters = [self._adapter(ref, busy) for ref, _ in groups]
+        slots = self._slots.assign(adapters)
+        index = [-1] * max(r1 for _, rs in groups for _, r1 in rs)
+        for s, (_, rs) in zip(slots, groups):
+            for r0, r1 in rs:
+                index[r0:r1] = [s] * (r1 - r0)
+        keys = set().union(*(ad.weights for ad in adapters))
+        self._index = (torch.tensor(index, dtype=torch.int32, device=self.device), keys)
+        return True
+
     def prepare(self, chunks) -> bool:
         """The step's row groups: rows of each adapter, sorted by adapter. False: no LoRA row."""
         return self.set_step(self.groups(chunks))
 
     def done(self) -> None:
-        self._step = None
+        self._step = self._index = None
+
+    def _triton_hook(self, key: tuple[int, str]):
+        from gpu.kernels.lora import lora_expand, lora_shrink
+
+        a, b, ranks = self._slots.a[key], self._slots.b[key], self._slots.ranks[key]
+
+        def hook(module, args, out):
+            step = self._index
+            if step is None or key not in step[1]:
+                return out
+            index = step[0]
+            n = len(index)
+            x = args[0][:n]
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            h = lora_shrink(x, a, index, ranks)
+            rows = out[:n]
+            if rows.stride(-1) == 1:
+                lora_expand(h, b, index, rows, ranks)
+            else:
+                rows.copy_(lora_expand(h, b, index, rows.contiguous(), ranks))
+            return out
+        return hook
 
     def _hook(self, key: tuple[int, str]):
         def hook(module, args, out):

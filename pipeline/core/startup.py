@@ -175,6 +175,7 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
     if head is not None:
         from gpu.eagle import head_kv_bytes_per_block
         extra = head_kv_bytes_per_block(head.spec, cfg.block_size, head.fc.weight.dtype)
+    lora = lora_manager(cfg, loaded, device)    # before sizing: the Triton path's slots are memory
     num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg), extra)
     if ranks is not None:
         num_blocks = min_over_ranks(num_blocks, ranks.plan)
@@ -212,7 +213,7 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
                          else min(cfg.max_num_seqs, 512),
                          broadcast=broadcast, vision=loaded.vision,
                          encoder_cache_size=cfg.encoder_cache_size,
-                         lora=lora_manager(cfg, loaded, device), draft=drafting)
+                         lora=lora, draft=drafting)
     return runner, cache, num_blocks
 
 

@@ -28,3 +28,24 @@ def test_shrink_expand_match_the_reference(T, K, N, R, idx, dtype, device, tol):
     torch.testing.assert_close(got, want, **tol(dtype))
     base = [t for t, i in enumerate(idx) if i < 0]
     assert torch.equal(got[base], out[base])
+
+
+def test_ranks_bound_what_is_read(device):
+    """Slots of rank R holding smaller adapters (gpu/lora.py's _Slots): with `ranks`, rows of
+    A / columns of B past a slot's rank are never read (garbage there changes nothing), and a
+    slot of rank 0 adds nothing."""
+    g = torch.Generator().manual_seed(3)
+    T, K, N, R, L = 6, 48, 40, 16, 3
+    x = torch.randn(T, K, generator=g).to(device)
+    a = torch.randn(L, R, K, generator=g).to(device)
+    b = torch.randn(L, N, R, generator=g).to(device)
+    ranks = torch.tensor([16, 5, 0], dtype=torch.int32, device=device)
+    clean_a, clean_b = a.clone(), b.clone()
+    for s, r in enumerate(ranks.tolist()):
+        clean_a[s, r:] = 0
+        clean_b[s, :, r:] = 0
+    out = torch.randn(T, N, generator=g).to(device)
+    index = torch.tensor([1, 0, -1, 2, 1, 1], dtype=torch.int32, device=device)
+    got = lora_expand(lora_shrink(x, a, index, ranks), b, index, out.clone(), ranks)
+    torch.testing.assert_close(got, lora_ref(x, clean_a, clean_b, index, out), atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[[2, 3]], out[[2, 3]])

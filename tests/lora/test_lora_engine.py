@@ -190,3 +190,19 @@ async def test_ngram_speculation_with_adapters_is_exact(tiny, free_run):
     assert stats.spec_decode.num_drafts > 0 and stats.spec_decode.num_accepted_tokens > 0
     assert got == free
     assert held == (0, {}, {})
+
+
+async def test_draft_model_speculation_with_adapters_is_exact(tiny, free_run):
+    """A draft model (the tiny base drafting for itself) proposes from base weights, for
+    adapter rows too (gpu/draft.py has no LoRA hooks): the target verifies every row with
+    its adapter, so greedy tokens are those without speculation; base rows accept every
+    draft, adapter rows fewer."""
+    root, _ = tiny
+    free, _, _ = free_run
+    spec = {"method": "draft_model", "model": str(root / "base"), "num_speculative_tokens": 3,
+            "adaptive": False}
+    got, stats, held = await _run_jobs(root, speculative_config=spec)
+    sd = stats.spec_decode
+    assert sd.num_drafts > 0 and 0 < sd.num_accepted_tokens < sd.num_draft_tokens
+    assert got == free
+    assert held == (0, {}, {})

@@ -124,3 +124,77 @@ def test_scale_alpha_over_r_and_rslora(tiny, tmp_path):
     assert read_adapter_config(str(_adapter_dir(tmp_path, r=4, lora_alpha=8)), mc, 16).scale == 2.0
     assert read_adapter_config(str(_adapter_dir(tmp_path, r=4, lora_alpha=8, use_rslora=True)),
                                mc, 16).scale == 4.0
+
+
+def _mixed_logits(root, model, who):
+    """One flat forward of SEQS with adapters `who` through a fresh LoRAManager."""
+    mgr = LoRAManager(model, max_loras=3, max_cpu_loras=3, max_rank=16, dtype=torch.float32,
+                      device=torch.device("cpu"))
+    try:
+        refs = {n: LoRARef(n, i + 1, str(root / n)) for i, n in enumerate(ADAPTERS)}
+        chunks = []
+        for i, (ids, w) in enumerate(zip(SEQS, who)):
+            if w is not None:
+                mgr.start(f"s{i}", refs[w])
+            chunks.append(SeqChunk(f"s{i}", tuple(ids), 0, (), True))
+        assert mgr.prepare(chunks)
+        got = our_logits(model, [t for s in SEQS for t in s], seq_lens=[len(s) for s in SEQS])
+        mgr.done()
+        return mgr.backend, got
+    finally:
+        mgr.close()
+
+
+def test_triton_backend_equals_torch_backend_and_merged_models(tiny, monkeypatch):
+    """TAILRACE_LORA_BACKEND=triton (the CUDA path, here under TRITON_INTERPRET): the shrink/
+    expand kernels over the row -> slot index give the grouped-matmul path's logits and the
+    merged models', with ranks 4/8/16 and base rows between and after the adapters' rows
+    (one forward: 2 layers x 4 linears x 2 launches)."""
+    root, hf, merged, loaded = tiny
+    who = ["qkv8", None, "all16", "mlp4", None]
+    monkeypatch.delenv("TAILRACE_LORA_BACKEND", raising=False)
+    backend, want = _mixed_logits(root, loaded.model, who)
+    assert backend == "torch"
+    monkeypatch.setenv("TAILRACE_LORA_BACKEND", "triton")
+    backend, got = _mixed_logits(root, loaded.model, who)
+    assert backend == "triton"
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    row = 0
+    for ids, w in zip(SEQS, who):
+        ref = hf_logits(merged[w] if w else hf, ids)
+        torch.testing.assert_close(got[row:row + len(ids)], ref, atol=1e-4, rtol=1e-4)
+        row += len(ids)
+
+
+def test_triton_slots_reuse_and_index(tiny, monkeypatch):
+    """The Triton path's slots (no kernel launched): an adapter stays in its slot across
+    steps, a new one takes the least recently used slot of an adapter the step does not use,
+    and the row index is -1 for base rows, up to the last LoRA row."""
+    root, _, _, loaded = tiny
+    monkeypatch.setenv("TAILRACE_LORA_BACKEND", "triton")
+    mgr = LoRAManager(loaded.model, max_loras=2, max_cpu_loras=3, max_rank=16,
+                      dtype=torch.float32, device=torch.device("cpu"))
+    try:
+        refs = [LoRARef(n, i + 1, str(root / n)) for i, n in enumerate(ADAPTERS)]
+        for i, ref in enumerate(refs):
+            mgr.start(f"s{i}", ref)
+        mgr.prepare([SeqChunk("s0", (1, 2), 0, (), True), SeqChunk("b", (3,), 0, (), True),
+                     SeqChunk("s1", (4,), 0, (), True), SeqChunk("b2", (5,), 0, (), True)])
+        assert mgr._index[0].tolist() == [0, 0, -1, 1]
+        assert mgr._slots.owner == [1, 2]
+        mgr.done()
+        mgr.prepare([SeqChunk("s1", (1,), 0, (), True), SeqChunk("s2", (2, 3), 0, (), True)])
+        assert mgr._index[0].tolist() == [1, 0, 0] and mgr._slots.owner == [3, 2]
+        mgr.done()
+        qkv, down = (0, "self_attn.qkv_proj"), (0, "mlp.down_proj")   # all16's q/k/v: rank 48
+        at, bt = mgr.loaded[3].weights[qkv]
+        assert torch.equal(mgr._slots.a[qkv][0, :48], at.T) and torch.equal(mgr._slots.b[qkv][0, :, :48], bt.T)
+        assert mgr._slots.ranks[qkv].tolist() == [48, 0]    # mlp4 (slot 1) has no q/k/v
+        assert mgr._slots.ranks[down].tolist() == [16, 4]
+        monkeypatch.setenv("TAILRACE_LORA_BACKEND", "cuda")
+        with pytest.raises(ValueError, match="TAILRACE_LORA_BACKEND"):
+            LoRAManager(loaded.model, max_loras=1, max_cpu_loras=1, max_rank=16,
+                        dtype=torch.float32, device=torch.device("cpu"))
+    finally:
+        mgr.close()
