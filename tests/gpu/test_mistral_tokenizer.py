@@ -1,7 +1,7 @@
 """--tokenizer-mode mistral (gpu/mistral.py): the tekken vocabulary and the SentencePiece
-models (v3, v7; v1 for text) that ship in the mistral-common wheel, offline. The oracle is mistral-common itself: its Tekkenizer's
-encode for text, and its typed request classes' encode_chat_completion for chats, against
-tailrace's render of the OpenAI-shaped body."""
+models (v3, v7; v1 for text) that ship in the mistral-common wheel, offline. The oracle
+is mistral-common itself: its tokenizer's encode for text, and its typed request classes'
+encode_chat_completion for chats, against tailrace's render of the OpenAI-shaped body."""
 from __future__ import annotations
 
 import os
