@@ -36,28 +36,23 @@ SENTENCEPIECE_FILE = "tokenizer.model"
 
 
 def tokenizer_file(path: str | Path) -> Path:
-    """The Mistral tokenizer of a model folder or the file itself: tekken.json first, else
-    the SentencePiece model of the highest version (tokenizer.model.v7 before .v3), else
-    tokenizer.model (mistral-common reads that one as v1)."""
+    """The Mistral tokenizer of a model folder, or the file itself. In a folder,
+    mistral-common's own choice (`get_one_valid_tokenizer_file`, which vLLM uses too):
+    tekken.json wins, else the last by name of the SentencePiece files (tokenizer.model.v7
+    after .v3 after tokenizer.model; mistral-common reads a bare .model as v1)."""
+    from mistral_common.tokens.tokenizers.utils import get_one_valid_tokenizer_file
+
     path = Path(path).expanduser()
     if path.is_dir():
-        versioned = sorted(path.glob(f"{SENTENCEPIECE_FILE}.v*"),
-                           key=lambda p: _version(p.name.rsplit(".v", 1)[1]))
-        found = [p for p in (path / TEKKEN_FILE, *reversed(versioned), path / SENTENCEPIECE_FILE)
-                 if p.is_file()]
-        if not found:
+        try:
+            path = Path(get_one_valid_tokenizer_file([str(p) for p in path.iterdir()]))
+        except ValueError:
             raise FileNotFoundError(f"--tokenizer-mode mistral: no {TEKKEN_FILE}, "
-                                    f"{SENTENCEPIECE_FILE}.vN or {SENTENCEPIECE_FILE} in {path}")
-        path = found[0]
+                                    f"{SENTENCEPIECE_FILE}.vN or {SENTENCEPIECE_FILE} in "
+                                    f"{path}") from None
     if not path.is_file():
         raise FileNotFoundError(f"--tokenizer-mode mistral: no tokenizer file at {path}")
     return path
-
-
-def _version(suffix: str) -> tuple[int, str]:
-    """"7m1" -> (7, "m1"): a SentencePiece file's version, for ordering."""
-    digits = "".join(c for c in suffix[:2] if c.isdigit())
-    return int(digits or 0), suffix[len(digits):]
 
 
 def _sentencepiece_json(sp, path: Path) -> None:
