@@ -1,15 +1,22 @@
-"""--tokenizer-mode mistral: a Mistral model's tekken tokenizer through mistral-common.
+"""--tokenizer-mode mistral: a Mistral model's tokenizer (tekken or SentencePiece) through
+mistral-common.
 
-As vLLM's MistralTokenizer: the vocabulary is the model folder's `tekken.json` (or the
-file --tokenizer names), read by mistral-common, and a chat is rendered by
-mistral-common's own request encoding (`encode_chat_completion`: its instruct format, its
-tool schema and its validation of the conversation), not by a Jinja template.
+As vLLM's MistralTokenizer: the vocabulary is the model folder's `tekken.json`, else its
+SentencePiece model (`tokenizer.model.vN`, the highest N, else `tokenizer.model`), or the
+file --tokenizer names, read by mistral-common's `MistralTokenizer.from_file` (which takes
+the instruct version, v1..v7, from the file's name); a chat is rendered by mistral-common's
+own request encoding (`encode_chat_completion`: its instruct format, its tool schema and its
+validation of the conversation), not by a Jinja template.
 
-Detokenize, xgrammar and /tokenize work on a `tokenizers` tokenizer: one with the same ids
-is built from tekken's ranks (byte-level BPE, merges derived from the ranks as
-gpu/harmony.py does for o200k; tekken's pre-tokenizer pattern; the special tokens first,
-at ids 0..num_special-1, the vocabulary after them), written once to a cache directory.
-tests/gpu/test_mistral_tokenizer.py checks its ids against mistral-common's.
+Detokenize, xgrammar and /tokenize work on a `tokenizers` tokenizer with the same ids,
+written once to a cache directory:
+- tekken: built from tekken's ranks (byte-level BPE, merges derived from the ranks as
+  gpu/harmony.py does for o200k; tekken's pre-tokenizer pattern; the special tokens first,
+  at ids 0..num_special-1, the vocabulary after them);
+- SentencePiece: the model's pieces at their ids, merges derived from the pieces' scores
+  (a piece's merge ranks by its score), SentencePiece's dummy prefix and "▁" for spaces,
+  byte fallback, and its control pieces ([INST], [TOOL_CALLS], ...) as special tokens.
+tests/gpu/test_mistral_tokenizer.py checks their ids against mistral-common's.
 
 No import of torch, trio or stages.
 """
@@ -25,16 +32,57 @@ from gpu.harmony import _byte_chars, _write_once, cache_dir
 from gpu.tokenizer import Tokenizer
 
 TEKKEN_FILE = "tekken.json"
+SENTENCEPIECE_FILE = "tokenizer.model"
 
 
-def tekken_file(path: str | Path) -> Path:
-    """The tekken vocabulary of a model folder (its tekken.json) or the file itself."""
+def tokenizer_file(path: str | Path) -> Path:
+    """The Mistral tokenizer of a model folder, or the file itself. In a folder,
+    mistral-common's own choice (`get_one_valid_tokenizer_file`, which vLLM uses too):
+    tekken.json wins, else the last by name of the SentencePiece files (tokenizer.model.v7
+    after .v3 after tokenizer.model; mistral-common reads a bare .model as v1)."""
+    from mistral_common.tokens.tokenizers.utils import get_one_valid_tokenizer_file
+
     path = Path(path).expanduser()
     if path.is_dir():
-        path = path / TEKKEN_FILE
+        try:
+            path = Path(get_one_valid_tokenizer_file([str(p) for p in path.iterdir()]))
+        except ValueError:
+            raise FileNotFoundError(f"--tokenizer-mode mistral: no {TEKKEN_FILE}, "
+                                    f"{SENTENCEPIECE_FILE}.vN or {SENTENCEPIECE_FILE} in "
+                                    f"{path}") from None
     if not path.is_file():
-        raise FileNotFoundError(f"--tokenizer-mode mistral: no {TEKKEN_FILE} at {path}")
+        raise FileNotFoundError(f"--tokenizer-mode mistral: no tokenizer file at {path}")
     return path
+
+
+def _sentencepiece_json(sp, path: Path) -> None:
+    """A `tokenizers` tokenizer with a SentencePiece BPE model's ids (see the module's
+    docstring)."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    n = sp.get_piece_size()
+    vocab = {sp.id_to_piece(i): i for i in range(n)}
+    specials = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
+    skip = set(specials)
+    merges = sorted((-sp.get_score(i), i, vocab[piece[:k]], vocab[piece[k:]], piece[:k], piece[k:])
+                    for piece, i in vocab.items() if i not in skip and not sp.is_byte(i)
+                    for k in range(1, len(piece))
+                    if piece[:k] in vocab and piece[k:] in vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges],
+                                 unk_token=sp.id_to_piece(sp.unk_id()), byte_fallback=True,
+                                 fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(sp.id_to_piece(i), special=True, normalized=False)
+                            for i in specials])
+    for i in specials:
+        if tok.token_to_id(sp.id_to_piece(i)) != i:
+            raise RuntimeError(f"SentencePiece control piece {sp.id_to_piece(i)} got id "
+                               f"{tok.token_to_id(sp.id_to_piece(i))}, not {i}")
+    _write_once(path, tok.to_str().encode())
 
 
 def _tokenizers_json(tekken, path: Path) -> None:
@@ -82,15 +130,24 @@ class MistralTokenizer(Tokenizer):
         import tokenizers
         from mistral_common.tokens.tokenizers.mistral import MistralTokenizer as Mistral
 
-        file = tekken_file(path)
-        self.mistral = Mistral.from_file(str(file))
-        tekken = self.mistral.instruct_tokenizer.tokenizer
+        file = tokenizer_file(path)
+        try:
+            self.mistral = Mistral.from_file(str(file))
+        except ImportError as e:     # SentencePiece files need the sentencepiece package
+            raise RuntimeError(f"--tokenizer-mode mistral: {e}") from e
+        inner = self.mistral.instruct_tokenizer.tokenizer
+        sentencepiece = file.name != TEKKEN_FILE and file.suffix != ".json"
+        kind = "spm" if sentencepiece else "tekken"
         digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
-        built = cache_dir().parent / "mistral" / f"tekken-{digest}.tokenizer.json"
+        built = cache_dir().parent / "mistral" / f"{kind}-{digest}.tokenizer.json"
         if not built.is_file():
-            _tokenizers_json(tekken, built)
-        super().__init__(tokenizers.Tokenizer.from_file(str(built)), bos_token_id=tekken.bos_id,
-                         eos_token_ids=(tekken.eos_id,))
+            if sentencepiece:
+                from sentencepiece import SentencePieceProcessor
+                _sentencepiece_json(SentencePieceProcessor(model_file=str(file)), built)
+            else:
+                _tokenizers_json(inner, built)
+        super().__init__(tokenizers.Tokenizer.from_file(str(built)), bos_token_id=inner.bos_id,
+                         eos_token_ids=(inner.eos_id,))
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, *,
                     continue_final_message: bool = False) -> list[int]:

@@ -127,8 +127,8 @@ class EngineConfig:
     media_max_redirects: int = attrs.field(default=5, validator=attrs.validators.ge(0))
     encoder_cache_size: int = attrs.field(default=64, validator=positive)
     tokenizer: str | None = None              # .gguf file or HF directory; None: the model's
-    # auto: the model's tokenizer.json (or GGUF); mistral: its tekken.json through
-    # mistral-common, chats rendered by mistral-common (gpu/mistral.py)
+    # auto: the model's tokenizer.json (or GGUF); mistral: its tekken.json or SentencePiece
+    # tokenizer.model[.vN] through mistral-common, chats rendered by mistral-common (gpu/mistral.py)
     tokenizer_mode: str = attrs.field(default="auto",
                                       validator=attrs.validators.in_(("auto", "mistral")))
     simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS: a timed stand-in
@@ -384,7 +384,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "Face directory with tokenizer.json.")
     p.add_argument("--tokenizer-mode", default="auto", choices=("auto", "mistral"),
                    help="auto: the model's tokenizer.json (or its GGUF's); mistral: a Mistral "
-                        "model's tekken.json (in the model folder, or the file --tokenizer "
+                        "model's tekken.json, else its SentencePiece tokenizer.model.vN "
+                        "or tokenizer.model (in the model folder, or the file --tokenizer "
                         "names) through mistral-common, whose request encoding renders chats "
                         "(no chat template), as vLLM's --tokenizer-mode mistral.")
     p.add_argument("--simulate-gpu", default=None, choices=tuple(GPUS),

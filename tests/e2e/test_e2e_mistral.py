@@ -1,10 +1,12 @@
 """--tokenizer-mode mistral over HTTP with the openai client: a tiny random-weight
-MistralForCausalLM (transformers) with the tekken vocabulary from the mistral-common wheel.
+MistralForCausalLM (transformers) with the tekken vocabulary from the mistral-common wheel
+(and one with its SentencePiece v3 model, as `tokenizer.model.v3`).
 The prompt's ids are mistral-common's encoding of the chat, the greedy reply is
 transformers' greedy generation from those ids, and a named tool call's id is Mistral's
 9 alphanumerics, which mistral-common then accepts back in the conversation."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,7 +22,9 @@ mistral_common = pytest.importorskip("mistral_common")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 from relutil import threaded_server  # noqa: E402
 
-TEKKEN = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240718.json")
+DATA = os.path.join(os.path.dirname(mistral_common.__file__), "data")
+TEKKEN = os.path.join(DATA, "tekken_240718.json")
+SPM_V3 = os.path.join(DATA, "mistral_instruct_tokenizer_240323.model.v3")
 # an enum, so that random weights finish the constrained arguments in a few tokens
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -29,33 +33,55 @@ WEATHER = {"type": "function", "function": {
 HI = [{"role": "user", "content": "Hello, who are you?"}]
 
 
-@pytest.fixture(scope="module")
-def mistral(tmp_path_factory):
+def tiny_mistral(out: Path, vocab_size: int):
     import torch
     import transformers
 
-    out = tmp_path_factory.mktemp("mistral-tiny")
     config = transformers.MistralConfig(
-        vocab_size=131072, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
         sliding_window=None, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(config).eval()
     model.save_pretrained(out, safe_serialization=True)
-    shutil.copy(TEKKEN, out / "tekken.json")
+    return model
+
+
+@contextlib.contextmanager
+def mistral_server(out: Path, model, **flags):
     with threaded_server(None, model=str(out), tokenizer_mode="mistral", max_model_len=256,
-                         tool_call_parser="hermes",
-                         dtype="float32", kv_cache_memory_bytes=64 << 20) as srv:
+                         dtype="float32", kv_cache_memory_bytes=64 << 20, **flags) as srv:
         yield srv, model, openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x",
                                          max_retries=0, timeout=300)
 
 
-def test_chat_prompt_is_mistral_commons_and_the_reply_transformers(mistral):
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mistral-tiny")
+    model = tiny_mistral(out, 131072)
+    shutil.copy(TEKKEN, out / "tekken.json")
+    with mistral_server(out, model, tool_call_parser="hermes") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def mistral_spm(tmp_path_factory):
+    """A SentencePiece Mistral (v3's instruct format), as Mistral-7B-Instruct-v0.3 ships."""
+    pytest.importorskip("sentencepiece")
+    out = tmp_path_factory.mktemp("mistral-spm-tiny")
+    model = tiny_mistral(out, 32768)
+    shutil.copy(SPM_V3, out / "tokenizer.model.v3")
+    with mistral_server(out, model) as served:
+        yield served
+
+
+@pytest.mark.parametrize("which", ["mistral", "mistral_spm"])
+def test_chat_prompt_is_mistral_commons_and_the_reply_transformers(request, which):
     import torch
     from mistral_common.protocol.instruct.messages import UserMessage
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
-    srv, model, client = mistral
+    srv, model, client = request.getfixturevalue(which)
     r = client.chat.completions.create(model="", messages=HI, max_tokens=6, temperature=0,
                                        extra_body={"return_token_ids": True,
                                                    "ignore_eos": True})
@@ -67,7 +93,13 @@ def test_chat_prompt_is_mistral_commons_and_the_reply_transformers(mistral):
         ref = model.generate(torch.tensor([want]), max_new_tokens=6, do_sample=False,
                              min_new_tokens=6)[0, len(want):].tolist()
     assert r.choices[0].model_extra["token_ids"] == ref
-    assert r.choices[0].message.content == tok.decode(ref)
+    # the reply's text in the prompt's context (a SentencePiece reply keeps the space its
+    # first token's "▁" spells, which decoding the reply alone strips as a dummy prefix)
+    assert r.choices[0].message.content == tok.decode(want + ref)[len(tok.decode(want)):]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="", messages=HI, max_tokens=6, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == r.choices[0].message.content
 
 
 def test_a_named_tool_call_has_a_mistral_id_that_goes_back_in(mistral):

@@ -1,7 +1,7 @@
-"""--tokenizer-mode mistral (gpu/mistral.py): the tekken vocabulary that ships in the
-mistral-common wheel, offline. The oracle is mistral-common itself: its Tekkenizer's
-encode for text, and its typed request classes' encode_chat_completion for chats, against
-tailrace's render of the OpenAI-shaped body."""
+"""--tokenizer-mode mistral (gpu/mistral.py): the tekken vocabulary and the SentencePiece
+models (v3, v7; v1 for text) that ship in the mistral-common wheel, offline. The oracle
+is mistral-common itself: its tokenizer's encode for text, and its typed request classes'
+encode_chat_completion for chats, against tailrace's render of the OpenAI-shaped body."""
 from __future__ import annotations
 
 import os
@@ -22,7 +22,13 @@ from stages.api.tool_parsers import CALL_IDS  # noqa: E402
 from stages.messages import Submission  # noqa: E402
 from stages.render import RenderContext, RequestError, render  # noqa: E402
 
-TEKKEN = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240718.json")
+DATA = os.path.join(os.path.dirname(mistral_common.__file__), "data")
+TEKKEN = os.path.join(DATA, "tekken_240718.json")
+SPM_V3 = os.path.join(DATA, "mistral_instruct_tokenizer_240323.model.v3")
+SPM_V7 = os.path.join(DATA, "mistral_instruct_tokenizer_241114.model.v7")
+SPM_V1 = os.path.join(DATA, "tokenizer.model.v1")
+# file -> its vocabulary's size
+VOCABS = {TEKKEN: 131072, SPM_V3: 32768, SPM_V7: 32768}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -31,9 +37,11 @@ TOOL = Tool(function=Function(name="get_weather", description="The weather in a 
                               parameters=WEATHER["function"]["parameters"]))
 
 
-@pytest.fixture(scope="module")
-def tok() -> MistralTokenizer:
-    return MistralTokenizer(TEKKEN)
+@pytest.fixture(scope="module", params=list(VOCABS), ids=["tekken", "spm-v3", "spm-v7"])
+def tok(request) -> MistralTokenizer:
+    if request.param != TEKKEN:
+        pytest.importorskip("sentencepiece")
+    return MistralTokenizer(request.param)
 
 
 def ctx(tok, max_model_len=4096) -> RenderContext:
@@ -53,11 +61,37 @@ def oracle(tok, messages, tools=None) -> list[int]:
 
 @pytest.mark.parametrize("text", ["Hello, world!", "東京 🙂 Zürich\n\n  x  y", "def f(x):\n\treturn 12345",
                                   " leading and trailing ", "don't we'll 3.14159"])
-def test_text_ids_equal_tekkens(tok, text):
-    tekken = tok.mistral.instruct_tokenizer.tokenizer
-    assert tok.encode(text) == tekken.encode(text, bos=False, eos=False)
-    assert tok.decode(tok.encode(text)) == text
-    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, (2,), 131072)
+def test_text_ids_equal_mistral_commons(tok, text):
+    inner = tok.mistral.instruct_tokenizer.tokenizer
+    assert tok.encode(text) == inner.encode(text, bos=False, eos=False)
+    assert tok.decode(tok.encode(text)) == text == inner.decode(tok.encode(text))
+    assert (tok.bos_token_id, tok.eos_token_ids) == (1, (2,))
+    assert tok.vocab_size == inner.n_words == VOCABS[str(inner.file_path)]
+
+
+def test_a_v1_sentencepiece_model_and_the_choice_of_file_in_a_folder(tmp_path):
+    """tekken.json first, else the highest tokenizer.model.vN, else tokenizer.model (v1),
+    as mistral-common picks for a model folder."""
+    import shutil
+
+    from gpu.mistral import tokenizer_file
+
+    pytest.importorskip("sentencepiece")
+    shutil.copy(SPM_V1, tmp_path / "tokenizer.model")
+    assert tokenizer_file(tmp_path) == tmp_path / "tokenizer.model"
+    tok = MistralTokenizer(tmp_path)
+    inner = tok.mistral.instruct_tokenizer.tokenizer
+    for text in ("Hello, world!", " 東京 🙂  x"):
+        assert tok.encode(text) == inner.encode(text, bos=False, eos=False)
+    assert tok.vocab_size == 32000
+    shutil.copy(SPM_V3, tmp_path / "tokenizer.model.v3")
+    shutil.copy(SPM_V7, tmp_path / "tokenizer.model.v7")
+    assert tokenizer_file(tmp_path) == tmp_path / "tokenizer.model.v7"
+    shutil.copy(TEKKEN, tmp_path / "tekken.json")
+    assert tokenizer_file(tmp_path) == tmp_path / "tekken.json"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no tekken.json"):
+        tokenizer_file(tmp_path / "empty")
 
 
 def test_a_chat_is_mistral_commons_encoding(tok):
@@ -65,7 +99,8 @@ def test_a_chat_is_mistral_commons_encoding(tok):
                          {"role": "user", "content": "Hi there"}]}
     want = oracle(tok, [SystemMessage(content="Be brief."), UserMessage(content="Hi there")])
     assert rendered_ids(tok, body) == want
-    assert tok.decode(want, skip_special_tokens=False).startswith("<s>[INST]")
+    text = tok.decode(want, skip_special_tokens=False)   # v7 puts a system prompt first
+    assert text.startswith(("<s>[INST]", "<s>[SYSTEM_PROMPT]")) and "[/INST]" in text
 
 
 def test_tools_and_a_multi_turn_conversation_are_mistral_commons_encoding(tok):
