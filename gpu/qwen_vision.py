@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.vision import _act
+from gpu.vision import _act, load_vision_weights
 from gpu.vision_config import qwen_vision_config
 
 
@@ -207,21 +207,7 @@ class QwenVision(nn.Module):
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Our names (patch_embed.*, blocks.*, merger.*); raises on unknown, misshapen or
         missing weights."""
-        params = dict(self.named_parameters())
-        missing = set(params)
-        for name, tensor in named:
-            if name not in params:
-                raise ValueError(f"unexpected vision weight {name!r}")
-            dst = params[name]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
-            missing.discard(name)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} vision weights, e.g. "
-                             f"{sorted(missing)[:5]}")
+        load_vision_weights(self, named)
 
 
 def split_checkpoint(named: Iterable[tuple[str, torch.Tensor]], vision: list):

@@ -63,6 +63,7 @@ class _Layer(nn.Module):
 class ClipVisionTower(nn.Module):
     """CLIP's vision transformer: patch embedding (a strided conv), a class token, learned
     positions, pre-norm, encoder layers. Returns the hidden states after the layers asked for."""
+    UNUSED: tuple[str, ...] = ()   # checkpoint tensors LLaVA never reads (SigLIP's head)
 
     def __init__(self, v: dict, dtype, device):
         super().__init__()
@@ -89,13 +90,7 @@ class ClipVisionTower(nn.Module):
         cls = e.class_embedding.expand(x.shape[0], 1, -1)
         x = torch.cat([cls, x], dim=1) + e.position_embedding.weight[None]
         x = self.pre_layrnorm(x)
-        total = len(self.encoder.layers) + 1
-        wanted = sorted({k % total for k in layers})
-        states = {0: x}
-        for i, layer in enumerate(self.encoder.layers[:wanted[-1]], start=1):
-            x = layer(x)
-            states[i] = x
-        return [states[k % total] for k in layers]
+        return _hidden_states(self.encoder.layers, x, layers)
 
 
 class SiglipVisionTower(nn.Module):
@@ -127,13 +122,7 @@ class SiglipVisionTower(nn.Module):
         e = self.embeddings
         x = e.patch_embedding(pixels.to(e.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
         x = x + e.position_embedding.weight[None]
-        total = len(self.encoder.layers) + 1
-        wanted = sorted({k % total for k in layers})
-        states = {0: x}
-        for i, layer in enumerate(self.encoder.layers[:wanted[-1]], start=1):
-            x = layer(x)
-            states[i] = x
-        return [states[k % total] for k in layers]
+        return _hidden_states(self.encoder.layers, x, layers)
 
 
 _TOWERS = {"clip_vision_model": ClipVisionTower, "siglip_vision_model": SiglipVisionTower}
@@ -177,24 +166,43 @@ class LlavaVision(nn.Module):
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Our names (vision_tower.*, multi_modal_projector.*); raises on unknown, misshapen
         or missing weights."""
-        params = dict(self.named_parameters())
-        missing = set(params)
-        unused = getattr(self.vision_tower, "UNUSED", ())
-        for name, tensor in named:
-            if name.startswith(unused) and name not in params:
-                continue
-            if name not in params:
-                raise ValueError(f"unexpected vision weight {name!r}")
-            dst = params[name]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
-            missing.discard(name)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} vision weights, e.g. "
-                             f"{sorted(missing)[:5]}")
+        load_vision_weights(self, named, unused=self.vision_tower.UNUSED)
+
+
+def load_vision_weights(module: nn.Module, named: Iterable[tuple[str, torch.Tensor]], *,
+                        unused: tuple[str, ...] = ()) -> None:
+    """Copy a vision side's tensors into `module`'s parameters by name; raises on unknown,
+    misshapen or missing weights (tensors under an `unused` prefix that the module does not
+    have are skipped)."""
+    params = dict(module.named_parameters())
+    missing = set(params)
+    for name, tensor in named:
+        if unused and name.startswith(unused) and name not in params:
+            continue
+        if name not in params:
+            raise ValueError(f"unexpected vision weight {name!r}")
+        dst = params[name]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} vision weights, e.g. "
+                         f"{sorted(missing)[:5]}")
+
+
+def _hidden_states(encoder_layers, x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """The hidden states at `layers` (0: the embeddings x, k: after layer k; negative from
+    the end), running the layers only as far as the deepest one asked."""
+    total = len(encoder_layers) + 1
+    wanted = sorted({k % total for k in layers})
+    states = {0: x}
+    for i, layer in enumerate(encoder_layers[:wanted[-1]], start=1):
+        x = layer(x)
+        states[i] = x
+    return [states[k % total] for k in layers]
 
 
 def split_checkpoint(named: Iterable[tuple[str, torch.Tensor]], vision: list):
