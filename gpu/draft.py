@@ -60,6 +60,9 @@ def tokens_of(st: SeqSamplingState, a: int, b: int) -> list[int]:
 class DraftModel:
     """The draft model, its KV cache, and where each sequence's draft KV stops."""
 
+    reads_hidden = False             # it drafts from tokens: no target hidden states (EAGLE's do)
+    aux_layers: tuple[int, ...] = ()
+
     def __init__(self, model, cache: KVCache, device: torch.device, use_triton: bool = False) -> None:
         self.model = model
         self.cache = cache

@@ -362,6 +362,8 @@ class EagleDrafter:
     """The head, its KV cache, and per sequence the target's hidden states it has not read
     yet; the runner's drafter for methods eagle and eagle3 (ModelRunner's `draft`)."""
 
+    reads_hidden = True              # `captured` after every target forward
+
     def __init__(self, head: EagleHead, cache: KVCache, device: torch.device,
                  use_triton: bool = False) -> None:
         self.head = head

@@ -56,7 +56,7 @@ class ModelRunner(StagingRunner):
         self.draft = draft
         self.kv_connector = None     # --kv-transfer-config: gpu/kv_connector.py (set by start-up)
         # EAGLE3: the target layers whose input the head reads (model.aux_hidden each step)
-        model.aux_layers = tuple(getattr(draft, "aux_layers", ()))
+        model.aux_layers = () if draft is None else tuple(draft.aux_layers)
         self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
@@ -192,7 +192,7 @@ class ModelRunner(StagingRunner):
                 finally:
                     if lora:
                         self.lora.done()
-                if self.draft is not None and hasattr(self.draft, "captured"):
+                if self.draft is not None and self.draft.reads_hidden:
                     # an EAGLE head reads the target's hidden states (gpu/eagle.py)
                     self.draft.captured(plan.chunks, hidden, self.model.aux_hidden)
                 prompt_logprobs = self._prompt_logprobs(spans, hidden) if spans else ()
