@@ -320,7 +320,7 @@ def open_source(path: Path, load_format: str) -> Source:
 
 
 def _gguf_source(path: Path) -> Source:
-    f = GGUFFile(path)
+    f = GGUFFile.open(path)
     config = ModelConfig.from_hf(f.config_dict())
     return Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
                    name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors, gguf=f)

@@ -32,7 +32,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     (implied_tokenizer: a gpt-oss config with no tokenizer.json gets Harmony's o200k)."""
     path = Path(path).expanduser() if path is not None else default_model_path()
     if path.is_file() and path.suffix == ".gguf":
-        tok = GGUFFile(path).tokenizer()
+        tok = GGUFFile.open(path).tokenizer()
         if tok is None:
             raise ValueError(f"{path} has no tokenizer metadata")
         return tok

@@ -10,6 +10,7 @@ GGUF quirks undone here:
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterator
@@ -66,6 +67,30 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def _dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's blocks -> float32 of shape. The packed-CPU kernels' dequantization
+    (gpu/cpu_quant.c) for the formats they take, bit-identical to gguf-py's and 6x faster
+    (0.18 s against 1.2 s for SmolLM2's Q4_1); gguf-py for the rest or without the kernels."""
+    import torch
+
+    from gpu import cpu_quant
+
+    k = cpu_quant.kernels() if ggml_type in cpu_quant.FORMATS and len(shape) == 2 else None
+    if k is not None:
+        blocks = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(shape[0], -1))  # a copy: the map is read-only
+        try:
+            return k.dequantize(ggml_type, blocks, shape[1])
+        except ValueError:
+            pass   # a shape the kernel declines: gguf-py's own
+    w = gguf.quants.dequantize(data, ggml_type).reshape(shape)
+    return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+
 class _Reader(gguf.GGUFReader):
     """gguf-py's reader over a plain ndarray view of its np.memmap. The reader slices its
     buffer once per string of the vocabulary and the merges (about 250k slices for SmolLM2),
@@ -82,6 +107,14 @@ class _Reader(gguf.GGUFReader):
 
 
 class GGUFFile:
+    @staticmethod
+    def open(path: str | Path) -> GGUFFile:
+        """The file's GGUFFile, parsed once per process while the file is unchanged: a server
+        reads the same file for its tokenizer (render) and its weights (the runner)."""
+        p = Path(path).resolve()
+        st = p.stat()
+        return _open_cached(p, st.st_mtime_ns, st.st_size)
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.reader = _Reader(self.path)
@@ -178,8 +211,7 @@ class GGUFFile:
             if index is not None and len(index) == 1 and data.shape[0] == full_rows:
                 data = data[index[0]]
                 shape = (data.shape[0], *shape[1:])
-            w = gguf.quants.dequantize(data, t.tensor_type).reshape(shape)
-            w = torch.from_numpy(w if w.flags.writeable else w.copy())
+            w = _dequantize(data, int(t.tensor_type), shape)
             if a == "llama" and ".attn_q." in t.name:   # per head: a cut of whole heads keeps its own
                 w = _unpermute(w, heads * shape[0] // full_rows)
             elif a == "llama" and ".attn_k." in t.name:
