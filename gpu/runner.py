@@ -350,30 +350,27 @@ class ModelRunner(StagingRunner):
         """Run the vision tower on pictures (those of one size in one batch): their
         features by hash, also kept in the encoder cache."""
         out = {}
-        by_shape: dict[tuple, list] = {}
-        for im in images:
-            by_shape.setdefault(tuple(im.pixels.shape), []).append(im)
+
+        def keep(im, f: torch.Tensor) -> None:
+            if f.shape[0] != im.length:
+                raise ValueError(f"a picture has {im.length} placeholder tokens, its "
+                                 f"features {f.shape[0]}")
+            self.encoder_cache.put(im.hash, f)
+            out[im.hash] = f
+
         if self.vision.variable_size:     # Qwen2.5-VL: one picture at a time
             for im in images:
-                f = self.vision(torch.from_numpy(im.pixels).to(self.device), im.grid)
-                if f.shape[0] != im.length:
-                    raise ValueError(f"a picture has {im.length} placeholder tokens, its "
-                                     f"features {f.shape[0]}")
-                self.encoder_cache.put(im.hash, f)
-                out[im.hash] = f
-            self.encoder_cache.encoded += len(images)
-            return out
-        for group in by_shape.values():
-            pixels = torch.stack([torch.from_numpy(im.pixels) for im in group]).to(
-                self.device, self.vision.dtype)
-            feats = self.vision(pixels)                        # [N, tokens, D]
-            for im, f in zip(group, feats):
-                if f.shape[0] != im.length:
-                    raise ValueError(f"a picture has {im.length} placeholder tokens, its "
-                                     f"features {f.shape[0]}")
-                self.encoder_cache.put(im.hash, f)
-                out[im.hash] = f
-            self.encoder_cache.encoded += len(group)
+                keep(im, self.vision(torch.from_numpy(im.pixels).to(self.device), im.grid))
+        else:                             # fixed-size towers: one batch per picture size
+            by_shape: dict[tuple, list] = {}
+            for im in images:
+                by_shape.setdefault(tuple(im.pixels.shape), []).append(im)
+            for group in by_shape.values():
+                pixels = torch.stack([torch.from_numpy(im.pixels) for im in group]).to(
+                    self.device, self.vision.dtype)
+                for im, f in zip(group, self.vision(pixels)):     # [N, tokens, D]
+                    keep(im, f)
+        self.encoder_cache.encoded += len(images)
         return out
 
     def _prompt_logprob_spans(self, chunks: tuple[SeqChunk, ...]) -> list[tuple[str, int, int, int]]:

@@ -3,6 +3,7 @@ and what the tests read of their processes from /proc (no psutil)."""
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import subprocess
@@ -126,6 +127,18 @@ def on_new_connection(server: Server, method: str, path: str, body: bytes | None
     finally:
         conn.close()
     return pid, reply.status, text
+
+
+def json_on_new_connection(server: Server, method: str, path: str, body: dict | None = None,
+                           timeout: float = 120) -> tuple[int, int, object]:
+    """on_new_connection with a JSON body: (pid, status, the JSON reply, or its text when
+    it is not JSON)."""
+    pid, status, text = on_new_connection(server, method, path,
+                                          None if body is None else json.dumps(body).encode(), timeout)
+    try:
+        return pid, status, json.loads(text)
+    except ValueError:
+        return pid, status, text
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):

@@ -5,15 +5,13 @@ a 400 on every frontend. On a tiny random Llama (tests/gpu) with a PEFT adapter 
 the oracle is peft's merged model."""
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from procs_util import holder, server_side_inode, start
+from procs_util import json_on_new_connection, start
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lora"))
@@ -46,25 +44,6 @@ def lora_frontends(tmp_path_factory):
     server.stop()
 
 
-def _on_new_connection(server, method: str, path: str, body: dict | None = None):
-    """(pid of the frontend that accepted the connection, status, JSON or text body)."""
-    host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    try:
-        conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                     headers={"Content-Type": "application/json"})
-        reply = conn.getresponse()
-        text = reply.read().decode()
-        pid = holder(server.children()["frontend"],
-                     server_side_inode(int(port), conn.sock.getsockname()[1]))
-    finally:
-        conn.close()
-    try:
-        return pid, reply.status, json.loads(text)
-    except ValueError:
-        return pid, reply.status, text
-
-
 def test_every_frontend_serves_the_adapters_and_refuses_runtime_loading(lora_frontends):
     server, root, want = lora_frontends
     frontends = set(server.children()["frontend"])
@@ -74,26 +53,26 @@ def test_every_frontend_serves_the_adapters_and_refuses_runtime_loading(lora_fro
     while seen != frontends:       # new connections until each frontend has answered
         tries += 1
         assert tries <= 40, f"one frontend answered every connection: {seen}"
-        pid, status, models = _on_new_connection(server, "GET", "/v1/models")
+        pid, status, models = json_on_new_connection(server, "GET", "/v1/models")
         assert status == 200
         cards = {m["id"]: m for m in models["data"]}
         assert set(cards) == {"tiny", "a"}
         assert cards["a"]["root"] == str(root / "a") and cards["a"]["parent"] == "tiny"
         for model in ("a", "tiny"):
-            _, status, out = _on_new_connection(server, "POST", "/v1/completions", {
+            _, status, out = json_on_new_connection(server, "POST", "/v1/completions", {
                 "model": model, "prompt": PROMPT, "max_tokens": N, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True})
             assert status == 200, out
             assert out["model"] == model
             assert out["choices"][0]["token_ids"] == want["a" if model == "a" else "base"], model
-        _, status, out = _on_new_connection(server, "POST", "/v1/load_lora_adapter",
+        _, status, out = json_on_new_connection(server, "POST", "/v1/load_lora_adapter",
                                             {"lora_name": "b", "lora_path": str(root / "a")})
         assert status == 400 and "--api-server-count" in out["error"]["message"]
-        _, status, out = _on_new_connection(server, "POST", "/v1/unload_lora_adapter",
+        _, status, out = json_on_new_connection(server, "POST", "/v1/unload_lora_adapter",
                                             {"lora_name": "a"})
         assert status == 400 and "--api-server-count" in out["error"]["message"]
         seen.add(pid)
-    _, status, out = _on_new_connection(server, "POST", "/v1/completions", {
+    _, status, out = json_on_new_connection(server, "POST", "/v1/completions", {
         "model": "nope", "prompt": PROMPT, "max_tokens": 1})
     assert status == 404 and out["error"]["code"] == "model_not_found"
     # the frontends render adapters without torch (gpu/lora_spec.py is torch-free)

@@ -4,14 +4,12 @@ pixels) crosses the frontend -> engine wire as plain data; the engine's tower en
 On the tiny llava-hf LLaVA (tests/vision_models.py); the oracle is transformers' generate."""
 from __future__ import annotations
 
-import http.client
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from procs_util import holder, server_side_inode, start
+from procs_util import json_on_new_connection, start
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -31,19 +29,9 @@ def vision_frontends(tmp_path_factory):
 
 def _chat_on_new_connection(server, messages: list[dict]):
     """(pid of the frontend that accepted the connection, status, JSON body)."""
-    host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    try:
-        conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
-                     body=json.dumps({"model": "m", "messages": messages, "max_tokens": 8,
-                                      "temperature": 0, "return_token_ids": True}))
-        reply = conn.getresponse()
-        body = json.loads(reply.read())
-        pid = holder(server.children()["frontend"],
-                     server_side_inode(int(port), conn.sock.getsockname()[1]))
-    finally:
-        conn.close()
-    return pid, reply.status, body
+    return json_on_new_connection(server, "POST", "/v1/chat/completions",
+                                  {"model": "m", "messages": messages, "max_tokens": 8,
+                                   "temperature": 0, "return_token_ids": True})
 
 
 def test_every_frontend_serves_pictures_as_transformers_answers(vision_frontends):
