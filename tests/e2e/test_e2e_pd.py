@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from pipeline.tools.cluster import free_port  # noqa: E402
+from pipeline.layouts.process import die_with_parent  # test servers die with pytest
 
 LISTENING = "tailrace: listening on "
 START_TIMEOUT_S = 300
@@ -46,7 +47,7 @@ def pd(tmp_path_factory):
             [sys.executable, "-m", "web.cli", "cluster", "--prefill", "1", "--decode", "1",
              "--port", "0", "--replica-ports", f"{ports[0]},{ports[1]}",
              "--threads-per-replica", "1", "--no-restart-replicas", "--stop-timeout", "20",
-             *SERVE], stdout=o, stderr=e, env=env)
+             *SERVE], stdout=o, stderr=e, env=env, preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while LISTENING not in out.read_text():

@@ -14,6 +14,7 @@ from pathlib import Path
 import attrs
 import httpx
 import pytest
+from pipeline.layouts.process import die_with_parent  # test servers die with pytest
 
 LISTENING = "tailrace: listening on "
 START_TIMEOUT_S = 300
@@ -163,7 +164,8 @@ def start(tmp: Path, *flags: str) -> Server:
     env = {**os.environ, "TQDM_DISABLE": "1"}
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", "0",
-                                 *FLAGS, *flags], stdout=o, stderr=e, env=env)
+                                 *FLAGS, *flags], stdout=o, stderr=e, env=env,
+                                preexec_fn=die_with_parent)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         text = out.read_text(errors="replace")

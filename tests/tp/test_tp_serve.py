@@ -11,14 +11,12 @@ TAILRACE_TP_DEVICE=cuda runs the same on GPUs (NCCL; scripts/gpu_check.sh, with 
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import openai
@@ -29,6 +27,7 @@ import trio
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 from procs_util import metrics, processes, start, wait_for
+from pipeline.layouts.process import die_with_parent  # test servers die with pytest
 
 DEVICE = os.environ.get("TAILRACE_TP_DEVICE", "cpu")
 # a small step budget (chunked prefill) and KV cache (preemption), at every size alike
@@ -162,7 +161,8 @@ def smollm_tp3(tmp_path):
         other = subprocess.Popen(
             [sys.executable, "-m", "pipeline.layouts.tp_worker", "--log-level", "warning", "--",
              "--dtype", "float32", "--tensor-parallel-size", "3", *FLAGS],
-            env={**env, "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2"}, stderr=err)
+            env={**env, "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2"}, stderr=err,
+            preexec_fn=die_with_parent)
     mp = pytest.MonkeyPatch()
     try:
         for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("LOCAL_WORLD_SIZE", "2")):
