@@ -36,7 +36,7 @@ browser:
 	  echo "make: chromium could not be installed: the browser test will skip"
 
 test: install-dev browser
-	$(VENV)/bin/python -m pytest -q --durations=40
+	$(VENV)/bin/python scripts/run_tests.py
 
 bench: install
 	$(VENV)/bin/tailrace bench throughput --num-prompts 32 --input-len 128 --output-len 128 --dtype float32

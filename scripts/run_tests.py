@@ -1,0 +1,71 @@
+"""`make test`: the suite as two pytest processes side by side, each on its own part of tests/.
+
+Most e2e tests wait on a server (the suite ran at ~1.2 cores of 2 serially), so a second
+pytest process fills the idle core. The parts do not share session servers (tests/e2e's
+servers live in its conftest), so nothing is started twice, unlike pytest-xdist, whose
+workers each started every session server (docs/benchmarks.md, "The test suite's time").
+
+    python scripts/run_tests.py [pytest args...]    # extra args go to both processes
+    TAILRACE_TEST_JOBS=1 python scripts/run_tests.py  # one process, the whole suite
+
+Each part writes to its own log and temporary directory; a part's log is printed whole
+when it ends, and the exit status is the first non-zero one.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# (name, pytest arguments): tests/e2e (its session servers) beside everything else
+PARTS = [
+    ("e2e", ["tests/e2e"]),
+    ("rest", ["tests", "--ignore=tests/e2e"]),
+]
+COMMON = ["-q", "--durations=25", "-p", "no:cacheprovider"]
+
+
+def main(argv: list[str]) -> int:
+    jobs = int(os.environ.get("TAILRACE_TEST_JOBS", "2"))
+    if jobs <= 1:
+        return subprocess.call([sys.executable, "-m", "pytest", *COMMON, *argv], cwd=ROOT)
+    tmp = Path(tempfile.mkdtemp(prefix="tailrace-tests-"))
+    running: dict[str, tuple[subprocess.Popen, Path, float]] = {}
+    for name, paths in PARTS:
+        log = tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "pytest", *COMMON, "--basetemp", str(tmp / name), *paths, *argv]
+        print(f"run_tests: [{name}] {' '.join(cmd[2:])} > {log}", flush=True)
+        with open(log, "wb") as f:
+            running[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                              start_new_session=True), log, time.monotonic())
+    status = 0
+    try:
+        while running:
+            for name, (proc, log, t0) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[name]
+                print(f"\n===== run_tests: [{name}] exit {proc.returncode} after "
+                      f"{time.monotonic() - t0:.0f} s =====", flush=True)
+                sys.stdout.write(log.read_text(errors="replace"))
+                sys.stdout.flush()
+                # 5: no tests collected (a filter that selects none in one part) is not a failure
+                if proc.returncode not in (0, 5) and status == 0:
+                    status = proc.returncode
+            time.sleep(0.5)
+    finally:
+        for proc, _, _ in running.values():      # interrupted: stop the other part's tree
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
