@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import operator
 import os
 from pathlib import Path
 
@@ -129,8 +128,8 @@ class FusedDecode:
         return cls(lm, lib) if lib is not None and eligible(lm) else None
 
     def _build(self, cache) -> _Model:
-        """The C structs for this model and cache (again when the cache's tensors or a weight's
-        storage change: sleep mode drops and remakes both)."""
+        """The C structs for this model and cache (again for another cache, and after
+        `invalidate`: sleep mode drops and remakes the cache's and the weights' storage)."""
         lm, c, keep = self.lm, self.lm.config, []
         layers = (_Layer * len(lm.layers))()
         for i, layer in enumerate(lm.layers):
@@ -150,10 +149,10 @@ class FusedDecode:
                       cos_sin=lm.cos_sin.data_ptr(), final_norm=lm.norm.weight.data_ptr(),
                       layers=ctypes.cast(layers, ctypes.POINTER(_Layer)))
 
-    def _fingerprint(self, cache) -> tuple:
-        return (tuple(map(operator.methodcaller("data_ptr"), cache.k)),
-                tuple(map(operator.methodcaller("data_ptr"), cache.v)),
-                tuple(w.data_ptr() for w in self._keep[1:]))
+    def invalidate(self) -> None:
+        """Rebuild the C structs on the next step: the cache's or the weights' storage was
+        replaced (gpu/sleep.py calls it on every wake-up)."""
+        self._model = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         if not self.enabled or type(attn) is not TorchPagedAttention or torch.is_grad_enabled():
@@ -168,10 +167,10 @@ class FusedDecode:
                 or any(m._forward_hooks or m._forward_pre_hooks for m in self._linears)):
             return None   # LoRA (or anything else) hooks a linear: the torch path calls it
         key = (id(cache), cache.k[0].data_ptr(), cache.v[-1].data_ptr(), len(cache.k))
-        if self._model is None or key != self._key or self._fingerprint(cache) != self._fp:
+        if self._model is None or key != self._key:
             self._model = self._build(cache)
             self._model_ref = ctypes.byref(self._model)
-            self._key, self._fp = key, self._fingerprint(cache)
+            self._key = key
         x = self.lm.embed_tokens(input_ids)
         if x.dtype != torch.float32:
             x = x.float()

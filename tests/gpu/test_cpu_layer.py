@@ -140,3 +140,29 @@ def test_other_isa_builds_agree(lm, tmp_path, march, monkeypatch):
     want_tokens, want_logits, _ = _run(lm, False, 2, steps=2)
     assert tokens == want_tokens
     assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) < 1e-3
+
+
+def test_after_sleep_and_wake(lm):
+    """Sleep mode remakes the KV cache's tensors: the C stack rebuilds its pointers on wake-up
+    (a stale one would write into freed memory) and decodes as the per-layer path does."""
+    from gpu.sleep import Sleeper
+    want = _run(lm, False, 1, steps=2)[0]
+    c = lm.config
+    cache = KVCache(c.num_hidden_layers, BLOCKS, BS, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    runner = ModelRunner(lm, cache, device=torch.device("cpu"))
+    g = SamplingOptions(temperature=0.0)
+    runner.execute(StepPlan(0, (SeqChunk("a", (1, 2, 3), 0, tuple(range(BLOCKS)), True),),
+                            (SeqStart("a", (1, 2, 3), g),)))
+    runner.execute(StepPlan(1, (SeqChunk("a", (9,), 3, tuple(range(BLOCKS)), True),)))   # builds the structs
+    sleeper = Sleeper(runner, None)
+    sleeper.sleep(1)
+    sleeper.wake_up()
+    assert lm.fused_decode._model is None
+    prompt = tuple(range(300, 303))
+    res = runner.execute(StepPlan(2, (SeqChunk("b", prompt, 0, tuple(range(BLOCKS)), True),), (SeqStart("b", prompt, g),)))
+    tokens = [res.token_ids]
+    for step in (3, 4):
+        res = runner.execute(StepPlan(step, (SeqChunk("b", (tokens[-1][0],), len(prompt) + step - 3,
+                                                      tuple(range(BLOCKS)), True),)))
+        tokens.append(res.token_ids)
+    assert lm.fused_decode._model is not None and tokens == want
