@@ -57,6 +57,10 @@ def _cpu_flags() -> str:
 def _build(cc: str, source: Path = _SOURCE) -> Path:
     """The shared object for this source, compiler and CPU (built now unless cached)."""
     src = source.read_bytes()
+    # a file it #includes from gpu/ (gpu/cpu_layer.c includes cpu_quant.c) is part of the key
+    for line in src.decode().splitlines():
+        if line.startswith('#include "'):
+            src += (source.parent / line.split('"')[1]).read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.is_file():

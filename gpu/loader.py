@@ -176,7 +176,9 @@ def load_model(
     if packed:
         from gpu import gguf_packed
         taken, formats = gguf_packed.pack_linears(lm, source.gguf)
-        weights = gguf_packed.describe(formats)
+        from gpu import cpu_layer
+        lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
+        weights = gguf_packed.describe(formats) + cpu_layer.describe(lm)
         named_tensors = lambda select=None: source.gguf.named_tensors(select, skip=taken)  # noqa: E731
     elif source.gguf is not None and device_type(device) == "cpu":
         weights += f" (GGUF dequantized at load: --quantization {quantization}, --dtype {dtype})"

@@ -263,6 +263,9 @@ class CausalLM(nn.Module):
         # aux_hidden (an id equal to the layer count: the last layer's output, before the norm)
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
+        # GGUF-packed on the CPU: a decode step's layers in one C call where it applies
+        # (gpu/cpu_layer.py FusedDecode; set by the loader), else None
+        self.fused_decode = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -271,6 +274,9 @@ class CausalLM(nn.Module):
         features at its placeholder tokens, gpu/vision.py). An M-RoPE model (Qwen2.5-VL)
         may get positions [3, T] (t, h, w): the step's rows' own cos/sin table is made
         once and read by row."""
+        if (self.fused_decode is not None and embeds is None and not self.aux_layers
+                and (hidden := self.fused_decode(input_ids, positions, attn)) is not None):
+            return hidden
         x, residual = self.embed(input_ids).to(self.residual_dtype), None  # [T, D]
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))

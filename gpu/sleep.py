@@ -83,6 +83,8 @@ class Sleeper:
                     cache.k[i] = fresh_kv
                 else:
                     cache.v[i - n] = fresh_kv
+        if getattr(model, "fused_decode", None) is not None:
+            model.fused_decode.invalidate()   # gpu/cpu_layer.py holds the old addresses
         if getattr(self.runner, "graphs", None) is not None:
             _log.warning("woken up: the CUDA graphs read the old memory; running eagerly from now on")
             self.runner.graphs = None

@@ -15,6 +15,11 @@ without it (TAILRACE_CPU_KERNELS=0: gather + SDPA, torch's elementwise ops).
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --residual-dtypes bfloat16 float32 --rounds 5
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --paths torch c --rounds 5
 
+--fused on off (with gguf): the decode step's decoder stack in one C call (gpu/cpu_layer.c,
+the default where it applies) against the per-layer path (TAILRACE_FUSED_LAYERS=0), alternating:
+
+    .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --fused on off --num-seqs 1 --rounds 3
+
 --quantizations gguf: the GGUF's linears kept packed (gpu/cpu_quant.c, float32 activations;
 --dtype is then ignored); none (the default): dequantized to --dtype. A/B of both, at 1 stream:
 
@@ -40,15 +45,16 @@ from gpu.runner import ModelRunner
 cpu_ops = ops._cpu
 
 
-def make_decoder(lm, n: int, bs: int = 16, path: str = "c"):
+def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True):
     """A runner with n sequences prefilled; returns decode(step) -> seconds."""
     c = lm.config
     cache = KVCache(c.num_hidden_layers, n * 17, bs, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
     runner = ModelRunner(lm, cache, device=torch.device("cpu"))
     if path == "torch":
         runner.attn.kernels = None
-    elif runner.attn.kernels is None:
+    elif cpu_ops() is None:
         raise SystemExit("--paths c: gpu/cpu_kernels.c is not available here")
+    # (c without AVX-512: C norms and rope, decode attention by gather + SDPA, as served)
     rng = random.Random(0)
     prompts = [tuple(rng.randrange(10000) for _ in range(128)) for _ in range(n)]
     tables = [tuple(range(i * 17, (i + 1) * 17)) for i in range(n)]
@@ -59,6 +65,8 @@ def make_decoder(lm, n: int, bs: int = 16, path: str = "c"):
     def decode(step: int) -> float:
         # torch: gpu/ops.py's torch code too, for this runner's steps only
         ops._cpu = (lambda: None) if path == "torch" else cpu_ops
+        if lm.fused_decode is not None:   # gpu/cpu_layer.py: this runner's steps only
+            lm.fused_decode.enabled = fused and path == "c"
         t = time.perf_counter()
         # positions wrap inside the 17 blocks (272 slots) whatever the number of steps
         runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (5,), 128 + step % 128, tables[i], True)
@@ -78,6 +86,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "gguf"])
+    ap.add_argument("--fused", nargs="+", default=["on"], choices=["on", "off"],
+                    help="gguf: the decoder stack in one C call (gpu/cpu_layer.c) or the per-layer path")
     a = ap.parse_args()
     print(cpu_threads())
     decoders = {}
@@ -87,8 +97,10 @@ def main() -> None:
                             quantization=quant, progress=False)
             kind = "GGUF packed" if quant == "gguf" else a.dtype
             for path in a.paths:
-                decoders[f"{kind}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}"] = \
-                    (make_decoder(lm.model, a.num_seqs, path=path), [])
+                for fused in a.fused if lm.model.fused_decode is not None else ["on"]:
+                    label = f", fused layers {fused}" if lm.model.fused_decode is not None else ""
+                    decoders[f"{kind}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}{label}"] = \
+                        (make_decoder(lm.model, a.num_seqs, path=path, fused=fused == "on"), [])
     layers = lm.model.config.num_hidden_layers
     step = 1
     for rnd in range(a.rounds):

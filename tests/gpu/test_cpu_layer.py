@@ -1,0 +1,168 @@
+"""The decode step's decoder stack in one C call (gpu/cpu_layer.c, issue 39) against the
+per-layer packed path it replaces, on the bundled SmolLM2 GGUF through ModelRunner: the same
+greedy tokens, logits within 1e-3 (measured ~1e-4 on logits of magnitude ~20-30: the attention's
+and silu's sums round in another order), the same KV cache to 1e-4; and the steps it must leave
+to the per-layer path (a prefill in the step, a hooked linear, a slot out of range)."""
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from gpu import cpu_layer
+from gpu.attention import KVCache
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(cpu_layer.library() is None, reason="gpu/cpu_layer.c is not built (no C compiler)")
+BS, BLOCKS = 4, 8   # blocks per sequence: prompts of 3-11 tokens cross block boundaries while decoding
+
+
+@pytest.fixture(autouse=True)
+def one_thread(request):
+    """One OpenMP thread except where a test asks for two (the C stack's barriers): on a shared
+    machine each barrier between two threads can wait out a time slice, and a test step then
+    takes a second instead of tens of milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(getattr(request, "param", 1))
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    model = load_model(None, progress=False).model    # the default for a GGUF file on a CPU: packed
+    assert model.fused_decode is not None
+    return model
+
+
+class _Counting:
+    """Wraps FusedDecode's C function: how many calls, and what they returned."""
+    def __init__(self, fn):
+        self.fn, self.rcs = fn, []
+
+    def __call__(self, *args):
+        rc = self.fn(*args)
+        self.rcs.append(rc)
+        return rc
+
+
+def _run(lm, fused: bool, n: int, steps: int = 4, before_step=None):
+    """Greedy prefill + decode of n sequences; (tokens per step, logits per decode step, cache)."""
+    c = lm.config
+    lm.fused_decode.enabled = fused
+    cache = KVCache(c.num_hidden_layers, n * BLOCKS, BS, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    runner = ModelRunner(lm, cache, device=torch.device("cpu"))
+    logits = []
+    orig = lm.compute_logits
+    lm.compute_logits = lambda h: logits.append(orig(h)) or logits[-1]
+    try:
+        prompts = [tuple(range(300 + 7 * i, 300 + 7 * i + 3 + 4 * i)) for i in range(n)]
+        tables = [tuple(range(i * BLOCKS, (i + 1) * BLOCKS)) for i in range(n)]
+        g = SamplingOptions(temperature=0.0)
+        res = runner.execute(StepPlan(0, tuple(SeqChunk(str(i), p, 0, tables[i], True) for i, p in enumerate(prompts)),
+                                      tuple(SeqStart(str(i), p, g) for i, p in enumerate(prompts))))
+        tokens, pos = [res.token_ids], [len(p) for p in prompts]
+        for step in range(1, steps + 1):
+            if before_step is not None:
+                before_step(step)
+            res = runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (tokens[-1][i],), pos[i], tables[i], True)
+                                                      for i in range(n))))
+            tokens.append(res.token_ids)
+            pos = [p + 1 for p in pos]
+    finally:
+        del lm.compute_logits
+        lm.fused_decode.enabled = True
+    return tokens, logits[1:], cache
+
+
+@pytest.mark.parametrize("n, one_thread", [(1, 1), (3, 2)], indirect=["one_thread"], ids=["1-seq", "3-seqs-2-threads"])
+def test_fused_stack_matches_per_layer_path(lm, n, one_thread, monkeypatch):
+    counting = _Counting(lm.fused_decode._fn)
+    monkeypatch.setattr(lm.fused_decode, "_fn", counting)
+    got_tokens, got_logits, got_cache = _run(lm, True, n, steps=3)
+    assert counting.rcs == [0] * 3        # every decode step in the C stack, none of the prefill
+    want_tokens, want_logits, want_cache = _run(lm, False, n, steps=3)
+    assert len(counting.rcs) == 3         # off: not called
+    assert got_tokens == want_tokens
+    err = max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits))
+    print(f"max |logits - per-layer path's| {err:.2e}")
+    assert err < 1e-3, err
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        assert (a - b).abs().max().item() < 1e-4
+
+
+def test_declines_what_it_does_not_compute(lm, monkeypatch):
+    counting = _Counting(lm.fused_decode._fn)
+    monkeypatch.setattr(lm.fused_decode, "_fn", counting)
+    hook = lm.layers[3].mlp.down_proj.register_forward_hook(lambda mod, args, out: None)   # as LoRA's
+    try:
+        hooked_tokens = _run(lm, True, 1, steps=2)[0]
+    finally:
+        hook.remove()
+    assert counting.rcs == []             # a hooked linear: the per-layer path runs every step
+    assert hooked_tokens == _run(lm, False, 1, steps=2)[0]
+    # a slot outside the cache: the C stack writes nothing and returns -1, the torch path serves
+    # (which then raises on the same slot, as it always has)
+    c = lm.config
+    cache = KVCache(c.num_hidden_layers, 2, BS, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    runner = ModelRunner(lm, cache, device=torch.device("cpu"))
+    g = SamplingOptions(temperature=0.0)
+    runner.execute(StepPlan(0, (SeqChunk("a", (1, 2, 3), 0, (0,), True),), (SeqStart("a", (1, 2, 3), g),)))
+    before = [t.clone() for t in cache.k]
+    with pytest.raises(Exception):
+        runner.execute(StepPlan(1, (SeqChunk("a", (4,), 3 + 2 * BS, (0, 1, 5), True),)))   # block 5 of 2
+    assert counting.rcs[-1] == -1
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.k))
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
+def test_other_isa_builds_agree(lm, tmp_path, march, monkeypatch):
+    """The same source built for an AVX2-only CPU and for no vector ISA: the same tokens."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path / f"layer-{march}.so"
+    subprocess.run([cc, "-O2", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+                    "-std=gnu11", str(cpu_layer._SOURCE), "-o", str(so), "-lm"], check=True, timeout=120)
+    lib = ctypes.CDLL(str(so))
+    lib.cpu_layer_vector_width.restype = ctypes.c_int
+    assert lib.cpu_layer_vector_width() == (8 if march == "haswell" else 1)
+    fn = lib.cpu_layers_decode
+    fn.restype, fn.argtypes = ctypes.c_int, cpu_layer.library().cpu_layers_decode.argtypes
+    counting = _Counting(fn)
+    monkeypatch.setattr(lm.fused_decode, "_fn", counting)
+    tokens, logits, _ = _run(lm, True, 2, steps=2)
+    assert counting.rcs == [0] * 2
+    want_tokens, want_logits, _ = _run(lm, False, 2, steps=2)
+    assert tokens == want_tokens
+    assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) < 1e-3
+
+
+def test_after_sleep_and_wake(lm):
+    """Sleep mode remakes the KV cache's tensors: the C stack rebuilds its pointers on wake-up
+    (a stale one would write into freed memory) and decodes as the per-layer path does."""
+    from gpu.sleep import Sleeper
+    want = _run(lm, False, 1, steps=2)[0]
+    c = lm.config
+    cache = KVCache(c.num_hidden_layers, BLOCKS, BS, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    runner = ModelRunner(lm, cache, device=torch.device("cpu"))
+    g = SamplingOptions(temperature=0.0)
+    runner.execute(StepPlan(0, (SeqChunk("a", (1, 2, 3), 0, tuple(range(BLOCKS)), True),),
+                            (SeqStart("a", (1, 2, 3), g),)))
+    runner.execute(StepPlan(1, (SeqChunk("a", (9,), 3, tuple(range(BLOCKS)), True),)))   # builds the structs
+    sleeper = Sleeper(runner, None)
+    sleeper.sleep(1)
+    sleeper.wake_up()
+    assert lm.fused_decode._model is None
+    prompt = tuple(range(300, 303))
+    res = runner.execute(StepPlan(2, (SeqChunk("b", prompt, 0, tuple(range(BLOCKS)), True),), (SeqStart("b", prompt, g),)))
+    tokens = [res.token_ids]
+    for step in (3, 4):
+        res = runner.execute(StepPlan(step, (SeqChunk("b", (tokens[-1][0],), len(prompt) + step - 3,
+                                                      tuple(range(BLOCKS)), True),)))
+        tokens.append(res.token_ids)
+    assert lm.fused_decode._model is not None and tokens == want
