@@ -86,7 +86,10 @@ class NixlKV:
             raise ValueError(f"the remote KV cache's blocks ({layout.block_bytes[0]} bytes a "
                              f"layer) are not this one's ({self.block_bytes[0]}): another model, "
                              f"block size, dtype or TP split")
-        return self.agent.add_remote_agent(layout.agent_metadata)
+        try:
+            return self.agent.add_remote_agent(layout.agent_metadata)
+        except Exception as exc:       # nixl's own (NIXL_ERR_NOT_ALLOWED: a name known already)
+            raise TransferFailed(f"NIXL refused the remote agent: {type(exc).__name__}") from exc
 
     def _descs(self, bases, blocks: list[tuple[int, int]], device_id: int):
         rows = []
@@ -115,20 +118,34 @@ class NixlKV:
         except Exception as exc:       # nixl's own errors (nixlNotFoundError: an unknown agent)
             raise TransferFailed(f"NIXL could not start the KV read from {remote!r}: "
                                  f"{type(exc).__name__}") from exc
-        if self.agent.transfer(handle) == "ERR":
-            self.agent.release_xfer_handle(handle)
-            raise TransferFailed("NIXL could not start the KV read")
+        try:
+            state = self.agent.transfer(handle)
+        except Exception as exc:       # nixlRemoteDisconnectError: the remote agent is gone
+            state = type(exc).__name__
+        if state not in ("DONE", "PROC"):
+            self._release(handle)
+            raise TransferFailed(f"NIXL could not start the KV read from {remote!r} ({state})")
         return handle
 
     def done(self, handle) -> bool:
-        """True once the read has landed (its handle released); TransferFailed on an error."""
-        state = self.agent.check_xfer_state(handle)
+        """True once the read has landed (its handle released); TransferFailed on an error
+        (the handle released too: the remote agent gone mid-read, a bad descriptor)."""
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception as exc:       # nixl's own errors (nixlRemoteDisconnectError)
+            state = type(exc).__name__
         if state == "PROC":
             return False
-        self.agent.release_xfer_handle(handle)
+        self._release(handle)
         if state != "DONE":
             raise TransferFailed(f"the KV read failed ({state})")
         return True
+
+    def _release(self, handle) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:              # a handle NIXL already dropped with its remote agent
+            pass
 
     def notifications(self) -> dict[str, list[bytes]]:
         """The notifications that arrived since the last call, by agent name (the owner's

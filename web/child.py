@@ -109,7 +109,9 @@ def engine_main(fds: str, serve_args: list[str], dp_rank: int = 0) -> int:
 
 def data_parallel_config(cfg, size: int, rank: int):
     """Engine `rank` of `size`'s config: its device (cuda:R*TP on CUDA; on the CPU a share
-    of the threads), its event log's path (PATH.engine-R past rank 0)."""
+    of the threads), its event log's path (PATH.engine-R past rank 0), and with the KV
+    connector its own engine id (ID_dpR, as vLLM names them) and side channel port (the
+    given one + R; 0 stays any)."""
     import os
 
     import attrs
@@ -120,6 +122,11 @@ def data_parallel_config(cfg, size: int, rank: int):
     changes = {}
     if cfg.event_log is not None and rank > 0:
         changes["event_log"] = f"{cfg.event_log}.engine-{rank}"
+    kv = cfg.kv_transfer_config
+    if kv is not None:
+        port = kv.side_channel_port + rank if kv.side_channel_port else 0
+        changes["kv_transfer_config"] = attrs.evolve(
+            kv, engine_id=f"{kv.engine_id}_dp{rank}", side_channel_port=port)
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda:
         first = int(cfg.device.split(":")[1]) if ":" in cfg.device else 0

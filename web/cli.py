@@ -250,11 +250,6 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             raise ValueError("--api-server-count does not combine with a pooling model (--runner pooling) yet")
         if config.pooling and args.data_parallel_size > 1:
             raise ValueError("--data-parallel-size does not combine with a pooling model (--runner pooling) yet")
-        if config.kv_transfer_config is not None and (args.api_server_count is not None
-                                                      or args.data_parallel_size > 1):
-            raise ValueError("--kv-transfer-config does not combine with --api-server-count or "
-                             "--data-parallel-size yet (the connector's params would have to "
-                             "cross the frontend wire): run one engine per instance")
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     from pipeline.core.logs import configure as configure_logs

@@ -137,10 +137,12 @@ def pack_step(step: Step, new_ids: list[str], items: list[tuple[str, Delta]]) ->
         cached.append(d.num_cached_tokens)
         if (d.finish_reason is not None or d.token_logprobs or d.prompt_token_logprobs
                 or d.error is not None or d.draft_tokens):
+            # kv_transfer_params: a prefill instance's finishing delta (issue 36), a dict
+            # of str, int, bool and a list of ints, which marshal takes as it is
             extras.append((i, None if d.finish_reason is None else d.finish_reason.value,
                            d.stop_reason, d.error, tuple(map(_lp, d.token_logprobs)),
                            tuple(map(_lp, d.prompt_token_logprobs)), d.draft_tokens,
-                           d.accepted_tokens))
+                           d.accepted_tokens, d.kv_transfer_params))
     payload = marshal.dumps((step.step, step.num_running, step.num_waiting, step.kv_blocks_used,
                              step.done_at, tuple(new_ids), tuple(rids), tuple(toks), tuple(index),
                              tuple(sched), tuple(cached), tuple(extras)))
@@ -158,13 +160,14 @@ def unpack_step(payload: bytes | memoryview, requests: dict) -> Step:
     # index; then the rare rows built again whole
     deltas = [Delta(rid, tok, None, None, c, None, (), s, i)
               for rid, tok, i, s, c in zip(rids, toks, index, sched, cached)]
-    for k, reason, stop, error, lps, plps, drafted, accepted in extras:
+    for k, reason, stop, error, lps, plps, drafted, accepted, kv_params in extras:
         d = deltas[k]
         deltas[k] = Delta(d.request_id, d.token_ids,
                           None if reason is None else FinishReason(reason), stop,
                           d.num_cached_tokens, error, tuple(map(_unlp, lps)), d.scheduled_at,
                           d.index, tuple(map(_unlp, plps)),
-                          drafted, accepted)   # speculative decoding's per-request figures
+                          drafted, accepted,   # speculative decoding's per-request figures
+                          kv_transfer_params=kv_params)
     new = tuple(requests.pop(rid) for rid in new_ids)
     return Step(number, new, tuple(deltas), running, waiting, kv_used, done_at)
 

@@ -88,3 +88,22 @@ def test_the_server_stats_sum_the_engines_and_metrics_label_them():
     assert 'tailrace:engine_steps_total{engine="0"} 7.0' in text
     assert 'vllm:cache_config_info{block_size="16",engine="1"} 1.0' in text
     assert 'vllm:prompt_tokens_total{model_name="m"} 100.0' in text
+
+
+def test_each_engine_gets_its_own_kv_connector_engine_id_and_side_channel_port(monkeypatch):
+    import attrs
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")    # no share of this process's threads
+
+    from pipeline.core.config import EngineConfig
+    from stages.lib.kv_transfer import KVTransferConfig
+    from web.child import data_parallel_config
+
+    kv = KVTransferConfig.parse('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+                                '"engine_id": "pd"}')
+    cfg = EngineConfig(device="cpu", kv_transfer_config=attrs.evolve(kv, side_channel_port=5600))
+    got = [data_parallel_config(cfg, 2, r).kv_transfer_config for r in (0, 1)]
+    assert [(k.engine_id, k.side_channel_port) for k in got] == [("pd_dp0", 5600), ("pd_dp1", 5601)]
+    any_port = attrs.evolve(cfg, kv_transfer_config=attrs.evolve(kv, side_channel_port=0))
+    assert data_parallel_config(any_port, 2, 1).kv_transfer_config.side_channel_port == 0
+    assert data_parallel_config(cfg, 1, 0) is cfg        # one engine: as given

@@ -1,5 +1,5 @@
 """The wire between the engine and frontend processes (pipeline/layouts/wire.py): Step frames
-round-trip exactly, whatever is in the deltas, and frames survive any split of the
+round-trip exactly, whatever is in the deltas (kv_transfer_params too), and frames survive any split of the
 byte stream."""
 import socket
 
@@ -19,6 +19,8 @@ def _step() -> Step:
         Delta("c", (), FinishReason.ERROR, None, error="boom"),
         Delta("d", (14,), token_logprobs=(lp,), prompt_token_logprobs=(None, lp)),
         Delta("e", (15,), FinishReason.STOP, "stop here"),
+        Delta("f", (16,), FinishReason.LENGTH, kv_transfer_params={   # a prefill's reply
+            "do_remote_prefill": True, "remote_block_ids": [3, 4], "remote_port": 5600}),
     ), num_running=3, num_waiting=1, kv_blocks_used=9, done_at=12.25)
 
 
