@@ -30,6 +30,13 @@ PARTS = [
 COMMON = ["-q", "--durations=25", "-p", "no:cacheprovider"]
 
 
+def _progress(log: Path) -> str:
+    """The last `[ NN%]` pytest -q wrote to a part's log."""
+    tail = log.read_bytes()[-400:].decode(errors="replace")
+    i = tail.rfind("%]")
+    return tail[max(tail.rfind("[", 0, i), 0):i + 2] if i > 0 else "starting"
+
+
 def main(argv: list[str]) -> int:
     jobs = int(os.environ.get("TAILRACE_TEST_JOBS", "2"))
     if jobs <= 1:
@@ -44,8 +51,13 @@ def main(argv: list[str]) -> int:
             running[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                               start_new_session=True), log, time.monotonic())
     status = 0
+    last_note = time.monotonic()
     try:
         while running:
+            if time.monotonic() - last_note > 60:      # a heartbeat: each part's progress
+                last_note = time.monotonic()
+                print("run_tests: " + ", ".join(f"[{n}] {_progress(log)}" for n, (_, log, _) in running.items()),
+                      flush=True)
             for name, (proc, log, t0) in list(running.items()):
                 if proc.poll() is None:
                     continue
