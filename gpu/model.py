@@ -91,8 +91,11 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
-_PACKABLE = (torch.float32, torch.bfloat16)
 _ONEDNN = torch.backends.mkldnn.is_available()
+# oneDNN packs bf16 weights only on CPUs with bf16 conversions (AVX-512 BW/VL/DQ or
+# AVX-NE-CONVERT); elsewhere (an AVX2-only CPU) a bf16 linear is F.linear's
+_PACKABLE = (torch.float32, torch.bfloat16) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+    else (torch.float32,)
 
 
 def q_heads(config: ModelConfig, tp: TP) -> tuple[int, int]:
