@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 
 import trio
@@ -58,6 +59,13 @@ def die_with_parent() -> None:
         pass
     if os.getppid() == 1:                       # the parent died before the prctl
         os._exit(1)
+
+
+def death_hook():
+    """subprocess.Popen's preexec_fn that makes the child die with this process: die_with_parent
+    when called on the main thread, else None (PR_SET_PDEATHSIG fires when the forking
+    *thread* exits, so a child forked from a pool thread would die with that thread)."""
+    return die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
 async def wait(proc: subprocess.Popen) -> int:

@@ -23,7 +23,7 @@ pytest.importorskip("vllm_router", reason="vllm-router is not installed: pip ins
                                           "'tailrace[cluster]' (or vllm-router==0.1.17)")
 
 import openai  # noqa: E402
-from pipeline.layouts.process import die_with_parent  # test servers die with pytest
+from pipeline.layouts.process import death_hook  # test servers die with pytest
 
 LISTENING = "tailrace: listening on "
 START_TIMEOUT_S = 300        # two model loads on a busy 2-core box
@@ -64,7 +64,7 @@ def _launch(tmp: Path, policy: str, *flags: str) -> Launched:
             [sys.executable, "-m", "web.cli", "cluster", "--port", "0", "--replicas", "2",
              "--policy", policy, "--threads-per-replica", "1", "--stop-timeout", "20",
              *flags, *SERVE_FLAGS], stdout=out_f, stderr=err_f, env=env,
-            preexec_fn=die_with_parent)
+            preexec_fn=death_hook())
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         lines = [ln for ln in out.read_text(errors="replace").splitlines()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 import pytest
-from pipeline.layouts.process import die_with_parent  # test servers die with pytest
+from pipeline.layouts.process import death_hook  # test servers die with pytest
 
 LISTENING = "tailrace: listening on "
 START_TIMEOUT_S = 300        # model load on a busy 2-core CI box
@@ -60,7 +60,7 @@ def _serve(tmp: Path, *flags: str):
                           # a quarter of the CPU default: the session's servers live at once
                           "--kv-cache-memory-bytes", "256Mi",
                           "--log-level", "warning", *flags],
-            stdout=out_f, stderr=err_f, env=env, preexec_fn=die_with_parent)
+            stdout=out_f, stderr=err_f, env=env, preexec_fn=death_hook())
     try:
         url = None
         deadline = time.monotonic() + START_TIMEOUT_S

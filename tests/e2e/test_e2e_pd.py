@@ -31,7 +31,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from pipeline.tools.cluster import free_port  # noqa: E402
-from pipeline.layouts.process import die_with_parent  # test servers die with pytest
+from pipeline.layouts.process import death_hook  # test servers die with pytest
 
 LISTENING = "tailrace: listening on "
 START_TIMEOUT_S = 300
@@ -57,7 +57,7 @@ def _frontends(tmp, env) -> tuple[subprocess.Popen, str]:
         # machine a scrape may come seconds after the reply
         env={**env, "OMP_NUM_THREADS": "1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
              "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": "120"},
-        start_new_session=True, preexec_fn=die_with_parent)
+        start_new_session=True, preexec_fn=death_hook())
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -85,7 +85,7 @@ def pd(tmp_path_factory):
             [sys.executable, "-m", "web.cli", "cluster", "--prefill", "1", "--decode", "1",
              "--port", "0", "--replica-ports", f"{ports[0]},{ports[1]}",
              "--threads-per-replica", "1", "--no-restart-replicas", "--stop-timeout", "20",
-             *SERVE], stdout=o, stderr=e, env=env, preexec_fn=die_with_parent)
+             *SERVE], stdout=o, stderr=e, env=env, preexec_fn=death_hook())
     fe, fe_url = _frontends(tmp, env)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 import httpx
 import pytest
-from pipeline.layouts.process import die_with_parent  # test servers die with pytest
+from pipeline.layouts.process import death_hook  # test servers die with pytest
 
 LISTENING = "tailrace: listening on "
 START_TIMEOUT_S = 300
@@ -165,7 +165,7 @@ def start(tmp: Path, *flags: str) -> Server:
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", "0",
                                  *FLAGS, *flags], stdout=o, stderr=e, env=env,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=death_hook())
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         text = out.read_text(errors="replace")

@@ -28,7 +28,7 @@ from pipeline.core.config import EngineConfig
 from pipeline.core.engine import Engine, open_engine
 from web.app import AppConfig
 from web.server import LISTENING_PREFIX, listen_socket, serve
-from pipeline.layouts.process import die_with_parent  # test servers die with pytest
+from pipeline.layouts.process import death_hook  # test servers die with pytest
 
 REPORT_ENV = "TAILRACE_RELIABILITY_REPORT"
 START_TIMEOUT_S = 300        # a model load on a busy 2-core CI box
@@ -140,7 +140,7 @@ def tailrace_serve(tmp: Path, *flags: str, env: dict | None = None) -> Iterator[
         proc = subprocess.Popen(_command() + ["serve", "--port", "0", "--max-model-len", "128",
                                               "--dtype", "float32", *flags],
                                 stdout=out_f, stderr=err_f, env=environ,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=death_hook())
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

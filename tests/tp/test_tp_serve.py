@@ -27,7 +27,7 @@ import trio
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 from procs_util import metrics, processes, start, wait_for
-from pipeline.layouts.process import die_with_parent  # test servers die with pytest
+from pipeline.layouts.process import death_hook  # test servers die with pytest
 
 DEVICE = os.environ.get("TAILRACE_TP_DEVICE", "cpu")
 # a small step budget (chunked prefill) and KV cache (preemption), at every size alike
@@ -162,7 +162,7 @@ def smollm_tp3(tmp_path):
             [sys.executable, "-m", "pipeline.layouts.tp_worker", "--log-level", "warning", "--",
              "--dtype", "float32", "--tensor-parallel-size", "3", *FLAGS],
             env={**env, "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2"}, stderr=err,
-            preexec_fn=die_with_parent)
+            preexec_fn=death_hook())
     mp = pytest.MonkeyPatch()
     try:
         for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("LOCAL_WORLD_SIZE", "2")):
