@@ -215,7 +215,7 @@ class TorchPagedAttention:
             bs = self.cache.block_size
             dev = meta.block_tables.device  # every index and mask lives with the metadata
             nblk = -(-max(lens) // bs)
-            plain = len(seqs) == len(meta.q_lens)       # every sequence one decode row
+            plain = all(q == 1 for q in meta.q_lens)      # every sequence one decode row
             # when every query row decodes, in order, they need no gather/scatter
             all_rows = q_rows == list(range(len(meta.slot_mapping)))
             table = (meta.block_tables[:, :nblk] if plain else

@@ -17,7 +17,10 @@ from gpu.staging import prepare_step
 BS = 16
 
 
-def _chunks(mixed: bool) -> tuple[SeqChunk, ...]:
+def _chunks(mixed: bool | str) -> tuple[SeqChunk, ...]:
+    if mixed == "as many rows as sequences":     # one short chunk of 2 and one long one
+        return (SeqChunk("s0", (5, 6), 37, (3, 9, 4), True, 1),
+                SeqChunk("p0", (1,) * 12, 20, (7, 8), True))
     rng = random.Random(3)
     blocks = list(range(40))
     rng.shuffle(blocks)
@@ -55,7 +58,7 @@ KERNELS = [False] + ([True] if cpu_kernels.kernels() is not None else [])
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("mixed", [False, True, "as many rows as sequences"])
 def test_short_chunks_attend_as_one_sdpa_call_per_chunk_does(mixed, kernels):
     chunks = _chunks(mixed)
     for window, sinks in ((None, None), (24, torch.randn(9, generator=torch.Generator().manual_seed(1)))):
