@@ -184,32 +184,56 @@ class TorchPagedAttention:
         self.kernels = _decode_kernels(cache) if cpu_kernels else None
         self._c_args: tuple | None = None
 
+    # a chunk of at most this many tokens after a cached context (a verify pass: the last
+    # token and its drafts) attends as that many decode rows, each seeing the context up
+    # to its own position, in the decode rows' one batched call (not one call per chunk)
+    SHORT_CHUNK = 8
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precompute what every layer reuses: the decode rows' blocks and mask."""
         self.meta = meta
         self._sliding = None    # a hybrid cache's sliding layers: made by the first of them
         self._decode_blocks = self._decode_mask = self._decode_rows = self._c_args = None
         self._decode_windowed = {}
-        rows = meta.decode_rows
-        if rows:
+        # the query rows that attend as decodes: (sequence, query row, keys it sees)
+        seqs, q_rows, lens = [], [], []
+        self._prefill_rows = []
+        for r, ql in enumerate(meta.q_lens):
+            if ql == 1:
+                seqs.append(r)
+                q_rows.append(meta.q_starts[r])
+                lens.append(meta.ctx_lens[r])
+            elif ql <= self.SHORT_CHUNK and meta.start_positions[r] > 0:
+                s, ctx = meta.q_starts[r], meta.ctx_lens[r]
+                seqs.extend([r] * ql)
+                q_rows.extend(range(s, s + ql))
+                lens.extend(range(ctx - ql + 1, ctx + 1))
+            else:
+                self._prefill_rows.append(r)
+        self._num_decode = len(q_rows)
+        if q_rows:
             bs = self.cache.block_size
             dev = meta.block_tables.device  # every index and mask lives with the metadata
-            nblk = -(-max(meta.ctx_lens[r] for r in rows) // bs)
-            all_rows = len(rows) == len(meta.q_lens)
-            table = meta.block_tables[:, :nblk] if all_rows else meta.block_tables[rows, :nblk]
+            nblk = -(-max(lens) // bs)
+            plain = all(q == 1 for q in meta.q_lens)      # every sequence one decode row
+            # when every query row decodes, in order, they need no gather/scatter
+            all_rows = q_rows == list(range(len(meta.slot_mapping)))
+            table = (meta.block_tables[:, :nblk] if plain else
+                     meta.block_tables[torch.tensor(seqs, device=dev), :nblk])
             self._decode_blocks = table.to(torch.int64).flatten()                      # [B*nblk]
-            lens = (meta.seq_lens if all_rows else meta.seq_lens[rows]).to(torch.int64)
-            self._decode_mask = (torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-            self._decode_lens = lens
-            # when every row decodes, the rows are 0..B-1 and need no gather/scatter
+            lens_t = (meta.seq_lens.to(torch.int64) if plain
+                      else torch.tensor(lens, dtype=torch.int64, device=dev))
+            self._decode_mask = (torch.arange(nblk * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+            self._decode_lens = lens_t
             if not all_rows:
-                self._decode_rows = torch.tensor([meta.q_starts[r] for r in rows], device=dev)
+                self._decode_rows = torch.tensor(q_rows, device=dev)
             if self.kernels is not None:
-                # the C kernel's per-step arguments: tables, lengths, query rows and, when no
-                # prefill shares the step, the slots it writes this step's k/v to itself
-                q_rows = (torch.arange(len(rows), device=dev) if all_rows else self._decode_rows)
-                slots = meta.slot_mapping.index_select(0, q_rows).to(torch.int64) if all_rows else None
-                self._c_args = (table.to(torch.int32).contiguous(), lens.contiguous(), q_rows, slots)
+                # the C kernel's per-step arguments: tables, lengths, query rows and, when
+                # every sequence decodes one token, the slots it writes this step's k/v to
+                # itself (a short chunk's rows must see each other's: written beforehand)
+                qr = torch.arange(len(q_rows), device=dev) if all_rows else self._decode_rows
+                slots = meta.slot_mapping.index_select(0, qr).to(torch.int64) if plain else None
+                self._c_args = (table.to(torch.int32).contiguous(), lens_t.contiguous(), qr, slots)
 
     def _decode_visible(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, K] decode mask; with a window, also drop keys older than the last `window`
@@ -244,13 +268,15 @@ class TorchPagedAttention:
             flat_k.index_copy_(0, meta.slot_mapping, k)
             flat_v.index_copy_(0, meta.slot_mapping, v)
         if self._c_args is not None and self._kernel_decode(layer, q, k, v, out, sinks, window):
-            if not meta.prefill_rows:
+            if not self._prefill_rows:
                 return out
         else:
             if kernel_writes:   # it declined: nothing it may have written differs from these
                 flat_k.index_copy_(0, meta.slot_mapping, k)
                 flat_v.index_copy_(0, meta.slot_mapping, v)
             out = self._torch_decode(layer, q, out, sinks, window)
+            if not self._prefill_rows:
+                return out
         return self._prefill(q, k, v, out, sinks, window, flat_k, flat_v)
 
     def _kernel_decode(self, layer: int, q, k, v, out, sinks, window) -> bool:
@@ -274,8 +300,8 @@ class TorchPagedAttention:
         """out with the decode rows: their blocks gathered, one SDPA call (k/v already written)."""
         meta = self.meta
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        if meta.decode_rows:
-            B, (_, bs, hkv, d) = len(meta.decode_rows), kc.shape
+        if self._num_decode:
+            B, (_, bs, hkv, d) = self._num_decode, kc.shape
             rows = self._decode_rows
             qd = q if rows is None else q.index_select(0, rows)
             # GQA folded into the query axis: the G query heads of a KV head are G query rows
@@ -293,7 +319,7 @@ class TorchPagedAttention:
     def _prefill(self, q, k, v, out, sinks, window, flat_k, flat_v) -> torch.Tensor:
         """out with the prefill rows: one SDPA call each (k/v already written)."""
         meta, starts = self.meta, self.meta.q_starts
-        for r in meta.prefill_rows:
+        for r in self._prefill_rows:
             s, e = starts[r], starts[r + 1]
             qp = q[s:e].transpose(0, 1)[None]                                   # [1, Hq, Q, D]
             start = meta.start_positions[r]

@@ -31,26 +31,41 @@ class SpecCounters:
 
 
 class CostGate:
-    """Whether a step drafts, from what steps measured: "never slower than off".
+    """Whether a step drafts, and which drafts, from what steps measured: "never slower
+    than off".
 
     Decode steps are told apart by their batch size (buckets of powers of two: 1, 2-3,
-    4-7, ...). In each bucket the gate keeps the tokens per second that pure decode steps
-    yielded with drafts and without (moving averages of tokens out over the runner's
-    measured step time: the verify pass's cost, the draft model's forwards, and the
-    acceptance, all in one figure), and drafts when that with drafts is at least as high.
-    Each mode is tried `WARM` times in a bucket before the figures decide, and the mode
-    not chosen is tried again one step in `EXPLORE`, so that a change (longer contexts,
-    text that copies less) is seen; so where drafts lose, the gate pays for it on one step
-    in EXPLORE. vLLM's disable_by_batch_size is one fixed threshold for every model,
-    device and text."""
+    4-7, ...). Per bucket the gate keeps two things, from the runner's measured step time
+    (which holds the verify pass, the draft model's forwards and the acceptance):
+
+    - the tokens per second that pure decode steps yielded with drafts and without
+      (moving averages), and drafts when that with drafts is at least as high. Each mode
+      is tried `WARM` times in a bucket before the figures decide, and the mode not chosen
+      is tried again one step in `EXPLORE`, so that a change is seen;
+    - a line fitted to the step's time against its rows (T = a + c * rows, moving
+      averages over the steps with drafts and without). A draft row costs c; an off step
+      yields n tokens in a + c * n, so a draft row pays only if it yields at least
+      `threshold` = c * n / (a + c * n) tokens on average. Memory-bound (a large) that is
+      near 0, and every draft pays; compute-bound (a small: 32 streams on a CPU) it nears
+      1, and only drafts that nearly always hold do. Speculation drafts each sequence's
+      j-th token only where its measured acceptance q gives q**j >= threshold
+      (`draft_len`), so at one stream a sequence that copies drafts K tokens and at 32 a
+      batch drafts little or nothing.
+
+    In its warm-up a bucket drafts for at most a quarter of its sequences (`warm_cap`),
+    so that measuring costs little where drafts lose. vLLM's disable_by_batch_size is one
+    fixed threshold for every model, device and text."""
 
     WARM = 3
     EXPLORE = 24
     ALPHA = 0.25
+    FIT = 0.15          # the line's moving averages' weight of a new step
 
     def __init__(self) -> None:
         # bucket -> [rate with drafts, rate without, steps with, steps without, decisions]
         self.buckets: dict[int, list[float]] = {}
+        # bucket -> the line's moving sums [weight, rows, time, rows^2, rows*time]
+        self.fits: dict[int, list[float]] = {}
 
     def _bucket(self, n: int) -> list[float]:
         b = self.buckets.get(n.bit_length())
@@ -66,8 +81,31 @@ class CostGate:
         on = b[0] >= b[1]
         return (not on) if b[4] % self.EXPLORE == 0 else on
 
-    def observe(self, num_seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A pure decode step of num_seqs sequences yielded `tokens` in `seconds`."""
+    def warm_cap(self, num_running: int) -> int | None:
+        """How many sequences may draft in this step (None: no cap): a quarter of them
+        while the bucket's line is not fitted."""
+        return None if self.threshold(num_running) is not None else max(1, num_running // 4)
+
+    def threshold(self, num_running: int) -> float | None:
+        """The tokens a draft row must yield on average to pay (module docstring); None
+        while the rows' cost is not measured in this bucket."""
+        f = self.fits.get(num_running.bit_length())
+        if f is None or f[0] <= 0:
+            return None
+        w, sx, sy, sxx, sxy = f
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var < 0.25:          # rows too alike to tell a row's cost from the step's
+            return None
+        c = max(0.0, (sxy / w - mx * my) / var)
+        a = max(0.0, my - c * mx)
+        off = a + c * num_running
+        return c * num_running / off if off > 0 else None
+
+    def observe(self, num_seqs: int, drafted: bool, tokens: int, seconds: float,
+                rows: int | None = None) -> None:
+        """A pure decode step of num_seqs sequences (and `rows` rows, drafts included)
+        yielded `tokens` in `seconds`."""
         if seconds <= 0 or num_seqs <= 0:
             return
         b = self._bucket(num_seqs)
@@ -75,6 +113,11 @@ class CostGate:
         rate = tokens / seconds
         b[i] = rate if b[i + 2] == 0 else b[i] + self.ALPHA * (rate - b[i])
         b[i + 2] += 1
+        x = float(rows if rows is not None else num_seqs)
+        f = self.fits.setdefault(num_seqs.bit_length(), [0.0] * 5)
+        keep = 1.0 - self.FIT
+        for j, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
+            f[j] = f[j] * keep + v
 
     def preferred(self, num_running: int) -> bool | None:
         """What the figures say for this batch size (None: not measured yet): for tests."""
@@ -84,11 +127,29 @@ class CostGate:
         return b[0] >= b[1]
 
 
+def draft_len(q: float, threshold: float, k: int) -> int:
+    """The drafts worth verifying for a sequence whose drafts hold with probability q each:
+    the j-th yields a token only if all before it held (q**j), and pays if that is at
+    least `threshold`."""
+    if threshold <= 0:
+        return k
+    j, p = 0, 1.0
+    while j < k:
+        p *= q
+        if p < threshold:
+            break
+        j += 1
+    return j
+
+
 class Speculation:
     """Drafts for decodes, up to `k` each, from `drafter`; off for a step whose batch has
     `disable_by_batch_size` running sequences or more (compute-bound: verifying costs real
-    work), and, with `gate`, off for a step where the gate's measurements say drafts lose.
+    work), and, with `gate`, off for a step where the gate's measurements say drafts lose,
+    and per sequence no longer than its measured acceptance pays for (CostGate).
     `counters` add up what the steps verified."""
+
+    PRIOR = 2.0      # a sequence's acceptance starts as this many passes at the global rate
 
     def __init__(self, drafter: Drafter, k: int, disable_by_batch_size: int | None,
                  counters: SpecCounters, gate: CostGate | None = None) -> None:
@@ -97,42 +158,83 @@ class Speculation:
         self.disable_by_batch_size = disable_by_batch_size
         self.counters = counters
         self.gate = gate
+        self.held: dict[str, list[int]] = {}   # seq id -> [drafts that held, that did not]
+        self.total = [0, 0]                    # the same over every sequence
+        self._threshold = 0.0                  # this step's (CostGate.threshold)
+        self._cap: int | None = None           # sequences that may still draft this step
 
     def on_for(self, num_running: int) -> bool:
-        """Whether this step drafts at all."""
+        """Whether this step drafts at all (and, with the gate, the step's threshold)."""
         if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
             return False
-        return self.gate is None or self.gate.decide(num_running)
+        if self.gate is None:
+            return True
+        if not self.gate.decide(num_running):
+            return False
+        t = self.gate.threshold(num_running)
+        self._threshold = 0.0 if t is None else t
+        self._cap = self.gate.warm_cap(num_running)
+        return True
+
+    def acceptance(self, seq_id: str) -> float:
+        """The probability that a draft of this sequence holds, from its verify passes
+        (each: the drafts that held, then at most one that did not) and, to start, the
+        global rate."""
+        ok, bad = self.total
+        prior = (ok + 1) / (ok + bad + 2)
+        h = self.held.get(seq_id)
+        if h is None:
+            return prior
+        return (h[0] + self.PRIOR * prior) / (h[0] + h[1] + self.PRIOR)
 
     def observe(self, plan, result) -> None:
         """A step's result, for the gate: a step of decodes only (one token each, or a
         verify pass) is measured; a step with prompt chunks is not a decode step's cost."""
         if self.gate is None or not plan.chunks:
             return
+        rows = 0
         for c in plan.chunks:
             if not c.sample or len(c.token_ids) != 1 + c.num_drafts:
                 return
-        drafted = any(c.num_drafts for c in plan.chunks)
+            rows += len(c.token_ids)
+        drafted = rows > len(plan.chunks)
         tokens = sum(result.num_tokens) if result.num_tokens else len(result.token_ids)
-        self.gate.observe(len(plan.chunks), drafted, tokens, result.duration_s)
+        self.gate.observe(len(plan.chunks), drafted, tokens, result.duration_s, rows)
 
     def drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Drafts for a decode of one token: at most k, what the length limit leaves after
-        the bonus token, and what the step's token budget leaves after the decode."""
+        the bonus token, what the step's token budget leaves after the decode, and (with
+        the gate) what the sequence's acceptance pays for."""
         if (seq.num_pending or seq.grammar is not None
                 or seq.req.sampling.options.thinking_token_budget is not None):
             return ()      # its last token is not known yet / a grammar or a budget checks every token
         k = min(self.k, stop.tokens_left(seq, len(seq.token_ids)) - 1, budget - 1)
-        return self.drafter.propose(seq.id, seq.token_ids, k) if k > 0 else ()
+        if self.gate is not None and k > 0:
+            if self._cap is not None and self._cap <= 0:
+                return ()
+            k = draft_len(self.acceptance(seq.id), self._threshold, k)
+        if k <= 0:
+            return ()
+        drafts = self.drafter.propose(seq.id, seq.token_ids, k)
+        if drafts and self._cap is not None:
+            self._cap -= 1
+        return drafts
 
     def verified(self, seq: Sequence, drafts: int, accepted: int) -> None:
         self.counters.count(drafts, accepted)
         seq.spec_drafts += 1
         seq.spec_draft_tokens += drafts
         seq.spec_accepted += accepted
+        h = self.held.setdefault(seq.id, [0, 0])
+        miss = 1 if accepted < drafts else 0
+        h[0] += accepted
+        h[1] += miss
+        self.total[0] += accepted
+        self.total[1] += miss
 
     def forget(self, seq_id: str) -> None:
         self.drafter.forget(seq_id)
+        self.held.pop(seq_id, None)
 
 
 def step_outputs(result: StepResult) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple]]:

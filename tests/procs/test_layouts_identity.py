@@ -205,3 +205,47 @@ def test_the_requests_cover_what_they_claim(replies, servers):
         m = metrics(server.url)
         assert m["vllm:spec_decode_num_drafts_total"] > 0, name
         assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0, name
+
+
+async def _spec_off(model: str, calls: list) -> list[dict]:
+    """The same calls to the same weights in this process without speculation: each
+    choice's text, content and tool calls' arguments (what a layout's deltas join to)."""
+    from pipeline.core.config import EngineConfig
+    from pipeline.core.engine import open_engine
+
+    out = []
+    cfg = EngineConfig(model=model, max_model_len=512, dtype="float32", max_num_seqs=4,
+                       num_gpu_blocks_override=64)
+    async with open_engine(cfg) as engine:
+        for api, body in calls:
+            reply = await engine.submit(api, {"model": engine.model_names[0], **body})
+            out.append(_joined([orjson.loads(await reply.read())], api, stream=False))
+    return out
+
+
+def _joined(events: list, api: str, stream: bool = True) -> dict:
+    """index -> the choice's text (completions) or content and tool calls' arguments (chat)."""
+    got: dict[int, str] = {}
+    for e in events:
+        for c in e.get("choices", ()):
+            if api == "completions":
+                part = c.get("text") or ""
+            else:
+                m = c.get("delta" if stream else "message") or {}
+                part = (m.get("content") or "") + "".join(
+                    (t.get("function") or {}).get("arguments") or "" for t in m.get("tool_calls") or ())
+            got[c["index"]] = got.get(c["index"], "") + part
+    return got
+
+
+def test_speculation_in_every_layout_writes_what_no_speculation_writes(replies, gpt_oss_dir):
+    """n-gram drafts (some of which hold, above) under --api-server-count 2 and TP 2 change
+    no token: greedy, seeded n = 2 and a tool call join to the texts that the same weights
+    give without speculation."""
+    import trio
+
+    want = trio.run(_spec_off, gpt_oss_dir, replies["calls"])
+    for layout in LAYOUTS:
+        got = [_joined(events[:-1], api) for (api, _), events in zip(replies["calls"],
+                                                                     replies[layout])]
+        assert got == want, layout
