@@ -84,7 +84,15 @@ async def test_logprob_token_ids_report_the_chosen_ids_at_every_position(smollm)
         if event.startswith(b"data: {"):
             for c in orjson.loads(event[6:])["choices"]:
                 streamed += (c.get("logprobs") or {}).get("content") or []
-    assert streamed == content
+    # the streamed request's prompt is a prefix-cache hit: its last prompt token runs as a
+    # one-row chunk (another kernel path), so the values agree to fp32 rounding, not bit for bit
+    def shape(entries):
+        return [(e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]])
+                for e in entries]
+    def values(entries):
+        return [v for e in entries for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
+    assert shape(streamed) == shape(content)
+    assert values(streamed) == pytest.approx(values(content), abs=1e-4)
     # completions: the legacy dict, the sampled token first
     c = comp["choices"][0]
     rows = dense_rows(smollm, c["prompt_token_ids"], c["token_ids"])

@@ -165,7 +165,7 @@ def _usage(stream: bytes) -> dict:
 
 async def test_stand_in_accepts_drafts_at_its_probability():
     """--simulate-gpu h200 with --simulate-draft-acceptance 0.7 and K = 3: every decode
-    verifies 3 drafts; about 0.7 + 0.49 + 0.34 = 1.53 hold per verify pass; the reply has
+    verifies 3 drafts (nearly: the cost gate); about 0.7 + 0.49 + 0.34 = 1.53 hold per verify pass; the reply has
     exactly max_tokens tokens and /metrics' counters agree with each other."""
     cfg = EngineConfig(simulate_gpu="h200", max_model_len=512, max_num_seqs=4,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
@@ -178,8 +178,10 @@ async def test_stand_in_accepts_drafts_at_its_probability():
         spec = engine.stats().spec_decode
     assert body["usage"]["completion_tokens"] == 300
     assert len(body["choices"][0]["logprobs"]["tokens"]) == 300
-    # K = 3 each, but the last ones: capped by what max_tokens leaves
-    assert 3 * spec.num_drafts - 3 <= spec.num_draft_tokens <= 3 * spec.num_drafts
+    # K = 3 nearly each: the last ones are capped by what max_tokens leaves, and the cost
+    # gate (memory-bound at one stream: a draft row pays at a low acceptance) shortens a
+    # sequence's drafts only when its measured acceptance dips far below 0.7
+    assert 0.95 * 3 * spec.num_drafts <= spec.num_draft_tokens <= 3 * spec.num_drafts
     per_step = spec.num_accepted_tokens / spec.num_drafts
     assert 1.2 < per_step < 1.9, per_step
     assert spec.accepted_per_pos[0] >= spec.accepted_per_pos[1] >= spec.accepted_per_pos[2]
