@@ -37,7 +37,7 @@ from pipeline.core.stats import AccountStats, CoreStats, EngineStats, cache_conf
 from pipeline.layouts.tp_procs import TensorParallel, open_built
 from pipeline.layouts.wire import (AccountQuery, AccountReply, ControlQuery, ControlReply,
                                    FrontendSetup, Link, Load, Refused, SleepState, StatsQuery,
-                                   StatsReply, forward, outbox, pack_step)
+                                   StatsReply, forward, outbox, pack_step, NUDGE)
 from stages.admit import Accepted
 from stages.messages import Abort, Control, FinishRequest, RenderedRequest
 
@@ -100,7 +100,10 @@ class EngineReplies:
             msg = Accepted(e.local, item.stream)
         else:   # a RequestError
             msg = Refused(e.local, item.message, item.status, item.type, item.param, item.code)
-        self.ports[e.frontend].outbox.send_nowait(msg)
+        port = self.ports[e.frontend]
+        # ahead of any Step frame route sends from now on (route writes those itself)
+        port.link.send_first(msg)
+        port.outbox.send_nowait(NUDGE)
         return True
 
     def release(self, rid: str) -> None:

@@ -185,6 +185,7 @@ class Link:
     def __init__(self, sock: trio.socket.SocketType) -> None:
         self.sock = sock
         self._lock = trio.StrictFIFOLock()
+        self._first: list[bytes] = []   # frames that go before the next one sent (send_first)
         self._buf = bytearray()
         self._pos = 0
         self.closed = False
@@ -192,9 +193,22 @@ class Link:
     async def send(self, msg: object) -> None:
         await self.send_frame(pack(msg))
 
+    def send_first(self, msg: object) -> None:
+        """Queue `msg` to go, without waiting, ahead of whatever frame is sent next by
+        anyone (`send_frame`): an engine's Accepted must reach its frontend before a Step
+        frame that carries the request's first tokens, and those two are written by two
+        tasks. The caller then nudges a `forward` (its outbox gets NUDGE), which sends it
+        if no other frame goes first."""
+        self._first.append(pack(msg))
+
     async def send_frame(self, frame: bytes) -> None:
         """BrokenResourceError when the other end has gone."""
         async with self._lock:
+            if self._first:     # taken under the lock: they precede this frame on the wire
+                frame = b"".join((*self._first, frame))
+                self._first.clear()
+            if not frame:
+                return
             view = memoryview(frame)
             try:
                 while view:
@@ -238,6 +252,9 @@ class Link:
         self.sock.close()
 
 
+NUDGE = object()    # in an outbox: send what Link.send_first queued (nothing of its own)
+
+
 async def forward(receive: trio.MemoryReceiveChannel, link: Link) -> None:
     """Send what arrives on a memory channel over `link`, everything waiting in one write:
     the back-edges (aborts, stop strings) are sent without waiting (send_nowait) by
@@ -245,12 +262,14 @@ async def forward(receive: trio.MemoryReceiveChannel, link: Link) -> None:
     other end has gone it keeps draining, sending nothing, so those senders never fail."""
     async with receive:
         async for msg in receive:
-            frames = [pack(msg)]
+            frames = [] if msg is NUDGE else [pack(msg)]
             while True:
                 try:
-                    frames.append(pack(receive.receive_nowait()))
+                    msg = receive.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
+                if msg is not NUDGE:
+                    frames.append(pack(msg))
             if link.closed:
                 continue
             try:

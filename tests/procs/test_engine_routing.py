@@ -11,7 +11,7 @@ import trio
 
 from pipeline.layouts.engine_proc import EngineReplies, Port, control, route
 from pipeline.layouts.frontend import Balancer, EngineLink, RemoteEngine
-from pipeline.layouts.wire import (ControlQuery, ControlReply, Refused, SleepState, outbox,
+from pipeline.layouts.wire import (NUDGE, ControlQuery, ControlReply, Refused, SleepState, outbox,
                                    unpack_step)
 from stages.admit import Accepted
 from stages.lib.delta import Delta, FinishReason
@@ -26,6 +26,10 @@ class FakeLink:
 
     def __init__(self) -> None:
         self.frames: list[bytes] = []
+        self.first: list = []            # what send_first queued, unpacked
+
+    def send_first(self, msg) -> None:
+        self.first.append(msg)
 
     async def send_frame(self, frame: bytes) -> None:
         self.frames.append(frame)
@@ -49,9 +53,11 @@ def test_requests_are_named_by_frontend_and_answered_to_their_owner():
     replies.admit("0:x")                       # counted once
     assert replies.num_admitted == 1
     assert replies.send("0:x", Accepted("0:x", True))
-    assert ports[0].pending_out.receive_nowait() == Accepted("x", True)   # the local id
+    # ahead of any later frame on the link (the local id), and forward nudged to send it
+    assert ports[0].link.first == [Accepted("x", True)]
+    assert ports[0].pending_out.receive_nowait() is NUDGE
     assert replies.send("1:x", RequestError("too long", status=400, param="messages"))
-    refused = ports[1].pending_out.receive_nowait()
+    refused, = ports[1].link.first
     assert isinstance(refused, Refused) and refused.request_id == "x"
     assert (refused.status, refused.param) == (400, "messages")
     replies.release("1:x")                     # never admitted: the count stays

@@ -67,3 +67,30 @@ async def test_frames_survive_any_split_of_the_stream():
     assert [kind for kind, _ in got] == [OBJ, STEP, OBJ, OBJ]
     assert unpack_step(got[1][1], {}) == step
     right.close()
+
+
+async def test_what_send_first_queued_precedes_the_next_frame_whoever_sends_it():
+    """The engine's Accepted goes through its outbox's forward task, a Step frame from route
+    directly: the Accepted, queued first, is on the wire first even when route writes
+    before forward has run; forward's nudge then sends nothing twice."""
+    import pickle
+    from pipeline.layouts.wire import NUDGE, forward, outbox
+    a, b = socket.socketpair()
+    left = Link(trio.socket.from_stdlib_socket(a))
+    right = Link(trio.socket.from_stdlib_socket(b))
+    step = _step()
+    send, receive = outbox()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(forward, receive, left)
+        left.send_first(Refused("r2", "no", 503, "server_overloaded"))
+        send.send_nowait(NUDGE)
+        # no checkpoint between: forward has not run yet
+        await left.send_frame(pack_step(step, [], [(d.request_id, d) for d in step.deltas]))
+        send.send_nowait(Abort("r1", "why"))
+        got = [await right.receive_frame() for _ in range(3)]
+        send.close()
+    assert [kind for kind, _ in got] == [OBJ, STEP, OBJ]
+    assert pickle.loads(got[0][1]) == Refused("r2", "no", 503, "server_overloaded")
+    assert pickle.loads(got[2][1]) == Abort("r1", "why")
+    left.close()
+    right.close()
