@@ -4,6 +4,9 @@
 #
 #   scripts/bench_vs_llamacpp.sh build      # build llama.cpp once (cached), nothing else
 #   scripts/bench_vs_llamacpp.sh [run]      # build if needed, then 1 stream and 32 streams, both servers
+#   scripts/bench_vs_llamacpp.sh lib        # no build: tailrace at 1 stream, then llama.cpp's own decode
+#                                           # loop from its prebuilt wheel (scripts/bench_llamacpp_lib.py),
+#                                           # ROUNDS times alternating
 #
 # llama.cpp is built from the llama-cpp-python sdist on PyPI (its vendored llama.cpp), with
 # -DGGML_NATIVE=OFF and the ISA flags read from /proc/cpuinfo (a native build can die with an
@@ -49,7 +52,7 @@ build() {
 }
 
 cmd="${1:-run}"
-build
+[[ "$cmd" == lib ]] || build
 [[ "$cmd" == build ]] && { echo "$BIN"; exit 0; }
 
 GGUF="${GGUF:-$("$PYTHON" -c 'from gpu.tokenizer_files import default_model_path; print(default_model_path())')}"
@@ -81,6 +84,24 @@ print(f"{sys.argv[2]:>10s} c={sys.argv[3]:>2s}  TPOT p50 {r.get('median_tpot_ms'
       f"TTFT p50 {r.get('median_ttft_ms', 0):8.1f} ms  output {r.get('output_throughput', 0):7.1f} tok/s")
 PY
 }
+
+if [[ "$cmd" == lib ]]; then
+  LCPY="$("$HERE/scripts/llamacpp_wheel/setup.sh" "${LC_VENV:-/tmp/lcvenv}")"
+  echo "# $(date -u +%FT%TZ) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $THREADS threads; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "# GGUF $GGUF; $N_IN in / $N_OUT out, greedy, ignore_eos, 1 stream; results in $OUTDIR"
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS="$THREADS" "$PYTHON" -m web.cli serve --model "$GGUF" --host 127.0.0.1 --port "$PORT_T" \
+    --kv-cache-memory-bytes "${KV_BYTES:-1GiB}" ${TAILRACE_ARGS:-} > "$OUTDIR/tailrace.log" 2>&1 &
+  pids+=($!); tpid=$!
+  wait_up "http://127.0.0.1:$PORT_T/v1/models"
+  for r in $(seq "${ROUNDS:-3}"); do
+    bench "tailrace-r$r" "$PORT_T" 1 "$PROMPTS_1"
+    "$LCPY" "$HERE/scripts/bench_llamacpp_lib.py" --model "$GGUF" --threads "$THREADS" --n-in "$N_IN" \
+      --n-out "$N_OUT" --rounds 1 2> "$OUTDIR/llamacpp-lib-r$r.log"
+  done
+  echo "tailrace RSS $(rss_mb "$tpid") MB; load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  exit 0
+fi
 
 echo "# $(date -u +%FT%TZ) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) ($isa), $THREADS threads; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "# GGUF $GGUF; $N_IN in / $N_OUT out, greedy, ignore_eos; results in $OUTDIR"
