@@ -223,6 +223,10 @@ class StepResult:
     # the KV connector: remote prefills whose blocks have landed, and those that failed
     kv_loaded: tuple[str, ...] = ()
     kv_failed: tuple[tuple[str, str], ...] = ()
+    # of kv_failed: reads that timed out with NIXL still holding them (a late landing would
+    # write into their blocks): the blocks stay held until a kv_loaded or kv_failed names
+    # the read again
+    kv_late: tuple[str, ...] = ()
 
 
 @runtime_checkable

@@ -53,6 +53,10 @@ class KVConnector:
         self._reads: dict[str, tuple[object, float, tuple[str, int], str]] = {}
         # (host, port) -> (engine id, remote agent, Layout): prefill engines read from
         self._remotes: dict[tuple[str, int], tuple[str, str, Layout]] = {}
+        # seq id -> (handle, (host, port), remote agent): reads past the timeout, their
+        # requests ended, that NIXL still holds; watched until they land or fail, so that
+        # the scheduler frees their blocks only then
+        self._late: dict[str, tuple[object, tuple[str, int], str]] = {}
         self._stale: set[str] = set()     # remote agents to drop once their reads end
         self._failed: list[tuple[str, str]] = []
         # the side channel's socket, bound at start-up so that its port is known (0: any)
@@ -103,7 +107,7 @@ class KVConnector:
         got = self._remotes.pop(where, None)
         if got is not None:
             self._stale.add(got[1])
-        busy = {r[3] for r in self._reads.values()}
+        busy = {r[3] for r in self._reads.values()} | {r[2] for r in self._late.values()}
         for name in list(self._stale - busy):
             self._stale.discard(name)
             with self.lock:
@@ -134,11 +138,28 @@ class KVConnector:
         self._reads[read.seq_id] = (handle, time.monotonic() + self.read_timeout_s,
                                     (read.host, read.port), name)
 
-    def poll(self) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-        """The reads that have landed and those that failed since the last poll."""
-        done = []
+    def poll(self) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], tuple[str, ...]]:
+        """The reads that have landed and those that failed since the last poll, and of
+        those failed the ones that timed out with NIXL still holding them (StepResult's
+        kv_late: their blocks stay held until a later poll names them again, landed or
+        failed). NIXL has no cancel of a read in flight that is known to stop the remote
+        side's write; releasing the handle of an unfinished read is not that, so a late
+        read is watched to its end instead."""
+        done, late = [], []
         now = time.monotonic()
-        for sid, (handle, deadline, where, _) in list(self._reads.items()):
+        for sid, (handle, where, _) in list(self._late.items()):
+            try:
+                with self.lock:
+                    landed = self.kv.done(handle)
+            except TransferFailed as exc:
+                del self._late[sid]
+                self._failed.append((sid, f"the late KV read failed: {exc}"))
+                self._forget(where)
+                continue
+            if landed:
+                del self._late[sid]
+                done.append(sid)       # the scheduler frees the blocks it kept for it
+        for sid, (handle, deadline, where, name) in list(self._reads.items()):
             try:
                 with self.lock:
                     landed = self.kv.done(handle)
@@ -152,18 +173,23 @@ class KVConnector:
                 del self._reads[sid]
                 done.append(sid)
             elif now > deadline:
-                del self._reads[sid]   # its handle is left to NIXL: the blocks stay held
+                del self._reads[sid]
+                self._late[sid] = (handle, where, name)
+                late.append(sid)
+                _log.warning("KV read %s from %s:%s past %g s: its request ends, its blocks "
+                             "stay held until NIXL ends the read", sid, *where,
+                             self.read_timeout_s)
                 self._failed.append((sid, f"the KV read from the prefill instance at "
                                      f"{where[0]}:{where[1]} took over "
                                      f"{self.read_timeout_s:g} s ({READ_TIMEOUT_ENV})"))
         if self._stale:
             self._forget(("", -1))
         failed, self._failed = tuple(self._failed), []
-        return tuple(done), failed
+        return tuple(done), failed, tuple(late)
 
     @property
     def reading(self) -> bool:
-        return bool(self._reads or self._failed)
+        return bool(self._reads or self._failed or self._late)
 
     # -- the prefill side (the event loop) ----------------------------------------------
     def released(self) -> tuple[str, ...]:

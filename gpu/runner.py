@@ -120,14 +120,14 @@ class ModelRunner(StagingRunner):
         for read in plan.kv_reads:
             kv.start(read)
         result = self._execute(plan, staged)
-        loaded, failed = kv.poll()
+        loaded, failed, late = kv.poll()
         if not plan.chunks and not loaded and not failed:
             deadline = time.monotonic() + KV_POLL_WAIT_S
             while not (loaded or failed) and kv.reading and time.monotonic() < deadline:
                 time.sleep(0.0005)
-                loaded, failed = kv.poll()
+                loaded, failed, late = kv.poll()
         if loaded or failed:
-            return attrs.evolve(result, kv_loaded=loaded, kv_failed=failed)
+            return attrs.evolve(result, kv_loaded=loaded, kv_failed=failed, kv_late=late)
         return result
 
     def _execute(self, plan: StepPlan, staged: HostInputs | None = None) -> StepResult:

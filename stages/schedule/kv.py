@@ -71,7 +71,8 @@ class KVConnectorSide:
         """Remote prefills the runner finished: landed, the prompt counts as computed and
         cached but for its last token, which the next step feeds as a decode does (its
         logits give the first token, as vLLM's decode side recomputes it); failed, the
-        request ends with the error."""
+        request ends with the error (a read that timed out and may still land keeps its
+        blocks, as an aborted one does, until the runner names it again: `kv_late`)."""
         for sid in result.kv_loaded:
             if sid in self._abandoned_reads:
                 self.blocks.release(self._abandoned_reads.pop(sid))
@@ -85,14 +86,19 @@ class KVConnectorSide:
             seq.num_cached_tokens = done
             self._computed(seq, done)
             self.running.append(seq)
+        late = result.kv_late
         for sid, error in result.kv_failed:
             if sid in self._abandoned_reads:
-                self.blocks.release(self._abandoned_reads.pop(sid))
+                if sid not in late:         # over: its blocks are free to reuse
+                    self.blocks.release(self._abandoned_reads.pop(sid))
                 continue
             seq = self.receiving.get(sid)
             if seq is None:
                 continue
             del self.receiving[sid]
             seq.remote_prefill = None
+            if sid in late:       # timed out, still in NIXL's hands: its blocks wait for it
+                self._abandoned_reads[sid] = seq.table
+                seq.table, seq.table_t = [], ()
             self.running.append(seq)        # finish() takes it from there, blocks and all
             self.finish(seq.req.request_id, FinishReason.ERROR, error)

@@ -175,3 +175,21 @@ def test_render_refuses_what_this_server_cannot_transfer():
     with pytest.raises(RequestError, match="prompt_logprobs"):
         kv_transfer(prefill, CONFIG, 1, 1, 0)
     assert kv_transfer(prefill, CONFIG, 1, 1, None).remote_prefill.block_ids == (1,)
+
+
+def test_a_read_that_timed_out_ends_the_request_but_keeps_its_blocks_until_it_is_over():
+    """kv_late: NIXL may still land the read into the blocks, so they wait for it."""
+    s = make()
+    s.add(_remote(tuple(range(1, 11))))
+    plan = s.schedule()
+    out = run(s, plan, kv_failed=(("d1", "took over 30 s"),), kv_late=("d1",))
+    (d,) = out.deltas
+    assert d.finish_reason is FinishReason.ERROR and "30 s" in d.error
+    assert s.blocks.num_used == 3                  # held for the late read
+    plan = s.schedule()
+    assert plan.kv_waiting                          # the runner keeps polling it
+    run(s, plan)
+    assert s.blocks.num_used == 3
+    run(s, s.schedule(), kv_loaded=("d1",))         # it landed: now they are free
+    assert s.blocks.num_used == 0 and not s.has_work()
+    assert not s.schedule().kv_waiting
