@@ -66,8 +66,12 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
-wait_up() {  # url
-  for _ in $(seq 600); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 1; done
+wait_up() {  # url [pid]
+  for _ in $(seq 600); do
+    curl -sf "$1" >/dev/null 2>&1 && return 0
+    [[ -n "${2:-}" ]] && ! kill -0 "$2" 2>/dev/null && { echo "the server at $1 exited" >&2; return 1; }
+    sleep 1
+  done
   echo "server at $1 did not come up" >&2; return 1
 }
 rss_mb() { awk '/VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
@@ -90,10 +94,10 @@ if [[ "$cmd" == lib ]]; then
   echo "# $(date -u +%FT%TZ) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $THREADS threads; load: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "# GGUF $GGUF; $N_IN in / $N_OUT out, greedy, ignore_eos, 1 stream; results in $OUTDIR"
   # shellcheck disable=SC2086
-  OMP_NUM_THREADS="$THREADS" "$PYTHON" -m web.cli serve --model "$GGUF" --host 127.0.0.1 --port "$PORT_T" \
+  OMP_NUM_THREADS="$THREADS" "$PYTHON" -m web.cli serve "$GGUF" --host 127.0.0.1 --port "$PORT_T" \
     --kv-cache-memory-bytes "${KV_BYTES:-1GiB}" ${TAILRACE_ARGS:-} > "$OUTDIR/tailrace.log" 2>&1 &
   pids+=($!); tpid=$!
-  wait_up "http://127.0.0.1:$PORT_T/v1/models"
+  wait_up "http://127.0.0.1:$PORT_T/v1/models" "$tpid"
   for r in $(seq "${ROUNDS:-3}"); do
     bench "tailrace-r$r" "$PORT_T" 1 "$PROMPTS_1"
     "$LCPY" "$HERE/scripts/bench_llamacpp_lib.py" --model "$GGUF" --threads "$THREADS" --n-in "$N_IN" \
@@ -106,10 +110,10 @@ fi
 echo "# $(date -u +%FT%TZ) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) ($isa), $THREADS threads; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "# GGUF $GGUF; $N_IN in / $N_OUT out, greedy, ignore_eos; results in $OUTDIR"
 # shellcheck disable=SC2086
-OMP_NUM_THREADS="$THREADS" "$PYTHON" -m web.cli serve --model "$GGUF" --host 127.0.0.1 --port "$PORT_T" \
+OMP_NUM_THREADS="$THREADS" "$PYTHON" -m web.cli serve "$GGUF" --host 127.0.0.1 --port "$PORT_T" \
   --kv-cache-memory-bytes "${KV_BYTES:-1GiB}" ${TAILRACE_ARGS:-} > "$OUTDIR/tailrace.log" 2>&1 &
 pids+=($!); tpid=$!
-wait_up "http://127.0.0.1:$PORT_T/v1/models"
+wait_up "http://127.0.0.1:$PORT_T/v1/models" "$tpid"
 grep -m1 -o 'weights: .*' "$OUTDIR/tailrace.log" || true
 for c in 1 32; do bench tailrace "$PORT_T" "$c" "$([[ $c == 1 ]] && echo "$PROMPTS_1" || echo "$PROMPTS_32")"; done
 echo "tailrace RSS $(rss_mb "$tpid") MB"
@@ -118,7 +122,7 @@ kill "$tpid"; wait "$tpid" 2>/dev/null || true
 "$BIN/llama-server" -m "$GGUF" --host 127.0.0.1 --port "$PORT_L" -t "$THREADS" -np 32 -c $((32 * (N_IN + N_OUT + 64))) \
   > "$OUTDIR/llama-server.log" 2>&1 &
 pids+=($!); lpid=$!
-wait_up "http://127.0.0.1:$PORT_L/health"
+wait_up "http://127.0.0.1:$PORT_L/health" "$lpid"
 for c in 1 32; do bench llama "$PORT_L" "$c" "$([[ $c == 1 ]] && echo "$PROMPTS_1" || echo "$PROMPTS_32")"; done
 echo "llama-server RSS $(rss_mb "$lpid") MB"
 kill "$lpid"; wait "$lpid" 2>/dev/null || true

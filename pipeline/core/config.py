@@ -262,6 +262,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="GGUF file or Hugging Face model directory "
                         "(default: the bundled SmolLM2-135M-Instruct).")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="The same as the positional MODEL (vLLM's --model).")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="Model name(s) the API accepts and reports; the first is echoed back "
                         "(default: the model's own name).")
@@ -475,4 +477,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     code). Raises ValueError (or TypeError) for a bad combination of flags."""
     if args.tool_parser_plugin:
         load_plugin(args.tool_parser_plugin)
+    option = getattr(args, "model_option", None)
+    if option is not None:
+        if args.model is not None and args.model != option:
+            raise ValueError(f"two models: {args.model!r} and --model {option!r}; give one")
+        args.model = option
     return EngineConfig(**{f.name: getattr(args, f.name) for f in attrs.fields(EngineConfig)})

@@ -38,6 +38,13 @@ def test_flags_reach_their_fields():
     assert cfg.reasoning_parser == "qwen3"
 
 
+def test_model_as_vllm_s_option_too():
+    assert engine_config(flags("--model", "m.gguf")).model == "m.gguf"
+    assert engine_config(flags("m.gguf", "--model", "m.gguf")).model == "m.gguf"
+    with pytest.raises(ValueError, match="two models: 'a.gguf' and --model 'b.gguf'"):
+        engine_config(flags("a.gguf", "--model", "b.gguf"))
+
+
 def test_the_config_is_frozen():
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         EngineConfig().max_num_seqs = 1
