@@ -192,12 +192,15 @@ class EngineConfig:
             raise ValueError("--tensor-parallel-size does not combine with --simulate-gpu (the "
                              "stand-in runs no model to split)")
         # Drafts need each sequence's last token, which an async plan does not know yet (it
-        # is a placeholder the runner fills in): speculation plans one step at a time.
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("--async-scheduling does not combine with --speculative-config "
-                             "(drafts need the last token; leave the flag out)")
-        check_lora(self)
+        # is a placeholder the runner fills in): with n-gram drafts the AsyncScheduler plans
+        # ahead only the steps that draft nothing (stages/schedule/async_.py); a draft model
+        # or an EAGLE head keeps its state step by step with the target's, one at a time.
         spec = self.speculative_config
+        if spec is not None and spec.method in MODEL_METHODS and self.async_scheduling:
+            raise ValueError(f'--async-scheduling does not combine with --speculative-config '
+                             f'method "{spec.method}" yet (its drafts need the last token; '
+                             f'leave the flag out): n-gram speculation combines with it')
+        check_lora(self)
         if (spec is not None and spec.method in MODEL_METHODS and self.tensor_parallel_size > 1):
             raise ValueError(f'--speculative-config: method "{spec.method}" does not combine with '
                              "--tensor-parallel-size (the draft runs on rank 0 alone)")
@@ -211,7 +214,8 @@ class EngineConfig:
                                      "(each TP rank would move its own KV-head shard; a draft "
                                      "model's cache and the stand-in have no KV to move)")
         if self.async_scheduling is None:
-            object.__setattr__(self, "async_scheduling", self.speculative_config is None)
+            object.__setattr__(self, "async_scheduling",
+                               spec is None or spec.method not in MODEL_METHODS)
         if self.simulate_draft_acceptance is not None and (
                 self.simulate_gpu is None or self.speculative_config is None):
             raise ValueError("--simulate-draft-acceptance needs --simulate-gpu and "
@@ -319,8 +323,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=_default("async_scheduling"),
                    help="Plan the next engine step while the current one runs, so the GPU "
-                        "never waits for the host between steps (default: on, off with "
-                        "--speculative-config, which it does not combine with).")
+                        "never waits for the host between steps (default: on; off with a "
+                        "draft model or EAGLE head, which it does not combine with yet; "
+                        "with n-gram speculation a step that drafts waits for the one "
+                        "before it).")
     p.add_argument("--stream-interval", type=int, default=_default("stream_interval"),
                    help="Write a streaming reply to its client every N tokens (the first at "
                         "once, the rest with the reply's end), which cuts the host cost of "

@@ -174,7 +174,8 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
             plan = None
-            if len(inflight) < depth and scheduler.has_work():
+            if (len(inflight) < depth and scheduler.has_work()
+                    and (not inflight or scheduler.may_plan_ahead())):
                 compiled.reset()        # before schedule() looks at the grammars
                 plan = scheduler.schedule()
                 # kv_updates alone too: a chunk taken back by a preemption keeps its block's slot
@@ -182,7 +183,7 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
                         or plan.kv_reads or plan.kv_waiting):
                     await to_gpu.send(plan)
                     inflight.append((plan, tuple(scheduler.preempted)))
-                    if len(inflight) < depth and applied is None:
+                    if len(inflight) < depth and applied is None and scheduler.may_plan_ahead():
                         continue        # plan the next step while this one runs
             if applied is not None:
                 await forward(*applied)

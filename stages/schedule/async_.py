@@ -19,6 +19,31 @@ _PLACEHOLDER = (PLACEHOLDER,)
 class AsyncScheduler(Scheduler):
     max_in_flight = 2
 
+    def may_plan_ahead(self) -> bool:
+        """With speculation, a step is planned ahead only where it would draft nothing:
+        drafts need each sequence's last token (a sequence with a step in flight gets
+        none), and a verify pass in flight leaves its sequences' positions unknown until
+        update rolls the rejected drafts back. So: not while a step with drafts runs, nor
+        when the cost gate would draft in the next step (that step waits for the running
+        one and drafts); otherwise steps overlap as without speculation."""
+        spec = self.speculation
+        if spec is None:
+            return True
+        if self._drafting:
+            return False
+        return not spec.would_draft(len(self.running))
+
+    def schedule(self):
+        plan = super().schedule()
+        if self.speculation is not None and any(c.num_drafts for c in plan.chunks):
+            self._drafting.add(plan.step)
+        return plan
+
+    def update(self, plan, result):
+        if self._drafting:
+            self._drafting.discard(plan.step)
+        return super().update(plan, result)
+
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         """Plan the next n tokens of the sequence, the last of them perhaps still on its
         way from the running step: they count as computed from now on; a chunk that ends at

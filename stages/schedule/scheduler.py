@@ -101,6 +101,7 @@ class Scheduler(BeamSide, KVConnectorSide):
         self.receiving: dict[str, Sequence] = {}
         self._kv_reads: list[KVRead] = []
         self._abandoned_reads: dict[str, list[int]] = {}
+        self._drafting: set[int] = set()    # AsyncScheduler: steps in flight with drafts
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
@@ -237,6 +238,11 @@ class Scheduler(BeamSide, KVConnectorSide):
         return bool(self.waiting or self.running or self._pending or self._new_requests
                     or self._released or self.compiling or self.receiving
                     or self._abandoned_reads)
+
+    def may_plan_ahead(self) -> bool:
+        """Whether the next step may be planned while one runs (AsyncScheduler's question;
+        one step at a time here)."""
+        return False
 
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:

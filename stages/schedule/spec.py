@@ -7,6 +7,8 @@ The scheduler plans the chunk and, once verified, rolls the rejected drafts' KV 
 """
 from __future__ import annotations
 
+import time
+
 from gpu.interface import StepResult, TokenLogprobs
 from stages.schedule import stop
 from stages.schedule.drafter import Drafter
@@ -80,6 +82,16 @@ class CostGate:
             return b[2] <= b[3]         # alternate until both are measured
         on = b[0] >= b[1]
         return (not on) if b[4] % self.EXPLORE == 0 else on
+
+    def would_decide(self, num_running: int) -> bool:
+        """What the next `decide` will say, without counting a decision."""
+        b = self.buckets.get(num_running.bit_length())
+        if b is None:
+            return True
+        if b[2] < self.WARM or b[3] < self.WARM:
+            return b[2] <= b[3]
+        on = b[0] >= b[1]
+        return (not on) if (b[4] + 1) % self.EXPLORE == 0 else on
 
     def warm_cap(self, num_running: int) -> int | None:
         """How many sequences may draft in this step (None: no cap): a quarter of them
@@ -162,6 +174,7 @@ class Speculation:
         self.total = [0, 0]                    # the same over every sequence
         self._threshold = 0.0                  # this step's (CostGate.threshold)
         self._cap: int | None = None           # sequences that may still draft this step
+        self._last_result: float | None = None  # when the last step's result came
 
     def on_for(self, num_running: int) -> bool:
         """Whether this step drafts at all (and, with the gate, the step's threshold)."""
@@ -176,6 +189,13 @@ class Speculation:
         self._cap = self.gate.warm_cap(num_running)
         return True
 
+    def would_draft(self, num_running: int) -> bool:
+        """Whether the next step's `on_for` will let it draft (AsyncScheduler: such a step
+        waits for the running one instead of being planned ahead)."""
+        if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+            return False
+        return self.gate is None or self.gate.would_decide(num_running)
+
     def acceptance(self, seq_id: str) -> float:
         """The probability that a draft of this sequence holds, from its verify passes
         (each: the drafts that held, then at most one that did not) and, to start, the
@@ -189,7 +209,12 @@ class Speculation:
 
     def observe(self, plan, result) -> None:
         """A step's result, for the gate: a step of decodes only (one token each, or a
-        verify pass) is measured; a step with prompt chunks is not a decode step's cost."""
+        verify pass) is measured; a step with prompt chunks is not a decode step's cost.
+        Its cost is the wall time since the result before it (what the step cost the
+        engine: a step planned ahead overlaps the host's work, a drafting step waits for
+        it), or the runner's time where that interval spans an idle wait."""
+        now = time.monotonic()
+        last, self._last_result = self._last_result, now
         if self.gate is None or not plan.chunks:
             return
         rows = 0
@@ -199,7 +224,10 @@ class Speculation:
             rows += len(c.token_ids)
         drafted = rows > len(plan.chunks)
         tokens = sum(result.num_tokens) if result.num_tokens else len(result.token_ids)
-        self.gate.observe(len(plan.chunks), drafted, tokens, result.duration_s, rows)
+        seconds = result.duration_s
+        if last is not None and seconds <= now - last <= 3 * seconds + 0.002:
+            seconds = now - last
+        self.gate.observe(len(plan.chunks), drafted, tokens, seconds, rows)
 
     def drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
         """Drafts for a decode of one token: at most k, what the length limit leaves after

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import attrs
+import orjson
 import pytest
 
 from pipeline.core.config import (FAULT_STEPS_ENV, EngineConfig, add_engine_arguments, byte_size,
@@ -173,13 +174,19 @@ def test_override_generation_config_must_be_a_json_object(value, words, capsys):
     assert "--override-generation-config" in err and words in err
 
 
-def test_speculation_turns_async_scheduling_off_and_refuses_it_asked_for():
-    """The combination rule, decided once here: drafts need each sequence's last token,
-    which an async plan does not know yet."""
+def test_async_scheduling_with_ngram_speculation_but_not_with_a_draft_model(tmp_path):
+    """The combination rule, decided once here: n-gram drafts combine with async scheduling
+    (a drafting step waits for the one before it); a draft model's or an EAGLE head's
+    state goes step by step with the target's, so those plan one step at a time."""
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert EngineConfig().async_scheduling is True
     assert EngineConfig(async_scheduling=False).async_scheduling is False
-    assert EngineConfig(speculative_config=spec).async_scheduling is False
+    assert EngineConfig(speculative_config=spec).async_scheduling is True
     assert EngineConfig(speculative_config=spec, async_scheduling=False).async_scheduling is False
-    with pytest.raises(ValueError, match="--async-scheduling does not combine"):
-        EngineConfig(speculative_config=spec, async_scheduling=True)
+    from gpu.tokenizer_files import default_model_path
+    draft = orjson.dumps({"method": "draft_model", "model": str(default_model_path()),
+                          "num_speculative_tokens": 2}).decode()
+    assert EngineConfig(speculative_config=draft).async_scheduling is False
+    with pytest.raises(ValueError, match='--async-scheduling does not combine with '
+                                         '--speculative-config method "draft_model"'):
+        EngineConfig(speculative_config=draft, async_scheduling=True)
