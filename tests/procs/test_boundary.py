@@ -165,14 +165,23 @@ def test_the_event_log_one_file_a_process_replays_and_joins(tmp_path):
     server = start(tmp_path, "--api-server-count", "2", "--event-log", str(tmp_path / "events.jsonl"))
     try:
         url = server.url
-        for i in range(10):   # a connection each: both frontends, in the kernel's turn
+        frontends = set(server.children()["frontend"])
+        served: set[int] = set()
+        # a connection each: the kernel picks the frontend (a second one that binds late
+        # gets none of the first few), so past the ten, until both have served one
+        for i in range(40):
+            if i >= 10 and served == frontends:
+                break
             body = {"prompt": f"{PROMPT} {i}", "max_tokens": 4 + i % 3, "temperature": 0}
             if i % 2:
                 body.update(stream=True, stop=["the"], logprobs=1)
             if i == 4:
                 body["structured_outputs"] = {"regex": r" \d{4}"}
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
+            pid, status, text = on_new_connection(server, "POST", "/v1/completions",
+                                                  orjson.dumps(body), timeout=120)
+            assert status == 200, text
+            served.add(pid)
+        assert served == frontends, served
         chat = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "seed": 1})
         assert chat.status_code == 200, chat.text
