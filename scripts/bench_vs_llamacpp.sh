@@ -89,15 +89,19 @@ print(f"{sys.argv[2]:>10s} c={sys.argv[3]:>2s}  TPOT p50 {r.get('median_tpot_ms'
 PY
 }
 
+start_tailrace() {  # sets tpid: `tailrace serve` with default flags (+ TAILRACE_ARGS), up
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS="$THREADS" "$PYTHON" -m web.cli serve "$GGUF" --host 127.0.0.1 --port "$PORT_T" \
+    --kv-cache-memory-bytes "${KV_BYTES:-1GiB}" ${TAILRACE_ARGS:-} > "$OUTDIR/tailrace.log" 2>&1 &
+  tpid=$!; pids+=("$tpid")
+  wait_up "http://127.0.0.1:$PORT_T/v1/models" "$tpid"
+}
+
 if [[ "$cmd" == lib ]]; then
   LCPY="$("$HERE/scripts/llamacpp_wheel/setup.sh" "${LC_VENV:-/tmp/lcvenv}")"
   echo "# $(date -u +%FT%TZ) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $THREADS threads; load: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "# GGUF $GGUF; $N_IN in / $N_OUT out, greedy, ignore_eos, 1 stream; results in $OUTDIR"
-  # shellcheck disable=SC2086
-  OMP_NUM_THREADS="$THREADS" "$PYTHON" -m web.cli serve "$GGUF" --host 127.0.0.1 --port "$PORT_T" \
-    --kv-cache-memory-bytes "${KV_BYTES:-1GiB}" ${TAILRACE_ARGS:-} > "$OUTDIR/tailrace.log" 2>&1 &
-  pids+=($!); tpid=$!
-  wait_up "http://127.0.0.1:$PORT_T/v1/models" "$tpid"
+  start_tailrace
   for r in $(seq "${ROUNDS:-3}"); do
     bench "tailrace-r$r" "$PORT_T" 1 "$PROMPTS_1"
     "$LCPY" "$HERE/scripts/bench_llamacpp_lib.py" --model "$GGUF" --threads "$THREADS" --n-in "$N_IN" \
@@ -109,11 +113,7 @@ fi
 
 echo "# $(date -u +%FT%TZ) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) ($isa), $THREADS threads; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "# GGUF $GGUF; $N_IN in / $N_OUT out, greedy, ignore_eos; results in $OUTDIR"
-# shellcheck disable=SC2086
-OMP_NUM_THREADS="$THREADS" "$PYTHON" -m web.cli serve "$GGUF" --host 127.0.0.1 --port "$PORT_T" \
-  --kv-cache-memory-bytes "${KV_BYTES:-1GiB}" ${TAILRACE_ARGS:-} > "$OUTDIR/tailrace.log" 2>&1 &
-pids+=($!); tpid=$!
-wait_up "http://127.0.0.1:$PORT_T/v1/models" "$tpid"
+start_tailrace
 grep -m1 -o 'weights: .*' "$OUTDIR/tailrace.log" || true
 for c in 1 32; do bench tailrace "$PORT_T" "$c" "$([[ $c == 1 ]] && echo "$PROMPTS_1" || echo "$PROMPTS_32")"; done
 echo "tailrace RSS $(rss_mb "$tpid") MB"

@@ -19,6 +19,10 @@ _PLACEHOLDER = (PLACEHOLDER,)
 class AsyncScheduler(Scheduler):
     max_in_flight = 2
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._drafting: set[int] = set()     # steps in flight with drafts
+
     def may_plan_ahead(self) -> bool:
         """With speculation, a step is planned ahead only where it would draft nothing:
         drafts need each sequence's last token (a sequence with a step in flight gets

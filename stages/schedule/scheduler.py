@@ -101,7 +101,6 @@ class Scheduler(BeamSide, KVConnectorSide):
         self.receiving: dict[str, Sequence] = {}
         self._kv_reads: list[KVRead] = []
         self._abandoned_reads: dict[str, list[int]] = {}
-        self._drafting: set[int] = set()    # AsyncScheduler: steps in flight with drafts
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:

@@ -76,12 +76,9 @@ class CostGate:
         return b
 
     def decide(self, num_running: int) -> bool:
-        b = self._bucket(num_running)
-        b[4] += 1
-        if b[2] < self.WARM or b[3] < self.WARM:
-            return b[2] <= b[3]         # alternate until both are measured
-        on = b[0] >= b[1]
-        return (not on) if b[4] % self.EXPLORE == 0 else on
+        on = self.would_decide(num_running)
+        self._bucket(num_running)[4] += 1
+        return on
 
     def would_decide(self, num_running: int) -> bool:
         """What the next `decide` will say, without counting a decision."""
@@ -89,7 +86,7 @@ class CostGate:
         if b is None:
             return True
         if b[2] < self.WARM or b[3] < self.WARM:
-            return b[2] <= b[3]
+            return b[2] <= b[3]         # alternate until both are measured
         on = b[0] >= b[1]
         return (not on) if (b[4] + 1) % self.EXPLORE == 0 else on
 
