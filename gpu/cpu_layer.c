@@ -73,18 +73,24 @@ static inline const uint8_t *lin_row(const Lin *l, int64_t r, int *fmt) {
     return l->w[s] + r * l->row_bytes[s];
 }
 
-/* rows [n0, n0 + nr) of W dequantized into buf, times x [M, K] -> y (row stride ldy), + bias */
+/* rows [n0, n0 + nr) of W (in registers by the fused tiles, else dequantized into buf), times x [M, K] -> y (row stride ldy), + bias */
 static inline void lin_tile(const Lin *l, int64_t n0, int nr, const float *x, int64_t M, float *y, int64_t ldy,
                             float *buf) {
     const int64_t K = l->K;
+    const uint8_t *rows[NR];
+    int fmts[NR] = {0}, same = 1;
     for (int j = 0; j < nr; j++) {
-        int fmt;
-        const uint8_t *w = lin_row(l, n0 + j, &fmt);
-        dequant_row(fmt, w, K, buf + j * K);
+        rows[j] = lin_row(l, n0 + j, fmts + j);
+        same &= fmts[j] == fmts[0];
     }
-    for (int64_t m = 0; m < M; m += MR) {
-        const int mr = M - m < MR ? (int)(M - m) : MR;
-        tile_any(x + m * K, K, mr, buf, K, nr, y + m * ldy, ldy);
+    if (same && use_fused(fmts[0], M)) {
+        ftile_any(fmts[0], rows, x, K, (int)M, K, nr, y, ldy);
+    } else {
+        for (int j = 0; j < nr; j++) dequant_row(fmts[j], rows[j], K, buf + j * K);
+        for (int64_t m = 0; m < M; m += MR) {
+            const int mr = M - m < MR ? (int)(M - m) : MR;
+            tile_any(x + m * K, K, mr, buf, K, nr, y + m * ldy, ldy);
+        }
     }
     if (l->bias)
         for (int64_t m = 0; m < M; m++)
@@ -277,6 +283,7 @@ int cpu_layers_decode(const Model *md, const Step *st) {
     }
     float *xb = arena, *qkv = xb + M * D, *q = qkv + M * nqkv, *att = q + M * Hq * Dh, *act = att + M * Hq * Dh;
     float *thread_base = act + M * I;
+    (void)use_fused(Q4_0, 1);   /* reads the environment once, before the threads do */
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num();

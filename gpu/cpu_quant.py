@@ -44,8 +44,16 @@ class QuantKernels:
         for f in (lib.cpu_quant_block_bytes, lib.cpu_quant_block_elems, lib.cpu_quant_vector_width):
             f.restype = _INT
         lib.cpu_quant_block_bytes.argtypes = lib.cpu_quant_block_elems.argtypes = [_INT]
+        lib.cpu_quant_set_fused.restype = _INT
+        lib.cpu_quant_set_fused.argtypes = [_INT]
         self._lib = lib
         self.vector_width = lib.cpu_quant_vector_width()
+
+    def set_fused(self, on: bool) -> bool:
+        """Whether up to MR rows (4 with AVX-512, 2 with AVX2) of Q4_0/Q4_1/Q8_0 take the fused
+        tiles (dequantized in registers; bit-identical to the buffered path). Returns whether
+        this build has them. Tests and A/B runs only; not while a product runs."""
+        return bool(self._lib.cpu_quant_set_fused(int(on)))
 
     def block(self, fmt: int) -> tuple[int, int]:
         """(elements, bytes) of one block of format fmt; (0, 0) for one it does not take."""

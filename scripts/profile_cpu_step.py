@@ -24,6 +24,11 @@ the default where it applies) against the per-layer path (TAILRACE_FUSED_LAYERS=
 --dtype is then ignored); none (the default): dequantized to --dtype. A/B of both, at 1 stream:
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations none gguf --num-seqs 1 --rounds 3
+
+--tiles fused buffered (with gguf): gpu/cpu_quant.c's small-M tiles that dequantize Q4_0/Q4_1/
+Q8_0 blocks in registers (the default) against dequantizing each weight row into a buffer first:
+
+    .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --tiles fused buffered --num-seqs 1 --rounds 3 --no-profile
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gpu import ops
+from gpu import cpu_layer, cpu_quant, ops
 from gpu.attention import KVCache
 from gpu.loader import cpu_threads, load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
@@ -45,7 +50,16 @@ from gpu.runner import ModelRunner
 cpu_ops = ops._cpu
 
 
-def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True):
+def set_tiles(tiles: str) -> None:
+    """gpu/cpu_quant.c's fused small-M tiles on or off, in both libraries that hold them."""
+    on = int(tiles == "fused")
+    if cpu_quant.kernels() is not None:
+        cpu_quant.kernels().set_fused(bool(on))
+    if cpu_layer.library() is not None:
+        cpu_layer.library().cpu_quant_set_fused(on)
+
+
+def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, tiles: str = "fused"):
     """A runner with n sequences prefilled; returns decode(step) -> seconds."""
     c = lm.config
     cache = KVCache(c.num_hidden_layers, n * 17, bs, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
@@ -67,6 +81,7 @@ def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True):
         ops._cpu = (lambda: None) if path == "torch" else cpu_ops
         if lm.fused_decode is not None:   # gpu/cpu_layer.py: this runner's steps only
             lm.fused_decode.enabled = fused and path == "c"
+        set_tiles(tiles)
         t = time.perf_counter()
         # positions wrap inside the 17 blocks (272 slots) whatever the number of steps
         runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (5,), 128 + step % 128, tables[i], True)
@@ -88,6 +103,9 @@ def main() -> None:
     ap.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "gguf"])
     ap.add_argument("--fused", nargs="+", default=["on"], choices=["on", "off"],
                     help="gguf: the decoder stack in one C call (gpu/cpu_layer.c) or the per-layer path")
+    ap.add_argument("--tiles", nargs="+", default=["fused"], choices=["fused", "buffered"],
+                    help="gguf: up to MR rows of Q4_0/Q4_1/Q8_0 dequantized in registers (fused), or each "
+                         "weight row dequantized into a buffer first (buffered); bit-identical results")
     a = ap.parse_args()
     print(cpu_threads())
     decoders = {}
@@ -98,9 +116,11 @@ def main() -> None:
             kind = "GGUF packed" if quant == "gguf" else a.dtype
             for path in a.paths:
                 for fused in a.fused if lm.model.fused_decode is not None else ["on"]:
-                    label = f", fused layers {fused}" if lm.model.fused_decode is not None else ""
-                    decoders[f"{kind}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}{label}"] = \
-                        (make_decoder(lm.model, a.num_seqs, path=path, fused=fused == "on"), [])
+                    for tiles in a.tiles if quant == "gguf" else ["fused"]:
+                        label = f", fused layers {fused}" if lm.model.fused_decode is not None else ""
+                        label += f", {tiles} tiles" if quant == "gguf" else ""
+                        decoders[f"{kind}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}{label}"] = \
+                            (make_decoder(lm.model, a.num_seqs, path=path, fused=fused == "on", tiles=tiles), [])
     layers = lm.model.config.num_hidden_layers
     step = 1
     for rnd in range(a.rounds):

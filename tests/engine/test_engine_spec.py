@@ -110,9 +110,12 @@ async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg, method)
         assert stats.num_preemptions > 0
     if method == "draft-self":
         # SmolLM2 drafting for itself samples what the target samples: all but a few hold
-        # (fp32's noise between a one-row draft forward and the wider verify pass)
+        # (fp32's noise between a one-row draft forward and the wider verify pass). Alone
+        # this test sees 100%; after the suite's earlier tests 92-99% (119 of 129 once in CI):
+        # near-ties under the seeded T = 0.8 streams, which the target's verify settles (the
+        # streams still equal speculation off's, below). A broken draft is far below this.
         assert counts.num_draft_tokens > 100, vars(counts)
-        assert counts.num_accepted_tokens >= 0.95 * counts.num_draft_tokens, vars(counts)
+        assert counts.num_accepted_tokens >= 0.85 * counts.num_draft_tokens, vars(counts)
     elif method == "draft-bf16":
         assert counts.num_draft_tokens > 100, vars(counts)
         assert counts.num_accepted_tokens >= 0.5 * counts.num_draft_tokens, vars(counts)
