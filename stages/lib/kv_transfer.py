@@ -21,7 +21,9 @@ per connection: `{"op": "layout"}` answers the engine's id and its KV cache's NI
 (the agent's metadata and the tensors' addresses, gpu/kv_transfer.py `Layout`), which the
 decode side reads before each transfer; `{"op": "free", "request_id": ID}` frees a held
 request at once (a decode side that refused it). A finished read frees too, by the NIXL
-notification the read carries (the request id)."""
+notification the read carries (the request id); under tensor parallelism, where every rank
+reads its own shard, the decode side's rank 0 sends that notification once every rank's
+read has landed (gpu/kv_connector.py)."""
 from __future__ import annotations
 
 import json
