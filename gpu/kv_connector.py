@@ -91,10 +91,17 @@ class KVConnector:
                                               config.side_channel_port))
             self.port = self.sock.getsockname()[1]
         with self.lock:
-            self.layout = layout_message(config.engine_id, self.kv.layout(), tp_size, rank)
+            self.own_layout: Layout = self.kv.layout()
         # what the side channel answers, by rank (rank 0's: every rank's once gathered)
-        self.layouts: tuple[bytes, ...] = (self.layout,)
+        self.layouts: tuple[bytes, ...] = ()
+        self.serve_layouts((self.own_layout,))
         self.no_rank = no_rank_message(config.engine_id, tp_size)
+
+    def serve_layouts(self, layouts) -> None:
+        """The side channel's answers: rank R's Layout under this engine's id and TP size
+        (rank 0, once the worker ranks' layouts are gathered, by rank)."""
+        self.layouts = tuple(layout_message(self.config.engine_id, layout, self.tp_size, r)
+                             for r, layout in enumerate(layouts))
 
     # -- the decode side (the runner thread) --------------------------------------------
     def _remote(self, read: KVRead) -> tuple[str, Layout]:

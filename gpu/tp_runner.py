@@ -211,9 +211,23 @@ def min_over_ranks(value: int, group) -> int:
     return int(t)
 
 
-def gather_layouts(layout: bytes, group) -> tuple[bytes, ...] | None:
-    """At start-up, every rank with the KV connector: this rank's side-channel layout
-    answer; rank 0 gets every rank's, by rank (the others None)."""
+def same_on_every_rank(on: bool, group, flag: str) -> None:
+    """At start-up, every rank: a ValueError naming the ranks unless `on` is the same on
+    all (a worker started by hand without a flag rank 0 has, or the other way round)."""
+    size = torch.distributed.get_world_size(group)
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    torch.distributed.all_gather(out, torch.tensor([int(on)]), group=group)
+    ons = [r for r, t in enumerate(out) if int(t)]
+    if 0 < len(ons) < size:
+        offs = [r for r in range(size) if r not in ons]
+        raise ValueError(f"{flag} is given to tensor-parallel rank(s) "
+                         f"{', '.join(map(str, ons))} but not to rank(s) "
+                         f"{', '.join(map(str, offs))}: every rank needs it")
+
+
+def gather_layouts(layout, group) -> tuple | None:
+    """At start-up, every rank with the KV connector: this rank's cache Layout
+    (gpu/kv_transfer.py); rank 0 gets every rank's, by rank (the others None)."""
     rank = torch.distributed.get_rank(group)
     out = [None] * torch.distributed.get_world_size(group) if rank == 0 else None
     torch.distributed.gather_object(layout, out, dst=0, group=group)

@@ -299,19 +299,24 @@ def make_kv_connector(cfg: EngineConfig, runner, ranks: Ranks | None):
     TPKVConnector that starts and polls the reads on every rank; a worker's drives its
     NIXL agent from a thread of its own on the CPU (`drive`), where NIXL's progress thread
     is off."""
+    tp = ranks.tp if ranks is not None else SINGLE
+    if tp.size > 1:   # a worker started by hand without the flag would be out of step
+        from gpu.tp_runner import same_on_every_rank
+
+        same_on_every_rank(cfg.kv_transfer_config is not None, ranks.plan,
+                           "--kv-transfer-config")
     if cfg.kv_transfer_config is None:
         return None
     from gpu.kv_connector import KVConnector, TPKVConnector
 
-    tp = ranks.tp if ranks is not None else SINGLE
     connector = KVConnector(cfg.kv_transfer_config, runner.cache, tp.rank, tp.size)
     runner.kv_connector = connector
     if tp.size > 1:
         from gpu.tp_runner import gather_layouts
 
-        layouts = gather_layouts(connector.layout, ranks.plan)
-        if tp.rank == 0:
-            connector.layouts = layouts
+        layouts = gather_layouts(connector.own_layout, ranks.plan)
+        if tp.rank == 0:     # served under rank 0's engine id, whatever a worker was given
+            connector.serve_layouts(layouts)
             runner.kv_connector = TPKVConnector(connector, runner.broadcast.kv_exchange)
         elif not connector.progress_thread:
             connector.drive()
