@@ -15,6 +15,8 @@ side frees the blocks it held for it at once."""
 from __future__ import annotations
 
 import concurrent.futures
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,9 +55,15 @@ def servers(tmp_path_factory):
             for name, future in started.items():
                 got[name] = future.result()
             yield got
-        finally:
+        finally:      # side by side: SIGTERM to all, then wait for each
             for server in got.values():
-                server.stop()
+                server.proc.send_signal(signal.SIGTERM)
+            for server in got.values():
+                try:
+                    server.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    server.proc.kill()
+                    server.proc.wait()
 
 
 def _complete(url: str, max_tokens: int = N, params: dict | None = None) -> httpx.Response:
