@@ -117,8 +117,8 @@ class ModelRunner(StagingRunner):
         kv = self.kv_connector
         if kv is None or not (plan.kv_reads or plan.kv_waiting):
             return self._execute(plan, staged)
-        for read in plan.kv_reads:
-            kv.start(read)
+        if plan.kv_reads:         # under TP: every rank starts its shard's reads
+            kv.start_reads(plan.kv_reads)
         result = self._execute(plan, staged)
         loaded, failed, late = kv.poll()
         if not plan.chunks and not loaded and not failed:

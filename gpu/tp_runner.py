@@ -21,6 +21,12 @@ sampled rows when any chunk samples. A hybrid KV cache's remaps (plan.kv_updates
 with the next step that computes, and are applied before its forward, as rank 0 applied
 them before it.
 
+With the KV connector (--kv-transfer-config) a third kind of message, KV, carries the
+remote prefills every rank starts reading (pickled `KVRead`s, usually none) and gathers each
+rank's poll of its own reads to rank 0 (`kv_exchange`; gpu/kv_connector.py TPKVConnector
+combines them); rank 0 sends it around each step that has reads in flight, and at start-up
+`gather_layouts` brings every rank's NIXL layout to rank 0's side channel.
+
 The plan goes over its own gloo group (CPU tensors; no device sync on either side) with a
 timeout long enough for an idle server: a worker waits there for the next step. The
 model's collectives run on the TP group (NCCL on CUDA) with the --tp-timeout.
@@ -40,7 +46,7 @@ from gpu.staging import HostInputs, upload_inputs
 log = logging.getLogger("tailrace.gpu")
 
 HEADER = 16
-STEP, STOP = 1, 2
+STEP, STOP, KV = 1, 2, 3
 # the plan group waits for the next step as long as the server stays idle
 PLAN_TIMEOUT = datetime.timedelta(days=365)
 
@@ -118,6 +124,23 @@ class StepBroadcast:
             raise TPLost(f"broadcasting the LoRA rows to the tensor-parallel workers failed: "
                          f"{exc}") from exc
 
+    def kv_exchange(self, reads, poll) -> list:
+        """The KV connector's round (rank 0): every worker starts `reads` on its shard and
+        polls its reads; `poll()` is rank 0's own poll, made meanwhile. Every rank's poll,
+        by rank."""
+        header = np.zeros(HEADER, dtype=np.int64)
+        header[0] = KV
+        size = torch.distributed.get_world_size(self.group)
+        try:
+            torch.distributed.broadcast(torch.from_numpy(header), 0, group=self.group)
+            torch.distributed.broadcast_object_list([tuple(reads)], 0, group=self.group)
+            polled = [None] * size
+            torch.distributed.gather_object(poll(), polled, dst=0, group=self.group)
+        except Exception as exc:   # a worker has gone
+            raise TPLost(f"the KV connector's exchange with the tensor-parallel workers "
+                         f"failed: {exc}") from exc
+        return polled
+
     def stop(self) -> None:
         header = np.zeros(HEADER, dtype=np.int64)
         header[0] = STOP
@@ -135,6 +158,13 @@ def follow(runner: ModelRunner, group) -> int:
         h = header.numpy().copy()
         if h[0] == STOP:
             return steps
+        if h[0] == KV:       # rank 0's kv_exchange: start these reads, report this rank's
+            got = [None]
+            torch.distributed.broadcast_object_list(got, 0, group=group)
+            runner.kv_connector.start_reads(got[0])
+            torch.distributed.gather_object(runner.kv_connector.poll(), None, dst=0,
+                                            group=group)
+            continue
         payload = torch.empty(int(h[10]), dtype=torch.int64)
         torch.distributed.broadcast(payload, 0, group=group)
         host, kv_updates, spans, sample = unpack(h, payload.numpy())
@@ -179,3 +209,26 @@ def min_over_ranks(value: int, group) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
     return int(t)
+
+
+def same_on_every_rank(on: bool, group, flag: str) -> None:
+    """At start-up, every rank: a ValueError naming the ranks unless `on` is the same on
+    all (a worker started by hand without a flag rank 0 has, or the other way round)."""
+    size = torch.distributed.get_world_size(group)
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    torch.distributed.all_gather(out, torch.tensor([int(on)]), group=group)
+    ons = [r for r, t in enumerate(out) if int(t)]
+    if 0 < len(ons) < size:
+        offs = [r for r in range(size) if r not in ons]
+        raise ValueError(f"{flag} is given to tensor-parallel rank(s) "
+                         f"{', '.join(map(str, ons))} but not to rank(s) "
+                         f"{', '.join(map(str, offs))}: every rank needs it")
+
+
+def gather_layouts(layout, group) -> tuple | None:
+    """At start-up, every rank with the KV connector: this rank's cache Layout
+    (gpu/kv_transfer.py); rank 0 gets every rank's, by rank (the others None)."""
+    rank = torch.distributed.get_rank(group)
+    out = [None] * torch.distributed.get_world_size(group) if rank == 0 else None
+    torch.distributed.gather_object(layout, out, dst=0, group=group)
+    return tuple(out) if rank == 0 else None

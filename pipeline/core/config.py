@@ -205,14 +205,14 @@ class EngineConfig:
             raise ValueError(f'--speculative-config: method "{spec.method}" does not combine with '
                              "--tensor-parallel-size (the draft runs on rank 0 alone)")
         if self.kv_transfer_config is not None:
-            for flag, on in (("--tensor-parallel-size > 1", self.tensor_parallel_size > 1),
-                             ("--speculative-config", self.speculative_config is not None),
+            for flag, on in (("--speculative-config", self.speculative_config is not None),
                              ("--simulate-gpu", self.simulate_gpu is not None),
                              ("a pooling model (--runner pooling)", self.pooling)):
                 if on:
                     raise ValueError(f"--kv-transfer-config does not combine with {flag} yet "
-                                     "(each TP rank would move its own KV-head shard; a draft "
-                                     "model's cache and the stand-in have no KV to move)")
+                                     "(it moves the target model's KV cache: a draft "
+                                     "model's is not moved, and the stand-in and a pooling "
+                                     "model have none)")
         if self.async_scheduling is None:
             object.__setattr__(self, "async_scheduling",
                                spec is None or spec.method not in MODEL_METHODS)

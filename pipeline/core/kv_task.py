@@ -21,9 +21,10 @@ POLL_S = 0.02          # NIXL's notifications are looked at this often
 EXPIRE_TICK_S = 0.25
 
 
-async def serve_side_channel(listener, layout: bytes, free) -> None:
+async def serve_side_channel(listener, layouts, free, no_rank: bytes = b"") -> None:
     """The prefill side's listener (a trio SocketListener): answer each connection's one
-    JSON line; `free(request_id)` for a free (it puts the message in schedule's inbox)."""
+    JSON line; `layouts[R]` to a layout asked for TP rank R (`no_rank` for a rank past
+    them), `free(request_id)` for a free (it puts the message in schedule's inbox)."""
     async def one(stream) -> None:
         async with stream:
             data = b""
@@ -39,7 +40,9 @@ async def serve_side_channel(listener, layout: bytes, free) -> None:
             except (ValueError, AttributeError):
                 op = None
             if op == "layout":
-                answer = layout
+                rank = msg.get("rank", 0)
+                ok = type(rank) is int and 0 <= rank < len(layouts)
+                answer = layouts[rank] if ok else (no_rank or b'{"error": "no such rank"}\n')
             elif op == "free" and isinstance(msg.get("request_id"), str):
                 free(msg["request_id"])
                 answer = b'{"ok": true}\n'
@@ -62,7 +65,8 @@ async def run(connector, inbox: trio.MemorySendChannel, scheduler) -> None:
         frees.append(request_id)
 
     async with inbox, trio.open_nursery() as nursery:
-        nursery.start_soon(serve_side_channel, listener, connector.layout, free)
+        nursery.start_soon(serve_side_channel, listener, connector.layouts, free,
+                           connector.no_rank)
         since_expire = 0.0
         while True:
             await trio.sleep(POLL_S)

@@ -291,6 +291,38 @@ def load_eagle_head(cfg: EngineConfig, loaded: LoadedModel, device: torch.device
     return load_head(spec.model, spec.method, loaded.model, dtype, device)
 
 
+def make_kv_connector(cfg: EngineConfig, runner, ranks: Ranks | None):
+    """--kv-transfer-config: this rank's gpu/kv_connector.py KVConnector on its cache shard,
+    set as the runner's (None without the flag). Every rank calls it, in the same order
+    (after make_runner, before any step): under tensor parallelism the ranks' layouts are
+    gathered to rank 0, whose side channel serves them all, and rank 0's runner gets the
+    TPKVConnector that starts and polls the reads on every rank; a worker's drives its
+    NIXL agent from a thread of its own on the CPU (`drive`), where NIXL's progress thread
+    is off."""
+    tp = ranks.tp if ranks is not None else SINGLE
+    if tp.size > 1:   # a worker started by hand without the flag would be out of step
+        from gpu.tp_runner import same_on_every_rank
+
+        same_on_every_rank(cfg.kv_transfer_config is not None, ranks.plan,
+                           "--kv-transfer-config")
+    if cfg.kv_transfer_config is None:
+        return None
+    from gpu.kv_connector import KVConnector, TPKVConnector
+
+    connector = KVConnector(cfg.kv_transfer_config, runner.cache, tp.rank, tp.size)
+    runner.kv_connector = connector
+    if tp.size > 1:
+        from gpu.tp_runner import gather_layouts
+
+        layouts = gather_layouts(connector.own_layout, ranks.plan)
+        if tp.rank == 0:     # served under rank 0's engine id, whatever a worker was given
+            connector.serve_layouts(layouts)
+            runner.kv_connector = TPKVConnector(connector, runner.broadcast.kv_exchange)
+        elif not connector.progress_thread:
+            connector.drive()
+    return connector
+
+
 def kv_heads(loaded: LoadedModel) -> int:
     """The KV heads this rank's cache holds (every head without tensor parallelism)."""
     return loaded.model.local_kv_heads
@@ -344,8 +376,11 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         runner = SimulatedRunner(cost, cfg.block_size,
                                  ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed,
                                  draft_acceptance=cfg.simulate_draft_acceptance or 0.0)
+        kv_connector = None           # refused with --kv-transfer-config (EngineConfig)
     else:
         runner, cache, num_blocks = make_runner(cfg, loaded, device, max_model_len, ranks)
+        # before the warm-up: the worker ranks gather their layouts before they follow steps
+        kv_connector = make_kv_connector(cfg, runner, ranks)
         if device.type == "cuda":  # compile what the first steps would, before any request
             try:
                 runner.warm_up(budget, cfg.max_num_seqs)
@@ -373,18 +408,15 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
         policy=cfg.scheduling_policy, max_loras=cfg.max_loras,
         spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config)
-    kv_connector = None
-    if cfg.kv_transfer_config is not None:
-        from gpu.kv_connector import KVConnector
-
-        kv_connector = KVConnector(cfg.kv_transfer_config, runner.cache)
-        runner.kv_connector = kv_connector
+    if kv_connector is not None:
         scheduler.kv_port = kv_connector.port
-        log.info("KV connector %s (%s): engine %s, side channel %s:%d, held blocks freed "
+        scheduler.kv_tp_size = kv_connector.tp_size
+        log.info("KV connector %s (%s): engine %s, side channel %s:%d%s, held blocks freed "
                  "after %g s unread", cfg.kv_transfer_config.kv_connector,
                  cfg.kv_transfer_config.kv_role, cfg.kv_transfer_config.engine_id,
                  cfg.kv_transfer_config.side_channel_host, kv_connector.port,
-                 cfg.kv_transfer_config.abort_timeout_s)
+                 f" (every one of {kv_connector.tp_size} TP ranks' layouts)"
+                 if kv_connector.tp_size > 1 else "", cfg.kv_transfer_config.abort_timeout_s)
     loras = lora_registry(cfg, loaded, model_names[0], runner)
     if num_blocks * cfg.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "

@@ -50,7 +50,10 @@ WORKER_FIELDS = ("load_format", "dtype", "residual_dtype", "device", "seed", "ma
                  "disable_hybrid_kv_cache_manager", "enforce_eager", "tensor_parallel_size",
                  # LoRA: a worker hooks its shard's linears and loads each adapter's shard
                  # itself when a step first names it (the refs come with the step)
-                 "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")
+                 "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
+                 # the KV connector: each rank registers its own cache shard with NIXL
+                 # (rank 0's engine id, so that its agents are named alike)
+                 "kv_transfer_config")
 
 
 def collective_timeout_s(env: Mapping[str, str] = os.environ) -> float:
@@ -92,6 +95,8 @@ def worker_flags(cfg: EngineConfig) -> list[str]:
         if value == defaults[name].default:
             continue
         flag = "--" + name.replace("_", "-")
+        if name == "kv_transfer_config":
+            value = value.flag()
         flags += [flag] if value is True else [flag, str(value)]
     return flags
 

@@ -21,7 +21,9 @@ per connection: `{"op": "layout"}` answers the engine's id and its KV cache's NI
 (the agent's metadata and the tensors' addresses, gpu/kv_transfer.py `Layout`), which the
 decode side reads before each transfer; `{"op": "free", "request_id": ID}` frees a held
 request at once (a decode side that refused it). A finished read frees too, by the NIXL
-notification the read carries (the request id)."""
+notification the read carries (the request id); under tensor parallelism, where every rank
+reads its own shard, the decode side's rank 0 sends that notification once every rank's
+read has landed (gpu/kv_connector.py)."""
 from __future__ import annotations
 
 import json
@@ -60,6 +62,14 @@ class KVTransferConfig:
         factory=lambda: int(os.environ.get(SIDE_CHANNEL_PORT_ENV, SIDE_CHANNEL_PORT_DEFAULT)))
     abort_timeout_s: float = attrs.field(
         factory=lambda: float(os.environ.get(ABORT_TIMEOUT_ENV, ABORT_TIMEOUT_DEFAULT_S)))
+
+    def flag(self) -> str:
+        """The --kv-transfer-config JSON that parses back to this config (the engine id
+        included: a tensor-parallel worker rank gets rank 0's)."""
+        return json.dumps({"kv_connector": self.kv_connector, "kv_role": self.kv_role,
+                           "kv_buffer_device": self.kv_buffer_device,
+                           "engine_id": self.engine_id,
+                           "kv_connector_extra_config": self.kv_connector_extra_config})
 
     @property
     def producer(self) -> bool:
@@ -174,12 +184,14 @@ def request_params(params: Any) -> KVTransfer | None:
         field("remote_port", int, lambda p: 0 < p < 65536, "a port number")))
 
 
-def response_params(config: KVTransferConfig, request_id: str, block_ids, port: int) -> dict:
-    """The prefill side's reply's kv_transfer_params (vLLM's NixlConnector's keys)."""
+def response_params(config: KVTransferConfig, request_id: str, block_ids, port: int,
+                    tp_size: int = 1) -> dict:
+    """The prefill side's reply's kv_transfer_params (vLLM's NixlConnector's keys; tp_size:
+    the prefill engine's --tensor-parallel-size, as vLLM's)."""
     return {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": config.engine_id, "remote_request_id": request_id,
             "remote_block_ids": list(block_ids), "remote_host": config.side_channel_host,
-            "remote_port": port, "tp_size": 1}
+            "remote_port": port, "tp_size": tp_size}
 
 
 def refused_remote_prefill(body: Any) -> RemotePrefill | None:

@@ -30,7 +30,8 @@ class KVConnectorSide:
         rid = seq.req.request_id
         self.held[rid] = (table[:keep], time.monotonic() + self.kv_transfer.abort_timeout_s)
         seq.table, seq.table_t = [], ()
-        return response_params(self.kv_transfer, rid, table[:keep], self.kv_port)
+        return response_params(self.kv_transfer, rid, table[:keep], self.kv_port,
+                               self.kv_tp_size)
 
     def release_held(self, request_ids, expire: bool = False) -> None:
         """KVRelease: free held requests (read, or refused by the decode side); with

@@ -93,6 +93,7 @@ class Scheduler(BeamSide, KVConnectorSide):
         # id until the decode side has read them (KVRelease) or the abort timeout passes.
         self.kv_transfer = kv_transfer
         self.kv_port = kv_transfer.side_channel_port if kv_transfer is not None else 0
+        self.kv_tp_size = 1        # the engine's TP size, set by start-up with the connector
         self.held: dict[str, tuple[list[int], float]] = {}     # request id -> (blocks, deadline)
         self.kv_holds_expired = 0
         # Decode side: a remote prefill is a sequence whose blocks are allocated and being

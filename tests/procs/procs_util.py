@@ -159,9 +159,10 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
         time.sleep(0.1)
 
 
-def start(tmp: Path, *flags: str) -> Server:
+def start(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
+    """A server with these flags (and `env` added to the environment), once it answers."""
     out, err = tmp / "stdout.txt", tmp / "stderr.txt"
-    env = {**os.environ, "TQDM_DISABLE": "1"}
+    env = {**os.environ, "TQDM_DISABLE": "1", **(env or {})}
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", "--port", "0",
                                  *FLAGS, *flags], stdout=o, stderr=e, env=env,

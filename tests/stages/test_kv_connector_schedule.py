@@ -130,12 +130,13 @@ def test_bad_kv_transfer_configs_are_clear_start_up_errors(text, message):
         KVTransferConfig.parse(text)
 
 
-def test_the_connector_is_refused_with_tensor_parallel():
+def test_the_connector_combines_with_tensor_parallel_not_with_the_stand_in():
     from pipeline.core.config import EngineConfig
 
-    with pytest.raises(ValueError, match="does not combine with --tensor-parallel-size"):
-        EngineConfig(tensor_parallel_size=2, kv_transfer_config=(
-            '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'))
+    kv = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+    assert EngineConfig(tensor_parallel_size=2, kv_transfer_config=kv).kv_transfer_config
+    with pytest.raises(ValueError, match="does not combine with --simulate-gpu"):
+        EngineConfig(simulate_gpu="h200", kv_transfer_config=kv)
 
 
 def test_kv_transfer_params_as_vllm_sends_them():
