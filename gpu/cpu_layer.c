@@ -84,7 +84,7 @@ static inline void lin_tile(const Lin *l, int64_t n0, int nr, const float *x, in
         same &= fmts[j] == fmts[0];
     }
     if (same && use_fused(fmts[0], M)) {
-        ftile_any(fmts[0], rows, x, K, (int)M, K, nr, y, ldy);
+        ftile_rows(fmts[0], rows, x, K, M, K, nr, y, ldy);
     } else {
         for (int j = 0; j < nr; j++) dequant_row(fmts[j], rows[j], K, buf + j * K);
         for (int64_t m = 0; m < M; m += MR) {

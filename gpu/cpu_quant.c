@@ -8,6 +8,9 @@
  * over K). The dequantization is paid once per weight row and step, whatever M; the weights
  * are read packed (4.5-8.5 bits a weight). fp32 activations, no Q8 rounding of them: the
  * result is the dequantized fp32 model's up to the order of the sums.
+ * For Q4_0, Q4_1 and Q8_0 at few rows (FUSED_MAX_M_DEFAULT) the fused tiles skip the buffer:
+ * each block is dequantized into registers and multiplied at once, MR rows of x at a time, with
+ * software prefetch; the same values and sums in the same order, so bit-identical results.
  * Vector width from the build: AVX-512 (16 lanes, 4x4 tile), AVX2+FMA (8 lanes, 2x4), else scalar.
  */
 #include <stdint.h>
@@ -321,6 +324,16 @@ static void tile_any(const float *restrict x, int64_t ldx, int mr, const float *
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define FUSED 1
 #define BV (32 / VL)   /* vectors a block */
+/* Measured (docs/benchmarks.md, issue 39): with AVX-512 the fused tiles win at every M up to the
+ * large-M path's 48 rows in a real decode step (the weights stream from memory); with AVX2 only
+ * up to MR = 2 rows (four vectors a block to dequantize again for each group of 2 rows). */
+#ifndef FUSED_MAX_M_DEFAULT
+#if defined(__AVX512F__)
+#define FUSED_MAX_M_DEFAULT 48
+#else
+#define FUSED_MAX_M_DEFAULT MR
+#endif
+#endif
 #ifndef PF_TILES
 #define PF_TILES 2
 #endif
@@ -430,6 +443,7 @@ static void ftile_any(int fmt, const uint8_t *const *w, const float *x, int64_t 
 }
 #else
 #define FUSED 0
+#define FUSED_MAX_M_DEFAULT 0
 static inline int fused_fmt(int fmt) { (void)fmt; return 0; }
 static void ftile_any(int fmt, const uint8_t *const *w, const float *x, int64_t ldx, int mr, int64_t K, int nr,
                       float *y, int64_t ldy) {
@@ -437,20 +451,28 @@ static void ftile_any(int fmt, const uint8_t *const *w, const float *x, int64_t 
 }
 #endif
 
-/* whether an M-row product with format fmt takes the fused tiles (TAILRACE_CPU_QUANT_FUSED=0
- * in the environment of the first call turns them off: the A/B of scripts/bench_cpu_quant.py) */
-static int fused_off = -1;
+/* rows [0, M) of x in groups of MR, each group's tiles dequantizing the weight blocks again */
+static void ftile_rows(int fmt, const uint8_t *const *w, const float *x, int64_t ldx, int64_t M, int64_t K, int nr,
+                       float *y, int64_t ldy) {
+    for (int64_t m = 0; m < M; m += MR)
+        ftile_any(fmt, w, x + m * ldx, ldx, M - m < MR ? (int)(M - m) : MR, K, nr, y + m * ldy, ldy);
+}
+
+/* Up to fused_max_m rows take the fused tiles (in groups of MR); more, the buffered path.
+ * TAILRACE_CPU_QUANT_FUSED=0 in the environment of the first call turns them off. */
+static int64_t fused_max_m = -1;
 static inline int use_fused(int fmt, int64_t M) {
-    if (fused_off < 0) {
+    if (fused_max_m < 0) {
         const char *e = getenv("TAILRACE_CPU_QUANT_FUSED");
-        fused_off = e && e[0] == '0';
+        fused_max_m = e && e[0] == '0' ? 0 : FUSED_MAX_M_DEFAULT;
     }
-    return FUSED && !fused_off && M <= MR && fused_fmt(fmt);
+    return FUSED && M <= fused_max_m && fused_fmt(fmt);
 }
 int cpu_quant_fused(int fmt, int64_t M) { return use_fused(fmt, M); }
-/* on: 1 or 0 (tests and A/B runs; not while a product runs); returns whether fused tiles exist */
-int cpu_quant_set_fused(int on) {
-    fused_off = !on;
+/* max_m: the most rows that take the fused tiles, 0 for none, -1 for the default (tests and
+ * A/B runs; not while a product runs); returns whether this build has them */
+int cpu_quant_set_fused(int max_m) {
+    fused_max_m = max_m < 0 ? FUSED_MAX_M_DEFAULT : max_m;
     return FUSED;
 }
 
@@ -474,7 +496,7 @@ int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, in
             if (fused) {
                 const uint8_t *rows[NR];
                 for (int j = 0; j < nr; j++) rows[j] = w + (n0 + j) * row_bytes;
-                ftile_any(fmt, rows, x, ldx, (int)M, K, nr, y + n0, ldy);
+                ftile_rows(fmt, rows, x, ldx, M, K, nr, y + n0, ldy);
             } else {
                 for (int j = 0; j < nr; j++) dequant_row(fmt, w + (n0 + j) * row_bytes, K, buf + j * K);
                 for (int64_t m = 0; m < M; m += MR) {

@@ -49,11 +49,12 @@ class QuantKernels:
         self._lib = lib
         self.vector_width = lib.cpu_quant_vector_width()
 
-    def set_fused(self, on: bool) -> bool:
-        """Whether up to MR rows (4 with AVX-512, 2 with AVX2) of Q4_0/Q4_1/Q8_0 take the fused
-        tiles (dequantized in registers; bit-identical to the buffered path). Returns whether
-        this build has them. Tests and A/B runs only; not while a product runs."""
-        return bool(self._lib.cpu_quant_set_fused(int(on)))
+    def set_fused(self, max_m: int) -> bool:
+        """The most rows of Q4_0/Q4_1/Q8_0 that take the fused tiles (blocks dequantized in
+        registers, MR rows at a time; bit-identical to the buffered path), 0 for none, -1 for
+        the default (gpu/cpu_quant.c FUSED_MAX_M_DEFAULT). Returns
+        whether this build has them. Tests and A/B runs only; not while a product runs."""
+        return bool(self._lib.cpu_quant_set_fused(int(max_m)))
 
     def block(self, fmt: int) -> tuple[int, int]:
         """(elements, bytes) of one block of format fmt; (0, 0) for one it does not take."""

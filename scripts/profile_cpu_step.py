@@ -51,12 +51,14 @@ cpu_ops = ops._cpu
 
 
 def set_tiles(tiles: str) -> None:
-    """gpu/cpu_quant.c's fused small-M tiles on or off, in both libraries that hold them."""
-    on = int(tiles == "fused")
+    """gpu/cpu_quant.c's fused small-M tiles: "fused" (the default row limit), "buffered"
+    (none) or a number of rows, in both libraries that hold them."""
+    max_m = {"fused": -1, "buffered": 0}.get(tiles)
+    max_m = int(tiles) if max_m is None else max_m
     if cpu_quant.kernels() is not None:
-        cpu_quant.kernels().set_fused(bool(on))
+        cpu_quant.kernels().set_fused(max_m)
     if cpu_layer.library() is not None:
-        cpu_layer.library().cpu_quant_set_fused(on)
+        cpu_layer.library().cpu_quant_set_fused(max_m)
 
 
 def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, tiles: str = "fused"):
@@ -103,9 +105,10 @@ def main() -> None:
     ap.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "gguf"])
     ap.add_argument("--fused", nargs="+", default=["on"], choices=["on", "off"],
                     help="gguf: the decoder stack in one C call (gpu/cpu_layer.c) or the per-layer path")
-    ap.add_argument("--tiles", nargs="+", default=["fused"], choices=["fused", "buffered"],
-                    help="gguf: up to MR rows of Q4_0/Q4_1/Q8_0 dequantized in registers (fused), or each "
-                         "weight row dequantized into a buffer first (buffered); bit-identical results")
+    ap.add_argument("--tiles", nargs="+", default=["fused"],
+                    help="gguf: few rows of Q4_0/Q4_1/Q8_0 dequantized in registers (fused: the default "
+                         "row limit; or a number of rows), or each weight row dequantized into a buffer "
+                         "first (buffered); bit-identical results")
     a = ap.parse_args()
     print(cpu_threads())
     decoders = {}
