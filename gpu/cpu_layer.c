@@ -192,6 +192,13 @@ static void qkv_item(const Model *md, const Layer *L, const Step *st, int64_t m,
     memcpy(L->v_cache + (slot * Hkv + kh) * Dh, row + (Hq + Hkv + kh) * Dh, sizeof(float) * (size_t)Dh);
 }
 
+#ifndef KV_AHEAD
+#define KV_AHEAD 4   /* tokens */
+#endif
+static inline void prefetch_row(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* one row's KV head kh: its G query heads over the sequence's cached tokens -> out */
 static void attend(const Model *md, const Layer *L, const Step *st, int64_t m, int64_t kh, const float *q,
                    float *out, float *scores) {
@@ -202,6 +209,8 @@ static void attend(const Model *md, const Layer *L, const Step *st, int64_t m, i
     for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
     for (int64_t t = 0; t < len; t++) {
         const float *k = L->k_cache + (((int64_t)table[t / bs] * bs + t % bs) * Hkv + kh) * Dh;
+        if (t + KV_AHEAD < len)   /* the cache is read in Dh-float pieces, block by block: ahead of the prefetchers */
+            prefetch_row(L->k_cache + (((int64_t)table[(t + KV_AHEAD) / bs] * bs + (t + KV_AHEAD) % bs) * Hkv + kh) * Dh, Dh);
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qh + g * Dh;
             float sc = 0.f;
@@ -226,6 +235,8 @@ static void attend(const Model *md, const Layer *L, const Step *st, int64_t m, i
     memset(o, 0, sizeof(float) * (size_t)(G * Dh));
     for (int64_t t = 0; t < len; t++) {
         const float *v = L->v_cache + (((int64_t)table[t / bs] * bs + t % bs) * Hkv + kh) * Dh;
+        if (t + KV_AHEAD < len)
+            prefetch_row(L->v_cache + (((int64_t)table[(t + KV_AHEAD) / bs] * bs + (t + KV_AHEAD) % bs) * Hkv + kh) * Dh, Dh);
         for (int64_t g = 0; g < G; g++) {
             const float p = scores[g * len + t];
             float *og = o + g * Dh;

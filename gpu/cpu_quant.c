@@ -381,11 +381,21 @@ static inline __attribute__((always_inline)) void deq_block(const int fmt, const
 
 static inline int fused_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
 
-/* y[m, n] = sum_k x[m, k] w_n[k] for mr <= MR rows of x and nr <= NR packed rows w[0..nr) */
+/* rows of x a fused tile takes: with AVX-512's 32 registers 6 x 4 accumulators (each weight
+ * block dequantized once for 6 rows), with AVX2's 16 registers MR x NR */
+#ifndef FMR
+#if defined(__AVX512F__)
+#define FMR 6
+#else
+#define FMR MR
+#endif
+#endif
+
+/* y[m, n] = sum_k x[m, k] w_n[k] for mr <= FMR rows of x and nr <= NR packed rows w[0..nr) */
 static inline __attribute__((always_inline)) void ftile(const int fmt, const uint8_t *const *restrict w,
                                                         const float *restrict x, int64_t ldx, const int mr,
                                                         int64_t K, const int nr, float *restrict y, int64_t ldy) {
-    vf acc[MR][NR];
+    vf acc[FMR][NR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = VZERO();
     const int64_t bb = block_bytes(fmt);
@@ -418,21 +428,41 @@ static inline __attribute__((always_inline)) void ftile(const int fmt, const uin
         switch (mr) {                                                                                          \
         case 1: FTILE_MR(F, 1); return;                                                                        \
         case 2: FTILE_MR(F, 2); return;                                                                        \
-        FTILE_MR3(F) FTILE_MR4(F)                                                                              \
+        FTILE_MR3(F) FTILE_MR4(F) FTILE_MR5(F) FTILE_MR6(F) FTILE_MR7(F) FTILE_MR8(F)                          \
         }                                                                                                      \
     } while (0)
-#if MR > 2
+#if FMR > 2
 #define FTILE_MR3(F) case 3: FTILE_MR(F, 3); return;
 #else
 #define FTILE_MR3(F)
 #endif
-#if MR > 3
+#if FMR > 3
 #define FTILE_MR4(F) case 4: FTILE_MR(F, 4); return;
 #else
 #define FTILE_MR4(F)
 #endif
+#if FMR > 4
+#define FTILE_MR5(F) case 5: FTILE_MR(F, 5); return;
+#else
+#define FTILE_MR5(F)
+#endif
+#if FMR > 5
+#define FTILE_MR6(F) case 6: FTILE_MR(F, 6); return;
+#else
+#define FTILE_MR6(F)
+#endif
+#if FMR > 6
+#define FTILE_MR7(F) case 7: FTILE_MR(F, 7); return;
+#else
+#define FTILE_MR7(F)
+#endif
+#if FMR > 7
+#define FTILE_MR8(F) case 8: FTILE_MR(F, 8); return;
+#else
+#define FTILE_MR8(F)
+#endif
 
-/* rows w[0..nr) (all in format fmt, fused_fmt) times mr <= MR rows of x */
+/* rows w[0..nr) (all in format fmt, fused_fmt) times mr <= FMR rows of x */
 static void ftile_any(int fmt, const uint8_t *const *w, const float *x, int64_t ldx, int mr, int64_t K, int nr,
                       float *y, int64_t ldy) {
     switch (fmt) {
@@ -444,6 +474,7 @@ static void ftile_any(int fmt, const uint8_t *const *w, const float *x, int64_t 
 #else
 #define FUSED 0
 #define FUSED_MAX_M_DEFAULT 0
+#define FMR MR
 static inline int fused_fmt(int fmt) { (void)fmt; return 0; }
 static void ftile_any(int fmt, const uint8_t *const *w, const float *x, int64_t ldx, int mr, int64_t K, int nr,
                       float *y, int64_t ldy) {
@@ -451,11 +482,11 @@ static void ftile_any(int fmt, const uint8_t *const *w, const float *x, int64_t 
 }
 #endif
 
-/* rows [0, M) of x in groups of MR, each group's tiles dequantizing the weight blocks again */
+/* rows [0, M) of x in groups of FMR, each group's tiles dequantizing the weight blocks again */
 static void ftile_rows(int fmt, const uint8_t *const *w, const float *x, int64_t ldx, int64_t M, int64_t K, int nr,
                        float *y, int64_t ldy) {
-    for (int64_t m = 0; m < M; m += MR)
-        ftile_any(fmt, w, x + m * ldx, ldx, M - m < MR ? (int)(M - m) : MR, K, nr, y + m * ldy, ldy);
+    for (int64_t m = 0; m < M; m += FMR)
+        ftile_any(fmt, w, x + m * ldx, ldx, M - m < FMR ? (int)(M - m) : FMR, K, nr, y + m * ldy, ldy);
 }
 
 /* Up to fused_max_m rows take the fused tiles (in groups of MR); more, the buffered path.
