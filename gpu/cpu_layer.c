@@ -248,6 +248,76 @@ static void attend(const Model *md, const Layer *L, const Step *st, int64_t m, i
         for (int64_t d = 0; d < Dh; d++) o[g * Dh + d] *= mx[g];
 }
 
+#if defined(__AVX512F__)
+/* attend() with each token's K and V rows in registers and the G query heads' outputs kept in
+ * registers over the sequence (G x Dh/16 vectors): no output row loaded and stored per token.
+ * The same products and sums per element as attend() (mul, then add; -ffp-contract=off), the
+ * QK dot products summed lane-wise then reduced as the compiler's simd reduction does. G and
+ * NV = Dh / 16 are constants of each instantiation (attend_any's switch). */
+static inline __attribute__((always_inline)) void attend_regs(const Model *md, const Layer *L, const Step *st,
+                                                              int64_t m, int64_t kh, const float *q, float *out,
+                                                              float *scores, const int G, const int NV) {
+    const int64_t Dh = 16 * NV, Hkv = md->Hkv, bs = md->bs, len = st->seq_lens[m];
+    const int32_t *table = st->tables + m * st->table_stride;
+    const float *qh = q + (m * md->Hq + kh * G) * Dh;
+    float mx[8];
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        const float *k = L->k_cache + (((int64_t)table[t / bs] * bs + t % bs) * Hkv + kh) * Dh;
+        if (t + KV_AHEAD < len)
+            prefetch_row(L->k_cache + (((int64_t)table[(t + KV_AHEAD) / bs] * bs + (t + KV_AHEAD) % bs) * Hkv + kh) * Dh, Dh);
+        __m512 kv[NV];
+        for (int v = 0; v < NV; v++) kv[v] = _mm512_loadu_ps(k + 16 * v);
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh + g * Dh), kv[0]);
+            for (int v = 1; v < NV; v++) a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(qh + g * Dh + 16 * v), kv[v]));
+            const float sc = _mm512_reduce_add_ps(a) * md->scale;
+            scores[g * len + t] = sc;
+            mx[g] = sc > mx[g] ? sc : mx[g];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + g * len, sum = 0.f;
+        const float mg = mx[g];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = exp_neg(sg[t] - mg);
+            sum += sg[t];
+        }
+        mx[g] = 1.f / sum;
+    }
+    __m512 acc[8 * 8];   /* [G][NV], G * NV <= 24 used */
+    for (int i = 0; i < G * NV; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const float *v = L->v_cache + (((int64_t)table[t / bs] * bs + t % bs) * Hkv + kh) * Dh;
+        if (t + KV_AHEAD < len)
+            prefetch_row(L->v_cache + (((int64_t)table[(t + KV_AHEAD) / bs] * bs + (t + KV_AHEAD) % bs) * Hkv + kh) * Dh, Dh);
+        for (int j = 0; j < NV; j++) {
+            const __m512 vv = _mm512_loadu_ps(v + 16 * j);
+            for (int g = 0; g < G; g++)
+                acc[g * NV + j] = _mm512_add_ps(acc[g * NV + j], _mm512_mul_ps(_mm512_set1_ps(scores[g * len + t]), vv));
+        }
+    }
+    float *o = out + (m * md->Hq + kh * G) * Dh;
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < NV; j++)
+            _mm512_storeu_ps(o + g * Dh + 16 * j, _mm512_mul_ps(acc[g * NV + j], _mm512_set1_ps(mx[g])));
+}
+#define ATTEND_CASE(GV, NVV) \
+    if (G == GV && NV == NVV) { attend_regs(md, L, st, m, kh, q, out, scores, GV, NVV); return; }
+#endif
+
+/* attend_regs where an instantiation fits (AVX-512; the common head shapes), else attend() */
+static void attend_any(const Model *md, const Layer *L, const Step *st, int64_t m, int64_t kh, const float *q,
+                       float *out, float *scores) {
+#if defined(__AVX512F__)
+    const int64_t G = md->Hq / md->Hkv, NV = md->Dh % 16 ? 0 : md->Dh / 16;
+    ATTEND_CASE(1, 4) ATTEND_CASE(2, 4) ATTEND_CASE(3, 4) ATTEND_CASE(4, 4) ATTEND_CASE(5, 4) ATTEND_CASE(6, 4)
+    ATTEND_CASE(1, 8) ATTEND_CASE(2, 8) ATTEND_CASE(3, 8)
+#endif
+    attend(md, L, st, m, kh, q, out, scores);
+}
+
 static inline float silu_mul(float g, float u) {
     const float e = exp_neg(g >= 0.f ? -g : g);          /* exp(-|g|) */
     const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
@@ -307,7 +377,7 @@ int cpu_layers_decode(const Model *md, const Step *st) {
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < M * Hkv; it++) {
                 qkv_item(md, L, st, it / Hkv, it % Hkv, qkv, q);
-                attend(md, L, st, it / Hkv, it % Hkv, q, att, scores);
+                attend_any(md, L, st, it / Hkv, it % Hkv, q, att, scores);
             }
             lin_apply(&L->o, att, M, xb, buf);
             add_norm(residual, xb, 0, L->ln2, M, D, md->eps, h);
