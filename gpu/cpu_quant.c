@@ -500,6 +500,11 @@ static inline int use_fused(int fmt, int64_t M) {
     return FUSED && M <= fused_max_m && fused_fmt(fmt);
 }
 int cpu_quant_fused(int fmt, int64_t M) { return use_fused(fmt, M); }
+/* the most rows that take the fused tiles now (0: none) */
+int cpu_quant_fused_max_m(void) {
+    (void)use_fused(Q4_0, 1);
+    return FUSED ? (int)fused_max_m : 0;
+}
 /* max_m: the most rows that take the fused tiles, 0 for none, -1 for the default (tests and
  * A/B runs; not while a product runs); returns whether this build has them */
 int cpu_quant_set_fused(int max_m) {

@@ -44,10 +44,15 @@ class QuantKernels:
         for f in (lib.cpu_quant_block_bytes, lib.cpu_quant_block_elems, lib.cpu_quant_vector_width):
             f.restype = _INT
         lib.cpu_quant_block_bytes.argtypes = lib.cpu_quant_block_elems.argtypes = [_INT]
-        lib.cpu_quant_set_fused.restype = _INT
+        lib.cpu_quant_set_fused.restype = lib.cpu_quant_fused_max_m.restype = _INT
         lib.cpu_quant_set_fused.argtypes = [_INT]
         self._lib = lib
         self.vector_width = lib.cpu_quant_vector_width()
+
+    @property
+    def fused_max_m(self) -> int:
+        """The most rows of Q4_0/Q4_1/Q8_0 that take the fused tiles (0: none)."""
+        return self._lib.cpu_quant_fused_max_m()
 
     def set_fused(self, max_m: int) -> bool:
         """The most rows of Q4_0/Q4_1/Q8_0 that take the fused tiles (blocks dequantized in

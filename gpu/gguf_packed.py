@@ -85,6 +85,10 @@ def _packed_linear(f: GGUFFile, names: list[str], linear: torch.nn.Module) -> cp
 def describe(formats: Counter) -> str:
     """The start-up line's account of what runs."""
     kinds = ", ".join(f"{n} {name}" for name, n in formats.most_common())
-    return (f"GGUF weights kept packed ({kinds} tensors; activations, residual stream and KV cache float32), kernel cpu_quant: fp32 FMA over blocks dequantized "
+    k = cpu_quant.kernels()
+    fused = k.fused_max_m if k is not None else 0
+    regs = f"in registers for Q4_0/Q4_1/Q8_0 up to {fused} rows a call, otherwise " if fused else ""
+    return (f"GGUF weights kept packed ({kinds} tensors; activations, residual stream and KV cache float32), "
+            f"kernel cpu_quant: fp32 FMA over blocks dequantized {regs}"
             f"in L1 up to {cpu_quant.LARGE_M} rows a call, above that dequantize + torch fp32 GEMM; "
             f"ISA {cpu_quant.isa()}")
