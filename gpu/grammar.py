@@ -10,7 +10,10 @@ sequence, one token bitmask per engine step.
 - The runner gives each constrained sequence a `Guide` (its `GrammarMatcher`, and whether
   reasoning still runs first); `mask_logits()` fills one bitmask for the batch and
   applies it to the logits before sampling (xgrammar's CPU kernel, or its Triton/torch
-  one on CUDA); `accept()` advances the matchers.
+  one on CUDA); `accept()` advances the matchers. In a verify step (speculative decoding)
+  a speculated sequence's rows get the masks of the grammar walked through its drafts
+  (`Guide.draft_masks`, then rolled back), and the matcher advances through the tokens
+  the step emits.
 """
 from __future__ import annotations
 
@@ -139,7 +142,8 @@ class Guide:
             value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
             bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
-    def accept(self, token: int) -> None:
+    def accept(self, token: int) -> bool:
+        """Advance past token; True when the matcher took a step (what rollback undoes)."""
         if self.phase == "may_think" and token == self.think[0]:
             self.phase = "thinking"
         elif self.phase == "thinking":
@@ -147,21 +151,58 @@ class Guide:
                 self.phase = "active"
         elif not self.matcher.is_terminated():
             self.phase = "active"
-            self.matcher.accept_token(token)
+            return bool(self.matcher.accept_token(token))
+        return False
+
+    def draft_masks(self, drafts: tuple[int, ...], bitmask: torch.Tensor, row0: int) -> list[int]:
+        """A verify step's rows row0 .. row0 + len(drafts) of a speculated sequence: row j
+        gets the mask of the grammar walked through drafts[:j], as the sequence will stand
+        if those drafts hold; then the matcher is rolled back to where it was. A draft the
+        grammar refuses ends the walk: the row before it samples a token the mask allows,
+        so that draft is rejected there and what the rows after it sample is discarded
+        (they stay unmasked). Returns the rows masked."""
+        phase, steps, rows = self.phase, 0, []
+        try:
+            for j in range(len(drafts) + 1):
+                masked = self.masks
+                if masked:
+                    self.fill(bitmask, row0 + j)
+                    rows.append(row0 + j)
+                if j == len(drafts):
+                    break
+                tok = drafts[j]
+                if masked and not (int(bitmask[row0 + j, tok // 32]) >> (tok % 32)) & 1:
+                    break
+                steps += self.accept(tok)
+        finally:
+            if steps:
+                self.matcher.rollback(steps)
+            self.phase = phase
+        return rows
 
 
-def mask_logits(logits: torch.Tensor, guides: list) -> None:
+def mask_logits(logits: torch.Tensor, guides: list, drafts: list | None = None) -> None:
     """Forbid, in place, every token the row's guide would reject (None: unconstrained).
-    One bitmask for the batch; xgrammar applies it on the logits' device."""
+    drafts (a verify step): per row, the drafts that follow it when it is a speculated
+    sequence's first row (its guide then masks that row and the next len(drafts):
+    `Guide.draft_masks`), else (). One bitmask for the batch; xgrammar applies it on the
+    logits' device."""
     import xgrammar as xgr
-    rows = [i for i, g in enumerate(guides) if g is not None and g.masks]
-    if not rows:
+    if not any(g is not None for g in guides):
         return
     bitmask = xgr.allocate_token_bitmask(len(guides), logits.shape[-1])
-    for i in rows:
-        guides[i].fill(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    indices=rows)
+    rows: list[int] = []
+    for i, g in enumerate(guides):
+        if g is None:
+            continue
+        if drafts and drafts[i]:
+            rows += g.draft_masks(drafts[i], bitmask, i)
+        elif g.masks:
+            g.fill(bitmask, i)
+            rows.append(i)
+    if rows:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        indices=rows)
 
 
 def accept(guides: list, tokens: list[int]) -> None:

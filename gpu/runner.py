@@ -217,21 +217,25 @@ class ModelRunner(StagingRunner):
             logits = apply_logit_controls(logits, states)   # logit_bias, allowed ids, bad words
             matchers = [st.guide for st in states]
             constrained = any(m is not None for m in matchers)
+            # a speculated constrained sequence: its first row's guide masks all its rows
+            drafts = ([c.token_ids[-c.num_drafts:] if j == 0 and c.num_drafts else ()
+                       for c in sampling for j in range(c.num_drafts + 1)]
+                      if verify and constrained else None)
             if self.use_triton:
                 if constrained:
                     logits = logits.float()
-                    mask_logits(logits, matchers)
+                    mask_logits(logits, matchers, drafts)
                 tokens = self.device_sampler.sample(logits, None if verify else seq_ids, states)
             else:
                 host = logits.float().cpu()
                 if constrained:
-                    mask_logits(host, matchers)
+                    mask_logits(host, matchers, drafts)
                 tokens = sample(host, states)
             if any(st.budget is not None for st in states):   # </think> forced at the budget
                 # (a budgeted sequence gets no drafts, stages/schedule/spec.py: one row each)
                 tokens = [tok if st.budget is None else st.budget.next(tok)
                           for st, tok in zip(states, tokens)]
-            if constrained:
+            if constrained and not verify:   # a verify step's: the tokens it emits (_accept)
                 accept(matchers, tokens)
             logprobs: tuple[TokenLogprobs | None, ...] = ()
             if want:
@@ -270,7 +274,11 @@ class ModelRunner(StagingRunner):
                 lps.extend(logprobs[row:row + n])
             counts.append(n)
             last.append(emitted[-1])
-            self.states[c.seq_id].output_ids.extend(emitted)
+            st = self.states[c.seq_id]
+            st.output_ids.extend(emitted)
+            if st.guide is not None:
+                for tok in emitted:
+                    st.guide.accept(tok)
             if self.draft is not None and c.num_drafts:
                 self.draft.verified(c.seq_id, c.start_pos, n)
             row += c.num_drafts + 1

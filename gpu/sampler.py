@@ -32,7 +32,8 @@ class SeqSamplingState:
 class DraftRow:
     """A sequence's state as it will be once `drafts` are accepted: what a verify row
     samples from (its penalties, min_tokens and bad words see the drafts before it, its
-    draw is keyed by its own output index). Constrained sequences get no drafts."""
+    draw is keyed by its own output index). A grammar's masks for these rows come from
+    the sequence's own guide walked through the drafts (gpu/grammar.py `draft_masks`)."""
 
     __slots__ = ("opts", "prompt_ids", "output_ids", "seed", "guide", "budget")
 

@@ -230,9 +230,10 @@ class Speculation:
         """Drafts for a decode of one token: at most k, what the length limit leaves after
         the bonus token, what the step's token budget leaves after the decode, and (with
         the gate) what the sequence's acceptance pays for."""
-        if (seq.num_pending or seq.grammar is not None
-                or seq.req.sampling.options.thinking_token_budget is not None):
-            return ()      # its last token is not known yet / a grammar or a budget checks every token
+        if seq.num_pending or seq.req.sampling.options.thinking_token_budget is not None:
+            return ()      # its last token is not known yet / a budget forces tokens one by one
+        # (a grammar does not stop drafting: the runner masks each verify row with the
+        # grammar walked through the drafts before it, gpu/grammar.py draft_masks)
         k = min(self.k, stop.tokens_left(seq, len(seq.token_ids)) - 1, budget - 1)
         if self.gate is not None and k > 0:
             if self._cap is not None and self._cap <= 0:

@@ -52,7 +52,8 @@ BODIES = [
     ("chat", dict(messages=[{"role": "user", "content": "Repeat exactly: " + TEXT}],
                   max_tokens=24, logprobs=True, top_logprobs=2)),
     ("completions", dict(prompt="xq zv 81 plk wre 5 mm", max_tokens=12, temperature=0.8, seed=9)),
-    # constrained output drafts nothing (docs/cli.md) but shares the batch with drafts
+    # constrained output drafts too: each verify row masked by the grammar walked through
+    # the drafts before it (gpu/grammar.py draft_masks)
     ("chat", dict(messages=[{"role": "user", "content": "Repeat as JSON: " + TEXT}], max_tokens=20,
                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
                       "type": "object", "properties": {"text": {"type": "string", "maxLength": 40}},
@@ -248,3 +249,54 @@ async def test_a_speculative_run_replays_from_its_event_log(smollm, tmp_path):
         assert engine.stats().spec_decode.num_accepted_tokens > 0
     result = replay_log(Log.read(log), smollm.tokenizer)
     assert result.reproduced == result.logged == seen
+
+
+def test_guide_draft_masks_walk_the_grammar_and_roll_back():
+    """A verify step's masks for a constrained sequence: row j is the grammar after
+    drafts[:j]; a draft the grammar refuses ends the rows masked; the matcher is left
+    where it was."""
+    import torch
+    import xgrammar as xgr
+
+    from gpu.grammar import Guide
+
+    info = xgr.TokenizerInfo(["a", "b", "</s>", "c"], stop_token_ids=[2])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.from_regex("abc"))
+    guide = Guide(compiled)
+
+    def allowed(bitmask, row):
+        return {t for t in range(4) if (int(bitmask[row, t // 32]) >> (t % 32)) & 1}
+
+    bitmask = xgr.allocate_token_bitmask(5, 4)
+    assert guide.draft_masks((0, 1, 3), bitmask, 1) == [1, 2, 3, 4]
+    assert [allowed(bitmask, r) for r in (1, 2, 3, 4)] == [{0}, {1}, {3}, {2}]
+    assert allowed(bitmask, 0) == {0, 1, 2, 3}          # another row: untouched
+    bitmask = xgr.allocate_token_bitmask(4, 4)
+    assert guide.draft_masks((0, 0, 1), bitmask, 0) == [0, 1]   # the second "a" is refused
+    assert allowed(bitmask, 1) == {1} and allowed(bitmask, 2) == {0, 1, 2, 3}
+    # rolled back: the matcher still stands at the start
+    assert guide.accept(0) and guide.accept(1)
+    assert not guide.matcher.accept_token(0)
+    logits = torch.zeros(3, 4)
+    from gpu.grammar import mask_logits
+    mask_logits(logits, [guide, None, None], [(3, 2), (), ()])   # rows 0-2: after "ab"
+    assert logits[0].tolist() == [float("-inf")] * 3 + [0.0]
+    assert logits[1].tolist() == [float("-inf"), float("-inf"), 0.0, float("-inf")]
+    assert logits[2].tolist() == [0.0] * 4                         # after the stop token: free
+
+
+async def test_constrained_sequences_draft_and_change_no_token(smollm):
+    """A JSON schema whose answer copies the prompt: with n-gram speculation its drafts are
+    verified under the grammar's masks (most hold), and the stream is byte for byte the one
+    without speculation."""
+    body = ("chat", dict(messages=[{"role": "user", "content": "Repeat as JSON: " + TEXT}],
+                         max_tokens=40, logprobs=True, top_logprobs=1,
+                         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                             "type": "object", "properties": {"text": {"type": "string"}},
+                             "required": ["text"]}}}))
+    off, _ = await _streams(smollm, None, [body])
+    on, (_, counts) = await _streams(smollm, SPEC, [body])
+    assert texts(off[0]) == texts(on[0])
+    assert texts(on[0])[0][0].lstrip().startswith('{') and '"text"' in texts(on[0])[0][0]   # the grammar's
+    assert _same_logprobs(_logprob_list(off[0]), _logprob_list(on[0]))
+    assert counts.num_draft_tokens >= 10 and counts.num_accepted_tokens >= 5, vars(counts)
