@@ -31,6 +31,15 @@ of its own (a terminal's Ctrl-C reaches the launcher only, which stops them in o
 on any way out of the launcher but SIGKILL, whatever is left of a child's process group
 is killed, so none is left behind. (PR_SET_PDEATHSIG cannot help: trio starts processes
 from a worker thread, and the signal follows that thread, not the launcher.)
+
+With --prefill N --decode M (disaggregated prefill, issue 36) the router is tailrace's P/D
+proxy (pipeline/tools/pd_proxy.py), or with --pd-router vllm-router vllm-router's own
+P/D mode (`--vllm-pd-disaggregation --kv-connector nixl`), which runs the same two legs.
+vllm-router 0.1.17's P/D mode takes a worker out (`POST /remove_worker`) but cannot put
+one back (`POST /add_worker` and `POST /workers` answer 400 "PD router requires specific
+add_prefill_server or add_decode_server methods"), so there the launcher leaves its
+instances in the router and the router's own health checks (every second) take a dead
+one out of the rotation and a restarted one back in, on the same URL.
 """
 from __future__ import annotations
 
@@ -59,6 +68,12 @@ MISSING_ROUTER = ("tailrace cluster needs vllm-router, which is not installed: "
 HEALTH_POLL_S = 0.25
 RESTART_BACKOFF_MAX_S = 30.0     # a replica that keeps dying is started again this often
 ROUTER_STOP_TIMEOUT_S = 5.0
+# what runs the two legs of --prefill N --decode M: tailrace's P/D proxy or vllm-router's
+# P/D mode (docs/scaling.md)
+PD_ROUTERS = ("tailrace", "vllm-router")
+# vllm-router's health checks in P/D mode (its default interval is 60 s): how soon a dead
+# instance leaves the rotation and a restarted one comes back (--router-args overrides)
+PD_ROUTER_HEALTH_INTERVAL_S = 1
 
 
 class ClusterError(Exception):
@@ -84,13 +99,26 @@ class ClusterConfig:
     stop_on_replica_death: bool = False
     restart_replicas: bool = True           # start a dead replica again, with backoff
     # disaggregated prefill (issue 36): this many prefill and decode instances behind
-    # pipeline/tools/pd_proxy.py instead of vllm-router; 0 and 0: plain replicas
+    # pd_router (pipeline/tools/pd_proxy.py, or vllm-router's P/D mode); 0 and 0: plain
+    # replicas behind vllm-router
     prefill: int = 0
     decode: int = 0
+    pd_router: str = "tailrace"
 
     @property
     def disaggregated(self) -> bool:
         return bool(self.prefill or self.decode)
+
+    @property
+    def needs_vllm_router(self) -> bool:
+        return not self.disaggregated or self.pd_router == "vllm-router"
+
+    @property
+    def router_manages_workers(self) -> bool:
+        """Whether the launcher takes dead replicas out of the router and puts them back
+        (`POST /remove_worker`, `/add_worker`): not with vllm-router's P/D mode, which
+        cannot add one back; its health checks do both there."""
+        return not (self.disaggregated and self.pd_router == "vllm-router")
 
     @replicas.validator
     def _replicas(self, attribute, value) -> None:
@@ -98,11 +126,16 @@ class ClusterConfig:
             raise ValueError(f"--replicas must be at least 1, got {value}")
 
     def __attrs_post_init__(self) -> None:
+        if self.pd_router != "tailrace" and not self.disaggregated:
+            raise ValueError("--pd-router goes with --prefill N --decode M")
         if self.disaggregated:
             if self.prefill < 1 or self.decode < 1:
                 raise ValueError("--prefill and --decode go together, each at least 1, got "
                                  f"--prefill {self.prefill} --decode {self.decode}")
             object.__setattr__(self, "replicas", self.prefill + self.decode)
+        if self.pd_router not in PD_ROUTERS:
+            raise ValueError(f"--pd-router must be one of {', '.join(PD_ROUTERS)}, "
+                             f"got {self.pd_router!r}")
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(ROUTER_POLICIES)}, "
                              f"got {self.policy!r}")
@@ -234,15 +267,25 @@ class Cluster:
 
     def router_command(self) -> list[str]:
         cfg = self.config
-        if cfg.disaggregated:       # the P/D proxy (pipeline/tools/pd_proxy.py)
+        prefill = [r.url for r in self.replicas[:cfg.prefill]]
+        decode = [r.url for r in self.replicas[cfg.prefill:]]
+        if cfg.disaggregated and cfg.pd_router == "tailrace":   # pipeline/tools/pd_proxy.py
             return [self.python, "-m", "pipeline.tools.pd_proxy", "--host", cfg.host,
-                    "--port", str(self.port),
-                    "--prefill", *[r.url for r in self.replicas[:cfg.prefill]],
-                    "--decode", *[r.url for r in self.replicas[cfg.prefill:]]]
+                    "--port", str(self.port), "--prefill", *prefill, "--decode", *decode]
+        if cfg.disaggregated:
+            # vllm-router's P/D mode: the same two legs (the prefill leg with max_tokens 1
+            # and kv_transfer_params {"do_remote_decode": true}, then the decode leg with
+            # the params returned); each --prefill URL with no bootstrap port (SGLang's)
+            workers = [*[a for u in prefill for a in ("--prefill", u)],
+                       *[a for u in decode for a in ("--decode", u)],
+                       "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+                       "--health-check-interval-secs", str(PD_ROUTER_HEALTH_INTERVAL_S)]
+        else:
+            workers = ["--worker-urls", *[r.url for r in self.replicas]]
         metrics_port = cfg.router_metrics_port or free_port(cfg.host)
         return [self.python, "-m", "vllm_router.launch_router",
                 "--host", cfg.host, "--port", str(self.port),
-                "--worker-urls", *[r.url for r in self.replicas],
+                *workers,
                 "--policy", cfg.policy,
                 # the launcher has already waited for every replica's /health
                 "--worker-startup-check-interval", "1",
@@ -270,8 +313,9 @@ class Cluster:
                     print(f"{LISTENING_PREFIX}{_url(cfg.host, self.port)}", flush=True)
                     if cfg.disaggregated:
                         log.info("cluster ready: %d prefill and %d decode instances behind "
-                                 "the P/D proxy at %s", cfg.prefill, cfg.decode,
-                                 _url(cfg.host, self.port))
+                                 "%s at %s", cfg.prefill, cfg.decode,
+                                 "vllm-router (P/D mode)" if cfg.pd_router == "vllm-router"
+                                 else "the P/D proxy", _url(cfg.host, self.port))
                     else:
                         log.info("cluster ready: %d replicas behind vllm-router (policy %s) "
                                  "at %s", len(self.replicas), cfg.policy,
@@ -307,7 +351,10 @@ class Cluster:
         self.router = Child("router", _url(self.config.host, self.port), self.router_command(),
                             {**os.environ})
         await self._spawn(nursery, self.router)
-        if self.config.disaggregated:
+        if self.config.disaggregated and self.config.pd_router == "vllm-router":
+            log.info("router: pid %d, vllm-router (P/D mode) at %s, policy %s",
+                     self.router.proc.pid, self.router.url, self.config.policy)
+        elif self.config.disaggregated:
             log.info("router: pid %d, the P/D proxy at %s", self.router.proc.pid,
                      self.router.url)
         else:
@@ -392,7 +439,11 @@ class Cluster:
         else:
             log.warning("serving on with %d of %d replicas: %s", len(alive), len(self.replicas),
                         ", ".join(r.name for r in alive))
-            await self._remove_from_router(child)
+            if self.config.router_manages_workers:
+                await self._remove_from_router(child)
+            else:
+                log.info("router: vllm-router's health checks take %s out of the rotation "
+                         "(its P/D mode cannot put a removed worker back)", child.name)
             if self.config.restart_replicas:
                 self._nursery.start_soon(self._restart, child)
             return
@@ -432,6 +483,10 @@ class Cluster:
                 if healthy:
                     break
                 await trio.sleep(HEALTH_POLL_S)
+            if not self.config.router_manages_workers:
+                log.info("router: %s healthy again (%s); vllm-router's health checks put it "
+                         "back", child.name, child.url)
+                return
             try:
                 r = await http.post(self.router.url + "/add_worker", params={"url": child.url})
                 ok, why = r.status_code == 200, f"{r.status_code} {r.text[:200]}"
@@ -496,7 +551,7 @@ class Cluster:
 
 
 def run(config: ClusterConfig) -> int:
-    if not config.disaggregated and not router_installed():
+    if config.needs_vllm_router and not router_installed():
         log.error(MISSING_ROUTER)
         return 2
     try:
@@ -518,10 +573,14 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill", type=int, default=0, metavar="N",
                    help="Disaggregated prefill (issue 36): N prefill instances and --decode M "
                         "decode instances, each with the NIXL KV connector, behind tailrace's "
-                        "P/D proxy instead of vllm-router (--replicas and --policy do not "
-                        "apply; docs/scaling.md).")
+                        "P/D proxy or vllm-router's P/D mode (--pd-router; --replicas does not "
+                        "apply, --policy only to vllm-router; docs/scaling.md).")
     p.add_argument("--decode", type=int, default=0, metavar="M",
                    help="With --prefill: the decode instances.")
+    p.add_argument("--pd-router", default=None, choices=PD_ROUTERS,
+                   help="With --prefill: what runs the two legs: tailrace's P/D proxy "
+                        "(tailrace, the default) or vllm-router's P/D mode (vllm-router; "
+                        "--policy applies to both roles).")
     p.add_argument("--host", default="127.0.0.1",
                    help="Address the router binds: what clients call (default: %(default)s).")
     p.add_argument("--port", type=int, default=8000,
@@ -578,4 +637,5 @@ def config_from_args(args, serve_args: Sequence[str]) -> ClusterConfig:
                          start_timeout=args.start_timeout, stop_timeout=args.stop_timeout,
                          stop_on_replica_death=args.stop_on_replica_death,
                          restart_replicas=args.restart_replicas,
-                         prefill=args.prefill, decode=args.decode)
+                         prefill=args.prefill, decode=args.decode,
+                         pd_router=args.pd_router or "tailrace")

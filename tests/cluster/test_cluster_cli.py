@@ -20,6 +20,15 @@ def test_without_the_router_it_refuses_with_the_install_command(monkeypatch, cap
     assert "pip install 'tailrace[cluster]'" in caplog.text
 
 
+def test_vllm_routers_pd_mode_needs_the_router_too(monkeypatch, caplog):
+    monkeypatch.setattr(cluster, "router_installed", lambda: False)
+    with caplog.at_level(logging.ERROR, logger="tailrace"):
+        rc = cli.main(["cluster", "--prefill", "1", "--decode", "1",
+                       "--pd-router", "vllm-router"])
+    assert rc == 2
+    assert "pip install 'tailrace[cluster]'" in caplog.text
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--policy", "fastest"], "invalid choice: 'fastest'"),
     (["--replicas", "0"], "--replicas must be at least 1"),
@@ -27,6 +36,8 @@ def test_without_the_router_it_refuses_with_the_install_command(monkeypatch, cap
     (["--replicas", "2", "--devices", "0,1,2"], "lists 3 devices for 2 replicas"),
     (["--max-num-seqs", "-3"], "max_num_seqs"),            # a serve flag, checked once
     (["--no-such-flag"], "bad `tailrace serve` flags"),
+    (["--pd-router", "vllm-router"], "--pd-router goes with --prefill N --decode M"),
+    (["--prefill", "1", "--decode", "1", "--pd-router", "sglang"], "invalid choice: 'sglang'"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(monkeypatch, capsys, argv, words):
     monkeypatch.setattr(cluster, "router_installed", lambda: True)

@@ -13,6 +13,12 @@ while, so the read cannot land): the prefill side frees the blocks at
 VLLM_NIXL_ABORT_REQUEST_TIMEOUT (short here) and serves on. The last test kills the
 prefill instance: the decode side answers a clear error at once, both when its NIXL read
 finds the agent gone and when the side channel is.
+
+The same cluster with `--pd-router vllm-router` (vllm-router 0.1.17's P/D mode runs the
+two legs instead of tailrace's proxy): its answers equal one instance's too, the decode
+instance computes the last prompt token only; a decode instance killed is taken out of the
+rotation by the router's health checks (a 503, no prefill leg sent) and, restarted by the
+launcher on its port, put back by them.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from pipeline.tools.cluster import free_port  # noqa: E402
+from pipeline.tools.cluster import free_port, router_installed  # noqa: E402
 from pipeline.layouts.process import death_hook  # test servers die with pytest
 
 LISTENING = "tailrace: listening on "
@@ -73,43 +79,78 @@ def _wait_healthy(proc, url: str, deadline: float, log) -> None:
         time.sleep(0.3)
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pd")
+def _cluster(tmp, env, *flags) -> tuple[subprocess.Popen, list[int]]:
+    """`tailrace cluster --prefill 1 --decode 1` with `flags`, the instances on the ports
+    returned (prefill, decode); its stdout and stderr in tmp."""
     ports = [free_port(), free_port()]
-    env = {**os.environ, "TQDM_DISABLE": "1",
-           "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(ABORT_TIMEOUT_S)}
-    out, err = tmp / "stdout.txt", tmp / "stderr.txt"
-    with open(out, "wb") as o, open(err, "wb") as e:
+    with open(tmp / "stdout.txt", "wb") as o, open(tmp / "stderr.txt", "wb") as e:
         proc = subprocess.Popen(
             [sys.executable, "-m", "web.cli", "cluster", "--prefill", "1", "--decode", "1",
              "--port", "0", "--replica-ports", f"{ports[0]},{ports[1]}",
-             "--threads-per-replica", "1", "--no-restart-replicas", "--stop-timeout", "20",
-             *SERVE], stdout=o, stderr=e, env=env, preexec_fn=death_hook())
+             "--threads-per-replica", "1", "--stop-timeout", "20", *flags, *SERVE],
+            stdout=o, stderr=e, env=env, preexec_fn=death_hook())
+    return proc, ports
+
+
+def _cluster_ready(proc, tmp, ports, deadline: float) -> dict:
+    out, err = tmp / "stdout.txt", tmp / "stderr.txt"
+    while LISTENING not in out.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the cluster did not start:\n{err.read_text()[-4000:]}")
+        time.sleep(0.2)
+    url = out.read_text().split(LISTENING)[1].split()[0]
+    pids = dict(re.findall(r"(prefill|decode) 0: pid (\d+)", err.read_text()))
+    model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+    return {"url": url, "prefill": f"http://127.0.0.1:{ports[0]}", "model": model,
+            "decode": f"http://127.0.0.1:{ports[1]}", "prefill_pid": int(pids["prefill"]),
+            "decode_pid": int(pids["decode"]), "err": err}
+
+
+def _stop(*procs) -> None:
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _env() -> dict:
+    return {**os.environ, "TQDM_DISABLE": "1",
+            "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(ABORT_TIMEOUT_S)}
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    env = _env()
+    proc, ports = _cluster(tmp, env, "--no-restart-replicas")
     fe, fe_url = _frontends(tmp, env)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while LISTENING not in out.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the cluster did not start:\n{err.read_text()[-4000:]}")
-            time.sleep(0.2)
-        url = out.read_text().split(LISTENING)[1].split()[0]
+        info = _cluster_ready(proc, tmp, ports, deadline)
         _wait_healthy(fe, fe_url, deadline, tmp / "frontends.txt")
-        pids = dict(re.findall(r"(prefill|decode) 0: pid (\d+)", err.read_text()))
-        model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
-        yield {"url": url, "prefill": f"http://127.0.0.1:{ports[0]}", "model": model,
-               "decode": f"http://127.0.0.1:{ports[1]}", "prefill_pid": int(pids["prefill"]),
-               "err": err, "frontends": fe_url, "frontends_proc": fe}
+        yield {**info, "frontends": fe_url, "frontends_proc": fe}
     finally:
         proc.send_signal(signal.SIGTERM)
         if fe.poll() is None:
             os.killpg(fe.pid, signal.SIGTERM)
-        for p in (proc, fe):
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop(proc, fe)
+
+
+@pytest.fixture(scope="module")
+def pd_vllm_router(tmp_path_factory):
+    """The cluster with vllm-router's P/D mode in front (restarts on)."""
+    if not router_installed():
+        pytest.skip("vllm-router is not installed")
+    tmp = tmp_path_factory.mktemp("pd_vllm_router")
+    proc, ports = _cluster(tmp, _env(), "--pd-router", "vllm-router", "--policy",
+                           "round_robin")
+    try:
+        yield _cluster_ready(proc, tmp, ports, time.monotonic() + START_TIMEOUT_S)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _stop(proc)
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -147,6 +188,10 @@ def _wait_freed(pd, within: float, url: str | None = None) -> None:
 
 
 def test_pd_answers_equal_one_instances_streamed_and_not(pd):
+    _answers_equal_one_instances(pd)
+
+
+def _answers_equal_one_instances(pd) -> None:
     ask = dict(model=pd["model"], messages=MESSAGES, max_tokens=8, temperature=0,
                logprobs=True, top_logprobs=2)
     ref = _client(pd["prefill"]).chat.completions.create(**ask)
@@ -272,3 +317,47 @@ def test_a_prefill_instance_that_is_gone_is_a_clear_error_on_the_decode_side(pd)
         _client(pd["url"]).chat.completions.create(model=pd["model"], messages=MESSAGES,
                                                    max_tokens=2)
     assert info.value.status_code == 503
+
+
+def test_vllm_routers_pd_mode_answers_equal_one_instances_streamed_and_not(pd_vllm_router):
+    _answers_equal_one_instances(pd_vllm_router)
+    err = pd_vllm_router["err"].read_text()
+    assert "behind vllm-router (P/D mode)" in err
+    # vllm-router ran the legs: its X-Request-Id, the reply's id, names both instances
+    got = _client(pd_vllm_router["url"]).chat.completions.create(
+        model=pd_vllm_router["model"], messages=MESSAGES, max_tokens=1)
+    hosts = [u.removeprefix("http://") for u in (pd_vllm_router["prefill"],
+                                                 pd_vllm_router["decode"])]
+    assert got.id.startswith(f"chatcmpl-___prefill_addr_{hosts[0]}___decode_addr_{hosts[1]}_")
+    _wait_freed(pd_vllm_router, ABORT_TIMEOUT_S / 2)
+
+
+def _router_health(pd) -> int:
+    try:
+        return httpx.get(f"{pd['url']}/health", timeout=10).status_code
+    except httpx.TransportError:
+        return 0
+
+
+def test_vllm_routers_health_checks_take_a_dead_decode_instance_out_and_back(pd_vllm_router):
+    pd = pd_vllm_router
+    ask = dict(model=pd["model"], messages=MESSAGES, max_tokens=4, temperature=0)
+    ref = _client(pd["prefill"]).chat.completions.create(**ask).choices[0].message.content
+    _wait_freed(pd, ABORT_TIMEOUT_S / 2)
+    os.kill(pd["decode_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30          # 3 failed checks, one a second
+    while _router_health(pd) == 200:
+        assert time.monotonic() < deadline, "the router still calls the decode instance healthy"
+        time.sleep(0.2)
+    with pytest.raises(openai.APIStatusError) as info:
+        _client(pd["url"]).chat.completions.create(**ask)
+    assert info.value.status_code == 503
+    assert _held_blocks(pd) == 0               # no prefill leg was sent
+    # the launcher starts it again on its port; the router's checks put it back
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "decode 0 healthy again" not in pd["err"].read_text() or _router_health(pd) != 200:
+        assert time.monotonic() < deadline, pd["err"].read_text()[-3000:]
+        time.sleep(0.2)
+    got = _client(pd["url"]).chat.completions.create(**ask)
+    assert got.choices[0].message.content == ref
+    _wait_freed(pd, ABORT_TIMEOUT_S / 2)
