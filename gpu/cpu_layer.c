@@ -199,6 +199,20 @@ static inline void prefetch_row(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
+/* scores [G, len] -> exp(s - max) in place; mx [G]: each row's max in, 1 / its sum out */
+static inline void softmax_rows(float *scores, int64_t len, int64_t G, float *mx) {
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * len, sum = 0.f;
+        const float mg = mx[g];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = exp_neg(sg[t] - mg);
+            sum += sg[t];
+        }
+        mx[g] = 1.f / sum;
+    }
+}
+
 /* one row's KV head kh: its G query heads over the sequence's cached tokens -> out */
 static void attend(const Model *md, const Layer *L, const Step *st, int64_t m, int64_t kh, const float *q,
                    float *out, float *scores) {
@@ -221,16 +235,7 @@ static void attend(const Model *md, const Layer *L, const Step *st, int64_t m, i
             mx[g] = sc > mx[g] ? sc : mx[g];
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = scores + g * len, sum = 0.f;
-        const float mg = mx[g];
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_neg(sg[t] - mg);
-            sum += sg[t];
-        }
-        mx[g] = 1.f / sum;
-    }
+    softmax_rows(scores, len, G, mx);
     float *o = out + (m * md->Hq + kh * G) * Dh;
     memset(o, 0, sizeof(float) * (size_t)(G * Dh));
     for (int64_t t = 0; t < len; t++) {
@@ -276,16 +281,7 @@ static inline __attribute__((always_inline)) void attend_regs(const Model *md, c
             mx[g] = sc > mx[g] ? sc : mx[g];
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *sg = scores + g * len, sum = 0.f;
-        const float mg = mx[g];
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_neg(sg[t] - mg);
-            sum += sg[t];
-        }
-        mx[g] = 1.f / sum;
-    }
+    softmax_rows(scores, len, G, mx);
     __m512 acc[8 * 8];   /* [G][NV], G * NV <= 24 used */
     for (int i = 0; i < G * NV; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) {

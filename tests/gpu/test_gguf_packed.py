@@ -133,17 +133,22 @@ def test_quantization_flag_errors():
     assert not _packs_gguf("auto", not_gguf, "auto", "auto", "cpu", SINGLE)
 
 
-@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
-def test_other_isa_builds_agree(tmp_path, march):
-    """The same source built for an AVX2-only CPU and for no vector ISA gives the same results
-    (what a machine without AVX-512 runs)."""
+def _build(tmp_path, march: str) -> cpu_quant.QuantKernels:
+    """gpu/cpu_quant.c built for -march=march (skips without a C compiler)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
     so = tmp_path / f"q-{march}.so"
     subprocess.run([cc, "-O2", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
                     "-std=gnu11", str(cpu_quant._SOURCE), "-o", str(so)], check=True, timeout=120)
-    other = cpu_quant.QuantKernels(ctypes.CDLL(str(so)))
+    return cpu_quant.QuantKernels(ctypes.CDLL(str(so)))
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
+def test_other_isa_builds_agree(tmp_path, march):
+    """The same source built for an AVX2-only CPU and for no vector ISA gives the same results
+    (what a machine without AVX-512 runs)."""
+    other = _build(tmp_path, march)
     assert other.vector_width == (8 if march == "haswell" else 1)
     for qtype in FORMATS:
         packed, ref = _quantized(qtype, 13, 256, 3)
@@ -159,13 +164,7 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
     """Few rows of Q4_0/Q4_1/Q8_0 are dequantized in registers (no fp32 row buffer): the
     same values, the same products summed in the same order, so bit for bit the buffered
     path's outputs (and so within the bounds above of gguf-py's)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    so = tmp_path / f"q-{march}.so"
-    subprocess.run([cc, "-O2", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
-                    "-std=gnu11", str(cpu_quant._SOURCE), "-o", str(so)], check=True, timeout=120)
-    k = cpu_quant.QuantKernels(ctypes.CDLL(str(so)))
+    k = _build(tmp_path, march)
     if not k.set_fused(-1):
         pytest.skip(f"no AVX-512 or AVX2+FMA in -march={march}")
     mr = 6 if k.vector_width == 16 else 2   # gpu/cpu_quant.c FMR
