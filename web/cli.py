@@ -151,8 +151,8 @@ def build_parser(*, with_bench: bool = True) -> argparse.ArgumentParser:
                     "(pip install 'tailrace[cluster]'). Every flag not listed here goes to "
                     "each replica's `tailrace serve` (model, --max-model-len, ...). "
                     "See docs/scaling.md.")
-    from pipeline.tools import cluster as cluster_module
-    cluster_module.add_arguments(cluster)
+    from pipeline.tools import cluster_args
+    cluster_args.add_arguments(cluster)
     cluster.set_defaults(func=partial(run_cluster, cluster))
 
     bench = commands.add_parser("bench", help="Benchmarks.", description="Benchmarks.")
@@ -234,7 +234,8 @@ def run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     except SystemExit:
         parser.error(f"bad `tailrace serve` flags for the replicas: {' '.join(args.serve_args)}")
     try:
-        config = cluster.config_from_args(args, args.serve_args)
+        from pipeline.tools.cluster_args import config_from_args
+        config = config_from_args(args, args.serve_args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     return cluster.run(config)
