@@ -195,6 +195,12 @@ static void qkv_item(const Model *md, const Layer *L, const Step *st, int64_t m,
 #ifndef KV_AHEAD
 #define KV_AHEAD 4   /* tokens */
 #endif
+/* token t's row of KV head kh in a paged cache [num_blocks, bs, Hkv, Dh] */
+static inline const float *cache_row(const float *cache, const int32_t *table, int64_t t, int64_t bs, int64_t Hkv,
+                                     int64_t kh, int64_t Dh) {
+    return cache + (((int64_t)table[t / bs] * bs + t % bs) * Hkv + kh) * Dh;
+}
+
 static inline void prefetch_row(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
@@ -222,9 +228,9 @@ static void attend(const Model *md, const Layer *L, const Step *st, int64_t m, i
     float mx[64];
     for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
     for (int64_t t = 0; t < len; t++) {
-        const float *k = L->k_cache + (((int64_t)table[t / bs] * bs + t % bs) * Hkv + kh) * Dh;
+        const float *k = cache_row(L->k_cache, table, t, bs, Hkv, kh, Dh);
         if (t + KV_AHEAD < len)   /* the cache is read in Dh-float pieces, block by block: ahead of the prefetchers */
-            prefetch_row(L->k_cache + (((int64_t)table[(t + KV_AHEAD) / bs] * bs + (t + KV_AHEAD) % bs) * Hkv + kh) * Dh, Dh);
+            prefetch_row(cache_row(L->k_cache, table, t + KV_AHEAD, bs, Hkv, kh, Dh), Dh);
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qh + g * Dh;
             float sc = 0.f;
@@ -239,9 +245,9 @@ static void attend(const Model *md, const Layer *L, const Step *st, int64_t m, i
     float *o = out + (m * md->Hq + kh * G) * Dh;
     memset(o, 0, sizeof(float) * (size_t)(G * Dh));
     for (int64_t t = 0; t < len; t++) {
-        const float *v = L->v_cache + (((int64_t)table[t / bs] * bs + t % bs) * Hkv + kh) * Dh;
+        const float *v = cache_row(L->v_cache, table, t, bs, Hkv, kh, Dh);
         if (t + KV_AHEAD < len)
-            prefetch_row(L->v_cache + (((int64_t)table[(t + KV_AHEAD) / bs] * bs + (t + KV_AHEAD) % bs) * Hkv + kh) * Dh, Dh);
+            prefetch_row(cache_row(L->v_cache, table, t + KV_AHEAD, bs, Hkv, kh, Dh), Dh);
         for (int64_t g = 0; g < G; g++) {
             const float p = scores[g * len + t];
             float *og = o + g * Dh;
@@ -268,9 +274,9 @@ static inline __attribute__((always_inline)) void attend_regs(const Model *md, c
     float mx[8];
     for (int g = 0; g < G; g++) mx[g] = -INFINITY;
     for (int64_t t = 0; t < len; t++) {
-        const float *k = L->k_cache + (((int64_t)table[t / bs] * bs + t % bs) * Hkv + kh) * Dh;
+        const float *k = cache_row(L->k_cache, table, t, bs, Hkv, kh, Dh);
         if (t + KV_AHEAD < len)
-            prefetch_row(L->k_cache + (((int64_t)table[(t + KV_AHEAD) / bs] * bs + (t + KV_AHEAD) % bs) * Hkv + kh) * Dh, Dh);
+            prefetch_row(cache_row(L->k_cache, table, t + KV_AHEAD, bs, Hkv, kh, Dh), Dh);
         __m512 kv[NV];
         for (int v = 0; v < NV; v++) kv[v] = _mm512_loadu_ps(k + 16 * v);
         for (int g = 0; g < G; g++) {
@@ -285,9 +291,9 @@ static inline __attribute__((always_inline)) void attend_regs(const Model *md, c
     __m512 acc[8 * 8];   /* [G][NV], G * NV <= 24 used */
     for (int i = 0; i < G * NV; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
-        const float *v = L->v_cache + (((int64_t)table[t / bs] * bs + t % bs) * Hkv + kh) * Dh;
+        const float *v = cache_row(L->v_cache, table, t, bs, Hkv, kh, Dh);
         if (t + KV_AHEAD < len)
-            prefetch_row(L->v_cache + (((int64_t)table[(t + KV_AHEAD) / bs] * bs + (t + KV_AHEAD) % bs) * Hkv + kh) * Dh, Dh);
+            prefetch_row(cache_row(L->v_cache, table, t + KV_AHEAD, bs, Hkv, kh, Dh), Dh);
         for (int j = 0; j < NV; j++) {
             const __m512 vv = _mm512_loadu_ps(v + 16 * j);
             for (int g = 0; g < G; g++)

@@ -17,7 +17,7 @@ import trio
 
 from gpu.interface import KVRead
 from gpu.kv_connector import KVConnector, RankReads, TPKVConnector
-from gpu.kv_transfer import TransferFailed
+from test_kv_connector_late import FakeNixl as LateFakeNixl
 
 WHERE = ("10.0.0.1", 5600)
 
@@ -62,11 +62,12 @@ def test_failures_of_every_rank_in_one_round_are_one_failure_with_rank_0s_error(
     assert not ranks.reading
 
 
-class FakeNixl:
-    """Handles whose state the test sets ("PROC", "DONE" or an error); notifications sent."""
+class FakeNixl(LateFakeNixl):
+    """test_kv_connector_late's fake (handles whose state the test sets: "PROC", "DONE" or
+    an error), with reads started and notifications sent."""
 
     def __init__(self) -> None:
-        self.state: dict[object, str] = {}
+        super().__init__()
         self.notified: list[tuple[str, bytes]] = []
         self.notifs: list[bytes] = []
 
@@ -76,19 +77,8 @@ class FakeNixl:
         self.notifs.append(notif)
         return handle
 
-    def done(self, handle) -> bool:
-        state = self.state[handle]
-        if state == "PROC":
-            return False
-        if state != "DONE":
-            raise TransferFailed(f"the KV read failed ({state})")
-        return True
-
     def notify(self, name: str, message: bytes) -> None:
         self.notified.append((name, message))
-
-    def remove_remote(self, name: str) -> None:
-        pass
 
 
 def _rank(rank: int, timeout_s: float) -> tuple[KVConnector, FakeNixl]:
