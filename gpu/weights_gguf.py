@@ -22,6 +22,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from gpu.gguf_reader import GGUFHeader
 from gpu.tokenizer import Tokenizer
 
 if TYPE_CHECKING:   # torch only where tensors are made: reading the tokenizer needs none
@@ -91,21 +92,6 @@ def _dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> tor
     return torch.from_numpy(w if w.flags.writeable else w.copy())
 
 
-class _Reader(gguf.GGUFReader):
-    """gguf-py's reader over a plain ndarray view of its np.memmap. The reader slices its
-    buffer once per string of the vocabulary and the merges (about 250k slices for SmolLM2),
-    and np.memmap's Python-level __getitem__/__array_finalize__ made that 3 s of every start;
-    a plain view keeps the same mapping and parses in under 1 s."""
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._data = value.view(np.ndarray)
-
-
 class GGUFFile:
     @staticmethod
     def open(path: str | Path) -> GGUFFile:
@@ -117,7 +103,7 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.reader = _Reader(self.path)
+        self.reader = GGUFHeader(self.path)   # gguf-py's GGUFReader took 1.4 s of every start
         self.arch = self.field("general.architecture")
         self.tensors = {t.name: t for t in self.reader.tensors}
 

@@ -4,7 +4,8 @@ Workloads: `code` (a 40-80-line source file and "rename X to Y and return the wh
 file", each prompt its own file and names so the prefix cache does not serve it) and
 `chat` (short questions, little to copy). Runs alternate off, on, off, on, ... so that
 the load other processes put on the machine falls on both; each run prints output tok/s
-and, with spec, the tokens per verify pass.
+(prefill included), the median request's TPOT (its decode phase alone: first to last
+token) and, with spec, the tokens per verify pass.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_spec.py --workload code --streams 1 --requests 2
 """
@@ -109,10 +110,31 @@ def requests(workload: str, n: int, max_tokens: int) -> list[dict]:
 async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) -> dict:
     async with open_engine(cfg, loaded) as engine:
         limit = trio.CapacityLimiter(streams)
+        tpots: list[float] = []
+
         async def one(body):
+            # streamed, so that the decode phase is timed apart from the prompt's prefill:
+            # TPOT = (last token's time - first token's) / (completion tokens - 1)
             async with limit:
-                reply = await engine.submit("chat", {"model": engine.model_names[0], **body})
-                assert "usage" in orjson.loads(await reply.read())
+                reply = await engine.submit("chat", {"model": engine.model_names[0], **body,
+                                                     "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+                first = last = None
+                usage = None
+                async for chunk in reply:
+                    now = time.perf_counter()
+                    for line in bytes(chunk).split(b"\n"):
+                        if not line.startswith(b"data: {"):
+                            continue
+                        event = orjson.loads(line[6:])
+                        if event.get("usage"):
+                            usage = event["usage"]
+                        if any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
+                            first = now if first is None else first
+                            last = now
+                assert usage is not None, "the stream ended without usage"
+                if first is not None and usage["completion_tokens"] > 1:
+                    tpots.append((last - first) / (usage["completion_tokens"] - 1))
 
         t0 = time.perf_counter()
         async with trio.open_nursery() as n:
@@ -123,6 +145,8 @@ async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) ->
     gen = stats.generation_tokens_total      # the engine's own count of emitted tokens
     res = {"output_tokens": gen, "elapsed_s": round(elapsed, 2),
            "output_tok_s": round(gen / elapsed, 2), "steps": stats.steps_total}
+    if tpots:       # the decode phase alone, without the prompts' prefill
+        res["tpot_ms"] = round(1000 * sorted(tpots)[len(tpots) // 2], 2)
     if stats.spec_decode is not None and stats.spec_decode.num_drafts:
         s = stats.spec_decode
         res.update(acceptance_length=round(1 + s.num_accepted_tokens / s.num_drafts, 2),
