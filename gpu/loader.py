@@ -22,17 +22,12 @@ from gpu.tokenizer import Tokenizer, tokenizer_from_hf_dir
 from gpu.tokenizer_files import default_model_path
 from gpu.vision_config import (VisionSpec, is_vision_config, text_config, vision_architecture,
                                vision_spec)
+from gpu.names import DTYPE_ALIASES, DTYPE_NAMES, LOAD_FORMATS, QUANTIZATIONS  # noqa: F401 (re-exported)
 from gpu.weights_gguf import GGUFFile
 
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
-# auto: a GGUF file's quantized linears stay packed on a CPU (gpu/gguf_packed.py) when the
-# kernels are built and the dtype is auto; gguf: the same (dtype auto or float32), or an
-# error; none: dequantize at load to the dtype
-QUANTIZATIONS = ("auto", "gguf", "none")
 EXPERT_FORMATS = ("auto", "packed", "dequantized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
-                 "bf16": "bfloat16"}
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 @attrs.frozen

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from gpu.config import ModelConfig
+from gpu.names import SIMULATED_GPUS
 from gpu.interface import StagingRunner, StepPlan, StepResult, TokenLogprobs
 from gpu.staging import BlockTables, HostInputs, StagedTokens, last_token, stage_plan, upload_inputs
 from gpu.sampler import SeqSamplingState
@@ -84,6 +85,8 @@ GPUS = {
                     graph_kernel_s=2.5e-6, eager_kernel_s=6e-6, step_fixed_s=50e-6,
                     attention_efficiency=0.6),
 }
+
+assert tuple(GPUS) == SIMULATED_GPUS
 
 MOE_KERNELS = 30   # gpu/moe.MoE.forward: torch ops one kernel each, the sort as 3
 SAMPLING_KERNELS = 5   # the threshold, the race, the chunks' argmax and gather, steps += 1

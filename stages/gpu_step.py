@@ -39,13 +39,13 @@ import torch
 import trio
 
 from gpu.interface import Runner, StagingRunner, StepPlan, StepResult, TPLost
+from gpu.names import FAULT_KINDS
 from gpu.openmp import release_team
 
 _log = logging.getLogger("tailrace.gpu")
 
 MAX_CONSECUTIVE_FAILURES = 3
 
-FAULT_KINDS = ("error", "fatal")
 
 
 class StepFault(RuntimeError):

@@ -10,10 +10,8 @@ import os
 
 import attrs
 
-from gpu.loader import DTYPE_ALIASES, DTYPES, LOAD_FORMATS, QUANTIZATIONS
+from gpu.names import DTYPE_ALIASES, DTYPE_NAMES, FAULT_KINDS, LOAD_FORMATS, QUANTIZATIONS, SIMULATED_GPUS
 from gpu.pooling_config import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
-from gpu.simulate import GPUS
-from stages.gpu_step import FAULT_KINDS
 from stages.lib.kv_transfer import ABORT_TIMEOUT_ENV, KVTransferConfig
 from stages.schedule.drafter import MODEL_METHODS, SpeculativeConfig
 from stages.schedule.priority import POLICIES
@@ -24,7 +22,7 @@ from stages.api.tool_parsers import TOOL_PARSERS, load_plugin
 
 # Each option list is defined once (where it is used) and shared by the validators
 # below and the argparse choices.
-DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 
 FAULT_STEPS_ENV = "TAILRACE_FAULT_STEPS"
@@ -131,8 +129,8 @@ class EngineConfig:
     # tokenizer.model[.vN] through mistral-common, chats rendered by mistral-common (gpu/mistral.py)
     tokenizer_mode: str = attrs.field(default="auto",
                                       validator=attrs.validators.in_(("auto", "mistral")))
-    simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS: a timed stand-in
-        default=None, validator=attrs.validators.optional(attrs.validators.in_(tuple(GPUS))))
+    simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS (gpu.names.SIMULATED_GPUS): a timed stand-in
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(SIMULATED_GPUS)))
     skip_tokenizer_init: bool = False         # serve token ids only, without a tokenizer
     fault_steps: str = attrs.field(default="", validator=_fault_steps)   # tests only: "3,7:fatal"
     # speculative decoding (n-gram prompt lookup); None: off. The flag's JSON or a dict.
@@ -396,7 +394,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "or tokenizer.model (in the model folder, or the file --tokenizer "
                         "names) through mistral-common, whose request encoding renders chats "
                         "(no chat template), as vLLM's --tokenizer-mode mistral.")
-    p.add_argument("--simulate-gpu", default=None, choices=tuple(GPUS),
+    p.add_argument("--simulate-gpu", default=None, choices=SIMULATED_GPUS,
                    help="Replace the model's forward with a timed wait from a cost model of "
                         "this GPU running the model in bf16, and sample random ordinary tokens; "
                         "everything else runs for real (docs/benchmarks.md).")
