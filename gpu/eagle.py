@@ -38,14 +38,13 @@ import attrs
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from gpu.attention import KVCache, TorchPagedAttention
 from gpu.config import ModelConfig
 from gpu.draft import DraftError, tokens_of
 from gpu.interface import SeqChunk, StepPlan
 from gpu.model import CausalLM, DecoderLayer, Linear, RMSNorm
-from gpu.ops import build_rope_cache, fused_add_rms_norm, rms_norm
+from gpu.ops import build_rope_cache, fused_add_rms_norm, rms_norm, skip_init
 from gpu.sampler import DraftRow, SeqSamplingState, apply_logit_controls, sample
 from gpu.staging import BlockTables, HostInputs, prepare_step
 from gpu.weights_hf import read_json

@@ -21,10 +21,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
 from gpu.model import _ONEDNN, _PACKABLE, Linear
 from gpu.pooling_config import encoder_type
+from gpu.ops import skip_init
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),

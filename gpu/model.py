@@ -29,13 +29,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
 from gpu import mxfp4
 from gpu.config import ModelConfig
 from gpu.moe import MoE, expert_columns
 from gpu.ops import (apply_rope, build_rope_cache, fused_add_rms_norm, mrope_columns, mrope_cos_sin,
-                     rms_norm, silu_and_mul)
+                     rms_norm, silu_and_mul, skip_init)
 from gpu.parallel import SINGLE, TP
 
 

@@ -34,11 +34,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
 from gpu import mxfp4
 from gpu.config import ModelConfig
 from gpu.parallel import SINGLE, TP
+from gpu.ops import skip_init
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

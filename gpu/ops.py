@@ -13,8 +13,23 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from gpu.config import ModelConfig
+
+
+def skip_init(cls, *args, device=None, dtype=None, **kwargs):
+    """cls(*args, **kwargs) with its parameters allocated on `device` and left uninitialized.
+    torch.nn.utils.skip_init does the same through to_empty, whose empty_like on meta
+    tensors runs torch's Python reference and imports sympy on its first call: 0.5 s of
+    every process start. Here each parameter is a plain torch.empty."""
+    m = cls(*args, device="meta", dtype=dtype, **kwargs)
+    for mod in m.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                mod._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+    return m
 
 
 def _cpu():

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
 from gpu.interface import PoolingOptions
 from gpu.model import Linear
 from gpu.pooling_config import PoolingSpec
+from gpu.ops import skip_init
 
 
 class VarlenAttention:

@@ -80,3 +80,25 @@ def test_a_truncated_or_foreign_file_is_a_clear_error(tmp_path):
     other.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFHeader(other)
+
+
+def test_the_type_tables_are_gguf_pys_and_reading_skips_its_import():
+    """gpu/gguf_reader.py keeps ggml's type ids and block sizes itself, so that a process
+    start does not import the gguf package (and mistral-common with it)."""
+    import subprocess
+    import sys
+
+    from gpu import gguf_reader
+
+    assert {t.name: int(t) for t in gguf_reader.GGUFValueType} == \
+        {t.name: int(t) for t in gguf.GGUFValueType}
+    assert {t.name: int(t) for t in gguf_reader.GGMLQuantizationType} == \
+        {t.name: int(t) for t in gguf.GGMLQuantizationType}
+    assert {int(k): v for k, v in gguf_reader.GGML_QUANT_SIZES.items()} == \
+        {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
+    code = ("import sys; from gpu.tokenizer_files import load_tokenizer, default_model_path; "
+            "from gpu.weights_gguf import GGUFFile; load_tokenizer(None); "
+            "GGUFFile.open(default_model_path()); print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('gguf', 'mistral_common')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
