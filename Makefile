@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install install-dev browser serve test bench clean
+.PHONY: install install-dev browser bytecode serve test bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,14 @@ $(VENV)/.dev: $(VENV)/.base
 install: $(VENV)/.base
 install-dev: $(VENV)/.dev
 
-serve: install
+# The project's own bytecode, written once: with PYTHONDONTWRITEBYTECODE set (as on this
+# project's machines) every process would compile its ~170 modules from source at each
+# start, 1-2 s of every server, frontend and TP rank the tests start (docs/benchmarks.md).
+# compileall skips what is up to date.
+bytecode: install
+	@$(PY) -m compileall -q pipeline stages gpu web >/dev/null
+
+serve: install bytecode
 	$(VENV)/bin/tailrace serve --host 127.0.0.1 --port 8000
 
 # The page test (tests/e2e/test_e2e_events.py) runs Debian's chromium headless (a browser's
@@ -35,7 +42,7 @@ browser:
 	    $(SUDO) apt-get install -y -qq chromium; } || \
 	  echo "make: chromium could not be installed: the browser test will skip"
 
-test: install-dev browser
+test: install-dev browser bytecode
 	$(VENV)/bin/python scripts/run_tests.py
 
 bench: install
