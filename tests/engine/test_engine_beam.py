@@ -1,5 +1,8 @@
 """Beam search through the whole engine (eight stages, SmolLM2 fp32) against transformers'
-beam search on the same weights (transformers' own GGUF conversion of the bundled file).
+beam search on the same weights (the loaded model's fp32 weights in transformers'
+LlamaForCausalLM, tests/lora/lora_testutil.py; transformers' own GGUF conversion of the
+bundled file took 16 s; tests/gpu/test_gguf.py holds the loader to convert_hf_to_gguf's
+layout).
 
 The two searches agree under these settings, which the test uses:
 - `ignore_eos` here and `eos_token_id=None` there: no hypothesis finishes early, so
@@ -27,14 +30,11 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    from gpu.loader import default_model_path
+def hf_model(smollm):
+    pytest.importorskip("transformers")
+    from tests.lora.lora_testutil import hf_from_ours
 
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return model
+    return hf_from_ours(smollm.model)
 
 
 def hf_beams(model, ids, width, length_penalty):

@@ -221,8 +221,11 @@ async def test_slow_readers_cost_neither_time_nor_unbounded_memory(smollm):
            rss_mib_before=round(rss0 / MiB), rss_mib_while_stuck=round(rss1 / MiB))
 
 
+LONG_RUN = 300     # a multiple of 3; a leak of 2 objects a request fails the bound below
+
+
 async def test_long_run_leaves_nothing_behind(smollm):
-    """600 short requests (a third not streamed, a third streamed, a third aborted after
+    """LONG_RUN short requests (a third not streamed, a third streamed, a third aborted after
     their first chunk), 64 at a time; trio tasks, channels, KV blocks and RSS before and
     after. An idle keep-alive connection opened at the start is closed by the server."""
     async with served(smollm, max_num_seqs=64, max_queued_requests=64) as (engine, url):
@@ -280,7 +283,7 @@ async def test_long_run_leaves_nothing_behind(smollm):
         assert (await idle.receive_some()).startswith(b"HTTP/1.1 200")
         start = time.monotonic()
         with trio.fail_after(240):
-            await run(600)
+            await run(LONG_RUN)
         elapsed = time.monotonic() - start
         with trio.fail_after(10):                    # Hypercorn's keep-alive timeout is 5 s
             assert await idle.receive_some() == b""  # the server closed the idle connection
@@ -289,17 +292,17 @@ async def test_long_run_leaves_nothing_behind(smollm):
         figures = engine_figures(engine)
         async with client(url, 2) as http:
             await answers(http)
-    assert counts == {"completed": 400, "aborted": 200}
+    assert counts == {"completed": LONG_RUN * 2 // 3, "aborted": LONG_RUN // 3}
     assert figures == {"running": 0, "waiting": 0, "kv_blocks_used": 0, "in_flight": 0,
                        "admitted": 0}
     assert tasks1 == tasks0 and channels1 == channels0
-    # A leak of Python objects shows as objects per request; RSS after 600 requests also
+    # A leak of Python objects shows as objects per request; RSS after the requests also
     # carries the allocator's arenas growing under 64-way concurrency (50-140 MiB here
     # whatever the commit, back to 7b67c06: glibc's per-thread arenas), so it only guards against a gross leak.
     print(f"objects {objects0} -> {objects1}, RSS {rss0 / MiB:.0f} -> {rss1 / MiB:.0f} MiB")
-    assert objects1 - objects0 < 2 * 600, (objects0, objects1)
+    assert objects1 - objects0 < 2 * LONG_RUN, (objects0, objects1)
     assert rss1 - rss0 < 256 * MiB, (rss0, rss1)
-    record("long run (600 short requests)", sent=600, completed=counts["completed"],
+    record(f"long run ({LONG_RUN} short requests)", sent=LONG_RUN, completed=counts["completed"],
            aborted=counts["aborted"], refused=0, seconds=round(elapsed, 1),
            trio_tasks_before=tasks0, trio_tasks_after=tasks1, channels_before=channels0,
            channels_after=channels1, kv_blocks_used_after=figures["kv_blocks_used"],
