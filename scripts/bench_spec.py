@@ -154,6 +154,24 @@ async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) ->
     return res
 
 
+_LOG_AT: dict = {}
+
+
+def _log_steps(path: str) -> None:
+    """Each step the gate measures, as a JSON line in `path` (what the gate saw and decided)."""
+    from stages.schedule.spec import CostGate
+    observe = CostGate.observe
+    out = open(path, "a")
+
+    def logged(self, num_seqs, drafted, tokens, seconds, rows=None):
+        b = self.buckets.get(num_seqs.bit_length())
+        out.write(json.dumps({**_LOG_AT, "n": num_seqs, "rows": rows, "drafted": drafted,
+                              "tokens": tokens, "ms": round(1000 * seconds, 3),
+                              "rates": b and [round(b[0], 1), round(b[1], 1)]}) + "\n")
+        observe(self, num_seqs, drafted, tokens, seconds, rows)
+    CostGate.observe = logged
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workload", choices=("code", "chat"), default="code")
@@ -165,7 +183,13 @@ def main() -> None:
                    help="a --speculative-config; repeat it for several (each round runs off, "
                         "then each in turn); 'draft-self' is draft_model with the bundled "
                         "SmolLM2 drafting for itself. Default: n-gram 3 tokens, lookup 2-4")
+    p.add_argument("--log-steps", default=None, metavar="PATH",
+                   help="append each decode step the cost gate measured to PATH, one JSON line "
+                        "each: batch size, rows, drafted, tokens, ms, the bucket's A/B rates "
+                        "(tok/s with drafts, without) before the step")
     a = p.parse_args()
+    if a.log_steps:
+        _log_steps(a.log_steps)
     from gpu.tokenizer_files import default_model_path
     specs = [s if s != "draft-self" else json.dumps(
         {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3})
@@ -181,6 +205,7 @@ def main() -> None:
         trio.run(run, EngineConfig(**base), requests(a.workload, 1, 8), 1, loaded)   # warm
         for r in range(a.rounds):
             for label, extra in (("off", {}), *((s, {"speculative_config": s}) for s in specs)):
+                _LOG_AT.update(streams=a.streams, round=r, spec=label if label == "off" else "on")
                 res = trio.run(run, EngineConfig(**base, **extra), reqs, a.streams, loaded)
                 label = label if label == "off" else json.loads(label)["method"] + (
                     "" if json.loads(label).get("adaptive", True) else " (every step)")
