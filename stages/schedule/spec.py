@@ -275,7 +275,8 @@ class Speculation:
             return False
         if self.gate is None:
             return True
-        return self.gate.rows(n, self._values(running)) > 0 and self.gate.would_decide(n)
+        # (the A/B first: it reads the last step's expectation, and costs nothing)
+        return self.gate.would_decide(n) and self.gate.rows(n, self._values(running)) > 0
 
     def _values(self, running: list[Sequence]) -> list[float]:
         """The expected tokens of each draft the running sequences could carry (q**j for a
