@@ -4,7 +4,7 @@ Workloads: `code` (a 40-80-line source file and "rename X to Y and return the wh
 file", each prompt its own file and names so the prefix cache does not serve it) and
 `chat` (short questions, little to copy). Runs alternate off, on, off, on, ... so that
 the load other processes put on the machine falls on both; each run prints output tok/s
-(prefill included), the median request's TPOT (its decode phase alone: first to last
+(prefill included), the process's CPU time, the median request's TPOT (its decode phase alone: first to last
 token) and, with spec, the tokens per verify pass.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_spec.py --workload code --streams 1 --requests 2
@@ -136,14 +136,16 @@ async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) ->
                 if first is not None and usage["completion_tokens"] > 1:
                     tpots.append((last - first) / (usage["completion_tokens"] - 1))
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         async with trio.open_nursery() as n:
             for body in reqs:
                 n.start_soon(one, body)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = engine.stats()
     gen = stats.generation_tokens_total      # the engine's own count of emitted tokens
-    res = {"output_tokens": gen, "elapsed_s": round(elapsed, 2),
+    # cpu_s: this process's CPU time (all threads), less swayed than elapsed_s by what
+    # other processes run on a shared machine
+    res = {"output_tokens": gen, "elapsed_s": round(elapsed, 2), "cpu_s": round(cpu, 2),
            "output_tok_s": round(gen / elapsed, 2), "steps": stats.steps_total}
     if tpots:       # the decode phase alone, without the prompts' prefill
         res["tpot_ms"] = round(1000 * sorted(tpots)[len(tpots) // 2], 2)

@@ -43,31 +43,32 @@ class CostGate:
 
     - the tokens per second that steps yielded with drafts and without (each mode's last
       `WINDOW` steps, less any that took over twice the median: a passing stall): the
-      direct A/B. Each mode is tried `WARM` times in
-      a bucket; then, where drafting measured slower than off, no step drafts, whatever the
-      costs below expect, and the mode not chosen is tried again one step in `EXPLORE`, so
-      that a change is seen;
+      direct A/B. Each mode is tried `WARM` times in a bucket; then, where drafting
+      measured slower than off, no step drafts, whatever the costs below expect, and the
+      mode not chosen is tried again one step in `EXPLORE` (in a quarter of that where the
+      costs expect a gain the A/B does not show, while it holds few drafting steps, or
+      where the gain expected is large), so that a change is seen;
     - the time of a drafting step by its rows (`costs`: bins of a quarter of the bucket's
-      smallest batch, each the median of its last `KEEP` steps), measured, not fitted: a step's cost is not one line
-      in its rows (the CPU's packed kernels hand over to dequantize + GEMM past a row limit,
-      a GPU's graphs come in sizes), so a step at n + m rows is priced at what steps of that
-      many rows cost.
+      smallest batch, each the median of its last `KEEP` steps), measured, not fitted: a
+      step's cost is not one line in its rows (the CPU's packed kernels hand over to
+      dequantize + GEMM past a row limit, a GPU's graphs come in sizes), so a step at
+      n + m rows is priced at what steps of that many rows cost.
 
     A step the A/B lets draft (`rows`) gives its m draft rows to the drafts worth most: the
     j-th draft of a sequence whose drafts hold with probability q yields q**j tokens (each
     rejected row costs its row all the same), and m is the count that makes the expected
     (n + the m best values) / T(n + m) the highest, if that is `MARGIN` over the off rate
     (else the step does not draft). Rows past the largest measured are priced from the
-    slope of the last two measured points and tried one bin at a time; one drafting step
-    in `EXPLORE` tries the bin above the best, so that a bin measured under a passing load
-    is measured again. At one stream (memory-bound) that drafts K tokens where text copies;
+    slope of the last two measured bins (flat from one) and tried one bin at a time; one
+    drafting step in `EXPLORE` tries the bin above the best, so that a bin measured under
+    a passing load is measured again. At one stream (memory-bound) that drafts K tokens where text copies;
     at 32 on a CPU it drafts the best sequences up to the rows that stay cheap, or nothing.
     vLLM's disable_by_batch_size is one fixed threshold for every model, device and text."""
 
     WARM = 3
     EXPLORE = 24
-    WINDOW = 8          # a mode's rate: its last WINDOW steps' tokens over their time,
-    ALPHA = 0.25        # less those of steps over twice the median's (a passing stall)
+    WINDOW = 8          # a mode's rate: its last WINDOW steps (the A/B)
+    ALPHA = 0.25        # a bin's rows: a moving average's weight of a new step
     MARGIN = 0.05       # the gain, over off, that drafting must show (measured or expected)
     BONUS = 0.1         # a bin's rate's benefit of the doubt, over the root of its steps
     KEEP = 5            # a bin's time: the median of its last KEEP steps
@@ -108,9 +109,11 @@ class CostGate:
         if b[0] >= b[1]:            # the A/B vetoes drafts that measured slower
             return at % self.EXPLORE != 0
         # ... and tries them again one step in EXPLORE, or in a quarter of that where the
-        # costs expect a clear gain (the two disagree: the A/B may be stale, text changes)
-        return at % (self.EXPLORE // 4 if self.expected >= 1 + self.MARGIN
-                     else self.EXPLORE) == 0
+        # costs expect a gain the A/B does not show (it may be stale: text changes) and
+        # the A/B holds few drafting steps yet, or where they expect a large one
+        e = self.expected
+        fast = e >= 1 + 4 * self.MARGIN or (e >= 1 + self.MARGIN and len(b[5]) < self.WINDOW)
+        return at % (self.EXPLORE // 4 if fast else self.EXPLORE) == 0
 
     def _cost(self, bins: dict[int, list[float]], at: int, t_off: float | None,
               n: int) -> float | None:
