@@ -154,18 +154,19 @@ class CostGate:
         floor = 0.0 if b is None or b[2] < self.WARM else off_rate * (1 + self.MARGIN)
         best, best_rate, best_bin = 0, 0.0, None
         last: dict[int, int] = {}       # bin -> the most rows m in it
-        tokens, priced = float(n), True
+        tokens = float(n)
         for m, v in enumerate(values, 1):
             if v <= 0:
                 break
             tokens += v
             at = (n + m) // w
             last[at] = m
-            if not priced or (m < len(values) and (n + m + 1) // w == at and values[m] > 0):
+            if m < len(values) and (n + m + 1) // w == at and values[m] > 0:
                 continue                # the bin's last m only: the same cost, more tokens
             t = self._cost(bins, at, t_off, n)
-            priced = t is not None
-            if priced and t > 0 and tokens / t > floor:
+            if t is None:
+                break                   # past what may be tried (its last m is kept)
+            if t > 0 and tokens / t > floor:
                 # a bin measured less often gets the benefit of the doubt (BONUS), so that a
                 # close call is measured again; against off, only the measured rate counts
                 seen = bins[at][2] if at in bins else 0
