@@ -4,7 +4,7 @@ Workloads: `code` (a 40-80-line source file and "rename X to Y and return the wh
 file", each prompt its own file and names so the prefix cache does not serve it) and
 `chat` (short questions, little to copy). Runs alternate off, on, off, on, ... so that
 the load other processes put on the machine falls on both; each run prints output tok/s
-(prefill included), the median request's TPOT (its decode phase alone: first to last
+(prefill included), the process's CPU time, the median request's TPOT (its decode phase alone: first to last
 token) and, with spec, the tokens per verify pass.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_spec.py --workload code --streams 1 --requests 2
@@ -136,14 +136,16 @@ async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) ->
                 if first is not None and usage["completion_tokens"] > 1:
                     tpots.append((last - first) / (usage["completion_tokens"] - 1))
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         async with trio.open_nursery() as n:
             for body in reqs:
                 n.start_soon(one, body)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = engine.stats()
     gen = stats.generation_tokens_total      # the engine's own count of emitted tokens
-    res = {"output_tokens": gen, "elapsed_s": round(elapsed, 2),
+    # cpu_s: this process's CPU time (all threads), less swayed than elapsed_s by what
+    # other processes run on a shared machine
+    res = {"output_tokens": gen, "elapsed_s": round(elapsed, 2), "cpu_s": round(cpu, 2),
            "output_tok_s": round(gen / elapsed, 2), "steps": stats.steps_total}
     if tpots:       # the decode phase alone, without the prompts' prefill
         res["tpot_ms"] = round(1000 * sorted(tpots)[len(tpots) // 2], 2)
@@ -152,6 +154,24 @@ async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) ->
         res.update(acceptance_length=round(1 + s.num_accepted_tokens / s.num_drafts, 2),
                    accepted=s.num_accepted_tokens, drafted=s.num_draft_tokens, passes=s.num_drafts)
     return res
+
+
+_LOG_AT: dict = {}
+
+
+def _log_steps(path: str) -> None:
+    """Each step the gate measures, as a JSON line in `path` (what the gate saw and decided)."""
+    from stages.schedule.spec import CostGate
+    observe = CostGate.observe
+    out = open(path, "a")
+
+    def logged(self, num_seqs, drafted, tokens, seconds, rows=None):
+        b = self.buckets.get(num_seqs.bit_length())
+        out.write(json.dumps({**_LOG_AT, "n": num_seqs, "rows": rows, "drafted": drafted,
+                              "tokens": tokens, "ms": round(1000 * seconds, 3),
+                              "rates": b and [round(b[0], 1), round(b[1], 1)]}) + "\n")
+        observe(self, num_seqs, drafted, tokens, seconds, rows)
+    CostGate.observe = logged
 
 
 def main() -> None:
@@ -165,7 +185,13 @@ def main() -> None:
                    help="a --speculative-config; repeat it for several (each round runs off, "
                         "then each in turn); 'draft-self' is draft_model with the bundled "
                         "SmolLM2 drafting for itself. Default: n-gram 3 tokens, lookup 2-4")
+    p.add_argument("--log-steps", default=None, metavar="PATH",
+                   help="append each decode step the cost gate measured to PATH, one JSON line "
+                        "each: batch size, rows, drafted, tokens, ms, the bucket's A/B rates "
+                        "(tok/s with drafts, without) before the step")
     a = p.parse_args()
+    if a.log_steps:
+        _log_steps(a.log_steps)
     from gpu.tokenizer_files import default_model_path
     specs = [s if s != "draft-self" else json.dumps(
         {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3})
@@ -181,6 +207,7 @@ def main() -> None:
         trio.run(run, EngineConfig(**base), requests(a.workload, 1, 8), 1, loaded)   # warm
         for r in range(a.rounds):
             for label, extra in (("off", {}), *((s, {"speculative_config": s}) for s in specs)):
+                _LOG_AT.update(streams=a.streams, round=r, spec=label if label == "off" else "on")
                 res = trio.run(run, EngineConfig(**base, **extra), reqs, a.streams, loaded)
                 label = label if label == "off" else json.loads(label)["method"] + (
                     "" if json.loads(label).get("adaptive", True) else " (every step)")

@@ -35,7 +35,7 @@ class AsyncScheduler(Scheduler):
             return True
         if self._drafting:
             return False
-        return not spec.would_draft(len(self.running))
+        return not spec.would_draft(self.running)
 
     def schedule(self):
         plan = super().schedule()

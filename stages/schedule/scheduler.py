@@ -265,7 +265,7 @@ class Scheduler(BeamSide, KVConnectorSide):
         # called only when the chunk needs another block.)
         running = self.running
         spec = self.speculation
-        if spec is not None and not spec.on_for(len(running)):
+        if spec is not None and not spec.on_for(running):
             spec = None
         i = 0
         while i < len(running) and budget > 0:

@@ -33,46 +33,64 @@ class SpecCounters:
 
 
 class CostGate:
-    """Whether a step drafts, and which drafts, from what steps measured: "never slower
-    than off".
+    """Whether a step drafts, and how many draft rows it verifies, from what steps measured:
+    "never slower than off".
 
     Decode steps are told apart by their batch size (buckets of powers of two: 1, 2-3,
-    4-7, ...). Per bucket the gate keeps two things, from the runner's measured step time
-    (which holds the verify pass, the draft model's forwards and the acceptance):
+    4-7, ...). Per bucket the gate keeps, from each pure decode step's measured time (the
+    wall time between results: the verify pass, the draft model's forwards, the acceptance
+    and, for a drafting step, the lost overlap with the host's work):
 
-    - the tokens per second that pure decode steps yielded with drafts and without
-      (moving averages), and drafts when that with drafts is at least as high. Each mode
-      is tried `WARM` times in a bucket before the figures decide, and the mode not chosen
-      is tried again one step in `EXPLORE`, so that a change is seen;
-    - a line fitted to the step's time against its rows (T = a + c * rows, moving
-      averages over the steps with drafts and without). A draft row costs c; an off step
-      yields n tokens in a + c * n, so a draft row pays only if it yields at least
-      `threshold` = c * n / (a + c * n) tokens on average. Memory-bound (a large) that is
-      near 0, and every draft pays; compute-bound (a small: 32 streams on a CPU) it nears
-      1, and only drafts that nearly always hold do. Speculation drafts each sequence's
-      j-th token only where its measured acceptance q gives q**j >= threshold
-      (`draft_len`), so at one stream a sequence that copies drafts K tokens and at 32 a
-      batch drafts little or nothing.
+    - the tokens per second that steps yielded with drafts and without (each mode's last
+      `WINDOW` steps, less any that took over twice the median: a passing stall): the
+      direct A/B. Each mode is tried `WARM` times in a bucket; then, where drafting
+      measured slower than off, no step drafts, whatever the costs below expect, and the
+      mode not chosen is tried again one step in `EXPLORE` (in a quarter of that where the
+      costs expect a gain the A/B does not show, while it holds few drafting steps, or
+      where the gain expected is large), so that a change is seen;
+    - the time of a drafting step by its rows (`costs`: bins of a quarter of the bucket's
+      smallest batch, each the median of its last `KEEP` steps), measured, not fitted: a
+      step's cost is not one line in its rows (the CPU's packed kernels hand over to
+      dequantize + GEMM past a row limit, a GPU's graphs come in sizes), so a step at
+      n + m rows is priced at what steps of that many rows cost.
 
-    In its warm-up a bucket drafts for at most a quarter of its sequences (`warm_cap`),
-    so that measuring costs little where drafts lose. vLLM's disable_by_batch_size is one
-    fixed threshold for every model, device and text."""
+    A step the A/B lets draft (`rows`) gives its m draft rows to the drafts worth most: the
+    j-th draft of a sequence whose drafts hold with probability q yields q**j tokens (each
+    rejected row costs its row all the same), and m is the count that makes the expected
+    (n + the m best values) / T(n + m) the highest, if that is `MARGIN` over the off rate
+    (else the step does not draft). Rows past the largest measured are priced from the
+    slope of the last two measured bins (flat from one) and tried one bin at a time; one
+    drafting step in `EXPLORE` tries the bin above the best, so that a bin measured under
+    a passing load is measured again. At one stream (memory-bound) that drafts K tokens where text copies;
+    at 32 on a CPU it drafts the best sequences up to the rows that stay cheap, or nothing.
+    vLLM's disable_by_batch_size is one fixed threshold for every model, device and text."""
 
     WARM = 3
     EXPLORE = 24
-    ALPHA = 0.25
-    FIT = 0.15          # the line's moving averages' weight of a new step
+    WINDOW = 8          # a mode's rate: its last WINDOW steps (the A/B)
+    ALPHA = 0.25        # a bin's rows: a moving average's weight of a new step
+    MARGIN = 0.05       # the gain, over off, that drafting must show (measured or expected)
+    BONUS = 0.1         # a bin's rate's benefit of the doubt, over the root of its steps
+    KEEP = 5            # a bin's time: the median of its last KEEP steps
 
     def __init__(self) -> None:
-        # bucket -> [rate with drafts, rate without, steps with, steps without, decisions]
+        # bucket -> [rate with drafts, rate without, steps with, steps without, decisions,
+        #            the last WINDOW steps with, without: (seconds, tokens)]
         self.buckets: dict[int, list[float]] = {}
-        # bucket -> the line's moving sums [weight, rows, time, rows^2, rows*time]
-        self.fits: dict[int, list[float]] = {}
+        # bucket -> {rows // width: [seconds (median), rows (moving average), steps, the
+        # last KEEP steps' seconds]}, of drafting steps
+        self.costs: dict[int, dict[int, list[float]]] = {}
+        self.expected = 1.0     # the last `rows`' expected rate over off's
+
+    @staticmethod
+    def width(n: int) -> int:
+        """The rows per bin of a cost table in n's bucket (a quarter of its smallest batch)."""
+        return max(1, (1 << max(0, n.bit_length() - 1)) // 4)
 
     def _bucket(self, n: int) -> list[float]:
         b = self.buckets.get(n.bit_length())
         if b is None:
-            b = self.buckets[n.bit_length()] = [0.0, 0.0, 0, 0, 0]
+            b = self.buckets[n.bit_length()] = [0.0, 0.0, 0, 0, 0, [], []]
         return b
 
     def decide(self, num_running: int) -> bool:
@@ -81,35 +99,87 @@ class CostGate:
         return on
 
     def would_decide(self, num_running: int) -> bool:
-        """What the next `decide` will say, without counting a decision."""
+        """What the next `decide` will say (the A/B), without counting a decision."""
         b = self.buckets.get(num_running.bit_length())
         if b is None:
             return True
         if b[2] < self.WARM or b[3] < self.WARM:
             return b[2] <= b[3]         # alternate until both are measured
-        on = b[0] >= b[1]
-        return (not on) if (b[4] + 1) % self.EXPLORE == 0 else on
+        at = b[4] + 1
+        if b[0] >= b[1]:            # the A/B vetoes drafts that measured slower
+            return at % self.EXPLORE != 0
+        # ... and tries them again one step in EXPLORE, or in a quarter of that where the
+        # costs expect a gain the A/B does not show (it may be stale: text changes) and
+        # the A/B holds few drafting steps yet, or where they expect a large one
+        e = self.expected
+        fast = e >= 1 + 4 * self.MARGIN or (e >= 1 + self.MARGIN and len(b[5]) < self.WINDOW)
+        return at % (self.EXPLORE // 4 if fast else self.EXPLORE) == 0
 
-    def warm_cap(self, num_running: int) -> int | None:
-        """How many sequences may draft in this step (None: no cap): a quarter of them
-        while the bucket's line is not fitted."""
-        return None if self.threshold(num_running) is not None else max(1, num_running // 4)
+    def _cost(self, bins: dict[int, list[float]], at: int, t_off: float | None,
+              n: int) -> float | None:
+        """A drafting step's time in bin `at`: the least measured in it or above (a step of
+        fewer rows costs no more: noise does not turn drafts down); past the largest, the last two
+        measured bins' slope (flat from one: what drafting adds to an off step, the lost
+        overlap and the verify's own work, is not a row's cost); None: not to be tried."""
+        above = [bins[k][0] for k in bins if k >= at]
+        if above:       # a step costs no more than one of more rows measured
+            return min(above)
+        if at > (max(bins) + 1 if bins else (n + 1) // self.width(n)):
+            return None                 # one bin past the measured at a time
+        pts = [(bins[k][1], bins[k][0]) for k in sorted(bins)[-2:]] or [(float(n), t_off)]
+        if pts[0][1] is None:
+            return None
+        x1, t1 = pts[-1]
+        slope = 0.0 if len(pts) < 2 or pts[1][0] <= pts[0][0] else max(
+            0.0, (pts[1][1] - pts[0][1]) / (pts[1][0] - pts[0][0]))
+        return t1 + slope * max(0.0, (at + 0.5) * self.width(n) - x1)
 
-    def threshold(self, num_running: int) -> float | None:
-        """The tokens a draft row must yield on average to pay (module docstring); None
-        while the rows' cost is not measured in this bucket."""
-        f = self.fits.get(num_running.bit_length())
-        if f is None or f[0] <= 0:
-            return None
-        w, sx, sy, sxx, sxy = f
-        mx, my = sx / w, sy / w
-        var = sxx / w - mx * mx
-        if var < 0.25:          # rows too alike to tell a row's cost from the step's
-            return None
-        c = max(0.0, (sxy / w - mx * my) / var)
-        a = max(0.0, my - c * mx)
-        off = a + c * num_running
-        return c * num_running / off if off > 0 else None
+    def rows(self, num_running: int, values: list[float]) -> int:
+        """The draft rows the next step (the next `decide`'s) verifies if it drafts (0:
+        none), given the expected tokens of each draft it could carry, highest first (class
+        docstring); `expected` keeps the expected rate over off's."""
+        n = num_running
+        self.expected = 1.0
+        if n <= 0 or not values:
+            return 0
+        key = n.bit_length()
+        b = self.buckets.get(key)
+        bins = self.costs.get(key, {})
+        off_rate = b[1] if b is not None and b[3] else 0.0
+        t_off = n / off_rate if off_rate > 0 else None
+        w = self.width(n)
+        if t_off is None and not bins:  # nothing measured: try the first bin
+            return min(len(values), ((n + 1) // w + 1) * w - 1 - n)
+        # in the warm-up (fewer than WARM drafting steps) the best bin drafts, whatever off
+        floor = 0.0 if b is None or b[2] < self.WARM else off_rate * (1 + self.MARGIN)
+        best, best_rate, best_bin = 0, 0.0, None
+        last: dict[int, int] = {}       # bin -> the most rows m in it
+        tokens = float(n)
+        for m, v in enumerate(values, 1):
+            if v <= 0:
+                break
+            tokens += v
+            at = (n + m) // w
+            last[at] = m
+            if m < len(values) and (n + m + 1) // w == at and values[m] > 0:
+                continue                # the bin's last m only: the same cost, more tokens
+            t = self._cost(bins, at, t_off, n)
+            if t is None:
+                break                   # past what may be tried (its last m is kept)
+            if t > 0 and tokens / t > floor:
+                # a bin measured less often gets the benefit of the doubt (BONUS), so that a
+                # close call is measured again; against off, only the measured rate counts
+                seen = bins[at][2] if at in bins else 0
+                rate = tokens / t * (1 + self.BONUS / min(8, 1 + seen) ** 0.5)
+                if rate > best_rate:
+                    best, best_rate, best_bin = m, rate, at
+                    self.expected = tokens / t / off_rate if off_rate > 0 else 1.0
+        step = 0 if b is None else b[4] + 1
+        if best and step % self.EXPLORE == self.EXPLORE // 2:
+            best = last.get(best_bin + 1, best)     # measure the bin above again
+        elif not best and step % self.EXPLORE == 0 and b is not None:
+            best = last.get((n + 1) // w, 0)        # the A/B's probe: the first bin
+        return best
 
     def observe(self, num_seqs: int, drafted: bool, tokens: int, seconds: float,
                 rows: int | None = None) -> None:
@@ -119,14 +189,25 @@ class CostGate:
             return
         b = self._bucket(num_seqs)
         i = 0 if drafted else 1
-        rate = tokens / seconds
-        b[i] = rate if b[i + 2] == 0 else b[i] + self.ALPHA * (rate - b[i])
+        window = b[5 + i]
+        window.append((seconds, tokens))
+        if len(window) > self.WINDOW:
+            del window[0]
+        stall = 2 * sorted(window)[len(window) // 2][0]     # twice the median step
+        kept = [(s, t) for s, t in window if s <= stall]
+        b[i] = sum(t for _, t in kept) / sum(s for s, _ in kept)
         b[i + 2] += 1
-        x = float(rows if rows is not None else num_seqs)
-        f = self.fits.setdefault(num_seqs.bit_length(), [0.0] * 5)
-        keep = 1.0 - self.FIT
-        for j, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
-            f[j] = f[j] * keep + v
+        if drafted:
+            x = float(rows if rows is not None else num_seqs)
+            c = self.costs.setdefault(num_seqs.bit_length(), {}).setdefault(
+                int(x) // self.width(num_seqs), [seconds, x, 0, []])
+            c[1] += self.ALPHA * (x - c[1])
+            c[2] += 1
+            last = c[3]
+            last.append(seconds)
+            if len(last) > self.KEEP:
+                del last[0]
+            c[0] = sorted(last)[(len(last) - 1) // 2]   # a median: a stall moves it little
 
     def preferred(self, num_running: int) -> bool | None:
         """What the figures say for this batch size (None: not measured yet): for tests."""
@@ -155,7 +236,8 @@ class Speculation:
     """Drafts for decodes, up to `k` each, from `drafter`; off for a step whose batch has
     `disable_by_batch_size` running sequences or more (compute-bound: verifying costs real
     work), and, with `gate`, off for a step where the gate's measurements say drafts lose,
-    and per sequence no longer than its measured acceptance pays for (CostGate).
+    else as many draft rows as its measured costs pay for, given to the drafts most likely
+    to hold by each sequence's measured acceptance (CostGate).
     `counters` add up what the steps verified."""
 
     PRIOR = 2.0      # a sequence's acceptance starts as this many passes at the global rate
@@ -169,29 +251,48 @@ class Speculation:
         self.gate = gate
         self.held: dict[str, list[int]] = {}   # seq id -> [drafts that held, that did not]
         self.total = [0, 0]                    # the same over every sequence
-        self._threshold = 0.0                  # this step's (CostGate.threshold)
-        self._cap: int | None = None           # sequences that may still draft this step
+        self._threshold = 0.0                  # the value a draft needs this step (gate)
+        self._cap: int | None = None           # draft rows this step may still carry (gate)
         self._last_result: float | None = None  # when the last step's result came
 
-    def on_for(self, num_running: int) -> bool:
-        """Whether this step drafts at all (and, with the gate, the step's threshold)."""
-        if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+    def on_for(self, running: list[Sequence]) -> bool:
+        """Whether this step drafts at all (and, with the gate, the step's draft rows and
+        the value a draft must have to get one)."""
+        n = len(running)
+        if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size:
             return False
         if self.gate is None:
             return True
-        if not self.gate.decide(num_running):
+        values = self._values(running)
+        m = self.gate.rows(n, values)
+        if not self.gate.decide(n):
             return False
-        t = self.gate.threshold(num_running)
-        self._threshold = 0.0 if t is None else t
-        self._cap = self.gate.warm_cap(num_running)
-        return True
+        self._threshold = values[m - 1] if m else 1.0
+        self._cap = m
+        return m > 0
 
-    def would_draft(self, num_running: int) -> bool:
+    def would_draft(self, running: list[Sequence]) -> bool:
         """Whether the next step's `on_for` will let it draft (AsyncScheduler: such a step
         waits for the running one instead of being planned ahead)."""
-        if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+        n = len(running)
+        if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size:
             return False
-        return self.gate is None or self.gate.would_decide(num_running)
+        if self.gate is None:
+            return True
+        # (the A/B first: it reads the last step's expectation, and costs nothing)
+        return self.gate.would_decide(n) and self.gate.rows(n, self._values(running)) > 0
+
+    def _values(self, running: list[Sequence]) -> list[float]:
+        """The expected tokens of each draft the running sequences could carry (q**j for a
+        sequence's j-th, computed as draft_len does), highest first."""
+        out: list[float] = []
+        for seq in running:
+            q, p = self.acceptance(seq.id), 1.0
+            for _ in range(self.k):
+                p *= q
+                out.append(p)
+        out.sort(reverse=True)
+        return out
 
     def acceptance(self, seq_id: str) -> float:
         """The probability that a draft of this sequence holds, from its verify passes
@@ -236,14 +337,12 @@ class Speculation:
         # grammar walked through the drafts before it, gpu/grammar.py draft_masks)
         k = min(self.k, stop.tokens_left(seq, len(seq.token_ids)) - 1, budget - 1)
         if self.gate is not None and k > 0:
-            if self._cap is not None and self._cap <= 0:
-                return ()
-            k = draft_len(self.acceptance(seq.id), self._threshold, k)
+            k = min(draft_len(self.acceptance(seq.id), self._threshold, k), self._cap or 0)
         if k <= 0:
             return ()
         drafts = self.drafter.propose(seq.id, seq.token_ids, k)
         if drafts and self._cap is not None:
-            self._cap -= 1
+            self._cap -= len(drafts)
         return drafts
 
     def verified(self, seq: Sequence, drafts: int, accepted: int) -> None:

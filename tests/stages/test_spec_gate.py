@@ -1,0 +1,123 @@
+"""Speculative decoding's cost gate (stages/schedule/spec.py CostGate) on synthetic step
+times: no clock is read, each step's time is a function of its rows. A step's cost that
+jumps at a row limit (the CPU's packed kernels past 48 rows) keeps the drafts under it;
+a compute-bound line turns drafts off; a memory-bound one drafts K; drafts that measure
+slower than off are vetoed whatever the costs expect; a passing stall does not turn
+drafts off; the rows go to the sequences whose drafts hold."""
+from types import SimpleNamespace
+
+from stages.schedule.spec import CostGate, SpecCounters, Speculation, draft_len
+
+
+def values(qs, k):
+    """The expected tokens of each draft (Speculation._values), highest first."""
+    out = []
+    for q in qs:
+        p = 1.0
+        for _ in range(k):
+            p *= q
+            out.append(p)
+    return sorted(out, reverse=True)
+
+
+def drive(gate, steps, n, qs, k, cost, held=None):
+    """Steps of n sequences: the gate decides and picks the draft rows, the step costs
+    cost(rows) seconds and yields n tokens plus the expected tokens of its drafts (or
+    `held`'s: the tokens its drafts really yield). Returns each step's draft rows."""
+    vals = values(qs, k)
+    out = []
+    for _ in range(steps):
+        m = gate.rows(n, vals)
+        m = m if gate.decide(n) else 0
+        gained = sum(vals[:m]) if held is None else held(m)
+        gate.observe(n, m > 0, n + round(gained), cost(n + m), n + m)
+        out.append(m)
+    return out
+
+
+def kernel_step(rows):
+    """Cheap rows up to 48 (one packed pass over the weights), then dequantize + GEMM:
+    2 ms more a row (the 32-stream CPU step's shape)."""
+    return 0.090 + 0.0002 * rows if rows <= 48 else 0.120 + 0.002 * (rows - 48)
+
+
+def test_drafts_stay_under_the_kernels_row_limit():
+    gate = CostGate()
+    rows = drive(gate, 200, 32, [0.6] * 32, 3, kernel_step)
+    late = rows[40:]
+    assert sum(m > 0 for m in late) >= 0.9 * len(late)     # the cheap rows are used
+    over = [m for m in late if 32 + m > 48]
+    assert len(over) <= len(late) / CostGate.EXPLORE + 2    # past the limit: probes only
+    # and the gain is real: tokens per second over off's
+    on = sum(32 + sum(values([0.6] * 32, 3)[:m]) for m in late) / sum(kernel_step(32 + m) for m in late)
+    assert on > 1.1 * 32 / kernel_step(32)
+
+
+def test_a_compute_bound_step_does_not_draft():
+    gate = CostGate()
+    rows = drive(gate, 200, 32, [0.6] * 32, 3, lambda r: 0.003 * r)   # every row costs alike
+    late = rows[40:]
+    assert sum(m > 0 for m in late) <= len(late) / CostGate.EXPLORE + 2
+
+
+def test_one_memory_bound_stream_drafts_k():
+    gate = CostGate()
+    rows = drive(gate, 120, 1, [0.8], 3, lambda r: 0.030 + 0.0005 * r)
+    late = rows[20:]
+    assert sum(m == 3 for m in late) >= 0.9 * len(late)
+
+
+def test_drafts_that_measure_slower_are_vetoed():
+    # the costs expect a gain (acceptance 0.9, cheap rows), but no draft ever holds: the
+    # A/B's rates with drafts fall under off's, and the bucket stops drafting; the two
+    # disagree, so it tries again one step in a quarter of EXPLORE
+    gate = CostGate()
+    rows = drive(gate, 200, 8, [0.9] * 8, 3, lambda r: 0.020 + 0.001 * r, held=lambda m: 0)
+    late = rows[40:]
+    assert gate.preferred(8) is False
+    assert sum(m > 0 for m in late) <= len(late) / (CostGate.EXPLORE // 4) + 2
+    # measured acceptance that agrees (drafts seldom hold): one step in EXPLORE
+    gate = CostGate()
+    rows = drive(gate, 200, 8, [0.2] * 8, 3, lambda r: 0.020 + 0.001 * r, held=lambda m: 0)
+    assert sum(m > 0 for m in rows[40:]) <= len(rows[40:]) / CostGate.EXPLORE + 2
+
+
+def test_a_passing_stall_does_not_turn_drafts_off():
+    gate = CostGate()
+    drive(gate, 60, 1, [0.8], 3, lambda r: 0.030 + 0.0005 * r)
+    stalls = iter([0.5, 0.5])       # two steps of 0.5 s (another process), then as before
+    rows = drive(gate, 60, 1, [0.8], 3, lambda r: next(stalls, 0.030 + 0.0005 * r))
+    assert sum(m == 3 for m in rows[2:]) >= 0.9 * len(rows[2:])
+
+
+def test_the_rows_go_to_the_sequences_whose_drafts_hold():
+    class Drafter:
+        def propose(self, seq_id, token_ids, k):
+            return (5,) * k
+
+        def forget(self, seq_id):
+            pass
+
+    spec = Speculation(Drafter(), 3, None, SpecCounters(3), CostGate())
+    opts = SimpleNamespace(thinking_token_budget=None)
+    seqs = [SimpleNamespace(id=f"s{i}", token_ids=[1, 2, 3], num_pending=0, end_len=100,
+                            req=SimpleNamespace(sampling=SimpleNamespace(options=opts)),
+                            spec_drafts=0, spec_draft_tokens=0, spec_accepted=0)
+            for i in range(8)]
+    for i, seq in enumerate(seqs):       # s0-s3 copy (drafts hold), s4-s7 do not
+        for _ in range(10):
+            spec.verified(seq, 3, 3 if i < 4 else 0)
+    gate = spec.gate
+    gate.rows = lambda n, vals: 6      # the costs pay for 6 draft rows
+    gate.decide = lambda n: True
+    assert spec.on_for(seqs)
+    got = [len(spec.drafts(seq, 64)) for seq in seqs]
+    assert sum(got) == 6
+    # the 6 best: each copying sequence's first and second drafts (q, q**2 > q**3)
+    assert all(g == 0 for g in got[4:]) and max(got) == 2
+
+
+def test_draft_len():
+    assert draft_len(0.9, 0.0, 3) == 3
+    assert draft_len(0.5, 0.3, 3) == 1      # 0.5 >= 0.3 > 0.25
+    assert draft_len(0.2, 0.3, 3) == 0
