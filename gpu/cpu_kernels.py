@@ -54,13 +54,24 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(cc: str, source: Path = _SOURCE) -> Path:
-    """The shared object for this source, compiler and CPU (built now unless cached)."""
+def _with_includes(source: Path, seen: set | None = None) -> bytes:
+    """The source and every file it #includes from gpu/, nested ones too (gpu/cpu_layer.c
+    includes cpu_quant.c, which includes cpu_quant_gemm.c): all of them are part of the key."""
+    seen = set() if seen is None else seen
+    seen.add(source)
     src = source.read_bytes()
-    # a file it #includes from gpu/ (gpu/cpu_layer.c includes cpu_quant.c) is part of the key
+    out = src
     for line in src.decode().splitlines():
         if line.startswith('#include "'):
-            src += (source.parent / line.split('"')[1]).read_bytes()
+            inc = source.parent / line.split('"')[1]
+            if inc not in seen:
+                out += _with_includes(inc, seen)
+    return out
+
+
+def _build(cc: str, source: Path = _SOURCE) -> Path:
+    """The shared object for this source, compiler and CPU (built now unless cached)."""
+    src = _with_includes(source)
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.is_file():

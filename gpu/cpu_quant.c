@@ -512,6 +512,8 @@ int cpu_quant_set_fused(int max_m) {
     return FUSED;
 }
 
+#include "cpu_quant_gemm.c"
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N]), W [N, row_bytes] packed
  * in format fmt. K a multiple of the format's block (and so of the vector width). Returns -1 for
  * arguments it does not take (nothing written). */
@@ -520,6 +522,25 @@ int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, in
     if (!block_bytes(fmt) || K % block_elems(fmt) || row_bytes != K / block_elems(fmt) * block_bytes(fmt)
         || K > (1 << 16))
         return -1;
+    if (use_gemm(M)) {
+#pragma omp parallel
+        {
+            float *buf = aligned_alloc(64, sizeof(float) * GEMM_BUF_FLOATS);
+            const uint8_t *rows[NP];
+            int fmts[NP];
+#pragma omp for schedule(static)
+            for (int64_t n0 = 0; n0 < N; n0 += NP) {
+                const int nr = N - n0 < NP ? (int)(N - n0) : NP;
+                for (int j = 0; j < nr; j++) rows[j] = w + (n0 + j) * row_bytes, fmts[j] = fmt;
+                gemm_panel(rows, fmts, nr, x, ldx, M, K, y + n0, ldy, buf);
+                if (bias)
+                    for (int64_t m = 0; m < M; m++)
+                        for (int j = 0; j < nr; j++) y[m * ldy + n0 + j] += bias[n0 + j];
+            }
+            free(buf);
+        }
+        return 0;
+    }
     const int64_t tiles = (N + NR - 1) / NR;
     const int fused = use_fused(fmt, M);
 #pragma omp parallel

@@ -46,6 +46,8 @@ class QuantKernels:
         lib.cpu_quant_block_bytes.argtypes = lib.cpu_quant_block_elems.argtypes = [_INT]
         lib.cpu_quant_set_fused.restype = lib.cpu_quant_fused_max_m.restype = _INT
         lib.cpu_quant_set_fused.argtypes = [_INT]
+        lib.cpu_quant_set_gemm.restype = lib.cpu_quant_gemm_max_m.restype = lib.cpu_quant_gemm_min_m.restype = _INT
+        lib.cpu_quant_set_gemm.argtypes = [_INT, _INT]
         self._lib = lib
         self.vector_width = lib.cpu_quant_vector_width()
 
@@ -60,6 +62,17 @@ class QuantKernels:
         the default (gpu/cpu_quant.c FUSED_MAX_M_DEFAULT). Returns
         whether this build has them. Tests and A/B runs only; not while a product runs."""
         return bool(self._lib.cpu_quant_set_fused(int(max_m)))
+
+    @property
+    def gemm_rows(self) -> tuple[int, int]:
+        """(fewest, most) rows a call that take the GEMM tiles (most 0: none)."""
+        return self._lib.cpu_quant_gemm_min_m(), self._lib.cpu_quant_gemm_max_m()
+
+    def set_gemm(self, max_m: int, min_m: int = -1) -> bool:
+        """Calls of min_m..max_m rows take the outer-product GEMM tiles (AVX-512 builds;
+        gpu/cpu_quant_gemm.c), max_m 0 for none, -1 for the defaults. Returns whether this
+        build has them. Tests and A/B runs only; not while a product runs."""
+        return bool(self._lib.cpu_quant_set_gemm(int(min_m), int(max_m)))
 
     def block(self, fmt: int) -> tuple[int, int]:
         """(elements, bytes) of one block of format fmt; (0, 0) for one it does not take."""

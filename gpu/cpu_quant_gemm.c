@@ -1,0 +1,162 @@
+/* The outer-product GEMM tiles of gpu/cpu_quant.c (issue 39), #included by it: for batches of
+ * rows (GEMM_MIN_M_DEFAULT up to gemm_max_m) and every format, with AVX-512 only.
+ *
+ * A thread takes a panel of NP = 32 weight rows (output columns) and, one K-chunk of GKC at a
+ * time, dequantizes it (dequant_row: exactly gguf-py's values) into a row-major stage, then
+ * transposes it 16 x 16 in registers into a k-major panel [kc][NP] (for each k the 32 weights
+ * contiguous: two vectors). Then for each group of up to GMR rows of x: for each k, the two
+ * panel vectors times x[m, k] broadcast, for each of the group's rows (GMR x 2 accumulators,
+ * no horizontal sums). Each weight is dequantized once per call whatever M. Every output sums
+ * its products in k order within a chunk, one fp32 FMA each, and the chunks' sums in order:
+ * not the dot-product tiles' order (lane-wise, then a tree), so equal to them up to fp32
+ * rounding, not bit for bit.
+ */
+#if defined(__AVX512F__)
+#define GEMM 1
+#define NP 32         /* output columns a panel: two vectors */
+#ifndef GKC
+#define GKC 256       /* K-chunk: a multiple of every block (256); stage + panel 2 x 32 KB */
+#endif
+#ifndef GMR
+#define GMR 14        /* rows of x a group: 28 accumulators + 2 weight vectors of the 32 zmm */
+#endif
+#ifndef GEMM_MIN_M_DEFAULT
+#define GEMM_MIN_M_DEFAULT 8
+#endif
+#ifndef GEMM_MAX_M_DEFAULT
+#define GEMM_MAX_M_DEFAULT 48
+#endif
+#define GEMM_BUF_FLOATS (2 * NP * GKC + 16)
+
+/* 16 rows of 16 floats (src, stride lds) -> their transpose (dst, stride ldd) */
+static inline void transpose16(const float *restrict src, int64_t lds, float *restrict dst, int64_t ldd) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * lds);
+    for (int i = 0; i < 16; i += 2) {   /* pairs of rows interleaved per 128-bit lane */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int q = 0; q < 16; q += 4) {   /* r[q + s] lane L: column 4 L + s of rows q..q+3 */
+        r[q] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[q]), _mm512_castps_pd(t[q + 2])));
+        r[q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[q]), _mm512_castps_pd(t[q + 2])));
+        r[q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[q + 1]), _mm512_castps_pd(t[q + 3])));
+        r[q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[q + 1]), _mm512_castps_pd(t[q + 3])));
+    }
+    for (int s = 0; s < 4; s++) {       /* column 4 L + s: lane L of r[s], r[4 + s], r[8 + s], r[12 + s] */
+        const __m512 v0 = _mm512_shuffle_f32x4(r[s], r[4 + s], 0x44), v1 = _mm512_shuffle_f32x4(r[s], r[4 + s], 0xEE);
+        const __m512 v2 = _mm512_shuffle_f32x4(r[8 + s], r[12 + s], 0x44);
+        const __m512 v3 = _mm512_shuffle_f32x4(r[8 + s], r[12 + s], 0xEE);
+        _mm512_storeu_ps(dst + s * ldd, _mm512_shuffle_f32x4(v0, v2, 0x88));
+        _mm512_storeu_ps(dst + (4 + s) * ldd, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+        _mm512_storeu_ps(dst + (8 + s) * ldd, _mm512_shuffle_f32x4(v1, v3, 0x88));
+        _mm512_storeu_ps(dst + (12 + s) * ldd, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+    }
+}
+
+/* rows[j] (j < nr, format fmts[j]) over [k0, k0 + kc) -> panel [kc][NP] (columns nr.. zero) */
+static void gemm_fill(const uint8_t *const *rows, const int *fmts, int nr, int64_t k0, int64_t kc,
+                      float *restrict stage, float *restrict panel) {
+    for (int j = 0; j < nr; j++)
+        dequant_row(fmts[j], rows[j] + k0 / block_elems(fmts[j]) * block_bytes(fmts[j]), kc, stage + j * GKC);
+    for (int j = nr; j < NP; j++) memset(stage + j * GKC, 0, sizeof(float) * (size_t)kc);
+    for (int64_t kk = 0; kk < kc; kk += 16)
+        for (int j0 = 0; j0 < NP; j0 += 16) transpose16(stage + j0 * GKC + kk, GKC, panel + kk * NP + j0, NP);
+}
+
+/* y[i, 0..NP) (+)= sum over k < kc of x[i, k] panel[k] for i < mr (constant in each
+ * instantiation): the chunk's sum in k order from 0, then stored (first) or added to y's
+ * (the chunks' sums added in order: error ~ GKC + K / GKC roundings, not K); m0, m1: the
+ * columns stored */
+static inline __attribute__((always_inline)) void gkern(const float *restrict x, int64_t ldx, const int mr,
+                                                        const float *restrict p, int64_t kc, float *restrict y,
+                                                        int64_t ldy, int first, __mmask16 m0, __mmask16 m1) {
+    __m512 a0[GMR], a1[GMR];
+    for (int i = 0; i < mr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
+        const __m512 w0 = _mm512_load_ps(p + k * NP), w1 = _mm512_load_ps(p + k * NP + 16);
+        for (int i = 0; i < mr; i++) {
+            const __m512 xb = _mm512_set1_ps(x[i * ldx + k]);
+            a0[i] = _mm512_fmadd_ps(xb, w0, a0[i]);
+            a1[i] = _mm512_fmadd_ps(xb, w1, a1[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        if (!first) {
+            a0[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, y + i * ldy), a0[i]);
+            a1[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, y + i * ldy + 16), a1[i]);
+        }
+        _mm512_mask_storeu_ps(y + i * ldy, m0, a0[i]);
+        _mm512_mask_storeu_ps(y + i * ldy + 16, m1, a1[i]);
+    }
+}
+
+#define GK(MRV) case MRV: gkern(x, ldx, MRV, p, kc, y, ldy, first, m0, m1); return;
+static void gkern_any(const float *x, int64_t ldx, int mr, const float *p, int64_t kc, float *y, int64_t ldy,
+                      int first, __mmask16 m0, __mmask16 m1) {
+    switch (mr) {
+    GK(1) GK(2) GK(3) GK(4) GK(5) GK(6) GK(7) GK(8)
+#if GMR > 8
+    GK(9) GK(10)
+#endif
+#if GMR > 10
+    GK(11) GK(12)
+#endif
+#if GMR > 12
+    GK(13) GK(14)
+#endif
+    }
+}
+
+/* y [M, nr] (stride ldy) = x [M, K] (stride ldx) @ rows^T for nr <= NP packed rows (any formats);
+ * buf: GEMM_BUF_FLOATS floats of this thread's */
+static void gemm_panel(const uint8_t *const *rows, const int *fmts, int nr, const float *x, int64_t ldx, int64_t M,
+                       int64_t K, float *y, int64_t ldy, float *buf) {
+    float *stage = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63), *panel = stage + NP * GKC;
+    const __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
+    const __mmask16 m1 = nr >= 32 ? 0xffff : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
+    const int64_t groups = (M + GMR - 1) / GMR;
+    for (int64_t k0 = 0; k0 < K; k0 += GKC) {
+        const int64_t kc = K - k0 < GKC ? K - k0 : GKC;
+        gemm_fill(rows, fmts, nr, k0, kc, stage, panel);
+        for (int64_t g = 0, m = 0; g < groups; g++) {   /* groups of (nearly) equal rows */
+            const int mr = (int)((M - m + (groups - g) - 1) / (groups - g));
+            gkern_any(x + m * ldx + k0, ldx, mr, panel, kc, y + m * ldy, ldy, k0 == 0, m0, m1);
+            m += mr;
+        }
+    }
+}
+#else
+#define GEMM 0
+#define NP 4
+#define GEMM_MIN_M_DEFAULT 0
+#define GEMM_MAX_M_DEFAULT 0
+#define GEMM_BUF_FLOATS 0
+static void gemm_panel(const uint8_t *const *rows, const int *fmts, int nr, const float *x, int64_t ldx, int64_t M,
+                       int64_t K, float *y, int64_t ldy, float *buf) {
+    (void)rows; (void)fmts; (void)nr; (void)x; (void)ldx; (void)M; (void)K; (void)y; (void)ldy; (void)buf;
+}
+#endif
+
+/* Calls of gemm_min_m..gemm_max_m rows take the GEMM tiles. TAILRACE_CPU_QUANT_GEMM in the
+ * environment of the first call: 0 turns them off, a number sets the most rows. */
+static int64_t gemm_min_m = GEMM_MIN_M_DEFAULT, gemm_max_m = -1;
+static inline int use_gemm(int64_t M) {
+    if (gemm_max_m < 0) {
+        const char *e = getenv("TAILRACE_CPU_QUANT_GEMM");
+        gemm_max_m = e && e[0] >= '0' && e[0] <= '9' ? atoi(e) : GEMM_MAX_M_DEFAULT;
+    }
+    return GEMM && M >= gemm_min_m && M <= gemm_max_m;
+}
+/* the fewest and the most rows that take the GEMM tiles now (max 0: none) */
+int cpu_quant_gemm_max_m(void) {
+    (void)use_gemm(1);
+    return GEMM ? (int)gemm_max_m : 0;
+}
+int cpu_quant_gemm_min_m(void) { return (int)gemm_min_m; }
+/* rows min_m..max_m take the GEMM tiles (max_m 0: none; -1: the defaults); tests and A/B runs,
+ * not while a product runs. Returns whether this build has them. */
+int cpu_quant_set_gemm(int min_m, int max_m) {
+    gemm_min_m = min_m < 0 ? GEMM_MIN_M_DEFAULT : min_m;
+    gemm_max_m = max_m < 0 ? GEMM_MAX_M_DEFAULT : max_m;
+    return GEMM;
+}

@@ -1,0 +1,76 @@
+"""gpu/cpu_quant.c's kernels for one packed linear call, A/B alternating in one process (a
+shared machine: each round times every variant once, best of --calls calls; the best round
+is reported): the outer-product GEMM tiles (gpu/cpu_quant_gemm.c), the fused small-M tiles,
+the buffered dot-product tiles, and the large-M path (dequantize in C + torch's fp32 GEMM),
+at SmolLM2's shapes.
+
+    .venv/bin/python scripts/bench_cpu_quant_gemm.py --threads 1 --rows 8 16 32 48 64 128 256
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gpu import cpu_quant
+
+SHAPES = [(960, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1"), (49152, 576, "Q8_0")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 48, 64, 128, 256])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))))
+    ap.add_argument("--variants", nargs="+", default=["gemm", "fused", "buffered", "torch"])
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    k = cpu_quant.kernels()
+    print(f"threads {a.threads}, ISA {cpu_quant.isa()}")
+    rng = np.random.default_rng(0)
+    for si in a.shapes:
+        n, kdim, qtype = SHAPES[si]
+        fmt = int(gguf.GGMLQuantizationType[qtype])
+        w = rng.standard_normal((n, kdim)).astype(np.float32) * 0.02
+        q = torch.from_numpy(gguf.quants.quantize(w, fmt).copy())
+        scratch = torch.empty(n, kdim)
+        for m in a.rows:
+            x, y = torch.randn(m, kdim), torch.empty(m, n)
+
+            def kernel(gemm: int, fused: int):
+                def f():
+                    k.set_gemm(gemm, 1)
+                    k.set_fused(fused)
+                    k.matmul(fmt, q, x, y)
+                return f
+
+            def large():
+                k.dequantize(fmt, q, kdim, scratch)
+                F.linear(x, scratch)
+
+            fs = {"gemm": kernel(10 ** 6, 0), "fused": kernel(0, 10 ** 6), "buffered": kernel(0, 0), "torch": large}
+            best = {v: float("inf") for v in a.variants}
+            for _ in range(a.rounds):
+                for v in a.variants:
+                    f = fs[v]
+                    f()
+                    t = time.perf_counter()
+                    for _ in range(a.calls):
+                        f()
+                    best[v] = min(best[v], (time.perf_counter() - t) / a.calls)
+            ref = best[a.variants[0]]
+            cols = "  ".join(f"{v} {t * 1e3:7.3f} ms ({t / ref:4.2f}x)" for v, t in best.items())
+            print(f"[{m:3d} x {kdim} x {n:5d}] {qtype}: {cols}  {a.variants[0]} {2 * m * n * kdim / ref / 1e9:4.0f} GF/s",
+                  flush=True)
+    k.set_gemm(-1)
+    k.set_fused(-1)
+
+
+if __name__ == "__main__":
+    main()
