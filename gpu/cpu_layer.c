@@ -97,9 +97,28 @@ static inline void lin_tile(const Lin *l, int64_t n0, int nr, const float *x, in
             for (int j = 0; j < nr; j++) y[m * ldy + j] += l->bias[n0 + j];
 }
 
+/* rows [n0, n0 + nr) of W, nr <= NP, by the GEMM tiles (gpu/cpu_quant_gemm.c) -> y, + bias */
+static void lin_panel(const Lin *l, int64_t n0, int nr, const float *x, int64_t M, float *y, int64_t ldy,
+                      float *buf) {
+    const uint8_t *rows[NP];
+    int fmts[NP];
+    for (int j = 0; j < nr; j++) rows[j] = lin_row(l, n0 + j, fmts + j);
+    gemm_panel(rows, fmts, nr, x, l->K, M, l->K, y, ldy, buf);
+    if (l->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < nr; j++) y[m * ldy + j] += l->bias[n0 + j];
+}
+
 /* y [M, N] = x [M, K] @ W^T (+ bias), both contiguous; inside the parallel region (its barrier
- * at the end). buf: this thread's 2 NR K floats for the dequantized rows. */
+ * at the end). buf: this thread's 2 NR K floats for the dequantized rows (GEMM_BUF_FLOATS for
+ * the GEMM tiles). */
 static void lin_apply(const Lin *l, const float *x, int64_t M, float *y, float *buf) {
+    if (use_gemm(M)) {
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < l->N; n0 += NP)
+            lin_panel(l, n0, l->N - n0 < NP ? (int)(l->N - n0) : NP, x, M, y + n0, l->N, buf);
+        return;
+    }
     const int64_t tiles = (l->N + NR - 1) / NR;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -114,6 +133,17 @@ static inline float silu_mul(float g, float u);
  * and up rows together, so that no [M, 2I] product is stored nor waited for. */
 static void glu_apply(const Lin *l, const float *x, int64_t M, float *act, float *buf, float *yg, float *yu) {
     const int64_t I = l->N / 2, K = l->K, tiles = (I + NR - 1) / NR;
+    if (use_gemm(M)) {   /* yg, yu: [M, NP] */
+#pragma omp for schedule(static)
+        for (int64_t j0 = 0; j0 < I; j0 += NP) {
+            const int nr = I - j0 < NP ? (int)(I - j0) : NP;
+            lin_panel(l, j0, nr, x, M, yg, NP, buf);
+            lin_panel(l, I + j0, nr, x, M, yu, NP, buf);
+            for (int64_t m = 0; m < M; m++)
+                for (int j = 0; j < nr; j++) act[m * I + j0 + j] = silu_mul(yg[m * NP + j], yu[m * NP + j]);
+        }
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t j0 = t * NR;
@@ -355,8 +385,10 @@ int cpu_layers_decode(const Model *md, const Step *st) {
     }
     const int nt = omp_get_max_threads();
     const int64_t G = Hq / Hkv, nqkv = (Hq + 2 * Hkv) * Dh;
-    /* per thread: 2 NR kmax dequantized rows, scores, its residual and h, two [M, NR] tiles */
-    const int64_t per_thread = 2 * NR * kmax + G * max_len + 2 * M * D + 2 * M * NR + 16;
+    /* per thread: 2 NR kmax dequantized rows (or the GEMM tiles' stage and panel), scores, its
+     * residual and h, two [M, NP] tiles */
+    const int64_t nbuf = 2 * NR * kmax > GEMM_BUF_FLOATS ? 2 * NR * kmax : GEMM_BUF_FLOATS;
+    const int64_t per_thread = nbuf + G * max_len + 2 * M * D + 2 * M * (NP > NR ? NP : NR) + 16;
     const size_t need = (size_t)(M * (D + nqkv + 2 * Hq * Dh + I) + nt * per_thread + 64);
     if (need > arena_floats) {
         float *a = realloc(arena, need * sizeof(float));
@@ -366,12 +398,14 @@ int cpu_layers_decode(const Model *md, const Step *st) {
     }
     float *xb = arena, *qkv = xb + M * D, *q = qkv + M * nqkv, *att = q + M * Hq * Dh, *act = att + M * Hq * Dh;
     float *thread_base = act + M * I;
-    (void)use_fused(Q4_0, 1);   /* reads the environment once, before the threads do */
+    (void)use_fused(Q4_0, 1);   /* read the environment once, before the threads do */
+    (void)use_gemm(1);
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num();
-        float *buf = thread_base + tid * per_thread, *scores = buf + 2 * NR * kmax;
-        float *residual = scores + G * max_len, *h = residual + M * D, *yg = h + M * D, *yu = yg + M * NR;
+        float *buf = thread_base + tid * per_thread, *scores = buf + nbuf;
+        float *residual = scores + G * max_len, *h = residual + M * D, *yg = h + M * D;
+        float *yu = yg + M * (NP > NR ? NP : NR);
         for (int64_t i = 0; i < md->n_layers; i++) {
             const Layer *L = md->layers + i;
             add_norm(residual, i ? xb : st->x, i == 0, L->ln1, M, D, md->eps, h);

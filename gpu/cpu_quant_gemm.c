@@ -56,9 +56,15 @@ static inline void transpose16(const float *restrict src, int64_t lds, float *re
 /* rows[j] (j < nr, format fmts[j]) over [k0, k0 + kc) -> panel [kc][NP] (columns nr.. zero) */
 static void gemm_fill(const uint8_t *const *rows, const int *fmts, int nr, int64_t k0, int64_t kc,
                       float *restrict stage, float *restrict panel) {
+#ifdef GEMM_NOFILL
+    (void)rows; (void)fmts; (void)nr; (void)k0; (void)kc; (void)stage; (void)panel; return;
+#endif
     for (int j = 0; j < nr; j++)
         dequant_row(fmts[j], rows[j] + k0 / block_elems(fmts[j]) * block_bytes(fmts[j]), kc, stage + j * GKC);
     for (int j = nr; j < NP; j++) memset(stage + j * GKC, 0, sizeof(float) * (size_t)kc);
+#ifdef GEMM_NOTRANS
+    return;
+#endif
     for (int64_t kk = 0; kk < kc; kk += 16)
         for (int j0 = 0; j0 < NP; j0 += 16) transpose16(stage + j0 * GKC + kk, GKC, panel + kk * NP + j0, NP);
 }

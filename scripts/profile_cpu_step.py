@@ -29,6 +29,11 @@ the default where it applies) against the per-layer path (TAILRACE_FUSED_LAYERS=
 Q8_0 blocks in registers (the default) against dequantizing each weight row into a buffer first:
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --tiles fused buffered --num-seqs 1 --rounds 3 --no-profile
+
+--gemm on off (with gguf): gpu/cpu_quant_gemm.c's outer-product GEMM tiles at their default rows
+against none (the fused or buffered tiles then serve), or a number: up to that many rows:
+
+    .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --gemm on off --num-seqs 32 --rounds 3 --no-profile
 """
 from __future__ import annotations
 
@@ -61,7 +66,19 @@ def set_tiles(tiles: str) -> None:
         cpu_layer.library().cpu_quant_set_fused(max_m)
 
 
-def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, tiles: str = "fused"):
+def set_gemm(gemm: str) -> None:
+    """gpu/cpu_quant_gemm.c's GEMM tiles: "on" (the default rows), "off" (none) or a number:
+    the most rows (from 1), in both libraries that hold them."""
+    min_m, max_m = {"on": (-1, -1), "off": (-1, 0)}.get(gemm, (1, None))
+    max_m = int(gemm) if max_m is None else max_m
+    if cpu_quant.kernels() is not None:
+        cpu_quant.kernels().set_gemm(max_m, min_m)
+    if cpu_layer.library() is not None:
+        cpu_layer.library().cpu_quant_set_gemm(min_m, max_m)
+
+
+def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, tiles: str = "fused",
+                 gemm: str = "on"):
     """A runner with n sequences prefilled; returns decode(step) -> seconds."""
     c = lm.config
     cache = KVCache(c.num_hidden_layers, n * 17, bs, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
@@ -84,6 +101,7 @@ def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, 
         if lm.fused_decode is not None:   # gpu/cpu_layer.py: this runner's steps only
             lm.fused_decode.enabled = fused and path == "c"
         set_tiles(tiles)
+        set_gemm(gemm)
         t = time.perf_counter()
         # positions wrap inside the 17 blocks (272 slots) whatever the number of steps
         runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (5,), 128 + step % 128, tables[i], True)
@@ -109,6 +127,9 @@ def main() -> None:
                     help="gguf: few rows of Q4_0/Q4_1/Q8_0 dequantized in registers (fused: the default "
                          "row limit; or a number of rows), or each weight row dequantized into a buffer "
                          "first (buffered); bit-identical results")
+    ap.add_argument("--gemm", nargs="+", default=["on"],
+                    help="gguf: the outer-product GEMM tiles (gpu/cpu_quant_gemm.c) at their default "
+                         "rows (on), none (off), or up to a number of rows")
     a = ap.parse_args()
     print(cpu_threads())
     decoders = {}
@@ -120,10 +141,13 @@ def main() -> None:
             for path in a.paths:
                 for fused in a.fused if lm.model.fused_decode is not None else ["on"]:
                     for tiles in a.tiles if quant == "gguf" else ["fused"]:
-                        label = f", fused layers {fused}" if lm.model.fused_decode is not None else ""
-                        label += f", {tiles} tiles" if quant == "gguf" else ""
-                        decoders[f"{kind}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}{label}"] = \
-                            (make_decoder(lm.model, a.num_seqs, path=path, fused=fused == "on", tiles=tiles), [])
+                        for gemm in a.gemm if quant == "gguf" else ["on"]:
+                            label = f", fused layers {fused}" if lm.model.fused_decode is not None else ""
+                            label += f", {tiles} tiles, gemm {gemm}" if quant == "gguf" else ""
+                            decoders[f"{kind}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, "
+                                     f"{path}{label}"] = (make_decoder(lm.model, a.num_seqs, path=path,
+                                                                       fused=fused == "on", tiles=tiles,
+                                                                       gemm=gemm), [])
     layers = lm.model.config.num_hidden_layers
     step = 1
     for rnd in range(a.rounds):
