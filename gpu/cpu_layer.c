@@ -113,7 +113,7 @@ static void lin_panel(const Lin *l, int64_t n0, int nr, const float *x, int64_t 
  * at the end). buf: this thread's 2 NR K floats for the dequantized rows (GEMM_BUF_FLOATS for
  * the GEMM tiles). */
 static void lin_apply(const Lin *l, const float *x, int64_t M, float *y, float *buf) {
-    if (use_gemm(M)) {
+    if (use_gemm((int)l->fmt[0], M)) {   /* by the first segment's format (a merged qkv's q) */
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < l->N; n0 += NP)
             lin_panel(l, n0, l->N - n0 < NP ? (int)(l->N - n0) : NP, x, M, y + n0, l->N, buf);
@@ -133,7 +133,7 @@ static inline float silu_mul(float g, float u);
  * and up rows together, so that no [M, 2I] product is stored nor waited for. */
 static void glu_apply(const Lin *l, const float *x, int64_t M, float *act, float *buf, float *yg, float *yu) {
     const int64_t I = l->N / 2, K = l->K, tiles = (I + NR - 1) / NR;
-    if (use_gemm(M)) {   /* yg, yu: [M, NP] */
+    if (use_gemm((int)l->fmt[0], M)) {   /* yg, yu: [M, NP] */
 #pragma omp for schedule(static)
         for (int64_t j0 = 0; j0 < I; j0 += NP) {
             const int nr = I - j0 < NP ? (int)(I - j0) : NP;
@@ -399,7 +399,7 @@ int cpu_layers_decode(const Model *md, const Step *st) {
     float *xb = arena, *qkv = xb + M * D, *q = qkv + M * nqkv, *att = q + M * Hq * Dh, *act = att + M * Hq * Dh;
     float *thread_base = act + M * I;
     (void)use_fused(Q4_0, 1);   /* read the environment once, before the threads do */
-    (void)use_gemm(1);
+    (void)use_gemm(Q4_0, 1);
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num();

@@ -11,6 +11,9 @@
  * For Q4_0, Q4_1 and Q8_0 at few rows (FUSED_MAX_M_DEFAULT) the fused tiles skip the buffer:
  * each block is dequantized into registers and multiplied at once, MR rows of x at a time, with
  * software prefetch; the same values and sums in the same order, so bit-identical results.
+ * From GEMM_MIN_M_DEFAULT rows (Q8_0: GEMM_MIN_M_Q8_0) to GEMM_MAX_M_DEFAULT, with AVX-512, the
+ * outer-product GEMM tiles of gpu/cpu_quant_gemm.c serve instead (every format; not bit-identical:
+ * another order of the sums).
  * Vector width from the build: AVX-512 (16 lanes, 4x4 tile), AVX2+FMA (8 lanes, 2x4), else scalar.
  */
 #include <stdint.h>
@@ -522,7 +525,7 @@ int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, in
     if (!block_bytes(fmt) || K % block_elems(fmt) || row_bytes != K / block_elems(fmt) * block_bytes(fmt)
         || K > (1 << 16))
         return -1;
-    if (use_gemm(M)) {
+    if (use_gemm(fmt, M)) {
 #pragma omp parallel
         {
             float *buf = aligned_alloc(64, sizeof(float) * GEMM_BUF_FLOATS);

@@ -8,11 +8,13 @@ differ in format, as a Q4_K_M file's attn_v does). Its forward keeps nn.Linear's
 y = forward(x), so an additive term after it (LoRA's y = base(x) + lora(x)) wraps it as it
 wraps a Linear.
 
-Rows per call decide the kernel (`large_m`, measured in docs/kernels.md):
-- up to `large_m` rows: cpu_quant_matmul, which dequantizes each weight row once into L1
-  and multiplies it with every activation row in fp32 FMAs (decode, small batches);
-- more rows (prefill, big batches): the weight dequantized to fp32 in C, then torch's fp32
-  GEMM (oneDNN), whose blocking beats ours once the dequantization is amortized.
+Rows per call decide the kernel (`QuantKernels.large_m`, measured in docs/kernels.md):
+- up to `large_m` rows: cpu_quant_matmul, which dequantizes each weight row once (into
+  registers or L1; from 24 rows, with AVX-512, into k-major panels for its outer-product GEMM
+  tiles) and multiplies it with every activation row in fp32 FMAs;
+- more rows: the weight dequantized to fp32 in C, then torch's fp32 GEMM (oneDNN). With the
+  GEMM tiles `large_m` is their most rows (2048: they beat this path up to there), without
+  them LARGE_M (48: above that torch's blocking beats the dot-product tiles).
 Both compute with exactly gguf-py's dequantized values in fp32.
 """
 from __future__ import annotations
@@ -31,7 +33,8 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 # ggml type ids (gguf.GGMLQuantizationType) the kernels take, and their names
 FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-# rows per call above which a linear dequantizes and calls torch's GEMM (docs/kernels.md)
+# rows per call above which a linear dequantizes and calls torch's GEMM without the GEMM tiles
+# (docs/kernels.md); gpu/cpu_layer.py's decode stack takes up to this many rows
 LARGE_M = 48
 
 
@@ -48,8 +51,14 @@ class QuantKernels:
         lib.cpu_quant_set_fused.argtypes = [_INT]
         lib.cpu_quant_set_gemm.restype = lib.cpu_quant_gemm_max_m.restype = lib.cpu_quant_gemm_min_m.restype = _INT
         lib.cpu_quant_set_gemm.argtypes = [_INT, _INT]
+        lib.cpu_quant_gemm_min_m.argtypes = [_INT]
         self._lib = lib
         self.vector_width = lib.cpu_quant_vector_width()
+        self._set_large_m()
+
+    def _set_large_m(self) -> None:
+        # rows per call above which PackedLinear dequantizes and calls torch's GEMM
+        self.large_m = max(LARGE_M, self._lib.cpu_quant_gemm_max_m())
 
     @property
     def fused_max_m(self) -> int:
@@ -63,16 +72,19 @@ class QuantKernels:
         whether this build has them. Tests and A/B runs only; not while a product runs."""
         return bool(self._lib.cpu_quant_set_fused(int(max_m)))
 
-    @property
-    def gemm_rows(self) -> tuple[int, int]:
-        """(fewest, most) rows a call that take the GEMM tiles (most 0: none)."""
-        return self._lib.cpu_quant_gemm_min_m(), self._lib.cpu_quant_gemm_max_m()
+    def gemm_rows(self, fmt: int = 2) -> tuple[int, int]:
+        """(fewest, most) rows of format fmt a call that take the GEMM tiles ((0, 0): none)."""
+        most = self._lib.cpu_quant_gemm_max_m()
+        return (self._lib.cpu_quant_gemm_min_m(fmt), most) if most else (0, 0)
 
     def set_gemm(self, max_m: int, min_m: int = -1) -> bool:
         """Calls of min_m..max_m rows take the outer-product GEMM tiles (AVX-512 builds;
-        gpu/cpu_quant_gemm.c), max_m 0 for none, -1 for the defaults. Returns whether this
-        build has them. Tests and A/B runs only; not while a product runs."""
-        return bool(self._lib.cpu_quant_set_gemm(int(min_m), int(max_m)))
+        gpu/cpu_quant_gemm.c), max_m 0 for none, -1 for the default, min_m -1 for each
+        format's default; `large_m` follows. Returns whether this build has them. Tests and
+        A/B runs only; not while a product runs."""
+        has = bool(self._lib.cpu_quant_set_gemm(int(min_m), int(max_m)))
+        self._set_large_m()
+        return has
 
     def block(self, fmt: int) -> tuple[int, int]:
         """(elements, bytes) of one block of format fmt; (0, 0) for one it does not take."""
@@ -183,7 +195,7 @@ class PackedLinear(nn.Module):
             x = x.float()
         if x.dim() != 2 or x.stride(-1) != 1:
             x = x.reshape(-1, self.in_features).contiguous()
-        if x.shape[0] > LARGE_M:
+        if x.shape[0] > k.large_m:
             w = _scratch(self.out_features * self.in_features).view(self.out_features, self.in_features)
             for fmt, packed, start, stop, _ in self._calls():
                 k.dequantize(fmt, packed, self.in_features, w[start:stop])

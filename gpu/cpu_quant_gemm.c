@@ -1,5 +1,6 @@
 /* The outer-product GEMM tiles of gpu/cpu_quant.c (issue 39), #included by it: for batches of
- * rows (GEMM_MIN_M_DEFAULT up to gemm_max_m) and every format, with AVX-512 only.
+ * rows (from GEMM_MIN_M_DEFAULT, Q8_0 from GEMM_MIN_M_Q8_0, up to GEMM_MAX_M_DEFAULT) and every
+ * format, with AVX-512 only (without it the fused and buffered tiles serve every M).
  *
  * A thread takes a panel of NP = 32 weight rows (output columns) and, one K-chunk of GKC at a
  * time, dequantizes it (dequant_row: exactly gguf-py's values) into a row-major stage, then
@@ -20,11 +21,19 @@
 #ifndef GMR
 #define GMR 14        /* rows of x a group: 28 accumulators + 2 weight vectors of the 32 zmm */
 #endif
+/* Measured (docs/kernels.md, scripts/bench_cpu_quant_gemm.py and profile_cpu_step.py --gemm on
+ * Zen 5): below 24 rows the fused tiles win (the panel's dequantize + transpose costs more than
+ * re-dequantizing a block in registers per 6 rows); Q8_0's blocks dequantize so cheaply that
+ * its fused tiles win up to ~40 rows. Up to 2048 rows (the most measured) the GEMM tiles beat
+ * dequantize + torch's fp32 GEMM 1.4-4x, so gpu/cpu_quant.py takes them for prefill too. */
 #ifndef GEMM_MIN_M_DEFAULT
-#define GEMM_MIN_M_DEFAULT 8
+#define GEMM_MIN_M_DEFAULT 24
+#endif
+#ifndef GEMM_MIN_M_Q8_0
+#define GEMM_MIN_M_Q8_0 48
 #endif
 #ifndef GEMM_MAX_M_DEFAULT
-#define GEMM_MAX_M_DEFAULT 48
+#define GEMM_MAX_M_DEFAULT 2048
 #endif
 #define GEMM_BUF_FLOATS (2 * NP * GKC + 16)
 
@@ -56,15 +65,9 @@ static inline void transpose16(const float *restrict src, int64_t lds, float *re
 /* rows[j] (j < nr, format fmts[j]) over [k0, k0 + kc) -> panel [kc][NP] (columns nr.. zero) */
 static void gemm_fill(const uint8_t *const *rows, const int *fmts, int nr, int64_t k0, int64_t kc,
                       float *restrict stage, float *restrict panel) {
-#ifdef GEMM_NOFILL
-    (void)rows; (void)fmts; (void)nr; (void)k0; (void)kc; (void)stage; (void)panel; return;
-#endif
     for (int j = 0; j < nr; j++)
         dequant_row(fmts[j], rows[j] + k0 / block_elems(fmts[j]) * block_bytes(fmts[j]), kc, stage + j * GKC);
     for (int j = nr; j < NP; j++) memset(stage + j * GKC, 0, sizeof(float) * (size_t)kc);
-#ifdef GEMM_NOTRANS
-    return;
-#endif
     for (int64_t kk = 0; kk < kc; kk += 16)
         for (int j0 = 0; j0 < NP; j0 += 16) transpose16(stage + j0 * GKC + kk, GKC, panel + kk * NP + j0, NP);
 }
@@ -135,6 +138,7 @@ static void gemm_panel(const uint8_t *const *rows, const int *fmts, int nr, cons
 #define GEMM 0
 #define NP 4
 #define GEMM_MIN_M_DEFAULT 0
+#define GEMM_MIN_M_Q8_0 0
 #define GEMM_MAX_M_DEFAULT 0
 #define GEMM_BUF_FLOATS 0
 static void gemm_panel(const uint8_t *const *rows, const int *fmts, int nr, const float *x, int64_t ldx, int64_t M,
@@ -143,26 +147,30 @@ static void gemm_panel(const uint8_t *const *rows, const int *fmts, int nr, cons
 }
 #endif
 
-/* Calls of gemm_min_m..gemm_max_m rows take the GEMM tiles. TAILRACE_CPU_QUANT_GEMM in the
+/* Calls of gemm_min(fmt)..gemm_max_m rows take the GEMM tiles. TAILRACE_CPU_QUANT_GEMM in the
  * environment of the first call: 0 turns them off, a number sets the most rows. */
-static int64_t gemm_min_m = GEMM_MIN_M_DEFAULT, gemm_max_m = -1;
-static inline int use_gemm(int64_t M) {
+static int64_t gemm_min_m = -1, gemm_max_m = -1;   /* min -1: each format's default */
+static inline int64_t gemm_min(int fmt) {
+    return gemm_min_m >= 0 ? gemm_min_m : fmt == Q8_0 ? GEMM_MIN_M_Q8_0 : GEMM_MIN_M_DEFAULT;
+}
+static inline int use_gemm(int fmt, int64_t M) {
     if (gemm_max_m < 0) {
         const char *e = getenv("TAILRACE_CPU_QUANT_GEMM");
         gemm_max_m = e && e[0] >= '0' && e[0] <= '9' ? atoi(e) : GEMM_MAX_M_DEFAULT;
     }
-    return GEMM && M >= gemm_min_m && M <= gemm_max_m;
+    return GEMM && M >= gemm_min(fmt) && M <= gemm_max_m;
 }
-/* the fewest and the most rows that take the GEMM tiles now (max 0: none) */
+/* the fewest rows of format fmt and the most rows that take the GEMM tiles now (max 0: none) */
 int cpu_quant_gemm_max_m(void) {
-    (void)use_gemm(1);
+    (void)use_gemm(Q4_0, 1);
     return GEMM ? (int)gemm_max_m : 0;
 }
-int cpu_quant_gemm_min_m(void) { return (int)gemm_min_m; }
-/* rows min_m..max_m take the GEMM tiles (max_m 0: none; -1: the defaults); tests and A/B runs,
- * not while a product runs. Returns whether this build has them. */
+int cpu_quant_gemm_min_m(int fmt) { return GEMM ? (int)gemm_min(fmt) : 0; }
+/* rows min_m..max_m of every format take the GEMM tiles (min_m -1: each format's default;
+ * max_m 0: none, -1: the default); tests and A/B runs, not while a product runs. Returns
+ * whether this build has them. */
 int cpu_quant_set_gemm(int min_m, int max_m) {
-    gemm_min_m = min_m < 0 ? GEMM_MIN_M_DEFAULT : min_m;
+    gemm_min_m = min_m < 0 ? -1 : min_m;
     gemm_max_m = max_m < 0 ? GEMM_MAX_M_DEFAULT : max_m;
     return GEMM;
 }

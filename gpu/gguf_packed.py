@@ -87,8 +87,11 @@ def describe(formats: Counter) -> str:
     kinds = ", ".join(f"{n} {name}" for name, n in formats.most_common())
     k = cpu_quant.kernels()
     fused = k.fused_max_m if k is not None else 0
-    regs = f"in registers for Q4_0/Q4_1/Q8_0 up to {fused} rows a call, otherwise " if fused else ""
+    (lo, hi), lo8 = (k.gemm_rows(), k.gemm_rows(8)[0]) if k is not None else ((0, 0), 0)
+    gemm = f"into k-major panels for GEMM tiles at {lo}-{hi} rows a call (Q8_0 from {lo8}), otherwise " if hi else ""
+    regs = f"in registers for Q4_0/Q4_1/Q8_0 up to {fused} rows, otherwise " if fused else ""
+    large = k.large_m if k is not None else cpu_quant.LARGE_M
     return (f"GGUF weights kept packed ({kinds} tensors; activations, residual stream and KV cache float32), "
-            f"kernel cpu_quant: fp32 FMA over blocks dequantized {regs}"
-            f"in L1 up to {cpu_quant.LARGE_M} rows a call, above that dequantize + torch fp32 GEMM; "
+            f"kernel cpu_quant: fp32 FMA over blocks dequantized {gemm}{regs}"
+            f"in L1, up to {large} rows a call, above that dequantize + torch fp32 GEMM; "
             f"ISA {cpu_quant.isa()}")

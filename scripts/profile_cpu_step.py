@@ -31,7 +31,8 @@ Q8_0 blocks in registers (the default) against dequantizing each weight row into
     .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --tiles fused buffered --num-seqs 1 --rounds 3 --no-profile
 
 --gemm on off (with gguf): gpu/cpu_quant_gemm.c's outer-product GEMM tiles at their default rows
-against none (the fused or buffered tiles then serve), or a number: up to that many rows:
+against none (the fused or buffered tiles then serve), a number: up to that many rows, or A-B:
+rows A to B:
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --gemm on off --num-seqs 32 --rounds 3 --no-profile
 """
@@ -67,10 +68,13 @@ def set_tiles(tiles: str) -> None:
 
 
 def set_gemm(gemm: str) -> None:
-    """gpu/cpu_quant_gemm.c's GEMM tiles: "on" (the default rows), "off" (none) or a number:
-    the most rows (from 1), in both libraries that hold them."""
-    min_m, max_m = {"on": (-1, -1), "off": (-1, 0)}.get(gemm, (1, None))
-    max_m = int(gemm) if max_m is None else max_m
+    """gpu/cpu_quant_gemm.c's GEMM tiles: "on" (the default rows), "off" (none), a number: the
+    most rows (from 1), or "A-B": rows A to B; in both libraries that hold them."""
+    if gemm in ("on", "off"):
+        min_m, max_m = -1, -1 if gemm == "on" else 0
+    else:
+        lo, _, hi = gemm.rpartition("-")
+        min_m, max_m = int(lo or 1), int(hi)
     if cpu_quant.kernels() is not None:
         cpu_quant.kernels().set_gemm(max_m, min_m)
     if cpu_layer.library() is not None:
@@ -129,7 +133,7 @@ def main() -> None:
                          "first (buffered); bit-identical results")
     ap.add_argument("--gemm", nargs="+", default=["on"],
                     help="gguf: the outer-product GEMM tiles (gpu/cpu_quant_gemm.c) at their default "
-                         "rows (on), none (off), or up to a number of rows")
+                         "rows (on), none (off), up to a number of rows (N), or rows A to B (A-B)")
     a = ap.parse_args()
     print(cpu_threads())
     decoders = {}

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from gpu import cpu_layer
+from gpu import cpu_layer, cpu_quant
 from gpu.attention import KVCache
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.loader import load_model
@@ -60,7 +60,7 @@ def _run(lm, fused: bool, n: int, steps: int = 4, before_step=None):
     orig = lm.compute_logits
     lm.compute_logits = lambda h: logits.append(orig(h)) or logits[-1]
     try:
-        prompts = [tuple(range(300 + 7 * i, 300 + 7 * i + 3 + 4 * i)) for i in range(n)]
+        prompts = [tuple(range(300 + 7 * i, 300 + 7 * i + 3 + 4 * (i % 6))) for i in range(n)]
         tables = [tuple(range(i * BLOCKS, (i + 1) * BLOCKS)) for i in range(n)]
         g = SamplingOptions(temperature=0.0)
         res = runner.execute(StepPlan(0, tuple(SeqChunk(str(i), p, 0, tables[i], True) for i, p in enumerate(prompts)),
@@ -93,6 +93,34 @@ def test_fused_stack_matches_per_layer_path(lm, n, one_thread, monkeypatch):
     assert err < 1e-3, err
     for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def _set_gemm(min_m: int, max_m: int) -> None:
+    """The GEMM tiles' rows in both libraries (the C stack's, and the per-layer path's for the
+    LM head): -1, -1 for the defaults, max_m 0 for none."""
+    cpu_layer.library().cpu_quant_set_gemm(min_m, max_m)
+    if cpu_quant.kernels() is not None:
+        cpu_quant.kernels().set_gemm(max_m, min_m)
+
+
+def test_gemm_tiles_in_the_stack(lm):
+    """17 sequences (groups of 9 and 8 rows): the C stack's linears and gate_up by the GEMM
+    tiles (gpu/cpu_quant_gemm.c, AVX-512 builds) against the same stack with them off and
+    against the per-layer path: the same greedy tokens, logits within 1e-3."""
+    if not cpu_layer.library().cpu_quant_set_gemm(1, 48):
+        _set_gemm(-1, -1)
+        pytest.skip("no GEMM tiles in this build")
+    try:
+        got_tokens, got_logits, _ = _run(lm, True, 17, steps=3)
+        _set_gemm(-1, 0)
+        off_tokens, off_logits, _ = _run(lm, True, 17, steps=3)
+        want_tokens = _run(lm, False, 17, steps=3)[0]
+    finally:
+        _set_gemm(-1, -1)
+    assert got_tokens == off_tokens == want_tokens
+    err = max((a - b).abs().max().item() for a, b in zip(got_logits, off_logits))
+    print(f"max |logits - GEMM tiles off| {err:.2e}")
+    assert err < 1e-3, err
 
 
 def test_declines_what_it_does_not_compute(lm, monkeypatch):

@@ -61,7 +61,7 @@ def test_each_format_against_gguf_py(qtype):
     bias = torch.randn(rows)
     lin = cpu_quant.PackedLinear(cols, [(int(qtype), w)], bias)
     ref64 = torch.from_numpy(ref).double()
-    for m in (1, 3, 5, 8, cpu_quant.LARGE_M + 3):   # the GEMV tiles, their tails, the large-M path
+    for m in (1, 3, 5, 8, 30, K.large_m + 3):   # the GEMV tiles, their tails, the GEMM tiles, the large-M path
         x = torch.randn(m, cols)
         y = lin(x)
         want = x.double() @ ref64.T + bias.double()
@@ -167,6 +167,7 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
     k = _build(tmp_path, march)
     if not k.set_fused(-1):
         pytest.skip(f"no AVX-512 or AVX2+FMA in -march={march}")
+    k.set_gemm(0)   # the GEMM tiles would take 8 rows and more from both (test_gemm_tiles_*)
     mr = 6 if k.vector_width == 16 else 2   # gpu/cpu_quant.c FMR
     for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
         packed, ref = _quantized(qtype, 23, 256, 4)   # 23 rows: a tile of fewer than NR rows at the end
@@ -181,3 +182,72 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
             assert torch.equal(fused, buffered), (qtype.name, m)
             want = x.double() @ torch.from_numpy(ref).double().T
             assert (fused.double() - want).abs().max().item() < 1e-4, (qtype.name, m)
+
+
+@pytest.mark.parametrize("march", ["native", "haswell"], ids=["native", "avx2"])
+def test_gemm_tiles_against_gguf_py(tmp_path, march):
+    """The outer-product GEMM tiles (gpu/cpu_quant_gemm.c, AVX-512 builds) against gguf-py's
+    dequantized weight in fp64, at ragged shapes: N = 77 (panels of 32, 32 and 13: a second
+    vector half masked) and 9 (the second vector empty); K = 576 (K-chunks of 256, 256, 64) and
+    96 (one short chunk); rows from 1 to 200 (one group of up to 14, groups of unequal rows);
+    x and y with row strides other than K and N; a bias. Each output sums up to 256 products
+    in k order, then the chunks' sums: the same bound as the other tiles (measured >100x
+    below), and within it of the buffered tiles. An AVX2 build has no GEMM tiles (set_gemm
+    says so) and the same calls take its own tiles, within the same bound."""
+    k = K if march == "native" else _build(tmp_path, march)
+    has = k.set_gemm(10 ** 6, 1)
+    try:
+        if march == "native" and not has:
+            pytest.skip("no AVX-512 in this build")
+        assert has == (k.vector_width == 16)
+        assert k.gemm_rows() == ((1, 10 ** 6) if has else (0, 0))
+        cases = [(q, n, c) for q in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for n, c in ((77, 576), (9, 96))]
+        cases += [(Q.Q4_K, 45, 512), (Q.Q6_K, 45, 512)]   # the GEMM tiles take every format
+        for qtype, n, cols in cases:
+            packed, ref = _quantized(qtype, n, cols, 5)
+            w, ref64, bias = torch.from_numpy(packed), torch.from_numpy(ref).double(), torch.randn(n)
+            for m in (1, 7, 8, 13, 14, 15, 29, 48, 64, 200):
+                x = torch.randn(m, cols + 20)[:, 5:5 + cols]
+                y, buffered = torch.empty(m, n + 7)[:, 3:3 + n], torch.empty(m, n)
+                k.set_gemm(10 ** 6, 1)
+                k.matmul(int(qtype), w, x, y, bias)
+                k.set_gemm(0)
+                k.set_fused(0)
+                k.matmul(int(qtype), w, x, buffered, bias)
+                k.set_fused(-1)
+                want = x.double() @ ref64.T + bias.double()
+                bound = 2e-5 * cols ** 0.5 * x.abs().max().item() * max(ref64.abs().max().item(), 1.0)
+                err = (y.double() - want).abs().max().item()
+                assert err <= bound, (qtype.name, n, cols, m, err, bound)
+                assert (y - buffered).abs().max().item() <= bound, (qtype.name, n, cols, m)
+    finally:
+        k.set_gemm(-1)
+        k.set_fused(-1)
+
+
+def test_gemm_tiles_serve_packed_linear():
+    """PackedLinear at the rows the GEMM tiles take by default (a merged qkv-like weight of two
+    formats, so one call per segment into column slices of y; Q8_0's from more rows than
+    Q4_1's), up to their most rows, which is then where torch's GEMM takes over: within the
+    bound above of gguf-py's weight, and of the same call with them off."""
+    (lo, hi), lo8 = K.gemm_rows(int(Q.Q4_1)), K.gemm_rows(int(Q.Q8_0))[0]
+    if not hi:
+        pytest.skip("no GEMM tiles in this build")
+    assert K.large_m == hi >= cpu_quant.LARGE_M and lo <= lo8
+    (a, ra), (b, rb) = _quantized(Q.Q4_1, 50, 576, 6), _quantized(Q.Q8_0, 19, 576, 7)
+    lin = cpu_quant.PackedLinear(576, [(int(Q.Q4_1), torch.from_numpy(a)), (int(Q.Q8_0), torch.from_numpy(b))],
+                                 torch.randn(69))
+    ref64 = torch.from_numpy(np.concatenate([ra, rb])).double()
+    try:
+        for m in sorted({lo, lo8 - 1, lo8, 100, hi}):
+            x = torch.randn(m, 576)
+            got = lin(x)
+            K.set_gemm(0)
+            off = lin(x)
+            K.set_gemm(-1)
+            want = x.double() @ ref64.T + lin.bias.double()
+            bound = 2e-5 * 576 ** 0.5 * x.abs().max().item() * max(ref64.abs().max().item(), 1.0)
+            assert (got.double() - want).abs().max().item() <= bound, m
+            assert (got - off).abs().max().item() <= bound, m
+    finally:
+        K.set_gemm(-1)
