@@ -168,9 +168,12 @@ def _usage(stream: bytes) -> dict:
 
 
 async def test_stand_in_accepts_drafts_at_its_probability():
-    """--simulate-gpu h200 with --simulate-draft-acceptance 0.7 and K = 3: every decode
-    verifies 3 drafts (nearly: the cost gate); about 0.7 + 0.49 + 0.34 = 1.53 hold per verify pass; the reply has
-    exactly max_tokens tokens and /metrics' counters agree with each other."""
+    """--simulate-gpu h200 with --simulate-draft-acceptance 0.7 and K = 3: the first draft
+    of each verify pass holds with probability 0.7, the j-th only if those before it did
+    (0.7 ** j); the reply has exactly max_tokens tokens and /metrics' counters agree with
+    each other. The cost gate drafts most of K here (memory-bound: a draft row costs
+    little), but how many of the 3 rows a step takes follows the measured step times, whose
+    host part moves with the machine's load: so at least 2 of 3 on average, not all."""
     cfg = EngineConfig(simulate_gpu="h200", max_model_len=512, max_num_seqs=4,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
                        simulate_draft_acceptance=0.7)
@@ -182,12 +185,11 @@ async def test_stand_in_accepts_drafts_at_its_probability():
         spec = engine.stats().spec_decode
     assert body["usage"]["completion_tokens"] == 300
     assert len(body["choices"][0]["logprobs"]["tokens"]) == 300
-    # K = 3 nearly each: the last ones are capped by what max_tokens leaves, and the cost
-    # gate (memory-bound at one stream: a draft row pays at a low acceptance) shortens a
-    # sequence's drafts only when its measured acceptance dips far below 0.7
-    assert 0.95 * 3 * spec.num_drafts <= spec.num_draft_tokens <= 3 * spec.num_drafts
-    per_step = spec.num_accepted_tokens / spec.num_drafts
-    assert 1.2 < per_step < 1.9, per_step
+    assert 2 * spec.num_drafts <= spec.num_draft_tokens <= 3 * spec.num_drafts
+    # every pass drafts a first token: ~0.7 of them hold (100+ passes: 0.55-0.85 is 3.5
+    # standard deviations)
+    first = spec.accepted_per_pos[0] / spec.num_drafts
+    assert 0.55 < first < 0.85, first
     assert spec.accepted_per_pos[0] >= spec.accepted_per_pos[1] >= spec.accepted_per_pos[2]
     assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
 
