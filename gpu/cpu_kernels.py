@@ -28,6 +28,9 @@ import torch
 
 DISABLE_ENV = "TAILRACE_CPU_KERNELS"     # "0": never build or use the C kernels
 CACHE_ENV = "TAILRACE_CPU_KERNELS_CACHE"
+# "-march=" value for the C kernels (default native): e.g. haswell builds the AVX2 path an
+# AVX2-only CPU runs, on a machine with AVX-512 (scripts/bench_vs_llamacpp.sh ISA=avx2)
+MARCH_ENV = "TAILRACE_CPU_MARCH"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffp-contract=off: elementwise products and sums rounded one by one, as torch's ops round
 # them (RoPE comes out bit-identical); the attention's FMAs are explicit intrinsics
@@ -69,10 +72,16 @@ def _with_includes(source: Path, seen: set | None = None) -> bytes:
     return out
 
 
+def _flags() -> list[str]:
+    march = os.environ.get(MARCH_ENV, "").strip()
+    return [f"-march={march}" if f == "-march=native" and march else f for f in _FLAGS]
+
+
 def _build(cc: str, source: Path = _SOURCE) -> Path:
     """The shared object for this source, compiler and CPU (built now unless cached)."""
     src = _with_includes(source)
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    flags = _flags()
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_flags().encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.is_file():
         return out
@@ -80,7 +89,7 @@ def _build(cc: str, source: Path = _SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, str(source), "-o", tmp, "-lm"], check=True,
+        subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(tmp, out)  # atomic: processes starting together never load half a file
     finally:

@@ -6,7 +6,15 @@ longest context, --max-model-len): small batches split every sequence's KV over 
 programs so the GPU fills, as vLLM's Triton backend switches to a split kernel at small
 grids; from about 32 sequences on, one program per sequence and KV head is enough.
 Inputs live in static buffers; padding rows write nowhere (slot -1) and attend to one
-token of block 0, and their outputs are dropped. Prefill and mixed steps run eagerly.
+token of block 0, and their outputs are dropped.
+
+With speculative decoding, verify steps (each sequence its last token and up to K drafts)
+replay graphs of their own (`VerifyGraphs`): Q = K + 1 tokens a sequence, captured per
+batch size as the decode graphs are, over the varlen attention kernel. Other prefill and
+mixed steps run eagerly.
+
+With an EAGLE head the target's auxiliary hidden states (model.aux_hidden) are a graph's
+output too: each captured size keeps its own, and a replay points model.aux_hidden at it.
 """
 from __future__ import annotations
 
@@ -49,9 +57,16 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, **i32)
         self.hidden = torch.zeros((n, model.config.hidden_size), dtype=model.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.aux: dict[int, torch.Tensor] = {}     # EAGLE's model.aux_hidden, per captured size
         self.pool = None
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _capture_meta(self, bs: int) -> AttentionMetadata:
+        """The static buffers' metadata for a capture of size bs, their contents set to a
+        valid step of that size."""
+        return self._views(bs)
+
+    def _views(self, bs: int) -> AttentionMetadata:
+        """The metadata of a graph of size bs: views of the static buffers."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[:bs + 1], seq_lens=self.seq_lens[:bs],
@@ -63,17 +78,36 @@ class DecodeGraphs:
     def capture(self) -> None:
         sizes = tqdm(list(reversed(self.sizes)), desc="capturing CUDA graphs", unit="graph", delay=0.5)
         for bs in sizes:  # largest first: later graphs reuse its memory pool
-            self.attn.prepare(self._meta(bs))
+            self.attn.prepare(self._capture_meta(bs))
             self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)  # warm-up
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
+                self._forward(bs)
             self.pool = g.pool()
             self.graphs[bs] = g
         torch.cuda.synchronize()
+        self._log_captured()
+
+    def _forward(self, bs: int) -> None:
+        """The forward a graph of size bs records, over the static buffers."""
+        n = self._tokens(bs)
+        self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], self.attn)
+        if self.model.aux_layers:
+            self.aux[bs] = self.model.aux_hidden
+
+    def _tokens(self, bs: int) -> int:
+        return bs
+
+    def _log_captured(self) -> None:
         log.info("captured CUDA graphs for decode batch sizes %s (KV splits %s)", self.sizes,
                  [self.num_kv_splits[b] for b in self.sizes])
+
+    def _replay(self, bs: int, rows: int) -> torch.Tensor:
+        self.graphs[bs].replay()
+        if self.model.aux_layers:
+            self.model.aux_hidden = self.aux[bs][:rows]
+        return self.hidden[:rows]
 
     def fits(self, batch: int, max_blocks: int) -> bool:
         return batch <= self.max_bs and max_blocks <= self.block_tables.shape[1]
@@ -88,5 +122,94 @@ class DecodeGraphs:
         self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.seq_lens[:b].copy_(meta.seq_lens)
         self.seq_lens[b:bs].fill_(1)
-        self.graphs[bs].replay()
-        return self.hidden[:b]
+        return self._replay(bs, b)
+
+
+class VerifyGraphs(DecodeGraphs):
+    """Graphs for steps of up to Q = tokens_per_seq new tokens a sequence (speculative
+    decoding's verify steps: the last token and up to K = Q - 1 drafts; a short prefill
+    chunk fits as well). The graph of size bs holds bs * Q token rows and bs + 1 sequences
+    for the varlen kernel (gpu/kernels/paged_attention.py, whose grid depends only on the
+    row and sequence counts). A step's real rows come first, packed as eagerly; the rows
+    left over belong to sequence b (b the step's sequence count), a padding sequence that
+    attends to its own rows of unwritten slots (slot -1) through block 0's entries of its
+    table row, and the sequences after it are empty. The real rows' attention, positions
+    and KV writes are those of the eager step; the padding rows' outputs are dropped."""
+
+    def __init__(self, model, attn, *, max_bs: int, max_blocks: int, device: torch.device,
+                 tokens_per_seq: int, max_context: int | None = None) -> None:
+        assert tokens_per_seq >= 2
+        self.q = tokens_per_seq
+        self.model, self.attn = model, attn
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        n, q = self.max_bs, self.q
+        # the padding sequence may hold up to n * q - 1 rows, each reading its table row
+        width = max(max_blocks, -(-(n * q) // attn.cache.block_size))
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n * q, **i64)
+        self.positions = torch.zeros(n * q, **i64)
+        self.slot_mapping = torch.full((n * q,), -1, **i64)
+        self.block_tables = torch.zeros((n + 1, width), **i32)
+        # as captured: bs sequences of q rows each (positions 0..q-1), the padding one empty
+        self.cu_seqlens_q = torch.cat([torch.arange(0, n * q + 1, q, **i32),
+                                       torch.full((1,), n * q, **i32)])
+        self.seq_lens = torch.cat([torch.full((n,), q, **i32), torch.zeros(1, **i32)])
+        self.hidden = torch.zeros((n * q, model.config.hidden_size), dtype=model.dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.aux: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _tokens(self, bs: int) -> int:
+        return bs * self.q
+
+    def _capture_meta(self, bs: int) -> AttentionMetadata:
+        # the capture's own layout: bs sequences of q rows, then the padding one empty
+        q, t = self.q, bs * self.q
+        self.cu_seqlens_q[:bs + 1].copy_(torch.arange(0, t + 1, q, dtype=torch.int32))
+        self.cu_seqlens_q[bs + 1:].fill_(t)
+        self.seq_lens[:bs].fill_(q)
+        self.seq_lens[bs:].zero_()
+        return self._views(bs)
+
+    def _views(self, bs: int) -> AttentionMetadata:
+        q, t = self.q, bs * self.q
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables[:bs + 1],
+            cu_seqlens_q=self.cu_seqlens_q[:bs + 2], seq_lens=self.seq_lens[:bs + 1],
+            q_starts=list(range(0, t + 1, q)) + [t], q_lens=[q] * bs + [0], ctx_lens=[q] * bs + [0],
+            start_positions=[0] * (bs + 1), decode_rows=[], prefill_rows=list(range(bs)),
+            max_seqlen_q=q, num_kv_splits=1)
+
+    def _log_captured(self) -> None:
+        log.info("captured CUDA graphs for verify steps of %d tokens a sequence at batch sizes %s",
+                 self.q, self.sizes)
+
+    def fits(self, batch: int, max_blocks: int, max_q: int = 1) -> bool:
+        return batch <= self.max_bs and max_blocks <= self.block_tables.shape[1] and max_q <= self.q
+
+    def size_for(self, batch: int) -> int:
+        return next(s for s in self.sizes if s >= batch)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.load(input_ids, positions, meta)
+        bs = self.size_for(len(meta.q_lens))
+        return self._replay(bs, input_ids.shape[0])
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
+        """The step's inputs into the static buffers of the graph that takes it (its size)."""
+        t, b = input_ids.shape[0], len(meta.q_lens)
+        bs = self.size_for(b)
+        n = bs * self.q
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        self.slot_mapping[t:n].fill_(-1)
+        self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.block_tables[b].zero_()           # the padding sequence reads block 0
+        self.cu_seqlens_q[:b + 1].copy_(meta.cu_seqlens_q)
+        self.cu_seqlens_q[b + 1:bs + 2].fill_(n)
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        self.seq_lens[b].fill_(n - t)          # its rows attend causally to their own slots
+        self.seq_lens[b + 1:bs + 1].zero_()
+        return bs

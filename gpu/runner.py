@@ -35,7 +35,7 @@ class ModelRunner(StagingRunner):
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
                  broadcast=None, vision=None, encoder_cache_size: int = 64, lora=None,
-                 draft=None) -> None:
+                 draft=None, verify_tokens: int = 0) -> None:
         """broadcast: tensor parallelism's rank 0 (gpu/tp_runner.py StepBroadcast): each
         step's inputs go to the worker ranks before the forward. vision: a vision-language
         model's tower and projector (gpu/vision.py), with an encoder cache of
@@ -43,7 +43,9 @@ class ModelRunner(StagingRunner):
         (--enable-lora): the adapters' terms added to the step's rows that use one.
         draft: speculative decoding's draft model (gpu/draft.py DraftModel) or EAGLE head
         (gpu/eagle.py EagleDrafter), which fills each step's DRAFT placeholders before the
-        verify forward; a head also reads each step's hidden states (`captured`)."""
+        verify forward; a head also reads each step's hidden states (`captured`).
+        verify_tokens: with speculative decoding and CUDA graphs, K + 1: verify steps of up
+        to that many tokens a sequence replay graphs of their own (gpu/cuda_graphs.py)."""
         self.model = model
         self.vision = vision
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
@@ -83,16 +85,27 @@ class ModelRunner(StagingRunner):
         self.cuda_graph_error: str | None = None
         self.warmup_s = 0.0
         self.graphs = None
+        self.verify_graphs = None
+        self.cuda_graph_verify_tokens = 0
         if use_triton and cuda_graph_max_bs > 0:
-            from gpu.cuda_graphs import DecodeGraphs
+            from gpu.cuda_graphs import DecodeGraphs, VerifyGraphs
             t0 = time.perf_counter()
+            max_blocks = -(-max_model_len // cache.block_size)
             graphs = DecodeGraphs(model, self.attn, max_bs=cuda_graph_max_bs,
-                                  max_blocks=-(-max_model_len // cache.block_size), device=device,
+                                  max_blocks=max_blocks, device=device,
                                   max_context=max_model_len)
             try:
                 graphs.capture()
                 self.graphs = graphs
                 self.cuda_graphs, self.cuda_graph_sizes = True, list(graphs.sizes)
+                if verify_tokens > 1:
+                    verify = VerifyGraphs(model, self.attn, max_bs=cuda_graph_max_bs,
+                                          max_blocks=max_blocks, device=device,
+                                          tokens_per_seq=verify_tokens)
+                    verify.pool = graphs.pool      # steps never overlap: one memory pool
+                    verify.capture()
+                    self.verify_graphs = verify
+                    self.cuda_graph_verify_tokens = verify_tokens
             except Exception as exc:  # a capture failure costs speed, not correctness
                 _log.warning("CUDA graph capture failed, running eager: %s", exc, exc_info=exc)
                 self.cuda_graph_error = f"{type(exc).__name__}: {exc}"[:500]   # bench reports it
@@ -290,13 +303,19 @@ class ModelRunner(StagingRunner):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 embeds=None, lora: bool = False) -> torch.Tensor:
         """The step's hidden states [T, D]: a captured graph for a decode batch that fits
-        one, else eager (always with LoRA rows or pictures: the graphs hold the base model's
-        text path alone). Every tensor-parallel rank decides alike from the same inputs.
-        embeds: pictures' features for some rows (`_image_embeds`)."""
-        if (embeds is None and self.graphs is not None and not lora and not meta.prefill_rows
-                and positions.dim() == 1      # M-RoPE's [3, T] runs eagerly
-                and self.graphs.fits(len(meta.q_lens), meta.block_tables.shape[1])):
-            return self.graphs.run(input_ids, positions, meta)
+        one, or for a verify step (up to K + 1 tokens a sequence) that fits one of the
+        verify graphs, else eager (always with LoRA rows or pictures: the graphs hold the
+        base model's text path alone). Every tensor-parallel rank decides alike from the
+        same inputs. embeds: pictures' features for some rows (`_image_embeds`)."""
+        if (embeds is None and self.graphs is not None and not lora
+                and positions.dim() == 1):    # M-RoPE's [3, T] runs eagerly
+            batch, width = len(meta.q_lens), meta.block_tables.shape[1]
+            if not meta.prefill_rows:
+                if self.graphs.fits(batch, width):
+                    return self.graphs.run(input_ids, positions, meta)
+            elif (self.verify_graphs is not None
+                  and self.verify_graphs.fits(batch, width, meta.max_seqlen_q)):
+                return self.verify_graphs.run(input_ids, positions, meta)
         self.attn.prepare(meta)
         if embeds is not None:
             return self.model(input_ids, positions, self.attn, embeds=embeds)

@@ -26,7 +26,9 @@ decode batches), gate_up, SiLU-and-mul and down (a gpt-oss layer's MoE about 30 
 counted from gpu/moe.py); then the embedding and the final norm. A pure decode step replays
 them as one CUDA graph after 6 copies into its static buffers; outside the graph, eagerly:
 the 2 staging copies, the lm_head, the sampled rows' gather, 5 sampling kernels and the
-tokens' copy back. Prefill and mixed steps launch everything eagerly. Qwen3-0.6B: 254
+tokens' copy back. With speculative decoding a verify step (up to K + 1 tokens a sequence)
+replays a graph of its own after 11 copies and fills (gpu/cuda_graphs.py VerifyGraphs;
+`verify_tokens`). Prefill and mixed steps launch everything eagerly. Qwen3-0.6B: 254
 kernels in the graph at a large decode batch (9 a layer; 14 without the fused kernel,
 about 400 in all as issue 26's read-through counted), 10 eager.
 
@@ -93,9 +95,10 @@ SAMPLING_KERNELS = 5   # the threshold, the race, the chunks' argmax and gather,
 
 
 def kernels_per_step(config: ModelConfig, *, decode: bool, kv_splits: bool = False,
-                     fused_qkv: bool = True) -> tuple[int, int]:
+                     fused_qkv: bool = True, verify: bool = False) -> tuple[int, int]:
     """(in the model's forward, outside it) kernels of one step on the CUDA path, counted
-    from gpu/model.py: a decode step's forward is one graph replay, the rest eager."""
+    from gpu/model.py: a decode step's forward is one graph replay, so is a verify step's
+    (`verify`: gpu/cuda_graphs.py VerifyGraphs), the rest eager."""
     c = config
     if fused_qkv:
         qkv = 1                                  # gpu/kernels/qkv_prep.py
@@ -106,6 +109,8 @@ def kernels_per_step(config: ModelConfig, *, decode: bool, kv_splits: bool = Fal
     forward = 2 + c.num_hidden_layers * per_layer          # + embedding, final norm
     if decode:
         forward += 6                             # cuda_graphs.run: 4 copies, 2 fills
+    elif verify:
+        forward += 11                            # VerifyGraphs.load: 5 copies, 6 fills
     outside = 2 + 1 + 1 + SAMPLING_KERNELS + 1   # staging, lm_head, row gather, sampling, D2H
     return forward, outside
 _KV_RESERVE_BYTES = 2 << 30     # as the CUDA path keeps for activations and graphs
@@ -133,6 +138,10 @@ class CostModel:
     decode_kernels: tuple[int, int] = (0, 0)
     split_decode_kernels: tuple[int, int] = (0, 0)
     eager_kernels: tuple[int, int] = (0, 0)
+    verify_kernels: tuple[int, int] = (0, 0)
+    # speculative decoding with CUDA graphs: K + 1, the tokens a sequence of the verify
+    # steps' graphs (pipeline/core/startup.verify_graph_tokens); 0: verify steps run eagerly
+    verify_tokens: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, gpu: GpuSpec) -> "CostModel":
@@ -149,7 +158,8 @@ class CostModel:
                    num_kv_heads=c.num_key_value_heads,
                    decode_kernels=kernels_per_step(c, decode=True),
                    split_decode_kernels=kernels_per_step(c, decode=True, kv_splits=True),
-                   eager_kernels=kernels_per_step(c, decode=False))
+                   eager_kernels=kernels_per_step(c, decode=False),
+                   verify_kernels=kernels_per_step(c, decode=False, verify=True))
 
     @property
     def weight_bytes(self) -> int:
@@ -168,6 +178,9 @@ class CostModel:
             # SMs twice (paged_attention.suggest_num_kv_splits)
             split = len(q_lens) * self.num_kv_heads < 2 * g.sm_count
             forward, outside = self.split_decode_kernels if split else self.decode_kernels
+            return forward * g.graph_kernel_s + outside * g.eager_kernel_s + g.step_fixed_s
+        if self.verify_tokens and max(q_lens) <= self.verify_tokens:   # a verify graph's replay
+            forward, outside = self.verify_kernels
             return forward * g.graph_kernel_s + outside * g.eager_kernel_s + g.step_fixed_s
         forward, outside = self.eager_kernels
         return (forward + outside) * g.eager_kernel_s + g.step_fixed_s

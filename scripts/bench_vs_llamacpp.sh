@@ -13,6 +13,9 @@
 # illegal instruction on some of these VMs; AMX stays off for the same reason).
 # Environment: PYTHON, GGUF (default: the bundled SmolLM2 Q4_1), CACHE (build cache),
 # TAILRACE_ARGS (extra flags for `tailrace serve`), N_IN/N_OUT (default 128/128), PROMPTS_1/PROMPTS_32.
+# ISA=avx2: both sides built as for a CPU without AVX-512, on one that has it: llama.cpp with
+# AVX2/FMA/F16C only (its own cached build), tailrace's C kernels with TAILRACE_CPU_MARCH=haswell
+# and torch's kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-/work/main/.venv/bin/python}"
@@ -23,7 +26,9 @@ has() { [[ " $flags " == *" $1 "* ]]; }
 cmake_isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
            -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
 isa=avx2
-if has avx512f && has avx512bw && has avx512vl; then
+if [[ "${ISA:-}" == avx2 ]]; then
+  export TAILRACE_CPU_MARCH=haswell ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+elif has avx512f && has avx512bw && has avx512vl; then
   isa=avx512; cmake_isa+=(-DGGML_AVX512=ON)
   has avx512_vnni && { cmake_isa+=(-DGGML_AVX512_VNNI=ON); isa+=-vnni; }
   has avx512_bf16 && { cmake_isa+=(-DGGML_AVX512_BF16=ON); isa+=-bf16; }

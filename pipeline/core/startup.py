@@ -202,19 +202,28 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
             hc.num_hidden_layers, num_blocks, cfg.block_size, hc.num_key_value_heads,
             hc.head_dim, dtype, device), device, use_triton=device.type == "cuda")
         log.info("%s head %s: %d layer(s), hidden %d, draft vocabulary %d%s; its own KV cache "
-                 "of %d blocks, %.1f MiB; CUDA graphs off (the head reads every step's hidden "
-                 "states)", head.kind.upper(), head.spec.path, hc.num_hidden_layers,
+                 "of %d blocks, %.1f MiB; the target's auxiliary hidden states are an output of "
+                 "its CUDA graphs", head.kind.upper(), head.spec.path, hc.num_hidden_layers,
                  hc.hidden_size, head.spec.draft_vocab_size,
                  f", target layers {list(head.spec.aux_layer_ids)}" if head.spec.aux_layer_ids else "",
                  num_blocks, extra * num_blocks / 2**20)
     runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
                          use_triton=device.type == "cuda", max_model_len=max_model_len,
-                         cuda_graph_max_bs=0 if cfg.enforce_eager or head is not None
-                         else min(cfg.max_num_seqs, 512),
+                         cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
                          broadcast=broadcast, vision=loaded.vision,
                          encoder_cache_size=cfg.encoder_cache_size,
-                         lora=lora, draft=drafting)
+                         lora=lora, draft=drafting, verify_tokens=verify_graph_tokens(cfg))
     return runner, cache, num_blocks
+
+
+def verify_graph_tokens(cfg: EngineConfig) -> int:
+    """Tokens a sequence of the verify steps' CUDA graphs (gpu/cuda_graphs.py VerifyGraphs):
+    K + 1 with speculative decoding and graphs on, else 0 (none captured). The stand-in
+    prices verify steps of that shape as graph replays (gpu/simulate.py)."""
+    spec = cfg.speculative_config
+    if spec is None or cfg.enforce_eager:
+        return 0
+    return spec.num_speculative_tokens + 1
 
 
 def lora_manager(cfg: EngineConfig, loaded: LoadedModel, device: torch.device):
@@ -373,6 +382,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         cost = CostModel.of(mc, GPUS[cfg.simulate_gpu])
         num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size,
                                                                    cfg.gpu_memory_utilization)
+        cost = attrs.evolve(cost, verify_tokens=verify_graph_tokens(cfg))
         runner = SimulatedRunner(cost, cfg.block_size,
                                  ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed,
                                  draft_acceptance=cfg.simulate_draft_acceptance or 0.0)

@@ -56,6 +56,22 @@ def test_kernels_are_counted_from_the_models_structure():
     assert kernels_per_step(llama, decode=True, fused_qkv=False)[0] == 2 + 28 * 10 + 6
 
 
+def test_a_verify_step_replays_its_graph_when_there_are_verify_graphs():
+    """Speculative decoding with K = 3: a verify step of up to 4 tokens a sequence replays
+    gpu/cuda_graphs.py VerifyGraphs (254 kernels + 11 copies and fills in the graph); one
+    with a longer chunk, or without verify graphs (--enforce-eager), launches eagerly."""
+    from gpu.simulate import kernels_per_step
+    assert kernels_per_step(QWEN3, decode=False, verify=True) == (2 + 28 * 9 + 11, 10)
+    eager, graphed = CostModel.of(QWEN3, H200), attrs.evolve(CostModel.of(QWEN3, H200), verify_tokens=4)
+    fixed = 50e-6 + 10 * 6e-6
+    assert graphed.launch_seconds([4, 2, 1]) == pytest.approx(265 * 2.5e-6 + fixed)
+    assert graphed.launch_seconds([5, 1]) == eager.launch_seconds([4, 1]) == pytest.approx(254 * 6e-6 + fixed)
+    assert graphed.launch_seconds([1, 1]) == eager.launch_seconds([1, 1])   # decode graphs either way
+    # one stream, K = 3: the verify step now costs about what a decode step does
+    decode, verify = graphed.step_seconds([1], [300], 1), graphed.step_seconds([4], [303], 4)
+    assert verify < 1.05 * decode < eager.step_seconds([4], [303], 4) / 1.5
+
+
 def test_a_long_prefill_is_compute_bound():
     cost = CostModel.of(QWEN3, H200)
     flops = 2 * 595_984_384 * 2048 + 4 * 28 * 16 * 128 * 2048 * 2048
