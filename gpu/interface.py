@@ -159,6 +159,12 @@ class SeqChunk:
     # last 1 + num_drafts rows are sampled, and the drafts kept while each equals the
     # token sampled before it (StepResult.num_tokens says how many tokens came out)
     num_drafts: int = 0
+    # speculative decoding with async scheduling (n-gram): planned while a step for the
+    # sequence still ran, so its tokens are DRAFTs the runner fills (the sequence's last
+    # sampled token, then up to num_drafts from prompt lookup: StepResult.num_drafts says
+    # how many) and start_pos assumes that step kept every draft; the runner computes it
+    # where the sequence's KV really ends (gpu/staging.py float_chunks)
+    floating: bool = False
 
 
 @attrs.frozen
@@ -218,6 +224,9 @@ class StepResult:
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # for the sequences that asked
     # tokens each sampled sequence got (accepted drafts + 1); empty: one each (no drafts)
     num_tokens: tuple[int, ...] = ()
+    # with floating chunks: the drafts each sampled sequence verified (the runner's lookup
+    # may find fewer than planned); empty: as planned
+    num_drafts: tuple[int, ...] = ()
     # a pooling runner's output per sequence of seq_ids: float32 little-endian vectors
     pooled: tuple[bytes, ...] = ()
     # the KV connector: remote prefills whose blocks have landed, and those that failed

@@ -23,8 +23,8 @@ from gpu.interface import (PromptLogprobs, SamplingOptions, SeqChunk, SeqStart, 
 from gpu.think_budget import ThinkBudget
 from gpu.sampler import (DeviceSampler, DraftRow, SeqSamplingState, apply_logit_controls, sample,
                          token_logprobs)
-from gpu.staging import (BlockTables, HostInputs, StagedTokens, Staging, last_token, stage_plan,
-                         upload_inputs)
+from gpu.staging import (BlockTables, HostInputs, StagedTokens, Staging, float_chunks, last_token,
+                         stage_plan, upload_inputs)
 
 _log = logging.getLogger("tailrace.gpu")
 
@@ -57,6 +57,11 @@ class ModelRunner(StagingRunner):
         self.lora = lora
         self.draft = draft
         self.kv_connector = None     # --kv-transfer-config: gpu/kv_connector.py (set by start-up)
+        # n-gram speculation with async scheduling: the prompt lookup that fills floating
+        # chunks (stages/schedule/drafter.py NgramDrafter; set by start-up), and where each
+        # sampled sequence's KV ends after the steps run so far
+        self.ngram = None
+        self.next_pos: dict[str, int] = {}
         # EAGLE3: the target layers whose input the head reads (model.aux_hidden each step)
         model.aux_layers = () if draft is None else tuple(draft.aux_layers)
         self.broadcast = broadcast
@@ -177,8 +182,16 @@ class ModelRunner(StagingRunner):
         if self.draft is not None:
             for sid in plan.released:
                 self.draft.release(sid)
+        if self.ngram is not None:
+            for sid in plan.released:
+                self.ngram.forget(sid)
+                self.next_pos.pop(sid, None)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
+        floating = self.ngram is not None and any(c.floating for c in plan.chunks)
+        if floating:                    # their starts and tokens, now that the steps before ran
+            plan, staged = float_chunks(plan, staged, self.block_size, self._float_start,
+                                        self._float_tokens)
         if self.draft is not None:      # the drafts, written into the plan and its inputs
             plan = self.draft.fill(plan, staged, self.states)
         input_ids, positions, meta, sample_idx = upload_inputs(
@@ -259,15 +272,34 @@ class ModelRunner(StagingRunner):
                 logprobs = tuple(TokenLogprobs(*per_row[i]) if i in per_row else None
                                  for i in range(len(states)))
         if verify:
-            return self._accept(plan.step, sampling, tokens, logprobs, prompt_logprobs, t0)
+            return self._accept(plan.step, sampling, tokens, logprobs, prompt_logprobs, t0,
+                                floating)
         for st, tok in zip(states, tokens):
             st.output_ids.append(tok)
+        if self.ngram is not None:
+            for c in sampling:
+                self.next_pos[c.seq_id] = c.start_pos + len(c.token_ids)
         self.staged_tokens.executed(plan.step, tokens)
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0,
-                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          num_drafts=(0,) * len(seq_ids) if floating else ())
+
+    def _float_start(self, seq_id: str) -> int:
+        return self.next_pos[seq_id]
+
+    def _float_tokens(self, chunk: SeqChunk) -> tuple[int, ...]:
+        """A floating chunk's tokens: the sequence's last sampled token, then what prompt
+        lookup finds after it, up to the chunk's num_drafts (gpu/staging.py float_chunks)."""
+        st = self.states[chunk.seq_id]
+        last = st.output_ids[-1] if st.output_ids else 0
+        if not chunk.num_drafts:
+            return (last,)
+        return (last, *self.ngram.propose(chunk.seq_id, [*st.prompt_ids, *st.output_ids],
+                                          chunk.num_drafts))
 
     def _accept(self, step: int, sampling: list[SeqChunk], tokens: list[int],
-                logprobs: tuple, prompt_logprobs: tuple, t0: float) -> StepResult:
+                logprobs: tuple, prompt_logprobs: tuple, t0: float,
+                floating: bool = False) -> StepResult:
         """A verify step's tokens: per sequence, the rows' tokens while each draft equals
         the token sampled before it, and the first one that differs (or the bonus token
         after the last draft)."""
@@ -294,11 +326,14 @@ class ModelRunner(StagingRunner):
                     st.guide.accept(tok)
             if self.draft is not None and c.num_drafts:
                 self.draft.verified(c.seq_id, c.start_pos, n)
+            if self.ngram is not None:
+                self.next_pos[c.seq_id] = c.start_pos + (n if c.num_drafts else len(c.token_ids))
             row += c.num_drafts + 1
         self.staged_tokens.executed(step, last)
         return StepResult(step, tuple(c.seq_id for c in sampling), tuple(out),
                           time.perf_counter() - t0, logprobs=tuple(lps),
-                          prompt_logprobs=prompt_logprobs, num_tokens=tuple(counts))
+                          prompt_logprobs=prompt_logprobs, num_tokens=tuple(counts),
+                          num_drafts=tuple(c.num_drafts for c in sampling) if floating else ())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 embeds=None, lora: bool = False) -> torch.Tensor:

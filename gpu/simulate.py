@@ -64,7 +64,8 @@ import torch
 from gpu.config import ModelConfig
 from gpu.names import SIMULATED_GPUS
 from gpu.interface import StagingRunner, StepPlan, StepResult, TokenLogprobs
-from gpu.staging import BlockTables, HostInputs, StagedTokens, last_token, stage_plan, upload_inputs
+from gpu.staging import (BlockTables, HostInputs, StagedTokens, float_chunks, last_token, stage_plan,
+                         upload_inputs)
 from gpu.sampler import SeqSamplingState
 
 
@@ -242,6 +243,10 @@ class SimulatedRunner(StagingRunner):
         self.draft_acceptance = draft_acceptance
         self.accept_rng = np.random.default_rng(seed + 2)
         self.steps = 0
+        # floating chunks (n-gram speculation planned ahead): the runner's lookup (set by
+        # start-up: stages/schedule/drafter.py StandInDrafter) and where each KV ends
+        self.ngram = None
+        self.next_pos: dict[str, int] = {}
 
     def stage(self, plan: StepPlan) -> tuple[HostInputs, float, list[int]] | None:
         """ModelRunner.stage: the host half of input preparation, ahead of the step. The
@@ -262,11 +267,20 @@ class SimulatedRunner(StagingRunner):
             staged = self.stage(plan)
         for sid in plan.released:
             self.states.pop(sid, None)
+            if self.ngram is not None:
+                self.ngram.forget(sid)
+                self.next_pos.pop(sid, None)
         for ns in plan.new_seqs:
             self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, 0)
         if staged is None:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
         host, wait, tokens = staged
+        floating = self.ngram is not None and any(c.floating for c in plan.chunks)
+        if floating:     # as ModelRunner: the real starts and tokens, then the wait again
+            plan, host = float_chunks(plan, host, self.block_size, self.next_pos.__getitem__,
+                                      self._float_tokens)
+            rows = len(host.sampled) + sum(c.num_drafts for c in plan.chunks if c.sample)
+            wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, rows)
         # the host's part of a step once the one before has ended: PLACEHOLDERs, upload
         upload_inputs(host, self.device, last_token=lambda sid: last_token(self.states, sid),
                       previous=self.staged_tokens.previous(host))
@@ -284,12 +298,27 @@ class SimulatedRunner(StagingRunner):
             self.staged_tokens.executed(plan.step, [tokens[e - 1] for e in ends])
         else:
             self.staged_tokens.executed(plan.step, tokens)
+        if self.ngram is not None:
+            sampled = [c for c in plan.chunks if c.sample]
+            for c, n in zip(sampled, counts or (1,) * len(sampled)):
+                self.next_pos[c.seq_id] = c.start_pos + (n if c.num_drafts else len(c.token_ids))
         # the device runs after the host has prepared and launched: wait from here
         time.sleep(wait)
         self.waited_s += wait
         self.steps += 1
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0,
-                          logprobs=logprobs, num_tokens=counts)
+                          logprobs=logprobs, num_tokens=counts,
+                          num_drafts=tuple(c.num_drafts for c in plan.chunks if c.sample)
+                          if floating else ())
+
+    def _float_tokens(self, chunk) -> tuple[int, ...]:
+        """ModelRunner._float_tokens with the stand-in's lookup (padded to the drafts asked)."""
+        st = self.states[chunk.seq_id]
+        last = st.output_ids[-1] if st.output_ids else 0
+        if not chunk.num_drafts:
+            return (last,)
+        return (last, *self.ngram.propose(chunk.seq_id, [*st.prompt_ids, *st.output_ids],
+                                          chunk.num_drafts))
 
     def _verify(self, plan: StepPlan, bonus: list[int]) -> tuple[list[int], tuple[int, ...]]:
         """Each sequence's drafts held one after another with probability draft_acceptance;

@@ -165,14 +165,18 @@ def stage_inputs(chunks: tuple[SeqChunk, ...], bs: int,
     (and the persistent block tables), so it runs while the step before is still on the
     device. `block_tables` keeps the tables from one step to the next (the runner's;
     without it every table is copied)."""
+    if block_tables is None:
+        block_tables = BlockTables()
+    return host_inputs(chunks, bs, block_tables.gather(chunks))
+
+
+def host_inputs(chunks: tuple[SeqChunk, ...], bs: int, tables: np.ndarray) -> HostInputs:
+    """`stage_inputs` past the block tables' gather: tables [len(chunks), W] int32."""
     n = len(chunks)
     q_lens = [len(c.token_ids) for c in chunks]
     starts = [c.start_pos for c in chunks]
     q_starts = list(accumulate(q_lens, initial=0))
     ctx_lens = [s + q for s, q in zip(starts, q_lens)]
-    if block_tables is None:
-        block_tables = BlockTables()
-    tables = block_tables.gather(chunks)
     q_lens_np = np.asarray(q_lens)
     row = np.repeat(np.arange(n), q_lens_np)                                # [T]
     pos = np.repeat(np.asarray(starts) - np.asarray(q_starts[:-1]), q_lens_np) + np.arange(q_starts[-1])
@@ -193,6 +197,28 @@ def stage_inputs(chunks: tuple[SeqChunk, ...], bs: int,
                       starts, decode_rows=[i for i, q in enumerate(q_lens) if q == 1],
                       prefill_rows=[i for i, q in enumerate(q_lens) if q > 1],
                       sampled=tuple(c.seq_id for c in chunks if c.sample))
+
+
+def float_chunks(plan: StepPlan, host: HostInputs, bs: int, start_of, tokens_of
+                 ) -> tuple[StepPlan, HostInputs]:
+    """A plan's floating chunks (SeqChunk.floating: speculative decoding planned ahead of
+    a verify step) made real once the steps before have run: each starts where its
+    sequence's KV ends (`start_of(seq_id)`), and its tokens are `tokens_of(chunk)` (the
+    sequence's last sampled token, then the drafts found). The host inputs are rebuilt
+    from the tables gathered when the plan was staged (which cover the start the plan
+    assumed, never less): the persistent BlockTables are not touched, as the event loop
+    may be staging the next plan meanwhile."""
+    chunks = []
+    for c in plan.chunks:
+        if c.floating:
+            tokens = tuple(tokens_of(c))
+            c = SeqChunk(c.seq_id, tokens, start_of(c.seq_id), c.block_table, True, len(tokens) - 1)
+        chunks.append(c)
+    chunks = tuple(chunks)
+    new = host_inputs(chunks, bs, host.arrays[3])
+    # the PLACEHOLDERs are the other chunks', in the same order (a floating chunk has none)
+    new.fill_src, new.fill_step = host.fill_src, host.fill_step
+    return attrs.evolve(plan, chunks=chunks), new
 
 
 def stage_plan(plan: StepPlan, bs: int, block_tables: BlockTables,

@@ -409,6 +409,12 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     spec = cfg.speculative_config
     # async scheduling plans a step ahead (EngineConfig turns it off with speculation)
     scheduler_class = AsyncScheduler if cfg.async_scheduling else Scheduler
+    # n-gram drafts with async scheduling: a step with drafts is planned ahead as well, its
+    # chunks floating (gpu/staging.py float_chunks), when the runner can fill them
+    floating = (cfg.async_scheduling and spec is not None and spec.method == "ngram"
+                and hasattr(runner, "ngram"))
+    if floating:
+        runner.ngram = make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None)
     scheduler = scheduler_class(
         blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids, grammars=grammars,
@@ -417,7 +423,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
         policy=cfg.scheduling_policy, max_loras=cfg.max_loras,
-        spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config)
+        spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config,
+        **({"floating": True} if floating else {}))
     if kv_connector is not None:
         scheduler.kv_port = kv_connector.port
         scheduler.kv_tp_size = kv_connector.tp_size
@@ -436,9 +443,13 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         spec = cfg.speculative_config
         how = (f"lookup {spec.prompt_lookup_min}-{spec.prompt_lookup_max}" if spec.method == "ngram"
                else f"draft {spec.model}")
-        log.info("speculative decoding: %s, %d tokens, %s, %s; async scheduling off (drafts "
-                 "need each sequence's last token)", spec.method, spec.num_speculative_tokens,
-                 how, "decided per step from measured costs" if spec.adaptive else "every step")
+        log.info("speculative decoding: %s, %d tokens, %s, %s; %s", spec.method,
+                 spec.num_speculative_tokens, how,
+                 "decided per step from measured costs" if spec.adaptive else "every step",
+                 "async scheduling on, steps with drafts planned ahead too (the runner looks "
+                 "the drafts up)" if floating else
+                 "async scheduling on for steps without drafts" if cfg.async_scheduling else
+                 "async scheduling off (drafts need each sequence's last token)")
     if loaded.tokenizer is None:
         log.warning("the model has no tokenizer: only token-id prompts are accepted and "
                     "replies carry no text (like vLLM's --skip-tokenizer-init)")

@@ -37,6 +37,8 @@ from stages.schedule.stop import check_stop, tokens_left
 class Scheduler(BeamSide, KVConnectorSide):
     # steps it may have planned whose results have not come back (the schedule stage's depth)
     max_in_flight = 1
+    # plans floating chunks (n-gram drafts planned ahead, which the runner fills): AsyncScheduler
+    floating = False
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...],
@@ -268,9 +270,12 @@ class Scheduler(BeamSide, KVConnectorSide):
         if spec is not None and not spec.on_for(running):
             spec = None
         i = 0
+        floating = self.floating
         while i < len(running) and budget > 0:
             seq = running[i]
             total = len(seq.token_ids) + seq.num_pending
+            if floating:     # a verify pass in flight: as if its drafts all hold (async_.py)
+                total += seq.in_flight_drafts
             if seq.num_pending and (seq.beam is not None or tokens_left(seq, total) <= 0):
                 i += 1      # ends with the token on its way (max_tokens, max_model_len),
                 continue    # or a beam: its next token is chosen once its row is back
@@ -281,6 +286,18 @@ class Scheduler(BeamSide, KVConnectorSide):
                 i += 1
                 continue
             if n == 1 and spec is not None and seq.beam is None:
+                if floating and seq.num_pending:     # a step in flight for it
+                    k = spec.float_drafts(seq, budget)
+                    if k and not (seq.num_computed + 1 + k <= len(seq.table) * bs
+                                  or self._grow(seq, 1 + k)):
+                        spec.unplanned(k)
+                        k = 0
+                    if k:
+                        chunks.append(self._float_chunk(seq, k))
+                        planned.append((seq, seq.epoch))
+                        budget -= 1 + k
+                        i += 1
+                        continue
                 drafts = spec.drafts(seq, budget)
                 if drafts and (seq.num_computed + 1 + len(drafts) <= len(seq.table) * bs
                                or self._grow(seq, 1 + len(drafts))):
@@ -386,7 +403,10 @@ class Scheduler(BeamSide, KVConnectorSide):
         for k, (s, _) in enumerate(planned):
             if s is seq:
                 del planned[k]
-                return chunks.pop(k)
+                chunk = chunks.pop(k)
+                seq.in_flight_tokens -= len(chunk.token_ids)
+                seq.in_flight_drafts -= chunk.num_drafts
+                return chunk
         return None
 
     def _lora_full(self, lora_id: int) -> bool:
@@ -439,6 +459,7 @@ class Scheduler(BeamSide, KVConnectorSide):
         start = seq.num_computed
         end = start + n
         seq.num_computed = end
+        seq.in_flight_tokens += n
         return SeqChunk(seq.id, tuple(seq.token_ids[start:end]), start, seq.table_t,
                         end == len(seq.token_ids))
 
@@ -448,13 +469,20 @@ class Scheduler(BeamSide, KVConnectorSide):
         start = seq.num_computed
         tokens = (seq.token_ids[-1], *drafts)
         seq.num_computed = start + len(tokens)
+        seq.in_flight_tokens += len(tokens)
+        seq.in_flight_drafts += len(drafts)
         return SeqChunk(seq.id, tokens, start, seq.table_t, True, len(drafts))
+
+    def _float_chunk(self, seq: Sequence, k: int) -> SeqChunk:
+        """AsyncScheduler's (async_.py); the plain Scheduler never plans with a step in flight."""
+        raise NotImplementedError
 
     def _rollback(self, seq: Sequence, done: int) -> None:
         """A verified chunk kept the KV of `done` tokens: the rejected drafts' positions
         are computed again (overwritten), and the blocks that hold nothing but rejected
-        positions past the next token's are freed (they never got a hash)."""
-        seq.num_computed = done
+        positions past the next token's (and the chunks still in flight) are freed (they
+        never got a hash)."""
+        seq.num_computed = done = done + seq.in_flight_tokens
         keep = self.blocks.blocks_for(done + 1)
         if len(seq.table) > keep:
             tail = seq.table[keep:]
@@ -478,6 +506,7 @@ class Scheduler(BeamSide, KVConnectorSide):
         seq.table = []
         seq.table_t = ()
         seq.num_computed = seq.num_done = 0
+        seq.in_flight_tokens = seq.in_flight_drafts = 0
         seq.hash_cursor = (0, seq.hash_root)
         seq.epoch += 1       # a step in flight for it no longer speaks for these blocks
 
@@ -517,10 +546,15 @@ class Scheduler(BeamSide, KVConnectorSide):
         deltas = self._pending
         self._pending = []
         tokens, logprobs = step_outputs(result)
+        # floating chunks: the drafts the runner's lookup found (no more than planned)
+        verified = dict(zip(result.seq_ids, result.num_drafts)) if result.num_drafts else None
         beams: list[BeamGroup] = []     # the beam groups this step brought rows to
         for chunk, (seq, epoch) in zip(plan.chunks, planned):
             if seq.retired:
                 continue    # finished while this step ran: its row is thrown away
+            if epoch == seq.epoch:
+                seq.in_flight_tokens -= len(chunk.token_ids)
+                seq.in_flight_drafts -= chunk.num_drafts
             if seq.beam is not None:
                 iteration += self._beam_row(seq, chunk, epoch, tokens, logprobs, beams)
                 continue
@@ -532,19 +566,22 @@ class Scheduler(BeamSide, KVConnectorSide):
                 toks = got[:kept]
                 seq.token_ids.extend(toks)
             if epoch == seq.epoch:   # not preempted since: these blocks now hold the chunk's KV
-                if chunk.num_drafts:
-                    done = chunk.start_pos + kept
+                # (a floating chunk ran where the step before left the sequence's KV)
+                start = seq.num_done if chunk.floating else chunk.start_pos
+                if chunk.num_drafts or chunk.floating:
+                    done = start + kept
                     self._rollback(seq, done)
                 else:
-                    done = chunk.start_pos + len(chunk.token_ids)
+                    done = start + len(chunk.token_ids)
                 self._computed(seq, done)
             if not got:
                 continue
             iteration += kept + (seq.prompt_len if seq.num_output == kept else 0)
             # verified drafts: the drafts that held, then the token sampled after them
-            accepted = len(got) - 1 if chunk.num_drafts else 0
-            if chunk.num_drafts:
-                self.speculation.verified(seq, chunk.num_drafts, accepted)
+            drafts = chunk.num_drafts if verified is None else verified.get(seq.id, chunk.num_drafts)
+            accepted = len(got) - 1 if drafts else 0
+            if drafts:
+                self.speculation.verified(seq, drafts, accepted)
             prompt_logprobs = ()
             if seq.prompt_logprobs is not None and seq.num_output == kept:   # the first
                 prompt_logprobs = (None, *seq.prompt_logprobs_so_far)   # none for the first
@@ -554,7 +591,7 @@ class Scheduler(BeamSide, KVConnectorSide):
             delta = Delta(
                 seq.req.request_id, toks, None if stop is None else stop.reason,
                 None if stop is None else stop.stop_token, seq.num_cached_tokens, None, lps,
-                seq.scheduled_at, seq.index, prompt_logprobs, chunk.num_drafts, accepted)
+                seq.scheduled_at, seq.index, prompt_logprobs, drafts, accepted)
             if (stop is not None and epoch == seq.epoch and seq.req.kv_transfer is not None
                     and seq.req.kv_transfer.remote_decode and self.kv_transfer is not None):
                 delta = attrs.evolve(delta, kv_transfer_params=self._hold(seq))

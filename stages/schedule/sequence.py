@@ -41,6 +41,11 @@ class Sequence:
         # async_.py), so for the plain Scheduler it is 0 whenever it plans.
         self.num_pending = 0
         self.num_done = 0       # tokens in the KV cache by the steps that have come back
+        # chunks planned whose results have not come back: their tokens, and their drafts
+        # (async scheduling with n-gram drafts plans a floating chunk behind a verify pass:
+        # async_.py; update rolls back to the verified tokens plus these)
+        self.in_flight_tokens = 0
+        self.in_flight_drafts = 0
         self.epoch = 0          # bumped by preemption: an older step's chunk is stale
         self.retired = False
         # its place in priority order (priority.py): (priority, arrival, index), and a

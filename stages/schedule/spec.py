@@ -345,6 +345,28 @@ class Speculation:
             self._cap -= len(drafts)
         return drafts
 
+    def float_drafts(self, seq: Sequence, budget: int) -> int:
+        """Draft rows for a floating chunk (a sequence with a step in flight: async_.py),
+        decided as `drafts` decides them but without the lookup, which the runner makes
+        once the step before has run: at most k, what the length limit leaves after that
+        step's drafts all hold (the fewest tokens left), the budget, the gate's share."""
+        if seq.req.sampling.options.thinking_token_budget is not None:
+            return 0
+        left = stop.tokens_left(seq, len(seq.token_ids) + seq.num_pending + seq.in_flight_drafts)
+        k = min(self.k, left - 1, budget - 1)
+        if self.gate is not None and k > 0:
+            k = min(draft_len(self.acceptance(seq.id), self._threshold, k), self._cap or 0)
+        if k <= 0:
+            return 0
+        if self._cap is not None:
+            self._cap -= k
+        return k
+
+    def unplanned(self, k: int) -> None:
+        """Draft rows `float_drafts` gave that the chunk did not take (no room for them)."""
+        if self._cap is not None:
+            self._cap += k
+
     def verified(self, seq: Sequence, drafts: int, accepted: int) -> None:
         self.counters.count(drafts, accepted)
         seq.spec_drafts += 1

@@ -74,7 +74,8 @@ async def _streams(smollm, spec, bodies, **cfg) -> tuple[list[bytes], object]:
                 n.start_soon(one, i, api, body)
         stats = engine.stats()
         spec_counts = engine.scheduler.spec
-    return out, (stats, spec_counts)
+        floated = getattr(engine.scheduler, "num_floated", 0)
+    return out, (stats, spec_counts, floated)
 
 
 # a KV cache small enough to preempt, and chunked prefill
@@ -89,11 +90,13 @@ def draft_spec(**kw) -> dict:
             "num_speculative_tokens": 3, **kw}
 
 
-SPECS = {"ngram": SPEC, "draft-self": draft_spec(), "draft-bf16": draft_spec(dtype="bfloat16")}
+SPECS = {"ngram": SPEC, "ngram-async": SPEC, "draft-self": draft_spec(),
+         "draft-bf16": draft_spec(dtype="bfloat16")}
 _OFF: dict[str, list[bytes]] = {}     # each layout's streams without speculation, made once
 
 
 @pytest.mark.parametrize("cfg,method", [("roomy", "ngram"), ("preempting", "ngram"),
+                                        ("roomy", "ngram-async"), ("preempting", "ngram-async"),
                                         ("preempting", "draft-self"), ("roomy", "draft-bf16")])
 async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg, method):
     """Greedy, seeded at temperature 0.8, n = 2, a stop string inside a copied run,
@@ -101,12 +104,17 @@ async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg, method)
     of every stream, its logprobs, usage and finish are those without speculation, with
     room to spare and under preemption with chunked prefill; for n-gram lookup and for a
     draft model. Speculation is on at every step here (adaptive off): the cost gate only
-    ever turns drafting off, which is decoding without speculation."""
+    ever turns drafting off, which is decoding without speculation. ngram-async: with
+    async scheduling, steps with drafts planned ahead of the verify before them (floating
+    chunks, whose starts and drafts the runner works out)."""
     if cfg not in _OFF:
         _OFF[cfg], _ = await _streams(smollm, None, BODIES, **CFGS[cfg])
     off = _OFF[cfg]
-    on, (stats, counts) = await _streams(smollm, {**SPECS[method], "adaptive": False}, BODIES,
-                                         **CFGS[cfg])
+    extra = {"async_scheduling": True} if method.endswith("-async") else {}
+    on, (stats, counts, floated) = await _streams(smollm, {**SPECS[method], "adaptive": False},
+                                                  BODIES, **CFGS[cfg], **extra)
+    if extra:
+        assert floated > 20, floated
     if cfg != "roomy":
         assert stats.num_preemptions > 0
     if method == "draft-self":
@@ -297,7 +305,7 @@ async def test_constrained_sequences_draft_and_change_no_token(smollm):
                              "type": "object", "properties": {"text": {"type": "string"}},
                              "required": ["text"]}}}))
     off, _ = await _streams(smollm, None, [body])
-    on, (_, counts) = await _streams(smollm, SPEC, [body])
+    on, (_, counts, _) = await _streams(smollm, SPEC, [body])
     assert texts(off[0]) == texts(on[0])
     assert texts(on[0])[0][0].lstrip().startswith('{') and '"text"' in texts(on[0])[0][0]   # the grammar's
     assert _same_logprobs(_logprob_list(off[0]), _logprob_list(on[0]))

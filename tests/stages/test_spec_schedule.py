@@ -208,3 +208,130 @@ def test_speculative_config_defaults_as_vllm():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+
+
+class FloatingRunner:
+    """A runner model for AsyncScheduler with floating chunks, two steps in flight: it
+    keeps each sequence's true tokens, starts a floating chunk where its KV really ends and
+    fills it (the last token, then its own prompt lookup), fills PLACEHOLDERs, checks that
+    every slot a chunk reads holds exactly that position's prefix, and accepts drafts at
+    random as `verify` does."""
+
+    def __init__(self, rng, bs: int, cfg) -> None:
+        self.rng, self.bs = rng, bs
+        self.ngram = NgramDrafter(cfg)
+        self.hist: dict[str, list[int]] = {}
+        self.next_pos: dict[str, int] = {}
+        self.kv: dict[int, tuple] = {}
+        self.floating = 0
+
+    def execute(self, plan) -> StepResult:
+        from gpu.interface import PLACEHOLDER
+        for sid in plan.released:
+            self.hist.pop(sid, None)
+            self.next_pos.pop(sid, None)
+            self.ngram.forget(sid)
+        for ns in plan.new_seqs:
+            self.hist[ns.seq_id] = list(ns.prompt_token_ids)
+        sids, toks, counts, drafted = [], [], [], []
+        bs = self.bs
+        for c in plan.chunks:
+            hist = self.hist[c.seq_id]
+            if c.floating:
+                self.floating += 1
+                assert c.sample and len(c.token_ids) == 1 + c.num_drafts
+                start = self.next_pos[c.seq_id]
+                assert start == len(hist) - 1 and start <= c.start_pos
+                drafts = list(self.ngram.propose(c.seq_id, hist, c.num_drafts))
+                tokens = [hist[-1], *drafts]
+            else:
+                start = c.start_pos
+                tokens = [hist[-1] if t == PLACEHOLDER else t for t in c.token_ids]
+                drafts = tokens[len(tokens) - c.num_drafts:] if c.num_drafts else []
+            full = hist + drafts
+            assert full[start:start + len(tokens)] == tokens, (c, hist)
+            for p in range(start):        # what it reads
+                assert self.kv.get(c.block_table[p // bs] * bs + p % bs) == tuple(full[:p + 1]), \
+                    ("stale kv", c.seq_id, p)
+            for p in range(start, start + len(tokens)):
+                self.kv[c.block_table[p // bs] * bs + p % bs] = tuple(full[:p + 1])
+            if not c.sample:
+                continue
+            out = []
+            for j in range(len(drafts) + 1):
+                if j < len(drafts) and self.rng.random() < 0.6:
+                    t = drafts[j]
+                else:
+                    t = 0 if self.rng.random() < 0.05 else self.rng.choice([7, 8, 9])
+                out.append(t)
+                if j == len(drafts) or t != drafts[j]:
+                    break
+            hist.extend(out)
+            self.next_pos[c.seq_id] = start + len(out) if drafts else start + len(tokens)
+            sids.append(c.seq_id)
+            toks.extend(out)
+            counts.append(len(out))
+            drafted.append(len(drafts))
+        return StepResult(plan.step, tuple(sids), tuple(toks), 0.0, num_tokens=tuple(counts),
+                          num_drafts=tuple(drafted))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_invariants_hold_with_floating_drafts(seed):
+    """AsyncScheduler with floating chunks (n-gram drafts planned while the verify before
+    them runs): random acceptance, a tiny cache (preemption), aborts, two steps in flight.
+    Every chunk reads only what its positions hold, the tokens come out within max_tokens,
+    nothing leaks, and every request finishes once."""
+    from stages.schedule.async_ import AsyncScheduler
+
+    rng = random.Random(seed)
+    nb, bs, k = rng.randint(6, 16), rng.choice([1, 2, 4]), rng.randint(1, 4)
+    cfg = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+    s = AsyncScheduler(BlockManager(nb, bs), max_model_len=64, eos_token_ids=(0,),
+                       drafter=NgramDrafter(cfg), num_speculative_tokens=k, floating=True,
+                       max_num_seqs=rng.randint(1, 4), max_num_batched_tokens=rng.randint(2, 12))
+    runner = FloatingRunner(rng, bs, cfg)
+    alive, finished, produced, max_tokens, n = set(), {}, {}, {}, 0
+    in_flight = []
+    for it in range(3000):
+        if it < 400 and rng.random() < 0.3 and n < 16:
+            base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [7, 8, 9, 7, 8, 9], [5] * 8])
+            prompt = (base * 3)[:rng.randint(1, 12)]
+            mt = rng.randint(1, 14)
+            if len(prompt) + mt <= nb * bs:
+                rid = f"r{n}"
+                n += 1
+                s.add(rendered(rid, prompt, max_tokens=mt))
+                alive.add(rid)
+                max_tokens[rid] = mt
+        if it < 400 and rng.random() < 0.04 and alive:
+            s.finish(rng.choice(sorted(alive)), FinishReason.ABORT)
+        if s.has_work() and len(in_flight) < 2 and (not in_flight or s.may_plan_ahead()):
+            plan = s.schedule()
+            check(s)
+            in_flight.append((plan, runner.execute(plan)))   # runs in plan order
+            if len(in_flight) < 2 and rng.random() < 0.7:
+                continue                                      # plan the next one ahead
+        if not in_flight:
+            if it >= 400 and not s.has_work():
+                break
+            continue
+        plan, result = in_flight.pop(0)
+        out = s.update(plan, result)
+        check(s)
+        for d in out.deltas:
+            produced[d.request_id] = produced.get(d.request_id, 0) + len(d.token_ids)
+            assert 0 not in d.token_ids[:-1], d
+            assert produced[d.request_id] <= max_tokens[d.request_id]
+            if d.finished:
+                assert d.request_id not in finished, ("double finish", d)
+                finished[d.request_id] = d.finish_reason
+                alive.discard(d.request_id)
+                if d.finish_reason == FinishReason.LENGTH:
+                    assert produced[d.request_id] == max_tokens[d.request_id]
+    assert not in_flight and not s.has_work()
+    assert s.blocks.num_free == nb, "leak"
+    assert len(finished) == n
+    assert s.spec.num_accepted_tokens <= s.spec.num_draft_tokens
+    if seed == 0:
+        assert runner.floating > 0 and s.num_floated == runner.floating
