@@ -60,6 +60,7 @@ class ModelRunner(StagingRunner):
         # n-gram speculation with async scheduling: the prompt lookup that fills floating
         # chunks (stages/schedule/drafter.py NgramDrafter; set by start-up), and where each
         # sampled sequence's KV ends after the steps run so far
+        self.floating = False
         self.ngram = None
         self.next_pos: dict[str, int] = {}
         # EAGLE3: the target layers whose input the head reads (model.aux_hidden each step)
@@ -182,13 +183,14 @@ class ModelRunner(StagingRunner):
         if self.draft is not None:
             for sid in plan.released:
                 self.draft.release(sid)
-        if self.ngram is not None:
+        if self.floating:
             for sid in plan.released:
-                self.ngram.forget(sid)
+                if self.ngram is not None:
+                    self.ngram.forget(sid)
                 self.next_pos.pop(sid, None)
         if not plan.chunks:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
-        floating = self.ngram is not None and any(c.floating for c in plan.chunks)
+        floating = self.floating and any(c.floating for c in plan.chunks)
         if floating:                    # their starts and tokens, now that the steps before ran
             plan, staged = float_chunks(plan, staged, self.block_size, self._float_start,
                                         self._float_tokens)
@@ -276,7 +278,7 @@ class ModelRunner(StagingRunner):
                                 floating)
         for st, tok in zip(states, tokens):
             st.output_ids.append(tok)
-        if self.ngram is not None:
+        if self.floating:
             for c in sampling:
                 self.next_pos[c.seq_id] = c.start_pos + len(c.token_ids)
         self.staged_tokens.executed(plan.step, tokens)
@@ -289,11 +291,14 @@ class ModelRunner(StagingRunner):
 
     def _float_tokens(self, chunk: SeqChunk) -> tuple[int, ...]:
         """A floating chunk's tokens: the sequence's last sampled token, then what prompt
-        lookup finds after it, up to the chunk's num_drafts (gpu/staging.py float_chunks)."""
+        lookup finds after it, up to the chunk's num_drafts (gpu/staging.py float_chunks);
+        with a draft model or an EAGLE head, num_drafts DRAFTs, which its `fill` drafts."""
         st = self.states[chunk.seq_id]
         last = st.output_ids[-1] if st.output_ids else 0
         if not chunk.num_drafts:
             return (last,)
+        if self.ngram is None:
+            return (last, *(chunk.token_ids[1:]))
         return (last, *self.ngram.propose(chunk.seq_id, [*st.prompt_ids, *st.output_ids],
                                           chunk.num_drafts))
 
@@ -326,7 +331,7 @@ class ModelRunner(StagingRunner):
                     st.guide.accept(tok)
             if self.draft is not None and c.num_drafts:
                 self.draft.verified(c.seq_id, c.start_pos, n)
-            if self.ngram is not None:
+            if self.floating:
                 self.next_pos[c.seq_id] = c.start_pos + (n if c.num_drafts else len(c.token_ids))
             row += c.num_drafts + 1
         self.staged_tokens.executed(step, last)

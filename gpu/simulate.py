@@ -245,6 +245,7 @@ class SimulatedRunner(StagingRunner):
         self.steps = 0
         # floating chunks (n-gram speculation planned ahead): the runner's lookup (set by
         # start-up: stages/schedule/drafter.py StandInDrafter) and where each KV ends
+        self.floating = False
         self.ngram = None
         self.next_pos: dict[str, int] = {}
 
@@ -267,15 +268,16 @@ class SimulatedRunner(StagingRunner):
             staged = self.stage(plan)
         for sid in plan.released:
             self.states.pop(sid, None)
-            if self.ngram is not None:
-                self.ngram.forget(sid)
+            if self.floating:
+                if self.ngram is not None:
+                    self.ngram.forget(sid)
                 self.next_pos.pop(sid, None)
         for ns in plan.new_seqs:
             self.states[ns.seq_id] = SeqSamplingState(ns.sampling, ns.prompt_token_ids, 0)
         if staged is None:
             return StepResult(plan.step, (), (), time.perf_counter() - t0)
         host, wait, tokens = staged
-        floating = self.ngram is not None and any(c.floating for c in plan.chunks)
+        floating = self.floating and any(c.floating for c in plan.chunks)
         if floating:     # as ModelRunner: the real starts and tokens, then the wait again
             plan, host = float_chunks(plan, host, self.block_size, self.next_pos.__getitem__,
                                       self._float_tokens)
@@ -298,7 +300,7 @@ class SimulatedRunner(StagingRunner):
             self.staged_tokens.executed(plan.step, [tokens[e - 1] for e in ends])
         else:
             self.staged_tokens.executed(plan.step, tokens)
-        if self.ngram is not None:
+        if self.floating:
             sampled = [c for c in plan.chunks if c.sample]
             for c, n in zip(sampled, counts or (1,) * len(sampled)):
                 self.next_pos[c.seq_id] = c.start_pos + (n if c.num_drafts else len(c.token_ids))

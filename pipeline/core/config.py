@@ -189,15 +189,12 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.simulate_gpu is not None:
             raise ValueError("--tensor-parallel-size does not combine with --simulate-gpu (the "
                              "stand-in runs no model to split)")
-        # Drafts need each sequence's last token, which an async plan does not know yet (it
-        # is a placeholder the runner fills in): with n-gram drafts the AsyncScheduler plans
-        # ahead only the steps that draft nothing (stages/schedule/async_.py); a draft model
-        # or an EAGLE head keeps its state step by step with the target's, one at a time.
+        # Drafts need each sequence's last token, which an async plan does not know yet: the
+        # AsyncScheduler plans a sequence with a step in flight as a floating chunk, which
+        # the runner fills (stages/schedule/async_.py): the n-gram lookup, or the draft
+        # model's or EAGLE head's DRAFTs, once the step before has run. On by default for
+        # n-gram lookup; with a draft model or a head on request (--async-scheduling).
         spec = self.speculative_config
-        if spec is not None and spec.method in MODEL_METHODS and self.async_scheduling:
-            raise ValueError(f'--async-scheduling does not combine with --speculative-config '
-                             f'method "{spec.method}" yet (its drafts need the last token; '
-                             f'leave the flag out): n-gram speculation combines with it')
         check_lora(self)
         if (spec is not None and spec.method in MODEL_METHODS and self.tensor_parallel_size > 1):
             raise ValueError(f'--speculative-config: method "{spec.method}" does not combine with '
@@ -322,9 +319,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    default=_default("async_scheduling"),
                    help="Plan the next engine step while the current one runs, so the GPU "
                         "never waits for the host between steps (default: on; off with a "
-                        "draft model or EAGLE head, which it does not combine with yet; "
-                        "with n-gram speculation a step that drafts waits for the one "
-                        "before it).")
+                        "draft model or EAGLE head unless asked for). With speculation a "
+                        "step with drafts is planned ahead too: the runner fills its "
+                        "drafts once the step before has run.")
     p.add_argument("--stream-interval", type=int, default=_default("stream_interval"),
                    help="Write a streaming reply to its client every N tokens (the first at "
                         "once, the rest with the reply's end), which cuts the host cost of "

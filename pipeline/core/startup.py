@@ -217,13 +217,10 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
 
 
 def verify_graph_tokens(cfg: EngineConfig) -> int:
-    """Tokens a sequence of the verify steps' CUDA graphs (gpu/cuda_graphs.py VerifyGraphs):
-    K + 1 with speculative decoding and graphs on, else 0 (none captured). The stand-in
-    prices verify steps of that shape as graph replays (gpu/simulate.py)."""
+    """Tokens a sequence of the verify steps' CUDA graphs (gpu/cuda_graphs.py VerifyGraphs,
+    which the stand-in prices alike): K + 1 with speculation and graphs on, else 0."""
     spec = cfg.speculative_config
-    if spec is None or cfg.enforce_eager:
-        return 0
-    return spec.num_speculative_tokens + 1
+    return 0 if spec is None or cfg.enforce_eager else spec.num_speculative_tokens + 1
 
 
 def lora_manager(cfg: EngineConfig, loaded: LoadedModel, device: torch.device):
@@ -411,10 +408,12 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     scheduler_class = AsyncScheduler if cfg.async_scheduling else Scheduler
     # n-gram drafts with async scheduling: a step with drafts is planned ahead as well, its
     # chunks floating (gpu/staging.py float_chunks), when the runner can fill them
-    floating = (cfg.async_scheduling and spec is not None and spec.method == "ngram"
-                and hasattr(runner, "ngram"))
+    floating = cfg.async_scheduling and spec is not None and hasattr(runner, "ngram")
     if floating:
-        runner.ngram = make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None)
+        runner.floating = True
+        stand_in = cfg.simulate_draft_acceptance is not None
+        if spec.method == "ngram" or stand_in:     # else the draft model or head fills them
+            runner.ngram = make_drafter(spec, stand_in=stand_in)
     scheduler = scheduler_class(
         blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids, grammars=grammars,
@@ -446,8 +445,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         log.info("speculative decoding: %s, %d tokens, %s, %s; %s", spec.method,
                  spec.num_speculative_tokens, how,
                  "decided per step from measured costs" if spec.adaptive else "every step",
-                 "async scheduling on, steps with drafts planned ahead too (the runner looks "
-                 "the drafts up)" if floating else
+                 "async scheduling on, steps with drafts planned ahead too (the runner fills "
+                 "their drafts)" if floating else
                  "async scheduling on for steps without drafts" if cfg.async_scheduling else
                  "async scheduling off (drafts need each sequence's last token)")
     if loaded.tokenizer is None:

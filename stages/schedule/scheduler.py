@@ -32,13 +32,12 @@ from stages.schedule.kv import KVConnectorSide
 from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, worst_running
 from stages.schedule.sequence import Sequence, sampling_options
 from stages.schedule.spec import CostGate, SpecCounters, Speculation, kept_logprobs, step_outputs
+from stages.schedule.spec_side import SpecSide
 from stages.schedule.stop import check_stop, tokens_left
 
-class Scheduler(BeamSide, KVConnectorSide):
+class Scheduler(BeamSide, KVConnectorSide, SpecSide):
     # steps it may have planned whose results have not come back (the schedule stage's depth)
     max_in_flight = 1
-    # plans floating chunks (n-gram drafts planned ahead, which the runner fills): AsyncScheduler
-    floating = False
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...],
@@ -286,24 +285,11 @@ class Scheduler(BeamSide, KVConnectorSide):
                 i += 1
                 continue
             if n == 1 and spec is not None and seq.beam is None:
-                if floating and seq.num_pending:     # a step in flight for it
-                    k = spec.float_drafts(seq, budget)
-                    if k and not (seq.num_computed + 1 + k <= len(seq.table) * bs
-                                  or self._grow(seq, 1 + k)):
-                        spec.unplanned(k)
-                        k = 0
-                    if k:
-                        chunks.append(self._float_chunk(seq, k))
-                        planned.append((seq, seq.epoch))
-                        budget -= 1 + k
-                        i += 1
-                        continue
-                drafts = spec.drafts(seq, budget)
-                if drafts and (seq.num_computed + 1 + len(drafts) <= len(seq.table) * bs
-                               or self._grow(seq, 1 + len(drafts))):
-                    chunks.append(self._draft_chunk(seq, drafts))
+                chunk = self._drafted_chunk(seq, spec, budget)   # spec_side.py
+                if chunk is not None:
+                    chunks.append(chunk)
                     planned.append((seq, seq.epoch))
-                    budget -= 1 + len(drafts)
+                    budget -= len(chunk.token_ids)
                     i += 1
                     continue
             if seq.num_computed + n > len(seq.table) * bs and not self._grow(seq, n):
@@ -462,33 +448,6 @@ class Scheduler(BeamSide, KVConnectorSide):
         seq.in_flight_tokens += n
         return SeqChunk(seq.id, tuple(seq.token_ids[start:end]), start, seq.table_t,
                         end == len(seq.token_ids))
-
-    def _draft_chunk(self, seq: Sequence, drafts: tuple[int, ...]) -> SeqChunk:
-        """Plan a decode with drafts: the last token and the drafts, all sampled; the drafts
-        count as computed until the result says which were accepted (update rolls back)."""
-        start = seq.num_computed
-        tokens = (seq.token_ids[-1], *drafts)
-        seq.num_computed = start + len(tokens)
-        seq.in_flight_tokens += len(tokens)
-        seq.in_flight_drafts += len(drafts)
-        return SeqChunk(seq.id, tokens, start, seq.table_t, True, len(drafts))
-
-    def _float_chunk(self, seq: Sequence, k: int) -> SeqChunk:
-        """AsyncScheduler's (async_.py); the plain Scheduler never plans with a step in flight."""
-        raise NotImplementedError
-
-    def _rollback(self, seq: Sequence, done: int) -> None:
-        """A verified chunk kept the KV of `done` tokens: the rejected drafts' positions
-        are computed again (overwritten), and the blocks that hold nothing but rejected
-        positions past the next token's (and the chunks still in flight) are freed (they
-        never got a hash)."""
-        seq.num_computed = done = done + seq.in_flight_tokens
-        keep = self.blocks.blocks_for(done + 1)
-        if len(seq.table) > keep:
-            tail = seq.table[keep:]
-            del seq.table[keep:]
-            seq.table_t = tuple(seq.table)
-            self.blocks.release(tail)
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.table)

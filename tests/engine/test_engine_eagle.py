@@ -43,13 +43,14 @@ def heads(smollm, tmp_path_factory) -> dict[str, dict]:
     }
 
 
-async def _on(smollm, spec, cfg):
+async def _on(smollm, spec, cfg, async_scheduling=False):
     """The streams, the spec counters and the head's own count of drafts it wrote."""
     from trio import open_nursery
 
     out: list[bytes] = [b""] * len(base.BODIES)
     async with open_engine(EngineConfig(**{"max_model_len": 256, "max_num_seqs": 8,
-                                           "async_scheduling": False, "speculative_config": spec,
+                                           "async_scheduling": async_scheduling,
+                                           "speculative_config": spec,
                                            **base.CFGS[cfg]}), loaded=smollm) as engine:
         async def one(i, api, body):
             reply = await engine.submit(api, {"model": engine.model_names[0], "temperature": 0,
@@ -61,18 +62,24 @@ async def _on(smollm, spec, cfg):
                 n.start_soon(one, i, api, body)
         stats, counts = engine.stats(), engine.scheduler.spec
         drafter = engine.runner.draft
+        drafter.floated = getattr(engine.scheduler, "num_floated", 0)
     return out, stats, counts, drafter
 
 
-@pytest.mark.parametrize("cfg,head", [("preempting", "speculators"), ("roomy", "eagle")])
-async def test_eagle_heads_change_no_token_of_any_stream(smollm, heads, cfg, head):
+@pytest.mark.parametrize("cfg,head,asynchronous", [("preempting", "speculators", False),
+                                                   ("roomy", "eagle", False),
+                                                   ("preempting", "speculators", True)])
+async def test_eagle_heads_change_no_token_of_any_stream(smollm, heads, cfg, head, asynchronous):
     """The speculators format (RedHat's, EAGLE3) under preemption with chunked prefill,
     EAGLE-1 with room to spare (the EAGLE3 folder format drafts over HTTP:
-    tests/e2e/test_e2e_spec_harmony.py)."""
+    tests/e2e/test_e2e_spec_harmony.py); and EAGLE3 with --async-scheduling, its steps with
+    drafts planned ahead as floating chunks that the head fills."""
     if cfg not in base._OFF:        # shared with test_engine_spec.py's runs when both run
         base._OFF[cfg], _ = await base._streams(smollm, None, base.BODIES, **base.CFGS[cfg])
     off = base._OFF[cfg]
-    on, stats, counts, drafter = await _on(smollm, heads[head], cfg)
+    on, stats, counts, drafter = await _on(smollm, heads[head], cfg, asynchronous)
+    if asynchronous:
+        assert drafter.floated > 20, drafter.floated
     if cfg == "preempting":
         assert stats.num_preemptions > 0
     assert type(drafter).__name__ == "EagleDrafter"

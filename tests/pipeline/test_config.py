@@ -174,10 +174,10 @@ def test_override_generation_config_must_be_a_json_object(value, words, capsys):
     assert "--override-generation-config" in err and words in err
 
 
-def test_async_scheduling_with_ngram_speculation_but_not_with_a_draft_model(tmp_path):
+def test_async_scheduling_with_ngram_speculation_and_on_request_with_a_draft_model(tmp_path):
     """The combination rule, decided once here: n-gram drafts combine with async scheduling
-    (a drafting step waits for the one before it); a draft model's or an EAGLE head's
-    state goes step by step with the target's, so those plan one step at a time."""
+    by default (floating chunks, which the runner fills); a draft model or an EAGLE head
+    plans one step at a time unless --async-scheduling asks for it."""
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert EngineConfig().async_scheduling is True
     assert EngineConfig(async_scheduling=False).async_scheduling is False
@@ -187,6 +187,4 @@ def test_async_scheduling_with_ngram_speculation_but_not_with_a_draft_model(tmp_
     draft = orjson.dumps({"method": "draft_model", "model": str(default_model_path()),
                           "num_speculative_tokens": 2}).decode()
     assert EngineConfig(speculative_config=draft).async_scheduling is False
-    with pytest.raises(ValueError, match='--async-scheduling does not combine with '
-                                         '--speculative-config method "draft_model"'):
-        EngineConfig(speculative_config=draft, async_scheduling=True)
+    assert EngineConfig(speculative_config=draft, async_scheduling=True).async_scheduling is True
