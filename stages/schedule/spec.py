@@ -320,6 +320,8 @@ class Speculation:
             if not c.sample or len(c.token_ids) != 1 + c.num_drafts:
                 return
             rows += len(c.token_ids)
+        if result.num_drafts:    # floating chunks: the rows the runner's lookup filled
+            rows = len(plan.chunks) + sum(result.num_drafts)
         drafted = rows > len(plan.chunks)
         tokens = sum(result.num_tokens) if result.num_tokens else len(result.token_ids)
         seconds = result.duration_s

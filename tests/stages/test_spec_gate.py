@@ -121,3 +121,25 @@ def test_draft_len():
     assert draft_len(0.9, 0.0, 3) == 3
     assert draft_len(0.5, 0.3, 3) == 1      # 0.5 >= 0.3 > 0.25
     assert draft_len(0.2, 0.3, 3) == 0
+
+
+def test_a_floating_step_is_measured_by_the_drafts_the_runner_filled():
+    """Async scheduling plans floating chunks with the gate's K drafts, and the runner's
+    lookup may find none: such a step is a plain decode's cost, and the gate must count it
+    as one (rows from StepResult.num_drafts), not as a drafting step that yielded nothing."""
+    from gpu.interface import SeqChunk, StepPlan, StepResult
+
+    seen = []
+    gate = SimpleNamespace(observe=lambda *a: seen.append(a))
+    spec = Speculation(None, 3, None, SpecCounters(3), gate)
+    chunks = (SeqChunk("a", (-2,) * 4, 10, (0,), True, 3, floating=True),
+              SeqChunk("b", (-2,) * 3, 20, (1,), True, 2, floating=True))
+    plan = StepPlan(1, chunks)
+    spec.observe(plan, StepResult(1, ("a", "b"), (5, 6), 0.01, num_drafts=(0, 0)))
+    spec.observe(plan, StepResult(1, ("a", "b"), (5, 6, 7, 8), 0.01, num_tokens=(3, 1),
+                                  num_drafts=(3, 1)))
+    spec.observe(plan, StepResult(1, ("a", "b"), (5, 6, 7), 0.01, num_tokens=(2, 1)))
+    (n0, drafted0, tok0, _, rows0), (_, drafted1, tok1, _, rows1), (_, _, _, _, rows2) = seen
+    assert (n0, drafted0, tok0, rows0) == (2, False, 2, 2)      # found nothing: a plain decode
+    assert (drafted1, tok1, rows1) == (True, 4, 6)              # 2 rows + the 4 drafts filled
+    assert rows2 == 7                                           # no num_drafts: as planned
