@@ -96,7 +96,7 @@ _OFF: dict[str, list[bytes]] = {}     # each layout's streams without speculatio
 
 
 @pytest.mark.parametrize("cfg,method", [("roomy", "ngram"), ("preempting", "ngram"),
-                                        ("roomy", "ngram-async"), ("preempting", "ngram-async"),
+                                        ("preempting", "ngram-async"),
                                         ("preempting", "draft-self"),
                                         ("preempting", "draft-self-async"), ("roomy", "draft-bf16")])
 async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg, method):
