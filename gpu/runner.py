@@ -135,7 +135,17 @@ class ModelRunner(StagingRunner):
         plans while reads are in flight), so an idle decode side does not spin."""
         kv = self.kv_connector
         if kv is None or not (plan.kv_reads or plan.kv_waiting):
-            return self._execute(plan, staged)
+            if not self.floating:
+                return self._execute(plan, staged)
+            try:
+                return self._execute(plan, staged)
+            except Exception:
+                # where the step's sequences' KV ends is not known now: a floating chunk of
+                # theirs planned next (their requests fail with this step) runs where the
+                # scheduler planned it, in its own table's tail, never over a hashed block
+                for c in plan.chunks:
+                    self.next_pos.pop(c.seq_id, None)
+                raise
         if plan.kv_reads:         # under TP: every rank starts its shard's reads
             kv.start_reads(plan.kv_reads)
         result = self._execute(plan, staged)
@@ -286,8 +296,8 @@ class ModelRunner(StagingRunner):
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                           num_drafts=(0,) * len(seq_ids) if floating else ())
 
-    def _float_start(self, seq_id: str) -> int:
-        return self.next_pos[seq_id]
+    def _float_start(self, chunk: SeqChunk) -> int:
+        return self.next_pos.get(chunk.seq_id, chunk.start_pos)
 
     def _float_tokens(self, chunk: SeqChunk) -> tuple[int, ...]:
         """A floating chunk's tokens: the sequence's last sampled token, then what prompt

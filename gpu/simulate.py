@@ -279,7 +279,8 @@ class SimulatedRunner(StagingRunner):
         host, wait, tokens = staged
         floating = self.floating and any(c.floating for c in plan.chunks)
         if floating:     # as ModelRunner: the real starts and tokens, then the wait again
-            plan, host = float_chunks(plan, host, self.block_size, self.next_pos.__getitem__,
+            plan, host = float_chunks(plan, host, self.block_size,
+                                      lambda c: self.next_pos.get(c.seq_id, c.start_pos),
                                       self._float_tokens)
             rows = len(host.sampled) + sum(c.num_drafts for c in plan.chunks if c.sample)
             wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, rows)

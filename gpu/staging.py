@@ -203,7 +203,7 @@ def float_chunks(plan: StepPlan, host: HostInputs, bs: int, start_of, tokens_of
                  ) -> tuple[StepPlan, HostInputs]:
     """A plan's floating chunks (SeqChunk.floating: speculative decoding planned ahead of
     a verify step) made real once the steps before have run: each starts where its
-    sequence's KV ends (`start_of(seq_id)`), and its tokens are `tokens_of(chunk)` (the
+    sequence's KV ends (`start_of(chunk)`), and its tokens are `tokens_of(chunk)` (the
     sequence's last sampled token, then the drafts found). The host inputs are rebuilt
     from the tables gathered when the plan was staged (which cover the start the plan
     assumed, never less): the persistent BlockTables are not touched, as the event loop
@@ -212,7 +212,7 @@ def float_chunks(plan: StepPlan, host: HostInputs, bs: int, start_of, tokens_of
     for c in plan.chunks:
         if c.floating:
             tokens = tuple(tokens_of(c))
-            c = SeqChunk(c.seq_id, tokens, start_of(c.seq_id), c.block_table, True, len(tokens) - 1)
+            c = SeqChunk(c.seq_id, tokens, start_of(c), c.block_table, True, len(tokens) - 1)
         chunks.append(c)
     chunks = tuple(chunks)
     new = host_inputs(chunks, bs, host.arrays[3])

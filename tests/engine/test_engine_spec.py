@@ -114,8 +114,8 @@ async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg, method)
     extra = {"async_scheduling": True} if method.endswith("-async") else {}
     on, (stats, counts, floated) = await _streams(smollm, {**SPECS[method], "adaptive": False},
                                                   BODIES, **CFGS[cfg], **extra)
-    if extra:
-        assert floated > 20, floated
+    if extra:    # how many steps are planned ahead follows the timing: 10-60 seen
+        assert floated >= 3, floated
     if cfg != "roomy":
         assert stats.num_preemptions > 0
     if method.startswith("draft-self"):
