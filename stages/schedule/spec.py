@@ -309,8 +309,9 @@ class Speculation:
         """A step's result, for the gate: a step of decodes only (one token each, or a
         verify pass) is measured; a step with prompt chunks is not a decode step's cost.
         Its cost is the wall time since the result before it (what the step cost the
-        engine: a step planned ahead overlaps the host's work, a drafting step waits for
-        it), or the runner's time where that interval spans an idle wait."""
+        engine: a step planned ahead overlaps the host's work, a drafting step planned
+        without async scheduling waits for it), or the runner's time where that interval
+        spans an idle wait. A floating step counts the drafts the runner filled."""
         now = time.monotonic()
         last, self._last_result = self._last_result, now
         if self.gate is None or not plan.chunks:
