@@ -192,9 +192,7 @@ class VerifyGraphs(DecodeGraphs):
         return next(s for s in self.sizes if s >= batch)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.load(input_ids, positions, meta)
-        bs = self.size_for(len(meta.q_lens))
-        return self._replay(bs, input_ids.shape[0])
+        return self._replay(self.load(input_ids, positions, meta), input_ids.shape[0])
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
         """The step's inputs into the static buffers of the graph that takes it (its size)."""

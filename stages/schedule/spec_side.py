@@ -9,7 +9,9 @@ from stages.schedule.sequence import Sequence
 
 
 class SpecSide:
-    floating = False      # AsyncScheduler with runner-filled floating chunks (async_.py)
+    # AsyncScheduler with runner-filled floating chunks, which defines _float_chunk
+    # (async_.py): the plain Scheduler never plans with a step in flight
+    floating = False
 
     def _drafted_chunk(self, seq: Sequence, spec, budget: int) -> SeqChunk | None:
         """A decode of one token with drafts, if it gets any and its blocks fit (None: a
@@ -37,10 +39,6 @@ class SpecSide:
         seq.in_flight_tokens += len(tokens)
         seq.in_flight_drafts += len(drafts)
         return SeqChunk(seq.id, tokens, start, seq.table_t, True, len(drafts))
-
-    def _float_chunk(self, seq: Sequence, k: int) -> SeqChunk:
-        """AsyncScheduler's (async_.py); the plain Scheduler never plans with a step in flight."""
-        raise NotImplementedError
 
     def _rollback(self, seq: Sequence, done: int) -> None:
         """A verified chunk kept the KV of `done` tokens: the rejected drafts' positions

@@ -61,28 +61,53 @@ def kvcheck(s, plan, kv):
             kv[c.block_table[p // bs] * bs + p % bs] = tuple(full[:p + 1])
 
 
+class Requests:
+    """The random requests of an invariants test, and the checks on what came back: the
+    tokens within max_tokens, nothing after EOS, each request finished once."""
+
+    def __init__(self, rng, s, capacity: int, most: int, max_mt: int) -> None:
+        self.rng, self.s, self.capacity, self.most, self.max_mt = rng, s, capacity, most, max_mt
+        self.alive, self.finished, self.produced, self.max_tokens, self.n = set(), {}, {}, {}, 0
+
+    def arrive(self, it: int, abort_p: float) -> None:
+        rng = self.rng
+        if it < 400 and rng.random() < 0.3 and self.n < self.most:
+            base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [7, 8, 9, 7, 8, 9], [5] * 8])
+            prompt = (base * 3)[:rng.randint(1, 12)]
+            mt = rng.randint(1, self.max_mt)
+            if len(prompt) + mt <= self.capacity:
+                rid = f"r{self.n}"
+                self.n += 1
+                self.s.add(rendered(rid, prompt, max_tokens=mt))
+                self.alive.add(rid)
+                self.max_tokens[rid] = mt
+        if it < 400 and rng.random() < abort_p and self.alive:
+            self.s.finish(rng.choice(sorted(self.alive)), FinishReason.ABORT)
+
+    def came_back(self, deltas) -> None:
+        for d in deltas:
+            rid = d.request_id
+            self.produced[rid] = self.produced.get(rid, 0) + len(d.token_ids)
+            assert 0 not in d.token_ids[:-1], d        # nothing after EOS
+            assert self.produced[rid] <= self.max_tokens[rid]
+            if d.finished:
+                assert rid not in self.finished, ("double finish", d)
+                self.finished[rid] = d.finish_reason
+                self.alive.discard(rid)
+                if d.finish_reason == FinishReason.LENGTH:
+                    assert self.produced[rid] == self.max_tokens[rid]
+
+
 @pytest.mark.parametrize("seed", range(150))
 def test_invariants_hold_with_drafts(seed):
     rng = random.Random(seed)
     nb, bs = rng.randint(5, 16), rng.choice([1, 2, 4])
     s = spec_scheduler(nb, bs, k=rng.randint(1, 4), max_num_seqs=rng.randint(1, 4),
                        max_num_batched_tokens=rng.randint(1, 12))
-    kv, alive, finished, produced, n = {}, set(), {}, {}, 0
-    max_tokens = {}
-    drafted = 0
+    kv, drafted = {}, 0
+    reqs = Requests(rng, s, nb * bs, most=20, max_mt=12)
     for it in range(2400):
-        if it < 400 and rng.random() < 0.3 and n < 20:
-            base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [7, 8, 9, 7, 8, 9], [5] * 8])
-            prompt = (base * 3)[:rng.randint(1, 12)]
-            mt = rng.randint(1, 12)
-            if len(prompt) + mt <= nb * bs:
-                rid = f"r{n}"
-                n += 1
-                s.add(rendered(rid, prompt, max_tokens=mt))
-                alive.add(rid)
-                max_tokens[rid] = mt
-        if it < 400 and rng.random() < 0.05 and alive:
-            s.finish(rng.choice(sorted(alive)), FinishReason.ABORT)
+        reqs.arrive(it, 0.05)
         if not s.has_work():
             if it >= 400:
                 break
@@ -99,19 +124,10 @@ def test_invariants_hold_with_drafts(seed):
             if c.num_drafts and seq is not None and seq in s.running:
                 assert len(seq.table) == min(before[c.seq_id], s.blocks.blocks_for(seq.num_computed + 1))
                 assert seq.num_computed == len(seq.token_ids) - 1
-        for d in out.deltas:
-            produced[d.request_id] = produced.get(d.request_id, 0) + len(d.token_ids)
-            assert 0 not in d.token_ids[:-1], d        # nothing after EOS
-            assert produced[d.request_id] <= max_tokens[d.request_id]
-            if d.finished:
-                assert d.request_id not in finished, ("double finish", d)
-                finished[d.request_id] = d.finish_reason
-                alive.discard(d.request_id)
-                if d.finish_reason == FinishReason.LENGTH:
-                    assert produced[d.request_id] == max_tokens[d.request_id]
+        reqs.came_back(out.deltas)
     assert not s.has_work()
     assert s.blocks.num_free == nb, "leak"
-    assert len(finished) == n
+    assert len(reqs.finished) == reqs.n
     assert s.spec.num_draft_tokens == drafted
     assert s.spec.num_accepted_tokens <= drafted
 
@@ -291,21 +307,10 @@ def test_invariants_hold_with_floating_drafts(seed):
                        drafter=NgramDrafter(cfg), num_speculative_tokens=k, floating=True,
                        max_num_seqs=rng.randint(1, 4), max_num_batched_tokens=rng.randint(2, 12))
     runner = FloatingRunner(rng, bs, cfg)
-    alive, finished, produced, max_tokens, n = set(), {}, {}, {}, 0
+    reqs = Requests(rng, s, nb * bs, most=16, max_mt=14)
     in_flight = []
     for it in range(3000):
-        if it < 400 and rng.random() < 0.3 and n < 16:
-            base = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [7, 8, 9, 7, 8, 9], [5] * 8])
-            prompt = (base * 3)[:rng.randint(1, 12)]
-            mt = rng.randint(1, 14)
-            if len(prompt) + mt <= nb * bs:
-                rid = f"r{n}"
-                n += 1
-                s.add(rendered(rid, prompt, max_tokens=mt))
-                alive.add(rid)
-                max_tokens[rid] = mt
-        if it < 400 and rng.random() < 0.04 and alive:
-            s.finish(rng.choice(sorted(alive)), FinishReason.ABORT)
+        reqs.arrive(it, 0.04)
         if s.has_work() and len(in_flight) < 2 and (not in_flight or s.may_plan_ahead()):
             plan = s.schedule()
             check(s)
@@ -319,19 +324,10 @@ def test_invariants_hold_with_floating_drafts(seed):
         plan, result = in_flight.pop(0)
         out = s.update(plan, result)
         check(s)
-        for d in out.deltas:
-            produced[d.request_id] = produced.get(d.request_id, 0) + len(d.token_ids)
-            assert 0 not in d.token_ids[:-1], d
-            assert produced[d.request_id] <= max_tokens[d.request_id]
-            if d.finished:
-                assert d.request_id not in finished, ("double finish", d)
-                finished[d.request_id] = d.finish_reason
-                alive.discard(d.request_id)
-                if d.finish_reason == FinishReason.LENGTH:
-                    assert produced[d.request_id] == max_tokens[d.request_id]
+        reqs.came_back(out.deltas)
     assert not in_flight and not s.has_work()
     assert s.blocks.num_free == nb, "leak"
-    assert len(finished) == n
+    assert len(reqs.finished) == reqs.n
     assert s.spec.num_accepted_tokens <= s.spec.num_draft_tokens
     if seed == 0:
         assert runner.floating > 0 and s.num_floated == runner.floating
