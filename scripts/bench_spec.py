@@ -1,8 +1,11 @@
 """Speculative decoding, spec on against off, in one process on the CPU (docs/benchmarks.md).
 
 Workloads: `code` (a 40-80-line source file and "rename X to Y and return the whole
-file", each prompt its own file and names so the prefix cache does not serve it) and
-`chat` (short questions, little to copy). Runs alternate off, on, off, on, ... so that
+file", each prompt its own file and names so the prefix cache does not serve it), `copy`
+(the same file on /v1/completions, followed by a heading for the edited file and its first
+two lines, so that the model goes on to write the file out again: SmolLM2-135M does not
+return the file in chat, it talks about it, so `code` copies little) and `chat` (short
+questions, little to copy). Runs alternate off, on, off, on, ... so that
 the load other processes put on the machine falls on both; each run prints output tok/s
 (prefill included), the process's CPU time, the median request's TPOT (its decode phase alone: first to last
 token) and, with spec, the tokens per verify pass.
@@ -94,6 +97,13 @@ QUESTIONS = ["What is the capital of France?", "Give me three tips for better sl
 def requests(workload: str, n: int, max_tokens: int) -> list[dict]:
     out = []
     for i in range(n):
+        if workload == "copy":
+            noun = NOUNS[i % len(NOUNS)] + ("" if i < len(NOUNS) else str(i))
+            src = FILE.format(cls=noun.capitalize() + "Store", noun=noun, field="items")
+            out.append({"prompt": f"# {noun}s.py\n```python\n{src}```\n\n# {noun}s.py, with "
+                                  f"`items` renamed to `entries`\n```python\nimport json\n"
+                                  f"import os\n", "max_tokens": max_tokens, "temperature": 0})
+            continue
         if workload == "code":
             noun = NOUNS[i % len(NOUNS)] + ("" if i < len(NOUNS) else str(i))
             cls = noun.capitalize() + "Store"
@@ -116,7 +126,8 @@ async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) ->
             # streamed, so that the decode phase is timed apart from the prompt's prefill:
             # TPOT = (last token's time - first token's) / (completion tokens - 1)
             async with limit:
-                reply = await engine.submit("chat", {"model": engine.model_names[0], **body,
+                api = "completions" if "prompt" in body else "chat"
+                reply = await engine.submit(api, {"model": engine.model_names[0], **body,
                                                      "stream": True,
                                                      "stream_options": {"include_usage": True}})
                 first = last = None
@@ -129,7 +140,8 @@ async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) ->
                         event = orjson.loads(line[6:])
                         if event.get("usage"):
                             usage = event["usage"]
-                        if any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
+                        if any(c.get("delta", {}).get("content") or c.get("text")
+                               for c in event.get("choices", ())):
                             first = now if first is None else first
                             last = now
                 assert usage is not None, "the stream ended without usage"
@@ -176,7 +188,7 @@ def _log_steps(path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--workload", choices=("code", "chat"), default="code")
+    p.add_argument("--workload", choices=("code", "copy", "chat"), default="code")
     p.add_argument("--streams", type=int, default=1)
     p.add_argument("--requests", type=int, default=None, help="default: streams (at least 2)")
     p.add_argument("--max-tokens", type=int, default=192)

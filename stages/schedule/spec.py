@@ -42,12 +42,15 @@ class CostGate:
     and, for a drafting step, the lost overlap with the host's work):
 
     - the tokens per second that steps yielded with drafts and without (each mode's last
-      `WINDOW` steps, less any that took over twice the median: a passing stall): the
-      direct A/B. Each mode is tried `WARM` times in a bucket; then, where drafting
-      measured slower than off, no step drafts, whatever the costs below expect, and the
-      mode not chosen is tried again one step in `EXPLORE` (in a quarter of that where the
-      costs expect a gain the A/B does not show, while it holds few drafting steps, or
-      where the gain expected is large), so that a change is seen;
+      `WINDOW` steps, less any that took over `STALL` x the median: a passing stall, each
+      weighing half as much `HALF` steps later): the direct A/B. Each mode is tried `WARM`
+      times in a bucket; then, where drafting measured slower than off, no step drafts,
+      whatever the costs below expect, and the mode not chosen is tried again one step in
+      `EXPLORE` where the two rates are far apart, more often the closer they are
+      (`_every`: a close call is cheap to measure again, and it is the call a stale rate
+      turns), and in a quarter of EXPLORE where the costs expect a gain the A/B does not
+      show, while it holds few drafting steps, or where the gain expected is large, so
+      that a change is seen;
     - the time of a drafting step by its rows (`costs`: bins of a quarter of the bucket's
       smallest batch, each the median of its last `KEEP` steps), measured, not fitted: a
       step's cost is not one line in its rows (the CPU's packed kernels hand over to
@@ -72,6 +75,10 @@ class CostGate:
     MARGIN = 0.05       # the gain, over off, that drafting must show (measured or expected)
     BONUS = 0.1         # a bin's rate's benefit of the doubt, over the root of its steps
     KEEP = 5            # a bin's time: the median of its last KEEP steps
+    PROBE_GAP = 0.5     # the A/B's rates this far apart (50%): the other mode 1 in EXPLORE
+    PROBE_MIN = 4       # ... and close: 1 in PROBE_MIN
+    STALL = 1.5         # a step over STALL x its window's median is a stall, not a rate
+    HALF = 8            # a window's step weighs half as much HALF decisions later
 
     def __init__(self) -> None:
         # bucket -> [rate with drafts, rate without, steps with, steps without, decisions,
@@ -106,14 +113,25 @@ class CostGate:
         if b[2] < self.WARM or b[3] < self.WARM:
             return b[2] <= b[3]         # alternate until both are measured
         at = b[4] + 1
+        every = self._every(b)
         if b[0] >= b[1]:            # the A/B vetoes drafts that measured slower
-            return at % self.EXPLORE != 0
-        # ... and tries them again one step in EXPLORE, or in a quarter of that where the
+            return at % every != 0
+        # ... and tries them again one step in `every`, or in a quarter of EXPLORE where the
         # costs expect a gain the A/B does not show (it may be stale: text changes) and
         # the A/B holds few drafting steps yet, or where they expect a large one
         e = self.expected
         fast = e >= 1 + 4 * self.MARGIN or (e >= 1 + self.MARGIN and len(b[5]) < self.WINDOW)
-        return at % (self.EXPLORE // 4 if fast else self.EXPLORE) == 0
+        return at % (min(every, self.EXPLORE // 4) if fast else every) == 0
+
+    def _every(self, b: list) -> int:
+        """Steps between two probes of the mode the A/B did not choose: one in EXPLORE where
+        the two rates are `PROBE_GAP` apart or more, down to one in `PROBE_MIN` where they are
+        close. A probe costs the gap, so a close call is cheap to measure again, and it is
+        the call that a stale rate turns: a few slow steps of one mode (another process's
+        load) would otherwise hold the other mode on for EXPLORE steps a probe."""
+        lo, hi = sorted((b[0], b[1]))
+        gap = hi / lo - 1 if lo > 0 else 1.0
+        return max(self.PROBE_MIN, min(self.EXPLORE, round(self.EXPLORE * gap / self.PROBE_GAP)))
 
     def _cost(self, bins: dict[int, list[float]], at: int, t_off: float | None,
               n: int) -> float | None:
@@ -190,12 +208,15 @@ class CostGate:
         b = self._bucket(num_seqs)
         i = 0 if drafted else 1
         window = b[5 + i]
-        window.append((seconds, tokens))
+        at = b[4]
+        window.append((seconds, tokens, at))
         if len(window) > self.WINDOW:
             del window[0]
-        stall = 2 * sorted(window)[len(window) // 2][0]     # twice the median step
-        kept = [(s, t) for s, t in window if s <= stall]
-        b[i] = sum(t for _, t in kept) / sum(s for s, _ in kept)
+        stall = self.STALL * sorted(window)[len(window) // 2][0]
+        # older steps weigh less (half every HALF decisions in the bucket): a mode measured
+        # only by probes follows its newest ones, not steps from before the other one ran
+        kept = [(s, t, 0.5 ** ((at - a) / self.HALF)) for s, t, a in window if s <= stall]
+        b[i] = sum(t * w for _, t, w in kept) / sum(s * w for s, _, w in kept)
         b[i + 2] += 1
         if drafted:
             x = float(rows if rows is not None else num_seqs)

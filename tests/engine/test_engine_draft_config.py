@@ -70,9 +70,12 @@ def test_the_gate_drafts_where_drafts_pay_and_not_where_they_lose():
     large = _run(gate, 200, 32, rate_on=300.0, rate_off=400.0)   # 32 streams: drafts lose
     assert gate.preferred(1) is True and gate.preferred(32) is False
     assert gate.preferred(8) is None       # another bucket, not measured
-    # past the warm-up, the losing mode only on the exploring steps (1 in EXPLORE)
+    # past the warm-up, the losing mode only on the exploring steps: 1 in EXPLORE where the
+    # rates are PROBE_GAP apart (30 against 20), more often the closer (300 against 400)
     assert sum(not x for x in small[20:]) <= 180 / CostGate.EXPLORE + 1
-    assert sum(large[20:]) <= 180 / CostGate.EXPLORE + 1
+    every = round(CostGate.EXPLORE * (400 / 300 - 1) / CostGate.PROBE_GAP)
+    assert every < CostGate.EXPLORE
+    assert sum(large[20:]) <= 180 / every + 1
     assert 0 < sum(large[20:])              # it does explore: a change would be seen
     # the figures move: drafts that start to pay at 32 streams are taken up again
     _run(gate, 100, 32, rate_on=600.0, rate_off=400.0)

@@ -143,3 +143,31 @@ def test_a_floating_step_is_measured_by_the_drafts_the_runner_filled():
     assert (n0, drafted0, tok0, rows0) == (2, False, 2, 2)      # found nothing: a plain decode
     assert (drafted1, tok1, rows1) == (True, 4, 6)              # 2 rows + the 4 drafts filled
     assert rows2 == 7                                           # no num_drafts: as planned
+
+
+def test_slow_steps_without_drafts_do_not_hold_drafts_on():
+    # 32 streams where drafting loses (36 tokens in 51.4 ms: 700 tok/s, against 32 in 41 ms:
+    # 780). Three slow steps without drafts (another process's load, 1.4x: not a stall) make
+    # drafting look faster. With the A/B's rates that close, off is probed one step in
+    # PROBE_MIN, and older steps weigh less, so drafting is turned off again within a few
+    # probes; rates held for EXPLORE steps a probe kept it on for most of the next 60 steps
+    gate = CostGate()
+
+    def steps(count, off_s=0.041):
+        out = []
+        for _ in range(count):
+            on = gate.decide(32)
+            out.append(on)
+            gate.observe(32, on, 36 if on else 32, 0.0514 if on else off_s, 36 if on else 32)
+        return out
+
+    steps(60)
+    assert gate.preferred(32) is False          # off wins
+    while gate.would_decide(32):
+        steps(1)
+    steps(3, off_s=0.041 * 1.4)
+    assert gate.preferred(32) is True           # the slow steps turned the A/B
+    after = steps(60)
+    assert sum(after) <= 15, after
+    assert gate.preferred(32) is False
+    assert sum(after[30:]) <= 30 / CostGate.PROBE_MIN + 1
