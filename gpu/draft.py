@@ -8,15 +8,23 @@ inputs; the target then verifies them exactly as it verifies n-gram drafts
 
 - **Its own paged KV pool**: a KVCache with as many blocks as the target's, addressed by
   the target's block tables (the block manager allocates for both; KV sizing counts both,
-  pipeline/core/startup.py). A block the prefix cache hands over carries the draft's KV too.
-- **Prefill in the draft too, chunked like the target**: every prompt chunk of the step
-  runs through the draft in the first draft forward.
+  pipeline/core/startup.py).
+- **Prefill in the draft when it drafts**: in a step that carries drafts, every prompt
+  chunk runs through the draft too, in the first draft forward (chunked like the target's).
+  A prompt prefilled in a step without drafts (the cost gate has drafting off, or the step
+  is prefill only) is not: the draft computes it in the sequence's first drafting step,
+  with the decodes it missed. So a draft the gate keeps off costs no forward at all.
+- **Which blocks hold draft KV**: `valid[block]` counts the leading slots of a KV block
+  whose draft KV is that of the tokens the target's KV there holds (the target's writes
+  cut it, the draft's extend it, a remote KV read zeroes it). A sequence handed blocks by
+  the prefix cache starts drafting from the first slot they lack, so blocks a sequence
+  filled without ever drafting are computed in the draft when one drafts, never read stale.
 - **Rollback**: `done[seq]` is where the draft's KV stops being that of the sequence's
-  tokens. After a verify it is cut back to the accepted run; the next draft forward starts
-  from there (one more token when every draft held: the last draft's position was never
-  written), and catches up the decodes that ran without drafts (steps the cost gate left
-  off), so nothing stale is ever read for long. Stale draft KV could only lower the
-  acceptance: the target decides every token.
+  tokens (at a prompt chunk: where its blocks' `valid` prefix ends). After a verify it is
+  cut back to the accepted run; the next draft forward starts from there (one more token
+  when every draft held: the last draft's position was never written), and catches up the
+  prompt and the decodes that ran without drafts (steps the cost gate left off). Stale
+  draft KV could only lower the acceptance: the target decides every token.
 - **Sampling**: each draft is sampled as the target would sample that position (its
   penalties, logit controls, and the (seed, output index) draw: gpu/sampler.py), from the
   draft's logits. A draft that is the target itself therefore proposes exactly what the
@@ -76,6 +84,8 @@ class DraftModel:
             self.attn = TorchPagedAttention(cache, scale)
         self.tables = BlockTables()
         self.done: dict[str, int] = {}     # seq id -> positions [0, done) hold its draft KV
+        # block -> its leading slots whose draft KV is that of the target's tokens there
+        self.valid = np.zeros(cache.num_blocks, dtype=np.int64)
         self.forwards = 0                  # draft forwards run (a figure for the tests)
 
     def release(self, seq_id: str) -> None:
@@ -97,31 +107,72 @@ class DraftModel:
         logits = apply_logit_controls(logits, rows)
         return sample(logits.float().cpu(), rows)
 
+    def overwritten(self, blocks) -> None:
+        """Blocks whose target KV came from elsewhere (a remote prefill's read)."""
+        self.valid[np.asarray(blocks, dtype=np.int64)] = 0
+
+    def _valid_upto(self, table: tuple[int, ...], end: int) -> int:
+        """Where the draft KV of positions [0, end) of a sequence with this block table
+        first fails to be that of its tokens (end when none does)."""
+        bs = self.cache.block_size
+        n = -(-end // bs)
+        if n == 0:
+            return 0
+        v = self.valid[np.asarray(table[:n], dtype=np.int64)]
+        short = np.flatnonzero(v < bs)
+        if not len(short):
+            return end
+        i = int(short[0])
+        return min(end, i * bs + int(v[i]))
+
+    def _wrote(self, table: tuple[int, ...], a: int, b: int, draft: bool) -> None:
+        """The target's (draft False: the draft KV there is no longer its tokens') or the
+        draft's KV of positions [a, b) was written."""
+        bs = self.cache.block_size
+        v = self.valid
+        for i in range(a // bs, (b - 1) // bs + 1):
+            blk, lo, hi = table[i], max(a - i * bs, 0), min(b - i * bs, bs)
+            if not draft:
+                v[blk] = min(v[blk], lo)
+            elif lo <= v[blk] < hi:
+                v[blk] = hi
+
     def fill(self, plan: StepPlan, host: HostInputs | None,
              states: dict[str, SeqSamplingState]) -> StepPlan:
-        """Draft the plan's DRAFT placeholders (and prefill its prompt chunks in the draft):
-        the plan with its drafts written, and the same tokens in `host`'s input ids."""
+        """Draft the plan's DRAFT placeholders (in a step with drafts, its prompt chunks
+        prefilled in the draft too): the plan with its drafts written, and the same tokens
+        in `host`'s input ids."""
+        drafting = any(c.num_drafts for c in plan.chunks)
         first: list[SeqChunk] = []
         verify: list[int] = []          # indexes of the chunks that carry drafts
+        for c in plan.chunks:
+            n = len(c.token_ids)
+            if n > 1 and not c.num_drafts:  # a prompt chunk: the draft KV its blocks hold
+                self.done[c.seq_id] = self._valid_upto(c.block_table, c.start_pos)
+            self._wrote(c.block_table, c.start_pos, c.start_pos + n, False)
         for i, c in enumerate(plan.chunks):
             sid = c.seq_id
+            done = self.done.get(sid)
+            begin = min(self._valid_upto(c.block_table, c.start_pos) if done is None else done,
+                        c.start_pos)
             if c.num_drafts:
-                st = states[sid]
-                begin = min(self.done.get(sid, c.start_pos), c.start_pos)
-                toks = tokens_of(st, begin, c.start_pos) + [c.token_ids[0]]
+                toks = tokens_of(states[sid], begin, c.start_pos) + [c.token_ids[0]]
                 first.append(SeqChunk(sid, tuple(toks), begin, c.block_table, True))
                 verify.append(i)
-            elif len(c.token_ids) > 1:     # a prompt chunk: the draft prefills it too
-                first.append(SeqChunk(sid, c.token_ids, c.start_pos, c.block_table, False))
-                self.done[sid] = c.start_pos + len(c.token_ids)
+            elif len(c.token_ids) > 1:     # a prompt chunk
+                if drafting:               # prefilled in the draft too (with what it missed)
+                    toks = tokens_of(states[sid], begin, c.start_pos) + list(c.token_ids)
+                    first.append(SeqChunk(sid, tuple(toks), begin, c.block_table, False))
+                    self.done[sid] = c.start_pos + len(c.token_ids)
+                    self._wrote(c.block_table, begin, self.done[sid], True)
+                else:
+                    self.done[sid] = begin
             else:                          # a decode without drafts: caught up later
-                self.done[sid] = min(self.done.get(sid, c.start_pos), c.start_pos)
-        if not first:
+                self.done[sid] = begin
+        if not verify:
             return plan
         with torch.inference_mode():
             logits = self._forward(first)
-            if not verify:
-                return plan
             chunks = [plan.chunks[i] for i in verify]
             drafted: list[list[int]] = [[] for _ in chunks]
             live = list(range(len(chunks)))     # those still drafting
@@ -137,9 +188,10 @@ class DraftModel:
                         for j in live]
                 logits = self._forward(step)
         new = list(plan.chunks)
-        for i, c, d in zip(verify, chunks, drafted):
+        for i, c, d, f in zip(verify, chunks, drafted, (f for f in first if f.sample)):
             # written: positions up to the last draft's (exclusive); verified() cuts it back
             self.done[c.seq_id] = c.start_pos + c.num_drafts
+            self._wrote(c.block_table, f.start_pos, self.done[c.seq_id], True)
             new[i] = attrs.evolve(c, token_ids=(c.token_ids[0], *d))
             if host is not None:
                 at = host.q_starts[i] + 1

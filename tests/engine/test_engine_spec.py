@@ -248,6 +248,33 @@ async def test_random_text_accepts_few_drafts(smollm):
     assert spec.num_accepted_tokens <= 0.5 * spec.num_draft_tokens, spec
 
 
+async def test_a_draft_model_prefills_a_prompt_only_once_it_drafts(smollm):
+    """A prompt prefilled in a step without drafts runs no draft forward (so a draft the
+    cost gate keeps off costs nothing). A second request whose prompt the prefix cache
+    serves from the first's blocks, which the draft never computed, computes their draft
+    KV in its first drafting step: its drafts hold as they do from a cold start (the draft
+    is the target), not as few as a draft reading KV it never wrote would give."""
+    prompt = TEXT + " " + CODE * 2          # several full blocks for the prefix cache
+    spec = {**draft_spec(), "adaptive": False}
+
+    async def run(engine, max_tokens):
+        reply = await engine.submit("completions", {
+            "model": engine.model_names[0], "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True})
+        return orjson.loads(await reply.read())
+
+    async with engine_of(smollm, speculative_config=spec, enable_prompt_tokens_details=True) as engine:
+        drafter = engine.runner.draft
+        await run(engine, 1)                 # a prefill step alone: nothing drafts
+        assert drafter.forwards == 0
+        second = await run(engine, 24)
+        counts = engine.stats().spec_decode
+        assert drafter.valid.any()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32, second["usage"]
+    assert counts.num_draft_tokens >= 15, counts
+    assert counts.num_accepted_tokens >= 0.9 * counts.num_draft_tokens, counts
+
+
 async def test_a_speculative_run_replays_from_its_event_log(smollm, tmp_path):
     """Multi-token deltas in the event log: replay reproduces every reply byte for byte."""
     from pipeline.tools.replay import Log, replay_log
