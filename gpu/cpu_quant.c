@@ -11,9 +11,9 @@
  * For Q4_0, Q4_1 and Q8_0 at few rows (FUSED_MAX_M_DEFAULT) the fused tiles skip the buffer:
  * each block is dequantized into registers and multiplied at once, MR rows of x at a time, with
  * software prefetch; the same values and sums in the same order, so bit-identical results.
- * From GEMM_MIN_M_DEFAULT rows (Q8_0: GEMM_MIN_M_Q8_0) to GEMM_MAX_M_DEFAULT, with AVX-512, the
- * outer-product GEMM tiles of gpu/cpu_quant_gemm.c serve instead (every format; not bit-identical:
- * another order of the sums).
+ * From GEMM_MIN_M_DEFAULT rows (Q8_0: GEMM_MIN_M_Q8_0) to GEMM_MAX_M_DEFAULT, with AVX-512 or
+ * AVX2+FMA, the outer-product GEMM tiles of gpu/cpu_quant_gemm.c serve instead (every format; not
+ * bit-identical to the other tiles: another order of the sums; the same in both builds).
  * Vector width from the build: AVX-512 (16 lanes, 4x4 tile), AVX2+FMA (8 lanes, 2x4), else scalar.
  */
 #include <stdint.h>

@@ -10,8 +10,9 @@ wraps a Linear.
 
 Rows per call decide the kernel (`QuantKernels.large_m`, measured in docs/kernels.md):
 - up to `large_m` rows: cpu_quant_matmul, which dequantizes each weight row once (into
-  registers or L1; from 24 rows, with AVX-512, into k-major panels for its outer-product GEMM
-  tiles) and multiplies it with every activation row in fp32 FMAs;
+  registers or L1; with AVX-512 from 24 rows, with AVX2+FMA from 12 (Q8_0: 48, 16), into
+  k-major panels for its outer-product GEMM tiles) and multiplies it with every activation
+  row in fp32 FMAs;
 - more rows: the weight dequantized to fp32 in C, then torch's fp32 GEMM (oneDNN). With the
   GEMM tiles `large_m` is their most rows (2048: they beat this path up to there), without
   them LARGE_M (48: above that torch's blocking beats the dot-product tiles).
@@ -78,8 +79,8 @@ class QuantKernels:
         return (self._lib.cpu_quant_gemm_min_m(fmt), most) if most else (0, 0)
 
     def set_gemm(self, max_m: int, min_m: int = -1) -> bool:
-        """Calls of min_m..max_m rows take the outer-product GEMM tiles (AVX-512 builds;
-        gpu/cpu_quant_gemm.c), max_m 0 for none, -1 for the default, min_m -1 for each
+        """Calls of min_m..max_m rows take the outer-product GEMM tiles (AVX-512 and AVX2+FMA
+        builds; gpu/cpu_quant_gemm.c), max_m 0 for none, -1 for the default, min_m -1 for each
         format's default; `large_m` follows. Returns whether this build has them. Tests and
         A/B runs only; not while a product runs."""
         has = bool(self._lib.cpu_quant_set_gemm(int(min_m), int(max_m)))

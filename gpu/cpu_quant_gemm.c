@@ -1,23 +1,36 @@
 /* The outer-product GEMM tiles of gpu/cpu_quant.c (issue 39), #included by it: for batches of
  * rows (from GEMM_MIN_M_DEFAULT, Q8_0 from GEMM_MIN_M_Q8_0, up to GEMM_MAX_M_DEFAULT) and every
- * format, with AVX-512 only (without it the fused and buffered tiles serve every M).
+ * format, with AVX-512 or AVX2+FMA (without either the fused and buffered tiles serve every M).
  *
- * A thread takes a panel of NP = 32 weight rows (output columns) and, one K-chunk of GKC at a
- * time, dequantizes it (dequant_row: exactly gguf-py's values) into a row-major stage, then
- * transposes it 16 x 16 in registers into a k-major panel [kc][NP] (for each k the 32 weights
- * contiguous: two vectors). Then for each group of up to GMR rows of x: for each k, the two
- * panel vectors times x[m, k] broadcast, for each of the group's rows (GMR x 2 accumulators,
- * no horizontal sums). Each weight is dequantized once per call whatever M. Every output sums
- * its products in k order within a chunk, one fp32 FMA each, and the chunks' sums in order:
- * not the dot-product tiles' order (lane-wise, then a tree), so equal to them up to fp32
- * rounding, not bit for bit.
+ * Written once over a few vector operations (gvec, gmask, gv_*; GV lanes a vector): AVX-512
+ * GV = 16, AVX2 GV = 8. A thread takes a panel of NP = 2 GV weight rows (output columns: 32
+ * with AVX-512, 16 with AVX2) and, one K-chunk of GKC at a time, dequantizes it (dequant_row:
+ * exactly gguf-py's values) into a row-major stage, then transposes it GV x GV in registers
+ * (transpose_sq) into a k-major panel [kc][NP] (for each k the NP weights contiguous: two
+ * vectors). Then for each group of up to GMR rows of x (14 with AVX-512, 6 with AVX2): for each
+ * k, the two panel vectors times x[m, k] broadcast, for each of the group's rows (GMR x 2
+ * accumulators, no horizontal sums). Each weight is dequantized once per call whatever M.
+ * Every output sums its products in k order within a chunk, one fp32 FMA each, and the chunks'
+ * sums in order: not the dot-product tiles' order (lane-wise, then a tree), so equal to them up
+ * to fp32 rounding, not bit for bit; but the same order in both builds (the panel's width and
+ * the rows a group change which outputs a kernel call computes, not how), so an AVX2 build's
+ * outputs equal an AVX-512 build's bit for bit (tests/gpu/test_gguf_packed.py).
  */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define GEMM 1
-#define NP 32         /* output columns a panel: two vectors */
-#ifndef GKC
-#define GKC 256       /* K-chunk: a multiple of every block (256); stage + panel 2 x 32 KB */
-#endif
+#if defined(__AVX512F__)
+#define GV 16         /* lanes a vector */
+typedef __m512 gvec;
+typedef __mmask16 gmask;   /* the lanes of a vector a masked load or store touches */
+#define gv_zero() _mm512_setzero_ps()
+#define gv_load(p) _mm512_load_ps(p)                 /* 64-byte aligned */
+#define gv_loadm(m, p) _mm512_maskz_loadu_ps(m, p)   /* lanes outside m: 0, not read */
+#define gv_storem(m, p, v) _mm512_mask_storeu_ps(p, m, v)
+#define gv_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define gv_add(a, b) _mm512_add_ps(a, b)
+#define gv_bcast(f) _mm512_set1_ps(f)
+/* the first n lanes (n <= 0: none, n >= GV: all) */
+static inline gmask gv_mask(int n) { return n >= 16 ? (gmask)0xffff : n <= 0 ? (gmask)0 : (gmask)((1u << n) - 1); }
 #ifndef GMR
 #define GMR 14        /* rows of x a group: 28 accumulators + 2 weight vectors of the 32 zmm */
 #endif
@@ -35,10 +48,9 @@
 #ifndef GEMM_MAX_M_DEFAULT
 #define GEMM_MAX_M_DEFAULT 2048
 #endif
-#define GEMM_BUF_FLOATS (2 * NP * GKC + 16)
 
 /* 16 rows of 16 floats (src, stride lds) -> their transpose (dst, stride ldd) */
-static inline void transpose16(const float *restrict src, int64_t lds, float *restrict dst, int64_t ldd) {
+static inline void transpose_sq(const float *restrict src, int64_t lds, float *restrict dst, int64_t ldd) {
     __m512 r[16], t[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * lds);
     for (int i = 0; i < 16; i += 2) {   /* pairs of rows interleaved per 128-bit lane */
@@ -61,6 +73,64 @@ static inline void transpose16(const float *restrict src, int64_t lds, float *re
         _mm512_storeu_ps(dst + (12 + s) * ldd, _mm512_shuffle_f32x4(v1, v3, 0xDD));
     }
 }
+#else   /* AVX2 + FMA */
+#define GV 8
+typedef __m256 gvec;
+typedef __m256i gmask;   /* lane i all ones where it is touched */
+#define gv_zero() _mm256_setzero_ps()
+#define gv_load(p) _mm256_load_ps(p)                 /* 32-byte aligned */
+#define gv_loadm(m, p) _mm256_maskload_ps(p, m)      /* lanes outside m: 0, not read (no fault) */
+#define gv_storem(m, p, v) _mm256_maskstore_ps(p, m, v)
+#define gv_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define gv_add(a, b) _mm256_add_ps(a, b)
+#define gv_bcast(f) _mm256_set1_ps(f)
+/* the first n lanes: lane i where i < n */
+static inline gmask gv_mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#ifndef GMR
+#define GMR 6         /* rows of x a group: 12 accumulators + 2 weight vectors + the broadcast of the 16 ymm */
+#endif
+/* Measured (docs/kernels.md, scripts/bench_cpu_quant_gemm.py on an AVX2 build of a Zen 5, one
+ * and two threads): from 12 rows the GEMM tiles beat the buffered dot-product tiles (AVX2's
+ * fused tiles serve only up to 2 rows; at 8-10 rows, groups of 4-5, the buffered ones win by
+ * 1-17%), Q8_0 from 16 (level with them there, 11-14% ahead at 24); up to 2048 rows they beat
+ * dequantize + torch's fp32 GEMM 1.04-1.3x. */
+#ifndef GEMM_MIN_M_DEFAULT
+#define GEMM_MIN_M_DEFAULT 12
+#endif
+#ifndef GEMM_MIN_M_Q8_0
+#define GEMM_MIN_M_Q8_0 16
+#endif
+#ifndef GEMM_MAX_M_DEFAULT
+#define GEMM_MAX_M_DEFAULT 2048
+#endif
+
+/* 8 rows of 8 floats (src, stride lds) -> their transpose (dst, stride ldd) */
+static inline void transpose_sq(const float *restrict src, int64_t lds, float *restrict dst, int64_t ldd) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {    /* rows a, b: a0 b0 a1 b1 | a4 b4 a5 b5 and a2 b2 a3 b3 | a6 b6 a7 b7 */
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int q = 0; q < 8; q += 4) {    /* r[q + s]: column s of rows q..q+3 | column 4 + s */
+        r[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
+        r[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xEE);
+        r[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+        r[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xEE);
+    }
+    for (int s = 0; s < 4; s++) {       /* column s: the low halves of r[s], r[4 + s]; column 4 + s the high */
+        _mm256_storeu_ps(dst + s * ldd, _mm256_permute2f128_ps(r[s], r[4 + s], 0x20));
+        _mm256_storeu_ps(dst + (4 + s) * ldd, _mm256_permute2f128_ps(r[s], r[4 + s], 0x31));
+    }
+}
+#endif
+#define NP (2 * GV)   /* output columns a panel: two vectors */
+#ifndef GKC
+#define GKC 256       /* K-chunk: a multiple of every block (256); stage + panel 2 x NP KB */
+#endif
+#define GEMM_BUF_FLOATS (2 * NP * GKC + 16)
 
 /* rows[j] (j < nr, format fmts[j]) over [k0, k0 + kc) -> panel [kc][NP] (columns nr.. zero) */
 static void gemm_fill(const uint8_t *const *rows, const int *fmts, int nr, int64_t k0, int64_t kc,
@@ -68,42 +138,45 @@ static void gemm_fill(const uint8_t *const *rows, const int *fmts, int nr, int64
     for (int j = 0; j < nr; j++)
         dequant_row(fmts[j], rows[j] + k0 / block_elems(fmts[j]) * block_bytes(fmts[j]), kc, stage + j * GKC);
     for (int j = nr; j < NP; j++) memset(stage + j * GKC, 0, sizeof(float) * (size_t)kc);
-    for (int64_t kk = 0; kk < kc; kk += 16)
-        for (int j0 = 0; j0 < NP; j0 += 16) transpose16(stage + j0 * GKC + kk, GKC, panel + kk * NP + j0, NP);
+    for (int64_t kk = 0; kk < kc; kk += GV)
+        for (int j0 = 0; j0 < NP; j0 += GV) transpose_sq(stage + j0 * GKC + kk, GKC, panel + kk * NP + j0, NP);
 }
 
 /* y[i, 0..NP) (+)= sum over k < kc of x[i, k] panel[k] for i < mr (constant in each
  * instantiation): the chunk's sum in k order from 0, then stored (first) or added to y's
  * (the chunks' sums added in order: error ~ GKC + K / GKC roundings, not K); m0, m1: the
- * columns stored */
+ * columns stored (of each vector half) */
 static inline __attribute__((always_inline)) void gkern(const float *restrict x, int64_t ldx, const int mr,
                                                         const float *restrict p, int64_t kc, float *restrict y,
-                                                        int64_t ldy, int first, __mmask16 m0, __mmask16 m1) {
-    __m512 a0[GMR], a1[GMR];
-    for (int i = 0; i < mr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+                                                        int64_t ldy, int first, gmask m0, gmask m1) {
+    gvec a0[GMR], a1[GMR];
+    for (int i = 0; i < mr; i++) a0[i] = a1[i] = gv_zero();
     for (int64_t k = 0; k < kc; k++) {
-        const __m512 w0 = _mm512_load_ps(p + k * NP), w1 = _mm512_load_ps(p + k * NP + 16);
+        const gvec w0 = gv_load(p + k * NP), w1 = gv_load(p + k * NP + GV);
         for (int i = 0; i < mr; i++) {
-            const __m512 xb = _mm512_set1_ps(x[i * ldx + k]);
-            a0[i] = _mm512_fmadd_ps(xb, w0, a0[i]);
-            a1[i] = _mm512_fmadd_ps(xb, w1, a1[i]);
+            const gvec xb = gv_bcast(x[i * ldx + k]);
+            a0[i] = gv_fma(xb, w0, a0[i]);
+            a1[i] = gv_fma(xb, w1, a1[i]);
         }
     }
     for (int i = 0; i < mr; i++) {
         if (!first) {
-            a0[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, y + i * ldy), a0[i]);
-            a1[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, y + i * ldy + 16), a1[i]);
+            a0[i] = gv_add(gv_loadm(m0, y + i * ldy), a0[i]);
+            a1[i] = gv_add(gv_loadm(m1, y + i * ldy + GV), a1[i]);
         }
-        _mm512_mask_storeu_ps(y + i * ldy, m0, a0[i]);
-        _mm512_mask_storeu_ps(y + i * ldy + 16, m1, a1[i]);
+        gv_storem(m0, y + i * ldy, a0[i]);
+        gv_storem(m1, y + i * ldy + GV, a1[i]);
     }
 }
 
 #define GK(MRV) case MRV: gkern(x, ldx, MRV, p, kc, y, ldy, first, m0, m1); return;
 static void gkern_any(const float *x, int64_t ldx, int mr, const float *p, int64_t kc, float *y, int64_t ldy,
-                      int first, __mmask16 m0, __mmask16 m1) {
+                      int first, gmask m0, gmask m1) {
     switch (mr) {
-    GK(1) GK(2) GK(3) GK(4) GK(5) GK(6) GK(7) GK(8)
+    GK(1) GK(2) GK(3) GK(4) GK(5) GK(6)
+#if GMR > 6
+    GK(7) GK(8)
+#endif
 #if GMR > 8
     GK(9) GK(10)
 #endif
@@ -117,12 +190,11 @@ static void gkern_any(const float *x, int64_t ldx, int mr, const float *p, int64
 }
 
 /* y [M, nr] (stride ldy) = x [M, K] (stride ldx) @ rows^T for nr <= NP packed rows (any formats);
- * buf: GEMM_BUF_FLOATS floats of this thread's */
+ * buf: GEMM_BUF_FLOATS floats of this thread's. Nothing of y outside [M, nr] is read or written. */
 static void gemm_panel(const uint8_t *const *rows, const int *fmts, int nr, const float *x, int64_t ldx, int64_t M,
                        int64_t K, float *y, int64_t ldy, float *buf) {
     float *stage = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63), *panel = stage + NP * GKC;
-    const __mmask16 m0 = nr >= 16 ? 0xffff : (__mmask16)((1u << nr) - 1);
-    const __mmask16 m1 = nr >= 32 ? 0xffff : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
+    const gmask m0 = gv_mask(nr), m1 = gv_mask(nr - GV);
     const int64_t groups = (M + GMR - 1) / GMR;
     for (int64_t k0 = 0; k0 < K; k0 += GKC) {
         const int64_t kc = K - k0 < GKC ? K - k0 : GKC;

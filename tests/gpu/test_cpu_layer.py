@@ -105,7 +105,7 @@ def _set_gemm(min_m: int, max_m: int) -> None:
 
 def test_gemm_tiles_in_the_stack(lm):
     """17 sequences (groups of 9 and 8 rows): the C stack's linears and gate_up by the GEMM
-    tiles (gpu/cpu_quant_gemm.c, AVX-512 builds) against the same stack with them off and
+    tiles (gpu/cpu_quant_gemm.c, AVX-512 and AVX2 builds) against the same stack with them off and
     against the per-layer path: the same greedy tokens, logits within 1e-3."""
     if not cpu_layer.library().cpu_quant_set_gemm(1, 48):
         _set_gemm(-1, -1)
@@ -149,7 +149,8 @@ def test_declines_what_it_does_not_compute(lm, monkeypatch):
 
 @pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
 def test_other_isa_builds_agree(lm, tmp_path, march, monkeypatch):
-    """The same source built for an AVX2-only CPU and for no vector ISA: the same tokens."""
+    """The same source built for an AVX2-only CPU and for no vector ISA: the same tokens (the
+    AVX2 build also with its GEMM tiles taking every row: NP = 16 panels, gate/up tiles)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -168,6 +169,13 @@ def test_other_isa_builds_agree(lm, tmp_path, march, monkeypatch):
     want_tokens, want_logits, _ = _run(lm, False, 2, steps=2)
     assert tokens == want_tokens
     assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) < 1e-3
+    lib.cpu_quant_set_gemm.restype, lib.cpu_quant_set_gemm.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
+    if lib.cpu_quant_set_gemm(1, 48):
+        assert march == "haswell"
+        gemm_tokens, gemm_logits, _ = _run(lm, True, 2, steps=2)
+        assert counting.rcs == [0] * 4
+        assert gemm_tokens == want_tokens
+        assert max((a - b).abs().max().item() for a, b in zip(gemm_logits, want_logits)) < 1e-3
 
 
 def test_after_sleep_and_wake(lm):

@@ -167,7 +167,7 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
     k = _build(tmp_path, march)
     if not k.set_fused(-1):
         pytest.skip(f"no AVX-512 or AVX2+FMA in -march={march}")
-    k.set_gemm(0)   # the GEMM tiles would take 8 rows and more from both (test_gemm_tiles_*)
+    k.set_gemm(0)   # the GEMM tiles would take some of these rows in both builds (test_gemm_tiles_*)
     mr = 6 if k.vector_width == 16 else 2   # gpu/cpu_quant.c FMR
     for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
         packed, ref = _quantized(qtype, 23, 256, 4)   # 23 rows: a tile of fewer than NR rows at the end
@@ -186,31 +186,41 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
 
 @pytest.mark.parametrize("march", ["native", "haswell"], ids=["native", "avx2"])
 def test_gemm_tiles_against_gguf_py(tmp_path, march):
-    """The outer-product GEMM tiles (gpu/cpu_quant_gemm.c, AVX-512 builds) against gguf-py's
-    dequantized weight in fp64, at ragged shapes: N = 77 (panels of 32, 32 and 13: a second
-    vector half masked) and 9 (the second vector empty); K = 576 (K-chunks of 256, 256, 64) and
-    96 (one short chunk); rows from 1 to 200 (one group of up to 14, groups of unequal rows);
-    x and y with row strides other than K and N; a bias. Each output sums up to 256 products
-    in k order, then the chunks' sums: the same bound as the other tiles (measured >100x
-    below), and within it of the buffered tiles. An AVX2 build has no GEMM tiles (set_gemm
-    says so) and the same calls take its own tiles, within the same bound."""
+    """The outer-product GEMM tiles (gpu/cpu_quant_gemm.c, AVX-512 and AVX2+FMA builds; an
+    AVX2 build must have them) against gguf-py's dequantized weight in fp64, at ragged shapes:
+    N = 77 (AVX-512's panels of 32, 32 and 13, AVX2's of 16 x 4 and 13: a second vector half
+    masked) and 9 (the second vector empty); K = 576 (K-chunks of 256, 256, 64) and 96 (one
+    short chunk); rows from 1 to 200 (one group of up to GMR = 14 or 6, groups of unequal
+    rows); x and y with row strides other than K and N; a bias. Each output sums up to 256
+    products in k order, then the chunks' sums: the same bound as the other tiles (measured
+    >100x below), and within it of the buffered tiles. y lies inside a NaN-filled larger
+    tensor: nothing outside it is written (the masked tails). Both builds sum each output's
+    products in the same order with one fp32 FMA each (the panel's width and the group's rows
+    change which outputs a call computes, not how), so the AVX2 build's y equals the native
+    AVX-512 build's bit for bit (checked where the native build is AVX-512)."""
     k = K if march == "native" else _build(tmp_path, march)
     has = k.set_gemm(10 ** 6, 1)
+    native = K if march != "native" and K.vector_width == 16 and K.set_gemm(10 ** 6, 1) else None
     try:
         if march == "native" and not has:
-            pytest.skip("no AVX-512 in this build")
-        assert has == (k.vector_width == 16)
-        assert k.gemm_rows() == ((1, 10 ** 6) if has else (0, 0))
+            pytest.skip("no AVX-512 nor AVX2+FMA in this build")
+        assert has and k.vector_width in (8, 16)
+        assert march == "native" or k.vector_width == 8
+        assert k.gemm_rows() == (1, 10 ** 6)
         cases = [(q, n, c) for q in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for n, c in ((77, 576), (9, 96))]
         cases += [(Q.Q4_K, 45, 512), (Q.Q6_K, 45, 512)]   # the GEMM tiles take every format
         for qtype, n, cols in cases:
             packed, ref = _quantized(qtype, n, cols, 5)
             w, ref64, bias = torch.from_numpy(packed), torch.from_numpy(ref).double(), torch.randn(n)
-            for m in (1, 7, 8, 13, 14, 15, 29, 48, 64, 200):
+            for m in (1, 5, 6, 7, 8, 13, 14, 15, 29, 48, 64, 200):
                 x = torch.randn(m, cols + 20)[:, 5:5 + cols]
-                y, buffered = torch.empty(m, n + 7)[:, 3:3 + n], torch.empty(m, n)
+                backing, buffered = torch.full((m + 2, n + 10), float("nan")), torch.empty(m, n)
+                y = backing[1:1 + m, 3:3 + n]
                 k.set_gemm(10 ** 6, 1)
                 k.matmul(int(qtype), w, x, y, bias)
+                outside = torch.ones_like(backing, dtype=torch.bool)
+                outside[1:1 + m, 3:3 + n] = False
+                assert backing[outside].isnan().all(), (qtype.name, n, cols, m)
                 k.set_gemm(0)
                 k.set_fused(0)
                 k.matmul(int(qtype), w, x, buffered, bias)
@@ -220,9 +230,14 @@ def test_gemm_tiles_against_gguf_py(tmp_path, march):
                 err = (y.double() - want).abs().max().item()
                 assert err <= bound, (qtype.name, n, cols, m, err, bound)
                 assert (y - buffered).abs().max().item() <= bound, (qtype.name, n, cols, m)
+                if native is not None:
+                    y512 = torch.empty(m, n)
+                    native.matmul(int(qtype), w, x, y512, bias)
+                    assert torch.equal(y, y512), (qtype.name, n, cols, m, (y - y512).abs().max().item())
     finally:
         k.set_gemm(-1)
         k.set_fused(-1)
+        K.set_gemm(-1)
 
 
 def test_gemm_tiles_serve_packed_linear():
