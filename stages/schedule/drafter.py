@@ -185,7 +185,13 @@ class StandInDrafter(NgramDrafter):
 class ModelDrafter:
     """methods draft_model, eagle and eagle3, the scheduler's half: every decode offered
     drafts carries k DRAFT placeholders, which the draft model (gpu/draft.py) or the EAGLE
-    head (gpu/eagle.py) fills in the GPU step."""
+    head (gpu/eagle.py) fills in the GPU step. A draft model catches its KV up to a
+    sequence's tokens when the sequence drafts (its whole prompt the first time), which
+    the cost gate's probes take into account (spec.py Speculation `LAG`); an EAGLE head
+    reads the target's states as they come (gpu/eagle.py), with little to catch up."""
+
+    def __init__(self, catches_up: bool = False) -> None:
+        self.catches_up = catches_up
 
     def propose(self, seq_id: str, token_ids: list[int], k: int) -> tuple[int, ...]:
         return (DRAFT,) * k if k > 0 else ()
@@ -199,4 +205,6 @@ def make_drafter(config: SpeculativeConfig | None, stand_in: bool = False) -> Dr
         return None
     if stand_in:     # the stand-in has no draft model: it draws the acceptance instead
         return StandInDrafter(config)
-    return ModelDrafter() if config.method in MODEL_METHODS else NgramDrafter(config)
+    if config.method in MODEL_METHODS:
+        return ModelDrafter(catches_up=config.method == "draft_model")
+    return NgramDrafter(config)

@@ -79,6 +79,7 @@ class CostGate:
     PROBE_MIN = 4       # ... and close: 1 in PROBE_MIN
     STALL = 1.5         # a step over STALL x its window's median is a stall, not a rate
     HALF = 8            # a window's step weighs half as much HALF decisions later
+    STALE = 192         # decisions without a drafting step: a probe may start a sequence
 
     def __init__(self) -> None:
         # bucket -> [rate with drafts, rate without, steps with, steps without, decisions,
@@ -88,6 +89,7 @@ class CostGate:
         # last KEEP steps' seconds]}, of drafting steps
         self.costs: dict[int, dict[int, list[float]]] = {}
         self.expected = 1.0     # the last `rows`' expected rate over off's
+        self.probing = False    # the last `decide`: drafts the A/B does not back
 
     @staticmethod
     def width(n: int) -> int:
@@ -102,8 +104,19 @@ class CostGate:
 
     def decide(self, num_running: int) -> bool:
         on = self.would_decide(num_running)
-        self._bucket(num_running)[4] += 1
+        b = self._bucket(num_running)
+        b[4] += 1
+        # a drafting step the A/B does not back: the warm-up's, or a probe of vetoed drafts
+        self.probing = on and not (b[2] >= self.WARM and b[3] >= self.WARM and b[0] >= b[1])
         return on
+
+    def may_start(self, num_running: int) -> bool:
+        """Whether a probe may draft for a sequence the draft model has not followed (one
+        that must first catch its draft KV up: a prompt's prefill in the draft): in the
+        warm-up, or where no drafting step was measured for STALE decisions."""
+        b = self.buckets.get(num_running.bit_length())
+        return (b is None or b[2] < self.WARM or not b[5]
+                or b[4] - b[5][-1][2] >= self.STALE)
 
     def would_decide(self, num_running: int) -> bool:
         """What the next `decide` will say (the A/B), without counting a decision."""
@@ -262,6 +275,7 @@ class Speculation:
     `counters` add up what the steps verified."""
 
     PRIOR = 2.0      # a sequence's acceptance starts as this many passes at the global rate
+    LAG = 48         # a probe drafts for a sequence the draft model saw this recently
 
     def __init__(self, drafter: Drafter, k: int, disable_by_batch_size: int | None,
                  counters: SpecCounters, gate: CostGate | None = None) -> None:
@@ -275,6 +289,12 @@ class Speculation:
         self._threshold = 0.0                  # the value a draft needs this step (gate)
         self._cap: int | None = None           # draft rows this step may still carry (gate)
         self._last_result: float | None = None  # when the last step's result came
+        # a drafter with state to catch up (a draft model's KV: gpu/draft.py): seq id ->
+        # its tokens when it last drafted, and the sequences this step's probe may draft for
+        self.catches_up = bool(getattr(drafter, "catches_up", False))
+        self.seen: dict[str, int] = {}
+        self._eligible: set[str] | None = None
+        self._catching: set[str] = set()     # sequences whose next verify catches up
 
     def on_for(self, running: list[Sequence]) -> bool:
         """Whether this step drafts at all (and, with the gate, the step's draft rows and
@@ -286,11 +306,32 @@ class Speculation:
             return True
         values = self._values(running)
         m = self.gate.rows(n, values)
+        self._eligible = None
         if not self.gate.decide(n):
             return False
         self._threshold = values[m - 1] if m else 1.0
         self._cap = m
+        if m and self.catches_up and self.gate.probing:
+            self._eligible = self._probe_set(running, n)
+            # the step's rows among those: their best drafts
+            values = self._values([seq for seq in running if seq.id in self._eligible])
+            m = min(m, len(values))
+            self._threshold = values[m - 1] if m else 1.0
+            self._cap = m
         return m > 0
+
+    def _probe_set(self, running: list[Sequence], n: int) -> set[str]:
+        """The sequences a probe (a drafting step the A/B does not back) may draft for,
+        with a draft model: those it followed within LAG tokens, since any other's first
+        drafts cost its draft KV's catch-up (its whole prompt, for a sequence that never
+        drafted), which a probe would pay for a rate that may well be vetoed again. Where
+        none is, the one it is nearest to, in the warm-up or when drafting has not been
+        measured for a while (the gate's `may_start`), else none: the step does not draft."""
+        lags = {seq.id: len(seq.token_ids) - self.seen.get(seq.id, 0) for seq in running}
+        near = {sid for sid, lag in lags.items() if lag <= self.LAG}
+        if near or not lags or not self.gate.may_start(n):
+            return near
+        return {min(lags, key=lags.get)}
 
     def would_draft(self, running: list[Sequence]) -> bool:
         """Whether the next step's `on_for` will let it draft (AsyncScheduler: such a step
@@ -337,11 +378,19 @@ class Speculation:
         last, self._last_result = self._last_result, now
         if self.gate is None or not plan.chunks:
             return
+        catching = False
+        if self._catching:
+            for c in plan.chunks:
+                if c.num_drafts and c.seq_id in self._catching:
+                    self._catching.discard(c.seq_id)
+                    catching = True
         rows = 0
         for c in plan.chunks:
             if not c.sample or len(c.token_ids) != 1 + c.num_drafts:
                 return
             rows += len(c.token_ids)
+        if catching:       # a draft model's catch-up (a prompt, once): no step's cost
+            return
         if result.num_drafts:    # floating chunks: the rows the runner's lookup filled
             rows = len(plan.chunks) + sum(result.num_drafts)
         drafted = rows > len(plan.chunks)
@@ -357,6 +406,8 @@ class Speculation:
         the gate) what the sequence's acceptance pays for."""
         if seq.num_pending or seq.req.sampling.options.thinking_token_budget is not None:
             return ()      # its last token is not known yet / a budget forces tokens one by one
+        if self._eligible is not None and seq.id not in self._eligible:
+            return ()      # a probe's, for a sequence the draft model is far behind
         # (a grammar does not stop drafting: the runner masks each verify row with the
         # grammar walked through the drafts before it, gpu/grammar.py draft_masks)
         k = min(self.k, stop.tokens_left(seq, len(seq.token_ids)) - 1, budget - 1)
@@ -367,6 +418,10 @@ class Speculation:
         drafts = self.drafter.propose(seq.id, seq.token_ids, k)
         if drafts and self._cap is not None:
             self._cap -= len(drafts)
+        if drafts and self.catches_up:
+            if len(seq.token_ids) - self.seen.get(seq.id, 0) > self.LAG:
+                self._catching.add(seq.id)
+            self.seen[seq.id] = len(seq.token_ids)
         return drafts
 
     def float_drafts(self, seq: Sequence, budget: int) -> int:
@@ -406,6 +461,8 @@ class Speculation:
     def forget(self, seq_id: str) -> None:
         self.drafter.forget(seq_id)
         self.held.pop(seq_id, None)
+        self.seen.pop(seq_id, None)
+        self._catching.discard(seq_id)
 
 
 def step_outputs(result: StepResult) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple]]:

@@ -117,6 +117,67 @@ def test_the_rows_go_to_the_sequences_whose_drafts_hold():
     assert all(g == 0 for g in got[4:]) and max(got) == 2
 
 
+def _catch_up_run(catches_up: bool, pays: bool, steps: int = 400):
+    """Four decoding sequences with 1000-token prompts and a draft model that has followed
+    none of them: a drafting step costs an off step's 20 ms, 0.2 ms a draft row and 1 ms a
+    token the draft has not seen (the catch-up: a sequence's whole prompt at its first). Drafts
+    hold (pays) or never do. Returns the catch-ups (lags of the sequences that drafted past LAG) and
+    the drafting steps."""
+    from stages.schedule.drafter import ModelDrafter
+
+    spec = Speculation(ModelDrafter(catches_up=catches_up), 3, None, SpecCounters(3), CostGate())
+    opts = SimpleNamespace(thinking_token_budget=None)
+    seqs = [SimpleNamespace(id=f"s{i}", token_ids=[1] * 1000, num_pending=0, end_len=10 ** 6,
+                            req=SimpleNamespace(sampling=SimpleNamespace(options=opts)),
+                            spec_drafts=0, spec_draft_tokens=0, spec_accepted=0)
+            for i in range(4)]
+    followed = {s.id: 0 for s in seqs}      # what the draft model has seen of each
+    catch_ups, drafting = [], 0
+    for _ in range(steps):
+        on = spec.on_for(seqs)
+        seconds, tokens, drafted = 0.020, 4, []
+        for seq in seqs:
+            d = spec.drafts(seq, 64) if on else ()
+            drafted.append((seq, len(d)))
+            if not d:
+                continue
+            lag = len(seq.token_ids) - followed[seq.id]
+            if lag > Speculation.LAG:
+                catch_ups.append(lag)
+            seconds += 0.001 * lag + 0.0002 * len(d)
+            followed[seq.id] = len(seq.token_ids)
+            held = len(d) if pays else 0
+            spec.verified(seq, len(d), held)
+            tokens += held
+            seq.token_ids += [1] * held
+        drafting += seconds > 0.020
+        chunks = tuple(SimpleNamespace(seq_id=seq.id, num_drafts=n, sample=True,
+                                       token_ids=(1,) * (1 + n)) for seq, n in drafted)
+        spec.observe(SimpleNamespace(chunks=chunks), SimpleNamespace(
+            num_drafts=(), num_tokens=(), token_ids=(1,) * tokens, duration_s=seconds))
+        for seq in seqs:
+            seq.token_ids.append(1)
+    return catch_ups, drafting
+
+
+def test_a_probe_does_not_pay_a_draft_models_catch_up():
+    """With a draft model (gpu/draft.py catches a sequence's draft KV up at its first
+    drafting step: its whole prompt), the gate's warm-up and probes draft only for a
+    sequence the draft has followed within LAG tokens, and start one other only where none
+    is, in the warm-up or once drafting went unmeasured for STALE decisions (one prompt
+    caught up, the warm-up's; after it, drafting measured slower, only the followed
+    sequence's tokens since it drafted): where each probe drafted for any sequence, every
+    sequence pays its prompt's catch-up. Drafts that pay are not held back: every sequence catches up once."""
+    ups, drafting = _catch_up_run(True, pays=False)
+    assert ups[0] >= 1000 and all(u < 1000 for u in ups[1:]), ups    # one prompt caught up
+    assert len(ups) <= 1 + 400 // CostGate.STALE, ups     # and that sequence when stale
+    assert drafting > CostGate.WARM        # the followed sequence is still probed after the warm-up
+    blind, _ = _catch_up_run(False, pays=False)
+    assert sum(u >= 1000 for u in blind) == 4, blind
+    ups, drafting = _catch_up_run(True, pays=True)
+    assert len(ups) == 4 and drafting >= 300, (ups, drafting)
+
+
 def test_draft_len():
     assert draft_len(0.9, 0.0, 3) == 3
     assert draft_len(0.5, 0.3, 3) == 1      # 0.5 >= 0.3 > 0.25
