@@ -9,11 +9,11 @@ inputs; the target then verifies them exactly as it verifies n-gram drafts
 - **Its own paged KV pool**: a KVCache with as many blocks as the target's, addressed by
   the target's block tables (the block manager allocates for both; KV sizing counts both,
   pipeline/core/startup.py).
-- **Prefill in the draft when it drafts**: in a step that carries drafts, every prompt
-  chunk runs through the draft too, in the first draft forward (chunked like the target's).
-  A prompt prefilled in a step without drafts (the cost gate has drafting off, or the step
-  is prefill only) is not: the draft computes it in the sequence's first drafting step,
-  with the decodes it missed. So a draft the gate keeps off costs no forward at all.
+- **Prefill in the draft when it drafts**: prompt chunks and decodes without drafts run in
+  the target only. A sequence's first drafting step computes its prompt in the draft, in
+  one forward with the decodes so far (and later ones, the decodes it missed since it last
+  drafted): so a draft costs only where the cost gate (stages/schedule/spec.py) lets a
+  sequence draft, which takes a catch-up's cost into account.
 - **Which blocks hold draft KV**: `valid[block]` counts the leading slots of a KV block
   whose draft KV is that of the tokens the target's KV there holds (the target's writes
   cut it, the draft's extend it, a remote KV read zeroes it). A sequence handed blocks by
@@ -139,36 +139,22 @@ class DraftModel:
 
     def fill(self, plan: StepPlan, host: HostInputs | None,
              states: dict[str, SeqSamplingState]) -> StepPlan:
-        """Draft the plan's DRAFT placeholders (in a step with drafts, its prompt chunks
-        prefilled in the draft too): the plan with its drafts written, and the same tokens
-        in `host`'s input ids."""
-        drafting = any(c.num_drafts for c in plan.chunks)
+        """Draft the plan's DRAFT placeholders, each sequence's draft KV first caught up to
+        its tokens: the plan with its drafts written, and the same tokens in `host`'s input
+        ids. Prompt chunks and decodes without drafts run in the target only."""
         first: list[SeqChunk] = []
         verify: list[int] = []          # indexes of the chunks that carry drafts
-        for c in plan.chunks:
-            n = len(c.token_ids)
-            if n > 1 and not c.num_drafts:  # a prompt chunk: the draft KV its blocks hold
-                self.done[c.seq_id] = self._valid_upto(c.block_table, c.start_pos)
-            self._wrote(c.block_table, c.start_pos, c.start_pos + n, False)
         for i, c in enumerate(plan.chunks):
-            sid = c.seq_id
+            sid, n = c.seq_id, len(c.token_ids)
             done = self.done.get(sid)
-            begin = min(self._valid_upto(c.block_table, c.start_pos) if done is None else done,
-                        c.start_pos)
-            if c.num_drafts:
+            if done is None or (n > 1 and not c.num_drafts):   # a prompt chunk: the draft
+                done = self._valid_upto(c.block_table, c.start_pos)  # KV its blocks hold
+            begin = self.done[sid] = min(done, c.start_pos)
+            self._wrote(c.block_table, c.start_pos, c.start_pos + n, False)   # the target's
+            if c.num_drafts:    # from where its draft KV stops: the prompt too, the first time
                 toks = tokens_of(states[sid], begin, c.start_pos) + [c.token_ids[0]]
                 first.append(SeqChunk(sid, tuple(toks), begin, c.block_table, True))
                 verify.append(i)
-            elif len(c.token_ids) > 1:     # a prompt chunk
-                if drafting:               # prefilled in the draft too (with what it missed)
-                    toks = tokens_of(states[sid], begin, c.start_pos) + list(c.token_ids)
-                    first.append(SeqChunk(sid, tuple(toks), begin, c.block_table, False))
-                    self.done[sid] = c.start_pos + len(c.token_ids)
-                    self._wrote(c.block_table, begin, self.done[sid], True)
-                else:
-                    self.done[sid] = begin
-            else:                          # a decode without drafts: caught up later
-                self.done[sid] = begin
         if not verify:
             return plan
         with torch.inference_mode():

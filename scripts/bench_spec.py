@@ -196,7 +196,9 @@ def main() -> None:
     p.add_argument("--spec", action="append", default=None,
                    help="a --speculative-config; repeat it for several (each round runs off, "
                         "then each in turn); 'draft-self' is draft_model with the bundled "
-                        "SmolLM2 drafting for itself. Default: n-gram 3 tokens, lookup 2-4")
+                        "SmolLM2 drafting for itself; a trailing '+async' adds "
+                        "--async-scheduling (e.g. 'draft-self+async'). Default: n-gram 3 "
+                        "tokens, lookup 2-4")
     p.add_argument("--log-steps", default=None, metavar="PATH",
                    help="append each decode step the cost gate measured to PATH, one JSON line "
                         "each: batch size, rows, drafted, tokens, ms, the bucket's A/B rates "
@@ -205,10 +207,13 @@ def main() -> None:
     if a.log_steps:
         _log_steps(a.log_steps)
     from gpu.tokenizer_files import default_model_path
-    specs = [s if s != "draft-self" else json.dumps(
-        {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3})
-        for s in a.spec or ['{"method": "ngram", "num_speculative_tokens": 3, '
-                            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}']]
+    specs = []      # (a --speculative-config, EngineConfig's other fields)
+    for s in a.spec or ['{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}']:
+        s, plus = (s[:-len("+async")], {"async_scheduling": True}) if s.endswith("+async") else (s, {})
+        specs.append((s if s != "draft-self" else json.dumps(
+            {"method": "draft_model", "model": str(default_model_path()),
+             "num_speculative_tokens": 3}), plus))
     reqs = requests(a.workload, a.requests or max(2, a.streams), a.max_tokens)
     base = dict(max_model_len=2048, max_num_seqs=max(8, a.streams))
     # the model loaded once (loading the GGUF takes a minute under load) and shared
@@ -218,11 +223,13 @@ def main() -> None:
     with runner_switch_interval():       # the GPU step runs in this process, as in serve
         trio.run(run, EngineConfig(**base), requests(a.workload, 1, 8), 1, loaded)   # warm
         for r in range(a.rounds):
-            for label, extra in (("off", {}), *((s, {"speculative_config": s}) for s in specs)):
+            for label, extra in (("off", {}), *((s, {"speculative_config": s, **plus})
+                                                 for s, plus in specs)):
                 _LOG_AT.update(streams=a.streams, round=r, spec=label if label == "off" else "on")
                 res = trio.run(run, EngineConfig(**base, **extra), reqs, a.streams, loaded)
                 label = label if label == "off" else json.loads(label)["method"] + (
-                    "" if json.loads(label).get("adaptive", True) else " (every step)")
+                    "" if json.loads(label).get("adaptive", True) else " (every step)") + (
+                    " +async" if extra.get("async_scheduling") else "")
                 print(json.dumps({"workload": a.workload, "streams": a.streams, "round": r,
                                   "spec": label, **res}), flush=True)
 
