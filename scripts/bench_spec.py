@@ -97,17 +97,15 @@ QUESTIONS = ["What is the capital of France?", "Give me three tips for better sl
 def requests(workload: str, n: int, max_tokens: int) -> list[dict]:
     out = []
     for i in range(n):
-        if workload == "copy":
+        if workload in ("copy", "code"):    # a file per request, its nouns the request's own
             noun = NOUNS[i % len(NOUNS)] + ("" if i < len(NOUNS) else str(i))
             src = FILE.format(cls=noun.capitalize() + "Store", noun=noun, field="items")
+        if workload == "copy":
             out.append({"prompt": f"# {noun}s.py\n```python\n{src}```\n\n# {noun}s.py, with "
                                   f"`items` renamed to `entries`\n```python\nimport json\n"
                                   f"import os\n", "max_tokens": max_tokens, "temperature": 0})
             continue
         if workload == "code":
-            noun = NOUNS[i % len(NOUNS)] + ("" if i < len(NOUNS) else str(i))
-            cls = noun.capitalize() + "Store"
-            src = FILE.format(cls=cls, noun=noun, field="items")
             text = (f"Rename the attribute `items` to `entries` in this file and return the "
                     f"whole file.\n\n```python\n{src}```")
         else:

@@ -209,8 +209,10 @@ class EngineConfig:
                                      "model's is not moved, and the stand-in and a pooling "
                                      "model have none)")
         if self.async_scheduling is None:
+            # an EAGLE head plans one step at a time unless asked (not measured yet); a draft
+            # model's floating chunks overlap the host's work (docs/benchmarks.md, issue 35)
             object.__setattr__(self, "async_scheduling",
-                               spec is None or spec.method not in MODEL_METHODS)
+                               spec is None or spec.method not in ("eagle", "eagle3"))
         if self.simulate_draft_acceptance is not None and (
                 self.simulate_gpu is None or self.speculative_config is None):
             raise ValueError("--simulate-draft-acceptance needs --simulate-gpu and "

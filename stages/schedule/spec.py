@@ -1,8 +1,8 @@
 """Speculative decoding's part of scheduling (the drafter itself: drafter.py): which decodes
 carry drafts, how many, and the counts of what the verifying steps accepted.
 
-Drafts need the sequence's last token, so a sequence gets them only with no step in flight
-for it (EngineConfig turns async scheduling off with speculation, so that is every decode).
+Drafts need the sequence's last token, so a sequence gets them with no step in flight
+for it, or (async scheduling) as a floating chunk whose drafts the runner fills (async_.py).
 The scheduler plans the chunk and, once verified, rolls the rejected drafts' KV back.
 """
 from __future__ import annotations

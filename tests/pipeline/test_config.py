@@ -175,9 +175,9 @@ def test_override_generation_config_must_be_a_json_object(value, words, capsys):
 
 
 def test_async_scheduling_with_ngram_speculation_and_on_request_with_a_draft_model(tmp_path):
-    """The combination rule, decided once here: n-gram drafts combine with async scheduling
-    by default (floating chunks, which the runner fills); a draft model or an EAGLE head
-    plans one step at a time unless --async-scheduling asks for it."""
+    """The combination rule, decided once here: n-gram drafts and a draft model combine
+    with async scheduling by default (floating chunks, which the runner fills); an EAGLE
+    head plans one step at a time unless --async-scheduling asks for it."""
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert EngineConfig().async_scheduling is True
     assert EngineConfig(async_scheduling=False).async_scheduling is False
@@ -186,5 +186,5 @@ def test_async_scheduling_with_ngram_speculation_and_on_request_with_a_draft_mod
     from gpu.tokenizer_files import default_model_path
     draft = orjson.dumps({"method": "draft_model", "model": str(default_model_path()),
                           "num_speculative_tokens": 2}).decode()
-    assert EngineConfig(speculative_config=draft).async_scheduling is False
-    assert EngineConfig(speculative_config=draft, async_scheduling=True).async_scheduling is True
+    assert EngineConfig(speculative_config=draft).async_scheduling is True
+    assert EngineConfig(speculative_config=draft, async_scheduling=False).async_scheduling is False
