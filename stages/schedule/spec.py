@@ -419,10 +419,15 @@ class Speculation:
         if drafts and self._cap is not None:
             self._cap -= len(drafts)
         if drafts and self.catches_up:
-            if len(seq.token_ids) - self.seen.get(seq.id, 0) > self.LAG:
-                self._catching.add(seq.id)
-            self.seen[seq.id] = len(seq.token_ids)
+            self._followed(seq)
         return drafts
+
+    def _followed(self, seq: Sequence) -> None:
+        """The sequence drafts in the step planned: the draft model catches up to it there
+        (a catch-up past LAG tokens keeps that step out of the gate's costs)."""
+        if len(seq.token_ids) - self.seen.get(seq.id, 0) > self.LAG:
+            self._catching.add(seq.id)
+        self.seen[seq.id] = len(seq.token_ids)
 
     def float_drafts(self, seq: Sequence, budget: int) -> int:
         """Draft rows for a floating chunk (a sequence with a step in flight: async_.py),
@@ -431,6 +436,8 @@ class Speculation:
         step's drafts all hold (the fewest tokens left), the budget, the gate's share."""
         if seq.req.sampling.options.thinking_token_budget is not None:
             return 0
+        if self._eligible is not None and seq.id not in self._eligible:
+            return 0       # a probe's, for a sequence the draft model is far behind
         left = stop.tokens_left(seq, len(seq.token_ids) + seq.num_pending + seq.in_flight_drafts)
         k = min(self.k, left - 1, budget - 1)
         if self.gate is not None and k > 0:
@@ -439,6 +446,8 @@ class Speculation:
             return 0
         if self._cap is not None:
             self._cap -= k
+        if self.catches_up:
+            self._followed(seq)
         return k
 
     def unplanned(self, k: int) -> None:
