@@ -509,13 +509,13 @@ def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
                   max_model_len: int, step_tokens: int, extra_per_block: int = 0) -> int:
     """KV cache blocks: the override, --kv-cache-memory-bytes, what a profiled full-size
     step leaves of --gpu-memory-utilization on CUDA, else the CPU default.
-    extra_per_block: a draft model's KV bytes per block (its pool has as many blocks)."""
+    extra_per_block: a draft's KV bytes per block (as many blocks; not in the CPU default)."""
     mc = loaded.config
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
-    per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
-                                        kv_heads(loaded), mc.head_dim, loaded.model.dtype)
-    per_block += extra_per_block
+    target_per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
+                                               kv_heads(loaded), mc.head_dim, loaded.model.dtype)
+    per_block = target_per_block + extra_per_block
     if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, cfg.kv_cache_memory_bytes // per_block)
     if device.type == "cuda":
@@ -533,9 +533,9 @@ def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
             raise ValueError("no GPU memory left for the KV cache; raise --gpu-memory-utilization "
                              "or set --kv-cache-memory-bytes")
         return budget // per_block
-    # CPU default: 1 GiB, or less when that is more than every sequence could use.
+    # CPU default: 1 GiB of the target's KV (a draft's on top), or what every sequence can use
     enough = cfg.max_num_seqs * math.ceil(max_model_len / cfg.block_size)
-    return max(1, min(_CPU_KV_DEFAULT_BYTES // per_block, enough))
+    return max(1, min(_CPU_KV_DEFAULT_BYTES // target_per_block, enough))
 
 
 def generation_defaults(cfg: EngineConfig, model_generation_config: dict | None) -> dict:

@@ -80,6 +80,7 @@ class CostGate:
     STALL = 1.5         # a step over STALL x its window's median is a stall, not a rate
     HALF = 8            # a window's step weighs half as much HALF decisions later
     STALE = 192         # decisions without a drafting step: a probe may start a sequence
+    VETOED = 4          # drafts far slower than off: probed down to one in VETOED x EXPLORE
 
     def __init__(self) -> None:
         # bucket -> [rate with drafts, rate without, steps with, steps without, decisions,
@@ -141,9 +142,15 @@ class CostGate:
         the two rates are `PROBE_GAP` apart or more, down to one in `PROBE_MIN` where they are
         close. A probe costs the gap, so a close call is cheap to measure again, and it is
         the call that a stale rate turns: a few slow steps of one mode (another process's
-        load) would otherwise hold the other mode on for EXPLORE steps a probe."""
+        load) would otherwise hold the other mode on for EXPLORE steps a probe. Drafts that
+        measured far slower than off are probed less often still (`VETOED`)."""
         lo, hi = sorted((b[0], b[1]))
         gap = hi / lo - 1 if lo > 0 else 1.0
+        if b[0] < b[1] and gap > self.PROBE_GAP:
+            # drafts vetoed, far apart (a draft model as costly as the target): a probe costs
+            # more the larger the gap, so up to one in VETOED x EXPLORE, a multiple of
+            # EXPLORE (`rows` offers a vetoed bucket its first bin one step in EXPLORE)
+            return self.EXPLORE * min(self.VETOED, round(gap / self.PROBE_GAP))
         return max(self.PROBE_MIN, min(self.EXPLORE, round(self.EXPLORE * gap / self.PROBE_GAP)))
 
     def _cost(self, bins: dict[int, list[float]], at: int, t_off: float | None,

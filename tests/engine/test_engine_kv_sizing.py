@@ -37,3 +37,15 @@ def test_the_cpu_default_is_what_every_sequence_can_use_up_to_a_cap():
     many = EngineConfig(max_num_seqs=256, block_size=16)
     assert _num_kv_blocks(many, LOADED, torch.device("cpu"), 1 << 17, 2048) == (
         _CPU_KV_DEFAULT_BYTES // PER_BLOCK)
+
+
+def test_a_drafts_pool_comes_on_top_of_the_cpu_default_and_inside_a_set_budget():
+    """A draft model's KV (as many blocks as the target's, `extra_per_block` bytes each):
+    the CPU default's 1 GiB is the target's alone, so a draft never halves the sequences
+    that fit; a budget the flags set (--kv-cache-memory-bytes, the GPU's) holds both."""
+    many = EngineConfig(max_num_seqs=256, block_size=16)
+    alone = _num_kv_blocks(many, LOADED, torch.device("cpu"), 1 << 17, 2048)
+    assert _num_kv_blocks(many, LOADED, torch.device("cpu"), 1 << 17, 2048, PER_BLOCK) == alone
+    set_ = EngineConfig(kv_cache_memory_bytes=1 << 20)
+    assert _num_kv_blocks(set_, LOADED, torch.device("cpu"), 128, 2048, PER_BLOCK) == (
+        (1 << 20) // (2 * PER_BLOCK))

@@ -82,6 +82,19 @@ def test_drafts_that_measure_slower_are_vetoed():
     assert sum(m > 0 for m in rows[40:]) <= len(rows[40:]) / CostGate.EXPLORE + 2
 
 
+def test_drafts_far_slower_than_off_are_probed_seldom():
+    """Drafting steps at under a third of off's rate (a draft model as costly as the
+    target): the vetoed drafts are probed one step in VETOED x EXPLORE, not in EXPLORE, as
+    each probe costs the gap; and they are still probed."""
+    gate = CostGate()
+    rows = drive(gate, 640, 8, [0.2] * 8, 3, lambda r: 0.028 if r <= 8 else 0.090,
+                 held=lambda m: 0)
+    late = rows[40:]
+    assert gate.preferred(8) is False
+    probes = sum(m > 0 for m in late)
+    assert 0 < probes <= len(late) / (4 * CostGate.EXPLORE) + 2, probes   # 25 at 1 in EXPLORE
+
+
 def test_a_passing_stall_does_not_turn_drafts_off():
     gate = CostGate()
     drive(gate, 60, 1, [0.8], 3, lambda r: 0.030 + 0.0005 * r)
