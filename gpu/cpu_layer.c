@@ -40,7 +40,7 @@ typedef struct {
 } Model;
 
 typedef struct {
-    int64_t M;                /* rows: one decode token per sequence */
+    int64_t M;                /* rows: a decode token each (a sequence's, or a verify's row) */
     const float *x;           /* [M, D] the token embeddings */
     float *hidden;            /* [M, D] out: the final norm's output */
     const int64_t *positions; /* [M] */
@@ -48,6 +48,8 @@ typedef struct {
     const int32_t *tables;    /* [M, table_stride] block ids */
     int64_t table_stride;
     const int32_t *seq_lens;  /* [M] context incl. the new token */
+    int64_t chunked;          /* rows of one sequence in a row (a verify's): each sees the ones
+                               * before it, so every row's k/v is written before any attends */
 } Step;
 
 static float *arena;
@@ -410,10 +412,17 @@ int cpu_layers_decode(const Model *md, const Step *st) {
             const Layer *L = md->layers + i;
             add_norm(residual, i ? xb : st->x, i == 0, L->ln1, M, D, md->eps, h);
             lin_apply(&L->qkv, h, M, qkv, buf);
+            if (st->chunked) {
 #pragma omp for schedule(static)
-            for (int64_t it = 0; it < M * Hkv; it++) {
-                qkv_item(md, L, st, it / Hkv, it % Hkv, qkv, q);
-                attend_any(md, L, st, it / Hkv, it % Hkv, q, att, scores);
+                for (int64_t it = 0; it < M * Hkv; it++) qkv_item(md, L, st, it / Hkv, it % Hkv, qkv, q);
+#pragma omp for schedule(static)
+                for (int64_t it = 0; it < M * Hkv; it++) attend_any(md, L, st, it / Hkv, it % Hkv, q, att, scores);
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t it = 0; it < M * Hkv; it++) {
+                    qkv_item(md, L, st, it / Hkv, it % Hkv, qkv, q);
+                    attend_any(md, L, st, it / Hkv, it % Hkv, q, att, scores);
+                }
             }
             lin_apply(&L->o, att, M, xb, buf);
             add_norm(residual, xb, 0, L->ln2, M, D, md->eps, h);

@@ -7,7 +7,9 @@ call per step whose per-layer phases are separated by OpenMP barriers, with no a
 When it runs (`FusedDecode.__call__`; None otherwise, and the caller's torch path serves):
 - the model: every layer's qkv/o/gate_up/down a PackedLinear (a llama-family dense MLP), fp32
   norms and residual stream, no attention sinks or sliding window, no M-RoPE, one rank;
-- the step: every row a decode row (no prefill chunk), at most MAX_ROWS of them, through
+- the step: every row a decode row (one token a sequence, or a verify's short chunk after a
+  cached context: a row per position, each seeing the keys up to its own, every row's k/v
+  written before any attends: `Step.chunked`), at most MAX_ROWS of them, through
   gpu/attention.py's TorchPagedAttention over an fp32 cache without sliding layers; no forward
   hooks on the linears (LoRA's term needs the base output), no pictures, no EAGLE capture.
 
@@ -53,7 +55,7 @@ class _Model(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("M", _I64), ("x", _P), ("hidden", _P), ("positions", _P), ("slots", _P), ("tables", _P),
-                ("table_stride", _I64), ("seq_lens", _P)]
+                ("table_stride", _I64), ("seq_lens", _P), ("chunked", _I64)]
 
 
 @functools.cache
@@ -154,12 +156,22 @@ class FusedDecode:
         replaced (gpu/sleep.py calls it on every wake-up)."""
         self._model = None
 
+    @staticmethod
+    def _decodes(meta, M: int) -> bool:
+        """Every row attends as a decode row: one token a sequence, or a verify's short
+        chunk after a cached context (TorchPagedAttention's SHORT_CHUNK rule), each row
+        seeing the keys up to its own position."""
+        if not meta.prefill_rows:
+            return len(meta.decode_rows) == M
+        short = TorchPagedAttention.SHORT_CHUNK
+        return all(meta.q_lens[r] <= short and meta.start_positions[r] > 0 for r in meta.prefill_rows)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         if not self.enabled or type(attn) is not TorchPagedAttention or torch.is_grad_enabled():
             return None
         meta, cache = attn.meta, attn.cache
         M = input_ids.shape[0]
-        if (meta is None or meta.prefill_rows or len(meta.decode_rows) != M or M > MAX_ROWS or M == 0
+        if (meta is None or M > MAX_ROWS or M == 0 or not self._decodes(meta, M)
                 or positions.dim() != 1 or cache.sliding_layers or cache.k[0].dtype != torch.float32
                 or cache.k[0].device.type != "cpu" or cache.k[0].shape[2] != self.lm.local_kv_heads):
             return None
@@ -177,6 +189,12 @@ class FusedDecode:
         hidden = torch.empty(M, x.shape[1], dtype=torch.float32)
         tables, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
         pos = positions if positions.dtype == torch.int64 else positions.long()
+        chunked = bool(meta.prefill_rows)
+        if chunked:     # a row per position: its sequence's table, the keys up to its own
+            rows_of = torch.repeat_interleave(torch.arange(len(meta.q_lens)),
+                                              torch.tensor(meta.q_lens))
+            tables = tables.index_select(0, rows_of.to(tables.device)).contiguous()
+            lens = (pos + 1).to(torch.int32)
         if not (tables.dtype == torch.int32 and tables.is_contiguous() and lens.dtype == torch.int32
                 and slots.dtype == torch.int64 and pos.is_contiguous() and x.is_contiguous()):
             return None
@@ -184,6 +202,7 @@ class FusedDecode:
         st.M, st.x, st.hidden, st.positions = M, x.data_ptr(), hidden.data_ptr(), pos.data_ptr()
         st.slots, st.tables, st.table_stride, st.seq_lens = (slots.data_ptr(), tables.data_ptr(),
                                                             tables.shape[1], lens.data_ptr())
+        st.chunked = int(chunked)
         with torch.profiler.record_function("cpu_layer::decode_stack"):
             rc = self._fn(self._model_ref, self._step_ref)
         return hidden if rc == 0 else None

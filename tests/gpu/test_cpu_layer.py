@@ -95,6 +95,48 @@ def test_fused_stack_matches_per_layer_path(lm, n, one_thread, monkeypatch):
         assert (a - b).abs().max().item() < 1e-4
 
 
+def _run_verify(lm, fused: bool, n: int):
+    """Prefill n sequences, then one verify step: each sequence's last token and three
+    drafts (a verify's short chunk). (its tokens, its logits [4 n, V], the cache)."""
+    c = lm.config
+    lm.fused_decode.enabled = fused
+    cache = KVCache(c.num_hidden_layers, n * BLOCKS, BS, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    runner = ModelRunner(lm, cache, device=torch.device("cpu"))
+    logits = []
+    orig = lm.compute_logits
+    lm.compute_logits = lambda h: logits.append(orig(h)) or logits[-1]
+    try:
+        prompts = [tuple(range(300 + 7 * i, 300 + 7 * i + 3 + 4 * (i % 6))) for i in range(n)]
+        tables = [tuple(range(i * BLOCKS, (i + 1) * BLOCKS)) for i in range(n)]
+        g = SamplingOptions(temperature=0.0)
+        res = runner.execute(StepPlan(0, tuple(SeqChunk(str(i), p, 0, tables[i], True) for i, p in enumerate(prompts)),
+                                      tuple(SeqStart(str(i), p, g) for i, p in enumerate(prompts))))
+        res = runner.execute(StepPlan(1, tuple(
+            SeqChunk(str(i), (res.token_ids[i], 11, 12 + i, 13), len(p), tables[i], True, num_drafts=3)
+            for i, p in enumerate(prompts))))
+    finally:
+        del lm.compute_logits
+        lm.fused_decode.enabled = True
+    return res.token_ids, logits[-1], cache
+
+
+@pytest.mark.parametrize("one_thread", [2], indirect=True, ids=["2-threads"])
+def test_a_verify_step_runs_in_the_fused_stack(lm, one_thread, monkeypatch):
+    """A verify step (each sequence's last token and three drafts: four rows of one sequence,
+    each seeing the keys up to its own position) in the C stack, against the per-layer path:
+    the same tokens, logits within 1e-3, the same KV."""
+    counting = _Counting(lm.fused_decode._fn)
+    monkeypatch.setattr(lm.fused_decode, "_fn", counting)
+    got_tokens, got_logits, got_cache = _run_verify(lm, True, 3)
+    assert counting.rcs == [0]            # the verify step in the C stack (the prefill not)
+    want_tokens, want_logits, want_cache = _run_verify(lm, False, 3)
+    assert got_logits.shape[0] == 12
+    assert got_tokens == want_tokens
+    assert (got_logits - want_logits).abs().max().item() < 1e-3
+    for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+        assert (a - b).abs().max().item() < 1e-4
+
+
 def _set_gemm(min_m: int, max_m: int) -> None:
     """The GEMM tiles' rows in both libraries (the C stack's, and the per-layer path's for the
     LM head): -1, -1 for the defaults, max_m 0 for none."""
