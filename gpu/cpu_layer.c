@@ -337,8 +337,8 @@ static inline __attribute__((always_inline)) void attend_regs(const Model *md, c
         for (int j = 0; j < NV; j++)
             _mm512_storeu_ps(o + g * Dh + 16 * j, _mm512_mul_ps(acc[g * NV + j], _mm512_set1_ps(mx[g])));
 }
-#define ATTEND_CASE(GV, NVV) \
-    if (G == GV && NV == NVV) { attend_regs(md, L, st, m, kh, q, out, scores, GV, NVV); return; }
+#define ATTEND_CASE(GQ, NVV) \
+    if (G == GQ && NV == NVV) { attend_regs(md, L, st, m, kh, q, out, scores, GQ, NVV); return; }
 #endif
 
 /* attend_regs where an instantiation fits (AVX-512; the common head shapes), else attend() */
