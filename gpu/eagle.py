@@ -389,6 +389,10 @@ class EagleDrafter:
         self.pending.pop(seq_id, None)
         self.tables.release(seq_id)
 
+    def overwritten(self, blocks) -> None:
+        """Target blocks whose KV came from elsewhere (a remote prefill's read): nothing of
+        the head's depends on them (its KV is its own pool's, computed from hidden states)."""
+
     def captured(self, chunks, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """A target step's rows, appended to each chunk's sequence's pending states (a
         verify's are cut back to the accepted run by `verified`)."""

@@ -148,9 +148,9 @@ class ModelRunner(StagingRunner):
                 raise
         if plan.kv_reads:         # under TP: every rank starts its shard's reads
             kv.start_reads(plan.kv_reads)
-            if (overwritten := getattr(self.draft, "overwritten", None)) is not None:
+            if self.draft is not None:
                 for read in plan.kv_reads:      # a draft model's KV there is not theirs
-                    overwritten(read.local_block_ids)
+                    self.draft.overwritten(read.local_block_ids)
         result = self._execute(plan, staged)
         loaded, failed, late = kv.poll()
         if not plan.chunks and not loaded and not failed:

@@ -4,6 +4,7 @@ greedy tokens, logits within 1e-3 (measured ~1e-4 on logits of magnitude ~20-30:
 and silu's sums round in another order), the same KV cache to 1e-4; and the steps it must leave
 to the per-layer path (a prefill in the step, a hooked linear, a slot out of range)."""
 
+import contextlib
 import ctypes
 import shutil
 import subprocess
@@ -50,8 +51,11 @@ class _Counting:
         return rc
 
 
-def _run(lm, fused: bool, n: int, steps: int = 4, before_step=None):
-    """Greedy prefill + decode of n sequences; (tokens per step, logits per decode step, cache)."""
+@contextlib.contextmanager
+def _prefilled(lm, fused: bool, n: int):
+    """n sequences prefilled greedily (the C stack on or off for what follows); yields
+    (the runner, the prompts, their block tables, the prefill's result, the logits of every
+    step so far, the cache). The model's own logits hook and the stack's switch are put back."""
     c = lm.config
     lm.fused_decode.enabled = fused
     cache = KVCache(c.num_hidden_layers, n * BLOCKS, BS, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
@@ -65,6 +69,15 @@ def _run(lm, fused: bool, n: int, steps: int = 4, before_step=None):
         g = SamplingOptions(temperature=0.0)
         res = runner.execute(StepPlan(0, tuple(SeqChunk(str(i), p, 0, tables[i], True) for i, p in enumerate(prompts)),
                                       tuple(SeqStart(str(i), p, g) for i, p in enumerate(prompts))))
+        yield runner, prompts, tables, res, logits, cache
+    finally:
+        del lm.compute_logits
+        lm.fused_decode.enabled = True
+
+
+def _run(lm, fused: bool, n: int, steps: int = 4, before_step=None):
+    """Greedy prefill + decode of n sequences; (tokens per step, logits per decode step, cache)."""
+    with _prefilled(lm, fused, n) as (runner, prompts, tables, res, logits, cache):
         tokens, pos = [res.token_ids], [len(p) for p in prompts]
         for step in range(1, steps + 1):
             if before_step is not None:
@@ -73,9 +86,6 @@ def _run(lm, fused: bool, n: int, steps: int = 4, before_step=None):
                                                       for i in range(n))))
             tokens.append(res.token_ids)
             pos = [p + 1 for p in pos]
-    finally:
-        del lm.compute_logits
-        lm.fused_decode.enabled = True
     return tokens, logits[1:], cache
 
 
@@ -98,25 +108,10 @@ def test_fused_stack_matches_per_layer_path(lm, n, one_thread, monkeypatch):
 def _run_verify(lm, fused: bool, n: int):
     """Prefill n sequences, then one verify step: each sequence's last token and three
     drafts (a verify's short chunk). (its tokens, its logits [4 n, V], the cache)."""
-    c = lm.config
-    lm.fused_decode.enabled = fused
-    cache = KVCache(c.num_hidden_layers, n * BLOCKS, BS, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
-    runner = ModelRunner(lm, cache, device=torch.device("cpu"))
-    logits = []
-    orig = lm.compute_logits
-    lm.compute_logits = lambda h: logits.append(orig(h)) or logits[-1]
-    try:
-        prompts = [tuple(range(300 + 7 * i, 300 + 7 * i + 3 + 4 * (i % 6))) for i in range(n)]
-        tables = [tuple(range(i * BLOCKS, (i + 1) * BLOCKS)) for i in range(n)]
-        g = SamplingOptions(temperature=0.0)
-        res = runner.execute(StepPlan(0, tuple(SeqChunk(str(i), p, 0, tables[i], True) for i, p in enumerate(prompts)),
-                                      tuple(SeqStart(str(i), p, g) for i, p in enumerate(prompts))))
+    with _prefilled(lm, fused, n) as (runner, prompts, tables, res, logits, cache):
         res = runner.execute(StepPlan(1, tuple(
             SeqChunk(str(i), (res.token_ids[i], 11, 12 + i, 13), len(p), tables[i], True, num_drafts=3)
             for i, p in enumerate(prompts))))
-    finally:
-        del lm.compute_logits
-        lm.fused_decode.enabled = True
     return res.token_ids, logits[-1], cache
 
 
