@@ -84,7 +84,7 @@ class CostGate:
 
     def __init__(self) -> None:
         # bucket -> [rate with drafts, rate without, steps with, steps without, decisions,
-        #            the last WINDOW steps with, without: (seconds, tokens)]
+        #            the last WINDOW steps with, without: (seconds, tokens, decision, rows)]
         self.buckets: dict[int, list[float]] = {}
         # bucket -> {rows // width: [seconds (median), rows (moving average), steps, the
         # last KEEP steps' seconds]}, of drafting steps
@@ -114,10 +114,24 @@ class CostGate:
     def may_start(self, num_running: int) -> bool:
         """Whether a probe may draft for a sequence the draft model has not followed (one
         that must first catch its draft KV up: a prompt's prefill in the draft): in the
-        warm-up, or where no drafting step was measured for STALE decisions."""
+        warm-up, or where no drafting step was measured for STALE decisions, unless the
+        drafting steps measured far slower than off even had every draft held (`ceiling`:
+        a draft model as costly as the target): then no sequence's acceptance, however
+        high, turns the call, and its catch-up would be paid for nothing."""
         b = self.buckets.get(num_running.bit_length())
-        return (b is None or b[2] < self.WARM or not b[5]
-                or b[4] - b[5][-1][2] >= self.STALE)
+        if b is None or b[2] < self.WARM or not b[5]:
+            return True
+        if b[3] >= self.WARM and self.ceiling(num_running) * (1 + self.PROBE_GAP) < b[1]:
+            return False
+        return b[4] - b[5][-1][2] >= self.STALE
+
+    def ceiling(self, num_running: int) -> float:
+        """The tokens per second this bucket's drafting steps (its A/B window) would have
+        yielded had every draft held: their rows over their time (0: none measured)."""
+        b = self.buckets.get(num_running.bit_length())
+        steps = b[5] if b is not None else ()
+        seconds = sum(s for s, _, _, _ in steps)
+        return sum(r for _, _, _, r in steps) / seconds if seconds > 0 else 0.0
 
     def would_decide(self, num_running: int) -> bool:
         """What the next `decide` will say (the A/B), without counting a decision."""
@@ -229,13 +243,13 @@ class CostGate:
         i = 0 if drafted else 1
         window = b[5 + i]
         at = b[4]
-        window.append((seconds, tokens, at))
+        window.append((seconds, tokens, at, rows if rows is not None else tokens))
         if len(window) > self.WINDOW:
             del window[0]
         stall = self.STALL * sorted(window)[len(window) // 2][0]
         # older steps weigh less (half every HALF decisions in the bucket): a mode measured
         # only by probes follows its newest ones, not steps from before the other one ran
-        kept = [(s, t, 0.5 ** ((at - a) / self.HALF)) for s, t, a in window if s <= stall]
+        kept = [(s, t, 0.5 ** ((at - a) / self.HALF)) for s, t, a, _ in window if s <= stall]
         b[i] = sum(t * w for _, t, w in kept) / sum(s * w for s, _, w in kept)
         b[i + 2] += 1
         if drafted:

@@ -130,12 +130,13 @@ def test_the_rows_go_to_the_sequences_whose_drafts_hold():
     assert all(g == 0 for g in got[4:]) and max(got) == 2
 
 
-def _catch_up_run(catches_up: bool, pays: bool, steps: int = 400):
+def _catch_up_run(catches_up: bool, pays: bool, steps: int = 400, forward: float = 0.0):
     """Four decoding sequences with 1000-token prompts and a draft model that has followed
-    none of them: a drafting step costs an off step's 20 ms, 0.2 ms a draft row and 1 ms a
-    token the draft has not seen (the catch-up: a sequence's whole prompt at its first). Drafts
-    hold (pays) or never do. Returns the catch-ups (lags of the sequences that drafted past LAG) and
-    the drafting steps."""
+    none of them: a drafting step costs an off step's 20 ms, 0.2 ms a draft row, 1 ms a
+    token the draft has not seen (the catch-up: a sequence's whole prompt at its first) and
+    `forward` seconds for each of the draft model's K forwards. Drafts hold (pays) or never
+    do. Returns the catch-ups (lags of the sequences that drafted past LAG) and the drafting
+    steps."""
     from stages.schedule.drafter import ModelDrafter
 
     spec = Speculation(ModelDrafter(catches_up=catches_up), 3, None, SpecCounters(3), CostGate())
@@ -157,7 +158,7 @@ def _catch_up_run(catches_up: bool, pays: bool, steps: int = 400):
             lag = len(seq.token_ids) - followed[seq.id]
             if lag > Speculation.LAG:
                 catch_ups.append(lag)
-            seconds += 0.001 * lag + 0.0002 * len(d)
+            seconds += 0.001 * lag + 0.0002 * len(d) + (forward * 3 if seconds == 0.020 else 0.0)
             followed[seq.id] = len(seq.token_ids)
             held = len(d) if pays else 0
             spec.verified(seq, len(d), held)
@@ -189,6 +190,20 @@ def test_a_probe_does_not_pay_a_draft_models_catch_up():
     assert sum(u >= 1000 for u in blind) == 4, blind
     ups, drafting = _catch_up_run(True, pays=True)
     assert len(ups) == 4 and drafting >= 300, (ups, drafting)
+
+
+def test_a_draft_as_costly_as_the_target_starts_no_sequence_after_its_warm_up():
+    """A draft model whose forwards cost what the target's step does (SmolLM2 drafting for
+    itself: three forwards of 20 ms a drafting step): even had every draft held, its drafting
+    steps measured far slower than off (`ceiling`), so no probe starts a sequence the draft
+    has not followed, however long drafting goes unmeasured: the warm-up's catch-up is the
+    only one. Where the ceiling is above off (drafts that would pay if they held: the run
+    above), a stale bucket still starts one."""
+    ups, drafting = _catch_up_run(True, pays=True, steps=800, forward=0.020)
+    assert len(ups) == 1 and ups[0] >= 1000, ups
+    assert drafting > CostGate.WARM          # the followed sequence is still probed
+    ups, _ = _catch_up_run(True, pays=False, steps=800)
+    assert len(ups) >= 2, ups                # the cheap draft: started again once stale
 
 
 def test_draft_len():
