@@ -124,6 +124,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def macs_per_token(self) -> int:
+        """The multiply-adds of one token's linears: the attention projections, the MLP (a
+        mixture's active experts), the LM head. Attention over the context is left out: it
+        grows with the context alike for a draft model and its target."""
+        mlp = 3 * self.hidden_size * self.intermediate_size * (self.num_experts_per_tok or 1)
+        proj = self.hidden_size * (2 * self.q_size + 2 * self.kv_size)
+        return self.num_hidden_layers * (proj + mlp) + self.hidden_size * self.vocab_size
+
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dict (transformers 4.x `rope_theta`/`rope_scaling`

@@ -71,8 +71,10 @@ class DraftModel:
     reads_hidden = False             # it drafts from tokens: no target hidden states (EAGLE's do)
     aux_layers: tuple[int, ...] = ()
 
-    def __init__(self, model, cache: KVCache, device: torch.device, use_triton: bool = False) -> None:
+    def __init__(self, model, cache: KVCache, device: torch.device, use_triton: bool = False,
+                 cost: float | None = None) -> None:
         self.model = model
+        self.cost = cost                   # its multiply-adds a token over the target's
         self.cache = cache
         self.device = device
         self.use_triton = use_triton

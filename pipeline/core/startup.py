@@ -190,10 +190,12 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
         dc = draft.config
         drafting = DraftModel(draft.model, KVCache(
             dc.num_hidden_layers, num_blocks, cfg.block_size, draft.model.local_kv_heads,
-            dc.head_dim, draft.model.dtype, device), device, use_triton=device.type == "cuda")
-        log.info("draft model %s (%s, %s): its own KV cache of %d blocks, %.1f MiB",
-                 draft.name, dc.architecture, str(draft.model.dtype).removeprefix("torch."),
-                 num_blocks, extra * num_blocks / 2**20)
+            dc.head_dim, draft.model.dtype, device), device, use_triton=device.type == "cuda",
+            cost=dc.macs_per_token / mc.macs_per_token)
+        log.info("draft model %s (%s, %s): its own KV cache of %d blocks, %.1f MiB; %.2fx the "
+                 "target's multiply-adds a token", draft.name, dc.architecture,
+                 str(draft.model.dtype).removeprefix("torch."), num_blocks, extra * num_blocks / 2**20,
+                 drafting.cost)
     if head is not None:
         from gpu.eagle import EagleDrafter
         hc = head.config
@@ -351,19 +353,16 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                  GPUS[cfg.simulate_gpu].name)
     elif loaded is None:
         loaded = load_weights(cfg, device, ranks.tp if ranks is not None else SINGLE)
+    tok = None
     if cfg.tokenizer_mode == "mistral" and not cfg.skip_tokenizer_init:
         from gpu.mistral import MistralTokenizer
         tok = MistralTokenizer(cfg.tokenizer or cfg.model)
-        loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
-            tok, loaded.config, loaded.generation_config))
     elif cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
-        loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
-            tok, loaded.config, loaded.generation_config))
     parsers = Parsers.of(cfg, loaded.config)
-    if parsers.harmony and loaded.tokenizer is None and not cfg.skip_tokenizer_init:
-        # a dummy gpt-oss config ships no tokenizer.json: Harmony's o200k, offline
-        tok = implied_tokenizer(loaded.config)
+    if tok is None and parsers.harmony and loaded.tokenizer is None and not cfg.skip_tokenizer_init:
+        tok = implied_tokenizer(loaded.config)  # a dummy gpt-oss config ships no tokenizer.json: o200k
+    if tok is not None:
         loaded = attrs.evolve(loaded, tokenizer=tok, eos_token_ids=merge_eos_ids(
             tok, loaded.config, loaded.generation_config))
     if cfg.skip_tokenizer_init:
@@ -421,6 +420,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         drafter=make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None),
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+        spec_draft_cost=getattr(getattr(runner, "draft", None), "cost", None),  # stand-ins: none
         policy=cfg.scheduling_policy, max_loras=cfg.max_loras,
         spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config,
         **({"floating": True} if floating else {}))
@@ -442,13 +442,13 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         spec = cfg.speculative_config
         how = (f"lookup {spec.prompt_lookup_min}-{spec.prompt_lookup_max}" if spec.method == "ngram"
                else f"draft {spec.model}")
-        log.info("speculative decoding: %s, %d tokens, %s, %s; %s", spec.method,
-                 spec.num_speculative_tokens, how,
-                 "decided per step from measured costs" if spec.adaptive else "every step",
-                 "async scheduling on, steps with drafts planned ahead too (the runner fills "
-                 "their drafts)" if floating else
-                 "async scheduling on for steps without drafts" if cfg.async_scheduling else
-                 "async scheduling off (drafts need each sequence's last token)")
+        log.log(logging.WARNING if scheduler.speculation.futile else logging.INFO,
+                "speculative decoding: %s, %d tokens, %s, %s; %s", spec.method,
+                spec.num_speculative_tokens, how, scheduler.speculation.mode(),
+                "async scheduling on, steps with drafts planned ahead too (the runner fills "
+                "their drafts)" if floating else
+                "async scheduling on for steps without drafts" if cfg.async_scheduling else
+                "async scheduling off (drafts need each sequence's last token)")
     if loaded.tokenizer is None:
         log.warning("the model has no tokenizer: only token-id prompts are accepted and "
                     "replies carry no text (like vLLM's --skip-tokenizer-init)")

@@ -44,7 +44,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                  grammars: ConstraintCompiler | None = None,
                  think_ids: tuple[int, int] | None = None, drafter: Drafter | None = None,
                  num_speculative_tokens: int = 0,
-                 spec_disable_by_batch_size: int | None = None,
+                 spec_disable_by_batch_size: int | None = None, spec_draft_cost: float | None = None,
                  policy: str = "fcfs", max_loras: int = 1, spec_adaptive: bool = False,
                  kv_transfer: KVTransferConfig | None = None) -> None:
         if policy not in POLICIES:
@@ -88,7 +88,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
         self.spec = SpecCounters(num_speculative_tokens)
         self.speculation = (None if self.drafter is None else Speculation(
             self.drafter, num_speculative_tokens, spec_disable_by_batch_size, self.spec,
-            CostGate() if spec_adaptive else None))
+            CostGate() if spec_adaptive else None, spec_draft_cost))
         # the KV connector (issue 36; kv_transfer.py has the protocol).
         # Prefill side: a finished do_remote_decode request's prompt blocks, held by request
         # id until the decode side has read them (KVRelease) or the abort timeout passes.

@@ -299,12 +299,22 @@ class Speculation:
     LAG = 48         # a probe drafts for a sequence the draft model saw this recently
 
     def __init__(self, drafter: Drafter, k: int, disable_by_batch_size: int | None,
-                 counters: SpecCounters, gate: CostGate | None = None) -> None:
+                 counters: SpecCounters, gate: CostGate | None = None,
+                 draft_cost: float | None = None) -> None:
         self.drafter = drafter
         self.k = k
         self.disable_by_batch_size = disable_by_batch_size
         self.counters = counters
         self.gate = gate
+        # a draft model's multiply-adds a token over the target's (None: not a draft model).
+        # A drafting step runs k draft forwards and a verify that costs at least an off
+        # step, for at most k + 1 tokens a sequence: at most (k + 1) / (1 + k r) of off's
+        # rate had every draft held. Under the gate's MARGIN (a draft as large as the
+        # target: SmolLM2 drafting for itself) no step can gain, so the gate drafts none
+        # and pays no warm-up for it ("adaptive": false drafts all the same).
+        self.draft_cost = draft_cost
+        self.ceiling = None if draft_cost is None else (k + 1) / (1 + k * draft_cost)
+        self.futile = gate is not None and self.ceiling is not None and self.ceiling < 1 + gate.MARGIN
         self.held: dict[str, list[int]] = {}   # seq id -> [drafts that held, that did not]
         self.total = [0, 0]                    # the same over every sequence
         self._threshold = 0.0                  # the value a draft needs this step (gate)
@@ -317,11 +327,23 @@ class Speculation:
         self._eligible: set[str] | None = None
         self._catching: set[str] = set()     # sequences whose next verify catches up
 
+    def mode(self) -> str:
+        """When steps draft, in words (the start-up log)."""
+        if self.gate is None:
+            return "every step"
+        if self.futile:
+            return (f"never: the draft model costs {self.draft_cost:.2f}x the target's multiply-adds "
+                    f"a token, so a step with {self.k} drafts a sequence would be at most "
+                    f"{self.ceiling:.2f}x as fast as one without had every draft held; use a "
+                    f"smaller draft (\"adaptive\": false drafts at every step all the same)")
+        return "decided per step from measured costs" + (
+            "" if self.ceiling is None else f" (at most {self.ceiling:.2f}x had every draft held)")
+
     def on_for(self, running: list[Sequence]) -> bool:
         """Whether this step drafts at all (and, with the gate, the step's draft rows and
         the value a draft must have to get one)."""
         n = len(running)
-        if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size:
+        if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size or self.futile:
             return False
         if self.gate is None:
             return True
@@ -358,7 +380,7 @@ class Speculation:
         """Whether the next step's `on_for` will let it draft (AsyncScheduler: such a step
         waits for the running one instead of being planned ahead)."""
         n = len(running)
-        if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size:
+        if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size or self.futile:
             return False
         if self.gate is None:
             return True

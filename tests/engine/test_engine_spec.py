@@ -78,6 +78,22 @@ async def _streams(smollm, spec, bodies, **cfg) -> tuple[list[bytes], object]:
     return out, (stats, spec_counts, floated)
 
 
+async def test_a_draft_as_large_as_the_target_is_left_off_by_the_gate(smollm, caplog):
+    """SmolLM2 drafting for itself with the cost gate on (the default): the draft costs the
+    target's multiply-adds a token, so no step with drafts could beat one without (at most
+    (K + 1) / (1 + K) = 1.0x had every draft held). No step drafts, none pays the draft's
+    warm-up or catch-ups, the streams are speculation off's, and the start-up log says why."""
+    caplog.set_level("INFO", logger="tailrace")
+    bodies = BODIES[:2]
+    on, (_, counts, _) = await _streams(smollm, SPECS["draft-self"], bodies)
+    off, _ = await _streams(smollm, None, bodies)
+    assert counts.num_drafts == 0, vars(counts)
+    assert [texts(s) for s in on] == [texts(s) for s in off]
+    said = [r for r in caplog.records if "speculative decoding" in r.getMessage()]
+    assert said and said[-1].levelname == "WARNING", [r.getMessage() for r in said]
+    assert "costs 1.00x the target's multiply-adds" in said[-1].getMessage()
+
+
 # a KV cache small enough to preempt, and chunked prefill
 TIGHT = dict(num_gpu_blocks_override=14, block_size=8, max_num_batched_tokens=32)
 CFGS = {"roomy": {}, "preempting": TIGHT}

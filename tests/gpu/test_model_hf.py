@@ -163,3 +163,21 @@ def test_cached_dense_attention_matches_full_recompute(tmp_path):
         prefill = model.compute_logits(model(torch.tensor(IDS[:9]), torch.arange(9), attn))
         steps = [model.compute_logits(model(torch.tensor([IDS[i]]), torch.tensor([i]), attn)) for i in range(9, 12)]
     torch.testing.assert_close(torch.cat([prefill, *steps]), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss"])
+def test_macs_per_token_count_the_linears_a_token_runs(arch, tmp_path):
+    """ModelConfig.macs_per_token (the draft model's cost over its target's, for the cost
+    gate: stages/schedule/spec.py) is the weights of every nn.Linear a token passes through in
+    transformers' model, the LM head included and a mixture's router left out: of its
+    experts' weights, the share a token's active experts hold."""
+    hf = make_hf_model(arch, tmp_path)
+    c = ModelConfig.from_hf(hf.config.to_dict())
+    linears = sum(m.weight.numel() for name, m in hf.named_modules()
+                  if isinstance(m, torch.nn.Linear) and "router" not in name)
+    experts = sum(p.numel() for name, p in hf.named_parameters()
+                  if ".experts." in name and not name.endswith("bias"))
+    if arch == "gpt_oss":
+        assert experts > 0
+        linears += experts * c.num_experts_per_tok // c.num_experts
+    assert c.macs_per_token == linears

@@ -206,6 +206,25 @@ def test_a_draft_as_costly_as_the_target_starts_no_sequence_after_its_warm_up():
     assert len(ups) >= 2, ups                # the cheap draft: started again once stale
 
 
+def test_a_draft_that_cannot_pay_never_drafts():
+    """A draft model's cost a token over the target's (r) bounds a drafting step at
+    (K + 1) / (1 + K r) of off's rate had every draft held: from r = 1 (a draft as large
+    as the target) that is under the gate's MARGIN, so no step drafts, the warm-up
+    included; a draft a fifth of the target's size (2.5x at most) is measured as usual;
+    without the gate ("adaptive": false) every step drafts whatever the draft costs."""
+    from stages.schedule.drafter import ModelDrafter
+
+    seqs = [SimpleNamespace(id="s0", token_ids=[1] * 10)]
+    big = Speculation(ModelDrafter(catches_up=True), 3, None, SpecCounters(3), CostGate(), draft_cost=1.0)
+    assert big.futile and big.ceiling == 1.0
+    assert not any(big.on_for(seqs) or big.would_draft(seqs) for _ in range(300))
+    assert big.mode().startswith("never: the draft model costs 1.00x")
+    small = Speculation(ModelDrafter(catches_up=True), 3, None, SpecCounters(3), CostGate(), draft_cost=0.2)
+    assert not small.futile and small.ceiling == 2.5 and small.on_for(seqs)    # the warm-up drafts
+    forced = Speculation(ModelDrafter(catches_up=True), 3, None, SpecCounters(3), None, draft_cost=1.0)
+    assert not forced.futile and forced.on_for(seqs) and forced.mode() == "every step"
+
+
 def test_draft_len():
     assert draft_len(0.9, 0.0, 3) == 3
     assert draft_len(0.5, 0.3, 3) == 1      # 0.5 >= 0.3 > 0.25
