@@ -362,6 +362,7 @@ class EagleDrafter:
     yet; the runner's drafter for methods eagle and eagle3 (ModelRunner's `draft`)."""
 
     reads_hidden = True              # `captured` after every target forward
+    cost = None                      # a head's cost a token is not modelled (the gate measures it)
 
     def __init__(self, head: EagleHead, cache: KVCache, device: torch.device,
                  use_triton: bool = False) -> None:

@@ -224,6 +224,8 @@ class SimulatedRunner(StagingRunner):
     through emit do real work on real text.
     """
 
+    draft = None    # no draft model: drafts hold with `draft_acceptance` (StandInDrafter)
+
     def __init__(self, cost: CostModel, block_size: int, token_ids: np.ndarray, seed: int = 0,
                  draft_acceptance: float = 0.0) -> None:
         self.cost = cost

@@ -420,7 +420,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         drafter=make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None),
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-        spec_draft_cost=getattr(getattr(runner, "draft", None), "cost", None),  # stand-ins: none
+        spec_draft_cost=runner.draft.cost if runner.draft is not None else None,
         policy=cfg.scheduling_policy, max_loras=cfg.max_loras,
         spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config,
         **({"floating": True} if floating else {}))
