@@ -99,26 +99,43 @@ static inline void lin_tile(const Lin *l, int64_t n0, int nr, const float *x, in
             for (int j = 0; j < nr; j++) y[m * ldy + j] += l->bias[n0 + j];
 }
 
-/* rows [n0, n0 + nr) of W, nr <= NP, by the GEMM tiles (gpu/cpu_quant_gemm.c) -> y, + bias */
+/* rows [n0, n0 + nr) of W, nr <= NP, by the GEMM tiles (gpu/cpu_quant_gemm.c) -> y, + bias;
+ * q: x quantized for the int16 tiles, or NULL */
 static void lin_panel(const Lin *l, int64_t n0, int nr, const float *x, int64_t M, float *y, int64_t ldy,
-                      float *buf) {
+                      float *buf, const gxq *q) {
     const uint8_t *rows[NP];
     int fmts[NP];
     for (int j = 0; j < nr; j++) rows[j] = lin_row(l, n0 + j, fmts + j);
-    gemm_panel(rows, fmts, nr, x, l->K, M, l->K, y, ldy, buf);
+    gemm_panel(rows, fmts, nr, x, l->K, M, l->K, y, ldy, buf, q);
     if (l->bias)
         for (int64_t m = 0; m < M; m++)
             for (int j = 0; j < nr; j++) y[m * ldy + j] += l->bias[n0 + j];
 }
 
+/* x [M, l->K] quantized for the int16 tiles into the shared scratch xqm (gemm16_bytes(M, kmax)), a
+ * row a thread at a time (x: each thread's copy, all equal, or the shared one), where a segment
+ * of l takes them; else NULL. Its omp for's barrier: every row done before any panel reads them,
+ * and (the panels' own barrier before it) none still reading the previous linear's. */
+static const gxq *lin_quantize(const Lin *l, const float *x, int64_t M, void *xqm, gxq *q) {
+    int any = 0;
+    for (int64_t s = 0; s < l->nseg; s++) any |= use_int16((int)l->fmt[s]);
+    if (!any) return NULL;
+    *q = gemm16_at(xqm, M, l->K);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) gemm_quantize(x, l->K, m, m + 1, l->K, (int16_t *)q->q, (float *)q->dx, (float *)q->sx);
+    return q;
+}
+
 /* y [M, N] = x [M, K] @ W^T (+ bias), both contiguous; inside the parallel region (its barrier
  * at the end). buf: this thread's 2 NR K floats for the dequantized rows (GEMM_BUF_FLOATS for
- * the GEMM tiles). */
-static void lin_apply(const Lin *l, const float *x, int64_t M, float *y, float *buf) {
+ * the GEMM tiles); xqm: the shared scratch for x quantized (the int16 tiles). */
+static void lin_apply(const Lin *l, const float *x, int64_t M, float *y, float *buf, void *xqm) {
     if (use_gemm((int)l->fmt[0], M)) {   /* by the first segment's format (a merged qkv's q) */
+        gxq qs;
+        const gxq *q = lin_quantize(l, x, M, xqm, &qs);
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < l->N; n0 += NP)
-            lin_panel(l, n0, l->N - n0 < NP ? (int)(l->N - n0) : NP, x, M, y + n0, l->N, buf);
+            lin_panel(l, n0, l->N - n0 < NP ? (int)(l->N - n0) : NP, x, M, y + n0, l->N, buf, q);
         return;
     }
     const int64_t tiles = (l->N + NR - 1) / NR;
@@ -133,14 +150,17 @@ static inline float silu_mul(float g, float u);
 
 /* act [M, I] = silu(x W_gate^T) * (x W_up^T), W = [gate; up] stacked ([2I, K]): a tile's gate
  * and up rows together, so that no [M, 2I] product is stored nor waited for. */
-static void glu_apply(const Lin *l, const float *x, int64_t M, float *act, float *buf, float *yg, float *yu) {
+static void glu_apply(const Lin *l, const float *x, int64_t M, float *act, float *buf, float *yg, float *yu,
+                      void *xqm) {
     const int64_t I = l->N / 2, K = l->K, tiles = (I + NR - 1) / NR;
     if (use_gemm((int)l->fmt[0], M)) {   /* yg, yu: [M, NP] */
+        gxq qs;
+        const gxq *q = lin_quantize(l, x, M, xqm, &qs);
 #pragma omp for schedule(static)
         for (int64_t j0 = 0; j0 < I; j0 += NP) {
             const int nr = I - j0 < NP ? (int)(I - j0) : NP;
-            lin_panel(l, j0, nr, x, M, yg, NP, buf);
-            lin_panel(l, I + j0, nr, x, M, yu, NP, buf);
+            lin_panel(l, j0, nr, x, M, yg, NP, buf, q);
+            lin_panel(l, I + j0, nr, x, M, yu, NP, buf, q);
             for (int64_t m = 0; m < M; m++)
                 for (int j = 0; j < nr; j++) act[m * I + j0 + j] = silu_mul(yg[m * NP + j], yu[m * NP + j]);
         }
@@ -391,7 +411,9 @@ int cpu_layers_decode(const Model *md, const Step *st) {
      * residual and h, two [M, NP] tiles */
     const int64_t nbuf = 2 * NR * kmax > GEMM_BUF_FLOATS ? 2 * NR * kmax : GEMM_BUF_FLOATS;
     const int64_t per_thread = nbuf + G * max_len + 2 * M * D + 2 * M * (NP > NR ? NP : NR) + 16;
-    const size_t need = (size_t)(M * (D + nqkv + 2 * Hq * Dh + I) + nt * per_thread + 64);
+    /* + x quantized for the int16 tiles (shared: each linear's rows quantized once, by all threads) */
+    const size_t xq_floats = GEMM16 ? (gemm16_bytes(M, kmax) + sizeof(float) - 1) / sizeof(float) + 16 : 0;
+    const size_t need = (size_t)(M * (D + nqkv + 2 * Hq * Dh + I) + nt * per_thread + 64) + xq_floats;
     if (need > arena_floats) {
         float *a = realloc(arena, need * sizeof(float));
         if (!a) return -1;
@@ -400,8 +422,10 @@ int cpu_layers_decode(const Model *md, const Step *st) {
     }
     float *xb = arena, *qkv = xb + M * D, *q = qkv + M * nqkv, *att = q + M * Hq * Dh, *act = att + M * Hq * Dh;
     float *thread_base = act + M * I;
+    void *xqm = (void *)(((uintptr_t)(thread_base + nt * per_thread) + 63) & ~(uintptr_t)63);
     (void)use_fused(Q4_0, 1);   /* read the environment once, before the threads do */
     (void)use_gemm(Q4_0, 1);
+    (void)use_int16(Q4_0);
 #pragma omp parallel num_threads(nt)
     {
         const int tid = omp_get_thread_num();
@@ -411,7 +435,7 @@ int cpu_layers_decode(const Model *md, const Step *st) {
         for (int64_t i = 0; i < md->n_layers; i++) {
             const Layer *L = md->layers + i;
             add_norm(residual, i ? xb : st->x, i == 0, L->ln1, M, D, md->eps, h);
-            lin_apply(&L->qkv, h, M, qkv, buf);
+            lin_apply(&L->qkv, h, M, qkv, buf, xqm);
             if (st->chunked) {
 #pragma omp for schedule(static)
                 for (int64_t it = 0; it < M * Hkv; it++) qkv_item(md, L, st, it / Hkv, it % Hkv, qkv, q);
@@ -424,10 +448,10 @@ int cpu_layers_decode(const Model *md, const Step *st) {
                     attend_any(md, L, st, it / Hkv, it % Hkv, q, att, scores);
                 }
             }
-            lin_apply(&L->o, att, M, xb, buf);
+            lin_apply(&L->o, att, M, xb, buf, xqm);
             add_norm(residual, xb, 0, L->ln2, M, D, md->eps, h);
-            glu_apply(&L->gate_up, h, M, act, buf, yg, yu);
-            lin_apply(&L->down, act, M, xb, buf);
+            glu_apply(&L->gate_up, h, M, act, buf, yg, yu, xqm);
+            lin_apply(&L->down, act, M, xb, buf, xqm);
         }
         if (tid == 0) add_norm(residual, xb, 0, md->final_norm, M, D, md->eps, st->hidden);
     }

@@ -526,16 +526,33 @@ int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, in
         || K > (1 << 16))
         return -1;
     if (use_gemm(fmt, M)) {
+        /* x quantized for the int16 tiles: in this calling thread's scratch, grown and kept (a
+         * few MB at most for prefill: no allocation, nor its page faults, per call) */
+        static _Thread_local void *xq_mem;
+        static _Thread_local size_t xq_size;
+        int i16 = use_int16(fmt);
+        if (i16 && gemm16_bytes(M, K) > xq_size) {
+            free(xq_mem);
+            xq_mem = aligned_alloc(64, (gemm16_bytes(M, K) + 63) & ~(size_t)63);
+            xq_size = xq_mem ? gemm16_bytes(M, K) : 0;
+            i16 = xq_mem != NULL;   /* else the fp32 tiles */
+        }
+        const gxq xq = i16 ? gemm16_at(xq_mem, M, K) : (gxq){0};
 #pragma omp parallel
         {
             float *buf = aligned_alloc(64, sizeof(float) * GEMM_BUF_FLOATS);
             const uint8_t *rows[NP];
             int fmts[NP];
+            if (i16) {
+#pragma omp for schedule(static)
+                for (int64_t m = 0; m < M; m++)
+                    gemm_quantize(x, ldx, m, m + 1, K, (int16_t *)xq.q, (float *)xq.dx, (float *)xq.sx);
+            }
 #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < N; n0 += NP) {
                 const int nr = N - n0 < NP ? (int)(N - n0) : NP;
                 for (int j = 0; j < nr; j++) rows[j] = w + (n0 + j) * row_bytes, fmts[j] = fmt;
-                gemm_panel(rows, fmts, nr, x, ldx, M, K, y + n0, ldy, buf);
+                gemm_panel(rows, fmts, nr, x, ldx, M, K, y + n0, ldy, buf, i16 ? &xq : NULL);
                 if (bias)
                     for (int64_t m = 0; m < M; m++)
                         for (int j = 0; j < nr; j++) y[m * ldy + n0 + j] += bias[n0 + j];

@@ -53,6 +53,8 @@ class QuantKernels:
         lib.cpu_quant_set_gemm.restype = lib.cpu_quant_gemm_max_m.restype = lib.cpu_quant_gemm_min_m.restype = _INT
         lib.cpu_quant_set_gemm.argtypes = [_INT, _INT]
         lib.cpu_quant_gemm_min_m.argtypes = [_INT]
+        lib.cpu_quant_set_int16.restype = lib.cpu_quant_int16.restype = _INT
+        lib.cpu_quant_set_int16.argtypes = lib.cpu_quant_int16.argtypes = [_INT]
         self._lib = lib
         self.vector_width = lib.cpu_quant_vector_width()
         self._set_large_m()
@@ -86,6 +88,18 @@ class QuantKernels:
         has = bool(self._lib.cpu_quant_set_gemm(int(min_m), int(max_m)))
         self._set_large_m()
         return has
+
+    def int16(self, fmt: int = 2) -> bool:
+        """Whether format fmt's GEMM-tile calls take the int16 tiles now (AVX512_VNNI builds,
+        Q4_0/Q4_1/Q8_0; gpu/cpu_quant_gemm.c gemm_panel16)."""
+        return bool(self._lib.cpu_quant_int16(int(fmt)))
+
+    def set_int16(self, on: int) -> bool:
+        """The int16 GEMM tiles (x quantized per 32-element block to int16, vpdpwssd) on (1), off
+        (0: the fp32 tiles) or as TAILRACE_CPU_QUANT_INT16 says (-1, on unless it is 0); their
+        rows follow (`gemm_rows`). Returns whether this build has them (AVX512_VNNI). Tests and
+        A/B runs only; not while a product runs."""
+        return bool(self._lib.cpu_quant_set_int16(int(on)))
 
     def block(self, fmt: int) -> tuple[int, int]:
         """(elements, bytes) of one block of format fmt; (0, 0) for one it does not take."""

@@ -130,7 +130,25 @@ static inline void transpose_sq(const float *restrict src, int64_t lds, float *r
 #ifndef GKC
 #define GKC 256       /* K-chunk: a multiple of every block (256); stage + panel 2 x NP KB */
 #endif
-#define GEMM_BUF_FLOATS (2 * NP * GKC + 16)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GEMM16 1      /* the int16 tiles (gemm_panel16 below) */
+#ifndef GKC16
+#define GKC16 512     /* their K-chunk: a multiple of 32; stage + panel 2 x 32 KB of int16 */
+#endif
+/* stage [NP][GKC16] int16, panel [GKC16 / 2][NP] int16 pairs, d and m [GKC16 / 32][NP] */
+#define GEMM16_BUF_FLOATS (NP * GKC16 + 2 * NP * (GKC16 / 32) + 16)
+#else
+#define GEMM16 0
+#define GEMM16_BUF_FLOATS 0
+#endif
+#define GEMM_BUF_FLOATS (2 * NP * GKC + 16 > GEMM16_BUF_FLOATS ? 2 * NP * GKC + 16 : GEMM16_BUF_FLOATS)
+
+/* x [M, K] quantized for the int16 tiles (gemm_quantize): q [M, K] int16 (row stride K), and
+ * per row and 32-element block its scale dx and the fp32 sum sx of its x ([M, K / 32] each) */
+typedef struct {
+    const int16_t *q;
+    const float *dx, *sx;
+} gxq;
 
 /* rows[j] (j < nr, format fmts[j]) over [k0, k0 + kc) -> panel [kc][NP] (columns nr.. zero) */
 static void gemm_fill(const uint8_t *const *rows, const int *fmts, int nr, int64_t k0, int64_t kc,
@@ -189,10 +207,204 @@ static void gkern_any(const float *x, int64_t ldx, int mr, const float *p, int64
     }
 }
 
+/* The formats the int16 tiles take: 32-weight blocks of one f16 scale d (Q4_1: and a min m)
+ * whose integer values (Q4_0: q - 8, Q4_1: q in 0..15, Q8_0: int8 q) are exact in int16. The
+ * K-quants keep the fp32 tiles (Q6_K's sub-block scales times q could overflow int32 in a block). */
+static inline int gemm16_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+
+#if GEMM16
+/* The int16 tiles (AVX512_VNNI): vpdpwssd multiplies 32 int16 pairs and adds them to 16 int32
+ * lanes in one instruction, at the throughput of vfmadd231ps (16 products) on Zen 5: twice the
+ * MACs per cycle of the fp32 tiles' inner loop.
+ *
+ * x is quantized once per call (gemm_quantize), per row and 32-element block b, to int16 with
+ * the scale dx_b = absmax_b / 32767 (round to nearest): |x - dx_b xq| <= absmax_b / 65534 (plus
+ * fp32 rounding of x / dx_b, < 1e-3 of that), ~2^-16 of the block's largest, far below bf16's
+ * 2^-9. The weights are exact integers q with w = d q (+ m for Q4_1), so a block's sum
+ * sum_k q_k xq_k is exact in int32 (|.| <= 32 * 128 * 32767 < 2^28) and
+ *   sum_k w_k x_k ~= (d dx_b) sum_k q_k xq_k + m sx_b,  sx_b = the exact fp32 sum of x's block
+ * (Q4_1's min term uses x itself, not xq). Error of an output: <= sum_b sum_{k in b} |d q_k| *
+ * absmax_b / 65534 * 1.002 + fp32 rounding (tests/gpu/test_gguf_packed.py checks it).
+ *
+ * Summation order of each output (the same whatever M, the group split or the threads, since
+ * each row of x is quantized alone and a group only picks which rows a call computes): per
+ * K-chunk of GKC16, blocks in k order: acc = fma(float(isum_b), d_b * dx_b, acc) then, for a
+ * panel with a Q4_1 row, acc = fma(m_b, sx_b, acc) (m_b = 0 for the other formats); the chunk's
+ * acc stored (first chunk) or added to y's, chunks in order. */
+#define GMR16 6   /* rows of x a group: 6 x (2 int32 + 2 fp32) accumulators + 2 weight vectors + d, m */
+
+/* rows [m0, m1) of x [., K] (stride ldx) -> q, dx, sx (gxq's layout, for M rows of K) */
+static void gemm_quantize(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int16_t *q, float *dx,
+                          float *sx) {
+    const int64_t nb = K / 32;
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *p = x + m * ldx + 32 * b;
+            const __m512 a = _mm512_loadu_ps(p), c = _mm512_loadu_ps(p + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+            /* vmaxps drops a NaN: look for one, so a NaN or inf in x gives NaN outputs (as the fp32
+             * tiles give NaN or inf) rather than a finite answer */
+            const int bad = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q)
+                            || amax == __builtin_inff();
+            const float s = amax > 0.f && !bad ? 32767.f / amax : 0.f;
+            dx[m * nb + b] = bad ? __builtin_nanf("") : amax / 32767.f;
+            sx[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+            /* round to nearest (MXCSR's default), then saturate: |x| s <= 32767 (1 + 2^-23) */
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(s)));
+            const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(s)));
+            _mm256_storeu_si256((__m256i *)(q + m * K + 32 * b), _mm512_cvtsepi32_epi16(qa));
+            _mm256_storeu_si256((__m256i *)(q + m * K + 32 * b + 16), _mm512_cvtsepi32_epi16(qc));
+        }
+}
+
+/* one block of a gemm16_fmt row -> its 32 integers (int16) in out; its d (and m) */
+static inline void deq16_block(int fmt, const uint8_t *restrict b, int16_t *restrict out, float *d, float *m) {
+    *d = f16(b);
+    *m = fmt == Q4_1 ? f16(b + 2) : 0.f;
+    if (fmt == Q8_0) {
+        _mm512_storeu_si512(out, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2))));
+        return;
+    }
+    /* element j < 16: byte j's low nibble, element 16 + j: its high one */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (fmt == Q4_1 ? 4 : 2))), m4 = _mm_set1_epi8(15);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+    __m512i v = _mm512_cvtepu8_epi16(nib);
+    if (fmt == Q4_0) v = _mm512_sub_epi16(v, _mm512_set1_epi16(8));
+    _mm512_storeu_si512(out, v);
+}
+
+/* rows[j] (j < nr) over [k0, k0 + kc) -> panel [kc / 2][NP] int16 pairs (lane c of pair p:
+ * w[c, 2p], w[c, 2p + 1]: a dword, so the fp32 tiles' 16 x 16 transpose serves), pd, pm
+ * [kc / 32][NP] each block's d and m (columns nr..: zero) */
+static void gemm_fill16(const uint8_t *const *rows, const int *fmts, int nr, int64_t k0, int64_t kc,
+                        int16_t *restrict stage, int32_t *restrict panel, float *restrict pd, float *restrict pm) {
+    const int64_t nb = kc / 32;
+    for (int j = 0; j < NP; j++) {
+        if (j >= nr) {
+            memset(stage + j * GKC16, 0, sizeof(int16_t) * (size_t)kc);
+            for (int64_t b = 0; b < nb; b++) pd[b * NP + j] = pm[b * NP + j] = 0.f;
+            continue;
+        }
+        const int bb = block_bytes(fmts[j]);
+        const uint8_t *r = rows[j] + k0 / 32 * bb;
+        for (int64_t b = 0; b < nb; b++) deq16_block(fmts[j], r + b * bb, stage + j * GKC16 + 32 * b, pd + b * NP + j,
+                                                     pm + b * NP + j);
+    }
+    for (int64_t kk = 0; kk < kc / 2; kk += 16)
+        for (int j0 = 0; j0 < NP; j0 += 16)
+            transpose_sq((const float *)(stage + j0 * GKC16) + kk, GKC16 / 2, (float *)(panel + kk * NP + j0), NP);
+}
+
+/* y[i, 0..NP) (+)= the chunk's sum (the order above) for i < mr rows (mr, min: constants in each
+ * instantiation; min: the panel has a Q4_1 row). xq, dx, sx: the group's first row at the chunk's
+ * start (strides ldq, lds); p, pd, pm: the chunk's panel. */
+static inline __attribute__((always_inline)) void gkern16(const int16_t *restrict xq, int64_t ldq,
+                                                          const float *restrict dx, const float *restrict sx,
+                                                          int64_t lds, const int mr, const int min,
+                                                          const int32_t *restrict p, const float *restrict pd,
+                                                          const float *restrict pm, int64_t kc, float *restrict y,
+                                                          int64_t ldy, int first, __mmask16 m0, __mmask16 m1) {
+    __m512 f0[GMR16], f1[GMR16];
+    for (int i = 0; i < mr; i++) f0[i] = f1[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kc / 32; b++) {
+        __m512i a0[GMR16], a1[GMR16];
+        for (int i = 0; i < mr; i++) a0[i] = a1[i] = _mm512_setzero_si512();
+        const int32_t *pb = p + b * 16 * NP;
+        for (int t = 0; t < 16; t++) {
+            const __m512i w0 = _mm512_load_si512(pb + t * NP), w1 = _mm512_load_si512(pb + t * NP + 16);
+            for (int i = 0; i < mr; i++) {
+                int32_t pair;
+                memcpy(&pair, xq + i * ldq + 32 * b + 2 * t, 4);
+                const __m512i xb = _mm512_set1_epi32(pair);
+                a0[i] = _mm512_dpwssd_epi32(a0[i], w0, xb);
+                a1[i] = _mm512_dpwssd_epi32(a1[i], w1, xb);
+            }
+        }
+        const __m512 d0 = _mm512_load_ps(pd + b * NP), d1 = _mm512_load_ps(pd + b * NP + 16);
+        for (int i = 0; i < mr; i++) {
+            const __m512 s = _mm512_set1_ps(dx[i * lds + b]);
+            f0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), _mm512_mul_ps(d0, s), f0[i]);
+            f1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), _mm512_mul_ps(d1, s), f1[i]);
+        }
+        if (min) {
+            const __m512 n0 = _mm512_load_ps(pm + b * NP), n1 = _mm512_load_ps(pm + b * NP + 16);
+            for (int i = 0; i < mr; i++) {
+                const __m512 s = _mm512_set1_ps(sx[i * lds + b]);
+                f0[i] = _mm512_fmadd_ps(n0, s, f0[i]);
+                f1[i] = _mm512_fmadd_ps(n1, s, f1[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        if (!first) {
+            f0[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, y + i * ldy), f0[i]);
+            f1[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, y + i * ldy + 16), f1[i]);
+        }
+        _mm512_mask_storeu_ps(y + i * ldy, m0, f0[i]);
+        _mm512_mask_storeu_ps(y + i * ldy + 16, m1, f1[i]);
+    }
+}
+
+#define GK16(MRV)                                                                                              \
+    case MRV:                                                                                                  \
+        if (min) gkern16(xq, ldq, dx, sx, lds, MRV, 1, p, pd, pm, kc, y, ldy, first, m0, m1);                  \
+        else gkern16(xq, ldq, dx, sx, lds, MRV, 0, p, pd, pm, kc, y, ldy, first, m0, m1);                      \
+        return;
+static void gkern16_any(const int16_t *xq, int64_t ldq, const float *dx, const float *sx, int64_t lds, int mr,
+                        int min, const int32_t *p, const float *pd, const float *pm, int64_t kc, float *y,
+                        int64_t ldy, int first, __mmask16 m0, __mmask16 m1) {
+    switch (mr) {
+    GK16(1) GK16(2) GK16(3) GK16(4) GK16(5) GK16(6)
+#if GMR16 > 6
+    GK16(7) GK16(8)
+#endif
+#if GMR16 > 8
+    GK16(9) GK16(10)
+#endif
+    }
+}
+
+/* gemm_panel for nr rows all of gemm16_fmt formats, x quantized in q */
+static void gemm_panel16(const uint8_t *const *rows, const int *fmts, int nr, const gxq *q, int64_t M, int64_t K,
+                         float *y, int64_t ldy, float *buf) {
+    int16_t *stage = (int16_t *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    int32_t *panel = (int32_t *)(stage + NP * GKC16);
+    float *pd = (float *)(panel + GKC16 / 2 * NP), *pm = pd + GKC16 / 32 * NP;
+    const __mmask16 m0 = gv_mask(nr), m1 = gv_mask(nr - 16);
+    const int64_t groups = (M + GMR16 - 1) / GMR16, nb = K / 32;
+    int min = 0;
+    for (int j = 0; j < nr; j++) min |= fmts[j] == Q4_1;
+    for (int64_t k0 = 0; k0 < K; k0 += GKC16) {
+        const int64_t kc = K - k0 < GKC16 ? K - k0 : GKC16;
+        gemm_fill16(rows, fmts, nr, k0, kc, stage, panel, pd, pm);
+        for (int64_t g = 0, m = 0; g < groups; g++) {   /* groups of (nearly) equal rows */
+            const int mr = (int)((M - m + (groups - g) - 1) / (groups - g));
+            gkern16_any(q->q + m * K + k0, K, q->dx + m * nb + k0 / 32, q->sx + m * nb + k0 / 32, nb, mr, min, panel,
+                        pd, pm, kc, y + m * ldy, ldy, k0 == 0, m0, m1);
+            m += mr;
+        }
+    }
+}
+#endif
+
 /* y [M, nr] (stride ldy) = x [M, K] (stride ldx) @ rows^T for nr <= NP packed rows (any formats);
- * buf: GEMM_BUF_FLOATS floats of this thread's. Nothing of y outside [M, nr] is read or written. */
+ * buf: GEMM_BUF_FLOATS floats of this thread's. Nothing of y outside [M, nr] is read or written.
+ * q: x quantized (gemm_quantize) for the int16 tiles, which then take a panel whose rows are all
+ * gemm16_fmt formats; NULL: the fp32 tiles. */
 static void gemm_panel(const uint8_t *const *rows, const int *fmts, int nr, const float *x, int64_t ldx, int64_t M,
-                       int64_t K, float *y, int64_t ldy, float *buf) {
+                       int64_t K, float *y, int64_t ldy, float *buf, const gxq *q) {
+#if GEMM16
+    if (q) {
+        int all = 1;
+        for (int j = 0; j < nr; j++) all &= gemm16_fmt(fmts[j]);
+        if (all) {
+            gemm_panel16(rows, fmts, nr, q, M, K, y, ldy, buf);
+            return;
+        }
+    }
+#else
+    (void)q;
+#endif
     float *stage = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63), *panel = stage + NP * GKC;
     const gmask m0 = gv_mask(nr), m1 = gv_mask(nr - GV);
     const int64_t groups = (M + GMR - 1) / GMR;
@@ -213,17 +425,48 @@ static void gemm_panel(const uint8_t *const *rows, const int *fmts, int nr, cons
 #define GEMM_MIN_M_Q8_0 0
 #define GEMM_MAX_M_DEFAULT 0
 #define GEMM_BUF_FLOATS 0
+#define GEMM16 0
+typedef struct {
+    const int16_t *q;
+    const float *dx, *sx;
+} gxq;
+static inline int gemm16_fmt(int fmt) { (void)fmt; return 0; }
 static void gemm_panel(const uint8_t *const *rows, const int *fmts, int nr, const float *x, int64_t ldx, int64_t M,
-                       int64_t K, float *y, int64_t ldy, float *buf) {
-    (void)rows; (void)fmts; (void)nr; (void)x; (void)ldx; (void)M; (void)K; (void)y; (void)ldy; (void)buf;
+                       int64_t K, float *y, int64_t ldy, float *buf, const gxq *q) {
+    (void)rows; (void)fmts; (void)nr; (void)x; (void)ldx; (void)M; (void)K; (void)y; (void)ldy; (void)buf; (void)q;
+}
+#endif
+#if !GEMM16
+static void gemm_quantize(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int16_t *q, float *dx,
+                          float *sx) {
+    (void)x; (void)ldx; (void)m0; (void)m1; (void)K; (void)q; (void)dx; (void)sx;
 }
 #endif
 
 /* Calls of gemm_min(fmt)..gemm_max_m rows take the GEMM tiles. TAILRACE_CPU_QUANT_GEMM in the
  * environment of the first call: 0 turns them off, a number sets the most rows. */
+/* The int16 tiles (GEMM16 builds) serve the gemm16_fmt formats' GEMM calls unless
+ * TAILRACE_CPU_QUANT_INT16=0 in the environment of the first call (or cpu_quant_set_int16(0)):
+ * then the fp32 tiles, as in every other build. */
+static int gemm16_on = -1;
+static inline int use_int16(int fmt) {
+    if (gemm16_on < 0) {
+        const char *e = getenv("TAILRACE_CPU_QUANT_INT16");
+        gemm16_on = GEMM16 && !(e && e[0] == '0');
+    }
+    return gemm16_on && gemm16_fmt(fmt);
+}
+#ifndef GEMM16_MIN_M_DEFAULT
+#define GEMM16_MIN_M_DEFAULT GEMM_MIN_M_DEFAULT
+#endif
+#ifndef GEMM16_MIN_M_Q8_0
+#define GEMM16_MIN_M_Q8_0 GEMM_MIN_M_Q8_0
+#endif
 static int64_t gemm_min_m = -1, gemm_max_m = -1;   /* min -1: each format's default */
 static inline int64_t gemm_min(int fmt) {
-    return gemm_min_m >= 0 ? gemm_min_m : fmt == Q8_0 ? GEMM_MIN_M_Q8_0 : GEMM_MIN_M_DEFAULT;
+    if (gemm_min_m >= 0) return gemm_min_m;
+    if (use_int16(fmt)) return fmt == Q8_0 ? GEMM16_MIN_M_Q8_0 : GEMM16_MIN_M_DEFAULT;
+    return fmt == Q8_0 ? GEMM_MIN_M_Q8_0 : GEMM_MIN_M_DEFAULT;
 }
 static inline int use_gemm(int fmt, int64_t M) {
     if (gemm_max_m < 0) {
@@ -231,6 +474,27 @@ static inline int use_gemm(int fmt, int64_t M) {
         gemm_max_m = e && e[0] >= '0' && e[0] <= '9' ? atoi(e) : GEMM_MAX_M_DEFAULT;
     }
     return GEMM && M >= gemm_min(fmt) && M <= gemm_max_m;
+}
+/* whether the int16 tiles take format fmt's GEMM calls now */
+int cpu_quant_int16(int fmt) { return use_int16(fmt); }
+/* the int16 tiles on (1), off (0: the fp32 tiles) or as the environment says (-1); tests and A/B
+ * runs, not while a product runs. Returns whether this build has them (AVX512_VNNI). */
+int cpu_quant_set_int16(int on) {
+    gemm16_on = -1;
+    if (on >= 0) gemm16_on = GEMM16 && on;
+    else (void)use_int16(Q4_0);
+    return GEMM16;
+}
+/* bytes of scratch x quantized for the int16 tiles takes (gxq: q, dx, sx) for M rows of K */
+static inline size_t gemm16_bytes(int64_t M, int64_t K) {
+    return (size_t)(M * K) * sizeof(int16_t) + 2 * (size_t)(M * (K / 32)) * sizeof(float) + 64;
+}
+/* that scratch at mem (64-byte aligned) as a gxq */
+static inline gxq gemm16_at(void *mem, int64_t M, int64_t K) {
+    int16_t *q = (int16_t *)mem;
+    float *dx = (float *)(q + M * K);
+    gxq r = {q, dx, dx + M * (K / 32)};
+    return r;
 }
 /* the fewest rows of format fmt and the most rows that take the GEMM tiles now (max 0: none) */
 int cpu_quant_gemm_max_m(void) {
