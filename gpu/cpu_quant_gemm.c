@@ -231,7 +231,11 @@ static inline int gemm16_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt
  * K-chunk of GKC16, blocks in k order: acc = fma(float(isum_b), d_b * dx_b, acc) then, for a
  * panel with a Q4_1 row, acc = fma(m_b, sx_b, acc) (m_b = 0 for the other formats); the chunk's
  * acc stored (first chunk) or added to y's, chunks in order. */
-#define GMR16 6   /* rows of x a group: 6 x (2 int32 + 2 fp32) accumulators + 2 weight vectors + d, m */
+#ifndef GMR16
+/* rows of x a group: 12 int32 accumulators + 2 weight vectors + the broadcast in the inner loop
+ * (the fp32 ones, touched once a block, may live in memory); 4-7 rows measured alike, 10 slower */
+#define GMR16 6
+#endif
 
 /* rows [m0, m1) of x [., K] (stride ldx) -> q, dx, sx (gxq's layout, for M rows of K) */
 static void gemm_quantize(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int16_t *q, float *dx,
@@ -310,6 +314,9 @@ static inline __attribute__((always_inline)) void gkern16(const int16_t *restric
         __m512i a0[GMR16], a1[GMR16];
         for (int i = 0; i < mr; i++) a0[i] = a1[i] = _mm512_setzero_si512();
         const int32_t *pb = p + b * 16 * NP;
+        /* unrolled: as a loop, GCC 12 copies each int32 accumulator to another register and
+         * back every iteration (24 vmovdqa a step of 12 vpdpwssd; 1.6x slower, measured) */
+#pragma GCC unroll 16
         for (int t = 0; t < 16; t++) {
             const __m512i w0 = _mm512_load_si512(pb + t * NP), w1 = _mm512_load_si512(pb + t * NP + 16);
             for (int i = 0; i < mr; i++) {
@@ -354,12 +361,21 @@ static void gkern16_any(const int16_t *xq, int64_t ldq, const float *dx, const f
                         int min, const int32_t *p, const float *pd, const float *pm, int64_t kc, float *y,
                         int64_t ldy, int first, __mmask16 m0, __mmask16 m1) {
     switch (mr) {
-    GK16(1) GK16(2) GK16(3) GK16(4) GK16(5) GK16(6)
+    GK16(1) GK16(2) GK16(3) GK16(4)
+#if GMR16 > 4
+    GK16(5) GK16(6)
+#endif
 #if GMR16 > 6
     GK16(7) GK16(8)
 #endif
 #if GMR16 > 8
     GK16(9) GK16(10)
+#endif
+#if GMR16 > 10
+    GK16(11) GK16(12)
+#endif
+#if GMR16 > 12
+    GK16(13) GK16(14)
 #endif
     }
 }

@@ -6,6 +6,11 @@ at SmolLM2's shapes.
 
     .venv/bin/python scripts/bench_cpu_quant_gemm.py --threads 1 --rows 8 16 32 48 64 128 256
     .venv/bin/python scripts/bench_cpu_quant_gemm.py --threads 2 --rows 64 128 256 512 --variants gemm torch
+
+--int16 on off: the GEMM tiles with the int16 VNNI tiles (Q4_0/Q4_1/Q8_0 on AVX512_VNNI builds,
+the default there) and with the fp32 tiles, as the variants gemm-int16-on and gemm-int16-off:
+
+    .venv/bin/python scripts/bench_cpu_quant_gemm.py --threads 2 --rows 32 512 --shapes 1 3 --variants gemm --int16 on off
 """
 from __future__ import annotations
 
@@ -31,7 +36,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))))
     ap.add_argument("--variants", nargs="+", default=["gemm", "fused", "buffered", "torch"])
+    ap.add_argument("--int16", nargs="+", default=["on"], choices=["on", "off"],
+                    help="the gemm variant with the int16 VNNI tiles (on, where the build has them) or the fp32 "
+                         "tiles (off); more than one: a gemm variant each")
     a = ap.parse_args()
+    if "gemm" in a.variants and len(a.int16) > 1:
+        i = a.variants.index("gemm")
+        a.variants[i:i + 1] = [f"gemm-int16-{v}" for v in a.int16]
     torch.set_num_threads(a.threads)
     k = cpu_quant.kernels()
     print(f"threads {a.threads}, ISA {cpu_quant.isa()}")
@@ -45,10 +56,11 @@ def main() -> None:
         for m in a.rows:
             x, y = torch.randn(m, kdim), torch.empty(m, n)
 
-            def kernel(gemm: int, fused: int):
+            def kernel(gemm: int, fused: int, int16: str = a.int16[0]):
                 def f():
                     k.set_gemm(gemm, 1)
                     k.set_fused(fused)
+                    k.set_int16(int16 == "on")
                     k.matmul(fmt, q, x, y)
                 return f
 
@@ -57,6 +69,7 @@ def main() -> None:
                 F.linear(x, scratch)
 
             fs = {"gemm": kernel(10 ** 6, 0), "fused": kernel(0, 10 ** 6), "buffered": kernel(0, 0), "torch": large}
+            fs.update({f"gemm-int16-{v}": kernel(10 ** 6, 0, v) for v in a.int16})
             times = {v: [] for v in a.variants}
             for _ in range(a.rounds):
                 for v in a.variants:
@@ -73,6 +86,7 @@ def main() -> None:
                   flush=True)
     k.set_gemm(-1)
     k.set_fused(-1)
+    k.set_int16(-1)
 
 
 if __name__ == "__main__":
