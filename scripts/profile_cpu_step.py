@@ -35,6 +35,13 @@ against none (the fused or buffered tiles then serve), a number: up to that many
 rows A to B:
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --gemm on off --num-seqs 32 --rounds 3 --no-profile
+
+--prefill N: a prefill of N tokens (one sequence) per variant instead of the decode steps.
+
+--int16 on off (with gguf): the GEMM tiles of Q4_0/Q4_1/Q8_0 with int16 activations and VNNI
+(AVX512_VNNI builds, the default there) against the fp32 tiles (TAILRACE_CPU_QUANT_INT16=0):
+
+    .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --int16 on off --num-seqs 32 --rounds 3 --no-profile
 """
 from __future__ import annotations
 
@@ -81,8 +88,18 @@ def set_gemm(gemm: str) -> None:
         cpu_layer.library().cpu_quant_set_gemm(min_m, max_m)
 
 
+def set_int16(int16: str) -> None:
+    """gpu/cpu_quant_gemm.c's int16 VNNI tiles "on" (where the build has them) or "off" (the fp32
+    GEMM tiles), in both libraries that hold them."""
+    on = int(int16 == "on")
+    if cpu_quant.kernels() is not None:
+        cpu_quant.kernels().set_int16(on)
+    if cpu_layer.library() is not None:
+        cpu_layer.library().cpu_quant_set_int16(on)
+
+
 def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, tiles: str = "fused",
-                 gemm: str = "on"):
+                 gemm: str = "on", int16: str = "on"):
     """A runner with n sequences prefilled; returns decode(step) -> seconds."""
     c = lm.config
     cache = KVCache(c.num_hidden_layers, n * 17, bs, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
@@ -105,6 +122,7 @@ def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, 
         if lm.fused_decode is not None:   # gpu/cpu_layer.py: this runner's steps only
             lm.fused_decode.enabled = fused and path == "c"
         set_tiles(tiles)
+        set_int16(int16)   # before set_gemm: its default rows follow the int16 switch
         set_gemm(gemm)
         t = time.perf_counter()
         # positions wrap inside the 17 blocks (272 slots) whatever the number of steps
@@ -113,6 +131,31 @@ def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, 
         return time.perf_counter() - t
 
     return decode
+
+
+def make_prefiller(lm, tokens: int, bs: int = 16, tiles: str = "fused", gemm: str = "on", int16: str = "on"):
+    """A runner for prefills of one sequence of `tokens` tokens; returns prefill(step) -> seconds
+    (each step a new sequence in the same blocks, the last one released)."""
+    c = lm.config
+    nblk = (tokens + bs - 1) // bs
+    cache = KVCache(c.num_hidden_layers, nblk, bs, c.num_key_value_heads, c.head_dim, lm.dtype, "cpu")
+    runner = ModelRunner(lm, cache, device=torch.device("cpu"))
+    rng = random.Random(0)
+    prompt = tuple(rng.randrange(10000) for _ in range(tokens))
+    greedy = SamplingOptions(temperature=0.0)
+
+    def prefill(step: int) -> float:
+        set_tiles(tiles)
+        set_int16(int16)
+        set_gemm(gemm)
+        released = (str(step - 1),) if step > 1 else ()
+        plan = StepPlan(step, (SeqChunk(str(step), prompt, 0, tuple(range(nblk)), True),),
+                        (SeqStart(str(step), prompt, greedy),), released=released)
+        t = time.perf_counter()
+        runner.execute(plan)
+        return time.perf_counter() - t
+
+    return prefill
 
 
 def main() -> None:
@@ -134,6 +177,12 @@ def main() -> None:
     ap.add_argument("--gemm", nargs="+", default=["on"],
                     help="gguf: the outer-product GEMM tiles (gpu/cpu_quant_gemm.c) at their default "
                          "rows (on), none (off), up to a number of rows (N), or rows A to B (A-B)")
+    ap.add_argument("--int16", nargs="+", default=["on"], choices=["on", "off"],
+                    help="gguf: the GEMM tiles of Q4_0/Q4_1/Q8_0 with int16 activations (AVX512_VNNI builds: "
+                         "on, the default) or the fp32 tiles (off)")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="time a prefill of this many tokens (one sequence) per variant instead of decode steps "
+                         "(--steps prefills a round)")
     a = ap.parse_args()
     print(cpu_threads())
     decoders = {}
@@ -145,13 +194,17 @@ def main() -> None:
             for path in a.paths:
                 for fused in a.fused if lm.model.fused_decode is not None else ["on"]:
                     for tiles in a.tiles if quant == "gguf" else ["fused"]:
-                        for gemm in a.gemm if quant == "gguf" else ["on"]:
+                        for gemm, int16 in [(g, i) for g in a.gemm for i in a.int16] if quant == "gguf" \
+                                else [("on", "on")]:
                             label = f", fused layers {fused}" if lm.model.fused_decode is not None else ""
-                            label += f", {tiles} tiles, gemm {gemm}" if quant == "gguf" else ""
-                            decoders[f"{kind}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, "
-                                     f"{path}{label}"] = (make_decoder(lm.model, a.num_seqs, path=path,
-                                                                       fused=fused == "on", tiles=tiles,
-                                                                       gemm=gemm), [])
+                            label += f", {tiles} tiles, gemm {gemm}, int16 {int16}" if quant == "gguf" else ""
+                            name = f"{kind}, residual {str(lm.model.residual_dtype).removeprefix('torch.')}, {path}{label}"
+                            if a.prefill:
+                                decoders[name] = (make_prefiller(lm.model, a.prefill, tiles=tiles, gemm=gemm,
+                                                                 int16=int16), [])
+                            else:
+                                decoders[name] = (make_decoder(lm.model, a.num_seqs, path=path, fused=fused == "on",
+                                                               tiles=tiles, gemm=gemm, int16=int16), [])
     layers = lm.model.config.num_hidden_layers
     step = 1
     for rnd in range(a.rounds):
@@ -159,7 +212,8 @@ def main() -> None:
             times = sorted(decode(s) for s in range(step, step + a.steps))
             step += a.steps
             medians.append(times[len(times) // 2])
-            print(f"round {rnd} {name}: decode step of {a.num_seqs}: median {medians[-1] * 1e3:.1f} ms, "
+            what = f"prefill of {a.prefill} tokens" if a.prefill else f"decode step of {a.num_seqs}"
+            print(f"round {rnd} {name}: {what}: median {medians[-1] * 1e3:.1f} ms, "
                   f"best {times[0] * 1e3:.1f} ms", flush=True)
     for name, (decode, medians) in decoders.items():
         spread = f" (rounds' medians {min(medians) * 1e3:.1f}-{max(medians) * 1e3:.1f})" if len(medians) > 1 else ""
