@@ -472,11 +472,15 @@ static inline int use_int16(int fmt) {
     }
     return gemm16_on && gemm16_fmt(fmt);
 }
+/* Measured (docs/kernels.md; decode steps by profile_cpu_step.py --gemm on 1-2048, 2 threads, Zen
+ * 5): with the int16 tiles the GEMM tiles beat the fused ones from 9-10 rows of Q4_1 (a step of
+ * 8: 14.5 against 13.8 ms, of 10: 17.8 against 18.8, of 16: 21.9 against 26.2); Q8_0's LM head,
+ * streamed from memory, from 16-20 rows (bench_cpu_quant_gemm.py: level at 16, 1.18x at 20). */
 #ifndef GEMM16_MIN_M_DEFAULT
-#define GEMM16_MIN_M_DEFAULT GEMM_MIN_M_DEFAULT
+#define GEMM16_MIN_M_DEFAULT 10
 #endif
 #ifndef GEMM16_MIN_M_Q8_0
-#define GEMM16_MIN_M_Q8_0 GEMM_MIN_M_Q8_0
+#define GEMM16_MIN_M_Q8_0 20
 #endif
 static int64_t gemm_min_m = -1, gemm_max_m = -1;   /* min -1: each format's default */
 static inline int64_t gemm_min(int fmt) {
