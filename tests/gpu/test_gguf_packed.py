@@ -184,6 +184,25 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
             assert (fused.double() - want).abs().max().item() < 1e-4, (qtype.name, m)
 
 
+INT16_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+
+
+def _int16_bound(qtype, packed: np.ndarray, ref: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """[M, N] bound on the int16 GEMM tiles' error from quantizing x (gpu/cpu_quant_gemm.c): x
+    rounded per row and 32-element block b to dx_b = absmax_b / 32767 errs by <= absmax_b / 65534
+    an element (x 1.002 for the fp32 rounding of x / dx_b), and multiplies only the integer part
+    d q of each weight (w itself for Q4_0 and Q8_0, w - m for Q4_1, whose m multiplies the exact
+    sum of x's block): sum_b sum_{k in b} |d q_k| absmax_b / 65534 * 1.002."""
+    n, cols = ref.shape
+    dq = np.abs(ref.astype(np.float64))
+    if qtype == Q.Q4_1:   # the block's min m: its f16 at bytes 2..3 of each 20-byte block
+        m = packed.reshape(n, cols // 32, 20)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        dq = np.abs(ref.astype(np.float64) - np.repeat(m, 32, axis=1))
+    wsum = torch.from_numpy(dq.reshape(n, cols // 32, 32).sum(-1))               # [N, nb]
+    xmax = x.double().abs().reshape(x.shape[0], cols // 32, 32).amax(-1)           # [M, nb]
+    return xmax @ wsum.T / 65534 * 1.002
+
+
 @pytest.mark.parametrize("march", ["native", "haswell"], ids=["native", "avx2"])
 def test_gemm_tiles_against_gguf_py(tmp_path, march):
     """The outer-product GEMM tiles (gpu/cpu_quant_gemm.c, AVX-512 and AVX2+FMA builds; an
@@ -197,10 +216,17 @@ def test_gemm_tiles_against_gguf_py(tmp_path, march):
     tensor: nothing outside it is written (the masked tails). Both builds sum each output's
     products in the same order with one fp32 FMA each (the panel's width and the group's rows
     change which outputs a call computes, not how), so the AVX2 build's y equals the native
-    AVX-512 build's bit for bit (checked where the native build is AVX-512)."""
+    AVX-512 build's bit for bit (checked where the native build is AVX-512, its int16 tiles off).
+
+    Where the native build has AVX512_VNNI, Q4_0/Q4_1/Q8_0 take the int16 tiles (x quantized per
+    32-element block): each output within _int16_bound (the quantization's error) plus the fp32
+    bound of gguf-py's product and of the fp32 tiles' result, and different from the fp32 tiles
+    in some bits for each shape (the int16 tiles did run); an AVX2 build has no int16 tiles."""
     k = K if march == "native" else _build(tmp_path, march)
     has = k.set_gemm(10 ** 6, 1)
     native = K if march != "native" and K.vector_width == 16 and K.set_gemm(10 ** 6, 1) else None
+    has16 = k.set_int16(1)
+    assert march == "native" or not has16
     try:
         if march == "native" and not has:
             pytest.skip("no AVX-512 nor AVX2+FMA in this build")
@@ -209,9 +235,13 @@ def test_gemm_tiles_against_gguf_py(tmp_path, march):
         assert k.gemm_rows() == (1, 10 ** 6)
         cases = [(q, n, c) for q in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for n, c in ((77, 576), (9, 96))]
         cases += [(Q.Q4_K, 45, 512), (Q.Q6_K, 45, 512)]   # the GEMM tiles take every format
+        if has16:   # more ragged shapes for the int16 tiles: K-chunks of 512, 512, 32; one of 32
+            cases += [(q, n, c) for q in INT16_FORMATS for n, c in ((33, 1056), (16, 32))]
         for qtype, n, cols in cases:
             packed, ref = _quantized(qtype, n, cols, 5)
             w, ref64, bias = torch.from_numpy(packed), torch.from_numpy(ref).double(), torch.randn(n)
+            int16 = has16 and qtype in INT16_FORMATS
+            differs = False
             for m in (1, 5, 6, 7, 8, 13, 14, 15, 29, 48, 64, 200):
                 x = torch.randn(m, cols + 20)[:, 5:5 + cols]
                 backing, buffered = torch.full((m + 2, n + 10), float("nan")), torch.empty(m, n)
@@ -227,17 +257,68 @@ def test_gemm_tiles_against_gguf_py(tmp_path, march):
                 k.set_fused(-1)
                 want = x.double() @ ref64.T + bias.double()
                 bound = 2e-5 * cols ** 0.5 * x.abs().max().item() * max(ref64.abs().max().item(), 1.0)
+                if int16:
+                    k.set_int16(0)
+                    k.set_gemm(10 ** 6, 1)
+                    fp32_tiles = torch.empty(m, n)
+                    k.matmul(int(qtype), w, x, fp32_tiles, bias)
+                    k.set_int16(1)
+                    differs |= not torch.equal(y, fp32_tiles)
+                    bound16 = _int16_bound(qtype, packed, ref, x) + bound
+                    err = (y.double() - want).abs()
+                    assert (err <= bound16).all(), (qtype.name, n, cols, m, (err - bound16).max().item())
+                    assert ((y.double() - fp32_tiles.double()).abs() <= bound16 + bound).all(), (qtype.name, n, cols, m)
+                    print(f"{qtype.name} [{m} x {cols} x {n}]: int16 error {err.max().item():.2e}, "
+                          f"{(err / bound16).max().item():.2f} of its bound")
+                    continue
                 err = (y.double() - want).abs().max().item()
                 assert err <= bound, (qtype.name, n, cols, m, err, bound)
                 assert (y - buffered).abs().max().item() <= bound, (qtype.name, n, cols, m)
                 if native is not None:
                     y512 = torch.empty(m, n)
+                    native.set_int16(0)
                     native.matmul(int(qtype), w, x, y512, bias)
+                    native.set_int16(-1)
                     assert torch.equal(y, y512), (qtype.name, n, cols, m, (y - y512).abs().max().item())
+            assert differs or not int16, (qtype.name, n, cols, "the int16 tiles did not run")
     finally:
         k.set_gemm(-1)
         k.set_fused(-1)
+        k.set_int16(-1)
         K.set_gemm(-1)
+        K.set_int16(-1)
+
+
+@pytest.mark.parametrize("qtype", INT16_FORMATS, ids=lambda q: q.name)
+def test_int16_gemm_tiles_deterministic(qtype):
+    """The int16 GEMM tiles quantize each row of x alone and sum each output in one order, so a
+    row's outputs are the same bits whatever rows share its call (its 24 rows, or 40: other
+    groups of GMR16 = 6 rows), where it sits in the batch, and at 1 or 2 threads."""
+    if not K.set_int16(1) or not K.int16(int(qtype)):
+        K.set_int16(-1)
+        pytest.skip("no AVX512_VNNI in this build (the int16 tiles)")
+    threads = torch.get_num_threads()
+    packed, _ = _quantized(qtype, 70, 1056, 8)   # 70: panels of 32, 32, 6; 1056: chunks of 512, 512, 32
+    w, x = torch.from_numpy(packed), torch.randn(41, 1056)
+    try:
+        K.set_gemm(10 ** 6, 1)
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            # rows 0..22 of x first in a call of 24 or 40 rows, or from the second row of 24
+            for rows, at in ((x[:24], 0), (x[:40], 0), (torch.cat([x[40:], x[:23]]), 1)):
+                y = torch.empty(rows.shape[0], 70)
+                K.matmul(int(qtype), w, rows, y)
+                outs.append(y[at:at + 23].clone())
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        K.set_int16(0)
+        y = torch.empty(24, 70)
+        K.matmul(int(qtype), w, x[:24], y)
+        assert not torch.equal(y[:23], outs[0])   # the int16 tiles did run
+    finally:
+        torch.set_num_threads(threads)
+        K.set_gemm(-1)
+        K.set_int16(-1)
 
 
 def test_gemm_tiles_serve_packed_linear():
