@@ -13,7 +13,10 @@
  * software prefetch; the same values and sums in the same order, so bit-identical results.
  * From GEMM_MIN_M_DEFAULT rows (Q8_0: GEMM_MIN_M_Q8_0) to GEMM_MAX_M_DEFAULT, with AVX-512 or
  * AVX2+FMA, the outer-product GEMM tiles of gpu/cpu_quant_gemm.c serve instead (every format; not
- * bit-identical to the other tiles: another order of the sums; the same in both builds).
+ * bit-identical to the other tiles: another order of the sums; the same in both builds). With
+ * AVX512_VNNI, their Q4_0/Q4_1/Q8_0 panels multiply int16 activations (x quantized per 32-element
+ * block, ~2^-16 of its largest) with the weights' integers in int32 (vpdpwssd), from
+ * GEMM16_MIN_M_DEFAULT rows (Q8_0: GEMM16_MIN_M_Q8_0); TAILRACE_CPU_QUANT_INT16=0: the fp32 tiles.
  * Vector width from the build: AVX-512 (16 lanes, 4x4 tile), AVX2+FMA (8 lanes, 2x4), else scalar.
  */
 #include <stdint.h>

@@ -15,6 +15,12 @@
  * to fp32 rounding, not bit for bit; but the same order in both builds (the panel's width and
  * the rows a group change which outputs a kernel call computes, not how), so an AVX2 build's
  * outputs equal an AVX-512 build's bit for bit (tests/gpu/test_gguf_packed.py).
+ *
+ * With AVX512_VNNI, Q4_0/Q4_1/Q8_0 panels take the int16 tiles instead (gemm_panel16, GEMM16):
+ * x quantized once per call to int16 per row and 32-element block, the weights' integers as
+ * int16 pairs, vpdpwssd into int32 per block, then scaled into fp32 (error ~2^-16 of each
+ * block's largest |x|; the order of the sums below, at gkern16). TAILRACE_CPU_QUANT_INT16=0
+ * or cpu_quant_set_int16(0): the fp32 tiles.
  */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define GEMM 1

@@ -140,24 +140,48 @@ def _set_gemm(min_m: int, max_m: int) -> None:
         cpu_quant.kernels().set_gemm(max_m, min_m)
 
 
+def _set_int16(on: int) -> bool:
+    """The int16 GEMM tiles in both libraries (1 on, 0 off, -1 the default); whether the C
+    stack's build has them (AVX512_VNNI)."""
+    if cpu_quant.kernels() is not None:
+        cpu_quant.kernels().set_int16(on)
+    return bool(cpu_layer.library().cpu_quant_set_int16(on))
+
+
 def test_gemm_tiles_in_the_stack(lm):
-    """17 sequences (groups of 9 and 8 rows): the C stack's linears and gate_up by the GEMM
+    """17 sequences (groups of 9 and 8 rows): the C stack's linears and gate_up by the fp32 GEMM
     tiles (gpu/cpu_quant_gemm.c, AVX-512 and AVX2 builds) against the same stack with them off and
-    against the per-layer path: the same greedy tokens, logits within 1e-3."""
+    against the per-layer path with them off (the fused and buffered fp32 tiles: the dequantized
+    fp32 model up to the order of the sums): the same greedy tokens, logits within 1e-3. Then,
+    where the build has AVX512_VNNI, the int16 tiles (x quantized per 32-element block, ~2^-16
+    of its largest) in the stack: the same greedy tokens as the fp32 model, logits within 5e-2
+    of it (measured 2e-2 on logits of magnitude ~20-30: each of the 120 linears adds ~2^-16 of
+    its inputs' block maxima; not equal: they ran); elsewhere that part skips."""
     if not cpu_layer.library().cpu_quant_set_gemm(1, 48):
         _set_gemm(-1, -1)
         pytest.skip("no GEMM tiles in this build")
     try:
+        has16 = _set_int16(1)
+        if has16:
+            i16_tokens, i16_logits, _ = _run(lm, True, 17, steps=3)
+        _set_int16(0)
         got_tokens, got_logits, _ = _run(lm, True, 17, steps=3)
         _set_gemm(-1, 0)
         off_tokens, off_logits, _ = _run(lm, True, 17, steps=3)
         want_tokens = _run(lm, False, 17, steps=3)[0]
     finally:
         _set_gemm(-1, -1)
+        _set_int16(-1)
     assert got_tokens == off_tokens == want_tokens
     err = max((a - b).abs().max().item() for a, b in zip(got_logits, off_logits))
     print(f"max |logits - GEMM tiles off| {err:.2e}")
     assert err < 1e-3, err
+    if not has16:
+        pytest.skip("the int16 GEMM tiles: no AVX512_VNNI in this build (the fp32 tiles passed)")
+    assert i16_tokens == want_tokens
+    err16 = max((a - b).abs().max().item() for a, b in zip(i16_logits, off_logits))
+    print(f"max |logits (int16 GEMM tiles) - GEMM tiles off| {err16:.2e}")
+    assert 0 < err16 < 5e-2, err16
 
 
 def test_declines_what_it_does_not_compute(lm, monkeypatch):
