@@ -119,17 +119,32 @@ def _run_verify(lm, fused: bool, n: int):
 def test_a_verify_step_runs_in_the_fused_stack(lm, one_thread, monkeypatch):
     """A verify step (each sequence's last token and three drafts: four rows of one sequence,
     each seeing the keys up to its own position) in the C stack, against the per-layer path:
-    the same tokens, logits within 1e-3, the same KV."""
+    the same tokens, logits within 1e-3, the same KV. Its 12 rows take the GEMM tiles: the fp32
+    ones here (with the int16 tiles, where the build has them, the two paths' inputs to each
+    linear differ by fp32 rounding and so round to int16 apart: same tokens, logits within 5e-2)."""
     counting = _Counting(lm.fused_decode._fn)
     monkeypatch.setattr(lm.fused_decode, "_fn", counting)
-    got_tokens, got_logits, got_cache = _run_verify(lm, True, 3)
-    assert counting.rcs == [0]            # the verify step in the C stack (the prefill not)
-    want_tokens, want_logits, want_cache = _run_verify(lm, False, 3)
+    try:
+        has16 = _set_int16(1)
+        if has16:
+            i16_tokens, i16_logits, _ = _run_verify(lm, True, 3)
+            i16_want_tokens, i16_want_logits, _ = _run_verify(lm, False, 3)
+            assert counting.rcs == [0]
+            counting.rcs.clear()
+        _set_int16(0)
+        got_tokens, got_logits, got_cache = _run_verify(lm, True, 3)
+        assert counting.rcs == [0]            # the verify step in the C stack (the prefill not)
+        want_tokens, want_logits, want_cache = _run_verify(lm, False, 3)
+    finally:
+        _set_int16(-1)
     assert got_logits.shape[0] == 12
     assert got_tokens == want_tokens
     assert (got_logits - want_logits).abs().max().item() < 1e-3
     for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
         assert (a - b).abs().max().item() < 1e-4
+    if has16:
+        assert i16_tokens == i16_want_tokens == want_tokens
+        assert (i16_logits - i16_want_logits).abs().max().item() < 5e-2
 
 
 def _set_gemm(min_m: int, max_m: int) -> None:

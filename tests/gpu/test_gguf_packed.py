@@ -110,16 +110,32 @@ def test_default_keeps_gguf_packed(packed_smollm, smollm):
     assert not isinstance(smollm.model.lm_head, cpu_quant.PackedLinear)   # --dtype float32: dequantized
 
 
-def test_logits_and_greedy_match_dequantized_fp32(packed_smollm, smollm):
+@pytest.mark.parametrize("int16", [0, 1], ids=["fp32-tiles", "int16-tiles"])
+def test_logits_and_greedy_match_dequantized_fp32(packed_smollm, smollm, int16):
+    """The prompt's 37 rows take the GEMM tiles. fp32 tiles: logits within 2e-3 of the dequantized
+    fp32 model's. The int16 tiles (the default where the build has AVX512_VNNI: x quantized per
+    32-element block to ~2^-16 of its largest, which the residual stream's outlier channels make
+    large for the rest of their block): within 5e-2 (measured 2.5e-2 on logits of magnitude ~28,
+    1.6e-3 of it the LM head's; scripts/dtype_quality.py: mean KL 4.5e-7 from fp32). The same
+    greedy tokens either way."""
+    if int16 and not K.set_int16(1):
+        pytest.skip("no AVX512_VNNI in this build (the int16 GEMM tiles)")
+    K.set_int16(int16)
     tok = smollm.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True))
-    with torch.inference_mode():
-        pos = torch.arange(len(ids))
-        got = packed_smollm.model.compute_logits(packed_smollm.model(torch.tensor(ids), pos, DenseCausalAttention()))
-        want = smollm.model.compute_logits(smollm.model(torch.tensor(ids), pos, DenseCausalAttention()))
-    assert (got - want).abs().max().item() < 2e-3
-    assert greedy_generate(packed_smollm.model, ids, 8) == greedy_generate(smollm.model, ids, 8)
+    try:
+        with torch.inference_mode():
+            pos = torch.arange(len(ids))
+            lm = packed_smollm.model
+            got = lm.compute_logits(lm(torch.tensor(ids), pos, DenseCausalAttention()))
+            want = smollm.model.compute_logits(smollm.model(torch.tensor(ids), pos, DenseCausalAttention()))
+        err = (got - want).abs().max().item()
+        print(f"max |logits - dequantized fp32's| {err:.2e}")
+        assert err < (5e-2 if int16 else 2e-3), err
+        assert greedy_generate(lm, ids, 8) == greedy_generate(smollm.model, ids, 8)
+    finally:
+        K.set_int16(-1)
 
 
 def test_quantization_flag_errors():
