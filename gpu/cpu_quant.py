@@ -139,6 +139,8 @@ def isa() -> str:
     if k is None:
         return "none"
     if k.vector_width == 16:
+        if k.int16():
+            return "AVX-512, AVX512_VNNI (int16 GEMM tiles)"
         return "AVX-512" + (" (CPU also has AVX512_VNNI)" if "avx512_vnni" in flags else "")
     return {8: "AVX2+FMA"}.get(k.vector_width, "scalar C")
 
