@@ -256,8 +256,10 @@ static void gemm_quantize(const float *x, int64_t ldx, int64_t m0, int64_t m1, i
              * tiles give NaN or inf) rather than a finite answer */
             const int bad = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q)
                             || amax == __builtin_inff();
-            const float s = amax > 0.f && !bad ? 32767.f / amax : 0.f;
-            dx[m * nb + b] = bad ? __builtin_nanf("") : amax / 32767.f;
+            /* a block below 32767 x FLT_MIN (~4e-34) is taken as zero (its dx would be subnormal and
+             * 32767 / amax could overflow): it adds < 32 x 4e-34 |w| to an output */
+            const float s = amax >= 32767.f * 1.17549435e-38f && !bad ? 32767.f / amax : 0.f;
+            dx[m * nb + b] = bad ? __builtin_nanf("") : s > 0.f ? amax / 32767.f : 0.f;
             sx[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
             /* round to nearest (MXCSR's default), then saturate: |x| s <= 32767 (1 + 2^-23) */
             const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(s)));

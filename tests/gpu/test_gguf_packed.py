@@ -305,6 +305,41 @@ def test_gemm_tiles_against_gguf_py(tmp_path, march):
         K.set_int16(-1)
 
 
+def test_int16_gemm_tiles_edge_blocks():
+    """Blocks of x the int16 quantization must not mishandle: all zero, tiny (below 32767 x
+    FLT_MIN, taken as zero), subnormal, huge (1e30: the scale, not the int16 range, carries it),
+    within the bound; a NaN or an inf makes its row's outputs NaN and leaves the other rows'
+    bits alone."""
+    if not K.set_int16(1):
+        K.set_int16(-1)
+        pytest.skip("no AVX512_VNNI in this build (the int16 tiles)")
+    packed, ref = _quantized(Q.Q4_1, 40, 256, 9)
+    w, ref64 = torch.from_numpy(packed), torch.from_numpy(ref).double()
+    x = torch.randn(12, 256)
+    x[0, :32] = 0
+    x[1, 32:64] = 1e-36
+    x[2, 64:96] = torch.randn(32) * 1e-40     # subnormal
+    x[3, 96:128] = torch.randn(32) * 1e30
+    try:
+        K.set_gemm(10 ** 6, 1)
+        y = torch.empty(12, 40)
+        K.matmul(int(Q.Q4_1), w, x, y)
+        want = x.double() @ ref64.T
+        bound = _int16_bound(Q.Q4_1, packed, ref, x) + 2e-5 * 16 * x.abs().amax(1, keepdim=True).double() * 2
+        bound[1:3] += 32 * 1e-36 * ref64.abs().max()
+        assert ((y.double() - want).abs() <= bound).all()
+        bad = x.clone()
+        bad[5, 7], bad[8, 200] = float("nan"), float("inf")
+        yb = torch.empty(12, 40)
+        K.matmul(int(Q.Q4_1), w, bad, yb)
+        assert yb[[5, 8]].isnan().all()
+        rest = [i for i in range(12) if i not in (5, 8)]
+        assert torch.equal(yb[rest], y[rest])
+    finally:
+        K.set_gemm(-1)
+        K.set_int16(-1)
+
+
 @pytest.mark.parametrize("qtype", INT16_FORMATS, ids=lambda q: q.name)
 def test_int16_gemm_tiles_deterministic(qtype):
     """The int16 GEMM tiles quantize each row of x alone and sum each output in one order, so a
