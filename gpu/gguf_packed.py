@@ -88,7 +88,11 @@ def describe(formats: Counter) -> str:
     k = cpu_quant.kernels()
     fused = k.fused_max_m if k is not None else 0
     (lo, hi), lo8 = (k.gemm_rows(), k.gemm_rows(8)[0]) if k is not None else ((0, 0), 0)
-    gemm = f"into k-major panels for GEMM tiles at {lo}-{hi} rows a call (Q8_0 from {lo8}), otherwise " if hi else ""
+    # with AVX512_VNNI the GEMM tiles of these formats multiply int16 activations (gpu/cpu_quant_gemm.c)
+    int16 = ("; Q4_0/Q4_1/Q8_0 as int16 VNNI dots, activations rounded to int16 per 32-element block"
+             if k is not None and k.int16() else "")
+    gemm = (f"into k-major panels for GEMM tiles at {lo}-{hi} rows a call (Q8_0 from {lo8}{int16}), otherwise "
+            if hi else "")
     regs = f"in registers for Q4_0/Q4_1/Q8_0 up to {fused} rows, otherwise " if fused else ""
     large = k.large_m if k is not None else cpu_quant.LARGE_M
     return (f"GGUF weights kept packed ({kinds} tensors; activations, residual stream and KV cache float32), "
