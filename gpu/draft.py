@@ -72,9 +72,10 @@ class DraftModel:
     aux_layers: tuple[int, ...] = ()
 
     def __init__(self, model, cache: KVCache, device: torch.device, use_triton: bool = False,
-                 cost: float | None = None) -> None:
+                 cost: float | None = None, chunk: int = 2048) -> None:
         self.model = model
         self.cost = cost                   # its multiply-adds a token over the target's
+        self.chunk = chunk                 # the most tokens a catch-up forward takes (the step budget)
         self.cache = cache
         self.device = device
         self.use_triton = use_triton
@@ -104,6 +105,36 @@ class DraftModel:
         if not any(c.sample for c in chunks):
             return None
         return self.model.compute_logits(hidden.index_select(0, sample_idx))
+
+    def _catch_up(self, first: list[SeqChunk]) -> torch.Tensor | None:
+        """`_forward(first)`, in forwards of at most `chunk` tokens where the chunks hold more
+        (a prompt the draft never saw, caught up at its sequence's first drafting step): each
+        chunk cut into pieces of `chunk` tokens, round r running every chunk's r-th piece, so
+        that a piece's KV is written before the next one reads it and no forward is larger
+        than the target's own prefill steps. The logits of each chunk's last token, in order."""
+        size = self.chunk
+        if sum(len(c.token_ids) for c in first) <= size:
+            return self._forward(first)
+        pieces = [[SeqChunk(c.seq_id, c.token_ids[a:a + size], c.start_pos + a, c.block_table,
+                            a + size >= len(c.token_ids)) for a in range(0, len(c.token_ids), size)]
+                  for c in first]
+        out: list[torch.Tensor | None] = [None] * len(first)
+
+        def run(batch: list[tuple[int, SeqChunk]]) -> None:
+            logits = self._forward([p for _, p in batch])
+            for row, i in enumerate(i for i, p in batch if p.sample):
+                out[i] = logits[row]
+
+        for r in range(max(map(len, pieces))):
+            batch: list[tuple[int, SeqChunk]] = []
+            for i, ps in enumerate(pieces):
+                if r < len(ps):
+                    if batch and sum(len(p.token_ids) for _, p in batch) + len(ps[r].token_ids) > size:
+                        run(batch)
+                        batch = []
+                    batch.append((i, ps[r]))
+            run(batch)
+        return torch.stack(out)
 
     def _sample(self, logits: torch.Tensor, rows: list) -> list[int]:
         logits = apply_logit_controls(logits, rows)
@@ -160,7 +191,7 @@ class DraftModel:
         if not verify:
             return plan
         with torch.inference_mode():
-            logits = self._forward(first)
+            logits = self._catch_up(first)
             chunks = [plan.chunks[i] for i in verify]
             drafted: list[list[int]] = [[] for _ in chunks]
             live = list(range(len(chunks)))     # those still drafting

@@ -191,7 +191,7 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
         drafting = DraftModel(draft.model, KVCache(
             dc.num_hidden_layers, num_blocks, cfg.block_size, draft.model.local_kv_heads,
             dc.head_dim, draft.model.dtype, device), device, use_triton=device.type == "cuda",
-            cost=dc.macs_per_token / mc.macs_per_token)
+            cost=dc.macs_per_token / mc.macs_per_token, chunk=step_budget(cfg))
         log.info("draft model %s (%s, %s): its own KV cache of %d blocks, %.1f MiB; %.2fx the "
                  "target's multiply-adds a token", draft.name, dc.architecture,
                  str(draft.model.dtype).removeprefix("torch."), num_blocks, extra * num_blocks / 2**20,

@@ -283,10 +283,15 @@ async def test_a_draft_model_prefills_a_prompt_only_once_it_drafts(smollm):
         drafter = engine.runner.draft
         await run(engine, 1)                 # a prefill step alone: nothing drafts
         assert drafter.forwards == 0
+        # the catch-up of the whole prompt in forwards of at most 16 tokens, as a prefill
+        # chunked by the step budget (the default: max_num_batched_tokens) runs
+        drafter.chunk, sizes, forward = 16, [], drafter._forward
+        drafter._forward = lambda chunks: sizes.append(sum(len(c.token_ids) for c in chunks)) or forward(chunks)
         second = await run(engine, 24)
         counts = engine.stats().spec_decode
         assert drafter.valid.any()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32, second["usage"]
+    assert max(sizes) <= 16 and sizes.count(16) >= 4, sizes     # the prompt: > 64 tokens
     assert counts.num_draft_tokens >= 15, counts
     assert counts.num_accepted_tokens >= 0.9 * counts.num_draft_tokens, counts
 
