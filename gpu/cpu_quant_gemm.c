@@ -166,6 +166,20 @@ static void gemm_fill(const uint8_t *const *rows, const int *fmts, int nr, int64
         for (int j0 = 0; j0 < NP; j0 += GV) transpose_sq(stage + j0 * GKC + kk, GKC, panel + kk * NP + j0, NP);
 }
 
+/* rows i < mr of a kernel's two accumulator vectors a0, a1 into y[i, 0..NP): stored (the first
+ * K-chunk) or added to what y holds (the chunks' sums in order); m0, m1: the columns stored */
+static inline __attribute__((always_inline)) void gstore(gvec *a0, gvec *a1, const int mr, float *restrict y,
+                                                         int64_t ldy, int first, gmask m0, gmask m1) {
+    for (int i = 0; i < mr; i++) {
+        if (!first) {
+            a0[i] = gv_add(gv_loadm(m0, y + i * ldy), a0[i]);
+            a1[i] = gv_add(gv_loadm(m1, y + i * ldy + GV), a1[i]);
+        }
+        gv_storem(m0, y + i * ldy, a0[i]);
+        gv_storem(m1, y + i * ldy + GV, a1[i]);
+    }
+}
+
 /* y[i, 0..NP) (+)= sum over k < kc of x[i, k] panel[k] for i < mr (constant in each
  * instantiation): the chunk's sum in k order from 0, then stored (first) or added to y's
  * (the chunks' sums added in order: error ~ GKC + K / GKC roundings, not K); m0, m1: the
@@ -183,14 +197,7 @@ static inline __attribute__((always_inline)) void gkern(const float *restrict x,
             a1[i] = gv_fma(xb, w1, a1[i]);
         }
     }
-    for (int i = 0; i < mr; i++) {
-        if (!first) {
-            a0[i] = gv_add(gv_loadm(m0, y + i * ldy), a0[i]);
-            a1[i] = gv_add(gv_loadm(m1, y + i * ldy + GV), a1[i]);
-        }
-        gv_storem(m0, y + i * ldy, a0[i]);
-        gv_storem(m1, y + i * ldy + GV, a1[i]);
-    }
+    gstore(a0, a1, mr, y, ldy, first, m0, m1);
 }
 
 #define GK(MRV) case MRV: gkern(x, ldx, MRV, p, kc, y, ldy, first, m0, m1); return;
@@ -350,14 +357,7 @@ static inline __attribute__((always_inline)) void gkern16(const int16_t *restric
             }
         }
     }
-    for (int i = 0; i < mr; i++) {
-        if (!first) {
-            f0[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, y + i * ldy), f0[i]);
-            f1[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, y + i * ldy + 16), f1[i]);
-        }
-        _mm512_mask_storeu_ps(y + i * ldy, m0, f0[i]);
-        _mm512_mask_storeu_ps(y + i * ldy + 16, m1, f1[i]);
-    }
+    gstore(f0, f1, mr, y, ldy, first, m0, m1);
 }
 
 #define GK16(MRV)                                                                                              \
