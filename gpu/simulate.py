@@ -171,9 +171,13 @@ class CostModel:
         """Matmul weights one token runs through (all of them for a dense model)."""
         return self.matmul_params - (self.num_experts - self.top_k) * self.expert_params
 
-    def launch_seconds(self, q_lens: list[int]) -> float:
-        """What the step's kernels cost for being many (module docstring)."""
+    def launch_seconds(self, q_lens: list[int], eager: bool = False) -> float:
+        """What the step's kernels cost for being many (module docstring); eager: launched
+        one by one whatever the step (a draft model's forwards: gpu/draft.py has no graphs)."""
         g = self.gpu
+        if eager:
+            forward, outside = self.eager_kernels
+            return (forward + outside) * g.eager_kernel_s + g.step_fixed_s
         if all(q == 1 for q in q_lens):
             # the captured graphs split the KV when sequences x KV heads cannot fill the
             # SMs twice (paged_attention.suggest_num_kv_splits)
@@ -186,7 +190,8 @@ class CostModel:
         forward, outside = self.eager_kernels
         return (forward + outside) * g.eager_kernel_s + g.step_fixed_s
 
-    def step_seconds(self, q_lens: list[int], ctx_lens: list[int], num_sampled: int) -> float:
+    def step_seconds(self, q_lens: list[int], ctx_lens: list[int], num_sampled: int,
+                     eager: bool = False) -> float:
         """One step: q_lens new tokens per sequence, ctx_lens its context including them."""
         tokens = sum(q_lens)
         kv = self.kv_bytes_per_token * sum(ctx_lens) / self.gpu.attention_efficiency
@@ -198,7 +203,7 @@ class CostModel:
         flops = 2 * self.active_params * tokens + attention
         g = self.gpu
         return max((read_params * self.elem_bytes + kv + logits) / g.bandwidth, flops / g.bf16_flops) \
-            + self.launch_seconds(q_lens)
+            + self.launch_seconds(q_lens, eager)
 
     def kv_blocks(self, block_size: int, gpu_memory_utilization: float) -> int:
         """KV cache blocks the GPU would hold, sized as the CUDA path sizes them."""
@@ -216,6 +221,30 @@ def ordinary_token_ids(tokenizer, vocab_size: int) -> np.ndarray:
     return np.array([i for i in range(n) if i not in added])
 
 
+@attrs.frozen
+class StandInDraft:
+    """A draft model on the stand-in (method draft_model): what its forwards cost, and its
+    multiply-adds a token over the target's (`cost`, as DraftModel.cost: the gate's bound)."""
+    model: CostModel
+    cost: float
+
+    @classmethod
+    def of(cls, spec, target: ModelConfig, gpu: GpuSpec) -> "StandInDraft | None":
+        """--speculative-config's draft model on the stand-in (its config; None for other
+        methods), checked against the target as a real one is."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        from gpu.draft import check_draft
+        from gpu.loader import load_shell
+
+        try:
+            config = load_shell(spec.model).config
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"--speculative-config: cannot read the draft model {spec.model}: {exc}") from exc
+        check_draft(target, config, spec.model)
+        return cls(CostModel.of(config, gpu), config.macs_per_token / target.macs_per_token)
+
+
 class SimulatedRunner(StagingRunner):
     """ModelRunner's interface; the forward is a wait of the cost model's length.
 
@@ -224,11 +253,13 @@ class SimulatedRunner(StagingRunner):
     through emit do real work on real text.
     """
 
-    draft = None    # no draft model: drafts hold with `draft_acceptance` (StandInDrafter)
-
     def __init__(self, cost: CostModel, block_size: int, token_ids: np.ndarray, seed: int = 0,
-                 draft_acceptance: float = 0.0) -> None:
+                 draft_acceptance: float = 0.0, draft: StandInDraft | None = None) -> None:
         self.cost = cost
+        # drafts hold with `draft_acceptance` (StandInDrafter); a draft model's forwards are
+        # priced too (`draft_seconds`), else drafts cost nothing to make (n-gram lookup)
+        self.draft = draft
+        self.draft_kv: dict[str, int] = {}     # seq id -> positions the draft model holds KV of
         self.block_size = block_size
         self.device = torch.device("cpu")
         self.token_ids = token_ids
@@ -261,8 +292,24 @@ class SimulatedRunner(StagingRunner):
         num_sampled = len(host.sampled)
         # a verify pass costs its tokens, and its logits a row per draft as well
         rows = num_sampled + sum(c.num_drafts for c in plan.chunks if c.sample)
-        wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, rows)
+        wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, rows) + self.draft_seconds(plan)
         return host, wait, self.rng.choice(self.token_ids, size=num_sampled).tolist()
+
+    def draft_seconds(self, plan: StepPlan) -> float:
+        """A draft model's part of a step, as gpu/draft.py runs it, eagerly: one forward
+        catching each drafting sequence's draft KV up (its prompt, the first time) with its
+        first draft, then one decode forward for each further draft of the sequences still
+        drafting. 0 without a draft model or drafts."""
+        drafting = [c for c in plan.chunks if c.num_drafts]
+        if self.draft is None or not drafting:
+            return 0.0
+        m = self.draft.model
+        q = [c.start_pos + 1 - min(self.draft_kv.get(c.seq_id, 0), c.start_pos) for c in drafting]
+        t = m.step_seconds(q, [c.start_pos + 1 for c in drafting], len(drafting), eager=True)
+        for j in range(1, max(c.num_drafts for c in drafting)):
+            live = [c for c in drafting if c.num_drafts > j]
+            t += m.step_seconds([1] * len(live), [c.start_pos + 1 + j for c in live], len(live), eager=True)
+        return t
 
     def execute(self, plan: StepPlan, staged=None) -> StepResult:
         t0 = time.perf_counter()
@@ -270,6 +317,7 @@ class SimulatedRunner(StagingRunner):
             staged = self.stage(plan)
         for sid in plan.released:
             self.states.pop(sid, None)
+            self.draft_kv.pop(sid, None)
             if self.floating:
                 if self.ngram is not None:
                     self.ngram.forget(sid)
@@ -285,7 +333,7 @@ class SimulatedRunner(StagingRunner):
                                       lambda c: self.next_pos.get(c.seq_id, c.start_pos),
                                       self._float_tokens)
             rows = len(host.sampled) + sum(c.num_drafts for c in plan.chunks if c.sample)
-            wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, rows)
+            wait = self.cost.step_seconds(host.q_lens, host.ctx_lens, rows) + self.draft_seconds(plan)
         # the host's part of a step once the one before has ended: PLACEHOLDERs, upload
         upload_inputs(host, self.device, last_token=lambda sid: last_token(self.states, sid),
                       previous=self.staged_tokens.previous(host))
@@ -293,6 +341,10 @@ class SimulatedRunner(StagingRunner):
         states = [self.states[s] for s in seq_ids]
         counts: tuple[int, ...] = ()
         if any(c.num_drafts for c in plan.chunks):
+            if self.draft is not None:  # its KV written up to the last draft's position
+                for c in plan.chunks:
+                    if c.num_drafts:
+                        self.draft_kv[c.seq_id] = c.start_pos + c.num_drafts
             tokens, counts = self._verify(plan, tokens)
             states = [st for st, n in zip(states, counts) for _ in range(n)]
         logprobs = self._logprobs(states, tokens)
@@ -340,6 +392,8 @@ class SimulatedRunner(StagingRunner):
             out.extend(drafts[:n])
             out.append(tok)
             counts.append(n + 1)
+            if c.num_drafts and c.seq_id in self.draft_kv:     # the verify cuts it back
+                self.draft_kv[c.seq_id] = min(self.draft_kv[c.seq_id], c.start_pos + n + 1)
         return out, tuple(counts)
 
     def _logprobs(self, states: list[SeqSamplingState], tokens: list[int]

@@ -27,7 +27,7 @@ from gpu.openmp import release_team
 from gpu.pooling_config import PoolingSpec
 from gpu.parallel import SINGLE, TP
 from gpu.runner import ModelRunner
-from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
+from gpu.simulate import GPUS, CostModel, SimulatedRunner, StandInDraft, ordinary_token_ids
 from pipeline.core.config import EngineConfig
 from pipeline.core.events import EventLog, make_header
 from stages.api.common import ToolSettings
@@ -376,12 +376,12 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     budget = step_budget(cfg)
     if cfg.simulate_gpu:
         cost = CostModel.of(mc, GPUS[cfg.simulate_gpu])
-        num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size,
-                                                                   cfg.gpu_memory_utilization)
+        num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size, cfg.gpu_memory_utilization)
         cost = attrs.evolve(cost, verify_tokens=verify_graph_tokens(cfg))
         runner = SimulatedRunner(cost, cfg.block_size,
                                  ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed,
-                                 draft_acceptance=cfg.simulate_draft_acceptance or 0.0)
+                                 draft_acceptance=cfg.simulate_draft_acceptance or 0.0,
+                                 draft=StandInDraft.of(cfg.speculative_config, mc, GPUS[cfg.simulate_gpu]))
         kv_connector = None           # refused with --kv-transfer-config (EngineConfig)
     else:
         runner, cache, num_blocks = make_runner(cfg, loaded, device, max_model_len, ranks)
@@ -420,7 +420,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         drafter=make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None),
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-        spec_draft_cost=runner.draft.cost if runner.draft is not None else None,
+        spec_draft_cost=getattr(getattr(runner, "draft", None), "cost", None),  # (tests' scripted runners)
         policy=cfg.scheduling_policy, max_loras=cfg.max_loras,
         spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config,
         **({"floating": True} if floating else {}))

@@ -114,3 +114,43 @@ def test_simulated_tokens_are_ordinary_and_detokenize(smollm_tokenizer):
     for toks in out.values():
         assert set(toks) <= set(ordinary.tolist())
         assert len(tok.decode(toks)) >= len(toks)   # ordinary tokens are at least a character
+
+
+def test_a_draft_models_forwards_are_priced_as_gpu_draft_runs_them(smollm_tokenizer):
+    """method draft_model on the stand-in: Qwen3-0.6B drafting for Qwen3-8B. A drafting
+    step adds the draft's eager forwards (gpu/draft.py has no graphs for them): the first
+    catches the draft KV up (the whole prompt the first time) with the first draft, then one
+    decode forward a further draft; the next drafting step catches up only what the verify
+    kept. The gate's bound comes from the configs; a draft of another vocabulary is refused."""
+    from gpu.draft import DraftError
+    from gpu.simulate import StandInDraft
+
+    configs = Path(gpu.__file__).parent / "configs"
+    target = ModelConfig.from_hf(json.loads((configs / "qwen3-8b/config.json").read_text()))
+    spec = attrs.make_class("Spec", ["method", "model"])("draft_model", str(configs / "qwen3-0.6b"))
+    draft = StandInDraft.of(spec, target, H200)
+    assert draft.cost == pytest.approx(QWEN3.macs_per_token / target.macs_per_token) and 0.05 < draft.cost < 0.1
+    assert StandInDraft.of(attrs.evolve(spec, method="ngram"), target, H200) is None
+    with pytest.raises(DraftError, match="vocabulary"):
+        StandInDraft.of(attrs.evolve(spec, model=str(configs / "gpt-oss-tiny")), target, H200)
+
+    m = draft.model
+    runner = SimulatedRunner(CostModel.of(target, H200), 16, ordinary_token_ids(smollm_tokenizer, 151936),
+                             seed=1, draft_acceptance=1.0, draft=draft)
+    prompt = tuple(range(100, 140))
+    greedy = SamplingOptions(temperature=0.0)
+    runner.execute(StepPlan(1, (SeqChunk("a", prompt, 0, (0, 1, 2, 3), True),), (SeqStart("a", prompt, greedy),)))
+    assert runner.draft_seconds(StepPlan(2, (SeqChunk("a", (7,), 40, (0, 1, 2, 3), True),))) == 0.0
+    verify = StepPlan(2, (SeqChunk("a", (7, 8, 9, 10), 40, (0, 1, 2, 3), True, num_drafts=3),))
+    first = runner.draft_seconds(verify)
+    assert first == pytest.approx(m.step_seconds([41], [41], 1, eager=True)
+                                  + m.step_seconds([1], [42], 1, eager=True)
+                                  + m.step_seconds([1], [43], 1, eager=True))
+    assert m.step_seconds([1], [42], 1, eager=True) > m.step_seconds([1], [42], 1)    # no graph
+    result = runner.execute(verify)
+    assert result.num_tokens == (4,)                     # every draft held (P = 1)
+    assert runner.draft_kv["a"] == 43                    # the last draft's KV is not written
+    after = runner.draft_seconds(StepPlan(3, (SeqChunk("a", (11, 1, 2, 3), 44, (0, 1, 2, 3), True, num_drafts=3),)))
+    assert after == pytest.approx(m.step_seconds([2], [45], 1, eager=True)
+                                  + m.step_seconds([1], [46], 1, eager=True)
+                                  + m.step_seconds([1], [47], 1, eager=True))
