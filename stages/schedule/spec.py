@@ -81,6 +81,7 @@ class CostGate:
     HALF = 8            # a window's step weighs half as much HALF decisions later
     STALE = 192         # decisions without a drafting step: a probe may start a sequence
     VETOED = 4          # drafts far slower than off: probed down to one in VETOED x EXPLORE
+    PROBE_COST = 0.005  # vetoed drafts' probes: at most this share of the steps' time (gap / every)
 
     def __init__(self) -> None:
         # bucket -> [rate with drafts, rate without, steps with, steps without, decisions,
@@ -103,9 +104,14 @@ class CostGate:
             b = self.buckets[n.bit_length()] = [0.0, 0.0, 0, 0, 0, [], []]
         return b
 
-    def decide(self, num_running: int) -> bool:
-        on = self.would_decide(num_running)
+    def decide(self, num_running: int, pure: bool = True) -> bool:
+        """pure: the step is to be one of decodes only, which `observe` measures (else it
+        carries prompt chunks: the decision is not counted, see would_decide)."""
+        on = self.would_decide(num_running, pure)
         b = self._bucket(num_running)
+        if not pure:
+            self.probing = False
+            return on
         b[4] += 1
         # a drafting step the A/B does not back: the warm-up's, or a probe of vetoed drafts
         self.probing = on and not (b[2] >= self.WARM and b[3] >= self.WARM and b[0] >= b[1])
@@ -133,9 +139,15 @@ class CostGate:
         seconds = sum(s for s, _, _, _ in steps)
         return sum(r for _, _, _, r in steps) / seconds if seconds > 0 else 0.0
 
-    def would_decide(self, num_running: int) -> bool:
-        """What the next `decide` will say (the A/B), without counting a decision."""
+    def would_decide(self, num_running: int, pure: bool = True) -> bool:
+        """What the next `decide` will say (the A/B), without counting a decision. A step
+        with prompt chunks (not pure) is not measured, so it drafts only where the A/B
+        prefers drafts: no warm-up or probe is spent on it (a bucket that only ever sees
+        such steps, requests arriving between waves, would else stay in its warm-up and
+        draft every other step unmeasured)."""
         b = self.buckets.get(num_running.bit_length())
+        if not pure:
+            return (b is not None and b[2] >= self.WARM and b[3] >= self.WARM and b[0] >= b[1])
         if b is None:
             return True
         if b[2] < self.WARM or b[3] < self.WARM:
@@ -152,20 +164,26 @@ class CostGate:
         return at % (min(every, self.EXPLORE // 4) if fast else every) == 0
 
     def _every(self, b: list) -> int:
-        """Steps between two probes of the mode the A/B did not choose: one in EXPLORE where
-        the two rates are `PROBE_GAP` apart or more, down to one in `PROBE_MIN` where they are
-        close. A probe costs the gap, so a close call is cheap to measure again, and it is
-        the call that a stale rate turns: a few slow steps of one mode (another process's
-        load) would otherwise hold the other mode on for EXPLORE steps a probe. Drafts that
-        measured far slower than off are probed less often still (`VETOED`)."""
+        """Steps between two probes of the mode the A/B did not choose. Off, where drafts
+        are preferred: one in EXPLORE where the two rates are `PROBE_GAP` apart or more, down
+        to one in `PROBE_MIN` where they are close: a close call is the one a stale rate
+        turns, and a few slow steps of off (another process's load) would otherwise hold
+        drafting on for EXPLORE steps a probe. Vetoed drafts: as often, but never so often
+        that their probes (each costs the gap) take more than `PROBE_COST` of the time, down
+        to one in VETOED x EXPLORE (a draft model as costly as the target)."""
         lo, hi = sorted((b[0], b[1]))
         gap = hi / lo - 1 if lo > 0 else 1.0
-        if b[0] < b[1] and gap > self.PROBE_GAP:
-            # drafts vetoed, far apart (a draft model as costly as the target): a probe costs
-            # more the larger the gap, so up to one in VETOED x EXPLORE, a multiple of
-            # EXPLORE (`rows` offers a vetoed bucket its first bin one step in EXPLORE)
-            return self.EXPLORE * min(self.VETOED, round(gap / self.PROBE_GAP))
-        return max(self.PROBE_MIN, min(self.EXPLORE, round(self.EXPLORE * gap / self.PROBE_GAP)))
+        every = round(self.EXPLORE * gap / self.PROBE_GAP)
+        if b[0] < b[1]:
+            # vetoed drafts: each probe costs the gap, so at most PROBE_COST of the steps'
+            # time goes on them ("never slower than off"), up to one in VETOED x EXPLORE
+            # (past EXPLORE a multiple of it: `rows` offers a vetoed bucket its first bin
+            # one step in EXPLORE). Drafts the A/B prefers are probed against off as above,
+            # so that a stale rate lets go of them soon.
+            every = max(every, round(gap / self.PROBE_COST))
+            if every > self.EXPLORE:
+                return self.EXPLORE * min(self.VETOED, -(-every // self.EXPLORE))
+        return max(self.PROBE_MIN, min(self.EXPLORE, every))
 
     def _cost(self, bins: dict[int, list[float]], at: int, t_off: float | None,
               n: int) -> float | None:
@@ -339,9 +357,9 @@ class Speculation:
         return "decided per step from measured costs" + (
             "" if self.ceiling is None else f" (at most {self.ceiling:.2f}x had every draft held)")
 
-    def on_for(self, running: list[Sequence]) -> bool:
+    def on_for(self, running: list[Sequence], pure: bool = True) -> bool:
         """Whether this step drafts at all (and, with the gate, the step's draft rows and
-        the value a draft must have to get one)."""
+        the value a draft must have to get one); pure: no prompt chunk is to join it."""
         n = len(running)
         if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size or self.futile:
             return False
@@ -350,7 +368,7 @@ class Speculation:
         values = self._values(running)
         m = self.gate.rows(n, values)
         self._eligible = None
-        if not self.gate.decide(n):
+        if not self.gate.decide(n, pure):
             return False
         self._threshold = values[m - 1] if m else 1.0
         self._cap = m
@@ -376,7 +394,7 @@ class Speculation:
             return near
         return {min(lags, key=lags.get)}
 
-    def would_draft(self, running: list[Sequence]) -> bool:
+    def would_draft(self, running: list[Sequence], pure: bool = True) -> bool:
         """Whether the next step's `on_for` will let it draft (AsyncScheduler: such a step
         waits for the running one instead of being planned ahead)."""
         n = len(running)
@@ -385,7 +403,7 @@ class Speculation:
         if self.gate is None:
             return True
         # (the A/B first: it reads the last step's expectation, and costs nothing)
-        return self.gate.would_decide(n) and self.gate.rows(n, self._values(running)) > 0
+        return self.gate.would_decide(n, pure) and self.gate.rows(n, self._values(running)) > 0
 
     def _values(self, running: list[Sequence]) -> list[float]:
         """The expected tokens of each draft the running sequences could carry (q**j for a

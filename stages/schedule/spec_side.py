@@ -13,6 +13,19 @@ class SpecSide:
     # (async_.py): the plain Scheduler never plans with a step in flight
     floating = False
 
+    def _decodes_only(self, running: list[Sequence]) -> bool:
+        """Whether the step planned now is to carry no prompt chunk (the cost gate measures
+        only such steps, spec.py CostGate.would_decide): no waiting request that could be
+        admitted, and no running sequence with more than its next token to compute."""
+        if self.waiting and len(running) < self.max_num_seqs:
+            return False
+        floating = self.floating
+        for seq in running:
+            total = len(seq.token_ids) + seq.num_pending + (seq.in_flight_drafts if floating else 0)
+            if total - seq.num_computed > 1:
+                return False
+        return True
+
     def _drafted_chunk(self, seq: Sequence, spec, budget: int) -> SeqChunk | None:
         """A decode of one token with drafts, if it gets any and its blocks fit (None: a
         plain decode, planned by the caller): a floating chunk for a sequence with a step

@@ -95,6 +95,43 @@ def test_drafts_far_slower_than_off_are_probed_seldom():
     assert 0 < probes <= len(late) / (4 * CostGate.EXPLORE) + 2, probes   # 25 at 1 in EXPLORE
 
 
+def test_close_vetoed_drafts_are_probed_at_a_bounded_cost():
+    """32 sequences, compute-bound: the costs expect a 12% gain (acceptance 0.3 each, cheap
+    rows), but no draft ever holds, so drafting steps measure 13% under off. Each probe
+    costs that gap, so they are probed at most PROBE_COST of the time (one step in 48:
+    19 probes in 900 steps), not one step in 7 as close rates had it (128: 2% of the run)."""
+    gate = CostGate()
+    rows = drive(gate, 1000, 32, [0.3] * 32, 3, lambda r: 0.040 + 0.0002 * (r - 32), held=lambda m: 0)
+    late = rows[100:]
+    b = gate.buckets[(32).bit_length()]
+    gap = b[1] / b[0] - 1
+    assert gate.preferred(32) is False and 0.1 < gap < 0.2 and gate.expected > 1 + CostGate.MARGIN
+    probes = sum(m > 0 for m in late)
+    assert 0 < probes <= len(late) * CostGate.PROBE_COST / gap + 2, probes
+
+
+def test_a_step_with_prompt_chunks_spends_no_warm_up_or_probe():
+    """A step that carries prompt chunks (requests arriving) is not measured, so it drafts
+    only where the A/B prefers drafts: a bucket such steps alone visit does not sit in its
+    warm-up drafting every other step unmeasured (the stand-in's draft model drafted in 39
+    such steps of 72), and vetoed drafts are never probed there."""
+    def measure(gate, n, on_s, off_s):
+        for _ in range(CostGate.WARM):
+            gate.observe(n, True, n + 8, on_s, n + 8)
+            gate.observe(n, False, n, off_s, n)
+
+    gate = CostGate()
+    assert not any(gate.decide(24, pure=False) for _ in range(100))
+    assert gate.buckets[(24).bit_length()][4] == 0          # no decision counted
+    assert gate.decide(24)                                   # a decode step starts the warm-up
+    measure(gate, 24, 0.010, 0.012)                          # drafts pay: 3200 against 2000 tok/s
+    assert gate.preferred(24) and gate.decide(24, pure=False)
+    gate = CostGate()
+    measure(gate, 24, 0.030, 0.010)                          # drafts lose
+    assert not any(gate.decide(24, pure=False) for _ in range(500))
+    assert any(gate.decide(24) for _ in range(500))          # decode steps still probe them
+
+
 def test_a_passing_stall_does_not_turn_drafts_off():
     gate = CostGate()
     drive(gate, 60, 1, [0.8], 3, lambda r: 0.030 + 0.0005 * r)
@@ -122,7 +159,7 @@ def test_the_rows_go_to_the_sequences_whose_drafts_hold():
             spec.verified(seq, 3, 3 if i < 4 else 0)
     gate = spec.gate
     gate.rows = lambda n, vals: 6      # the costs pay for 6 draft rows
-    gate.decide = lambda n: True
+    gate.decide = lambda n, pure=True: True
     assert spec.on_for(seqs)
     got = [len(spec.drafts(seq, 64)) for seq in seqs]
     assert sum(got) == 6
