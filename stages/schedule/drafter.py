@@ -177,6 +177,12 @@ class StandInDrafter(NgramDrafter):
     its proposal is padded to k with the last token, so that every decode verifies k
     drafts and the stand-in's acceptance probability decides how many hold."""
 
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        # method draft_model: the stand-in prices the draft's forwards and catch-ups
+        # (gpu/simulate.py StandInDraft), which the gate's probes take into account
+        self.catches_up = config.method == "draft_model"
+
     def propose(self, seq_id: str, token_ids: list[int], k: int) -> tuple[int, ...]:
         found = super().propose(seq_id, token_ids, k)
         return found + (token_ids[-1],) * (k - len(found)) if k > 0 else ()

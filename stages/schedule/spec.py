@@ -359,7 +359,11 @@ class Speculation:
 
     def on_for(self, running: list[Sequence], pure: bool = True) -> bool:
         """Whether this step drafts at all (and, with the gate, the step's draft rows and
-        the value a draft must have to get one); pure: no prompt chunk is to join it."""
+        the value a draft must have to get one); pure: no prompt chunk is to join it. With a
+        draft model a step with prompt chunks drafts only where the gate prefers drafts (its
+        K forwards are not cheap beside a prompt chunk, and the step is not measured); other
+        drafts (n-gram lookup, an EAGLE head's one layer) add only verify rows to a step
+        that a prompt chunk dominates, so such a step decides as a decode step does."""
         n = len(running)
         if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size or self.futile:
             return False
@@ -368,7 +372,7 @@ class Speculation:
         values = self._values(running)
         m = self.gate.rows(n, values)
         self._eligible = None
-        if not self.gate.decide(n, pure):
+        if not self.gate.decide(n, pure or not self.catches_up):
             return False
         self._threshold = values[m - 1] if m else 1.0
         self._cap = m
@@ -403,7 +407,8 @@ class Speculation:
         if self.gate is None:
             return True
         # (the A/B first: it reads the last step's expectation, and costs nothing)
-        return self.gate.would_decide(n, pure) and self.gate.rows(n, self._values(running)) > 0
+        return (self.gate.would_decide(n, pure or not self.catches_up)
+                and self.gate.rows(n, self._values(running)) > 0)
 
     def _values(self, running: list[Sequence]) -> list[float]:
         """The expected tokens of each draft the running sequences could carry (q**j for a
