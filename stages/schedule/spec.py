@@ -81,9 +81,14 @@ class CostGate:
     HALF = 8            # a window's step weighs half as much HALF decisions later
     STALE = 192         # decisions without a drafting step: a probe may start a sequence
     VETOED = 4          # drafts far slower than off: probed down to one in VETOED x EXPLORE
-    PROBE_COST = 0.005  # vetoed drafts' probes: at most this share of the steps' time (gap / every)
+    PROBE_COST = 0.005  # a draft model's vetoed drafts' probes: at most this share of the time
 
-    def __init__(self) -> None:
+    def __init__(self, probe_cost: float | None = None) -> None:
+        # vetoed drafts' probes kept under this share of the time (`_every`): for a draft
+        # model, whose probes cost its K forwards (Speculation sets PROBE_COST). n-gram
+        # lookup's probes draft only for the sequences that copy best, which may well pay as
+        # they are measured, so they keep the close-call rate
+        self.probe_cost = probe_cost
         # bucket -> [rate with drafts, rate without, steps with, steps without, decisions,
         #            the last WINDOW steps with, without: (seconds, tokens, decision, rows)]
         self.buckets: dict[int, list[float]] = {}
@@ -168,21 +173,23 @@ class CostGate:
         are preferred: one in EXPLORE where the two rates are `PROBE_GAP` apart or more, down
         to one in `PROBE_MIN` where they are close: a close call is the one a stale rate
         turns, and a few slow steps of off (another process's load) would otherwise hold
-        drafting on for EXPLORE steps a probe. Vetoed drafts: as often, but never so often
-        that their probes (each costs the gap) take more than `PROBE_COST` of the time, down
-        to one in VETOED x EXPLORE (a draft model as costly as the target)."""
+        drafting on for EXPLORE steps a probe. Vetoed drafts: as often, and those far slower
+        than off (a draft model as costly as the target) less often still, down to one in
+        VETOED x EXPLORE; with `probe_cost` (a draft model) never so often that their probes,
+        each costing the gap, take more than that share of the time."""
         lo, hi = sorted((b[0], b[1]))
         gap = hi / lo - 1 if lo > 0 else 1.0
         every = round(self.EXPLORE * gap / self.PROBE_GAP)
         if b[0] < b[1]:
-            # vetoed drafts: each probe costs the gap, so at most PROBE_COST of the steps'
-            # time goes on them ("never slower than off"), up to one in VETOED x EXPLORE
-            # (past EXPLORE a multiple of it: `rows` offers a vetoed bucket its first bin
-            # one step in EXPLORE). Drafts the A/B prefers are probed against off as above,
-            # so that a stale rate lets go of them soon.
-            every = max(every, round(gap / self.PROBE_COST))
-            if every > self.EXPLORE:
-                return self.EXPLORE * min(self.VETOED, -(-every // self.EXPLORE))
+            # (past EXPLORE a multiple of it: `rows` offers a vetoed bucket its first bin one
+            # step in EXPLORE). Drafts the A/B prefers are probed against off as above, so
+            # that a stale rate lets go of them soon.
+            if self.probe_cost:
+                every = max(every, round(gap / self.probe_cost))
+                if every > self.EXPLORE:
+                    return self.EXPLORE * min(self.VETOED, -(-every // self.EXPLORE))
+            elif gap > self.PROBE_GAP:
+                return self.EXPLORE * min(self.VETOED, round(gap / self.PROBE_GAP))
         return max(self.PROBE_MIN, min(self.EXPLORE, every))
 
     def _cost(self, bins: dict[int, list[float]], at: int, t_off: float | None,
@@ -341,6 +348,8 @@ class Speculation:
         # a drafter with state to catch up (a draft model's KV: gpu/draft.py): seq id ->
         # its tokens when it last drafted, and the sequences this step's probe may draft for
         self.catches_up = bool(getattr(drafter, "catches_up", False))
+        if gate is not None and self.catches_up:   # a probe costs the draft's forwards
+            gate.probe_cost = gate.PROBE_COST
         self.seen: dict[str, int] = {}
         self._eligible: set[str] | None = None
         self._catching: set[str] = set()     # sequences whose next verify catches up

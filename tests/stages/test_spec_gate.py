@@ -6,6 +6,7 @@ slower than off are vetoed whatever the costs expect; a passing stall does not t
 drafts off; the rows go to the sequences whose drafts hold."""
 from types import SimpleNamespace
 
+from stages.schedule.drafter import ModelDrafter
 from stages.schedule.spec import CostGate, SpecCounters, Speculation, draft_len
 
 
@@ -97,17 +98,23 @@ def test_drafts_far_slower_than_off_are_probed_seldom():
 
 def test_close_vetoed_drafts_are_probed_at_a_bounded_cost():
     """32 sequences, compute-bound: the costs expect a 12% gain (acceptance 0.3 each, cheap
-    rows), but no draft ever holds, so drafting steps measure 13% under off. Each probe
-    costs that gap, so they are probed at most PROBE_COST of the time (one step in 48:
-    19 probes in 900 steps), not one step in 7 as close rates had it (128: 2% of the run)."""
-    gate = CostGate()
-    rows = drive(gate, 1000, 32, [0.3] * 32, 3, lambda r: 0.040 + 0.0002 * (r - 32), held=lambda m: 0)
-    late = rows[100:]
-    b = gate.buckets[(32).bit_length()]
-    gap = b[1] / b[0] - 1
-    assert gate.preferred(32) is False and 0.1 < gap < 0.2 and gate.expected > 1 + CostGate.MARGIN
-    probes = sum(m > 0 for m in late)
-    assert 0 < probes <= len(late) * CostGate.PROBE_COST / gap + 2, probes
+    rows), but no draft ever holds, so drafting steps measure 13% under off. With a draft
+    model (`probe_cost`, which Speculation sets for one) each probe costs that gap and its
+    forwards, so they are probed at most PROBE_COST of the time (one step in 48: 19 probes
+    in 900 steps); n-gram lookup keeps the close-call rate (one step in 7: 128), its probes
+    drafting for the sequences that copy best."""
+    def run(gate):
+        rows = drive(gate, 1000, 32, [0.3] * 32, 3, lambda r: 0.040 + 0.0002 * (r - 32), held=lambda m: 0)
+        b = gate.buckets[(32).bit_length()]
+        assert gate.preferred(32) is False and gate.expected > 1 + CostGate.MARGIN
+        return sum(m > 0 for m in rows[100:]), b[1] / b[0] - 1
+
+    probes, gap = run(CostGate(probe_cost=CostGate.PROBE_COST))
+    assert 0.1 < gap < 0.2 and 0 < probes <= 900 * CostGate.PROBE_COST / gap + 2, probes
+    ngram, _ = run(CostGate())
+    assert ngram >= 100, ngram
+    spec = Speculation(ModelDrafter(catches_up=True), 3, None, SpecCounters(3), CostGate())
+    assert spec.gate.probe_cost == CostGate.PROBE_COST
 
 
 def test_a_step_with_prompt_chunks_spends_no_warm_up_or_probe():
