@@ -127,12 +127,14 @@ class DraftModel:
 
         for r in range(max(map(len, pieces))):
             batch: list[tuple[int, SeqChunk]] = []
+            tokens = 0
             for i, ps in enumerate(pieces):
                 if r < len(ps):
-                    if batch and sum(len(p.token_ids) for _, p in batch) + len(ps[r].token_ids) > size:
+                    if batch and tokens + len(ps[r].token_ids) > size:
                         run(batch)
-                        batch = []
+                        batch, tokens = [], 0
                     batch.append((i, ps[r]))
+                    tokens += len(ps[r].token_ids)
             run(batch)
         return torch.stack(out)
 

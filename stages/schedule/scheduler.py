@@ -266,7 +266,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
         # called only when the chunk needs another block.)
         running = self.running
         spec = self.speculation
-        if spec is not None and not spec.on_for(running, self._decodes_only(running)):
+        if spec is not None and not spec.on_for(running, lambda: self._decodes_only(running)):
             spec = None
         i = 0
         floating = self.floating

@@ -8,6 +8,7 @@ The scheduler plans the chunk and, once verified, rolls the rejected drafts' KV 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from gpu.interface import StepResult, TokenLogprobs
 from stages.schedule import stop
@@ -338,8 +339,8 @@ class Speculation:
         # target: SmolLM2 drafting for itself) no step can gain, so the gate drafts none
         # and pays no warm-up for it ("adaptive": false drafts all the same).
         self.draft_cost = draft_cost
-        self.ceiling = None if draft_cost is None else (k + 1) / (1 + k * draft_cost)
-        self.futile = gate is not None and self.ceiling is not None and self.ceiling < 1 + gate.MARGIN
+        self.bound = None if draft_cost is None else (k + 1) / (1 + k * draft_cost)
+        self.futile = gate is not None and self.bound is not None and self.bound < 1 + gate.MARGIN
         self.held: dict[str, list[int]] = {}   # seq id -> [drafts that held, that did not]
         self.total = [0, 0]                    # the same over every sequence
         self._threshold = 0.0                  # the value a draft needs this step (gate)
@@ -361,14 +362,15 @@ class Speculation:
         if self.futile:
             return (f"never: the draft model costs {self.draft_cost:.2f}x the target's multiply-adds "
                     f"a token, so a step with {self.k} drafts a sequence would be at most "
-                    f"{self.ceiling:.2f}x as fast as one without had every draft held; use a "
+                    f"{self.bound:.2f}x as fast as one without had every draft held; use a "
                     f"smaller draft (\"adaptive\": false drafts at every step all the same)")
         return "decided per step from measured costs" + (
-            "" if self.ceiling is None else f" (at most {self.ceiling:.2f}x had every draft held)")
+            "" if self.bound is None else f" (at most {self.bound:.2f}x had every draft held)")
 
-    def on_for(self, running: list[Sequence], pure: bool = True) -> bool:
+    def on_for(self, running: list[Sequence], decodes_only: Callable[[], bool] | None = None) -> bool:
         """Whether this step drafts at all (and, with the gate, the step's draft rows and
-        the value a draft must have to get one); pure: no prompt chunk is to join it. With a
+        the value a draft must have to get one); decodes_only: whether no prompt chunk is to
+        join the step (asked only where it matters; None: none is). With a
         draft model a step with prompt chunks drafts only where the gate prefers drafts (its
         K forwards are not cheap beside a prompt chunk, and the step is not measured); other
         drafts (n-gram lookup, an EAGLE head's one layer) add only verify rows to a step
@@ -381,7 +383,7 @@ class Speculation:
         values = self._values(running)
         m = self.gate.rows(n, values)
         self._eligible = None
-        if not self.gate.decide(n, pure or not self.catches_up):
+        if not self.gate.decide(n, self._pure(decodes_only)):
             return False
         self._threshold = values[m - 1] if m else 1.0
         self._cap = m
@@ -407,7 +409,11 @@ class Speculation:
             return near
         return {min(lags, key=lags.get)}
 
-    def would_draft(self, running: list[Sequence], pure: bool = True) -> bool:
+    def _pure(self, decodes_only: Callable[[], bool] | None) -> bool:
+        """Whether the gate decides this step as a decode step (on_for's docstring)."""
+        return not self.catches_up or decodes_only is None or decodes_only()
+
+    def would_draft(self, running: list[Sequence], decodes_only: Callable[[], bool] | None = None) -> bool:
         """Whether the next step's `on_for` will let it draft (AsyncScheduler: such a step
         waits for the running one instead of being planned ahead)."""
         n = len(running)
@@ -416,7 +422,7 @@ class Speculation:
         if self.gate is None:
             return True
         # (the A/B first: it reads the last step's expectation, and costs nothing)
-        return (self.gate.would_decide(n, pure or not self.catches_up)
+        return (self.gate.would_decide(n, self._pure(decodes_only))
                 and self.gate.rows(n, self._values(running)) > 0)
 
     def _values(self, running: list[Sequence]) -> list[float]:

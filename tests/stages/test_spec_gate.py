@@ -260,11 +260,11 @@ def test_a_draft_that_cannot_pay_never_drafts():
 
     seqs = [SimpleNamespace(id="s0", token_ids=[1] * 10)]
     big = Speculation(ModelDrafter(catches_up=True), 3, None, SpecCounters(3), CostGate(), draft_cost=1.0)
-    assert big.futile and big.ceiling == 1.0
+    assert big.futile and big.bound == 1.0
     assert not any(big.on_for(seqs) or big.would_draft(seqs) for _ in range(300))
     assert big.mode().startswith("never: the draft model costs 1.00x")
     small = Speculation(ModelDrafter(catches_up=True), 3, None, SpecCounters(3), CostGate(), draft_cost=0.2)
-    assert not small.futile and small.ceiling == 2.5 and small.on_for(seqs)    # the warm-up drafts
+    assert not small.futile and small.bound == 2.5 and small.on_for(seqs)    # the warm-up drafts
     forced = Speculation(ModelDrafter(catches_up=True), 3, None, SpecCounters(3), None, draft_cost=1.0)
     assert not forced.futile and forced.on_for(seqs) and forced.mode() == "every step"
 
