@@ -15,6 +15,10 @@ mixed steps run eagerly.
 
 With an EAGLE head the target's auxiliary hidden states (model.aux_hidden) are a graph's
 output too: each captured size keeps its own, and a replay points model.aux_hidden at it.
+
+A draft model (gpu/draft.py) has graphs of its own, over its own KV cache: its decode
+forwards (a draft each) replay decode graphs, and the forward that catches its KV up to a
+verify's accepted run (one or two tokens a sequence) replays verify graphs.
 """
 from __future__ import annotations
 
@@ -35,12 +39,47 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+def capture_graphs(model, attn, *, max_bs: int, max_model_len: int, device: torch.device,
+                   verify_tokens: int = 0, label: str = "", pool=None):
+    """(decode graphs, verify graphs or None) of `model` over `attn`'s cache, captured:
+    verify graphs of `verify_tokens` tokens a sequence where that is 2 or more. Both share
+    one memory pool (their steps never overlap), `pool` where given."""
+    max_blocks = -(-max_model_len // attn.cache.block_size)
+    graphs = DecodeGraphs(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
+                          max_context=max_model_len, label=label)
+    graphs.pool = pool
+    graphs.capture()
+    verify = None
+    if verify_tokens > 1:
+        verify = VerifyGraphs(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
+                              tokens_per_seq=verify_tokens, label=label)
+        verify.pool = graphs.pool
+        verify.capture()
+    return graphs, verify
+
+
+def run_graphed(graphs, verify, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor | None:
+    """A step's hidden states from the graph that takes it: a decode batch that fits the
+    decode graphs, a step of up to K + 1 tokens a sequence that fits the verify graphs;
+    None where none does (the step runs eagerly)."""
+    if graphs is None:
+        return None
+    batch, width = len(meta.q_lens), meta.block_tables.shape[1]
+    if not meta.prefill_rows:
+        if graphs.fits(batch, width):
+            return graphs.run(input_ids, positions, meta)
+    elif verify is not None and verify.fits(batch, width, meta.max_seqlen_q):
+        return verify.run(input_ids, positions, meta)
+    return None
+
+
 class DecodeGraphs:
     def __init__(self, model, attn, *, max_bs: int, max_blocks: int, device: torch.device,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, label: str = "") -> None:
         from gpu.kernels.paged_attention import suggest_num_kv_splits
 
-        self.model, self.attn = model, attn
+        self.model, self.attn, self.label = model, attn, label
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         context = max_context or max_blocks * attn.cache.block_size
@@ -76,7 +115,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        sizes = tqdm(list(reversed(self.sizes)), desc="capturing CUDA graphs", unit="graph", delay=0.5)
+        sizes = tqdm(list(reversed(self.sizes)), desc=f"capturing {self.label}CUDA graphs", unit="graph",
+                     delay=0.5)
         for bs in sizes:  # largest first: later graphs reuse its memory pool
             self.attn.prepare(self._capture_meta(bs))
             self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)  # warm-up
@@ -100,7 +140,7 @@ class DecodeGraphs:
         return bs
 
     def _log_captured(self) -> None:
-        log.info("captured CUDA graphs for decode batch sizes %s (KV splits %s)", self.sizes,
+        log.info("captured CUDA graphs for %sdecode batch sizes %s (KV splits %s)", self.label, self.sizes,
                  [self.num_kv_splits[b] for b in self.sizes])
 
     def _replay(self, bs: int, rows: int) -> torch.Tensor:
@@ -137,10 +177,10 @@ class VerifyGraphs(DecodeGraphs):
     and KV writes are those of the eager step; the padding rows' outputs are dropped."""
 
     def __init__(self, model, attn, *, max_bs: int, max_blocks: int, device: torch.device,
-                 tokens_per_seq: int, max_context: int | None = None) -> None:
+                 tokens_per_seq: int, max_context: int | None = None, label: str = "") -> None:
         assert tokens_per_seq >= 2
         self.q = tokens_per_seq
-        self.model, self.attn = model, attn
+        self.model, self.attn, self.label = model, attn, label
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         n, q = self.max_bs, self.q
@@ -182,8 +222,8 @@ class VerifyGraphs(DecodeGraphs):
             max_seqlen_q=q, num_kv_splits=1)
 
     def _log_captured(self) -> None:
-        log.info("captured CUDA graphs for verify steps of %d tokens a sequence at batch sizes %s",
-                 self.q, self.sizes)
+        log.info("captured CUDA graphs for %sverify steps of %d tokens a sequence at batch sizes %s",
+                 self.label, self.q, self.sizes)
 
     def fits(self, batch: int, max_blocks: int, max_q: int = 1) -> bool:
         return batch <= self.max_bs and max_blocks <= self.block_tables.shape[1] and max_q <= self.q

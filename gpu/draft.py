@@ -11,7 +11,7 @@ inputs; the target then verifies them exactly as it verifies n-gram drafts
   pipeline/core/startup.py).
 - **Prefill in the draft when it drafts**: prompt chunks and decodes without drafts run in
   the target only. A sequence's first drafting step computes its prompt in the draft, in
-  one forward with the decodes so far (and later ones, the decodes it missed since it last
+  forwards of at most the step budget with the decodes so far (and later ones, the decodes it missed since it last
   drafted): so a draft costs only where the cost gate (stages/schedule/spec.py) lets a
   sequence draft, which takes a catch-up's cost into account.
 - **Which blocks hold draft KV**: `valid[block]` counts the leading slots of a KV block
@@ -25,6 +25,11 @@ inputs; the target then verifies them exactly as it verifies n-gram drafts
   when every draft held: the last draft's position was never written), and catches up the
   prompt and the decodes that ran without drafts (steps the cost gate left off). Stale
   draft KV could only lower the acceptance: the target decides every token.
+- **CUDA graphs** (`capture`, with the target's): the draft's decode forwards (a draft
+  each) replay its own decode graphs, and the forward that catches a sequence up to the
+  verify before (the accepted run's last token, or the last draft and the bonus token)
+  replays its own verify graphs, over its KV cache; a longer catch-up (a prompt, decodes
+  the gate left off) runs eagerly. `replays` counts the forwards a graph ran.
 - **Sampling**: each draft is sampled as the target would sample that position (its
   penalties, logit controls, and the (seed, output index) draw: gpu/sampler.py), from the
   draft's logits. A draft that is the target itself therefore proposes exactly what the
@@ -37,6 +42,7 @@ import numpy as np
 import torch
 
 from gpu.attention import KVCache, TorchPagedAttention
+from gpu.cuda_graphs import capture_graphs, run_graphed
 from gpu.interface import SeqChunk, StepPlan
 from gpu.sampler import DraftRow, SeqSamplingState, apply_logit_controls, sample
 from gpu.staging import BlockTables, HostInputs, prepare_step
@@ -90,6 +96,17 @@ class DraftModel:
         # block -> its leading slots whose draft KV is that of the target's tokens there
         self.valid = np.zeros(cache.num_blocks, dtype=np.int64)
         self.forwards = 0                  # draft forwards run (a figure for the tests)
+        self.replays = 0                   # ... of them, graph replays
+        self.graphs = self.verify_graphs = None    # its CUDA graphs (`capture`)
+
+    def capture(self, *, max_bs: int, max_model_len: int, verify_tokens: int) -> None:
+        """CUDA graphs for the draft's forwards, as the runner captures the target's (the
+        same batch sizes): decode graphs for its draft-a-token forwards, verify graphs of
+        `verify_tokens` tokens a sequence for the forward that catches a sequence up to the
+        verify before (1 or 2 tokens a sequence, so K + 1 is room enough)."""
+        self.graphs, self.verify_graphs = capture_graphs(
+            self.model, self.attn, max_bs=max_bs, max_model_len=max_model_len, device=self.device,
+            verify_tokens=verify_tokens, label="the draft model's ")
 
     def release(self, seq_id: str) -> None:
         self.done.pop(seq_id, None)
@@ -99,8 +116,12 @@ class DraftModel:
         """The draft's logits at the sampled rows of `chunks` ([R, V]), its KV written."""
         input_ids, positions, meta, sample_idx = prepare_step(
             tuple(chunks), self.cache.block_size, self.device, block_tables=self.tables)
-        self.attn.prepare(meta)
-        hidden = self.model(input_ids, positions, self.attn)
+        hidden = run_graphed(self.graphs, self.verify_graphs, input_ids, positions, meta)
+        if hidden is None:
+            self.attn.prepare(meta)
+            hidden = self.model(input_ids, positions, self.attn)
+        else:
+            self.replays += 1
         self.forwards += 1
         if not any(c.sample for c in chunks):
             return None

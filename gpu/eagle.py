@@ -390,6 +390,10 @@ class EagleDrafter:
         self.pending.pop(seq_id, None)
         self.tables.release(seq_id)
 
+    def capture(self, **_) -> None:
+        """CUDA graphs for the drafter's forwards: none for a head, whose forwards (one
+        layer, fed its own states) run eagerly; a draft model has its own (gpu/draft.py)."""
+
     def overwritten(self, blocks) -> None:
         """Target blocks whose KV came from elsewhere (a remote prefill's read): nothing of
         the head's depends on them (its KV is its own pool's, computed from hidden states)."""

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from gpu.attention import KVCache, TorchPagedAttention
+from gpu.cuda_graphs import run_graphed
 from gpu.grammar import Guide, accept, mask_logits
 from gpu.qwen_vision import mrope_positions
 from gpu.interface import (PromptLogprobs, SamplingOptions, SeqChunk, SeqStart, StagingRunner,
@@ -94,27 +95,25 @@ class ModelRunner(StagingRunner):
         self.verify_graphs = None
         self.cuda_graph_verify_tokens = 0
         if use_triton and cuda_graph_max_bs > 0:
-            from gpu.cuda_graphs import DecodeGraphs, VerifyGraphs
+            from gpu.cuda_graphs import capture_graphs
             t0 = time.perf_counter()
-            max_blocks = -(-max_model_len // cache.block_size)
-            graphs = DecodeGraphs(model, self.attn, max_bs=cuda_graph_max_bs,
-                                  max_blocks=max_blocks, device=device,
-                                  max_context=max_model_len)
             try:
-                graphs.capture()
-                self.graphs = graphs
-                self.cuda_graphs, self.cuda_graph_sizes = True, list(graphs.sizes)
-                if verify_tokens > 1:
-                    verify = VerifyGraphs(model, self.attn, max_bs=cuda_graph_max_bs,
-                                          max_blocks=max_blocks, device=device,
-                                          tokens_per_seq=verify_tokens)
-                    verify.pool = graphs.pool      # steps never overlap: one memory pool
-                    verify.capture()
-                    self.verify_graphs = verify
+                self.graphs, self.verify_graphs = capture_graphs(
+                    model, self.attn, max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
+                    device=device, verify_tokens=verify_tokens)
+                self.cuda_graphs, self.cuda_graph_sizes = True, list(self.graphs.sizes)
+                if self.verify_graphs is not None:
                     self.cuda_graph_verify_tokens = verify_tokens
             except Exception as exc:  # a capture failure costs speed, not correctness
                 _log.warning("CUDA graph capture failed, running eager: %s", exc, exc_info=exc)
                 self.cuda_graph_error = f"{type(exc).__name__}: {exc}"[:500]   # bench reports it
+            if self.graphs is not None and draft is not None:   # the draft model's own
+                try:
+                    draft.capture(max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
+                                  verify_tokens=verify_tokens)
+                except Exception as exc:  # its forwards run eagerly
+                    _log.warning("CUDA graph capture for the drafter failed, drafting eagerly: %s",
+                                 exc, exc_info=exc)
             self.cuda_graph_capture_s = round(time.perf_counter() - t0, 3)
 
     @property
@@ -360,15 +359,10 @@ class ModelRunner(StagingRunner):
         verify graphs, else eager (always with LoRA rows or pictures: the graphs hold the
         base model's text path alone). Every tensor-parallel rank decides alike from the
         same inputs. embeds: pictures' features for some rows (`_image_embeds`)."""
-        if (embeds is None and self.graphs is not None and not lora
-                and positions.dim() == 1):    # M-RoPE's [3, T] runs eagerly
-            batch, width = len(meta.q_lens), meta.block_tables.shape[1]
-            if not meta.prefill_rows:
-                if self.graphs.fits(batch, width):
-                    return self.graphs.run(input_ids, positions, meta)
-            elif (self.verify_graphs is not None
-                  and self.verify_graphs.fits(batch, width, meta.max_seqlen_q)):
-                return self.verify_graphs.run(input_ids, positions, meta)
+        if embeds is None and not lora and positions.dim() == 1:    # M-RoPE's [3, T] runs eagerly
+            hidden = run_graphed(self.graphs, self.verify_graphs, input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         self.attn.prepare(meta)
         if embeds is not None:
             return self.model(input_ids, positions, self.attn, embeds=embeds)

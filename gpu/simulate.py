@@ -173,7 +173,7 @@ class CostModel:
 
     def launch_seconds(self, q_lens: list[int], eager: bool = False) -> float:
         """What the step's kernels cost for being many (module docstring); eager: launched
-        one by one whatever the step (a draft model's forwards: gpu/draft.py has no graphs)."""
+        one by one whatever the step (--enforce-eager's draft model forwards)."""
         g = self.gpu
         if eager:
             forward, outside = self.eager_kernels
@@ -257,8 +257,13 @@ class SimulatedRunner(StagingRunner):
                  draft_acceptance: float = 0.0, draft: StandInDraft | None = None) -> None:
         self.cost = cost
         # drafts hold with `draft_acceptance` (StandInDrafter); a draft model's forwards are
-        # priced too (`draft_seconds`), else drafts cost nothing to make (n-gram lookup)
+        # priced too (`draft_seconds`), else drafts cost nothing to make (n-gram lookup);
+        # with the target's graphs (verify_tokens: not --enforce-eager) as replays of its
+        # own graphs, as gpu/draft.py captures them, else launched eagerly
+        if draft is not None and cost.verify_tokens:
+            draft = attrs.evolve(draft, model=attrs.evolve(draft.model, verify_tokens=cost.verify_tokens))
         self.draft = draft
+        self.draft_graphs = draft is not None and cost.verify_tokens > 0
         self.draft_kv: dict[str, int] = {}     # seq id -> positions the draft model holds KV of
         self.block_size = block_size
         self.device = torch.device("cpu")
@@ -296,19 +301,22 @@ class SimulatedRunner(StagingRunner):
         return host, wait, self.rng.choice(self.token_ids, size=num_sampled).tolist()
 
     def draft_seconds(self, plan: StepPlan) -> float:
-        """A draft model's part of a step, as gpu/draft.py runs it, eagerly: one forward
-        catching each drafting sequence's draft KV up (its prompt, the first time) with its
-        first draft, then one decode forward for each further draft of the sequences still
-        drafting. 0 without a draft model or drafts."""
+        """A draft model's part of a step, as gpu/draft.py runs it: one forward catching each
+        drafting sequence's draft KV up (its prompt, the first time) with its first draft
+        (a verify graph's replay where every sequence's is at most K + 1 tokens), then one
+        decode forward (a decode graph's replay) for each further draft of the sequences
+        still drafting; each launched eagerly under --enforce-eager. 0 without a draft
+        model or drafts."""
         drafting = [c for c in plan.chunks if c.num_drafts]
         if self.draft is None or not drafting:
             return 0.0
-        m = self.draft.model
+        m, eager = self.draft.model, not self.draft_graphs
         q = [c.start_pos + 1 - min(self.draft_kv.get(c.seq_id, 0), c.start_pos) for c in drafting]
-        t = m.step_seconds(q, [c.start_pos + 1 for c in drafting], len(drafting), eager=True)
+        t = m.step_seconds(q, [c.start_pos + 1 for c in drafting], len(drafting), eager=eager)
         for j in range(1, max(c.num_drafts for c in drafting)):
             live = [c for c in drafting if c.num_drafts > j]
-            t += m.step_seconds([1] * len(live), [c.start_pos + 1 + j for c in live], len(live), eager=True)
+            t += m.step_seconds([1] * len(live), [c.start_pos + 1 + j for c in live], len(live),
+                                eager=eager)
         return t
 
     def execute(self, plan: StepPlan, staged=None) -> StepResult:

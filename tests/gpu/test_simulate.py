@@ -118,10 +118,13 @@ def test_simulated_tokens_are_ordinary_and_detokenize(smollm_tokenizer):
 
 def test_a_draft_models_forwards_are_priced_as_gpu_draft_runs_them(smollm_tokenizer):
     """method draft_model on the stand-in: Qwen3-0.6B drafting for Qwen3-8B. A drafting
-    step adds the draft's eager forwards (gpu/draft.py has no graphs for them): the first
-    catches the draft KV up (the whole prompt the first time) with the first draft, then one
-    decode forward a further draft; the next drafting step catches up only what the verify
-    kept. The gate's bound comes from the configs; a draft of another vocabulary is refused."""
+    step adds the draft's forwards: the first catches the draft KV up (the whole prompt the
+    first time) with the first draft, then one decode forward a further draft; the next
+    drafting step catches up only what the verify kept. Under --enforce-eager (no verify
+    graphs) each is launched eagerly; with graphs, as gpu/draft.py runs them, the decode
+    forwards and a catch-up of at most K + 1 tokens a sequence replay the draft's own graphs
+    (a prompt's catch-up is eager). The gate's bound comes from the configs; a draft of
+    another vocabulary is refused."""
     from gpu.draft import DraftError
     from gpu.simulate import StandInDraft
 
@@ -134,23 +137,30 @@ def test_a_draft_models_forwards_are_priced_as_gpu_draft_runs_them(smollm_tokeni
     with pytest.raises(DraftError, match="vocabulary"):
         StandInDraft.of(attrs.evolve(spec, model=str(configs / "gpt-oss-tiny")), target, H200)
 
-    m = draft.model
-    runner = SimulatedRunner(CostModel.of(target, H200), 16, ordinary_token_ids(smollm_tokenizer, 151936),
-                             seed=1, draft_acceptance=1.0, draft=draft)
-    prompt = tuple(range(100, 140))
-    greedy = SamplingOptions(temperature=0.0)
-    runner.execute(StepPlan(1, (SeqChunk("a", prompt, 0, (0, 1, 2, 3), True),), (SeqStart("a", prompt, greedy),)))
-    assert runner.draft_seconds(StepPlan(2, (SeqChunk("a", (7,), 40, (0, 1, 2, 3), True),))) == 0.0
-    verify = StepPlan(2, (SeqChunk("a", (7, 8, 9, 10), 40, (0, 1, 2, 3), True, num_drafts=3),))
-    first = runner.draft_seconds(verify)
-    assert first == pytest.approx(m.step_seconds([41], [41], 1, eager=True)
-                                  + m.step_seconds([1], [42], 1, eager=True)
-                                  + m.step_seconds([1], [43], 1, eager=True))
-    assert m.step_seconds([1], [42], 1, eager=True) > m.step_seconds([1], [42], 1)    # no graph
-    result = runner.execute(verify)
-    assert result.num_tokens == (4,)                     # every draft held (P = 1)
-    assert runner.draft_kv["a"] == 43                    # the last draft's KV is not written
-    after = runner.draft_seconds(StepPlan(3, (SeqChunk("a", (11, 1, 2, 3), 44, (0, 1, 2, 3), True, num_drafts=3),)))
-    assert after == pytest.approx(m.step_seconds([2], [45], 1, eager=True)
-                                  + m.step_seconds([1], [46], 1, eager=True)
-                                  + m.step_seconds([1], [47], 1, eager=True))
+    for graphs in (False, True):
+        cost = attrs.evolve(CostModel.of(target, H200), verify_tokens=4 if graphs else 0)
+        runner = SimulatedRunner(cost, 16, ordinary_token_ids(smollm_tokenizer, 151936),
+                                 seed=1, draft_acceptance=1.0, draft=draft)
+        m, eager = runner.draft.model, not graphs
+        assert runner.draft_graphs is graphs and m.verify_tokens == cost.verify_tokens
+        prompt = tuple(range(100, 140))
+        greedy = SamplingOptions(temperature=0.0)
+        runner.execute(StepPlan(1, (SeqChunk("a", prompt, 0, (0, 1, 2, 3), True),), (SeqStart("a", prompt, greedy),)))
+        assert runner.draft_seconds(StepPlan(2, (SeqChunk("a", (7,), 40, (0, 1, 2, 3), True),))) == 0.0
+        verify = StepPlan(2, (SeqChunk("a", (7, 8, 9, 10), 40, (0, 1, 2, 3), True, num_drafts=3),))
+        first = runner.draft_seconds(verify)
+        assert first == pytest.approx(m.step_seconds([41], [41], 1, eager=True)    # a prompt: eager
+                                      + m.step_seconds([1], [42], 1, eager=eager)
+                                      + m.step_seconds([1], [43], 1, eager=eager))
+        result = runner.execute(verify)
+        assert result.num_tokens == (4,)                     # every draft held (P = 1)
+        assert runner.draft_kv["a"] == 43                    # the last draft's KV is not written
+        after = runner.draft_seconds(StepPlan(3, (SeqChunk("a", (11, 1, 2, 3), 44, (0, 1, 2, 3), True, num_drafts=3),)))
+        assert after == pytest.approx(m.step_seconds([2], [45], 1, eager=eager)
+                                      + m.step_seconds([1], [46], 1, eager=eager)
+                                      + m.step_seconds([1], [47], 1, eager=eager))
+        if graphs:      # a replay launches less than the eager forward: the catch-up's verify
+            assert m.step_seconds([2], [45], 1) < m.step_seconds([2], [45], 1, eager=True)
+            assert m.step_seconds([1], [42], 1) < m.step_seconds([1], [42], 1, eager=True)
+            assert after < eager_after
+        eager_after = after

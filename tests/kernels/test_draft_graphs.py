@@ -1,0 +1,121 @@
+"""A draft model's CUDA graphs (gpu/draft.py DraftModel.capture) on the CUDA code path of
+tiny random Qwen3s, on CPU under TRITON_INTERPRET=1. Graphs cannot be captured here, so
+each graph's stand-in replays the recorded forward eagerly over the same static buffers
+(tests/kernels/test_verify_graphs.py): what is checked is that the drafter sends its
+forwards to them (a draft's decode forward to the decode graphs, the catch-up after a
+verify to the verify graphs, a prompt's catch-up eagerly) and that what they compute
+from the static buffers is what the eager forwards compute: the same drafts, the same
+verified tokens, the same draft KV."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu.attention import KVCache
+from gpu.cuda_graphs import DecodeGraphs, VerifyGraphs
+from gpu.draft import DraftModel
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from stages.schedule.drafter import DRAFT
+from tests.kernels.test_runner_triton import TINY_QWEN3
+from tests.kernels.test_verify_graphs import fake_capture
+
+K = 3
+TABLES = {"a": (0, 1, 2, 8, 11), "b": (3, 4, 6, 9, 12), "c": (5, 7, 10)}
+PROMPTS = {"a": (3, 9, 4, 1, 7, 2, 8), "b": (5, 6, 11, 12, 13), "c": (2, 2, 9)}
+
+
+def _model(path, device, seed: int):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(TINY_QWEN3))
+    return load_model(path, load_format="dummy", dtype="float32", device=str(device), seed=seed,
+                      progress=False).model
+
+
+def _runner(target, draft_lm, device, graphed: bool | str) -> ModelRunner:
+    """graphed: the stand-in graphs (True), really captured ("capture": CUDA only), none."""
+    dev = torch.device(device)
+    c, d = target.config, draft_lm.config
+
+    def cache(cfg):
+        return KVCache(cfg.num_hidden_layers, 16, 4, cfg.num_key_value_heads, cfg.head_dim,
+                       torch.float32, dev)
+
+    draft = DraftModel(draft_lm, cache(d), dev, use_triton=True)
+    if graphed == "capture":
+        draft.capture(max_bs=4, max_model_len=20, verify_tokens=K + 1)
+    elif graphed:
+        draft.graphs = DecodeGraphs(draft_lm, draft.attn, max_bs=4, max_blocks=5, device=dev)
+        draft.verify_graphs = VerifyGraphs(draft_lm, draft.attn, max_bs=4, max_blocks=5, device=dev,
+                                           tokens_per_seq=K + 1)
+        fake_capture(draft.graphs)
+        fake_capture(draft.verify_graphs)
+    return ModelRunner(target, cache(c), device=dev, use_triton=True, draft=draft)
+
+
+def _replays(graphs) -> int:
+    return sum(g.replays for g in graphs.graphs.values())
+
+
+def _steps(runners) -> int:
+    """A prefill, then three verify steps (a and b drafting K, c decoding) on each runner,
+    checked alike; the drafts that held."""
+    opts = {"a": SamplingOptions(temperature=0.8, seed=7), "b": SamplingOptions(temperature=0.0),
+            "c": SamplingOptions(temperature=0.0)}
+    first = StepPlan(1, tuple(SeqChunk(s, p, 0, TABLES[s], True) for s, p in PROMPTS.items()),
+                     tuple(SeqStart(s, p, opts[s]) for s, p in PROMPTS.items()))
+    results = {g: r.execute(first) for g, r in runners.items()}
+    assert results[True].token_ids == results[False].token_ids
+    pos = {s: len(p) for s, p in PROMPTS.items()}
+    accepted = 0
+    for step in range(2, 5):
+        eager = runners[False]
+        chunks = tuple(SeqChunk(s, (eager.states[s].output_ids[-1],) + ((DRAFT,) * K if s != "c" else ()),
+                                pos[s], TABLES[s], True, num_drafts=K if s != "c" else 0)
+                       for s in PROMPTS)
+        plan = StepPlan(step, chunks)
+        results = {g: r.execute(plan) for g, r in runners.items()}
+        got, want = results[True], results[False]
+        assert (got.token_ids, got.num_tokens) == (want.token_ids, want.num_tokens)
+        for s in PROMPTS:
+            assert runners[True].states[s].output_ids == eager.states[s].output_ids
+        for s, n in zip(want.seq_ids, want.num_tokens):
+            pos[s] += n
+            accepted += n - 1
+    return accepted
+
+
+def test_draft_model_forwards_replay_its_graphs_as_eager(tmp_path, device):
+    """Three sequences (a and b drafting K = 3, c decoding), three verify steps: the
+    graphed drafter's drafts, the target's verified tokens and the draft's KV are the eager
+    drafter's; its first step's prompt catch-up runs eagerly, every other forward replays
+    a graph (greedy, and seeded at T = 0.8 for a)."""
+    target = _model(tmp_path / "target", device, seed=1)
+    draft_lm = _model(tmp_path / "draft", device, seed=2)    # another model: drafts also fail
+    runners = {g: _runner(target, draft_lm, device, g) for g in (False, True)}
+    accepted = _steps(runners)
+    g, e = runners[True].draft, runners[False].draft
+    assert g.forwards == e.forwards == 3 * K
+    # the first step's catch-up (the prompts) ran eagerly; the later two replayed verify
+    # graphs (1 or 2 tokens a sequence), and every draft's decode forward a decode graph
+    assert _replays(g.verify_graphs) == 2 and _replays(g.graphs) == 3 * (K - 1)
+    assert g.replays == g.forwards - 1 and e.replays == 0
+    for x, y in zip((*g.cache.k, *g.cache.v), (*e.cache.k, *e.cache.v)):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    assert g.done == e.done
+    # some drafts held and some did not: catch-ups of both one and two tokens a sequence
+    assert 0 < accepted < 2 * 3 * K
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="capturing CUDA graphs needs CUDA")
+def test_captured_draft_graphs_draft_as_eager(tmp_path):
+    """On a GPU (scripts/gpu_check.sh): the draft's graphs really captured, the same steps."""
+    target = _model(tmp_path / "target", "cuda", seed=1)
+    draft_lm = _model(tmp_path / "draft", "cuda", seed=2)
+    runners = {False: _runner(target, draft_lm, "cuda", False),
+               True: _runner(target, draft_lm, "cuda", "capture")}
+    _steps(runners)
+    assert runners[True].draft.replays == runners[True].draft.forwards - 1
