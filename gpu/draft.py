@@ -11,9 +11,9 @@ inputs; the target then verifies them exactly as it verifies n-gram drafts
   pipeline/core/startup.py).
 - **Prefill in the draft when it drafts**: prompt chunks and decodes without drafts run in
   the target only. A sequence's first drafting step computes its prompt in the draft, in
-  forwards of at most the step budget with the decodes so far (and later ones, the decodes it missed since it last
-  drafted): so a draft costs only where the cost gate (stages/schedule/spec.py) lets a
-  sequence draft, which takes a catch-up's cost into account.
+  forwards of at most the step budget, with the decodes so far (and later ones, the
+  decodes it missed since it last drafted): so a draft costs only where the cost gate
+  (stages/schedule/spec.py) lets a sequence draft, which takes a catch-up's cost into account.
 - **Which blocks hold draft KV**: `valid[block]` counts the leading slots of a KV block
   whose draft KV is that of the tokens the target's KV there holds (the target's writes
   cut it, the draft's extend it, a remote KV read zeroes it). A sequence handed blocks by
