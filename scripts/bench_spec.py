@@ -156,7 +156,8 @@ async def run(cfg: EngineConfig, reqs: list[dict], streams: int, loaded=None) ->
     # cpu_s: this process's CPU time (all threads), less swayed than elapsed_s by what
     # other processes run on a shared machine
     res = {"output_tokens": gen, "elapsed_s": round(elapsed, 2), "cpu_s": round(cpu, 2),
-           "output_tok_s": round(gen / elapsed, 2), "steps": stats.steps_total}
+           "output_tok_s": round(gen / elapsed, 2), "steps": stats.steps_total,
+           "preemptions": stats.num_preemptions, "kv_blocks": stats.kv_blocks_total}
     if tpots:       # the decode phase alone, without the prompts' prefill
         res["tpot_ms"] = round(1000 * sorted(tpots)[len(tpots) // 2], 2)
     if stats.spec_decode is not None and stats.spec_decode.num_drafts:
