@@ -36,7 +36,9 @@ def _model(path, device, seed: int):
 
 
 def _runner(target, draft_lm, device, graphed: bool | str) -> ModelRunner:
-    """graphed: the stand-in graphs (True), really captured ("capture": CUDA only), none."""
+    """graphed: the stand-in graphs set on the draft (True); "runner": captured by the
+    runner with its own, as start-up has it (the stand-in's capture here, real on CUDA);
+    False: none."""
     dev = torch.device(device)
     c, d = target.config, draft_lm.config
 
@@ -45,9 +47,10 @@ def _runner(target, draft_lm, device, graphed: bool | str) -> ModelRunner:
                        torch.float32, dev)
 
     draft = DraftModel(draft_lm, cache(d), dev, use_triton=True)
-    if graphed == "capture":
-        draft.capture(max_bs=4, max_model_len=20, verify_tokens=K + 1)
-    elif graphed:
+    if graphed == "runner":
+        return ModelRunner(target, cache(c), device=dev, use_triton=True, draft=draft,
+                           cuda_graph_max_bs=4, max_model_len=20, verify_tokens=K + 1)
+    if graphed:
         draft.graphs = DecodeGraphs(draft_lm, draft.attn, max_bs=4, max_blocks=5, device=dev)
         draft.verify_graphs = VerifyGraphs(draft_lm, draft.attn, max_bs=4, max_blocks=5, device=dev,
                                            tokens_per_seq=K + 1)
@@ -110,12 +113,20 @@ def test_draft_model_forwards_replay_its_graphs_as_eager(tmp_path, device):
     assert 0 < accepted < 2 * 3 * K
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="capturing CUDA graphs needs CUDA")
-def test_captured_draft_graphs_draft_as_eager(tmp_path):
-    """On a GPU (scripts/gpu_check.sh): the draft's graphs really captured, the same steps."""
-    target = _model(tmp_path / "target", "cuda", seed=1)
-    draft_lm = _model(tmp_path / "draft", "cuda", seed=2)
-    runners = {False: _runner(target, draft_lm, "cuda", False),
-               True: _runner(target, draft_lm, "cuda", "capture")}
+def test_the_runner_captures_the_drafts_graphs_beside_its_own(tmp_path, device, monkeypatch):
+    """ModelRunner with CUDA graphs and a draft model captures the draft's graphs too (at
+    its batch sizes, verify graphs of K + 1 tokens a sequence, over the draft's cache), and
+    both models replay them: the same tokens and drafts as eager runners."""
+    if not torch.cuda.is_available():      # graphs cannot be captured here: the stand-in
+        monkeypatch.setattr(DecodeGraphs, "capture", fake_capture)
+    target = _model(tmp_path / "target", device, seed=1)
+    draft_lm = _model(tmp_path / "draft", device, seed=2)
+    runners = {False: _runner(target, draft_lm, device, False),
+               True: _runner(target, draft_lm, device, "runner")}
+    graphed = runners[True]
+    g = graphed.draft
+    assert graphed.cuda_graphs and graphed.cuda_graph_verify_tokens == K + 1
+    assert g.graphs is not None and g.graphs.model is draft_lm and g.graphs.attn.cache is g.cache
+    assert g.verify_graphs.q == K + 1 and g.graphs.sizes == graphed.graphs.sizes == [1, 2, 4]
     _steps(runners)
-    assert runners[True].draft.replays == runners[True].draft.forwards - 1
+    assert g.replays == g.forwards - 1 == 3 * K - 1
