@@ -18,7 +18,9 @@ output too: each captured size keeps its own, and a replay points model.aux_hidd
 
 A draft model (gpu/draft.py) has graphs of its own, over its own KV cache: its decode
 forwards (a draft each) replay decode graphs, and the forward that catches its KV up to a
-verify's accepted run (one or two tokens a sequence) replays verify graphs.
+verify's accepted run (one or two tokens a sequence) replays verify graphs. An EAGLE head
+(gpu/eagle.py) replays `HeadGraphs` for its forwards after the first (one token a
+sequence, its own fed-back state an input as well).
 """
 from __future__ import annotations
 
@@ -76,14 +78,15 @@ def run_graphed(graphs, verify, input_ids: torch.Tensor, positions: torch.Tensor
 
 class DecodeGraphs:
     def __init__(self, model, attn, *, max_bs: int, max_blocks: int, device: torch.device,
-                 max_context: int | None = None, label: str = "") -> None:
+                 max_context: int | None = None, label: str = "", kv_heads: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         from gpu.kernels.paged_attention import suggest_num_kv_splits
 
         self.model, self.attn, self.label = model, attn, label
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         context = max_context or max_blocks * attn.cache.block_size
-        hkv = model.local_kv_heads  # this rank's (tensor parallelism)
+        hkv = kv_heads or model.local_kv_heads  # this rank's (tensor parallelism)
         self.num_kv_splits = {bs: suggest_num_kv_splits(bs, hkv, context, torch.device(device))
                               for bs in self.sizes}
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
@@ -94,7 +97,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, max_blocks), **i32)
         self.cu_seqlens_q = torch.arange(n + 1, **i32)
         self.seq_lens = torch.ones(n, **i32)
-        self.hidden = torch.zeros((n, model.config.hidden_size), dtype=model.dtype, device=device)
+        self.hidden = torch.zeros((n, model.config.hidden_size), dtype=dtype or model.dtype,
+                                  device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.aux: dict[int, torch.Tensor] = {}     # EAGLE's model.aux_hidden, per captured size
         self.pool = None
@@ -119,7 +123,7 @@ class DecodeGraphs:
                      delay=0.5)
         for bs in sizes:  # largest first: later graphs reuse its memory pool
             self.attn.prepare(self._capture_meta(bs))
-            self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)  # warm-up
+            self._forward(bs)     # warm-up: the shapes the capture records, compiled first
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
@@ -163,6 +167,38 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(meta.seq_lens)
         self.seq_lens[b:bs].fill_(1)
         return self._replay(bs, b)
+
+
+class HeadGraphs(DecodeGraphs):
+    """Decode graphs for an EAGLE head's forwards after its first (gpu/eagle.py
+    EagleDrafter): one token a sequence, and as a second input the head's own state fed
+    back from the position before ([B, H], `feed`); outputs the rows for the logits
+    (`hidden`) and the state fed to the next forward (`fed`). Padding rows write nowhere
+    and their outputs are dropped, as the decode graphs'."""
+
+    def __init__(self, head, attn, *, max_bs: int, max_blocks: int, device: torch.device,
+                 max_context: int | None = None) -> None:
+        dtype = head.residual_dtype
+        super().__init__(head, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
+                         max_context=max_context, label="the EAGLE head's ",
+                         kv_heads=head.config.num_key_value_heads, dtype=dtype)
+        self.feed = torch.zeros_like(self.hidden)
+        self.fed = torch.zeros_like(self.hidden)
+
+    def _forward(self, bs: int) -> None:
+        normed, fed = self.model(self.input_ids[:bs], self.positions[:bs], self.feed[:bs], self.attn)
+        self.hidden[:bs] = normed
+        self.fed[:bs] = fed
+
+    def _replay(self, bs: int, rows: int) -> torch.Tensor:
+        self.graphs[bs].replay()
+        return self.hidden[:rows]
+
+    def run_head(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 feed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's (rows for the logits, rows fed back) for a decode batch that `fits`."""
+        self.feed[:feed.shape[0]].copy_(feed)
+        return self.run(input_ids, positions, meta), self.fed[:feed.shape[0]]
 
 
 class VerifyGraphs(DecodeGraphs):

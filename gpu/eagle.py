@@ -380,6 +380,8 @@ class EagleDrafter:
         # head has not read, in order, up to the sequence's last token's position
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}
         self.forwards = 0
+        self.replays = 0           # ... of them, graph replays (`capture`)
+        self.graphs = None
         self.drafted = 0           # drafts written from the head (not filler): for tests
 
     @property
@@ -390,9 +392,17 @@ class EagleDrafter:
         self.pending.pop(seq_id, None)
         self.tables.release(seq_id)
 
-    def capture(self, **_) -> None:
-        """CUDA graphs for the drafter's forwards: none for a head, whose forwards (one
-        layer, fed its own states) run eagerly; a draft model has its own (gpu/draft.py)."""
+    def capture(self, *, max_bs: int, max_model_len: int, **_) -> None:
+        """CUDA graphs for the head's forwards after its first (one token a sequence, its
+        own state fed back: gpu/cuda_graphs.py HeadGraphs), at the runner's batch sizes;
+        the first, which reads the target's pending states (any number a sequence), runs
+        eagerly."""
+        from gpu.cuda_graphs import HeadGraphs
+        graphs = HeadGraphs(self.head, self.attn, max_bs=max_bs, device=self.device,
+                            max_blocks=-(-max_model_len // self.cache.block_size),
+                            max_context=max_model_len)
+        graphs.capture()
+        self.graphs = graphs
 
     def overwritten(self, blocks) -> None:
         """Target blocks whose KV came from elsewhere (a remote prefill's read): nothing of
@@ -427,8 +437,13 @@ class EagleDrafter:
     def _forward(self, chunks: list[SeqChunk], hidden: torch.Tensor):
         input_ids, positions, meta, sample_idx = prepare_step(
             tuple(chunks), self.cache.block_size, self.device, block_tables=self.tables)
-        self.attn.prepare(meta)
-        normed, fed = self.head(input_ids, positions, hidden, self.attn)
+        g = self.graphs
+        if g is not None and not meta.prefill_rows and g.fits(len(meta.q_lens), meta.block_tables.shape[1]):
+            normed, fed = g.run_head(input_ids, positions, meta, hidden)
+            self.replays += 1
+        else:
+            self.attn.prepare(meta)
+            normed, fed = self.head(input_ids, positions, hidden, self.attn)
         self.forwards += 1
         if not any(c.sample for c in chunks):
             return None, None

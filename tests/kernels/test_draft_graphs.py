@@ -1,5 +1,6 @@
-"""A draft model's CUDA graphs (gpu/draft.py DraftModel.capture) on the CUDA code path of
-tiny random Qwen3s, on CPU under TRITON_INTERPRET=1. Graphs cannot be captured here, so
+"""A draft model's CUDA graphs (gpu/draft.py DraftModel.capture) and an EAGLE3 head's
+(gpu/eagle.py EagleDrafter.capture) on the CUDA code path of tiny random Qwen3s, on CPU
+under TRITON_INTERPRET=1. Graphs cannot be captured here, so
 each graph's stand-in replays the recorded forward eagerly over the same static buffers
 (tests/kernels/test_verify_graphs.py): what is checked is that the drafter sends its
 forwards to them (a draft's decode forward to the decode graphs, the catch-up after a
@@ -16,10 +17,12 @@ import torch
 from gpu.attention import KVCache
 from gpu.cuda_graphs import DecodeGraphs, VerifyGraphs
 from gpu.draft import DraftModel
+from gpu.eagle import EagleDrafter, load_head
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from stages.schedule.drafter import DRAFT
+from tests.eagle_heads import eagle3_head
 from tests.kernels.test_runner_triton import TINY_QWEN3
 from tests.kernels.test_verify_graphs import fake_capture
 
@@ -130,3 +133,37 @@ def test_the_runner_captures_the_drafts_graphs_beside_its_own(tmp_path, device, 
     assert g.verify_graphs.q == K + 1 and g.graphs.sizes == graphed.graphs.sizes == [1, 2, 4]
     _steps(runners)
     assert g.replays == g.forwards - 1 == 3 * K - 1
+
+
+def test_an_eagle3_heads_forwards_replay_its_graphs_as_eager(tmp_path, device, monkeypatch):
+    """A random EAGLE3 head (its own draft vocabulary, three aux states of the target):
+    the runner captures the head's graphs beside its own (gpu/cuda_graphs.py HeadGraphs),
+    the head's forwards after its first replay them (its fed-back state an input), and the
+    tokens, drafts and the head's KV are an eager runner's."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(DecodeGraphs, "capture", fake_capture)
+    dev = torch.device(device)
+    target = _model(tmp_path / "target", device, seed=1)
+    path = eagle3_head(tmp_path / "head", vocab=96, target_hidden=32, hidden=32, heads=2,
+                       kv_heads=1, head_dim=16, inter=48, draft_vocab=40, aux_ids=[0, 1, 2])
+    head = load_head(str(path), "eagle3", target, torch.float32, dev)
+
+    def runner(graphs: bool) -> ModelRunner:
+        hc = head.config
+        drafter = EagleDrafter(head, KVCache(hc.num_hidden_layers, 16, 4, hc.num_key_value_heads,
+                                             hc.head_dim, torch.float32, dev), dev, use_triton=True)
+        c = target.config
+        cache = KVCache(c.num_hidden_layers, 16, 4, c.num_key_value_heads, c.head_dim, torch.float32, dev)
+        kw = dict(cuda_graph_max_bs=4, max_model_len=20, verify_tokens=K + 1) if graphs else {}
+        return ModelRunner(target, cache, device=dev, use_triton=True, draft=drafter, **kw)
+
+    runners = {False: runner(False), True: runner(True)}
+    g, e = runners[True].draft, runners[False].draft
+    assert g.graphs is not None and e.graphs is None and g.graphs.attn.cache is g.cache
+    _steps(runners)
+    assert g.forwards == e.forwards and g.drafted == e.drafted > 0
+    # each step's K - 1 forwards on the head's own states replay; its first replays too
+    # where every sequence had one target state pending
+    assert 3 * (K - 1) <= g.replays == _replays(g.graphs) < g.forwards and e.replays == 0
+    for x, y in zip((*g.cache.k, *g.cache.v), (*e.cache.k, *e.cache.v)):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
