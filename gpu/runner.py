@@ -107,7 +107,7 @@ class ModelRunner(StagingRunner):
             except Exception as exc:  # a capture failure costs speed, not correctness
                 _log.warning("CUDA graph capture failed, running eager: %s", exc, exc_info=exc)
                 self.cuda_graph_error = f"{type(exc).__name__}: {exc}"[:500]   # bench reports it
-            if self.graphs is not None and draft is not None:   # the draft model's own
+            if self.graphs is not None and draft is not None:   # the drafter's own (model or head)
                 try:
                     draft.capture(max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
                                   verify_tokens=verify_tokens)
