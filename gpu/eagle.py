@@ -88,10 +88,11 @@ def _files(d: Path) -> tuple[tuple[Path, ...], bool]:
         raise _fail(d, "has no weights (no *.safetensors, no pytorch_model.bin)") from None
 
 
-def read_head(path: str, method: str, target: ModelConfig) -> HeadSpec:
+def read_head(path: str, method: str, target: ModelConfig, weights: bool = True) -> HeadSpec:
     """The head's config, checked against `method` and the target: a missing folder or
     config.json, another vocabulary, hidden states of another size, aux layers the target
-    does not have, each a HeadError that names it."""
+    does not have, each a HeadError that names it; and (weights) a folder without weights
+    (the GPU stand-in reads a head's config alone: gpu/simulate.py StandInDraft)."""
     d = Path(path).expanduser()
     if not d.exists():
         raise _fail(path, "does not exist")
@@ -151,7 +152,7 @@ def read_head(path: str, method: str, target: ModelConfig) -> HeadSpec:
             why = "its eagle_aux_hidden_state_layer_ids" if given else "vLLM's default aux layers"
             raise _fail(path, f"reads target layers {list(ids)} ({why}); the target has {L} "
                               "layers (ids 0.." f"{L})")
-    files, torch_bin = _files(d)
+    files, torch_bin = _files(d) if weights else ((), False)
     return HeadSpec(kind, str(path), layer, draft_vocab, th, norm_before_residual, ids,
                     bool(cfg.get("add_para_norm", False)), files, torch_bin)
 

@@ -223,17 +223,34 @@ def ordinary_token_ids(tokenizer, vocab_size: int) -> np.ndarray:
 
 @attrs.frozen
 class StandInDraft:
-    """A draft model on the stand-in (method draft_model): what its forwards cost, and its
-    multiply-adds a token over the target's (`cost`, as DraftModel.cost: the gate's bound)."""
+    """A drafter with forwards to price on the stand-in: a draft model (method draft_model)
+    or an EAGLE/EAGLE3 head. `model`: what its forwards cost (a head: its layer and LM head
+    over the draft vocabulary, as a one-layer model, with EAGLE3's fc over the aux states
+    and its layer's qkv over twice the width, or EAGLE's fc); `cost`: a draft model's
+    multiply-adds a token over the target's (as DraftModel.cost: the gate's bound; None for
+    a head, whose cost the gate measures); `head`: an EAGLE head, whose graphs take one token
+    a sequence (its first forward of a step replays one only where each sequence has one
+    target state to read) and which reads a verified run's target states again."""
     model: CostModel
-    cost: float
+    cost: float | None
+    head: bool = False
 
     @classmethod
     def of(cls, spec, target: ModelConfig, gpu: GpuSpec) -> "StandInDraft | None":
-        """--speculative-config's draft model on the stand-in (its config; None for other
-        methods), checked against the target as a real one is."""
-        if spec is None or spec.method != "draft_model":
+        """--speculative-config's draft model or head on the stand-in (its config alone;
+        None for n-gram), checked against the target as a real one is."""
+        if spec is None or spec.method not in ("draft_model", "eagle", "eagle3"):
             return None
+        if spec.method != "draft_model":
+            from gpu.eagle import read_head
+            head = read_head(spec.model, spec.method, target, weights=False)
+            c = head.layer
+            model = CostModel.of(attrs.evolve(c, vocab_size=head.draft_vocab_size), gpu)
+            fc = (len(head.aux_layer_ids) * head.target_hidden_size if head.kind == "eagle3"
+                  else 2 * c.hidden_size) * c.hidden_size
+            wide_qkv = c.hidden_size * (c.q_size + 2 * c.kv_size) if head.kind == "eagle3" else 0
+            return cls(attrs.evolve(model, matmul_params=model.matmul_params + fc + wide_qkv),
+                       None, head=True)
         from gpu.draft import check_draft
         from gpu.loader import load_shell
 
@@ -260,7 +277,7 @@ class SimulatedRunner(StagingRunner):
         # priced too (`draft_seconds`), else drafts cost nothing to make (n-gram lookup);
         # with the target's graphs (verify_tokens: not --enforce-eager) as replays of its
         # own graphs, as gpu/draft.py captures them, else launched eagerly
-        if draft is not None and cost.verify_tokens:
+        if draft is not None and cost.verify_tokens and not draft.head:
             draft = attrs.evolve(draft, model=attrs.evolve(draft.model, verify_tokens=cost.verify_tokens))
         self.draft = draft
         self.draft_graphs = draft is not None and cost.verify_tokens > 0
@@ -301,12 +318,13 @@ class SimulatedRunner(StagingRunner):
         return host, wait, self.rng.choice(self.token_ids, size=num_sampled).tolist()
 
     def draft_seconds(self, plan: StepPlan) -> float:
-        """A draft model's part of a step, as gpu/draft.py runs it: one forward catching each
-        drafting sequence's draft KV up (its prompt, the first time) with its first draft
-        (a verify graph's replay where every sequence's is at most K + 1 tokens), then one
-        decode forward (a decode graph's replay) for each further draft of the sequences
-        still drafting; each launched eagerly under --enforce-eager. 0 without a draft
-        model or drafts."""
+        """A draft model's or head's part of a step, as gpu/draft.py and gpu/eagle.py run
+        it: one forward catching each drafting sequence's draft KV up (its prompt, the first
+        time; a head's: the target states it has not read) with its first draft (a verify
+        graph's replay where every sequence's is at most K + 1 tokens, for a draft model;
+        a decode graph's where each is one), then one decode forward (a decode graph's
+        replay) for each further draft of the sequences still drafting; each launched
+        eagerly under --enforce-eager. 0 without a drafter to price or drafts."""
         drafting = [c for c in plan.chunks if c.num_drafts]
         if self.draft is None or not drafting:
             return 0.0
@@ -349,10 +367,11 @@ class SimulatedRunner(StagingRunner):
         states = [self.states[s] for s in seq_ids]
         counts: tuple[int, ...] = ()
         if any(c.num_drafts for c in plan.chunks):
-            if self.draft is not None:  # its KV written up to the last draft's position
+            if self.draft is not None:  # its KV written up to the last draft's position;
+                # a head reads the target's states of the verified run again from the first
                 for c in plan.chunks:
                     if c.num_drafts:
-                        self.draft_kv[c.seq_id] = c.start_pos + c.num_drafts
+                        self.draft_kv[c.seq_id] = c.start_pos + (1 if self.draft.head else c.num_drafts)
             tokens, counts = self._verify(plan, tokens)
             states = [st for st, n in zip(states, counts) for _ in range(n)]
         logprobs = self._logprobs(states, tokens)

@@ -164,3 +164,49 @@ def test_a_draft_models_forwards_are_priced_as_gpu_draft_runs_them(smollm_tokeni
             assert m.step_seconds([1], [42], 1) < m.step_seconds([1], [42], 1, eager=True)
             assert after < eager_after
         eager_after = after
+
+
+def test_an_eagle3_heads_forwards_are_priced_from_its_config(smollm_tokenizer):
+    """method eagle3 on the stand-in: the published gpt-oss-20b EAGLE3 speculator's config
+    (gpu/configs/gpt-oss-20b-eagle3, speculators format; no weights) read and checked as a
+    real head's. Its forwards cost its one layer (qkv over twice the width), fc over three
+    aux states and its LM head over the 32000-token draft vocabulary; its graphs take one
+    token a sequence, so its first forward of a step (the target states it has not read:
+    after a verify, the verified run's again) replays one only where that is one state."""
+    from gpu.eagle import HeadError
+    from gpu.simulate import StandInDraft
+
+    configs = Path(gpu.__file__).parent / "configs"
+    target = ModelConfig.from_hf(json.loads((configs / "gpt-oss-20b/config.json").read_text()))
+    spec = attrs.make_class("Spec", ["method", "model"])("eagle3", str(configs / "gpt-oss-20b-eagle3"))
+    head = StandInDraft.of(spec, target, H200)
+    assert head.head and head.cost is None
+    m = head.model
+    H, q, kv, inter = 2880, 64 * 64, 8 * 64, 2880
+    layer = H * (q + 2 * kv) + q * H + 3 * H * inter
+    assert (m.num_layers, m.vocab_size) == (1, 32000)
+    assert m.matmul_params == layer + 32000 * H + 3 * 2880 * H + H * (q + 2 * kv)
+    qwen = ModelConfig.from_hf(json.loads((configs / "qwen3-8b/config.json").read_text()))
+    with pytest.raises(HeadError, match="vocabulary"):
+        StandInDraft.of(spec, qwen, H200)
+    with pytest.raises(HeadError, match="does not exist"):
+        StandInDraft.of(attrs.evolve(spec, model=str(configs / "nothing-here")), target, H200)
+    with pytest.raises(HeadError, match='use "method": "eagle3"'):
+        StandInDraft.of(attrs.evolve(spec, method="eagle"), target, H200)
+
+    cost = attrs.evolve(CostModel.of(target, H200), verify_tokens=4)
+    runner = SimulatedRunner(cost, 16, ordinary_token_ids(smollm_tokenizer, 201088), seed=1,
+                             draft_acceptance=1.0, draft=head)
+    assert runner.draft.model.verify_tokens == 0 and runner.draft_graphs
+    prompt = tuple(range(100, 140))
+    runner.execute(StepPlan(1, (SeqChunk("a", prompt, 0, (0, 1, 2, 3), True),),
+                            (SeqStart("a", prompt, SamplingOptions(temperature=0.0)),)))
+    verify = StepPlan(2, (SeqChunk("a", (7, 8, 9, 10), 40, (0, 1, 2, 3), True, num_drafts=3),))
+    assert runner.draft_seconds(verify) == pytest.approx(
+        m.step_seconds([41], [41], 1) + m.step_seconds([1], [42], 1) + m.step_seconds([1], [43], 1))
+    assert m.step_seconds([41], [41], 1) == pytest.approx(m.step_seconds([41], [41], 1, eager=True))
+    assert runner.execute(verify).num_tokens == (4,)
+    assert runner.draft_kv["a"] == 41          # the verified run's 4 states are read again
+    after = StepPlan(3, (SeqChunk("a", (11, 1, 2, 3), 44, (0, 1, 2, 3), True, num_drafts=3),))
+    assert runner.draft_seconds(after) == pytest.approx(
+        m.step_seconds([4], [45], 1, eager=True) + m.step_seconds([1], [46], 1) + m.step_seconds([1], [47], 1))
