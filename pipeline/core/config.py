@@ -209,10 +209,9 @@ class EngineConfig:
                                      "model's is not moved, and the stand-in and a pooling "
                                      "model have none)")
         if self.async_scheduling is None:
-            # an EAGLE head plans one step at a time unless asked (not measured yet); a draft
-            # model's floating chunks overlap the host's work (docs/benchmarks.md, issue 35)
-            object.__setattr__(self, "async_scheduling",
-                               spec is None or spec.method not in ("eagle", "eagle3"))
+            # on with every method: a draft model's and an EAGLE head's floating chunks
+            # overlap the host's work too (docs/benchmarks.md, issue 35)
+            object.__setattr__(self, "async_scheduling", True)
         if self.simulate_draft_acceptance is not None and (
                 self.simulate_gpu is None or self.speculative_config is None):
             raise ValueError("--simulate-draft-acceptance needs --simulate-gpu and "
@@ -320,8 +319,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=_default("async_scheduling"),
                    help="Plan the next engine step while the current one runs, so the GPU "
-                        "never waits for the host between steps (default: on; off with a "
-                        "draft model or EAGLE head unless asked for). With speculation a "
+                        "never waits for the host between steps (default: on). With speculation a "
                         "step with drafts is planned ahead too: the runner fills its "
                         "drafts once the step before has run.")
     p.add_argument("--stream-interval", type=int, default=_default("stream_interval"),

@@ -174,10 +174,10 @@ def test_override_generation_config_must_be_a_json_object(value, words, capsys):
     assert "--override-generation-config" in err and words in err
 
 
-def test_async_scheduling_with_ngram_speculation_and_on_request_with_a_draft_model(tmp_path):
-    """The combination rule, decided once here: n-gram drafts and a draft model combine
-    with async scheduling by default (floating chunks, which the runner fills); an EAGLE
-    head plans one step at a time unless --async-scheduling asks for it."""
+def test_async_scheduling_with_every_speculative_method_unless_turned_off(tmp_path):
+    """The combination rule, decided once here: n-gram drafts, a draft model and an EAGLE
+    head combine with async scheduling by default (floating chunks, which the runner
+    fills); --no-async-scheduling turns it off."""
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert EngineConfig().async_scheduling is True
     assert EngineConfig(async_scheduling=False).async_scheduling is False
@@ -188,3 +188,7 @@ def test_async_scheduling_with_ngram_speculation_and_on_request_with_a_draft_mod
                           "num_speculative_tokens": 2}).decode()
     assert EngineConfig(speculative_config=draft).async_scheduling is True
     assert EngineConfig(speculative_config=draft, async_scheduling=False).async_scheduling is False
+    head = orjson.dumps({"method": "eagle3", "model": "gpu/configs/gpt-oss-20b-eagle3",
+                         "num_speculative_tokens": 3}).decode()
+    assert EngineConfig(speculative_config=head).async_scheduling is True
+    assert EngineConfig(speculative_config=head, async_scheduling=False).async_scheduling is False
