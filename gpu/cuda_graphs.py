@@ -19,8 +19,9 @@ output too: each captured size keeps its own, and a replay points model.aux_hidd
 A draft model (gpu/draft.py) has graphs of its own, over its own KV cache: its decode
 forwards (a draft each) replay decode graphs, and the forward that catches its KV up to a
 verify's accepted run (one or two tokens a sequence) replays verify graphs. An EAGLE head
-(gpu/eagle.py) replays `HeadGraphs` for its forwards after the first (one token a
-sequence, its own fed-back state an input as well).
+(gpu/eagle.py) replays `HeadGraphs` for its forwards on its own fed-back state (one token
+a sequence) and `HeadVerifyGraphs` for its first forward of a step (up to K + 1 target
+states a sequence), the state a row a second input.
 """
 from __future__ import annotations
 
@@ -61,19 +62,21 @@ def capture_graphs(model, attn, *, max_bs: int, max_model_len: int, device: torc
 
 
 def run_graphed(graphs, verify, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor | None:
+                meta: AttentionMetadata, feed: torch.Tensor | None = None):
     """A step's hidden states from the graph that takes it: a decode batch that fits the
     decode graphs, a step of up to K + 1 tokens a sequence that fits the verify graphs;
-    None where none does (the step runs eagerly)."""
+    None where none does (the step runs eagerly). feed: an EAGLE head's input state a row
+    (HeadGraphs, HeadVerifyGraphs), whose (rows for the logits, rows fed back) it returns."""
     if graphs is None:
         return None
     batch, width = len(meta.q_lens), meta.block_tables.shape[1]
     if not meta.prefill_rows:
-        if graphs.fits(batch, width):
-            return graphs.run(input_ids, positions, meta)
-    elif verify is not None and verify.fits(batch, width, meta.max_seqlen_q):
-        return verify.run(input_ids, positions, meta)
-    return None
+        g = graphs if graphs.fits(batch, width) else None
+    else:
+        g = verify if verify is not None and verify.fits(batch, width, meta.max_seqlen_q) else None
+    if g is None:
+        return None
+    return g.run(input_ids, positions, meta) if feed is None else g.run_head(input_ids, positions, meta, feed)
 
 
 class DecodeGraphs:
@@ -169,26 +172,21 @@ class DecodeGraphs:
         return self._replay(bs, b)
 
 
-class HeadGraphs(DecodeGraphs):
-    """Decode graphs for an EAGLE head's forwards after its first (gpu/eagle.py
-    EagleDrafter): one token a sequence, and as a second input the head's own state fed
-    back from the position before ([B, H], `feed`); outputs the rows for the logits
-    (`hidden`) and the state fed to the next forward (`fed`). Padding rows write nowhere
-    and their outputs are dropped, as the decode graphs'."""
+class _HeadIO:
+    """An EAGLE head's graphs (gpu/eagle.py EagleDrafter): as a second input the head's
+    state a row (`feed`: the target's, combined, or its own fed back from the position
+    before), as outputs the rows for the logits (`hidden`) and the rows fed to the next
+    forward (`fed`). Padding rows write nowhere and their outputs are dropped."""
 
-    def __init__(self, head, attn, *, max_bs: int, max_blocks: int, device: torch.device,
-                 max_context: int | None = None) -> None:
-        dtype = head.residual_dtype
-        super().__init__(head, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
-                         max_context=max_context, label="the EAGLE head's ",
-                         kv_heads=head.config.num_key_value_heads, dtype=dtype)
+    def _head_buffers(self) -> None:
         self.feed = torch.zeros_like(self.hidden)
         self.fed = torch.zeros_like(self.hidden)
 
     def _forward(self, bs: int) -> None:
-        normed, fed = self.model(self.input_ids[:bs], self.positions[:bs], self.feed[:bs], self.attn)
-        self.hidden[:bs] = normed
-        self.fed[:bs] = fed
+        n = self._tokens(bs)
+        normed, fed = self.model(self.input_ids[:n], self.positions[:n], self.feed[:n], self.attn)
+        self.hidden[:n] = normed
+        self.fed[:n] = fed
 
     def _replay(self, bs: int, rows: int) -> torch.Tensor:
         self.graphs[bs].replay()
@@ -196,9 +194,22 @@ class HeadGraphs(DecodeGraphs):
 
     def run_head(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  feed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's (rows for the logits, rows fed back) for a decode batch that `fits`."""
-        self.feed[:feed.shape[0]].copy_(feed)
-        return self.run(input_ids, positions, meta), self.fed[:feed.shape[0]]
+        """The head's (rows for the logits, rows fed back) for a step that `fits`."""
+        t = feed.shape[0]
+        self.feed[:t].copy_(feed)
+        return self.run(input_ids, positions, meta), self.fed[:t]
+
+
+class HeadGraphs(_HeadIO, DecodeGraphs):
+    """Decode graphs for an EAGLE head: its forwards on its own fed-back state, one token a
+    sequence (and a first forward where each sequence has one target state to read)."""
+
+    def __init__(self, head, attn, *, max_bs: int, max_blocks: int, device: torch.device,
+                 max_context: int | None = None) -> None:
+        super().__init__(head, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
+                         max_context=max_context, label="the EAGLE head's ",
+                         kv_heads=head.config.num_key_value_heads, dtype=head.residual_dtype)
+        self._head_buffers()
 
 
 class VerifyGraphs(DecodeGraphs):
@@ -213,7 +224,8 @@ class VerifyGraphs(DecodeGraphs):
     and KV writes are those of the eager step; the padding rows' outputs are dropped."""
 
     def __init__(self, model, attn, *, max_bs: int, max_blocks: int, device: torch.device,
-                 tokens_per_seq: int, max_context: int | None = None, label: str = "") -> None:
+                 tokens_per_seq: int, max_context: int | None = None, label: str = "",
+                 dtype: torch.dtype | None = None) -> None:
         assert tokens_per_seq >= 2
         self.q = tokens_per_seq
         self.model, self.attn, self.label = model, attn, label
@@ -231,7 +243,8 @@ class VerifyGraphs(DecodeGraphs):
         self.cu_seqlens_q = torch.cat([torch.arange(0, n * q + 1, q, **i32),
                                        torch.full((1,), n * q, **i32)])
         self.seq_lens = torch.cat([torch.full((n,), q, **i32), torch.zeros(1, **i32)])
-        self.hidden = torch.zeros((n * q, model.config.hidden_size), dtype=model.dtype, device=device)
+        self.hidden = torch.zeros((n * q, model.config.hidden_size), dtype=dtype or model.dtype,
+                                  device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.aux: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -287,3 +300,16 @@ class VerifyGraphs(DecodeGraphs):
         self.seq_lens[b].fill_(n - t)          # its rows attend causally to their own slots
         self.seq_lens[b + 1:bs + 1].zero_()
         return bs
+
+
+class HeadVerifyGraphs(_HeadIO, VerifyGraphs):
+    """Verify-shaped graphs for an EAGLE head's first forward of a step: up to Q target
+    states a sequence to read (after a verify, the accepted run's), packed as
+    VerifyGraphs packs a verify step's rows."""
+
+    def __init__(self, head, attn, *, max_bs: int, max_blocks: int, device: torch.device,
+                 tokens_per_seq: int) -> None:
+        super().__init__(head, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
+                         tokens_per_seq=tokens_per_seq, label="the EAGLE head's ",
+                         dtype=head.residual_dtype)
+        self._head_buffers()

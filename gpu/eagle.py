@@ -41,6 +41,7 @@ from torch import nn
 
 from gpu.attention import KVCache, TorchPagedAttention
 from gpu.config import ModelConfig
+from gpu.cuda_graphs import run_graphed
 from gpu.draft import DraftError, tokens_of
 from gpu.interface import SeqChunk, StepPlan
 from gpu.model import CausalLM, DecoderLayer, Linear, RMSNorm
@@ -382,7 +383,7 @@ class EagleDrafter:
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}
         self.forwards = 0
         self.replays = 0           # ... of them, graph replays (`capture`)
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         self.drafted = 0           # drafts written from the head (not filler): for tests
 
     @property
@@ -393,17 +394,25 @@ class EagleDrafter:
         self.pending.pop(seq_id, None)
         self.tables.release(seq_id)
 
-    def capture(self, *, max_bs: int, max_model_len: int, **_) -> None:
-        """CUDA graphs for the head's forwards after its first (one token a sequence, its
-        own state fed back: gpu/cuda_graphs.py HeadGraphs), at the runner's batch sizes;
-        the first, which reads the target's pending states (any number a sequence), runs
-        eagerly."""
-        from gpu.cuda_graphs import HeadGraphs
+    def capture(self, *, max_bs: int, max_model_len: int, verify_tokens: int = 0) -> None:
+        """CUDA graphs for the head's forwards, at the runner's batch sizes: decode graphs
+        for those on its own fed-back state (one token a sequence), and verify-shaped ones
+        of `verify_tokens` rows a sequence for its first forward of a step, which reads the
+        target states it has not read (after a verify, the accepted run's: at most K + 1);
+        more than that (a prompt's) runs eagerly (gpu/cuda_graphs.py HeadGraphs,
+        HeadVerifyGraphs)."""
+        from gpu.cuda_graphs import HeadGraphs, HeadVerifyGraphs
+        max_blocks = -(-max_model_len // self.cache.block_size)
         graphs = HeadGraphs(self.head, self.attn, max_bs=max_bs, device=self.device,
-                            max_blocks=-(-max_model_len // self.cache.block_size),
-                            max_context=max_model_len)
+                            max_blocks=max_blocks, max_context=max_model_len)
         graphs.capture()
-        self.graphs = graphs
+        verify = None
+        if verify_tokens > 1:
+            verify = HeadVerifyGraphs(self.head, self.attn, max_bs=max_bs, device=self.device,
+                                      max_blocks=max_blocks, tokens_per_seq=verify_tokens)
+            verify.pool = graphs.pool
+            verify.capture()
+        self.graphs, self.verify_graphs = graphs, verify
 
     def overwritten(self, blocks) -> None:
         """Target blocks whose KV came from elsewhere (a remote prefill's read): nothing of
@@ -438,13 +447,13 @@ class EagleDrafter:
     def _forward(self, chunks: list[SeqChunk], hidden: torch.Tensor):
         input_ids, positions, meta, sample_idx = prepare_step(
             tuple(chunks), self.cache.block_size, self.device, block_tables=self.tables)
-        g = self.graphs
-        if g is not None and not meta.prefill_rows and g.fits(len(meta.q_lens), meta.block_tables.shape[1]):
-            normed, fed = g.run_head(input_ids, positions, meta, hidden)
-            self.replays += 1
-        else:
+        out = run_graphed(self.graphs, self.verify_graphs, input_ids, positions, meta, feed=hidden)
+        if out is None:
             self.attn.prepare(meta)
             normed, fed = self.head(input_ids, positions, hidden, self.attn)
+        else:
+            normed, fed = out
+            self.replays += 1
         self.forwards += 1
         if not any(c.sample for c in chunks):
             return None, None

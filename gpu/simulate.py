@@ -228,9 +228,9 @@ class StandInDraft:
     over the draft vocabulary, as a one-layer model, with EAGLE3's fc over the aux states
     and its layer's qkv over twice the width, or EAGLE's fc); `cost`: a draft model's
     multiply-adds a token over the target's (as DraftModel.cost: the gate's bound; None for
-    a head, whose cost the gate measures); `head`: an EAGLE head, whose graphs take one token
-    a sequence (its first forward of a step replays one only where each sequence has one
-    target state to read) and which reads a verified run's target states again."""
+    a head, whose cost the gate measures); `head`: an EAGLE head, which reads a verified
+    run's target states again (its first forward of a step: a verify-shaped graph's replay
+    where each sequence has at most K + 1 to read)."""
     model: CostModel
     cost: float | None
     head: bool = False
@@ -277,7 +277,7 @@ class SimulatedRunner(StagingRunner):
         # priced too (`draft_seconds`), else drafts cost nothing to make (n-gram lookup);
         # with the target's graphs (verify_tokens: not --enforce-eager) as replays of its
         # own graphs, as gpu/draft.py captures them, else launched eagerly
-        if draft is not None and cost.verify_tokens and not draft.head:
+        if draft is not None and cost.verify_tokens:
             draft = attrs.evolve(draft, model=attrs.evolve(draft.model, verify_tokens=cost.verify_tokens))
         self.draft = draft
         self.draft_graphs = draft is not None and cost.verify_tokens > 0
@@ -321,8 +321,8 @@ class SimulatedRunner(StagingRunner):
         """A draft model's or head's part of a step, as gpu/draft.py and gpu/eagle.py run
         it: one forward catching each drafting sequence's draft KV up (its prompt, the first
         time; a head's: the target states it has not read) with its first draft (a verify
-        graph's replay where every sequence's is at most K + 1 tokens, for a draft model;
-        a decode graph's where each is one), then one decode forward (a decode graph's
+        graph's replay where every sequence's is at most K + 1 tokens, a decode graph's
+        where each is one), then one decode forward (a decode graph's
         replay) for each further draft of the sequences still drafting; each launched
         eagerly under --enforce-eager. 0 without a drafter to price or drafts."""
         drafting = [c for c in plan.chunks if c.num_drafts]

@@ -170,9 +170,9 @@ def test_an_eagle3_heads_forwards_are_priced_from_its_config(smollm_tokenizer):
     """method eagle3 on the stand-in: the published gpt-oss-20b EAGLE3 speculator's config
     (gpu/configs/gpt-oss-20b-eagle3, speculators format; no weights) read and checked as a
     real head's. Its forwards cost its one layer (qkv over twice the width), fc over three
-    aux states and its LM head over the 32000-token draft vocabulary; its graphs take one
-    token a sequence, so its first forward of a step (the target states it has not read:
-    after a verify, the verified run's again) replays one only where that is one state."""
+    aux states and its LM head over the 32000-token draft vocabulary; its first forward of
+    a step reads the target states it has not read (after a verify, the verified run's
+    again): eager for a prompt, a verify-shaped graph's replay for at most K + 1."""
     from gpu.eagle import HeadError
     from gpu.simulate import StandInDraft
 
@@ -197,7 +197,8 @@ def test_an_eagle3_heads_forwards_are_priced_from_its_config(smollm_tokenizer):
     cost = attrs.evolve(CostModel.of(target, H200), verify_tokens=4)
     runner = SimulatedRunner(cost, 16, ordinary_token_ids(smollm_tokenizer, 201088), seed=1,
                              draft_acceptance=1.0, draft=head)
-    assert runner.draft.model.verify_tokens == 0 and runner.draft_graphs
+    assert runner.draft.model.verify_tokens == 4 and runner.draft_graphs
+    m = runner.draft.model
     prompt = tuple(range(100, 140))
     runner.execute(StepPlan(1, (SeqChunk("a", prompt, 0, (0, 1, 2, 3), True),),
                             (SeqStart("a", prompt, SamplingOptions(temperature=0.0)),)))
@@ -209,4 +210,5 @@ def test_an_eagle3_heads_forwards_are_priced_from_its_config(smollm_tokenizer):
     assert runner.draft_kv["a"] == 41          # the verified run's 4 states are read again
     after = StepPlan(3, (SeqChunk("a", (11, 1, 2, 3), 44, (0, 1, 2, 3), True, num_drafts=3),))
     assert runner.draft_seconds(after) == pytest.approx(
-        m.step_seconds([4], [45], 1, eager=True) + m.step_seconds([1], [46], 1) + m.step_seconds([1], [47], 1))
+        m.step_seconds([4], [45], 1) + m.step_seconds([1], [46], 1) + m.step_seconds([1], [47], 1))
+    assert m.step_seconds([4], [45], 1) < m.step_seconds([4], [45], 1, eager=True)   # a replay

@@ -66,9 +66,10 @@ def _replays(graphs) -> int:
     return sum(g.replays for g in graphs.graphs.values())
 
 
-def _steps(runners) -> int:
-    """A prefill, then three verify steps (a and b drafting K, c decoding) on each runner,
-    checked alike; the drafts that held."""
+def _steps(runners, drafting=(True, True, True)) -> int:
+    """A prefill, then a step for each of `drafting` (True: a verify step, a and b drafting
+    K and c decoding; False: a plain decode step) on each runner, checked alike; the
+    drafts that held."""
     opts = {"a": SamplingOptions(temperature=0.8, seed=7), "b": SamplingOptions(temperature=0.0),
             "c": SamplingOptions(temperature=0.0)}
     first = StepPlan(1, tuple(SeqChunk(s, p, 0, TABLES[s], True) for s, p in PROMPTS.items()),
@@ -77,18 +78,18 @@ def _steps(runners) -> int:
     assert results[True].token_ids == results[False].token_ids
     pos = {s: len(p) for s, p in PROMPTS.items()}
     accepted = 0
-    for step in range(2, 5):
+    for step, drafts in enumerate(drafting, 2):
         eager = runners[False]
-        chunks = tuple(SeqChunk(s, (eager.states[s].output_ids[-1],) + ((DRAFT,) * K if s != "c" else ()),
-                                pos[s], TABLES[s], True, num_drafts=K if s != "c" else 0)
-                       for s in PROMPTS)
+        k = {s: K if drafts and s != "c" else 0 for s in PROMPTS}
+        chunks = tuple(SeqChunk(s, (eager.states[s].output_ids[-1],) + (DRAFT,) * k[s],
+                                pos[s], TABLES[s], True, num_drafts=k[s]) for s in PROMPTS)
         plan = StepPlan(step, chunks)
         results = {g: r.execute(plan) for g, r in runners.items()}
         got, want = results[True], results[False]
         assert (got.token_ids, got.num_tokens) == (want.token_ids, want.num_tokens)
         for s in PROMPTS:
             assert runners[True].states[s].output_ids == eager.states[s].output_ids
-        for s, n in zip(want.seq_ids, want.num_tokens):
+        for s, n in zip(want.seq_ids, want.num_tokens or (1,) * len(want.seq_ids)):
             pos[s] += n
             accepted += n - 1
     return accepted
@@ -137,9 +138,9 @@ def test_the_runner_captures_the_drafts_graphs_beside_its_own(tmp_path, device, 
 
 def test_an_eagle3_heads_forwards_replay_its_graphs_as_eager(tmp_path, device, monkeypatch):
     """A random EAGLE3 head (its own draft vocabulary, three aux states of the target):
-    the runner captures the head's graphs beside its own (gpu/cuda_graphs.py HeadGraphs),
-    the head's forwards after its first replay them (its fed-back state an input), and the
-    tokens, drafts and the head's KV are an eager runner's."""
+    the runner captures the head's graphs beside its own (gpu/cuda_graphs.py HeadGraphs,
+    HeadVerifyGraphs), the head's forwards replay them (its input state a row a second
+    input), and the tokens, drafts and the head's KV are an eager runner's."""
     if not torch.cuda.is_available():
         monkeypatch.setattr(DecodeGraphs, "capture", fake_capture)
     dev = torch.device(device)
@@ -160,10 +161,16 @@ def test_an_eagle3_heads_forwards_replay_its_graphs_as_eager(tmp_path, device, m
     runners = {False: runner(False), True: runner(True)}
     g, e = runners[True].draft, runners[False].draft
     assert g.graphs is not None and e.graphs is None and g.graphs.attn.cache is g.cache
-    _steps(runners)
+    assert g.verify_graphs.q == K + 1
+    # a plain decode step between verifies leaves two target states a sequence to read
+    _steps(runners, drafting=(True, False, True, True))
     assert g.forwards == e.forwards and g.drafted == e.drafted > 0
-    # each step's K - 1 forwards on the head's own states replay; its first replays too
-    # where every sequence had one target state pending
-    assert 3 * (K - 1) <= g.replays == _replays(g.graphs) < g.forwards and e.replays == 0
+    # every forward replays but the first verify's first, which reads the prompts' states;
+    # a later verify's first forward (at most K + 1 states a sequence) a verify-shaped
+    # graph where a sequence reads more than one, the forwards on the head's own states
+    # the decode graphs
+    assert g.replays == _replays(g.graphs) + _replays(g.verify_graphs) == g.forwards - 1
+    assert _replays(g.verify_graphs) >= 1 and _replays(g.graphs) >= 3 * (K - 1)
+    assert e.replays == 0
     for x, y in zip((*g.cache.k, *g.cache.v), (*e.cache.k, *e.cache.v)):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
