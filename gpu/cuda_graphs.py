@@ -46,7 +46,9 @@ def capture_graphs(model, attn, *, max_bs: int, max_model_len: int, device: torc
                    verify_tokens: int = 0, label: str = "", pool=None):
     """(decode graphs, verify graphs or None) of `model` over `attn`'s cache, captured:
     verify graphs of `verify_tokens` tokens a sequence where that is 2 or more. Both share
-    one memory pool (their steps never overlap), `pool` where given."""
+    one memory pool (their steps never overlap), `pool` where given. A failed capture of
+    the decode graphs raises; of the verify graphs, it is logged and kept in the decode
+    graphs' `verify_error`, and verify steps run eagerly."""
     max_blocks = -(-max_model_len // attn.cache.block_size)
     graphs = DecodeGraphs(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
                           max_context=max_model_len, label=label)
@@ -57,7 +59,13 @@ def capture_graphs(model, attn, *, max_bs: int, max_model_len: int, device: torc
         verify = VerifyGraphs(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
                               tokens_per_seq=verify_tokens, label=label)
         verify.pool = graphs.pool
-        verify.capture()
+        try:
+            verify.capture()
+        except Exception as exc:  # speed, not correctness: those steps run eagerly
+            log.warning("CUDA graph capture for %sverify steps failed, running them eagerly: %s",
+                        label, exc, exc_info=exc)
+            graphs.verify_error = f"{type(exc).__name__}: {exc}"[:500]
+            verify = None
     return graphs, verify
 
 
@@ -105,6 +113,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.aux: dict[int, torch.Tensor] = {}     # EAGLE's model.aux_hidden, per captured size
         self.pool = None
+        self.verify_error: str | None = None   # capture_graphs: the verify graphs' failure
 
     def _capture_meta(self, bs: int) -> AttentionMetadata:
         """The static buffers' metadata for a capture of size bs, their contents set to a

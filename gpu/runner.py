@@ -104,6 +104,7 @@ class ModelRunner(StagingRunner):
                 self.cuda_graphs, self.cuda_graph_sizes = True, list(self.graphs.sizes)
                 if self.verify_graphs is not None:
                     self.cuda_graph_verify_tokens = verify_tokens
+                self.cuda_graph_error = self.graphs.verify_error   # bench reports it
             except Exception as exc:  # a capture failure costs speed, not correctness
                 _log.warning("CUDA graph capture failed, running eager: %s", exc, exc_info=exc)
                 self.cuda_graph_error = f"{type(exc).__name__}: {exc}"[:500]   # bench reports it

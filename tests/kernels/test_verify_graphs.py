@@ -139,3 +139,34 @@ def test_captured_verify_graphs_equal_eager(tmp_path):
     runner.attn.prepare(meta)
     want = lm(input_ids, positions, runner.attn)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_failed_verify_capture_keeps_the_decode_graphs(tmp_path, device, monkeypatch, caplog):
+    """A verify graph capture that fails costs only the verify steps' graphs: the runner
+    keeps its decode graphs, runs verify steps eagerly and reports the error (bench's
+    `cuda_graph_error`)."""
+    from gpu.attention import KVCache
+    from gpu.runner import ModelRunner
+
+    def broken(self):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(DecodeGraphs, "capture", fake_capture)
+    monkeypatch.setattr(VerifyGraphs, "capture", broken)
+    lm, _, _ = runner_pair(tmp_path, device)
+    c = lm.config
+    cache = KVCache(c.num_hidden_layers, 12, BLOCK, c.num_key_value_heads, c.head_dim, torch.float32,
+                    torch.device(device))
+    runner = ModelRunner(lm, cache, device=torch.device(device), use_triton=True, cuda_graph_max_bs=4,
+                         max_model_len=12, verify_tokens=4)
+    assert runner.cuda_graphs and runner.graphs is not None and runner.verify_graphs is None
+    assert runner.cuda_graph_verify_tokens == 0
+    assert runner.cuda_graph_error == "RuntimeError: capture refused"
+    assert "verify steps failed" in caplog.text
+    prefill(runner, PROMPTS)
+    ta = runner.states["a"].output_ids[-1]
+    result = runner.execute(StepPlan(2, (SeqChunk("a", (ta, 4, 4, 5), 7, (0, 1, 2), True, num_drafts=3),)))
+    assert len(result.token_ids) == result.num_tokens[0] >= 1      # verified eagerly
+    decode = StepPlan(3, (SeqChunk("b", (runner.states["b"].output_ids[-1],), 5, (3, 4, 6), True),))
+    runner.execute(decode)
+    assert sum(g.replays for g in runner.graphs.graphs.values()) == 1
