@@ -43,21 +43,23 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 def capture_graphs(model, attn, *, max_bs: int, max_model_len: int, device: torch.device,
-                   verify_tokens: int = 0, label: str = "", pool=None):
+                   verify_tokens: int = 0, label: str = "", pool=None, kinds=None):
     """(decode graphs, verify graphs or None) of `model` over `attn`'s cache, captured:
     verify graphs of `verify_tokens` tokens a sequence where that is 2 or more. Both share
     one memory pool (their steps never overlap), `pool` where given. A failed capture of
     the decode graphs raises; of the verify graphs, it is logged and kept in the decode
-    graphs' `verify_error`, and verify steps run eagerly."""
+    graphs' `verify_error`, and verify steps run eagerly. kinds: the (decode, verify)
+    classes (an EAGLE head's: HeadGraphs, HeadVerifyGraphs)."""
+    decode_kind, verify_kind = kinds or (DecodeGraphs, VerifyGraphs)
     max_blocks = -(-max_model_len // attn.cache.block_size)
-    graphs = DecodeGraphs(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
-                          max_context=max_model_len, label=label)
+    graphs = decode_kind(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
+                         max_context=max_model_len, label=label)
     graphs.pool = pool
     graphs.capture()
     verify = None
     if verify_tokens > 1:
-        verify = VerifyGraphs(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
-                              tokens_per_seq=verify_tokens, label=label)
+        verify = verify_kind(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
+                             tokens_per_seq=verify_tokens, label=label)
         verify.pool = graphs.pool
         try:
             verify.capture()
@@ -214,9 +216,9 @@ class HeadGraphs(_HeadIO, DecodeGraphs):
     sequence (and a first forward where each sequence has one target state to read)."""
 
     def __init__(self, head, attn, *, max_bs: int, max_blocks: int, device: torch.device,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, label: str = "the EAGLE head's ") -> None:
         super().__init__(head, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
-                         max_context=max_context, label="the EAGLE head's ",
+                         max_context=max_context, label=label,
                          kv_heads=head.config.num_key_value_heads, dtype=head.residual_dtype)
         self._head_buffers()
 
@@ -317,8 +319,7 @@ class HeadVerifyGraphs(_HeadIO, VerifyGraphs):
     VerifyGraphs packs a verify step's rows."""
 
     def __init__(self, head, attn, *, max_bs: int, max_blocks: int, device: torch.device,
-                 tokens_per_seq: int) -> None:
+                 tokens_per_seq: int, label: str = "the EAGLE head's ") -> None:
         super().__init__(head, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
-                         tokens_per_seq=tokens_per_seq, label="the EAGLE head's ",
-                         dtype=head.residual_dtype)
+                         tokens_per_seq=tokens_per_seq, label=label, dtype=head.residual_dtype)
         self._head_buffers()

@@ -401,18 +401,11 @@ class EagleDrafter:
         target states it has not read (after a verify, the accepted run's: at most K + 1);
         more than that (a prompt's) runs eagerly (gpu/cuda_graphs.py HeadGraphs,
         HeadVerifyGraphs)."""
-        from gpu.cuda_graphs import HeadGraphs, HeadVerifyGraphs
-        max_blocks = -(-max_model_len // self.cache.block_size)
-        graphs = HeadGraphs(self.head, self.attn, max_bs=max_bs, device=self.device,
-                            max_blocks=max_blocks, max_context=max_model_len)
-        graphs.capture()
-        verify = None
-        if verify_tokens > 1:
-            verify = HeadVerifyGraphs(self.head, self.attn, max_bs=max_bs, device=self.device,
-                                      max_blocks=max_blocks, tokens_per_seq=verify_tokens)
-            verify.pool = graphs.pool
-            verify.capture()
-        self.graphs, self.verify_graphs = graphs, verify
+        from gpu.cuda_graphs import HeadGraphs, HeadVerifyGraphs, capture_graphs
+        self.graphs, self.verify_graphs = capture_graphs(
+            self.head, self.attn, max_bs=max_bs, max_model_len=max_model_len, device=self.device,
+            verify_tokens=verify_tokens, label="the EAGLE head's ",
+            kinds=(HeadGraphs, HeadVerifyGraphs))
 
     def overwritten(self, blocks) -> None:
         """Target blocks whose KV came from elsewhere (a remote prefill's read): nothing of
