@@ -4,9 +4,9 @@ The scheduler builds a `StepPlan` (chunks of token ids on block tables, the new
 sequences' `SeqStart`), a runner executes it and answers a `StepResult` (token ids and
 logprobs as tuples of Python numbers). `SamplingOptions` and `Constraint` are what a
 request asks of the sampler and of constrained decoding; render builds them, so they
-live here rather than beside the torch code that applies them (gpu/sampler.py,
-gpu/grammar.py). `Runner` is the interface ModelRunner and the simulated runner share;
-`ConstraintCompiler` the one the scheduler sees of gpu/grammar.py's compiler.
+live here rather than beside the torch code that applies them (gpu/worker/sampler.py,
+gpu/worker/grammar.py). `Runner` is the interface ModelRunner and the simulated runner share;
+`ConstraintCompiler` the one the scheduler sees of gpu/worker/grammar.py's compiler.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class Constraint:
     strings, an EBNF grammar or a structural tag), in one internal form whatever the API
     spelled it as. `spec` is a string (a JSON schema or structural tag as JSON text, a
     regex, an EBNF grammar, or a JSON array of choices), so that a constraint is hashable
-    and its own cache key (gpu/grammar.py compiles it)."""
+    and its own cache key (gpu/worker/grammar.py compiles it)."""
     kind: str = attrs.field(validator=attrs.validators.in_(CONSTRAINT_KINDS))
     spec: str = ""
     compact: bool = False   # JSON without free whitespace (vLLM's disable_any_whitespace)
@@ -83,7 +83,7 @@ class Constraint:
 @attrs.frozen
 class PoolingOptions:
     """What one pooling sequence (an embedding, a classification, one text of a score) asks
-    of the runner, beside the model's own PoolingSpec (gpu/pooling_config.py). None: the
+    of the runner, beside the model's own PoolingSpec (gpu/config/pooling.py). None: the
     model's default."""
     dimensions: int | None = None     # Matryoshka: the first N values, cut before normalizing
     normalize: bool | None = None     # embeddings: L2-normalize
@@ -124,7 +124,7 @@ class ImageInput:
     hash: str
     pixels: object = attrs.field(eq=False, repr=False)
     # Qwen2.5-VL: the picture's patch grid (t, h, w), `pixels` its flattened patches
-    # [t*h*w, C*T*P*P]; its M-RoPE positions follow from it (gpu/qwen_vision.py)
+    # [t*h*w, C*T*P*P]; its M-RoPE positions follow from it (gpu/models/qwen_vision.py)
     grid: tuple[int, int, int] | None = None
 
 
@@ -163,7 +163,7 @@ class SeqChunk:
     # sequence still ran, so its tokens are DRAFTs the runner fills (the sequence's last
     # sampled token, then up to num_drafts from prompt lookup: StepResult.num_drafts says
     # how many) and start_pos assumes that step kept every draft; the runner computes it
-    # where the sequence's KV really ends (gpu/staging.py float_chunks)
+    # where the sequence's KV really ends (gpu/worker/staging.py float_chunks)
     floating: bool = False
 
 
@@ -241,7 +241,7 @@ class StepResult:
 @runtime_checkable
 class ConstraintCompiler(Protocol):
     """Compiles a request's Constraint against the model's vocabulary off the engine's step
-    path (gpu/grammar.py GrammarCompiler: xgrammar, in a worker thread). The scheduler keeps
+    path (gpu/worker/grammar.py GrammarCompiler: xgrammar, in a worker thread). The scheduler keeps
     the request waiting until the future is done; its result goes to the runner in
     SeqStart.grammar, its exception fails the request."""
 

@@ -1,7 +1,7 @@
 """Tensor parallelism as the model sees it (issue 25): which rank this process is, of how
 many, and the torch.distributed group the collectives run over.
 
-The contract shared by the sharded model (gpu/model.py) and the processes that run it
+The contract shared by the sharded model (gpu/models/causal_lm.py) and the processes that run it
 (the engine's rank 0 and its workers):
 - every rank builds the same CausalLM with its own `TP`, and loads only its shard;
 - `CausalLM.forward` is a collective (all-reduces after o_proj and down_proj, a vocabulary-

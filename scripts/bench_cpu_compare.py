@@ -9,7 +9,7 @@ one JSON object per contender and a summary table.
 HF one-at-a-time is slow (~70 ms/token), so it runs --hf-serial-prompts of the prompts and
 reports tokens/s over those. A --dtypes entry DTYPE:RESIDUAL sets --residual-dtype too
 (bfloat16:bfloat16 is the pure-bf16 path; plain bfloat16 on CPU has an fp32 residual stream);
-a /torch suffix runs that contender without gpu/cpu_kernels.c (TAILRACE_CPU_KERNELS=0: gather +
+a /torch suffix runs that contender without gpu/kernels/cpu/ops.c (TAILRACE_CPU_KERNELS=0: gather +
 SDPA decode attention, torch's norms and rope), for an A/B in one run:
 
     .venv/bin/python scripts/bench_cpu_compare.py --dtypes bfloat16 bfloat16/torch bfloat16 bfloat16/torch \
@@ -32,8 +32,8 @@ from pipeline.core.config import EngineConfig
 def hf_model(path: str | None, dtype: torch.dtype = torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gpu.loader import default_model_path
-    from gpu.weights_gguf import GGUFFile
+    from gpu.loader.decoder import default_model_path
+    from gpu.formats.gguf import GGUFFile
 
     f = GGUFFile(path or default_model_path())
     cfg = f.config_dict()
@@ -69,7 +69,7 @@ def main() -> None:
              output_len=a.output_len, seed=0, ignore_eos=True)
     prompts = [r["prompt"] for r in make_requests(s, 49152, 0.0)]
     rows = []
-    from gpu import cpu_kernels
+    from gpu.kernels.cpu import ops as cpu_kernels
     for spec in a.dtypes:
         spec_dtype, _, path = spec.partition("/")
         dtype, _, residual = spec_dtype.partition(":")  # bfloat16:bfloat16 -> --residual-dtype bfloat16

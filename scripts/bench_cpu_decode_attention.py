@@ -6,7 +6,7 @@ SmolLM2's shapes (32 sequences, 9 query / 3 KV heads of 64, contexts of 150-200 
 - bmm+gather: the same gather, then matmul / fp32 masked softmax / matmul;
 - compiled: one torch.compile'd (inductor, dynamic shapes) function that reads the blocks
   through the block table inside its loops: no gathered copy; its compile time is printed;
-- c: gpu/cpu_kernels.c's paged_decode_attention (what TorchPagedAttention now runs where it
+- c: gpu/kernels/cpu/ops.c's paged_decode_attention (what TorchPagedAttention now runs where it
   builds): reads the blocks in place, one call.
 
 --layers N gives each call its own layer's cache, N layers in turn (N=30: SmolLM2's, whose
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_kernels
+from gpu.kernels.cpu import ops as cpu_kernels
 
 B, HKV, G, D, BS = 32, 3, 3, 64, 16
 

@@ -1,4 +1,4 @@
-"""The packed GGUF linear kernel (gpu/cpu_quant.c) against torch's fp32 and bf16 GEMMs on the
+"""The packed GGUF linear kernel (gpu/kernels/cpu/quant.c) against torch's fp32 and bf16 GEMMs on the
 dequantized weight, at SmolLM2's shapes and 1-128 rows; best of N calls (a shared machine).
 
     .venv/bin/python scripts/bench_cpu_quant.py --threads 1
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_quant
+from gpu.kernels.cpu import quant as cpu_quant
 
 
 def best(f, n: int = 15) -> float:

@@ -1,6 +1,6 @@
-"""gpu/cpu_quant.c's kernels for one packed linear call, A/B alternating in one process (a
+"""gpu/kernels/cpu/quant.c's kernels for one packed linear call, A/B alternating in one process (a
 shared machine: each round times every variant once, the mean of --calls calls; the median
-round is reported): the outer-product GEMM tiles (gpu/cpu_quant_gemm.c), the fused small-M tiles,
+round is reported): the outer-product GEMM tiles (gpu/kernels/cpu/quant_gemm.c), the fused small-M tiles,
 the buffered dot-product tiles, and the large-M path (dequantize in C + torch's fp32 GEMM),
 at SmolLM2's shapes.
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu import cpu_quant
+from gpu.kernels.cpu import quant as cpu_quant
 
 SHAPES = [(960, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1"), (49152, 576, "Q8_0"), (3072, 576, "Q8_0")]
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "stages")
 
 from rendered import rendered  # noqa: E402
 
-from gpu.tokenizer_files import load_tokenizer  # noqa: E402
+from gpu.tokenizers.files import load_tokenizer  # noqa: E402
 from stages.account import Accountant  # noqa: E402
 from stages.lib.delta import Delta, FinishReason  # noqa: E402
 from stages.detokenize import Detokenizer  # noqa: E402

@@ -28,7 +28,7 @@ def worker(num_seqs: int, steps: int, stop: bool) -> None:
     sys.path.insert(0, str(Path.cwd() / "tests" / "stages"))
     from rendered import rendered
 
-    from gpu.tokenizer_files import load_tokenizer
+    from gpu.tokenizers.files import load_tokenizer
     from stages.account import Accountant
     from stages.detokenize import Detokenizer
     from stages.emit import Emitter

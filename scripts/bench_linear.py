@@ -1,5 +1,5 @@
 """CPU matmul rates at the bundled SmolLM2's decode shapes: the plain F.linear against
-oneDNN with the weight packed once (gpu/model.py's Linear). Interleaved, best of N, so
+oneDNN with the weight packed once (gpu/models/causal_lm.py's Linear). Interleaved, best of N, so
 that a busy machine hurts both alike.
 
     .venv/bin/python scripts/bench_linear.py --rows 32 --dtype bfloat16

@@ -11,7 +11,7 @@ import time
 import torch
 
 from gpu.interface import SamplingOptions
-from gpu.sampler import SeqSamplingState, apply_logit_controls, sample
+from gpu.worker.sampler import SeqSamplingState, apply_logit_controls, sample
 
 
 def best_us(fn, repeats: int) -> float:

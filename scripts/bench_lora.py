@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-bytes", default="1Gi")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from gpu.loader import load_shell
+    from gpu.loader.decoder import load_shell
 
     mc = load_shell(args.model).config
     cfg = dict(head_dim=mc.head_dim, heads=mc.num_attention_heads, kv_heads=mc.num_key_value_heads,

@@ -1,4 +1,4 @@
-"""CPU time of one gpt-oss MoE layer: gpu/moe.py as it runs on CPU ("ours": padded bmm or one
+"""CPU time of one gpt-oss MoE layer: gpu/layers/moe.py as it runs on CPU ("ours": padded bmm or one
 matmul per expert segment, by the routing), each of those alone, torch's grouped_mm (its CUDA
 bf16 path) and transformers' GptOssExperts loop (one expert at a time, gathering the tokens routed to it),
 on the same weights and routing. Interleaved, best of N, so that a busy
@@ -9,7 +9,7 @@ machine hurts all alike.
 With --gpu (CUDA): the MXFP4 grouped GEMM against torch's bf16 grouped GEMM at gpt-oss-20b
 shapes instead (--hidden 2880, the default with --gpu): ms of the experts (gate/up, SwiGLU,
 down, router weight, the k-slot sum; router and sort excluded, the same for both), the
-speed-up, the same kernel with tl.dot_scaled on the packed operand (gpu/moe.py uses it
+speed-up, the same kernel with tl.dot_scaled on the packed operand (gpu/layers/moe.py uses it
 when PackedExperts.dot_scaled is set: keep the faster), and the packed bytes the kernel
 reads (the experts hit) over its time against the H200's 4.8 TB/s; it also checks that all
 agree (bf16 tolerance). Goals (issue 27): >= 2x
@@ -26,8 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpu import moe as moe_mod
-from gpu.config import ModelConfig
+from gpu.layers import moe as moe_mod
+from gpu.config.model import ModelConfig
 
 
 def main() -> None:
@@ -115,9 +115,9 @@ def gpu_run(tokens_list, experts=32, top_k=4, hidden=2880, inter=2880, out=None)
 
     if not torch.cuda.is_available():   # before the kernel module is imported (triton.jit reads it)
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from gpu import mxfp4
-    from gpu.kernels.mxfp4_moe import mxfp4_moe_matmul
-    from gpu.moe import clamped_swiglu
+    from gpu.quantization import mxfp4
+    from gpu.kernels.triton.mxfp4_moe import mxfp4_moe_matmul
+    from gpu.layers.moe import clamped_swiglu
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":

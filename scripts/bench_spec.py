@@ -205,7 +205,7 @@ def main() -> None:
     a = p.parse_args()
     if a.log_steps:
         _log_steps(a.log_steps)
-    from gpu.tokenizer_files import default_model_path
+    from gpu.tokenizers.files import default_model_path
     specs = []      # (a --speculative-config, EngineConfig's other fields)
     for s in a.spec or ['{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}']:
@@ -216,7 +216,7 @@ def main() -> None:
     reqs = requests(a.workload, a.requests or max(2, a.streams), a.max_tokens)
     base = dict(max_model_len=2048, max_num_seqs=max(8, a.streams))
     # the model loaded once (loading the GGUF takes a minute under load) and shared
-    from gpu.loader import choose_dtype, load_model
+    from gpu.loader.decoder import choose_dtype, load_model
     dtype, _ = choose_dtype("auto", torch.device("cpu"))
     loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
     with runner_switch_interval():       # the GPU step runs in this process, as in serve

@@ -61,8 +61,8 @@ def _time(fn, iters: int) -> float:
 
 def _rank(rank: int, size: int, port: int, iters: int, out: str) -> None:
     from gpu.parallel import init_group
-    from gpu.staging import BlockTables, StagedTokens, stage_plan, upload_inputs
-    from gpu.tp_runner import HEADER, StepBroadcast, unpack
+    from gpu.worker.staging import BlockTables, StagedTokens, stage_plan, upload_inputs
+    from gpu.worker.tp import HEADER, StepBroadcast, unpack
 
     torch.set_num_threads(1)
     tp = init_group(rank, size, backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
@@ -111,8 +111,8 @@ def _rank(rank: int, size: int, port: int, iters: int, out: str) -> None:
 def pack_costs(iters: int) -> dict[str, float]:
     """µs to pack a step on rank 0 and to unpack it on a worker, in this process: the
     part of "broadcast" that is not gloo."""
-    from gpu.staging import BlockTables, StagedTokens, stage_plan, upload_inputs
-    from gpu.tp_runner import pack, unpack
+    from gpu.worker.staging import BlockTables, StagedTokens, stage_plan, upload_inputs
+    from gpu.worker.tp import pack, unpack
 
     out = {}
     for name, batch, each in [(f"decode {b}", b, 1) for b in DECODE] + [(f"prefill {PREFILL}", 1, PREFILL)]:

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from gpu.attention_dense import DenseCausalAttention  # noqa: E402
-from gpu.loader import load_model  # noqa: E402
+from gpu.layers.attention_dense import DenseCausalAttention  # noqa: E402
+from gpu.loader.decoder import load_model  # noqa: E402
 from gpu.parallel import SINGLE, TP, destroy_group, init_group  # noqa: E402
 
 SIZES = (1, 2, 3)

@@ -60,7 +60,7 @@ cmd="${1:-run}"
 [[ "$cmd" == lib ]] || build
 [[ "$cmd" == build ]] && { echo "$BIN"; exit 0; }
 
-GGUF="${GGUF:-$("$PYTHON" -c 'from gpu.tokenizer_files import default_model_path; print(default_model_path())')}"
+GGUF="${GGUF:-$("$PYTHON" -c 'from gpu.tokenizers.files import default_model_path; print(default_model_path())')}"
 N_IN="${N_IN:-128}" N_OUT="${N_OUT:-128}"
 PROMPTS_1="${PROMPTS_1:-8}" PROMPTS_32="${PROMPTS_32:-64}"
 OUTDIR="${OUTDIR:-$(mktemp -d /tmp/bench_vs_llamacpp.XXXXXX)}"

@@ -31,10 +31,10 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu.attention import KVCache, TritonPagedAttention  # noqa: E402
-from gpu.loader import load_model  # noqa: E402
+from gpu.layers.attention import KVCache, TritonPagedAttention  # noqa: E402
+from gpu.loader.decoder import load_model  # noqa: E402
 from gpu.interface import SeqChunk  # noqa: E402
-from gpu.staging import prepare_step  # noqa: E402
+from gpu.worker.staging import prepare_step  # noqa: E402
 
 
 def check(config: str, dtype: str, splits: list[int], batch_sizes: list[int], max_ctx: int,
@@ -73,7 +73,7 @@ def check(config: str, dtype: str, splits: list[int], batch_sizes: list[int], ma
             row = dict(batch=bs, splits=s, ctx=ctx)
             row["eager_err"] = float(f"{(eager(s) - ref).abs().max().item() / scale:.3g}")
             if device.type == "cuda":
-                from gpu.cuda_graphs import DecodeGraphs
+                from gpu.worker.cuda_graphs import DecodeGraphs
                 graphs = DecodeGraphs(lm, attn, max_bs=max_bs, max_blocks=blocks_per_seq, device=device,
                                       max_context=max_ctx)
                 graphs.num_kv_splits = {b: s for b in graphs.sizes}

@@ -62,16 +62,16 @@ PAGE = 16
 # in tests/kernels also get each case's error and tolerance into kernels_tests.json (its
 # conftest measures every torch.testing.assert_close); tests elsewhere run, unmeasured.
 KERNELS = [
-    ("paged_attention", "gpu.kernels.paged_attention", "tests/kernels/test_paged_attention.py", 1),
-    ("write_kv", "gpu.kernels.kv_cache", "tests/kernels/test_kv_cache.py", 1),
-    ("prepare_qkv", "gpu.kernels.qkv_prep", "tests/kernels/test_qkv_prep.py", 1),
-    ("rms_norm", "gpu.kernels.rmsnorm", "tests/kernels/test_rmsnorm.py", 1),
-    ("apply_rope", "gpu.kernels.rope", "tests/kernels/test_rope.py", 1),
-    ("silu_and_mul", "gpu.kernels.activation", "tests/kernels/test_activation.py", 1),
-    ("sample / apply_penalties", "gpu.kernels.sampling", "tests/kernels/test_sampling.py", 1),
-    ("mxfp4_moe", "gpu.kernels.mxfp4_moe", "tests/kernels/test_mxfp4_moe.py", 1),
-    ("lora shrink/expand", "gpu.kernels.lora", "tests/kernels/test_lora_kernels.py", 1),
-    ("encoder attention (non-causal)", "gpu.kernels.paged_attention", "tests/kernels/test_varlen_attention.py", 1),
+    ("paged_attention", "gpu.kernels.triton.paged_attention", "tests/kernels/test_paged_attention.py", 1),
+    ("write_kv", "gpu.kernels.triton.kv_cache", "tests/kernels/test_kv_cache.py", 1),
+    ("prepare_qkv", "gpu.kernels.triton.qkv_prep", "tests/kernels/test_qkv_prep.py", 1),
+    ("rms_norm", "gpu.kernels.triton.rmsnorm", "tests/kernels/test_rmsnorm.py", 1),
+    ("apply_rope", "gpu.kernels.triton.rope", "tests/kernels/test_rope.py", 1),
+    ("silu_and_mul", "gpu.kernels.triton.activation", "tests/kernels/test_activation.py", 1),
+    ("sample / apply_penalties", "gpu.kernels.triton.sampling", "tests/kernels/test_sampling.py", 1),
+    ("mxfp4_moe", "gpu.kernels.triton.mxfp4_moe", "tests/kernels/test_mxfp4_moe.py", 1),
+    ("lora shrink/expand", "gpu.kernels.triton.lora", "tests/kernels/test_lora_kernels.py", 1),
+    ("encoder attention (non-causal)", "gpu.kernels.triton.paged_attention", "tests/kernels/test_varlen_attention.py", 1),
     ("vision tower attention", None, None, 1),
     ("EAGLE heads forward", None, None, 1),
     ("NIXL with CUDA buffers", None, None, 2),
@@ -170,7 +170,7 @@ def _cases(only):
     """Yield (label, module, kernel_names, launch) for every variant to compile."""
     import torch
 
-    from gpu.kernels import activation, kv_cache, paged_attention, qkv_prep, rmsnorm, rope, sampling
+    from gpu.kernels.triton import activation, kv_cache, paged_attention, qkv_prep, rmsnorm, rope, sampling
 
     dev = "cpu"
     all_dtypes = (torch.bfloat16, torch.float16, torch.float32)
@@ -211,7 +211,7 @@ def _cases(only):
                 continue
 
             def launch_moe(tokens=tokens, proj=proj, scaled=scaled, E=32, k=4, D=2880, inter=2880):
-                from gpu.kernels import mxfp4_moe
+                from gpu.kernels.triton import mxfp4_moe
                 n, kk = (2 * inter, D) if proj == "gate_up" else (D, inter)
                 rows = tokens * k
                 a = torch.zeros(tokens if proj == "gate_up" else rows, kk, dtype=torch.bfloat16)
@@ -224,7 +224,7 @@ def _cases(only):
                 mxfp4_moe.mxfp4_moe_matmul(a, blocks, scales, offs, bias=torch.zeros(E, n, dtype=torch.bfloat16),
                                            n_rows=rows, dot_scaled=scaled, **kw)
 
-            from gpu.kernels import mxfp4_moe
+            from gpu.kernels.triton import mxfp4_moe
             yield label, mxfp4_moe, ["_mxfp4_moe_kernel"], launch_moe
 
     for model, hq, hkv, dh, hidden, inter, vocab in MODELS:
@@ -380,7 +380,7 @@ def _staged(chunks):
     change with the batch."""
     import torch
 
-    from gpu.staging import Staging, upload_inputs, stage_inputs
+    from gpu.worker.staging import Staging, upload_inputs, stage_inputs
 
     host = stage_inputs(tuple(chunks), PAGE)
     return upload_inputs(host, torch.device("cpu"), Staging(torch.device("cpu")))
@@ -398,7 +398,7 @@ def _variant_cases():
     """Yield (label, module, kernel_names, [launch per step size]) at Qwen3-0.6B's shapes."""
     import torch
 
-    from gpu.kernels import activation, kv_cache, paged_attention, qkv_prep, rmsnorm, rope, sampling
+    from gpu.kernels.triton import activation, kv_cache, paged_attention, qkv_prep, rmsnorm, rope, sampling
 
     _, hq, hkv, dh, hidden, inter, vocab = MODELS[1]
     dtype, dev = torch.bfloat16, "cpu"

@@ -35,10 +35,10 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from gpu.attention import KVCache  # noqa: E402
-from gpu.loader import load_model  # noqa: E402
+from gpu.layers.attention import KVCache  # noqa: E402
+from gpu.loader.decoder import load_model  # noqa: E402
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.runner import ModelRunner  # noqa: E402
+from gpu.worker.runner import ModelRunner  # noqa: E402
 
 
 def compare(config: str, dtype: str, prompt_lens: list[int], new_tokens: int, block_size: int = 16,

@@ -21,7 +21,7 @@ Recipes (weights / GEMM inputs and KV cache, residual stream and norms):
               row's top recomputed in fp32: gpu/model.exact_top_logits): CPU auto's recipe
   bf16-res32-bf16logits  as bf16-res32 without that recomputation
   bf16-res32-lm32  as bf16-res32, the vocabulary projection an fp32 GEMM on fp32 weights
-  gguf        the GGUF's Q4_1/Q8_0 blocks kept packed (gpu/cpu_quant.c) / fp32: the default for a
+  gguf        the GGUF's Q4_1/Q8_0 blocks kept packed (gpu/kernels/cpu/quant.c) / fp32: the default for a
               GGUF file on a CPU since issue 39 (the reference, fp32, is the file dequantized)
 Printed: one JSON object per contender, then a table.
 """
@@ -38,12 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cpu_compare's hf_model
 
-from gpu.attention import KVCache  # noqa: E402
-from gpu.attention_dense import DenseCausalAttention  # noqa: E402
-from gpu.loader import load_model  # noqa: E402
-from gpu.model import CausalLM, Linear  # noqa: E402
-from gpu.runner import ModelRunner, SeqChunk, SeqStart, StepPlan  # noqa: E402
-from gpu.sampler import SamplingOptions  # noqa: E402
+from gpu.layers.attention import KVCache  # noqa: E402
+from gpu.layers.attention_dense import DenseCausalAttention  # noqa: E402
+from gpu.loader.decoder import load_model  # noqa: E402
+from gpu.models.causal_lm import CausalLM, Linear  # noqa: E402
+from gpu.worker.runner import ModelRunner, SeqChunk, SeqStart, StepPlan  # noqa: E402
+from gpu.worker.sampler import SamplingOptions  # noqa: E402
 
 TEXT = """The harbour town woke slowly. By six the fishing boats had gone out past the breakwater,
 and the gulls followed them until the light grew strong enough to show the islands on the horizon.

@@ -206,7 +206,7 @@ fi
 # entry points the steps below run (not a list of packages, which drifts from the code).
 if ! "$PY" - 2>>"$STEPS_LOG" <<'PY'
 import importlib, importlib.util, sys
-for name in ("pipeline.tools.bench", "gpu.kernels.bench", "gpu.kernels.compile_count"):
+for name in ("pipeline.tools.bench", "gpu.kernels.triton.bench", "gpu.kernels.triton.compile_count"):
     importlib.import_module(name)
 for path in ("scripts/compare_paths.py",):   # a script: loaded as a module, main() not run
     spec = importlib.util.spec_from_file_location("_check_" + path.replace("/", "_")[:-3], path)
@@ -401,7 +401,7 @@ fi
 if wants rest; then
     t=$(left 5); [ "$t" -gt 120 ] && t=120; say "4. kernel micro-benchmarks, up to ${t}s"
     if [ "$t" -gt 10 ]; then
-        timeout "$t" "$PY" -m gpu.kernels.bench --out "$OUT/kernels_bench.json" 2>&1 | tee -a "$STEPS_LOG"
+        timeout "$t" "$PY" -m gpu.kernels.triton.bench --out "$OUT/kernels_bench.json" 2>&1 | tee -a "$STEPS_LOG"
         ran kernel_bench "${PIPESTATUS[0]}"
     else
         say "4. SKIPPED kernel micro-benchmarks: the budget is spent"; ST[kernel_bench]=time

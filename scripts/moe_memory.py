@@ -10,7 +10,7 @@ from the 20b's in exactly these two keys).
 
 Then the KV cache those weights leave on an H200 (141 GB at --gpu-memory-utilization 0.9,
 less the weights and an assumed 2 GB for one step's activations and the reserve), in tokens:
-a plain cache against the hybrid one (sliding layers in their own pool: gpu/attention.py
+a plain cache against the hybrid one (sliding layers in their own pool: gpu/layers/attention.py
 hybrid_layout, with 256 sequences and 2048-token steps, the engine's defaults).
 """
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from gpu.attention import KVCache, hybrid_layout
-from gpu.config import ModelConfig
-from gpu.model import CausalLM
+from gpu.layers.attention import KVCache, hybrid_layout
+from gpu.config.model import ModelConfig
+from gpu.models.causal_lm import CausalLM
 
 H200_BYTES, UTILIZATION, STEP_AND_RESERVE = 141e9, 0.9, 2e9
 

@@ -8,29 +8,29 @@ index_select gathers the attention, argmax the (greedy) sampling.
 A/B on a shared machine: --residual-dtypes or --attention with more than one value builds
 one runner per combination (same weights) and times them alternately, --rounds times, so
 that load from other processes hits all alike; it prints each round's median and best, and
-the spread. --paths c is the step with gpu/cpu_kernels.c (the default where it builds:
+the spread. --paths c is the step with gpu/kernels/cpu/ops.c (the default where it builds:
 decode attention reading the paged cache in place, norms, rope, silu*mul), torch the same step
 without it (TAILRACE_CPU_KERNELS=0: gather + SDPA, torch's elementwise ops).
 
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --residual-dtypes bfloat16 float32 --rounds 5
     .venv/bin/python scripts/profile_cpu_step.py --dtype bfloat16 --paths torch c --rounds 5
 
---fused on off (with gguf): the decode step's decoder stack in one C call (gpu/cpu_layer.c,
+--fused on off (with gguf): the decode step's decoder stack in one C call (gpu/kernels/cpu/layer.c,
 the default where it applies) against the per-layer path (TAILRACE_FUSED_LAYERS=0), alternating:
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --fused on off --num-seqs 1 --rounds 3
 
---quantizations gguf: the GGUF's linears kept packed (gpu/cpu_quant.c, float32 activations;
+--quantizations gguf: the GGUF's linears kept packed (gpu/kernels/cpu/quant.c, float32 activations;
 --dtype is then ignored); none (the default): dequantized to --dtype. A/B of both, at 1 stream:
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations none gguf --num-seqs 1 --rounds 3
 
---tiles fused buffered (with gguf): gpu/cpu_quant.c's small-M tiles that dequantize Q4_0/Q4_1/
+--tiles fused buffered (with gguf): gpu/kernels/cpu/quant.c's small-M tiles that dequantize Q4_0/Q4_1/
 Q8_0 blocks in registers (the default) against dequantizing each weight row into a buffer first:
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --tiles fused buffered --num-seqs 1 --rounds 3 --no-profile
 
---gemm on off (with gguf): gpu/cpu_quant_gemm.c's outer-product GEMM tiles at their default rows
+--gemm on off (with gguf): gpu/kernels/cpu/quant_gemm.c's outer-product GEMM tiles at their default rows
 against none (the fused or buffered tiles then serve), a number: up to that many rows, or A-B:
 rows A to B:
 
@@ -53,18 +53,22 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gpu import cpu_layer, cpu_quant, ops
-from gpu.attention import KVCache
-from gpu.loader import cpu_threads, load_model
+from gpu.kernels.cpu import layer as cpu_layer
+
+from gpu.kernels.cpu import quant as cpu_quant
+
+from gpu.layers import ops
+from gpu.layers.attention import KVCache
+from gpu.loader.decoder import cpu_threads, load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.runner import ModelRunner
+from gpu.worker.runner import ModelRunner
 
 
 cpu_ops = ops._cpu
 
 
 def set_tiles(tiles: str) -> None:
-    """gpu/cpu_quant.c's fused small-M tiles: "fused" (the default row limit), "buffered"
+    """gpu/kernels/cpu/quant.c's fused small-M tiles: "fused" (the default row limit), "buffered"
     (none) or a number of rows, in both libraries that hold them."""
     max_m = {"fused": -1, "buffered": 0}.get(tiles)
     max_m = int(tiles) if max_m is None else max_m
@@ -75,7 +79,7 @@ def set_tiles(tiles: str) -> None:
 
 
 def set_gemm(gemm: str) -> None:
-    """gpu/cpu_quant_gemm.c's GEMM tiles: "on" (the default rows), "off" (none), a number: the
+    """gpu/kernels/cpu/quant_gemm.c's GEMM tiles: "on" (the default rows), "off" (none), a number: the
     most rows (from 1), or "A-B": rows A to B; in both libraries that hold them."""
     if gemm in ("on", "off"):
         min_m, max_m = -1, -1 if gemm == "on" else 0
@@ -89,7 +93,7 @@ def set_gemm(gemm: str) -> None:
 
 
 def set_int16(int16: str) -> None:
-    """gpu/cpu_quant_gemm.c's int16 VNNI tiles "on" (where the build has them) or "off" (the fp32
+    """gpu/kernels/cpu/quant_gemm.c's int16 VNNI tiles "on" (where the build has them) or "off" (the fp32
     GEMM tiles), in both libraries that hold them."""
     on = int(int16 == "on")
     if cpu_quant.kernels() is not None:
@@ -107,7 +111,7 @@ def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, 
     if path == "torch":
         runner.attn.kernels = None
     elif cpu_ops() is None:
-        raise SystemExit("--paths c: gpu/cpu_kernels.c is not available here")
+        raise SystemExit("--paths c: gpu/kernels/cpu/ops.c is not available here")
     # (c without AVX-512: C norms and rope, decode attention by gather + SDPA, as served)
     rng = random.Random(0)
     prompts = [tuple(rng.randrange(10000) for _ in range(128)) for _ in range(n)]
@@ -117,9 +121,9 @@ def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, 
                             tuple(SeqStart(str(i), p, greedy) for i, p in enumerate(prompts))))
 
     def decode(step: int) -> float:
-        # torch: gpu/ops.py's torch code too, for this runner's steps only
+        # torch: gpu/layers/ops.py's torch code too, for this runner's steps only
         ops._cpu = (lambda: None) if path == "torch" else cpu_ops
-        if lm.fused_decode is not None:   # gpu/cpu_layer.py: this runner's steps only
+        if lm.fused_decode is not None:   # gpu/kernels/cpu/layer.py: this runner's steps only
             lm.fused_decode.enabled = fused and path == "c"
         set_tiles(tiles)
         set_int16(int16)   # before set_gemm: its default rows follow the int16 switch
@@ -169,13 +173,13 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "gguf"])
     ap.add_argument("--fused", nargs="+", default=["on"], choices=["on", "off"],
-                    help="gguf: the decoder stack in one C call (gpu/cpu_layer.c) or the per-layer path")
+                    help="gguf: the decoder stack in one C call (gpu/kernels/cpu/layer.c) or the per-layer path")
     ap.add_argument("--tiles", nargs="+", default=["fused"],
                     help="gguf: few rows of Q4_0/Q4_1/Q8_0 dequantized in registers (fused: the default "
                          "row limit; or a number of rows), or each weight row dequantized into a buffer "
                          "first (buffered); bit-identical results")
     ap.add_argument("--gemm", nargs="+", default=["on"],
-                    help="gguf: the outer-product GEMM tiles (gpu/cpu_quant_gemm.c) at their default "
+                    help="gguf: the outer-product GEMM tiles (gpu/kernels/cpu/quant_gemm.c) at their default "
                          "rows (on), none (off), up to a number of rows (N), or rows A to B (A-B)")
     ap.add_argument("--int16", nargs="+", default=["on"], choices=["on", "off"],
                     help="gguf: the GEMM tiles of Q4_0/Q4_1/Q8_0 with int16 activations (AVX512_VNNI builds: "

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import gpu.simulate as simulate  # noqa: E402
-import gpu.runner as runner  # noqa: E402
+import gpu.worker.simulate as simulate  # noqa: E402
+import gpu.worker.runner as runner  # noqa: E402
 from pipeline.tools import bench  # noqa: E402
 from stages import account, detokenize, emit, parse, schedule  # noqa: E402
 

@@ -9,10 +9,10 @@ import sys
 
 import torch
 
-from gpu.attention_dense import DenseCausalAttention
-from gpu.cpu_quant import PackedLinear
-from gpu.loader import load_model
-from gpu.model import Linear
+from gpu.layers.attention_dense import DenseCausalAttention
+from gpu.kernels.cpu.quant import PackedLinear
+from gpu.loader.decoder import load_model
+from gpu.models.causal_lm import Linear
 
 
 def main() -> None:

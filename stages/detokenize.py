@@ -23,7 +23,7 @@ from stages.lib.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
 from stages.messages import FinishRequest, RenderedRequest, Step
 
 if TYPE_CHECKING:
-    from gpu.tokenizer import Tokenizer
+    from gpu.tokenizers.tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the decoder first, for correct leading spaces
 

@@ -39,8 +39,8 @@ import torch
 import trio
 
 from gpu.interface import Runner, StagingRunner, StepPlan, StepResult, TPLost
-from gpu.names import FAULT_KINDS
-from gpu.openmp import release_team
+from gpu.config.names import FAULT_KINDS
+from gpu.kernels.cpu.openmp import release_team
 
 _log = logging.getLogger("tailrace.gpu")
 
@@ -149,7 +149,7 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
     thread = threading.Thread(target=work, name="tailrace-runner", daemon=True)
     # Start-up's OpenMP team (the weights loaded on this thread) would outlive it and make
     # libgomp throttle the runner thread's team: 70 ms CPU decode steps instead of 46
-    # (gpu/openmp.py). Nothing on this thread runs parallel regions from here on.
+    # (gpu/kernels/cpu/openmp.py). Nothing on this thread runs parallel regions from here on.
     release_team()
     thread.start()
     dead: EngineDead | None = None

@@ -40,7 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    constraint: Constraint | None = None           # structured output (gpu/grammar.py compiles it)
+    constraint: Constraint | None = None           # structured output (gpu/worker/grammar.py compiles it)
     prompt_logprobs: int | None = None             # the prompt tokens' logprobs (top k); None: off
     # use_beam_search: the beam width (the request's n; stages/schedule/beam.py); 0: off
     beam_width: int = 0

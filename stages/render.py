@@ -14,8 +14,8 @@ import attrs
 import jinja2
 
 from gpu.interface import LoRARef, SamplingOptions
-from gpu.lora_spec import LoRARegistry
-from gpu.pooling_config import PoolingSpec
+from gpu.lora.spec import LoRARegistry
+from gpu.config.pooling import PoolingSpec
 from stages.api import harmony
 from stages.api import APIS, chat
 from stages.api.common import PromptPlan, RequestError, ToolSettings, parse_request, usage_flags
@@ -33,8 +33,8 @@ from stages.lib.vision_prompt import check_limit, expand, image_parts, load_imag
 from stages.messages import PoolingWork, RenderedRequest, ReplySpec, SamplingParams, Submission
 
 if TYPE_CHECKING:
-    from gpu.tokenizer import Tokenizer
-    from gpu.vision_config import VisionSpec
+    from gpu.tokenizers.tokenizer import Tokenizer
+    from gpu.config.vision import VisionSpec
 
 __all__ = ["RenderContext", "RequestError", "render", "run"]
 
@@ -62,7 +62,7 @@ class RenderContext:
     media: MediaSettings = MediaSettings()   # fetching pictures: the media flags
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
     max_logprobs: int = 20               # --max-logprobs: alternatives per token (-1: all)
-    # --enable-lora: the served adapters (gpu/lora_spec.py LoRARegistry, changed at run time
+    # --enable-lora: the served adapters (gpu/lora/spec.py LoRARegistry, changed at run time
     # by the load/unload endpoints); a request's `model` may name one
     loras: LoRARegistry | None = None
     kv_transfer: KVTransferConfig | None = None   # --kv-transfer-config: the KV connector's roles
@@ -414,7 +414,7 @@ def _truncated(ids: list[int], plan: PromptPlan, ctx: RenderContext) -> list[int
 
 
 def _mistral_ids(plan: PromptPlan, ctx: RenderContext) -> list[int]:
-    """--tokenizer-mode mistral: mistral-common's encoding of the chat (gpu/mistral.py),
+    """--tokenizer-mode mistral: mistral-common's encoding of the chat (gpu/tokenizers/mistral.py),
     as vLLM's; what it refuses is a 400 with its reason."""
     if plan.chat_template is not None:
         raise RequestError("This server renders chats with mistral-common (--tokenizer-mode "

@@ -23,7 +23,7 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm():
     """The bundled SmolLM2-135M-Instruct, loaded once per test session (fp32, CPU)."""
-    from gpu.loader import load_model
+    from gpu.loader.decoder import load_model
 
     return load_model(None, dtype="float32", device="cpu", progress=False)
 

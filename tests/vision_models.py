@@ -29,7 +29,7 @@ def make_llava(out_dir: Path, seed: int = 0, tower: str = "clip"):
     import transformers
     from tokenizers import AddedToken
 
-    from gpu.tokenizer_files import load_tokenizer
+    from gpu.tokenizers.files import load_tokenizer
 
     hf = load_tokenizer(None).hf
     hf.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
@@ -117,7 +117,7 @@ def make_qwen2_5_vl(out_dir: Path, seed: int = 0):
     import transformers
     from tokenizers import AddedToken
 
-    from gpu.tokenizer_files import load_tokenizer
+    from gpu.tokenizers.files import load_tokenizer
 
     hf = load_tokenizer(None).hf
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (

@@ -10,8 +10,8 @@ import os
 
 import attrs
 
-from gpu.names import DTYPE_ALIASES, DTYPE_NAMES, FAULT_KINDS, LOAD_FORMATS, QUANTIZATIONS, SIMULATED_GPUS
-from gpu.pooling_config import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
+from gpu.config.names import DTYPE_ALIASES, DTYPE_NAMES, FAULT_KINDS, LOAD_FORMATS, QUANTIZATIONS, SIMULATED_GPUS
+from gpu.config.pooling import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
 from stages.lib.kv_transfer import ABORT_TIMEOUT_ENV, KVTransferConfig
 from stages.schedule.drafter import MODEL_METHODS, SpeculativeConfig
 from stages.schedule.priority import POLICIES
@@ -94,7 +94,7 @@ class EngineConfig:
     max_queued_requests: int = attrs.field(default=1024, validator=positive)
     # fcfs, or priority: a request's `priority` orders it (lower first), preempting (issue 37)
     scheduling_policy: str = attrs.field(default="fcfs", validator=attrs.validators.in_(POLICIES))
-    # POST /sleep, /wake_up, GET /is_sleeping: the runner lets go of its memory (gpu/sleep.py)
+    # POST /sleep, /wake_up, GET /is_sleeping: the runner lets go of its memory (gpu/worker/sleep.py)
     enable_sleep_mode: bool = False
     reasoning_parser: str | None = attrs.field(   # None or one of REASONING_PARSERS (<think> tags)
         default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))
@@ -126,10 +126,10 @@ class EngineConfig:
     encoder_cache_size: int = attrs.field(default=64, validator=positive)
     tokenizer: str | None = None              # .gguf file or HF directory; None: the model's
     # auto: the model's tokenizer.json (or GGUF); mistral: its tekken.json or SentencePiece
-    # tokenizer.model[.vN] through mistral-common, chats rendered by mistral-common (gpu/mistral.py)
+    # tokenizer.model[.vN] through mistral-common, chats rendered by mistral-common (gpu/tokenizers/mistral.py)
     tokenizer_mode: str = attrs.field(default="auto",
                                       validator=attrs.validators.in_(("auto", "mistral")))
-    simulate_gpu: str | None = attrs.field(   # None or one of gpu.simulate.GPUS (gpu.names.SIMULATED_GPUS): a timed stand-in
+    simulate_gpu: str | None = attrs.field(   # None or one of gpu.worker.simulate.GPUS (gpu.config.names.SIMULATED_GPUS): a timed stand-in
         default=None, validator=attrs.validators.optional(attrs.validators.in_(SIMULATED_GPUS)))
     skip_tokenizer_init: bool = False         # serve token ids only, without a tokenizer
     fault_steps: str = attrs.field(default="", validator=_fault_steps)   # tests only: "3,7:fatal"
@@ -161,7 +161,7 @@ class EngineConfig:
 
     @property
     def pooling(self) -> bool:
-        """Served by the pooling runner (gpu/pooling_runner.py): embeddings, scores, classes."""
+        """Served by the pooling runner (gpu/worker/pooling_runner.py): embeddings, scores, classes."""
         if self.runner != "auto":
             return self.runner == "pooling"
         return self.convert in ("embed", "classify") or detect_runner(self.model) == "pooling"

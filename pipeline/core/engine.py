@@ -20,11 +20,11 @@ import attrs
 import torch
 import trio
 
-from gpu.loader import LoadedModel
-from gpu.pooling_loader import LoadedPooling
-from gpu.pooling_runner import PoolingRunner
-from gpu.runner import ModelRunner
-from gpu.simulate import SimulatedRunner
+from gpu.loader.decoder import LoadedModel
+from gpu.loader.pooling import LoadedPooling
+from gpu.worker.pooling_runner import PoolingRunner
+from gpu.worker.runner import ModelRunner
+from gpu.worker.simulate import SimulatedRunner
 from pipeline.core.assembly import (RequestSideSpec, core_admission, inbox_channel, running,
                                     start_engine_core, start_request_side)
 from pipeline.core.client import EngineClient
@@ -107,7 +107,7 @@ async def open_engine(config: EngineConfig, loaded: LoadedModel | None = None, *
     """Load the model, start the eight stages, yield the running Engine; on exit cancel
     the stages and close the event log.
 
-    ``loaded`` (a gpu.loader.LoadedModel) skips loading: tests share one model. Loading
+    ``loaded`` (a gpu.loader.decoder.LoadedModel) skips loading: tests share one model. Loading
     runs in a worker thread that a cancellation (Ctrl-C) abandons rather than waits for.
     ``secrets`` (the API keys) are never written to the event log.
     """

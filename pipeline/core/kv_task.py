@@ -1,5 +1,5 @@
 """The KV connector's task in the engine core (issue 36), beside schedule: the prefill
-side's side channel (gpu/kv_side_channel.py has its messages; `serve_side_channel`: the cache's NIXL
+side's side channel (gpu/kv_transfer/side_channel.py has its messages; `serve_side_channel`: the cache's NIXL
 layout for a decode side, and frees from a decode side that refused a request) and the
 watch on NIXL's notifications (a decode side's read has landed). Either way the held
 blocks are freed by a `KVRelease` in schedule's inbox, as every change to the scheduler
@@ -12,7 +12,7 @@ import logging
 
 import trio
 
-from gpu.kv_side_channel import SIDE_CHANNEL_TIMEOUT_S
+from gpu.kv_transfer.side_channel import SIDE_CHANNEL_TIMEOUT_S
 from stages.messages import KVRelease
 
 log = logging.getLogger("tailrace.kv")

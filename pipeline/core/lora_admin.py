@@ -2,11 +2,11 @@
 /v1/unload_lora_adapter do to a one-process engine (web/lora_routes.py answers them).
 
 Load: the adapter folder is checked in a worker thread (its config against the model and
---max-lora-rank, its tensors' names and shapes, gpu/lora.py) before its name is served; the
+--max-lora-rank, its tensors' names and shapes, gpu/lora/adapters.py) before its name is served; the
 runner loads the weights on the first step that uses it. Unload: the name stops being
 served at once (a new request naming it gets the 404 of an unknown model); requests
 already admitted with it run to their end on its weights, which the runner drops when the
-last of them is released (gpu/lora.py LoRAManager.forget). A reload under the same name gets
+last of them is released (gpu/lora/adapters.py LoRAManager.forget). A reload under the same name gets
 a new id: its sequences share no prefix-cache block and no loaded weights with the old one.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import trio
 
-from gpu.lora import LoRAError, LoRANotFound, load_adapter, read_adapter_config
+from gpu.lora.adapters import LoRAError, LoRANotFound, load_adapter, read_adapter_config
 from stages.api.common import RequestError
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from gpu.lora_spec import LoRAModule, parse_lora_module
+from gpu.lora.spec import LoRAModule, parse_lora_module
 
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"

@@ -1,5 +1,5 @@
 """Start-up of a pooling server (--runner pooling, issue 32): the pooling model
-(gpu/pooling_loader.py), its runner (no KV cache), and the PoolingScheduler.
+(gpu/loader/pooling.py), its runner (no KV cache), and the PoolingScheduler.
 
 The block manager is a stand-in that holds no memory: it is sized to the step's token
 budget so that admission's capacity rule (a request's longest sequence must fit) reads
@@ -28,10 +28,10 @@ def pooling_budget(cfg: EngineConfig, max_model_len: int) -> int:
 
 
 def build_pooling(cfg: EngineConfig, device: torch.device) -> Built:
-    from gpu.loader import choose_dtype, cpu_threads
-    from gpu.pooling_loader import load_pooling_model
-    from gpu.pooling_runner import PoolingRunner
-    from gpu.tokenizer_files import load_tokenizer
+    from gpu.loader.decoder import choose_dtype, cpu_threads
+    from gpu.loader.pooling import load_pooling_model
+    from gpu.worker.pooling_runner import PoolingRunner
+    from gpu.tokenizers.files import load_tokenizer
 
     t0 = time.perf_counter()
     dtype, why = choose_dtype(cfg.dtype, device)

@@ -18,16 +18,16 @@ import attrs
 import jinja2
 import torch
 
-from gpu.attention import KVCache
-from gpu.grammar import GrammarCompiler
-from gpu.harmony import uses_harmony
+from gpu.layers.attention import KVCache
+from gpu.worker.grammar import GrammarCompiler
+from gpu.tokenizers.harmony import uses_harmony
 from gpu.interface import TPLost
-from gpu.loader import LoadedModel
-from gpu.openmp import release_team
-from gpu.pooling_config import PoolingSpec
+from gpu.loader.decoder import LoadedModel
+from gpu.kernels.cpu.openmp import release_team
+from gpu.config.pooling import PoolingSpec
 from gpu.parallel import SINGLE, TP
-from gpu.runner import ModelRunner
-from gpu.simulate import GPUS, CostModel, SimulatedRunner, StandInDraft, ordinary_token_ids
+from gpu.worker.runner import ModelRunner
+from gpu.worker.simulate import GPUS, CostModel, SimulatedRunner, StandInDraft, ordinary_token_ids
 from pipeline.core.config import EngineConfig
 from pipeline.core.events import EventLog, make_header
 from stages.api.common import ToolSettings
@@ -94,16 +94,16 @@ class Built:
     scheduler: Scheduler
     parsers: Parsers
     pooling: PoolingSpec | None = None   # a pooling model's behaviour (pipeline/core/pooling.py)
-    sleeper: object | None = None        # --enable-sleep-mode: gpu/sleep.py's Sleeper
-    loras: Any = None    # --enable-lora: the served adapters (gpu.lora_spec.LoRARegistry)
-    kv_connector: Any = None   # --kv-transfer-config: gpu/kv_connector.py's KVConnector
+    sleeper: object | None = None        # --enable-sleep-mode: gpu/worker/sleep.py's Sleeper
+    loras: Any = None    # --enable-lora: the served adapters (gpu.lora.spec.LoRARegistry)
+    kv_connector: Any = None   # --kv-transfer-config: gpu/kv_transfer/connector.py's KVConnector
 
 
 @attrs.frozen
 class Ranks:
     """This process's place among the tensor-parallel ranks (issue 25)."""
     tp: TP
-    plan: Any        # the gloo group each step's inputs are broadcast over (gpu/tp_runner.py)
+    plan: Any        # the gloo group each step's inputs are broadcast over (gpu/worker/tp.py)
 
 
 def join_ranks(cfg: EngineConfig, device: torch.device, rank: int, init_method: str,
@@ -111,7 +111,7 @@ def join_ranks(cfg: EngineConfig, device: torch.device, rank: int, init_method: 
     """Join the TP group as `rank` (every rank, in the same order). On the CPU each rank
     gets its share of the cores (unless OMP_NUM_THREADS says): N ranks each with every
     core would fight over them."""
-    from gpu.tp_runner import join
+    from gpu.worker.tp import join
 
     size = cfg.tensor_parallel_size
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -140,7 +140,7 @@ def check_tensor_parallel(cfg: EngineConfig, device: torch.device) -> None:
 
 def load_weights(cfg: EngineConfig, device: torch.device, tp: TP = SINGLE) -> LoadedModel:
     """The model's weights (this rank's shard under tensor parallelism) and tokenizer."""
-    from gpu.loader import choose_dtype, choose_residual_dtype, cpu_threads, load_model
+    from gpu.loader.decoder import choose_dtype, choose_residual_dtype, cpu_threads, load_model
 
     dtype, why = choose_dtype(cfg.dtype, device)
     residual, rwhy = choose_residual_dtype(cfg.residual_dtype, dtype, device)
@@ -164,7 +164,7 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
     smallest rank's memory holds) and the runner over it: (runner, cache, full-layer
     blocks). The cache is returned apart: tests stand a scripted runner in for ModelRunner.
     Every rank runs it, in step: the CUDA profiling and graph capture run collectives."""
-    from gpu.tp_runner import StepBroadcast, min_over_ranks
+    from gpu.worker.tp import StepBroadcast, min_over_ranks
 
     mc = loaded.config
     draft = load_draft(cfg, loaded, device)
@@ -173,7 +173,7 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
         draft.config.num_hidden_layers, cfg.block_size, draft.model.local_kv_heads,
         draft.config.head_dim, draft.model.dtype)
     if head is not None:
-        from gpu.eagle import head_kv_bytes_per_block
+        from gpu.worker.spec_decode.eagle import head_kv_bytes_per_block
         extra = head_kv_bytes_per_block(head.spec, cfg.block_size, head.fc.weight.dtype)
     lora = lora_manager(cfg, loaded, device)    # before sizing: the Triton path's slots are memory
     num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg), extra)
@@ -186,7 +186,7 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
     broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
     drafting = None
     if draft is not None:
-        from gpu.draft import DraftModel
+        from gpu.worker.spec_decode.draft import DraftModel
         dc = draft.config
         drafting = DraftModel(draft.model, KVCache(
             dc.num_hidden_layers, num_blocks, cfg.block_size, draft.model.local_kv_heads,
@@ -197,7 +197,7 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
                  str(draft.model.dtype).removeprefix("torch."), num_blocks, extra * num_blocks / 2**20,
                  drafting.cost)
     if head is not None:
-        from gpu.eagle import EagleDrafter
+        from gpu.worker.spec_decode.eagle import EagleDrafter
         hc = head.config
         dtype = head.fc.weight.dtype
         drafting = EagleDrafter(head, KVCache(
@@ -219,18 +219,18 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
 
 
 def verify_graph_tokens(cfg: EngineConfig) -> int:
-    """Tokens a sequence of the verify steps' CUDA graphs (gpu/cuda_graphs.py VerifyGraphs,
+    """Tokens a sequence of the verify steps' CUDA graphs (gpu/worker/cuda_graphs.py VerifyGraphs,
     which the stand-in prices alike): K + 1 with speculation and graphs on, else 0."""
     spec = cfg.speculative_config
     return 0 if spec is None or cfg.enforce_eager else spec.num_speculative_tokens + 1
 
 
 def lora_manager(cfg: EngineConfig, loaded: LoadedModel, device: torch.device):
-    """--enable-lora: the runner's gpu.lora.LoRAManager (hooks on the model's linears)."""
+    """--enable-lora: the runner's gpu.lora.adapters.LoRAManager (hooks on the model's linears)."""
     if not cfg.enable_lora:
         return None
-    from gpu.lora import LoRAManager
-    from gpu.loader import resolve_dtype
+    from gpu.lora.adapters import LoRAManager
+    from gpu.loader.decoder import resolve_dtype
 
     dtype = loaded.model.dtype if cfg.lora_dtype == "auto" else resolve_dtype(cfg.lora_dtype, device)
     return LoRAManager(loaded.model, max_loras=cfg.max_loras,
@@ -243,8 +243,8 @@ def lora_registry(cfg: EngineConfig, loaded: LoadedModel, base_name: str, runner
     against the model and --max-lora-rank, its tensors' names and shapes) before serving."""
     if not cfg.enable_lora:
         return None
-    from gpu.lora import load_adapter, read_adapter_config
-    from gpu.lora_spec import LoRARegistry
+    from gpu.lora.adapters import load_adapter, read_adapter_config
+    from gpu.lora.spec import LoRARegistry
 
     registry = LoRARegistry(base_name, cfg.max_loras)
     manager = getattr(runner, "lora", None)
@@ -263,13 +263,13 @@ def lora_registry(cfg: EngineConfig, loaded: LoadedModel, base_name: str, runner
 
 
 def load_draft(cfg: EngineConfig, loaded: LoadedModel, device: torch.device) -> LoadedModel | None:
-    """method draft_model's draft (gpu/draft.py), checked against the target: a missing
+    """method draft_model's draft (gpu/worker/spec_decode/draft.py), checked against the target: a missing
     path or another vocabulary is a start-up error that names it."""
     spec = cfg.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    from gpu.draft import check_draft
-    from gpu.loader import load_model
+    from gpu.worker.spec_decode.draft import check_draft
+    from gpu.loader.decoder import load_model
 
     path = Path(spec.model).expanduser()
     if not path.exists():
@@ -285,14 +285,14 @@ def load_draft(cfg: EngineConfig, loaded: LoadedModel, device: torch.device) -> 
 
 
 def load_eagle_head(cfg: EngineConfig, loaded: LoadedModel, device: torch.device):
-    """methods eagle and eagle3: the head (gpu/eagle.py), checked against the target: a
+    """methods eagle and eagle3: the head (gpu/worker/spec_decode/eagle.py), checked against the target: a
     missing folder or file, another vocabulary or hidden size is a start-up error that
     names it."""
     spec = cfg.speculative_config
     if spec is None or spec.method not in ("eagle", "eagle3"):
         return None
-    from gpu.eagle import load_head
-    from gpu.loader import resolve_dtype
+    from gpu.worker.spec_decode.eagle import load_head
+    from gpu.loader.decoder import resolve_dtype
 
     dtype = (loaded.model.dtype if spec.dtype in (None, "auto")
              else resolve_dtype(spec.dtype, device))
@@ -300,7 +300,7 @@ def load_eagle_head(cfg: EngineConfig, loaded: LoadedModel, device: torch.device
 
 
 def make_kv_connector(cfg: EngineConfig, runner, ranks: Ranks | None):
-    """--kv-transfer-config: this rank's gpu/kv_connector.py KVConnector on its cache shard,
+    """--kv-transfer-config: this rank's gpu/kv_transfer/connector.py KVConnector on its cache shard,
     set as the runner's (None without the flag). Every rank calls it, in the same order
     (after make_runner, before any step): under tensor parallelism the ranks' layouts are
     gathered to rank 0, whose side channel serves them all, and rank 0's runner gets the
@@ -309,18 +309,18 @@ def make_kv_connector(cfg: EngineConfig, runner, ranks: Ranks | None):
     is off."""
     tp = ranks.tp if ranks is not None else SINGLE
     if tp.size > 1:   # a worker started by hand without the flag would be out of step
-        from gpu.tp_runner import same_on_every_rank
+        from gpu.worker.tp import same_on_every_rank
 
         same_on_every_rank(cfg.kv_transfer_config is not None, ranks.plan,
                            "--kv-transfer-config")
     if cfg.kv_transfer_config is None:
         return None
-    from gpu.kv_connector import KVConnector, TPKVConnector
+    from gpu.kv_transfer.connector import KVConnector, TPKVConnector
 
     connector = KVConnector(cfg.kv_transfer_config, runner.cache, tp.rank, tp.size)
     runner.kv_connector = connector
     if tp.size > 1:
-        from gpu.tp_runner import gather_layouts
+        from gpu.worker.tp import gather_layouts
 
         layouts = gather_layouts(connector.own_layout, ranks.plan)
         if tp.rank == 0:     # served under rank 0's engine id, whatever a worker was given
@@ -340,8 +340,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
           ranks: Ranks | None = None) -> Built:
     """Weights, tokenizer, KV cache, runner, scheduler. `ranks`: rank 0's place among the
     tensor-parallel ranks, whose workers build their shard alongside (pipeline/layouts/tp_worker.py)."""
-    from gpu.loader import load_shell, merge_eos_ids
-    from gpu.tokenizer_files import implied_tokenizer, load_tokenizer
+    from gpu.loader.decoder import load_shell, merge_eos_ids
+    from gpu.tokenizers.files import implied_tokenizer, load_tokenizer
 
     if cfg.pooling:
         from pipeline.core.pooling import build_pooling
@@ -355,7 +355,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         loaded = load_weights(cfg, device, ranks.tp if ranks is not None else SINGLE)
     tok = None
     if cfg.tokenizer_mode == "mistral" and not cfg.skip_tokenizer_init:
-        from gpu.mistral import MistralTokenizer
+        from gpu.tokenizers.mistral import MistralTokenizer
         tok = MistralTokenizer(cfg.tokenizer or cfg.model)
     elif cfg.tokenizer:
         tok = load_tokenizer(cfg.tokenizer)
@@ -406,7 +406,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     # async scheduling plans a step ahead (EngineConfig turns it off with speculation)
     scheduler_class = AsyncScheduler if cfg.async_scheduling else Scheduler
     # n-gram drafts with async scheduling: a step with drafts is planned ahead as well, its
-    # chunks floating (gpu/staging.py float_chunks), when the runner can fill them
+    # chunks floating (gpu/worker/staging.py float_chunks), when the runner can fill them
     floating = cfg.async_scheduling and spec is not None and hasattr(runner, "ngram")
     if floating:
         runner.floating = True
@@ -455,11 +455,11 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     log.info("loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens",
              model_names[0], mc.architecture, device, time.perf_counter() - t0,
              num_blocks, cfg.block_size)
-    # this thread's OpenMP team would throttle the runner thread's (gpu/openmp.py)
+    # this thread's OpenMP team would throttle the runner thread's (gpu/kernels/cpu/openmp.py)
     release_team()
     sleeper = None
     if cfg.enable_sleep_mode:
-        from gpu.sleep import Sleeper
+        from gpu.worker.sleep import Sleeper
         sleeper = Sleeper(runner, None if cfg.simulate_gpu else
                           lambda: load_weights(cfg, device).model)
     return Built(loaded=loaded, model_names=model_names, max_model_len=max_model_len,
@@ -483,10 +483,10 @@ def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | Non
 def hybrid_kv(cfg: EngineConfig, mc, num_blocks: int) -> tuple[int, tuple[int, ...], int]:
     """The KV sizing of a model with sliding-window layers (gpt-oss): the memory of
     `num_blocks` plain blocks as (full-layer blocks, sliding layers, sliding slots)
-    (gpu/attention.py hybrid_layout); unchanged without them or with
+    (gpu/layers/attention.py hybrid_layout); unchanged without them or with
     --disable-hybrid-kv-cache-manager. With --num-gpu-blocks-override the full layers get
     that many blocks."""
-    from gpu.attention import hybrid_layout
+    from gpu.layers.attention import hybrid_layout
 
     if cfg.disable_hybrid_kv_cache_manager:
         return num_blocks, (), 0
@@ -519,7 +519,7 @@ def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
     if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, cfg.kv_cache_memory_bytes // per_block)
     if device.type == "cuda":
-        from gpu.profiling import kv_budget_bytes, profile_step_bytes
+        from gpu.worker.profiling import kv_budget_bytes, profile_step_bytes
 
         peak = profile_step_bytes(loaded.model, block_size=cfg.block_size, max_tokens=step_tokens,
                                   max_seqs=cfg.max_num_seqs, device=device)
@@ -571,7 +571,7 @@ def chat_template_source(value: str | None) -> str | None:
 
 def event_log_header(cfg: EngineConfig, built: Built) -> dict:
     """The event log's header line (docs/events.md): every process's file starts with it."""
-    from gpu.tokenizer_files import default_model_path
+    from gpu.tokenizers.files import default_model_path
 
     return make_header(
         cfg, model_path=str(cfg.model or built.loaded.path or default_model_path()),

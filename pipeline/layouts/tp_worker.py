@@ -1,5 +1,5 @@
 """A tensor-parallel worker rank (1..N-1): load this rank's shard, size its KV cache with the
-other ranks, then run every step rank 0 broadcasts (gpu/tp_runner.py follow) until the stop
+other ranks, then run every step rank 0 broadcasts (gpu/worker/tp.py follow) until the stop
 message. Rank 0 starts it (pipeline/layouts/tp_procs.py); on another host, start it by hand or
 with torchrun (docs/scaling.md):
 
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(cfg, rank: int, init_method: str, local_rank: int) -> int:
     from gpu.parallel import destroy_group
-    from gpu.tp_runner import follow
+    from gpu.worker.tp import follow
     from pipeline.core.startup import (join_ranks, load_weights, make_kv_connector,
                                        make_runner, pick_device, rank_device,
                                        resolve_max_model_len)

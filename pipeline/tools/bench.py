@@ -20,8 +20,8 @@ import attrs
 import trio
 from tqdm import tqdm
 
-from gpu.runner import ModelRunner
-from gpu.simulate import SimulatedRunner
+from gpu.worker.runner import ModelRunner
+from gpu.worker.simulate import SimulatedRunner
 from pipeline.core.config import EngineConfig, add_engine_arguments, engine_config
 from pipeline.core.engine import open_engine
 from pipeline.core.reply import describe
@@ -209,10 +209,10 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
 
 
 def _compiles(runner) -> int | None:
-    """Triton kernels compiled so far (gpu/kernels/compile_count.py); None without Triton."""
+    """Triton kernels compiled so far (gpu/kernels/triton/compile_count.py); None without Triton."""
     if not (isinstance(runner, ModelRunner) and runner.use_triton):
         return None
-    from gpu.kernels.compile_count import compiled_kernels
+    from gpu.kernels.triton.compile_count import compiled_kernels
     return compiled_kernels()
 
 

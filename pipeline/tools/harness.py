@@ -59,7 +59,7 @@ async def run_stage(stage: Callable[..., Awaitable[None]], *, inputs: dict[str, 
 
 
 class ScriptedRunner:
-    """Stands in for gpu.runner.ModelRunner: returns scripted tokens per sequence."""
+    """Stands in for gpu.worker.runner.ModelRunner: returns scripted tokens per sequence."""
 
     def __init__(self, script: Callable[[str, int], int]) -> None:
         self.script = script           # (seq_id, output index) -> token id

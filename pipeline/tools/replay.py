@@ -187,7 +187,7 @@ def _show(data: bytes, limit: int = 400) -> str:
 
 def _setup(args: argparse.Namespace, log: Log) -> tuple[object, str | None, list[str]]:
     """The tokenizer and reasoning parser: the header's, or the flags' (noted)."""
-    from gpu.tokenizer_files import load_tokenizer
+    from gpu.tokenizers.files import load_tokenizer
     from pipeline.core.events import tokenizer_hash
     from stages.api.tool_parsers import load_plugin
 

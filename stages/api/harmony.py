@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from gpu.harmony import harmony_encoding, uses_harmony
+from gpu.tokenizers.harmony import harmony_encoding, uses_harmony
 from stages.api.chat import Arguments
 from stages.api.common import RequestError
 from stages.api.tool_parsers import ToolCall

@@ -4,7 +4,7 @@
 Each request becomes a `PoolingPlan`: the inputs to run (a text, token ids, or a text
 pair for a cross-encoder), one sequence each, what each asks of the runner
 (`PoolingOptions`) and what the reply needs (`PoolingReply`). Render tokenizes the inputs
-(stages/render.py); the runner pools each into a float32 vector (gpu/pooling_runner.py);
+(stages/render.py); the runner pools each into a float32 vector (gpu/worker/pooling_runner.py);
 the framer here turns the request's vectors into its one JSON body.
 
 Scores: a bi-encoder (an embedding model) scores a pair by the cosine of its two
@@ -23,7 +23,7 @@ import numpy as np
 import orjson
 
 from gpu.interface import PoolingOptions
-from gpu.pooling_config import PoolingConfigError, PoolingSpec, check_dimensions
+from gpu.config.pooling import PoolingConfigError, PoolingSpec, check_dimensions
 from stages.api.common import Invalid, RequestError, one_of, opt, server_error
 from stages.api.framing import Framer, json_body
 from stages.api.request_types import ChatMessage

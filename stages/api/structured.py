@@ -144,7 +144,7 @@ def refusal(constraint: Constraint) -> RequestError | None:
     does. Called by admit (stages/admit.py), in the engine's process: xgrammar imports
     torch, which a frontend process (--api-server-count) never loads. Rendering stays
     torch-free; the refusal still comes before the response starts."""
-    from gpu.grammar import check
+    from gpu.worker.grammar import check
     try:
         check(constraint)
     except GrammarError as exc:

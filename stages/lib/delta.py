@@ -137,7 +137,7 @@ class Delta:
     usage: Usage | None = None
     metrics: RequestMetrics | None = None      # the finished request's timings, when asked for
     # -- a pooling sequence's one delta (schedule, from StepResult.pooled): its vector,
-    # float32 little-endian (gpu/pooling_runner.py)
+    # float32 little-endian (gpu/worker/pooling_runner.py)
     pooled: bytes | None = None
     # -- the KV connector's reply params (issue 36): on a prefill instance's finishing delta
     # of a request with do_remote_decode, what the decode instance needs (vLLM's keys)

@@ -1,6 +1,6 @@
 """Pictures to pixel values, torch-free (numpy and Pillow), in render (issue 34): decode,
 convert to RGB, resize, centre crop, rescale and normalise as the model's image processor
-(gpu/vision_config.py `ImageProcessing`) says, the steps and rounding of transformers'
+(gpu/config/vision.py `ImageProcessing`) says, the steps and rounding of transformers'
 CLIPImageProcessor and SiglipImageProcessor (their PIL backends; SigLIP's resizes to
 height x width and crops nothing), so the pixel values are the Hugging Face processor's.
 A content hash names each picture: the encoder cache and the prefix cache key on it."""
@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
-from gpu.vision_config import ImageProcessing, QwenImageProcessing
+from gpu.config.vision import ImageProcessing, QwenImageProcessing
 
 MAX_PIXELS = 64_000_000     # a decoded picture larger than this is refused (a decompression bomb)
 

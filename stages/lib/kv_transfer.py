@@ -18,12 +18,12 @@ The protocol is vLLM's NixlConnector's, field for field:
 The side channel: a TCP listener of the prefill instance's engine at `remote_host`:
 `remote_port` (vLLM's `VLLM_NIXL_SIDE_CHANNEL_HOST`/`_PORT`). One JSON line in, one out,
 per connection: `{"op": "layout"}` answers the engine's id and its KV cache's NIXL layout
-(the agent's metadata and the tensors' addresses, gpu/kv_transfer.py `Layout`), which the
+(the agent's metadata and the tensors' addresses, gpu/kv_transfer/nixl.py `Layout`), which the
 decode side reads before each transfer; `{"op": "free", "request_id": ID}` frees a held
 request at once (a decode side that refused it). A finished read frees too, by the NIXL
 notification the read carries (the request id); under tensor parallelism, where every rank
 reads its own shard, the decode side's rank 0 sends that notification once every rank's
-read has landed (gpu/kv_connector.py)."""
+read has landed (gpu/kv_transfer/connector.py)."""
 from __future__ import annotations
 
 import json
@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from gpu.kv_side_channel import send_free
+from gpu.kv_transfer.side_channel import send_free
 
 KV_CONNECTORS = ("NixlConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

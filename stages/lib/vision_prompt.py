@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from gpu.interface import ImageInput
-from gpu.vision_config import QwenImageProcessing, VisionSpec
+from gpu.config.vision import QwenImageProcessing, VisionSpec
 from stages.lib import images as imaging
 from stages.lib.media import MediaError, MediaSettings, load
 

@@ -88,7 +88,7 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
     planned and sent while the current one runs. Results come back in plan order.
 
     Control messages (issue 37): a prefix-cache reset happens as it comes; a sleep waits
-    until no step is in flight and nothing runs, then `sleeper` (gpu/sleep.py, None without
+    until no step is in flight and nothing runs, then `sleeper` (gpu/worker/sleep.py, None without
     --enable-sleep-mode) lets go of the runner's memory in a worker thread, and nothing is
     planned until the wake-up (requests that arrive meanwhile wait)."""
     depth = scheduler.max_in_flight

@@ -22,7 +22,7 @@ class AsyncScheduler(Scheduler):
 
     def __init__(self, *args, floating: bool = False, **kwargs) -> None:
         """floating: with n-gram speculation and a runner that fills floating chunks
-        (gpu/staging.py float_chunks), steps with drafts are planned ahead as well."""
+        (gpu/worker/staging.py float_chunks), steps with drafts are planned ahead as well."""
         super().__init__(*args, **kwargs)
         self.floating = floating and self.speculation is not None
         self.num_floated = 0                 # floating chunks planned (tests, debugging)

@@ -2,7 +2,7 @@
 
 The scheduler asks a `Drafter` for up to K tokens to follow a sequence's tokens; the
 runner scores the sequence's last token and the drafts in one forward pass and keeps the
-drafts while each equals the token it samples at that position (gpu/sampler.py,
+drafts while each equals the token it samples at that position (gpu/worker/sampler.py,
 `verify`). A draft only saves time; it never changes what is sampled.
 
 `NgramDrafter` is prompt lookup (vLLM's "ngram" method): the longest suffix of the tokens
@@ -12,10 +12,10 @@ occurrence. Each sequence keeps an index (n-gram -> where it first ended), grown
 tokens added since its last lookup, so a lookup costs O(new tokens), not O(context).
 
 `"method": "draft_model"` drafts with a smaller model of the same vocabulary, which runs
-in the GPU stage beside the target (gpu/draft.py): its `ModelDrafter` here only says how
+in the GPU stage beside the target (gpu/worker/spec_decode/draft.py): its `ModelDrafter` here only says how
 many drafts a decode carries, as DRAFT placeholders the runner fills in before it verifies.
 `"method": "eagle"` and `"eagle3"` draft the same way, with an EAGLE head that reads the
-target's hidden states (gpu/eagle.py) in place of a draft model.
+target's hidden states (gpu/worker/spec_decode/eagle.py) in place of a draft model.
 """
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ class StandInDrafter(NgramDrafter):
     def __init__(self, config: SpeculativeConfig) -> None:
         super().__init__(config)
         # method draft_model: the stand-in prices the draft's forwards and catch-ups
-        # (gpu/simulate.py StandInDraft), which the gate's probes take into account
+        # (gpu/worker/simulate.py StandInDraft), which the gate's probes take into account
         self.catches_up = config.method == "draft_model"
 
     def propose(self, seq_id: str, token_ids: list[int], k: int) -> tuple[int, ...]:
@@ -190,11 +190,11 @@ class StandInDrafter(NgramDrafter):
 
 class ModelDrafter:
     """methods draft_model, eagle and eagle3, the scheduler's half: every decode offered
-    drafts carries k DRAFT placeholders, which the draft model (gpu/draft.py) or the EAGLE
-    head (gpu/eagle.py) fills in the GPU step. A draft model catches its KV up to a
+    drafts carries k DRAFT placeholders, which the draft model (gpu/worker/spec_decode/draft.py) or the EAGLE
+    head (gpu/worker/spec_decode/eagle.py) fills in the GPU step. A draft model catches its KV up to a
     sequence's tokens when the sequence drafts (its whole prompt the first time), which
     the cost gate's probes take into account (spec.py Speculation `LAG`); an EAGLE head
-    reads the target's states as they come (gpu/eagle.py), with little to catch up."""
+    reads the target's states as they come (gpu/worker/spec_decode/eagle.py), with little to catch up."""
 
     def __init__(self, catches_up: bool = False) -> None:
         self.catches_up = catches_up

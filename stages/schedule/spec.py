@@ -346,7 +346,7 @@ class Speculation:
         self._threshold = 0.0                  # the value a draft needs this step (gate)
         self._cap: int | None = None           # draft rows this step may still carry (gate)
         self._last_result: float | None = None  # when the last step's result came
-        # a drafter with state to catch up (a draft model's KV: gpu/draft.py): seq id ->
+        # a drafter with state to catch up (a draft model's KV: gpu/worker/spec_decode/draft.py): seq id ->
         # its tokens when it last drafted, and the sequences this step's probe may draft for
         self.catches_up = bool(getattr(drafter, "catches_up", False))
         if gate is not None and self.catches_up:   # a probe costs the draft's forwards
@@ -490,7 +490,7 @@ class Speculation:
         if self._eligible is not None and seq.id not in self._eligible:
             return ()      # a probe's, for a sequence the draft model is far behind
         # (a grammar does not stop drafting: the runner masks each verify row with the
-        # grammar walked through the drafts before it, gpu/grammar.py draft_masks)
+        # grammar walked through the drafts before it, gpu/worker/grammar.py draft_masks)
         k = min(self.k, stop.tokens_left(seq, len(seq.token_ids)) - 1, budget - 1)
         if self.gate is not None and k > 0:
             k = min(draft_len(self.acceptance(seq.id), self._threshold, k), self._cap or 0)

@@ -23,7 +23,7 @@ TOOLS = ToolSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from gpu.tokenizer_files import load_tokenizer
+    from gpu.tokenizers.files import load_tokenizer
 
     return load_tokenizer(None)
 

@@ -8,8 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
-from gpu.pooling_config import PoolingSpec
-from gpu.tokenizer import tokenizer_from_hf_dir
+from gpu.config.pooling import PoolingSpec
+from gpu.tokenizers.tokenizer import tokenizer_from_hf_dir
 from stages.api.common import RequestError, parse_request
 from stages.api.pooling import (POOLING_APIS, PoolingInput, PoolingReply, body, plan_embeddings)
 from stages.lib.pooling_inputs import input_ids

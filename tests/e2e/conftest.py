@@ -189,6 +189,6 @@ def model_name(client) -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from gpu.tokenizer_files import load_tokenizer
+    from gpu.tokenizers.files import load_tokenizer
 
     return load_tokenizer(None)

@@ -38,7 +38,7 @@ def tiny_llama(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def srv(serve_with_flags, tmp_path_factory, tiny_llama):
-    from gpu.tokenizer_files import default_model_path
+    from gpu.tokenizers.files import default_model_path
 
     gen = serve_with_flags(tmp_path_factory.mktemp("e2e-control"), tiny_llama,
                            "--tokenizer", str(default_model_path()),

@@ -20,8 +20,8 @@ def http(serve_with_flags, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner():
-    from gpu.pooling_loader import load_pooling_model
-    from gpu.pooling_runner import PoolingRunner
+    from gpu.loader.pooling import load_pooling_model
+    from gpu.worker.pooling_runner import PoolingRunner
     return PoolingRunner(load_pooling_model(None, convert="embed"))
 
 

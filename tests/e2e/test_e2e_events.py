@@ -144,7 +144,7 @@ def test_the_log_replays_byte_identical_with_no_flags(recorded, capsys):
 
 
 def _tokenizer():
-    from gpu.tokenizer_files import load_tokenizer
+    from gpu.tokenizers.files import load_tokenizer
 
     return load_tokenizer(None)
 

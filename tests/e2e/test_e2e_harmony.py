@@ -19,9 +19,9 @@ import pytest
 from openai_harmony import Message, Role
 
 import pipeline.core.startup
-from gpu.config import ModelConfig
-from gpu.harmony import harmony_encoding
-from gpu.loader import LoadedModel, load_model
+from gpu.config.model import ModelConfig
+from gpu.tokenizers.harmony import harmony_encoding
+from gpu.loader.decoder import LoadedModel, load_model
 from pipeline.tools.harness import ScriptedRunner
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))   # shared server helpers

@@ -59,7 +59,7 @@ def recorded(tmp_path_factory, serve_with_flags):
 
 
 def test_messages_replies_replay_byte_for_byte(recorded):
-    from gpu.tokenizer_files import load_tokenizer
+    from gpu.tokenizers.files import load_tokenizer
 
     log, seen = recorded
     result = replay_log(Log.read(log), load_tokenizer(None), reasoning_parser="qwen3")

@@ -1,7 +1,7 @@
 """Replay of a gpt-oss event log with no flags: a real `tailrace serve gpu/configs/gpt-oss-tiny
 --load-format dummy --event-log LOG` (Harmony, random weights) answers a streamed chat with
 tools and a Responses request; `tailrace replay LOG` then loads the Harmony tokenizer the
-config implies (gpu.tokenizer_files.load_tokenizer, as the server does) and the resolved parsers
+config implies (gpu.tokenizers.files.load_tokenizer, as the server does) and the resolved parsers
 from the header, and reproduces both replies byte for byte."""
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from gpu.loader import load_model
-from gpu.tokenizer_files import load_tokenizer
+from gpu.loader.decoder import load_model
+from gpu.tokenizers.files import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))   # shared server helpers
 from relutil import threaded_server  # noqa: E402

@@ -341,7 +341,7 @@ def test_lm_eval_loglikelihood_request(client, model_name, tokenizer, smollm):
     whether greedy decoding would produce it, against a dense forward of our own."""
     import torch
 
-    from gpu.attention_dense import DenseCausalAttention
+    from gpu.layers.attention_dense import DenseCausalAttention
 
     pairs = [("The capital of France is", " Paris"), ("One, two, three,", " banana")]
     prompts, ctxlens = [], []

@@ -8,7 +8,7 @@ import pytest
 import torch
 import trio
 
-from gpu.attention_dense import DenseCausalAttention
+from gpu.layers.attention_dense import DenseCausalAttention
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 import pipeline.core.assembly
 import pipeline.core.engine
@@ -158,8 +158,8 @@ async def test_replay_reproduces_every_byte(smollm, tmp_path):
 
 def test_paged_runner_logits_match_dense(smollm):
     """One prefill split into two chunks, then a decode, against dense attention."""
-    from gpu.attention import KVCache
-    from gpu.runner import ModelRunner
+    from gpu.layers.attention import KVCache
+    from gpu.worker.runner import ModelRunner
 
     model, mc = smollm.model, smollm.config
     ids = smollm.tokenizer.encode("The quick brown fox jumps over the lazy dog because")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from gpu.attention import KVCache
+from gpu.layers.attention import KVCache
 from pipeline.core.config import EngineConfig
 from pipeline.core.startup import _CPU_KV_DEFAULT_BYTES
 from pipeline.core.startup import num_kv_blocks as _num_kv_blocks

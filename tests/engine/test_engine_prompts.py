@@ -5,7 +5,7 @@ import orjson
 import pytest
 import torch
 
-from gpu.attention_dense import DenseCausalAttention
+from gpu.layers.attention_dense import DenseCausalAttention
 from test_engine import complete, engine_of
 
 TEXT = ("The history of the city of Paris begins with a small settlement on an island in "
@@ -132,9 +132,9 @@ async def test_replay_reproduces_prompt_lists_echo_and_prompt_logprobs(smollm, t
 def test_runner_reports_each_prompt_position_once(smollm):
     """Chunks of one prefill report the logprobs of the prompt tokens they score; a
     recompute after preemption reports none again."""
-    from gpu.attention import KVCache
+    from gpu.layers.attention import KVCache
     from gpu.interface import SeqChunk, SeqStart, StepPlan
-    from gpu.runner import ModelRunner
+    from gpu.worker.runner import ModelRunner
     from gpu.interface import SamplingOptions
 
     mc = smollm.config

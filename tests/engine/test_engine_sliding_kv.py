@@ -14,7 +14,7 @@ import pytest
 import torch
 import trio
 
-from gpu.attention import KVCache
+from gpu.layers.attention import KVCache
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 

@@ -53,7 +53,7 @@ BODIES = [
                   max_tokens=24, logprobs=True, top_logprobs=2)),
     ("completions", dict(prompt="xq zv 81 plk wre 5 mm", max_tokens=12, temperature=0.8, seed=9)),
     # constrained output drafts too: each verify row masked by the grammar walked through
-    # the drafts before it (gpu/grammar.py draft_masks)
+    # the drafts before it (gpu/worker/grammar.py draft_masks)
     ("chat", dict(messages=[{"role": "user", "content": "Repeat as JSON: " + TEXT}], max_tokens=20,
                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
                       "type": "object", "properties": {"text": {"type": "string", "maxLength": 40}},
@@ -100,7 +100,7 @@ CFGS = {"roomy": {}, "preempting": TIGHT}
 
 
 def draft_spec(**kw) -> dict:
-    from gpu.tokenizer_files import default_model_path
+    from gpu.tokenizers.files import default_model_path
 
     return {"method": "draft_model", "model": str(default_model_path()),
             "num_speculative_tokens": 3, **kw}
@@ -319,7 +319,7 @@ def test_guide_draft_masks_walk_the_grammar_and_roll_back():
     import torch
     import xgrammar as xgr
 
-    from gpu.grammar import Guide
+    from gpu.worker.grammar import Guide
 
     info = xgr.TokenizerInfo(["a", "b", "</s>", "c"], stop_token_ids=[2])
     compiled = xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.from_regex("abc"))
@@ -339,7 +339,7 @@ def test_guide_draft_masks_walk_the_grammar_and_roll_back():
     assert guide.accept(0) and guide.accept(1)
     assert not guide.matcher.accept_token(0)
     logits = torch.zeros(3, 4)
-    from gpu.grammar import mask_logits
+    from gpu.worker.grammar import mask_logits
     mask_logits(logits, [guide, None, None], [(3, 2), (), ()])   # rows 0-2: after "ab"
     assert logits[0].tolist() == [float("-inf")] * 3 + [0.0]
     assert logits[1].tolist() == [float("-inf"), float("-inf"), 0.0, float("-inf")]

@@ -117,12 +117,12 @@ async def test_replay_of_tool_calls_and_constraints(smollm, tmp_path):
 
 
 def test_constraint_starts_after_the_reasoning(smollm):
-    """gpu.grammar.Guide with stand-in think ids: <think> may open first, anything goes
+    """gpu.worker.grammar.Guide with stand-in think ids: <think> may open first, anything goes
     until </think>, then the grammar holds."""
     import torch
     import xgrammar as xgr
 
-    from gpu.grammar import GrammarCompiler, Guide, accept, mask_logits
+    from gpu.worker.grammar import GrammarCompiler, Guide, accept, mask_logits
     from gpu.interface import Constraint
 
     tok = smollm.tokenizer

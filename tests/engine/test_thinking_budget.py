@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu.attention import KVCache
+from gpu.layers.attention import KVCache
 from gpu.interface import SamplingOptions
-from gpu.loader import load_model
-from gpu.runner import ModelRunner
+from gpu.loader.decoder import load_model
+from gpu.worker.runner import ModelRunner
 sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # tests/stages' helpers
 from rendered import rendered  # noqa: E402
 from stages.schedule import AsyncScheduler, Scheduler

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from gpu.attention_dense import DenseCausalAttention
+from gpu.layers.attention_dense import DenseCausalAttention
 
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.attention import KVCache
-from gpu.attention_dense import DenseCausalAttention
-from gpu.loader import choose_dtype, cpu_has_native_bf16
-from gpu.model import CausalLM
+from gpu.layers.attention import KVCache
+from gpu.layers.attention_dense import DenseCausalAttention
+from gpu.loader.decoder import choose_dtype, cpu_has_native_bf16
+from gpu.models.causal_lm import CausalLM
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.runner import ModelRunner
+from gpu.worker.runner import ModelRunner
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis in one sentence.", "List three prime numbers.",

@@ -1,4 +1,4 @@
-"""gpu/ops.py's CPU ops through gpu/cpu_kernels.c against their torch code (the same
+"""gpu/layers/ops.py's CPU ops through gpu/kernels/cpu/ops.c against their torch code (the same
 functions with the kernels off): fp32 within 1e-6 relative (only the order of the norm's
 sum of squares differs), bf16 within one bf16 rounding (2^-8 relative)."""
 from __future__ import annotations
@@ -9,8 +9,10 @@ import sys
 import pytest
 import torch
 
-from gpu import cpu_kernels, ops
+from gpu.kernels.cpu import ops as cpu_kernels
 
+
+from gpu.layers import ops
 pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler (or TAILRACE_CPU_KERNELS=0)")
 DTYPES = [torch.float32, torch.bfloat16]
 BOUNDS = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=2.0 ** -8, atol=1e-5)}
@@ -46,11 +48,11 @@ def test_fused_add_rms_norm(torch_ops, x_dtype, r_dtype, w_dtype):
 
 
 # In a fresh interpreter (no OpenMP team yet on its main thread), with a team of two: a
-# norm under PARALLEL_MIN elements (gpu/cpu_kernels.c) starts no thread, one past it starts
+# norm under PARALLEL_MIN elements (gpu/kernels/cpu/ops.c) starts no thread, one past it starts
 # the team's worker, and the threaded result is the serial one's.
 THREADS = r"""
 import os, torch
-from gpu import cpu_kernels
+from gpu.kernels.cpu import ops as cpu_kernels
 torch.set_num_threads(2)          # the team the kernels get (libgomp's, shared with torch)
 def tasks(): return len(os.listdir("/proc/self/task"))
 k, g = cpu_kernels.kernels(), torch.Generator().manual_seed(0)
@@ -82,7 +84,7 @@ def test_a_big_norm_runs_threaded(torch_ops):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope(torch_ops, dtype):
     """q and k as the model hands them: strided views into one qkv row."""
-    from gpu.config import ModelConfig
+    from gpu.config.model import ModelConfig
     cfg = ModelConfig(architecture="llama", vocab_size=10, hidden_size=64 * 3, intermediate_size=8,
                       num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1, head_dim=64,
                       rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=300)
@@ -111,7 +113,7 @@ def test_autograd_and_odd_shapes_keep_torch():
 def test_exact_top_logits(torch_ops, w_dtype):
     """The C pass recomputes the same near-top entries as the torch code, to fp32 rounding,
     and leaves the rest alone (rows of 4099: a tail past the 16-wide loop)."""
-    from gpu.model import exact_top_logits
+    from gpu.models.causal_lm import exact_top_logits
     g = torch.Generator().manual_seed(3)
     weight = (torch.randn(4099, 64, generator=g) * 0.5).to(w_dtype)
     hidden = weight[7].float() * 2 + torch.randn(9, 64, generator=g) * 0.1

@@ -1,4 +1,4 @@
-"""The decode step's decoder stack in one C call (gpu/cpu_layer.c, issue 39) against the
+"""The decode step's decoder stack in one C call (gpu/kernels/cpu/layer.c, issue 39) against the
 per-layer packed path it replaces, on the bundled SmolLM2 GGUF through ModelRunner: the same
 greedy tokens, logits within 1e-3 (measured ~1e-4 on logits of magnitude ~20-30: the attention's
 and silu's sums round in another order), the same KV cache to 1e-4; and the steps it must leave
@@ -12,13 +12,15 @@ import subprocess
 import pytest
 import torch
 
-from gpu import cpu_layer, cpu_quant
-from gpu.attention import KVCache
-from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.loader import load_model
-from gpu.runner import ModelRunner
+from gpu.kernels.cpu import layer as cpu_layer
 
-pytestmark = pytest.mark.skipif(cpu_layer.library() is None, reason="gpu/cpu_layer.c is not built (no C compiler)")
+from gpu.kernels.cpu import quant as cpu_quant
+from gpu.layers.attention import KVCache
+from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+from gpu.loader.decoder import load_model
+from gpu.worker.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(cpu_layer.library() is None, reason="gpu/kernels/cpu/layer.c is not built (no C compiler)")
 BS, BLOCKS = 4, 8   # blocks per sequence: prompts of 3-11 tokens cross block boundaries while decoding
 
 
@@ -165,7 +167,7 @@ def _set_int16(on: int) -> bool:
 
 def test_gemm_tiles_in_the_stack(lm):
     """17 sequences (groups of 9 and 8 rows): the C stack's linears and gate_up by the fp32 GEMM
-    tiles (gpu/cpu_quant_gemm.c, AVX-512 and AVX2 builds) against the same stack with them off and
+    tiles (gpu/kernels/cpu/quant_gemm.c, AVX-512 and AVX2 builds) against the same stack with them off and
     against the per-layer path with them off (the fused and buffered fp32 tiles: the dequantized
     fp32 model up to the order of the sums): the same greedy tokens, logits within 1e-3. Then,
     where the build has AVX512_VNNI, the int16 tiles (x quantized per 32-element block, ~2^-16
@@ -257,7 +259,7 @@ def test_other_isa_builds_agree(lm, tmp_path, march, monkeypatch):
 def test_after_sleep_and_wake(lm):
     """Sleep mode remakes the KV cache's tensors: the C stack rebuilds its pointers on wake-up
     (a stale one would write into freed memory) and decodes as the per-layer path does."""
-    from gpu.sleep import Sleeper
+    from gpu.worker.sleep import Sleeper
     want = _run(lm, False, 1, steps=2)[0]
     c = lm.config
     cache = KVCache(c.num_hidden_layers, BLOCKS, BS, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")

@@ -1,4 +1,4 @@
-"""Decode attention through gpu/cpu_kernels.c against a dense float64 reference and against
+"""Decode attention through gpu/kernels/cpu/ops.c against a dense float64 reference and against
 TorchPagedAttention's gather + SDPA path.
 
 Bounds: fp32 within 1e-5 of the float64 reference (the kernel sums in fp32); bf16 within one
@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from gpu import cpu_kernels
-from gpu.attention import KVCache, TorchPagedAttention
+from gpu.kernels.cpu import ops as cpu_kernels
+from gpu.layers.attention import KVCache, TorchPagedAttention
 from gpu.interface import SeqChunk
-from gpu.staging import prepare_step
+from gpu.worker.staging import prepare_step
 
 KERNELS = cpu_kernels.kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler (TAILRACE_CPU_KERNELS=0 or cc missing)")

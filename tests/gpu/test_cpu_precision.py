@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.attention_dense import DenseCausalAttention
-from gpu.loader import choose_residual_dtype
-from gpu.model import CausalLM, exact_top_logits
+from gpu.layers.attention_dense import DenseCausalAttention
+from gpu.loader.decoder import choose_residual_dtype
+from gpu.models.causal_lm import CausalLM, exact_top_logits
 from test_bf16_agreement import PROMPTS, greedy_runner
 
 NEW_TOKENS = 12

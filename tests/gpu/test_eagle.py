@@ -1,4 +1,4 @@
-"""gpu/eagle.py's parts (issue 35): the target's aux hidden states against transformers'
+"""gpu/worker/spec_decode/eagle.py's parts (issue 35): the target's aux hidden states against transformers'
 hidden_states (vLLM's layer ids: id i is the residual stream entering layer i), an EAGLE3
 head's draft vocabulary mapped by d2t, and the formats' configs read alike."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from eagle_heads import eagle3_head  # noqa: E402
 from gpu_testutil import make_hf_model  # noqa: E402
 
-from gpu.attention_dense import DenseCausalAttention  # noqa: E402
-from gpu.eagle import HeadError, load_head, read_head  # noqa: E402
-from gpu.loader import load_model  # noqa: E402
+from gpu.layers.attention_dense import DenseCausalAttention  # noqa: E402
+from gpu.worker.spec_decode.eagle import HeadError, load_head, read_head  # noqa: E402
+from gpu.loader.decoder import load_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

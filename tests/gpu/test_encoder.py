@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpu.interface import PoolingOptions, SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.pooler import VarlenAttention
-from gpu.pooling_loader import load_pooling_model
-from gpu.pooling_runner import PoolingRunner
+from gpu.layers.pooler import VarlenAttention
+from gpu.loader.pooling import load_pooling_model
+from gpu.worker.pooling_runner import PoolingRunner
 
 SENTENCES = [
     "A man is eating food.",
@@ -241,7 +241,7 @@ def test_decoder_as_embedding_qwen3_model_checkpoint(tmp_path):
 def test_smollm2_gguf_as_embedding_matches_its_decoder(smollm):
     """--convert embed on the bundled SmolLM2 (GGUF): the same last hidden state the
     generating model computes through its paged KV cache, normalized."""
-    from gpu.attention import AttentionMetadata, KVCache, TorchPagedAttention
+    from gpu.layers.attention import AttentionMetadata, KVCache, TorchPagedAttention
     loaded = load_pooling_model(None, convert="embed")
     prompts = [smollm.tokenizer.encode("The capital of France is"), smollm.tokenizer.encode("Hello")]
     ours = _run(PoolingRunner(loaded), prompts)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.attention_dense import greedy_generate
-from gpu.loader import default_model_path, load_model
-from gpu.weights_gguf import _PER_BLOCK, _TOP_LEVEL
+from gpu.layers.attention_dense import greedy_generate
+from gpu.loader.decoder import default_model_path, load_model
+from gpu.formats.gguf import _PER_BLOCK, _TOP_LEVEL
 from gpu_testutil import hf_logits, make_hf_model, our_logits
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101]

@@ -1,4 +1,4 @@
-"""GGUF weights kept packed on the CPU (gpu/cpu_quant.c, gpu/gguf_packed.py, issue 39), against
+"""GGUF weights kept packed on the CPU (gpu/kernels/cpu/quant.c, gpu/quantization/gguf.py, issue 39), against
 gguf-py's own dequantization: tensors quantized here with gguf-py, K-quant blocks drawn at random
 (gguf-py cannot quantize them), and the bundled SmolLM2's tensors; then the whole packed model's
 logits and greedy tokens against the dequantized fp32 model.
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu import cpu_quant
-from gpu.attention_dense import DenseCausalAttention, greedy_generate
-from gpu.loader import load_model
+from gpu.kernels.cpu import quant as cpu_quant
+from gpu.layers.attention_dense import DenseCausalAttention, greedy_generate
+from gpu.loader.decoder import load_model
 from gpu.parallel import SINGLE
-from gpu.tokenizer_files import default_model_path
+from gpu.tokenizers.files import default_model_path
 
 Q = gguf.GGMLQuantizationType
 K = cpu_quant.kernels()
@@ -139,7 +139,7 @@ def test_logits_and_greedy_match_dequantized_fp32(packed_smollm, smollm, int16):
 
 
 def test_quantization_flag_errors():
-    from gpu.loader import _packs_gguf, Source
+    from gpu.loader.decoder import _packs_gguf, Source
     with pytest.raises(ValueError, match="quantization"):
         load_model(None, quantization="int3", progress=False)
     not_gguf = Source(config=None, tokenizer=None, generation_config={}, name="x", num_tensors=0,
@@ -150,7 +150,7 @@ def test_quantization_flag_errors():
 
 
 def _build(tmp_path, march: str) -> cpu_quant.QuantKernels:
-    """gpu/cpu_quant.c built for -march=march (skips without a C compiler)."""
+    """gpu/kernels/cpu/quant.c built for -march=march (skips without a C compiler)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -184,7 +184,7 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
     if not k.set_fused(-1):
         pytest.skip(f"no AVX-512 or AVX2+FMA in -march={march}")
     k.set_gemm(0)   # the GEMM tiles would take some of these rows in both builds (test_gemm_tiles_*)
-    mr = 6 if k.vector_width == 16 else 2   # gpu/cpu_quant.c FMR
+    mr = 6 if k.vector_width == 16 else 2   # gpu/kernels/cpu/quant.c FMR
     for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
         packed, ref = _quantized(qtype, 23, 256, 4)   # 23 rows: a tile of fewer than NR rows at the end
         w = torch.from_numpy(packed)
@@ -204,7 +204,7 @@ INT16_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 
 
 def _int16_bound(qtype, packed: np.ndarray, ref: np.ndarray, x: torch.Tensor) -> torch.Tensor:
-    """[M, N] bound on the int16 GEMM tiles' error from quantizing x (gpu/cpu_quant_gemm.c): x
+    """[M, N] bound on the int16 GEMM tiles' error from quantizing x (gpu/kernels/cpu/quant_gemm.c): x
     rounded per row and 32-element block b to dx_b = absmax_b / 32767 errs by <= absmax_b / 65534
     an element (x 1.002 for the fp32 rounding of x / dx_b), and multiplies only the integer part
     d q of each weight (w itself for Q4_0 and Q8_0, w - m for Q4_1, whose m multiplies the exact
@@ -221,7 +221,7 @@ def _int16_bound(qtype, packed: np.ndarray, ref: np.ndarray, x: torch.Tensor) ->
 
 @pytest.mark.parametrize("march", ["native", "haswell"], ids=["native", "avx2"])
 def test_gemm_tiles_against_gguf_py(tmp_path, march):
-    """The outer-product GEMM tiles (gpu/cpu_quant_gemm.c, AVX-512 and AVX2+FMA builds; an
+    """The outer-product GEMM tiles (gpu/kernels/cpu/quant_gemm.c, AVX-512 and AVX2+FMA builds; an
     AVX2 build must have them) against gguf-py's dequantized weight in fp64, at ragged shapes:
     N = 77 (AVX-512's panels of 32, 32 and 13, AVX2's of 16 x 4 and 13: a second vector half
     masked) and 9 (the second vector empty); K = 576 (K-chunks of 256, 256, 64) and 96 (one

@@ -1,12 +1,12 @@
-"""gpu/gguf_reader.py's GGUFHeader against gguf-py's GGUFReader: the same fields and tensors."""
+"""gpu/formats/gguf_reader.py's GGUFHeader against gguf-py's GGUFReader: the same fields and tensors."""
 from __future__ import annotations
 
 import gguf
 import numpy as np
 import pytest
 
-from gpu.gguf_reader import GGUFHeader
-from gpu.tokenizer_files import default_model_path
+from gpu.formats.gguf_reader import GGUFHeader
+from gpu.tokenizers.files import default_model_path
 
 
 def _same(path) -> GGUFHeader:
@@ -83,12 +83,12 @@ def test_a_truncated_or_foreign_file_is_a_clear_error(tmp_path):
 
 
 def test_the_type_tables_are_gguf_pys_and_reading_skips_its_import():
-    """gpu/gguf_reader.py keeps ggml's type ids and block sizes itself, so that a process
+    """gpu/formats/gguf_reader.py keeps ggml's type ids and block sizes itself, so that a process
     start does not import the gguf package (and mistral-common with it)."""
     import subprocess
     import sys
 
-    from gpu import gguf_reader
+    from gpu.formats import gguf_reader
 
     assert {t.name: int(t) for t in gguf_reader.GGUFValueType} == \
         {t.name: int(t) for t in gguf.GGUFValueType}
@@ -96,8 +96,8 @@ def test_the_type_tables_are_gguf_pys_and_reading_skips_its_import():
         {t.name: int(t) for t in gguf.GGMLQuantizationType}
     assert {int(k): v for k, v in gguf_reader.GGML_QUANT_SIZES.items()} == \
         {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}
-    code = ("import sys; from gpu.tokenizer_files import load_tokenizer, default_model_path; "
-            "from gpu.weights_gguf import GGUFFile; load_tokenizer(None); "
+    code = ("import sys; from gpu.tokenizers.files import load_tokenizer, default_model_path; "
+            "from gpu.formats.gguf import GGUFFile; load_tokenizer(None); "
             "GGUFFile.open(default_model_path()); print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('gguf', 'mistral_common')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gpu
-from gpu import mxfp4
-from gpu.attention import KVCache
-from gpu.config import ModelConfig
-from gpu.loader import load_model
+from gpu.quantization import mxfp4
+from gpu.layers.attention import KVCache
+from gpu.config.model import ModelConfig
+from gpu.loader.decoder import load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.runner import ModelRunner
+from gpu.worker.runner import ModelRunner
 from gpu_testutil import hf_logits, make_hf_model, our_logits
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101] * 2  # 40 tokens
@@ -167,7 +167,7 @@ def test_real_gpt_oss_20b_config():
 
 
 def test_rope_cache_matches_transformers_yarn():
-    from gpu.ops import build_rope_cache
+    from gpu.layers.ops import build_rope_cache
 
     hf = make_hf_model("gpt_oss")
     cos, sin = hf.model.rotary_emb(torch.zeros(1, 300, 8), torch.arange(300)[None])  # [1, P, Dh/2]
@@ -203,7 +203,7 @@ def test_tiny_dummy_config_builds_quickly_with_the_harmony_vocabulary():
 def test_simulated_cost_counts_held_and_active_experts():
     """--simulate-gpu: every expert is held in memory, a token runs top-k of them. OpenAI gives
     gpt-oss-20b 21B parameters, 3.6B active per token, and gpt-oss-120b 117B and 5.1B."""
-    from gpu.simulate import GPUS, CostModel
+    from gpu.worker.simulate import GPUS, CostModel
 
     d = json.loads((CONFIGS / "gpt-oss-20b/config.json").read_text())
     big = {**d, "num_hidden_layers": 36, "num_local_experts": 128}

@@ -5,8 +5,8 @@ tests/engine/test_engine_sliding_kv.py.)"""
 
 import pytest
 
-from gpu.attention import KVCache, hybrid_layout, split_for_sliding
-from gpu.config import ModelConfig
+from gpu.layers.attention import KVCache, hybrid_layout, split_for_sliding
+from gpu.config.model import ModelConfig
 from gpu_testutil import make_hf_model
 
 
@@ -39,10 +39,10 @@ def test_runner_reads_sliding_layers_through_the_slot_map(model_dir, use_triton)
     cache. Blocks 9 and 2 are reused after the window passed them (their slots go to block 4)."""
     import torch
 
-    from gpu.loader import load_model
+    from gpu.loader.decoder import load_model
     from gpu.interface import SeqChunk, SeqStart, StepPlan
-    from gpu.runner import ModelRunner
-    from gpu.sampler import SamplingOptions
+    from gpu.worker.runner import ModelRunner
+    from gpu.worker.sampler import SamplingOptions
 
     lm = load_model(model_dir, dtype="float32", progress=False).model
     c = lm.config

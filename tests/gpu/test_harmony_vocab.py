@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from gpu.harmony import harmony_encoding, harmony_tokenizer
+from gpu.tokenizers.harmony import harmony_encoding, harmony_tokenizer
 
 NO_NETWORK = textwrap.dedent("""
     import socket
@@ -18,7 +18,7 @@ NO_NETWORK = textwrap.dedent("""
     socket.socket = refuse
     socket.create_connection = refuse
     socket.getaddrinfo = refuse
-    from gpu.harmony import harmony_encoding, vocabulary_dir
+    from gpu.tokenizers.harmony import harmony_encoding, vocabulary_dir
     enc = harmony_encoding()
     ids = enc.encode("Hello, world!")
     assert enc.decode(ids) == "Hello, world!", ids

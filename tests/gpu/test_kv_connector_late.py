@@ -1,4 +1,4 @@
-"""The decode side's KV connector (gpu/kv_connector.py) with a read that outlives
+"""The decode side's KV connector (gpu/kv_transfer/connector.py) with a read that outlives
 TAILRACE_KV_READ_TIMEOUT_S (issue 36): its request ends at the timeout, but NIXL may still
 land the read into its blocks, so the poll names it `late` (StepResult.kv_late) and keeps
 watching it; the scheduler frees the blocks only when the read is over. NIXL stands in as
@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
-from gpu.kv_connector import KVConnector
-from gpu.kv_transfer import TransferFailed
+from gpu.kv_transfer.connector import KVConnector
+from gpu.kv_transfer.nixl import TransferFailed
 
 
 class FakeNixl:

@@ -1,4 +1,4 @@
-"""The KV connector under tensor parallelism (issue 36, gpu/kv_connector.py): each TP rank
+"""The KV connector under tensor parallelism (issue 36, gpu/kv_transfer/connector.py): each TP rank
 reads its own KV-head shard of the same blocks, and rank 0 combines every rank's poll
 (`RankReads`, through `TPKVConnector`) into the one landed/failed/late triple the
 scheduler reads: landed once every rank's read has (then, and only then, the prefill side
@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from gpu.interface import KVRead
-from gpu.kv_connector import KVConnector, RankReads, TPKVConnector
+from gpu.kv_transfer.connector import KVConnector, RankReads, TPKVConnector
 from test_kv_connector_late import FakeNixl as LateFakeNixl
 
 WHERE = ("10.0.0.1", 5600)
@@ -95,7 +95,7 @@ def test_a_read_past_the_timeout_on_one_rank_is_late_then_lands_and_the_prefill_
     zero, nixl0 = _rank(0, 30.0)
     one, nixl1 = _rank(1, 0.0)             # rank 1's read times out at once
 
-    def exchange(reads, poll):             # gpu/tp_runner.py StepBroadcast.kv_exchange
+    def exchange(reads, poll):             # gpu/worker/tp.py StepBroadcast.kv_exchange
         one.start_reads(reads)
         return [poll(), one.poll()]
 
@@ -117,7 +117,7 @@ def test_a_read_past_the_timeout_on_one_rank_is_late_then_lands_and_the_prefill_
 
 
 def test_the_side_channel_answers_each_ranks_layout_and_the_size_for_a_rank_past_them():
-    from gpu.kv_side_channel import fetch_layout, no_rank_message
+    from gpu.kv_transfer.side_channel import fetch_layout, no_rank_message
     from pipeline.core.kv_task import serve_side_channel
 
     layouts = [json.dumps({"engine_id": "P", "tp_size": 2, "rank": r}).encode() + b"\n"

@@ -1,4 +1,4 @@
-"""gpu/kv_transfer.py: KV blocks read from one cache into another over NIXL (UCX, DRAM to
+"""gpu/kv_transfer/nixl.py: KV blocks read from one cache into another over NIXL (UCX, DRAM to
 DRAM on loopback), with SmolLM2-135M's cache shape (30 layers, 3 KV heads of 64)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("nixl")
 
-from gpu.attention import KVCache                                     # noqa: E402
-from gpu.kv_transfer import NixlKV, TransferFailed, _runs, kv_bytes_per_token  # noqa: E402
+from gpu.layers.attention import KVCache                                     # noqa: E402
+from gpu.kv_transfer.nixl import NixlKV, TransferFailed, _runs, kv_bytes_per_token  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 30, 3, 64, 16
 

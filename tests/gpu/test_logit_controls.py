@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gpu.interface import SamplingOptions
-from gpu.sampler import SeqSamplingState, apply_logit_controls, sample
+from gpu.worker.sampler import SeqSamplingState, apply_logit_controls, sample
 
 V = 12
 NEG = float("-inf")

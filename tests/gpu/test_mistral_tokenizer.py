@@ -1,4 +1,4 @@
-"""--tokenizer-mode mistral (gpu/mistral.py): the tekken vocabulary and the SentencePiece
+"""--tokenizer-mode mistral (gpu/tokenizers/mistral.py): the tekken vocabulary and the SentencePiece
 models (v3, v7; v1 for text) that ship in the mistral-common wheel, offline. The oracle
 is mistral-common itself: its tokenizer's encode for text, and its typed request classes'
 encode_chat_completion for chats, against tailrace's render of the OpenAI-shaped body."""
@@ -17,7 +17,7 @@ from mistral_common.protocol.instruct.request import ChatCompletionRequest  # no
 from mistral_common.protocol.instruct.tool_calls import (Function, FunctionCall, Tool,  # noqa: E402
                                                          ToolCall)
 
-from gpu.mistral import MistralTokenizer  # noqa: E402
+from gpu.tokenizers.mistral import MistralTokenizer  # noqa: E402
 from stages.api.tool_parsers import CALL_IDS  # noqa: E402
 from stages.messages import Submission  # noqa: E402
 from stages.render import RenderContext, RequestError, render  # noqa: E402
@@ -74,7 +74,7 @@ def test_a_v1_sentencepiece_model_and_the_choice_of_file_in_a_folder(tmp_path):
     as mistral-common picks for a model folder."""
     import shutil
 
-    from gpu.mistral import tokenizer_file
+    from gpu.tokenizers.mistral import tokenizer_file
 
     pytest.importorskip("sentencepiece")
     shutil.copy(SPM_V1, tmp_path / "tokenizer.model")

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from gpu.config import ModelConfig
-from gpu.loader import load_model
-from gpu.ops import build_rope_cache
+from gpu.config.model import ModelConfig
+from gpu.loader.decoder import load_model
+from gpu.layers.ops import build_rope_cache
 from gpu_testutil import hf_logits, make_hf_model, our_logits
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101] * 3  # 60 tokens
@@ -153,7 +153,7 @@ def test_config_validation():
 
 
 def test_cached_dense_attention_matches_full_recompute(tmp_path):
-    from gpu.attention_dense import DenseCachedAttention
+    from gpu.layers.attention_dense import DenseCachedAttention
 
     make_hf_model("qwen2", tmp_path)
     model = load_model(tmp_path, dtype="float32", progress=False).model

@@ -4,12 +4,12 @@ the MXFP4 dequantiser against the spec by hand and against transformers' convert
 import pytest
 import torch
 
-from gpu import mxfp4
-from gpu.config import ModelConfig
+from gpu.quantization import mxfp4
+from gpu.config.model import ModelConfig
 import torch.nn.functional as F
 
-from gpu import moe as moe_module
-from gpu.moe import MoE, clamped_swiglu, grouped_mm, moe_reference, padded_grouped_mm, route, segment_mm
+from gpu.layers import moe as moe_module
+from gpu.layers.moe import MoE, clamped_swiglu, grouped_mm, moe_reference, padded_grouped_mm, route, segment_mm
 
 
 def torch_grouped_mm(a, w, offs):

@@ -1,4 +1,4 @@
-"""Packed MXFP4 experts (gpu/moe.py PackedExperts): the tiny gpt-oss checkpoint loaded packed
+"""Packed MXFP4 experts (gpu/layers/moe.py PackedExperts): the tiny gpt-oss checkpoint loaded packed
 gives the logits of the same checkpoint dequantised, through the Triton grouped GEMM (forced on
 CPU, under the interpreter) and through the per-call dequantising fallback."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu import mxfp4
-from gpu.loader import load_model
-from gpu.moe import Experts, PackedExperts
+from gpu.quantization import mxfp4
+from gpu.loader.decoder import load_model
+from gpu.layers.moe import Experts, PackedExperts
 from gpu_testutil import make_hf_model, our_logits
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101]
@@ -65,7 +65,7 @@ def test_packed_kernel_gives_the_dequantised_logits(mxfp4_dir):
     for layer in packed.layers:
         layer.mlp.experts.use_kernel = True
     calls = []
-    from gpu.kernels import mxfp4_moe
+    from gpu.kernels.triton import mxfp4_moe
     orig = mxfp4_moe.mxfp4_moe_matmul
 
     def counting(*a, **kw):
@@ -96,8 +96,8 @@ def test_gpt_oss_20b_weight_memory_packed_against_dequantised():
     from pathlib import Path
 
     import gpu
-    from gpu.config import ModelConfig
-    from gpu.model import CausalLM
+    from gpu.config.model import ModelConfig
+    from gpu.models.causal_lm import CausalLM
 
     c = ModelConfig.from_hf(json.loads((Path(gpu.__file__).parent / "configs/gpt-oss-20b/config.json").read_text()))
 

@@ -1,4 +1,4 @@
-"""gpu/openmp.py: the calling thread's OpenMP team is given back (its worker threads
+"""gpu/kernels/cpu/openmp.py: the calling thread's OpenMP team is given back (its worker threads
 exit), and torch works on afterwards. Why it matters: docs/benchmarks.md (a runner
 thread's GEMMs ran at half speed while start-up's team lived)."""
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 CHECK = r"""
 import os, threading, torch
-from gpu.openmp import release_team
+from gpu.kernels.cpu.openmp import release_team
 def tasks(): return len(os.listdir("/proc/self/task"))
 torch.set_num_threads(2)                # a team of two whatever the CPU count
 base = tasks()

@@ -1,4 +1,4 @@
-"""Which runner a checkpoint needs and what its pooler does (gpu/pooling_config.py): the
+"""Which runner a checkpoint needs and what its pooler does (gpu/config/pooling.py): the
 sentence-transformers files, --pooler-config, Matryoshka rules (issue 32)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpu.pooling_config import (PoolerConfig, PoolingConfigError, check_dimensions, checkpoint_pooler,
+from gpu.config.pooling import (PoolerConfig, PoolingConfigError, check_dimensions, checkpoint_pooler,
                                 detect_runner, parse_pooler_config, pooling_spec)
 
 
@@ -17,7 +17,7 @@ def test_minilm_folder_is_a_pooling_model(minilm_dir):
 
 
 def test_decoders_and_gguf_generate(tmp_path):
-    from gpu.tokenizer_files import default_model_path
+    from gpu.tokenizers.files import default_model_path
     assert detect_runner(default_model_path()) == "generate"
     assert detect_runner(None) == "generate"
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))

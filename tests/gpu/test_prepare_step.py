@@ -1,4 +1,4 @@
-"""Input preparation (gpu/runner.py prepare_step): the persistent block tables give the
+"""Input preparation (gpu/worker/runner.py prepare_step): the persistent block tables give the
 same padded tables as copying every table each step, and PLACEHOLDERs are filled in."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from gpu.interface import PLACEHOLDER, SeqChunk
-from gpu.staging import BlockTables, StagedTokens, prepare_step, stage_inputs, upload_inputs
+from gpu.worker.staging import BlockTables, StagedTokens, prepare_step, stage_inputs, upload_inputs
 
 CPU = torch.device("cpu")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from gpu.interface import SamplingOptions
-from gpu.sampler import SeqSamplingState, apply_penalties, filter_logits, sample
+from gpu.worker.sampler import SeqSamplingState, apply_penalties, filter_logits, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

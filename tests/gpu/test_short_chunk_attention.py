@@ -1,5 +1,5 @@
 """A verify pass's chunks (the last token and its drafts, after a cached context) attend as
-decode rows in the decode rows' batched call (gpu/attention.py SHORT_CHUNK): the outputs
+decode rows in the decode rows' batched call (gpu/layers/attention.py SHORT_CHUNK): the outputs
 equal those of one SDPA call per chunk, with a window and sinks too, beside plain decodes,
 a long chunk and a new prompt; the cache ends the same."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from gpu import cpu_kernels
-from gpu.attention import KVCache, TorchPagedAttention
+from gpu.kernels.cpu import ops as cpu_kernels
+from gpu.layers.attention import KVCache, TorchPagedAttention
 from gpu.interface import SeqChunk
-from gpu.staging import prepare_step
+from gpu.worker.staging import prepare_step
 
 BS = 16
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import gpu
-from gpu.config import ModelConfig
-from gpu.model import CausalLM
+from gpu.config.model import ModelConfig
+from gpu.models.causal_lm import CausalLM
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
+from gpu.worker.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
 
 QWEN3 = ModelConfig.from_hf(json.loads(
     (Path(gpu.__file__).parent / "configs/qwen3-0.6b/config.json").read_text()))
@@ -44,7 +44,7 @@ def test_a_decode_step_reads_weights_once_and_every_sequences_kv():
 
 
 def test_kernels_are_counted_from_the_models_structure():
-    from gpu.simulate import kernels_per_step
+    from gpu.worker.simulate import kernels_per_step
     # per layer: 2 norms, qkv and o GEMMs, the fused q/k-norm+rope+KV-write kernel, attention,
     # gate_up, silu_and_mul, down = 9; + embedding and final norm; + 6 graph input copies
     assert kernels_per_step(QWEN3, decode=True) == (2 + 28 * 9 + 6, 10)
@@ -58,9 +58,9 @@ def test_kernels_are_counted_from_the_models_structure():
 
 def test_a_verify_step_replays_its_graph_when_there_are_verify_graphs():
     """Speculative decoding with K = 3: a verify step of up to 4 tokens a sequence replays
-    gpu/cuda_graphs.py VerifyGraphs (254 kernels + 11 copies and fills in the graph); one
+    gpu/worker/cuda_graphs.py VerifyGraphs (254 kernels + 11 copies and fills in the graph); one
     with a longer chunk, or without verify graphs (--enforce-eager), launches eagerly."""
-    from gpu.simulate import kernels_per_step
+    from gpu.worker.simulate import kernels_per_step
     assert kernels_per_step(QWEN3, decode=False, verify=True) == (2 + 28 * 9 + 11, 10)
     eager, graphed = CostModel.of(QWEN3, H200), attrs.evolve(CostModel.of(QWEN3, H200), verify_tokens=4)
     fixed = 50e-6 + 10 * 6e-6
@@ -121,12 +121,12 @@ def test_a_draft_models_forwards_are_priced_as_gpu_draft_runs_them(smollm_tokeni
     step adds the draft's forwards: the first catches the draft KV up (the whole prompt the
     first time) with the first draft, then one decode forward a further draft; the next
     drafting step catches up only what the verify kept. Under --enforce-eager (no verify
-    graphs) each is launched eagerly; with graphs, as gpu/draft.py runs them, the decode
+    graphs) each is launched eagerly; with graphs, as gpu/worker/spec_decode/draft.py runs them, the decode
     forwards and a catch-up of at most K + 1 tokens a sequence replay the draft's own graphs
     (a prompt's catch-up is eager). The gate's bound comes from the configs; a draft of
     another vocabulary is refused."""
-    from gpu.draft import DraftError
-    from gpu.simulate import StandInDraft
+    from gpu.worker.spec_decode.draft import DraftError
+    from gpu.worker.simulate import StandInDraft
 
     configs = Path(gpu.__file__).parent / "configs"
     target = ModelConfig.from_hf(json.loads((configs / "qwen3-8b/config.json").read_text()))
@@ -173,8 +173,8 @@ def test_an_eagle3_heads_forwards_are_priced_from_its_config(smollm_tokenizer):
     aux states and its LM head over the 32000-token draft vocabulary; its first forward of
     a step reads the target states it has not read (after a verify, the verified run's
     again): eager for a prompt, a verify-shaped graph's replay for at most K + 1."""
-    from gpu.eagle import HeadError
-    from gpu.simulate import StandInDraft
+    from gpu.worker.spec_decode.eagle import HeadError
+    from gpu.worker.simulate import StandInDraft
 
     configs = Path(gpu.__file__).parent / "configs"
     target = ModelConfig.from_hf(json.loads((configs / "gpt-oss-20b/config.json").read_text()))

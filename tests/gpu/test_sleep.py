@@ -1,10 +1,10 @@
-"""gpu/sleep.py: what each sleep level lets go of, and that waking gives back the same
+"""gpu/worker/sleep.py: what each sleep level lets go of, and that waking gives back the same
 weights (reloaded at level 2) and a KV cache of the same shape."""
 import pytest
 import torch
 
-from gpu.attention import KVCache
-from gpu.sleep import Sleeper
+from gpu.layers.attention import KVCache
+from gpu.worker.sleep import Sleeper
 
 
 class Runner:

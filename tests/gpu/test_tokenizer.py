@@ -5,8 +5,8 @@ import json
 import pytest
 import tokenizers
 
-from gpu.tokenizer_files import load_tokenizer
-from gpu.tokenizer import Tokenizer
+from gpu.tokenizers.files import load_tokenizer
+from gpu.tokenizers.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -87,7 +87,7 @@ def test_template_helpers():
 
 
 def test_load_tokenizer_from_gguf_and_hf_dir(tok, tmp_path):
-    from gpu.loader import default_model_path
+    from gpu.loader.decoder import default_model_path
 
     assert load_tokenizer(default_model_path()).encode("Hello world") == tok.encode("Hello world")
     tok.hf.save(str(tmp_path / "tokenizer.json"))
@@ -102,14 +102,14 @@ def test_load_tokenizer_from_gguf_and_hf_dir(tok, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     hf_tok = load_tokenizer(tmp_path)
     assert hf_tok.apply_chat_template(MESSAGES) == "<|im_end|>"
-    assert hf_tok.eos_token_ids == (2,)     # its own; gpu.loader.merge_eos_ids adds the model's
+    assert hf_tok.eos_token_ids == (2,)     # its own; gpu.loader.decoder.merge_eos_ids adds the model's
 
 
 def test_gguf_tokenizer_matches_transformers_gguf_conversion(tok):
     """transformers builds its own tokenizer from the same GGUF metadata: an independent reference."""
     from transformers import AutoTokenizer
 
-    from gpu.loader import default_model_path
+    from gpu.loader.decoder import default_model_path
 
     path = default_model_path()
     ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

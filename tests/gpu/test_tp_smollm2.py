@@ -4,7 +4,7 @@ and greedy decoding is token-identical."""
 
 import torch
 
-from gpu.loader import default_model_path, load_model
+from gpu.loader.decoder import default_model_path, load_model
 from gpu.parallel import SINGLE
 from tp_testutil import greedy, logits, run_ranks
 

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gpu
-from gpu import mxfp4
-from gpu.loader import load_model
+from gpu.quantization import mxfp4
+from gpu.loader.decoder import load_model
 from gpu.parallel import SINGLE, TP
 from gpu_testutil import make_hf_model
 from tp_testutil import greedy, logits, paged_greedy, run_ranks
@@ -90,8 +90,8 @@ def test_kv_heads_replicated_below_the_size():
     """8 query heads over 2 KV heads at TP 4: ranks 0-1 read KV head 0, ranks 2-3 head 1 (the
     head their query heads 0-1, 2-3 | 4-5, 6-7 belong to); at TP 2 one each; 3 KV heads at
     TP 2 do not divide."""
-    from gpu.config import ModelConfig
-    from gpu.model import kv_heads, q_heads
+    from gpu.config.model import ModelConfig
+    from gpu.models.causal_lm import kv_heads, q_heads
 
     c = ModelConfig(architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=64,
                     num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
@@ -107,7 +107,7 @@ def test_rank_loads_its_shard_read_in_part(tmp_path, monkeypatch):
     """Loading needs no collective, so one process can play rank 1 of 2: its parameters are
     TP 1's cut by heads, rows, columns and vocabulary, and safetensors hand it the dense
     tensors already cut (get_slice), never whole."""
-    from gpu import weights_hf
+    from gpu.formats import hf as weights_hf
 
     make_hf_model("llama", tmp_path, num_key_value_heads=2, attention_bias=True, vocab_size=161)
     arrived = {}

@@ -33,9 +33,9 @@ SIZES = [(40, 57), (57, 40), (30, 30), (12, 100), (301, 17), (8, 8), (64, 64)]
 
 
 def test_pixel_values_and_placeholders_match_the_hf_processor(llava):
-    from gpu.tokenizer import tokenizer_from_hf_dir
-    from gpu.vision_config import vision_spec
-    from gpu.weights_hf import read_json
+    from gpu.tokenizers.tokenizer import tokenizer_from_hf_dir
+    from gpu.config.vision import vision_spec
+    from gpu.formats.hf import read_json
     from stages.lib.images import pixel_values
 
     out, _, processor = llava
@@ -57,7 +57,7 @@ def test_pixel_values_and_placeholders_match_the_hf_processor(llava):
 
 
 def test_logits_match_transformers(llava):
-    from gpu.loader import load_model
+    from gpu.loader.decoder import load_model
     from stages.lib.images import pixel_values
 
     out, model, processor = llava
@@ -77,7 +77,7 @@ def test_logits_match_transformers(llava):
         feats = loaded.vision(pixels)                                   # [2, 25, D]
     rows = torch.tensor([i for i, t in enumerate(ids) if t == spec.image_token_id])
     assert len(rows) == 50
-    from gpu.attention_dense import DenseCausalAttention
+    from gpu.layers.attention_dense import DenseCausalAttention
     with torch.inference_mode():
         hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(None),
                               embeds=(rows, feats.reshape(-1, feats.shape[-1])))
@@ -92,10 +92,10 @@ def test_runner_chunks_through_a_picture_and_encodes_it_once(llava):
     """A prefill in chunks of 7 tokens cuts through the 25 image tokens: the runner puts
     each chunk's part of the picture's features in place, and its greedy tokens are
     transformers'; a second sequence with the same picture is not encoded again."""
-    from gpu.attention import KVCache
+    from gpu.layers.attention import KVCache
     from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-    from gpu.loader import load_model
-    from gpu.runner import ModelRunner
+    from gpu.loader.decoder import load_model
+    from gpu.worker.runner import ModelRunner
     from stages.lib.images import content_hash, pixel_values
     from stages.lib.vision_prompt import expand
 

@@ -33,7 +33,7 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(qwen):
-    from gpu.loader import load_model
+    from gpu.loader.decoder import load_model
 
     return load_model(qwen[0], dtype="float32", progress=False)
 
@@ -82,8 +82,8 @@ def test_patches_and_placeholders_match_the_hf_processor(qwen, loaded):
 
 
 def test_features_and_logits_match_transformers(qwen, loaded):
-    from gpu.attention_dense import DenseCausalAttention
-    from gpu.qwen_vision import mrope_positions
+    from gpu.layers.attention_dense import DenseCausalAttention
+    from gpu.models.qwen_vision import mrope_positions
     from gpu.interface import ImageInput
     from stages.lib.images import qwen_patches
 
@@ -128,9 +128,9 @@ def test_runner_chunks_through_a_picture_with_mrope(qwen, loaded):
     its M-RoPE positions and its part of the features, decode positions are p + delta,
     and the greedy tokens are transformers' generate's; the same picture again is not
     encoded again."""
-    from gpu.attention import KVCache
+    from gpu.layers.attention import KVCache
     from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-    from gpu.runner import ModelRunner
+    from gpu.worker.runner import ModelRunner
     from stages.lib.images import content_hash, qwen_patches
     from stages.lib.vision_prompt import expand
 
@@ -179,9 +179,9 @@ def test_transformers_4_layout_config_and_names():
     """transformers 4's Qwen2.5-VL config.json (the decoder's fields at the top level,
     rope_scaling {"type": "mrope"}) and 5's weight names (model.language_model.*,
     model.visual.*) read as the tiny model's."""
-    from gpu.config import ModelConfig
-    from gpu.qwen_vision import split_checkpoint
-    from gpu.vision_config import is_vision_config, text_config
+    from gpu.config.model import ModelConfig
+    from gpu.models.qwen_vision import split_checkpoint
+    from gpu.config.vision import is_vision_config, text_config
 
     flat = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
             "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -210,7 +210,7 @@ def test_mm_processor_kwargs_are_checked_before_any_fetch(loaded):
     picture's URL is fetched; LLaVA's CLIP processor takes no options."""
     import attrs
 
-    from gpu.vision_config import ImageProcessing
+    from gpu.config.vision import ImageProcessing
     from stages.lib.media import MediaError, MediaSettings
     from stages.lib.vision_prompt import load_images
 

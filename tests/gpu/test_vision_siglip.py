@@ -36,9 +36,9 @@ SIZES = [(40, 57), (57, 40), (28, 28), (12, 100), (301, 17), (8, 8), (64, 64)]
 
 
 def test_pixel_values_and_placeholders_match_the_hf_processor(siglip):
-    from gpu.tokenizer import tokenizer_from_hf_dir
-    from gpu.vision_config import vision_spec
-    from gpu.weights_hf import read_json
+    from gpu.tokenizers.tokenizer import tokenizer_from_hf_dir
+    from gpu.config.vision import vision_spec
+    from gpu.formats.hf import read_json
     from stages.lib.images import pixel_values
 
     out, _, processor = siglip
@@ -60,8 +60,8 @@ def test_pixel_values_and_placeholders_match_the_hf_processor(siglip):
 
 
 def test_logits_match_transformers(siglip):
-    from gpu.attention_dense import DenseCausalAttention
-    from gpu.loader import load_model
+    from gpu.layers.attention_dense import DenseCausalAttention
+    from gpu.loader.decoder import load_model
     from stages.lib.images import pixel_values
 
     out, model, processor = siglip
@@ -96,8 +96,8 @@ def test_logits_match_transformers(siglip):
 def test_tower_reads_other_layers_and_the_default_strategy(siglip):
     """vision_feature_layer -2, and "default" (which drops SigLIP's first patch):
     the tower's features equal transformers' get_image_features on the same weights."""
-    from gpu.vision import LlavaVision
-    from gpu.weights_hf import read_json
+    from gpu.models.llava_vision import LlavaVision
+    from gpu.formats.hf import read_json
 
     out, model, processor = siglip
     config = read_json(out / "config.json")

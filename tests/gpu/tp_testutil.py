@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from gpu.attention_dense import DenseCachedAttention, DenseCausalAttention
+from gpu.layers.attention_dense import DenseCachedAttention, DenseCausalAttention
 from gpu.parallel import TP, destroy_group, init_group
 
 
@@ -85,10 +85,10 @@ def paged_greedy(model, tp: TP, prompts: list[list[int]], n: int, block_size: in
                  chunk: int = 5) -> list[list[int]]:
     """n argmax tokens for each prompt, batched the engine's way: prompts prefilled in chunks
     of `chunk` tokens, decode rows mixed with the other prompt's prefill, through a paged
-    KVCache of this rank's KV heads (TorchPagedAttention, gpu/staging.py's inputs)."""
-    from gpu.attention import KVCache, TorchPagedAttention
+    KVCache of this rank's KV heads (TorchPagedAttention, gpu/worker/staging.py's inputs)."""
+    from gpu.layers.attention import KVCache, TorchPagedAttention
     from gpu.interface import SeqChunk
-    from gpu.staging import prepare_step
+    from gpu.worker.staging import prepare_step
 
     c = model.config
     per_seq = -(-(max(map(len, prompts)) + n) // block_size)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gpu.kernels.activation import silu_and_mul, silu_and_mul_ref
+from gpu.kernels.triton.activation import silu_and_mul, silu_and_mul_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -39,7 +39,7 @@ def test_a_wrong_kernel_fails_the_comparison(tiny_qwen3_dir, monkeypatch, fused)
     takes on CUDA (`write_qkv`'s q/k norm + RoPE + KV write, then attend). fused_qkv forces
     one or the other on either device (the fused kernel runs under the interpreter here),
     and the patch must have bitten on the path taken."""
-    from gpu import attention
+    from gpu.layers import attention
 
     cls = attention.TritonPagedAttention
     init, attend, paths = cls.__init__, cls.attend, []

@@ -1,4 +1,4 @@
-"""gpu/kernels/compile_count.py, which pipeline.tools.bench reads around its timed window, and
+"""gpu/kernels/triton/compile_count.py, which pipeline.tools.bench reads around its timed window, and
 the graphs-vs-eager check (scripts/check_graph_splits.py) at a tiny size."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_compiled_kernels_reads_the_launch_caches():
     # without the interpreter: real JITFunctions, nothing compiled yet; a fake entry in one
     # kernel's launch cache counts as one compile
-    code = ("import gpu.kernels.rmsnorm as r, gpu.kernels.paged_attention\n"
-            "from gpu.kernels.compile_count import compiled_kernels\n"
+    code = ("import gpu.kernels.triton.rmsnorm as r, gpu.kernels.triton.paged_attention\n"
+            "from gpu.kernels.triton.compile_count import compiled_kernels\n"
             "assert compiled_kernels() == 0, compiled_kernels()\n"
             "r._rms_norm_kernel.device_caches[0] = ({'key': object()}, None, None, None, None)\n"
             "print(compiled_kernels())")
@@ -29,8 +29,8 @@ def test_compiled_kernels_reads_the_launch_caches():
 
 
 def test_compiled_kernels_is_none_under_the_interpreter():
-    import gpu.kernels.rmsnorm  # noqa: F401
-    from gpu.kernels.compile_count import compiled_kernels
+    import gpu.kernels.triton.rmsnorm  # noqa: F401
+    from gpu.kernels.triton.compile_count import compiled_kernels
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert compiled_kernels() is None
 

@@ -25,7 +25,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     # whatever the caller had: on the image, the folder holding the carried wheels
     path = [str(SITE), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, TAILRACE_DEVICE_IMAGE="1", PYTHONPATH=os.pathsep.join(path))
-    env.pop("TRITON_INTERPRET", None)   # gpu.kernels.bench sets it itself without CUDA
+    env.pop("TRITON_INTERPRET", None)   # gpu.kernels.triton.bench sets it itself without CUDA
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -54,7 +54,7 @@ def test_the_blocker_blocks_what_the_image_lacks():
     assert all(f" {m} " in r.stdout for m in LACKED), r.stdout
 
 
-@pytest.mark.parametrize("module", ["pipeline.tools.bench", "gpu.kernels.bench"])
+@pytest.mark.parametrize("module", ["pipeline.tools.bench", "gpu.kernels.triton.bench"])
 def test_entry_points_import_without_the_missing_packages(module):
     r = _run(f"import {module}, sys; "
              "bad = [m for m in ('openai_harmony', 'quart', 'hypercorn', 'pydantic_core') "

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from device_check import DeviceCheck, DeviceMismatch
-from gpu.attention import KVCache, TorchPagedAttention
-from gpu.loader import load_model
+from gpu.layers.attention import KVCache, TorchPagedAttention
+from gpu.loader.decoder import load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.runner import ModelRunner
-from gpu.staging import prepare_step
+from gpu.worker.runner import ModelRunner
+from gpu.worker.staging import prepare_step
 
 META = torch.device("meta")
 

@@ -1,5 +1,5 @@
-"""A draft model's CUDA graphs (gpu/draft.py DraftModel.capture) and an EAGLE3 head's
-(gpu/eagle.py EagleDrafter.capture) on the CUDA code path of tiny random Qwen3s, on CPU
+"""A draft model's CUDA graphs (gpu/worker/spec_decode/draft.py DraftModel.capture) and an EAGLE3 head's
+(gpu/worker/spec_decode/eagle.py EagleDrafter.capture) on the CUDA code path of tiny random Qwen3s, on CPU
 under TRITON_INTERPRET=1. Graphs cannot be captured here, so
 each graph's stand-in replays the recorded forward eagerly over the same static buffers
 (tests/kernels/test_verify_graphs.py): what is checked is that the drafter sends its
@@ -14,13 +14,13 @@ import json
 import pytest
 import torch
 
-from gpu.attention import KVCache
-from gpu.cuda_graphs import DecodeGraphs, VerifyGraphs
-from gpu.draft import DraftModel
-from gpu.eagle import EagleDrafter, load_head
+from gpu.layers.attention import KVCache
+from gpu.worker.cuda_graphs import DecodeGraphs, VerifyGraphs
+from gpu.worker.spec_decode.draft import DraftModel
+from gpu.worker.spec_decode.eagle import EagleDrafter, load_head
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.loader import load_model
-from gpu.runner import ModelRunner
+from gpu.loader.decoder import load_model
+from gpu.worker.runner import ModelRunner
 from stages.schedule.drafter import DRAFT
 from tests.eagle_heads import eagle3_head
 from tests.kernels.test_runner_triton import TINY_QWEN3
@@ -138,7 +138,7 @@ def test_the_runner_captures_the_drafts_graphs_beside_its_own(tmp_path, device, 
 
 def test_an_eagle3_heads_forwards_replay_its_graphs_as_eager(tmp_path, device, monkeypatch):
     """A random EAGLE3 head (its own draft vocabulary, three aux states of the target):
-    the runner captures the head's graphs beside its own (gpu/cuda_graphs.py HeadGraphs,
+    the runner captures the head's graphs beside its own (gpu/worker/cuda_graphs.py HeadGraphs,
     HeadVerifyGraphs), the head's forwards replay them (its input state a row a second
     input), and the tokens, drafts and the head's KV are an eager runner's."""
     if not torch.cuda.is_available():

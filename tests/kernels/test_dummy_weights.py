@@ -1,4 +1,4 @@
-"""Dummy weights (gpu/loader.py, --load-format dummy) on the kernel tests' device: drawn on a
+"""Dummy weights (gpu/loader/decoder.py, --load-format dummy) on the kernel tests' device: drawn on a
 CUDA model's own GPU, on the CPU otherwise; the same seed gives the same model, another seed
 another, and a bf16 model is the fp32 one rounded (scripts/compare_paths.py's reference is
 the fp32 model on the same weights)."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu.loader import draw_device, load_model
+from gpu.loader.decoder import draw_device, load_model
 
 
 def _load(path, device, dtype="float32", seed=0):

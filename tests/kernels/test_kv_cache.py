@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gpu.kernels.kv_cache import write_kv, write_kv_ref
+from gpu.kernels.triton.kv_cache import write_kv, write_kv_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -1,15 +1,15 @@
 """KV cache sizing on the GPU side: on CUDA, the budget left after profiling one full-size
-step (gpu/runner.py profile_step_bytes, kv_budget_bytes). How start-up picks the number of
+step (gpu/worker/runner.py profile_step_bytes, kv_budget_bytes). How start-up picks the number of
 blocks from the flags: tests/engine/test_engine_kv_sizing.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpu.attention import KVCache
-from gpu.loader import load_model
-from gpu.profiling import kv_budget_bytes, profile_plan, profile_step_bytes
-from gpu.runner import ModelRunner
+from gpu.layers.attention import KVCache
+from gpu.loader.decoder import load_model
+from gpu.worker.profiling import kv_budget_bytes, profile_plan, profile_step_bytes
+from gpu.worker.runner import ModelRunner
 
 
 @pytest.fixture

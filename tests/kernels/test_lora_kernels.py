@@ -1,10 +1,10 @@
-"""LoRA shrink/expand Triton kernels (gpu/kernels/lora.py) against the torch reference,
+"""LoRA shrink/expand Triton kernels (gpu/kernels/triton/lora.py) against the torch reference,
 under the interpreter on CPU: uneven groups of rows per adapter, rows without an adapter,
 ranks padded to the largest."""
 import pytest
 import torch
 
-from gpu.kernels.lora import lora_expand, lora_ref, lora_shrink
+from gpu.kernels.triton.lora import lora_expand, lora_ref, lora_shrink
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -31,7 +31,7 @@ def test_shrink_expand_match_the_reference(T, K, N, R, idx, dtype, device, tol):
 
 
 def test_ranks_bound_what_is_read(device):
-    """Slots of rank R holding smaller adapters (gpu/lora.py's _Slots): with `ranks`, rows of
+    """Slots of rank R holding smaller adapters (gpu/lora/adapters.py's _Slots): with `ranks`, rows of
     A / columns of B past a slot's rank are never read (garbage there changes nothing), and a
     slot of rank 0 adds nothing."""
     g = torch.Generator().manual_seed(3)

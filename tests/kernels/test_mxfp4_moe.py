@@ -4,9 +4,9 @@ row counts (experts with zero rows among them), with each epilogue."""
 import pytest
 import torch
 
-from gpu import mxfp4
-from gpu.mxfp4 import dequantize_packed
-from gpu.kernels.mxfp4_moe import mxfp4_moe_matmul, mxfp4_moe_matmul_ref, tile_map
+from gpu.quantization import mxfp4
+from gpu.quantization.mxfp4 import dequantize_packed
+from gpu.kernels.triton.mxfp4_moe import mxfp4_moe_matmul, mxfp4_moe_matmul_ref, tile_map
 
 
 def _experts(E, N, K, seed=0):

@@ -3,8 +3,8 @@ import itertools
 import pytest
 import torch
 
-from gpu.kernels import paged_attention as paged_attention_module
-from gpu.kernels.paged_attention import paged_attention, paged_attention_ref
+from gpu.kernels.triton import paged_attention as paged_attention_module
+from gpu.kernels.triton.paged_attention import paged_attention, paged_attention_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

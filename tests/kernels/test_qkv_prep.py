@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.kernels.qkv_prep import prepare_qkv, prepare_qkv_ref
+from gpu.kernels.triton.qkv_prep import prepare_qkv, prepare_qkv_ref
 
 CASES = {
     # name: (T, Hq, Hkv, Dh, page, qk_norm)
@@ -51,10 +51,10 @@ def test_prepare_qkv_matches_unfused_path(case, dtype, device, tol):
 def test_prepare_qkv_model_end_to_end(tiny_qwen3_dir, device):
     """The tiny Qwen3 through the Triton attention backend with the fused kernel on and off:
     the same hidden states and cache (on CPU the model's other ops are torch's)."""
-    from gpu.attention import KVCache, TritonPagedAttention
-    from gpu.loader import load_model
+    from gpu.layers.attention import KVCache, TritonPagedAttention
+    from gpu.loader.decoder import load_model
     from gpu.interface import SeqChunk
-    from gpu.staging import prepare_step
+    from gpu.worker.staging import prepare_step
 
     lm = load_model(tiny_qwen3_dir, load_format="dummy", dtype="float32", device=device, progress=False).model
     c = lm.config

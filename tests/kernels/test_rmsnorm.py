@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gpu.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from gpu.kernels.triton.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(7, 576), (1, 72), (33, 128)]

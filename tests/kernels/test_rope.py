@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gpu.kernels.rope import apply_rope, apply_rope_ref
+from gpu.kernels.triton.rope import apply_rope, apply_rope_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -9,10 +9,10 @@ import attrs
 import pytest
 import torch
 
-from gpu.attention import KVCache
-from gpu.loader import load_model
+from gpu.layers.attention import KVCache
+from gpu.loader.decoder import load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.runner import ModelRunner
+from gpu.worker.runner import ModelRunner
 
 TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96,
               "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -120,7 +120,7 @@ def test_logit_controls_on_both_paths(tmp_path, device):
 def test_device_sampler_remembers_the_batch_exactly(device):
     """Kept between steps (parameters, step counters, penalty counts updated on the
     device): the same tokens as a sampler rebuilt from the host every step."""
-    from gpu.sampler import DeviceSampler, SeqSamplingState, sample_on_device
+    from gpu.worker.sampler import DeviceSampler, SeqSamplingState, sample_on_device
 
     V = 40
     opts = [SamplingOptions(temperature=0.9, seed=3, frequency_penalty=1.5, presence_penalty=0.5),
@@ -163,7 +163,7 @@ def test_warm_up_leaves_no_trace(tmp_path, device, use_triton):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging buffers need CUDA")
 def test_staged_inputs_equal_plain_copies():
-    from gpu.staging import Staging, prepare_step
+    from gpu.worker.staging import Staging, prepare_step
 
     dev = torch.device("cuda")
     staging = Staging(dev)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gpu.kernels.sampling import (
+from gpu.kernels.triton.sampling import (
     apply_penalties,
     apply_penalties_ref,
     build_token_counts,
@@ -134,7 +134,7 @@ def test_build_token_counts():
 def test_vocab_chunks_keep_the_first_index_on_ties(device):
     """The vocabulary is split over the grid; the reduction over chunks must keep argmax's
     first-index rule (a tie across chunks goes to the lower chunk)."""
-    from gpu.kernels.sampling import _pick_sample_blocks
+    from gpu.kernels.triton.sampling import _pick_sample_blocks
 
     V = 5000
     chunk = _pick_sample_blocks(V)["CHUNK"]
@@ -172,7 +172,7 @@ def test_token_logprobs_gather_the_chosen_ids_of_the_rows_that_ask():
     """logprob_token_ids (issue 37): a row with chosen ids reports its sampled token, then
     those ids once each, in place of its top k; the other rows keep their top k; a k past
     the vocabulary (-1's vocabulary size) is the whole row."""
-    from gpu.sampler import token_logprobs
+    from gpu.worker.sampler import token_logprobs
 
     raw = torch.log_softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(0)), -1)
     out = token_logprobs(raw, [3, 4, 7], [2, 0, 0], [(), (4, 1, 4, 9), (7,)])

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from gpu.interface import SeqChunk
-from gpu.staging import Staging, staged_offsets, stage_inputs, upload_inputs
+from gpu.worker.staging import Staging, staged_offsets, stage_inputs, upload_inputs
 
 
 def test_offsets_are_padded_to_16_bytes():

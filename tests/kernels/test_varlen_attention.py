@@ -1,4 +1,4 @@
-"""The pooling models' attention (gpu/pooler.py VarlenAttention): the step's own k/v, no
+"""The pooling models' attention (gpu/layers/pooler.py VarlenAttention): the step's own k/v, no
 cache. Its Triton path (the prefill kernel's non-causal mode over one-token pages; under
 TRITON_INTERPRET=1 on CPU) against its torch path (one padded SDPA call) and against dense
 attention per sequence; then a tiny BERT through each (issue 32)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.pooler import VarlenAttention
+from gpu.layers.pooler import VarlenAttention
 
 CASES = {
     # name: (seq_lens, Hq, Hkv, Dh)
@@ -57,7 +57,7 @@ def test_varlen_attention_paths_match_dense(case, causal, dtype, device, tol):
 
 
 def test_buckets_bound_the_padding():
-    from gpu.pooler import PAD_SLACK, _buckets
+    from gpu.layers.pooler import PAD_SLACK, _buckets
     lens = [7, 8, 31, 8, 9, 30, 2]
     groups = _buckets(lens)
     assert sorted(b for g in groups for b in g) == list(range(len(lens)))
@@ -76,10 +76,10 @@ def test_varlen_attention_refuses_sinks_and_windows():
 
 def test_tiny_bert_through_the_triton_path(device):
     """A whole (random) 2-layer encoder: the Triton attention gives the torch path's hidden states."""
-    from gpu.encoder import Encoder, EncoderConfig
-    from gpu.pooler import PoolingModel
-    from gpu.pooling_config import PoolingSpec
-    from gpu.pooling_loader import init_random
+    from gpu.models.bert import Encoder, EncoderConfig
+    from gpu.layers.pooler import PoolingModel
+    from gpu.config.pooling import PoolingSpec
+    from gpu.loader.pooling import init_random
     cfg = EncoderConfig(architecture="bert", vocab_size=50, hidden_size=32, intermediate_size=40,
                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32)
     spec = PoolingSpec(task="embed", pooling_type="MEAN", normalize=True, use_activation=False,

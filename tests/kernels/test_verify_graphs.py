@@ -1,4 +1,4 @@
-"""Verify steps' CUDA graphs (gpu/cuda_graphs.py VerifyGraphs) on the CUDA code path of a
+"""Verify steps' CUDA graphs (gpu/worker/cuda_graphs.py VerifyGraphs) on the CUDA code path of a
 tiny random Qwen3, on CPU under TRITON_INTERPRET=1. CUDA graphs cannot be captured here,
 so a stand-in graph's `replay` runs the recorded forward eagerly over the same static
 buffers: what is checked is what a replay computes from them. The real rows must come out
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.cuda_graphs import DecodeGraphs, VerifyGraphs
+from gpu.worker.cuda_graphs import DecodeGraphs, VerifyGraphs
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.staging import prepare_step
+from gpu.worker.staging import prepare_step
 from tests.kernels.test_runner_triton import runner_pair
 
 BLOCK = 4     # runner_pair's cache: 12 blocks of 4 tokens
@@ -145,8 +145,8 @@ def test_a_failed_verify_capture_keeps_the_decode_graphs(tmp_path, device, monke
     """A verify graph capture that fails costs only the verify steps' graphs: the runner
     keeps its decode graphs, runs verify steps eagerly and reports the error (bench's
     `cuda_graph_error`)."""
-    from gpu.attention import KVCache
-    from gpu.runner import ModelRunner
+    from gpu.layers.attention import KVCache
+    from gpu.worker.runner import ModelRunner
 
     def broken(self):
         raise RuntimeError("capture refused")

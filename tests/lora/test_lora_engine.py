@@ -194,7 +194,7 @@ async def test_ngram_speculation_with_adapters_is_exact(tiny, free_run):
 
 async def test_draft_model_speculation_with_adapters_is_exact(tiny, free_run):
     """A draft model (the tiny base drafting for itself) proposes from base weights, for
-    adapter rows too (gpu/draft.py has no LoRA hooks): the target verifies every row with
+    adapter rows too (gpu/worker/spec_decode/draft.py has no LoRA hooks): the target verifies every row with
     its adapter, so greedy tokens are those without speculation; base rows accept every
     draft, adapter rows fewer."""
     root, _ = tiny

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from gpu.lora_spec import LoRAModule, LoRARegistry, parse_lora_module
+from gpu.lora.spec import LoRAModule, LoRARegistry, parse_lora_module
 from pipeline.core.config import EngineConfig, add_engine_arguments, engine_config
 
 

@@ -1,4 +1,4 @@
-"""The batched LoRA term (gpu/lora.py) against peft's merged model, on a tiny random Llama:
+"""The batched LoRA term (gpu/lora/adapters.py) against peft's merged model, on a tiny random Llama:
 one flat batch mixes base rows and three adapters of different ranks and targets."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from gpu_testutil import hf_logits, make_hf_model, our_logits  # noqa: E402
 from lora_testutil import make_adapter  # noqa: E402
 
 from gpu.interface import LoRARef, SeqChunk  # noqa: E402
-from gpu.loader import load_model  # noqa: E402
-from gpu.lora import LoRAError, LoRAManager, LoRANotFound, read_adapter_config  # noqa: E402
+from gpu.loader.decoder import load_model  # noqa: E402
+from gpu.lora.adapters import LoRAError, LoRAManager, LoRANotFound, read_adapter_config  # noqa: E402
 
 ADAPTERS = {   # name -> (rank, targets, rslora)
     "qkv8": (8, ["q_proj", "k_proj", "v_proj"], False),

@@ -183,7 +183,7 @@ def test_async_scheduling_with_every_speculative_method_unless_turned_off(tmp_pa
     assert EngineConfig(async_scheduling=False).async_scheduling is False
     assert EngineConfig(speculative_config=spec).async_scheduling is True
     assert EngineConfig(speculative_config=spec, async_scheduling=False).async_scheduling is False
-    from gpu.tokenizer_files import default_model_path
+    from gpu.tokenizers.files import default_model_path
     draft = orjson.dumps({"method": "draft_model", "model": str(default_model_path()),
                           "num_speculative_tokens": 2}).decode()
     assert EngineConfig(speculative_config=draft).async_scheduling is True

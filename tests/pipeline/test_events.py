@@ -14,9 +14,9 @@ import attrs
 import orjson
 import pytest
 
-from gpu.grammar import Constraint
+from gpu.worker.grammar import Constraint
 from gpu.interface import SeqChunk, SeqStart, StepPlan, TokenLogprobs
-from gpu.sampler import SamplingOptions
+from gpu.worker.sampler import SamplingOptions
 from pipeline.core.config import EngineConfig
 from pipeline.core.events import (SCHEMA_VERSION, EventLog, event_files, make_header, plain,
                              read_events, redact, redact_headers, stage_deltas, structure_step,

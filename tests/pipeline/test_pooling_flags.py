@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu.pooling_config import PoolerConfig, PoolingConfigError
+from gpu.config.pooling import PoolerConfig, PoolingConfigError
 from pipeline.core.config import EngineConfig
 
 

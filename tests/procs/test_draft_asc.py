@@ -1,5 +1,5 @@
 """A draft model under `--api-server-count 2`: SmolLM2 drafting for itself in the engine
-process (gpu/draft.py), requests through both frontends with the official client; the
+process (gpu/worker/spec_decode/draft.py), requests through both frontends with the official client; the
 texts are those of the same model in one process without speculation, and /metrics
 shows that drafts were verified and held (vllm:spec_decode_num_accepted_tokens_per_pos)."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ BODIES = [dict(prompt=PROMPT, max_tokens=16, temperature=0),
 
 @pytest.fixture(scope="module")
 def draft_server(tmp_path_factory):
-    from gpu.tokenizer_files import default_model_path
+    from gpu.tokenizers.files import default_model_path
 
     spec = {"method": "draft_model", "model": str(default_model_path()),
             "num_speculative_tokens": 3, "adaptive": False}

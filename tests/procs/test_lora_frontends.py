@@ -75,6 +75,6 @@ def test_every_frontend_serves_the_adapters_and_refuses_runtime_loading(lora_fro
     _, status, out = json_on_new_connection(server, "POST", "/v1/completions", {
         "model": "nope", "prompt": PROMPT, "max_tokens": 1})
     assert status == 404 and out["error"]["code"] == "model_not_found"
-    # the frontends render adapters without torch (gpu/lora_spec.py is torch-free)
+    # the frontends render adapters without torch (gpu/lora/spec.py is torch-free)
     for pid in frontends:
         assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid

@@ -5,7 +5,7 @@ import random
 import pytest
 from tokenizers.decoders import DecodeStream
 
-from gpu.tokenizer_files import load_tokenizer
+from gpu.tokenizers.files import load_tokenizer
 from stages.detokenize import ByteLevelStream, CleanPieces, byte_level
 
 

@@ -14,7 +14,7 @@ import pytest
 from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort,
                             RenderConversationConfig, Role, SystemContent, ToolDescription)
 
-from gpu.harmony import harmony_encoding, uses_harmony
+from gpu.tokenizers.harmony import harmony_encoding, uses_harmony
 from stages.api.common import RequestError, ToolPlan, ToolSettings
 from stages.lib.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
@@ -39,7 +39,7 @@ def enc():
 
 @pytest.fixture(scope="module")
 def ctx():
-    from gpu.harmony import harmony_tokenizer
+    from gpu.tokenizers.harmony import harmony_tokenizer
     return RenderContext(tokenizer=harmony_tokenizer(), served_model_names=("gpt-oss",),
                          max_model_len=4096, reasoning=True, vocab_size=201088, tools=HARMONY,
                          harmony=True)

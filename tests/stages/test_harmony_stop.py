@@ -2,7 +2,7 @@
 its header words (stop "final" must not stop at <|channel|>final), one token a step."""
 import pytest
 
-from gpu.harmony import harmony_encoding, harmony_tokenizer
+from gpu.tokenizers.harmony import harmony_encoding, harmony_tokenizer
 from rendered import rendered
 from stages.lib.delta import Delta, FinishReason
 from stages.detokenize import Detokenizer, HarmonyMarks

@@ -16,13 +16,13 @@ from test_harmony import AUTO, call, completion, joined, parse as parse_pieces, 
 
 @pytest.fixture(scope="module")
 def enc():
-    from gpu.harmony import harmony_encoding
+    from gpu.tokenizers.harmony import harmony_encoding
     return harmony_encoding()
 
 
 @pytest.fixture(scope="module")
 def harmony_tokenizer():
-    from gpu.harmony import harmony_tokenizer
+    from gpu.tokenizers.harmony import harmony_tokenizer
     return harmony_tokenizer()
 
 

@@ -90,7 +90,7 @@ class TagTokenizer:
     """A tokenizer whose <think> and </think> are one token each (as Qwen3's and
     DeepSeek-R1's): ids 1 and 2; every other character its own id from 10."""
     TAGS = {"<think>": 1, "</think>": 2}
-    tool_call_ids = "openai"     # gpu.tokenizer.Tokenizer's: the form of its tool-call ids
+    tool_call_ids = "openai"     # gpu.tokenizers.tokenizer.Tokenizer's: the form of its tool-call ids
 
     def encode(self, text, add_special_tokens=False):
         return [self.TAGS[text]] if text in self.TAGS else [10 + ord(c) for c in text]

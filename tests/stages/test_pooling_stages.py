@@ -9,8 +9,8 @@ import numpy as np
 import orjson
 import pytest
 
-from gpu.pooling_loader import load_pooling_model
-from gpu.pooling_runner import PoolingRunner
+from gpu.loader.pooling import load_pooling_model
+from gpu.worker.pooling_runner import PoolingRunner
 from stages.account import Accountant
 from stages.api.common import RequestError
 from stages.emit import Emitter, ReplyEnd

@@ -219,7 +219,7 @@ def _catch_up_run(catches_up: bool, pays: bool, steps: int = 400, forward: float
 
 
 def test_a_probe_does_not_pay_a_draft_models_catch_up():
-    """With a draft model (gpu/draft.py catches a sequence's draft KV up at its first
+    """With a draft model (gpu/worker/spec_decode/draft.py catches a sequence's draft KV up at its first
     drafting step: its whole prompt), the gate's warm-up and probes draft only for a
     sequence the draft has followed within LAG tokens, and start one other only where none
     is, in the warm-up or once drafting went unmeasured for STALE decisions (one prompt

@@ -18,5 +18,5 @@ def test_frontend_imports_without_torch():
 
 def test_the_block_catches_torch():
     # the check itself can fail: a module that needs torch does not import
-    done = import_blocked("gpu.runner")
+    done = import_blocked("gpu.worker.runner")
     assert done.returncode != 0 and "torch is blocked" in done.stderr

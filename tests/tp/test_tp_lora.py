@@ -1,5 +1,5 @@
 """LoRA under `--tensor-parallel-size 2` on the CPU (gloo), issue 33: each rank holds its
-shard of every adapter, sharded as the linear it patches (gpu/lora.py `_shard`: B's rows of
+shard of every adapter, sharded as the linear it patches (gpu/lora/adapters.py `_shard`: B's rows of
 column-parallel q/k/v/gate/up, A's columns of row-parallel o/down, the partial term summed
 by the layer's all-reduce), and rank 0 broadcasts each step's LoRA rows. On the tiny random
 Llama (4 heads, 2 KV heads, intermediate 96: all split in two) with two PEFT adapters made

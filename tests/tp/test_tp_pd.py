@@ -3,7 +3,7 @@ UCX on loopback): two `tailrace serve --tensor-parallel-size 2` instances with t
 connector, and one at TP 1. Each TP rank registers its own KV-head shard with its own NIXL
 agent, the prefill instance's side channel serves every rank's layout, and the decode
 instance's rank R reads the prefill instance's rank R's shard of the same blocks
-(gpu/kv_connector.py).
+(gpu/kv_transfer/connector.py).
 
 On the tiny random Llama (4 heads, 2 KV heads: one KV head per rank) with token-id
 prompts: the prefill leg on one TP 2 instance and the decode leg on the other give the

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from gpu.interface import PLACEHOLDER, SamplingOptions, SeqChunk, StepPlan
-from gpu.runner import PROMPT_LOGPROB_ROWS
-from gpu.staging import BlockTables, stage_inputs, upload_inputs
-from gpu.tp_runner import HEADER, STEP, logit_calls, pack, unpack
+from gpu.worker.runner import PROMPT_LOGPROB_ROWS
+from gpu.worker.staging import BlockTables, stage_inputs, upload_inputs
+from gpu.worker.tp import HEADER, STEP, logit_calls, pack, unpack
 from pipeline.core.config import EngineConfig, add_engine_arguments, engine_config
 from pipeline.layouts.tp_procs import rendezvous, worker_flags
 
@@ -45,11 +45,11 @@ def test_a_step_round_trips_to_the_arrays_and_metadata_rank_0_uploaded(drafts):
 
 
 def test_the_worker_calls_compute_logits_on_the_rows_rank_0_does(smollm):
-    """Rank 0's prompt logprobs (gpu/runner.py) call compute_logits on pieces of each span;
+    """Rank 0's prompt logprobs (gpu/worker/runner.py) call compute_logits on pieces of each span;
     logit_calls must list those pieces in the same order."""
     import torch
 
-    from gpu.runner import compute_prompt_logprobs
+    from gpu.worker.runner import compute_prompt_logprobs
 
     seen = []
 

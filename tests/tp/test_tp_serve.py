@@ -79,7 +79,7 @@ def gpt_oss_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def gpt_oss(gpt_oss_dir):
-    from gpu.loader import load_model
+    from gpu.loader.decoder import load_model
 
     return load_model(gpt_oss_dir, dtype="float32", device=DEVICE, progress=False)
 
@@ -89,7 +89,7 @@ def smollm_ref(request):
     """SmolLM2 on DEVICE for the one-rank reference (the session's CPU copy on the CPU)."""
     if DEVICE == "cpu":
         return request.getfixturevalue("smollm")
-    from gpu.loader import load_model
+    from gpu.loader.decoder import load_model
 
     return load_model(None, dtype="float32", device=DEVICE, progress=False)
 

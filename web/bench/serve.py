@@ -353,7 +353,7 @@ def save_record(config: BenchConfig, record: dict[str, Any], model: str) -> Path
 
 
 def _load_tokenizer(path: str | None) -> datasets.Tokenizer:
-    from gpu.tokenizer_files import load_tokenizer  # no torch; only the CLI path needs it
+    from gpu.tokenizers.files import load_tokenizer  # no torch; only the CLI path needs it
 
     return load_tokenizer(path)
 

@@ -1,0 +1,594 @@
+/* GGUF-quantized linear layers on the CPU (issue 39): y[M, N] = x[M, K] @ W[N, K]^T + bias,
+ * with W kept in its GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), built and loaded by
+ * gpu/kernels/cpu/quant.py the way gpu/kernels/cpu/ops.c is (cc -O3 -march=native -fopenmp, cached per CPU).
+ *
+ * How: a thread takes NR weight rows at a time, dequantizes them into an fp32 buffer in L1/L2
+ * (exactly gguf-py's values: the same fp32 products and sums, -ffp-contract=off), then
+ * multiplies them with MR activation rows at a time in fp32 FMAs (MR x NR vector accumulators
+ * over K). The dequantization is paid once per weight row and step, whatever M; the weights
+ * are read packed (4.5-8.5 bits a weight). fp32 activations, no Q8 rounding of them: the
+ * result is the dequantized fp32 model's up to the order of the sums.
+ * For Q4_0, Q4_1 and Q8_0 at few rows (FUSED_MAX_M_DEFAULT) the fused tiles skip the buffer:
+ * each block is dequantized into registers and multiplied at once, MR rows of x at a time, with
+ * software prefetch; the same values and sums in the same order, so bit-identical results.
+ * From GEMM_MIN_M_DEFAULT rows (Q8_0: GEMM_MIN_M_Q8_0) to GEMM_MAX_M_DEFAULT, with AVX-512 or
+ * AVX2+FMA, the outer-product GEMM tiles of gpu/kernels/cpu/quant_gemm.c serve instead (every format; not
+ * bit-identical to the other tiles: another order of the sums; the same in both builds). With
+ * AVX512_VNNI, their Q4_0/Q4_1/Q8_0 panels multiply int16 activations (x quantized per 32-element
+ * block, ~2^-16 of its largest) with the weights' integers in int32 (vpdpwssd), from
+ * GEMM16_MIN_M_DEFAULT rows (Q8_0: GEMM16_MIN_M_Q8_0); TAILRACE_CPU_QUANT_INT16=0: the fp32 tiles.
+ * Vector width from the build: AVX-512 (16 lanes, 4x4 tile), AVX2+FMA (8 lanes, 2x4), else scalar.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml type ids */
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t u;
+    if (e == 0x1f) u = s | 0x7f800000u | (m << 13);
+    else if (e) u = s | ((e + 112) << 23) | (m << 13);
+    else if (!m) u = s;
+    else {  /* subnormal: normalise */
+        int ee = 113;
+        uint32_t mm = m;
+        while (!(mm & 0x400)) { mm <<= 1; ee--; }
+        u = s | ((uint32_t)ee << 23) | ((mm & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* (elements, bytes) of one block */
+static int block_elems(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K ? 256 : 32; }
+static int block_bytes(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 18; case Q4_1: return 20; case Q8_0: return 34;
+    case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+int cpu_quant_block_bytes(int fmt) { return block_bytes(fmt); }
+int cpu_quant_block_elems(int fmt) { return block_bytes(fmt) ? block_elems(fmt) : 0; }
+
+/* the 6-bit scales and mins of a K-quant super-block (gguf-py's Q4_K.get_scale_min) */
+static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+
+#if defined(__AVX512F__)
+/* 16 bytes -> 16 int32 lanes (zero- or sign-extended) */
+#define U8X16(v) _mm512_cvtepu8_epi32(v)
+#define I8X16(v) _mm512_cvtepi8_epi32(v)
+#define ST16(o, v) _mm512_storeu_ps(o, v)
+#define SET1(f) _mm512_set1_ps(f)
+#define CVT(v) _mm512_cvtepi32_ps(v)
+#define MUL(a, b) _mm512_mul_ps(a, b)
+#define ADD(a, b) _mm512_add_ps(a, b)
+#define SUBI(a, i) _mm512_sub_epi32(a, _mm512_set1_epi32(i))
+/* The 32-element formats with intrinsics: the same products and sums as the scalar code. */
+static int dequant_row_simd(int fmt, const uint8_t *restrict b, int64_t nb, float *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    switch (fmt) {
+    case Q4_0:
+        for (int64_t i = 0; i < nb; i++, b += 18, out += 32) {
+            const __m512 d = SET1(f16(b));
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));
+            ST16(out, MUL(d, CVT(SUBI(U8X16(_mm_and_si128(raw, m4)), 8))));
+            ST16(out + 16, MUL(d, CVT(SUBI(U8X16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), 8))));
+        }
+        return 1;
+    case Q4_1:
+        for (int64_t i = 0; i < nb; i++, b += 20, out += 32) {
+            const __m512 d = SET1(f16(b)), m = SET1(f16(b + 2));
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 4));
+            ST16(out, ADD(MUL(d, CVT(U8X16(_mm_and_si128(raw, m4)))), m));
+            ST16(out + 16, ADD(MUL(d, CVT(U8X16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)))), m));
+        }
+        return 1;
+    case Q8_0:
+        for (int64_t i = 0; i < nb; i++, b += 34, out += 32) {
+            const __m512 d = SET1(f16(b));
+            ST16(out, MUL(CVT(I8X16(_mm_loadu_si128((const __m128i *)(b + 2)))), d));
+            ST16(out + 16, MUL(CVT(I8X16(_mm_loadu_si128((const __m128i *)(b + 18)))), d));
+        }
+        return 1;
+    }
+    return 0;
+}
+#elif defined(__AVX2__)
+/* 8 bytes (the low half of v) -> 8 int32 lanes */
+#define U8X8(v) _mm256_cvtepu8_epi32(v)
+#define I8X8(v) _mm256_cvtepi8_epi32(v)
+#define HI8(v) _mm_srli_si128(v, 8)
+static int dequant_row_simd(int fmt, const uint8_t *restrict b, int64_t nb, float *restrict out) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    switch (fmt) {
+    case Q4_0:
+    case Q4_1:
+        for (int64_t i = 0; i < nb; i++, out += 32) {
+            const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(fmt == Q4_1 ? f16(b + 2) : 0.f);
+            const int off = fmt == Q4_1 ? 4 : 2;
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + off));
+            const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+            const __m128i parts[4] = {lo, HI8(lo), hi, HI8(hi)};
+            for (int p = 0; p < 4; p++) {
+                __m256i q = U8X8(parts[p]);
+                if (fmt == Q4_0) {
+                    q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+                    _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+                } else {
+                    _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m));
+                }
+            }
+            b += fmt == Q4_1 ? 20 : 18;
+        }
+        return 1;
+    case Q8_0:
+        for (int64_t i = 0; i < nb; i++, b += 34, out += 32) {
+            const __m256 d = _mm256_set1_ps(f16(b));
+            const __m128i r0 = _mm_loadu_si128((const __m128i *)(b + 2)), r1 = _mm_loadu_si128((const __m128i *)(b + 18));
+            const __m128i parts[4] = {r0, HI8(r0), r1, HI8(r1)};
+            for (int p = 0; p < 4; p++)
+                _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(_mm256_cvtepi32_ps(I8X8(parts[p])), d));
+        }
+        return 1;
+    }
+    return 0;
+}
+#else
+static int dequant_row_simd(int fmt, const uint8_t *b, int64_t nb, float *out) {
+    (void)fmt; (void)b; (void)nb; (void)out;
+    return 0;
+}
+#endif
+
+/* One row of K elements -> fp32, as gguf-py's dequantize_blocks computes them. */
+static void dequant_row(int fmt, const uint8_t *restrict b, int64_t K, float *restrict out) {
+    const int64_t nb = K / block_elems(fmt);
+    if (dequant_row_simd(fmt, b, nb, out)) return;
+    switch (fmt) {
+    case Q4_0:
+        for (int64_t i = 0; i < nb; i++, b += 18, out += 32) {
+            const float d = f16(b);
+            const uint8_t *q = b + 2;
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)((int)(q[j] & 15) - 8);
+                out[j + 16] = d * (float)((int)(q[j] >> 4) - 8);
+            }
+        }
+        break;
+    case Q4_1:
+        for (int64_t i = 0; i < nb; i++, b += 20, out += 32) {
+            const float d = f16(b), m = f16(b + 2);
+            const uint8_t *q = b + 4;
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)(q[j] & 15) + m;
+                out[j + 16] = d * (float)(q[j] >> 4) + m;
+            }
+        }
+        break;
+    case Q8_0:
+        for (int64_t i = 0; i < nb; i++, b += 34, out += 32) {
+            const float d = f16(b);
+            const int8_t *q = (const int8_t *)(b + 2);
+            for (int j = 0; j < 32; j++) out[j] = (float)q[j] * d;
+        }
+        break;
+    case Q4_K:
+    case Q5_K:
+        for (int64_t i = 0; i < nb; i++, out += 256) {
+            const float d = f16(b), dmin = f16(b + 2);
+            uint8_t sc[8], mn[8];
+            scale_min_k4(b + 4, sc, mn);
+            const uint8_t *qh = b + 16, *qs = fmt == Q4_K ? b + 16 : b + 48;
+            for (int s = 0; s < 8; s++) {   /* sub-block s: 32 values, nibble s & 1 of bytes 32 (s / 2).. */
+                const float ds = d * (float)sc[s], ms = dmin * (float)mn[s];
+                const uint8_t *q = qs + 32 * (s / 2);
+                const int shift = 4 * (s & 1);
+                float *o = out + 32 * s;
+                if (fmt == Q4_K) {
+                    for (int j = 0; j < 32; j++) o[j] = ds * (float)((q[j] >> shift) & 15) - ms;
+                } else {
+                    for (int j = 0; j < 32; j++)
+                        o[j] = ds * (float)(((q[j] >> shift) & 15) | (((qh[j] >> s) & 1) << 4)) - ms;
+                }
+            }
+            b += fmt == Q4_K ? 144 : 176;
+        }
+        break;
+    case Q6_K:
+        for (int64_t i = 0; i < nb; i++, b += 210, out += 256) {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = f16(b + 208);
+            /* element e = 128 h + 32 r + j (h: half, r: 0..3): low nibble from ql[64 h + 32 (r & 1) + j]
+             * (shifted by 4 for r >= 2), high 2 bits from qh[32 h + j] >> 2 r */
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < 4; r++) {
+                    const uint8_t *l = ql + 64 * h + 32 * (r & 1), *hh = qh + 32 * h;
+                    const int lshift = r >= 2 ? 4 : 0;
+                    float *o = out + 128 * h + 32 * r;
+                    const float d0 = d * (float)sc[8 * h + 2 * r], d1 = d * (float)sc[8 * h + 2 * r + 1];
+                    for (int j = 0; j < 32; j++) {
+                        const int q = (int)(((l[j] >> lshift) & 15) | (((hh[j] >> (2 * r)) & 3) << 4)) - 32;
+                        o[j] = (j < 16 ? d0 : d1) * (float)q;
+                    }
+                }
+        }
+        break;
+    }
+}
+
+/* Rows [r0, r1) of a packed tensor -> fp32 [r1 - r0, K] (a large-M call's GEMM operand, tests). */
+int cpu_quant_dequantize(int fmt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t K,
+                         float *out) {
+    if (!block_bytes(fmt) || K % block_elems(fmt) || row_bytes != K / block_elems(fmt) * block_bytes(fmt))
+        return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = r0; r < r1; r++) dequant_row(fmt, w + r * row_bytes, K, out + (r - r0) * K);
+    return 0;
+}
+
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VL 16
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#define MR 4
+#define NR 4
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vf;
+#define VL 8
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#define MR 2   /* 2 x 4 accumulators + 4 weight vectors + 1 input: 13 of AVX2's 16 registers */
+#define NR 4
+#else
+typedef float vf;
+#define VL 1
+#define VZERO() 0.f
+#define VLOAD(p) (*(p))
+#define VFMA(a, b, c) ((a) * (b) + (c))
+static inline float vsum(vf v) { return v; }
+#define MR 2
+#define NR 2
+#endif
+
+int cpu_quant_vector_width(void) { return VL; }
+
+/* y[m, n] = sum_k x[m, k] w[n, k] for mr <= MR rows of x and nr <= NR rows of w (fp32, in buf).
+ * Always inlined with constant mr and nr (tile_any's switch), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, int64_t ldx, const int mr,
+                                                       const float *restrict w, int64_t K, const int nr,
+                                                       float *restrict y, int64_t ldy) {
+    vf acc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = VZERO();
+    for (int64_t k = 0; k < K; k += VL) {
+        vf wv[NR];
+        for (int j = 0; j < nr; j++) wv[j] = VLOAD(w + j * K + k);
+        for (int i = 0; i < mr; i++) {
+            const vf xv = VLOAD(x + i * ldx + k);
+            for (int j = 0; j < nr; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = vsum(acc[i][j]);
+}
+
+static void tile_any(const float *restrict x, int64_t ldx, int mr, const float *restrict w, int64_t K, int nr,
+                     float *restrict y, int64_t ldy) {
+    if (nr == NR) {
+        switch (mr) {
+        case 1: tile(x, ldx, 1, w, K, NR, y, ldy); return;
+        case 2: tile(x, ldx, 2, w, K, NR, y, ldy); return;
+#if MR > 2
+        case 3: tile(x, ldx, 3, w, K, NR, y, ldy); return;
+#endif
+#if MR > 3
+        case 4: tile(x, ldx, 4, w, K, NR, y, ldy); return;
+#endif
+        }
+    }
+    for (int i = 0; i < mr; i++)   /* the last few rows of W */
+        for (int j = 0; j < nr; j++) tile(x + i * ldx, ldx, 1, w + j * K, K, 1, y + i * ldy + j, ldy);
+}
+
+/* The fused small-M path: for the 32-element formats (Q4_0, Q4_1, Q8_0) and at most MR rows of x,
+ * each weight block is dequantized into registers and multiplied at once, with no fp32 row
+ * buffer stored and loaded again. The values are dequant_row_simd's (the same products and
+ * sums), and each accumulator adds the same products in the same order as tile() over the
+ * buffered row: the results are bit-identical to the buffered path's. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define FUSED 1
+#define BV (32 / VL)   /* vectors a block */
+/* Measured (docs/benchmarks.md, issue 39): with AVX-512 the fused tiles win at every M up to the
+ * large-M path's 48 rows in a real decode step (the weights stream from memory); with AVX2 only
+ * up to MR = 2 rows (four vectors a block to dequantize again for each group of 2 rows). */
+#ifndef FUSED_MAX_M_DEFAULT
+#if defined(__AVX512F__)
+#define FUSED_MAX_M_DEFAULT 48
+#else
+#define FUSED_MAX_M_DEFAULT MR
+#endif
+#endif
+#ifndef PF_TILES
+#define PF_TILES 2
+#endif
+static inline __attribute__((always_inline)) void deq_block(const int fmt, const uint8_t *restrict b, vf out[BV]) {
+#if defined(__AVX512F__)
+    if (fmt == Q8_0) {
+        const __m512 d = SET1(f16(b));
+        out[0] = MUL(CVT(I8X16(_mm_loadu_si128((const __m128i *)(b + 2)))), d);
+        out[1] = MUL(CVT(I8X16(_mm_loadu_si128((const __m128i *)(b + 18)))), d);
+    } else {   /* the 16 bytes widened first, then the nibbles split in 32-bit lanes: 3 ops, not 5 */
+        const __m512i v = U8X16(_mm_loadu_si128((const __m128i *)(b + (fmt == Q4_1 ? 4 : 2))));
+        const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+        const __m512 d = SET1(f16(b));
+        if (fmt == Q4_0) {
+            out[0] = MUL(d, CVT(SUBI(lo, 8)));
+            out[1] = MUL(d, CVT(SUBI(hi, 8)));
+        } else {
+            const __m512 m = SET1(f16(b + 2));
+            out[0] = ADD(MUL(d, CVT(lo)), m);
+            out[1] = ADD(MUL(d, CVT(hi)), m);
+        }
+    }
+#else
+    const __m128i m4 = _mm_set1_epi8(15);
+    if (fmt == Q8_0) {
+        const __m256 d = _mm256_set1_ps(f16(b));
+        const __m128i r0 = _mm_loadu_si128((const __m128i *)(b + 2)), r1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        const __m128i parts[4] = {r0, HI8(r0), r1, HI8(r1)};
+        for (int p = 0; p < 4; p++) out[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(I8X8(parts[p])), d);
+    } else {
+        const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(fmt == Q4_1 ? f16(b + 2) : 0.f);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (fmt == Q4_1 ? 4 : 2)));
+        const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+        const __m128i parts[4] = {lo, HI8(lo), hi, HI8(hi)};
+        for (int p = 0; p < 4; p++) {
+            __m256i q = U8X8(parts[p]);
+            if (fmt == Q4_0)
+                out[p] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
+            else
+                out[p] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m);
+        }
+    }
+#endif
+}
+
+static inline int fused_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+
+/* rows of x a fused tile takes: with AVX-512's 32 registers 6 x 4 accumulators (each weight
+ * block dequantized once for 6 rows), with AVX2's 16 registers MR x NR */
+#ifndef FMR
+#if defined(__AVX512F__)
+#define FMR 6
+#else
+#define FMR MR
+#endif
+#endif
+
+/* y[m, n] = sum_k x[m, k] w_n[k] for mr <= FMR rows of x and nr <= NR packed rows w[0..nr) */
+static inline __attribute__((always_inline)) void ftile(const int fmt, const uint8_t *const *restrict w,
+                                                        const float *restrict x, int64_t ldx, const int mr,
+                                                        int64_t K, const int nr, float *restrict y, int64_t ldy) {
+    vf acc[FMR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = VZERO();
+    const int64_t bb = block_bytes(fmt);
+    /* The rows of a tile are read block by block, in turn: an order the hardware prefetchers
+     * do not follow (3.6x slower than row by row on a 30 MB matrix). Each step prefetches its
+     * share of the tile PF_TILES ahead (the rows of a linear are contiguous; a prefetch past
+     * the end does not fault). */
+    const char *ahead = (const char *)w[0] + PF_TILES * NR * (K / 32 * bb);
+    for (int64_t k = 0, off = 0; k < K; k += 32, off += bb) {
+        for (int64_t p = 0; p < NR * bb; p += 64) _mm_prefetch(ahead + NR * off + p, _MM_HINT_T0);
+        for (int j = 0; j < nr; j++) {
+            vf wv[BV];
+            deq_block(fmt, w[j] + off, wv);
+            for (int v = 0; v < BV; v++)
+                for (int i = 0; i < mr; i++) acc[i][j] = VFMA(VLOAD(x + i * ldx + k + v * VL), wv[v], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = vsum(acc[i][j]);
+}
+
+#define FTILE_MR(F, MRV)                                                                                       \
+    do {                                                                                                       \
+        if (nr == NR) ftile(F, w, x, ldx, MRV, K, NR, y, ldy);                                                 \
+        else                                                                                                   \
+            for (int j_ = 0; j_ < nr; j_++) ftile(F, w + j_, x, ldx, MRV, K, 1, y + j_, ldy);                  \
+    } while (0)
+#define FTILE_FMT(F)                                                                                           \
+    do {                                                                                                       \
+        switch (mr) {                                                                                          \
+        case 1: FTILE_MR(F, 1); return;                                                                        \
+        case 2: FTILE_MR(F, 2); return;                                                                        \
+        FTILE_MR3(F) FTILE_MR4(F) FTILE_MR5(F) FTILE_MR6(F) FTILE_MR7(F) FTILE_MR8(F)                          \
+        }                                                                                                      \
+    } while (0)
+#if FMR > 2
+#define FTILE_MR3(F) case 3: FTILE_MR(F, 3); return;
+#else
+#define FTILE_MR3(F)
+#endif
+#if FMR > 3
+#define FTILE_MR4(F) case 4: FTILE_MR(F, 4); return;
+#else
+#define FTILE_MR4(F)
+#endif
+#if FMR > 4
+#define FTILE_MR5(F) case 5: FTILE_MR(F, 5); return;
+#else
+#define FTILE_MR5(F)
+#endif
+#if FMR > 5
+#define FTILE_MR6(F) case 6: FTILE_MR(F, 6); return;
+#else
+#define FTILE_MR6(F)
+#endif
+#if FMR > 6
+#define FTILE_MR7(F) case 7: FTILE_MR(F, 7); return;
+#else
+#define FTILE_MR7(F)
+#endif
+#if FMR > 7
+#define FTILE_MR8(F) case 8: FTILE_MR(F, 8); return;
+#else
+#define FTILE_MR8(F)
+#endif
+
+/* rows w[0..nr) (all in format fmt, fused_fmt) times mr <= FMR rows of x */
+static void ftile_any(int fmt, const uint8_t *const *w, const float *x, int64_t ldx, int mr, int64_t K, int nr,
+                      float *y, int64_t ldy) {
+    switch (fmt) {
+    case Q4_0: FTILE_FMT(Q4_0); break;
+    case Q4_1: FTILE_FMT(Q4_1); break;
+    case Q8_0: FTILE_FMT(Q8_0); break;
+    }
+}
+#else
+#define FUSED 0
+#define FUSED_MAX_M_DEFAULT 0
+#define FMR MR
+static inline int fused_fmt(int fmt) { (void)fmt; return 0; }
+static void ftile_any(int fmt, const uint8_t *const *w, const float *x, int64_t ldx, int mr, int64_t K, int nr,
+                      float *y, int64_t ldy) {
+    (void)fmt; (void)w; (void)x; (void)ldx; (void)mr; (void)K; (void)nr; (void)y; (void)ldy;
+}
+#endif
+
+/* rows [0, M) of x in groups of FMR, each group's tiles dequantizing the weight blocks again */
+static void ftile_rows(int fmt, const uint8_t *const *w, const float *x, int64_t ldx, int64_t M, int64_t K, int nr,
+                       float *y, int64_t ldy) {
+    for (int64_t m = 0; m < M; m += FMR)
+        ftile_any(fmt, w, x + m * ldx, ldx, M - m < FMR ? (int)(M - m) : FMR, K, nr, y + m * ldy, ldy);
+}
+
+/* Up to fused_max_m rows take the fused tiles (in groups of MR); more, the buffered path.
+ * TAILRACE_CPU_QUANT_FUSED=0 in the environment of the first call turns them off. */
+static int64_t fused_max_m = -1;
+static inline int use_fused(int fmt, int64_t M) {
+    if (fused_max_m < 0) {
+        const char *e = getenv("TAILRACE_CPU_QUANT_FUSED");
+        fused_max_m = e && e[0] == '0' ? 0 : FUSED_MAX_M_DEFAULT;
+    }
+    return FUSED && M <= fused_max_m && fused_fmt(fmt);
+}
+int cpu_quant_fused(int fmt, int64_t M) { return use_fused(fmt, M); }
+/* the most rows that take the fused tiles now (0: none) */
+int cpu_quant_fused_max_m(void) {
+    (void)use_fused(Q4_0, 1);
+    return FUSED ? (int)fused_max_m : 0;
+}
+/* max_m: the most rows that take the fused tiles, 0 for none, -1 for the default (tests and
+ * A/B runs; not while a product runs); returns whether this build has them */
+int cpu_quant_set_fused(int max_m) {
+    fused_max_m = max_m < 0 ? FUSED_MAX_M_DEFAULT : max_m;
+    return FUSED;
+}
+
+#include "quant_gemm.c"
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N]), W [N, row_bytes] packed
+ * in format fmt. K a multiple of the format's block (and so of the vector width). Returns -1 for
+ * arguments it does not take (nothing written). */
+int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const float *x,
+                     int64_t ldx, int64_t M, float *y, int64_t ldy, const float *bias) {
+    if (!block_bytes(fmt) || K % block_elems(fmt) || row_bytes != K / block_elems(fmt) * block_bytes(fmt)
+        || K > (1 << 16))
+        return -1;
+    if (use_gemm(fmt, M)) {
+        /* x quantized for the int16 tiles: in this calling thread's scratch, grown and kept (a
+         * few MB at most for prefill: no allocation, nor its page faults, per call) */
+        static _Thread_local void *xq_mem;
+        static _Thread_local size_t xq_size;
+        int i16 = use_int16(fmt);
+        if (i16 && gemm16_bytes(M, K) > xq_size) {
+            free(xq_mem);
+            xq_mem = aligned_alloc(64, (gemm16_bytes(M, K) + 63) & ~(size_t)63);
+            xq_size = xq_mem ? gemm16_bytes(M, K) : 0;
+            i16 = xq_mem != NULL;   /* else the fp32 tiles */
+        }
+        const gxq xq = i16 ? gemm16_at(xq_mem, M, K) : (gxq){0};
+#pragma omp parallel
+        {
+            float *buf = aligned_alloc(64, sizeof(float) * GEMM_BUF_FLOATS);
+            const uint8_t *rows[NP];
+            int fmts[NP];
+            if (i16) {
+#pragma omp for schedule(static)
+                for (int64_t m = 0; m < M; m++)
+                    gemm_quantize(x, ldx, m, m + 1, K, (int16_t *)xq.q, (float *)xq.dx, (float *)xq.sx);
+            }
+#pragma omp for schedule(static)
+            for (int64_t n0 = 0; n0 < N; n0 += NP) {
+                const int nr = N - n0 < NP ? (int)(N - n0) : NP;
+                for (int j = 0; j < nr; j++) rows[j] = w + (n0 + j) * row_bytes, fmts[j] = fmt;
+                gemm_panel(rows, fmts, nr, x, ldx, M, K, y + n0, ldy, buf, i16 ? &xq : NULL);
+                if (bias)
+                    for (int64_t m = 0; m < M; m++)
+                        for (int j = 0; j < nr; j++) y[m * ldy + n0 + j] += bias[n0 + j];
+            }
+            free(buf);
+        }
+        return 0;
+    }
+    const int64_t tiles = (N + NR - 1) / NR;
+    const int fused = use_fused(fmt, M);
+#pragma omp parallel
+    {
+        float *buf = fused ? NULL : aligned_alloc(64, (size_t)NR * K * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * NR;
+            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+            if (fused) {
+                const uint8_t *rows[NR];
+                for (int j = 0; j < nr; j++) rows[j] = w + (n0 + j) * row_bytes;
+                ftile_rows(fmt, rows, x, ldx, M, K, nr, y + n0, ldy);
+            } else {
+                for (int j = 0; j < nr; j++) dequant_row(fmt, w + (n0 + j) * row_bytes, K, buf + j * K);
+                for (int64_t m = 0; m < M; m += MR) {
+                    const int mr = M - m < MR ? (int)(M - m) : MR;
+                    tile_any(x + m * ldx, ldx, mr, buf, K, nr, y + m * ldy + n0, ldy);
+                }
+            }
+            if (bias)
+                for (int64_t m = 0; m < M; m++)
+                    for (int j = 0; j < nr; j++) y[m * ldy + n0 + j] += bias[n0 + j];
+        }
+        free(buf);
+    }
+    return 0;
+}

@@ -1,0 +1,404 @@
+"""Paged attention backends.
+
+KV layout (per layer): k_cache, v_cache of shape [num_blocks, block_size, kv_heads, head_dim].
+Token at position p of a sequence lives in slot block_table[p // block_size] * block_size
++ p % block_size. The model calls ``backend.forward(layer, q, k, v, sinks=, window=)`` once
+per layer; the backend writes the new k/v through the slot mapping, then attends over each
+sequence's whole context (cached prefix + new tokens), causally; with a window, only over
+the last `window` positions up to the query's own; with sinks, each head's sink logit joins
+the softmax denominator.
+
+Sliding-window layers keep their k/v in the same blocks as full layers, unless the cache is
+*hybrid* (KVCache(sliding_layers=..., num_sliding_blocks=...), gpt-oss by default): then the
+sliding layers have a smaller pool of their own, and block b of a table holds their k/v in
+slot sliding_map[b] (stages/schedule/blocks.py SlidingHalves lends the slots; the plan ships changes,
+KVCache.remap applies them). A sliding layer reads its table and slot mapping through that
+map (`sliding_view`, once per forward, inside a captured CUDA graph too); blocks the window
+no longer reaches map to slot 0 or to another block's slot, which the window masks.
+
+Two backends share one metadata object:
+- TorchPagedAttention: CPU (and reference) path. Decodes go in one call of
+  gpu/kernels/cpu/ops.c's paged_decode_attention, which reads the blocks in place (where it is
+  built: a C compiler, AVX-512); otherwise, and with cpu_kernels=False, they are batched
+  into one SDPA call over gathered blocks. Each prefill chunk is its own SDPA call.
+- TritonPagedAttention: CUDA path, gpu/kernels/kv_cache.write_kv + paged_attention; on
+  CUDA the model instead hands it the raw qkv projection, and one kernel per layer norms,
+  rotates and writes (gpu/kernels/triton/qkv_prep.py) before paged_attention.
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+
+@attrs.define
+class AttentionMetadata:
+    """Per-step layout of the flat token batch, built once by the runner for all layers."""
+    slot_mapping: torch.Tensor        # [T] int64
+    block_tables: torch.Tensor        # [B, max_blocks] int32 (padded with 0)
+    cu_seqlens_q: torch.Tensor        # [B+1] int32
+    seq_lens: torch.Tensor            # [B] int32: context incl. the new tokens
+    # Host-side copies for the torch path (no device sync needed to read them).
+    q_starts: list[int]               # host copy of cu_seqlens_q
+    q_lens: list[int]
+    ctx_lens: list[int]
+    start_positions: list[int]
+    decode_rows: list[int]            # sequences with q_len == 1
+    prefill_rows: list[int]           # sequences with q_len > 1
+    max_seqlen_q: int = 1             # host hint for kernel tile sizes
+    num_kv_splits: int = 1            # Triton decode: split each sequence's KV over this many
+                                      # programs (flash-decoding); fixed per captured batch size
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, *,
+                 sliding_layers: tuple[int, ...] = (), num_sliding_blocks: int = 0) -> None:
+        """sliding_layers, num_sliding_blocks: a hybrid cache (those layers in a pool of their own)."""
+        self.sliding_layers = frozenset(sliding_layers)
+        self.first_sliding = min(sliding_layers, default=-1)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        small = (num_sliding_blocks, block_size, kv_heads, head_dim)
+        shapes = [small if i in self.sliding_layers else shape for i in range(num_layers)]
+        # zeros: a masked-out read (a slot the window no longer reaches) must be finite
+        self.k = [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes]
+        self.v = [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes]
+        self.num_blocks = num_blocks
+        self.num_sliding_blocks = num_sliding_blocks
+        self.block_size = block_size
+        # block -> its slot in the sliding layers' pool (0 when none: never written, masked)
+        self.sliding_map = (torch.zeros(num_blocks, dtype=torch.int64, device=device)
+                            if sliding_layers else None)
+
+    def remap(self, updates: tuple[tuple[int, int], ...]) -> None:
+        """Apply (block, slot or -1) changes to sliding_map (in place: captured graphs read it)."""
+        blocks, slots = zip(*updates)
+        dev = self.sliding_map.device
+        self.sliding_map[torch.tensor(blocks, device=dev)] = torch.tensor(slots, device=dev).clamp(min=0)
+
+    def sliding_view(self, meta: "AttentionMetadata") -> "AttentionMetadata":
+        """meta with the sliding layers' slot mapping and block tables (device ops only)."""
+        m, bs = self.sliding_map, self.block_size
+        slots = meta.slot_mapping
+        mapped = m[(slots // bs).clamp(min=0)] * bs + slots % bs
+        return attrs.evolve(meta, slot_mapping=torch.where(slots >= 0, mapped, slots),  # -1: padding
+                            block_tables=m[meta.block_tables.long()].to(meta.block_tables.dtype))
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * kv_heads * head_dim * elem
+
+
+def hybrid_layout(config, num_blocks: int, block_size: int, max_num_seqs: int,
+                  max_num_batched_tokens: int) -> tuple[int, tuple[int, ...], int]:
+    """(full-layer blocks, sliding layers, sliding slots) of a KV cache in the memory of
+    `num_blocks` plain blocks; no sliding layers when the model has none (or all are) or the
+    split would save nothing."""
+    L = config.num_hidden_layers
+    sliding = tuple(i for i in range(L) if config.layer_window(i) is not None)
+    if not sliding or len(sliding) == L:
+        return num_blocks, (), 0
+    window = max(config.layer_window(i) for i in sliding)
+    full, slots = split_for_sliding(num_blocks, L, len(sliding), window, block_size, max_num_seqs,
+                                    max_num_batched_tokens)
+    return (num_blocks, (), 0) if slots >= num_blocks else (full, sliding, slots)
+
+
+def split_for_sliding(num_blocks: int, num_layers: int, num_sliding_layers: int, window: int,
+                      block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+    """A hybrid KV cache in the memory of `num_blocks` plain blocks: (full-layer blocks,
+    sliding-layer slots). The sliding pool holds what the running sequences can need at
+    once: each one's window (ceil((window - 1) / block_size) + 1 blocks) plus the block its
+    in-flight step writes, and two steps' worth of prefill chunks (one planned ahead); the
+    memory this frees goes to more full-layer blocks. When that pool would be as large as
+    the cache, no split: (num_blocks, num_blocks)."""
+    per_seq = -(-(window - 1) // block_size) + 2
+    slots = max_num_seqs * per_seq + 2 * -(-max_num_batched_tokens // block_size)
+    if slots >= num_blocks:
+        return num_blocks, num_blocks
+    full_layers = num_layers - num_sliding_layers
+    budget = num_blocks * num_layers                   # in (block x layer) units
+    return (budget - slots * num_sliding_layers) // full_layers, slots
+
+
+def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[Q, K] bool: key position k_pos[j] is visible to query position q_pos[i] (causal, windowed)."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    return visible
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+         scale: float | None, sink_logits: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA over q [B, H, Q, D], k/v [B, Hk, K, D] (GQA when Hk < H), visible broadcastable to
+    [B, H, Q, K]. sink_logits, broadcastable to [B, H, Q, 1], join each softmax denominator as
+    one extra key whose score is the sink and whose value is zero: softmax over [scores, sink]
+    with the sink's column dropped, as gpt-oss computes it."""
+    if sink_logits is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=is_causal,
+                                              scale=scale, enable_gqa=True)
+    B, H, Q, _ = q.shape
+    K = k.shape[-2]
+    if visible is None:
+        visible = torch.ones(Q, K, dtype=torch.bool, device=q.device).tril(K - Q)
+    zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    k, v = torch.cat([k, zero], dim=-2), torch.cat([v, zero], dim=-2)
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+    bias = torch.cat([bias.expand(B, H, Q, K), sink_logits.to(q.dtype).expand(B, H, Q, 1)], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+
+
+def _decode_kernels(cache: KVCache):
+    """gpu/cpu_kernels for a CPU cache of fp32 or bf16, when built with AVX-512 loops (the
+    only ones measured against gather + SDPA); else None."""
+    if not cache.k or cache.k[0].device.type != "cpu":
+        return None
+    from gpu.kernels.cpu import ops as cpu_kernels
+    if not cpu_kernels.supports(cache.k[0].dtype):
+        return None
+    kernels = cpu_kernels.kernels()
+    return kernels if kernels is not None and kernels.vector_width else None
+
+
+class TorchPagedAttention:
+    fused_qkv = False     # takes q, k, v normed and roped (gpu/models/causal_lm.py AttentionBackend)
+
+    def __init__(self, cache: KVCache, scale: float, *, cpu_kernels: bool = True) -> None:
+        """cpu_kernels: decode rows through gpu/kernels/cpu/ops.c where it is available (False:
+        always gather + SDPA, the reference path)."""
+        self.cache = cache
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+        self._decode_blocks: torch.Tensor | None = None
+        self._decode_mask: torch.Tensor | None = None
+        self._decode_rows: torch.Tensor | None = None
+        self._decode_lens: torch.Tensor | None = None
+        self._decode_windowed: dict[int, torch.Tensor] = {}
+        self._sliding: TorchPagedAttention | None = None
+        # decode rows through gpu/kernels/cpu/ops.c (reads the blocks in place) where it is built
+        # and vectorised; None: the gather + SDPA path below
+        self.kernels = _decode_kernels(cache) if cpu_kernels else None
+        self._c_args: tuple | None = None
+
+    # a chunk of at most this many tokens after a cached context (a verify pass: the last
+    # token and its drafts) attends as that many decode rows, each seeing the context up
+    # to its own position, in the decode rows' one batched call (not one call per chunk)
+    SHORT_CHUNK = 8
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute what every layer reuses: the decode rows' blocks and mask."""
+        self.meta = meta
+        self._sliding = None    # a hybrid cache's sliding layers: made by the first of them
+        self._decode_blocks = self._decode_mask = self._decode_rows = self._c_args = None
+        self._decode_windowed = {}
+        # the query rows that attend as decodes: (sequence, query row, keys it sees)
+        seqs, q_rows, lens = [], [], []
+        self._prefill_rows = []
+        for r, ql in enumerate(meta.q_lens):
+            if ql == 1:
+                seqs.append(r)
+                q_rows.append(meta.q_starts[r])
+                lens.append(meta.ctx_lens[r])
+            elif ql <= self.SHORT_CHUNK and meta.start_positions[r] > 0:
+                s, ctx = meta.q_starts[r], meta.ctx_lens[r]
+                seqs.extend([r] * ql)
+                q_rows.extend(range(s, s + ql))
+                lens.extend(range(ctx - ql + 1, ctx + 1))
+            else:
+                self._prefill_rows.append(r)
+        self._num_decode = len(q_rows)
+        if q_rows:
+            bs = self.cache.block_size
+            dev = meta.block_tables.device  # every index and mask lives with the metadata
+            nblk = -(-max(lens) // bs)
+            plain = all(q == 1 for q in meta.q_lens)      # every sequence one decode row
+            # when every query row decodes, in order, they need no gather/scatter
+            all_rows = q_rows == list(range(len(meta.slot_mapping)))
+            table = (meta.block_tables[:, :nblk] if plain else
+                     meta.block_tables[torch.tensor(seqs, device=dev), :nblk])
+            self._decode_blocks = table.to(torch.int64).flatten()                      # [B*nblk]
+            lens_t = (meta.seq_lens.to(torch.int64) if plain
+                      else torch.tensor(lens, dtype=torch.int64, device=dev))
+            self._decode_mask = (torch.arange(nblk * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+            self._decode_lens = lens_t
+            if not all_rows:
+                self._decode_rows = torch.tensor(q_rows, device=dev)
+            if self.kernels is not None:
+                # the C kernel's per-step arguments: tables, lengths, query rows and, when
+                # every sequence decodes one token, the slots it writes this step's k/v to
+                # itself (a short chunk's rows must see each other's: written beforehand)
+                qr = torch.arange(len(q_rows), device=dev) if all_rows else self._decode_rows
+                slots = meta.slot_mapping.index_select(0, qr).to(torch.int64) if plain else None
+                self._c_args = (table.to(torch.int32).contiguous(), lens_t.contiguous(), qr, slots)
+
+    def _decode_visible(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, K] decode mask; with a window, also drop keys older than the last `window`
+        (built once per step and window, shared by that window's layers)."""
+        if window is None:
+            return self._decode_mask
+        if window not in self._decode_windowed:
+            lens, K = self._decode_lens, self._decode_mask.shape[-1]
+            recent = torch.arange(K, device=lens.device)[None, :] >= (lens - window)[:, None]  # query at lens - 1
+            self._decode_windowed[window] = self._decode_mask & recent[:, None, None, :]
+        return self._decode_windowed[window]
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        if layer in self.cache.sliding_layers:
+            if layer == self.cache.first_sliding or self._sliding is None:
+                self._sliding = TorchPagedAttention(self.cache, self.scale,
+                                                    cpu_kernels=self.kernels is not None)
+                self._sliding.prepare(self.cache.sliding_view(self.meta))
+            return self._sliding._attend(layer, q, k, v, sinks, window)
+        return self._attend(layer, q, k, v, sinks, window)
+
+    def _attend(self, layer: int, q, k, v, sinks, window) -> torch.Tensor:
+        meta = self.meta
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        flat_k = kc.view(-1, kc.shape[2], kc.shape[3])
+        flat_v = vc.view(-1, vc.shape[2], vc.shape[3])
+        out = q.new_empty(q.shape)
+        # the C kernel writes the step's k/v itself when every row decodes (its slots)
+        kernel_writes = self._c_args is not None and self._c_args[3] is not None
+        if not kernel_writes:
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
+        if self._c_args is not None and self._kernel_decode(layer, q, k, v, out, sinks, window):
+            if not self._prefill_rows:
+                return out
+        else:
+            if kernel_writes:   # it declined: nothing it may have written differs from these
+                flat_k.index_copy_(0, meta.slot_mapping, k)
+                flat_v.index_copy_(0, meta.slot_mapping, v)
+            out = self._torch_decode(layer, q, out, sinks, window)
+            if not self._prefill_rows:
+                return out
+        return self._prefill(q, k, v, out, sinks, window, flat_k, flat_v)
+
+    def _kernel_decode(self, layer: int, q, k, v, out, sinks, window) -> bool:
+        """The decode rows through the C kernel (which also writes their k/v when no prefill
+        shares the step); False when it declines, having written nothing the torch path
+        would not rewrite."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if q.dtype != kc.dtype or k.dtype != kc.dtype or q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+            return False
+        tables, lens, q_rows, slots = self._c_args
+        new_kv = None
+        if slots is not None:
+            if k.stride()[1:] != (k.shape[-1], 1) or v.stride()[1:] != (v.shape[-1], 1):
+                return False
+            new_kv = (k, v)
+        return self.kernels.paged_decode_attention(
+            q, q_rows, out, kc, vc, tables, lens, self.scale, new_kv=new_kv, slots=slots,
+            sinks=None if sinks is None else sinks.float().contiguous(), window=window)
+
+    def _torch_decode(self, layer: int, q, out, sinks, window) -> torch.Tensor:
+        """out with the decode rows: their blocks gathered, one SDPA call (k/v already written)."""
+        meta = self.meta
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if self._num_decode:
+            B, (_, bs, hkv, d) = self._num_decode, kc.shape
+            rows = self._decode_rows
+            qd = q if rows is None else q.index_select(0, rows)
+            # GQA folded into the query axis: the G query heads of a KV head are G query rows
+            qd = qd.reshape(B, hkv, -1, d)                                      # [B, Hkv, G, D]
+            kd = kc.index_select(0, self._decode_blocks).view(B, -1, hkv, d).transpose(1, 2)
+            vd = vc.index_select(0, self._decode_blocks).view(B, -1, hkv, d).transpose(1, 2)
+            sink = None if sinks is None else sinks.view(1, hkv, -1, 1)         # head h = kv * G + g
+            od = sdpa(qd, kd, vd, self._decode_visible(window), self.scale, sink)  # [B, Hkv, G, D]
+            od = od.reshape(B, -1, d)                                           # [B, Hq, D]
+            if rows is None:
+                return od
+            out.index_copy_(0, rows, od)
+        return out
+
+    def _prefill(self, q, k, v, out, sinks, window, flat_k, flat_v) -> torch.Tensor:
+        """out with the prefill rows: one SDPA call each (k/v already written)."""
+        meta, starts = self.meta, self.meta.q_starts
+        for r in self._prefill_rows:
+            s, e = starts[r], starts[r + 1]
+            qp = q[s:e].transpose(0, 1)[None]                                   # [1, Hq, Q, D]
+            start = meta.start_positions[r]
+            sink = None if sinks is None else sinks.view(1, -1, 1, 1)
+            if start == 0:  # no cached prefix: the new k/v are the whole context
+                kp, vp = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
+                if window is None and sink is None:
+                    op = sdpa(qp, kp, vp, None, self.scale, is_causal=True)
+                else:
+                    pos = torch.arange(e - s, device=meta.block_tables.device)
+                    op = sdpa(qp, kp, vp, window_visible(pos, pos, window), self.scale, sink)
+            else:
+                ctx = meta.ctx_lens[r]
+                bs = self.cache.block_size
+                nblk = -(-ctx // bs)
+                dev = meta.block_tables.device
+                table = meta.block_tables[r, :nblk].to(torch.int64)
+                slots = (table[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)[:ctx]
+                kp = flat_k[slots].transpose(0, 1)[None]                        # [1, Hkv, ctx, D]
+                vp = flat_v[slots].transpose(0, 1)[None]
+                qpos = torch.arange(start, start + (e - s), device=dev)
+                mask = window_visible(qpos, torch.arange(ctx, device=dev), window)  # [Q, ctx]
+                op = sdpa(qp, kp, vp, mask, self.scale, sink)
+            out[s:e] = op[0].transpose(0, 1)
+        return out
+
+
+class TritonPagedAttention:
+    """CUDA path: one kernel writes k/v, one kernel attends over the mixed batch.
+
+    With ``fused_qkv`` (on for a CUDA cache) the model hands over the raw qkv projection
+    instead: `write_qkv` norms and rotates q and k and writes k/v into the cache in one
+    kernel (gpu/kernels/triton/qkv_prep.py), and `attend` attends; `forward` is the unfused
+    path (write_kv, then attend)."""
+
+    def __init__(self, cache: KVCache, scale: float) -> None:
+        from gpu.kernels.triton.kv_cache import write_kv
+        from gpu.kernels.triton.paged_attention import paged_attention
+        self._write_kv, self._attend = write_kv, paged_attention
+        self.cache = cache
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+        self.fused_qkv = cache.k[0].is_cuda if cache.k else False
+        self._sliding: AttentionMetadata | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        self._sliding = None
+
+    def _layer_meta(self, layer: int, *, writing: bool = False) -> AttentionMetadata:
+        """The step's metadata, or for a sliding layer its view through the sliding map."""
+        if layer not in self.cache.sliding_layers:
+            return self.meta
+        # remade by the first sliding layer's k/v write of every forward: inside a captured graph too
+        if self._sliding is None or (writing and layer == self.cache.first_sliding):
+            self._sliding = self.cache.sliding_view(self.meta)
+        return self._sliding
+
+    def write_qkv(self, layer: int, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                  head_dim: int, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                  eps: float, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) Dh] -> q [T, Hq, Dh] normed and rotated; k and v (k normed
+        and rotated) written into layer's cache."""
+        from gpu.kernels.triton.qkv_prep import prepare_qkv
+        return prepare_qkv(qkv, num_q_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
+                           eps, positions, cos_sin, self.cache.k[layer], self.cache.v[layer],
+                           self._layer_meta(layer, writing=True).slot_mapping)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer],
+                       self._layer_meta(layer, writing=True).slot_mapping)
+        return self.attend(layer, q, sinks=sinks, window=window)
+
+    def attend(self, layer: int, q: torch.Tensor, *, sinks: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor:
+        """q [T, Hq, Dh] over the cache, whose k/v for this step are written already."""
+        m = self._layer_meta(layer)
+        return self._attend(q, self.cache.k[layer], self.cache.v[layer], m.block_tables,
+                            m.cu_seqlens_q, m.seq_lens, self.scale, max_seqlen_q=m.max_seqlen_q,
+                            num_kv_splits=m.num_kv_splits if m.max_seqlen_q <= 1 else 1,
+                            sinks=sinks, window=window)

@@ -1,0 +1,226 @@
+"""gpt-oss's mixture of experts: top-k routing and the experts' clamped SwiGLU, run as a
+grouped matmul over the routed tokens.
+
+Routing (as gpt-oss): router logits = x W_r^T + b_r; each token takes its top-k experts and
+weighs them by a softmax over those k logits only. Each (token, expert) pair is one row of a
+grouped GEMM: the rows are sorted by expert so that each expert's rows are one contiguous
+segment, and one `grouped_mm` call multiplies every segment by its own expert's weights
+(no loop over experts, no expert runs on tokens not routed to it). The k outputs of a token
+are put back in (token, slot) order and summed, so the result does not depend on atomics.
+
+Expert weights are stored [E, out, in] (the checkpoint's MXFP4 layout, like nn.Linear), with
+gate and up interleaved along gate_up's output rows: gate = row 2j, up = row 2j + 1.
+
+Packed experts (PackedExperts: MXFP4 blocks and scales as the checkpoint stores them, about a
+quarter of bf16's bytes) run through gpu/kernels/triton/mxfp4_moe.py, which decodes the weights
+inside the grouped GEMM and fuses the gather, the bias, the clamped SwiGLU, the router weight
+and the scatter back to (token, slot) order. Without the kernel (CPU), they are dequantised
+on every call and run as above: a fallback for tests and tools, not for serving.
+
+Tensor parallelism (gpu/parallel.py) is tensor-parallel experts, as vLLM's default for
+gpt-oss: every rank holds every expert, but only its slice of each expert's intermediate
+dimension (gate_up's rows, down's columns; expert_columns). A slice that does not come out
+even (or, packed, to whole 32-column MXFP4 scale groups) is padded with zero columns: a zero
+gate and up give a zero SwiGLU, so the padding adds nothing (as vLLM pads gpt-oss's 2880 for
+MXFP4 at TP 4). The router is
+replicated, so every rank routes every token alike; each rank's down projection gives a
+partial sum, the down bias is added by rank 0 alone (the loader zeros it elsewhere), and one
+all-reduce per layer (gpu/models/causal_lm.py DecoderLayer) sums them. Expert parallelism (whole experts per rank) would need an
+all-to-all and would leave ranks idle when routing is uneven.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.quantization import mxfp4
+from gpu.config.model import ModelConfig
+from gpu.parallel import SINGLE, TP
+from gpu.layers.ops import skip_init
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[N, 2I] interleaved (gate, up) -> [N, I]: (clamp(up, ±limit) + 1) * g * sigmoid(alpha g),
+    g = min(gate, limit)."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] -> (weights [T, k], experts [T, k]): softmax over each token's top-k logits."""
+    top_logits, experts = router_logits.topk(top_k, dim=-1)
+    return top_logits.softmax(dim=-1), experts
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows a[offs[e-1]:offs[e]] times w[e]^T for every expert e: a [N, in] sorted by expert,
+    w [E, out, in], offs [E] int32 cumulative row counts -> [N, out].
+
+    On CUDA in bf16, torch's grouped GEMM: one kernel for every segment, no host sync.
+    Elsewhere the segment lengths are read on the host: when padding every segment to the
+    longest at most doubles the rows (many tokens, balanced routing), one padded batched
+    matmul; else (decode: a few experts hit) one matmul per non-empty segment, which reads
+    only the routed experts' weights. torch's CPU grouped_mm is not used: it ran several
+    times slower than a plain matmul of the same FLOPs (scripts/bench_moe.py).
+    """
+    if a.device.type == "cuda" and a.dtype == torch.bfloat16:
+        return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
+    longest = int(torch.diff(offs, prepend=offs.new_zeros(1)).max()) if a.shape[0] else 0
+    if longest * w.shape[0] <= 2 * a.shape[0]:
+        return padded_grouped_mm(a, w, offs)
+    return segment_mm(a, w, offs)
+
+
+def segment_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm as one matmul per non-empty segment (reads offs on the host)."""
+    out = a.new_empty(a.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(a[start:end], w[e].t(), out=out[start:end])
+        start = end
+    return out
+
+
+def padded_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm as one bmm over [E, longest segment, in] (reads offs on the host)."""
+    E = w.shape[0]
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
+    counts = offs.long() - starts
+    longest = int(counts.max()) if a.shape[0] else 0
+    expert = torch.repeat_interleave(torch.arange(E, device=a.device), counts)     # [N]
+    slot = torch.arange(a.shape[0], device=a.device) - starts[expert]               # row within segment
+    padded = a.new_zeros(E, max(longest, 1), a.shape[1])
+    padded[expert, slot] = a
+    out = torch.bmm(padded, w.transpose(1, 2))                                      # [E, longest, out]
+    return out[expert, slot]
+
+
+def expert_columns(config: ModelConfig, tp: TP, packed: bool) -> tuple[int, int, int]:
+    """This rank's [start, stop) of each expert's intermediate columns, and the width it holds:
+    ceil(I / size), rounded up to a multiple of 32 for MXFP4; columns past stop are zero padding
+    (the last ranks may hold little or nothing but padding)."""
+    I, unit = config.intermediate_size, 32 if packed else 1  # noqa: E741
+    if tp.size == 1:
+        return 0, I, I
+    width = -(-I // (unit * tp.size)) * unit
+    start = min(tp.rank * width, I)
+    return start, min(start + width, I), width
+
+
+class MoE(nn.Module):
+    """Router plus E experts; parameters named as in the HF checkpoint (mlp.router.*, mlp.experts.*)."""
+
+    def __init__(self, config: ModelConfig, dtype, device, packed: bool = False, tp: TP = SINGLE):
+        super().__init__()
+        c = config
+        start, stop, width = expert_columns(c, tp, packed)
+        E, D = c.num_experts, c.hidden_size
+        self.top_k, self.alpha, self.limit = c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit
+        self.router = skip_init(nn.Linear, D, E, bias=True, dtype=dtype, device=device)
+        self.experts = (PackedExperts if packed else Experts)(E, D, width, dtype, device)
+        if width > stop - start:  # padding columns stay zero (zero codes and scales: 0.0 in MXFP4)
+            with torch.no_grad():
+                for p in self.experts.parameters():
+                    p.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]; tensor-parallel: this rank's part, which DecoderLayer sums
+        over the ranks."""
+        T, D = x.shape
+        weights, experts = route(self.router(x), self.top_k)                   # [T, k] each
+        flat = experts.flatten()                                               # [T*k] (token, slot) order
+        by_expert, order = flat.sort(stable=True)                              # rows grouped by expert
+        offs = torch.searchsorted(by_expert, torch.arange(1, self.experts.num_experts + 1, device=x.device),
+                                  out_int32=True)                              # [E] segment ends
+        ex = self.experts
+        if isinstance(ex, PackedExperts) and ex.use_kernel:
+            return self._packed_forward(x, weights, order, offs)
+        gate_up, down = ex.dense_weights()
+        rows = x.index_select(0, order // self.top_k)                          # [N, D]
+        h = grouped_mm(rows, gate_up, offs) + ex.gate_up_proj_bias.index_select(0, by_expert)
+        h = clamped_swiglu(h, self.alpha, self.limit)                          # [N, I]
+        y = grouped_mm(h, down, offs) + ex.down_proj_bias.index_select(0, by_expert)  # [N, D]
+        y = y * weights.flatten().index_select(0, order).unsqueeze(1).to(y.dtype)
+        out = torch.empty_like(y).index_copy_(0, order, y)                     # back to (token, slot)
+        return out.view(T, self.top_k, D).sum(1)                               # [T, D]
+
+    def _packed_forward(self, x, weights, order, offs) -> torch.Tensor:
+        """Two kernel launches: gather + gate/up + bias + SwiGLU, then down + bias + router
+        weight + scatter back to (token, slot) order; the k slots are summed here."""
+        from gpu.kernels.triton.mxfp4_moe import mxfp4_moe_matmul
+
+        T, D = x.shape
+        ex = self.experts
+        scaled = ex.dot_scaled and x.dtype == torch.bfloat16
+        h = mxfp4_moe_matmul(x, ex.gate_up_proj_blocks, ex.gate_up_proj_scales, offs, bias=ex.gate_up_proj_bias,
+                             a_rows=order // self.top_k, swiglu=(self.alpha, self.limit), dot_scaled=scaled)  # [N, I]
+        y = mxfp4_moe_matmul(h, ex.down_proj_blocks, ex.down_proj_scales, offs, bias=ex.down_proj_bias,
+                             row_scale=weights.flatten().index_select(0, order), out_rows=order,
+                             dot_scaled=scaled)                                                      # [N, D]
+        return y.view(T, self.top_k, D).sum(1)                                  # [T, D]
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype, device):
+        super().__init__()
+        self.num_experts = num_experts
+        kw = dict(dtype=dtype, device=device)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **kw))  # [E, 2I, D]
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate, **kw))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))         # [E, D, I]
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, **kw))
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj, self.down_proj
+
+
+class PackedExperts(nn.Module):
+    """The experts as MXFP4, named as the checkpoint names them (NAME_blocks, NAME_scales), with
+    the blocks' last two dimensions [K/32, 16] flattened to [K/2]. Biases stay in the model dtype.
+
+    use_kernel: run the Triton grouped GEMM (default on CUDA; tests set it on CPU, under the
+    Triton interpreter); else dequantise on each call. dot_scaled: the kernel's tl.dot_scaled
+    variant for bf16 models (off until scripts/bench_moe.py --gpu shows it faster)."""
+
+    dot_scaled = False
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype, device):
+        super().__init__()
+        if hidden % 32 or intermediate % 32:
+            raise ValueError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of 32, "
+                             f"got {hidden} and {intermediate}")
+        self.num_experts = num_experts
+        self.dtype = dtype
+        self.use_kernel = torch.device(device).type == "cuda"
+        E, D, I = num_experts, hidden, intermediate  # noqa: E741
+        u8 = dict(dtype=torch.uint8, device=device)
+        frozen = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731  uint8 cannot need grad
+        self.gate_up_proj_blocks = frozen(torch.empty(E, 2 * I, D // 2, **u8))     # [E, 2I, D/2]
+        self.gate_up_proj_scales = frozen(torch.empty(E, 2 * I, D // 32, **u8))    # [E, 2I, D/32]
+        self.down_proj_blocks = frozen(torch.empty(E, D, I // 2, **u8))            # [E, D, I/2]
+        self.down_proj_scales = frozen(torch.empty(E, D, I // 32, **u8))           # [E, D, I/32]
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I, dtype=dtype, device=device))
+        self.down_proj_bias = nn.Parameter(torch.empty(E, D, dtype=dtype, device=device))
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (mxfp4.dequantize_packed(self.gate_up_proj_blocks, self.gate_up_proj_scales, self.dtype),
+                mxfp4.dequantize_packed(self.down_proj_blocks, self.down_proj_scales, self.dtype))
+
+
+def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Dense reference: every expert on every token in fp32, weighted by a [T, E] routing
+    matrix that is zero outside each token's top k."""
+    xf = x.float()
+    weights, experts = route(moe.router(x).float(), moe.top_k)
+    dense = torch.zeros(x.shape[0], moe.experts.num_experts, device=x.device).scatter_(1, experts, weights)  # [T, E]
+    ex = moe.experts
+    gate_up, down = ex.dense_weights()
+    h = torch.einsum("td,eod->teo", xf, gate_up.float()) + ex.gate_up_proj_bias.float()
+    h = clamped_swiglu(h, moe.alpha, moe.limit)                                 # [T, E, I]
+    y = torch.einsum("tei,edi->ted", h, down.float()) + ex.down_proj_bias.float()
+    return torch.einsum("te,ted->td", dense, y).to(x.dtype)

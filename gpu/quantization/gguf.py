@@ -1,0 +1,101 @@
+"""A GGUF model's linear layers kept in the file's quantized blocks on the CPU (issue 39):
+the loader's `--quantization gguf` (the default for GGUF files on a CPU). Each dense linear
+whose source tensors are all in a format gpu/kernels/cpu/quant.c takes (Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K) becomes a PackedLinear; anything else (F32/F16 tensors, other formats, expert
+layers) is dequantized and loaded as before. The tied embedding stays an fp32 table for the
+row lookups, while the LM head reads the packed copy.
+
+Imports: gguf_packed -> cpu_quant, weights_gguf, model (the loader calls it)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from gpu.kernels.cpu import quant as cpu_quant
+from gpu.models.causal_lm import MLP, CausalLM
+from gpu.formats.gguf import GGUFFile
+
+# (owner attribute path, module name, the GGUF tensors stacked into it, in order)
+_LAYER_LINEARS = (
+    ("self_attn", "qkv_proj", ("attn_q", "attn_k", "attn_v")),
+    ("self_attn", "o_proj", ("attn_output",)),
+    ("mlp", "gate_up_proj", ("ffn_gate", "ffn_up")),
+    ("mlp", "down_proj", ("ffn_down",)),
+)
+
+
+def why_not_packed(f: GGUFFile) -> str | None:
+    """None when the kernels are built and the file has packable linears; else the reason."""
+    k = cpu_quant.kernels()
+    if k is None:
+        return "the CPU quant kernels are not built (no C compiler, or TAILRACE_CPU_KERNELS=0)"
+    if not any(int(t.tensor_type) in cpu_quant.FORMATS for t in f.reader.tensors):
+        return "the file has no tensor in a format the kernels take (" + ", ".join(cpu_quant.FORMATS.values()) + ")"
+    return None
+
+
+def pack_linears(lm: CausalLM, f: GGUFFile) -> tuple[frozenset[str], Counter]:
+    """Replace lm's linears with PackedLinears over f's blocks; returns the GGUF tensor names
+    now held packed (for the dequantizing reader to skip) and a count of packed tensors per
+    format name."""
+    taken: set[str] = set()
+    formats: Counter = Counter()
+    for i, layer in enumerate(lm.layers):
+        for owner_name, module, parts in _LAYER_LINEARS:
+            owner = getattr(layer, owner_name)
+            if owner_name == "mlp" and not isinstance(owner, MLP):
+                continue   # mixture-of-experts: dequantized (gpu/layers/moe.py)
+            names = [f"blk.{i}.{p}.weight" for p in parts]
+            packed = _packed_linear(f, names, getattr(owner, module))
+            if packed is not None:
+                setattr(owner, module, packed)
+                taken.update(names)
+                formats.update(cpu_quant.FORMATS[fmt] for fmt in packed.formats)
+    head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+    if lm.lm_head is not None and lm.tp.size == 1:
+        packed = _packed_linear(f, [head], lm.lm_head)
+        if packed is not None:
+            lm.lm_head = packed
+            formats.update(cpu_quant.FORMATS[fmt] for fmt in packed.formats)
+            if head == "output.weight":
+                taken.add(head)   # the tied table (token_embd) is still read for the lookups
+    return frozenset(taken), formats
+
+
+def _packed_linear(f: GGUFFile, names: list[str], linear: torch.nn.Module) -> cpu_quant.PackedLinear | None:
+    k = cpu_quant.kernels()
+    if any(n not in f.tensors for n in names):
+        return None
+    segments = []
+    for n in names:
+        t = f.tensors[n]
+        fmt = int(t.tensor_type)
+        elems, nbytes = k.block(fmt) if fmt in cpu_quant.FORMATS else (0, 0)
+        if not elems or len(t.shape) != 2 or int(t.shape[0]) != linear.in_features or t.shape[0] % elems:
+            return None
+        segments.append((fmt, None))
+    segments = [f.packed(n) for n in names]
+    if sum(int(w.shape[0]) for _, w in segments) != linear.out_features:
+        return None
+    bias = None if linear.bias is None else torch.zeros(linear.out_features)
+    return cpu_quant.PackedLinear(linear.in_features, segments, bias)
+
+
+def describe(formats: Counter) -> str:
+    """The start-up line's account of what runs."""
+    kinds = ", ".join(f"{n} {name}" for name, n in formats.most_common())
+    k = cpu_quant.kernels()
+    fused = k.fused_max_m if k is not None else 0
+    (lo, hi), lo8 = (k.gemm_rows(), k.gemm_rows(8)[0]) if k is not None else ((0, 0), 0)
+    # with AVX512_VNNI the GEMM tiles of these formats multiply int16 activations (gpu/kernels/cpu/quant_gemm.c)
+    int16 = ("; Q4_0/Q4_1/Q8_0 as int16 VNNI dots, activations rounded to int16 per 32-element block"
+             if k is not None and k.int16() else "")
+    gemm = (f"into k-major panels for GEMM tiles at {lo}-{hi} rows a call (Q8_0 from {lo8}{int16}), otherwise "
+            if hi else "")
+    regs = f"in registers for Q4_0/Q4_1/Q8_0 up to {fused} rows, otherwise " if fused else ""
+    large = k.large_m if k is not None else cpu_quant.LARGE_M
+    return (f"GGUF weights kept packed ({kinds} tensors; activations, residual stream and KV cache float32), "
+            f"kernel cpu_quant: fp32 FMA over blocks dequantized {gemm}{regs}"
+            f"in L1, up to {large} rows a call, above that dequantize + torch fp32 GEMM; "
+            f"ISA {cpu_quant.isa()}")
