@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gpu.models.registry import config_from_hf
 from gpu.layers.attention import KVCache, hybrid_layout
 from gpu.config.model import ModelConfig
 from gpu.models.causal_lm import CausalLM
@@ -34,7 +35,7 @@ def configs() -> dict[str, ModelConfig]:
     d = json.loads(CONFIG_20B.read_text())
     big = {**d, "num_hidden_layers": 36, "num_local_experts": 128}
     del big["layer_types"]  # alternating sliding/full by default, for 36 layers
-    return {"gpt-oss-20b": ModelConfig.from_hf(d), "gpt-oss-120b": ModelConfig.from_hf(big)}
+    return {"gpt-oss-20b": config_from_hf(d), "gpt-oss-120b": config_from_hf(big)}
 
 
 def weight_bytes(config: ModelConfig, packed: bool, dtype=torch.bfloat16) -> dict[str, int]:

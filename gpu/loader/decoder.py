@@ -14,6 +14,7 @@ import attrs
 import torch
 from tqdm import tqdm
 
+from gpu.models.registry import config_from_hf, model_class
 from gpu.formats import hf as weights_hf
 from gpu.config.model import ModelConfig
 from gpu.models.causal_lm import CausalLM
@@ -162,7 +163,7 @@ def load_model(
     torch_dtype = torch.float32 if packed else torch_dtype
 
     config = source.config
-    lm = CausalLM(config, torch_dtype, device,
+    lm = model_class(config)(config, torch_dtype, device,
                   packed_experts=_packs_experts(experts, config, device, source, load_format == "dummy"),
                   residual_dtype=torch.float32 if packed else choose_residual_dtype(residual_dtype, torch_dtype, device)[0],
                   tp=tp)
@@ -256,7 +257,7 @@ def load_shell(model: str | Path | None = None, *, load_format: str = "auto",
         raise FileNotFoundError(f"model path {path} does not exist")
     source = open_source(path, "dummy" if load_format == "auto" else load_format)
     config = source.config
-    return LoadedModel(config=config, model=CausalLM(config, dtype, "meta"), tokenizer=source.tokenizer,
+    return LoadedModel(config=config, model=model_class(config)(config, dtype, "meta"), tokenizer=source.tokenizer,
                        generation_config=source.generation_config, name=source.name, path=str(path),
                        max_model_len=config.max_position_embeddings,
                        eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config),
@@ -318,7 +319,7 @@ def open_source(path: Path, load_format: str) -> Source:
 
 def _gguf_source(path: Path) -> Source:
     f = GGUFFile.open(path)
-    config = ModelConfig.from_hf(f.config_dict())
+    config = config_from_hf(f.config_dict())
     return Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
                    name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors, gguf=f)
 
@@ -329,7 +330,7 @@ def _hf_source(model_dir: Path, need_weights: bool) -> Source:
     generation_config = weights_hf.read_json(model_dir / "generation_config.json")
     raw = weights_hf.read_json(model_dir / "config.json")
     vision = is_vision_config(raw)
-    config = ModelConfig.from_hf(text_config(raw) if vision else raw)
+    config = config_from_hf(text_config(raw) if vision else raw)
     tokenizer = (tokenizer_from_hf_dir(model_dir)
                  if (model_dir / "tokenizer.json").is_file() else None)
     spec = vision_spec(model_dir, raw, tokenizer) if vision else None
@@ -388,7 +389,7 @@ def draw_device(model: CausalLM) -> torch.device:
 def _random_weights(model: CausalLM, seed: int):
     """(our parameter name, weight) in the order and at the shapes of a single process's model,
     drawn in fp32 (rounded to the model's dtype by the copy) on draw_device(model)."""
-    whole = CausalLM(model.config, model.dtype, "meta", packed_experts=model.packed_experts)
+    whole = model_class(model.config)(model.config, model.dtype, "meta", packed_experts=model.packed_experts)
     dev = draw_device(model)
     gen = torch.Generator(device=dev).manual_seed(seed)
     for name, p in whole.named_parameters():

@@ -19,6 +19,7 @@ from gpu.config.model import ModelConfig
 from gpu.models.bert import Encoder, EncoderConfig
 from gpu.loader.decoder import open_source, resolve_dtype
 from gpu.models.causal_lm import CausalLM
+from gpu.models.registry import model_class
 from gpu.layers.pooler import ClassifierHead, PoolingModel
 from gpu.config.pooling import PoolerConfig, PoolingSpec, encoder_type, pooling_spec, sentence_max_length
 from gpu.tokenizers.tokenizer import Tokenizer, tokenizer_from_hf_dir
@@ -72,7 +73,7 @@ def load_pooling_model(model: str | Path | None, *, convert: str = "auto",
         if raw is None:
             raw = {"hidden_size": config.hidden_size}
         spec = pooling_spec(raw, folder, convert=convert, flag=pooler_config)
-        backbone = CausalLM(config, torch_dtype, device, lm_head=False)
+        backbone = model_class(config)(config, torch_dtype, device, lm_head=False)
         tokenizer, kind = source.tokenizer, "decoder"
         max_len, heads = config.max_position_embeddings, (config.head_dim, config.num_attention_heads)
         weights = source.named_tensors

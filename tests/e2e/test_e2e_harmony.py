@@ -19,6 +19,7 @@ import pytest
 from openai_harmony import Message, Role
 
 import pipeline.core.startup
+from gpu.models.registry import config_from_hf
 from gpu.config.model import ModelConfig
 from gpu.tokenizers.harmony import harmony_encoding
 from gpu.loader.decoder import LoadedModel, load_model
@@ -88,7 +89,7 @@ CONFIG = Path(__file__).parents[2] / "gpu" / "configs" / "gpt-oss-tiny"
 
 
 def gpt_oss_config() -> ModelConfig:
-    return ModelConfig.from_hf(json.loads((CONFIG / "config.json").read_text()))
+    return config_from_hf(json.loads((CONFIG / "config.json").read_text()))
 
 
 def tiny_gpt_oss() -> LoadedModel:
@@ -304,7 +305,7 @@ def test_harmony_parsers_are_implied_and_refused_elsewhere():
     assert same == implied
     for flags in ({"reasoning_parser": "openai_gptoss"}, {"tool_call_parser": "openai"}):
         with pytest.raises(ValueError, match="needs a gpt-oss model"):
-            pipeline.core.startup.Parsers.of(EngineConfig(**flags), ModelConfig.from_hf(
+            pipeline.core.startup.Parsers.of(EngineConfig(**flags), config_from_hf(
                 {"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
                  "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}))
 

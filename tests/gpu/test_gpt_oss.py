@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gpu
+from gpu.models.registry import config_from_hf
 from gpu.quantization import mxfp4
 from gpu.layers.attention import KVCache
 from gpu.config.model import ModelConfig
@@ -151,7 +152,7 @@ def test_paged_prefill_decode_and_prefix_hit_match_transformers(hf_dir, use_trit
 
 def test_real_gpt_oss_20b_config():
     d = json.loads((CONFIGS / "gpt-oss-20b/config.json").read_text())
-    c = ModelConfig.from_hf(d)
+    c = config_from_hf(d)
     assert (c.architecture, c.hidden_size, c.num_hidden_layers, c.num_experts, c.num_experts_per_tok) == (
         "gpt_oss", 2880, 24, 32, 4)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (64, 8, 64, 201088)
@@ -163,7 +164,7 @@ def test_real_gpt_oss_20b_config():
     assert c.rope_theta == 150000.0 and c.attention_bias and c.o_proj_bias and c.attention_sinks
     # The same without optional keys: transformers' GptOssConfig defaults apply.
     bare = {k: v for k, v in d.items() if k not in ("layer_types", "rope_scaling", "rope_theta")}
-    assert ModelConfig.from_hf(bare) == c
+    assert config_from_hf(bare) == c
 
 
 def test_rope_cache_matches_transformers_yarn():
@@ -171,7 +172,7 @@ def test_rope_cache_matches_transformers_yarn():
 
     hf = make_hf_model("gpt_oss")
     cos, sin = hf.model.rotary_emb(torch.zeros(1, 300, 8), torch.arange(300)[None])  # [1, P, Dh/2]
-    cache = build_rope_cache(ModelConfig.from_hf(hf.config.to_dict()), 300, "cpu")
+    cache = build_rope_cache(config_from_hf(hf.config.to_dict()), 300, "cpu")
     torch.testing.assert_close(cache[:, :8], cos[0], atol=6e-5, rtol=0)
     torch.testing.assert_close(cache[:, 8:], sin[0], atol=6e-5, rtol=0)
 
@@ -180,13 +181,13 @@ def test_config_errors():
     base = dict(model_type="gpt_oss", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
                 num_attention_heads=2, num_local_experts=4, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="num_experts_per_tok must be in 1..4"):
-        ModelConfig.from_hf({**base, "num_experts_per_tok": 5})
+        config_from_hf({**base, "num_experts_per_tok": 5})
     with pytest.raises(ValueError, match="layer_types has 1 entries for 2 layers"):
-        ModelConfig.from_hf({**base, "layer_types": ["full_attention"]})
+        config_from_hf({**base, "layer_types": ["full_attention"]})
     with pytest.raises(ValueError, match="unsupported layer_types"):
-        ModelConfig.from_hf({**base, "layer_types": ["full_attention", "chunked_attention"]})
+        config_from_hf({**base, "layer_types": ["full_attention", "chunked_attention"]})
     with pytest.raises(ValueError, match="positive sliding_window"):
-        ModelConfig.from_hf({**base, "sliding_window": None})
+        config_from_hf({**base, "sliding_window": None})
 
 
 def test_tiny_dummy_config_builds_quickly_with_the_harmony_vocabulary():
@@ -209,7 +210,7 @@ def test_simulated_cost_counts_held_and_active_experts():
     big = {**d, "num_hidden_layers": 36, "num_local_experts": 128}
     del big["layer_types"]
     for config, total, active in ((d, 21e9, 3.6e9), (big, 117e9, 5.1e9)):
-        cost = CostModel.of(ModelConfig.from_hf(config), GPUS["h200"])
+        cost = CostModel.of(config_from_hf(config), GPUS["h200"])
         embed = cost.vocab_size * 2880                                   # not a matmul
         assert cost.matmul_params + embed == pytest.approx(total, rel=0.02)
         assert cost.active_params == pytest.approx(active, rel=0.03)

@@ -5,6 +5,7 @@ tests/engine/test_engine_sliding_kv.py.)"""
 
 import pytest
 
+from gpu.models.registry import config_from_hf
 from gpu.layers.attention import KVCache, hybrid_layout, split_for_sliding
 from gpu.config.model import ModelConfig
 from gpu_testutil import make_hf_model
@@ -26,8 +27,8 @@ def test_split_counts_the_saved_memory():
     assert split_for_sliding(100, 24, 12, 128, 16, 256, 2048) == (100, 100)   # too small to split
     base = dict(model_type="gpt_oss", vocab_size=8, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
                 num_attention_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=6)
-    assert hybrid_layout(ModelConfig.from_hf(base), 1000, 16, 4, 64)[1:] == ((0, 2), 4 * 3 + 8)
-    dense = ModelConfig.from_hf({**base, "model_type": "qwen3", "num_local_experts": 0})
+    assert hybrid_layout(config_from_hf(base), 1000, 16, 4, 64)[1:] == ((0, 2), 4 * 3 + 8)
+    dense = config_from_hf({**base, "model_type": "qwen3", "num_local_experts": 0})
     assert hybrid_layout(dense, 1000, 16, 4, 64) == (1000, (), 0)
 
 

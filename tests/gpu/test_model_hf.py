@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from gpu.models.registry import config_from_hf
 from gpu.config.model import ModelConfig
 from gpu.loader.decoder import load_model
 from gpu.layers.ops import build_rope_cache
@@ -65,7 +66,7 @@ def test_rope_cache_matches_transformers_rotary_embedding(case):
     positions = torch.arange(300)[None]
     x = torch.zeros(1, 300, 8)
     cos, sin = hf.model.rotary_emb(x, positions)  # [1, P, Dh], halves duplicated
-    config = ModelConfig.from_hf(hf.config.to_dict())
+    config = config_from_hf(hf.config.to_dict())
     cache = build_rope_cache(config, 300, "cpu")
     half = config.head_dim // 2
     # fp32 angles reach ~300 rad here, where one ulp is ~3e-5.
@@ -106,7 +107,7 @@ def test_dummy_load_of_shrunk_qwen3_config(tmp_path):
     import gpu
 
     full = json.loads((Path(gpu.__file__).parent / "configs/qwen3-0.6b/config.json").read_text())
-    real = ModelConfig.from_hf(full)
+    real = config_from_hf(full)
     assert (real.hidden_size, real.num_hidden_layers, real.head_dim, real.vocab_size) == (1024, 28, 128, 151936)
     assert real.qk_norm and real.tie_word_embeddings and real.eos_token_ids == (151645,)
     assert real.rope_theta == 1e6 and real.rope_scaling is None and real.max_position_embeddings == 40960
@@ -135,17 +136,17 @@ def test_bfloat16_load_runs(tmp_path):
 
 def test_config_validation():
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, qwen2, qwen3"):
-        ModelConfig.from_hf({"model_type": "gpt2"})
+        config_from_hf({"model_type": "gpt2"})
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
                 max_position_embeddings=16, model_type="llama")
     with pytest.raises(ValueError, match="rope_type 'dynamic'"):
-        ModelConfig.from_hf({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+        config_from_hf({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     with pytest.raises(ValueError, match="multiple"):
-        ModelConfig.from_hf({**base, "num_key_value_heads": 3})
-    legacy = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {
+        config_from_hf({**base, "num_key_value_heads": 3})
+    legacy = config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8}})
-    current = ModelConfig.from_hf({**base, "rope_parameters": {
+    current = config_from_hf({**base, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8}})
     assert legacy == current and hash(legacy) == hash(current)
@@ -172,7 +173,7 @@ def test_macs_per_token_count_the_linears_a_token_runs(arch, tmp_path):
     transformers' model, the LM head included and a mixture's router left out: of its
     experts' weights, the share a token's active experts hold."""
     hf = make_hf_model(arch, tmp_path)
-    c = ModelConfig.from_hf(hf.config.to_dict())
+    c = config_from_hf(hf.config.to_dict())
     linears = sum(m.weight.numel() for name, m in hf.named_modules()
                   if isinstance(m, torch.nn.Linear) and "router" not in name)
     experts = sum(p.numel() for name, p in hf.named_parameters()

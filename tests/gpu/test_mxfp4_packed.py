@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu.models.registry import config_from_hf
 from gpu.quantization import mxfp4
 from gpu.loader.decoder import load_model
 from gpu.layers.moe import Experts, PackedExperts
@@ -99,7 +100,7 @@ def test_gpt_oss_20b_weight_memory_packed_against_dequantised():
     from gpu.config.model import ModelConfig
     from gpu.models.causal_lm import CausalLM
 
-    c = ModelConfig.from_hf(json.loads((Path(gpu.__file__).parent / "configs/gpt-oss-20b/config.json").read_text()))
+    c = config_from_hf(json.loads((Path(gpu.__file__).parent / "configs/gpt-oss-20b/config.json").read_text()))
 
     def held(packed):
         lm = CausalLM(c, torch.bfloat16, "meta", packed_experts=packed, max_positions=16)

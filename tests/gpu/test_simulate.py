@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import gpu
+from gpu.models.registry import config_from_hf
 from gpu.config.model import ModelConfig
 from gpu.models.causal_lm import CausalLM
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.worker.simulate import GPUS, CostModel, SimulatedRunner, ordinary_token_ids
 
-QWEN3 = ModelConfig.from_hf(json.loads(
+QWEN3 = config_from_hf(json.loads(
     (Path(gpu.__file__).parent / "configs/qwen3-0.6b/config.json").read_text()))
 H200 = GPUS["h200"]
 
@@ -129,7 +130,7 @@ def test_a_draft_models_forwards_are_priced_as_gpu_draft_runs_them(smollm_tokeni
     from gpu.worker.simulate import StandInDraft
 
     configs = Path(gpu.__file__).parent / "configs"
-    target = ModelConfig.from_hf(json.loads((configs / "qwen3-8b/config.json").read_text()))
+    target = config_from_hf(json.loads((configs / "qwen3-8b/config.json").read_text()))
     spec = attrs.make_class("Spec", ["method", "model"])("draft_model", str(configs / "qwen3-0.6b"))
     draft = StandInDraft.of(spec, target, H200)
     assert draft.cost == pytest.approx(QWEN3.macs_per_token / target.macs_per_token) and 0.05 < draft.cost < 0.1
@@ -177,7 +178,7 @@ def test_an_eagle3_heads_forwards_are_priced_from_its_config(smollm_tokenizer):
     from gpu.worker.simulate import StandInDraft
 
     configs = Path(gpu.__file__).parent / "configs"
-    target = ModelConfig.from_hf(json.loads((configs / "gpt-oss-20b/config.json").read_text()))
+    target = config_from_hf(json.loads((configs / "gpt-oss-20b/config.json").read_text()))
     spec = attrs.make_class("Spec", ["method", "model"])("eagle3", str(configs / "gpt-oss-20b-eagle3"))
     head = StandInDraft.of(spec, target, H200)
     assert head.head and head.cost is None
@@ -186,7 +187,7 @@ def test_an_eagle3_heads_forwards_are_priced_from_its_config(smollm_tokenizer):
     layer = H * (q + 2 * kv) + q * H + 3 * H * inter
     assert (m.num_layers, m.vocab_size) == (1, 32000)
     assert m.matmul_params == layer + 32000 * H + 3 * 2880 * H + H * (q + 2 * kv)
-    qwen = ModelConfig.from_hf(json.loads((configs / "qwen3-8b/config.json").read_text()))
+    qwen = config_from_hf(json.loads((configs / "qwen3-8b/config.json").read_text()))
     with pytest.raises(HeadError, match="vocabulary"):
         StandInDraft.of(spec, qwen, H200)
     with pytest.raises(HeadError, match="does not exist"):

@@ -6,6 +6,7 @@ Qwen2_5_VLForConditionalGeneration's on the same pictures and prompt, and the ru
 chunked prefill through a picture against transformers' generate."""
 from __future__ import annotations
 
+from gpu.models.registry import config_from_hf
 import sys
 from pathlib import Path
 
@@ -190,10 +191,10 @@ def test_transformers_4_layout_config_and_names():
             "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
             "vision_config": {"depth": 2}}
     assert is_vision_config(flat)
-    c = ModelConfig.from_hf(text_config(flat))
+    c = config_from_hf(text_config(flat))
     assert c.architecture == "qwen2" and c.attention_bias and c.mrope_section == (2, 3, 3)
     assert c.rope_theta == 1e6 and c.rope_scaling_dict.get("rope_type", "default") == "default"
-    assert ModelConfig.from_hf({**text_config(flat), "model_type": "qwen2",
+    assert config_from_hf({**text_config(flat), "model_type": "qwen2",
                                 "rope_scaling": None}).mrope_section is None
     vision: list = []
     names = [n for n, _ in split_checkpoint(

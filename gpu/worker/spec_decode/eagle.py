@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gpu.models.registry import config_from_hf
 from gpu.layers.attention import KVCache, TorchPagedAttention
 from gpu.config.model import ModelConfig
 from gpu.worker.cuda_graphs import run_graphed
@@ -120,7 +121,7 @@ def read_head(path: str, method: str, target: ModelConfig, weights: bool = True)
     if kind != method:
         raise _fail(path, f'is an {kind.upper()} head: use "method": "{kind}", not "{method}"')
     try:
-        layer = ModelConfig.from_hf({**layer_d, "model_type": "llama"})
+        layer = config_from_hf({**layer_d, "model_type": "llama"})
     except KeyError as exc:
         raise _fail(path, f"has no {exc.args[0]} in its config") from None
     except ValueError as exc:
