@@ -4,10 +4,14 @@ code is imported, but for check 3, which runs in a subprocess of its own):
 1. imports run one way, web -> pipeline -> stages -> gpu: every import of a higher layer
    by a lower one is an upward edge (a deferred import inside a function counts too: it
    is the same dependency, only paid later);
-2. no module over MAX_LINES lines in pipeline/, stages/ and web/;
+2. no module over MAX_LINES lines in pipeline/, stages/, web/ and gpu/;
 3. stages.schedule imports with torch blocked (the scheduler is host code);
 4. no import cycle spans two packages (a package: a folder with its __init__.py, such as
-   pipeline/core or stages/api).
+   pipeline/core or stages/api);
+5. no import cycle inside a package at run time (an import under `if TYPE_CHECKING:` is
+   not run, so it does not count here; a deferred one does);
+6. stages/ imports of gpu/ only the contract (CONTRACT): the step plan and result, the
+   torch-free model descriptions, the tokenizers and the LoRA registry.
 
     python scripts/check_house.py          # one line per violation; exit status 1 if any
 
@@ -27,7 +31,12 @@ import attrs
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("web", "pipeline", "stages", "gpu")     # top first: each imports only those below it
-SIZED = ("pipeline", "stages", "web")
+SIZED = ("pipeline", "stages", "web", "gpu")
+# What stages/ may import of gpu/ (a module, or a package and everything in it)
+# (gpu.kv_transfer.side_channel: the torch-free wire protocol both halves of the KV connector
+# speak, the request side's free message included)
+CONTRACT = ("gpu.interface", "gpu.config", "gpu.tokenizers", "gpu.lora.spec",
+            "gpu.kv_transfer.side_channel")
 MAX_LINES = 600
 
 TORCH_BLOCKED = textwrap.dedent("""
@@ -50,6 +59,7 @@ class Edge:
     target: str         # the imported module, dotted (a module of ours)
     path: Path
     line: int
+    type_only: bool = False     # under `if TYPE_CHECKING:`: never run
 
 
 @attrs.frozen
@@ -82,12 +92,15 @@ def modules(root: Path = ROOT) -> dict[str, Module]:
 def imports(module: Module, known: dict[str, Module]) -> Iterator[Edge]:
     """The modules of ours that `module` imports, wherever the import statement is."""
     tree = ast.parse(module.path.read_text(), str(module.path))
+    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
+                   for stmt in block.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
+        type_only = id(node) in typing_only
         if isinstance(node, ast.Import):
             for alias in node.names:
                 target = _ours(alias.name, known)
                 if target is not None:
-                    yield Edge(module.name, target, module.path, node.lineno)
+                    yield Edge(module.name, target, module.path, node.lineno, type_only)
         elif isinstance(node, ast.ImportFrom):
             base = _absolute(node, module)
             for alias in node.names:
@@ -96,7 +109,20 @@ def imports(module: Module, known: dict[str, Module]) -> Iterator[Edge]:
                 if target is None or not target.endswith(f".{alias.name}"):
                     target = _ours(base, known)
                 if target is not None:
-                    yield Edge(module.name, target, module.path, node.lineno)
+                    yield Edge(module.name, target, module.path, node.lineno, type_only)
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    if not isinstance(node, ast.If):
+        return False
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def contract_breaches(edges: list[Edge], known: dict[str, Module]) -> list[Edge]:
+    return [e for e in edges if known[e.source].layer == "stages" and known[e.target].layer == "gpu"
+            and not any(e.target == c or e.target.startswith(c + ".") for c in CONTRACT)]
 
 
 def _absolute(node: ast.ImportFrom, module: Module) -> str:
@@ -133,9 +159,9 @@ def long_modules(known: dict[str, Module]) -> list[tuple[Path, int]]:
     return out
 
 
-def cycles(edges: list[Edge], known: dict[str, Module]) -> list[list[str]]:
+def cycles(edges: list[Edge], known: dict[str, Module], within: bool = False) -> list[list[str]]:
     """The strongly connected components of the import graph whose modules lie in more
-    than one package (Tarjan's algorithm, iterative)."""
+    than one package (Tarjan's algorithm, iterative); within: those inside one package."""
     graph: dict[str, set[str]] = {name: set() for name in known}
     for e in edges:
         if e.target != e.source:
@@ -175,7 +201,8 @@ def cycles(edges: list[Edge], known: dict[str, Module]) -> list[list[str]]:
                     component.append(member)
                     if member == node:
                         break
-                if len({known[m].package for m in component}) > 1:
+                spans = len({known[m].package for m in component}) > 1
+                if (spans and not within) or (within and not spans and len(component) > 1):
                     components.append(sorted(component))
     return components
 
@@ -207,6 +234,13 @@ def violations(root: Path = ROOT) -> list[str]:
         packages = sorted({known[m].package for m in component})
         out.append(f"import cycle across {', '.join(packages)}: {len(component)} modules: "
                    f"{', '.join(component)}")
+    run_time = [e for e in edges if not e.type_only]
+    for component in cycles(run_time, known, within=True):
+        out.append(f"import cycle at run time inside {known[component[0]].package}: "
+                   f"{', '.join(component)}")
+    for e in contract_breaches(edges, known):
+        out.append(f"contract: {e.path.relative_to(root)}:{e.line}: {e.source} imports {e.target} "
+                   f"(stages/ import only {', '.join(CONTRACT)})")
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Callable
 import attrs
 import trio
 
+from gpu.interface import Constraint
 from stages.api.structured import refusal as constraint_refusal
 from stages.lib.kv_transfer import notify_refused
 from stages.messages import RenderedRequest
@@ -46,8 +47,12 @@ class Admission:
     """The pure core. ``draining`` is set once, when the server starts shutting down."""
 
     def __init__(self, *, max_admitted: int, kv_capacity_tokens: int,
-                 admitted: Callable[[], int]) -> None:
+                 admitted: Callable[[], int],
+                 grammar_check: Callable[[Constraint], None] | None = None) -> None:
+        """grammar_check: raises GrammarError for a constraint that does not parse (the
+        engine's grammar compiler's check); None: constraints are not checked here."""
         self.max_admitted = max_admitted
+        self.grammar_check = grammar_check
         self.kv_capacity_tokens = kv_capacity_tokens
         self.admitted = admitted
         self.draining = False
@@ -69,7 +74,8 @@ class Admission:
                 f"more than the whole cache holds ({self.kv_capacity_tokens}). Reduce max_tokens "
                 "or the prompt, or start the server with a larger KV cache.", param="max_tokens")
         constraint = req.sampling.constraint
-        if constraint is not None and (bad := constraint_refusal(constraint)) is not None:
+        if (constraint is not None and self.grammar_check is not None
+                and (bad := constraint_refusal(constraint, self.grammar_check)) is not None):
             return bad
         return self.refusal()
 

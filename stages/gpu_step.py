@@ -32,7 +32,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import outcome
 import torch
@@ -40,7 +40,6 @@ import trio
 
 from gpu.interface import Runner, StagingRunner, StepPlan, StepResult, TPLost
 from gpu.config.names import FAULT_KINDS
-from gpu.kernels.cpu.openmp import release_team
 
 _log = logging.getLogger("tailrace.gpu")
 
@@ -78,10 +77,13 @@ def _execute(runner: Runner, plan: StepPlan, fault: str | None,
 
 
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
-              runner: Runner, log=None, *, faults: Mapping[int, str] | None = None) -> None:
+              runner: Runner, log=None, *, faults: Mapping[int, str] | None = None,
+              release_team: Callable[[], None] | None = None) -> None:
     """Plans go to one runner thread through a queue, in order; results come back in the
     same order. With async scheduling the next plan is queued while a step runs, so the
-    thread starts it the moment the step ends, without waiting for the event loop."""
+    thread starts it the moment the step ends, without waiting for the event loop.
+    release_team: lets go of this thread's OpenMP team before the runner thread starts
+    (gpu/kernels/cpu/openmp.py release_team, from the assembly)."""
     faults = faults or {}
     failed_in_a_row = 0
     jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -150,7 +152,8 @@ async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
     # Start-up's OpenMP team (the weights loaded on this thread) would outlive it and make
     # libgomp throttle the runner thread's team: 70 ms CPU decode steps instead of 46
     # (gpu/kernels/cpu/openmp.py). Nothing on this thread runs parallel regions from here on.
-    release_team()
+    if release_team is not None:
+        release_team()
     thread.start()
     dead: EngineDead | None = None
     try:

@@ -86,9 +86,11 @@ def engine_main(fds: str, serve_args: list[str], dp_rank: int = 0) -> int:
     from pipeline.core.reply import describe
     from pipeline.layouts.engine_proc import run_engine
     from pipeline.layouts.wire import FrontendSetup
-    from web.cli import app_config, build_parser
+    from web.serve_args import add_serve_arguments, app_config
 
-    serve = build_parser(with_bench=False).parse_args(["serve", *serve_args])
+    parser = argparse.ArgumentParser(prog="tailrace serve")
+    add_serve_arguments(parser)
+    serve = parser.parse_args(list(serve_args))
     configure(serve.log_level, serve.log_format)
     cfg = data_parallel_config(engine_config(serve), serve.data_parallel_size, dp_rank)
     setup = FrontendSetup(index=0, side=None, app_config=app_config(serve), graceful_timeout=serve.graceful_timeout,

@@ -261,24 +261,21 @@ class CausalLM(nn.Module):
                                  persistent=False)
         else:
             self.mrope_columns = None
-        # EAGLE3 (gpu/worker/spec_decode/eagle.py): the layers whose input forward keeps, concatenated, in
-        # aux_hidden (an id equal to the layer count: the last layer's output, before the norm)
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_hidden: torch.Tensor | None = None
         # GGUF-packed on the CPU: a decode step's layers in one C call where it applies
-        # (gpu/kernels/cpu/layer.py FusedDecode; set by the loader), else None
+        # (gpu/kernels/cpu/layer.py FusedDecode, made by the loader), else None. The runner
+        # chooses it over forward for a step it can take (gpu/worker/runner.py forward).
         self.fused_decode = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T], positions [T] -> final normed hidden states [T, D]. embeds: (rows
         [R], values [R, D]) put in place of those rows' token embeddings (a picture's
         features at its placeholder tokens, gpu/models/llava_vision.py). An M-RoPE model (Qwen2.5-VL)
         may get positions [3, T] (t, h, w): the step's rows' own cos/sin table is made
-        once and read by row."""
-        if (self.fused_decode is not None and embeds is None and not self.aux_layers
-                and (hidden := self.fused_decode(input_ids, positions, attn)) is not None):
-            return hidden
+        once and read by row. aux_layers (EAGLE3, gpu/worker/spec_decode/eagle.py): the
+        layers whose input is captured too (an id equal to the layer count: the last
+        layer's output, before the norm); then (hidden, captured [T, len(aux) * D])."""
         x, residual = self.embed(input_ids).to(self.residual_dtype), None  # [T, D]
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
@@ -286,7 +283,7 @@ class CausalLM(nn.Module):
         if positions.dim() == 2:
             cos_sin = mrope_cos_sin(cos_sin, positions, self.mrope_columns)
             positions = torch.arange(positions.shape[1], device=positions.device)
-        aux = self.aux_layers
+        aux = aux_layers
         captured = []
         for i, layer in enumerate(self.layers):
             if aux and i in aux:   # the residual stream entering layer i (vLLM's layer ids)
@@ -296,7 +293,7 @@ class CausalLM(nn.Module):
         if aux:
             if len(self.layers) in aux:    # after the last layer, before the final norm
                 captured.append(last)
-            self.aux_hidden = torch.cat(captured, dim=-1)   # [T, len(aux) * D]
+            return hidden, torch.cat(captured, dim=-1)   # [T, D], [T, len(aux) * D]
         return hidden  # [T, D]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ replay graphs of their own (`VerifyGraphs`): Q = K + 1 tokens a sequence, captur
 batch size as the decode graphs are, over the varlen attention kernel. Other prefill and
 mixed steps run eagerly.
 
-With an EAGLE head the target's auxiliary hidden states (model.aux_hidden) are a graph's
-output too: each captured size keeps its own, and a replay points model.aux_hidden at it.
+With an EAGLE head the target's auxiliary hidden states (the forward's `aux_layers`) are a
+graph's output too: each captured size keeps its own, and a replay returns them beside
+the hidden states.
 
 A draft model (gpu/worker/spec_decode/draft.py) has graphs of its own, over its own KV cache: its decode
 forwards (a draft each) replay decode graphs, and the forward that catches its KV up to a
@@ -43,23 +44,26 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 def capture_graphs(model, attn, *, max_bs: int, max_model_len: int, device: torch.device,
-                   verify_tokens: int = 0, label: str = "", pool=None, kinds=None):
+                   verify_tokens: int = 0, label: str = "", pool=None, kinds=None,
+                   aux_layers: tuple[int, ...] = ()):
     """(decode graphs, verify graphs or None) of `model` over `attn`'s cache, captured:
     verify graphs of `verify_tokens` tokens a sequence where that is 2 or more. Both share
     one memory pool (their steps never overlap), `pool` where given. A failed capture of
     the decode graphs raises; of the verify graphs, it is logged and kept in the decode
     graphs' `verify_error`, and verify steps run eagerly. kinds: the (decode, verify)
-    classes (an EAGLE head's: HeadGraphs, HeadVerifyGraphs)."""
+    classes (an EAGLE head's: HeadGraphs, HeadVerifyGraphs). aux_layers: the target's
+    layers an EAGLE3 head reads, captured as an output too (DecodeGraphs)."""
     decode_kind, verify_kind = kinds or (DecodeGraphs, VerifyGraphs)
     max_blocks = -(-max_model_len // attn.cache.block_size)
+    aux = {"aux_layers": aux_layers} if aux_layers else {}
     graphs = decode_kind(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
-                         max_context=max_model_len, label=label)
+                         max_context=max_model_len, label=label, **aux)
     graphs.pool = pool
     graphs.capture()
     verify = None
     if verify_tokens > 1:
         verify = verify_kind(model, attn, max_bs=max_bs, max_blocks=max_blocks, device=device,
-                             tokens_per_seq=verify_tokens, label=label)
+                             tokens_per_seq=verify_tokens, label=label, **aux)
         verify.pool = graphs.pool
         try:
             verify.capture()
@@ -92,10 +96,11 @@ def run_graphed(graphs, verify, input_ids: torch.Tensor, positions: torch.Tensor
 class DecodeGraphs:
     def __init__(self, model, attn, *, max_bs: int, max_blocks: int, device: torch.device,
                  max_context: int | None = None, label: str = "", kv_heads: int | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, aux_layers: tuple[int, ...] = ()) -> None:
         from gpu.kernels.triton.paged_attention import suggest_num_kv_splits
 
         self.model, self.attn, self.label = model, attn, label
+        self.aux_layers = aux_layers     # EAGLE3: replays return (hidden, aux)
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         context = max_context or max_blocks * attn.cache.block_size
@@ -113,7 +118,7 @@ class DecodeGraphs:
         self.hidden = torch.zeros((n, model.config.hidden_size), dtype=dtype or model.dtype,
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.aux: dict[int, torch.Tensor] = {}     # EAGLE's model.aux_hidden, per captured size
+        self.aux: dict[int, torch.Tensor] = {}     # EAGLE3's captured layers, per captured size
         self.pool = None
         self.verify_error: str | None = None   # capture_graphs: the verify graphs' failure
 
@@ -150,9 +155,11 @@ class DecodeGraphs:
     def _forward(self, bs: int) -> None:
         """The forward a graph of size bs records, over the static buffers."""
         n = self._tokens(bs)
-        self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], self.attn)
-        if self.model.aux_layers:
-            self.aux[bs] = self.model.aux_hidden
+        if self.aux_layers:
+            self.hidden[:n], self.aux[bs] = self.model(self.input_ids[:n], self.positions[:n], self.attn,
+                                                       aux_layers=self.aux_layers)
+        else:
+            self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], self.attn)
 
     def _tokens(self, bs: int) -> int:
         return bs
@@ -161,10 +168,11 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for %sdecode batch sizes %s (KV splits %s)", self.label, self.sizes,
                  [self.num_kv_splits[b] for b in self.sizes])
 
-    def _replay(self, bs: int, rows: int) -> torch.Tensor:
+    def _replay(self, bs: int, rows: int):
+        """hidden [rows, D]; with aux_layers, (hidden, aux [rows, len(aux) * D])."""
         self.graphs[bs].replay()
-        if self.model.aux_layers:
-            self.model.aux_hidden = self.aux[bs][:rows]
+        if self.aux_layers:
+            return self.hidden[:rows], self.aux[bs][:rows]
         return self.hidden[:rows]
 
     def fits(self, batch: int, max_blocks: int) -> bool:
@@ -236,10 +244,11 @@ class VerifyGraphs(DecodeGraphs):
 
     def __init__(self, model, attn, *, max_bs: int, max_blocks: int, device: torch.device,
                  tokens_per_seq: int, max_context: int | None = None, label: str = "",
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, aux_layers: tuple[int, ...] = ()) -> None:
         assert tokens_per_seq >= 2
         self.q = tokens_per_seq
         self.model, self.attn, self.label = model, attn, label
+        self.aux_layers = aux_layers
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         n, q = self.max_bs, self.q

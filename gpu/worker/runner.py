@@ -36,7 +36,8 @@ class ModelRunner(StagingRunner):
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
                  broadcast=None, vision=None, encoder_cache_size: int = 64, lora=None,
-                 draft=None, verify_tokens: int = 0) -> None:
+                 draft=None, verify_tokens: int = 0, kv_connector=None, floating: bool = False,
+                 ngram=None) -> None:
         """broadcast: tensor parallelism's rank 0 (gpu/worker/tp.py StepBroadcast): each
         step's inputs go to the worker ranks before the forward. vision: a vision-language
         model's tower and projector (gpu/models/llava_vision.py), with an encoder cache of
@@ -46,7 +47,11 @@ class ModelRunner(StagingRunner):
         (gpu/worker/spec_decode/eagle.py EagleDrafter), which fills each step's DRAFT placeholders before the
         verify forward; a head also reads each step's hidden states (`captured`).
         verify_tokens: with speculative decoding and CUDA graphs, K + 1: verify steps of up
-        to that many tokens a sequence replay graphs of their own (gpu/worker/cuda_graphs.py)."""
+        to that many tokens a sequence replay graphs of their own (gpu/worker/cuda_graphs.py).
+        kv_connector: --kv-transfer-config's (gpu/kv_transfer/connector.py). floating: drafts
+        planned ahead with async scheduling, their chunks floating; ngram: the prompt lookup
+        (stages/schedule/drafter.py NgramDrafter) that fills them where no draft model or
+        head does."""
         self.model = model
         self.vision = vision
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
@@ -57,15 +62,13 @@ class ModelRunner(StagingRunner):
         self.encoder_cache = EncoderCache(encoder_cache_size)
         self.lora = lora
         self.draft = draft
-        self.kv_connector = None     # --kv-transfer-config: gpu/kv_transfer/connector.py (set by start-up)
-        # n-gram speculation with async scheduling: the prompt lookup that fills floating
-        # chunks (stages/schedule/drafter.py NgramDrafter; set by start-up), and where each
-        # sampled sequence's KV ends after the steps run so far
-        self.floating = False
-        self.ngram = None
+        self.kv_connector = kv_connector
+        # with floating chunks: where each sampled sequence's KV ends after the steps run so far
+        self.floating = floating
+        self.ngram = ngram
         self.next_pos: dict[str, int] = {}
-        # EAGLE3: the target layers whose input the head reads (model.aux_hidden each step)
-        model.aux_layers = () if draft is None else tuple(draft.aux_layers)
+        # EAGLE3: the target layers whose input the head reads (the forward captures them)
+        self.aux_layers: tuple[int, ...] = () if draft is None else tuple(draft.aux_layers)
         self.broadcast = broadcast
         self.cache = cache
         self.device = device = torch.device(device)
@@ -100,7 +103,7 @@ class ModelRunner(StagingRunner):
             try:
                 self.graphs, self.verify_graphs = capture_graphs(
                     model, self.attn, max_bs=cuda_graph_max_bs, max_model_len=max_model_len,
-                    device=device, verify_tokens=verify_tokens)
+                    device=device, verify_tokens=verify_tokens, aux_layers=self.aux_layers)
                 self.cuda_graphs, self.cuda_graph_sizes = True, list(self.graphs.sizes)
                 if self.verify_graphs is not None:
                     self.cuda_graph_verify_tokens = verify_tokens
@@ -229,13 +232,13 @@ class ModelRunner(StagingRunner):
                 else:
                     lora = False
                 try:
-                    hidden = self.forward(input_ids, positions, meta, embeds, lora)   # [T, D]
+                    hidden, aux = self.forward(input_ids, positions, meta, embeds, lora)   # [T, D]
                 finally:
                     if lora:
                         self.lora.done()
                 if self.draft is not None and self.draft.reads_hidden:
                     # an EAGLE head reads the target's hidden states (gpu/worker/spec_decode/eagle.py)
-                    self.draft.captured(plan.chunks, hidden, self.model.aux_hidden)
+                    self.draft.captured(plan.chunks, hidden, aux)
                 prompt_logprobs = self._prompt_logprobs(spans, hidden) if spans else ()
                 logits = (self.model.compute_logits(hidden.index_select(0, sample_idx))  # [R, V]
                           if seq_ids else None)
@@ -354,20 +357,27 @@ class ModelRunner(StagingRunner):
                           num_drafts=tuple(c.num_drafts for c in sampling) if floating else ())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                embeds=None, lora: bool = False) -> torch.Tensor:
-        """The step's hidden states [T, D]: a captured graph for a decode batch that fits
-        one, or for a verify step (up to K + 1 tokens a sequence) that fits one of the
-        verify graphs, else eager (always with LoRA rows or pictures: the graphs hold the
-        base model's text path alone). Every tensor-parallel rank decides alike from the
-        same inputs. embeds: pictures' features for some rows (`_image_embeds`)."""
+                embeds=None, lora: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's (hidden states [T, D], an EAGLE3 head's captured layers or None): a
+        captured graph for a decode batch that fits one, or for a verify step (up to K + 1
+        tokens a sequence) that fits one of the verify graphs; else the model's fused CPU
+        decode stack where it takes the step (gpu/kernels/cpu/layer.py: no pictures, no
+        captured layers); else eager (always with LoRA rows or pictures: the graphs hold
+        the base model's text path alone). Every tensor-parallel rank decides alike from
+        the same inputs. embeds: pictures' features for some rows (`_image_embeds`)."""
+        aux = self.aux_layers
         if embeds is None and not lora and positions.dim() == 1:    # M-RoPE's [3, T] runs eagerly
-            hidden = run_graphed(self.graphs, self.verify_graphs, input_ids, positions, meta)
-            if hidden is not None:
-                return hidden
+            out = run_graphed(self.graphs, self.verify_graphs, input_ids, positions, meta)
+            if out is not None:
+                return out if aux else (out, None)
         self.attn.prepare(meta)
-        if embeds is not None:
-            return self.model(input_ids, positions, self.attn, embeds=embeds)
-        return self.model(input_ids, positions, self.attn)
+        fused = self.model.fused_decode
+        if (fused is not None and embeds is None and not aux
+                and (hidden := fused(input_ids, positions, self.attn)) is not None):
+            return hidden, None
+        if aux:
+            return self.model(input_ids, positions, self.attn, embeds=embeds, aux_layers=aux)
+        return self.model(input_ids, positions, self.attn, embeds=embeds), None
 
     def _mrope_positions(self, chunks: tuple[SeqChunk, ...], positions: torch.Tensor
                          ) -> torch.Tensor:

@@ -271,7 +271,8 @@ class SimulatedRunner(StagingRunner):
     """
 
     def __init__(self, cost: CostModel, block_size: int, token_ids: np.ndarray, seed: int = 0,
-                 draft_acceptance: float = 0.0, draft: StandInDraft | None = None) -> None:
+                 draft_acceptance: float = 0.0, draft: StandInDraft | None = None,
+                 floating: bool = False, ngram=None) -> None:
         self.cost = cost
         # drafts hold with `draft_acceptance` (StandInDrafter); a draft model's forwards are
         # priced too (`draft_seconds`), else drafts cost nothing to make (n-gram lookup);
@@ -298,10 +299,10 @@ class SimulatedRunner(StagingRunner):
         self.draft_acceptance = draft_acceptance
         self.accept_rng = np.random.default_rng(seed + 2)
         self.steps = 0
-        # floating chunks (n-gram speculation planned ahead): the runner's lookup (set by
-        # start-up: stages/schedule/drafter.py StandInDrafter) and where each KV ends
-        self.floating = False
-        self.ngram = None
+        # floating chunks (speculation planned ahead): the runner's lookup
+        # (stages/schedule/drafter.py StandInDrafter) and where each KV ends
+        self.floating = floating
+        self.ngram = ngram
         self.next_pos: dict[str, int] = {}
 
     def stage(self, plan: StepPlan) -> tuple[HostInputs, float, list[int]] | None:

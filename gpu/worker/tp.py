@@ -178,7 +178,7 @@ def follow(runner: ModelRunner, group) -> int:
             lora = runner.lora.set_step(got[0])
         with torch.inference_mode():
             try:
-                hidden = runner.forward(input_ids, positions, meta, lora=lora)
+                hidden, _ = runner.forward(input_ids, positions, meta, lora=lora)
             finally:
                 if lora:
                     runner.lora.done()

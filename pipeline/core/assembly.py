@@ -46,7 +46,7 @@ from stages.render import RenderContext
 if TYPE_CHECKING:   # the engine core's side brings torch; a frontend process never loads it
     from pipeline.core.config import EngineConfig
     from pipeline.core.events import EventLog
-    from pipeline.core.startup import Built
+    from pipeline.core.parts import Built
 
 log = logging.getLogger("tailrace")
 
@@ -173,9 +173,10 @@ def start_request_side(nursery: trio.Nursery, spec: RequestSideSpec, *,
 # -- the engine core: admit, schedule <=> gpu step ------------------------------------------------
 def core_admission(cfg: EngineConfig, built: Built, admitted: Callable[[], int]) -> Admission:
     """admit's limits: `admitted` counts the requests in flight over every request side."""
+    from gpu.worker.grammar import check as check_grammar     # xgrammar, torch: the core's process
     return Admission(max_admitted=Buffers.of(cfg.max_queued_requests, cfg.max_num_seqs).max_admitted,
                      kv_capacity_tokens=built.blocks.num_blocks * cfg.block_size,
-                     admitted=admitted)
+                     admitted=admitted, grammar_check=check_grammar)
 
 
 def start_engine_core(nursery: trio.Nursery, cfg: EngineConfig, built: Built, *, replies,
@@ -187,6 +188,7 @@ def start_engine_core(nursery: trio.Nursery, cfg: EngineConfig, built: Built, *,
     Replies in one process, the engine process's EngineReplies), schedule (its inbox
     `inbox`, whose send end admit gets a clone of; its Steps to `steps`) and the GPU step.
     `watch`: a task that raises when a tensor-parallel worker rank exits."""
+    from gpu.kernels.cpu.openmp import release_team
     from stages import gpu_step, schedule   # torch: only where the core runs
 
     ev = _stage_events(events)
@@ -198,7 +200,7 @@ def start_engine_core(nursery: trio.Nursery, cfg: EngineConfig, built: Built, *,
     nursery.start_soon(schedule.run, inbox_receive, plan_in, result_out, steps,
                        built.scheduler, ev("schedule"), built.sleeper)
     nursery.start_soon(partial(gpu_step.run, plan_out, result_in, built.runner, ev("gpu_step"),
-                               faults=cfg.fault_step_kinds))
+                               faults=cfg.fault_step_kinds, release_team=release_team))
     if built.kv_connector is not None:   # --kv-transfer-config: the side channel, NIXL's notes
         from pipeline.core import kv_task
         nursery.start_soon(kv_task.run, built.kv_connector, inbox_send.clone(), built.scheduler)

@@ -30,7 +30,8 @@ from pipeline.core.assembly import (RequestSideSpec, core_admission, inbox_chann
 from pipeline.core.client import EngineClient
 from pipeline.core.config import EngineConfig
 from pipeline.core.events import EventLog
-from pipeline.core.startup import Built, freeze_heap, open_event_log
+from pipeline.core.parts import Built
+from pipeline.core.startup import freeze_heap, open_event_log
 from pipeline.core.stats import AccountStats, CoreStats, EngineStats, cache_config_labels
 from pipeline.layouts.tp_procs import TensorParallel, open_built
 from stages import account

@@ -216,7 +216,7 @@ def make_header(cfg, *, model_path: str | None, model_name: str, tokenizer,
                 served_model_names: tuple[str, ...], max_model_len: int,
                 kv_blocks_total: int, block_size: int, parsers=None) -> dict:
     """The fields of the header line (the event, stage and times are added on writing).
-    `parsers` (pipeline.core.startup.Parsers): the parsers the server resolved from the flags and
+    `parsers` (pipeline.core.parts.Parsers): the parsers the server resolved from the flags and
     the model (gpt-oss implies Harmony's), recorded apart from the flags as given."""
     flags = {name: getattr(cfg, name) for name in HEADER_FLAGS}
     flags["served_model_name"] = list(served_model_names)

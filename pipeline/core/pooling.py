@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from pipeline.core.config import EngineConfig
-from pipeline.core.startup import Built, Parsers, step_budget
+from pipeline.core.parts import Built, Parsers, step_budget
 from stages.api.common import ToolSettings
 from stages.schedule.blocks import BlockManager
 from stages.schedule.pooling import PoolingScheduler

@@ -12,7 +12,6 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import attrs
 import jinja2
@@ -20,90 +19,24 @@ import torch
 
 from gpu.layers.attention import KVCache
 from gpu.worker.grammar import GrammarCompiler
-from gpu.tokenizers.harmony import uses_harmony
 from gpu.interface import TPLost
 from gpu.loader.decoder import LoadedModel
 from gpu.kernels.cpu.openmp import release_team
-from gpu.config.pooling import PoolingSpec
 from gpu.parallel import SINGLE, TP
 from gpu.worker.runner import ModelRunner
 from gpu.worker.simulate import GPUS, CostModel, SimulatedRunner, StandInDraft, ordinary_token_ids
 from pipeline.core.config import EngineConfig
+from pipeline.core.parts import Built, Parsers, Ranks, RunnerParts, pick_device, step_budget  # noqa: F401
+from pipeline.core.pooling import build_pooling
 from pipeline.core.events import EventLog, make_header
-from stages.api.common import ToolSettings
 from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import make_drafter
-from stages.api.harmony import HARMONY_REASONING_PARSER, HARMONY_TOOL_PARSER
+from stages.api.harmony import HARMONY_REASONING_PARSER
 from stages.schedule import AsyncScheduler, Scheduler
 
 log = logging.getLogger("tailrace")
 
 _CPU_KV_DEFAULT_BYTES = 1 << 30
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
-    return torch.device(name)
-
-
-@attrs.frozen
-class Parsers:
-    """The reasoning and tool parsers a model is served with: the flags', or Harmony's."""
-    reasoning_parser: str | None
-    tools: ToolSettings
-    harmony: bool = False
-
-    @classmethod
-    def of(cls, cfg: EngineConfig, model_config) -> Parsers:
-        """gpt-oss (model_type gpt_oss) speaks only Harmony: --reasoning-parser
-        openai_gptoss and --tool-call-parser openai (with auto tool choice) are implied, and
-        tool_choice "none" leaves the tools out of the prompt. Those two parsers read
-        Harmony tokens, so they serve no other model."""
-        if not uses_harmony(model_config):
-            if cfg.reasoning_parser == HARMONY_REASONING_PARSER:
-                raise ValueError(f"--reasoning-parser {HARMONY_REASONING_PARSER} needs a gpt-oss "
-                                 "model (Harmony format)")
-            if cfg.tool_call_parser == HARMONY_TOOL_PARSER:
-                raise ValueError(f"--tool-call-parser {HARMONY_TOOL_PARSER} needs a gpt-oss "
-                                 "model (Harmony format)")
-            return cls(cfg.reasoning_parser, ToolSettings(
-                cfg.enable_auto_tool_choice, cfg.tool_call_parser,
-                cfg.exclude_tools_when_tool_choice_none))
-        if cfg.reasoning_parser not in (None, HARMONY_REASONING_PARSER):
-            raise ValueError(f"--reasoning-parser {cfg.reasoning_parser}: gpt-oss models speak "
-                             f"Harmony; use {HARMONY_REASONING_PARSER} (implied) or leave it out")
-        if cfg.tool_call_parser not in (None, HARMONY_TOOL_PARSER):
-            raise ValueError(f"--tool-call-parser {cfg.tool_call_parser}: gpt-oss models speak "
-                             f"Harmony; use {HARMONY_TOOL_PARSER} (implied) or leave it out")
-        return cls(HARMONY_REASONING_PARSER, ToolSettings(True, HARMONY_TOOL_PARSER, True),
-                   harmony=True)
-
-
-@attrs.frozen
-class Built:
-    """What the synchronous part of start-up makes (in a worker thread)."""
-
-    loaded: LoadedModel
-    model_names: tuple[str, ...]
-    max_model_len: int
-    runner: ModelRunner | SimulatedRunner
-    blocks: BlockManager
-    scheduler: Scheduler
-    parsers: Parsers
-    pooling: PoolingSpec | None = None   # a pooling model's behaviour (pipeline/core/pooling.py)
-    sleeper: object | None = None        # --enable-sleep-mode: gpu/worker/sleep.py's Sleeper
-    loras: Any = None    # --enable-lora: the served adapters (gpu.lora.spec.LoRARegistry)
-    kv_connector: Any = None   # --kv-transfer-config: gpu/kv_transfer/connector.py's KVConnector
-
-
-@attrs.frozen
-class Ranks:
-    """This process's place among the tensor-parallel ranks (issue 25)."""
-    tp: TP
-    plan: Any        # the gloo group each step's inputs are broadcast over (gpu/worker/tp.py)
 
 
 def join_ranks(cfg: EngineConfig, device: torch.device, rank: int, init_method: str,
@@ -158,12 +91,13 @@ def resolve_max_model_len(cfg: EngineConfig, loaded: LoadedModel) -> int:
     return cfg.max_model_len or min(loaded.max_model_len, loaded.config.max_position_embeddings)
 
 
-def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, max_model_len: int,
-                ranks: Ranks | None = None) -> tuple[ModelRunner, KVCache, int]:
+def build_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, max_model_len: int,
+                 ranks: Ranks | None = None, floating: bool = False) -> RunnerParts:
     """The KV cache (this rank's heads; under tensor parallelism as many blocks as the
-    smallest rank's memory holds) and the runner over it: (runner, cache, full-layer
-    blocks). The cache is returned apart: tests stand a scripted runner in for ModelRunner.
-    Every rank runs it, in step: the CUDA profiling and graph capture run collectives."""
+    smallest rank's memory holds), the KV connector on it (--kv-transfer-config) and the
+    runner over both, with its drafter. Every rank runs it, in step: the CUDA profiling,
+    the connector's layouts and graph capture run collectives. floating: n-gram drafts
+    planned ahead with async scheduling (rank 0's runner fills them: floating_drafts)."""
     from gpu.worker.tp import StepBroadcast, min_over_ranks
 
     mc = loaded.config
@@ -184,6 +118,7 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
                     mc.head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
                     num_sliding_blocks=sliding_slots)
     broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
+    connector, runner_connector = make_kv_connector(cfg, cache, broadcast, ranks)
     drafting = None
     if draft is not None:
         from gpu.worker.spec_decode.draft import DraftModel
@@ -214,8 +149,19 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
                          cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
                          broadcast=broadcast, vision=loaded.vision,
                          encoder_cache_size=cfg.encoder_cache_size,
-                         lora=lora, draft=drafting, verify_tokens=verify_graph_tokens(cfg))
-    return runner, cache, num_blocks
+                         lora=lora, draft=drafting, verify_tokens=verify_graph_tokens(cfg),
+                         kv_connector=runner_connector, floating=floating,
+                         ngram=floating_drafter(cfg) if floating else None)
+    return RunnerParts(runner=runner, cache=cache, num_blocks=num_blocks, kv_connector=connector,
+                       draft_cost=drafting.cost if drafting is not None else None)
+
+
+def floating_drafter(cfg: EngineConfig):
+    """What fills floating chunks' drafts in the runner: the prompt lookup (or the
+    stand-in's drafter); None where the draft model or head fills them."""
+    spec = cfg.speculative_config
+    stand_in = cfg.simulate_draft_acceptance is not None
+    return make_drafter(spec, stand_in=stand_in) if spec.method == "ngram" or stand_in else None
 
 
 def verify_graph_tokens(cfg: EngineConfig) -> int:
@@ -299,14 +245,14 @@ def load_eagle_head(cfg: EngineConfig, loaded: LoadedModel, device: torch.device
     return load_head(spec.model, spec.method, loaded.model, dtype, device)
 
 
-def make_kv_connector(cfg: EngineConfig, runner, ranks: Ranks | None):
-    """--kv-transfer-config: this rank's gpu/kv_transfer/connector.py KVConnector on its cache shard,
-    set as the runner's (None without the flag). Every rank calls it, in the same order
-    (after make_runner, before any step): under tensor parallelism the ranks' layouts are
-    gathered to rank 0, whose side channel serves them all, and rank 0's runner gets the
-    TPKVConnector that starts and polls the reads on every rank; a worker's drives its
-    NIXL agent from a thread of its own on the CPU (`drive`), where NIXL's progress thread
-    is off."""
+def make_kv_connector(cfg: EngineConfig, cache: KVCache, broadcast, ranks: Ranks | None):
+    """--kv-transfer-config: (this rank's gpu/kv_transfer/connector.py KVConnector on its
+    cache shard, the connector its runner drives), (None, None) without the flag. Every
+    rank calls it, in the same order (build_runner, before any step): under tensor
+    parallelism the ranks' layouts are gathered to rank 0, whose side channel serves them
+    all, and rank 0's runner gets the TPKVConnector that starts and polls the reads on
+    every rank; a worker's drives its NIXL agent from a thread of its own on the CPU
+    (`drive`), where NIXL's progress thread is off."""
     tp = ranks.tp if ranks is not None else SINGLE
     if tp.size > 1:   # a worker started by hand without the flag would be out of step
         from gpu.worker.tp import same_on_every_rank
@@ -314,21 +260,21 @@ def make_kv_connector(cfg: EngineConfig, runner, ranks: Ranks | None):
         same_on_every_rank(cfg.kv_transfer_config is not None, ranks.plan,
                            "--kv-transfer-config")
     if cfg.kv_transfer_config is None:
-        return None
+        return None, None
     from gpu.kv_transfer.connector import KVConnector, TPKVConnector
 
-    connector = KVConnector(cfg.kv_transfer_config, runner.cache, tp.rank, tp.size)
-    runner.kv_connector = connector
+    connector = KVConnector(cfg.kv_transfer_config, cache, tp.rank, tp.size)
+    driven = connector
     if tp.size > 1:
         from gpu.worker.tp import gather_layouts
 
         layouts = gather_layouts(connector.own_layout, ranks.plan)
         if tp.rank == 0:     # served under rank 0's engine id, whatever a worker was given
             connector.serve_layouts(layouts)
-            runner.kv_connector = TPKVConnector(connector, runner.broadcast.kv_exchange)
+            driven = TPKVConnector(connector, broadcast.kv_exchange)
         elif not connector.progress_thread:
             connector.drive()
-    return connector
+    return connector, driven
 
 
 def kv_heads(loaded: LoadedModel) -> int:
@@ -344,7 +290,6 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     from gpu.tokenizers.files import implied_tokenizer, load_tokenizer
 
     if cfg.pooling:
-        from pipeline.core.pooling import build_pooling
         return build_pooling(cfg, device)
     t0 = time.perf_counter()
     if loaded is None and cfg.simulate_gpu:
@@ -374,19 +319,27 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         log.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
                     cfg.max_model_len, mc.max_position_embeddings)
     budget = step_budget(cfg)
+    # drafts with async scheduling: a step with drafts is planned ahead as well, its chunks
+    # floating (gpu/worker/staging.py float_chunks), which the runner fills
+    floating = cfg.async_scheduling and cfg.speculative_config is not None
     if cfg.simulate_gpu:
         cost = CostModel.of(mc, GPUS[cfg.simulate_gpu])
         num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size, cfg.gpu_memory_utilization)
         cost = attrs.evolve(cost, verify_tokens=verify_graph_tokens(cfg))
+        stand_in_draft = StandInDraft.of(cfg.speculative_config, mc, GPUS[cfg.simulate_gpu])
         runner = SimulatedRunner(cost, cfg.block_size,
                                  ordinary_token_ids(loaded.tokenizer, mc.vocab_size), cfg.seed,
                                  draft_acceptance=cfg.simulate_draft_acceptance or 0.0,
-                                 draft=StandInDraft.of(cfg.speculative_config, mc, GPUS[cfg.simulate_gpu]))
+                                 draft=stand_in_draft, floating=floating,
+                                 ngram=floating_drafter(cfg) if floating else None)
         kv_connector = None           # refused with --kv-transfer-config (EngineConfig)
+        draft_cost = stand_in_draft.cost if stand_in_draft is not None else None
     else:
-        runner, cache, num_blocks = make_runner(cfg, loaded, device, max_model_len, ranks)
-        # before the warm-up: the worker ranks gather their layouts before they follow steps
-        kv_connector = make_kv_connector(cfg, runner, ranks)
+        # the connector's layouts are gathered before the warm-up, before the worker ranks
+        # follow steps
+        parts = build_runner(cfg, loaded, device, max_model_len, ranks, floating=floating)
+        runner, cache, num_blocks = parts.runner, parts.cache, parts.num_blocks
+        kv_connector, draft_cost = parts.kv_connector, parts.draft_cost
         if device.type == "cuda":  # compile what the first steps would, before any request
             try:
                 runner.warm_up(budget, cfg.max_num_seqs)
@@ -405,14 +358,6 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     spec = cfg.speculative_config
     # async scheduling plans a step ahead (EngineConfig turns it off with speculation)
     scheduler_class = AsyncScheduler if cfg.async_scheduling else Scheduler
-    # n-gram drafts with async scheduling: a step with drafts is planned ahead as well, its
-    # chunks floating (gpu/worker/staging.py float_chunks), when the runner can fill them
-    floating = cfg.async_scheduling and spec is not None and hasattr(runner, "ngram")
-    if floating:
-        runner.floating = True
-        stand_in = cfg.simulate_draft_acceptance is not None
-        if spec.method == "ngram" or stand_in:     # else the draft model or head fills them
-            runner.ngram = make_drafter(spec, stand_in=stand_in)
     scheduler = scheduler_class(
         blocks, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, eos_token_ids=loaded.eos_token_ids, grammars=grammars,
@@ -420,13 +365,13 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         drafter=make_drafter(spec, stand_in=cfg.simulate_draft_acceptance is not None),
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-        spec_draft_cost=getattr(getattr(runner, "draft", None), "cost", None),  # (tests' scripted runners)
+        spec_draft_cost=draft_cost,
         policy=cfg.scheduling_policy, max_loras=cfg.max_loras,
         spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config,
+        kv_port=kv_connector.port if kv_connector is not None else None,
+        kv_tp_size=kv_connector.tp_size if kv_connector is not None else 1,
         **({"floating": True} if floating else {}))
     if kv_connector is not None:
-        scheduler.kv_port = kv_connector.port
-        scheduler.kv_tp_size = kv_connector.tp_size
         log.info("KV connector %s (%s): engine %s, side channel %s:%d%s, held blocks freed "
                  "after %g s unread", cfg.kv_transfer_config.kv_connector,
                  cfg.kv_transfer_config.kv_role, cfg.kv_transfer_config.engine_id,
@@ -498,11 +443,6 @@ def hybrid_kv(cfg: EngineConfig, mc, num_blocks: int) -> tuple[int, tuple[int, .
         if cfg.num_gpu_blocks_override:
             full = num_blocks
     return full, sliding, slots
-
-
-def step_budget(cfg: EngineConfig) -> int:
-    """Tokens one engine step may schedule."""
-    return cfg.max_num_batched_tokens or max(2048, cfg.max_num_seqs)
 
 
 def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,

@@ -248,7 +248,8 @@ async def open_built(cfg: EngineConfig, loaded=None) -> AsyncIterator[tuple]:
     (with --tensor-parallel-size) and the model built (pipeline.core.startup.build, in a
     worker thread that a cancellation abandons). Yields (device, built, tp), tp None
     without tensor parallelism; on exit the workers are stopped."""
-    from pipeline.core.startup import build, pick_device
+    from pipeline.core.parts import pick_device
+    from pipeline.core.startup import build
 
     device = pick_device(cfg.device)
     async with open_tensor_parallel(cfg, device) as tp:

@@ -63,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(cfg, rank: int, init_method: str, local_rank: int) -> int:
     from gpu.parallel import destroy_group
     from gpu.worker.tp import follow
-    from pipeline.core.startup import (join_ranks, load_weights, make_kv_connector,
-                                       make_runner, pick_device, rank_device,
+    from pipeline.core.parts import pick_device
+    from pipeline.core.startup import (build_runner, join_ranks, load_weights, rank_device,
                                        resolve_max_model_len)
     from pipeline.layouts.tp_procs import collective_timeout_s
 
@@ -72,8 +72,8 @@ def serve(cfg, rank: int, init_method: str, local_rank: int) -> int:
     ranks = join_ranks(cfg, device, rank, init_method, collective_timeout_s(),
                        int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.tensor_parallel_size))
     loaded = load_weights(cfg, device, ranks.tp)
-    runner, _, _ = make_runner(cfg, loaded, device, resolve_max_model_len(cfg, loaded), ranks)
-    make_kv_connector(cfg, runner, ranks)   # --kv-transfer-config: this rank's KV shard
+    # with --kv-transfer-config, this rank's KV shard registered with its connector
+    runner = build_runner(cfg, loaded, device, resolve_max_model_len(cfg, loaded), ranks).runner
     log.info("tensor-parallel worker rank %d of %d on %s: ready", rank, ranks.tp.size, device)
     steps = follow(runner, ranks.plan)
     log.info("tensor-parallel worker rank %d: stopped after %d steps", rank, steps)

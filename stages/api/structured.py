@@ -13,6 +13,8 @@ gets a 400 naming the field before the response starts.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -139,12 +141,12 @@ _WHAT = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice",
          "grammar": "grammar", "structural_tag": "structural tag"}
 
 
-def refusal(constraint: Constraint) -> RequestError | None:
+def refusal(constraint: Constraint, check: Callable[[Constraint], None]) -> RequestError | None:
     """A 400 naming the field when the schema, regex or grammar does not parse; None if it
-    does. Called by admit (stages/admit.py), in the engine's process: xgrammar imports
-    torch, which a frontend process (--api-server-count) never loads. Rendering stays
-    torch-free; the refusal still comes before the response starts."""
-    from gpu.worker.grammar import check
+    does. `check` raises GrammarError saying what is wrong (gpu/worker/grammar.py check,
+    which start-up hands to admit). Called by admit (stages/admit.py), in the engine's
+    process: xgrammar imports torch, which a frontend process (--api-server-count) never
+    loads. Rendering stays torch-free; the refusal still comes before the response starts."""
     try:
         check(constraint)
     except GrammarError as exc:

@@ -46,7 +46,10 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                  num_speculative_tokens: int = 0,
                  spec_disable_by_batch_size: int | None = None, spec_draft_cost: float | None = None,
                  policy: str = "fcfs", max_loras: int = 1, spec_adaptive: bool = False,
-                 kv_transfer: KVTransferConfig | None = None) -> None:
+                 kv_transfer: KVTransferConfig | None = None, kv_port: int | None = None,
+                 kv_tp_size: int = 1) -> None:
+        """kv_port, kv_tp_size: the KV connector's side channel port (default: the flag's)
+        and the engine's TP size, which a prefill's response params name."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.blocks = blocks
@@ -93,8 +96,9 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
         # Prefill side: a finished do_remote_decode request's prompt blocks, held by request
         # id until the decode side has read them (KVRelease) or the abort timeout passes.
         self.kv_transfer = kv_transfer
-        self.kv_port = kv_transfer.side_channel_port if kv_transfer is not None else 0
-        self.kv_tp_size = 1        # the engine's TP size, set by start-up with the connector
+        self.kv_port = (kv_port if kv_port is not None else
+                        kv_transfer.side_channel_port if kv_transfer is not None else 0)
+        self.kv_tp_size = kv_tp_size
         self.held: dict[str, tuple[list[int], float]] = {}     # request id -> (blocks, deadline)
         self.kv_holds_expired = 0
         # Decode side: a remote prefill is a sequence whose blocks are allocated and being

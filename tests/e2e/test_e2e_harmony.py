@@ -18,6 +18,7 @@ import openai
 import pytest
 from openai_harmony import Message, Role
 
+import pipeline.core.parts
 import pipeline.core.startup
 from gpu.models.registry import config_from_hf
 from gpu.config.model import ModelConfig
@@ -290,22 +291,22 @@ def test_named_tool_choice_is_constrained_json(client, stream):
 def test_other_parsers_are_refused_for_gpt_oss(flags, words):
     from pipeline.core.config import EngineConfig
     with pytest.raises(ValueError, match=words):
-        pipeline.core.startup.Parsers.of(EngineConfig(**flags), gpt_oss_config())
+        pipeline.core.parts.Parsers.of(EngineConfig(**flags), gpt_oss_config())
 
 
 def test_harmony_parsers_are_implied_and_refused_elsewhere():
     from pipeline.core.config import EngineConfig
-    implied = pipeline.core.startup.Parsers.of(EngineConfig(), gpt_oss_config())
+    implied = pipeline.core.parts.Parsers.of(EngineConfig(), gpt_oss_config())
     assert implied.harmony and implied.reasoning_parser == "openai_gptoss"
     assert implied.tools.tool_call_parser == "openai" and implied.tools.enable_auto_tool_choice
     assert implied.tools.exclude_tools_when_tool_choice_none
-    same = pipeline.core.startup.Parsers.of(EngineConfig(
+    same = pipeline.core.parts.Parsers.of(EngineConfig(
         reasoning_parser="openai_gptoss", tool_call_parser="openai",
         enable_auto_tool_choice=True), gpt_oss_config())
     assert same == implied
     for flags in ({"reasoning_parser": "openai_gptoss"}, {"tool_call_parser": "openai"}):
         with pytest.raises(ValueError, match="needs a gpt-oss model"):
-            pipeline.core.startup.Parsers.of(EngineConfig(**flags), config_from_hf(
+            pipeline.core.parts.Parsers.of(EngineConfig(**flags), config_from_hf(
                 {"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
                  "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}))
 

@@ -31,12 +31,8 @@ def test_aux_hidden_states_are_the_streams_entering_the_layers(target):
     ids = [5, 17, 99, 3, 42, 8, 150, 77]
     with torch.inference_mode():
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        ours.aux_layers = (0, 2, 3)
-        try:
-            ours(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(None))
-            aux = ours.aux_hidden
-        finally:
-            ours.aux_layers = ()
+        _, aux = ours(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(None),
+                      aux_layers=(0, 2, 3))
     H = ours.config.hidden_size
     assert aux.shape == (len(ids), 3 * H)
     for k, layer in enumerate((0, 2, 3)):

@@ -53,7 +53,6 @@ def test_verify_graph_rows_equal_eager(tmp_path, device, aux, shape):
     """A verify step (a: 3 drafts, b: 1, c: none) in the graph of 4 sequences x 4 tokens,
     with 9 padding rows; and one that fills its graph exactly (2 x 4, no padding)."""
     lm, _, runner = runner_pair(tmp_path, device)
-    lm.aux_layers = aux
     prefill(runner, PROMPTS)
     if shape == "ragged":
         chunks = (SeqChunk("a", (10, 4, 4, 5), 7, (0, 1, 2), True, num_drafts=3),
@@ -65,27 +64,27 @@ def test_verify_graph_rows_equal_eager(tmp_path, device, aux, shape):
     input_ids, positions, meta, _ = prepare_step(chunks, BLOCK, torch.device(device))
     before = kv(runner)
     runner.attn.prepare(meta)
-    want = lm(input_ids, positions, runner.attn).clone()
-    want_aux = lm.aux_hidden.clone() if aux else None
+    out = lm(input_ids, positions, runner.attn, aux_layers=aux)
+    want, want_aux = (out[0].clone(), out[1].clone()) if aux else (out.clone(), None)
     want_kv = kv(runner)
     for t, b in zip((*runner.cache.k, *runner.cache.v), before):   # back to before the step
         t.copy_(b)
 
     graphs = VerifyGraphs(lm, runner.attn, max_bs=4, max_blocks=3, device=torch.device(device),
-                          tokens_per_seq=4)
+                          tokens_per_seq=4, aux_layers=aux)
     fake_capture(graphs)
     assert graphs.fits(len(meta.q_lens), meta.block_tables.shape[1], meta.max_seqlen_q)
     assert not graphs.fits(len(meta.q_lens), meta.block_tables.shape[1], 5)   # K + 1 at most
     assert not graphs.fits(5, meta.block_tables.shape[1], 4)
-    lm.aux_hidden = None
     got = graphs.run(input_ids, positions, meta)
+    got, got_aux = got if aux else (got, None)
     bs = 4 if shape == "ragged" else 2
     assert graphs.graphs[bs].replays == 1 and sum(g.replays for g in graphs.graphs.values()) == 1
     assert got.shape == want.shape == (input_ids.shape[0], lm.config.hidden_size)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if aux:
-        assert lm.aux_hidden.shape == want_aux.shape
-        torch.testing.assert_close(lm.aux_hidden, want_aux, atol=1e-5, rtol=1e-5)
+        assert got_aux.shape == want_aux.shape
+        torch.testing.assert_close(got_aux, want_aux, atol=1e-5, rtol=1e-5)
     # the real rows' KV as eagerly, and the padding rows wrote nowhere (slot -1)
     for x, y in zip(kv(runner), want_kv):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)

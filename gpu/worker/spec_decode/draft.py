@@ -119,7 +119,9 @@ class DraftModel:
         hidden = run_graphed(self.graphs, self.verify_graphs, input_ids, positions, meta)
         if hidden is None:
             self.attn.prepare(meta)
-            hidden = self.model(input_ids, positions, self.attn)
+            fused = self.model.fused_decode     # a packed GGUF draft's C decode stack
+            if fused is None or (hidden := fused(input_ids, positions, self.attn)) is None:
+                hidden = self.model(input_ids, positions, self.attn)
         else:
             self.replays += 1
         self.forwards += 1
