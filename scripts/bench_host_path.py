@@ -18,7 +18,7 @@ from rendered import rendered  # noqa: E402
 
 from gpu.tokenizers.files import load_tokenizer  # noqa: E402
 from stages.account import Accountant  # noqa: E402
-from stages.lib.delta import Delta, FinishReason  # noqa: E402
+from stages.delta import Delta, FinishReason  # noqa: E402
 from stages.detokenize import Detokenizer  # noqa: E402
 from stages.emit import Emitter  # noqa: E402
 from stages.parse import Parser  # noqa: E402

@@ -32,7 +32,7 @@ def worker(num_seqs: int, steps: int, stop: bool) -> None:
     from stages.account import Accountant
     from stages.detokenize import Detokenizer
     from stages.emit import Emitter
-    from stages.lib.delta import Delta, FinishReason
+    from stages.delta import Delta, FinishReason
     from stages.messages import Step
     from stages.parse import Parser
 

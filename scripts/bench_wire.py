@@ -18,7 +18,7 @@ import time
 import trio
 
 from pipeline.layouts.wire import Link, pack_step, unpack_step
-from stages.lib.delta import Delta
+from stages.delta import Delta
 from stages.messages import Step
 
 

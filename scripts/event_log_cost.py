@@ -18,7 +18,7 @@ import attrs
 
 from gpu.interface import SeqChunk, StepPlan
 from pipeline.core.events import EventLog
-from stages.lib.delta import Delta, Usage
+from stages.delta import Delta, Usage
 from stages.emit import ReplyEnd
 from stages.messages import Step
 

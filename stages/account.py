@@ -12,8 +12,8 @@ import bisect
 import attrs
 import trio
 
-from stages.lib.delta import FinishReason, RequestMetrics, SpecRequestMetrics, Usage
-from stages.lib.histogram import (ITL_BUCKETS, N_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, Histogram,
+from stages.delta import FinishReason, RequestMetrics, SpecRequestMetrics, Usage
+from stages.histogram import (ITL_BUCKETS, N_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, Histogram,
                               one_two_five)
 from stages.messages import RenderedRequest, Step
 

@@ -7,7 +7,7 @@ KV cache (400), or a structured-output constraint that does not parse (400; chec
 here, in the engine's process, because xgrammar imports torch).
 
 The limit counts admitted requests: from here until emit has sent their last byte
-(stages/lib/replies.py). At most ``--max-num-seqs`` of them run; the rest wait in schedule,
+(stages/replies.py). At most ``--max-num-seqs`` of them run; the rest wait in schedule,
 so ``max_admitted = --max-num-seqs + --max-queued-requests`` bounds the queue.
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ import trio
 
 from gpu.interface import Constraint
 from stages.api.structured import refusal as constraint_refusal
-from stages.lib.kv_transfer import notify_refused
+from stages.kv_transfer import notify_refused
 from stages.messages import RenderedRequest
 from stages.render import RequestError
-from stages.lib.replies import Replies
+from stages.replies import Replies
 
 
 @attrs.frozen

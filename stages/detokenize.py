@@ -19,7 +19,7 @@ import attrs
 import trio
 from tokenizers.decoders import ByteLevel, DecodeStream
 
-from stages.lib.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
+from stages.delta import Delta, FinishReason, PromptLogprob, TokenLogprob
 from stages.messages import FinishRequest, RenderedRequest, Step
 
 if TYPE_CHECKING:

@@ -57,7 +57,7 @@ class Emitter:
 
 
 async def run(receive, replies, core: Emitter, log=None, held=None) -> None:
-    """`held`: a stages.lib.stream_interval.StreamInterval (--stream-interval > 1)."""
+    """`held`: a stages.stream_interval.StreamInterval (--stream-interval > 1)."""
     async with receive:
         async for msg in receive:
             items = core.process(msg)

@@ -2,7 +2,7 @@
 hands to render (`Submission`), what render hands on (`RenderedRequest` with its
 `SamplingParams`, `ToolPlan` and `ReplySpec`), the scheduler's control messages (`Abort`,
 `FinishRequest`) and the one message on every channel from schedule to emit (`Step`, its
-per-request `Delta`s in stages/lib/delta.py). What the runner takes and returns is
+per-request `Delta`s in stages/delta.py). What the runner takes and returns is
 gpu/interface.py.
 
 This module sits below the protocol (stages/api/): it imports no API module, and each
@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 
 from gpu.interface import Constraint, ImageInput, LoRARef, PoolingOptions, SamplingOptions
-from stages.lib.delta import Delta
-from stages.lib.kv_transfer import KVTransfer
+from stages.delta import Delta
+from stages.kv_transfer import KVTransfer
 
 
 @attrs.frozen
@@ -148,7 +148,7 @@ class RenderedRequest:
     images: tuple[ImageInput, ...] = ()      # the prompt's pictures, in order (issue 34)
     lora: LoRARef | None = None              # the LoRA adapter `model` named (issue 33); None: base
     # kv_transfer_params (issue 36): hold the prompt's blocks for a decode instance, or
-    # start from a remote prefill's (stages/lib/kv_transfer.py); None: neither
+    # start from a remote prefill's (stages/kv_transfer.py); None: neither
     kv_transfer: KVTransfer | None = None
 
     @property

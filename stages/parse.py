@@ -20,7 +20,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from stages.lib.delta import Delta, FinishReason, ToolCallDelta
+from stages.delta import Delta, FinishReason, ToolCallDelta
 from stages.api.harmony import HARMONY_REASONING_PARSER, HarmonyState
 from stages.messages import Step, ToolPlan
 from stages.api.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,

@@ -25,11 +25,11 @@ from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, Tokenize
                                  TokenizeResponse)
 from stages.api.pooling import INVOCATION_INPUT, POOLING_APIS, POOLING_PATHS
 from stages.api.kv_params import KVTransferConfig, kv_transfer, notify_refused, refused_remote_prefill
-from stages.lib.media import MediaError, MediaSettings
-from stages.lib.pooling_inputs import input_ids
-from stages.lib.sampling_checks import (beam_width_of, check_vocab, held_logprobs, logit_controls,
+from stages.media.fetch import MediaError, MediaSettings
+from stages.api.pooling_inputs import input_ids
+from stages.api.sampling_checks import (beam_width_of, check_vocab, held_logprobs, logit_controls,
                                          thinking_budget, vocab_size)
-from stages.lib.vision_prompt import check_limit, expand, image_parts, load_images, template_form
+from stages.media.prompt import check_limit, expand, image_parts, load_images, template_form
 from stages.messages import PoolingWork, RenderedRequest, ReplySpec, SamplingParams, Submission
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ def has_images(body: object) -> bool:
 
 def render_pooling(sub: Submission, ctx: RenderContext) -> RenderedRequest:
     """A pooling request (stages/api/pooling.py): each input tokenized, truncated or refused
-    when too long (stages/lib/pooling_inputs.py), one sequence each."""
+    when too long (stages/api/pooling_inputs.py), one sequence each."""
     cls, make_plan = POOLING_APIS[sub.api]
     req = parse_request(sub.body, cls)
     model = _resolve_model(req.model, ctx)

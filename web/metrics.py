@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pipeline.core.stats import EngineStats, SpecDecodeStats
-from stages.lib.delta import FinishReason
+from stages.delta import FinishReason
 
 if TYPE_CHECKING:
     from pipeline.core.engine import Engine

@@ -59,7 +59,7 @@ class Mismatch(Unreadable):
 
 class KVConnector:
     def __init__(self, config, cache, rank: int = 0, tp_size: int = 1) -> None:
-        """config: --kv-transfer-config (stages/lib/kv_transfer.py KVTransferConfig); rank
+        """config: --kv-transfer-config (stages/kv_transfer.py KVTransferConfig); rank
         and tp_size: this rank's place under tensor parallelism (the side channel's socket
         is rank 0's alone)."""
         if config.kv_buffer_device == "cuda" and cache.k[0].device.type != "cuda":

@@ -1,4 +1,4 @@
-"""The KV connector's side channel (issue 36; stages/lib/kv_transfer.py has the protocol
+"""The KV connector's side channel (issue 36; stages/kv_transfer.py has the protocol
 around it), torch-free: a TCP listener of the prefill instance's engine at
 `remote_host`:`remote_port`, one JSON line in and one out per connection.
 `{"op": "layout", "rank": R}` answers the engine's id, its tensor-parallel size and TP

@@ -1,5 +1,5 @@
 """Qwen2.5-VL's vision side (issue 34): the vision transformer and the patch merger that
-map one picture's flattened patches (stages/lib/images.py `qwen_patches`, made in render)
+map one picture's flattened patches (stages/media/images.py `qwen_patches`, made in render)
 into the decoder's embedding space, one feature per merge_size x merge_size block of
 patches. The decoder is gpu/models/causal_lm.py's CausalLM with M-RoPE; `mrope_positions` gives a
 prompt's (t, h, w) positions.

@@ -35,12 +35,12 @@ import trio
 
 from pipeline.core.client import EngineClient
 from pipeline.core.reply import describe
-from stages.lib.media import MediaSettings
+from stages.media.fetch import MediaSettings
 from stages import account, admit, detokenize, emit, parse, render
 from stages.admit import Admission
 from stages.api.chat import MAX_CHOICES
-from stages.lib.replies import Replies
-from stages.lib.stream_interval import StreamInterval
+from stages.replies import Replies
+from stages.stream_interval import StreamInterval
 from stages.render import RenderContext
 
 if TYPE_CHECKING:   # the engine core's side brings torch; a frontend process never loads it
@@ -184,7 +184,7 @@ def start_engine_core(nursery: trio.Nursery, cfg: EngineConfig, built: Built, *,
                       inbox: tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel],
                       steps: trio.MemorySendChannel, events: EventLog | None,
                       watch: Callable[[], object] | None = None) -> None:
-    """Start admit (reading `requests`, answering through `replies`: stages.lib.replies.
+    """Start admit (reading `requests`, answering through `replies`: stages.replies.
     Replies in one process, the engine process's EngineReplies), schedule (its inbox
     `inbox`, whose send end admit gets a clone of; its Steps to `steps`) and the GPU step.
     `watch`: a task that raises when a tensor-parallel worker rank exits."""

@@ -3,7 +3,7 @@ abort it, tokenize, drain (the stats for /metrics: each subclass's `fetch_stats`
 (pipeline/layouts/frontend.py) holds one over the wire while the in-process `Engine`
 (pipeline/core/engine.py) holds the stages themselves: web cannot tell them apart.
 
-Each request's reply channel lives here (`replies`, stages/lib/replies.py) on the side of
+Each request's reply channel lives here (`replies`, stages/replies.py) on the side of
 the process that serves its HTTP request; render sends refusals on it and emit its bytes.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from stages import render
 from stages.admit import Accepted
 from stages.messages import Abort, Submission
 from stages.render import RenderContext, RequestError
-from stages.lib.replies import Replies
+from stages.replies import Replies
 
 if TYPE_CHECKING:
     from pipeline.core.events import EventLog

@@ -12,7 +12,7 @@ import attrs
 
 from gpu.config.names import DTYPE_ALIASES, DTYPE_NAMES, FAULT_KINDS, LOAD_FORMATS, QUANTIZATIONS, SIMULATED_GPUS
 from gpu.config.pooling import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
-from stages.lib.kv_transfer import ABORT_TIMEOUT_ENV, KVTransferConfig
+from stages.kv_transfer import ABORT_TIMEOUT_ENV, KVTransferConfig
 from stages.schedule.drafter import MODEL_METHODS, SpeculativeConfig
 from stages.schedule.priority import POLICIES
 from stages.parse import REASONING_PARSERS
@@ -116,7 +116,7 @@ class EngineConfig:
     # -1: the whole vocabulary (vLLM's --max-logprobs)
     max_logprobs: int = attrs.field(default=20, validator=attrs.validators.ge(-1))
     # pictures (issue 34, vLLM's flags): where they may be fetched from, how many a prompt
-    # takes, and the fetch's bounds (stages/lib/media.py)
+    # takes, and the fetch's bounds (stages/media/fetch.py)
     allowed_media_domains: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     allowed_local_media_path: str | None = None
     limit_mm_per_prompt: dict = attrs.field(factory=dict, validator=_mm_limits)

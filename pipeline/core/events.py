@@ -38,7 +38,7 @@ from cattrs.strategies import configure_union_passthrough
 
 from gpu.interface import ImageInput, StepPlan
 from stages.api import APIS, common
-from stages.lib.delta import Delta
+from stages.delta import Delta
 from stages.messages import RenderedRequest, Step
 
 SCHEMA_VERSION = 1

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from stages.lib.histogram import Histogram
+from stages.histogram import Histogram
 
 if TYPE_CHECKING:
     from stages.account import Accountant

@@ -69,7 +69,7 @@ class _Entry:
 
 
 class EngineReplies:
-    """What admit takes for stages.lib.replies.Replies, in the engine process: each request's
+    """What admit takes for stages.replies.Replies, in the engine process: each request's
     owner, and the admitted count (admission's limit over every frontend)."""
 
     def __init__(self, ports: list[Port]) -> None:

@@ -50,7 +50,7 @@ from stages.messages import Abort, FinishRequest
 from stages import account
 from stages.admit import Accepted, shutting_down
 from stages.render import RequestError
-from stages.lib.replies import Replies
+from stages.replies import Replies
 
 log = logging.getLogger("tailrace")
 

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from pipeline.core.assembly import RequestSideSpec
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.messages import Step
 from gpu.interface import TokenLogprobs
 

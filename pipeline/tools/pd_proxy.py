@@ -4,7 +4,7 @@ flow (its toy proxy's) for /v1/chat/completions and /v1/completions:
 
     1. the request to a prefill instance, with max_tokens 1, stream off and
        kv_transfer_params {"do_remote_decode": true}; its reply's kv_transfer_params name
-       the blocks it now holds (stages/lib/kv_transfer.py);
+       the blocks it now holds (stages/kv_transfer.py);
     2. the request as the client sent it to a decode instance, with those params: its
        reply (streamed or not) goes to the client as it comes.
 

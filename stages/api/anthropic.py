@@ -33,7 +33,7 @@ from stages.api.framing import Framer, json_body
 from stages.api.request_types import ChatMessage, SamplingRequest, StreamOptions
 from stages.api.structured import named
 from stages.api.tools import tool_request
-from stages.lib.delta import Delta, FinishReason, Usage
+from stages.delta import Delta, FinishReason, Usage
 from stages.messages import ReplySpec
 
 # -- errors ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from stages.api.request_types import (ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, C
                                       ContentPart)
 from stages.api.structured import constraint_of
 from stages.api.tools import chat_tools, tool_request
-from stages.lib.delta import Delta, TokenLogprob, Usage
+from stages.delta import Delta, TokenLogprob, Usage
 from stages.messages import ReplySpec
 
 _ROUTER_CHAT_EXTRAS = {**ROUTER_EXTRAS, "separate_reasoning": (True,),

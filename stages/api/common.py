@@ -343,7 +343,7 @@ class PromptPlan:
     echo_prompt: bool = False                # completions echo: each prompt starts its choices
     prompt_logprobs: int | None = None       # the prompt's logprobs (top k, -1: all); None: off
     reply: ReplySpec = ReplySpec()           # what the reply shows and echoes (the API's reply_spec)
-    mm_processor_kwargs: dict | None = None  # image processor options (stages/lib/vision_prompt.py)
+    mm_processor_kwargs: dict | None = None  # image processor options (stages/media/prompt.py)
 
 
 R = TypeVar("R")

@@ -11,7 +11,7 @@ from stages.api.framing import (MIN_LOGPROB, ChoicesFramer, ChoiceState, UsageIn
                                 prompt_logprobs_json)
 from stages.api.request_types import ROUTER_EXTRAS, VLLM_EXTRAS, ChoiceRequest
 from stages.api.structured import constraint_of
-from stages.lib.delta import Delta, PromptLogprob
+from stages.delta import Delta, PromptLogprob
 from stages.messages import ReplySpec
 
 @attrs.frozen

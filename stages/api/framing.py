@@ -15,7 +15,7 @@ import attrs
 import orjson
 
 from stages.api.common import ABSENT, omit_absent, server_error, unstructure
-from stages.lib.delta import Delta, FinishReason, Usage
+from stages.delta import Delta, FinishReason, Usage
 from stages.messages import RenderedRequest
 
 DONE = b"data: [DONE]\n\n"

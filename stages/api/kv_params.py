@@ -3,7 +3,7 @@ render puts on RenderedRequest.kv_transfer, or the 400 for what it cannot serve.
 from __future__ import annotations
 
 from stages.api.common import RequestError
-from stages.lib.kv_transfer import (KVParamsError, KVTransfer, KVTransferConfig, notify_refused,
+from stages.kv_transfer import (KVParamsError, KVTransfer, KVTransferConfig, notify_refused,
                                     refused_remote_prefill, request_params)
 
 __all__ = ["KVTransferConfig", "kv_transfer", "notify_refused", "refused_remote_prefill"]
@@ -11,7 +11,7 @@ __all__ = ["KVTransferConfig", "kv_transfer", "notify_refused", "refused_remote_
 
 def kv_transfer(params, cfg: KVTransferConfig | None, n: int, num_prompts: int,
                 prompt_logprobs: int | None, stream: bool = False) -> KVTransfer | None:
-    """kv_transfer_params as the KV connector reads them (stages/lib/kv_transfer.py),
+    """kv_transfer_params as the KV connector reads them (stages/kv_transfer.py),
     checked against this server's role: a 400 for what it cannot do."""
     try:
         kv = request_params(params)

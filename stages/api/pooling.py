@@ -27,7 +27,7 @@ from gpu.config.pooling import PoolingConfigError, PoolingSpec, check_dimensions
 from stages.api.common import Invalid, RequestError, one_of, opt, server_error
 from stages.api.framing import Framer, json_body
 from stages.api.request_types import ChatMessage
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.messages import PoolingReply
 
 ENCODING_FORMATS = ("float", "base64")

@@ -18,7 +18,7 @@ import orjson
 
 from stages.api.common import ABSENT, omit_absent, reply, unstructure
 from stages.api.framing import Framer, ResponseUsage, error_bytes, json_body, response_usage
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.messages import ResponseEcho
 
 

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import trio
 
 from gpu.interface import StepPlan
-from stages.lib.delta import FinishReason
+from stages.delta import FinishReason
 from stages.messages import Abort, Control, FinishRequest, KVRelease, RenderedRequest, Step
 from stages.schedule.async_ import AsyncScheduler
 from stages.schedule.scheduler import Scheduler

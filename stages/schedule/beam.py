@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from gpu.interface import SamplingOptions, TokenLogprobs
-from stages.lib.delta import FinishReason
+from stages.delta import FinishReason
 
 if TYPE_CHECKING:
     from stages.schedule.sequence import Sequence

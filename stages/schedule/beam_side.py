@@ -5,7 +5,7 @@ way, and the search's end. The group's data and the score are beam.py's."""
 from __future__ import annotations
 
 from gpu.interface import SeqChunk
-from stages.lib.delta import Delta
+from stages.delta import Delta
 from stages.messages import RenderedRequest
 from stages.schedule.beam import BeamGroup, Candidate, beam_options
 from stages.schedule.priority import enqueue

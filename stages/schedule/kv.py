@@ -1,4 +1,4 @@
-"""The scheduler's KV connector half (issue 36; stages/lib/kv_transfer.py has the
+"""The scheduler's KV connector half (issue 36; stages/kv_transfer.py has the
 protocol): a mixin of `Scheduler`, whose state it reads and changes (`held`, `receiving`,
 `_kv_reads`, `_abandoned_reads`, set up in `Scheduler.__init__`).
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 
 from gpu.interface import KVRead, StepResult
-from stages.lib.delta import FinishReason
-from stages.lib.kv_transfer import response_params
+from stages.delta import FinishReason
+from stages.kv_transfer import response_params
 from stages.schedule.sequence import Sequence
 
 

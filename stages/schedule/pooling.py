@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from gpu.interface import PoolingOptions, SamplingOptions, SeqChunk, SeqStart, StepPlan, StepResult
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.messages import Step
 from stages.schedule import Scheduler
 

@@ -20,9 +20,9 @@ from concurrent.futures import Future
 
 from gpu.interface import (ConstraintCompiler, KVRead, SeqChunk, SeqStart, StepPlan,
                            StepResult)
-from stages.lib.delta import Delta, FinishReason
-from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
-from stages.lib.kv_transfer import KVTransferConfig
+from stages.delta import Delta, FinishReason
+from stages.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
+from stages.kv_transfer import KVTransferConfig
 from stages.messages import RenderedRequest, Step
 from stages.schedule.beam import BeamGroup
 from stages.schedule.blocks import BlockManager, image_block_keys

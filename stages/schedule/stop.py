@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from stages.lib.delta import FinishReason
+from stages.delta import FinishReason
 from stages.messages import SamplingParams
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from stages.api import APIS
 from stages.api.anthropic import MessagesFramer, error_dict
 from stages.api.common import RequestError, ToolSettings, parse_request
-from stages.lib.delta import Delta, FinishReason, ToolCallDelta, Usage
+from stages.delta import Delta, FinishReason, ToolCallDelta, Usage
 from stages.render import RenderContext, Submission, render
 
 ASK = [{"role": "user", "content": "hi"}]

@@ -1,5 +1,5 @@
 """The pooling APIs' protocol (stages/api/pooling.py) and render's half of it
-(stages/lib/pooling_inputs.py): plans, errors naming their field, reply bodies (issue 32)."""
+(stages/api/pooling_inputs.py): plans, errors naming their field, reply bodies (issue 32)."""
 from __future__ import annotations
 
 import base64
@@ -12,7 +12,7 @@ from gpu.config.pooling import PoolingSpec
 from gpu.tokenizers.tokenizer import tokenizer_from_hf_dir
 from stages.api.common import RequestError, parse_request
 from stages.api.pooling import (POOLING_APIS, PoolingInput, PoolingReply, body, plan_embeddings)
-from stages.lib.pooling_inputs import input_ids
+from stages.api.pooling_inputs import input_ids
 
 EMBED = PoolingSpec(task="embed", pooling_type="MEAN", normalize=True, use_activation=True, hidden_size=4,
                     encoder=True)

@@ -71,7 +71,7 @@ def test_every_reasoning_span_gets_the_budget_anew(tiny):
 
 
 def test_a_tokenizer_without_single_token_tags_fails_the_request():
-    from stages.lib.delta import FinishReason
+    from stages.delta import FinishReason
 
     s = Scheduler(BlockManager(8, 4), max_num_seqs=2, max_num_batched_tokens=64,
                   max_model_len=64, eos_token_ids=(1,), think_ids=None)

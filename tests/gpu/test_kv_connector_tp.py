@@ -142,7 +142,7 @@ def test_the_side_channel_answers_each_ranks_layout_and_the_size_for_a_rank_past
 def test_worker_ranks_get_the_connector_with_rank_0s_engine_id():
     from pipeline.core.config import EngineConfig
     from pipeline.layouts.tp_procs import worker_flags
-    from stages.lib.kv_transfer import KVTransferConfig
+    from stages.kv_transfer import KVTransferConfig
 
     cfg = EngineConfig(tensor_parallel_size=2, kv_transfer_config=(
         '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'))

@@ -36,7 +36,7 @@ def test_pixel_values_and_placeholders_match_the_hf_processor(llava):
     from gpu.tokenizers.tokenizer import tokenizer_from_hf_dir
     from gpu.config.vision import vision_spec
     from gpu.formats.hf import read_json
-    from stages.lib.images import pixel_values
+    from stages.media.images import pixel_values
 
     out, _, processor = llava
     spec = vision_spec(out, read_json(out / "config.json"), tokenizer_from_hf_dir(out))
@@ -58,7 +58,7 @@ def test_pixel_values_and_placeholders_match_the_hf_processor(llava):
 
 def test_logits_match_transformers(llava):
     from gpu.loader.decoder import load_model
-    from stages.lib.images import pixel_values
+    from stages.media.images import pixel_values
 
     out, model, processor = llava
     loaded = load_model(out, dtype="float32", progress=False)
@@ -96,8 +96,8 @@ def test_runner_chunks_through_a_picture_and_encodes_it_once(llava):
     from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
     from gpu.loader.decoder import load_model
     from gpu.worker.runner import ModelRunner
-    from stages.lib.images import content_hash, pixel_values
-    from stages.lib.vision_prompt import expand
+    from stages.media.images import content_hash, pixel_values
+    from stages.media.prompt import expand
 
     out, model, processor = llava
     loaded = load_model(out, dtype="float32", progress=False)

@@ -45,8 +45,8 @@ SIZES = [(40, 57), (57, 40), (32, 32), (5, 9), (300, 210), (12, 150), (45, 19), 
 
 
 def test_patches_and_placeholders_match_the_hf_processor(qwen, loaded):
-    from stages.lib.images import qwen_patches
-    from stages.lib.vision_prompt import image_tokens
+    from stages.media.images import qwen_patches
+    from stages.media.prompt import image_tokens
 
     out, _, processor = qwen
     spec = loaded.vision_spec
@@ -86,7 +86,7 @@ def test_features_and_logits_match_transformers(qwen, loaded):
     from gpu.layers.attention_dense import DenseCausalAttention
     from gpu.models.qwen_vision import mrope_positions
     from gpu.interface import ImageInput
-    from stages.lib.images import qwen_patches
+    from stages.media.images import qwen_patches
 
     out, model, processor = qwen
     spec = loaded.vision_spec
@@ -132,8 +132,8 @@ def test_runner_chunks_through_a_picture_with_mrope(qwen, loaded):
     from gpu.layers.attention import KVCache
     from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
     from gpu.worker.runner import ModelRunner
-    from stages.lib.images import content_hash, qwen_patches
-    from stages.lib.vision_prompt import expand
+    from stages.media.images import content_hash, qwen_patches
+    from stages.media.prompt import expand
 
     out, model, processor = qwen
     spec, mc = loaded.vision_spec, loaded.config
@@ -212,8 +212,8 @@ def test_mm_processor_kwargs_are_checked_before_any_fetch(loaded):
     import attrs
 
     from gpu.config.vision import ImageProcessing
-    from stages.lib.media import MediaError, MediaSettings
-    from stages.lib.vision_prompt import load_images
+    from stages.media.fetch import MediaError, MediaSettings
+    from stages.media.prompt import load_images
 
     parts = [{"type": "image", "image_url": "http://unreachable.invalid/a.png",
               "param": "messages[0].content[0].image_url"}]

@@ -39,7 +39,7 @@ def test_pixel_values_and_placeholders_match_the_hf_processor(siglip):
     from gpu.tokenizers.tokenizer import tokenizer_from_hf_dir
     from gpu.config.vision import vision_spec
     from gpu.formats.hf import read_json
-    from stages.lib.images import pixel_values
+    from stages.media.images import pixel_values
 
     out, _, processor = siglip
     spec = vision_spec(out, read_json(out / "config.json"), tokenizer_from_hf_dir(out))
@@ -62,7 +62,7 @@ def test_pixel_values_and_placeholders_match_the_hf_processor(siglip):
 def test_logits_match_transformers(siglip):
     from gpu.layers.attention_dense import DenseCausalAttention
     from gpu.loader.decoder import load_model
-    from stages.lib.images import pixel_values
+    from stages.media.images import pixel_values
 
     out, model, processor = siglip
     loaded = load_model(out, dtype="float32", progress=False)

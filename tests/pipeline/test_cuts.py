@@ -19,8 +19,8 @@ from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 from pipeline.core.startup import build
 from stages.admit import Accepted
-from stages.lib.delta import FinishReason
-from stages.lib.replies import Replies
+from stages.delta import FinishReason
+from stages.replies import Replies
 from stages.messages import Abort, RenderedRequest, Step, Submission
 
 CFG = EngineConfig(simulate_gpu="h200", max_model_len=128, max_num_seqs=4, seed=0)

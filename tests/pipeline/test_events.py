@@ -23,7 +23,7 @@ from pipeline.core.events import (SCHEMA_VERSION, EventLog, event_files, make_he
                              tokenizer_hash)
 from pipeline.tools.replay import Log, replay_log
 from stages.api.common import ToolPlan
-from stages.lib.delta import (Delta, FinishReason, PromptLogprob, RequestMetrics, TokenLogprob,
+from stages.delta import (Delta, FinishReason, PromptLogprob, RequestMetrics, TokenLogprob,
                           ToolCallDelta, Usage)
 from stages.emit import ReplyEnd
 from stages.messages import ReplySpec, ResponseEcho, Step

@@ -9,8 +9,8 @@ import pytest
 
 from pipeline.core.stats import AccountStats, CoreStats, EngineStats, SpecDecodeStats
 from stages.account import Accountant
-from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
-from stages.lib.delta import FinishReason
+from stages.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
+from stages.delta import FinishReason
 
 
 def _accountant(prompt: int, ttfts: list[float], finished: dict) -> Accountant:

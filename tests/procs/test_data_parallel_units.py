@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pipeline.core.stats import EngineStats
 from pipeline.layouts.frontend import Balancer, EngineLink, sum_engines
 from pipeline.layouts.wire import Load
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.messages import Step
 from web.metrics import EngineCollector
 
@@ -96,7 +96,7 @@ def test_each_engine_gets_its_own_kv_connector_engine_id_and_side_channel_port(m
     monkeypatch.setenv("OMP_NUM_THREADS", "1")    # no share of this process's threads
 
     from pipeline.core.config import EngineConfig
-    from stages.lib.kv_transfer import KVTransferConfig
+    from stages.kv_transfer import KVTransferConfig
     from web.child import data_parallel_config
 
     kv = KVTransferConfig.parse('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '

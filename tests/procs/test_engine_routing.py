@@ -14,7 +14,7 @@ from pipeline.layouts.frontend import Balancer, EngineLink, RemoteEngine
 from pipeline.layouts.wire import (NUDGE, ControlQuery, ControlReply, Refused, SleepState, outbox,
                                    unpack_step)
 from stages.admit import Accepted
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.messages import Control, Step
 from stages.render import RequestError
 sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper

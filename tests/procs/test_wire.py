@@ -7,7 +7,7 @@ import trio
 
 from gpu.interface import TokenLogprobs
 from pipeline.layouts.wire import OBJ, STEP, Link, Refused, pack, pack_step, unpack_step
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.messages import Abort, Step
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from rendered import rendered
 from stages.account import TTFT_BUCKETS, Accountant, Histogram
-from stages.lib.delta import Delta, FinishReason, Usage
+from stages.delta import Delta, FinishReason, Usage
 from stages.messages import Step
 
 

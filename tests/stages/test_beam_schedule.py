@@ -15,7 +15,7 @@ import pytest
 
 from gpu.interface import StepPlan, StepResult, TokenLogprobs
 from rendered import rendered
-from stages.lib.delta import FinishReason
+from stages.delta import FinishReason
 from stages.messages import SamplingParams
 from stages.schedule import Scheduler
 from stages.schedule.async_ import AsyncScheduler

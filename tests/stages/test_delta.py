@@ -4,7 +4,7 @@ import orjson
 
 from gpu.interface import TokenLogprobs
 from pipeline.core.events import structure_step, unstructure
-from stages.lib.delta import Delta, FinishReason, TokenLogprob, Usage
+from stages.delta import Delta, FinishReason, TokenLogprob, Usage
 from stages.messages import Step
 
 
@@ -64,7 +64,7 @@ def _every_field_set(**over):
     """A Delta whose every field differs from its default (and from every other Delta's
     this makes with other `over`)."""
     import attrs
-    from stages.lib.delta import PromptLogprob, RequestMetrics, ToolCallDelta
+    from stages.delta import PromptLogprob, RequestMetrics, ToolCallDelta
     values = dict(request_id="r", token_ids=(1, 2), finish_reason=FinishReason.LENGTH,
                   stop_reason=9, num_cached_tokens=3, error="e",
                   token_logprobs=(TokenLogprobs(-1.0, (1,), (-1.0,)),), scheduled_at=4.0,
@@ -98,7 +98,7 @@ def test_delta_init_is_its_fields_in_order_with_their_defaults():
 
 def test_each_stage_builder_sets_its_fields_and_carries_every_other():
     import attrs
-    from stages.lib.delta import RequestMetrics
+    from stages.delta import RequestMetrics
     d = _every_field_set()
     lp, plp = (TokenLogprob("u", -2.0),), ()
     cases = [

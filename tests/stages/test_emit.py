@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from gpu.interface import SamplingOptions
-from stages.lib.delta import Delta, FinishReason, TokenLogprob, Usage
+from stages.delta import Delta, FinishReason, TokenLogprob, Usage
 from stages.messages import SamplingParams
 from stages.api.chat import ChatFramer
 from stages.api.completions import CompletionFramer

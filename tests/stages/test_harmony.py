@@ -16,7 +16,7 @@ from openai_harmony import (Author, Conversation, DeveloperContent, Message, Rea
 
 from gpu.tokenizers.harmony import harmony_encoding, uses_harmony
 from stages.api.common import RequestError, ToolPlan, ToolSettings
-from stages.lib.delta import Delta, FinishReason, Usage
+from stages.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
 from stages.api.harmony import HarmonyState
 from stages.parse import Parser

@@ -4,7 +4,7 @@ import pytest
 
 from gpu.tokenizers.harmony import harmony_encoding, harmony_tokenizer
 from rendered import rendered
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.detokenize import Detokenizer, HarmonyMarks
 from stages.messages import Step
 

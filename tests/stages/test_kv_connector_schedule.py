@@ -10,8 +10,8 @@ import pytest
 
 from gpu.interface import StepResult
 from rendered import rendered
-from stages.lib.delta import FinishReason
-from stages.lib.kv_transfer import (KVParamsError, KVTransfer, KVTransferConfig, RemotePrefill,
+from stages.delta import FinishReason
+from stages.kv_transfer import (KVParamsError, KVTransfer, KVTransferConfig, RemotePrefill,
                                     request_params)
 from stages.schedule import Scheduler
 from stages.schedule.blocks import BlockManager

@@ -9,7 +9,7 @@ import pytest
 from pipeline.tools.harness import run_stage
 from rendered import rendered
 from stages import detokenize, parse
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.messages import Step
 from test_harmony import AUTO, call, completion, joined, parse as parse_pieces, said
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rendered import rendered
 from stages.api.common import ToolPlan
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.parse import REASONING_PARSERS, Parser
 from stages.messages import Step
 

@@ -14,7 +14,7 @@ from gpu.worker.pooling_runner import PoolingRunner
 from stages.account import Accountant
 from stages.api.common import RequestError
 from stages.emit import Emitter, ReplyEnd
-from stages.lib.delta import FinishReason
+from stages.delta import FinishReason
 from stages.messages import Submission
 from stages.render import RenderContext, render
 from stages.schedule.blocks import BlockManager

@@ -15,7 +15,7 @@ from gpu.interface import PLACEHOLDER, Constraint, ConstraintCompiler, StepResul
 from pipeline.tools.harness import ScriptedRunner
 from rendered import rendered
 from stages import gpu_step, schedule
-from stages.lib.delta import FinishReason
+from stages.delta import FinishReason
 from stages.messages import Abort
 from stages.schedule import AsyncScheduler, Scheduler, Sequence
 from stages.schedule.blocks import BlockManager

@@ -9,7 +9,7 @@ from collections import Counter
 
 from gpu.interface import StepResult
 from stages.schedule.blocks import BlockManager
-from stages.lib.delta import FinishReason
+from stages.delta import FinishReason
 from stages.schedule import AsyncScheduler, Scheduler
 from workload import RunnerModel, Workload, sampled_token
 

@@ -9,7 +9,7 @@ import pytest
 from gpu.interface import StepResult
 from rendered import rendered
 from stages.schedule.blocks import BlockManager
-from stages.lib.delta import FinishReason
+from stages.delta import FinishReason
 from stages.schedule.drafter import NgramDrafter, NgramIndex, SpeculativeConfig
 from stages.schedule import Scheduler
 from test_scheduler_invariants import check

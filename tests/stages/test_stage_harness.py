@@ -9,11 +9,11 @@ from pipeline.tools.harness import Recorder, ScriptedRunner, run_stage
 from stages import account, admit, detokenize, emit, gpu_step, parse, render, schedule
 from stages.admit import Accepted, Admission
 from stages.schedule.blocks import BlockManager
-from stages.lib.delta import Delta, FinishReason, Usage
+from stages.delta import Delta, FinishReason, Usage
 from rendered import rendered as make_rendered
 from stages.messages import Abort, FinishRequest, RenderedRequest, SamplingParams, Step, Submission
 from stages.render import RenderContext, RequestError
-from stages.lib.replies import Replies
+from stages.replies import Replies
 from stages.schedule import Scheduler
 
 

@@ -1,4 +1,4 @@
-"""stages/lib/stream_interval.py: with --stream-interval N a stream's first token is written at
+"""stages/stream_interval.py: with --stream-interval N a stream's first token is written at
 once, then every N tokens, and the rest with its end; bytes and order are unchanged, and
 non-streaming replies pass straight through."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ import types
 
 import pytest
 
-from stages.lib.delta import Delta
+from stages.delta import Delta
 from stages.emit import ReplyEnd
 from stages.messages import Step
-from stages.lib.stream_interval import StreamInterval
+from stages.stream_interval import StreamInterval
 
 
 def step(new=(), tokens=()):

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from stages.api.common import ToolPlan
-from stages.lib.delta import Delta, FinishReason, Usage
+from stages.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
 from stages.parse import Parser
 from stages.messages import Step

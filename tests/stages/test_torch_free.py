@@ -4,7 +4,7 @@ triton and xgrammar blocked. A frontend process saves ~300 MB and a second or tw
 from import_block import import_blocked
 
 MODULES = ("web.app", "stages.render", "stages.detokenize", "stages.parse", "stages.account",
-           "stages.emit", "stages.messages", "stages.lib.delta", "gpu.interface", "stages.api",
+           "stages.emit", "stages.messages", "stages.delta", "gpu.interface", "stages.api",
            "stages.api.common", "stages.api.chat", "stages.api.completions",
            "stages.api.responses", "stages.api.tokenize", "stages.api.framing",
            "stages.api.structured", "stages.api.tools", "stages.api.tool_parsers")

@@ -10,7 +10,7 @@ from typing import Callable
 
 from gpu.interface import StepPlan, StepResult
 from rendered import rendered
-from stages.lib.delta import Delta, FinishReason
+from stages.delta import Delta, FinishReason
 from stages.schedule import Scheduler
 
 _PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5] * 8)

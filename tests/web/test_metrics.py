@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.core.stats import EngineStats, Latencies, RequestShapes
 from stages.account import Accountant
-from stages.lib.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
-from stages.lib.delta import FinishReason
+from stages.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
+from stages.delta import FinishReason
 from web.metrics import EngineCollector
 
 
@@ -174,7 +174,7 @@ def test_no_latency_histograms_before_the_engine_has_any():
 def test_vllms_request_shape_series_and_info_gauges():
     sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
     from rendered import rendered
-    from stages.lib.delta import Delta
+    from stages.delta import Delta
     from stages.messages import Step
 
     acc = Accountant(max_model_len=100)

@@ -1,7 +1,7 @@
 """A prompt with pictures (issue 34), torch-free: the pictures' parts found in the
 template's messages (stages/api/chat.py `content_text` leaves them as {"type": "image",
-"image_url": URL, "param": ...}), fetched (stages/lib/media.py) and made pixel values
-(stages/lib/images.py); the messages put in the form the chat template reads; and each
+"image_url": URL, "param": ...}), fetched (stages/media/fetch.py) and made pixel values
+(stages/media/images.py); the messages put in the form the chat template reads; and each
 picture's one placeholder token in the rendered prompt expanded to the model's count, as
 the Hugging Face processor expands it, so the prompt's tokens are the processor's."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import re
 
 from gpu.interface import ImageInput
 from gpu.config.vision import QwenImageProcessing, VisionSpec
-from stages.lib import images as imaging
-from stages.lib.media import MediaError, MediaSettings, load
+from stages.media import images as imaging
+from stages.media.fetch import MediaError, MediaSettings, load
 
 # a template that loops over a message's content takes it as parts (vLLM's "openai"
 # content format); one that does not gets the text with the image token in it ("string")
