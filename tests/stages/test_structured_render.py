@@ -8,6 +8,7 @@ import json
 import pytest
 
 from gpu.interface import Constraint
+from gpu.worker.grammar import check
 from stages.api.common import RequestError
 from stages.api.structured import refusal
 from test_render import chat, completion, responses
@@ -57,7 +58,7 @@ def test_request_forms_map_to_one_constraint(fn, body, expected):
 ])
 def test_bad_constraints_are_400_naming_the_field(fn, body, param, words):
     try:
-        err = refusal(fn(body).sampling.constraint)      # rendered: admit checks the grammar
+        err = refusal(fn(body).sampling.constraint, check)   # rendered: admit checks the grammar
     except RequestError as exc:                          # refused by render
         err = exc
     assert err is not None

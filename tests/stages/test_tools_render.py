@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from gpu.worker.grammar import check
 from stages.api.common import RequestError, ToolPlan, ToolSettings
 from stages.api.structured import refusal
 from test_render import FakeTokenizer, chat, error_of, make_ctx, responses
@@ -97,7 +98,7 @@ def test_history_with_tool_calls_reaches_the_template():
 ])
 def test_tool_errors_are_400_and_say_what_to_do(settings, body, param, words):
     try:    # render refuses the request's shape; admit a schema that does not parse
-        err = refusal(chat(body, ctx(settings)).sampling.constraint)
+        err = refusal(chat(body, ctx(settings)).sampling.constraint, check)
     except RequestError as exc:
         err = exc
     assert err is not None
