@@ -73,7 +73,7 @@ async def run(connector, inbox: trio.MemorySendChannel, scheduler) -> None:
             since_expire += POLL_S
             ids = connector.released() + tuple(frees)
             frees.clear()
-            expire = bool(scheduler.held) and since_expire >= EXPIRE_TICK_S
+            expire = bool(scheduler.kv.held) and since_expire >= EXPIRE_TICK_S
             if expire:
                 since_expire = 0.0
             if ids or expire:

@@ -200,7 +200,7 @@ class CoreStats:
                                    accepted_per_pos=tuple(s.spec.accepted_per_pos))
         # a remote prefill whose KV is being read waits, as vLLM's WAITING_FOR_REMOTE_KVS
         return cls(num_running=len(s.running),
-                   num_waiting=len(s.waiting) + len(s.compiling) + len(s.receiving),
+                   num_waiting=len(s.waiting) + len(s.compiling) + len(s.kv.receiving),
                    num_waiting_by_reason={"capacity": len(s.waiting),
                                           "deferred": len(s.compiling)},
                    num_preemptions=s.num_preemptions, kv_blocks_total=blocks.num_blocks,

@@ -108,7 +108,7 @@ async def run(inbox: trio.MemoryReceiveChannel, to_gpu: trio.MemorySendChannel,
         elif isinstance(msg, FinishRequest):
             scheduler.finish(msg.request_id, FinishReason.STOP, index=msg.index)
         elif isinstance(msg, KVRelease):
-            scheduler.release_held(msg.request_ids, msg.expire)
+            scheduler.kv.release(msg.request_ids, msg.expire)
         elif isinstance(msg, Control):
             if msg.op == "reset_prefix_cache":
                 msg.answer(scheduler.reset_prefix_cache(msg.reset_running))

@@ -40,7 +40,7 @@ class AsyncScheduler(Scheduler):
             return True
         if self._drafting:
             return False
-        return not spec.would_draft(self.running, lambda: self._decodes_only(self.running))
+        return not spec.would_draft(self.running, lambda: self.spec_planning.decodes_only(self.running))
 
     def schedule(self):
         plan = super().schedule()

@@ -18,7 +18,7 @@ from collections import deque
 import attrs
 from concurrent.futures import Future
 
-from gpu.interface import (ConstraintCompiler, KVRead, SeqChunk, SeqStart, StepPlan,
+from gpu.interface import (ConstraintCompiler, SeqChunk, SeqStart, StepPlan,
                            StepResult)
 from stages.delta import Delta, FinishReason
 from stages.histogram import ITERATION_BUCKETS, PREEMPTION_BUCKETS, Histogram
@@ -27,17 +27,20 @@ from stages.messages import RenderedRequest, Step
 from stages.schedule.beam import BeamGroup
 from stages.schedule.blocks import BlockManager, image_block_keys
 from stages.schedule.drafter import Drafter
-from stages.schedule.beam_side import BeamSide
+from stages.schedule.beam_side import BeamSearch
 from stages.schedule.kv import KVConnectorSide
 from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, worst_running
 from stages.schedule.sequence import Sequence, sampling_options
 from stages.schedule.spec import CostGate, SpecCounters, Speculation, kept_logprobs, step_outputs
-from stages.schedule.spec_side import SpecSide
+from stages.schedule.spec_side import SpecPlanning
 from stages.schedule.stop import check_stop, tokens_left
 
-class Scheduler(BeamSide, KVConnectorSide, SpecSide):
+class Scheduler:
     # steps it may have planned whose results have not come back (the schedule stage's depth)
     max_in_flight = 1
+    # AsyncScheduler with runner-filled floating chunks, which defines _float_chunk
+    # (async_.py): the plain Scheduler never plans with a step in flight
+    floating = False
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...],
@@ -85,28 +88,16 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
         self._pending: list[Delta] = []         # finishes decided outside a step (aborts)
         self._released: list[str] = []
         self._planned: dict[int, list[tuple[Sequence, int]]] = {}   # step -> (seq, epoch) per chunk
-        self.beams: dict[str, list[BeamGroup]] = {}   # beam search: request id -> a group per prompt
+        self.beam_search = BeamSearch(self)     # beam search (beam_side.py), called at named hooks
+        self.spec_planning = SpecPlanning(self)   # drafts planned into a step (spec_side.py)
         # speculative decoding (spec.py): drafts for decodes, verified by the runner
         self.drafter = drafter if num_speculative_tokens > 0 else None
         self.spec = SpecCounters(num_speculative_tokens)
         self.speculation = (None if self.drafter is None else Speculation(
             self.drafter, num_speculative_tokens, spec_disable_by_batch_size, self.spec,
             CostGate() if spec_adaptive else None, spec_draft_cost))
-        # the KV connector (issue 36; kv_transfer.py has the protocol).
-        # Prefill side: a finished do_remote_decode request's prompt blocks, held by request
-        # id until the decode side has read them (KVRelease) or the abort timeout passes.
-        self.kv_transfer = kv_transfer
-        self.kv_port = (kv_port if kv_port is not None else
-                        kv_transfer.side_channel_port if kv_transfer is not None else 0)
-        self.kv_tp_size = kv_tp_size
-        self.held: dict[str, tuple[list[int], float]] = {}     # request id -> (blocks, deadline)
-        self.kv_holds_expired = 0
-        # Decode side: a remote prefill is a sequence whose blocks are allocated and being
-        # filled by the GPU step's read (plan.kv_reads), out of the queues until it lands;
-        # one aborted meanwhile keeps its blocks until the read is over (the runner says).
-        self.receiving: dict[str, Sequence] = {}
-        self._kv_reads: list[KVRead] = []
-        self._abandoned_reads: dict[str, list[int]] = {}
+        # the KV connector's holds and reads (issue 36; kv.py), called at named hooks
+        self.kv = KVConnectorSide(kv_transfer, blocks, kv_port, kv_tp_size)
 
     # -- inbox ---------------------------------------------------------------------------
     def add(self, req: RenderedRequest) -> None:
@@ -114,7 +105,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
             raise ValueError(f"request id {req.request_id!r} is already scheduled")
         seqs: list[Sequence] = []
         if req.sampling.beam_width:
-            seqs = self._beam_groups(req)
+            seqs = self.beam_search.start(req)
         else:
             for i in range(req.num_choices):   # prompt i // n, its first choice leading
                 seqs.append(Sequence(req, self.eos_token_ids, self.max_model_len, i,
@@ -178,13 +169,13 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                index: int | None = None) -> None:
         """Abort (every choice) or a stop string (one choice, `index`): free now, report
         downstream with the next step."""
-        groups = self.beams.get(request_id)
+        groups = self.beam_search.groups.get(request_id)
         if groups is not None:      # beam search: every live beam, and a delta per choice
             if index is not None:
                 return              # (no stop strings: render refuses them with beams)
             first = groups[0].first
             for seq in list(self.choices.get(request_id, ())):
-                self._drop_beam(seq)
+                self.beam_search.drop(seq)
             for g in groups:
                 if not g.emitted:
                     g.emitted = True
@@ -193,7 +184,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                               num_cached_tokens=first.num_cached_tokens,
                               scheduled_at=first.scheduled_at, index=g.choice0 + k)
                         for k in range(g.width))
-            self.beams.pop(request_id, None)
+            self.beam_search.groups.pop(request_id, None)
             return
         for seq in list(self.choices.get(request_id, ())):
             if index is None or seq.index == index:
@@ -201,9 +192,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                     self.running.remove(seq)
                 elif seq in self.compiling:
                     self.compiling.remove(seq)
-                elif seq.id in self.receiving:   # its read may still write into its blocks
-                    del self.receiving[seq.id]
-                    self._abandoned_reads[seq.id] = seq.table
+                elif self.kv.abandon(seq):       # its read may still write into its blocks
                     seq.table, seq.table_t = [], ()
                 else:
                     self.waiting.remove(seq)
@@ -241,8 +230,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
-                    or self._released or self.compiling or self.receiving
-                    or self._abandoned_reads)
+                    or self._released or self.compiling or self.kv.busy)
 
     def may_plan_ahead(self) -> bool:
         """Whether the next step may be planned while one runs (AsyncScheduler's question;
@@ -270,7 +258,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
         # called only when the chunk needs another block.)
         running = self.running
         spec = self.speculation
-        if spec is not None and not spec.on_for(running, lambda: self._decodes_only(running)):
+        if spec is not None and not spec.on_for(running, lambda: self.spec_planning.decodes_only(running)):
             spec = None
         i = 0
         floating = self.floating
@@ -289,7 +277,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                 i += 1
                 continue
             if n == 1 and spec is not None and seq.beam is None:
-                chunk = self._drafted_chunk(seq, spec, budget)   # spec_side.py
+                chunk = self.spec_planning.drafted_chunk(seq, spec, budget)
                 if chunk is not None:
                     chunks.append(chunk)
                     planned.append((seq, seq.epoch))
@@ -315,8 +303,8 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
 
         # A beam search wider than --max-num-seqs: a running beam that only waits for its
         # round to end makes room for a waiting sequence.
-        if self.beams and self.waiting and len(self.running) >= self.max_num_seqs:
-            budget += self._preempt_idle_beam(chunks, planned) or 0
+        if self.beam_search and self.waiting and len(self.running) >= self.max_num_seqs:
+            budget += self.beam_search.preempt_idle(chunks, planned) or 0
         # Then waiting sequences, in arrival order, while the budgets allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -329,9 +317,9 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
             if seq.req.lora is not None and self._lora_full(seq.req.lora.id):
                 break   # --max-loras adapters run already: it waits for one of them to end
             if seq.remote_prefill is not None:      # its KV comes from the prefill instance
-                if not self._start_remote_prefill(seq):
+                if not self.kv.start_remote_prefill(self, seq):
                     break
-                if seq.id in self.receiving:
+                if seq.id in self.kv.receiving:
                     seq.first_scheduled = True
                     seq.scheduled_at = time.monotonic()
                     new_seqs.append(self._start(seq))
@@ -340,13 +328,13 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                 if self.priority and (freed := self._preempt_for(seq, chunks, planned)) is not None:
                     budget += freed
                     continue
-                if self.beams and (freed := self._preempt_idle_beam(chunks, planned)) is not None:
+                if self.beam_search and (freed := self.beam_search.preempt_idle(chunks, planned)) is not None:
                     budget += freed
                     continue
                 break
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
-                if self.beams and (freed := self._preempt_idle_beam(chunks, planned)) is not None:
+                if self.beam_search and (freed := self.beam_search.preempt_idle(chunks, planned)) is not None:
                     budget += freed
                     continue
                 if not self.running:
@@ -369,10 +357,9 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
         if chunks:
             self._planned[self.step] = planned
         sliding = self.blocks.sliding
-        reads, self._kv_reads = tuple(self._kv_reads), []
         return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released,
-                        sliding.drain_updates() if sliding is not None else (), reads,
-                        bool(self.receiving or self._abandoned_reads))
+                        sliding.drain_updates() if sliding is not None else (),
+                        self.kv.take_reads(), self.kv.busy)
 
     def _preempt_for(self, seq: Sequence, chunks: list[SeqChunk],
                      planned: list[tuple[Sequence, int]]) -> int | None:
@@ -493,7 +480,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
         kept tokens' blocks are hashed."""
         planned = self._planned.pop(plan.step, ())
         if result.kv_loaded or result.kv_failed:
-            self._kv_results(result)
+            self.kv.results(self, result)
         if result.error is not None:
             for seq, _ in planned:
                 if not seq.retired:
@@ -519,7 +506,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                 seq.in_flight_tokens -= len(chunk.token_ids)
                 seq.in_flight_drafts -= chunk.num_drafts
             if seq.beam is not None:
-                iteration += self._beam_row(seq, chunk, epoch, tokens, logprobs, beams)
+                iteration += self.beam_search.row(seq, chunk, epoch, tokens, logprobs, beams)
                 continue
             got = tokens.get(seq.id, ()) if chunk.sample else ()
             kept, stop, toks = 0, None, got
@@ -533,7 +520,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                 start = seq.num_done if chunk.floating else chunk.start_pos
                 if chunk.num_drafts or chunk.floating:
                     done = start + kept
-                    self._rollback(seq, done)
+                    self.spec_planning.rollback(seq, done)
                 else:
                     done = start + len(chunk.token_ids)
                 self._computed(seq, done)
@@ -556,20 +543,29 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                 None if stop is None else stop.stop_token, seq.num_cached_tokens, None, lps,
                 seq.scheduled_at, seq.index, prompt_logprobs, drafts, accepted)
             if (stop is not None and epoch == seq.epoch and seq.req.kv_transfer is not None
-                    and seq.req.kv_transfer.remote_decode and self.kv_transfer is not None):
-                delta = attrs.evolve(delta, kv_transfer_params=self._hold(seq))
+                    and seq.req.kv_transfer.remote_decode and self.kv.config is not None):
+                delta = attrs.evolve(delta, kv_transfer_params=self.kv.hold(seq))
             deltas.append(delta)
             if stop is not None:     # (waiting again if preempted while this step ran)
                 (self.running if epoch == seq.epoch else self.waiting).remove(seq)
                 self._retire(seq)
         for group in beams:
             if group.ready():
-                self._advance(group, deltas)
+                self.beam_search.advance(group, deltas)
         if iteration:
             self.iteration_tokens.observe(iteration)
         return self._step(plan.step, deltas)
 
-    # -- beam search (beam.py) -----------------------------------------------------------
+    def _draft_chunk(self, seq: Sequence, drafts: tuple[int, ...]) -> SeqChunk:
+        """Plan a decode with drafts: the last token and the drafts, all sampled; the drafts
+        count as computed until the result says which were accepted (update rolls back)."""
+        start = seq.num_computed
+        tokens = (seq.token_ids[-1], *drafts)
+        seq.num_computed = start + len(tokens)
+        seq.in_flight_tokens += len(tokens)
+        seq.in_flight_drafts += len(drafts)
+        return SeqChunk(seq.id, tokens, start, seq.table_t, True, len(drafts))
+
     def _token_came_back(self, seq: Sequence) -> None:
         """The token a planned chunk sampled is in this result (AsyncScheduler counts the
         ones on their way)."""

@@ -133,7 +133,7 @@ def choices(deltas, rid="r"):
 def check_no_leak(s):
     bm = s.blocks
     assert bm.num_used == 0 and not any(bm.ref_count)
-    assert not s.by_id and not s.choices and not s.beams and not s.running and not s.waiting
+    assert not s.by_id and not s.choices and not s.beam_search.groups and not s.running and not s.waiting
 
 
 @pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])

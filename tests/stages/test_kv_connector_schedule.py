@@ -45,9 +45,9 @@ def test_the_prefill_side_holds_the_prompt_blocks_and_names_them():
                       "remote_engine_id": "E", "remote_request_id": "p1",
                       "remote_block_ids": list(plan.chunks[0].block_table[:3]),
                       "remote_host": "127.0.0.1", "remote_port": 5601, "tp_size": 1}
-    assert s.blocks.num_used == 3 and list(s.held) == ["p1"]
-    s.release_held(("p1",))
-    assert s.blocks.num_used == 0 and not s.held
+    assert s.blocks.num_used == 3 and list(s.kv.held) == ["p1"]
+    s.kv.release(("p1",))
+    assert s.blocks.num_used == 0 and not s.kv.held
 
 
 def test_held_blocks_are_freed_at_the_abort_timeout():
@@ -56,8 +56,8 @@ def test_held_blocks_are_freed_at_the_abort_timeout():
                        kv_transfer=KVTransfer(remote_decode=True)))
     run(s, s.schedule())
     assert s.blocks.num_used == 2
-    s.release_held((), expire=True)
-    assert s.blocks.num_used == 0 and s.kv_holds_expired == 1
+    s.kv.release((), expire=True)
+    assert s.blocks.num_used == 0 and s.kv.expired == 1
 
 
 def _remote(prompt, blocks=(7, 8, 9)):
