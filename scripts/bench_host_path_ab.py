@@ -7,7 +7,8 @@ time (thread_time: what other processes' load moves least) and wall time per tok
 
 A worker needs only what bench_host_path.py imports (Detokenizer, Parser, Accountant,
 Emitter, Delta, Step, tests/stages/rendered.py), so any commit since issue 20 can be the
-other tree.
+other tree; each tree's worker is that tree's own copy of this script (its own layout's
+imports), or this one where the tree has none.
 """
 from __future__ import annotations
 
@@ -73,7 +74,10 @@ def main() -> None:
     for tree in args.trees:
         root = Path(tree).resolve()
         env = dict(os.environ, PYTHONPATH=str(root))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--num-seqs",
+        # each tree's own copy of this script is its worker: it imports that tree's layout
+        own = root / "scripts" / Path(__file__).name
+        cmd = [sys.executable, str(own if own.is_file() else Path(__file__).resolve()),
+               "--worker", "--num-seqs",
                str(args.num_seqs), "--steps", str(args.steps)] + (["--stop"] if args.stop else [])
         workers.append((root, subprocess.Popen(cmd, cwd=root, env=env, text=True,
                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)))
