@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "stages"))
 
-from rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered  # noqa: E402
 
 from gpu.tokenizers.files import load_tokenizer  # noqa: E402
 from stages.account import Accountant  # noqa: E402

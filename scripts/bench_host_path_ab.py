@@ -26,7 +26,7 @@ def worker(num_seqs: int, steps: int, stop: bool) -> None:
     import time
 
     sys.path.insert(0, str(Path.cwd() / "tests" / "stages"))
-    from rendered import rendered
+    from tests.support.rendered import rendered
 
     from gpu.tokenizers.files import load_tokenizer
     from stages.account import Accountant

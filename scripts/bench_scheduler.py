@@ -28,7 +28,7 @@ sys.path.insert(0, str(root / "tests" / "stages"))
 import attrs  # noqa: E402
 
 from gpu.interface import StepResult  # noqa: E402
-from rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered  # noqa: E402
 from stages.schedule.blocks import BlockManager  # noqa: E402
 from stages.schedule import AsyncScheduler  # noqa: E402
 

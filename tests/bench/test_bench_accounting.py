@@ -9,7 +9,7 @@ import trio
 from web.bench.backends import CHAT, COMPLETIONS, RESPONSES, SamplingParams
 from web.bench.request import request_headers, send_request
 
-from .sse_server import DONE, KEEPALIVE, Reply, ScriptedServer, json_reply, sse
+from tests.support.sse_server import DONE, KEEPALIVE, Reply, ScriptedServer, json_reply, sse
 
 GAP = 0.03
 

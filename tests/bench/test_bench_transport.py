@@ -11,7 +11,7 @@ from web.bench.backends import CHAT, COMPLETIONS, RESPONSES, SamplingParams
 from web.bench.request import request_headers, send_request
 from web.bench.transport import ChunkedDecoder, StreamClient
 
-from .sse_server import (DONE, KEEPALIVE, LocalServer, Reply, ScriptedServer, json_reply, read_request,
+from tests.support.sse_server import (DONE, KEEPALIVE, LocalServer, Reply, ScriptedServer, json_reply, read_request,
                          split_at, sse)
 from .test_bench_accounting import RESPONSES_HEAD, chat_chunk, chat_usage, completion_chunk, resp, resp_done
 

@@ -10,15 +10,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import sys
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lora"))
-from lora_testutil import hf_from_ours, hf_greedy, make_adapter  # noqa: E402
+from tests.support.lora_adapters import hf_from_ours, hf_greedy, make_adapter  # noqa: E402
 
 N = 8    # greedy tokens per oracle check
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -10,13 +10,11 @@ tokens are not sampled), so the reasoning side is only checked to be equal (empt
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1]))       # tests/eagle_heads.py
-from eagle_heads import eagle3_head  # noqa: E402
+from tests.support.eagle_heads import eagle3_head  # noqa: E402
 
 CONFIG = Path(__file__).parents[2] / "gpu" / "configs" / "gpt-oss-tiny"
 ASK = [{"role": "system", "content": "Be brief."},

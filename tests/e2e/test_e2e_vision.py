@@ -9,18 +9,15 @@ import http.server
 import io
 import json
 import socketserver
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from vision_models import llava_dir  # noqa: E402
+from tests.support.vision_models import llava_dir  # noqa: E402
 
 FETCH_TIMEOUT_S = 2.0
 MAX_BYTES = 64 * 1024

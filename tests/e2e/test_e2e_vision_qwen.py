@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import base64
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from vision_models import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, qwen_vl_dir  # noqa: E402
+from tests.support.vision_models import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, qwen_vl_dir  # noqa: E402
 
 
 def picture(h: int, w: int, seed: int):

@@ -23,7 +23,7 @@ import pytest
 import torch
 import trio
 
-from tests.engine.test_engine import engine_of
+from tests.support.smollm_engine import engine_of
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
@@ -32,7 +32,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def hf_model(smollm):
     pytest.importorskip("transformers")
-    from tests.lora.lora_testutil import hf_from_ours
+    from tests.support.lora_adapters import hf_from_ours
 
     return hf_from_ours(smollm.model)
 

@@ -4,17 +4,13 @@ ratios, and our logits against LlavaForConditionalGeneration's on the same pictu
 prompt."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-from vision_models import llava_dir  # noqa: E402
-from gpu_testutil import our_logits  # noqa: E402
+from tests.support.vision_models import llava_dir  # noqa: E402
+from tests.support.hf_models import our_logits  # noqa: E402
 
 
 def picture(h: int, w: int, seed: int):

@@ -7,17 +7,13 @@ chunked prefill through a picture against transformers' generate."""
 from __future__ import annotations
 
 from gpu.models.registry import config_from_hf
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-from vision_models import qwen_vl_dir  # noqa: E402
-from gpu_testutil import our_logits  # noqa: E402
+from tests.support.vision_models import qwen_vl_dir  # noqa: E402
+from tests.support.hf_models import our_logits  # noqa: E402
 
 
 def picture(h: int, w: int, seed: int):

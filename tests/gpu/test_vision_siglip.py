@@ -5,17 +5,13 @@ placeholder counts against SiglipImageProcessor and LlavaProcessor on several si
 aspect ratios, and our logits against LlavaForConditionalGeneration's."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-from vision_models import SIGLIP_PATCH, SIGLIP_SIZE, llava_dir  # noqa: E402
-from gpu_testutil import our_logits  # noqa: E402
+from tests.support.vision_models import SIGLIP_PATCH, SIGLIP_SIZE, llava_dir  # noqa: E402
+from tests.support.hf_models import our_logits  # noqa: E402
 
 TOKENS = (SIGLIP_SIZE // SIGLIP_PATCH) ** 2      # 16: every patch, no class token to drop
 

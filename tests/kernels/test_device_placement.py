@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_check import DeviceCheck, DeviceMismatch
+from tests.support.device_check import DeviceCheck, DeviceMismatch
 from gpu.layers.attention import KVCache, TorchPagedAttention
 from gpu.loader.decoder import load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan

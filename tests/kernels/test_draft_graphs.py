@@ -22,7 +22,7 @@ from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.loader.decoder import load_model
 from gpu.worker.runner import ModelRunner
 from stages.schedule.drafter import DRAFT
-from tests.eagle_heads import eagle3_head
+from tests.support.eagle_heads import eagle3_head
 from tests.kernels.test_runner_triton import TINY_QWEN3
 from tests.kernels.test_verify_graphs import fake_capture
 

@@ -5,16 +5,13 @@ refusals of a bad adapter."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import orjson
 import pytest
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-from gpu_testutil import make_hf_model  # noqa: E402
-from lora_testutil import hf_greedy, make_adapter  # noqa: E402
+from tests.support.hf_models import make_hf_model  # noqa: E402
+from tests.support.lora_adapters import hf_greedy, make_adapter  # noqa: E402
 
 from pipeline.core.config import EngineConfig  # noqa: E402
 from pipeline.core.engine import open_engine  # noqa: E402

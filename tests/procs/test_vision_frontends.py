@@ -4,17 +4,14 @@ pixels) crosses the frontend -> engine wire as plain data; the engine's tower en
 On the tiny llava-hf LLaVA (tests/vision_models.py); the oracle is transformers' generate."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from procs_util import json_on_new_connection, start
+from tests.support.serve_processes import json_on_new_connection, start
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from test_e2e_vision import IMG_A, IMG_B, ask, data_url, hf_ask, hf_generate  # noqa: E402
-from vision_models import llava_dir  # noqa: E402
+from tests.support.vision_models import llava_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from stages.api.harmony import HarmonyState
 from stages.parse import Parser
 from stages.messages import Step, Submission
 from stages.render import RenderContext, render, tokenize
-from rendered import rendered
+from tests.support.rendered import rendered
 
 HARMONY = ToolSettings(True, "openai", True)       # what the engine implies for gpt-oss
 WEATHER = {"type": "function", "function": {

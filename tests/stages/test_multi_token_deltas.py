@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.tools.harness import run_stage
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages import detokenize, parse
 from stages.lib.delta import Delta, FinishReason
 from stages.messages import Step

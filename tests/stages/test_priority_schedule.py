@@ -7,11 +7,11 @@ import attrs
 import pytest
 
 from gpu.interface import StepResult
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.schedule import AsyncScheduler, Scheduler
 from stages.schedule.blocks import BlockManager
 from test_scheduler_invariants import check, kvcheck
-from workload import Workload, sampled_token
+from tests.support.scheduler_workload import Workload, sampled_token
 
 
 def req(rid, prompt, priority=0, max_tokens=4):

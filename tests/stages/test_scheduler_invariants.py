@@ -11,7 +11,7 @@ from gpu.interface import StepResult
 from stages.schedule.blocks import BlockManager
 from stages.lib.delta import FinishReason
 from stages.schedule import AsyncScheduler, Scheduler
-from workload import RunnerModel, Workload, sampled_token
+from tests.support.scheduler_workload import RunnerModel, Workload, sampled_token
 
 def check(s):
     bm = s.blocks

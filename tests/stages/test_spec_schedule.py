@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gpu.interface import StepResult
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.schedule.blocks import BlockManager
 from stages.lib.delta import FinishReason
 from stages.schedule.drafter import NgramDrafter, NgramIndex, SpeculativeConfig

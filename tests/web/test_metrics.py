@@ -3,8 +3,6 @@ series keep vLLM's names, types and model_name label; tailrace's own are prefixe
 stat shows up without a name of its own. (/metrics over HTTP: tests/web/test_app.py.)"""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import attrs
 import pytest
@@ -172,8 +170,7 @@ def test_no_latency_histograms_before_the_engine_has_any():
 
 
 def test_vllms_request_shape_series_and_info_gauges():
-    sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
-    from rendered import rendered
+    from tests.support.rendered import rendered
     from stages.lib.delta import Delta
     from stages.messages import Step
 
