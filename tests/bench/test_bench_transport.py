@@ -13,7 +13,7 @@ from web.bench.transport import ChunkedDecoder, StreamClient
 
 from tests.support.sse_server import (DONE, KEEPALIVE, LocalServer, Reply, ScriptedServer, json_reply, read_request,
                          split_at, sse)
-from .test_bench_accounting import RESPONSES_HEAD, chat_chunk, chat_usage, completion_chunk, resp, resp_done
+from tests.support.openai_chunks import RESPONSES_HEAD, chat_chunk, chat_usage, completion_chunk, resp, resp_done
 
 
 def encode_chunked(pieces, extension=b"", trailer=b""):

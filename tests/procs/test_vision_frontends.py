@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.serve_processes import json_on_new_connection, start
 
-from test_e2e_vision import IMG_A, IMG_B, ask, data_url, hf_ask, hf_generate  # noqa: E402
+from tests.support.vision_chats import IMG_A, IMG_B, ask, data_url, hf_ask, hf_generate
 from tests.support.vision_models import llava_dir  # noqa: E402
 
 

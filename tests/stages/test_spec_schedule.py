@@ -12,7 +12,7 @@ from stages.schedule.blocks import BlockManager
 from stages.lib.delta import FinishReason
 from stages.schedule.drafter import NgramDrafter, NgramIndex, SpeculativeConfig
 from stages.schedule import Scheduler
-from test_scheduler_invariants import check
+from tests.support.scheduler_checks import check
 
 
 def spec_scheduler(nb, bs, k=3, **kw):
