@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "stages"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo root: tests.support
 
 from tests.support.rendered import rendered  # noqa: E402
 

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 root = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(root))
-sys.path.insert(0, str(root / "tests" / "stages"))
+sys.path.insert(0, str(root))     # the repo root: gpu, stages, tests.support
 
 import attrs  # noqa: E402
 
