@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo root: tests.support
-from tests.support.vision_models import make_llava  # noqa: E402
+from tests.support.vision_models import make_llava
 
 
 def picture(seed: int):

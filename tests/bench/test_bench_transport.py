@@ -12,7 +12,7 @@ from web.bench.request import request_headers, send_request
 from web.bench.transport import ChunkedDecoder, StreamClient
 
 from tests.support.sse_server import (DONE, KEEPALIVE, LocalServer, Reply, ScriptedServer, json_reply, read_request,
-                         split_at, sse)
+                                      split_at, sse)
 from tests.support.openai_chunks import RESPONSES_HEAD, chat_chunk, chat_usage, completion_chunk, resp, resp_done
 
 

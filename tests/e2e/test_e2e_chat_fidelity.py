@@ -22,7 +22,7 @@ import pipeline.core.startup
 from gpu.interface import TokenLogprobs
 from pipeline.tools.harness import ScriptedRunner
 
-from tests.support.live_servers import threaded_server  # noqa: E402
+from tests.support.live_servers import threaded_server
 
 # keyword of the last user message -> each choice's completion (choice i: SCRIPTS[k][i])
 SCRIPTS = {

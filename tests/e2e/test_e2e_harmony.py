@@ -25,7 +25,7 @@ from gpu.tokenizers.harmony import harmony_encoding
 from gpu.loader.decoder import LoadedModel, load_model
 from pipeline.tools.harness import ScriptedRunner
 
-from tests.support.live_servers import threaded_server  # noqa: E402
+from tests.support.live_servers import threaded_server
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

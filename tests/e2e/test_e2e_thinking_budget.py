@@ -18,7 +18,7 @@ import pytest
 from gpu.loader.decoder import load_model
 from gpu.tokenizers.files import load_tokenizer
 
-from tests.support.live_servers import threaded_server  # noqa: E402
+from tests.support.live_servers import threaded_server
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"

@@ -1,5 +1,5 @@
 """Images in chat and Responses over HTTP (issue 34): the tiny llava-hf LLaVA
-(tests/vision_models.py) served by one `tailrace serve`, driven by the openai client,
+(tests/support/vision_models.py) served by one `tailrace serve`, driven by the openai client,
 against transformers' generate and processor on the same weights and pictures; the media
 fetch's refusals against a local HTTP server (a hanging one included)."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Beam search through the whole engine (eight stages, SmolLM2 fp32) against transformers'
 beam search on the same weights (the loaded model's fp32 weights in transformers'
-LlamaForCausalLM, tests/lora/lora_testutil.py; transformers' own GGUF conversion of the
+LlamaForCausalLM, tests/support/lora_adapters.py; transformers' own GGUF conversion of the
 bundled file took 16 s; tests/gpu/test_gguf.py holds the loader to convert_hf_to_gguf's
 layout).
 

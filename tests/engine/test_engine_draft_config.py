@@ -3,7 +3,6 @@ start-up error that names the problem; the gate drafts where drafting measured f
 not where it measured slower (stages/schedule/spec.py CostGate)."""
 from __future__ import annotations
 
-
 import pytest
 
 from pipeline.core.config import EngineConfig

@@ -1,5 +1,5 @@
 """EAGLE and EAGLE3 heads (issue 35) on the whole engine, SmolLM2 in fp32 as the target:
-random-weight heads written in the published formats (tests/eagle_heads.py) draft, the
+random-weight heads written in the published formats (tests/support/eagle_heads.py) draft, the
 target verifies, and every stream is that of decoding without speculation, byte for byte
 (text, logprobs, usage): greedy, seeded at T = 0.8, n = 2, a stop string, a JSON schema,
 under preemption with chunked prefill. Random heads accept little; exactness is the point.
@@ -7,14 +7,13 @@ A start-up error for each bad head: another hidden size, another vocabulary, a m
 file (tests/gpu/test_eagle.py checks the head's parts)."""
 from __future__ import annotations
 
-
 import pytest
 
 from tests.support import spec_streams as base
 from tests.support.eagle_heads import eagle3_head, eagle_head
 
-from pipeline.core.config import EngineConfig  # noqa: E402
-from pipeline.core.engine import open_engine  # noqa: E402
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import open_engine
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ async def test_eagle_heads_change_no_token_of_any_stream(smollm, heads, cfg, hea
     EAGLE-1 with room to spare (the EAGLE3 folder format drafts over HTTP:
     tests/e2e/test_e2e_spec_harmony.py); and EAGLE3 with --async-scheduling, its steps with
     drafts planned ahead as floating chunks that the head fills."""
-    if cfg not in base.NO_SPEC_STREAMS:        # shared with test_engine_spec.py's runs when both run
+    if cfg not in base.NO_SPEC_STREAMS:        # shared with test_engine_spec.py's runs (tests/support/spec_streams.py)
         base.NO_SPEC_STREAMS[cfg], _ = await base.run_streams(smollm, None, base.BODIES, **base.CFGS[cfg])
     off = base.NO_SPEC_STREAMS[cfg]
     on, stats, counts, drafter = await _on(smollm, heads[head], cfg, asynchronous)

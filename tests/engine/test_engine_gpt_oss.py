@@ -11,7 +11,7 @@ import pytest
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 
-from tests.support.hf_models import make_hf_model  # noqa: E402
+from tests.support.hf_models import make_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import orjson
 import torch
 import trio
 
-from tests.support.vision_models import llava_dir, qwen_vl_dir  # noqa: E402
+from tests.support.vision_models import llava_dir, qwen_vl_dir
 
 
 def picture(seed: int):

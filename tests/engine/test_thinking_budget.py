@@ -11,7 +11,7 @@ from gpu.layers.attention import KVCache
 from gpu.interface import SamplingOptions
 from gpu.loader.decoder import load_model
 from gpu.worker.runner import ModelRunner
-from tests.support.rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered
 from stages.schedule import AsyncScheduler, Scheduler
 from stages.schedule.blocks import BlockManager
 

@@ -27,7 +27,7 @@ from stages.lib.delta import (Delta, FinishReason, PromptLogprob, RequestMetrics
 from stages.emit import ReplyEnd
 from stages.messages import ReplySpec, ResponseEcho, Step
 
-from tests.support.rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
 DATA = Path(__file__).parent / "data"

@@ -3,7 +3,6 @@ EngineReplies (who owns each request, the admitted count over every frontend) an
 (one frame per frontend per step, under the frontend's own ids)."""
 from __future__ import annotations
 
-
 import attrs
 import trio
 
@@ -15,7 +14,7 @@ from stages.admit import Accepted
 from stages.lib.delta import Delta, FinishReason
 from stages.messages import Control, Step
 from stages.render import RequestError
-from tests.support.rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered
 
 
 class FakeLink:

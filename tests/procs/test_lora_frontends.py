@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.serve_processes import json_on_new_connection, start
-
-from tests.support.hf_models import make_hf_model  # noqa: E402
-from tests.support.lora_adapters import hf_greedy, make_adapter  # noqa: E402
+from tests.support.hf_models import make_hf_model
+from tests.support.lora_adapters import hf_greedy, make_adapter
 
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1]
 N = 6

@@ -1,7 +1,7 @@
 """Images behind `--api-server-count 2` (issue 34): each frontend fetches and preprocesses the
 picture in render (numpy and Pillow, no torch), and the `ImageInput` (offset, length, hash,
 pixels) crosses the frontend -> engine wire as plain data; the engine's tower encodes it.
-On the tiny llava-hf LLaVA (tests/vision_models.py); the oracle is transformers' generate."""
+On the tiny llava-hf LLaVA (tests/support/vision_models.py); the oracle is transformers' generate."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.serve_processes import json_on_new_connection, start
-
 from tests.support.vision_chats import IMG_A, IMG_B, ask, data_url, hf_ask, hf_generate
-from tests.support.vision_models import llava_dir  # noqa: E402
+from tests.support.vision_models import llava_dir
 
 
 @pytest.fixture(scope="module")

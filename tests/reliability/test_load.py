@@ -15,7 +15,7 @@ import trio
 
 from pipeline.core.events import read_events
 from tests.support.live_servers import (engine_figures, memory_channel_count, record, rss_bytes, served, settled,
-                     sse_events, trio_task_count)
+                                        sse_events, trio_task_count)
 
 MiB = 1 << 20
 

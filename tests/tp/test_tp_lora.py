@@ -7,14 +7,12 @@ here, together on every target; the oracle is peft's merged model, the same as a
 (tests/lora)."""
 from __future__ import annotations
 
-
 import httpx
 import pytest
 
 from tests.support.serve_processes import start
-
-from tests.support.hf_models import make_hf_model  # noqa: E402
-from tests.support.lora_adapters import hf_greedy, make_adapter  # noqa: E402
+from tests.support.hf_models import make_hf_model
+from tests.support.lora_adapters import hf_greedy, make_adapter
 
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1]
 N = 8

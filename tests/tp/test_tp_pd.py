@@ -25,7 +25,7 @@ import pytest
 from tests.support.serve_processes import metrics, start
 
 pytest.importorskip("nixl")
-from tests.support.hf_models import make_hf_model  # noqa: E402
+from tests.support.hf_models import make_hf_model
 
 PROMPT = [(7 * i + 3) % 150 + 1 for i in range(40)]    # 40 tokens: 3 blocks of 16
 N = 6

@@ -3,7 +3,6 @@ series keep vLLM's names, types and model_name label; tailrace's own are prefixe
 stat shows up without a name of its own. (/metrics over HTTP: tests/web/test_app.py.)"""
 from __future__ import annotations
 
-
 import attrs
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
