@@ -1,5 +1,5 @@
 """render core: validation, chat template path, sampling defaults, max_tokens. (The
-protocol's field policy on its own: tests/api/test_protocol.py.)"""
+protocol's field policy on its own: tests/stages/api/test_protocol.py.)"""
 import pytest
 
 from stages.messages import Submission

@@ -1,5 +1,5 @@
 """SSE events as OpenAI-compatible servers stream them (chat and completion chunks, usage,
-Responses events), for the bench tests' scripted servers (tests/bench/test_bench_accounting.py,
+Responses events), for the bench tests' scripted servers (tests/web/bench/test_bench_accounting.py,
 test_bench_transport.py)."""
 
 from tests.support.sse_server import sse

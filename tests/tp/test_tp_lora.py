@@ -4,7 +4,7 @@ column-parallel q/k/v/gate/up, A's columns of row-parallel o/down, the partial t
 by the layer's all-reduce), and rank 0 broadcasts each step's LoRA rows. On the tiny random
 Llama (4 heads, 2 KV heads, intermediate 96: all split in two) with two PEFT adapters made
 here, together on every target; the oracle is peft's merged model, the same as at -tp 1
-(tests/lora)."""
+(tests/gpu/test_lora_unit.py)."""
 from __future__ import annotations
 
 import httpx

@@ -50,7 +50,7 @@ def steps_for(raw: bytes, piece: int):
     return steps
 
 
-# Streams from tests/bench/test_bench_accounting.py, plus errors and cuts; each gives the
+# Streams from tests/web/bench/test_bench_accounting.py, plus errors and cuts; each gives the
 # same result through httpx and through StreamClient.
 SCRIPTS = [
     (CHAT, Reply([chat_chunk(role="assistant", content=""), KEEPALIVE, 0.01, chat_chunk(reasoning="think"),
