@@ -12,17 +12,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "stages"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo root: tests.support
 
-from rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered
 
-from gpu.tokenizers.files import load_tokenizer  # noqa: E402
-from stages.account import Accountant  # noqa: E402
-from stages.delta import Delta, FinishReason  # noqa: E402
-from stages.detokenize import Detokenizer  # noqa: E402
-from stages.emit import Emitter  # noqa: E402
-from stages.parse import Parser  # noqa: E402
-from stages.messages import Step  # noqa: E402
+from gpu.tokenizers.files import load_tokenizer
+from stages.account import Accountant
+from stages.delta import Delta, FinishReason
+from stages.detokenize import Detokenizer
+from stages.emit import Emitter
+from stages.parse import Parser
+from stages.messages import Step
 
 
 def main() -> None:

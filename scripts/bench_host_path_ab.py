@@ -6,9 +6,9 @@ time (thread_time: what other processes' load moves least) and wall time per tok
     .venv/bin/python scripts/bench_host_path_ab.py /work/wt/base . --num-seqs 32 --steps 128
 
 A worker needs only what bench_host_path.py imports (Detokenizer, Parser, Accountant,
-Emitter, Delta, Step, tests/stages/rendered.py), so any commit since issue 20 can be the
-other tree; each tree's worker is that tree's own copy of this script (its own layout's
-imports), or this one where the tree has none.
+Emitter, Delta, Step, tests/support/rendered.py, before issue 54 tests/stages/rendered.py),
+so any commit since issue 20 can be the other tree; each tree's worker is that tree's own
+copy of this script (its own layout's imports), or this one where the tree has none.
 """
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ def worker(num_seqs: int, steps: int, stop: bool) -> None:
     import random
     import time
 
-    sys.path.insert(0, str(Path.cwd() / "tests" / "stages"))
-    from rendered import rendered
+    try:            # the tree's root is the working directory (on sys.path as PYTHONPATH)
+        from tests.support.rendered import rendered
+    except ImportError:     # a tree from before tests/support (issue 54)
+        sys.path.insert(0, str(Path.cwd() / "tests" / "stages"))
+        from rendered import rendered
 
     from gpu.tokenizers.files import load_tokenizer
     from stages.account import Accountant

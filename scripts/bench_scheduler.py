@@ -22,13 +22,12 @@ import time
 from pathlib import Path
 
 root = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(root))
-sys.path.insert(0, str(root / "tests" / "stages"))
+sys.path.insert(0, str(root))     # the repo root: gpu, stages, tests.support
 
 import attrs  # noqa: E402
 
 from gpu.interface import StepResult  # noqa: E402
-from rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered  # noqa: E402
 from stages.schedule.blocks import BlockManager  # noqa: E402
 from stages.schedule import AsyncScheduler  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Issue 34's figures: 16 concurrent one-image chats on the tiny LLaVA (tests/vision_models.py)
+"""Issue 34's figures: 16 concurrent one-image chats on the tiny LLaVA (tests/support/vision_models.py)
 served by `tailrace serve` on the CPU, against transformers' generate batched on the same
 work (16 prompts, the same pictures, left-padded), side by side in one run; and the
 encoder cache's effect (16 chats of one picture vs 16 different pictures).
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from vision_models import make_llava  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo root: tests.support
+from tests.support.vision_models import make_llava
 
 
 def picture(seed: int):

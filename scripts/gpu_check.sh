@@ -219,9 +219,9 @@ then
     stopped "an entry point does not import"; exit 2
 fi
 
-tiny_config() {   # a folder holding tests/kernels' tiny Qwen3 config (CPU stand-ins)
+tiny_config() {   # a folder holding the kernel tests' tiny Qwen3 config (CPU stand-ins)
     local d; d=$(mktemp -d)
-    "$PY" -c "import json, sys; sys.path.insert(0, 'tests/kernels'); from conftest import TINY_QWEN3; json.dump(TINY_QWEN3, open('$d/config.json', 'w'))"
+    "$PY" -c "import json; from tests.support.tiny_runners import TINY_QWEN3; json.dump(TINY_QWEN3, open('$d/config.json', 'w'))"
     echo "$d"
 }
 

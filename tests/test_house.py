@@ -7,10 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import check_house
 
-import check_house  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_house_holds():

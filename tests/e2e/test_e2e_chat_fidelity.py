@@ -11,8 +11,6 @@ logprob of -0.25.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import attrs
@@ -24,8 +22,7 @@ import pipeline.core.startup
 from gpu.interface import TokenLogprobs
 from pipeline.tools.harness import ScriptedRunner
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))   # shared server helpers
-from relutil import threaded_server  # noqa: E402
+from tests.support.live_servers import threaded_server
 
 # keyword of the last user message -> each choice's completion (choice i: SCRIPTS[k][i])
 SCRIPTS = {

@@ -10,7 +10,6 @@ framers make of them. (tests/e2e/test_e2e_gpt_oss.py runs the real forward.)
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,8 +25,7 @@ from gpu.tokenizers.harmony import harmony_encoding
 from gpu.loader.decoder import LoadedModel, load_model
 from pipeline.tools.harness import ScriptedRunner
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))   # shared server helpers
-from relutil import threaded_server  # noqa: E402
+from tests.support.live_servers import threaded_server
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

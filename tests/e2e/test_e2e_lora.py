@@ -1,6 +1,6 @@
 """Multi-LoRA serving (issue 33) over real HTTP with the openai client, on the bundled SmolLM2.
 
-Three PEFT adapters are made here on SmolLM2's own weights (tests/lora/lora_testutil.py: the
+Three PEFT adapters are made here on SmolLM2's own weights (tests/support/lora_adapters.py: the
 GGUF's weights as a transformers model, random nonzero B), of different ranks and targets.
 The oracle is peft's merged model (W + scale * B A) run by transformers; base-model requests
 on the LoRA server must answer exactly as the session's server without LoRA does.
@@ -10,15 +10,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import sys
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lora"))
-from lora_testutil import hf_from_ours, hf_greedy, make_adapter  # noqa: E402
+from tests.support.lora_adapters import hf_from_ours, hf_greedy, make_adapter
 
 N = 8    # greedy tokens per oracle check
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import openai
@@ -19,8 +18,7 @@ import pytest
 
 mistral_common = pytest.importorskip("mistral_common")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
-from relutil import threaded_server  # noqa: E402
+from tests.support.live_servers import threaded_server  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(mistral_common.__file__), "data")
 TEKKEN = os.path.join(DATA, "tekken_240718.json")

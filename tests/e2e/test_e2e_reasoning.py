@@ -1,7 +1,7 @@
 """A server with a reasoning parser and two served names, over real HTTP with the official
 openai client: replies name the first served model, reasoning is the `reasoning` field,
 reasoning tokens are counted once per choice, include_reasoning false hides it. (The
-protocol's field policy without a server: tests/api/test_protocol.py.)"""
+protocol's field policy without a server: tests/stages/api/test_protocol.py.)"""
 from __future__ import annotations
 
 import openai

@@ -1,7 +1,7 @@
 """The seed's no-leak test over HTTP (issue 35, the seed's
 test_gpt_oss_speculative_reasoning_leakage): the tiny gpt-oss (Harmony, random weights)
 served with --speculative-config, an EAGLE3 head (random, written in the published format
-by tests/eagle_heads.py) and n-gram lookup, streamed with the openai client. Several
+by tests/support/eagle_heads.py) and n-gram lookup, streamed with the openai client. Several
 tokens arrive in one step; the reasoning and content deltas, joined, must be those of the
 server without speculation (the session's gpt_oss_client), and no delta's content may hold
 analysis text. The requests favour Harmony's framing words by logit_bias so that the
@@ -10,13 +10,11 @@ tokens are not sampled), so the reasoning side is only checked to be equal (empt
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1]))       # tests/eagle_heads.py
-from eagle_heads import eagle3_head  # noqa: E402
+from tests.support.eagle_heads import eagle3_head
 
 CONFIG = Path(__file__).parents[2] / "gpu" / "configs" / "gpt-oss-tiny"
 ASK = [{"role": "system", "content": "Be brief."},

@@ -11,8 +11,6 @@ is content. Token counts come from return_token_ids, text from the tokenizer."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import openai
 import pytest
@@ -20,8 +18,7 @@ import pytest
 from gpu.loader.decoder import load_model
 from gpu.tokenizers.files import load_tokenizer
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))   # shared server helpers
-from relutil import threaded_server  # noqa: E402
+from tests.support.live_servers import threaded_server
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"

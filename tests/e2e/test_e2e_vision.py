@@ -1,48 +1,25 @@
 """Images in chat and Responses over HTTP (issue 34): the tiny llava-hf LLaVA
-(tests/vision_models.py) served by one `tailrace serve`, driven by the openai client,
+(tests/support/vision_models.py) served by one `tailrace serve`, driven by the openai client,
 against transformers' generate and processor on the same weights and pictures; the media
 fetch's refusals against a local HTTP server (a hanging one included)."""
 from __future__ import annotations
 
 import base64
 import http.server
-import io
 import json
 import socketserver
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from vision_models import llava_dir  # noqa: E402
+from tests.support.vision_chats import (IMG_A, IMG_B, ask, data_url, hf_ask, hf_generate, image_part,
+                                        picture, png)
+from tests.support.vision_models import llava_dir
 
 FETCH_TIMEOUT_S = 2.0
 MAX_BYTES = 64 * 1024
-
-
-def picture(h: int, w: int, seed: int):
-    from PIL import Image
-
-    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype(np.uint8))
-
-
-def png(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return buf.getvalue()
-
-
-def data_url(img) -> str:
-    return "data:image/png;base64," + base64.b64encode(png(img)).decode()
-
-
-IMG_A, IMG_B = picture(40, 57, 1), picture(50, 31, 2)
 
 
 class _Media(http.server.BaseHTTPRequestHandler):
@@ -132,31 +109,6 @@ def vl(llava, local_dir, tmp_path_factory, serve_with_flags):
             "--media-fetch-timeout", str(FETCH_TIMEOUT_S), "--max-media-bytes", str(MAX_BYTES)):
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
         yield server, client, client.models.list().data[0].id
-
-
-def hf_generate(llava, messages: list[dict], images: list, max_new_tokens: int = 8):
-    """transformers' greedy tokens and the processor's prompt length for the messages
-    (content parts as the template takes them: {"type": "image"} / text)."""
-    _, model, processor = llava
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(images=images or None, text=text, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    n = inputs["input_ids"].shape[1]
-    return out[0, n:].tolist(), n
-
-
-def image_part(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def ask(text: str, *urls: str) -> list[dict]:
-    return [{"role": "user", "content": [*map(image_part, urls), {"type": "text", "text": text}]}]
-
-
-def hf_ask(text: str, n_images: int) -> list[dict]:
-    return [{"role": "user", "content": [*([{"type": "image"}] * n_images),
-                                         {"type": "text", "text": text}]}]
 
 
 def chat(client, model, messages, **kw):

@@ -1,4 +1,4 @@
-"""A Qwen2.5-VL over HTTP (issue 34): the tiny random-weight model (tests/vision_models.py)
+"""A Qwen2.5-VL over HTTP (issue 34): the tiny random-weight model (tests/support/vision_models.py)
 served by one `tailrace serve` with prefills chunked through the pictures, driven by the
 openai client, against transformers' generate and the Qwen2.5-VL processor on the same
 weights and pictures: greedy tokens, prompt and image token counts (dynamic resolution,
@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import base64
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from vision_models import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, qwen_vl_dir  # noqa: E402
+from tests.support.vision_models import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, qwen_vl_dir
 
 
 def picture(h: int, w: int, seed: int):

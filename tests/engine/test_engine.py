@@ -13,22 +13,11 @@ from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 import pipeline.core.assembly
 import pipeline.core.engine
 from pipeline.core.config import EngineConfig
-from pipeline.core.engine import Engine, open_engine
+from pipeline.core.engine import open_engine
 from pipeline.core.events import read_events
 from pipeline.tools.replay import replay
 from stages.render import RequestError
-
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def engine_of(smollm, **cfg):
-    """The shared SmolLM2 behind a running engine: ``async with engine_of(smollm) as engine``."""
-    return open_engine(EngineConfig(**{"max_model_len": 512, "max_num_seqs": 8, **cfg}), loaded=smollm)
-
-
-async def complete(engine: Engine, api: str = "completions", **body) -> dict:
-    reply = await engine.submit(api, {"model": engine.model_names[0], "temperature": 0, **body})
-    return orjson.loads(await reply.read())
+from tests.support.smollm_engine import QUESTION, complete, engine_of
 
 
 async def test_greedy_paris(smollm):

@@ -1,6 +1,6 @@
 """Beam search through the whole engine (eight stages, SmolLM2 fp32) against transformers'
 beam search on the same weights (the loaded model's fp32 weights in transformers'
-LlamaForCausalLM, tests/lora/lora_testutil.py; transformers' own GGUF conversion of the
+LlamaForCausalLM, tests/support/lora_adapters.py; transformers' own GGUF conversion of the
 bundled file took 16 s; tests/gpu/test_gguf.py holds the loader to convert_hf_to_gguf's
 layout).
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 import trio
 
-from tests.engine.test_engine import engine_of
+from tests.support.smollm_engine import engine_of
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
@@ -32,7 +32,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def hf_model(smollm):
     pytest.importorskip("transformers")
-    from tests.lora.lora_testutil import hf_from_ours
+    from tests.support.lora_adapters import hf_from_ours
 
     return hf_from_ours(smollm.model)
 

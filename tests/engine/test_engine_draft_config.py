@@ -3,16 +3,12 @@ start-up error that names the problem; the gate drafts where drafting measured f
 not where it measured slower (stages/schedule/spec.py CostGate)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 from stages.schedule.spec import CostGate
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "gpu"))
 
 
 def _config(**spec) -> EngineConfig:
@@ -33,7 +29,7 @@ async def test_a_missing_draft_is_a_start_up_error_naming_it(smollm, tmp_path):
 
 
 async def test_a_draft_with_another_vocabulary_is_refused(smollm, tmp_path):
-    from gpu_testutil import make_hf_model
+    from tests.support.hf_models import make_hf_model
 
     make_hf_model("llama", tmp_path / "draft")     # 160 tokens; SmolLM2 has 49152
     with pytest.raises(ValueError, match="vocabulary of 160 tokens, the target 49152"):

@@ -1,5 +1,5 @@
 """EAGLE and EAGLE3 heads (issue 35) on the whole engine, SmolLM2 in fp32 as the target:
-random-weight heads written in the published formats (tests/eagle_heads.py) draft, the
+random-weight heads written in the published formats (tests/support/eagle_heads.py) draft, the
 target verifies, and every stream is that of decoding without speculation, byte for byte
 (text, logprobs, usage): greedy, seeded at T = 0.8, n = 2, a stop string, a JSON schema,
 under preemption with chunked prefill. Random heads accept little; exactness is the point.
@@ -7,18 +7,13 @@ A start-up error for each bad head: another hidden size, another vocabulary, a m
 file (tests/gpu/test_eagle.py checks the head's parts)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1]))       # tests/eagle_heads.py
-sys.path.insert(0, str(Path(__file__).parent))
-import test_engine_spec as base  # noqa: E402
-from eagle_heads import eagle3_head, eagle_head  # noqa: E402
+from tests.support import spec_streams as base
+from tests.support.eagle_heads import eagle3_head, eagle_head
 
-from pipeline.core.config import EngineConfig  # noqa: E402
-from pipeline.core.engine import open_engine  # noqa: E402
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import open_engine
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +69,9 @@ async def test_eagle_heads_change_no_token_of_any_stream(smollm, heads, cfg, hea
     EAGLE-1 with room to spare (the EAGLE3 folder format drafts over HTTP:
     tests/e2e/test_e2e_spec_harmony.py); and EAGLE3 with --async-scheduling, its steps with
     drafts planned ahead as floating chunks that the head fills."""
-    if cfg not in base._OFF:        # shared with test_engine_spec.py's runs when both run
-        base._OFF[cfg], _ = await base._streams(smollm, None, base.BODIES, **base.CFGS[cfg])
-    off = base._OFF[cfg]
+    if cfg not in base.NO_SPEC_STREAMS:        # shared with test_engine_spec.py's runs (tests/support/spec_streams.py)
+        base.NO_SPEC_STREAMS[cfg], _ = await base.run_streams(smollm, None, base.BODIES, **base.CFGS[cfg])
+    off = base.NO_SPEC_STREAMS[cfg]
     on, stats, counts, drafter = await _on(smollm, heads[head], cfg, asynchronous)
     if asynchronous:
         assert drafter.floated >= 3, drafter.floated   # timing decides how many: 20+ seen
@@ -89,8 +84,8 @@ async def test_eagle_heads_change_no_token_of_any_stream(smollm, heads, cfg, hea
     for i, (a, b) in enumerate(zip(off, on)):
         assert a.endswith(b"data: [DONE]\n\n") and b.endswith(b"data: [DONE]\n\n")
         assert base.texts(a) == base.texts(b), (base.BODIES[i], base.texts(a), base.texts(b))
-        assert base._same_logprobs(base._logprob_list(a), base._logprob_list(b)), base.BODIES[i]
-        assert base._usage(a) == base._usage(b), base.BODIES[i]
+        assert base.same_logprobs(base.logprob_list(a), base.logprob_list(b)), base.BODIES[i]
+        assert base.usage_of(a) == base.usage_of(b), base.BODIES[i]
 
 
 @pytest.mark.parametrize("case", ["hidden", "vocab", "missing-weights", "missing-folder",
@@ -131,8 +126,7 @@ async def test_an_eagle_head_that_knows_the_target_drafts_what_it_samples(tmp_pa
     import torch
     from safetensors.torch import save_file
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "gpu"))
-    from gpu_testutil import make_hf_model
+    from tests.support.hf_models import make_hf_model
 
     target = tmp_path / "target"
     hf = make_hf_model("llama", None, num_hidden_layers=1)

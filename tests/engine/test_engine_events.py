@@ -8,7 +8,7 @@ import trio
 from pipeline.tools import timeline
 from pipeline.core.events import event_files
 from pipeline.tools.replay import Log, replay_log
-from test_engine import QUESTION, engine_of
+from tests.support.smollm_engine import QUESTION, engine_of
 
 
 async def _record(smollm, log, **cfg) -> dict[str, bytes]:

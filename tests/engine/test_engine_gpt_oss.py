@@ -3,7 +3,6 @@ caching through the real scheduler and block manager. (The model itself, against
 transformers: tests/gpu/test_gpt_oss.py.)"""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import orjson
@@ -12,8 +11,7 @@ import pytest
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "gpu"))   # tests/gpu's model helpers
-from gpu_testutil import make_hf_model  # noqa: E402
+from tests.support.hf_models import make_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ import orjson
 import pytest
 
 from stages.detokenize import token_text
-from test_engine import complete, engine_of
-from test_engine_prompts import dense_logprobs
+from tests.support.smollm_engine import complete, dense_logprobs, engine_of
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LABELS = [28, 9066, 2]     # three ids of SmolLM2's vocabulary

@@ -5,18 +5,10 @@ import orjson
 import pytest
 import torch
 
-from gpu.layers.attention_dense import DenseCausalAttention
-from test_engine import complete, engine_of
+from tests.support.smollm_engine import complete, dense_logprobs, engine_of
 
 TEXT = ("The history of the city of Paris begins with a small settlement on an island in "
         "the Seine, where a Celtic people called the Parisii fished and traded for centuries")
-
-
-def dense_logprobs(smollm, ids: list[int]) -> torch.Tensor:
-    """log_softmax of a plain dense forward over the whole prompt: row p scores token p+1."""
-    with torch.inference_mode():
-        hidden = smollm.model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention())
-        return torch.log_softmax(smollm.model.compute_logits(hidden).float(), dim=-1)
 
 
 def check_against_dense(prompt_logprobs: list, ids: list[int], ref: torch.Tensor, k: int) -> None:

@@ -6,9 +6,6 @@ plain cache's output. (The runner alone: tests/gpu/test_gpt_oss_sliding_kv.py; t
 manager: tests/stages/test_sliding_blocks.py.)"""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import orjson
 import pytest
 import torch
@@ -18,8 +15,7 @@ from gpu.layers.attention import KVCache
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "gpu"))   # tests/gpu's model helpers
-from gpu_testutil import make_hf_model  # noqa: E402
+from tests.support.hf_models import make_hf_model
 
 PER_BLOCK = KVCache.bytes_per_block(3, 16, 2, 16, torch.float32)   # the tiny model, fp32
 

@@ -4,78 +4,14 @@ The draft model is SmolLM2 itself (so nearly every draft must hold) and SmolLM2 
 bfloat16 (another precision: fewer hold, none changes a token)."""
 from __future__ import annotations
 
-
 import orjson
 import pytest
-import trio
 
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
-
-# drafts at every decode ("adaptive": false): the cost gate's choices depend on timing
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3, "adaptive": False}
-TEXT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "
-        "lazy dog. The quick brown fox")
-CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
-
-
-def engine_of(smollm, **cfg):
-    return open_engine(EngineConfig(**{"max_model_len": 256, "max_num_seqs": 8,
-                                       "async_scheduling": False, **cfg}), loaded=smollm)
-
-
-def texts(stream: bytes) -> dict[int, tuple[str, str]]:
-    """Each choice's text and finish_reason, whatever the chunking (several tokens may
-    come in one chunk; choices interleave by timing)."""
-    out: dict[int, list] = {}
-    for event in stream.split(b"\n\n"):
-        if event.startswith(b"data: {"):
-            for c in orjson.loads(event[6:])["choices"]:
-                o = out.setdefault(c["index"], ["", None])
-                o[0] += c.get("text") or (c.get("delta") or {}).get("content") or ""
-                o[1] = c.get("finish_reason") or o[1]
-    return {i: tuple(v) for i, v in out.items()}
-
-
-BODIES = [
-    ("completions", dict(prompt="Repeat this text: " + TEXT, max_tokens=24, logprobs=2)),
-    ("completions", dict(prompt="Repeat this text: " + TEXT, max_tokens=24, temperature=0.8,
-                         seed=11, logprobs=1)),
-    ("completions", dict(prompt=CODE + "\n# the same, again:\n" + CODE[:20], max_tokens=30,
-                         temperature=0.8, seed=3, n=2)),
-    ("completions", dict(prompt="Copy: " + TEXT, max_tokens=30, stop=["lazy"])),
-    ("completions", dict(prompt="Copy: " + TEXT, max_tokens=20, frequency_penalty=0.5,
-                         presence_penalty=0.3, repetition_penalty=1.1, temperature=0.8, seed=5)),
-    ("completions", dict(prompt="Copy: " + TEXT, max_tokens=20, min_tokens=15,
-                         logit_bias={"13": -2.0}, bad_words=["dog"])),
-    ("chat", dict(messages=[{"role": "user", "content": "Repeat exactly: " + TEXT}],
-                  max_tokens=24, logprobs=True, top_logprobs=2)),
-    ("completions", dict(prompt="xq zv 81 plk wre 5 mm", max_tokens=12, temperature=0.8, seed=9)),
-    # constrained output drafts too: each verify row masked by the grammar walked through
-    # the drafts before it (gpu/worker/grammar.py draft_masks)
-    ("chat", dict(messages=[{"role": "user", "content": "Repeat as JSON: " + TEXT}], max_tokens=20,
-                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
-                      "type": "object", "properties": {"text": {"type": "string", "maxLength": 40}},
-                      "required": ["text"]}}})),
-]
-
-
-async def _streams(smollm, spec, bodies, **cfg) -> tuple[list[bytes], object]:
-    out: list[bytes] = [b""] * len(bodies)
-    async with engine_of(smollm, speculative_config=spec, **cfg) as engine:
-        async def one(i, api, body):
-            reply = await engine.submit(api, {"model": engine.model_names[0], "temperature": 0,
-                                              "stream": True, "stream_options": {"include_usage": True},
-                                              **body}, request_id=f"r{i}")
-            out[i] = await reply.read()
-        async with trio.open_nursery() as n:
-            for i, (api, body) in enumerate(bodies):
-                n.start_soon(one, i, api, body)
-        stats = engine.stats()
-        spec_counts = engine.scheduler.spec
-        floated = getattr(engine.scheduler, "num_floated", 0)
-    return out, (stats, spec_counts, floated)
+from tests.support.spec_streams import (BODIES, CFGS, CODE, NO_SPEC_STREAMS, SPEC, SPECS, TEXT, draft_spec,
+                                        engine_of, logprob_list, run_streams, same_logprobs, texts,
+                                        usage_of)
 
 
 async def test_a_draft_as_large_as_the_target_is_left_off_by_the_gate(smollm, caplog):
@@ -85,30 +21,13 @@ async def test_a_draft_as_large_as_the_target_is_left_off_by_the_gate(smollm, ca
     warm-up or catch-ups, the streams are speculation off's, and the start-up log says why."""
     caplog.set_level("INFO", logger="tailrace")
     bodies = BODIES[:2]
-    on, (_, counts, _) = await _streams(smollm, SPECS["draft-self"], bodies)
-    off, _ = await _streams(smollm, None, bodies)
+    on, (_, counts, _) = await run_streams(smollm, SPECS["draft-self"], bodies)
+    off, _ = await run_streams(smollm, None, bodies)
     assert counts.num_drafts == 0, vars(counts)
     assert [texts(s) for s in on] == [texts(s) for s in off]
     said = [r for r in caplog.records if "speculative decoding" in r.getMessage()]
     assert said and said[-1].levelname == "WARNING", [r.getMessage() for r in said]
     assert "costs 1.00x the target's multiply-adds" in said[-1].getMessage()
-
-
-# a KV cache small enough to preempt, and chunked prefill
-TIGHT = dict(num_gpu_blocks_override=14, block_size=8, max_num_batched_tokens=32)
-CFGS = {"roomy": {}, "preempting": TIGHT}
-
-
-def draft_spec(**kw) -> dict:
-    from gpu.tokenizers.files import default_model_path
-
-    return {"method": "draft_model", "model": str(default_model_path()),
-            "num_speculative_tokens": 3, **kw}
-
-
-SPECS = {"ngram": SPEC, "ngram-async": SPEC, "draft-self": draft_spec(),
-         "draft-self-async": draft_spec(), "draft-bf16": draft_spec(dtype="bfloat16")}
-_OFF: dict[str, list[bytes]] = {}     # each layout's streams without speculation, made once
 
 
 @pytest.mark.parametrize("cfg,method", [("roomy", "ngram"), ("preempting", "ngram"),
@@ -124,11 +43,11 @@ async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg, method)
     ever turns drafting off, which is decoding without speculation. ngram-async: with
     async scheduling, steps with drafts planned ahead of the verify before them (floating
     chunks, whose starts and drafts the runner works out)."""
-    if cfg not in _OFF:
-        _OFF[cfg], _ = await _streams(smollm, None, BODIES, **CFGS[cfg])
-    off = _OFF[cfg]
+    if cfg not in NO_SPEC_STREAMS:
+        NO_SPEC_STREAMS[cfg], _ = await run_streams(smollm, None, BODIES, **CFGS[cfg])
+    off = NO_SPEC_STREAMS[cfg]
     extra = {"async_scheduling": True} if method.endswith("-async") else {}
-    on, (stats, counts, floated) = await _streams(smollm, {**SPECS[method], "adaptive": False},
+    on, (stats, counts, floated) = await run_streams(smollm, {**SPECS[method], "adaptive": False},
                                                   BODIES, **CFGS[cfg], **extra)
     if extra:    # how many steps are planned ahead follows the timing: 10-60 seen
         assert floated >= 3, floated
@@ -151,47 +70,9 @@ async def test_spec_decoding_changes_no_token_of_any_stream(smollm, cfg, method)
         assert a.endswith(b"data: [DONE]\n\n") and b.endswith(b"data: [DONE]\n\n")
         assert texts(a) == texts(b), (BODIES[i], texts(a), texts(b))
         assert len(texts(a)) == BODIES[i][1].get("n", 1)
-        assert _same_logprobs(_logprob_list(a), _logprob_list(b)), BODIES[i]
-        assert _usage(a) == _usage(b), BODIES[i]
+        assert same_logprobs(logprob_list(a), logprob_list(b)), BODIES[i]
+        assert usage_of(a) == usage_of(b), BODIES[i]
     assert counts.num_accepted_tokens > 10, vars(counts)
-
-
-def _logprob_list(stream: bytes) -> list:
-    """Every emitted token's logprob entries, in order, per choice."""
-    out: dict[int, list] = {}
-    for event in stream.split(b"\n\n"):
-        if event.startswith(b"data: {"):
-            for c in orjson.loads(event[6:])["choices"]:
-                lp = c.get("logprobs")
-                if not lp:
-                    continue
-                if "content" in lp:          # chat
-                    items = [(x["token"], x["logprob"],
-                              [(t["token"], t["logprob"]) for t in x["top_logprobs"]])
-                             for x in lp["content"]]
-                else:
-                    items = list(zip(lp["tokens"], lp["token_logprobs"]))
-                out.setdefault(c["index"], []).extend(items)
-    return sorted(out.items())
-
-
-def _same_logprobs(a: list, b: list) -> bool:
-    """The same tokens with the same logprobs, to fp32's noise: a verify pass (or a
-    prefill recomputed after preemption) is a wider forward than a decode."""
-    if isinstance(a, float) or isinstance(b, float):
-        return abs(a - b) < 2e-3
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_logprobs(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def _usage(stream: bytes) -> dict:
-    for event in stream.split(b"\n\n"):
-        if event.startswith(b"data: {"):
-            chunk = orjson.loads(event[6:])
-            if chunk.get("usage"):    # cached tokens depend on which request came first
-                return {k: chunk["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
-    raise AssertionError("no usage chunk")
 
 
 async def test_stand_in_accepts_drafts_at_its_probability():
@@ -355,9 +236,9 @@ async def test_constrained_sequences_draft_and_change_no_token(smollm):
                          response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
                              "type": "object", "properties": {"text": {"type": "string"}},
                              "required": ["text"]}}}))
-    off, _ = await _streams(smollm, None, [body])
-    on, (_, counts, _) = await _streams(smollm, SPEC, [body])
+    off, _ = await run_streams(smollm, None, [body])
+    on, (_, counts, _) = await run_streams(smollm, SPEC, [body])
     assert texts(off[0]) == texts(on[0])
     assert texts(on[0])[0][0].lstrip().startswith('{') and '"text"' in texts(on[0])[0][0]   # the grammar's
-    assert _same_logprobs(_logprob_list(off[0]), _logprob_list(on[0]))
+    assert same_logprobs(logprob_list(off[0]), logprob_list(on[0]))
     assert counts.num_draft_tokens >= 10 and counts.num_accepted_tokens >= 5, vars(counts)

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from stages.render import RequestError
-from test_engine import QUESTION, complete, engine_of
+from tests.support.smollm_engine import QUESTION, complete, engine_of
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 20},

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import base64
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import orjson
 import torch
 import trio
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from vision_models import llava_dir, qwen_vl_dir  # noqa: E402
+from tests.support.vision_models import llava_dir, qwen_vl_dir
 
 
 def picture(seed: int):

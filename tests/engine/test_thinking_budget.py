@@ -3,8 +3,6 @@ with stand-in <think>/</think> ids. A logit bias keeps the model from ever closi
 reasoning (or makes it open one at every token), so that each </think> seen is the forced
 one: after exactly `budget` reasoning tokens."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +11,7 @@ from gpu.layers.attention import KVCache
 from gpu.interface import SamplingOptions
 from gpu.loader.decoder import load_model
 from gpu.worker.runner import ModelRunner
-sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # tests/stages' helpers
-from rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered
 from stages.schedule import AsyncScheduler, Scheduler
 from stages.schedule.blocks import BlockManager
 

@@ -10,7 +10,7 @@ import torch
 from gpu.layers.attention_dense import DenseCausalAttention
 from gpu.loader.decoder import choose_residual_dtype
 from gpu.models.causal_lm import CausalLM, exact_top_logits
-from test_bf16_agreement import PROMPTS, greedy_runner
+from tests.support.greedy_runs import PROMPTS, greedy_runner
 
 NEW_TOKENS = 12
 

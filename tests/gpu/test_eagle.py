@@ -3,20 +3,15 @@ hidden_states (vLLM's layer ids: id i is the residual stream entering layer i), 
 head's draft vocabulary mapped by d2t, and the formats' configs read alike."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from eagle_heads import eagle3_head  # noqa: E402
-from gpu_testutil import make_hf_model  # noqa: E402
+from tests.support.eagle_heads import eagle3_head
+from tests.support.hf_models import make_hf_model
 
-from gpu.layers.attention_dense import DenseCausalAttention  # noqa: E402
-from gpu.worker.spec_decode.eagle import HeadError, load_head, read_head  # noqa: E402
-from gpu.loader.decoder import load_model  # noqa: E402
+from gpu.layers.attention_dense import DenseCausalAttention
+from gpu.worker.spec_decode.eagle import HeadError, load_head, read_head
+from gpu.loader.decoder import load_model
 
 
 @pytest.fixture(scope="module")

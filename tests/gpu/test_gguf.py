@@ -8,7 +8,7 @@ import torch
 from gpu.layers.attention_dense import greedy_generate
 from gpu.loader.decoder import default_model_path, load_model
 from gpu.formats.gguf import _PER_BLOCK, _TOP_LEVEL
-from gpu_testutil import hf_logits, make_hf_model, our_logits
+from tests.support.hf_models import hf_logits, make_hf_model, our_logits
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101]
 Q = gguf.GGMLQuantizationType

@@ -18,7 +18,7 @@ from gpu.config.model import ModelConfig
 from gpu.loader.decoder import load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.worker.runner import ModelRunner
-from gpu_testutil import hf_logits, make_hf_model, our_logits
+from tests.support.hf_models import hf_logits, make_hf_model, our_logits
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101] * 2  # 40 tokens
 CONFIGS = Path(gpu.__file__).parent / "configs"

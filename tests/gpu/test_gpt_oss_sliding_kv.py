@@ -8,7 +8,7 @@ import pytest
 from gpu.models.registry import config_from_hf
 from gpu.layers.attention import KVCache, hybrid_layout, split_for_sliding
 from gpu.config.model import ModelConfig
-from gpu_testutil import make_hf_model
+from tests.support.hf_models import make_hf_model
 
 
 @pytest.fixture(scope="module")

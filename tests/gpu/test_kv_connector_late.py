@@ -9,26 +9,7 @@ import threading
 import time
 
 from gpu.kv_transfer.connector import KVConnector
-from gpu.kv_transfer.nixl import TransferFailed
-
-
-class FakeNixl:
-    """Handles whose state the test sets: "PROC", "DONE" or an error."""
-
-    def __init__(self) -> None:
-        self.state: dict[object, str] = {}
-        self.removed: list[str] = []
-
-    def done(self, handle) -> bool:
-        state = self.state[handle]
-        if state == "PROC":
-            return False
-        if state != "DONE":
-            raise TransferFailed(f"the KV read failed ({state})")
-        return True
-
-    def remove_remote(self, name: str) -> None:
-        self.removed.append(name)
+from tests.support.fake_nixl import FakeNixl
 
 
 def connector(timeout_s: float) -> tuple[KVConnector, FakeNixl]:

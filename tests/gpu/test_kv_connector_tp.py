@@ -17,7 +17,7 @@ import trio
 
 from gpu.interface import KVRead
 from gpu.kv_transfer.connector import KVConnector, RankReads, TPKVConnector
-from test_kv_connector_late import FakeNixl as LateFakeNixl
+from tests.support.fake_nixl import FakeNixl as LateFakeNixl
 
 WHERE = ("10.0.0.1", 5600)
 

@@ -9,7 +9,7 @@ from gpu.models.registry import config_from_hf
 from gpu.config.model import ModelConfig
 from gpu.loader.decoder import load_model
 from gpu.layers.ops import build_rope_cache
-from gpu_testutil import hf_logits, make_hf_model, our_logits
+from tests.support.hf_models import hf_logits, make_hf_model, our_logits
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101] * 3  # 60 tokens
 

@@ -10,7 +10,7 @@ from gpu.models.registry import config_from_hf
 from gpu.quantization import mxfp4
 from gpu.loader.decoder import load_model
 from gpu.layers.moe import Experts, PackedExperts
-from gpu_testutil import make_hf_model, our_logits
+from tests.support.hf_models import make_hf_model, our_logits
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101]
 

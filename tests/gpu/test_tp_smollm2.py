@@ -6,7 +6,7 @@ import torch
 
 from gpu.loader.decoder import default_model_path, load_model
 from gpu.parallel import SINGLE
-from tp_testutil import greedy, logits, run_ranks
+from tests.support.tp_ranks import greedy, logits, run_ranks
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
 NEW_TOKENS = 8

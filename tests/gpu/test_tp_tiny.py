@@ -18,8 +18,8 @@ import gpu
 from gpu.quantization import mxfp4
 from gpu.loader.decoder import load_model
 from gpu.parallel import SINGLE, TP
-from gpu_testutil import make_hf_model
-from tp_testutil import greedy, logits, paged_greedy, run_ranks
+from tests.support.hf_models import make_hf_model
+from tests.support.tp_ranks import greedy, logits, paged_greedy, run_ranks
 
 PROMPTS = [[3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1], [64, 9, 33, 120, 77, 2, 45, 101, 7, 7]]
 NEW_TOKENS = 6

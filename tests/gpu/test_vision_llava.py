@@ -1,20 +1,15 @@
-"""The tiny llava-hf LLaVA (tests/vision_models.py) against transformers (issue 34): our
+"""The tiny llava-hf LLaVA (tests/support/vision_models.py) against transformers (issue 34): our
 pixel values and placeholder counts against its processor on several sizes and aspect
 ratios, and our logits against LlavaForConditionalGeneration's on the same picture and
 prompt."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-from vision_models import llava_dir  # noqa: E402
-from gpu_testutil import our_logits  # noqa: E402
+from tests.support.vision_models import llava_dir
+from tests.support.hf_models import our_logits
 
 
 def picture(h: int, w: int, seed: int):

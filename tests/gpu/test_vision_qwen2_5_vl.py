@@ -1,4 +1,4 @@
-"""The tiny Qwen2.5-VL (tests/vision_models.py) against transformers (issue 34): our
+"""The tiny Qwen2.5-VL (tests/support/vision_models.py) against transformers (issue 34): our
 patches, grids and placeholder counts against Qwen2VLImageProcessor and the Qwen2.5-VL
 processor on several sizes and aspect ratios (and with mm_processor_kwargs), the vision
 tower's features and the decoder's logits (M-RoPE) against
@@ -7,17 +7,13 @@ chunked prefill through a picture against transformers' generate."""
 from __future__ import annotations
 
 from gpu.models.registry import config_from_hf
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-from vision_models import qwen_vl_dir  # noqa: E402
-from gpu_testutil import our_logits  # noqa: E402
+from tests.support.vision_models import qwen_vl_dir
+from tests.support.hf_models import our_logits
 
 
 def picture(h: int, w: int, seed: int):

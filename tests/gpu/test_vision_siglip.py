@@ -1,21 +1,16 @@
-"""The tiny llava-hf LLaVA with a SigLIP vision tower (tests/vision_models.py, tower
+"""The tiny llava-hf LLaVA with a SigLIP vision tower (tests/support/vision_models.py, tower
 "siglip": no class token, read at its last layer with strategy "full", as
 llava-interleave's layout) against transformers (issue 34): our pixel values and
 placeholder counts against SiglipImageProcessor and LlavaProcessor on several sizes and
 aspect ratios, and our logits against LlavaForConditionalGeneration's."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-from vision_models import SIGLIP_PATCH, SIGLIP_SIZE, llava_dir  # noqa: E402
-from gpu_testutil import our_logits  # noqa: E402
+from tests.support.vision_models import SIGLIP_PATCH, SIGLIP_SIZE, llava_dir
+from tests.support.hf_models import our_logits
 
 TOKENS = (SIGLIP_SIZE // SIGLIP_PATCH) ** 2      # 16: every patch, no class token to drop
 

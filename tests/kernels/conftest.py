@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 
+from tests.support.tiny_runners import TINY_QWEN3
+
 
 @pytest.fixture
 def device() -> str:
@@ -22,14 +24,6 @@ TOLERANCES = {
 @pytest.fixture
 def tol():
     return lambda dtype: TOLERANCES[dtype]
-
-
-# A tiny random Qwen3 (2 layers, 96-token vocabulary) for the runner-level tests.
-TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96,
-              "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "tie_word_embeddings": True}
 
 
 @pytest.fixture

@@ -38,9 +38,8 @@ def test_compiled_kernels_is_none_under_the_interpreter():
 def test_graph_splits_check_eager_half(tmp_path):
     if torch.cuda.is_available():   # the GPU runs the full check in gpu_check.sh step 2b
         return
-    from tests.kernels.conftest import TINY_QWEN3
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from check_graph_splits import check
+    from scripts.check_graph_splits import check
+    from tests.support.tiny_runners import TINY_QWEN3
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))
     result = check(str(tmp_path), "float32", [1, 5], [3], max_ctx=70)

@@ -1,7 +1,7 @@
 """Every tensor of the torch and device paths stays on the metadata's device.
 
 The model, the KV cache and the step's inputs live on the "meta" device; DeviceCheck
-(tests/kernels/device_check.py) fails any op that meets a tensor created on the CPU by
+(tests/support/device_check.py) fails any op that meets a tensor created on the CPU by
 default. On CUDA that mistake is a device-mismatch error at the first step; here it
 shows without a GPU."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_check import DeviceCheck, DeviceMismatch
+from tests.support.device_check import DeviceCheck, DeviceMismatch
 from gpu.layers.attention import KVCache, TorchPagedAttention
 from gpu.loader.decoder import load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan

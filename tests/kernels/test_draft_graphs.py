@@ -22,9 +22,8 @@ from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.loader.decoder import load_model
 from gpu.worker.runner import ModelRunner
 from stages.schedule.drafter import DRAFT
-from tests.eagle_heads import eagle3_head
-from tests.kernels.test_runner_triton import TINY_QWEN3
-from tests.kernels.test_verify_graphs import fake_capture
+from tests.support.eagle_heads import eagle3_head
+from tests.support.tiny_runners import TINY_QWEN3, fake_capture
 
 K = 3
 TABLES = {"a": (0, 1, 2, 8, 11), "b": (3, 4, 6, 9, 12), "c": (5, 7, 10)}

@@ -3,35 +3,12 @@ against the torch path, on a tiny random Qwen3. On CPU it runs under TRITON_INTE
 so this checks the wiring (argument order, layouts, metadata) without a GPU."""
 from __future__ import annotations
 
-import json
-
 import attrs
 import pytest
 import torch
 
-from gpu.layers.attention import KVCache
-from gpu.loader.decoder import load_model
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
-from gpu.worker.runner import ModelRunner
-
-TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 96,
-              "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "tie_word_embeddings": True}
-
-
-def runner_pair(tmp_path, device):
-    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))
-    lm = load_model(tmp_path, load_format="dummy", dtype="float32", device=str(device), seed=1,
-                    progress=False).model
-    c = lm.config
-
-    def make(use_triton: bool) -> ModelRunner:
-        cache = KVCache(c.num_hidden_layers, 12, 4, c.num_key_value_heads, c.head_dim, torch.float32, device)
-        return ModelRunner(lm, cache, device=device, use_triton=use_triton)
-
-    return lm, make(False), make(True)
+from tests.support.tiny_runners import runner_pair
 
 
 def capture_logits(lm, runner, plans):

@@ -12,25 +12,9 @@ import torch
 from gpu.worker.cuda_graphs import DecodeGraphs, VerifyGraphs
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from gpu.worker.staging import prepare_step
-from tests.kernels.test_runner_triton import runner_pair
+from tests.support.tiny_runners import fake_capture, runner_pair
 
 BLOCK = 4     # runner_pair's cache: 12 blocks of 4 tokens
-
-
-class EagerGraph:
-    """A captured graph's stand-in: replay runs the forward the capture recorded."""
-
-    def __init__(self, graphs, bs: int) -> None:
-        self.graphs, self.bs, self.replays = graphs, bs, 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.graphs.attn.prepare(self.graphs._views(self.bs))
-        self.graphs._forward(self.bs)
-
-
-def fake_capture(graphs) -> None:
-    graphs.graphs = {bs: EagerGraph(graphs, bs) for bs in graphs.sizes}
 
 
 def kv(runner):

@@ -7,7 +7,6 @@ Replay over these files is tests/engine/test_engine_events.py; whole-server logs
 tests/e2e/test_e2e_events.py."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import attrs
@@ -28,8 +27,7 @@ from stages.delta import (Delta, FinishReason, PromptLogprob, RequestMetrics, To
 from stages.emit import ReplyEnd
 from stages.messages import ReplySpec, ResponseEcho, Step
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
-from rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
 DATA = Path(__file__).parent / "data"

@@ -1,9 +1,9 @@
-"""The servers tests/procs share (helpers: procs_util.py)."""
+"""The servers tests/procs share (helpers: tests/support/serve_processes.py)."""
 from __future__ import annotations
 
 import pytest
 
-from procs_util import start
+from tests.support.serve_processes import start
 
 @pytest.fixture(scope="module")
 def two_frontends(tmp_path_factory):

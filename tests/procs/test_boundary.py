@@ -10,7 +10,7 @@ import sys
 import orjson
 import httpx
 
-from procs_util import metrics, on_new_connection, scrape_on_new_connection, start, wait_for
+from tests.support.serve_processes import metrics, on_new_connection, scrape_on_new_connection, start, wait_for
 
 PROMPT = "The capital of France is"
 

@@ -12,7 +12,7 @@ import trio
 
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
-from procs_util import metrics, start
+from tests.support.serve_processes import metrics, start
 
 PROMPT = "Repeat this text: The quick brown fox jumps over the lazy dog. The quick brown fox"
 BODIES = [dict(prompt=PROMPT, max_tokens=16, temperature=0),

@@ -3,9 +3,6 @@ EngineReplies (who owns each request, the admitted count over every frontend) an
 (one frame per frontend per step, under the frontend's own ids)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import attrs
 import trio
 
@@ -17,8 +14,7 @@ from stages.admit import Accepted
 from stages.delta import Delta, FinishReason
 from stages.messages import Control, Step
 from stages.render import RequestError
-sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
-from rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered
 
 
 class FakeLink:

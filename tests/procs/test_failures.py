@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from procs_util import holder, metrics, process_group, server_side_inode, start, wait_for
+from tests.support.serve_processes import holder, metrics, process_group, server_side_inode, start, wait_for
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
 

@@ -1,7 +1,7 @@
 """A frontend process of --api-server-count never loads torch: its modules import with
-torch, triton and xgrammar blocked (tests/import_block.py, the check
+torch, triton and xgrammar blocked (tests/support/blocked_imports.py, the check
 tests/stages/test_torch_free.py runs too)."""
-from import_block import import_blocked
+from tests.support.blocked_imports import import_blocked
 
 MODULES = ("pipeline.layouts.frontend", "pipeline.layouts.wire", "pipeline.core.client",
            "pipeline.layouts.procs", "pipeline.layouts.process", "pipeline.core.logs",

@@ -21,7 +21,7 @@ import httpx
 import orjson
 import pytest
 
-from procs_util import metrics, start
+from tests.support.serve_processes import metrics, start
 
 CONFIG = Path(__file__).parents[2] / "gpu" / "configs" / "gpt-oss-tiny"
 # drafts at every step ("adaptive": false): the cost gate's choices depend on timing

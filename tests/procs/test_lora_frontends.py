@@ -6,17 +6,13 @@ the oracle is peft's merged model."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from procs_util import json_on_new_connection, start
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lora"))
-from gpu_testutil import make_hf_model  # noqa: E402
-from lora_testutil import hf_greedy, make_adapter  # noqa: E402
+from tests.support.serve_processes import json_on_new_connection, start
+from tests.support.hf_models import make_hf_model
+from tests.support.lora_adapters import hf_greedy, make_adapter
 
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1]
 N = 6

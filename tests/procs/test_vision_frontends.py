@@ -1,20 +1,16 @@
 """Images behind `--api-server-count 2` (issue 34): each frontend fetches and preprocesses the
 picture in render (numpy and Pillow, no torch), and the `ImageInput` (offset, length, hash,
 pixels) crosses the frontend -> engine wire as plain data; the engine's tower encodes it.
-On the tiny llava-hf LLaVA (tests/vision_models.py); the oracle is transformers' generate."""
+On the tiny llava-hf LLaVA (tests/support/vision_models.py); the oracle is transformers' generate."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from procs_util import json_on_new_connection, start
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from test_e2e_vision import IMG_A, IMG_B, ask, data_url, hf_ask, hf_generate  # noqa: E402
-from vision_models import llava_dir  # noqa: E402
+from tests.support.serve_processes import json_on_new_connection, start
+from tests.support.vision_chats import IMG_A, IMG_B, ask, data_url, hf_ask, hf_generate
+from tests.support.vision_models import llava_dir
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import trio
 
-from relutil import served
+from tests.support.live_servers import served
 from web import cli
 from web.access import api_keys
 from web.app import AppConfig

@@ -14,7 +14,7 @@ import trio
 
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from pipeline.tools.harness import ScriptedRunner, run_stage
-from relutil import record, served, settled, sse_events
+from tests.support.live_servers import record, served, settled, sse_events
 from stages import gpu_step
 
 STREAM = {"prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True, "stream": True}

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relutil import threaded_server
+from tests.support.live_servers import threaded_server
 from web.app import create_app
 
 # A valid body for each endpoint (others start from {}); each example breaks one thing.

@@ -14,8 +14,8 @@ import orjson
 import trio
 
 from pipeline.core.events import read_events
-from relutil import (engine_figures, memory_channel_count, record, rss_bytes, served, settled,
-                     sse_events, trio_task_count)
+from tests.support.live_servers import (engine_figures, memory_channel_count, record, rss_bytes, served, settled,
+                                        sse_events, trio_task_count)
 
 MiB = 1 << 20
 

@@ -14,7 +14,7 @@ import orjson
 import trio
 
 from pipeline.core.events import read_events
-from relutil import record, served, settled, sse_events, tailrace_serve
+from tests.support.live_servers import record, served, settled, sse_events, tailrace_serve
 from web import server
 
 SECRET = "sk-tailrace-test-6f1d0c0ffee"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.account import TTFT_BUCKETS, Accountant, Histogram
 from stages.delta import Delta, FinishReason, Usage
 from stages.messages import Step

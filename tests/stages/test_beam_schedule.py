@@ -14,7 +14,7 @@ import math
 import pytest
 
 from gpu.interface import StepPlan, StepResult, TokenLogprobs
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.delta import FinishReason
 from stages.messages import SamplingParams
 from stages.schedule import Scheduler

@@ -27,7 +27,7 @@ def test_step_round_trips_through_the_event_log_converter():
 
 def test_account_timings_histograms_and_per_request_metrics():
     import attrs as _attrs
-    from rendered import rendered
+    from tests.support.rendered import rendered
     from stages.account import Accountant
 
     req = _attrs.evolve(rendered("a", (1, 2, 3, 4)), arrival=10.0, per_request_metrics=True)

@@ -11,7 +11,7 @@ from stages.api.completions import CompletionFramer
 from stages.api.framing import STATUS_CLIENT_CLOSED
 from stages.api.responses_framing import ResponsesFramer
 from stages.emit import framer_for as Framer
-from rendered import rendered
+from tests.support.rendered import rendered
 
 CREATED = 1700000000
 

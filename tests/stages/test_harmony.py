@@ -8,7 +8,6 @@ import itertools
 import json
 import random
 
-import attrs
 import orjson
 import pytest
 from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort,
@@ -16,13 +15,12 @@ from openai_harmony import (Author, Conversation, DeveloperContent, Message, Rea
 
 from gpu.tokenizers.harmony import harmony_encoding, uses_harmony
 from stages.api.common import RequestError, ToolPlan, ToolSettings
-from stages.delta import Delta, FinishReason, Usage
+from stages.delta import FinishReason
 from stages.emit import framer_for
 from stages.api.harmony import HarmonyState
-from stages.parse import Parser
-from stages.messages import Step, Submission
+from stages.messages import Submission
 from stages.render import RenderContext, render, tokenize
-from rendered import rendered
+from tests.support.harmony_turns import AUTO, call, completion, joined, parse, said
 
 HARMONY = ToolSettings(True, "openai", True)       # what the engine implies for gpt-oss
 WEATHER = {"type": "function", "function": {
@@ -71,15 +69,6 @@ def user(text: str) -> Message:
     return Message.from_role_and_content(Role.USER, text)
 
 
-def said(text: str, channel: str) -> Message:
-    return Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel)
-
-
-def call(name: str, args: str) -> Message:
-    return (Message.from_role_and_content(Role.ASSISTANT, args).with_channel("commentary")
-            .with_recipient(f"functions.{name}").with_content_type("<|constrain|>json"))
-
-
 def result(name: str, text: str) -> Message:
     return (Message.from_author_and_content(Author.new(Role.TOOL, f"functions.{name}"), text)
             .with_channel("commentary").with_recipient("assistant"))
@@ -89,20 +78,6 @@ def prompt_of(enc, *messages: Message) -> tuple[int, ...]:
     return tuple(enc.render_conversation_for_completion(
         Conversation.from_messages(list(messages)), Role.ASSISTANT,
         RenderConversationConfig(auto_drop_analysis=False)))
-
-
-def completion(enc, *messages: Message, end: str = "<|return|>") -> list[int]:
-    """What the model writes after the prompt's `<|start|>assistant`: the messages as
-    openai-harmony renders them, without that first header, the last one ending in `end`
-    (<|return|> for an answer; a call already ends in <|call|>)."""
-    head = enc.encode("<|start|>assistant", allowed_special="all")
-    ids = [t for m in messages for t in enc.render(m)]
-    assert ids[:len(head)] == head
-    ids = ids[len(head):]
-    last = enc.encode(end, allowed_special="all")[0]
-    if ids[-1] == enc.encode("<|end|>", allowed_special="all")[0]:
-        ids[-1] = last
-    return ids
 
 
 # -- rendering ---------------------------------------------------------------------------
@@ -322,30 +297,6 @@ def splits(ids: list[int]):
     for _ in range(3):
         cuts = sorted(rng.sample(range(1, len(ids)), min(4, len(ids) - 1)))
         yield [ids[a:b] for a, b in itertools.pairwise([0, *cuts, len(ids)])]
-
-
-def parse(pieces: list[list[int]], *, api="chat", plan: ToolPlan | None = None,
-          finish=FinishReason.STOP, stream=False, body=None, text=None):
-    req = rendered("r1", api=api, stream=stream, body=body)
-    req = attrs.evolve(req, tools=plan)
-    parser = Parser("openai_gptoss")
-    deltas = []
-    for i, ids in enumerate(pieces):
-        last = i == len(pieces) - 1
-        d = Delta("r1", tuple(ids), finish if last else None,
-                  text="" if text is None else text[i], usage=Usage(3, i + 1) if last else None)
-        deltas.append(parser.process(Step(i, (req,) if i == 0 else (), (d,))).deltas[0])
-    assert not parser.harmony
-    return req, deltas
-
-
-def joined(deltas):
-    return ("".join(d.content for d in deltas), "".join(d.reasoning for d in deltas),
-            [(c.index, c.name, c.arguments) for d in deltas for c in d.tool_calls],
-            deltas[-1].finish_reason)
-
-
-AUTO = ToolPlan("auto", parser="openai")
 
 
 def test_analysis_is_reasoning_and_final_is_content(enc):

@@ -3,7 +3,7 @@ its header words (stop "final" must not stop at <|channel|>final), one token a s
 import pytest
 
 from gpu.tokenizers.harmony import harmony_encoding, harmony_tokenizer
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.delta import Delta, FinishReason
 from stages.detokenize import Detokenizer, HarmonyMarks
 from stages.messages import Step

@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from gpu.interface import StepResult
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.delta import FinishReason
 from stages.kv_transfer import (KVParamsError, KVTransfer, KVTransferConfig, RemotePrefill,
                                     request_params)

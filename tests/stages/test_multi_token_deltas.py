@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from pipeline.tools.harness import run_stage
-from rendered import rendered
 from stages import detokenize, parse
 from stages.delta import Delta, FinishReason
 from stages.messages import Step
-from test_harmony import AUTO, call, completion, joined, parse as parse_pieces, said
+from tests.support.harmony_turns import AUTO, call, completion, joined, parse as parse_pieces, said
+from tests.support.rendered import rendered
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.api.common import ToolPlan
 from stages.delta import Delta, FinishReason
 from stages.parse import REASONING_PARSERS, Parser

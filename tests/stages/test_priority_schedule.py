@@ -7,11 +7,11 @@ import attrs
 import pytest
 
 from gpu.interface import StepResult
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.schedule import AsyncScheduler, Scheduler
 from stages.schedule.blocks import BlockManager
-from test_scheduler_invariants import check, kvcheck
-from workload import Workload, sampled_token
+from tests.support.scheduler_checks import check, kvcheck
+from tests.support.scheduler_workload import Workload, sampled_token
 
 
 def req(rid, prompt, priority=0, max_tokens=4):
@@ -154,7 +154,7 @@ def test_priority_invariants_hold(seed, cls):
 
 # -- render: the request field -------------------------------------------------------------
 def test_render_refuses_priority_without_the_policy_and_carries_it_with():
-    from test_render import chat, completion, error_of, make_ctx
+    from tests.support.render_requests import chat, completion, error_of, make_ctx
 
     err = error_of(chat, {"priority": 3})
     assert err.status == 400 and err.param == "priority"
@@ -166,7 +166,7 @@ def test_render_refuses_priority_without_the_policy_and_carries_it_with():
 
 
 def test_render_thinking_token_budget_needs_a_reasoning_parser():
-    from test_render import chat, completion, error_of, make_ctx
+    from tests.support.render_requests import chat, completion, error_of, make_ctx
 
     err = error_of(chat, {"thinking_token_budget": 5})
     assert err.status == 400 and err.param == "thinking_token_budget"

@@ -13,7 +13,7 @@ import trio
 
 from gpu.interface import PLACEHOLDER, Constraint, ConstraintCompiler, StepResult
 from pipeline.tools.harness import ScriptedRunner
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages import gpu_step, schedule
 from stages.delta import FinishReason
 from stages.messages import Abort

@@ -5,7 +5,7 @@ import attrs
 
 from gpu.interface import StepResult
 from stages.schedule.blocks import BlockManager
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.messages import RenderedRequest
 from stages.delta import FinishReason
 from stages.schedule import Scheduler

@@ -13,10 +13,10 @@ from collections import Counter
 import pytest
 
 from gpu.interface import PLACEHOLDER, StepResult
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.schedule.blocks import BlockManager
 from stages.schedule import AsyncScheduler, Scheduler
-from workload import RunnerModel, Workload
+from tests.support.scheduler_workload import RunnerModel, Workload
 
 
 def check_hybrid(s):

@@ -7,12 +7,12 @@ import random
 import pytest
 
 from gpu.interface import StepResult
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.schedule.blocks import BlockManager
 from stages.delta import FinishReason
 from stages.schedule.drafter import NgramDrafter, NgramIndex, SpeculativeConfig
 from stages.schedule import Scheduler
-from test_scheduler_invariants import check
+from tests.support.scheduler_checks import check
 
 
 def spec_scheduler(nb, bs, k=3, **kw):

@@ -10,7 +10,7 @@ from stages import account, admit, detokenize, emit, gpu_step, parse, render, sc
 from stages.admit import Accepted, Admission
 from stages.schedule.blocks import BlockManager
 from stages.delta import Delta, FinishReason, Usage
-from rendered import rendered as make_rendered
+from tests.support.rendered import rendered as make_rendered
 from stages.messages import Abort, FinishRequest, RenderedRequest, SamplingParams, Step, Submission
 from stages.render import RenderContext, RequestError
 from stages.replies import Replies

@@ -11,7 +11,7 @@ from gpu.interface import Constraint
 from gpu.worker.grammar import check
 from stages.api.common import RequestError
 from stages.api.structured import refusal
-from test_render import chat, completion, responses
+from tests.support.render_requests import chat, completion, responses
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 AS_SCHEMA = Constraint("json_schema", json.dumps(SCHEMA))

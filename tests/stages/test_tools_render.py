@@ -8,7 +8,7 @@ import pytest
 from gpu.worker.grammar import check
 from stages.api.common import RequestError, ToolPlan, ToolSettings
 from stages.api.structured import refusal
-from test_render import FakeTokenizer, chat, error_of, make_ctx, responses
+from tests.support.render_requests import FakeTokenizer, chat, error_of, make_ctx, responses
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

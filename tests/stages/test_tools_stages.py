@@ -11,7 +11,7 @@ from stages.delta import Delta, FinishReason, Usage
 from stages.emit import framer_for
 from stages.parse import Parser
 from stages.messages import Step
-from rendered import rendered
+from tests.support.rendered import rendered
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
 TEXT = ['Sure.', ' <tool_', 'call>{"name": "get_weather", "arguments": {"city": ',

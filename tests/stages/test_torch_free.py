@@ -1,7 +1,7 @@
 """The frontend never loads torch: web/app.py, the stages that run beside it (render,
 detokenize, parse, account, emit), stages/api and the message modules import with torch,
 triton and xgrammar blocked. A frontend process saves ~300 MB and a second or two."""
-from import_block import import_blocked
+from tests.support.blocked_imports import import_blocked
 
 MODULES = ("web.app", "stages.render", "stages.detokenize", "stages.parse", "stages.account",
            "stages.emit", "stages.messages", "stages.delta", "gpu.interface", "stages.api",

@@ -4,21 +4,15 @@ column-parallel q/k/v/gate/up, A's columns of row-parallel o/down, the partial t
 by the layer's all-reduce), and rank 0 broadcasts each step's LoRA rows. On the tiny random
 Llama (4 heads, 2 KV heads, intermediate 96: all split in two) with two PEFT adapters made
 here, together on every target; the oracle is peft's merged model, the same as at -tp 1
-(tests/lora)."""
+(tests/gpu/test_lora_unit.py)."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-from procs_util import start
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lora"))
-from gpu_testutil import make_hf_model  # noqa: E402
-from lora_testutil import hf_greedy, make_adapter  # noqa: E402
+from tests.support.serve_processes import start
+from tests.support.hf_models import make_hf_model
+from tests.support.lora_adapters import hf_greedy, make_adapter
 
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1]
 N = 8

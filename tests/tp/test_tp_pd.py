@@ -17,18 +17,15 @@ from __future__ import annotations
 import concurrent.futures
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from procs_util import metrics, start
+from tests.support.serve_processes import metrics, start
 
 pytest.importorskip("nixl")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-from gpu_testutil import make_hf_model  # noqa: E402
+from tests.support.hf_models import make_hf_model
 
 PROMPT = [(7 * i + 3) % 150 + 1 for i in range(40)]    # 40 tokens: 3 blocks of 16
 N = 6

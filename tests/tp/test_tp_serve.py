@@ -26,7 +26,7 @@ import trio
 
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
-from procs_util import metrics, processes, start, wait_for
+from tests.support.serve_processes import metrics, processes, start, wait_for
 from pipeline.layouts.process import death_hook  # test servers die with pytest
 
 DEVICE = os.environ.get("TAILRACE_TP_DEVICE", "cpu")

@@ -3,9 +3,6 @@ series keep vLLM's names, types and model_name label; tailrace's own are prefixe
 stat shows up without a name of its own. (/metrics over HTTP: tests/web/test_app.py.)"""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import attrs
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -172,8 +169,7 @@ def test_no_latency_histograms_before_the_engine_has_any():
 
 
 def test_vllms_request_shape_series_and_info_gauges():
-    sys.path.insert(0, str(Path(__file__).parents[1] / "stages"))   # the stage tests' helper
-    from rendered import rendered
+    from tests.support.rendered import rendered
     from stages.delta import Delta
     from stages.messages import Step
 

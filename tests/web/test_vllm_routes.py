@@ -6,13 +6,13 @@ from functools import partial
 
 import httpx
 
-from test_app import FakeEngine, served  # noqa: F401  (served: the fixture)
+from tests.support.fake_engine import FakeEngine
 from web import cli
 from web.app import AppConfig
 from web.server import listen_socket, serve
 
 
-async def test_retrieve_a_model_by_id_slashes_included(served):  # noqa: F811
+async def test_retrieve_a_model_by_id_slashes_included(served):
     engine, http = served
     engine.model_names = ("fake-model", "org/fake-model")
     for name in engine.model_names:

@@ -3,7 +3,7 @@ from hypothesis import strategies as st
 
 from web.bench.sse import SSEEvent, SSEParser
 
-from .sse_server import split_at
+from tests.support.sse_server import split_at
 
 
 def parse(chunks):

@@ -3,19 +3,16 @@ one flat batch mixes base rows and three adapters of different ranks and targets
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-from gpu_testutil import hf_logits, make_hf_model, our_logits  # noqa: E402
-from lora_testutil import make_adapter  # noqa: E402
+from tests.support.hf_models import hf_logits, make_hf_model, our_logits
+from tests.support.lora_adapters import make_adapter
 
-from gpu.interface import LoRARef, SeqChunk  # noqa: E402
-from gpu.loader.decoder import load_model  # noqa: E402
-from gpu.lora.adapters import LoRAError, LoRAManager, LoRANotFound, read_adapter_config  # noqa: E402
+from gpu.interface import LoRARef, SeqChunk
+from gpu.loader.decoder import load_model
+from gpu.lora.adapters import LoRAError, LoRAManager, LoRANotFound, read_adapter_config
 
 ADAPTERS = {   # name -> (rank, targets, rslora)
     "qkv8": (8, ["q_proj", "k_proj", "v_proj"], False),

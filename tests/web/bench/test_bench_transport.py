@@ -11,9 +11,9 @@ from web.bench.backends import CHAT, COMPLETIONS, RESPONSES, SamplingParams
 from web.bench.request import request_headers, send_request
 from web.bench.transport import ChunkedDecoder, StreamClient
 
-from .sse_server import (DONE, KEEPALIVE, LocalServer, Reply, ScriptedServer, json_reply, read_request,
-                         split_at, sse)
-from .test_bench_accounting import RESPONSES_HEAD, chat_chunk, chat_usage, completion_chunk, resp, resp_done
+from tests.support.sse_server import (DONE, KEEPALIVE, LocalServer, Reply, ScriptedServer, json_reply, read_request,
+                                      split_at, sse)
+from tests.support.openai_chunks import RESPONSES_HEAD, chat_chunk, chat_usage, completion_chunk, resp, resp_done
 
 
 def encode_chunked(pieces, extension=b"", trailer=b""):
@@ -50,7 +50,7 @@ def steps_for(raw: bytes, piece: int):
     return steps
 
 
-# Streams from tests/bench/test_bench_accounting.py, plus errors and cuts; each gives the
+# Streams from tests/web/bench/test_bench_accounting.py, plus errors and cuts; each gives the
 # same result through httpx and through StreamClient.
 SCRIPTS = [
     (CHAT, Reply([chat_chunk(role="assistant", content=""), KEEPALIVE, 0.01, chat_chunk(reasoning="think"),

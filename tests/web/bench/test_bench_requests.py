@@ -9,7 +9,7 @@ from web.bench import serve
 from web.bench.backends import BenchConfigError
 from web.bench.datasets import SampleRequest
 
-from .sse_server import DONE, Reply, ScriptedServer, sse
+from tests.support.sse_server import DONE, Reply, ScriptedServer, sse
 
 
 def parse_args(*argv):
@@ -100,7 +100,7 @@ async def test_vllm_names_for_the_completions_backend(nursery, alias):
 async def test_model_discovered_from_server_when_not_given(nursery):
     def script(received):
         if received.path == "/v1/models":
-            from .sse_server import json_reply
+            from tests.support.sse_server import json_reply
             return json_reply(200, {"object": "list", "data": [{"id": "default-model", "object": "model"}]})
         return echo_script(received)
 

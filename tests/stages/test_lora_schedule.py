@@ -3,17 +3,13 @@
 keys blocks by adapter."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import attrs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
-from rendered import rendered  # noqa: E402
+from tests.support.rendered import rendered
 
-from gpu.interface import LoRARef, StepResult  # noqa: E402
-from stages.schedule import Scheduler  # noqa: E402
-from stages.schedule.blocks import BlockManager  # noqa: E402
+from gpu.interface import LoRARef, StepResult
+from stages.schedule import Scheduler
+from stages.schedule.blocks import BlockManager
 
 A, B, C = (LoRARef(n, i, f"/{n}") for i, n in enumerate("abc", 1))
 

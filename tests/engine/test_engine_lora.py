@@ -5,21 +5,18 @@ refusals of a bad adapter."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import orjson
 import pytest
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-from gpu_testutil import make_hf_model  # noqa: E402
-from lora_testutil import hf_greedy, make_adapter  # noqa: E402
+from tests.support.hf_models import make_hf_model
+from tests.support.lora_adapters import hf_greedy, make_adapter
 
-from pipeline.core.config import EngineConfig  # noqa: E402
-from pipeline.core.engine import open_engine  # noqa: E402
-from pipeline.core.lora_admin import load_lora_adapter, unload_lora_adapter  # noqa: E402
-from stages.api.common import RequestError  # noqa: E402
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import open_engine
+from pipeline.core.lora_admin import load_lora_adapter, unload_lora_adapter
+from stages.api.common import RequestError
 
 PROMPT = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2]   # > 1 block
 

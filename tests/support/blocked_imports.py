@@ -1,7 +1,7 @@
 """The torch-free check both tests/stages/test_torch_free.py and
 tests/procs/test_frontend_torch_free.py run: import modules in a fresh interpreter with
-torch, triton and xgrammar blocked. A helper module (tests/ is on sys.path through
-tests/conftest.py), so that neither test has to read or exec the other's file."""
+torch, triton and xgrammar blocked. A support module, so that neither test has to read or
+exec the other's file."""
 from __future__ import annotations
 
 import subprocess

@@ -9,41 +9,10 @@ import trio
 from web.bench.backends import CHAT, COMPLETIONS, RESPONSES, SamplingParams
 from web.bench.request import request_headers, send_request
 
-from .sse_server import DONE, KEEPALIVE, Reply, ScriptedServer, json_reply, sse
+from tests.support.openai_chunks import RESPONSES_HEAD, chat_chunk, chat_usage, completion_chunk, resp, resp_done
+from tests.support.sse_server import DONE, KEEPALIVE, Reply, ScriptedServer, json_reply, sse
 
 GAP = 0.03
-
-
-def chat_chunk(content=None, reasoning=None, role=None, finish=None):
-    delta = {}
-    if role:
-        delta["role"] = role
-    if content is not None:
-        delta["content"] = content
-    if reasoning is not None:
-        delta["reasoning_content"] = reasoning
-    return sse({"id": "c", "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-
-
-def chat_usage(prompt, completion):
-    return sse({"id": "c", "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                                    "total_tokens": prompt + completion}})
-
-
-def completion_chunk(text, finish=None):
-    return sse({"id": "k", "object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
-
-
-def resp(kind, **fields):
-    return sse({"type": kind, **fields}, event=kind)
-
-
-def resp_done(kind="response.completed", status="completed", usage=True):
-    response = {"id": "r", "status": status}
-    if usage:
-        response["usage"] = {"input_tokens": 11, "output_tokens": 4, "total_tokens": 15}
-    return resp(kind, response=response)
 
 
 async def fetch(nursery, reply, backend=CHAT, prompt_len=5):
@@ -96,11 +65,6 @@ async def test_completions_timing_and_usage(nursery):
     assert result.ttft >= GAP  # an empty-text chunk is not a token
     assert result.latency + 0.15 < wall
     assert (result.generated_text, result.prompt_len, result.output_tokens) == ("abc", 9, 3)
-
-
-RESPONSES_HEAD = [resp("response.created", response={"id": "r", "status": "in_progress"}),
-                  resp("response.in_progress", response={"id": "r", "status": "in_progress"}),
-                  resp("response.output_item.added", item={"type": "message"})]
 
 
 async def test_responses_timing_usage_and_text(nursery):

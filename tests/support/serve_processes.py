@@ -1,4 +1,4 @@
-"""Helpers of tests/procs: real `tailrace serve --api-server-count N` servers (the bundled SmolLM2 on the CPU),
+"""For tests/procs and tests/tp: real `tailrace serve --api-server-count N` servers (the bundled SmolLM2 on the CPU),
 and what the tests read of their processes from /proc (no psutil)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the reliability tests share: a real server (engine + Hypercorn on 127.0.0.1, port
+"""What the reliability tests (and a few e2e ones) share: a real server (engine + Hypercorn on 127.0.0.1, port
 0) in this trio run, in a thread of its own, or as a `tailrace serve` subprocess; and the
 figures they measure (trio tasks, reply channels, KV blocks, RSS).
 

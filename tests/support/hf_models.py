@@ -1,4 +1,6 @@
-"""Shared helpers for tests/gpu: tiny random HF reference models and our logits."""
+"""Tiny random HF reference models (Llama, Qwen, gpt-oss ... at test scale) made with transformers,
+saved as HF folders or not, and their logits: HF's and ours (for tests/gpu, and the engine,
+LoRA and TP tests that need a checkpoint of a given architecture)."""
 
 from pathlib import Path
 

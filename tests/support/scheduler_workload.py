@@ -9,7 +9,7 @@ import random
 from typing import Callable
 
 from gpu.interface import StepPlan, StepResult
-from rendered import rendered
+from tests.support.rendered import rendered
 from stages.delta import Delta, FinishReason
 from stages.schedule import Scheduler
 

@@ -12,7 +12,7 @@ import trio
 from web.bench import serve
 from web.bench.metrics import METRICS
 
-from .sse_server import DONE, FakeTokenizer, Reply, ScriptedServer, json_reply, sse
+from tests.support.sse_server import DONE, FakeTokenizer, Reply, ScriptedServer, json_reply, sse
 
 
 def tokens_for(backend, n):

@@ -4,7 +4,7 @@ import pytest
 from web.bench.backends import BenchConfigError
 from web.bench.datasets import custom_requests, random_requests, sharegpt_requests
 
-from .sse_server import FakeTokenizer
+from tests.support.sse_server import FakeTokenizer
 
 
 def test_random_lengths_within_range_and_shared_prefix():

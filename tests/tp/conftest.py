@@ -1,5 +1,0 @@
-"""tests/tp reuses tests/procs' server helpers (procs_util)."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "procs"))
