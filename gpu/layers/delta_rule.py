@@ -77,6 +77,7 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     L, H, Dv = v.shape
     q, k = _prepare(q, k, H)
     Dk = k.shape[-1]
+    chunk = min(chunk, L)           # a short prefill chunk: one block of its own size
     pad = (-L) % chunk
     # [H, N, C, D]: heads first, the sequence cut into N chunks of C
     def cut(x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ class ModelRunner(StagingRunner):
     def __init__(self, model, cache: KVCache, *, device: torch.device, seed: int = 0,
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
                  broadcast=None, vision=None, encoder_cache_size: int = 64, lora=None,
-                 draft=None, verify_tokens: int = 0) -> None:
+                 draft=None, verify_tokens: int = 0, state_pool=None) -> None:
         """broadcast: tensor parallelism's rank 0 (gpu/worker/tp.py StepBroadcast): each
         step's inputs go to the worker ranks before the forward. vision: a vision-language
         model's tower and projector (gpu/models/llava_vision.py), with an encoder cache of
@@ -46,8 +46,11 @@ class ModelRunner(StagingRunner):
         (gpu/worker/spec_decode/eagle.py EagleDrafter), which fills each step's DRAFT placeholders before the
         verify forward; a head also reads each step's hidden states (`captured`).
         verify_tokens: with speculative decoding and CUDA graphs, K + 1: verify steps of up
-        to that many tokens a sequence replay graphs of their own (gpu/worker/cuda_graphs.py)."""
+        to that many tokens a sequence replay graphs of their own (gpu/worker/cuda_graphs.py).
+        state_pool: a hybrid model's linear-attention states (gpu/layers/linear_attention.py
+        StatePool), one slot a running sequence (SeqChunk.state_slot)."""
         self.model = model
+        self.state_pool = state_pool
         self.vision = vision
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
         # M-RoPE (Qwen2.5-VL): seq id -> (its prompt's positions [3, L], rope delta), for
@@ -213,6 +216,9 @@ class ModelRunner(StagingRunner):
             staged, self.device, self.staging, self.last_token, self.staged_tokens.previous(staged))
         if self.mrope_pos:
             positions = self._mrope_positions(plan.chunks, positions)
+        if self.state_pool is not None:     # each sequence's slot, in the step's row order
+            meta.states = self.state_pool.step([c.state_slot for c in plan.chunks], meta.q_starts,
+                                               meta.q_lens, meta.start_positions)
         spans = self._prompt_logprob_spans(plan.chunks) if self.prompt_logprobs else []
         sampling = [c for c in plan.chunks if c.sample]
         seq_ids = tuple(c.seq_id for c in sampling)

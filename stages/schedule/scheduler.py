@@ -33,6 +33,7 @@ from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, w
 from stages.schedule.sequence import Sequence, sampling_options
 from stages.schedule.spec import CostGate, SpecCounters, Speculation, kept_logprobs, step_outputs
 from stages.schedule.spec_side import SpecSide
+from stages.schedule.state_slots import StateSlots
 from stages.schedule.stop import check_stop, tokens_left
 
 class Scheduler(BeamSide, KVConnectorSide, SpecSide):
@@ -46,10 +47,10 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
                  num_speculative_tokens: int = 0,
                  spec_disable_by_batch_size: int | None = None, spec_draft_cost: float | None = None,
                  policy: str = "fcfs", max_loras: int = 1, spec_adaptive: bool = False,
-                 kv_transfer: KVTransferConfig | None = None) -> None:
+                 kv_transfer: KVTransferConfig | None = None, state_slots: StateSlots | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
-        self.blocks = blocks
+        self.blocks, self.state_slots = blocks, state_slots    # and a hybrid model's state slots
         self.max_loras = max_loras      # distinct LoRA adapters among the running sequences
         # fcfs: arrival order; priority: a request's priority (lower first), then arrival
         # (priority.py); the waiting queue is kept in that order, and preemption takes the
@@ -142,6 +143,8 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
             self.finish(req.request_id, FinishReason.ERROR,
                         "use_beam_search: not served with a sliding-window hybrid KV cache "
                         "(its beams could not share their blocks)")
+        elif req.sampling.beam_width and self.state_slots is not None:   # (its states would fork)
+            self.finish(req.request_id, FinishReason.ERROR, "use_beam_search: not served for a hybrid model")
         elif req.sampling.options.thinking_token_budget is not None and self.think_ids is None:
             self.finish(req.request_id, FinishReason.ERROR,
                         "thinking_token_budget: this tokenizer's <think> and </think> are not "
@@ -364,6 +367,7 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
         released, self._released = tuple(self._released), []
         if chunks:
             self._planned[self.step] = planned
+            chunks = chunks if self.state_slots is None else self.state_slots.stamp(chunks, planned)
         sliding = self.blocks.sliding
         reads, self._kv_reads = tuple(self._kv_reads), []
         return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released,
@@ -461,6 +465,8 @@ class Scheduler(BeamSide, KVConnectorSide, SpecSide):
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.table, seq.passed)
+        if seq.slot >= 0:
+            self.state_slots.release(seq)
         seq.passed = 0
         seq.table = []
         seq.table_t = ()
