@@ -78,19 +78,49 @@ class StatePool:
                 step_slots.append(slot)
             else:
                 seqs.append((q0, n, slot, carried))
-        dev = self.conv.device
-        return StateStep(self, tuple(seqs),
-                         torch.tensor(step_rows, dtype=torch.long, device=dev) if step_rows else None,
-                         torch.tensor(step_slots, dtype=torch.long, device=dev) if step_slots else None)
+        return StateStep.of(self, seqs, step_rows, step_slots, self.conv.device)
+
+
+@attrs.frozen
+class Chunks:
+    """The sequences mixed in the chunked form, together: padded on the right to one length
+    L (a pad has beta = 0 and g = 0, so it writes nothing and decays nothing: each
+    sequence's state after its last real token is exact), their heads side by side."""
+    rows: torch.Tensor          # [N] the real rows, sequence after sequence
+    gather: torch.Tensor        # [B, L] the row of each padded position (a pad: row 0)
+    valid: torch.Tensor         # [B, L] a real token
+    lens: torch.Tensor          # [B] tokens of each
+    slots: torch.Tensor         # [B] slot (0 where none: not read, not written)
+    carried: torch.Tensor       # [B] continues from its slot's state
+    kept: torch.Tensor | None   # [B'] the sequences that have a slot (their states are kept)
+    kept_slots: torch.Tensor | None
 
 
 @attrs.frozen
 class StateStep:
     pool: StatePool | None
-    # (first row, rows, slot or -1, continues from the slot's state) for each sequence mixed alone
-    seqs: tuple[tuple[int, int, int, bool], ...]
+    chunks: Chunks | None = None
     step_rows: torch.Tensor | None = None     # [B] rows of one-token steps with a state
     step_slots: torch.Tensor | None = None    # [B] their slots
+
+    @classmethod
+    def of(cls, pool: StatePool | None, seqs, step_rows=(), step_slots=(), device=None) -> StateStep:
+        """seqs: (first row, rows, slot or -1, continues from the slot) of each sequence
+        mixed in the chunked form; step_rows, step_slots: the one-token steps'."""
+        def t(x, dtype=torch.long):
+            return torch.tensor(x, dtype=dtype, device=device)
+        chunks = None
+        if seqs:
+            L = max(n for _, n, _, _ in seqs)
+            gather = [[q0 + j if j < n else 0 for j in range(L)] for q0, n, _, _ in seqs]
+            kept = [b for b, (_, _, slot, _) in enumerate(seqs) if slot >= 0]
+            chunks = Chunks(
+                t([q0 + j for q0, n, _, _ in seqs for j in range(n)]), t(gather),
+                t([[j < n for j in range(L)] for _, n, _, _ in seqs], torch.bool),
+                t([n for _, n, _, _ in seqs]), t([max(slot, 0) for _, _, slot, _ in seqs]),
+                t([c for _, _, _, c in seqs], torch.bool),
+                t(kept) if kept else None, t([seqs[b][2] for b in kept]) if kept else None)
+        return cls(pool, chunks, t(step_rows) if step_rows else None, t(step_slots) if step_slots else None)
 
 
 def state_step_of(attn, num_tokens: int) -> StateStep:
@@ -100,10 +130,11 @@ def state_step_of(attn, num_tokens: int) -> StateStep:
     if meta is not None and getattr(meta, "states", None) is not None:
         return meta.states
     if meta is not None:    # a paged step without a pool: every sequence from zeros
-        return StateStep(None, tuple((q0, n, -1, False) for q0, n in zip(meta.q_starts, meta.q_lens)))
-    lens = getattr(attn, "seq_lens", None) or [num_tokens]
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    return StateStep(None, tuple((q0, n, -1, False) for q0, n in zip(starts, lens)))
+        starts, lens = meta.q_starts, meta.q_lens
+    else:
+        lens = getattr(attn, "seq_lens", None) or [num_tokens]
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+    return StateStep.of(None, [(q0, n, -1, False) for q0, n in zip(starts, lens)])
 
 
 class GatedDeltaNet(nn.Module):
@@ -160,18 +191,8 @@ class GatedDeltaNet(nn.Module):
         kd = d.key_heads * d.key_dim
         out = torch.empty(T, d.value_heads, d.value_dim, dtype=torch.float32, device=x.device)
         pool, li = step.pool, self.index
-        for q0, n, slot, carried in step.seqs:
-            rows = slice(q0, q0 + n)
-            conv_state = pool.conv[li, slot] if carried else None
-            state = pool.recurrent[li, slot] if carried else None
-            y, conv_state = delta_rule.conv1d(mixed[rows], weight, conv_state)
-            q, k, v = y.split([kd, kd, d.value_heads * d.value_dim], dim=-1)
-            o, state = delta_rule.chunked(q.view(n, d.key_heads, -1), k.view(n, d.key_heads, -1),
-                                          v.view(n, d.value_heads, -1), g[rows], beta[rows], state)
-            out[rows] = o
-            if slot >= 0:
-                pool.conv[li, slot] = conv_state
-                pool.recurrent[li, slot] = state
+        if step.chunks is not None:
+            out.index_copy_(0, step.chunks.rows, self._chunked(mixed, g, beta, weight, step.chunks, pool))
         if step.step_rows is not None:
             rows, slots = step.step_rows, step.step_slots
             B = rows.shape[0]
@@ -187,4 +208,42 @@ class GatedDeltaNet(nn.Module):
         o = gated_rms_norm(out.to(x.dtype).view(-1, d.value_dim), z.reshape(-1, d.value_dim),
                            self.norm.weight, self.eps)
         return self.out_proj(o.view(T, -1))
+
+    def _chunked(self, mixed, g, beta, weight, c: Chunks, pool: StatePool | None) -> torch.Tensor:
+        """The chunked form over the step's prefill chunks at once -> their rows' outputs
+        [N, Hv, Dv] (fp32), each sequence's states left in its slot."""
+        d, li = self.dims, self.index
+        B, L = c.gather.shape
+        K = d.conv_width
+        x = mixed[c.gather] * c.valid[..., None]                          # [B, L, C]
+        conv_state = None
+        if pool is not None:                                              # zeros unless carried
+            conv_state = torch.where(c.carried[:, None, None], pool.conv[li].index_select(0, c.slots), 0)
+        full = torch.cat([x.new_zeros(B, x.shape[-1], K - 1) if conv_state is None
+                          else conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)   # [B, C, K-1+L]
+        y = F.silu(F.conv1d(full.to(weight.dtype), weight[:, None], groups=full.shape[1]))
+        y = y.transpose(1, 2).to(x.dtype)                                 # [B, L, C]
+        kd, vd = d.key_heads * d.key_dim, d.value_heads * d.value_dim
+        q, k, v = y.split([kd, kd, vd], dim=-1)
+        # sequences side by side as heads: [L, B * H, D]
+        def heads(z, h):
+            return z.reshape(B, L, h, -1).transpose(0, 1).reshape(L, B * h, -1)
+        valid = c.valid[..., None].float()
+        gp, bp = (g[c.gather] * valid).transpose(0, 1).reshape(L, -1), \
+            (beta[c.gather] * valid).transpose(0, 1).reshape(L, -1)
+        state = None
+        if pool is not None:
+            state = torch.where(c.carried[:, None, None, None], pool.recurrent[li].index_select(0, c.slots),
+                                0).reshape(B * d.value_heads, d.key_dim, d.value_dim)
+        o, state = delta_rule.chunked(heads(q, d.key_heads), heads(k, d.key_heads),
+                                      heads(v, d.value_heads), gp, bp, state)
+        o = o.reshape(L, B, d.value_heads, d.value_dim).transpose(0, 1)[c.valid]   # [N, Hv, Dv]
+        if pool is not None and c.kept is not None:
+            # the last K - 1 inputs of each: full's columns lens .. lens + K - 2
+            cols = c.lens[:, None] + torch.arange(K - 1, device=full.device)
+            new_conv = full.gather(2, cols[:, None, :].expand(B, full.shape[1], K - 1))
+            pool.conv[li].index_copy_(0, c.kept_slots, new_conv.index_select(0, c.kept).to(pool.conv.dtype))
+            state = state.reshape(B, d.value_heads, d.key_dim, d.value_dim)
+            pool.recurrent[li].index_copy_(0, c.kept_slots, state.index_select(0, c.kept))
+        return o
 

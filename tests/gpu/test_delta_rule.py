@@ -109,8 +109,8 @@ def test_layer_prefill_then_decode_through_the_pool_matches_transformers():
     ref, ours, cfg = _layer()
     from gpu.layers.linear_attention import LinearDims
     pool = StatePool(1, 4, LinearDims.of(cfg), torch.float32, "cpu")
-    pool.conv.fill_(7.0)            # stale states: a sequence at position 0 must not read them
-    pool.recurrent.fill_(7.0)
+    pool.conv.fill_(float("nan"))   # stale states: a sequence at position 0 must not read them
+    pool.recurrent.fill_(float("nan"))
     g = torch.Generator().manual_seed(4)
     xa, xb = torch.randn(12, 32, generator=g), torch.randn(4, 32, generator=g)
     with torch.no_grad():
@@ -133,5 +133,5 @@ def test_a_sequence_without_a_slot_starts_from_zeros_and_keeps_nothing():
     ref, ours, cfg = _layer()
     x = torch.randn(5, 32)
     with torch.no_grad():
-        y = ours(x, StateStep(None, ((0, 5, -1, False),)))
+        y = ours(x, StateStep.of(None, [(0, 5, -1, False)]))
         torch.testing.assert_close(y, ref(x[None])[0], atol=1e-5, rtol=1e-4)
