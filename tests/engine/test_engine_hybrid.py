@@ -104,9 +104,9 @@ async def test_two_choices_each_equal_the_greedy_tokens(model):
 
 async def test_disconnects_leave_every_slot_free(model):
     path, _ = model
-    async with open_engine(config(path, max_num_seqs=8, max_num_batched_tokens=32)) as engine:
+    async with open_engine(config(path, max_num_seqs=16, max_num_batched_tokens=48)) as engine:
         async def one(i):
-            body = {"model": engine.model_names[0], "prompt": PROMPTS[i % 3], "max_tokens": 6 + i % 5,
+            body = {"model": engine.model_names[0], "prompt": PROMPTS[i % 3][:2 + i % 7], "max_tokens": 2 + i % 3,
                     "ignore_eos": True, "stream": True}
             reply = await engine.submit("completions", body)
             if i % 2:               # a client that goes away after its first chunk or two
@@ -123,7 +123,8 @@ async def test_disconnects_leave_every_slot_free(model):
             while engine.scheduler.has_work() or engine.stats().kv_blocks_used:
                 await trio.sleep(0.01)
         slots = engine.scheduler.state_slots
-        assert slots.num_used == 0 and sorted(slots.free) == list(range(8))
+        assert slots.num_used == 0 and sorted(slots.free) == list(range(16))
+        assert engine.stats().requests_finished_total.get("abort", 0) > 0
 
 
 async def test_beam_search_is_refused_per_request(model):
