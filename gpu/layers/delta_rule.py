@@ -49,11 +49,13 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     """One token for each of B sequences: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv],
     state [B, Hv, Dk, Dv] fp32 -> (o [B, Hv, Dv] fp32, the new state)."""
     q, k = _prepare(q, k, v.shape[-2])
-    s = state * g.float().exp()[..., None, None]
-    kv = torch.einsum("bhkv,bhk->bhv", s, k)                     # what S already predicts for k
-    delta = (v.float() - kv) * beta.float()[..., None]
-    s = s + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("bhkv,bhk->bhv", s, q), s
+    B, H, Dk, Dv = state.shape
+    s = (state * g.float().exp()[..., None, None]).view(B * H, Dk, Dv)
+    k1, q1 = k.reshape(B * H, 1, Dk), q.reshape(B * H, 1, Dk)
+    kv = torch.bmm(k1, s)                                         # what S already predicts for k
+    delta = (v.float().reshape(B * H, 1, Dv) - kv) * beta.float().reshape(B * H, 1, 1)
+    s.baddbmm_(k1.transpose(1, 2), delta)                         # S += k delta^T, in place
+    return torch.bmm(q1, s).view(B, H, Dv), s.view(B, H, Dk, Dv)
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
