@@ -95,11 +95,25 @@ class Chunks:
     kept: torch.Tensor | None   # [B'] the sequences that have a slot (their states are kept)
     kept_slots: torch.Tensor | None
 
+    @classmethod
+    def of(cls, seqs, device) -> Chunks:
+        """seqs: (first row, rows, slot or -1, continues from the slot) of each sequence."""
+        def t(x, dtype=torch.long):
+            return _tensor(x, device, dtype)
+        L = max(n for _, n, _, _ in seqs)
+        kept = [b for b, (_, _, slot, _) in enumerate(seqs) if slot >= 0]
+        return cls(t([q0 + j for q0, n, _, _ in seqs for j in range(n)]),
+                   t([[q0 + j if j < n else 0 for j in range(L)] for q0, n, _, _ in seqs]),
+                   t([[j < n for j in range(L)] for _, n, _, _ in seqs], torch.bool),
+                   t([n for _, n, _, _ in seqs]), t([max(slot, 0) for _, _, slot, _ in seqs]),
+                   t([c for _, _, _, c in seqs], torch.bool),
+                   t(kept) if kept else None, t([seqs[b][2] for b in kept]) if kept else None)
+
 
 @attrs.frozen
 class StateStep:
     pool: StatePool | None
-    chunks: Chunks | None = None
+    chunks: tuple[Chunks, ...] = ()     # the prefill chunks, in groups of like lengths
     step_rows: torch.Tensor | None = None     # [B] rows of one-token steps with a state
     step_slots: torch.Tensor | None = None    # [B] their slots
 
@@ -107,20 +121,20 @@ class StateStep:
     def of(cls, pool: StatePool | None, seqs, step_rows=(), step_slots=(), device=None) -> StateStep:
         """seqs: (first row, rows, slot or -1, continues from the slot) of each sequence
         mixed in the chunked form; step_rows, step_slots: the one-token steps'."""
-        def t(x, dtype=torch.long):
-            return torch.tensor(x, dtype=dtype, device=device)
-        chunks = None
-        if seqs:
-            L = max(n for _, n, _, _ in seqs)
-            gather = [[q0 + j if j < n else 0 for j in range(L)] for q0, n, _, _ in seqs]
-            kept = [b for b, (_, _, slot, _) in enumerate(seqs) if slot >= 0]
-            chunks = Chunks(
-                t([q0 + j for q0, n, _, _ in seqs for j in range(n)]), t(gather),
-                t([[j < n for j in range(L)] for _, n, _, _ in seqs], torch.bool),
-                t([n for _, n, _, _ in seqs]), t([max(slot, 0) for _, _, slot, _ in seqs]),
-                t([c for _, _, _, c in seqs], torch.bool),
-                t(kept) if kept else None, t([seqs[b][2] for b in kept]) if kept else None)
-        return cls(pool, chunks, t(step_rows) if step_rows else None, t(step_slots) if step_slots else None)
+        groups = []
+        for seq in sorted(seqs, key=lambda s: -s[1]):    # padding at most doubles a group's rows
+            g = groups[-1] if groups else None
+            if g is None or (len(g) + 1) * g[0][1] > 2 * (sum(s[1] for s in g) + seq[1]):
+                groups.append([seq])
+            else:
+                g.append(seq)
+        return cls(pool, tuple(Chunks.of(g, device) for g in groups),
+                   _tensor(step_rows, device) if step_rows else None,
+                   _tensor(step_slots, device) if step_slots else None)
+
+
+def _tensor(x, device, dtype=torch.long) -> torch.Tensor:
+    return torch.tensor(x, dtype=dtype, device=device)
 
 
 def state_step_of(attn, num_tokens: int) -> StateStep:
@@ -191,8 +205,8 @@ class GatedDeltaNet(nn.Module):
         kd = d.key_heads * d.key_dim
         out = torch.empty(T, d.value_heads, d.value_dim, dtype=torch.float32, device=x.device)
         pool, li = step.pool, self.index
-        if step.chunks is not None:
-            out.index_copy_(0, step.chunks.rows, self._chunked(mixed, g, beta, weight, step.chunks, pool))
+        for group in step.chunks:
+            out.index_copy_(0, group.rows, self._chunked(mixed, g, beta, weight, group, pool))
         if step.step_rows is not None:
             rows, slots = step.step_rows, step.step_slots
             B = rows.shape[0]

@@ -135,3 +135,24 @@ def test_a_sequence_without_a_slot_starts_from_zeros_and_keeps_nothing():
     with torch.no_grad():
         y = ours(x, StateStep.of(None, [(0, 5, -1, False)]))
         torch.testing.assert_close(y, ref(x[None])[0], atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_chunks_of_unequal_lengths_are_grouped_and_exact():
+    """One step of four prompts, 40, 3, 1 and 7 tokens (two padding groups), then the same
+    step's continuation, every sequence in its own slot: each equals transformers alone."""
+    ref, ours, cfg = _layer(seed=5)
+    from gpu.layers.linear_attention import LinearDims
+    pool = StatePool(1, 4, LinearDims.of(cfg), torch.float32, "cpu")
+    lens = [40, 3, 1, 7]
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(n + 2, 32, generator=g) for n in lens]     # 2 more tokens each, next step
+    step = StateStep.of(pool, [(sum(lens[:i]), n, i, False) for i, n in enumerate(lens)])
+    assert len(step.chunks) == 2
+    with torch.no_grad():
+        first = ours(torch.cat([x[:n] for x, n in zip(xs, lens)]), step)
+        second = ours(torch.cat([x[n:] for x, n in zip(xs, lens)]),
+                      pool.step([0, 1, 2, 3], [0, 2, 4, 6], [2] * 4, lens))
+        for i, (x, n) in enumerate(zip(xs, lens)):
+            want = ref(x[None])[0]
+            got = torch.cat([first[sum(lens[:i]):sum(lens[:i]) + n], second[2 * i:2 * i + 2]])
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
