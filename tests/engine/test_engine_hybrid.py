@@ -19,7 +19,7 @@ from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gpu"))   # tests/gpu's model helpers
-from test_hybrid_models import make_hybrid  # noqa: E402
+from hybrid_testutil import make_hybrid  # noqa: E402
 
 PROMPTS = [[(i * k + 5) % 150 + 3 for i in range(n)] for k, n in ((3, 37), (5, 1), (7, 20))]
 MAX_TOKENS = 16
