@@ -165,6 +165,9 @@ class SeqChunk:
     # how many) and start_pos assumes that step kept every draft; the runner computes it
     # where the sequence's KV really ends (gpu/worker/staging.py float_chunks)
     floating: bool = False
+    # a hybrid model's state slot (stages/schedule/state_slots.py): the sequence's
+    # linear-attention states, continued from there unless start_pos is 0; -1: none
+    state_slot: int = -1
 
 
 @attrs.frozen

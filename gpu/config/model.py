@@ -9,7 +9,7 @@ import attrs
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 ACTIVATIONS = ("silu",)     # the MLP activations gpu/layers implements
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 def _freeze_rope_scaling(value: Any) -> tuple[tuple[str, Any], ...] | None:
@@ -64,6 +64,16 @@ class ModelConfig:
     # Qwen2.5-VL's M-RoPE: how many of the head_dim/2 frequencies take the temporal, height
     # and width position (gpu/layers/ops.py mrope_cos_sin); None: one position a token
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-Next / Qwen3.5: RoPE on the first head_dim * partial_rotary_factor dims of each
+    # head only; a sigmoid output gate on full attention (q_proj gives q and the gate); the
+    # "linear_attention" layers' Gated DeltaNet sizes (gpu/layers/linear_attention.py)
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     hidden_act: str = "silu"
 
@@ -94,6 +104,18 @@ class ModelConfig:
                 raise ValueError(f"unsupported layer_types {sorted(unknown)}; supported: {', '.join(LAYER_TYPES)}")
             if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
                 raise ValueError("sliding_attention layers need a positive sliding_window")
+            if self.num_linear_layers:
+                for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                             "linear_value_head_dim", "linear_conv_kernel_dim"):
+                    if int(getattr(self, name)) <= 0:
+                        raise ValueError(f"linear_attention layers need a positive {name}, "
+                                         f"got {getattr(self, name)}")
+                if self.linear_num_value_heads % self.linear_num_key_heads:
+                    raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a "
+                                     f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even "
+                             f"number of rotary dims in 1..head_dim ({self.head_dim})")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -107,6 +129,21 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer_idx] == "sliding_attention":
             return self.sliding_window
         return None
+
+    @property
+    def num_linear_layers(self) -> int:
+        """Gated DeltaNet layers: a state per sequence each, no KV cache."""
+        return sum(t == "linear_attention" for t in self.layer_types)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V in the paged cache (every layer but the linear ones)."""
+        return self.num_hidden_layers - self.num_linear_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE turns (the first ones; head_dim unless partial)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:

@@ -49,6 +49,9 @@ class AttentionMetadata:
     max_seqlen_q: int = 1             # host hint for kernel tile sizes
     num_kv_splits: int = 1            # Triton decode: split each sequence's KV over this many
                                       # programs (flash-decoding); fixed per captured batch size
+    # a hybrid model's linear-attention layout (gpu/layers/linear_attention.py StateStep),
+    # set by the runner that holds a StatePool; None: every sequence starts from zeros
+    states: object = None
 
 
 class KVCache:

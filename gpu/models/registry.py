@@ -31,6 +31,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",)),
+    Family("qwen3_next", ("Qwen3NextForCausalLM",), ("qwen3_next",)),
+    Family("qwen3_5", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",)),
 )
 
 

@@ -37,7 +37,7 @@ class ModelRunner(StagingRunner):
                  use_triton: bool = False, cuda_graph_max_bs: int = 0, max_model_len: int = 0,
                  broadcast=None, vision=None, encoder_cache_size: int = 64, lora=None,
                  draft=None, verify_tokens: int = 0, kv_connector=None, floating: bool = False,
-                 ngram=None) -> None:
+                 ngram=None, state_pool=None) -> None:
         """broadcast: tensor parallelism's rank 0 (gpu/worker/tp.py StepBroadcast): each
         step's inputs go to the worker ranks before the forward. vision: a vision-language
         model's tower and projector (gpu/models/llava_vision.py), with an encoder cache of
@@ -51,8 +51,11 @@ class ModelRunner(StagingRunner):
         kv_connector: --kv-transfer-config's (gpu/kv_transfer/connector.py). floating: drafts
         planned ahead with async scheduling, their chunks floating; ngram: the prompt lookup
         (stages/schedule/drafter.py NgramDrafter) that fills them where no draft model or
-        head does."""
+        head does.
+        state_pool: a hybrid model's linear-attention states (gpu/layers/linear_attention.py
+        StatePool), one slot a running sequence (SeqChunk.state_slot)."""
         self.model = model
+        self.state_pool = state_pool
         self.vision = vision
         self.images: dict[str, tuple] = {}          # seq id -> its prompt's ImageInputs
         # M-RoPE (Qwen2.5-VL): seq id -> (its prompt's positions [3, L], rope delta), for
@@ -216,6 +219,9 @@ class ModelRunner(StagingRunner):
             staged, self.device, self.staging, self.last_token, self.staged_tokens.previous(staged))
         if self.mrope_pos:
             positions = self._mrope_positions(plan.chunks, positions)
+        if self.state_pool is not None:     # each sequence's slot, in the step's row order
+            meta.states = self.state_pool.step([c.state_slot for c in plan.chunks], meta.q_starts,
+                                               meta.q_lens, meta.start_positions)
         spans = self._prompt_logprob_spans(plan.chunks) if self.prompt_logprobs else []
         sampling = [c for c in plan.chunks if c.sample]
         seq_ids = tuple(c.seq_id for c in sampling)

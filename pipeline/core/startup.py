@@ -29,8 +29,10 @@ from pipeline.core.config import EngineConfig
 from pipeline.core.parts import Built, Parsers, Ranks, RunnerParts, pick_device, step_budget  # noqa: F401
 from pipeline.core.pooling import build_pooling
 from pipeline.core.events import EventLog, make_header
+from pipeline.core.kv_layout import check_hybrid, hybrid_kv, linear_states, reserved_bytes
 from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import make_drafter
+from stages.schedule.state_slots import StateSlots
 from stages.api.harmony import HARMONY_REASONING_PARSER
 from stages.schedule import AsyncScheduler, Scheduler
 
@@ -110,11 +112,13 @@ def build_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, m
         from gpu.worker.spec_decode.eagle import head_kv_bytes_per_block
         extra = head_kv_bytes_per_block(head.spec, cfg.block_size, head.fc.weight.dtype)
     lora = lora_manager(cfg, loaded, device)    # before sizing: the Triton path's slots are memory
-    num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg), extra)
+    states = linear_states(cfg, mc, loaded.model.dtype, device)     # a hybrid model's, also before
+    num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg), extra,
+                               reserved_bytes(states))
     if ranks is not None:
         num_blocks = min_over_ranks(num_blocks, ranks.plan)
-    num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks)
-    cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, kv_heads(loaded),
+    num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks, step_budget(cfg))
+    cache = KVCache(mc.num_kv_layers, num_blocks, cfg.block_size, kv_heads(loaded),
                     mc.head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
                     num_sliding_blocks=sliding_slots)
     broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
@@ -146,12 +150,13 @@ def build_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, m
                  num_blocks, extra * num_blocks / 2**20)
     runner = ModelRunner(loaded.model, cache, device=device, seed=cfg.seed,
                          use_triton=device.type == "cuda", max_model_len=max_model_len,
-                         cuda_graph_max_bs=0 if cfg.enforce_eager else min(cfg.max_num_seqs, 512),
+                         cuda_graph_max_bs=0 if cfg.enforce_eager or states is not None else min(cfg.max_num_seqs, 512),
                          broadcast=broadcast, vision=loaded.vision,
                          encoder_cache_size=cfg.encoder_cache_size,
                          lora=lora, draft=drafting, verify_tokens=verify_graph_tokens(cfg),
                          kv_connector=runner_connector, floating=floating,
-                         ngram=floating_drafter(cfg) if floating else None)
+                         ngram=floating_drafter(cfg) if floating else None,
+                         state_pool=states)
     return RunnerParts(runner=runner, cache=cache, num_blocks=num_blocks, kv_connector=connector,
                        draft_cost=drafting.cost if drafting is not None else None)
 
@@ -313,6 +318,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     if cfg.skip_tokenizer_init:
         loaded = attrs.evolve(loaded, tokenizer=None)
     mc = loaded.config
+    check_hybrid(cfg, mc)
     model_names = tuple(cfg.served_model_name) or (loaded.name,)
     max_model_len = resolve_max_model_len(cfg, loaded)
     if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
@@ -351,7 +357,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                      f"captured for {runner.cuda_graph_sizes}" if runner.cuda_graphs else "off",
                      runner.cuda_graph_capture_s, runner.warmup_s)
     hybrid = not cfg.simulate_gpu and bool(cache.sliding_layers)
-    blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+    linear = bool(mc.num_linear_layers)     # a hybrid linear-attention model: no prefix-cache hits
+    blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching and not linear,
                           sliding=(cache.num_sliding_blocks, mc.sliding_window) if hybrid else None)
     grammars = (GrammarCompiler(loaded.tokenizer, mc.vocab_size, loaded.eos_token_ids)
                 if loaded.tokenizer is not None else None)
@@ -370,6 +377,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config,
         kv_port=kv_connector.port if kv_connector is not None else None,
         kv_tp_size=kv_connector.tp_size if kv_connector is not None else 1,
+        state_slots=StateSlots(cfg.max_num_seqs) if linear else None,
         **({"floating": True} if floating else {}))
     if kv_connector is not None:
         log.info("KV connector %s (%s): engine %s, side channel %s:%d%s, held blocks freed "
@@ -425,39 +433,23 @@ def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | Non
     return ids
 
 
-def hybrid_kv(cfg: EngineConfig, mc, num_blocks: int) -> tuple[int, tuple[int, ...], int]:
-    """The KV sizing of a model with sliding-window layers (gpt-oss): the memory of
-    `num_blocks` plain blocks as (full-layer blocks, sliding layers, sliding slots)
-    (gpu/layers/attention.py hybrid_layout); unchanged without them or with
-    --disable-hybrid-kv-cache-manager. With --num-gpu-blocks-override the full layers get
-    that many blocks."""
-    from gpu.layers.attention import hybrid_layout
-
-    if cfg.disable_hybrid_kv_cache_manager:
-        return num_blocks, (), 0
-    full, sliding, slots = hybrid_layout(mc, num_blocks, cfg.block_size, cfg.max_num_seqs, step_budget(cfg))
-    if sliding:
-        log.info("hybrid KV cache: %d blocks for the %d full-attention layers, %d for the %d "
-                 "sliding-window ones (%d plain blocks' memory)", full, mc.num_hidden_layers - len(sliding),
-                 slots, len(sliding), num_blocks)
-        if cfg.num_gpu_blocks_override:
-            full = num_blocks
-    return full, sliding, slots
 
 
 def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
-                  max_model_len: int, step_tokens: int, extra_per_block: int = 0) -> int:
+                  max_model_len: int, step_tokens: int, extra_per_block: int = 0,
+                  reserved: int = 0) -> int:
     """KV cache blocks: the override, --kv-cache-memory-bytes, what a profiled full-size
     step leaves of --gpu-memory-utilization on CUDA, else the CPU default.
-    extra_per_block: a draft's KV bytes per block (as many blocks; not in the CPU default)."""
+    extra_per_block: a draft's KV bytes per block (as many blocks; not in the CPU default).
+    reserved: bytes of --kv-cache-memory-bytes already taken (a hybrid model's state pool)."""
     mc = loaded.config
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
-    target_per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
+    target_per_block = KVCache.bytes_per_block(mc.num_kv_layers, cfg.block_size,
                                                kv_heads(loaded), mc.head_dim, loaded.model.dtype)
     per_block = target_per_block + extra_per_block
     if cfg.kv_cache_memory_bytes:  # on every device
-        return max(1, cfg.kv_cache_memory_bytes // per_block)
+        return max(1, (cfg.kv_cache_memory_bytes - reserved) // per_block)
     if device.type == "cuda":
         from gpu.worker.profiling import kv_budget_bytes, profile_step_bytes
 

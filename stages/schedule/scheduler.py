@@ -33,6 +33,7 @@ from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, w
 from stages.schedule.sequence import Sequence, sampling_options
 from stages.schedule.spec import CostGate, SpecCounters, Speculation, kept_logprobs, step_outputs
 from stages.schedule.spec_side import SpecPlanning
+from stages.schedule.state_slots import StateSlots
 from stages.schedule.stop import check_stop, tokens_left
 
 class Scheduler:
@@ -50,12 +51,12 @@ class Scheduler:
                  spec_disable_by_batch_size: int | None = None, spec_draft_cost: float | None = None,
                  policy: str = "fcfs", max_loras: int = 1, spec_adaptive: bool = False,
                  kv_transfer: KVTransferConfig | None = None, kv_port: int | None = None,
-                 kv_tp_size: int = 1) -> None:
-        """kv_port, kv_tp_size: the KV connector's side channel port (default: the flag's)
-        and the engine's TP size, which a prefill's response params name."""
+                 kv_tp_size: int = 1, state_slots: StateSlots | None = None) -> None:
+        """kv_port, kv_tp_size: the KV connector's side channel port (default: the flag's) and
+        the engine's TP size; state_slots: a hybrid model's per-sequence slots (state_slots.py)."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
-        self.blocks = blocks
+        self.blocks, self.state_slots = blocks, state_slots    # and a hybrid model's state slots
         self.max_loras = max_loras      # distinct LoRA adapters among the running sequences
         # fcfs: arrival order; priority: a request's priority (lower first), then arrival
         # (priority.py); the waiting queue is kept in that order, and preemption takes the
@@ -137,6 +138,8 @@ class Scheduler:
             self.finish(req.request_id, FinishReason.ERROR,
                         "use_beam_search: not served with a sliding-window hybrid KV cache "
                         "(its beams could not share their blocks)")
+        elif req.sampling.beam_width and self.state_slots is not None:   # (its states would fork)
+            self.finish(req.request_id, FinishReason.ERROR, "use_beam_search: not served for a hybrid model")
         elif req.sampling.options.thinking_token_budget is not None and self.think_ids is None:
             self.finish(req.request_id, FinishReason.ERROR,
                         "thinking_token_budget: this tokenizer's <think> and </think> are not "
@@ -356,6 +359,7 @@ class Scheduler:
         released, self._released = tuple(self._released), []
         if chunks:
             self._planned[self.step] = planned
+            chunks = chunks if self.state_slots is None else self.state_slots.stamp(chunks, planned)
         sliding = self.blocks.sliding
         return StepPlan(self.step, tuple(chunks), tuple(new_seqs), released,
                         sliding.drain_updates() if sliding is not None else (),
@@ -452,6 +456,8 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.table, seq.passed)
+        if seq.slot >= 0:
+            self.state_slots.release(seq)
         seq.passed = 0
         seq.table = []
         seq.table_t = ()

@@ -54,6 +54,7 @@ class Sequence:
         self.table: list[int] = []
         self.table_t: tuple[int, ...] = ()   # tuple(table), for the chunks: kept with table
         self.passed = 0     # hybrid KV: leading blocks whose sliding halves it let go (blocks.py)
+        self.slot = -1      # a hybrid model's state slot while it runs (state_slots.py)
         self.num_cached_tokens = 0
         self.first_scheduled = False
         self.scheduled_at = 0.0   # time.monotonic() when first scheduled

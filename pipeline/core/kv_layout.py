@@ -1,0 +1,77 @@
+"""Start-up's choices for a model whose layers do not all keep K/V for every position:
+the sliding-window layers' pool (gpt-oss, `hybrid_kv`) and a hybrid linear-attention
+model's per-sequence state pool (Qwen3-Next, Qwen3.5: `linear_states`, `check_hybrid`)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpu.config.model import ModelConfig
+from pipeline.core.config import EngineConfig
+
+log = logging.getLogger("tailrace")
+
+
+def hybrid_kv(cfg: EngineConfig, mc: ModelConfig, num_blocks: int, budget: int) -> tuple[int, tuple[int, ...], int]:
+    """The KV sizing of a model with sliding-window layers (gpt-oss): the memory of
+    `num_blocks` plain blocks as (full-layer blocks, sliding layers, sliding slots)
+    (gpu/layers/attention.py hybrid_layout); unchanged without them or with
+    --disable-hybrid-kv-cache-manager. With --num-gpu-blocks-override the full layers get
+    that many blocks. budget: the tokens one step may schedule."""
+    from gpu.layers.attention import hybrid_layout
+
+    if cfg.disable_hybrid_kv_cache_manager:
+        return num_blocks, (), 0
+    full, sliding, slots = hybrid_layout(mc, num_blocks, cfg.block_size, cfg.max_num_seqs, budget)
+    if sliding:
+        log.info("hybrid KV cache: %d blocks for the %d full-attention layers, %d for the %d "
+                 "sliding-window ones (%d plain blocks' memory)", full, mc.num_hidden_layers - len(sliding),
+                 slots, len(sliding), num_blocks)
+        if cfg.num_gpu_blocks_override:
+            full = num_blocks
+    return full, sliding, slots
+
+
+def check_hybrid(cfg: EngineConfig, mc: ModelConfig) -> None:
+    """What a hybrid linear-attention model is not served with yet: a clear start-up error
+    naming the flag."""
+    if not mc.num_linear_layers:
+        return
+    refused = (("--speculative-config", cfg.speculative_config is not None,
+                "verification would have to roll each sequence's linear-attention state back "
+                "to its last accepted token"),
+               ("--tensor-parallel-size > 1", cfg.tensor_parallel_size > 1,
+                "the Gated DeltaNet layers are not sharded yet"),
+               ("--enable-lora", cfg.enable_lora, "the adapters do not target its layers yet"),
+               ("--kv-transfer-config", cfg.kv_transfer_config is not None,
+                "a remote prefill would have to send the states as well"))
+    for flag, on, why in refused:
+        if on:
+            raise ValueError(f"{flag} is not supported for {mc.architecture}, a hybrid "
+                             f"linear-attention model: {why}")
+
+
+def linear_states(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device):
+    """A hybrid model's StatePool (gpu/layers/linear_attention.py), --max-num-seqs slots,
+    reported at start-up; None for other models. Allocated before the KV cache is sized,
+    so that a CUDA profile sees it; --kv-cache-memory-bytes counts it (`reserved_bytes`)."""
+    if not mc.num_linear_layers:
+        return None
+    from gpu.layers.linear_attention import LinearDims, StatePool
+
+    per_seq = StatePool.bytes_per_slot(mc, dtype)
+    pool = StatePool(mc.num_linear_layers, cfg.max_num_seqs, LinearDims.of(mc), dtype, device)
+    log.info("linear-attention state pool: %d slots (--max-num-seqs) x %.2f MiB a sequence "
+             "(conv + recurrent state of %d Gated DeltaNet layers) = %.1f MiB; K/V kept for the %d "
+             "full-attention layers only; prefix caching off (no state is kept at block "
+             "boundaries), CUDA graphs off", cfg.max_num_seqs, per_seq / 2**20,
+             mc.num_linear_layers, per_seq * cfg.max_num_seqs / 2**20, mc.num_kv_layers)
+    return pool
+
+
+def reserved_bytes(pool) -> int:
+    """The memory a StatePool takes from the KV cache's budget."""
+    if pool is None:
+        return 0
+    return pool.conv.numel() * pool.conv.element_size() + pool.recurrent.numel() * 4

@@ -1,0 +1,147 @@
+"""A hybrid linear-attention model (a tiny random Qwen3.5) through the whole engine: greedy
+tokens equal to transformers' generate, and unchanged by chunked prefill at several chunk
+sizes (the state carried from chunk to chunk), by preemption (the slot freed, the sequence
+recomputed), by n = 2 and by batching; 200 requests with disconnects leave every state slot
+free; what is not served yet is refused clearly. (The layers: tests/gpu/test_delta_rule.py;
+the logits: tests/gpu/test_hybrid_models.py.)"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+import trio
+
+from gpu.layers.attention import KVCache
+from pipeline.core.config import EngineConfig
+from pipeline.core.engine import open_engine
+
+from tests.support.hybrid_models import make_hybrid
+
+PROMPTS = [[(i * k + 5) % 150 + 3 for i in range(n)] for k, n in ((3, 37), (5, 1), (7, 20))]
+MAX_TOKENS = 16
+PER_BLOCK = KVCache.bytes_per_block(1, 16, 2, 16, torch.float32)   # one full-attention layer
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_5_tiny")
+    hf = make_hybrid("qwen3_5", path, seed=5)
+    want = []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              min_new_tokens=MAX_TOKENS, pad_token_id=0)
+            want.append(out[0, len(p):].tolist())
+    return path, want
+
+
+def config(path, **kw) -> EngineConfig:
+    return EngineConfig(**{"model": str(path), "dtype": "float32", "max_model_len": 128,
+                           "max_num_seqs": 4, **kw})
+
+
+async def generate(engine, prompts, n: int = 1) -> list[list[list[int]]]:
+    """Each prompt's choices' token ids, the prompts sent at once."""
+    outs = [None] * len(prompts)
+
+    async def one(i):
+        body = {"model": engine.model_names[0], "prompt": prompts[i], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "n": n, "return_token_ids": True}
+        reply = await engine.submit("completions", body)
+        choices = sorted(orjson.loads(await reply.read())["choices"], key=lambda c: c["index"])
+        outs[i] = [c["token_ids"] for c in choices]
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return outs
+
+
+async def test_greedy_tokens_equal_transformers_and_leave_no_slot_held(model):
+    path, want = model
+    async with open_engine(config(path)) as engine:
+        got = await generate(engine, PROMPTS)
+        slots = engine.scheduler.state_slots
+        assert slots.num_slots == 4 and slots.num_used == 0
+        assert not engine.blocks.prefix_caching
+    assert [g[0] for g in got] == want
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+async def test_chunked_prefill_carries_the_state(model, chunk):
+    path, want = model
+    async with open_engine(config(path, max_num_batched_tokens=chunk)) as engine:
+        got = await generate(engine, PROMPTS)
+    assert [g[0] for g in got] == want
+
+
+async def test_preemption_frees_the_slot_and_recomputes(model):
+    path, want = model
+    # 5 blocks of 16 tokens for three sequences of up to 53 tokens: they preempt each other
+    # (--kv-cache-memory-bytes counts the state pool too: 4 slots)
+    from gpu.layers.linear_attention import StatePool
+    from gpu.loader.decoder import load_shell
+
+    pool = 4 * StatePool.bytes_per_slot(load_shell(str(path)).config, torch.float32)
+    cfg = config(path, kv_cache_memory_bytes=pool + 5 * PER_BLOCK, max_num_batched_tokens=16)
+    async with open_engine(cfg) as engine:
+        assert engine.blocks.num_blocks == 5
+        got = await generate(engine, PROMPTS)
+        assert engine.stats().num_preemptions > 0
+        assert engine.scheduler.state_slots.num_used == 0
+    assert [g[0] for g in got] == want
+
+
+async def test_two_choices_each_equal_the_greedy_tokens(model):
+    path, want = model
+    async with open_engine(config(path)) as engine:
+        got = await generate(engine, PROMPTS[:1] + PROMPTS[2:], n=2)
+    assert got == [[want[0]] * 2, [want[2]] * 2]
+
+
+async def test_disconnects_leave_every_slot_free(model):
+    path, _ = model
+    async with open_engine(config(path, max_num_seqs=16, max_num_batched_tokens=48)) as engine:
+        async def one(i):
+            body = {"model": engine.model_names[0], "prompt": PROMPTS[i % 3][:2 + i % 7], "max_tokens": 2 + i % 3,
+                    "ignore_eos": True, "stream": True}
+            reply = await engine.submit("completions", body)
+            if i % 2:               # a client that goes away after its first chunk or two
+                async for _ in reply:
+                    if i % 4 == 1:
+                        break
+                await reply.aclose()
+            else:
+                await reply.read()
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(one, i)
+        with trio.fail_after(10):
+            while engine.scheduler.has_work() or engine.stats().kv_blocks_used:
+                await trio.sleep(0.01)
+        slots = engine.scheduler.state_slots
+        assert slots.num_used == 0 and sorted(slots.free) == list(range(16))
+        assert engine.stats().requests_finished_total.get("abort", 0) > 0
+
+
+async def test_beam_search_is_refused_per_request(model):
+    path, _ = model
+    async with open_engine(config(path)) as engine:
+        reply = await engine.submit("completions", {"model": engine.model_names[0], "prompt": PROMPTS[0],
+                                                    "max_tokens": 4, "use_beam_search": True, "n": 2})
+        body = await reply.read()
+    assert b"use_beam_search: not served for a hybrid model" in body
+
+
+@pytest.mark.parametrize("flag,kw", [
+    ("--speculative-config", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 2}}),
+    ("--enable-lora", {"enable_lora": True}),
+])
+async def test_unsupported_flags_fail_at_start_up(model, flag, kw):
+    path, _ = model
+    with pytest.raises(ValueError, match=f"{flag} is not supported for qwen3_5, a hybrid"):
+        async with open_engine(config(path, **kw)):
+            pass

@@ -1,0 +1,33 @@
+"""Tiny random Qwen3-Next / Qwen3.5 checkpoints made with transformers, for tests/gpu and
+tests/engine (the hybrid linear-attention models, issue 57)."""
+import torch
+
+TINY_HYBRID = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                   linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
+                   rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False)
+
+
+def make_hybrid(family: str, out_dir=None, seed: int = 0, **overrides):
+    """A tiny random transformers Qwen3-Next (no experts) or Qwen3.5 text model, eager, fp32,
+    layers [linear, linear, linear, full]; every norm, A_log and dt_bias perturbed."""
+    import transformers
+
+    cfg = {**TINY_HYBRID, **overrides}
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(**{"num_experts": 0, **cfg})
+    else:
+        config = transformers.Qwen3_5TextConfig(**cfg)
+    rope = dict(config.rope_parameters)
+    rope["partial_rotary_factor"] = 0.5       # 8 of 16 dims rotated
+    config.rope_parameters = rope
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.2)
+    if out_dir is not None:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    return model
