@@ -6,8 +6,6 @@ free; what is not served yet is refused clearly. (The layers: tests/gpu/test_del
 the logits: tests/gpu/test_hybrid_models.py.)"""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import orjson
 import pytest
