@@ -64,7 +64,9 @@ class EngineConfig:
     served_model_name: tuple[str, ...] = attrs.field(   # empty: the model's own name
         default=(), converter=lambda names: tuple(names or ()))
     load_format: str = attrs.field(default="auto", validator=attrs.validators.in_(LOAD_FORMATS))
-    # a GGUF file's quantized linears on a CPU: auto/gguf keep them packed, none dequantizes (issue 39)
+    # the weight format (gpu/quantization/config.py): auto = the checkpoint's own (a GGUF file's
+    # linears packed on a CPU, or its quantization_config's method); gguf packs or fails; none
+    # dequantizes at load; fp8/compressed-tensors/awq/gptq/mxfp4 must match the checkpoint
     quantization: str = attrs.field(default="auto", validator=attrs.validators.in_(QUANTIZATIONS))
     dtype: str = attrs.field(default="auto", converter=lambda d: DTYPE_ALIASES.get(d, d),
                              validator=attrs.validators.in_(DTYPE_CHOICES))
@@ -294,10 +296,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Weight format; dummy: random weights of the model's shape "
                         "(default: %(default)s).")
     p.add_argument("--quantization", "-q", default=_default("quantization"), choices=QUANTIZATIONS,
-                   help="GGUF weights on a CPU: gguf keeps the file's quantized blocks (Q4_0, Q4_1, "
-                        "Q8_0, Q4_K, Q5_K, Q6_K) packed and computes in float32; auto: gguf for a "
-                        "GGUF file on a CPU with --dtype auto, else none; none: dequantize at load "
-                        "to --dtype (default: %(default)s).")
+                   help="The weight format. auto: the checkpoint's own: a GGUF file's quantized "
+                        "blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept packed on a CPU with --dtype "
+                        "auto (computing in float32), or config.json's quantization_config (fp8, "
+                        "compressed-tensors, awq, gptq, mxfp4: dequantized at load to --dtype where "
+                        "no kernel runs them); gguf: packed GGUF or an error; none: dequantize at "
+                        "load; fp8, compressed-tensors, awq, gptq, mxfp4: the checkpoint must be "
+                        "in that format (default: %(default)s).")
     p.add_argument("--block-size", type=int, default=_default("block_size"),
                    help="Tokens per KV cache block (default: %(default)s).")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
