@@ -194,6 +194,7 @@ def load_model(
         lm.load_weights(method.weights(tensors, torch_dtype, lm.embed_tokens.weight.device))
         if vision is not None:
             vision.load_weights(vision_tensors)
+        weights = method.finish(lm, weights)
     lm.eval()
     if vision is not None:
         vision.eval()

@@ -44,6 +44,7 @@ def pack_columns(values: torch.Tensor, bits: int, order: tuple[int, ...] | None 
 
 class AWQ(LinearFormat):
     name = "awq"
+    integer_grid = True
     markers = ("qweight",)
     suffixes = ("qweight", "qzeros", "scales")
 
@@ -63,7 +64,7 @@ class AWQ(LinearFormat):
     def required(self, prefix):
         return ("qweight", "qzeros", "scales") if self.zero_point else ("qweight", "scales")
 
-    def dequantize(self, prefix, parts, dtype):
+    def integers(self, prefix, parts):
         q = unpack_columns(parts["qweight"], self.bits, AWQ_ORDER)              # [in, out]
         scales = parts["scales"].float()                                       # [groups, out]
         cols = q.shape[0]
@@ -72,11 +73,11 @@ class AWQ(LinearFormat):
             raise ValueError(f"awq: {prefix}.scales has shape {tuple(scales.shape)}, expected "
                              f"{(-(-cols // g), q.shape[1])} (group size {g})")
         if "qzeros" in parts:
-            z = unpack_columns(parts["qzeros"], self.bits, AWQ_ORDER).float()
+            z = unpack_columns(parts["qzeros"], self.bits, AWQ_ORDER)
         else:
-            z = torch.full_like(scales, float(1 << (self.bits - 1)))
+            z = torch.full(scales.shape, 1 << (self.bits - 1), dtype=torch.int64)
         rows = torch.arange(cols, device=q.device) // g
-        return ((q.float() - z[rows]) * scales[rows]).t().contiguous().to(dtype)
+        return (q - z.long()[rows]).t(), scales[rows].t()
 
     def scheme(self) -> str:
         return f"AWQ W{self.bits}A16 (GEMM packing, group {self.group_size})"

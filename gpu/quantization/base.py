@@ -57,6 +57,10 @@ class QuantMethod(ABC):
     def weights(self, named: Named, dtype: torch.dtype, device) -> Iterator[tuple[str, torch.Tensor]]:
         yield from named
 
+    def finish(self, lm, words: str) -> str:
+        """After the weights are in: repack what the format runs packed; the start-up words."""
+        return words
+
     def packs_experts(self, experts: str, config, device, dummy: bool) -> bool:
         """Whether a mixture-of-experts model keeps MXFP4 experts packed (gpu/layers/moe.py):
         --experts packed, or auto on CUDA for an MXFP4 checkpoint or a dummy load."""
@@ -76,21 +80,71 @@ class LinearFormat(QuantMethod):
 
     # suffixes any one of which marks NAME as a quantized linear
     markers: tuple[str, ...] = ()
-    # what a linear's dense weight is called when the format stores it in place (FP8, INT8)
-    stores_weight: bool = False
+    # whether its linears are integers times a scale (`integers`): then, on a CPU serving
+    # float32, they may run in the packed GGUF kernels (gpu/quantization/repack.py)
+    integer_grid: bool = False
 
     def __init__(self, config: dict):
         self.config = config
         self.quantized: set[str] = set()   # HF linear names (model.layers.0.self_attn.q_proj)
         self.count = 0
+        self.pack = False                  # repack exact linears into GGUF blocks (use_packed_kernels)
+        self.blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # prefix -> repack.block_form
 
     @abstractmethod
     def required(self, prefix: str) -> tuple[str, ...]:
         """The suffixes linear `prefix` cannot be dequantized without."""
 
-    @abstractmethod
+    def integers(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An integer-grid format's linear as (n [out, in] integers, scale broadcastable to
+        [out, in] fp32) with w = n * scale; None for other formats."""
+        return None
+
     def dequantize(self, prefix: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The linear's tensors (by suffix) -> its dense weight [out, in] in dtype."""
+        """The linear's tensors (by suffix) -> its dense weight [out, in] in dtype (one fp32
+        product per element, then one rounding to dtype)."""
+        n, scale = self.integers(prefix, parts)
+        if self.pack:
+            from gpu.quantization.repack import block_form
+            if (form := block_form(n, scale)) is not None:
+                self.blocks[prefix] = form
+        return (n.float() * scale.float()).to(dtype)
+
+    def use_packed_kernels(self, dtype, device, tp, quantization: str) -> None:
+        """Repack integer-grid linears for the packed CPU kernels where exact: on a CPU, one
+        process, --dtype auto or float32 (they compute in float32), --quantization not none,
+        and the kernels built."""
+        from gpu.config.names import DTYPE_ALIASES
+        name = dtype if not isinstance(dtype, str) else DTYPE_ALIASES.get(dtype, dtype)
+        if (not self.integer_grid or quantization == "none" or tp.size > 1
+                or torch.device(device).type != "cpu" or name not in ("auto", "float32", torch.float32)):
+            return
+        from gpu.kernels.cpu import quant as cpu_quant
+        self.pack = cpu_quant.kernels() is not None
+
+    def serving_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.pack else dtype
+
+    def forces_fp32(self) -> bool:
+        return self.pack
+
+    def finish(self, lm, words: str) -> str:
+        if not self.pack:
+            return words
+        from gpu.kernels.cpu import layer as cpu_layer
+        from gpu.kernels.cpu import quant as cpu_quant
+        from gpu.quantization.repack import pack_model
+        packed, dense, formats = pack_model(lm, self.blocks)
+        self.blocks.clear()
+        if packed:
+            lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(formats.items()))
+        fused = "; a decode step's layers in one C call" if lm.fused_decode is not None else ""
+        rest = (f"; {dense} dequantized at load to float32 (act-order groups, or scales that are not "
+                "fp16 values: no exact block form)" if dense else "")
+        return (f"float32 activations and residual stream; {self.scheme()}: {packed} of "
+                f"{packed + dense} decoder linears repacked exactly into GGUF blocks ({kinds or 'none'} "
+                f"tensors) for the packed CPU kernels (cpu_quant, ISA {cpu_quant.isa()}){fused}{rest}")
 
     def scheme(self) -> str:
         """The format's parameters, in words (the start-up line)."""

@@ -87,6 +87,7 @@ class CompressedTensors(LinearFormat):
         if not self.groups:
             raise ValueError("compressed-tensors: the quantization_config has no config_groups")
         self.ignore = tuple(config.get("ignore") or ())
+        self.integer_grid = all(w.get("type", "int") == "int" for _, _, _, w, _ in self.groups)
 
     def group(self, prefix: str):
         short = prefix.rsplit(".", 1)[-1]
@@ -110,27 +111,29 @@ class CompressedTensors(LinearFormat):
         return need
 
     def dequantize(self, prefix, parts, dtype):
+        w = self.group(prefix)[3]
+        if w.get("type", "int") == "float":
+            return fp8.dequantize(parts["weight"], parts["weight_scale"], dtype, _block(w))
+        return super().dequantize(prefix, parts, dtype)
+
+    def integers(self, prefix, parts):
         _, _, fmt, w, _ = self.group(prefix)
         bits = int(w.get("num_bits", 8))
         if fmt == "pack-quantized":
             out, cols = (int(x) for x in parts["weight_shape"].tolist())
             q = unpack_int32(parts["weight_packed"], bits, cols)
         else:
-            q = parts["weight"]
+            q = parts["weight"].to(torch.int64)
             out, cols = q.shape
-            if w.get("type", "int") == "float":
-                return fp8.dequantize(q, parts["weight_scale"], dtype, _block(w))
-            q = q.to(torch.int64)
         g_idx = parts.get("weight_g_idx")
-        value = q.float()
         if "weight_zero_point" in parts:
             zp = parts["weight_zero_point"]
             if fmt == "pack-quantized" and zp.dtype == torch.int32 and w.get("strategy") in ("group", "channel"):
                 groups = parts["weight_scale"].shape[-1]
                 zp = unpack_int32(zp.t().contiguous(), bits, out).t()     # packed along the rows
                 zp = zp[:, :groups]
-            value = value - _strategy_scale(zp.float(), w, out, cols, g_idx)
-        return (value * _strategy_scale(parts["weight_scale"], w, out, cols, g_idx)).to(dtype)
+            q = q - _strategy_scale(zp.float(), w, out, cols, g_idx).long()
+        return q, _strategy_scale(parts["weight_scale"], w, out, cols, g_idx)
 
     def scheme(self) -> str:
         kinds = []

@@ -13,7 +13,7 @@ against config.json's quantization_config, or inferred from it as vLLM does.
 from __future__ import annotations
 
 from gpu.config.names import QUANTIZATIONS
-from gpu.quantization.base import QuantMethod, Unquantized
+from gpu.quantization.base import LinearFormat, QuantMethod, Unquantized
 
 # the formats a quantization_config can name -> the module and class that serve it
 CHECKPOINT_METHODS = {
@@ -65,5 +65,7 @@ def select_method(quantization: str, source, *, load_format: str, dtype, device,
 
         module, cls = CHECKPOINT_METHODS[found]
         method = getattr(importlib.import_module(module), cls)(source.quantization_config or {})
+        if isinstance(method, LinearFormat):
+            method.use_packed_kernels(dtype, device, tp, quantization)
     method.plan(source.tensor_names)
     return method

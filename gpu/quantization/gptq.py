@@ -26,6 +26,7 @@ from gpu.quantization.base import LinearFormat
 
 class GPTQ(LinearFormat):
     name = "gptq"
+    integer_grid = True
     markers = ("qweight",)
     suffixes = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -49,11 +50,11 @@ class GPTQ(LinearFormat):
     def required(self, prefix):
         return ("qweight", "qzeros", "scales") + (("g_idx",) if self.desc_act else ())
 
-    def dequantize(self, prefix, parts, dtype):
+    def integers(self, prefix, parts):
         q = unpack_columns(parts["qweight"].t().contiguous(), self.bits).t()     # [in, out]
         cols = q.shape[0]
         scales = parts["scales"].float()                                       # [groups, out]
-        z = unpack_columns(parts["qzeros"], self.bits)[:, :q.shape[1]].float() + self.zero_offset
+        z = unpack_columns(parts["qzeros"], self.bits)[:, :q.shape[1]] + self.zero_offset
         g_idx = parts.get("g_idx")
         if g_idx is None or g_idx.numel() != cols:
             g = self.group_size if self.group_size > 0 else cols
@@ -62,7 +63,7 @@ class GPTQ(LinearFormat):
         if int(g_idx.max()) >= scales.shape[0] or z.shape[0] != scales.shape[0]:
             raise ValueError(f"gptq: {prefix}.g_idx names group {int(g_idx.max())}, but scales has "
                              f"{scales.shape[0]} groups and qzeros {z.shape[0]}")
-        return ((q.float() - z[g_idx]) * scales[g_idx]).t().contiguous().to(dtype)
+        return (q - z[g_idx]).t(), scales[g_idx].t()
 
     def scheme(self) -> str:
         g = "per-channel" if self.group_size <= 0 else f"group {self.group_size}"

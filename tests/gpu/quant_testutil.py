@@ -151,7 +151,9 @@ def _ct(w: torch.Tensor, scheme: dict):
             tensors["weight_zero_point"] = zp
     else:
         tensors = dict(compressor.compress(state, full))
-    ref = compressor.decompress(dict(tensors), full)["weight"]
+    if args.type == "int":     # scales in the model's dtype, as llmcompressor writes bf16 models'
+        tensors["weight_scale"] = tensors["weight_scale"].bfloat16()
+    ref = compressor.decompress({**tensors, "weight_scale": tensors["weight_scale"].float()}, full)["weight"]
     return tensors, ref.float()
 
 

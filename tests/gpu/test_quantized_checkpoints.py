@@ -8,10 +8,14 @@ decoding at --tensor-parallel-size 2 is token-identical to one process. Mismatch
 
 import json
 
+import orjson
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu.kernels.cpu import quant as cpu_quant
+from gpu.kernels.cpu.quant import PackedLinear
 from gpu.loader.decoder import load_model
 from gpu_testutil import hf_logits, our_logits
 from quant_testutil import QUANT_CONFIGS, make_quantized
@@ -45,17 +49,36 @@ def checkpoints(tmp_path_factory):
     return out
 
 
+# how each runs on this CPU: the GGUF block format its linears are repacked into (exact:
+# gpu/quantization/repack.py), or None: dequantized at load (FP8; act-order groups)
+PACKED = {"fp8-block-qwen3": None, "fp8-tensor-llama": None, "ct-fp8-channel-qwen3": None,
+          "ct-w8a8-llama": "Q8_0", "ct-w4a16-qwen3": "Q4_0", "ct-w4a16-asym-llama": "Q8_0", "awq-qwen3": "Q8_0",
+          "gptq4-llama": "Q4_0", "gptq4-act-qwen3": None, "gptq8-llama": "Q8_0", "gptq4-v2-qwen3": "Q4_0"}
+
+
+def weight(linear) -> torch.Tensor:
+    """A linear's weight [out, in] fp32, dense or packed (the kernels' own dequantization)."""
+    return linear.dequantized() if isinstance(linear, PackedLinear) else linear.weight
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
 @pytest.mark.parametrize("case", CASES)
-def test_dequantized_weights_and_logits_match_the_reference(case, checkpoints):
+def test_dequantized_weights_and_logits_match_the_reference(case, quantization, checkpoints):
     path, hf = checkpoints[case]
-    loaded = load_model(path, dtype="float32", progress=False)
-    fmt = QUANT_CONFIGS[CASES[case][0]]["quant_method"]
-    assert f"linears dequantized once at load to float32" in loaded.weights and str(2 * 7) in loaded.weights
+    loaded = load_model(path, dtype="float32", progress=False, quantization=quantization)
+    packed = PACKED[case] if quantization == "auto" and cpu_quant.kernels() is not None else None
     ours, ref = loaded.model.layers[1], hf.model.layers[1]
+    if packed is None:
+        assert ("14 " in loaded.weights and "linears dequantized once at load to float32" in loaded.weights
+                or "0 of 8 decoder linears repacked" in loaded.weights and "8 dequantized at load" in loaded.weights)
+        assert not isinstance(ours.self_attn.qkv_proj, PackedLinear)
+    else:
+        assert f"8 of 8 decoder linears repacked exactly into GGUF blocks (14 {packed} tensors)" in loaded.weights
+        assert ours.mlp.down_proj.formats == ({v: k for k, v in cpu_quant.FORMATS.items()}[packed],)
     want_qkv = torch.cat([ref.self_attn.q_proj.weight, ref.self_attn.k_proj.weight, ref.self_attn.v_proj.weight])
-    assert torch.equal(ours.self_attn.qkv_proj.weight, want_qkv), fmt
-    assert torch.equal(ours.mlp.gate_up_proj.weight, torch.cat([ref.mlp.gate_proj.weight, ref.mlp.up_proj.weight]))
-    assert torch.equal(ours.mlp.down_proj.weight, ref.mlp.down_proj.weight)
+    assert torch.equal(weight(ours.self_attn.qkv_proj), want_qkv)
+    assert torch.equal(weight(ours.mlp.gate_up_proj), torch.cat([ref.mlp.gate_proj.weight, ref.mlp.up_proj.weight]))
+    assert torch.equal(weight(ours.mlp.down_proj), ref.mlp.down_proj.weight)
     dense = load_file(str(path.parent / (path.name + "-dense") / "model.safetensors"))
     assert torch.equal(loaded.model.lm_head.weight, dense["lm_head.weight"])     # kept dense
     expected, got = hf_logits(hf, IDS), our_logits(loaded.model, IDS)
@@ -149,3 +172,38 @@ def test_tensor_parallel_2_agrees_with_one_process(checkpoints):
     for name in TP_CASES:
         torch.testing.assert_close(two[name][0], one[name][0], atol=1e-4, rtol=1e-4)
         assert two[name][1] == one[name][1] and two[name][2] == one[name][2], name
+
+
+async def test_engine_greedy_tokens_match_the_dequantized_twin_under_preemption(checkpoints):
+    """Through the engine (scheduler, paged KV cache, chunked prefill): greedy completions of the
+    quantized checkpoint equal its dense twin's token for token, both with a cache so small
+    that requests are preempted and recomputed."""
+    import trio
+
+    from pipeline.core.config import EngineConfig
+    from pipeline.core.engine import open_engine
+
+    prompts = [[(7 * i + 3 * j) % 150 + 3 for j in range(11 + 3 * i)] for i in range(4)]
+
+    async def run(path) -> tuple[list[list[int]], int]:
+        cfg = EngineConfig(model=str(path), dtype="float32", max_model_len=96, max_num_seqs=4, block_size=8,
+                           num_gpu_blocks_override=9, max_num_batched_tokens=16, enable_prefix_caching=False)
+        out: list = [None] * len(prompts)
+        async with open_engine(cfg) as engine:
+            async def one(i):
+                body = {"model": engine.model_names[0], "prompt": prompts[i], "max_tokens": 12,
+                        "temperature": 0, "ignore_eos": True, "logprobs": 0}
+                reply = orjson.loads(await (await engine.submit("completions", body)).read())
+                out[i] = reply["choices"][0]["logprobs"]["tokens"]
+
+            async with trio.open_nursery() as n:
+                for i in range(len(prompts)):
+                    n.start_soon(one, i)
+            return out, engine.stats().num_preemptions
+
+    for name in ("fp8-block-qwen3", "gptq4-llama"):   # dequantized; Q4_0 blocks in the fused C decode
+        path, _ = checkpoints[name]
+        got, preempted = await run(path)
+        want, _ = await run(path.parent / (path.name + "-dense"))
+        assert preempted > 0, name
+        assert got == want and all(len(t) == 12 for t in got), name
