@@ -90,6 +90,7 @@ class LinearFormat(QuantMethod):
         self.count = 0
         self.pack = False                  # repack exact linears into GGUF blocks (use_packed_kernels)
         self.blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # prefix -> repack.block_form
+        self.expected: set[str] = set()    # the model's HF weight names (prepare)
 
     @abstractmethod
     def required(self, prefix: str) -> tuple[str, ...]:
@@ -185,6 +186,7 @@ class LinearFormat(QuantMethod):
         return select
 
     def prepare(self, lm, source, dtype: torch.dtype) -> tuple[Callable, str]:
+        self.expected = set(lm.hf_weight_names())
         where = "CPU" if lm.embed_tokens.weight.device.type == "cpu" else "GPU"
         return source.named_tensors, (
             f"{_dtype_name(dtype)} weights; {len(self.quantized)} {self.scheme()} linears dequantized "
@@ -199,6 +201,9 @@ class LinearFormat(QuantMethod):
         done: set[str] = set()
         for name, tensor in named:
             if not self.owns(name):
+                if (name.endswith(".bias") and name not in self.expected and name.removesuffix(".bias") in self.quantized
+                        and not tensor.any()):
+                    continue      # GPTQ/AWQ writers save a zero bias for linears that have none
                 yield name, dense(name, tensor, self.name)
                 continue
             prefix, _, suffix = name.rpartition(".")

@@ -111,9 +111,9 @@ def test_quantization_flag_must_match_the_checkpoint(checkpoints):
         load_model(path, quantization="gguf", progress=False)
 
 
-def _rewrite(src, dst, *, drop=(), config=None):
+def _rewrite(src, dst, *, drop=(), add=None, config=None):
     dst.mkdir()
-    tensors = load_file(str(src / "model.safetensors"))
+    tensors = {**load_file(str(src / "model.safetensors")), **(add or {})}
     for name in drop:
         tensors.pop(name)
     save_file(tensors, str(dst / "model.safetensors"))
@@ -145,6 +145,13 @@ def test_a_missing_or_unexpected_tensor_is_named_at_start_up(checkpoints, tmp_pa
     with pytest.raises(ValueError, match=r"compressed-tensors: the checkpoint has 'model.layers.\d.\w+.\w+."
                                          r"weight_scale' but not 'model.layers.\d.\w+.\w+.weight_zero_point'"):
         load_model(tmp_path / "no-zero", progress=False)
+    path, hf = checkpoints["gptq4-llama"]     # GPTQ writers save zero biases for bias-free linears
+    _rewrite(path, tmp_path / "zero-bias", add={"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})
+    got = our_logits(load_model(tmp_path / "zero-bias", dtype="float32", progress=False).model, IDS)
+    torch.testing.assert_close(got, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+    _rewrite(path, tmp_path / "bias", add={"model.layers.0.self_attn.q_proj.bias": torch.ones(64)})
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.self_attn.q_proj.bias'"):
+        load_model(tmp_path / "bias", progress=False)
     _rewrite(path, tmp_path / "unknown", config=lambda c: {**c, "quantization_config": {"quant_method": "bitsandbytes"}})
     with pytest.raises(ValueError, match="quant_method 'bitsandbytes', which is not served"):
         load_model(tmp_path / "unknown", progress=False)
