@@ -241,6 +241,20 @@ class Unquantized(QuantMethod):
                                  "checkpoint); pass --quantization with the checkpoint's format")
 
 
+class MXFP4(QuantMethod):
+    """gpt-oss's quantization_config ({"quant_method": "mxfp4"}) or NAME_blocks / NAME_scales
+    expert tensors: the experts' pairs pass to CausalLM.load_weights, which keeps them packed
+    (gpu/layers/moe.py PackedExperts, run by gpu/kernels/triton/mxfp4_moe.py) or dequantizes
+    them (mxfp4.dequantize_pairs); every other tensor is dense."""
+
+    name = "mxfp4"
+    suffixes = ("_blocks", "_scales")    # gpu/quantization/mxfp4.py BLOCKS_SUFFIX, SCALES_SUFFIX
+    mxfp4_experts = True
+
+    def __init__(self, config: dict | None = None):
+        self.config = config or {}
+
+
 # every suffix the formats below write besides `weight` and `bias` (Unquantized refuses them)
 QUANTIZED_SUFFIXES = frozenset({
     "weight_scale", "weight_scale_inv", "input_scale", "weight_zero_point", "input_zero_point",

@@ -21,7 +21,7 @@ CHECKPOINT_METHODS = {
     "compressed-tensors": ("gpu.quantization.compressed_tensors", "CompressedTensors"),
     "awq": ("gpu.quantization.awq", "AWQ"),
     "gptq": ("gpu.quantization.gptq", "GPTQ"),
-    "mxfp4": ("gpu.quantization.mxfp4", "MXFP4"),
+    "mxfp4": ("gpu.quantization.base", "MXFP4"),
 }
 assert set(CHECKPOINT_METHODS) < set(QUANTIZATIONS)
 

@@ -14,8 +14,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from gpu.quantization.base import QuantMethod
-
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
@@ -98,16 +96,3 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = code.reshape(*lead, cols // 32, 16, 2).to(torch.uint8)
     return pairs[..., 0] | (pairs[..., 1] << 4), (exponent + 127).to(torch.uint8)
 
-
-class MXFP4(QuantMethod):
-    """gpt-oss's quantization_config ({"quant_method": "mxfp4"}) or NAME_blocks / NAME_scales
-    expert tensors: the experts' pairs pass to CausalLM.load_weights, which keeps them packed
-    (gpu/layers/moe.py PackedExperts, run by gpu/kernels/triton/mxfp4_moe.py) or dequantizes
-    them (dequantize_pairs); every other tensor is dense."""
-
-    name = "mxfp4"
-    suffixes = (BLOCKS_SUFFIX, SCALES_SUFFIX)
-    mxfp4_experts = True
-
-    def __init__(self, config: dict | None = None):
-        self.config = config or {}
