@@ -11,6 +11,7 @@ LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 # gguf: packed GGUF (dtype auto or float32), or an error; none: dequantize at load to the
 # dtype; fp8 ... mxfp4: the checkpoint must be in that format (vLLM's names)
 QUANTIZATIONS = ("auto", "gguf", "none", "fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # --kv-cache-dtype (gpu/layers/attention.py KVCache.dtype_for)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
                  "bf16": "bfloat16"}

@@ -10,7 +10,8 @@ import os
 
 import attrs
 
-from gpu.config.names import DTYPE_ALIASES, DTYPE_NAMES, FAULT_KINDS, LOAD_FORMATS, QUANTIZATIONS, SIMULATED_GPUS
+from gpu.config.names import (DTYPE_ALIASES, DTYPE_NAMES, FAULT_KINDS, KV_CACHE_DTYPES, LOAD_FORMATS,
+                              QUANTIZATIONS, SIMULATED_GPUS)
 from gpu.config.pooling import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
 from stages.lib.kv_transfer import ABORT_TIMEOUT_ENV, KVTransferConfig
 from stages.schedule.drafter import MODEL_METHODS, SpeculativeConfig
@@ -81,6 +82,8 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=positive)
     num_gpu_blocks_override: int | None = attrs.field(default=None, validator=positive)
     kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=positive)
+    # auto: the model's dtype; fp8 (fp8_e4m3): e4m3 on a CPU, a quarter of fp32's bytes (issue 58)
+    kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPES))
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # hybrid models (gpt-oss): sliding-window layers in a KV pool of their own, sized to their windows
@@ -307,6 +310,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Tokens per KV cache block (default: %(default)s).")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use exactly this many KV cache blocks, ignoring memory sizing.")
+    p.add_argument("--kv-cache-dtype", default=_default("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
+                   help="KV cache dtype: auto (the model's) or fp8 (e4m3, scale 1.0; CPU only): "
+                        "fewer bytes a token, so more tokens in the same memory (default: %(default)s).")
     p.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None, metavar="BYTES",
                    help="KV cache size in bytes, e.g. 2GiB or 2000000000 (default on CPU: "
                         "1 GiB or what --max-num-seqs full-length sequences need).")
