@@ -190,7 +190,7 @@ def _quantize(fmt, qc, w, gen):
         return _fp8_block(w, tuple(qc["weight_block_size"]))
     if fmt == "fp8-tensor":
         return _fp8_tensor(w)
-    if fmt == "awq":
+    if fmt.startswith("awq"):
         return _awq(w, qc["group_size"], gen)
     if fmt.startswith("gptq"):
         return _gptq(w, qc["group_size"], qc["bits"], qc["desc_act"], qc.get("checkpoint_format", "gptq"), gen)
@@ -218,7 +218,10 @@ QUANT_CONFIGS = {
                                               "strategy": "group", "group_size": 32}),
     "ct-w4a16-asym": _ct_config("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False,
                                                    "strategy": "group", "group_size": 32}),
+    "ct-w4a16-g128": _ct_config("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True,
+                                                   "strategy": "group", "group_size": 128}),
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
+    "awq-g128": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
     "gptq4": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
     "gptq4-act": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True},
     "gptq8": {"quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": False, "sym": True},

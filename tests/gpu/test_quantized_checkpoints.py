@@ -24,6 +24,7 @@ from tp_testutil import greedy, logits, paged_greedy, run_ranks
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101]
 # hidden 256 and intermediate 320: two 128x128 blocks a side, the last ones partial
 BIG = dict(hidden_size=256, intermediate_size=320)
+G128 = dict(hidden_size=256, intermediate_size=384)     # group 128 divides both
 CASES = {  # name: (format, arch, overrides)
     "fp8-block-qwen3": ("fp8-block", "qwen3", BIG),
     "fp8-tensor-llama": ("fp8-tensor", "llama", {}),
@@ -31,12 +32,27 @@ CASES = {  # name: (format, arch, overrides)
     "ct-w8a8-llama": ("ct-w8a8", "llama", {}),
     "ct-w4a16-qwen3": ("ct-w4a16", "qwen3", {}),
     "ct-w4a16-asym-llama": ("ct-w4a16-asym", "llama", {}),
+    "ct-w4a16-g128-llama": ("ct-w4a16-g128", "llama", G128),
     "awq-qwen3": ("awq", "qwen3", {}),
+    "awq-g128-llama": ("awq-g128", "llama", G128),
     "gptq4-llama": ("gptq4", "llama", {}),
     "gptq4-act-qwen3": ("gptq4-act", "qwen3", {}),
     "gptq8-llama": ("gptq8", "llama", {}),
     "gptq4-v2-qwen3": ("gptq4-v2", "qwen3", {}),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fp32_tiles():
+    """The packed kernels' fp32 GEMM tiles: on an AVX512_VNNI build the int16 tiles round
+    activations to int16 (docs/kernels.md; tests/gpu/test_gguf_packed.py bounds them apart),
+    and these tests check the repacked linears compute the dequantized model's products."""
+    k = cpu_quant.kernels()
+    if k is not None:
+        k.set_int16(0)
+    yield
+    if k is not None:
+        k.set_int16(-1)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +69,7 @@ def checkpoints(tmp_path_factory):
 # gpu/quantization/repack.py), or None: dequantized at load (FP8; act-order groups)
 PACKED = {"fp8-block-qwen3": None, "fp8-tensor-llama": None, "ct-fp8-channel-qwen3": None,
           "ct-w8a8-llama": "Q8_0", "ct-w4a16-qwen3": "Q4_0", "ct-w4a16-asym-llama": "Q8_0", "awq-qwen3": "Q8_0",
+          "ct-w4a16-g128-llama": "Q4_0", "awq-g128-llama": "Q8_0",
           "gptq4-llama": "Q4_0", "gptq4-act-qwen3": None, "gptq8-llama": "Q8_0", "gptq4-v2-qwen3": "Q4_0"}
 
 
