@@ -89,6 +89,20 @@ class KVCache:
                             block_tables=m[meta.block_tables.long()].to(meta.block_tables.dtype))
 
     @staticmethod
+    def dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype, device) -> torch.dtype:
+        """--kv-cache-dtype -> the cache's dtype: auto, the model's; fp8 (fp8_e4m3): e4m3 on a
+        CPU, stored with a scale of 1.0 and upcast where attention reads it (the torch paths:
+        the C decode attention and the fused C decode step take fp32/bf16 caches only)."""
+        if kv_cache_dtype == "auto":
+            return model_dtype
+        if kv_cache_dtype not in ("fp8", "fp8_e4m3"):
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r}: choose auto, fp8 or fp8_e4m3")
+        if torch.device(device).type != "cpu":
+            raise ValueError("--kv-cache-dtype fp8 is served on a CPU only (the Triton paged attention "
+                             "reads the model's dtype)")
+        return torch.float8_e4m3fn
+
+    @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
@@ -268,15 +282,15 @@ class TorchPagedAttention:
         # the C kernel writes the step's k/v itself when every row decodes (its slots)
         kernel_writes = self._c_args is not None and self._c_args[3] is not None
         if not kernel_writes:
-            flat_k.index_copy_(0, meta.slot_mapping, k)
-            flat_v.index_copy_(0, meta.slot_mapping, v)
+            _store(flat_k, meta.slot_mapping, k)
+            _store(flat_v, meta.slot_mapping, v)
         if self._c_args is not None and self._kernel_decode(layer, q, k, v, out, sinks, window):
             if not self._prefill_rows:
                 return out
         else:
             if kernel_writes:   # it declined: nothing it may have written differs from these
-                flat_k.index_copy_(0, meta.slot_mapping, k)
-                flat_v.index_copy_(0, meta.slot_mapping, v)
+                _store(flat_k, meta.slot_mapping, k)
+                _store(flat_v, meta.slot_mapping, v)
             out = self._torch_decode(layer, q, out, sinks, window)
             if not self._prefill_rows:
                 return out
@@ -309,8 +323,8 @@ class TorchPagedAttention:
             qd = q if rows is None else q.index_select(0, rows)
             # GQA folded into the query axis: the G query heads of a KV head are G query rows
             qd = qd.reshape(B, hkv, -1, d)                                      # [B, Hkv, G, D]
-            kd = kc.index_select(0, self._decode_blocks).view(B, -1, hkv, d).transpose(1, 2)
-            vd = vc.index_select(0, self._decode_blocks).view(B, -1, hkv, d).transpose(1, 2)
+            kd = _load(kc, self._decode_blocks, q.dtype).view(B, -1, hkv, d).transpose(1, 2)
+            vd = _load(vc, self._decode_blocks, q.dtype).view(B, -1, hkv, d).transpose(1, 2)
             sink = None if sinks is None else sinks.view(1, hkv, -1, 1)         # head h = kv * G + g
             od = sdpa(qd, kd, vd, self._decode_visible(window), self.scale, sink)  # [B, Hkv, G, D]
             od = od.reshape(B, -1, d)                                           # [B, Hq, D]
@@ -341,13 +355,33 @@ class TorchPagedAttention:
                 dev = meta.block_tables.device
                 table = meta.block_tables[r, :nblk].to(torch.int64)
                 slots = (table[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)[:ctx]
-                kp = flat_k[slots].transpose(0, 1)[None]                        # [1, Hkv, ctx, D]
-                vp = flat_v[slots].transpose(0, 1)[None]
+                kp = _load(flat_k, slots, q.dtype).transpose(0, 1)[None]        # [1, Hkv, ctx, D]
+                vp = _load(flat_v, slots, q.dtype).transpose(0, 1)[None]
                 qpos = torch.arange(start, start + (e - s), device=dev)
                 mask = window_visible(qpos, torch.arange(ctx, device=dev), window)  # [Q, ctx]
                 op = sdpa(qp, kp, vp, mask, self.scale, sink)
             out[s:e] = op[0].transpose(0, 1)
         return out
+
+
+E4M3_MAX = 448.0   # float8_e4m3fn's largest finite value (it has no infinity: past it, NaN)
+
+
+def _store(flat: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """flat[slots] = x, rounded to an fp8 cache's e4m3 (saturating, scale 1.0) through byte
+    views: torch's CPU index_copy_ takes no float8."""
+    if flat.dtype != torch.float8_e4m3fn:
+        flat.index_copy_(0, slots, x)
+        return
+    x8 = x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    flat.view(torch.uint8).index_copy_(0, slots, x8.view(torch.uint8))
+
+
+def _load(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache's rows at index, upcast to dtype where the cache is fp8."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache.index_select(0, index)
+    return cache.view(torch.uint8).index_select(0, index).view(torch.float8_e4m3fn).to(dtype)
 
 
 class TritonPagedAttention:

@@ -25,6 +25,7 @@ from gpu.config.vision import (VisionSpec, is_vision_config, text_config, vision
                                vision_spec)
 from gpu.config.names import DTYPE_ALIASES, DTYPE_NAMES, LOAD_FORMATS, QUANTIZATIONS  # noqa: F401 (re-exported)
 from gpu.formats.gguf import GGUFFile
+from gpu.quantization.config import select_method
 
 EXPERT_FORMATS = ("auto", "packed", "dequantized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -146,38 +147,31 @@ def load_model(
     time, only the rank's rows of the ones cut by rows. Every rank calls load_model with the
     same arguments and its own tp.
 
-    quantization (QUANTIZATIONS): whether a GGUF file's quantized linears stay packed on a
-    CPU; they compute in fp32 (activations, residual stream and KV cache fp32)."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unsupported quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}")
+    quantization (QUANTIZATIONS): the weight format, checked against the checkpoint's
+    (gpu/quantization/config.py): e.g. whether a GGUF file's quantized linears stay packed on a
+    CPU (they compute in fp32: activations, residual stream and KV cache fp32), or which of
+    fp8, compressed-tensors, awq, gptq the checkpoint's quantization_config must name."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"unsupported experts {experts!r}; choose from {', '.join(EXPERT_FORMATS)}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}")
     path = Path(model).expanduser() if model is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     torch_dtype = resolve_dtype(dtype, device)   # a bad --dtype fails before the file is read
     source = open_source(path, load_format)
-    packed = _packs_gguf(quantization, source, load_format, dtype, device, tp)
-    torch_dtype = torch.float32 if packed else torch_dtype
+    # the weight format (gpu/quantization/): which tensors make a linear, how they load, how it runs
+    method = select_method(quantization, source, load_format=load_format, dtype=dtype, device=device, tp=tp)
+    torch_dtype = method.serving_dtype(torch_dtype)
 
     config = source.config
     lm = model_class(config)(config, torch_dtype, device,
-                  packed_experts=_packs_experts(experts, config, device, source, load_format == "dummy"),
-                  residual_dtype=torch.float32 if packed else choose_residual_dtype(residual_dtype, torch_dtype, device)[0],
+                  packed_experts=method.packs_experts(experts, config, device, load_format == "dummy"),
+                  residual_dtype=torch.float32 if method.forces_fp32() else choose_residual_dtype(residual_dtype, torch_dtype, device)[0],
                   tp=tp)
-    weights = f"{str(torch_dtype).removeprefix('torch.')} weights"
-    named_tensors = source.named_tensors
-    if packed:
-        from gpu.quantization import gguf as gguf_packed
-        taken, formats = gguf_packed.pack_linears(lm, source.gguf)
-        from gpu.kernels.cpu import layer as cpu_layer
-        lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
-        weights = gguf_packed.describe(formats) + cpu_layer.describe(lm)
-        named_tensors = lambda select=None: source.gguf.named_tensors(select, skip=taken)  # noqa: E731
-    elif source.gguf is not None and device_type(device) == "cpu":
-        weights += f" (GGUF dequantized at load: --quantization {quantization}, --dtype {dtype})"
+    named_tensors, weights = method.prepare(lm, source, torch_dtype)
     vision = None
     if source.vision_config is not None:
         if tp.size > 1:
@@ -188,7 +182,7 @@ def load_model(
         if vision is not None:
             _init_random_module(vision, seed + 1)
     else:
-        select = lm.checkpoint_slices if tp.size > 1 else None
+        select = method.select(lm.checkpoint_slices) if tp.size > 1 else None
         named = named_tensors(select)
         vision_tensors: list = []
         if vision is not None:
@@ -197,9 +191,10 @@ def load_model(
                        unit="tensor", delay=0.5,
                        # a bar on a terminal only (rank 0's): a log file (or --log-format json) gets no bar
                        disable=None if progress and tp.first else True)
-        lm.load_weights(tensors)
+        lm.load_weights(method.weights(tensors, torch_dtype, lm.embed_tokens.weight.device))
         if vision is not None:
             vision.load_weights(vision_tensors)
+        weights = method.finish(lm, weights)
     lm.eval()
     if vision is not None:
         vision.eval()
@@ -222,30 +217,6 @@ def build_vision(config: dict, text_hidden: int, dtype, device):
 
 def device_type(device: str | torch.device) -> str:
     return torch.device(device).type
-
-
-def _packs_gguf(quantization: str, source: "Source", load_format: str, dtype, device, tp: TP) -> bool:
-    """Whether a GGUF file's linears stay packed (gpu/quantization/gguf.py); raises ValueError when
-    --quantization gguf asks for what cannot be."""
-    if quantization == "none" or load_format == "dummy":
-        return False
-    why = None
-    if source.gguf is None:
-        why = "the model is not a GGUF file"
-    elif device_type(device) != "cpu":
-        why = "packed GGUF kernels are CPU kernels"
-    elif tp.size > 1:
-        why = "not with --tensor-parallel-size > 1"
-    elif quantization == "auto" and dtype != "auto":
-        why = f"--dtype {dtype} asked for: dequantized to it"
-    elif dtype not in ("auto", "float32", "fp32", "float", torch.float32):
-        why = f"packed GGUF linears compute in float32 (--dtype {dtype} asked)"
-    else:
-        from gpu.quantization import gguf as gguf_packed
-        why = gguf_packed.why_not_packed(source.gguf)
-    if why is not None and quantization == "gguf":
-        raise ValueError(f"--quantization gguf: {why}")
-    return why is None
 
 
 def load_shell(model: str | Path | None = None, *, load_format: str = "auto",
@@ -284,19 +255,12 @@ class Source:
     # tensor wanted, or None for all of it (a hint: a reader may ignore it and yield it whole)
     named_tensors: Any
     mxfp4_experts: bool = False  # the checkpoint stores NAME_blocks / NAME_scales pairs
+    # config.json's quantization_config (gpu/quantization/config.py), and every tensor's name
+    quantization_config: dict | None = None
+    tensor_names: tuple[str, ...] = ()
     gguf: GGUFFile | None = None  # the open file, for a GGUF source
     vision_config: dict | None = None     # a vision-language model's whole config.json
     vision_spec: VisionSpec | None = None
-
-
-def _packs_experts(experts: str, config: ModelConfig, device, source: Source, dummy: bool) -> bool:
-    if not config.num_experts or experts == "dequantized":
-        return False
-    if experts == "packed":
-        return True
-    fits = config.hidden_size % 32 == 0 and config.intermediate_size % 32 == 0
-    return (torch.device(device).type == "cuda" and fits
-            and (source.mxfp4_experts or dummy))
 
 
 def open_source(path: Path, load_format: str) -> Source:
@@ -339,6 +303,9 @@ def _hf_source(model_dir: Path, need_weights: bool) -> Source:
     return Source(config=config, tokenizer=tokenizer, generation_config=generation_config, name=model_dir.resolve().name,
                    num_tensors=len(names), named_tensors=lambda select=None: weights_hf.named_tensors(files, select),
                    mxfp4_experts=any(n.endswith("_blocks") for n in names),
+                   quantization_config=raw.get("quantization_config") or (
+                       text_config(raw).get("quantization_config") if vision else None),
+                   tensor_names=tuple(names),
                    vision_config=raw if vision else None, vision_spec=spec)
 
 

@@ -15,6 +15,60 @@ import torch
 from gpu.kernels.cpu import quant as cpu_quant
 from gpu.models.causal_lm import MLP, CausalLM
 from gpu.formats.gguf import GGUFFile
+from gpu.quantization.base import QuantMethod
+
+
+class GGUF(QuantMethod):
+    """A GGUF file: its tensors are read through gpu/formats/gguf.py, which dequantizes them one
+    at a time; with `packed` the dense linears instead keep the file's blocks and run in the
+    C kernels (PackedLinear), computing in float32."""
+
+    name = "gguf"
+
+    def __init__(self, packed: bool, why: str = ""):
+        self.packed = packed
+        self.why = why     # the start-up line's note when not packed
+
+    @classmethod
+    def choose(cls, quantization: str, source, load_format: str, dtype, device, tp) -> "GGUF":
+        """Whether a GGUF file's linears stay packed; ValueError when --quantization gguf asks
+        for what cannot be."""
+        if quantization == "none" or load_format == "dummy":
+            return cls(False, f"--quantization {quantization}, --dtype {dtype}")
+        why = None
+        if source.gguf is None:
+            why = "the model is not a GGUF file"
+        elif torch.device(device).type != "cpu":
+            why = "packed GGUF kernels are CPU kernels"
+        elif tp.size > 1:
+            why = "not with --tensor-parallel-size > 1"
+        elif quantization == "auto" and dtype != "auto":
+            why = f"--dtype {dtype} asked for: dequantized to it"
+        elif dtype not in ("auto", "float32", "fp32", "float", torch.float32):
+            why = f"packed GGUF linears compute in float32 (--dtype {dtype} asked)"
+        else:
+            why = why_not_packed(source.gguf)
+        if why is not None and quantization == "gguf":
+            raise ValueError(f"--quantization gguf: {why}")
+        return cls(why is None, f"--quantization {quantization}, --dtype {dtype}")
+
+    def serving_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.packed else dtype
+
+    def forces_fp32(self) -> bool:
+        return self.packed
+
+    def prepare(self, lm, source, dtype):
+        if not self.packed:
+            named, words = super().prepare(lm, source, dtype)
+            if source.gguf is not None and lm.embed_tokens.weight.device.type == "cpu":
+                words += f" (GGUF dequantized at load: {self.why})"
+            return named, words
+        taken, formats = pack_linears(lm, source.gguf)
+        from gpu.kernels.cpu import layer as cpu_layer
+        lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
+        return (lambda select=None: source.gguf.named_tensors(select, skip=taken),
+                describe(formats) + cpu_layer.describe(lm))
 
 # (owner attribute path, module name, the GGUF tensors stacked into it, in order)
 _LAYER_LINEARS = (

@@ -95,3 +95,4 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = code | ((scaled < 0).long() << 3)
     pairs = code.reshape(*lead, cols // 32, 16, 2).to(torch.uint8)
     return pairs[..., 0] | (pairs[..., 1] << 4), (exponent + 127).to(torch.uint8)
+

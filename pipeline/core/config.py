@@ -10,7 +10,8 @@ import os
 
 import attrs
 
-from gpu.config.names import DTYPE_ALIASES, DTYPE_NAMES, FAULT_KINDS, LOAD_FORMATS, QUANTIZATIONS, SIMULATED_GPUS
+from gpu.config.names import (DTYPE_ALIASES, DTYPE_NAMES, FAULT_KINDS, KV_CACHE_DTYPES, LOAD_FORMATS,
+                              QUANTIZATIONS, SIMULATED_GPUS)
 from gpu.config.pooling import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
 from stages.kv_transfer import ABORT_TIMEOUT_ENV, KVTransferConfig
 from stages.schedule.drafter import MODEL_METHODS, SpeculativeConfig
@@ -64,7 +65,9 @@ class EngineConfig:
     served_model_name: tuple[str, ...] = attrs.field(   # empty: the model's own name
         default=(), converter=lambda names: tuple(names or ()))
     load_format: str = attrs.field(default="auto", validator=attrs.validators.in_(LOAD_FORMATS))
-    # a GGUF file's quantized linears on a CPU: auto/gguf keep them packed, none dequantizes (issue 39)
+    # the weight format (gpu/quantization/config.py): auto = the checkpoint's own (a GGUF file's
+    # linears packed on a CPU, or its quantization_config's method); gguf packs or fails; none
+    # dequantizes at load; fp8/compressed-tensors/awq/gptq/mxfp4 must match the checkpoint
     quantization: str = attrs.field(default="auto", validator=attrs.validators.in_(QUANTIZATIONS))
     dtype: str = attrs.field(default="auto", converter=lambda d: DTYPE_ALIASES.get(d, d),
                              validator=attrs.validators.in_(DTYPE_CHOICES))
@@ -79,6 +82,8 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=positive)
     num_gpu_blocks_override: int | None = attrs.field(default=None, validator=positive)
     kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=positive)
+    # auto: the model's dtype; fp8 (fp8_e4m3): e4m3 on a CPU, a quarter of fp32's bytes (issue 58)
+    kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPES))
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # hybrid models (gpt-oss): sliding-window layers in a KV pool of their own, sized to their windows
@@ -294,14 +299,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Weight format; dummy: random weights of the model's shape "
                         "(default: %(default)s).")
     p.add_argument("--quantization", "-q", default=_default("quantization"), choices=QUANTIZATIONS,
-                   help="GGUF weights on a CPU: gguf keeps the file's quantized blocks (Q4_0, Q4_1, "
-                        "Q8_0, Q4_K, Q5_K, Q6_K) packed and computes in float32; auto: gguf for a "
-                        "GGUF file on a CPU with --dtype auto, else none; none: dequantize at load "
-                        "to --dtype (default: %(default)s).")
+                   help="The weight format. auto: the checkpoint's own: a GGUF file's quantized "
+                        "blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept packed on a CPU with --dtype "
+                        "auto (computing in float32), or config.json's quantization_config (fp8, "
+                        "compressed-tensors, awq, gptq, mxfp4: dequantized at load to --dtype where "
+                        "no kernel runs them); gguf: packed GGUF or an error; none: dequantize at "
+                        "load; fp8, compressed-tensors, awq, gptq, mxfp4: the checkpoint must be "
+                        "in that format (default: %(default)s).")
     p.add_argument("--block-size", type=int, default=_default("block_size"),
                    help="Tokens per KV cache block (default: %(default)s).")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use exactly this many KV cache blocks, ignoring memory sizing.")
+    p.add_argument("--kv-cache-dtype", default=_default("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
+                   help="KV cache dtype: auto (the model's) or fp8 (e4m3, scale 1.0; CPU only): "
+                        "fewer bytes a token, so more tokens in the same memory (default: %(default)s).")
     p.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None, metavar="BYTES",
                    help="KV cache size in bytes, e.g. 2GiB or 2000000000 (default on CPU: "
                         "1 GiB or what --max-num-seqs full-length sequences need).")

@@ -118,8 +118,8 @@ def build_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, m
     if ranks is not None:
         num_blocks = min_over_ranks(num_blocks, ranks.plan)
     num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks, step_budget(cfg))
-    cache = KVCache(mc.num_kv_layers, num_blocks, cfg.block_size, kv_heads(loaded),
-                    mc.head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
+    cache = KVCache(mc.num_kv_layers, num_blocks, cfg.block_size, kv_heads(loaded), mc.head_dim,
+                    KVCache.dtype_for(cfg.kv_cache_dtype, loaded.model.dtype, device), device, sliding_layers=sliding_layers,
                     num_sliding_blocks=sliding_slots)
     broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
     connector, runner_connector = make_kv_connector(cfg, cache, broadcast, ranks)
@@ -405,9 +405,9 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     if loaded.tokenizer is None:
         log.warning("the model has no tokenizer: only token-id prompts are accepted and "
                     "replies carry no text (like vLLM's --skip-tokenizer-init)")
-    log.info("loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens",
-             model_names[0], mc.architecture, device, time.perf_counter() - t0,
-             num_blocks, cfg.block_size)
+    log.info("loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens, %s", model_names[0], mc.architecture,
+             device, time.perf_counter() - t0, num_blocks, cfg.block_size, str(loaded.model.dtype).removeprefix("torch.")
+             if cfg.kv_cache_dtype == "auto" else "float8_e4m3fn (--kv-cache-dtype fp8: scale 1.0, upcast where read)")
     # this thread's OpenMP team would throttle the runner thread's (gpu/kernels/cpu/openmp.py)
     release_team()
     sleeper = None
@@ -445,8 +445,8 @@ def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
     mc = loaded.config
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
-    target_per_block = KVCache.bytes_per_block(mc.num_kv_layers, cfg.block_size,
-                                               kv_heads(loaded), mc.head_dim, loaded.model.dtype)
+    target_per_block = KVCache.bytes_per_block(mc.num_kv_layers, cfg.block_size, kv_heads(loaded), mc.head_dim,
+                                               KVCache.dtype_for(cfg.kv_cache_dtype, loaded.model.dtype, device))
     per_block = target_per_block + extra_per_block
     if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, (cfg.kv_cache_memory_bytes - reserved) // per_block)

@@ -128,7 +128,7 @@ def cache_config_labels(cfg, num_blocks: int, max_model_len: int) -> dict[str, s
     return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(num_blocks),
             "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
             "enable_prefix_caching": str(cfg.enable_prefix_caching),
-            "cache_dtype": "auto", "num_gpu_blocks_override": str(cfg.num_gpu_blocks_override),
+            "cache_dtype": cfg.kv_cache_dtype, "num_gpu_blocks_override": str(cfg.num_gpu_blocks_override),
             "kv_cache_size_tokens": str(num_blocks * cfg.block_size),
             "kv_cache_max_concurrency": str(round(num_blocks / per_request, 2)),
             "engine": "0"}

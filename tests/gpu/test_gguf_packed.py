@@ -139,14 +139,15 @@ def test_logits_and_greedy_match_dequantized_fp32(packed_smollm, smollm, int16):
 
 
 def test_quantization_flag_errors():
-    from gpu.loader.decoder import _packs_gguf, Source
+    from gpu.loader.decoder import Source
+    from gpu.quantization.gguf import GGUF
     with pytest.raises(ValueError, match="quantization"):
         load_model(None, quantization="int3", progress=False)
     not_gguf = Source(config=None, tokenizer=None, generation_config={}, name="x", num_tensors=0,
                       named_tensors=None)
     with pytest.raises(ValueError, match="--quantization gguf: the model is not a GGUF file"):
-        _packs_gguf("gguf", not_gguf, "auto", "auto", "cpu", SINGLE)
-    assert not _packs_gguf("auto", not_gguf, "auto", "auto", "cpu", SINGLE)
+        GGUF.choose("gguf", not_gguf, "auto", "auto", "cpu", SINGLE)
+    assert not GGUF.choose("auto", not_gguf, "auto", "auto", "cpu", SINGLE).packed
 
 
 def _build(tmp_path, march: str) -> cpu_quant.QuantKernels:

@@ -1,0 +1,233 @@
+"""Pre-quantized checkpoints (issue 58) on tiny random Llama and Qwen3 models, each format written
+by its documented layout (tests/support/quantized_checkpoints.py): the loader's method (gpu/quantization/)
+dequantizes every linear to exactly the format's reference (numpy unpacking of the bit layout,
+or compressed-tensors' own decompress), the logits are those of transformers' model holding the
+reference weights (fp32: the same weights, so the bound is fp32 rounding, 1e-4), and greedy
+decoding at --tensor-parallel-size 2 is token-identical to one process. Mismatches between
+--quantization, the quantization_config and the tensors are start-up errors naming them."""
+
+import json
+
+import orjson
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpu.kernels.cpu import quant as cpu_quant
+from gpu.kernels.cpu.quant import PackedLinear
+from gpu.loader.decoder import load_model
+from tests.support.hf_models import hf_logits, our_logits
+from tests.support.quantized_checkpoints import QUANT_CONFIGS, make_quantized
+from tests.support.tp_ranks import greedy, logits, paged_greedy, run_ranks
+
+IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101]
+# hidden 256 and intermediate 320: two 128x128 blocks a side, the last ones partial
+BIG = dict(hidden_size=256, intermediate_size=320)
+G128 = dict(hidden_size=256, intermediate_size=384)     # group 128 divides both
+CASES = {  # name: (format, arch, overrides)
+    "fp8-block-qwen3": ("fp8-block", "qwen3", BIG),
+    "fp8-tensor-llama": ("fp8-tensor", "llama", {}),
+    "ct-fp8-channel-qwen3": ("ct-fp8-channel", "qwen3", {}),
+    "ct-w8a8-llama": ("ct-w8a8", "llama", {}),
+    "ct-w4a16-qwen3": ("ct-w4a16", "qwen3", {}),
+    "ct-w4a16-asym-llama": ("ct-w4a16-asym", "llama", {}),
+    "ct-w4a16-g128-llama": ("ct-w4a16-g128", "llama", G128),
+    "awq-qwen3": ("awq", "qwen3", {}),
+    "awq-g128-llama": ("awq-g128", "llama", G128),
+    "gptq4-llama": ("gptq4", "llama", {}),
+    "gptq4-act-qwen3": ("gptq4-act", "qwen3", {}),
+    "gptq8-llama": ("gptq8", "llama", {}),
+    "gptq4-v2-qwen3": ("gptq4-v2", "qwen3", {}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fp32_tiles():
+    """The packed kernels' fp32 GEMM tiles: on an AVX512_VNNI build the int16 tiles round
+    activations to int16 (docs/kernels.md; tests/gpu/test_gguf_packed.py bounds them apart),
+    and these tests check the repacked linears compute the dequantized model's products."""
+    k = cpu_quant.kernels()
+    if k is not None:
+        k.set_int16(0)
+    yield
+    if k is not None:
+        k.set_int16(-1)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (path, the transformers model with the reference dequantized weights)."""
+    root = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for seed, (name, (fmt, arch, overrides)) in enumerate(CASES.items()):
+        out[name] = (root / name, make_quantized(fmt, arch, root / name, seed=seed, **overrides))
+    return out
+
+
+# how each runs on this CPU: the GGUF block format its linears are repacked into (exact:
+# gpu/quantization/repack.py), or None: dequantized at load (FP8; act-order groups)
+PACKED = {"fp8-block-qwen3": None, "fp8-tensor-llama": None, "ct-fp8-channel-qwen3": None,
+          "ct-w8a8-llama": "Q8_0", "ct-w4a16-qwen3": "Q4_0", "ct-w4a16-asym-llama": "Q8_0", "awq-qwen3": "Q8_0",
+          "ct-w4a16-g128-llama": "Q4_0", "awq-g128-llama": "Q8_0",
+          "gptq4-llama": "Q4_0", "gptq4-act-qwen3": None, "gptq8-llama": "Q8_0", "gptq4-v2-qwen3": "Q4_0"}
+
+
+def weight(linear) -> torch.Tensor:
+    """A linear's weight [out, in] fp32, dense or packed (the kernels' own dequantization)."""
+    return linear.dequantized() if isinstance(linear, PackedLinear) else linear.weight
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+@pytest.mark.parametrize("case", CASES)
+def test_dequantized_weights_and_logits_match_the_reference(case, quantization, checkpoints):
+    path, hf = checkpoints[case]
+    loaded = load_model(path, dtype="float32", progress=False, quantization=quantization)
+    packed = PACKED[case] if quantization == "auto" and cpu_quant.kernels() is not None else None
+    ours, ref = loaded.model.layers[1], hf.model.layers[1]
+    if packed is None:
+        assert ("14 " in loaded.weights and "linears dequantized once at load to float32" in loaded.weights
+                or "0 of 8 decoder linears repacked" in loaded.weights and "8 dequantized at load" in loaded.weights)
+        assert not isinstance(ours.self_attn.qkv_proj, PackedLinear)
+    else:
+        assert f"8 of 8 decoder linears repacked exactly into GGUF blocks (14 {packed} tensors)" in loaded.weights
+        assert ours.mlp.down_proj.formats == ({v: k for k, v in cpu_quant.FORMATS.items()}[packed],)
+    want_qkv = torch.cat([ref.self_attn.q_proj.weight, ref.self_attn.k_proj.weight, ref.self_attn.v_proj.weight])
+    assert torch.equal(weight(ours.self_attn.qkv_proj), want_qkv)
+    assert torch.equal(weight(ours.mlp.gate_up_proj), torch.cat([ref.mlp.gate_proj.weight, ref.mlp.up_proj.weight]))
+    assert torch.equal(weight(ours.mlp.down_proj), ref.mlp.down_proj.weight)
+    dense = load_file(str(path.parent / (path.name + "-dense") / "model.safetensors"))
+    assert torch.equal(loaded.model.lm_head.weight, dense["lm_head.weight"])     # kept dense
+    expected, got = hf_logits(hf, IDS), our_logits(loaded.model, IDS)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_reference_is_quantized(checkpoints):
+    """The formats' grids show in the weights: 4-bit groups hold at most 16 values."""
+    path, hf = checkpoints["gptq4-llama"]
+    w = hf.model.layers[0].mlp.down_proj.weight      # [64, 96], groups of 32 along the input
+    assert max(len(w[r, :32].unique()) for r in range(w.shape[0])) <= 16
+
+
+def test_bf16_serving_rounds_the_dequantized_weights_once(checkpoints):
+    path, hf = checkpoints["ct-w4a16-qwen3"]
+    model = load_model(path, dtype="bfloat16", progress=False).model
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert torch.equal(model.layers[0].mlp.down_proj.weight, hf.model.layers[0].mlp.down_proj.weight.bfloat16())
+
+
+def test_quantization_flag_must_match_the_checkpoint(checkpoints):
+    path, _ = checkpoints["awq-qwen3"]
+    assert "AWQ" in load_model(path, quantization="awq", dtype="float32", progress=False).weights
+    with pytest.raises(ValueError, match="--quantization gptq, but config.json's quantization_config says 'awq'"):
+        load_model(path, quantization="gptq", progress=False)
+    dense = path.parent / (path.name + "-dense")
+    with pytest.raises(ValueError, match="--quantization fp8, but the checkpoint is not quantized"):
+        load_model(dense, quantization="fp8", progress=False)
+    with pytest.raises(ValueError, match="--quantization gguf: the model is not a GGUF file"):
+        load_model(path, quantization="gguf", progress=False)
+
+
+def _rewrite(src, dst, *, drop=(), add=None, config=None):
+    dst.mkdir()
+    tensors = {**load_file(str(src / "model.safetensors")), **(add or {})}
+    for name in drop:
+        tensors.pop(name)
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    if config is not None:
+        cfg = config(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_missing_or_unexpected_tensor_is_named_at_start_up(checkpoints, tmp_path):
+    path, _ = checkpoints["fp8-block-qwen3"]
+    _rewrite(path, tmp_path / "no-scale", drop=["model.layers.1.mlp.up_proj.weight_scale_inv"])
+    with pytest.raises(ValueError, match=r"fp8: the checkpoint's 'model.layers.1.mlp.up_proj.weight' is "
+                                         r"float8_e4m3fn, a quantized value with no scale tensor"):
+        load_model(tmp_path / "no-scale", progress=False)
+    _rewrite(path, tmp_path / "no-config", config=lambda c: {k: v for k, v in c.items() if k != "quantization_config"})
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight_scale_inv' is a quantized "
+                                         r"format's tensor, but config.json has no quantization_config"):
+        load_model(tmp_path / "no-config", progress=False)
+    path, _ = checkpoints["ct-w8a8-llama"]
+    _rewrite(path, tmp_path / "ignored", config=lambda c: {**c, "quantization_config": {
+        **c["quantization_config"], "ignore": ["lm_head", "re:.*o_proj$"]}})
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.o_proj.weight_scale' is a quantized tensor, "
+                                         r"but the quantization_config's ignore list keeps"):
+        load_model(tmp_path / "ignored", progress=False)
+    _rewrite(path, tmp_path / "no-zero", config=lambda c: {**c, "quantization_config": {**c["quantization_config"], "config_groups": {
+                 "group_0": {**c["quantization_config"]["config_groups"]["group_0"], "weights": {
+                     **c["quantization_config"]["config_groups"]["group_0"]["weights"], "symmetric": False}}}}})
+    with pytest.raises(ValueError, match=r"compressed-tensors: the checkpoint has 'model.layers.\d.\w+.\w+."
+                                         r"weight_scale' but not 'model.layers.\d.\w+.\w+.weight_zero_point'"):
+        load_model(tmp_path / "no-zero", progress=False)
+    path, hf = checkpoints["gptq4-llama"]     # GPTQ writers save zero biases for bias-free linears
+    _rewrite(path, tmp_path / "zero-bias", add={"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})
+    got = our_logits(load_model(tmp_path / "zero-bias", dtype="float32", progress=False).model, IDS)
+    torch.testing.assert_close(got, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+    _rewrite(path, tmp_path / "bias", add={"model.layers.0.self_attn.q_proj.bias": torch.ones(64)})
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.self_attn.q_proj.bias'"):
+        load_model(tmp_path / "bias", progress=False)
+    _rewrite(path, tmp_path / "unknown", config=lambda c: {**c, "quantization_config": {"quant_method": "bitsandbytes"}})
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes', which is not served"):
+        load_model(tmp_path / "unknown", progress=False)
+
+
+PROMPTS = [[3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1], [64, 9, 33, 120, 77, 2, 45, 101, 7, 7]]
+TP_CASES = ("fp8-block-qwen3", "ct-w4a16-asym-llama", "gptq4-act-qwen3")
+
+
+def _tp_run(tp, paths):
+    out = {}
+    for name, path in paths:
+        m = load_model(path, dtype="float32", progress=False, tp=tp).model
+        out[name] = (logits(m, PROMPTS), [greedy(m, tp, p, 6) for p in PROMPTS], paged_greedy(m, tp, PROMPTS, 6))
+    return out
+
+
+def test_tensor_parallel_2_agrees_with_one_process(checkpoints):
+    """Each rank reads a quantized linear's tensors whole, dequantizes and keeps its shard."""
+    from gpu.parallel import SINGLE
+
+    paths = [(name, checkpoints[name][0]) for name in TP_CASES]
+    one = _tp_run(SINGLE, paths)
+    two = run_ranks(2, _tp_run, paths, timeout_s=240)
+    for name in TP_CASES:
+        torch.testing.assert_close(two[name][0], one[name][0], atol=1e-4, rtol=1e-4)
+        assert two[name][1] == one[name][1] and two[name][2] == one[name][2], name
+
+
+async def test_engine_greedy_tokens_match_the_dequantized_twin_under_preemption(checkpoints):
+    """Through the engine (scheduler, paged KV cache, chunked prefill): greedy completions of the
+    quantized checkpoint equal its dense twin's token for token, both with a cache so small
+    that requests are preempted and recomputed."""
+    import trio
+
+    from pipeline.core.config import EngineConfig
+    from pipeline.core.engine import open_engine
+
+    prompts = [[(7 * i + 3 * j) % 150 + 3 for j in range(11 + 3 * i)] for i in range(4)]
+
+    async def run(path) -> tuple[list[list[int]], int]:
+        cfg = EngineConfig(model=str(path), dtype="float32", max_model_len=96, max_num_seqs=4, block_size=8,
+                           num_gpu_blocks_override=9, max_num_batched_tokens=16, enable_prefix_caching=False)
+        out: list = [None] * len(prompts)
+        async with open_engine(cfg) as engine:
+            async def one(i):
+                body = {"model": engine.model_names[0], "prompt": prompts[i], "max_tokens": 12,
+                        "temperature": 0, "ignore_eos": True, "logprobs": 0}
+                reply = orjson.loads(await (await engine.submit("completions", body)).read())
+                out[i] = reply["choices"][0]["logprobs"]["tokens"]
+
+            async with trio.open_nursery() as n:
+                for i in range(len(prompts)):
+                    n.start_soon(one, i)
+            return out, engine.stats().num_preemptions
+
+    for name in ("fp8-block-qwen3", "gptq4-llama"):   # dequantized; Q4_0 blocks in the fused C decode
+        path, _ = checkpoints[name]
+        got, preempted = await run(path)
+        want, _ = await run(path.parent / (path.name + "-dense"))
+        assert preempted > 0, name
+        assert got == want and all(len(t) == 12 for t in got), name
