@@ -6,6 +6,8 @@ from typing import Any
 
 import attrs
 
+from gpu.config.moe import MoESpec
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 ACTIVATIONS = ("silu",)     # the MLP activations gpu/layers implements
@@ -64,6 +66,9 @@ class ModelConfig:
     # Qwen2.5-VL's M-RoPE: how many of the head_dim/2 frequencies take the temporal, height
     # and width position (gpu/layers/ops.py mrope_cos_sin); None: one position a token
     mrope_section: tuple[int, ...] | None = None
+    # a mixture's routing, experts, shared expert and dense layers (gpu/config/moe.py); the
+    # default is gpt-oss's
+    moe: MoESpec = MoESpec()
 
     hidden_act: str = "silu"
 
@@ -85,6 +90,11 @@ class ModelConfig:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
                                  f"got {self.num_experts_per_tok}")
+            if self.num_experts % self.moe.n_group:
+                raise ValueError(f"n_group {self.moe.n_group} does not divide num_experts {self.num_experts}")
+            if self.moe.n_group > 1 and self.num_experts_per_tok > self.moe.topk_group * (
+                    self.num_experts // self.moe.n_group):
+                raise ValueError("num_experts_per_tok is more than the experts of topk_group groups")
         if self.layer_types:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
@@ -108,6 +118,15 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether this layer's MLP is the mixture of experts (else a dense MLP)."""
+        return bool(self.num_experts) and layer_idx not in self.moe.dense_layers
+
+    @property
+    def dense_intermediate_size(self) -> int:
+        """The dense MLP's intermediate size (intermediate_size is per expert in a mixture)."""
+        return self.moe.dense_intermediate_size or self.intermediate_size
+
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
@@ -121,9 +140,12 @@ class ModelConfig:
         """The multiply-adds of one token's linears: the attention projections, the MLP (a
         mixture's active experts), the LM head. Attention over the context is left out: it
         grows with the context alike for a draft model and its target."""
-        mlp = 3 * self.hidden_size * self.intermediate_size * (self.num_experts_per_tok or 1)
-        proj = self.hidden_size * (2 * self.q_size + 2 * self.kv_size)
-        return self.num_hidden_layers * (proj + mlp) + self.hidden_size * self.vocab_size
+        D, L = self.hidden_size, self.num_hidden_layers
+        moe = 3 * D * (self.intermediate_size * (self.num_experts_per_tok or 1) + self.moe.shared_intermediate_size)
+        moe_layers = sum(self.is_moe_layer(i) for i in range(L)) if self.num_experts else 0
+        mlp = moe * moe_layers + 3 * D * self.dense_intermediate_size * (L - moe_layers)
+        proj = D * (2 * self.q_size + 2 * self.kv_size)
+        return L * proj + mlp + D * self.vocab_size
 
 
 def hf_fields(d: dict[str, Any], architecture: str, *, max_positions: int = 2048,

@@ -292,6 +292,8 @@ class Source:
 def _packs_experts(experts: str, config: ModelConfig, device, source: Source, dummy: bool) -> bool:
     if not config.num_experts or experts == "dequantized":
         return False
+    if experts == "auto" and config.moe.activation != "clamped_swiglu":
+        return False    # MXFP4 experts: gpt-oss's alone
     if experts == "packed":
         return True
     fits = config.hidden_size % 32 == 0 and config.intermediate_size % 32 == 0
@@ -417,7 +419,7 @@ def _as_checkpoint(model: CausalLM, weights):
         elif module == "gate_up_proj" and kind in ("weight", "bias") and not parent.endswith("experts"):
             for part, t in zip(("gate_proj", "up_proj"), w.chunk(2)):
                 yield f"{hf}{part}.{kind}", t
-        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            yield "model." + name, w.transpose(1, 2)  # transformers' [E, in, out]
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")) and c.moe.activation == "clamped_swiglu":
+            yield "model." + name, w.transpose(1, 2)  # transformers' gpt-oss [E, in, out]
         else:
             yield (name if name.startswith("lm_head") else "model." + name), w

@@ -33,6 +33,7 @@ from torch import nn
 from gpu.quantization import mxfp4
 from gpu.config.model import ModelConfig
 from gpu.layers.moe import MoE, expert_columns
+from gpu.loader.experts import our_name, stack_experts
 from gpu.layers.ops import (apply_rope, build_rope_cache, fused_add_rms_norm, mrope_columns, mrope_cos_sin,
                      rms_norm, silu_and_mul, skip_init)
 from gpu.parallel import SINGLE, TP
@@ -155,9 +156,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device, tp: TP = SINGLE):
+    def __init__(self, config: ModelConfig, dtype, device, tp: TP = SINGLE, intermediate: int | None = None):
+        """intermediate: the full (unsharded) intermediate size, config.intermediate_size unless given
+        (a mixture's dense layers and shared expert)."""
         super().__init__()
-        start, stop = tp.split(config.intermediate_size, "intermediate_size")
+        self.intermediate = intermediate or config.intermediate_size
+        start, stop = tp.split(self.intermediate, "intermediate_size")
         kw = dict(bias=False, dtype=dtype, device=device)
         self.gate_up_proj = skip_init(Linear, config.hidden_size, 2 * (stop - start), **kw)
         self.down_proj = skip_init(Linear, stop - start, config.hidden_size, **kw)
@@ -172,8 +176,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.self_attn = Attention(config, layer_idx, dtype, device, tp)
-        self.mlp = (MoE(config, dtype, device, packed=packed_experts, tp=tp) if config.num_experts
-                    else MLP(config, dtype, device, tp))
+        self.mlp = (make_moe(config, dtype, device, packed_experts, tp) if config.is_moe_layer(layer_idx)
+                    else MLP(config, dtype, device, tp, config.dense_intermediate_size))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -197,6 +201,12 @@ class DecoderLayer(nn.Module):
         if self.tp.size == 1:
             return part
         return self.tp.all_reduce(part.to(residual.dtype))
+
+
+def make_moe(config: ModelConfig, dtype, device, packed: bool, tp: TP) -> MoE:
+    shared = config.moe.shared_intermediate_size
+    return MoE(config, dtype, device, packed=packed, tp=tp,
+               shared=MLP(config, dtype, device, tp, shared) if shared else None)
 
 
 # HF checkpoint projections that are stored stacked in one of our weights: name -> (ours, shard).
@@ -366,6 +376,8 @@ class CausalLM(nn.Module):
         missing = set(self.hf_weight_names())
         if self.packed_experts:
             named_tensors = self._sharded(_blocks_flattened(named_tensors))
+        elif self.config.num_experts and self.config.moe.activation == "swiglu":
+            named_tensors = self._sharded(stack_experts(named_tensors, self.config.num_experts))
         elif self.config.num_experts:
             named_tensors = mxfp4.dequantize_pairs(self._sharded(_experts_as_ours(named_tensors)), self.dtype,
                                                    self.embed_tokens.weight.device)
@@ -402,7 +414,7 @@ class CausalLM(nn.Module):
             return name, slice(None)
         merged, shard = _STACKED[module]
         attn = self.layers[0].self_attn
-        sizes = list(attn.split) if merged == "qkv_proj" else [self.layers[0].mlp.down_proj.in_features] * 2
+        sizes = list(attn.split) if merged == "qkv_proj" else [self.get_submodule(parent).down_proj.in_features] * 2
         start = sum(sizes[:shard])
         return f"{parent}.{merged}.{kind}", slice(start, start + sizes[shard])
 
@@ -413,7 +425,7 @@ class CausalLM(nn.Module):
         tp, c = self.tp, self.config
         if tp.size == 1:
             return None
-        name = hf_name.removeprefix("model.")
+        name = our_name(hf_name).removeprefix("model.")
         module, _, kind = name.rpartition(".")
         leaf = module.rsplit(".", 1)[-1]
         if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -428,7 +440,8 @@ class CausalLM(nn.Module):
         if leaf == "o_proj":
             return ONCE if kind == "bias" else (1, q0 * Dh, q1 * Dh, c.q_size)
         I = c.intermediate_size  # noqa: E741
-        if leaf in ("gate_proj", "up_proj", "down_proj"):
+        if leaf in ("gate_proj", "up_proj", "down_proj") and ".experts." not in name:
+            I = self.get_submodule(module.rpartition(".")[0]).intermediate  # noqa: E741
             i0, i1 = tp.split(I, "intermediate_size")
             return (0, i0, i1, I) if leaf != "down_proj" else (1, i0, i1, I)
         if ".experts." not in name + ".":

@@ -31,6 +31,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",)),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",)),
 )
 
 

@@ -1,0 +1,44 @@
+"""Tiny random mixture-of-experts checkpoints made with transformers (the families of
+gpu/models/{qwen3_moe,qwen2_moe,mixtral}.py), perturbed as gpu_testutil.make_hf_model's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# 8 experts top-2 of intermediate 32, a dense layer of 96 where a family has one; hidden 64,
+# 4 query heads over 2 KV heads of 16, a 160-token vocabulary
+BASE = dict(vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1,
+            num_experts_per_tok=2)
+MOE = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                                         num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen3_moe_unnormed": ("Qwen3MoeConfig", dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                                                  norm_topk_prob=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                                         shared_expert_intermediate_size=48, decoder_sparse_step=2,
+                                         num_hidden_layers=3)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, intermediate_size=32)),
+}
+
+
+def make_moe_model(kind: str, out_dir: Path | None = None, seed: int = 0, **overrides):
+    """A tiny random transformers MoE model (eager attention, fp32), saved to out_dir if given.
+    Norm weights and biases are perturbed from their 1/0 init; routers are scaled up so that
+    routing varies from token to token."""
+    import transformers
+
+    cls, kw = MOE[kind]
+    config = getattr(transformers, cls)(**{**BASE, **kw, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.mul_(5.0)
+    if out_dir is not None:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    return model
