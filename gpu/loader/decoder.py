@@ -175,6 +175,8 @@ def load_model(
         from gpu.kernels.cpu import layer as cpu_layer
         lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
         weights = gguf_packed.describe(formats) + cpu_layer.describe(lm)
+        if config.num_experts:   # the packed kernels take 2-D linears only (gpu/quantization/gguf.py)
+            weights += "; the experts dequantized to float32 at load"
         named_tensors = lambda select=None: source.gguf.named_tensors(select, skip=taken)  # noqa: E731
     elif source.gguf is not None and device_type(device) == "cpu":
         weights += f" (GGUF dequantized at load: --quantization {quantization}, --dtype {dtype})"

@@ -64,6 +64,8 @@ def stack_experts(named_tensors: Iterable[tuple[str, torch.Tensor]], num_experts
                                  f"expected [{num_experts}, out, in]")
             pending.setdefault(prefix, {})[proj] = tensor
         else:
+            if name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+                tensor = tensor.unsqueeze(0)     # GGUF's ffn_gate_inp_shexp is a vector
             yield name, tensor
             continue
         yield from _whole(prefix, pending)
