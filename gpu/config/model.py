@@ -69,6 +69,14 @@ class ModelConfig:
     # a mixture's routing, experts, shared expert and dense layers (gpu/config/moe.py); the
     # default is gpt-oss's
     moe: MoESpec = MoESpec()
+    # DeepSeek-V2/V3's multi-head latent attention (gpu/layers/mla.py; 0: none): the cached
+    # latent's rank, the query's low rank (0: a full q_proj), the per-head non-rotary q/k and v
+    # widths; head_dim is then the rotary part's (qk_rope_head_dim), as transformers sets it
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False   # DeepSeek: the checkpoint's rotary columns as pairs (undone at load)
 
     hidden_act: str = "silu"
 
@@ -128,6 +136,16 @@ class ModelConfig:
         return self.moe.dense_intermediate_size or self.intermediate_size
 
     @property
+    def kv_cache_head_dim(self) -> int:
+        """Values a cached K row holds per KV head: head_dim, or MLA's latent and rotary key."""
+        return self.kv_lora_rank + self.head_dim if self.kv_lora_rank else self.head_dim
+
+    @property
+    def kv_cache_latent(self) -> int:
+        """MLA: the cached latent's width, the V that the K rows' first columns are (0: K and V apart)."""
+        return self.kv_lora_rank
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -145,6 +163,10 @@ class ModelConfig:
         moe_layers = sum(self.is_moe_layer(i) for i in range(L)) if self.num_experts else 0
         mlp = moe * moe_layers + 3 * D * self.dense_intermediate_size * (L - moe_layers)
         proj = D * (2 * self.q_size + 2 * self.kv_size)
+        if self.kv_lora_rank:   # MLA: q down/up (or q_proj), kv down, kv up, o
+            H, qk, r = self.num_attention_heads, self.qk_nope_head_dim + self.head_dim, self.kv_lora_rank
+            q = (D + H * qk) * self.q_lora_rank if self.q_lora_rank else D * H * qk
+            proj = q + D * (r + self.head_dim) + r * H * (self.qk_nope_head_dim + self.v_head_dim) + H * self.v_head_dim * D
         return L * proj + mlp + D * self.vocab_size
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from gpu.quantization import mxfp4
 from gpu.config.model import ModelConfig
+from gpu.layers.mla import LatentAttention
 from gpu.layers.moe import MoE, expert_columns
 from gpu.loader.experts import our_name, stack_experts
 from gpu.layers.ops import (apply_rope, build_rope_cache, fused_add_rms_norm, mrope_columns, mrope_cos_sin,
@@ -175,7 +176,7 @@ class DecoderLayer(nn.Module):
                  tp: TP = SINGLE):
         super().__init__()
         self.tp = tp
-        self.self_attn = Attention(config, layer_idx, dtype, device, tp)
+        self.self_attn = (LatentAttention if config.kv_lora_rank else Attention)(config, layer_idx, dtype, device, tp)
         self.mlp = (make_moe(config, dtype, device, packed_experts, tp) if config.is_moe_layer(layer_idx)
                     else MLP(config, dtype, device, tp, config.dense_intermediate_size))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -410,7 +411,7 @@ class CausalLM(nn.Module):
         name = hf_name.removeprefix("model.")
         prefix, _, kind = name.rpartition(".")
         parent, _, module = prefix.rpartition(".")
-        if module not in _STACKED:
+        if module not in _STACKED or isinstance(self.get_submodule(parent), LatentAttention):
             return name, slice(None)
         merged, shard = _STACKED[module]
         attn = self.layers[0].self_attn

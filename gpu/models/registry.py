@@ -34,6 +34,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",)),
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi_k2")),
 )
 
 

@@ -181,8 +181,8 @@ def make_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, ma
         num_blocks = min_over_ranks(num_blocks, ranks.plan)
     num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks)
     cache = KVCache(mc.num_hidden_layers, num_blocks, cfg.block_size, kv_heads(loaded),
-                    mc.head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
-                    num_sliding_blocks=sliding_slots)
+                    mc.kv_cache_head_dim, loaded.model.dtype, device, sliding_layers=sliding_layers,
+                    num_sliding_blocks=sliding_slots, latent=mc.kv_cache_latent)
     broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
     drafting = None
     if draft is not None:
@@ -513,8 +513,8 @@ def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
     mc = loaded.config
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
-    target_per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
-                                               kv_heads(loaded), mc.head_dim, loaded.model.dtype)
+    target_per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size, kv_heads(loaded),
+                                               mc.kv_cache_head_dim, loaded.model.dtype, mc.kv_cache_latent)
     per_block = target_per_block + extra_per_block
     if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, cfg.kv_cache_memory_bytes // per_block)

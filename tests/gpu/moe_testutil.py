@@ -20,6 +20,15 @@ MOE = {
                                          shared_expert_intermediate_size=48, decoder_sparse_step=2,
                                          num_hidden_layers=3)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, intermediate_size=32)),
+    # MLA (latent 32 + rotary 16 cached a token, q of rank 48), grouped sigmoid routing, a shared
+    # expert, a dense first layer, YaRN with mscale / mscale_all_dim
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, num_hidden_layers=3, n_group=4,
+        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, num_key_value_heads=4,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.9,
+                         "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 64})),
 }
 
 
@@ -39,6 +48,9 @@ def make_moe_model(kind: str, out_dir: Path | None = None, seed: int = 0, **over
                 p.add_(torch.randn_like(p) * 0.2)
             elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
                 p.mul_(5.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)
     if out_dir is not None:
         model.save_pretrained(out_dir, safe_serialization=True)
     return model
