@@ -162,12 +162,18 @@ class ModelConfig:
         moe = 3 * D * (self.intermediate_size * (self.num_experts_per_tok or 1) + self.moe.shared_intermediate_size)
         moe_layers = sum(self.is_moe_layer(i) for i in range(L)) if self.num_experts else 0
         mlp = moe * moe_layers + 3 * D * self.dense_intermediate_size * (L - moe_layers)
-        proj = D * (2 * self.q_size + 2 * self.kv_size)
-        if self.kv_lora_rank:   # MLA: q down/up (or q_proj), kv down, kv up, o
-            H, qk, r = self.num_attention_heads, self.qk_nope_head_dim + self.head_dim, self.kv_lora_rank
-            q = (D + H * qk) * self.q_lora_rank if self.q_lora_rank else D * H * qk
-            proj = q + D * (r + self.head_dim) + r * H * (self.qk_nope_head_dim + self.v_head_dim) + H * self.v_head_dim * D
-        return L * proj + mlp + D * self.vocab_size
+        return L * self.attention_params + mlp + D * self.vocab_size
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's attention projection weights."""
+        D = self.hidden_size
+        if not self.kv_lora_rank:
+            return D * (2 * self.q_size + 2 * self.kv_size)
+        # MLA: q down/up (or q_proj), kv down, kv up, o
+        H, qk, r = self.num_attention_heads, self.qk_nope_head_dim + self.head_dim, self.kv_lora_rank
+        q = (D + H * qk) * self.q_lora_rank if self.q_lora_rank else D * H * qk
+        return q + D * (r + self.head_dim) + r * H * (self.qk_nope_head_dim + self.v_head_dim) + H * self.v_head_dim * D
 
 
 def hf_fields(d: dict[str, Any], architecture: str, *, max_positions: int = 2048,

@@ -9,8 +9,8 @@ sum_j p_j v_hj = (sum_j p_j c_j) W_uv_h^T. So attention runs as multi-query atte
 KV head over the cached rows [c, k_pe] (r + d_r values: 576 for V3), the query [q_nope_h W_uk_h,
 q_pe_h] (576 wide) and V the rows' first r columns (the KV cache's V is a view of K's:
 gpu/layers/attention.py KVCache(latent=r)); the output [T, H, r] is then multiplied by W_uv_h.
-Bytes a token and layer: (r + d_r) x 2 in bf16, 1,152 for V3, against MHA's 2 x 128 heads x
-(192 + 128)... (docs/kernels.md).
+Bytes a token and layer: (r + d_r) x 2 in bf16, 1,152 for V3, against 81,920 for K/V per head
+(128 heads x (192 + 128) x 2; docs/kernels.md).
 
 This path attends over the latent for prefill and decode alike (one backend call a layer); a
 long prefill would do fewer FLOPs with K/V expanded per head (d_n + d_r = 192 wide, not 576):
@@ -49,6 +49,9 @@ class LatentAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, tp: TP = SINGLE):
         super().__init__()
         c = config
+        if torch.device(device).type == "cuda":   # the Triton paged kernels take Dk == Dv
+            raise ValueError("multi-head latent attention (DeepSeek-V3) runs on the CPU only so far: "
+                             "no CUDA kernel over the latent cache yet")
         if tp.size > 1:
             raise ValueError("multi-head latent attention (DeepSeek-V3) with --tensor-parallel-size > 1 "
                              "is not supported yet")
