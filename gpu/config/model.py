@@ -76,6 +76,7 @@ class ModelConfig:
     q_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    rotary_dim: int = 0             # GLM-4.5's partial rotary: RoPE on each head's first rotary_dim (0: all)
     rope_interleave: bool = False   # DeepSeek: the checkpoint's rotary columns as pairs (undone at load)
 
     hidden_act: str = "silu"
@@ -134,6 +135,11 @@ class ModelConfig:
     def dense_intermediate_size(self) -> int:
         """The dense MLP's intermediate size (intermediate_size is per expert in a mixture)."""
         return self.moe.dense_intermediate_size or self.intermediate_size
+
+    @property
+    def rope_dim(self) -> int:
+        """The leading columns of each head that RoPE rotates (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_cache_head_dim(self) -> int:

@@ -132,11 +132,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw) if c.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(self.num_heads, **kw)) if c.attention_sinks else None
         self.window = c.layer_window(layer_idx)
+        self.rope_dim = c.rope_dim
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
-        if attn.fused_qkv:
+        if attn.fused_qkv and self.rope_dim == self.head_dim:
             # CUDA: q/k norm, rope and the KV-cache write in one kernel (gpu/kernels/triton/qkv_prep.py)
             norms = (None, None, 0.0) if self.q_norm is None else (
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
@@ -151,7 +152,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)  # per-head norm over Dh
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = apply_rope(q, k, positions, cos_sin)
+        q, k = apply_rope(q, k, positions, cos_sin) if self.rope_dim == self.head_dim else \
+            partial_rope(q, k, self.rope_dim, positions, cos_sin)
         o = attn.forward(self.layer_idx, q, k, v, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
         return self.o_proj(o.reshape(T, -1))  # [T, D]: this rank's heads' part (DecoderLayer sums)
 
@@ -202,6 +204,12 @@ class DecoderLayer(nn.Module):
         if self.tp.size == 1:
             return part
         return self.tp.all_reduce(part.to(residual.dtype))
+
+
+def partial_rope(q, k, dim: int, positions, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on each head's first `dim` columns (GLM-4.5's partial rotary), the rest as they are."""
+    qr, kr = apply_rope(q[..., :dim].contiguous(), k[..., :dim].contiguous(), positions, cos_sin)
+    return torch.cat([qr, q[..., dim:]], dim=-1), torch.cat([kr, k[..., dim:]], dim=-1)
 
 
 def make_moe(config: ModelConfig, dtype, device, packed: bool, tp: TP) -> MoE:

@@ -35,6 +35,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",)),
     Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi_k2")),
+    Family("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",)),
 )
 
 

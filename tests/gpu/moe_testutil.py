@@ -29,6 +29,11 @@ MOE = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.9,
                          "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0,
                          "original_max_position_embeddings": 64})),
+    # partial rotary (half of 16), q/k/v biases, q/k norms, grouped sigmoid routing, a shared
+    # expert, a dense first layer
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, num_hidden_layers=3, n_group=2,
+        topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True)),
 }
 
 
