@@ -88,3 +88,13 @@ def test_real_deepseek_v3_config():
     assert (s["rope_type"], s["factor"], s["mscale_all_dim"]) == ("yarn", 40, 1.0)
     # 37B parameters active a token (DeepSeek's report), the embedding's 0.9B not a matmul
     assert c.macs_per_token + c.hidden_size * c.vocab_size == pytest.approx(37e9, rel=0.05)
+
+
+def test_tensor_parallel_and_cuda_are_refused_clearly():
+    from gpu.parallel import TP
+
+    c = _tiny_config()
+    with pytest.raises(ValueError, match="latent attention .* --tensor-parallel-size > 1 is not supported"):
+        LatentAttention(c, 0, torch.float32, "cpu", TP(rank=0, size=2))
+    with pytest.raises(ValueError, match="runs on the CPU only so far"):
+        LatentAttention(c, 0, torch.float32, "cuda")
