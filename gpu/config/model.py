@@ -77,7 +77,13 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rotary_dim: int = 0             # GLM-4.5's partial rotary: RoPE on each head's first rotary_dim (0: all)
-    rope_interleave: bool = False   # DeepSeek: the checkpoint's rotary columns as pairs (undone at load)
+    rope_interleave: bool = False
+    # Llama 4: layers without RoPE (their queries scaled by attn_temperature = (floor_scale,
+    # attn_scale): 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))), and a weightless
+    # RMSNorm of q and k on the RoPE layers (gpu/models/llama4.py)
+    no_rope_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    attn_temperature: tuple[float, float] | None = None
+    qk_l2_norm: bool = False   # DeepSeek: the checkpoint's rotary columns as pairs (undone at load)
 
     hidden_act: str = "silu"
 

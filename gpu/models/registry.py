@@ -36,6 +36,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",)),
     Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi_k2")),
     Family("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",)),
+    Family("llama4", ("Llama4ForCausalLM",), ("llama4_text",)),
 )
 
 

@@ -1,4 +1,4 @@
-"""The engine serving tiny random Qwen3-MoE, Mixtral and DeepSeek-V3 (latent KV cache) checkpoints: greedy tokens equal
+"""The engine serving tiny random Qwen3-MoE, Mixtral, DeepSeek-V3 (latent KV cache) and Llama 4 checkpoints: greedy tokens equal
 transformers' generate under chunked prefill, a KV cache small enough to preempt, and a
 prefix-cache hit. (The models against transformers' logits: tests/gpu/test_moe_families.py.)"""
 from __future__ import annotations
@@ -21,7 +21,7 @@ PROMPTS = [[(7 * i + 11 * j) % 150 + 3 for j in range(20 + 3 * i)] for i in rang
 NEW = 10
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3", "llama4"])
 async def test_greedy_tokens_match_transformers_under_chunking_and_preemption(kind, tmp_path):
     hf = make_moe_model(kind, tmp_path, seed=3)
     want = []

@@ -34,6 +34,12 @@ MOE = {
     "glm4_moe": ("Glm4MoeConfig", dict(
         n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, num_hidden_layers=3, n_group=2,
         topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True)),
+    # RoPE on layers 0-2 (q/k norms), none on layer 3 (temperature from position 3 on, floor_scale
+    # 4), top-1 of 4 experts on layers 1 and 3 with a shared expert, dense MLPs of 96 elsewhere
+    "llama4": ("Llama4TextConfig", dict(
+        num_local_experts=4, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=96,
+        num_hidden_layers=4, interleave_moe_layer_step=2, floor_scale=4, attn_scale=0.5,
+        attention_chunk_size=128, max_position_embeddings=256)),
 }
 
 
@@ -51,7 +57,7 @@ def make_moe_model(kind: str, out_dir: Path | None = None, seed: int = 0, **over
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "feed_forward.router.weight")):
                 p.mul_(5.0)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
