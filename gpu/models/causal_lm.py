@@ -1,4 +1,6 @@
-"""Llama / Qwen2 / Qwen3 / gpt-oss decoder over flat token batches.
+"""Llama / Qwen2 / Qwen3 / gpt-oss decoder over flat token batches, and the mixtures' (Qwen3-MoE,
+Mixtral, DeepSeek-V3, GLM-4.5, Llama 4): the config picks each layer's MLP (a MoE, gpu/layers/moe.py,
+or a dense MLP) and attention (gpu/layers/mla.py's latent attention where kv_lora_rank is set).
 
 Sequences are concatenated along T (no batch dimension); the attention backend passed to
 `forward` knows where each sequence starts and owns the KV cache. q/k/v and gate/up are merged
