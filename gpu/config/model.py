@@ -6,6 +6,8 @@ from typing import Any
 
 import attrs
 
+from gpu.config.moe import MoESpec
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 ACTIVATIONS = ("silu",)     # the MLP activations gpu/layers implements
@@ -74,6 +76,24 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # a mixture's routing, experts, shared expert and dense layers (gpu/config/moe.py); the
+    # default is gpt-oss's
+    moe: MoESpec = MoESpec()
+    # DeepSeek-V2/V3's multi-head latent attention (gpu/layers/mla.py; 0: none): the cached
+    # latent's rank, the query's low rank (0: a full q_proj), the per-head non-rotary q/k and v
+    # widths; head_dim is then the rotary part's (qk_rope_head_dim), as transformers sets it
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rotary_dim: int = 0             # GLM-4.5's partial rotary: RoPE on each head's first rotary_dim (0: all)
+    rope_interleave: bool = False
+    # Llama 4: layers without RoPE (their queries scaled by attn_temperature = (floor_scale,
+    # attn_scale): 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))), and a weightless
+    # RMSNorm of q and k on the RoPE layers (gpu/models/llama4.py)
+    no_rope_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    attn_temperature: tuple[float, float] | None = None
+    qk_l2_norm: bool = False   # DeepSeek: the checkpoint's rotary columns as pairs (undone at load)
 
     hidden_act: str = "silu"
 
@@ -95,6 +115,11 @@ class ModelConfig:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
                                  f"got {self.num_experts_per_tok}")
+            if self.num_experts % self.moe.n_group:
+                raise ValueError(f"n_group {self.moe.n_group} does not divide num_experts {self.num_experts}")
+            if self.moe.n_group > 1 and self.num_experts_per_tok > self.moe.topk_group * (
+                    self.num_experts // self.moe.n_group):
+                raise ValueError("num_experts_per_tok is more than the experts of topk_group groups")
         if self.layer_types:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
@@ -130,6 +155,30 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether this layer's MLP is the mixture of experts (else a dense MLP)."""
+        return bool(self.num_experts) and layer_idx not in self.moe.dense_layers
+
+    @property
+    def dense_intermediate_size(self) -> int:
+        """The dense MLP's intermediate size (intermediate_size is per expert in a mixture)."""
+        return self.moe.dense_intermediate_size or self.intermediate_size
+
+    @property
+    def rope_dim(self) -> int:
+        """The leading columns of each head that RoPE rotates (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """Values a cached K row holds per KV head: head_dim, or MLA's latent and rotary key."""
+        return self.kv_lora_rank + self.head_dim if self.kv_lora_rank else self.head_dim
+
+    @property
+    def kv_cache_latent(self) -> int:
+        """MLA: the cached latent's width, the V that the K rows' first columns are (0: K and V apart)."""
+        return self.kv_lora_rank
+
     @property
     def num_linear_layers(self) -> int:
         """Gated DeltaNet layers: a state per sequence each, no KV cache."""
@@ -158,9 +207,22 @@ class ModelConfig:
         """The multiply-adds of one token's linears: the attention projections, the MLP (a
         mixture's active experts), the LM head. Attention over the context is left out: it
         grows with the context alike for a draft model and its target."""
-        mlp = 3 * self.hidden_size * self.intermediate_size * (self.num_experts_per_tok or 1)
-        proj = self.hidden_size * (2 * self.q_size + 2 * self.kv_size)
-        return self.num_hidden_layers * (proj + mlp) + self.hidden_size * self.vocab_size
+        D, L = self.hidden_size, self.num_hidden_layers
+        moe = 3 * D * (self.intermediate_size * (self.num_experts_per_tok or 1) + self.moe.shared_intermediate_size)
+        moe_layers = sum(self.is_moe_layer(i) for i in range(L)) if self.num_experts else 0
+        mlp = moe * moe_layers + 3 * D * self.dense_intermediate_size * (L - moe_layers)
+        return L * self.attention_params + mlp + D * self.vocab_size
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's attention projection weights."""
+        D = self.hidden_size
+        if not self.kv_lora_rank:
+            return D * (2 * self.q_size + 2 * self.kv_size)
+        # MLA: q down/up (or q_proj), kv down, kv up, o
+        H, qk, r = self.num_attention_heads, self.qk_nope_head_dim + self.head_dim, self.kv_lora_rank
+        q = (D + H * qk) * self.q_lora_rank if self.q_lora_rank else D * H * qk
+        return q + D * (r + self.head_dim) + r * H * (self.qk_nope_head_dim + self.v_head_dim) + H * self.v_head_dim * D
 
 
 def hf_fields(d: dict[str, Any], architecture: str, *, max_positions: int = 2048,

@@ -35,6 +35,12 @@ _PER_BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # a mixture of experts: the router, the experts stacked [E, out, in] (gpu/loader/experts.py
+    # interleaves gate and up), Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
@@ -137,6 +143,7 @@ class GGUFFile:
             raise ValueError(f"{self.path.name}: unsupported rope scaling {scaling_type!r}")
         eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return {
+            **self._experts_config(),
             "model_type": a,
             "vocab_size": int(self.tensors["token_embd.weight"].shape[-1]),
             "hidden_size": hidden,
@@ -153,6 +160,22 @@ class GGUFFile:
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
+        }
+
+    def _experts_config(self) -> dict[str, Any]:
+        """A mixture's keys, as the family's config.json names them (none for a dense model).
+        llama.cpp renormalises qwen3moe's top-k weights and not qwen2moe's unless the file
+        says otherwise (expert_weights_norm)."""
+        a = self.arch
+        experts = self.field(f"{a}.expert_count")
+        if not experts:
+            return {}
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": self.field(f"{a}.expert_used_count"),
+            "moe_intermediate_size": self.field(f"{a}.expert_feed_forward_length"),
+            "shared_expert_intermediate_size": self.field(f"{a}.expert_shared_feed_forward_length", 0),
+            "norm_topk_prob": bool(self.field(f"{a}.expert_weights_norm", a == "qwen3moe")),
         }
 
     def generation_config(self) -> dict[str, Any]:

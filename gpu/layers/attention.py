@@ -57,8 +57,10 @@ class AttentionMetadata:
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, *,
-                 sliding_layers: tuple[int, ...] = (), num_sliding_blocks: int = 0) -> None:
-        """sliding_layers, num_sliding_blocks: a hybrid cache (those layers in a pool of their own)."""
+                 sliding_layers: tuple[int, ...] = (), num_sliding_blocks: int = 0, latent: int = 0) -> None:
+        """sliding_layers, num_sliding_blocks: a hybrid cache (those layers in a pool of their own).
+        latent: MLA (gpu/layers/mla.py): K rows hold the compressed latent and the rotary key,
+        and V is a view of K's first `latent` columns, no memory of its own."""
         self.sliding_layers = frozenset(sliding_layers)
         self.first_sliding = min(sliding_layers, default=-1)
         shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -66,7 +68,8 @@ class KVCache:
         shapes = [small if i in self.sliding_layers else shape for i in range(num_layers)]
         # zeros: a masked-out read (a slot the window no longer reaches) must be finite
         self.k = [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes]
-        self.v = [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes]
+        self.v = ([k[..., :latent] for k in self.k] if latent else
+                  [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes])
         self.num_blocks = num_blocks
         self.num_sliding_blocks = num_sliding_blocks
         self.block_size = block_size
@@ -104,9 +107,9 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, latent: int = 0) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * kv_heads * head_dim * elem
+        return (1 if latent else 2) * num_layers * block_size * kv_heads * head_dim * elem
 
 
 def hybrid_layout(config, num_blocks: int, block_size: int, max_num_seqs: int,
@@ -278,7 +281,7 @@ class TorchPagedAttention:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         flat_k = kc.view(-1, kc.shape[2], kc.shape[3])
         flat_v = vc.view(-1, vc.shape[2], vc.shape[3])
-        out = q.new_empty(q.shape)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])      # MLA: V narrower than Q and K
         # the C kernel writes the step's k/v itself when every row decodes (its slots)
         kernel_writes = self._c_args is not None and self._c_args[3] is not None
         if not kernel_writes:
@@ -301,7 +304,8 @@ class TorchPagedAttention:
         shares the step); False when it declines, having written nothing the torch path
         would not rewrite."""
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        if q.dtype != kc.dtype or k.dtype != kc.dtype or q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+        if (q.dtype != kc.dtype or k.dtype != kc.dtype or q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]
+                or vc.shape[-1] != kc.shape[-1]):      # MLA's latent cache: the torch path
             return False
         tables, lens, q_rows, slots = self._c_args
         new_kv = None
@@ -324,10 +328,10 @@ class TorchPagedAttention:
             # GQA folded into the query axis: the G query heads of a KV head are G query rows
             qd = qd.reshape(B, hkv, -1, d)                                      # [B, Hkv, G, D]
             kd = _load(kc, self._decode_blocks, q.dtype).view(B, -1, hkv, d).transpose(1, 2)
-            vd = _load(vc, self._decode_blocks, q.dtype).view(B, -1, hkv, d).transpose(1, 2)
+            vd = _load(vc, self._decode_blocks, q.dtype).view(B, -1, hkv, vc.shape[-1]).transpose(1, 2)
             sink = None if sinks is None else sinks.view(1, hkv, -1, 1)         # head h = kv * G + g
             od = sdpa(qd, kd, vd, self._decode_visible(window), self.scale, sink)  # [B, Hkv, G, D]
-            od = od.reshape(B, -1, d)                                           # [B, Hq, D]
+            od = od.reshape(B, -1, od.shape[-1])                                # [B, Hq, Dv]
             if rows is None:
                 return od
             out.index_copy_(0, rows, od)

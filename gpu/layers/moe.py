@@ -1,15 +1,26 @@
-"""gpt-oss's mixture of experts: top-k routing and the experts' clamped SwiGLU, run as a
-grouped matmul over the routed tokens.
+"""The mixture-of-experts layer: a router whose strategy the config chooses
+(gpu/config/moe.py MoESpec: gpt-oss, Qwen3-MoE/Mixtral, DeepSeek-V3/GLM-4.5, Llama 4), the
+experts run as a grouped matmul over the routed rows, an optional shared expert.
 
-Routing (as gpt-oss): router logits = x W_r^T + b_r; each token takes its top-k experts and
-weighs them by a softmax over those k logits only. Each (token, expert) pair is one row of a
-grouped GEMM: the rows are sorted by expert so that each expert's rows are one contiguous
-segment, and one `grouped_mm` call multiplies every segment by its own expert's weights
-(no loop over experts, no expert runs on tokens not routed to it). The k outputs of a token
-are put back in (token, slot) order and summed, so the result does not depend on atomics.
+Routing (route): router logits = x W_r^T (+ b_r); softmax scoring takes each token's top-k
+experts and weighs them by a softmax over those k logits (norm_topk_prob, gpt-oss and Mixtral)
+or by their share of the softmax over all experts (Qwen3-MoE without norm_topk_prob). Sigmoid
+scoring (DeepSeek-V3) chooses by sigmoid(logit) + e_score_correction_bias within the
+topk_group best groups and weighs by the uncorrected sigmoid, renormalised and scaled; Llama
+4's top-1 sigmoid multiplies the expert's input instead of its output.
+
+Each (token, expert) pair is one row of a grouped GEMM: the rows are sorted by expert so that
+each expert's rows are one contiguous segment, and one `grouped_mm` call multiplies every
+segment by its own expert's weights (no loop over experts on CUDA; on the CPU only the
+routed experts' weights are read and no expert runs on tokens not routed to it). The k outputs
+of a token are put back in (token, slot) order and summed, so the result does not depend on
+atomics.
 
 Expert weights are stored [E, out, in] (the checkpoint's MXFP4 layout, like nn.Linear), with
-gate and up interleaved along gate_up's output rows: gate = row 2j, up = row 2j + 1.
+gate and up interleaved along gate_up's output rows: gate = row 2j, up = row 2j + 1. Checkpoints
+that store each expert apart (Qwen3-MoE, Mixtral, DeepSeek-V3) or gate and up as halves (GGUF's
+ffn_*_exps) are stacked and interleaved while loading (gpu/loader/experts.py), so one layout,
+one tensor-parallel cut and one kernel serve every family.
 
 Packed experts (PackedExperts: MXFP4 blocks and scales as the checkpoint stores them, about a
 quarter of bf16's bytes) run through gpu/kernels/triton/mxfp4_moe.py, which decodes the weights
@@ -25,8 +36,10 @@ gate and up give a zero SwiGLU, so the padding adds nothing (as vLLM pads gpt-os
 MXFP4 at TP 4). The router is
 replicated, so every rank routes every token alike; each rank's down projection gives a
 partial sum, the down bias is added by rank 0 alone (the loader zeros it elsewhere), and one
-all-reduce per layer (gpu/models/causal_lm.py DecoderLayer) sums them. Expert parallelism (whole experts per rank) would need an
-all-to-all and would leave ranks idle when routing is uneven.
+all-reduce per layer (gpu/models/causal_lm.py DecoderLayer) sums them. A shared expert is cut
+as a dense MLP is (its gate, when it has one, replicated) and joins the same partial sum.
+Expert parallelism (whole experts per rank) would need an all-to-all and would leave ranks
+idle when routing is uneven (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from torch import nn
 
 from gpu.quantization import mxfp4
 from gpu.config.model import ModelConfig
+from gpu.config.moe import MoESpec
 from gpu.parallel import SINGLE, TP
 from gpu.layers.ops import skip_init
 
@@ -50,10 +64,38 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] -> (weights [T, k], experts [T, k]): softmax over each token's top-k logits."""
-    top_logits, experts = router_logits.topk(top_k, dim=-1)
-    return top_logits.softmax(dim=-1), experts
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] interleaved (gate, up) -> [N, I]: silu(gate) * up."""
+    return F.silu(gate_up[..., ::2]) * gate_up[..., 1::2]
+
+
+GPT_OSS = MoESpec()
+
+
+def route(router_logits: torch.Tensor, top_k: int, spec: MoESpec = GPT_OSS,
+          correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights [T, k] fp32, experts [T, k]) by spec's strategy (module doc).
+    correction [E]: DeepSeek-V3's e_score_correction_bias, added for the choice only."""
+    logits = router_logits.float()
+    if spec.scoring == "softmax":
+        if spec.norm_topk_prob:   # softmax over all, top k, renormalised = softmax over the top k
+            top, experts = logits.topk(top_k, dim=-1)
+            return top.softmax(dim=-1), experts
+        return logits.softmax(dim=-1).topk(top_k, dim=-1)
+    scores = logits.sigmoid()                                                   # [T, E]
+    choice = scores if correction is None else scores + correction.float()
+    if spec.n_group > 1:      # keep the topk_group groups whose two best choices sum highest
+        T, E = choice.shape
+        grouped = choice.view(T, spec.n_group, E // spec.n_group)               # [T, G, E/G]
+        group_score = grouped.topk(min(2, E // spec.n_group), dim=-1).values.sum(-1)   # [T, G]
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
+            1, group_score.topk(spec.topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if spec.norm_topk_prob and not spec.weight_on_input:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * spec.routed_scaling_factor, experts
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -113,41 +155,80 @@ def expert_columns(config: ModelConfig, tp: TP, packed: bool) -> tuple[int, int,
 
 
 class MoE(nn.Module):
-    """Router plus E experts; parameters named as in the HF checkpoint (mlp.router.*, mlp.experts.*)."""
+    """Router plus E experts (plus a shared expert where the config has one); parameters named
+    as in gpt-oss's HF checkpoint (mlp.router.*, mlp.experts.*), which the loader maps other
+    checkpoints' names to (gpu/loader/experts.py).
 
-    def __init__(self, config: ModelConfig, dtype, device, packed: bool = False, tp: TP = SINGLE):
+    shared: the shared expert, a dense MLP the caller builds (tensor-parallel as any MLP);
+    its sigmoid gate, where spec.shared_gate, is built here (shared_expert_gate)."""
+
+    def __init__(self, config: ModelConfig, dtype, device, packed: bool = False, tp: TP = SINGLE,
+                 shared: nn.Module | None = None):
         super().__init__()
-        c = config
+        c, spec = config, config.moe
         start, stop, width = expert_columns(c, tp, packed)
         E, D = c.num_experts, c.hidden_size
+        if packed and (spec.activation != "clamped_swiglu" or not spec.expert_bias or spec.weight_on_input):
+            raise ValueError("MXFP4-packed experts are supported with gpt-oss's experts only")
+        self.spec = spec
         self.top_k, self.alpha, self.limit = c.num_experts_per_tok, c.swiglu_alpha, c.swiglu_limit
-        self.router = skip_init(nn.Linear, D, E, bias=True, dtype=dtype, device=device)
-        self.experts = (PackedExperts if packed else Experts)(E, D, width, dtype, device)
+        self.router = skip_init(nn.Linear, D, E, bias=spec.router_bias, dtype=dtype, device=device)
+        # DeepSeek-V3 keeps it in fp32: the choice compares sigmoids that differ in the 4th digit
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(E, device=device), requires_grad=False)
+                                        if spec.correction_bias else None)
+        self.experts = (PackedExperts(E, D, width, dtype, device) if packed
+                        else Experts(E, D, width, dtype, device, bias=spec.expert_bias))
+        self.shared_expert = shared
+        self.shared_expert_gate = (skip_init(nn.Linear, D, 1, bias=False, dtype=dtype, device=device)
+                                   if shared is not None and spec.shared_gate else None)
         if width > stop - start:  # padding columns stay zero (zero codes and scales: 0.0 in MXFP4)
             with torch.no_grad():
                 for p in self.experts.parameters():
                     p.zero_()
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, k] fp32, experts [T, k])."""
+        return route(self.router(x), self.top_k, self.spec, self.e_score_correction_bias)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.spec.activation == "swiglu":
+            return swiglu(gate_up)
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]; tensor-parallel: this rank's part, which DecoderLayer sums
         over the ranks."""
         T, D = x.shape
-        weights, experts = route(self.router(x), self.top_k)                   # [T, k] each
+        weights, experts = self.route(x)                                       # [T, k] each
         flat = experts.flatten()                                               # [T*k] (token, slot) order
         by_expert, order = flat.sort(stable=True)                              # rows grouped by expert
         offs = torch.searchsorted(by_expert, torch.arange(1, self.experts.num_experts + 1, device=x.device),
                                   out_int32=True)                              # [E] segment ends
         ex = self.experts
         if isinstance(ex, PackedExperts) and ex.use_kernel:
-            return self._packed_forward(x, weights, order, offs)
-        gate_up, down = ex.dense_weights()
-        rows = x.index_select(0, order // self.top_k)                          # [N, D]
-        h = grouped_mm(rows, gate_up, offs) + ex.gate_up_proj_bias.index_select(0, by_expert)
-        h = clamped_swiglu(h, self.alpha, self.limit)                          # [N, I]
-        y = grouped_mm(h, down, offs) + ex.down_proj_bias.index_select(0, by_expert)  # [N, D]
-        y = y * weights.flatten().index_select(0, order).unsqueeze(1).to(y.dtype)
-        out = torch.empty_like(y).index_copy_(0, order, y)                     # back to (token, slot)
-        return out.view(T, self.top_k, D).sum(1)                               # [T, D]
+            out = self._packed_forward(x, weights, order, offs)
+        else:
+            gate_up, down = ex.dense_weights()
+            rows = x.index_select(0, order // self.top_k)                      # [N, D]
+            row_weight = weights.flatten().index_select(0, order).unsqueeze(1)  # [N, 1]
+            if self.spec.weight_on_input:
+                rows = rows * row_weight.to(rows.dtype)
+            h = grouped_mm(rows, gate_up, offs)                                # [N, 2I]
+            if ex.gate_up_proj_bias is not None:
+                h = h + ex.gate_up_proj_bias.index_select(0, by_expert)
+            y = grouped_mm(self.activation(h), down, offs)                     # [N, D]
+            if ex.down_proj_bias is not None:
+                y = y + ex.down_proj_bias.index_select(0, by_expert)
+            if not self.spec.weight_on_input:
+                y = y * row_weight.to(y.dtype)
+            out = torch.empty_like(y).index_copy_(0, order, y)                 # back to (token, slot)
+            out = out.view(T, self.top_k, D).sum(1)                            # [T, D]
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate(x))
+            out = out + shared
+        return out
 
     def _packed_forward(self, x, weights, order, offs) -> torch.Tensor:
         """Two kernel launches: gather + gate/up + bias + SwiGLU, then down + bias + router
@@ -166,14 +247,14 @@ class MoE(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype, device):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype, device, bias: bool = True):
         super().__init__()
         self.num_experts = num_experts
         kw = dict(dtype=dtype, device=device)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **kw))  # [E, 2I, D]
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))         # [E, D, I]
-        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, **kw))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate, **kw)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, **kw)) if bias else None
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj, self.down_proj
@@ -214,13 +295,29 @@ class PackedExperts(nn.Module):
 
 def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Dense reference: every expert on every token in fp32, weighted by a [T, E] routing
-    matrix that is zero outside each token's top k."""
+    matrix that is zero outside each token's top k (Llama 4's: the weight scales the input)."""
     xf = x.float()
-    weights, experts = route(moe.router(x).float(), moe.top_k)
+    weights, experts = moe.route(x)
     dense = torch.zeros(x.shape[0], moe.experts.num_experts, device=x.device).scatter_(1, experts, weights)  # [T, E]
     ex = moe.experts
-    gate_up, down = ex.dense_weights()
-    h = torch.einsum("td,eod->teo", xf, gate_up.float()) + ex.gate_up_proj_bias.float()
-    h = clamped_swiglu(h, moe.alpha, moe.limit)                                 # [T, E, I]
-    y = torch.einsum("tei,edi->ted", h, down.float()) + ex.down_proj_bias.float()
-    return torch.einsum("te,ted->td", dense, y).to(x.dtype)
+    gate_up, down = (w.float() for w in ex.dense_weights())
+    if moe.spec.weight_on_input:
+        h = torch.einsum("td,te,eod->teo", xf, dense, gate_up)
+    else:
+        h = torch.einsum("td,eod->teo", xf, gate_up)
+    if ex.gate_up_proj_bias is not None:
+        h = h + ex.gate_up_proj_bias.float()
+    h = moe.activation(h)                                                       # [T, E, I]
+    y = torch.einsum("tei,edi->ted", h, down)
+    if ex.down_proj_bias is not None:
+        y = y + ex.down_proj_bias.float()
+    if moe.spec.weight_on_input:    # unrouted experts: zero input, and without biases zero output
+        out = torch.einsum("te,ted->td", (dense != 0).float(), y)
+    else:
+        out = torch.einsum("te,ted->td", dense, y)
+    if moe.shared_expert is not None:
+        shared = moe.shared_expert(x).float()
+        if moe.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(moe.shared_expert_gate(x).float())
+        out = out + shared
+    return out.to(x.dtype)

@@ -84,7 +84,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale (yarn's attention factor), as in
     transformers' ROPE_INIT_FUNCTIONS."""
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rope_dim, config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = config.rope_scaling_dict
     rope_type = s.get("rope_type", "default")
@@ -108,7 +108,7 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def _yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor, s: dict) -> tuple[torch.Tensor, float]:
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rope_dim, config.rope_theta
     old_len = s["original_max_position_embeddings"]
     factor = s.get("factor") or config.max_position_embeddings / old_len
 

@@ -384,7 +384,7 @@ def _as_checkpoint(model: CausalLM, weights):
         elif module == "gate_up_proj" and kind in ("weight", "bias") and not parent.endswith("experts"):
             for part, t in zip(("gate_proj", "up_proj"), w.chunk(2)):
                 yield f"{hf}{part}.{kind}", t
-        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            yield "model." + name, w.transpose(1, 2)  # transformers' [E, in, out]
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")) and c.moe.activation == "clamped_swiglu":
+            yield "model." + name, w.transpose(1, 2)  # transformers' gpt-oss [E, in, out]
         else:
             yield (name if name.startswith("lm_head") else "model." + name), w

@@ -1,4 +1,6 @@
-"""Llama / Qwen2 / Qwen3 / gpt-oss decoder over flat token batches.
+"""Llama / Qwen2 / Qwen3 / gpt-oss decoder over flat token batches, and the mixtures' (Qwen3-MoE,
+Mixtral, DeepSeek-V3, GLM-4.5, Llama 4): the config picks each layer's MLP (a MoE, gpu/layers/moe.py,
+or a dense MLP) and attention (gpu/layers/mla.py's latent attention where kv_lora_rank is set).
 
 Sequences are concatenated along T (no batch dimension); the attention backend passed to
 `forward` knows where each sequence starts and owns the KV cache. q/k/v and gate/up are merged
@@ -32,7 +34,9 @@ from torch import nn
 
 from gpu.quantization import mxfp4
 from gpu.config.model import ModelConfig
+from gpu.layers.mla import LatentAttention
 from gpu.layers.moe import MoE, expert_columns
+from gpu.loader.experts import our_name, stack_experts
 from gpu.layers.ops import (apply_rope, build_rope_cache, fused_add_rms_norm, mrope_columns, mrope_cos_sin,
                      rms_norm, silu_and_mul, skip_init)
 from gpu.parallel import SINGLE, TP
@@ -130,11 +134,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw) if c.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(self.num_heads, **kw)) if c.attention_sinks else None
         self.window = c.layer_window(layer_idx)
+        self.rope_dim = c.rope_dim
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
-        if attn.fused_qkv:
+        if attn.fused_qkv and self.rope_dim == self.head_dim:
             # CUDA: q/k norm, rope and the KV-cache write in one kernel (gpu/kernels/triton/qkv_prep.py)
             norms = (None, None, 0.0) if self.q_norm is None else (
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
@@ -149,15 +154,19 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)  # per-head norm over Dh
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = apply_rope(q, k, positions, cos_sin)
+        q, k = apply_rope(q, k, positions, cos_sin) if self.rope_dim == self.head_dim else \
+            partial_rope(q, k, self.rope_dim, positions, cos_sin)
         o = attn.forward(self.layer_idx, q, k, v, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
         return self.o_proj(o.reshape(T, -1))  # [T, D]: this rank's heads' part (DecoderLayer sums)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype, device, tp: TP = SINGLE):
+    def __init__(self, config: ModelConfig, dtype, device, tp: TP = SINGLE, intermediate: int | None = None):
+        """intermediate: the full (unsharded) intermediate size, config.intermediate_size unless given
+        (a mixture's dense layers and shared expert)."""
         super().__init__()
-        start, stop = tp.split(config.intermediate_size, "intermediate_size")
+        self.intermediate = intermediate or config.intermediate_size
+        start, stop = tp.split(self.intermediate, "intermediate_size")
         kw = dict(bias=False, dtype=dtype, device=device)
         self.gate_up_proj = skip_init(Linear, config.hidden_size, 2 * (stop - start), **kw)
         self.down_proj = skip_init(Linear, stop - start, config.hidden_size, **kw)
@@ -171,9 +180,9 @@ class DecoderLayer(nn.Module):
                  tp: TP = SINGLE):
         super().__init__()
         self.tp = tp
-        self.self_attn = Attention(config, layer_idx, dtype, device, tp)
-        self.mlp = (MoE(config, dtype, device, packed=packed_experts, tp=tp) if config.num_experts
-                    else MLP(config, dtype, device, tp))
+        self.self_attn = (LatentAttention if config.kv_lora_rank else Attention)(config, layer_idx, dtype, device, tp)
+        self.mlp = (make_moe(config, dtype, device, packed_experts, tp) if config.is_moe_layer(layer_idx)
+                    else MLP(config, dtype, device, tp, config.dense_intermediate_size))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -197,6 +206,18 @@ class DecoderLayer(nn.Module):
         if self.tp.size == 1:
             return part
         return self.tp.all_reduce(part.to(residual.dtype))
+
+
+def partial_rope(q, k, dim: int, positions, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on each head's first `dim` columns (GLM-4.5's partial rotary), the rest as they are."""
+    qr, kr = apply_rope(q[..., :dim].contiguous(), k[..., :dim].contiguous(), positions, cos_sin)
+    return torch.cat([qr, q[..., dim:]], dim=-1), torch.cat([kr, k[..., dim:]], dim=-1)
+
+
+def make_moe(config: ModelConfig, dtype, device, packed: bool, tp: TP) -> MoE:
+    shared = config.moe.shared_intermediate_size
+    return MoE(config, dtype, device, packed=packed, tp=tp,
+               shared=MLP(config, dtype, device, tp, shared) if shared else None)
 
 
 # HF checkpoint projections that are stored stacked in one of our weights: name -> (ours, shard).
@@ -363,6 +384,8 @@ class CausalLM(nn.Module):
         missing = set(self.hf_weight_names())
         if self.packed_experts:
             named_tensors = self._sharded(_blocks_flattened(named_tensors))
+        elif self.config.num_experts and self.config.moe.activation == "swiglu":
+            named_tensors = self._sharded(stack_experts(named_tensors, self.config.num_experts))
         elif self.config.num_experts:
             named_tensors = mxfp4.dequantize_pairs(self._sharded(_experts_as_ours(named_tensors)), self.dtype,
                                                    self.embed_tokens.weight.device)
@@ -395,11 +418,11 @@ class CausalLM(nn.Module):
         name = hf_name.removeprefix("model.")
         prefix, _, kind = name.rpartition(".")
         parent, _, module = prefix.rpartition(".")
-        if module not in _STACKED:
+        if module not in _STACKED or isinstance(self.get_submodule(parent), LatentAttention):
             return name, slice(None)
         merged, shard = _STACKED[module]
         attn = self.layers[0].self_attn
-        sizes = list(attn.split) if merged == "qkv_proj" else [self.layers[0].mlp.down_proj.in_features] * 2
+        sizes = list(attn.split) if merged == "qkv_proj" else [self.get_submodule(parent).down_proj.in_features] * 2
         start = sum(sizes[:shard])
         return f"{parent}.{merged}.{kind}", slice(start, start + sizes[shard])
 
@@ -410,7 +433,7 @@ class CausalLM(nn.Module):
         tp, c = self.tp, self.config
         if tp.size == 1:
             return None
-        name = hf_name.removeprefix("model.")
+        name = our_name(hf_name).removeprefix("model.")
         module, _, kind = name.rpartition(".")
         leaf = module.rsplit(".", 1)[-1]
         if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -425,7 +448,8 @@ class CausalLM(nn.Module):
         if leaf == "o_proj":
             return ONCE if kind == "bias" else (1, q0 * Dh, q1 * Dh, c.q_size)
         I = c.intermediate_size  # noqa: E741
-        if leaf in ("gate_proj", "up_proj", "down_proj"):
+        if leaf in ("gate_proj", "up_proj", "down_proj") and ".experts." not in name:
+            I = self.get_submodule(module.rpartition(".")[0]).intermediate  # noqa: E741
             i0, i1 = tp.split(I, "intermediate_size")
             return (0, i0, i1, I) if leaf != "down_proj" else (1, i0, i1, I)
         if ".experts." not in name + ".":

@@ -84,8 +84,6 @@ class HybridLM(nn.Module):
         self.register_buffer("cos_sin", partial_rope_cache(c, max_positions or c.max_position_embeddings,
                                                            device), persistent=False)
         self.mrope_columns = None
-        self.aux_layers: tuple[int, ...] = ()     # (EAGLE: refused for hybrid models)
-        self.aux_hidden = None
         self.fused_decode = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,

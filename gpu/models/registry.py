@@ -33,6 +33,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",)),
     Family("qwen3_next", ("Qwen3NextForCausalLM",), ("qwen3_next",)),
     Family("qwen3_5", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",)),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",)),
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi_k2")),
+    Family("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",)),
+    Family("llama4", ("Llama4ForCausalLM",), ("llama4_text",)),
 )
 
 

@@ -66,6 +66,8 @@ class QuantMethod(ABC):
         --experts packed, or auto on CUDA for an MXFP4 checkpoint or a dummy load."""
         if not config.num_experts or experts == "dequantized":
             return False
+        if experts == "auto" and config.moe.activation != "clamped_swiglu":
+            return False    # MXFP4 experts: gpt-oss's alone
         if experts == "packed":
             return True
         fits = config.hidden_size % 32 == 0 and config.intermediate_size % 32 == 0

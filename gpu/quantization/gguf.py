@@ -67,8 +67,10 @@ class GGUF(QuantMethod):
         taken, formats = pack_linears(lm, source.gguf)
         from gpu.kernels.cpu import layer as cpu_layer
         lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
-        return (lambda select=None: source.gguf.named_tensors(select, skip=taken),
-                describe(formats) + cpu_layer.describe(lm))
+        words = describe(formats) + cpu_layer.describe(lm)
+        if lm.config.num_experts:   # the packed kernels take 2-D linears only
+            words += "; the experts dequantized to float32 at load"
+        return (lambda select=None: source.gguf.named_tensors(select, skip=taken), words)
 
 # (owner attribute path, module name, the GGUF tensors stacked into it, in order)
 _LAYER_LINEARS = (

@@ -92,7 +92,8 @@ GPUS = {
 assert tuple(GPUS) == SIMULATED_GPUS
 
 MOE_KERNELS = 30   # gpu/moe.MoE.forward: torch ops one kernel each, the sort as 3
-SAMPLING_KERNELS = 5   # the threshold, the race, the chunks' argmax and gather, steps += 1
+SAMPLING_KERNELS = 5
+MLA_EXTRA_KERNELS = 9   # gpu/layers/mla.py's ops beyond a plain layer's qkv, prep and attention   # the threshold, the race, the chunks' argmax and gather, steps += 1
 
 
 def kernels_per_step(config: ModelConfig, *, decode: bool, kv_splits: bool = False,
@@ -105,9 +106,13 @@ def kernels_per_step(config: ModelConfig, *, decode: bool, kv_splits: bool = Fal
         qkv = 1                                  # gpu/kernels/triton/qkv_prep.py
     else:                                        # norms on reshaped copies, rope, write_kv
         qkv = (2 + 2 if c.qk_norm else 0) + 2
-    mlp = MOE_KERNELS if c.num_experts else 3    # gate_up, silu_and_mul, down
-    per_layer = 2 + 2 + qkv + 1 + int(kv_splits) + mlp   # norms, qkv/o GEMMs, prep, attention
-    forward = 2 + c.num_hidden_layers * per_layer          # + embedding, final norm
+    attention = 2 + qkv + 1 + int(kv_splits)     # qkv/o GEMMs, prep, attention
+    if c.kv_lora_rank:    # gpu/layers/mla.py: q down, norm, up; kv down, norm; rope; absorb; 2 cats; write; out
+        attention += MLA_EXTRA_KERNELS
+    L = c.num_hidden_layers
+    moe_layers = sum(c.is_moe_layer(i) for i in range(L))
+    shared = 4 if c.moe.shared_intermediate_size else 0       # gate_up, act, down, add
+    forward = 2 + L * (2 + attention) + moe_layers * (MOE_KERNELS + shared) + (L - moe_layers) * 3
     if decode:
         forward += 6                             # cuda_graphs.run: 4 copies, 2 fills
     elif verify:
@@ -147,16 +152,22 @@ class CostModel:
     @classmethod
     def of(cls, config: ModelConfig, gpu: GpuSpec) -> "CostModel":
         c = config
-        mlp = 3 * c.hidden_size * c.intermediate_size
-        per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-                     + mlp * max(1, c.num_experts))
-        return cls(gpu=gpu, num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
-                   head_dim=c.head_dim, vocab_size=c.vocab_size,
-                   matmul_params=c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size,
-                   kv_bytes_per_token=2 * c.num_hidden_layers * c.kv_size * 2,
-                   expert_params=c.num_hidden_layers * mlp if c.num_experts else 0,
+        L, D = c.num_hidden_layers, c.hidden_size
+        mlp = 3 * D * c.intermediate_size                   # one expert's (or the dense MLP's) weights
+        moe_layers = sum(c.is_moe_layer(i) for i in range(L))
+        mlps = (moe_layers * (mlp * c.num_experts + 3 * D * c.moe.shared_intermediate_size)
+                + (L - moe_layers) * 3 * D * c.dense_intermediate_size)
+        # the cache: K and V per KV head, or MLA's one latent row (V a view of it)
+        cached = c.kv_cache_head_dim if c.kv_lora_rank else 2 * c.kv_size
+        # attention FLOPs a (query, key) pair and head: q.k and p.v widths (MLA: absorbed, over the latent)
+        widths = c.kv_cache_head_dim + c.kv_cache_latent if c.kv_lora_rank else 2 * c.head_dim
+        return cls(gpu=gpu, num_layers=L, num_q_heads=c.num_attention_heads,
+                   head_dim=widths // 2, vocab_size=c.vocab_size,
+                   matmul_params=L * c.attention_params + mlps + c.vocab_size * D,
+                   kv_bytes_per_token=L * cached * 2,
+                   expert_params=moe_layers * mlp if c.num_experts else 0,
                    num_experts=c.num_experts, top_k=c.num_experts_per_tok,
-                   num_kv_heads=c.num_key_value_heads,
+                   num_kv_heads=1 if c.kv_lora_rank else c.num_key_value_heads,
                    decode_kernels=kernels_per_step(c, decode=True),
                    split_decode_kernels=kernels_per_step(c, decode=True, kv_splits=True),
                    eager_kernels=kernels_per_step(c, decode=False),

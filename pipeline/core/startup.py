@@ -118,9 +118,9 @@ def build_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, m
     if ranks is not None:
         num_blocks = min_over_ranks(num_blocks, ranks.plan)
     num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks, step_budget(cfg))
-    cache = KVCache(mc.num_kv_layers, num_blocks, cfg.block_size, kv_heads(loaded), mc.head_dim,
+    cache = KVCache(mc.num_kv_layers, num_blocks, cfg.block_size, kv_heads(loaded), mc.kv_cache_head_dim,
                     KVCache.dtype_for(cfg.kv_cache_dtype, loaded.model.dtype, device), device, sliding_layers=sliding_layers,
-                    num_sliding_blocks=sliding_slots)
+                    num_sliding_blocks=sliding_slots, latent=mc.kv_cache_latent)
     broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
     connector, runner_connector = make_kv_connector(cfg, cache, broadcast, ranks)
     drafting = None
@@ -445,8 +445,9 @@ def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
     mc = loaded.config
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
-    target_per_block = KVCache.bytes_per_block(mc.num_kv_layers, cfg.block_size, kv_heads(loaded), mc.head_dim,
-                                               KVCache.dtype_for(cfg.kv_cache_dtype, loaded.model.dtype, device))
+    target_per_block = KVCache.bytes_per_block(mc.num_kv_layers, cfg.block_size, kv_heads(loaded), mc.kv_cache_head_dim,
+                                               KVCache.dtype_for(cfg.kv_cache_dtype, loaded.model.dtype, device),
+                                               mc.kv_cache_latent)
     per_block = target_per_block + extra_per_block
     if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, (cfg.kv_cache_memory_bytes - reserved) // per_block)

@@ -15,7 +15,7 @@ from pipeline.core.startup import num_kv_blocks as _num_kv_blocks
 
 # tests/kernels' tiny Qwen3: 2 layers, 2 KV heads of 16, fp32
 LOADED = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2, num_kv_layers=2, num_key_value_heads=2,
-                                                head_dim=16),
+                                                head_dim=16, kv_cache_head_dim=16, kv_cache_latent=0),
                          model=SimpleNamespace(dtype=torch.float32, local_kv_heads=2))
 PER_BLOCK = KVCache.bytes_per_block(2, 16, 2, 16, torch.float32)
 

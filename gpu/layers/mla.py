@@ -1,0 +1,132 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): the KV cache holds one compressed
+latent a token, not K and V per head.
+
+Per token: c = RMSNorm(x W_kva[:r]) (the latent, r = kv_lora_rank) and k_pe = RoPE(x W_kva[r:])
+(the rotary key, d_r = qk_rope_head_dim, shared by every head). Head h's key and value would
+be k_h = [c W_uk_h^T, k_pe] and v_h = c W_uv_h^T (W_uk_h [d_n, r], W_uv_h [d_v, r]: kv_b_proj's
+rows). Absorbing the up-projections: q_h . k_h = (q_nope_h W_uk_h) . c + q_pe_h . k_pe, and
+sum_j p_j v_hj = (sum_j p_j c_j) W_uv_h^T. So attention runs as multi-query attention with one
+KV head over the cached rows [c, k_pe] (r + d_r values: 576 for V3), the query [q_nope_h W_uk_h,
+q_pe_h] (576 wide) and V the rows' first r columns (the KV cache's V is a view of K's:
+gpu/layers/attention.py KVCache(latent=r)); the output [T, H, r] is then multiplied by W_uv_h.
+Bytes a token and layer: (r + d_r) x 2 in bf16, 1,152 for V3, against 81,920 for K/V per head
+(128 heads x (192 + 128) x 2; docs/kernels.md).
+
+This path attends over the latent for prefill and decode alike (one backend call a layer); a
+long prefill would do fewer FLOPs with K/V expanded per head (d_n + d_r = 192 wide, not 576):
+that split is for the CUDA kernels, not written yet.
+
+The softmax scale is (d_n + d_r)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 where the
+config has it (transformers' yarn_apply_mscale); the query is pre-scaled so that the backend's
+own scale gives it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gpu.config.model import ModelConfig
+from gpu.layers.ops import apply_rope, rms_norm, skip_init
+from gpu.parallel import SINGLE, TP
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    scale = (config.qk_nope_head_dim + config.head_dim) ** -0.5
+    s = config.rope_scaling_dict
+    if s.get("rope_type", "default") != "default" and s.get("mscale_all_dim"):
+        factor = s["factor"]
+        m = 1.0 if factor <= 1 else 0.1 * s["mscale_all_dim"] * math.log(factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """Parameters named as DeepSeek's checkpoints name them (q_a_proj, q_a_layernorm, q_b_proj
+    or q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, tp: TP = SINGLE):
+        super().__init__()
+        c = config
+        if torch.device(device).type == "cuda":   # the Triton paged kernels take Dk == Dv
+            raise ValueError("multi-head latent attention (DeepSeek-V3) runs on the CPU only so far: "
+                             "no CUDA kernel over the latent cache yet")
+        if tp.size > 1:
+            raise ValueError("multi-head latent attention (DeepSeek-V3) with --tensor-parallel-size > 1 "
+                             "is not supported yet")
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = c.num_attention_heads, 1      # the cache holds one latent
+        self.head_dim = c.kv_cache_head_dim
+        H, D, r = c.num_attention_heads, c.hidden_size, c.kv_lora_rank
+        self.nope, self.rope, self.v_dim, self.rank = c.qk_nope_head_dim, c.head_dim, c.v_head_dim, r
+        kw = dict(dtype=dtype, device=device)
+        q_out = H * (self.nope + self.rope)
+        if c.q_lora_rank:
+            self.q_a_proj = skip_init(nn.Linear, D, c.q_lora_rank, bias=c.attention_bias, **kw)
+            self.q_a_layernorm = _Norm(c.q_lora_rank, c.rms_norm_eps, **kw)
+            self.q_b_proj = skip_init(nn.Linear, c.q_lora_rank, q_out, bias=False, **kw)
+        else:
+            self.q_proj = skip_init(nn.Linear, D, q_out, bias=False, **kw)
+        self.kv_a_proj_with_mqa = skip_init(nn.Linear, D, r + self.rope, bias=c.attention_bias, **kw)
+        self.kv_a_layernorm = _Norm(r, c.rms_norm_eps, **kw)
+        self.kv_b_proj = skip_init(nn.Linear, r, H * (self.nope + self.v_dim), bias=False, **kw)
+        self.o_proj = skip_init(nn.Linear, H * self.v_dim, D, bias=c.attention_bias, **kw)
+        self.scale = softmax_scale(c)
+        self.sinks, self.window = None, None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
+        T, H, r = x.shape[0], self.num_heads, self.rank
+        x = x.to(self.kv_a_proj_with_mqa.weight.dtype)
+        if hasattr(self, "q_b_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(T, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        ckv = self.kv_a_proj_with_mqa(x)                                           # [T, r + d_r]
+        latent = self.kv_a_layernorm(ckv[:, :r])                                   # [T, r]
+        q_pe, k_pe = apply_rope(q_pe.contiguous(), ckv[:, None, r:].contiguous(), positions, cos_sin)
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, r)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]                            # [H, d_n, r], [H, d_v, r]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)                         # [T, H, r]
+        backend_scale = getattr(attn, "scale", None) or (r + self.rope) ** -0.5
+        q_full = torch.cat([q_lat, q_pe], dim=-1) * (self.scale / backend_scale)   # [T, H, r + d_r]
+        kv = torch.cat([latent, k_pe[:, 0]], dim=-1)[:, None]                      # [T, 1, r + d_r]
+        o = attn.forward(self.layer_idx, q_full, kv, kv[..., :r])                  # [T, H, r]
+        o = torch.einsum("thr,hvr->thv", o, w_uv)                                  # [T, H, d_v]
+        return self.o_proj(o.reshape(T, H * self.v_dim))
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def mla_reference(attn: LatentAttention, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Naive causal MLA over one sequence with K and V expanded per head (fp32), as
+    transformers computes it: the reference the absorbed path is tested against."""
+    T, H, r = x.shape[0], attn.num_heads, attn.rank
+    with torch.no_grad():
+        x = x.float()
+        f = lambda m, t: torch.nn.functional.linear(t, m.weight.float(), None if m.bias is None else m.bias.float())  # noqa: E731
+        norm = lambda n, t: rms_norm(t, n.weight.float(), n.eps)  # noqa: E731
+        q = f(attn.q_b_proj, norm(attn.q_a_layernorm, f(attn.q_a_proj, x))) if hasattr(attn, "q_b_proj") \
+            else f(attn.q_proj, x)
+        q_nope, q_pe = q.view(T, H, -1).split([attn.nope, attn.rope], dim=-1)
+        ckv = f(attn.kv_a_proj_with_mqa, x)
+        latent = norm(attn.kv_a_layernorm, ckv[:, :r])
+        pos = torch.arange(T)
+        q_pe, k_pe = apply_rope(q_pe.contiguous(), ckv[:, None, r:].contiguous(), pos, cos_sin)
+        kv = f(attn.kv_b_proj, latent).view(T, H, attn.nope + attn.v_dim)
+        k = torch.cat([kv[..., :attn.nope], k_pe.expand(T, H, attn.rope)], dim=-1)    # [T, H, d_n + d_r]
+        v = kv[..., attn.nope:]
+        qh = torch.cat([q_nope, q_pe], dim=-1)
+        scores = torch.einsum("thd,shd->hts", qh, k) * attn.scale
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        o = torch.einsum("hts,shv->thv", scores.softmax(-1), v)
+        return f(attn.o_proj, o.reshape(T, -1))
