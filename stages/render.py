@@ -85,7 +85,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         raise RequestError(f"The model `{ctx.served_model_names[0]}` is a pooling model (--runner "
                            f"pooling): it does not serve {api.path}; use /v1/embeddings, /pooling, "
                            f"/score, /rerank or /classify.", param="model")
-    req = parse_request(sub.body, api.request)
+    req = parse_request(sub.body, api.request, api.path)
     if ctx.tokenizer is None and isinstance(req, ChoiceRequest):
         req = attrs.evolve(req, return_token_ids=True)   # no text to send: send the ids
     model = _resolve_model(req.model, ctx)
@@ -194,7 +194,7 @@ def render_pooling(sub: Submission, ctx: RenderContext) -> RenderedRequest:
     """A pooling request (stages/api/pooling.py): each input tokenized, truncated or refused
     when too long (stages/lib/pooling_inputs.py), one sequence each."""
     cls, make_plan = POOLING_APIS[sub.api]
-    req = parse_request(sub.body, cls)
+    req = parse_request(sub.body, cls, POOLING_PATHS[sub.api])
     model = _resolve_model(req.model, ctx)
     if ctx.pooling is None:
         raise RequestError(f"The model `{model}` generates text: it does not serve "
@@ -253,7 +253,7 @@ def _echo(plan: PromptPlan, req, prompts: list[list[int]], ctx: RenderContext
 def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:
     """POST /tokenize: the prompt's token ids as render would make them (chat template
     included for `messages`), without running anything."""
-    req = parse_request(body, TokenizeRequest)
+    req = parse_request(body, TokenizeRequest, "/tokenize")
     _resolve_model(req.model, ctx)
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("Send exactly one of 'prompt' and 'messages'.", param="prompt")
@@ -293,7 +293,7 @@ def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:
 
 def detokenize(body: object, ctx: RenderContext) -> DetokenizeResponse:
     """POST /detokenize: token ids back to text."""
-    req = parse_request(body, DetokenizeRequest)
+    req = parse_request(body, DetokenizeRequest, "/detokenize")
     _resolve_model(req.model, ctx)
     if ctx.tokenizer is None:
         raise RequestError("This model was loaded without a tokenizer.", param="tokens")

@@ -43,9 +43,7 @@ class ChatCompletionRequest(ChoiceRequest):
     verbosity: str | None = opt()                               # ignored
     _not_implemented: ClassVar[dict[str, Any]] = {
         **{k: v for k, v in VLLM_EXTRAS.items() if k != "mm_processor_kwargs"},
-        **_ROUTER_CHAT_EXTRAS, "functions": (), "function_call": (),
-        "audio": (), "prediction": (), "web_search_options": (), "documents": (),
-        "best_of": (1,), "media_io_kwargs": ()}
+        **_ROUTER_CHAT_EXTRAS, "documents": (), "best_of": (1,), "media_io_kwargs": ()}
 
     @messages.validator
     def _messages(self, attribute, value) -> None:

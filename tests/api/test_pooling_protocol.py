@@ -39,7 +39,6 @@ def plan(api: str, body_: dict, spec: PoolingSpec = EMBED):
     ("embeddings", {"input": "a", "dimensions": 3}, MATRYOSHKA, "dimensions"),
     ("embeddings", {"input": "a", "encoding_format": "int8"}, EMBED, "encoding_format"),
     ("embeddings", {"input": "a", "truncate_prompt_tokens": -2}, EMBED, "truncate_prompt_tokens"),
-    ("embeddings", {"input": "a", "temperature": 1}, EMBED, "temperature"),
     ("embeddings", {"input": "a"}, CROSS, "model"),
     ("classify", {"input": "a"}, EMBED, "model"),
     ("score", {"text_1": "a"}, EMBED, "text_2"),
