@@ -476,17 +476,20 @@ def _resolve_max_tokens(ctx: RenderContext, prompt_len: int, plan: PromptPlan) -
             param=plan.prompt_param, code="context_length_exceeded")
     room = limit - prompt_len
     requested = plan.max_tokens
-    # As vLLM's get_max_tokens: the generation config's max_new_tokens (the model's, a
-    # --generation-config folder's, or --override-generation-config's) is a ceiling on
-    # every request's max tokens, asked for or not.
-    for ceiling in (ctx.max_tokens_ceiling, ctx.default_sampling.get("max_new_tokens")):
-        if type(ceiling) is int and ceiling > 0:
-            room = min(room, ceiling)
-            if requested is not None:
-                requested = min(requested, ceiling)
+    # As vLLM: --override-generation-config's max_new_tokens is a ceiling on every
+    # request's max tokens, asked for or not; the model's (or a --generation-config
+    # folder's) is only the default of a request that asks for none, where its API has no
+    # default of its own (completions' is 16).
+    ceiling = ctx.max_tokens_ceiling
+    if type(ceiling) is int and ceiling > 0:
+        room = min(room, ceiling)
+        if requested is not None:
+            requested = min(requested, ceiling)
     if requested is None:
-        value = room if plan.default_max_tokens is None else plan.default_max_tokens
-        return min(value, room)
+        default = ctx.default_sampling.get("max_new_tokens")
+        if plan.default_max_tokens is not None or not (type(default) is int and default > 0):
+            default = room if plan.default_max_tokens is None else plan.default_max_tokens
+        return min(default, room)
     if requested > room:
         where = "messages" if plan.prompt_param == "messages" else "prompt"
         raise RequestError(

@@ -519,18 +519,21 @@ def test_continue_final_message_ends_inside_the_last_message():
     assert err.param == "continue_final_message"
 
 
-def test_generation_config_max_new_tokens_is_a_ceiling():
-    """As vLLM's get_max_tokens (default_sampling_params' max_tokens and
-    override_max_tokens both in its min): the generation config's max_new_tokens (the
-    model's or a --generation-config folder's) caps a request's max tokens as
-    --override-generation-config's does; completions' default of 16 too."""
+def test_generation_config_max_new_tokens_is_a_default_not_a_ceiling():
+    """As vLLM (the seed's test_serving_chat.py): the model's generation config (or a
+    --generation-config folder's) max_new_tokens is the default of a request that asks for
+    none; a request for 15 with a config of 10 gets 15. Completions keep their own default
+    of 16. Only --override-generation-config's max_new_tokens caps."""
     folder = make_ctx(default_sampling={"max_new_tokens": 10})
-    assert chat({"max_tokens": 50}, folder).sampling.max_tokens == 10
+    assert chat({"max_tokens": 15}, folder).sampling.max_tokens == 15
     assert chat({"max_tokens": 4}, folder).sampling.max_tokens == 4
-    assert completion({}, folder).sampling.max_tokens == 10
+    assert chat({}, folder).sampling.max_tokens == 10
+    assert completion({}, folder).sampling.max_tokens == 16
+    assert completion({"max_tokens": 15}, folder).sampling.max_tokens == 15
     capped = make_ctx(default_sampling={"max_new_tokens": 10}, max_tokens_ceiling=7)
     assert chat({"max_tokens": 50}, capped).sampling.max_tokens == 7
     assert chat({}, capped).sampling.max_tokens == 7
+    assert completion({}, capped).sampling.max_tokens == 7
 
 
 def test_explicit_temperature_zero_beats_generation_config():
