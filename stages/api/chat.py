@@ -10,7 +10,7 @@ from stages.api.common import (ABSENT, Invalid, PromptPlan, RequestError, ToolSe
                                at_least, omit_absent, one_constraint, opt, reply)
 from stages.api.framing import ChoicesFramer, ChoiceState, UsageInfo, prompt_logprobs_json
 from stages.api.request_types import (ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, ChoiceRequest,
-                                      ContentPart)
+                                      ContentPart, PartsText)
 from stages.api.structured import constraint_of
 from stages.api.tools import chat_tools, tool_request
 from stages.lib.delta import Delta, TokenLogprob, Usage
@@ -465,8 +465,8 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
             parts.append({"type": "text", "text": text})
     if any(p["type"] == "image" for p in parts):
         return parts
-    # vLLM joins text parts with a newline.
-    return "\n".join(texts)
+    # vLLM joins text parts with a newline (its Harmony path, a tool result's with nothing)
+    return PartsText.of(texts)
 
 
 # -- the reply -----------------------------------------------------------------------------

@@ -69,6 +69,18 @@ class ContentPart:
         return next((k for k, v in zip(self.MEDIA_KEYS, values) if v is not None), None)
 
 
+class PartsText(str):
+    """Text parts joined with a newline, as templates see them, remembering the parts
+    (`parts`), for formats that join them otherwise (Harmony's tool results)."""
+    parts: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, texts: list[str]) -> str:
+        joined = cls("\n".join(texts))
+        joined.parts = tuple(texts)
+        return joined
+
+
 def _content(value: object, _: type) -> str | tuple[ContentPart, ...] | None:
     if value is None or type(value) is str:
         return value
