@@ -143,7 +143,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         echo=_echo(plan, req, prompts, ctx), priority=priority,
         lora=_lora(model, ctx), kv_transfer=kv_transfer(  # after every other check
             getattr(req, "kv_transfer_params", None), ctx.kv_transfer, n, len(prompts),
-            plan.prompt_logprobs, plan.stream))
+            plan.prompt_logprobs, plan.stream, api.path))
 
 
 
