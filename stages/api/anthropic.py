@@ -115,8 +115,9 @@ class MessagesBase(SamplingRequest):
 class MessagesRequest(MessagesBase):
     max_tokens: int | None = opt(at_least(1))        # required, as Anthropic's
     stop_sequences: list[str] | None = opt()
-    # Anthropic's range and default (the SDK passes them through extra_body)
-    temperature: float | None = opt(between(0.0, 1.0), default=1.0)
+    # Anthropic's range (the SDK passes it through extra_body); absent, the generation
+    # config's default applies, as vLLM's (else 1.0, Anthropic's default)
+    temperature: float | None = opt(between(0.0, 1.0))
     # vLLM's sampling extensions, as on its other APIs
     frequency_penalty: float | None = opt(between(-2.0, 2.0))
     presence_penalty: float | None = opt(between(-2.0, 2.0))

@@ -443,7 +443,10 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
     parts: list[dict] = []
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
-        if part.type in IMAGE_PART_TYPES or (part.type is None and part.image_url is not None):
+        # (as vLLM: a part without a type, or with a `uuid` whatever its type, is the
+        # picture its image_url names)
+        if part.type in IMAGE_PART_TYPES or ((part.type is None or part.uuid is not None)
+                                             and part.image_url is not None):
             parts.append({"type": "image", "image_url": _image_url(part),
                           "param": f"{where}.image_url"})
             continue

@@ -58,6 +58,7 @@ class ContentPart:
     image: Any = None
     file: Any = None
     detail: str | None = None     # an image's detail (auto/low/high): every picture is seen whole
+    uuid: Any = None              # vLLM's: a media item's id; with one, any part is its media
 
     MEDIA_KEYS: ClassVar[tuple[str, ...]] = ("image_url", "input_audio", "video_url",
                                               "audio_url", "image", "file")

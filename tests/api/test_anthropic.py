@@ -139,6 +139,15 @@ def test_render_takes_the_stop_sequences_and_default_temperature(ctx):
     assert req.sampling.options.temperature == 1.0 and req.include_usage
 
 
+def test_an_absent_temperature_is_the_generation_configs_as_vllm(ctx):
+    import attrs
+
+    configured = attrs.evolve(ctx, default_sampling={"temperature": 0.25})
+    assert _render(configured, {"messages": ASK}).sampling.options.temperature == 0.25
+    assert _render(configured, {"messages": ASK, "temperature": 1}
+                   ).sampling.options.temperature == 1.0
+
+
 # -- the framer: the stream, joined by the SDK, is the message --------------------------------
 
 texts = st.text(alphabet="ab <>{}\"é\n", max_size=4)

@@ -30,7 +30,7 @@ LAST_USER_TURN = (
     "<|im_start|>user\n{{ m.content if m.content is string else '' }}<|im_end|>\n"
     "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt %}\n<|im_start|>assistant\n{% endif -%}")
-CLI_TIMEOUT_S = 300      # a turn is 10-30 s here; the CLIs retry on their own
+CLI_TIMEOUT_S = 300      # a turn is 10-30 s on an idle 2-core box
 
 
 def fixture(name: str) -> dict:
@@ -43,9 +43,11 @@ def server(tmp_path_factory, serve_with_flags):
     (tmp / "template.jinja").write_text(LAST_USER_TURN)
     # --max-model-len 4096: Codex sends no max_output_tokens, so a reply may take what the
     # context leaves, and the default test KV cache (256 MiB) must hold that much
+    # greedy (the CLIs send no temperature): a short reply, the same on every run
     serve = serve_with_flags(tmp, "--max-model-len", "4096", "--enable-auto-tool-choice",
                              "--tool-call-parser", "hermes",
-                             "--chat-template", str(tmp / "template.jinja"))
+                             "--chat-template", str(tmp / "template.jinja"),
+                             "--override-generation-config", '{"temperature": 0}')
     yield next(serve)
     serve.close()
 

@@ -502,6 +502,22 @@ def test_media_parts_are_400_naming_the_part_type(part, kind):
     assert err.param == "messages[0].content[0].type"
 
 
+def test_a_part_with_a_uuid_is_the_picture_its_image_url_names_whatever_its_type():
+    """As vLLM's parser: with a `uuid`, a part carrying an image_url is that image, even
+    one that says it is text (the uuid form), and not a 400."""
+    from stages.api.chat import CHAT_PART_TYPES, content_text
+    from stages.api.common import converter
+    from stages.api.request_types import ContentPart
+
+    parts = converter.structure([
+        {"type": "text", "image_url": {"url": "http://x/y.png"}, "uuid": "img-1"},
+        {"type": "text", "text": "what is it?"}], list[ContentPart])
+    out = content_text(tuple(parts), "messages[0].content", CHAT_PART_TYPES)
+    assert out == [{"type": "image", "image_url": "http://x/y.png",
+                    "param": "messages[0].content[0].image_url"},
+                   {"type": "text", "text": "what is it?"}]
+
+
 def test_request_chat_template_wins_and_server_template_is_the_default():
     ctx = make_ctx(chat_template="SERVER")
     chat({}, ctx)
