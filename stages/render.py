@@ -23,10 +23,10 @@ from stages.api.request_types import ChoiceRequest
 from stages.api.responses import ResponsesRequest
 from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                  TokenizeResponse)
-from stages.api.pooling import INVOCATION_INPUT, POOLING_APIS, POOLING_PATHS
+from stages.api.pooling import INVOCATION_INPUT, INVOCATION_MESSAGES, POOLING_APIS, POOLING_PATHS
 from stages.api.kv_params import KVTransferConfig, kv_transfer, notify_refused, refused_remote_prefill
 from stages.lib.media import MediaError, MediaSettings
-from stages.lib.pooling_inputs import input_ids
+from stages.lib.pooling_inputs import check_truncation, input_ids
 from stages.lib.sampling_checks import (beam_width_of, check_vocab, held_logprobs, logit_controls,
                                          thinking_budget, vocab_size)
 from stages.lib.vision_prompt import check_limit, expand, image_parts, load_images, template_form
@@ -73,7 +73,9 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
 
     Raises RequestError (4xx, OpenAI-shaped) for anything the client got wrong.
     """
-    if sub.api == INVOCATION_INPUT:
+    if sub.api == INVOCATION_MESSAGES and ctx.pooling is None:
+        sub = attrs.evolve(sub, api="chat")
+    elif sub.api in (INVOCATION_INPUT, INVOCATION_MESSAGES):   # as vLLM: a pooling request
         task = ctx.pooling.task if ctx.pooling is not None else "embed"
         sub = attrs.evolve(sub, api="classify" if task == "classify" else "embeddings")
     if sub.api in POOLING_APIS:
@@ -404,6 +406,7 @@ def _truncated(ids: list[int], plan: PromptPlan, ctx: RenderContext) -> list[int
     (the start of the prompt) unless truncation_side is right."""
     if plan.truncate is None:
         return ids
+    check_truncation(plan.truncate, ctx.max_model_len)
     keep = ctx.max_model_len if plan.truncate == -1 else plan.truncate
     if len(ids) <= keep:
         return ids

@@ -101,7 +101,7 @@ def test_reply_bodies():
     rr = orjson.loads(body(PoolingReply("rerank", pairs=((0, 1), (0, 2)), documents=("a", "b"), top_n=1),
                            vectors=vecs, **kw))
     assert rr["results"] == [{"index": 1, "document": {"text": "b"}, "relevance_score": pytest.approx(0.8)}]
-    assert rr["usage"] == {"total_tokens": 9}
+    assert rr["usage"] == {"prompt_tokens": 9, "total_tokens": 9}   # vLLM has both
     cl = orjson.loads(body(PoolingReply("classify", labels=("neg", "pos")), vectors=[_f32(0.25, 0.75)], **kw))
     assert cl["data"] == [{"index": 0, "label": "pos", "probs": [0.25, 0.75], "num_classes": 2}]
 
