@@ -144,3 +144,29 @@ def test_text_after_the_calls_is_dropped_and_an_open_block_ends_with_the_answer(
              "deepseek_v31": DS[1], "minimax_m2": "</minimax:tool_call>"}[name]
     for pieces in splits(text.removesuffix(close)):
         assert run(TOOL_PARSERS[name](), pieces) == ("", [T])
+
+
+@pytest.mark.parametrize("name, text, content, calls", [c for c in CASES if c[3]])
+def test_through_the_parse_stage_token_by_token(name, text, content, calls):
+    """The parse stage (stages/parse.py) fed one character a step, as a stream is: the
+    same content, the same calls, and finish_reason tool_calls."""
+    import attrs
+
+    from rendered import rendered
+    from stages.lib.delta import Delta, FinishReason, Usage
+    from stages.messages import Step, ToolPlan
+    from stages.parse import Parser
+
+    req = attrs.evolve(rendered("r1", api="chat", stream=True),
+                       tools=ToolPlan("auto", parser=name))
+    parser, deltas = Parser(), []
+    pieces = list(text)
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        d = Delta("r1", (5,), FinishReason.STOP if last else None, text=piece,
+                  usage=Usage(3, i + 1) if last else None)
+        deltas += parser.process(Step(i, (req,) if i == 0 else (), (d,))).deltas
+    assert "".join(d.content for d in deltas) == content
+    got = [c for d in deltas for c in d.tool_calls]
+    assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in calls]
+    assert deltas[-1].finish_reason is FinishReason.TOOL_CALLS
