@@ -120,6 +120,11 @@ def test_pooling_route_and_invocations(http, client):
     inv = http.post("/invocations", json={"input": "hello"}).json()
     np.testing.assert_allclose(inv["data"][0]["embedding"], want, atol=1e-6)
     assert http.post("/invocations", json={"query": "q", "documents": ["d"]}).json()["results"]
+    # chat-style messages on a pooling model are an embeddings request, as vLLM's
+    inv = http.post("/invocations", json={"messages": [{"role": "user", "content": "hello"}]})
+    assert inv.status_code == 200 and inv.json()["data"][0]["object"] == "embedding"
+    score = http.post("/invocations", json={"queries": "q", "documents": ["d", "e"]}).json()
+    assert [d["index"] for d in score["data"]] == [0, 1]
 
 
 @pytest.mark.parametrize("path, body, param", [
