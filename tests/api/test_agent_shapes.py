@@ -23,6 +23,14 @@ TOOLS = ToolSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
 F = {"name": "f", "input_schema": {"type": "object"}}
 
 
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    """Each test sees its own lines (a field is logged once a process)."""
+    from stages.api import common
+
+    monkeypatch.setattr(common, "_logged", set())
+
+
 def _plan(api: str, body: dict, reasoning: bool = False):
     spec = APIS[api]
     req = parse_request(body, spec.request, spec.path)
