@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install install-dev browser bytecode serve test bench clean
+.PHONY: install install-dev agents browser bytecode serve test bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,16 @@ $(VENV)/.dev: $(VENV)/.base
 	touch $@
 
 install: $(VENV)/.base
-install-dev: $(VENV)/.dev
+install-dev: $(VENV)/.dev agents
+
+# The coding agents tests/e2e/test_e2e_agents.py drives (Claude Code, Codex CLI; the
+# versions tests/agents/package.json pins), installed into tests/agents/node_modules where
+# npm is present. Without npm (or offline) that test skips and says why.
+agents:
+	@if command -v npm >/dev/null 2>&1; then \
+		npm install --prefix tests/agents --no-audit --no-fund --silent || \
+		echo "npm install of the agent CLIs failed: tests/e2e/test_e2e_agents.py will skip"; \
+	else echo "npm not found: tests/e2e/test_e2e_agents.py will skip its CLI tests"; fi
 
 # The project's own bytecode, written once: with PYTHONDONTWRITEBYTECODE set (as on this
 # project's machines) every process would compile its ~170 modules from source at each

@@ -129,6 +129,11 @@ class KVParamsError(ValueError):
         self.message, self.param = message, param
 
 
+class IncompleteRemotePrefill(KVParamsError):
+    """do_remote_prefill without the prefill instance's fields (or with bad ones): vLLM's
+    NixlConnector logs it and prefills locally."""
+
+
 @attrs.frozen
 class RemotePrefill:
     """The decode side's request: the prompt's KV is in these blocks of that engine's cache."""
@@ -167,15 +172,16 @@ def request_params(params: Any) -> KVTransfer | None:
     def field(name: str, kind, check=lambda v: True, what: str = ""):
         v = params.get(name)
         if type(v) is not kind or not check(v):
-            raise KVParamsError(f"'{PARAM}.{name}' must be {what} (do_remote_prefill needs "
-                                "the prefill instance's kv_transfer_params).", f"{PARAM}.{name}")
+            raise IncompleteRemotePrefill(
+                f"'{PARAM}.{name}' must be {what} (do_remote_prefill needs the prefill "
+                "instance's kv_transfer_params)", f"{PARAM}.{name}")
         return v
 
     blocks = params.get("remote_block_ids")
     if (type(blocks) is not list
             or not all(type(b) is int and b >= 0 for b in blocks)):
-        raise KVParamsError(f"'{PARAM}.remote_block_ids' must be an array of non-negative "
-                            "integers.", f"{PARAM}.remote_block_ids")
+        raise IncompleteRemotePrefill(f"'{PARAM}.remote_block_ids' must be an array of "
+                                      "non-negative integers", f"{PARAM}.remote_block_ids")
     return KVTransfer(remote_prefill=RemotePrefill(
         field("remote_engine_id", str, bool, "a non-empty string"),
         field("remote_request_id", str, bool, "a non-empty string"),

@@ -5,10 +5,15 @@ A request with a tool plan (stages/api/tools.py) gets a tool parser
 `Delta.tool_calls`, and a turn that made a call and stopped ends with finish_reason
 tool_calls.
 
-With --reasoning-parser (qwen3, deepseek_r1) the text between <think> and </think> is
+With a <think> reasoning parser (THINK_PARSERS) the text between <think> and </think> is
 reasoning. A partial tag at the end of a delta is held back until the next step shows
-whether it is a tag. qwen3 starts in content and enters reasoning on a leading <think>;
-deepseek_r1's template opens <think> in the prompt, so it starts in reasoning.
+whether it is a tag. qwen3 (glm45, kimi_k2, deepseek_v3: the same tags, vLLM's names)
+starts in content and enters reasoning on a leading <think>; deepseek_r1's and
+minimax_m2's templates open <think> in the prompt, so they start in reasoning; either way
+the prompt's last tag, when it has one, decides (deepseek_v3's thinking on or off per
+request is its template's <think> or </think>). minimax_m2_append_think splits nothing:
+the reasoning stays in the content, with the <think> the template opened put back in
+front, as MiniMax's own clients read it.
 
 openai_gptoss (gpt-oss, implied for that model) parses Harmony from the token ids, not the
 text (stages/api/harmony.py): channels give reasoning, content and tool calls at once. A
@@ -27,7 +32,12 @@ from stages.api.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredTool
                                  ToolParser, CALL_IDS, call_id)
 from stages.api.tool_parsers.base import partial_suffix
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY_REASONING_PARSER)
+# --reasoning-parser NAME -> where its output starts: "start" (content, unless it opens
+# <think>), "reasoning" (the template opened <think>), "append" (no split)
+THINK_PARSERS = {"qwen3": "start", "glm45": "start", "kimi_k2": "start",
+                 "deepseek_v3": "start", "deepseek_r1": "reasoning", "minimax_m2": "reasoning",
+                 "minimax_m2_append_think": "append"}
+REASONING_PARSERS = (*THINK_PARSERS, HARMONY_REASONING_PARSER)
 _OPEN, _CLOSE = "<think>", "</think>"
 
 
@@ -80,9 +90,11 @@ class ThinkState:
     def __init__(self, parser: str, start: str | None = None,
                  tags: ThinkTags = ThinkTags()) -> None:
         # `start`: where the prompt left the reasoning (ThinkTags.prompt_state)
-        self.mode = start or ("reasoning" if parser == "deepseek_r1" else "start")
+        kind = THINK_PARSERS[parser]
+        self.mode = "append" if kind == "append" else start or kind
         self.tags = tags
         self.buf = ""
+        self.opened_once = False            # append: the <think> was put back
         self.opened = self.closed = False   # this feed entered / left the reasoning
         self.reasoning_tokens = 0   # the choice's output tokens inside the reasoning so far
 
@@ -123,6 +135,10 @@ class ThinkState:
     def _split(self, text: str, final: bool) -> tuple[str, str]:
         self.buf += text
         content = reasoning = ""
+        if self.mode == "append":      # the <think> the prompt opened, then everything
+            content, self.buf = ("" if self.opened_once else _OPEN) + self.buf, ""
+            self.opened_once = True
+            return content, ""
         while True:
             if self.mode == "start":
                 stripped = self.buf.lstrip()
@@ -216,7 +232,7 @@ class Parser:
                              f"choose from {', '.join(REASONING_PARSERS)}")
         self.reasoning_parser = reasoning_parser
         self.call_id = CALL_IDS[tokenizer.tool_call_ids if tokenizer is not None else "openai"]
-        self.think_tags = (ThinkTags.of(tokenizer) if reasoning_parser in ("qwen3", "deepseek_r1")
+        self.think_tags = (ThinkTags.of(tokenizer) if reasoning_parser in THINK_PARSERS
                            else ThinkTags())
         self.states: dict[tuple[str, int], ThinkState] = {}   # (request id, choice)
         self.tools: dict[tuple[str, int], ToolState] = {}

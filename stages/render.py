@@ -23,10 +23,10 @@ from stages.api.request_types import ChoiceRequest
 from stages.api.responses import ResponsesRequest
 from stages.api.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                  TokenizeResponse)
-from stages.api.pooling import INVOCATION_INPUT, POOLING_APIS, POOLING_PATHS
+from stages.api.pooling import INVOCATION_INPUT, INVOCATION_MESSAGES, POOLING_APIS, POOLING_PATHS
 from stages.api.kv_params import KVTransferConfig, kv_transfer, notify_refused, refused_remote_prefill
 from stages.media.fetch import MediaError, MediaSettings
-from stages.api.pooling_inputs import input_ids
+from stages.api.pooling_inputs import check_truncation, input_ids
 from stages.api.sampling_checks import (beam_width_of, check_vocab, held_logprobs, logit_controls,
                                          thinking_budget, vocab_size)
 from stages.media.prompt import check_limit, expand, image_parts, load_images, template_form
@@ -73,7 +73,9 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
 
     Raises RequestError (4xx, OpenAI-shaped) for anything the client got wrong.
     """
-    if sub.api == INVOCATION_INPUT:
+    if sub.api == INVOCATION_MESSAGES and ctx.pooling is None:
+        sub = attrs.evolve(sub, api="chat")
+    elif sub.api in (INVOCATION_INPUT, INVOCATION_MESSAGES):   # as vLLM: a pooling request
         task = ctx.pooling.task if ctx.pooling is not None else "embed"
         sub = attrs.evolve(sub, api="classify" if task == "classify" else "embeddings")
     if sub.api in POOLING_APIS:
@@ -85,7 +87,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         raise RequestError(f"The model `{ctx.served_model_names[0]}` is a pooling model (--runner "
                            f"pooling): it does not serve {api.path}; use /v1/embeddings, /pooling, "
                            f"/score, /rerank or /classify.", param="model")
-    req = parse_request(sub.body, api.request)
+    req = parse_request(sub.body, api.request, api.path)
     if ctx.tokenizer is None and isinstance(req, ChoiceRequest):
         req = attrs.evolve(req, return_token_ids=True)   # no text to send: send the ids
     model = _resolve_model(req.model, ctx)
@@ -143,7 +145,7 @@ def render(sub: Submission, ctx: RenderContext) -> RenderedRequest:
         echo=_echo(plan, req, prompts, ctx), priority=priority,
         lora=_lora(model, ctx), kv_transfer=kv_transfer(  # after every other check
             getattr(req, "kv_transfer_params", None), ctx.kv_transfer, n, len(prompts),
-            plan.prompt_logprobs, plan.stream))
+            plan.prompt_logprobs, plan.stream, api.path))
 
 
 
@@ -194,7 +196,7 @@ def render_pooling(sub: Submission, ctx: RenderContext) -> RenderedRequest:
     """A pooling request (stages/api/pooling.py): each input tokenized, truncated or refused
     when too long (stages/api/pooling_inputs.py), one sequence each."""
     cls, make_plan = POOLING_APIS[sub.api]
-    req = parse_request(sub.body, cls)
+    req = parse_request(sub.body, cls, POOLING_PATHS[sub.api])
     model = _resolve_model(req.model, ctx)
     if ctx.pooling is None:
         raise RequestError(f"The model `{model}` generates text: it does not serve "
@@ -253,7 +255,7 @@ def _echo(plan: PromptPlan, req, prompts: list[list[int]], ctx: RenderContext
 def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:
     """POST /tokenize: the prompt's token ids as render would make them (chat template
     included for `messages`), without running anything."""
-    req = parse_request(body, TokenizeRequest)
+    req = parse_request(body, TokenizeRequest, "/tokenize")
     _resolve_model(req.model, ctx)
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("Send exactly one of 'prompt' and 'messages'.", param="prompt")
@@ -293,7 +295,7 @@ def tokenize(body: object, ctx: RenderContext) -> TokenizeResponse:
 
 def detokenize(body: object, ctx: RenderContext) -> DetokenizeResponse:
     """POST /detokenize: token ids back to text."""
-    req = parse_request(body, DetokenizeRequest)
+    req = parse_request(body, DetokenizeRequest, "/detokenize")
     _resolve_model(req.model, ctx)
     if ctx.tokenizer is None:
         raise RequestError("This model was loaded without a tokenizer.", param="tokens")
@@ -404,6 +406,7 @@ def _truncated(ids: list[int], plan: PromptPlan, ctx: RenderContext) -> list[int
     (the start of the prompt) unless truncation_side is right."""
     if plan.truncate is None:
         return ids
+    check_truncation(plan.truncate, ctx.max_model_len)
     keep = ctx.max_model_len if plan.truncate == -1 else plan.truncate
     if len(ids) <= keep:
         return ids
@@ -476,17 +479,20 @@ def _resolve_max_tokens(ctx: RenderContext, prompt_len: int, plan: PromptPlan) -
             param=plan.prompt_param, code="context_length_exceeded")
     room = limit - prompt_len
     requested = plan.max_tokens
-    # As vLLM's get_max_tokens: the generation config's max_new_tokens (the model's, a
-    # --generation-config folder's, or --override-generation-config's) is a ceiling on
-    # every request's max tokens, asked for or not.
-    for ceiling in (ctx.max_tokens_ceiling, ctx.default_sampling.get("max_new_tokens")):
-        if type(ceiling) is int and ceiling > 0:
-            room = min(room, ceiling)
-            if requested is not None:
-                requested = min(requested, ceiling)
+    # As vLLM: --override-generation-config's max_new_tokens is a ceiling on every
+    # request's max tokens, asked for or not; the model's (or a --generation-config
+    # folder's) is only the default of a request that asks for none, where its API has no
+    # default of its own (completions' is 16).
+    ceiling = ctx.max_tokens_ceiling
+    if type(ceiling) is int and ceiling > 0:
+        room = min(room, ceiling)
+        if requested is not None:
+            requested = min(requested, ceiling)
     if requested is None:
-        value = room if plan.default_max_tokens is None else plan.default_max_tokens
-        return min(value, room)
+        default = ctx.default_sampling.get("max_new_tokens")
+        if plan.default_max_tokens is not None or not (type(default) is int and default > 0):
+            default = room if plan.default_max_tokens is None else plan.default_max_tokens
+        return min(default, room)
     if requested > room:
         where = "messages" if plan.prompt_param == "messages" else "prompt"
         raise RequestError(

@@ -37,7 +37,7 @@ from stages.api import APIS
 from stages.api import anthropic
 from stages.api.common import RequestError, parse_request, unstructure
 from stages.render import has_images
-from stages.api.pooling import INVOCATION_INPUT, ROUTES as POOLING_ROUTES
+from stages.api.pooling import INVOCATION_INPUT, INVOCATION_MESSAGES, ROUTES as POOLING_ROUTES
 from web import access, lora_routes
 from web.control_routes import ControlViews, add_control_routes
 from web.metrics import EngineCollector
@@ -456,20 +456,20 @@ def _invocation_api(body: object) -> str:
     """SageMaker's /invocations, as vLLM dispatches it: a chat completion request (it has
     `messages`), else a completion request (`prompt`)."""
     if isinstance(body, dict):
-        if "messages" in body:
-            return "chat"
+        if "messages" in body:    # chat, or on a pooling model embeddings (render decides)
+            return INVOCATION_MESSAGES
         if "prompt" in body:
             return "completions"
         if "input" in body:     # an embedding model's embeddings, a classifier's classes
             return INVOCATION_INPUT
-        if "text_1" in body:
+        if any(side in body for side in ("text_1", "queries", "data_1")):
             return "score"
         if "query" in body and "documents" in body:
             return "rerank"
     raise RequestError("/invocations takes a chat completion request (with 'messages'), a "
                        "completion request (with 'prompt'), an embeddings or classification "
-                       "request (with 'input'), a score request (with 'text_1') or a rerank "
-                       "request (with 'query' and 'documents').")
+                       "request (with 'input'), a score request (with 'text_1', 'queries' or "
+                       "'data_1') or a rerank request (with 'query' and 'documents').")
 
 
 def create_app(engine: Engine, config: AppConfig = AppConfig()) -> QuartTrio:

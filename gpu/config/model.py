@@ -138,7 +138,7 @@ class ModelConfig:
                 if self.linear_num_value_heads % self.linear_num_key_heads:
                     raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a "
                                      f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
-        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+        if not 0 < self.partial_rotary_factor <= 1 or self.rope_dim % 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even "
                              f"number of rotary dims in 1..head_dim ({self.head_dim})")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
@@ -166,8 +166,9 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """The leading columns of each head that RoPE rotates (the rest pass through)."""
-        return self.rotary_dim or self.head_dim
+        """The leading columns of each head that RoPE rotates (the rest pass through):
+        rotary_dim (GLM-4.5), else head_dim * partial_rotary_factor (Qwen3-Next, Qwen3.5)."""
+        return self.rotary_dim or int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_cache_head_dim(self) -> int:
@@ -188,11 +189,6 @@ class ModelConfig:
     def num_kv_layers(self) -> int:
         """Layers that keep K/V in the paged cache (every layer but the linear ones)."""
         return self.num_hidden_layers - self.num_linear_layers
-
-    @property
-    def rotary_dim(self) -> int:
-        """The dims of each head RoPE turns (the first ones; head_dim unless partial)."""
-        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:

@@ -16,7 +16,7 @@ from gpu.layers.ops import apply_rope, build_rope_cache, skip_init
 
 def partial_rope_cache(config: ModelConfig, max_positions: int, device=None) -> torch.Tensor:
     """[P, rotary_dim]: the cos/sin table of the rotated dims (build_rope_cache's layout)."""
-    rot = attrs.evolve(config, head_dim=config.rotary_dim, partial_rotary_factor=1.0)
+    rot = attrs.evolve(config, head_dim=config.rope_dim, partial_rotary_factor=1.0, rotary_dim=0)
     return build_rope_cache(rot, max_positions, device)
 
 

@@ -346,7 +346,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="Never capture CUDA graphs; run every step eagerly.")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                   help="Split <think>...</think> into the reply's reasoning (qwen3, deepseek_r1), or "
+                   help="Split <think>...</think> into the reply's reasoning (qwen3, deepseek_r1, "
+                        "glm45, kimi_k2, deepseek_v3, minimax_m2; minimax_m2_append_think "
+                        "keeps it in the content), or "
                         "read Harmony's channels (openai_gptoss, implied for gpt-oss) "
                         "(default: off).")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

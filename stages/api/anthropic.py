@@ -1,63 +1,39 @@
-"""POST /v1/messages (Anthropic's Messages API): its request, prompt plan and framer.
+"""POST /v1/messages (Anthropic's Messages API): its request and prompt plan. Its replies
+(message, event stream, errors) are stages/api/anthropic_framing.py.
 
 The request maps onto what chat already renders: `system` and `messages` (content blocks:
-text, tool_use, tool_result, thinking) become chat-template messages, `tools` and
+text, image, tool_use, tool_result, thinking) become chat-template messages, `tools` and
 `tool_choice` chat-form tools (so the same tool parsers find the calls), `output_format`
 (or `output_config.format`) a JSON-schema constraint, `thinking` the template's
 `enable_thinking`. The reply is a `message` of content blocks: thinking (the reasoning
 parser's reasoning), text, tool_use, in the order the model wrote them.
 
-Stream order, as Anthropic's: message_start, ping; per block content_block_start,
-content_block_delta... (text_delta, thinking_delta then signature_delta, input_json_delta),
-content_block_stop; then message_delta (stop_reason, stop_sequence, usage) and
-message_stop. An engine failure mid-stream is an `error` event.
-
-Usage follows Anthropic's meaning: `input_tokens` are the prompt tokens not read from the
-prefix cache, `cache_read_input_tokens` those that were; `count_tokens` (and the two added
-up) is the whole rendered prompt.
+What coding agents send is served as Anthropic's API serves it: `system`-role messages
+inside `messages` (Claude Code >= 2.1.154) join the system prompt, in order, rather than
+being rendered in place (a system turn between a tool call and its result breaks tool
+calling: vllm#48874); `cache_control` on any block is accepted and ignored; thinking
+blocks echoed back in history are the turn's reasoning; `thinking` on a model without a
+reasoning parser runs without reasoning.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Union
+from typing import Any, Union
 
 import attrs
-import orjson
 
 from gpu.interface import Constraint
+from stages.api.anthropic_framing import MessagesFramer, error_dict, error_type  # noqa: F401
 from stages.api.chat import template_messages
 from stages.api.common import (Invalid, PromptPlan, RequestError, ToolSettings, at_least,
-                               between, converter, mismatch, one_constraint, opt, reply,
-                               structure_hook, structure_list, tolerant, unstructure)
-from stages.api.framing import Framer, json_body
-from stages.api.request_types import ChatMessage, SamplingRequest, StreamOptions
+                               between, converter, ignored_field, mismatch, one_constraint, opt,
+                               structure_hook, structure_list, tolerant)
+from stages.api.request_types import ChatMessage, ContentPart, SamplingRequest, StreamOptions
 from stages.api.structured import named
 from stages.api.tools import tool_request
-from stages.delta import Delta, FinishReason, Usage
 from stages.messages import ReplySpec
 
-# -- errors ---------------------------------------------------------------------------------
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
-
-
-def error_type(status: int) -> str:
-    """Anthropic's error type for an HTTP status."""
-    if status in _ERROR_TYPES:
-        return _ERROR_TYPES[status]
-    return "api_error" if status >= 500 else "invalid_request_error"
-
-
-def error_dict(err: RequestError) -> dict[str, Any]:
-    """A RequestError in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
-    return {"type": "error", "error": {"type": error_type(err.status), "message": err.message}}
-
-
-def _server_error(message: str | None) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": "api_error",
-                                       "message": message or "The engine failed while generating."}}
+API = "/v1/messages"
 
 
 # -- the request ------------------------------------------------------------------------------
@@ -104,6 +80,7 @@ converter.register_structure_hook(Block, tolerant(Block))
 converter.register_structure_hook(InputMessage, tolerant(InputMessage))
 
 ROLES = ("user", "assistant")
+_MEDIA = ("image", "document", "search_result")
 
 
 @attrs.frozen
@@ -123,8 +100,8 @@ class MessagesBase(SamplingRequest):
     cache_control: Any = opt()
     inference_geo: str | None = opt()
     speed: str | None = opt()
-    _not_implemented: ClassVar[dict[str, Any]] = {
-        "container": (), "mcp_servers": (), "context_management": (), "diagnostics": ()}
+    # Anthropic's server-side features (context_management, container, mcp_servers, ...) are
+    # not fields here: ignored and logged, as vLLM; the prompt is served whole.
 
     @messages.validator
     def _messages(self, attribute, value) -> None:
@@ -138,8 +115,9 @@ class MessagesBase(SamplingRequest):
 class MessagesRequest(MessagesBase):
     max_tokens: int | None = opt(at_least(1))        # required, as Anthropic's
     stop_sequences: list[str] | None = opt()
-    # Anthropic's range and default (the SDK passes them through extra_body)
-    temperature: float | None = opt(between(0.0, 1.0), default=1.0)
+    # Anthropic's range (the SDK passes it through extra_body); absent, the generation
+    # config's default applies, as vLLM's (else 1.0, Anthropic's default)
+    temperature: float | None = opt(between(0.0, 1.0))
     # vLLM's sampling extensions, as on its other APIs
     frequency_penalty: float | None = opt(between(-2.0, 2.0))
     presence_penalty: float | None = opt(between(-2.0, 2.0))
@@ -162,14 +140,14 @@ class MessagesRequest(MessagesBase):
 
 @attrs.frozen
 class CountTokensRequest(MessagesBase):
-    """POST /v1/messages/count_tokens: a Messages request without the generation fields."""
-    _not_implemented: ClassVar[dict[str, Any]] = {
-        **MessagesBase._not_implemented, "max_tokens": (), "stop_sequences": ()}
+    """POST /v1/messages/count_tokens: a Messages request without the generation fields
+    (max_tokens and the like are ignored, as any field it does not know)."""
 
 
 # -- request -> chat form -------------------------------------------------------------------
 
-def _text_of(content: Blocks | None, where: str, types: tuple[str, ...] = ("text",)) -> str:
+def _text_of(content: Blocks | None, where: str) -> str:
+    """The text of `system` (a string or text blocks), blocks joined with a newline."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -177,63 +155,99 @@ def _text_of(content: Blocks | None, where: str, types: tuple[str, ...] = ("text
     texts = []
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
-        if block.type not in types:
+        if block.type != "text":
             raise RequestError(f"'{at}.type' {block.type!r} is not supported here; expected "
-                               f"{' or '.join(types)}.", param=f"{at}.type")
+                               "text.", param=f"{at}.type")
         if block.text is None:
             raise RequestError(f"'{at}.text' must be a string.", param=f"{at}.text")
         texts.append(block.text)
     return "\n".join(texts)
 
 
-def _tool_result_text(content: Any, where: str) -> str:
+def _image_part(block: Block, at: str) -> ContentPart:
+    """An image block as chat's image part: a base64 source as a data URL, a url source
+    as its URL. Render fetches it for a vision model, and refuses it for a text model."""
+    source = block.source if isinstance(block.source, dict) else {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        url = f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    elif source.get("type") == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise RequestError(f"'{at}.source' must be a base64 or url image source.",
+                           param=f"{at}.source")
+    return ContentPart(type="image_url", image_url={"url": url})
+
+
+def _content(texts: list[str], images: list[tuple[int, ContentPart]]):
+    """Text joined with newlines, or with pictures the parts in order (chat's content)."""
+    if not images:
+        return "\n".join(texts)
+    parts = [ContentPart(type="text", text=t) for t in texts]
+    for index, image in images:
+        parts.insert(index, image)
+    return tuple(parts)
+
+
+def _tool_result(content: Any, where: str):
+    """A tool_result's content: a string, or an array of text and image blocks."""
     if content is None or isinstance(content, str):
         return content or ""
+    problem = f"'{where}' must be a string or an array of text and image blocks."
     if not isinstance(content, list):
-        raise RequestError(f"'{where}' must be a string or an array of text blocks.",
-                           param=where)
+        raise RequestError(problem, param=where)
     try:
         blocks = structure_list(content, list[Block])
     except Exception:
-        raise RequestError(f"'{where}' must be a string or an array of text blocks.",
-                           param=where) from None
-    return _text_of(blocks, where)
-
-
-_MEDIA = ("image", "document", "search_result")
+        raise RequestError(problem, param=where) from None
+    texts: list[str] = []
+    images: list[tuple[int, ContentPart]] = []
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        if block.type == "image":
+            images.append((len(texts) + len(images), _image_part(block, at)))
+        elif block.type == "text" and block.text is not None:
+            texts.append(block.text)
+        else:
+            raise RequestError(problem, param=f"{at}.type")
+    return _content(texts, images)
 
 
 def chat_messages(req: MessagesBase) -> list[dict]:
-    """The request's system prompt and messages as chat messages (ChatMessage's fields)."""
+    """The request's system prompt and messages as chat messages (ChatMessage's fields).
+    The system prompt is `system` then every system-role message's text, in order."""
     out: list[dict] = []
-    if req.system is not None:
-        system = _text_of(req.system, "system")
-        if system:
-            out.append({"role": "system", "content": system})
+    system = [_text_of(req.system, "system")] if req.system is not None else []
     for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
+        if m.role == "system":
+            system.append(_text_of(m.content, f"{where}.content"))
+            continue
         if m.role not in ROLES:
-            raise RequestError(f"'{where}.role' must be one of user, assistant, got "
-                               f"{m.role!r}.", param=f"{where}.role")
+            raise RequestError(f"'{where}.role' must be one of {', '.join(ROLES)}, system; "
+                               f"got {m.role!r}.", param=f"{where}.role")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls, thinking = [], [], []
+        texts: list[str] = []
+        images: list[tuple[int, ContentPart]] = []
+        calls, thinking = [], []
         for j, b in enumerate(m.content):
             at = f"{where}.content[{j}]"
             if b.type == "text":
                 if b.text is None:
                     raise RequestError(f"'{at}.text' must be a string.", param=f"{at}.text")
                 texts.append(b.text)
+            elif b.type == "image" and m.role == "user":
+                images.append((len(texts) + len(images), _image_part(b, at)))
             elif b.type in _MEDIA:
                 raise RequestError(f"'{at}' is a {b.type} block: the served model takes text "
-                                   "only.", param=f"{at}.type")
+                                   "and images only.", param=f"{at}.type")
             elif b.type == "tool_result" and m.role == "user":
                 if not b.tool_use_id:
                     raise RequestError(f"'{at}.tool_use_id' is required.",
                                        param=f"{at}.tool_use_id")
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                            "content": _tool_result_text(b.content, f"{at}.content")})
+                            "content": _tool_result(b.content, f"{at}.content")})
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.id or not b.name:
                     param = f"{at}.id" if not b.id else f"{at}.name"
@@ -249,15 +263,16 @@ def chat_messages(req: MessagesBase) -> list[dict]:
             else:
                 raise RequestError(f"'{at}.type' {b.type!r} is not supported in a {m.role} "
                                    "message.", param=f"{at}.type")
-        if not (texts or calls or thinking):
+        if not (texts or images or calls or thinking):
             continue        # a user turn of tool results only
-        message: dict = {"role": m.role, "content": "\n".join(texts)}
+        message: dict = {"role": m.role, "content": _content(texts, images)}
         if calls:
             message["tool_calls"] = calls
         if thinking:
             message["reasoning"] = "\n".join(thinking)
         out.append(message)
-    return out
+    system_text = "\n\n".join(filter(None, system))
+    return ([{"role": "system", "content": system_text}] if system_text else []) + out
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -267,10 +282,13 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     out = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        if tool.get("type", "custom") != "custom":
-            raise RequestError(f"'{where}.type' {json.dumps(tool.get('type'))} is a server "
-                               "tool, which this server does not run; only custom tools are "
-                               "supported.", param=f"{where}.type")
+        kind = tool.get("type", "custom")
+        if kind != "custom":     # a server tool (web_search_...): Anthropic's servers run it
+            if not isinstance(kind, str):
+                raise RequestError(f"'{where}.type' must be a string.", param=f"{where}.type")
+            ignored_field(API, f"tools[].type {kind}", "is a server tool, which this server "
+                          "does not run: left out of the prompt")
+            continue
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise RequestError(f"'{where}.name' must be a non-empty string.",
@@ -283,7 +301,7 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
         if isinstance(tool.get("description"), str):
             fn["description"] = tool["description"]
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None      # (only server tools: none to serve)
 
 
 def _tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
@@ -321,9 +339,10 @@ def _thinking_kwargs(req: MessagesBase, reasoning_parser: bool) -> dict:
     if kind == "enabled" and (type(budget) is not int or budget < 1):
         raise RequestError("'thinking.budget_tokens' must be a positive integer.",
                            param="thinking.budget_tokens")
-    if not reasoning_parser:
-        raise RequestError("'thinking' needs a reasoning model (serve with "
-                           "--reasoning-parser).", param="thinking")
+    if not reasoning_parser:    # as vLLM: the model runs without reasoning
+        ignored_field(API, "thinking", "asks for reasoning from a model served without "
+                      "--reasoning-parser")
+        return {}
     return {"enable_thinking": True}
 
 
@@ -349,7 +368,8 @@ def template_inputs(req: MessagesBase, reasoning_parser: bool, tools: ToolSettin
     """(chat messages, template kwargs, ToolRequest): what both the plan and count_tokens
     hand the chat template."""
     choice, parallel = _tool_choice(req.tool_choice)
-    tr = tool_request(chat_tools(req.tools), choice, parallel, tools)
+    served = chat_tools(req.tools)
+    tr = tool_request(served, choice if served or not req.tools else None, parallel, tools)
     kwargs = dict(req.chat_template_kwargs or {})
     kwargs.update(_thinking_kwargs(req, reasoning_parser))
     effort = (req.output_config or {}).get("effort")
@@ -390,7 +410,7 @@ def count_tokens_body(body: object, *, reasoning_parser: bool, tools: ToolSettin
                       parse) -> dict:
     """The /tokenize body whose count is a count_tokens request's prompt length (`parse`:
     common.parse_request)."""
-    req = parse(body, CountTokensRequest)
+    req = parse(body, CountTokensRequest, "/v1/messages/count_tokens")
     messages, kwargs, _ = template_inputs(req, reasoning_parser, tools)
     if not messages:
         raise RequestError("'messages' must contain some content.", param="messages")
@@ -401,190 +421,3 @@ def count_tokens_body(body: object, *, reasoning_parser: bool, tools: ToolSettin
             **({"tools": tools_kw} if tools_kw is not None else {})}
 
 
-# -- replies ------------------------------------------------------------------------------
-
-@reply
-class MessageUsage:
-    input_tokens: int
-    cache_creation_input_tokens: int = 0
-    cache_read_input_tokens: int = 0
-    output_tokens: int
-
-
-def message_usage(usage: Usage) -> MessageUsage:
-    return MessageUsage(input_tokens=usage.prompt_tokens - usage.cached_tokens,
-                        cache_read_input_tokens=usage.cached_tokens,
-                        output_tokens=usage.completion_tokens)
-
-
-@reply
-class Message:
-    id: str
-    type: str = "message"
-    role: str = "assistant"
-    model: str
-    content: list[dict]
-    stop_reason: str | None = None
-    stop_sequence: str | None = None
-    usage: MessageUsage
-
-
-class _Block:
-    """One content block while it is built: thinking, text or tool_use."""
-
-    def __init__(self, kind: str, call=None) -> None:
-        self.kind = kind
-        self.parts: list[str] = []
-        self.call = call
-        self.open = True
-
-    def start(self) -> dict:
-        if self.kind == "thinking":
-            return {"type": "thinking", "thinking": "", "signature": ""}
-        if self.kind == "text":
-            return {"type": "text", "text": ""}
-        return {"type": "tool_use", "id": tool_use_id(self.call.id), "name": self.call.name,
-                "input": {}}
-
-    def whole(self) -> dict:
-        text = "".join(self.parts)
-        if self.kind == "thinking":
-            return {"type": "thinking", "thinking": text, "signature": ""}
-        if self.kind == "text":
-            return {"type": "text", "text": text}
-        return {**self.start(), "input": _arguments(self.call.arguments)}
-
-
-def tool_use_id(call_id: str) -> str:
-    return "toolu_" + call_id.removeprefix("call_")
-
-
-def _arguments(text: str) -> Any:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _event(type_: str, data: dict) -> bytes:
-    return (b"event: " + type_.encode() + b"\ndata: "
-            + orjson.dumps({"type": type_, **data}) + b"\n\n")
-
-
-class MessagesFramer(Framer):
-    """Anthropic's message, or its event stream, from one request's deltas."""
-
-    def __init__(self, req) -> None:
-        super().__init__(req)
-        self.id = f"msg_{req.request_id}"
-        self._blocks: list[_Block] = []
-        self._stops = frozenset(req.sampling.stop)      # the request's stop_sequences
-
-    # -- what both modes share
-
-    def _stop(self, delta: Delta) -> tuple[str, str | None]:
-        reason = delta.finish_reason
-        if reason is FinishReason.LENGTH:
-            return "max_tokens", None
-        if reason is FinishReason.TOOL_CALLS or any(b.kind == "tool_use" for b in self._blocks):
-            return "tool_use", None
-        if isinstance(delta.stop_reason, str) and delta.stop_reason in self._stops:
-            return "stop_sequence", delta.stop_reason
-        return "end_turn", None
-
-    def _message(self, content: list[dict], usage: Usage, stop: tuple[str | None, str | None]
-                 ) -> Message:
-        return Message(id=self.id, model=self.req.model, content=content, stop_reason=stop[0],
-                       stop_sequence=stop[1], usage=message_usage(usage))
-
-    def _add(self, kind: str, call=None) -> tuple[_Block, bool]:
-        """The open block of this kind, or a new one (closing the one before)."""
-        last = self._blocks[-1] if self._blocks else None
-        if kind != "tool_use" and last is not None and last.kind == kind and last.open:
-            return last, False
-        block = _Block(kind, call)
-        self._blocks.append(block)
-        return block, True
-
-    # -- streaming
-
-    def start(self) -> bytes:
-        if not self.req.stream:
-            return b""
-        usage = Usage(len(self.req.prompt_token_ids), 0)
-        started = self._message([], usage, (None, None))
-        return _event("message_start", {"message": unstructure(started)}) + _event("ping", {})
-
-    def _close(self, block: _Block, index: int) -> bytes:
-        block.open = False
-        out = b""
-        if block.kind == "thinking":
-            out = _event("content_block_delta", {"index": index, "delta": {
-                "type": "signature_delta", "signature": ""}})
-        return out + _event("content_block_stop", {"index": index})
-
-    def _open(self, kind: str, call=None) -> tuple[int, bytes]:
-        before = len(self._blocks)
-        block, new = self._add(kind, call)
-        index = len(self._blocks) - 1
-        if not new:
-            return index, b""
-        out = b""
-        if before and self._blocks[before - 1].open:
-            out = self._close(self._blocks[before - 1], before - 1)
-        return index, out + _event("content_block_start",
-                                   {"index": index, "content_block": block.start()})
-
-    def _text(self, kind: str, text: str) -> bytes:
-        index, out = self._open(kind)
-        self._blocks[index].parts.append(text)
-        key, delta_type = (("thinking", "thinking_delta") if kind == "thinking"
-                           else ("text", "text_delta"))
-        return out + _event("content_block_delta", {"index": index, "delta": {
-            "type": delta_type, key: text}})
-
-    def _stream(self, delta: Delta) -> bytes:
-        out = []
-        if delta.reasoning:
-            out.append(self._text("thinking", delta.reasoning))
-        if delta.content:
-            out.append(self._text("text", delta.content))
-        for call in delta.tool_calls:
-            index, opened = self._open("tool_use", call)
-            self._blocks[index].parts.append(call.arguments)
-            out += [opened, _event("content_block_delta", {"index": index, "delta": {
-                "type": "input_json_delta", "partial_json": call.arguments}}),
-                    self._close(self._blocks[index], index)]
-        reason = delta.finish_reason
-        if reason is FinishReason.ERROR:
-            out.append(_event("error", {"error": _server_error(delta.error)["error"]}))
-        elif reason is not None:
-            if not self._blocks:    # an empty answer is one empty text block
-                out.append(self._open("text")[1])
-            last = len(self._blocks) - 1
-            if self._blocks[last].open:
-                out.append(self._close(self._blocks[last], last))
-            stop_reason, stop_sequence = self._stop(delta)
-            out.append(_event("message_delta", {
-                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                "usage": unstructure(message_usage(delta.usage))}))
-            out.append(_event("message_stop", {}))
-        return b"".join(out)
-
-    # -- one body
-
-    def _accumulate(self, delta: Delta) -> bytes:
-        if delta.reasoning:
-            self._add("thinking")[0].parts.append(delta.reasoning)
-        if delta.content:
-            self._add("text")[0].parts.append(delta.content)
-        for call in delta.tool_calls:
-            self._add("tool_use", call)[0].parts.append(call.arguments)
-        if delta.finish_reason is None:
-            return b""
-        if delta.finish_reason is FinishReason.ERROR:
-            self.status = 500
-            return orjson.dumps(_server_error(delta.error))
-        content = [b.whole() for b in self._blocks] or [{"type": "text", "text": ""}]
-        return json_body(self._message(content, delta.usage, self._stop(delta)))

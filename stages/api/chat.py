@@ -10,7 +10,7 @@ from stages.api.common import (ABSENT, Invalid, PromptPlan, RequestError, ToolSe
                                at_least, omit_absent, one_constraint, opt, reply)
 from stages.api.framing import ChoicesFramer, ChoiceState, UsageInfo, prompt_logprobs_json
 from stages.api.request_types import (ROUTER_EXTRAS, VLLM_EXTRAS, ChatMessage, ChoiceRequest,
-                                      ContentPart)
+                                      ContentPart, PartsText)
 from stages.api.structured import constraint_of
 from stages.api.tools import chat_tools, tool_request
 from stages.delta import Delta, TokenLogprob, Usage
@@ -43,9 +43,7 @@ class ChatCompletionRequest(ChoiceRequest):
     verbosity: str | None = opt()                               # ignored
     _not_implemented: ClassVar[dict[str, Any]] = {
         **{k: v for k, v in VLLM_EXTRAS.items() if k != "mm_processor_kwargs"},
-        **_ROUTER_CHAT_EXTRAS, "functions": (), "function_call": (),
-        "audio": (), "prediction": (), "web_search_options": (), "documents": (),
-        "best_of": (1,), "media_io_kwargs": ()}
+        **_ROUTER_CHAT_EXTRAS, "documents": (), "best_of": (1,), "media_io_kwargs": ()}
 
     @messages.validator
     def _messages(self, attribute, value) -> None:
@@ -445,7 +443,10 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
     parts: list[dict] = []
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
-        if part.type in IMAGE_PART_TYPES or (part.type is None and part.image_url is not None):
+        # (as vLLM: a part without a type, or with a `uuid` whatever its type, is the
+        # picture its image_url names)
+        if part.type in IMAGE_PART_TYPES or ((part.type is None or part.uuid is not None)
+                                             and part.image_url is not None):
             parts.append({"type": "image", "image_url": _image_url(part),
                           "param": f"{where}.image_url"})
             continue
@@ -467,8 +468,8 @@ def content_text(content: str | tuple[ContentPart, ...] | None, param: str,
             parts.append({"type": "text", "text": text})
     if any(p["type"] == "image" for p in parts):
         return parts
-    # vLLM joins text parts with a newline.
-    return "\n".join(texts)
+    # vLLM joins text parts with a newline (its Harmony path, a tool result's with nothing)
+    return PartsText.of(texts)
 
 
 # -- the reply -----------------------------------------------------------------------------

@@ -8,19 +8,22 @@ keeps OpenAI's strictness (`true` is not an integer, NaN is not a number, null c
 as absent) and turns the first problem into a `RequestError` whose `param` is the JSON
 path (`messages[1].content`).
 
-Every field of OpenAI's and vLLM's request schemas is known to its API's module
-(stages/api/<api>.py), in one of three ways:
+A top-level field is handled in one of three ways:
 - a typed attribute: implemented (or accepted and ignored when it means nothing here:
-  `user`, `metadata`, `service_tier`, ...);
-- listed in the class's `_not_implemented`: a 400 that names the field, when it is
-  present with a value other than its harmless default;
-- anything else gets OpenAI's answer: `Unrecognized request argument supplied: NAME`.
+  `user`, `metadata`, `service_tier`, ...), with strict checks of its value;
+- listed in the class's `_not_implemented` (a field vLLM acts on and this server cannot
+  yet, such as `logits_processors`): a 400 that names the field, when it is present with a
+  value other than its harmless default;
+- anything else is ignored, as vLLM, SGLang and llama.cpp ignore it: new clients (coding
+  agents) send fields no server knows yet. Each field name is logged once per API, at
+  warning level (`ignored_field`).
 
 Replies are attrs classes too, unstructured by the same converter. A field defaulting to
 `ABSENT` is left out of the JSON (OpenAI omits some keys rather than sending null).
 """
 from __future__ import annotations
 
+import logging
 import math
 import types
 import typing
@@ -348,9 +351,22 @@ class PromptPlan:
 
 R = TypeVar("R")
 
+_log = logging.getLogger("tailrace.api")
+_logged: set[tuple[str, str]] = set()
 
-def parse_request(body: object, cls: type[R]) -> R:
-    """Structure a JSON body into `cls`, or raise the RequestError for its first problem."""
+
+def ignored_field(api: str, name: str, what: str = "is not a field this server knows") -> None:
+    """Log, once per API and field name, that a request's `name` was ignored (why: `what`).
+    Once only: an agent sends the same fields on every request."""
+    if (api, name) in _logged:
+        return
+    _logged.add((api, name))
+    _log.warning("%s: '%s' %s; ignored (logged once).", api, name, what)
+
+
+def parse_request(body: object, cls: type[R], api: str | None = None) -> R:
+    """Structure a JSON body into `cls`, or raise the RequestError for its first problem.
+    A field `cls` does not know is ignored and logged (`ignored_field`, naming `api`)."""
     if type(body) is not dict:
         raise RequestError("The request body must be a JSON object.")
     # OpenAI treats null as absent; so do we, at the top level (nested types are Optional).
@@ -361,8 +377,8 @@ def parse_request(body: object, cls: type[R]) -> R:
             continue
         harmless = cls._not_implemented.get(key)
         if harmless is None:
-            raise RequestError(f"Unrecognized request argument supplied: {key}", param=key)
-        if value not in harmless:
+            ignored_field(api or cls.__name__, key)
+        elif value not in harmless:
             raise RequestError(f"'{key}' is not supported by this server yet.", param=key)
     body = {k: v for k, v in body.items() if k in names}
     try:

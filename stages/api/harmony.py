@@ -111,7 +111,10 @@ def harmony_messages(messages: list[dict], tools: list[dict] | None = None,
         elif role == "assistant":
             out += _assistant(m, content, call_names, unanswered)
         elif role == "tool":
-            out.append(_tool_result(m, content, call_names, unanswered))
+            # as vLLM's Harmony path: a result's text parts joined with nothing between
+            parts = getattr(m.get("content"), "parts", ())
+            out.append(_tool_result(m, "".join(parts) if parts else content, call_names,
+                                    unanswered))
     return out
 
 

@@ -66,13 +66,28 @@ class EmbeddingRequest(PoolingBase):
     chat_template_kwargs: dict[str, Any] | None = opt()
     add_generation_prompt: bool = opt(default=False)
     continue_final_message: bool = opt(default=False)
+    # vLLM's /pooling names the model's task ("embed", "classify", ...): the server's runner
+    # has one, so it is accepted and the runner's is served
+    task: str | None = opt()
+    use_activation: bool | None = opt()   # vLLM's: an embedding has no activation to apply
+
+
+# vLLM's names for /score's two sides, in the order it tries them
+SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
+               ("data_1", "data_2"))
 
 
 @attrs.frozen
 class ScoreRequest(PoolingBase):
-    """POST /score: text_1 against text_2, one to one, one to many or many to many (paired)."""
+    """POST /score: text_1 against text_2, one to one, one to many or many to many
+    (paired); vLLM's other names for the two sides (SCORE_SIDES) too."""
     text_1: Any = opt()
     text_2: Any = opt()
+    queries: Any = opt()
+    documents: Any = opt()
+    items: Any = opt()
+    data_1: Any = opt()
+    data_2: Any = opt()
     use_activation: bool | None = opt()
 
 
@@ -89,10 +104,15 @@ class RerankRequest(PoolingBase):
 
 @attrs.frozen
 class ClassifyRequest(PoolingBase):
-    """POST /classify: `input` as for embeddings."""
+    """POST /classify: `input` as for embeddings, or vLLM's chat-style `messages`."""
     input: Any = opt()
+    messages: list[ChatMessage] | None = opt()
     use_activation: bool | None = opt()
-    add_special_tokens: bool = opt(default=True)
+    add_special_tokens: bool | None = opt()   # default: true for input, false for messages
+    chat_template: str | None = opt()
+    chat_template_kwargs: dict[str, Any] | None = opt()
+    add_generation_prompt: bool = opt(default=False)
+    continue_final_message: bool = opt(default=False)
 
 
 # -- the plan ----------------------------------------------------------------------------
@@ -179,14 +199,7 @@ def plan_embeddings(req: EmbeddingRequest, spec: PoolingSpec, kind: str = "embed
     reply = PoolingReply(kind=kind, encoding_format=req.encoding_format)
     options = PoolingOptions(dimensions=_dimensions(req, spec), normalize=req.normalize)
     if req.messages is not None:
-        if not req.messages:
-            raise RequestError("'messages' must be a non-empty array of messages.", param="messages")
-        return PoolingPlan(
-            inputs=(PoolingInput(param="messages", max_tokens=req.truncate_prompt_tokens,
-                                 add_special_tokens=bool(req.add_special_tokens)),),
-            options=options, reply=reply, messages=tuple(req.messages), chat_template=req.chat_template,
-            template_kwargs=dict(req.chat_template_kwargs or {}), add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message)
+        return _messages_plan(req, options, reply)
     inputs = _inputs(req.input, "input", add_special_tokens=req.add_special_tokens is not False,
                      max_tokens=req.truncate_prompt_tokens)
     return PoolingPlan(inputs=tuple(inputs), options=options, reply=reply)
@@ -196,10 +209,28 @@ def plan_classify(req: ClassifyRequest, spec: PoolingSpec) -> PoolingPlan:
     if spec.task != "classify":
         raise RequestError("This model is an embedding model: it has no classification head "
                            "(serve a ...ForSequenceClassification, or --convert classify).", param="model")
-    inputs = _inputs(req.input, "input", add_special_tokens=req.add_special_tokens,
+    options = PoolingOptions(use_activation=req.use_activation)
+    reply = PoolingReply(kind="classify", labels=spec.labels)
+    if (req.input is None) == (req.messages is None):
+        raise RequestError("Send exactly one of 'input' and 'messages'.", param="input")
+    if req.messages is not None:
+        return _messages_plan(req, options, reply)
+    inputs = _inputs(req.input, "input", add_special_tokens=req.add_special_tokens is not False,
                      max_tokens=req.truncate_prompt_tokens)
-    return PoolingPlan(inputs=tuple(inputs), options=PoolingOptions(use_activation=req.use_activation),
-                       reply=PoolingReply(kind="classify", labels=spec.labels))
+    return PoolingPlan(inputs=tuple(inputs), options=options, reply=reply)
+
+
+def _messages_plan(req: EmbeddingRequest | ClassifyRequest, options: PoolingOptions,
+                   reply: PoolingReply) -> PoolingPlan:
+    """vLLM's chat-style input: one sequence, the messages through the chat template."""
+    if not req.messages:
+        raise RequestError("'messages' must be a non-empty array of messages.", param="messages")
+    return PoolingPlan(
+        inputs=(PoolingInput(param="messages", max_tokens=req.truncate_prompt_tokens,
+                             add_special_tokens=bool(req.add_special_tokens)),),
+        options=options, reply=reply, messages=tuple(req.messages), chat_template=req.chat_template,
+        template_kwargs=dict(req.chat_template_kwargs or {}), add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message)
 
 
 def _score_plan(left: list[str], right: list[str], spec: PoolingSpec, *, truncate: int | None,
@@ -236,11 +267,19 @@ def _score_plan(left: list[str], right: list[str], spec: PoolingSpec, *, truncat
 
 
 def plan_score(req: ScoreRequest, spec: PoolingSpec) -> PoolingPlan:
-    if req.text_1 is None or req.text_2 is None:
-        raise RequestError("'text_1' and 'text_2' are required.", param="text_1" if req.text_1 is None else "text_2")
-    return _score_plan(_texts(req.text_1, "text_1"), _texts(req.text_2, "text_2"), spec,
+    """The first of SCORE_SIDES' pairs the request gives both sides of (else the first it
+    gives one side of: a 400 naming the other) is its two sides."""
+    named = [(a, b) for a, b in SCORE_SIDES
+             if getattr(req, a) is not None or getattr(req, b) is not None]
+    given = next((pair for pair in named if None not in map(req.__getattribute__, pair)),
+                 named[0] if named else SCORE_SIDES[0])
+    left, right = (getattr(req, name) for name in given)
+    if left is None or right is None:
+        raise RequestError(f"'{given[0]}' and '{given[1]}' are required.",
+                           param=given[0] if left is None else given[1])
+    return _score_plan(_texts(left, given[0]), _texts(right, given[1]), spec,
                        truncate=req.truncate_prompt_tokens, use_activation=req.use_activation,
-                       kind="score", names=("text_1", "text_2"))
+                       kind="score", names=given)
 
 
 def plan_rerank(req: RerankRequest, spec: PoolingSpec) -> PoolingPlan:
@@ -342,7 +381,8 @@ def body(reply: PoolingReply, *, request_id: str, model: str, created: int, vect
                 r["document"] = {"text": reply.documents[i]}
             r["relevance_score"] = s
             results.append(r)
-        out = {"id": rid, "model": model, "usage": {"total_tokens": prompt_tokens}, "results": results}
+        out = {"id": rid, "model": model, "usage": {"prompt_tokens": prompt_tokens,
+                                                    "total_tokens": prompt_tokens}, "results": results}
     return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -378,6 +418,9 @@ ROUTES: dict[str, str] = {"/v1/embeddings": "embeddings", "/pooling": "pooling",
 
 # /invocations with an `input`: embeddings, or a classifier's classes (render decides)
 INVOCATION_INPUT = "input"
+# /invocations with `messages`: chat on a generating model; on a pooling model, as vLLM,
+# embeddings (a classifier's classes)
+INVOCATION_MESSAGES = "invocation_messages"
 
 # The APIs: name -> (request type, plan)
 POOLING_APIS: dict[str, tuple[type, Any]] = {

@@ -19,7 +19,16 @@ from stages.api.pooling import PoolingInput
 def _limit(inp: PoolingInput, max_model_len: int) -> int | None:
     if inp.max_tokens is None:
         return None
-    return max_model_len if inp.max_tokens == -1 else min(inp.max_tokens, max_model_len)
+    check_truncation(inp.max_tokens, max_model_len)
+    return max_model_len if inp.max_tokens == -1 else inp.max_tokens
+
+
+def check_truncation(keep: int, max_model_len: int) -> None:
+    """As vLLM: truncate_prompt_tokens above the model's length is a 400, not clamped."""
+    if keep > max_model_len:
+        raise RequestError(f"'truncate_prompt_tokens' value ({keep}) is greater than "
+                           f"max_model_len ({max_model_len}). Please request a smaller "
+                           "truncation size.", param="truncate_prompt_tokens")
 
 
 def input_ids(inp: PoolingInput, tokenizer: Any, max_model_len: int, vocab_size: int | None,

@@ -58,6 +58,7 @@ class ContentPart:
     image: Any = None
     file: Any = None
     detail: str | None = None     # an image's detail (auto/low/high): every picture is seen whole
+    uuid: Any = None              # vLLM's: a media item's id; with one, any part is its media
 
     MEDIA_KEYS: ClassVar[tuple[str, ...]] = ("image_url", "input_audio", "video_url",
                                               "audio_url", "image", "file")
@@ -67,6 +68,18 @@ class ContentPart:
         values = (self.image_url, self.input_audio, self.video_url, self.audio_url, self.image,
                   self.file)   # in MEDIA_KEYS' order
         return next((k for k, v in zip(self.MEDIA_KEYS, values) if v is not None), None)
+
+
+class PartsText(str):
+    """Text parts joined with a newline, as templates see them, remembering the parts
+    (`parts`), for formats that join them otherwise (Harmony's tool results)."""
+    parts: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, texts: list[str]) -> str:
+        joined = cls("\n".join(texts))
+        joined.parts = tuple(texts)
+        return joined
 
 
 def _content(value: object, _: type) -> str | tuple[ContentPart, ...] | None:

@@ -3,17 +3,18 @@ stream are stages/api/responses_framing.py.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Union
 
 import attrs
 
 from stages.api.chat import content_text, template_role, template_tool_calls
 from stages.api.common import (Invalid, PromptPlan, RequestError, ToolSettings, at_least,
-                               between, converter, mismatch, one_constraint, opt,
+                               between, converter, ignored_field, mismatch, one_constraint, opt,
                                structure_hook, structure_list, tolerant)
 from stages.api.request_types import Content, SamplingRequest, Stop, StreamOptions
 from stages.api.structured import constraint_of
-from stages.api.tools import responses_tools, tool_request
+from stages.api.tools import CUSTOM_INPUT, responses_tools, tool_request
 from stages.messages import ReplySpec, ResponseEcho
 
 
@@ -29,6 +30,7 @@ class InputItem:
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
+    input: str | None = None               # custom_tool_call: the tool's free-text input
     output: Content = None
     # reasoning (an earlier turn's, replayed from response.output): its content parts are
     # reasoning_text, its summary parts summary_text
@@ -117,21 +119,23 @@ for _cls in (InputItem, Reasoning, TextFormat, TextConfig):
     converter.register_structure_hook(_cls, tolerant(_cls))
 
 
+API = "/v1/responses"
 RESPONSES_ROLES = ("system", "developer", "user", "assistant")
 _WITH_USAGE = StreamOptions(include_usage=True)
 
 
 def plan(req: ResponsesRequest, *, reasoning_parser: bool,
          tools: ToolSettings = ToolSettings()) -> PromptPlan:
-    # Unlike chat, OpenAI's Responses API takes "tools": [] and "auto" without tools.
-    choice = req.tool_choice if req.tools or req.tool_choice not in ("auto", "none") else None
-    tr = tool_request(responses_tools(req.tools or None), choice, req.parallel_tool_calls,
+    served = responses_tools(req.tools or None)
+    tr = tool_request(served, _tool_choice(req.tool_choice, served), req.parallel_tool_calls,
                       tools)
     constraint = one_constraint(constraint_of(req), tr.constraint, "text.format")
     logprobs = _logprobs(req)
-    if req.reasoning is not None and req.reasoning.effort is not None and not reasoning_parser:
-        raise RequestError("'reasoning.effort' needs a reasoning model (serve with "
-                           "--reasoning-parser).", param="reasoning.effort")
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    if effort is not None and not reasoning_parser:   # as vLLM: served without reasoning
+        ignored_field(API, "reasoning.effort", "asks for reasoning from a model served "
+                      "without --reasoning-parser")
+        effort = None
     if req.background and req.store is False:
         raise RequestError("'background' needs 'store' true: a background response is read "
                            "back from the store.", param="background")
@@ -141,8 +145,8 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += _input_messages(req.input)
     kwargs = dict(req.chat_template_kwargs or {})
-    if req.reasoning is not None and req.reasoning.effort is not None:
-        kwargs.setdefault("reasoning_effort", req.reasoning.effort)   # as chat's
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)   # as chat's
     if tr.template_tools is not None:
         kwargs["tools"] = tr.template_tools
     return PromptPlan(messages=messages, template_kwargs=kwargs,
@@ -152,6 +156,19 @@ def plan(req: ResponsesRequest, *, reasoning_parser: bool,
                       stream_options=_WITH_USAGE, constraint=constraint, tools=tr.plan,
                       logprobs=logprobs, logprobs_param="top_logprobs", reply=reply_spec(req),
                       mm_processor_kwargs=req.mm_processor_kwargs)
+
+
+def _tool_choice(choice: Any, served: list[dict] | None) -> Any:
+    """tool_choice in chat's terms, for the tools served. Unlike chat, OpenAI's Responses
+    API takes "auto" (and "none") without tools; a custom tool is named as a function; a
+    hosted tool's choice (or allowed_tools') is "auto" over the tools served."""
+    if isinstance(choice, dict) and choice.get("type") == "custom":
+        return {"type": "function", "name": choice.get("name")}
+    if isinstance(choice, dict) and choice.get("type") != "function":
+        ignored_field(API, f"tool_choice.type {choice.get('type')}", "names a tool this "
+                      "server does not run: \"auto\" instead")
+        choice = "auto"
+    return choice if served or choice not in ("auto", "none") else None
 
 
 def reply_spec(req: ResponsesRequest) -> ReplySpec:
@@ -203,12 +220,14 @@ def _input_messages(raw) -> list[dict]:
         if item.type == "reasoning":
             reasoning.append(_reasoning_text(item, where))
             continue
-        if item.type in ("function_call", "function_call_output"):
+        if item.type in _CALL_ITEMS:
             message = _function_item(item, where, messages)
         elif item.type != "message":
-            raise RequestError(f"'{where}.type' {item.type!r} is not supported; only message, "
-                               "reasoning, function_call and function_call_output items are.",
-                               param=f"{where}.type")
+            # a hosted tool's call (web_search_call, ...) or an item kind this server does
+            # not know: nothing the model wrote or read here, so left out (logged once)
+            ignored_field(API, f"input[].type {item.type}", "is an item this server does not "
+                          "render: left out of the prompt")
+            continue
         else:
             if item.role not in RESPONSES_ROLES:
                 raise RequestError(f"'{where}.role' must be one of "
@@ -237,21 +256,29 @@ def _reasoning_text(item, where: str) -> str:
     return content_text(item.summary, f"{where}.summary", ("summary_text",))
 
 
+_CALL_ITEMS = ("function_call", "function_call_output", "custom_tool_call",
+               "custom_tool_call_output")
+
+
 def _function_item(item, where: str, messages: list[dict]) -> dict:
-    """function_call -> an assistant message with tool_calls (consecutive calls join one
-    message); function_call_output -> a tool message."""
+    """function_call (custom_tool_call) -> an assistant message with tool_calls
+    (consecutive calls join one message); function_call_output (custom_tool_call_output)
+    -> a tool message. A custom tool's input is the call's one string argument."""
     if item.call_id is None:
         raise RequestError(f"'{where}.call_id' is required.", param=f"{where}.call_id")
-    if item.type == "function_call_output":
+    if item.type.endswith("_output"):
         if item.output is None:
             raise RequestError(f"'{where}.output' is required.", param=f"{where}.output")
         return {"role": "tool", "tool_call_id": item.call_id, "content": content_text(
             item.output, f"{where}.output", ("input_text", "output_text", "text"))}
-    if item.name is None or item.arguments is None:
-        param = f"{where}.name" if item.name is None else f"{where}.arguments"
+    key = "input" if item.type == "custom_tool_call" else "arguments"
+    value = item.input if key == "input" else item.arguments
+    if item.name is None or value is None:
+        param = f"{where}.name" if item.name is None else f"{where}.{key}"
         raise RequestError(f"'{param}' is required.", param=param)
+    arguments = json.dumps({CUSTOM_INPUT: value}) if key == "input" else value
     call = template_tool_calls([{"id": item.call_id, "type": "function", "function": {
-        "name": item.name, "arguments": item.arguments}}])[0]
+        "name": item.name, "arguments": arguments}}])[0]
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
         messages.pop()

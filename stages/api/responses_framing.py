@@ -5,12 +5,15 @@ first, when the model reasons, then the message): output_item.added,
 reasoning_part/content_part.added, *_text.delta..., *_text.done,
 reasoning_part/content_part.done, output_item.done; then one terminal event:
 response.completed, response.incomplete (max_output_tokens) or error + response.failed.
+A call is one item: function_call_arguments.delta/done, or for a custom tool
+custom_tool_call_input.delta/done (a custom_tool_call item carrying its free-text input).
 
 What a Response repeats of its request (instructions, tools, metadata...) comes from the
 request's ResponseEcho (stages/api/responses.py `reply_spec`), not the typed request.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
@@ -18,6 +21,7 @@ import orjson
 
 from stages.api.common import ABSENT, omit_absent, reply, unstructure
 from stages.api.framing import Framer, ResponseUsage, error_bytes, json_body, response_usage
+from stages.api.tools import CUSTOM_INPUT
 from stages.delta import Delta, FinishReason
 from stages.messages import ResponseEcho
 
@@ -114,6 +118,28 @@ class FunctionCallItem:
 
 
 @reply
+class CustomToolCallItem:
+    """A call of a custom tool: its free-text input (the function's one string argument,
+    stages/api/tools.py CUSTOM_PARAMETERS)."""
+    call_id: str
+    input: str
+    name: str
+    type: str = "custom_tool_call"
+    id: str
+    status: str
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments the parser found ({"input": TEXT})."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments
+    text = value.get(CUSTOM_INPUT) if isinstance(value, dict) else None
+    return text if isinstance(text, str) else arguments
+
+
+@reply
 class ResponseError:
     code: str = "server_error"
     message: str
@@ -182,13 +208,15 @@ class Response:
     output_messages: list[RawMessage] | Any = ABSENT
 
 
+_CALL_KINDS = ("function_call", "custom_tool_call")
+
 # -- the reply -----------------------------------------------------------------------------
 
 class _OutputItem:
     """One output item of a Response while it is being built."""
 
     def __init__(self, kind: str, item_id: str, output_index: int, call=None) -> None:
-        self.kind = kind                  # "reasoning" | "message" | "function_call"
+        self.kind = kind    # "reasoning" | "message" | "function_call" | "custom_tool_call"
         self.call = call                  # function_call: the ToolCallDelta
         self.id = item_id
         self.output_index = output_index
@@ -205,7 +233,12 @@ class _OutputItem:
             return ReasoningText(text=text)
         return OutputText(text=text, logprobs=logprobs or [])
 
-    def reply(self, *, with_content: bool = True) -> MessageItem | ReasoningItem | FunctionCallItem:
+    def reply(self, *, with_content: bool = True) -> (MessageItem | ReasoningItem
+                                                      | FunctionCallItem | CustomToolCallItem):
+        if self.kind == "custom_tool_call":
+            return CustomToolCallItem(
+                call_id=self.call.id, name=self.call.name, id=self.id, status=self.status,
+                input=custom_input(self.call.arguments) if with_content else "")
         if self.kind == "function_call":
             return FunctionCallItem(arguments=self.call.arguments if with_content else "",
                                     call_id=self.call.id, name=self.call.name, id=self.id,
@@ -249,11 +282,14 @@ class ResponsesFramer(Framer):
         return not any(item.kind != "reasoning" for item in self._items)
 
     def _calls(self) -> bool:
-        return any(item.kind == "function_call" for item in self._items)
+        return any(item.kind in _CALL_KINDS for item in self._items)
 
     def _add_call(self, call) -> _OutputItem:
-        item = _OutputItem("function_call", "fc_" + call.id.removeprefix("call_"),
-                           len(self._items), call)
+        custom = any(t.get("type") == "custom" and t.get("name") == call.name
+                     for t in self._echo.tools if isinstance(t, dict))
+        kind = "custom_tool_call" if custom else "function_call"
+        prefix = "ctc_" if custom else "fc_"
+        item = _OutputItem(kind, prefix + call.id.removeprefix("call_"), len(self._items), call)
         self._items.append(item)
         return item
 
@@ -409,7 +445,7 @@ class ResponsesFramer(Framer):
         elif reason is not None:
             last = self._items[-1]
             response = self._final(delta)
-            if last.kind != "function_call":
+            if last.kind not in _CALL_KINDS:
                 out.append(self._done(last))
             terminal = ("response.incomplete" if response.status == "incomplete"
                         else "response.completed")
@@ -428,11 +464,16 @@ class ResponsesFramer(Framer):
         where = {"item_id": item.id, "output_index": item.output_index}
         out += self._event("response.output_item.added", output_index=item.output_index,
                            item=item.reply(with_content=False))
-        out += self._event("response.function_call_arguments.delta", **where,
-                           delta=call.arguments)
         item.status = "completed"
-        out += self._event("response.function_call_arguments.done", **where, name=call.name,
-                           arguments=call.arguments)
+        if item.kind == "custom_tool_call":
+            text = custom_input(call.arguments)
+            out += self._event("response.custom_tool_call_input.delta", **where, delta=text)
+            out += self._event("response.custom_tool_call_input.done", **where, input=text)
+        else:
+            out += self._event("response.function_call_arguments.delta", **where,
+                               delta=call.arguments)
+            out += self._event("response.function_call_arguments.done", **where,
+                               name=call.name, arguments=call.arguments)
         return out + self._event("response.output_item.done", output_index=item.output_index,
                                  item=item.reply())
 

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from gpu.interface import Constraint
-from stages.api.common import RequestError, ToolSettings
+from stages.api.common import RequestError, ToolSettings, ignored_field
 from stages.messages import ToolPlan
 from stages.api.structured import named
 
@@ -56,20 +56,37 @@ def _check_function(fn: dict, where: str) -> None:
                            param=f"{where}.parameters")
 
 
-def responses_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
-    """Responses-form tools ({"type": "function", "name", "parameters", ...}) in chat form."""
+# A custom tool (Responses') takes free text, not JSON: the template sees a function of one
+# string parameter, and a call of it is answered as a custom_tool_call with that string.
+CUSTOM_INPUT = "input"
+CUSTOM_PARAMETERS = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
+                     "required": [CUSTOM_INPUT]}
+
+
+def responses_tools(tools: list[dict[str, Any]] | None, api: str = "/v1/responses"
+                    ) -> list[dict] | None:
+    """Responses-form tools ({"type": "function", "name", "parameters", ...}) in chat form.
+    Custom tools are served as functions of one string (CUSTOM_PARAMETERS). A hosted tool
+    (web_search, file_search, namespace, mcp, ...) runs on OpenAI's servers: as vLLM, it
+    is left out of the prompt, logged once per type. None when no tool is left."""
     if tools is None:
         return None
     out = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        if tool.get("type") != "function":
-            raise RequestError(f"'{where}.type' {json.dumps(tool.get('type'))} is not "
-                               "supported; only function tools are.", param=f"{where}.type")
+        kind = tool.get("type")
+        if not isinstance(kind, str):
+            raise RequestError(f"'{where}.type' must be a string.", param=f"{where}.type")
+        if kind not in ("function", "custom"):
+            ignored_field(api, f"tools[].type {kind}", "is a hosted tool, which this server "
+                          "does not run: left out of the prompt")
+            continue
         _check_function(tool, where)
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        if kind == "custom":
+            fn["parameters"] = CUSTOM_PARAMETERS
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None
 
 
 def _choice(tool_choice: Any) -> tuple[str, str | None]:

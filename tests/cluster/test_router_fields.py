@@ -35,7 +35,7 @@ def test_any_other_value_is_a_400_naming_the_field(cls, body, field, value):
     assert "not supported" in info.value.message
 
 
-def test_completions_do_not_take_the_chat_only_ones():
-    with pytest.raises(RequestError) as info:
-        parse_request({**COMPLETION, "separate_reasoning": True}, CompletionRequest)
-    assert info.value.message == "Unrecognized request argument supplied: separate_reasoning"
+def test_completions_ignore_the_chat_only_ones():
+    # not a field of completions: ignored (and logged), as any field it does not know
+    assert (parse_request({**COMPLETION, "separate_reasoning": False}, CompletionRequest)
+            == parse_request(COMPLETION, CompletionRequest))

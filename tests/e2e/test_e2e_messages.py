@@ -230,13 +230,12 @@ def test_sampling_fields_in_the_body_are_honoured(client, model):
 @pytest.mark.parametrize("body, status, param", [
     ({"messages": ASK}, 400, "max_tokens"),
     ({"messages": ASK, "max_tokens": 5, "temperature": 1.5}, 400, "temperature"),
-    ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, 400, "role"),
+    ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 5}, 400, "'tool'"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
       "max_tokens": 5}, 400, "image"),
-    ({"messages": ASK, "max_tokens": 5, "tools": [{"type": "web_search_20250305",
-                                                   "name": "web_search"}]}, 400, "server tool"),
+    ({"messages": ASK, "max_tokens": 5, "tools": [{"name": "f"}]}, 400, "input_schema"),
     ({"messages": ASK, "max_tokens": 5, "tool_choice": {"type": "maybe"}}, 400, "tool_choice"),
-    ({"messages": ASK, "max_tokens": 5, "bogus": 1}, 400, "bogus"),
+    ({"messages": ASK, "max_tokens": 5, "thinking": {"type": "sometimes"}}, 400, "thinking"),
     ({"messages": ASK, "max_tokens": 5, "model": "claude-sonnet-4-5"}, 404, "does not exist"),
     ({"messages": ASK, "max_tokens": 5000}, 400, "context length"),
 ])

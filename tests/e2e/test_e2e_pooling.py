@@ -120,6 +120,13 @@ def test_pooling_route_and_invocations(http, client):
     inv = http.post("/invocations", json={"input": "hello"}).json()
     np.testing.assert_allclose(inv["data"][0]["embedding"], want, atol=1e-6)
     assert http.post("/invocations", json={"query": "q", "documents": ["d"]}).json()["results"]
+    # chat-style messages on a pooling model are an embeddings request, as vLLM's: this
+    # model has no chat template, so it is the embeddings API's 400, not chat's "pooling model"
+    inv = http.post("/invocations", json={"messages": [{"role": "user", "content": "hello"}]})
+    assert inv.status_code == 400 and inv.json()["error"]["param"] == "messages", inv.text
+    assert "pooling model" not in inv.json()["error"]["message"]
+    score = http.post("/invocations", json={"queries": "q", "documents": ["d", "e"]}).json()
+    assert [d["index"] for d in score["data"]] == [0, 1]
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -130,7 +137,6 @@ def test_pooling_route_and_invocations(http, client):
     ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ("/v1/embeddings", {"input": [1, 99999999]}, "input"),
     ("/v1/embeddings", {"messages": [{"role": "user", "content": "x"}]}, "messages"),   # no template
-    ("/v1/embeddings", {"input": "x", "temperature": 0.5}, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
     ("/classify", {"input": "x"}, "model"),

@@ -16,7 +16,7 @@ def test_logits_match_transformers(family, tmp_path):
     loaded = load_model(tmp_path, dtype="float32", progress=False)
     c = loaded.config
     assert c.architecture == family and c.num_linear_layers == 3 and c.num_kv_layers == 1
-    assert c.rotary_dim == 8
+    assert c.rope_dim == 8
     expected, got = hf_logits(hf, IDS), our_logits(loaded.model, IDS)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

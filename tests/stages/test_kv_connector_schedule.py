@@ -166,7 +166,6 @@ def test_render_refuses_what_this_server_cannot_transfer():
                "remote_block_ids": [1], "remote_host": "h", "remote_port": 5600}
     assert kv_transfer({"prompt_token_ids": [1]}, None, 1, 1, None) is None
     for params, cfg, n, stream, message in [
-            (decode, None, 1, False, "no KV connector"),
             (decode, attrs.evolve(CONFIG, kv_role="kv_consumer"), 1, False, "kv_consumer"),
             (prefill, attrs.evolve(CONFIG, kv_role="kv_producer"), 1, False, "kv_producer"),
             (decode, CONFIG, 2, False, "one prompt and n 1"),
@@ -176,6 +175,47 @@ def test_render_refuses_what_this_server_cannot_transfer():
     with pytest.raises(RequestError, match="prompt_logprobs"):
         kv_transfer(prefill, CONFIG, 1, 1, 0)
     assert kv_transfer(prefill, CONFIG, 1, 1, None).remote_prefill.block_ids == (1,)
+    with pytest.raises(RequestError, match="boolean"):     # the flags keep their types
+        kv_transfer({"do_remote_prefill": "yes"}, CONFIG, 1, 1, None)
+
+
+def test_a_server_without_a_connector_ignores_kv_transfer_params(caplog):
+    """As vLLM: the seed's body (prompt ids and do_remote_prefill, no remote fields) and a
+    decode request are served as plain requests by a server without a KV connector."""
+    from stages.api.kv_params import kv_transfer
+
+    seed = {"prompt_token_ids": [1, 2], "do_remote_prefill": True}
+    with caplog.at_level("WARNING", logger="tailrace.api"):
+        assert kv_transfer(seed, None, 1, 1, None, api="/v1/chat/test-kv") is None
+        assert kv_transfer({"do_remote_decode": True}, None, 2, 1, 0, True,
+                           api="/v1/chat/test-kv") is None
+    [line] = [r.getMessage() for r in caplog.records if "test-kv" in r.getMessage()]
+    assert line.startswith("/v1/chat/test-kv: 'kv_transfer_params' asks for a KV transfer")
+
+
+@pytest.mark.parametrize("params", [
+    {"do_remote_prefill": True},
+    {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "E"},
+    {"do_remote_prefill": True, "remote_engine_id": "E", "remote_request_id": "r",
+     "remote_block_ids": [-1], "remote_host": "h", "remote_port": 5600}])
+def test_an_incomplete_remote_prefill_is_logged_and_prefilled_here(params, caplog):
+    """As vLLM's NixlConnector: a warning, and the prompt is computed locally."""
+    from stages.api.kv_params import kv_transfer
+
+    with caplog.at_level("WARNING", logger="tailrace.kv"):
+        assert kv_transfer(params, CONFIG, 1, 1, None) is None
+    assert any("prefilling the prompt here" in r.getMessage() for r in caplog.records)
+
+
+def test_the_seeds_kv_transfer_body_renders_its_prompt_ids():
+    from stages.render import RenderContext, Submission, render
+
+    ctx = RenderContext(tokenizer=None, served_model_names=("m",), max_model_len=64,
+                        vocab_size=100)
+    body = {"messages": [{"role": "user", "content": "ignored"}], "max_tokens": 4,
+            "kv_transfer_params": {"prompt_token_ids": [5, 6, 7], "do_remote_prefill": True}}
+    out = render(Submission("r", "chat", body, 0.0), ctx)
+    assert out.prompt_token_ids == (5, 6, 7) and out.kv_transfer is None
 
 
 def test_a_read_that_timed_out_ends_the_request_but_keeps_its_blocks_until_it_is_over():

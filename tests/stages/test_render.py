@@ -319,15 +319,14 @@ def test_responses_max_output_tokens_absent_fills_the_context():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": 7}]}, "tools[0].type"),   # (a hosted tool is left out: agent tests)
     ({"background": True, "store": False}, "background"),
     ({"include": ["nonsense"]}, "include[0]"),     # (known include values are served)
     ({"text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": []}, "input"), ({"input": 3}, "input"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-    ({"input": [{"type": "image_generation_call"}]}, "input[0].type"),
+    ({"input": [{"type": 3}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
      "input[0].content[0].type"),
@@ -453,6 +452,22 @@ def test_media_parts_are_400_naming_the_part_type(part, kind):
     assert err.param == "messages[0].content[0].type"
 
 
+def test_a_part_with_a_uuid_is_the_picture_its_image_url_names_whatever_its_type():
+    """As vLLM's parser: with a `uuid`, a part carrying an image_url is that image, even
+    one that says it is text (the uuid form), and not a 400."""
+    from stages.api.chat import CHAT_PART_TYPES, content_text
+    from stages.api.common import converter
+    from stages.api.request_types import ContentPart
+
+    parts = converter.structure([
+        {"type": "text", "image_url": {"url": "http://x/y.png"}, "uuid": "img-1"},
+        {"type": "text", "text": "what is it?"}], list[ContentPart])
+    out = content_text(tuple(parts), "messages[0].content", CHAT_PART_TYPES)
+    assert out == [{"type": "image", "image_url": "http://x/y.png",
+                    "param": "messages[0].content[0].image_url"},
+                   {"type": "text", "text": "what is it?"}]
+
+
 def test_request_chat_template_wins_and_server_template_is_the_default():
     ctx = make_ctx(chat_template="SERVER")
     chat({}, ctx)
@@ -470,18 +485,21 @@ def test_continue_final_message_ends_inside_the_last_message():
     assert err.param == "continue_final_message"
 
 
-def test_generation_config_max_new_tokens_is_a_ceiling():
-    """As vLLM's get_max_tokens (default_sampling_params' max_tokens and
-    override_max_tokens both in its min): the generation config's max_new_tokens (the
-    model's or a --generation-config folder's) caps a request's max tokens as
-    --override-generation-config's does; completions' default of 16 too."""
+def test_generation_config_max_new_tokens_is_a_default_not_a_ceiling():
+    """As vLLM (the seed's test_serving_chat.py): the model's generation config (or a
+    --generation-config folder's) max_new_tokens is the default of a request that asks for
+    none; a request for 15 with a config of 10 gets 15. Completions keep their own default
+    of 16. Only --override-generation-config's max_new_tokens caps."""
     folder = make_ctx(default_sampling={"max_new_tokens": 10})
-    assert chat({"max_tokens": 50}, folder).sampling.max_tokens == 10
+    assert chat({"max_tokens": 15}, folder).sampling.max_tokens == 15
     assert chat({"max_tokens": 4}, folder).sampling.max_tokens == 4
-    assert completion({}, folder).sampling.max_tokens == 10
+    assert chat({}, folder).sampling.max_tokens == 10
+    assert completion({}, folder).sampling.max_tokens == 16
+    assert completion({"max_tokens": 15}, folder).sampling.max_tokens == 15
     capped = make_ctx(default_sampling={"max_new_tokens": 10}, max_tokens_ceiling=7)
     assert chat({"max_tokens": 50}, capped).sampling.max_tokens == 7
     assert chat({}, capped).sampling.max_tokens == 7
+    assert completion({}, capped).sampling.max_tokens == 7
 
 
 def test_explicit_temperature_zero_beats_generation_config():

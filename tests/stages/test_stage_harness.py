@@ -283,6 +283,32 @@ async def test_reasoning_tokens_are_counted_per_token_over_each_choices_output()
                                      reasoning_tokens=3 + 2)      # summed over the choices
 
 
+async def test_continuous_usage_of_several_choices_carries_each_ones_reasoning_tokens():
+    """n 2 with continuous usage stats: every delta's usage is its own choice's so far,
+    its reasoning tokens included (the seed's test_serving_chat), not the request's sum."""
+    req = attrs.evolve(rendered("a", body={"n": 2}, stream=True), continuous_usage=True)
+    texts = {0: ["<think>", "a", "b", "c", "</think>", "A"], 1: ["<think>", "x", "</think>", "Y"]}
+    steps, tok = [], 10
+    for k in range(6):
+        deltas = []
+        for i, pieces in texts.items():
+            if k < len(pieces):
+                deltas.append(Delta("a", (tok,), FinishReason.STOP if k == len(pieces) - 1
+                                    else None, index=i, text=pieces[k]))
+                tok += 1
+        steps.append(Step(k, (req,) if k == 0 else (), tuple(deltas)))
+    parsed = await run_stage(parse.run, inputs={"receive": steps}, core=parse.Parser("qwen3"))
+    out = await run_stage(account.run, inputs={"receive": parsed["send"]},
+                          core=account.Accountant())
+    deltas = [d for s in out["send"] for d in s.deltas]
+    own = {i: [d.usage.choice for d in deltas if d.index == i] for i in texts}
+    assert [u.reasoning_tokens for u in own[0]] == [0, 1, 2, 3, 3, 3]
+    assert [u.reasoning_tokens for u in own[1]] == [0, 1, 1, 1]
+    assert [u.completion_tokens for u in own[1]] == [1, 2, 3, 4]
+    # a chunk shows its choice's own (framing's _chunk_usage), beside the request's sum
+    assert deltas[4].usage.reasoning_tokens == 3 and deltas[4].usage.choice.reasoning_tokens == 2
+
+
 # -- emit ------------------------------------------------------------------------------------
 async def test_emit_stage_streams_sse_and_closes_reply():
     replies = Replies(16)

@@ -116,3 +116,38 @@ def test_responses_function_call_items(stream):
     assert call["type"] == "function_call" and call["name"] == "get_weather"
     assert call["call_id"].startswith("call_") and call["status"] == "completed"
     assert orjson.loads(call["arguments"]) == {"city": "Paris"}
+
+
+PATCH = ['<tool_call>{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\n',
+         '+ \\"hi\\"\\n*** End Patch"}}</tool_call>']
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_custom_tool_call_items_carry_the_free_text_input(stream):
+    tools = [{"type": "custom", "name": "apply_patch", "format": {"type": "text"}},
+             {"type": "function", "name": "get_weather"}]
+    req, deltas = run_parse(ToolPlan("auto", parser="hermes"), PATCH, api="responses",
+                            stream=stream, body={"tools": tools})
+    out = framed(req, deltas)
+    patch = '*** Begin Patch\n+ "hi"\n*** End Patch'
+    if stream:
+        events = [orjson.loads(block.split(b"data: ", 1)[1]) for block in out.split(b"\n\n")
+                  if block]
+        types = [e["type"] for e in events]
+        i = types.index("response.custom_tool_call_input.delta")
+        assert events[i - 1]["item"] == {"call_id": events[i - 1]["item"]["call_id"],
+                                         "input": "", "name": "apply_patch",
+                                         "type": "custom_tool_call",
+                                         "id": events[i]["item_id"], "status": "in_progress"}
+        assert events[i]["delta"] == patch
+        assert types[i + 1:i + 3] == ["response.custom_tool_call_input.done",
+                                      "response.output_item.done"]
+        assert events[i + 1]["input"] == patch
+        assert "response.function_call_arguments.delta" not in types
+        response = events[-1]["response"]
+    else:
+        response = orjson.loads(out)
+    [call] = response["output"]
+    assert call["type"] == "custom_tool_call" and call["name"] == "apply_patch"
+    assert call["input"] == patch and call["id"].startswith("ctc_")
+    assert call["call_id"].startswith("call_") and call["status"] == "completed"

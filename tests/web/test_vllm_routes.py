@@ -44,15 +44,18 @@ async def serving(nursery, config: AppConfig):
 
 async def test_invocations_dispatch_on_the_bodys_shape(nursery):
     async with serving(nursery, AppConfig()) as (engine, http):
+        # messages: chat, or on a pooling model embeddings (render decides, as for input)
         r = await http.post("/invocations", json={"messages": [], "stream": False})
-        assert r.json() == {"api": "chat", "ok": True}
+        assert r.json() == {"api": "invocation_messages", "ok": True}
         r = await http.post("/invocations", json={"prompt": "hi"})
         assert r.json() == {"api": "completions", "ok": True}
         # pooling bodies (issue 32): embeddings or classes by the model, a score, a rerank
         r = await http.post("/invocations", json={"input": "hi"})
         assert r.json() == {"api": "input", "ok": True}
-        r = await http.post("/invocations", json={"text_1": "a", "text_2": "b"})
-        assert r.json() == {"api": "score", "ok": True}
+        for left, right in (("text_1", "text_2"), ("queries", "documents"),
+                            ("queries", "items"), ("data_1", "data_2")):   # vLLM's forms
+            r = await http.post("/invocations", json={left: "a", right: "b"})
+            assert r.json() == {"api": "score", "ok": True}
         r = await http.post("/invocations", json={"query": "q", "documents": ["d"]})
         assert r.json() == {"api": "rerank", "ok": True}
         r = await http.post("/invocations", json={"foo": "hi"})

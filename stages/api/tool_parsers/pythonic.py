@@ -1,4 +1,6 @@
-"""`pythonic`: `[f(a=1), g()]` (Llama 3.2/4 and others), when the answer starts with `[`."""
+"""`pythonic` and `llama4_pythonic`: `[f(a=1), g()]` (Llama 3.2/4 and others), when the
+answer starts with `[` (or Llama 4's `<|python_start|>`; its `<|python_end|>` and anything
+after the list are dropped)."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +10,7 @@ from stages.api.tool_parsers.base import StartsWith, ToolCall, bracket_end, regi
 
 
 @register_tool_parser("pythonic")
+@register_tool_parser("llama4_pythonic")   # Llama 4's: the list inside <|python_start|>...
 class PythonicToolParser(StartsWith):
     STARTS = ("[", "<|python_start|>")
 

@@ -1,13 +1,15 @@
 """The protocol's field policy (stages/api/common.py `parse_request`), without a server:
-a field OpenAI does not know is refused as OpenAI refuses it, a field of vLLM's or
-OpenAI's schema this server does not act on is refused by name (unless it holds its
-harmless default), a field that means nothing here is accepted, and every validation
-error names its JSON path. The error's JSON body is what the openai client reads as
+a field this server does not know is ignored and logged once per API and name, as vLLM
+ignores it (coding agents send fields no server knows yet), a field of vLLM's schema this
+server does not act on is refused by name (unless it holds its harmless default), a field
+that means nothing here is accepted, and every validation error names its JSON path. The error's JSON body is what the openai client reads as
 `.param` and `.message`.
 
 Through render: tests/stages/test_render.py (the model name, tools and tool_choice, types
 and ranges); a server with a reasoning parser: tests/e2e/test_e2e_reasoning.py."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -25,7 +27,7 @@ APIS = {"chat": (ChatCompletionRequest, {"messages": HELLO}),
 
 def parse(api: str, **fields):
     cls, body = APIS[api]
-    return parse_request({**body, **fields}, cls)
+    return parse_request({**body, **fields}, cls, api)
 
 
 def error_of(api: str, **fields) -> dict:
@@ -37,15 +39,34 @@ def error_of(api: str, **fields) -> dict:
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_unknown_field_is_refused_as_openai_does(api):
-    error = error_of(api, frobnicate=1)
-    assert error == {"message": "Unrecognized request argument supplied: frobnicate",
-                     "type": "invalid_request_error", "param": "frobnicate", "code": None}
+def test_an_unknown_field_is_ignored_and_logged_once_naming_the_api(api, caplog):
+    name = f"frobnicate_{api}"     # a name no other test logs (the log is once a process)
+    with caplog.at_level(logging.WARNING, logger="tailrace.api"):
+        first = parse(api, **{name: {"any": ["value"]}})
+        again = parse(api, **{name: 2})
+    assert first == again == parse(api)
+    lines = [r for r in caplog.records if name in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert lines[0].getMessage().startswith(f"{api}: '{name}' ")
+
+
+def test_an_unknown_field_is_logged_with_each_api_that_got_it(caplog):
+    with caplog.at_level(logging.WARNING, logger="tailrace.api"):
+        for api in APIS:
+            parse(api, client_metadata_test={"k": "v"})
+    apis = [r.getMessage().split(":")[0] for r in caplog.records
+            if "client_metadata_test" in r.getMessage()]
+    assert apis == list(APIS)
+
+
+def test_a_known_field_keeps_its_checks_beside_an_unknown_one():
+    error = error_of("chat", temperature="hot", frobnicate_too=1)
+    assert error["param"] == "temperature"
 
 
 @pytest.mark.parametrize("api, field, value", [
     ("chat", "logits_processors", ["m.f"]),
-    ("chat", "functions", [{"name": "f"}]), ("completions", "vllm_xargs", {"k": 1}),
+    ("chat", "documents", [{"title": "t"}]), ("completions", "vllm_xargs", {"k": 1}),
     ("responses", "conversation", "conv_1"),
 ])
 def test_known_but_unimplemented_field_names_itself(api, field, value):
