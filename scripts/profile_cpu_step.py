@@ -39,7 +39,9 @@ rows A to B:
 --prefill N: a prefill of N tokens (one sequence) per variant instead of the decode steps.
 
 --int16 on off (with gguf): the GEMM tiles of Q4_0/Q4_1/Q8_0 with int16 activations and VNNI
-(AVX512_VNNI builds, the default there) against the fp32 tiles (TAILRACE_CPU_QUANT_INT16=0):
+(AVX512_VNNI builds, the default there), and the int16 GEMV tiles of every format at few rows
+(AVX2 builds without AVX-512, the default there), against the fp32 tiles
+(TAILRACE_CPU_QUANT_INT16=0):
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --int16 on off --num-seqs 32 --rounds 3 --no-profile
 """
@@ -89,13 +91,16 @@ def set_gemm(gemm: str) -> None:
 
 
 def set_int16(int16: str) -> None:
-    """gpu/cpu_quant_gemm.c's int16 VNNI tiles "on" (where the build has them) or "off" (the fp32
-    GEMM tiles), in both libraries that hold them."""
+    """The int16-activation tiles "on" (where the build has them: gpu/cpu_quant_gemm.c's VNNI GEMM
+    tiles with AVX512_VNNI, gpu/cpu_quant.c's GEMV tiles on AVX2 without AVX-512, at their default
+    rows) or "off" (the fp32 tiles), in both libraries that hold them."""
     on = int(int16 == "on")
     if cpu_quant.kernels() is not None:
         cpu_quant.kernels().set_int16(on)
+        cpu_quant.kernels().set_int16_gemv(-1 if on else 0)
     if cpu_layer.library() is not None:
         cpu_layer.library().cpu_quant_set_int16(on)
+        cpu_layer.library().cpu_quant_set_int16_gemv(-1 if on else 0)
 
 
 def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, tiles: str = "fused",
@@ -178,8 +183,8 @@ def main() -> None:
                     help="gguf: the outer-product GEMM tiles (gpu/cpu_quant_gemm.c) at their default "
                          "rows (on), none (off), up to a number of rows (N), or rows A to B (A-B)")
     ap.add_argument("--int16", nargs="+", default=["on"], choices=["on", "off"],
-                    help="gguf: the GEMM tiles of Q4_0/Q4_1/Q8_0 with int16 activations (AVX512_VNNI builds: "
-                         "on, the default) or the fp32 tiles (off)")
+                    help="gguf: the int16-activation tiles (AVX512_VNNI builds: the GEMM tiles of Q4_0/Q4_1/"
+                         "Q8_0; AVX2 builds: the GEMV tiles; on, the default) or the fp32 tiles (off)")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prefill of this many tokens (one sequence) per variant instead of decode steps "
                          "(--steps prefills a round)")

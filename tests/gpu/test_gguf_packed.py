@@ -112,15 +112,18 @@ def test_default_keeps_gguf_packed(packed_smollm, smollm):
 
 @pytest.mark.parametrize("int16", [0, 1], ids=["fp32-tiles", "int16-tiles"])
 def test_logits_and_greedy_match_dequantized_fp32(packed_smollm, smollm, int16):
-    """The prompt's 37 rows take the GEMM tiles. fp32 tiles: logits within 2e-3 of the dequantized
-    fp32 model's. The int16 tiles (the default where the build has AVX512_VNNI: x quantized per
-    32-element block to ~2^-16 of its largest, which the residual stream's outlier channels make
-    large for the rest of their block): within 5e-2 (measured 2.5e-2 on logits of magnitude ~28,
-    1.6e-3 of it the LM head's; scripts/dtype_quality.py: mean KL 4.5e-7 from fp32). The same
-    greedy tokens either way."""
-    if int16 and not K.set_int16(1):
-        pytest.skip("no AVX512_VNNI in this build (the int16 GEMM tiles)")
+    """The prompt's 37 rows take the GEMM tiles, the greedy steps' single rows the GEMV tiles.
+    fp32 tiles: logits within 2e-3 of the dequantized fp32 model's. The int16 tiles (the default
+    where the build has them: AVX512_VNNI's GEMM tiles, or an AVX2 build's GEMV tiles; x quantized
+    per 32-element block to ~2^-16 of its largest, which the residual stream's outlier channels
+    make large for the rest of their block): within 5e-2 (measured 2.5e-2 on logits of magnitude
+    ~28, 1.6e-3 of it the LM head's; scripts/dtype_quality.py: mean KL 4.5e-7 from fp32). The
+    same greedy tokens either way."""
+    has = K.set_int16(1), K.set_int16_gemv(-1)
+    if int16 and not any(has):
+        pytest.skip("no int16 tiles in this build (AVX512_VNNI's GEMM tiles, AVX2's GEMV tiles)")
     K.set_int16(int16)
+    K.set_int16_gemv(-1 if int16 else 0)
     tok = smollm.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True))
@@ -136,6 +139,7 @@ def test_logits_and_greedy_match_dequantized_fp32(packed_smollm, smollm, int16):
         assert greedy_generate(lm, ids, 8) == greedy_generate(smollm.model, ids, 8)
     finally:
         K.set_int16(-1)
+        K.set_int16_gemv(-1)
 
 
 def test_quantization_flag_errors():
@@ -184,6 +188,7 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
     if not k.set_fused(-1):
         pytest.skip(f"no AVX-512 or AVX2+FMA in -march={march}")
     k.set_gemm(0)   # the GEMM tiles would take some of these rows in both builds (test_gemm_tiles_*)
+    k.set_int16_gemv(0)   # and the int16 GEMV tiles 1-2 rows in an AVX2 build (test_int16_gemv_tiles_*)
     mr = 6 if k.vector_width == 16 else 2   # gpu/cpu_quant.c FMR
     for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
         packed, ref = _quantized(qtype, 23, 256, 4)   # 23 rows: a tile of fewer than NR rows at the end
@@ -198,6 +203,7 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
             assert torch.equal(fused, buffered), (qtype.name, m)
             want = x.double() @ torch.from_numpy(ref).double().T
             assert (fused.double() - want).abs().max().item() < 1e-4, (qtype.name, m)
+    k.set_int16_gemv(-1)
 
 
 INT16_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
