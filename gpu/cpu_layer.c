@@ -150,7 +150,7 @@ static const gxq *lin_quantize(const Lin *l, const float *x, int64_t M, void *xq
  * at the end). buf: this thread's 2 NR K floats for the dequantized rows (GEMM_BUF_FLOATS for
  * the GEMM tiles); xqm: the shared scratch for x quantized (the int16 tiles). */
 static void lin_apply(const Lin *l, const float *x, int64_t M, float *y, float *buf, void *xqm, void *xqv) {
-    if (xqv && !use_gemm((int)l->fmt[0], M)) {   /* the int16 GEMV tiles (use_i16v(M)) */
+    if (xqv && use_i16v((int)l->fmt[0], M) && !use_gemm((int)l->fmt[0], M)) {   /* the int16 GEMV tiles */
         const gxq q = lin_quantize16(x, M, l->K, xqv);
         const int64_t tiles = (l->N + NR - 1) / NR;
 #pragma omp for schedule(static)
@@ -181,7 +181,7 @@ static inline float silu_mul(float g, float u);
 static void glu_apply(const Lin *l, const float *x, int64_t M, float *act, float *buf, float *yg, float *yu,
                       void *xqm, void *xqv) {
     const int64_t I = l->N / 2, K = l->K, tiles = (I + NR - 1) / NR;
-    if (xqv && !use_gemm((int)l->fmt[0], M)) {   /* the int16 GEMV tiles; yg, yu: [M, NR] */
+    if (xqv && use_i16v((int)l->fmt[0], M) && !use_gemm((int)l->fmt[0], M)) {   /* int16 GEMV tiles; yg, yu: [M, NR] */
         const gxq q = lin_quantize16(x, M, K, xqv);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
@@ -452,8 +452,8 @@ int cpu_layers_decode(const Model *md, const Step *st) {
      * residual and h, two [M, NP] tiles */
     const int64_t nbuf = 2 * NR * kmax > GEMM_BUF_FLOATS ? 2 * NR * kmax : GEMM_BUF_FLOATS;
     /* + x quantized for the int16 GEMV tiles (each thread's own: no barrier), where they serve */
-    (void)use_i16v(1);   /* read the environment once, before the threads do */
-    const int64_t xqv_floats = use_i16v(M) ? (int64_t)(gemm16_bytes(M, kmax) + sizeof(float) - 1) / 4 + 16 : 0;
+    (void)i16v_max(Q4_0);   /* read the environment once, before the threads do */
+    const int64_t xqv_floats = use_i16v_any(M) ? (int64_t)(gemm16_bytes(M, kmax) + sizeof(float) - 1) / 4 + 16 : 0;
     const int64_t per_thread = nbuf + G * max_len + 2 * M * D + 2 * M * (NP > NR ? NP : NR) + xqv_floats + 16;
     /* + x quantized for the int16 tiles (shared: each linear's rows quantized once, by all threads) */
     const size_t xq_floats = GEMM16 ? (gemm16_bytes(M, kmax) + sizeof(float) - 1) / sizeof(float) + 16 : 0;

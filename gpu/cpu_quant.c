@@ -547,9 +547,19 @@ int cpu_quant_set_fused(int max_m) {
  * test_gguf_packed.py test_int16_gemv_tiles_*). */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define I16V 1
-/* Measured (docs/kernels.md, scripts/bench_cpu_quant_gemm.py, 2-core AVX2 EPYC): see there. */
+/* The most rows they take by default, per format. Measured (docs/kernels.md, scripts/
+ * bench_cpu_quant_gemm.py --cpu-time, one thread, the 2-core AVX2 EPYC): against the buffered
+ * fp32 tiles (the fused ones serve only up to 2 rows) Q4_1 1.5x at 1 row, 1.16x at 2, 1.1x at 3,
+ * 0.93x at 4; the Q8_0 LM head 1.7-2.4x at 1-4 rows, 1.18x at 8; Q4_K 3.5x at 1, 1.13x at 6,
+ * level at 8. Above them the buffered tiles, from GEMM_MIN_M_DEFAULT (12; Q8_0 16) the GEMM tiles. */
 #ifndef I16V_MAX_M_DEFAULT
-#define I16V_MAX_M_DEFAULT 2
+#define I16V_MAX_M_DEFAULT 3
+#endif
+#ifndef I16V_MAX_M_Q8_0
+#define I16V_MAX_M_Q8_0 11
+#endif
+#ifndef I16V_MAX_M_KQ
+#define I16V_MAX_M_KQ 6
 #endif
 #define IMR 2   /* rows of x a tile: 2 x NR accumulators + 2 weight vectors + scales of the 16 ymm */
 
@@ -739,6 +749,8 @@ static void i16tile_any(int fmt, const uint8_t *const *w, const gxq *xq, int64_t
 #else
 #define I16V 0
 #define I16V_MAX_M_DEFAULT 0
+#define I16V_MAX_M_Q8_0 0
+#define I16V_MAX_M_KQ 0
 #define IMR 1
 static void i16v_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *q, float *dx, float *sx) {
     (void)x; (void)ldx; (void)M; (void)K; (void)q; (void)dx; (void)sx;
@@ -763,27 +775,31 @@ static void i16tile_rows(const int *fmts, const uint8_t *const *w, const gxq *xq
     }
 }
 
-/* Up to i16v_max_m rows take the int16 GEMV tiles (every format). TAILRACE_CPU_QUANT_INT16=0 in
+/* Up to i16v_max(fmt) rows of format fmt take the int16 GEMV tiles. TAILRACE_CPU_QUANT_INT16=0 in
  * the environment of the first call turns them off (as it does the AVX-512 int16 GEMM tiles). */
-static int64_t i16v_max_m = -1;
-static inline int use_i16v(int64_t M) {
-    if (i16v_max_m < 0) {
+static int64_t i16v_max_m = -1, i16v_env = -1;   /* max_m -1: each format's default */
+static inline int64_t i16v_max(int fmt) {
+    if (i16v_env < 0) {
         const char *e = getenv("TAILRACE_CPU_QUANT_INT16");
-        i16v_max_m = e && e[0] == '0' ? 0 : I16V_MAX_M_DEFAULT;
+        i16v_env = !(e && e[0] == '0');
     }
-    return I16V && M <= i16v_max_m;
+    if (!I16V || !i16v_env) return 0;
+    if (i16v_max_m >= 0) return i16v_max_m;
+    return fmt == Q8_0 ? I16V_MAX_M_Q8_0 : block_elems(fmt) == 256 ? I16V_MAX_M_KQ : I16V_MAX_M_DEFAULT;
 }
-/* the most rows that take the int16 GEMV tiles now (0: none) */
-int cpu_quant_int16_gemv_max_m(void) {
-    (void)use_i16v(1);
-    return I16V ? (int)i16v_max_m : 0;
+static inline int use_i16v(int fmt, int64_t M) { return M <= i16v_max(fmt); }
+/* whether any format's calls of M rows take them (the C decode stack's scratch) */
+static inline int use_i16v_any(int64_t M) {
+    return use_i16v(Q4_0, M) || use_i16v(Q8_0, M) || use_i16v(Q4_K, M);
 }
-/* max_m: the most rows that take them, 0 for none, -1 for the environment's (tests and A/B runs;
- * not while a product runs); returns whether this build has them */
+/* the most rows of format fmt that take the int16 GEMV tiles now (0: none) */
+int cpu_quant_int16_gemv_max_m(int fmt) { return (int)i16v_max(fmt); }
+/* max_m: the most rows of every format that take them, 0 for none, -1 for each format's default
+ * (both: unless TAILRACE_CPU_QUANT_INT16=0; tests and A/B runs, not while a product runs); returns
+ * whether this build has them */
 int cpu_quant_set_int16_gemv(int max_m) {
-    i16v_max_m = -1;
-    if (max_m >= 0) i16v_max_m = max_m;
-    else (void)use_i16v(1);
+    i16v_max_m = max_m >= 0 ? max_m : -1;
+    i16v_env = max_m >= 0 ? 1 : -1;
     return I16V;
 }
 
@@ -809,7 +825,7 @@ int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, in
      * MB at most for prefill: no allocation, nor its page faults, per call) */
     static _Thread_local void *xq_mem;
     static _Thread_local size_t xq_size;
-    if (use_i16v(M) && !use_gemm(fmt, M) && xq_grow(&xq_mem, &xq_size, gemm16_bytes(M, K))) {
+    if (use_i16v(fmt, M) && !use_gemm(fmt, M) && xq_grow(&xq_mem, &xq_size, gemm16_bytes(M, K))) {
         const gxq xq = gemm16_at(xq_mem, M, K);
         i16v_quantize(x, ldx, M, K, (int16_t *)xq.q, (float *)xq.dx, (float *)xq.sx);
         const int64_t tiles = (N + NR - 1) / NR;

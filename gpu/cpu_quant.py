@@ -56,7 +56,7 @@ class QuantKernels:
         lib.cpu_quant_set_int16.restype = lib.cpu_quant_int16.restype = _INT
         lib.cpu_quant_set_int16.argtypes = lib.cpu_quant_int16.argtypes = [_INT]
         lib.cpu_quant_set_int16_gemv.restype = lib.cpu_quant_int16_gemv_max_m.restype = _INT
-        lib.cpu_quant_set_int16_gemv.argtypes = [_INT]
+        lib.cpu_quant_set_int16_gemv.argtypes = lib.cpu_quant_int16_gemv_max_m.argtypes = [_INT]
         self._lib = lib
         self.vector_width = lib.cpu_quant_vector_width()
         self._set_large_m()
@@ -103,16 +103,15 @@ class QuantKernels:
         A/B runs only; not while a product runs."""
         return bool(self._lib.cpu_quant_set_int16(int(on)))
 
-    @property
-    def int16_gemv_max_m(self) -> int:
-        """The most rows that take the int16 GEMV tiles (AVX2 builds without AVX-512, every
-        format; gpu/cpu_quant.c i16tile), 0: none."""
-        return self._lib.cpu_quant_int16_gemv_max_m()
+    def int16_gemv_max_m(self, fmt: int = 2) -> int:
+        """The most rows of format fmt that take the int16 GEMV tiles now (AVX2 builds without
+        AVX-512, every format; gpu/cpu_quant.c i16tile), 0: none."""
+        return self._lib.cpu_quant_int16_gemv_max_m(int(fmt))
 
     def set_int16_gemv(self, max_m: int) -> bool:
-        """The most rows that take the int16 GEMV tiles, 0 for none, -1 for the default (off
-        where TAILRACE_CPU_QUANT_INT16=0). Returns whether this build has them. Tests and A/B
-        runs only; not while a product runs."""
+        """The most rows of every format that take the int16 GEMV tiles, 0 for none, -1 for each
+        format's default (off where TAILRACE_CPU_QUANT_INT16=0). Returns whether this build has
+        them. Tests and A/B runs only; not while a product runs."""
         return bool(self._lib.cpu_quant_set_int16_gemv(int(max_m)))
 
     def block(self, fmt: int) -> tuple[int, int]:

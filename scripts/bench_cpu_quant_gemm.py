@@ -60,13 +60,17 @@ def main() -> None:
     ap.add_argument("--int16", nargs="+", default=["on"], choices=["on", "off"],
                     help="the gemm variant with the int16 VNNI tiles (on, where the build has them) or the fp32 "
                          "tiles (off); more than one: a gemm variant each")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by the process's CPU time, not the wall clock (with --threads 1 on a shared "
+                         "machine: other processes' load then costs no time, only cache)")
     a = ap.parse_args()
+    clock = time.process_time if a.cpu_time else time.perf_counter
     if "gemm" in a.variants and len(a.int16) > 1:
         i = a.variants.index("gemm")
         a.variants[i:i + 1] = [f"gemm-int16-{v}" for v in a.int16]
     torch.set_num_threads(a.threads)
     k = cpu_quant.kernels()
-    print(f"threads {a.threads}, ISA {cpu_quant.isa()}")
+    print(f"threads {a.threads}, ISA {cpu_quant.isa()}, {'CPU' if a.cpu_time else 'wall'} time")
     rng = np.random.default_rng(0)
     for si in a.shapes:
         n, kdim, qtype = SHAPES[si]
@@ -101,10 +105,10 @@ def main() -> None:
                 for v in a.variants:
                     f = fs[v]
                     f()
-                    t = time.perf_counter()
+                    t = clock()
                     for _ in range(a.calls):
                         f()
-                    times[v].append((time.perf_counter() - t) / a.calls)
+                    times[v].append((clock() - t) / a.calls)
             best = {v: statistics.median(ts) for v, ts in times.items()}
             ref = best[a.variants[0]]
             cols = "  ".join(f"{v} {t * 1e3:7.3f} ms ({t / ref:4.2f}x)" for v, t in best.items())
