@@ -613,8 +613,9 @@ static inline __attribute__((always_inline)) void i16tile(const int fmt, const u
                                                           const gxq *xq, int64_t i0, const int mr, int64_t K,
                                                           const int nr, float *restrict y, int64_t ldy) {
     __m256 acc[IMR][NR];
+    float accm[IMR][NR];   /* Q4_1: sum_b m_b sx_b */
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps(), accm[i][j] = 0.f;
     const int64_t nb = K / 32, be = block_elems(fmt), bb = block_bytes(fmt), row_bytes = K / be * bb;
     const int16_t *xr = xq->q + i0 * K;
     const float *dx = xq->dx + i0 * nb, *sx = xq->sx + i0 * nb;
@@ -640,14 +641,17 @@ static inline __attribute__((always_inline)) void i16tile(const int fmt, const u
                         w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(8));
                     }
                 }
-                const __m256 dv = _mm256_set1_ps(f16(blk));
+                /* d (and Q4_1's m) converted together: one load, one vcvtph2ps */
+                uint32_t dm = 0;
+                memcpy(&dm, blk, fmt == Q4_1 ? 4 : 2);
+                const __m128 dmv = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+                const float d = _mm_cvtss_f32(dmv);
                 for (int i = 0; i < mr; i++)
                     acc[i][j] = _mm256_fmadd_ps(i16v_dot(w0, w1, xr + i * K + 32 * b),
-                                                _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * nb + b])), acc[i][j]);
-                if (fmt == Q4_1) {
-                    const __m256 mv = _mm256_set1_ps(f16(blk + 2) * 0.125f);
-                    for (int i = 0; i < mr; i++)
-                        acc[i][j] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[i * nb + b]), acc[i][j]);
+                                                _mm256_set1_ps(d * dx[i * nb + b]), acc[i][j]);
+                if (fmt == Q4_1) {   /* m sx_b, a scalar sum per output */
+                    const float m = _mm_cvtss_f32(_mm_movehdup_ps(dmv));
+                    for (int i = 0; i < mr; i++) accm[i][j] = __builtin_fmaf(m, sx[i * nb + b], accm[i][j]);
                 }
             }
         }
@@ -719,7 +723,7 @@ static inline __attribute__((always_inline)) void i16tile(const int fmt, const u
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[i * ldy + j] = vsum(acc[i][j]);
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = vsum(acc[i][j]) + accm[i][j];
 }
 
 #define I16T_MR(F, MRV)                                                                                        \
