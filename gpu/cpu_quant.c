@@ -602,8 +602,14 @@ static void i16v_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int
 
 /* sum over 32 elements of w (two int16 vectors: elements 0..15, 16..31) times xq's block at p */
 static inline __m256 i16v_dot(__m256i w0, __m256i w1, const int16_t *p) {
-    const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)p)),
-                                       _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(p + 16))));
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)p), x1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+#if defined(__AVXVNNI__)
+    /* AVX-VNNI (a -march=native build on a CPU that has it): vpdpwssd multiplies and adds in one
+     * op; the same exact int32 sums, so the same bits */
+    const __m256i s = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
+#else
+    const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+#endif
     return _mm256_cvtepi32_ps(s);
 }
 

@@ -44,6 +44,8 @@ rows A to B:
 (TAILRACE_CPU_QUANT_INT16=0):
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --int16 on off --num-seqs 32 --rounds 3 --no-profile
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --int16 on off \
+        --num-seqs 1 --rounds 5 --no-profile --cpu-time     # a shared machine: CPU time, one thread
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ from gpu.runner import ModelRunner
 
 
 cpu_ops = ops._cpu
+CLOCK = time.perf_counter   # --cpu-time: time.process_time
 
 
 def set_tiles(tiles: str) -> None:
@@ -129,11 +132,11 @@ def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, 
         set_tiles(tiles)
         set_int16(int16)   # before set_gemm: its default rows follow the int16 switch
         set_gemm(gemm)
-        t = time.perf_counter()
+        t = CLOCK()
         # positions wrap inside the 17 blocks (272 slots) whatever the number of steps
         runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (5,), 128 + step % 128, tables[i], True)
                                             for i in range(n))))
-        return time.perf_counter() - t
+        return CLOCK() - t
 
     return decode
 
@@ -156,9 +159,9 @@ def make_prefiller(lm, tokens: int, bs: int = 16, tiles: str = "fused", gemm: st
         released = (str(step - 1),) if step > 1 else ()
         plan = StepPlan(step, (SeqChunk(str(step), prompt, 0, tuple(range(nblk)), True),),
                         (SeqStart(str(step), prompt, greedy),), released=released)
-        t = time.perf_counter()
+        t = CLOCK()
         runner.execute(plan)
-        return time.perf_counter() - t
+        return CLOCK() - t
 
     return prefill
 
@@ -188,7 +191,12 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prefill of this many tokens (one sequence) per variant instead of decode steps "
                          "(--steps prefills a round)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps by the process's CPU time, not the wall clock (one thread, OMP_NUM_THREADS=1, "
+                         "on a shared machine: other processes' load then costs no time, only cache)")
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if a.cpu_time else time.perf_counter
     print(cpu_threads())
     decoders = {}
     for quant in a.quantizations:
