@@ -17,6 +17,9 @@
  * AVX512_VNNI, their Q4_0/Q4_1/Q8_0 panels multiply int16 activations (x quantized per 32-element
  * block, ~2^-16 of its largest) with the weights' integers in int32 (vpdpwssd), from
  * GEMM16_MIN_M_DEFAULT rows (Q8_0: GEMM16_MIN_M_Q8_0); TAILRACE_CPU_QUANT_INT16=0: the fp32 tiles.
+ * Without AVX-512 (AVX2+FMA), few rows of every format take the int16 GEMV tiles instead (i16tile
+ * below: x quantized the same way, the weights' integers widened in registers, vpmaddwd; up to
+ * I16V_MAX_M_DEFAULT rows, Q8_0 I16V_MAX_M_Q8_0, the K-quants I16V_MAX_M_KQ); the same switch.
  * Vector width from the build: AVX-512 (16 lanes, 4x4 tile), AVX2+FMA (8 lanes, 2x4), else scalar.
  */
 #include <stdint.h>
