@@ -13,6 +13,10 @@ Hugging Face transformers in bf16 (same weights):
 
     .venv/bin/python scripts/dtype_quality.py            # every recipe, HF bf16 and HF fp32
     .venv/bin/python scripts/dtype_quality.py --recipes bf16-res32 --skip-hf
+    .venv/bin/python scripts/dtype_quality.py --recipes gguf --hf-dtypes bfloat16 --kl-decode
+
+--kl-decode: the recipes' KL over the text fed one token a step (each linear sees one row: what
+decoding one stream runs, e.g. an AVX2 build's int16 GEMV tiles), not one prefill.
 
 Recipes (weights / GEMM inputs and KV cache, residual stream and norms):
   fp32        fp32 / fp32                        the reference
@@ -107,6 +111,26 @@ def our_text_logprobs(model: CausalLM, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden).float().log_softmax(-1)  # [T, V]
 
 
+def our_text_logprobs_decode(model: CausalLM, ids: list[int]) -> torch.Tensor:
+    """As our_text_logprobs, but the text fed one token a step through ModelRunner (teacher
+    forced, paged KV cache): each linear sees one row, so the few-row kernels (GEMV tiles) serve."""
+    bs, c = 16, model.config
+    blocks = tuple(range(-(-len(ids) // bs)))
+    cache = KVCache(c.num_hidden_layers, len(blocks), bs, c.num_key_value_heads, c.head_dim, model.dtype, "cpu")
+    runner = ModelRunner(model, cache, device=torch.device("cpu"))
+    rows = []
+    orig = model.compute_logits
+    model.compute_logits = lambda hidden: rows.append(orig(hidden).float()) or rows[-1]
+    greedy = SamplingOptions(temperature=0.0)
+    try:
+        runner.execute(StepPlan(0, (SeqChunk("t", (ids[0],), 0, blocks, True),), (SeqStart("t", (ids[0],), greedy),)))
+        for i in range(1, len(ids)):
+            runner.execute(StepPlan(i, (SeqChunk("t", (ids[i],), i, blocks, True),)))
+    finally:
+        del model.compute_logits
+    return torch.cat(rows).log_softmax(-1)   # [T, V]
+
+
 def our_greedy(model: CausalLM, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Greedy decoding of every prompt at once through ModelRunner (the serving path)."""
     bs, c = 16, model.config
@@ -179,6 +203,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--batched-only", action="store_true",
                     help="skip the prompts-alone runs (a busy machine): 'greedy' is then the batched one")
+    ap.add_argument("--kl-decode", action="store_true",
+                    help="the recipes' KL over the text fed one token a step (decode rows: the few-row "
+                         "kernels, e.g. the int16 GEMV tiles) instead of one prefill (the batched kernels)")
     a = ap.parse_args()
     loaded = load_model(None, dtype="float32", quantization="none", progress=False)
     tok, eos = loaded.tokenizer, loaded.eos_token_ids
@@ -195,7 +222,8 @@ def main() -> None:
     for name in a.recipes:
         model = our_recipe(loaded.model, name)
         t0 = time.perf_counter()
-        lp, batched = our_text_logprobs(model, text), our_greedy(model, prompts, a.new_tokens)
+        lp = (our_text_logprobs_decode if a.kl_decode else our_text_logprobs)(model, text)
+        batched = our_greedy(model, prompts, a.new_tokens)
         out = batched if a.batched_only else our_alone(model, prompts, a.new_tokens)
         r = {"contender": f"tailrace {name}", **compare(ref_lp, lp, ref_out, out, eos, ref_batched, batched),
              "seconds": round(time.perf_counter() - t0, 1), "france": tok.decode(until_eos(out[0], eos))}

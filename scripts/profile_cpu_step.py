@@ -39,9 +39,13 @@ rows A to B:
 --prefill N: a prefill of N tokens (one sequence) per variant instead of the decode steps.
 
 --int16 on off (with gguf): the GEMM tiles of Q4_0/Q4_1/Q8_0 with int16 activations and VNNI
-(AVX512_VNNI builds, the default there) against the fp32 tiles (TAILRACE_CPU_QUANT_INT16=0):
+(AVX512_VNNI builds, the default there), and the int16 GEMV tiles of every format at few rows
+(AVX2 builds without AVX-512, the default there), against the fp32 tiles
+(TAILRACE_CPU_QUANT_INT16=0):
 
     .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --int16 on off --num-seqs 32 --rounds 3 --no-profile
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/profile_cpu_step.py --quantizations gguf --int16 on off \
+        --num-seqs 1 --rounds 5 --no-profile --cpu-time     # a shared machine: CPU time, one thread
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ from gpu.worker.runner import ModelRunner
 
 
 cpu_ops = ops._cpu
+CLOCK = time.perf_counter   # --cpu-time: time.process_time
 
 
 def set_tiles(tiles: str) -> None:
@@ -93,13 +98,16 @@ def set_gemm(gemm: str) -> None:
 
 
 def set_int16(int16: str) -> None:
-    """gpu/kernels/cpu/quant_gemm.c's int16 VNNI tiles "on" (where the build has them) or "off" (the fp32
-    GEMM tiles), in both libraries that hold them."""
+    """The int16-activation tiles "on" (where the build has them: gpu/kernels/cpu/quant_gemm.c's VNNI GEMM
+    tiles with AVX512_VNNI, gpu/kernels/cpu/quant.c's GEMV tiles on AVX2 without AVX-512, at their default
+    rows) or "off" (the fp32 tiles), in both libraries that hold them."""
     on = int(int16 == "on")
     if cpu_quant.kernels() is not None:
         cpu_quant.kernels().set_int16(on)
+        cpu_quant.kernels().set_int16_gemv(-1 if on else 0)
     if cpu_layer.library() is not None:
         cpu_layer.library().cpu_quant_set_int16(on)
+        cpu_layer.library().cpu_quant_set_int16_gemv(-1 if on else 0)
 
 
 def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, tiles: str = "fused",
@@ -128,11 +136,11 @@ def make_decoder(lm, n: int, bs: int = 16, path: str = "c", fused: bool = True, 
         set_tiles(tiles)
         set_int16(int16)   # before set_gemm: its default rows follow the int16 switch
         set_gemm(gemm)
-        t = time.perf_counter()
+        t = CLOCK()
         # positions wrap inside the 17 blocks (272 slots) whatever the number of steps
         runner.execute(StepPlan(step, tuple(SeqChunk(str(i), (5,), 128 + step % 128, tables[i], True)
                                             for i in range(n))))
-        return time.perf_counter() - t
+        return CLOCK() - t
 
     return decode
 
@@ -155,9 +163,9 @@ def make_prefiller(lm, tokens: int, bs: int = 16, tiles: str = "fused", gemm: st
         released = (str(step - 1),) if step > 1 else ()
         plan = StepPlan(step, (SeqChunk(str(step), prompt, 0, tuple(range(nblk)), True),),
                         (SeqStart(str(step), prompt, greedy),), released=released)
-        t = time.perf_counter()
+        t = CLOCK()
         runner.execute(plan)
-        return time.perf_counter() - t
+        return CLOCK() - t
 
     return prefill
 
@@ -182,12 +190,17 @@ def main() -> None:
                     help="gguf: the outer-product GEMM tiles (gpu/kernels/cpu/quant_gemm.c) at their default "
                          "rows (on), none (off), up to a number of rows (N), or rows A to B (A-B)")
     ap.add_argument("--int16", nargs="+", default=["on"], choices=["on", "off"],
-                    help="gguf: the GEMM tiles of Q4_0/Q4_1/Q8_0 with int16 activations (AVX512_VNNI builds: "
-                         "on, the default) or the fp32 tiles (off)")
+                    help="gguf: the int16-activation tiles (AVX512_VNNI builds: the GEMM tiles of Q4_0/Q4_1/"
+                         "Q8_0; AVX2 builds: the GEMV tiles; on, the default) or the fp32 tiles (off)")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prefill of this many tokens (one sequence) per variant instead of decode steps "
                          "(--steps prefills a round)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps by the process's CPU time, not the wall clock (one thread, OMP_NUM_THREADS=1, "
+                         "on a shared machine: other processes' load then costs no time, only cache)")
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if a.cpu_time else time.perf_counter
     print(cpu_threads())
     decoders = {}
     for quant in a.quantizations:

@@ -150,6 +150,12 @@ def describe(formats: Counter) -> str:
     gemm = (f"into k-major panels for GEMM tiles at {lo}-{hi} rows a call (Q8_0 from {lo8}{int16}), otherwise "
             if hi else "")
     regs = f"in registers for Q4_0/Q4_1/Q8_0 up to {fused} rows, otherwise " if fused else ""
+    # without AVX-512: int16 dot products at few rows, every format (gpu/cpu_quant.c i16tile)
+    gemv = k.int16_gemv_max_m() if k is not None else 0
+    if gemv:
+        regs = (f"int16 dot products over blocks unpacked in registers up to {gemv} rows (Q8_0 "
+                f"{k.int16_gemv_max_m(8)}, K-quants {k.int16_gemv_max_m(12)}; activations rounded to int16 per "
+                f"32-element block), otherwise " + (regs if fused > gemv else ""))
     large = k.large_m if k is not None else cpu_quant.LARGE_M
     return (f"GGUF weights kept packed ({kinds} tensors; activations, residual stream and KV cache float32), "
             f"kernel cpu_quant: fp32 FMA over blocks dequantized {gemm}{regs}"

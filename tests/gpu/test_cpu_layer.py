@@ -93,11 +93,24 @@ def _run(lm, fused: bool, n: int, steps: int = 4, before_step=None):
 
 @pytest.mark.parametrize("n, one_thread", [(1, 1), (3, 2)], indirect=["one_thread"], ids=["1-seq", "3-seqs-2-threads"])
 def test_fused_stack_matches_per_layer_path(lm, n, one_thread, monkeypatch):
+    """The fp32 tiles: logits within 1e-3. With the int16 GEMV tiles (AVX2 builds without
+    AVX-512, their default at 1-2 rows), the two paths' inputs to each linear differ by fp32
+    rounding and so round to int16 apart: the same tokens, logits within 5e-2."""
     counting = _Counting(lm.fused_decode._fn)
     monkeypatch.setattr(lm.fused_decode, "_fn", counting)
-    got_tokens, got_logits, got_cache = _run(lm, True, n, steps=3)
-    assert counting.rcs == [0] * 3        # every decode step in the C stack, none of the prefill
-    want_tokens, want_logits, want_cache = _run(lm, False, n, steps=3)
+    try:
+        if _set_int16_gemv(-1):
+            i16_tokens, i16_logits, _ = _run(lm, True, n, steps=3)
+            i16_want_tokens, i16_want_logits, _ = _run(lm, False, n, steps=3)
+            assert i16_tokens == i16_want_tokens
+            assert max((a - b).abs().max().item() for a, b in zip(i16_logits, i16_want_logits)) < 5e-2
+            counting.rcs.clear()
+        _set_int16_gemv(0)
+        got_tokens, got_logits, got_cache = _run(lm, True, n, steps=3)
+        assert counting.rcs == [0] * 3        # every decode step in the C stack, none of the prefill
+        want_tokens, want_logits, want_cache = _run(lm, False, n, steps=3)
+    finally:
+        _set_int16_gemv(-1)
     assert len(counting.rcs) == 3         # off: not called
     assert got_tokens == want_tokens
     err = max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits))
@@ -155,6 +168,14 @@ def _set_gemm(min_m: int, max_m: int) -> None:
     cpu_layer.library().cpu_quant_set_gemm(min_m, max_m)
     if cpu_quant.kernels() is not None:
         cpu_quant.kernels().set_gemm(max_m, min_m)
+
+
+def _set_int16_gemv(max_m: int) -> bool:
+    """The int16 GEMV tiles' most rows in both libraries (-1 the default, 0 none); whether the C
+    stack's build has them (AVX2 without AVX-512)."""
+    if cpu_quant.kernels() is not None:
+        cpu_quant.kernels().set_int16_gemv(max_m)
+    return bool(cpu_layer.library().cpu_quant_set_int16_gemv(max_m))
 
 
 def _set_int16(on: int) -> bool:
@@ -242,18 +263,33 @@ def test_other_isa_builds_agree(lm, tmp_path, march, monkeypatch):
     fn.restype, fn.argtypes = ctypes.c_int, cpu_layer.library().cpu_layers_decode.argtypes
     counting = _Counting(fn)
     monkeypatch.setattr(lm.fused_decode, "_fn", counting)
-    tokens, logits, _ = _run(lm, True, 2, steps=2)
-    assert counting.rcs == [0] * 2
-    want_tokens, want_logits, _ = _run(lm, False, 2, steps=2)
-    assert tokens == want_tokens
-    assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) < 1e-3
-    lib.cpu_quant_set_gemm.restype, lib.cpu_quant_set_gemm.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
-    if lib.cpu_quant_set_gemm(1, 48):
-        assert march == "haswell"
-        gemm_tokens, gemm_logits, _ = _run(lm, True, 2, steps=2)
-        assert counting.rcs == [0] * 4
-        assert gemm_tokens == want_tokens
-        assert max((a - b).abs().max().item() for a, b in zip(gemm_logits, want_logits)) < 1e-3
+    # the int16 GEMV tiles (AVX2 builds) off in both: fp32 tiles, logits within 1e-3
+    lib.cpu_quant_set_int16_gemv.restype, lib.cpu_quant_set_int16_gemv.argtypes = ctypes.c_int, [ctypes.c_int]
+    assert bool(lib.cpu_quant_set_int16_gemv(-1)) == (march == "haswell")
+    if march == "haswell":   # with them on, in both: the same tokens, logits within 5e-2 (test above)
+        _set_int16_gemv(-1)   # the native build's too, where it has them (else its fp32 tiles)
+        tokens, logits, _ = _run(lm, True, 2, steps=2)
+        want_tokens, want_logits, _ = _run(lm, False, 2, steps=2)
+        assert tokens == want_tokens
+        assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) < 5e-2
+        counting.rcs.clear()
+    lib.cpu_quant_set_int16_gemv(0)
+    _set_int16_gemv(0)
+    try:
+        tokens, logits, _ = _run(lm, True, 2, steps=2)
+        assert counting.rcs == [0] * 2
+        want_tokens, want_logits, _ = _run(lm, False, 2, steps=2)
+        assert tokens == want_tokens
+        assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) < 1e-3
+        lib.cpu_quant_set_gemm.restype, lib.cpu_quant_set_gemm.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
+        if lib.cpu_quant_set_gemm(1, 48):
+            assert march == "haswell"
+            gemm_tokens, gemm_logits, _ = _run(lm, True, 2, steps=2)
+            assert counting.rcs == [0] * 4
+            assert gemm_tokens == want_tokens
+            assert max((a - b).abs().max().item() for a, b in zip(gemm_logits, want_logits)) < 1e-3
+    finally:
+        _set_int16_gemv(-1)
 
 
 def test_after_sleep_and_wake(lm):

@@ -77,7 +77,13 @@ def test_mixed_segments_and_strided_input():
     lin = cpu_quant.PackedLinear(256, [(int(Q.Q4_K), torch.from_numpy(a)), (int(Q.Q6_K), torch.from_numpy(b))])
     x = torch.randn(4, 512)[:, ::2]
     want = x.double() @ torch.from_numpy(np.concatenate([ra, rb])).double().T
-    assert torch.allclose(lin(x).double(), want, atol=1e-4, rtol=1e-5)
+    try:   # the fp32 tiles; 4 rows of K-quants take the int16 GEMV tiles in an AVX2 build by default
+        K.set_int16_gemv(0)
+        assert torch.allclose(lin(x).double(), want, atol=1e-4, rtol=1e-5)
+    finally:
+        K.set_int16_gemv(-1)
+    bound = torch.cat([_int16_gemv_bound(Q.Q4_K, a, ra, x), _int16_gemv_bound(Q.Q6_K, b, rb, x)], 1) + 1e-4
+    assert ((lin(x).double() - want).abs() <= bound).all()
     assert torch.equal(lin.dequantized(), torch.from_numpy(np.concatenate([ra, rb])))
 
 
@@ -112,15 +118,18 @@ def test_default_keeps_gguf_packed(packed_smollm, smollm):
 
 @pytest.mark.parametrize("int16", [0, 1], ids=["fp32-tiles", "int16-tiles"])
 def test_logits_and_greedy_match_dequantized_fp32(packed_smollm, smollm, int16):
-    """The prompt's 37 rows take the GEMM tiles. fp32 tiles: logits within 2e-3 of the dequantized
-    fp32 model's. The int16 tiles (the default where the build has AVX512_VNNI: x quantized per
-    32-element block to ~2^-16 of its largest, which the residual stream's outlier channels make
-    large for the rest of their block): within 5e-2 (measured 2.5e-2 on logits of magnitude ~28,
-    1.6e-3 of it the LM head's; scripts/dtype_quality.py: mean KL 4.5e-7 from fp32). The same
-    greedy tokens either way."""
-    if int16 and not K.set_int16(1):
-        pytest.skip("no AVX512_VNNI in this build (the int16 GEMM tiles)")
+    """The prompt's 37 rows take the GEMM tiles, the greedy steps' single rows the GEMV tiles.
+    fp32 tiles: logits within 2e-3 of the dequantized fp32 model's. The int16 tiles (the default
+    where the build has them: AVX512_VNNI's GEMM tiles, or an AVX2 build's GEMV tiles; x quantized
+    per 32-element block to ~2^-16 of its largest, which the residual stream's outlier channels
+    make large for the rest of their block): within 5e-2 (measured 2.5e-2 on logits of magnitude
+    ~28, 1.6e-3 of it the LM head's; scripts/dtype_quality.py: mean KL 4.5e-7 from fp32). The
+    same greedy tokens either way."""
+    has = K.set_int16(1), K.set_int16_gemv(-1)
+    if int16 and not any(has):
+        pytest.skip("no int16 tiles in this build (AVX512_VNNI's GEMM tiles, AVX2's GEMV tiles)")
     K.set_int16(int16)
+    K.set_int16_gemv(-1 if int16 else 0)
     tok = smollm.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True))
@@ -136,6 +145,7 @@ def test_logits_and_greedy_match_dequantized_fp32(packed_smollm, smollm, int16):
         assert greedy_generate(lm, ids, 8) == greedy_generate(smollm.model, ids, 8)
     finally:
         K.set_int16(-1)
+        K.set_int16_gemv(-1)
 
 
 def test_quantization_flag_errors():
@@ -167,6 +177,7 @@ def test_other_isa_builds_agree(tmp_path, march):
     (what a machine without AVX-512 runs)."""
     other = _build(tmp_path, march)
     assert other.vector_width == (8 if march == "haswell" else 1)
+    other.set_int16_gemv(0)   # the fp32 tiles (an AVX2 build's int16 GEMV tiles: test_int16_gemv_tiles_*)
     for qtype in FORMATS:
         packed, ref = _quantized(qtype, 13, 256, 3)
         w = torch.from_numpy(packed)
@@ -185,6 +196,7 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
     if not k.set_fused(-1):
         pytest.skip(f"no AVX-512 or AVX2+FMA in -march={march}")
     k.set_gemm(0)   # the GEMM tiles would take some of these rows in both builds (test_gemm_tiles_*)
+    k.set_int16_gemv(0)   # and the int16 GEMV tiles 1-2 rows in an AVX2 build (test_int16_gemv_tiles_*)
     mr = 6 if k.vector_width == 16 else 2   # gpu/kernels/cpu/quant.c FMR
     for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
         packed, ref = _quantized(qtype, 23, 256, 4)   # 23 rows: a tile of fewer than NR rows at the end
@@ -199,6 +211,7 @@ def test_fused_small_m_tiles_bit_identical_to_buffered(tmp_path, march):
             assert torch.equal(fused, buffered), (qtype.name, m)
             want = x.double() @ torch.from_numpy(ref).double().T
             assert (fused.double() - want).abs().max().item() < 1e-4, (qtype.name, m)
+    k.set_int16_gemv(-1)
 
 
 INT16_FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
@@ -399,3 +412,133 @@ def test_gemm_tiles_serve_packed_linear():
             assert (got - off).abs().max().item() <= bound, m
     finally:
         K.set_gemm(-1)
+
+
+def _gemv_kernels(tmp_path) -> cpu_quant.QuantKernels:
+    """A build with the int16 GEMV tiles: the native one where it has them (AVX2 without
+    AVX-512), else the same source built for an AVX2-only CPU (so AVX-512 machines test them)."""
+    if K.set_int16_gemv(-1):
+        return K
+    k = _build(tmp_path, "haswell")
+    assert k.set_int16_gemv(-1) and k.int16_gemv_max_m() >= 1
+    return k
+
+
+def _int16_gemv_bound(qtype, packed: np.ndarray, ref: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """[M, N] bound on the int16 GEMV tiles' error from quantizing x: as _int16_bound, with the
+    integer part of each weight w - min (Q4_1: its block's m; Q4_K/Q5_K: its sub-block's
+    -dmin mn, found by dequantizing the blocks with their quants zeroed; the others: w)."""
+    n, cols = ref.shape
+    w = ref.astype(np.float64)
+    if qtype == Q.Q4_1:
+        m = packed.reshape(n, cols // 32, 20)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        w = w - np.repeat(m, 32, axis=1)
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        zeroed = packed.reshape(n, cols // 256, BLOCK_BYTES[qtype]).copy()
+        zeroed[..., 16:] = 0   # qs (and Q5_K's qh): every q 0, so each weight is its sub-block's min
+        w = w - gguf.quants.dequantize(zeroed.reshape(n, -1), qtype).reshape(n, cols).astype(np.float64)
+    wsum = torch.from_numpy(np.abs(w).reshape(n, cols // 32, 32).sum(-1))
+    xmax = x.double().abs().reshape(x.shape[0], cols // 32, 32).amax(-1)
+    return xmax @ wsum.T / 65534 * 1.002
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_int16_gemv_tiles_against_gguf_py(tmp_path, qtype):
+    """The int16 GEMV tiles (AVX2 builds without AVX-512: every format at 1-2 rows by default; here
+    up to 5 rows, groups of IMR = 2 and a last one) against gguf-py's dequantized weight in fp64:
+    N = 23 and 9 (tiles of 4 and a last short one; a tile alone), K = 256 and 768 (or 96 and 576
+    for the 32-element formats), x with a row stride other than K, a bias, y inside a NaN-filled
+    tensor (nothing outside it written). Each output within _int16_gemv_bound plus the fp32
+    bound of the other tiles (2e-5 sqrt(K) max|x| max|w|; measured at most ~0.15 of the
+    quantization bound), and different from the fp32 tiles' (the int16 ones did run)."""
+    k = _gemv_kernels(tmp_path)
+    k.set_gemm(0)
+    try:
+        for cols in ((256, 768) if qtype in BLOCK_BYTES else (96, 576)):
+            for n in (23, 9):
+                packed, ref = _quantized(qtype, n, cols, 11)
+                w, ref64 = torch.from_numpy(packed), torch.from_numpy(ref).double()
+                bias = torch.randn(n)
+                for m in range(1, 6):
+                    x = torch.randn(m, cols + 13)[:, 6:6 + cols] * 3
+                    out = torch.full((m + 2, n + 5), float("nan"))
+                    y = out[1:m + 1, 2:n + 2]
+                    k.set_int16_gemv(8)
+                    k.matmul(int(qtype), w, x, y, bias)
+                    k.set_int16_gemv(0)
+                    y32 = torch.empty(m, n)
+                    k.matmul(int(qtype), w, x, y32, bias)
+                    want = x.double() @ ref64.T + bias.double()
+                    bound = 2e-5 * cols ** 0.5 * x.abs().max().item() * max(ref64.abs().max().item(), 1.0)
+                    err = (y.double() - want).abs()
+                    bound16 = _int16_gemv_bound(qtype, packed, ref, x) + bound
+                    assert (err <= bound16).all(), (qtype.name, cols, n, m, (err / bound16).max().item())
+                    assert not torch.equal(y, y32), (qtype.name, cols, n, m)
+                    out[1:m + 1, 2:n + 2] = 0
+                    assert out.isnan().sum().item() == out.numel() - m * n   # nothing else written
+    finally:
+        k.set_int16_gemv(-1)
+        k.set_gemm(-1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_int16_gemv_tiles_deterministic(tmp_path, qtype):
+    """Each row of x is quantized alone and each output summed in one order: a row's outputs are
+    the same bits whatever rows share its call (1 to 4), where it sits in the batch, which tile
+    its weight row falls in (the weight from its fourth row on: other tiles of 4) and at 1 or 2
+    threads."""
+    k = _gemv_kernels(tmp_path)
+    threads = torch.get_num_threads()
+    cols = 512 if qtype in BLOCK_BYTES else 576
+    packed, _ = _quantized(qtype, 30, cols, 12)
+    w, x = torch.from_numpy(packed), torch.randn(4, cols)
+    try:
+        k.set_gemm(0)
+        k.set_int16_gemv(8)
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows, at in ((x[:1], 0), (x[:2], 0), (x[:4], 0), (torch.cat([x[3:], x[:1]]), 1)):
+                y = torch.empty(rows.shape[0], 30)
+                k.matmul(int(qtype), w, rows, y)
+                outs.append(y[at, 3:].clone())
+            y = torch.empty(1, 27)
+            k.matmul(int(qtype), w[3:], x[:1], y)
+            outs.append(y[0])
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+    finally:
+        torch.set_num_threads(threads)
+        k.set_gemm(-1)
+        k.set_int16_gemv(-1)
+
+
+def test_int16_gemv_tiles_edge_blocks(tmp_path):
+    """Blocks of x their quantization must not mishandle (as the int16 GEMM tiles': all zero, tiny,
+    subnormal, huge within the bound; a NaN or an inf makes its row's outputs NaN and leaves the
+    other row's bits alone)."""
+    k = _gemv_kernels(tmp_path)
+    packed, ref = _quantized(Q.Q4_1, 40, 256, 9)
+    w, ref64 = torch.from_numpy(packed), torch.from_numpy(ref).double()
+    try:
+        k.set_gemm(0)
+        k.set_int16_gemv(8)
+        for x in (torch.randn(2, 256), torch.randn(2, 256)):
+            x[0, :32] = 0
+            x[1, 32:64] = 1e-36
+            x[0, 64:96] = torch.randn(32) * 1e-40     # subnormal
+            x[1, 96:128] = torch.randn(32) * 1e30
+            y = torch.empty(2, 40)
+            k.matmul(int(Q.Q4_1), w, x, y)
+            want = x.double() @ ref64.T
+            bound = _int16_gemv_bound(Q.Q4_1, packed, ref, x) + 2e-5 * 16 * x.abs().amax(1, keepdim=True).double() * 2
+            bound += 32 * 1e-36 * ref64.abs().max()
+            assert ((y.double() - want).abs() <= bound).all()
+            for r in (0, 1):
+                bad = x.clone()
+                bad[r, 7 + 100 * r] = float("nan") if r == 0 else float("inf")
+                yb = torch.empty(2, 40)
+                k.matmul(int(Q.Q4_1), w, bad, yb)
+                assert yb[r].isnan().all() and torch.equal(yb[1 - r], y[1 - r])
+    finally:
+        k.set_gemm(-1)
+        k.set_int16_gemv(-1)

@@ -112,6 +112,26 @@ static void lin_panel(const Lin *l, int64_t n0, int nr, const float *x, int64_t 
             for (int j = 0; j < nr; j++) y[m * ldy + j] += l->bias[n0 + j];
 }
 
+/* rows [n0, n0 + nr) of W by the int16 GEMV tiles (gpu/cpu_quant.c i16tile; x quantized in q) -> y, + bias */
+static void lin_tile16(const Lin *l, int64_t n0, int nr, const gxq *q, int64_t M, float *y, int64_t ldy) {
+    const uint8_t *rows[NR];
+    int fmts[NR] = {0};
+    for (int j = 0; j < nr; j++) rows[j] = lin_row(l, n0 + j, fmts + j);
+    i16tile_rows(fmts, rows, q, M, l->K, nr, y, ldy);
+    if (l->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < nr; j++) y[m * ldy + j] += l->bias[n0 + j];
+}
+
+/* x [M, K] quantized for the int16 GEMV tiles into this thread's scratch xqv (gemm16_bytes(M,
+ * kmax)): every thread quantizes all the rows itself (a few hundred ns at their few rows), so no
+ * barrier; x is each thread's copy (all equal) or the shared one, complete after the last barrier */
+static gxq lin_quantize16(const float *x, int64_t M, int64_t K, void *xqv) {
+    const gxq q = gemm16_at(xqv, M, K);
+    i16v_quantize(x, K, M, K, (int16_t *)q.q, (float *)q.dx, (float *)q.sx);
+    return q;
+}
+
 /* x [M, l->K] quantized for the int16 tiles into the shared scratch xqm (gemm16_bytes(M, kmax)), a
  * row a thread at a time (x: each thread's copy, all equal, or the shared one), where a segment
  * of l takes them; else NULL. Its omp for's barrier: every row done before any panel reads them,
@@ -129,7 +149,15 @@ static const gxq *lin_quantize(const Lin *l, const float *x, int64_t M, void *xq
 /* y [M, N] = x [M, K] @ W^T (+ bias), both contiguous; inside the parallel region (its barrier
  * at the end). buf: this thread's 2 NR K floats for the dequantized rows (GEMM_BUF_FLOATS for
  * the GEMM tiles); xqm: the shared scratch for x quantized (the int16 tiles). */
-static void lin_apply(const Lin *l, const float *x, int64_t M, float *y, float *buf, void *xqm) {
+static void lin_apply(const Lin *l, const float *x, int64_t M, float *y, float *buf, void *xqm, void *xqv) {
+    if (xqv && use_i16v((int)l->fmt[0], M) && !use_gemm((int)l->fmt[0], M)) {   /* the int16 GEMV tiles */
+        const gxq q = lin_quantize16(x, M, l->K, xqv);
+        const int64_t tiles = (l->N + NR - 1) / NR;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++)
+            lin_tile16(l, t * NR, l->N - t * NR < NR ? (int)(l->N - t * NR) : NR, &q, M, y + t * NR, l->N);
+        return;
+    }
     if (use_gemm((int)l->fmt[0], M)) {   /* by the first segment's format (a merged qkv's q) */
         gxq qs;
         const gxq *q = lin_quantize(l, x, M, xqm, &qs);
@@ -151,8 +179,21 @@ static inline float silu_mul(float g, float u);
 /* act [M, I] = silu(x W_gate^T) * (x W_up^T), W = [gate; up] stacked ([2I, K]): a tile's gate
  * and up rows together, so that no [M, 2I] product is stored nor waited for. */
 static void glu_apply(const Lin *l, const float *x, int64_t M, float *act, float *buf, float *yg, float *yu,
-                      void *xqm) {
+                      void *xqm, void *xqv) {
     const int64_t I = l->N / 2, K = l->K, tiles = (I + NR - 1) / NR;
+    if (xqv && use_i16v((int)l->fmt[0], M) && !use_gemm((int)l->fmt[0], M)) {   /* int16 GEMV tiles; yg, yu: [M, NR] */
+        const gxq q = lin_quantize16(x, M, K, xqv);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t j0 = t * NR;
+            const int nr = I - j0 < NR ? (int)(I - j0) : NR;
+            lin_tile16(l, j0, nr, &q, M, yg, NR);
+            lin_tile16(l, I + j0, nr, &q, M, yu, NR);
+            for (int64_t m = 0; m < M; m++)
+                for (int j = 0; j < nr; j++) act[m * I + j0 + j] = silu_mul(yg[m * NR + j], yu[m * NR + j]);
+        }
+        return;
+    }
     if (use_gemm((int)l->fmt[0], M)) {   /* yg, yu: [M, NP] */
         gxq qs;
         const gxq *q = lin_quantize(l, x, M, xqm, &qs);
@@ -410,7 +451,10 @@ int cpu_layers_decode(const Model *md, const Step *st) {
     /* per thread: 2 NR kmax dequantized rows (or the GEMM tiles' stage and panel), scores, its
      * residual and h, two [M, NP] tiles */
     const int64_t nbuf = 2 * NR * kmax > GEMM_BUF_FLOATS ? 2 * NR * kmax : GEMM_BUF_FLOATS;
-    const int64_t per_thread = nbuf + G * max_len + 2 * M * D + 2 * M * (NP > NR ? NP : NR) + 16;
+    /* + x quantized for the int16 GEMV tiles (each thread's own: no barrier), where they serve */
+    (void)i16v_max(Q4_0);   /* read the environment once, before the threads do */
+    const int64_t xqv_floats = use_i16v_any(M) ? (int64_t)(gemm16_bytes(M, kmax) + sizeof(float) - 1) / 4 + 16 : 0;
+    const int64_t per_thread = nbuf + G * max_len + 2 * M * D + 2 * M * (NP > NR ? NP : NR) + xqv_floats + 16;
     /* + x quantized for the int16 tiles (shared: each linear's rows quantized once, by all threads) */
     const size_t xq_floats = GEMM16 ? (gemm16_bytes(M, kmax) + sizeof(float) - 1) / sizeof(float) + 16 : 0;
     const size_t need = (size_t)(M * (D + nqkv + 2 * Hq * Dh + I) + nt * per_thread + 64) + xq_floats;
@@ -431,11 +475,12 @@ int cpu_layers_decode(const Model *md, const Step *st) {
         const int tid = omp_get_thread_num();
         float *buf = thread_base + tid * per_thread, *scores = buf + nbuf;
         float *residual = scores + G * max_len, *h = residual + M * D, *yg = h + M * D;
-        float *yu = yg + M * (NP > NR ? NP : NR);
+        float *yu = yg + M * (NP > NR ? NP : NR), *xqv_at = yu + M * (NP > NR ? NP : NR);
+        void *xqv = xqv_floats ? (void *)(((uintptr_t)xqv_at + 63) & ~(uintptr_t)63) : NULL;
         for (int64_t i = 0; i < md->n_layers; i++) {
             const Layer *L = md->layers + i;
             add_norm(residual, i ? xb : st->x, i == 0, L->ln1, M, D, md->eps, h);
-            lin_apply(&L->qkv, h, M, qkv, buf, xqm);
+            lin_apply(&L->qkv, h, M, qkv, buf, xqm, xqv);
             if (st->chunked) {
 #pragma omp for schedule(static)
                 for (int64_t it = 0; it < M * Hkv; it++) qkv_item(md, L, st, it / Hkv, it % Hkv, qkv, q);
@@ -448,10 +493,10 @@ int cpu_layers_decode(const Model *md, const Step *st) {
                     attend_any(md, L, st, it / Hkv, it % Hkv, q, att, scores);
                 }
             }
-            lin_apply(&L->o, att, M, xb, buf, xqm);
+            lin_apply(&L->o, att, M, xb, buf, xqm, xqv);
             add_norm(residual, xb, 0, L->ln2, M, D, md->eps, h);
-            glu_apply(&L->gate_up, h, M, act, buf, yg, yu, xqm);
-            lin_apply(&L->down, act, M, xb, buf, xqm);
+            glu_apply(&L->gate_up, h, M, act, buf, yg, yu, xqm, xqv);
+            lin_apply(&L->down, act, M, xb, buf, xqm, xqv);
         }
         if (tid == 0) add_norm(residual, xb, 0, md->final_norm, M, D, md->eps, st->hidden);
     }

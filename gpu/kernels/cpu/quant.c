@@ -17,6 +17,9 @@
  * AVX512_VNNI, their Q4_0/Q4_1/Q8_0 panels multiply int16 activations (x quantized per 32-element
  * block, ~2^-16 of its largest) with the weights' integers in int32 (vpdpwssd), from
  * GEMM16_MIN_M_DEFAULT rows (Q8_0: GEMM16_MIN_M_Q8_0); TAILRACE_CPU_QUANT_INT16=0: the fp32 tiles.
+ * Without AVX-512 (AVX2+FMA), few rows of every format take the int16 GEMV tiles instead (i16tile
+ * below: x quantized the same way, the weights' integers widened in registers, vpmaddwd; up to
+ * I16V_MAX_M_DEFAULT rows, Q8_0 I16V_MAX_M_Q8_0, the K-quants I16V_MAX_M_KQ); the same switch.
  * Vector width from the build: AVX-512 (16 lanes, 4x4 tile), AVX2+FMA (8 lanes, 2x4), else scalar.
  */
 #include <stdint.h>
@@ -520,6 +523,309 @@ int cpu_quant_set_fused(int max_m) {
 
 #include "quant_gemm.c"
 
+/* The int16 GEMV tiles (builds with AVX2+FMA and no AVX-512; issue 60): for few rows of x and
+ * every format, the activations quantized once per call to int16 per row and 32-element block
+ * (the int16 GEMM tiles' rounding, gpu/cpu_quant_gemm.c gemm_quantize: dx_b = absmax_b / 32767,
+ * round to nearest, ~2^-16 of the block's largest |x|), the weights' integers widened to int16
+ * in registers and multiplied with them by _mm256_madd_epi16 (16 products into 8 int32 lanes,
+ * exact), then scaled into fp32 once a 32-element block.
+ *
+ * Why int16 and not int8 activations (llama.cpp's Q8_0/Q8_K blocks, _mm256_maddubs_epi16): on
+ * the bundled SmolLM2 int8 activations per 32-element block put the mean KL from fp32 at 2.4e-3
+ * (int16: 5e-8), 25x over the bar (a tenth of HF bf16's, 9.7e-5; docs/kernels.md, issue 60).
+ * At one to a few rows the tile is bound by the ops that turn packed weights into something to
+ * multiply, not by the multiplies: widening a block's nibbles to int16 (two vpmovzxbw) and two
+ * vpmaddwd cost about what a maddubs path costs, and less than half of the fp32 tiles' (each
+ * weight converted to fp32, scaled and offset before its FMA).
+ *
+ * Per output (row i of x, row n of W), the sum, the same whatever M, the tiles' split of the rows
+ * or the threads (each row of x is quantized alone; a tile only picks which outputs it computes):
+ * 8 fp32 lanes, over the 32-element blocks b in k order,
+ *   acc = fma(float(sum_k q_k xq_k over lane pairs), d_b * dx_b, acc)
+ * (the K-quants: d_b = fl(d sc_s) of the sub-block, Q6_K: sc folded into q as an int16 product
+ * and d_b = d); Q4_1: acc = fma(m_b / 8, sx_b, acc) (the min times the exact fp32 sum of x's
+ * block, spread over the 8 lanes); Q4_K/Q5_K once a super-block acc = fnma(fl(dmin mn_s), sx_s,
+ * acc), a lane a sub-block; then the lanes summed (vsum). Error: that of x's rounding,
+ * sum_b sum_{k in b} |w_k - min_k| absmax_b / 65534 * 1.002, plus fp32 rounding (tests/gpu/
+ * test_gguf_packed.py test_int16_gemv_tiles_*). */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define I16V 1
+/* The most rows they take by default, per format. Measured (docs/kernels.md, scripts/
+ * bench_cpu_quant_gemm.py --cpu-time, one thread, the 2-core AVX2 EPYC): against the buffered
+ * fp32 tiles (the fused ones serve only up to 2 rows) Q4_1 1.5x at 1 row, 1.16x at 2, 1.1x at 3,
+ * 0.93x at 4; the Q8_0 LM head 1.7-2.4x at 1-4 rows, 1.18x at 8; Q4_K 3.5x at 1, 1.13x at 6,
+ * level at 8. Above them the buffered tiles, from GEMM_MIN_M_DEFAULT (12; Q8_0 16) the GEMM tiles. */
+#ifndef I16V_MAX_M_DEFAULT
+#define I16V_MAX_M_DEFAULT 3
+#endif
+#ifndef I16V_MAX_M_Q8_0
+#define I16V_MAX_M_Q8_0 11
+#endif
+#ifndef I16V_MAX_M_KQ
+#define I16V_MAX_M_KQ 6
+#endif
+#define IMR 2   /* rows of x a tile: 2 x NR accumulators + 2 weight vectors + scales of the 16 ymm */
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* rows [0, M) of x [., K] (stride ldx) -> q [M, K] int16, dx and sx [M, K / 32] (gxq's layout):
+ * gemm_quantize's values (the same dx and q; sx summed in another order) */
+static void i16v_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *q, float *dx, float *sx) {
+    const int64_t nb = K / 32;
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *p = x + m * ldx + 32 * b;
+            const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8), v2 = _mm256_loadu_ps(p + 16),
+                         v3 = _mm256_loadu_ps(p + 24);
+            const float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absm), _mm256_and_ps(v1, absm)),
+                                                   _mm256_max_ps(_mm256_and_ps(v2, absm), _mm256_and_ps(v3, absm))));
+            /* vmaxps drops a NaN: look for one (a NaN or inf in x gives NaN outputs) */
+            const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q), _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)),
+                                           _mm256_or_ps(_mm256_cmp_ps(v2, v2, _CMP_UNORD_Q), _mm256_cmp_ps(v3, v3, _CMP_UNORD_Q)));
+            const int bad = _mm256_movemask_ps(un) || amax == __builtin_inff();
+            const float s = amax >= 32767.f * 1.17549435e-38f && !bad ? 32767.f / amax : 0.f;
+            dx[m * nb + b] = bad ? __builtin_nanf("") : s > 0.f ? amax / 32767.f : 0.f;
+            __m256 t = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+            sx[m * nb + b] = vsum(t);
+            const __m256 sv = _mm256_set1_ps(s);
+            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, sv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, sv));
+            const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, sv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, sv));
+            /* packs works per 128-bit lane: [q0 0-3, q1 0-3 | q0 4-7, q1 4-7] -> in order */
+            _mm256_storeu_si256((__m256i *)(q + m * K + 32 * b), _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8));
+            _mm256_storeu_si256((__m256i *)(q + m * K + 32 * b + 16),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(q2, q3), 0xD8));
+        }
+}
+
+/* sum over 32 elements of w (two int16 vectors: elements 0..15, 16..31) times xq's block at p */
+static inline __m256 i16v_dot(__m256i w0, __m256i w1, const int16_t *p) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)p), x1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+#if defined(__AVXVNNI__)
+    /* AVX-VNNI (a -march=native build on a CPU that has it): vpdpwssd multiplies and adds in one
+     * op; the same exact int32 sums, so the same bits */
+    const __m256i s = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w0, x0), w1, x1);
+#else
+    const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+#endif
+    return _mm256_cvtepi32_ps(s);
+}
+
+/* y[i, j] = sum_k x[i, k] w_j[k] for mr <= IMR rows of x (quantized: xq's rows i0..) and nr <= NR
+ * packed rows w[0..nr) of format fmt; the order of the sums above */
+static inline __attribute__((always_inline)) void i16tile(const int fmt, const uint8_t *const *restrict w,
+                                                          const gxq *xq, int64_t i0, const int mr, int64_t K,
+                                                          const int nr, float *restrict y, int64_t ldy) {
+    __m256 acc[IMR][NR];
+    float accm[IMR][NR];   /* Q4_1: sum_b m_b sx_b */
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps(), accm[i][j] = 0.f;
+    const int64_t nb = K / 32, be = block_elems(fmt), bb = block_bytes(fmt), row_bytes = K / be * bb;
+    const int16_t *xr = xq->q + i0 * K;
+    const float *dx = xq->dx + i0 * nb, *sx = xq->sx + i0 * nb;
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m256i m4y = _mm256_set1_epi8(15);
+    /* prefetch as ftile does: the tile's share PF_TILES tiles ahead */
+    const char *ahead = (const char *)w[0] + PF_TILES * NR * row_bytes;
+    if (be == 32) {
+        for (int64_t b = 0; b < nb; b++) {
+            for (int64_t p = 0; p < NR * bb; p += 64) _mm_prefetch(ahead + NR * b * bb + p, _MM_HINT_T0);
+            for (int j = 0; j < nr; j++) {
+                const uint8_t *blk = w[j] + b * bb;
+                __m256i w0, w1;
+                if (fmt == Q8_0) {
+                    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+                    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+                } else {
+                    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_1 ? 4 : 2)));
+                    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
+                    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+                    if (fmt == Q4_0) {
+                        w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(8));
+                        w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(8));
+                    }
+                }
+                /* d (and Q4_1's m) converted together: one load, one vcvtph2ps */
+                uint32_t dm = 0;
+                memcpy(&dm, blk, fmt == Q4_1 ? 4 : 2);
+                const __m128 dmv = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+                const float d = _mm_cvtss_f32(dmv);
+                for (int i = 0; i < mr; i++)
+                    acc[i][j] = _mm256_fmadd_ps(i16v_dot(w0, w1, xr + i * K + 32 * b),
+                                                _mm256_set1_ps(d * dx[i * nb + b]), acc[i][j]);
+                if (fmt == Q4_1) {   /* m sx_b, a scalar sum per output */
+                    const float m = _mm_cvtss_f32(_mm_movehdup_ps(dmv));
+                    for (int i = 0; i < mr; i++) accm[i][j] = __builtin_fmaf(m, sx[i * nb + b], accm[i][j]);
+                }
+            }
+        }
+    } else {   /* the K-quants: super-blocks of 256, 8 x-blocks each */
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            for (int64_t p = 0; p < NR * bb; p += 64) _mm_prefetch(ahead + NR * sb * bb + p, _MM_HINT_T0);
+            const int64_t b0 = 8 * sb;
+            for (int j = 0; j < nr; j++) {
+                const uint8_t *blk = w[j] + sb * bb;
+                if (fmt == Q6_K) {
+                    const uint8_t *ql = blk, *qh = blk + 128;
+                    const int8_t *sc = (const int8_t *)(blk + 192);
+                    const __m256 dv = _mm256_set1_ps(f16(blk + 208));
+                    const __m256i m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi16(32);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+                        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+                        const __m256i hv = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                        for (int r = 0; r < 4; r++) {
+                            /* element 32 r + e of the half: low nibble of ql (r & 1), shifted for r >= 2;
+                             * bits 2r, 2r + 1 of qh as bits 4, 5 */
+                            const __m256i lsrc = r & 1 ? l1 : l0;
+                            const __m256i lo = _mm256_and_si256(r >= 2 ? _mm256_srli_epi16(lsrc, 4) : lsrc, m4y);
+                            const __m256i hb = _mm256_and_si256(r == 0 ? _mm256_slli_epi16(hv, 4)
+                                                                : r == 1 ? _mm256_slli_epi16(hv, 2)
+                                                                : r == 2 ? hv : _mm256_srli_epi16(hv, 2), m30);
+                            const __m256i q = _mm256_or_si256(lo, hb);
+                            const int s = 4 * h + r;
+                            __m256i w0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)), k32);
+                            __m256i w1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)), k32);
+                            w0 = _mm256_mullo_epi16(w0, _mm256_set1_epi16(sc[2 * s]));
+                            w1 = _mm256_mullo_epi16(w1, _mm256_set1_epi16(sc[2 * s + 1]));
+                            for (int i = 0; i < mr; i++)
+                                acc[i][j] = _mm256_fmadd_ps(i16v_dot(w0, w1, xr + i * K + 32 * (b0 + s)),
+                                                            _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * nb + b0 + s])),
+                                                            acc[i][j]);
+                        }
+                    }
+                    continue;
+                }
+                /* Q4_K, Q5_K */
+                const float d = f16(blk), dmin = f16(blk + 2);
+                uint8_t sc[8], mn[8];
+                scale_min_k4(blk + 4, sc, mn);
+                uint64_t mn8;
+                memcpy(&mn8, mn, 8);
+                const __m256 mnv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))),
+                                                 _mm256_set1_ps(dmin));
+                for (int i = 0; i < mr; i++)
+                    acc[i][j] = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(sx + i * nb + b0), acc[i][j]);
+                const uint8_t *qs = fmt == Q4_K ? blk + 16 : blk + 48;
+                const __m256i qhv = fmt == Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+                for (int s = 0; s < 8; s++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (s / 2)));
+                    __m256i q = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4y);
+                    if (fmt == Q5_K) {
+                        const __m256i bit = _mm256_set1_epi8((char)(1 << s));
+                        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qhv, bit), bit),
+                                                                _mm256_set1_epi8(16)));
+                    }
+                    const __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+                    const __m256i w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+                    const __m256 dv = _mm256_set1_ps(d * (float)sc[s]);
+                    for (int i = 0; i < mr; i++)
+                        acc[i][j] = _mm256_fmadd_ps(i16v_dot(w0, w1, xr + i * K + 32 * (b0 + s)),
+                                                    _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * nb + b0 + s])), acc[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = vsum(acc[i][j]) + accm[i][j];
+}
+
+#define I16T_MR(F, MRV)                                                                                        \
+    do {                                                                                                       \
+        if (nr == NR) i16tile(F, w, xq, i0, MRV, K, NR, y, ldy);                                               \
+        else                                                                                                   \
+            for (int j_ = 0; j_ < nr; j_++) i16tile(F, w + j_, xq, i0, MRV, K, 1, y + j_, ldy);                \
+    } while (0)
+#define I16T_FMT(F)                                                                                            \
+    do {                                                                                                       \
+        if (mr == 1) I16T_MR(F, 1);                                                                            \
+        else I16T_MR(F, 2);                                                                                    \
+    } while (0)
+
+/* rows w[0..nr) (format fmt) times mr <= IMR rows of x quantized (xq's rows i0..) */
+static void i16tile_any(int fmt, const uint8_t *const *w, const gxq *xq, int64_t i0, int mr, int64_t K, int nr,
+                        float *y, int64_t ldy) {
+    switch (fmt) {
+    case Q4_0: I16T_FMT(Q4_0); break;
+    case Q4_1: I16T_FMT(Q4_1); break;
+    case Q8_0: I16T_FMT(Q8_0); break;
+    case Q4_K: I16T_FMT(Q4_K); break;
+    case Q5_K: I16T_FMT(Q5_K); break;
+    case Q6_K: I16T_FMT(Q6_K); break;
+    }
+}
+#else
+#define I16V 0
+#define I16V_MAX_M_DEFAULT 0
+#define I16V_MAX_M_Q8_0 0
+#define I16V_MAX_M_KQ 0
+#define IMR 1
+static void i16v_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *q, float *dx, float *sx) {
+    (void)x; (void)ldx; (void)M; (void)K; (void)q; (void)dx; (void)sx;
+}
+static void i16tile_any(int fmt, const uint8_t *const *w, const gxq *xq, int64_t i0, int mr, int64_t K, int nr,
+                        float *y, int64_t ldy) {
+    (void)fmt; (void)w; (void)xq; (void)i0; (void)mr; (void)K; (void)nr; (void)y; (void)ldy;
+}
+#endif
+
+/* rows [0, M) of x (quantized in xq) in groups of IMR, each group's tiles reading the weights again;
+ * rows w[0..nr) of formats fmts (a tile of one format, or one row a format where they differ) */
+static void i16tile_rows(const int *fmts, const uint8_t *const *w, const gxq *xq, int64_t M, int64_t K, int nr,
+                         float *y, int64_t ldy) {
+    int same = 1;
+    for (int j = 1; j < nr; j++) same &= fmts[j] == fmts[0];
+    for (int64_t m = 0; m < M; m += IMR) {
+        const int mr = M - m < IMR ? (int)(M - m) : IMR;
+        if (same) i16tile_any(fmts[0], w, xq, m, mr, K, nr, y + m * ldy, ldy);
+        else
+            for (int j = 0; j < nr; j++) i16tile_any(fmts[j], w + j, xq, m, mr, K, 1, y + m * ldy + j, ldy);
+    }
+}
+
+/* Up to i16v_max(fmt) rows of format fmt take the int16 GEMV tiles. TAILRACE_CPU_QUANT_INT16=0 in
+ * the environment of the first call turns them off (as it does the AVX-512 int16 GEMM tiles). */
+static int64_t i16v_max_m = -1, i16v_env = -1;   /* max_m -1: each format's default */
+static inline int64_t i16v_max(int fmt) {
+    if (i16v_env < 0) {
+        const char *e = getenv("TAILRACE_CPU_QUANT_INT16");
+        i16v_env = !(e && e[0] == '0');
+    }
+    if (!I16V || !i16v_env) return 0;
+    if (i16v_max_m >= 0) return i16v_max_m;
+    return fmt == Q8_0 ? I16V_MAX_M_Q8_0 : block_elems(fmt) == 256 ? I16V_MAX_M_KQ : I16V_MAX_M_DEFAULT;
+}
+static inline int use_i16v(int fmt, int64_t M) { return M <= i16v_max(fmt); }
+/* whether any format's calls of M rows take them (the C decode stack's scratch) */
+static inline int use_i16v_any(int64_t M) {
+    return use_i16v(Q4_0, M) || use_i16v(Q8_0, M) || use_i16v(Q4_K, M);
+}
+/* the most rows of format fmt that take the int16 GEMV tiles now (0: none) */
+int cpu_quant_int16_gemv_max_m(int fmt) { return (int)i16v_max(fmt); }
+/* max_m: the most rows of every format that take them, 0 for none, -1 for each format's default
+ * (both: unless TAILRACE_CPU_QUANT_INT16=0; tests and A/B runs, not while a product runs); returns
+ * whether this build has them */
+int cpu_quant_set_int16_gemv(int max_m) {
+    i16v_max_m = max_m >= 0 ? max_m : -1;
+    i16v_env = max_m >= 0 ? 1 : -1;
+    return I16V;
+}
+
+/* *mem (of *size bytes) grown to at least want bytes, 64-byte aligned; 0 where that fails */
+static int xq_grow(void **mem, size_t *size, size_t want) {
+    if (want > *size) {
+        free(*mem);
+        *mem = aligned_alloc(64, (want + 63) & ~(size_t)63);
+        *size = *mem ? want : 0;
+    }
+    return *mem != NULL;
+}
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N]), W [N, row_bytes] packed
  * in format fmt. K a multiple of the format's block (and so of the vector width). Returns -1 for
  * arguments it does not take (nothing written). */
@@ -528,18 +834,30 @@ int cpu_quant_matmul(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, in
     if (!block_bytes(fmt) || K % block_elems(fmt) || row_bytes != K / block_elems(fmt) * block_bytes(fmt)
         || K > (1 << 16))
         return -1;
-    if (use_gemm(fmt, M)) {
-        /* x quantized for the int16 tiles: in this calling thread's scratch, grown and kept (a
-         * few MB at most for prefill: no allocation, nor its page faults, per call) */
-        static _Thread_local void *xq_mem;
-        static _Thread_local size_t xq_size;
-        int i16 = use_int16(fmt);
-        if (i16 && gemm16_bytes(M, K) > xq_size) {
-            free(xq_mem);
-            xq_mem = aligned_alloc(64, (gemm16_bytes(M, K) + 63) & ~(size_t)63);
-            xq_size = xq_mem ? gemm16_bytes(M, K) : 0;
-            i16 = xq_mem != NULL;   /* else the fp32 tiles */
+    /* x quantized for the int16 tiles: in this calling thread's scratch, grown and kept (a few
+     * MB at most for prefill: no allocation, nor its page faults, per call) */
+    static _Thread_local void *xq_mem;
+    static _Thread_local size_t xq_size;
+    if (use_i16v(fmt, M) && !use_gemm(fmt, M) && xq_grow(&xq_mem, &xq_size, gemm16_bytes(M, K))) {
+        const gxq xq = gemm16_at(xq_mem, M, K);
+        i16v_quantize(x, ldx, M, K, (int16_t *)xq.q, (float *)xq.dx, (float *)xq.sx);
+        const int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * NR;
+            const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+            const uint8_t *rows[NR];
+            int fmts[NR];
+            for (int j = 0; j < nr; j++) rows[j] = w + (n0 + j) * row_bytes, fmts[j] = fmt;
+            i16tile_rows(fmts, rows, &xq, M, K, nr, y + n0, ldy);
+            if (bias)
+                for (int64_t m = 0; m < M; m++)
+                    for (int j = 0; j < nr; j++) y[m * ldy + n0 + j] += bias[n0 + j];
         }
+        return 0;
+    }
+    if (use_gemm(fmt, M)) {
+        const int i16 = use_int16(fmt) && xq_grow(&xq_mem, &xq_size, gemm16_bytes(M, K));   /* else the fp32 tiles */
         const gxq xq = i16 ? gemm16_at(xq_mem, M, K) : (gxq){0};
 #pragma omp parallel
         {

@@ -16,7 +16,11 @@ Rows per call decide the kernel (`QuantKernels.large_m`, measured in docs/kernel
 - more rows: the weight dequantized to fp32 in C, then torch's fp32 GEMM (oneDNN). With the
   GEMM tiles `large_m` is their most rows (2048: they beat this path up to there), without
   them LARGE_M (48: above that torch's blocking beats the dot-product tiles).
-Both compute with exactly gguf-py's dequantized values in fp32.
+Both compute with exactly gguf-py's dequantized values in fp32. Where the build has them, the
+int16 tiles quantize x per row and 32-element block to int16 (~2^-16 of the block's largest)
+and multiply the weights' integers: AVX512_VNNI's GEMM tiles (Q4_0/Q4_1/Q8_0 batches), and
+without AVX-512 the int16 GEMV tiles (every format, up to `int16_gemv_max_m(fmt)` rows: 3, Q8_0
+11, the K-quants 6); TAILRACE_CPU_QUANT_INT16=0 turns both off.
 """
 from __future__ import annotations
 
@@ -55,6 +59,8 @@ class QuantKernels:
         lib.cpu_quant_gemm_min_m.argtypes = [_INT]
         lib.cpu_quant_set_int16.restype = lib.cpu_quant_int16.restype = _INT
         lib.cpu_quant_set_int16.argtypes = lib.cpu_quant_int16.argtypes = [_INT]
+        lib.cpu_quant_set_int16_gemv.restype = lib.cpu_quant_int16_gemv_max_m.restype = _INT
+        lib.cpu_quant_set_int16_gemv.argtypes = lib.cpu_quant_int16_gemv_max_m.argtypes = [_INT]
         self._lib = lib
         self.vector_width = lib.cpu_quant_vector_width()
         self._set_large_m()
@@ -101,6 +107,17 @@ class QuantKernels:
         A/B runs only; not while a product runs."""
         return bool(self._lib.cpu_quant_set_int16(int(on)))
 
+    def int16_gemv_max_m(self, fmt: int = 2) -> int:
+        """The most rows of format fmt that take the int16 GEMV tiles now (AVX2 builds without
+        AVX-512, every format; gpu/cpu_quant.c i16tile), 0: none."""
+        return self._lib.cpu_quant_int16_gemv_max_m(int(fmt))
+
+    def set_int16_gemv(self, max_m: int) -> bool:
+        """The most rows of every format that take the int16 GEMV tiles, 0 for none, -1 for each
+        format's default (off where TAILRACE_CPU_QUANT_INT16=0). Returns whether this build has
+        them. Tests and A/B runs only; not while a product runs."""
+        return bool(self._lib.cpu_quant_set_int16_gemv(int(max_m)))
+
     def block(self, fmt: int) -> tuple[int, int]:
         """(elements, bytes) of one block of format fmt; (0, 0) for one it does not take."""
         return self._lib.cpu_quant_block_elems(fmt), self._lib.cpu_quant_block_bytes(fmt)
@@ -142,6 +159,8 @@ def isa() -> str:
         if k.int16():
             return "AVX-512, AVX512_VNNI (int16 GEMM tiles)"
         return "AVX-512" + (" (CPU also has AVX512_VNNI)" if "avx512_vnni" in flags else "")
+    if k.vector_width == 8 and k.int16_gemv_max_m():
+        return "AVX2+FMA (int16 GEMV tiles)"
     return {8: "AVX2+FMA"}.get(k.vector_width, "scalar C")
 
 
