@@ -68,6 +68,7 @@ KERNELS = [
     ("rms_norm", "gpu.kernels.triton.rmsnorm", "tests/kernels/test_rmsnorm.py", 1),
     ("apply_rope", "gpu.kernels.triton.rope", "tests/kernels/test_rope.py", 1),
     ("silu_and_mul", "gpu.kernels.triton.activation", "tests/kernels/test_activation.py", 1),
+    ("gelu_tanh_and_mul (GeGLU: Gemma)", "gpu.kernels.triton.activation", "tests/kernels/test_activation.py", 1),
     ("sample / apply_penalties", "gpu.kernels.triton.sampling", "tests/kernels/test_sampling.py", 1),
     ("mxfp4_moe", "gpu.kernels.triton.mxfp4_moe", "tests/kernels/test_mxfp4_moe.py", 1),
     ("lora shrink/expand", "gpu.kernels.triton.lora", "tests/kernels/test_lora_kernels.py", 1),
@@ -323,6 +324,12 @@ def _cases(only):
                 if want(label):
                     def launch(dtype=dtype, n=n, inter=inter):
                         activation.silu_and_mul(torch.zeros(n, 2 * inter, dtype=dtype, device=dev))
+
+                    yield label, activation, ["_silu_and_mul_kernel"], launch
+                label = f"gelu_tanh_and_mul[{model},{s},n={n}]"
+                if want(label):
+                    def launch(dtype=dtype, n=n, inter=inter):
+                        activation.gelu_tanh_and_mul(torch.zeros(n, 2 * inter, dtype=dtype, device=dev))
 
                     yield label, activation, ["_silu_and_mul_kernel"], launch
 

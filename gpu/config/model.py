@@ -8,7 +8,11 @@ import attrs
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
-ACTIVATIONS = ("silu",)     # the MLP activations gpu/layers implements
+# the MLP activations gpu/layers implements (gated: act(gate) * up); gelu_pytorch_tanh is
+# GELU's tanh approximation (Gemma's GeGLU), under every name HF configs give it
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_ACTIVATION_ALIASES = {"gelu_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_pytorch_tanh",
+                       "gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -65,7 +69,21 @@ class ModelConfig:
     # and width position (gpu/layers/ops.py mrope_cos_sin); None: one position a token
     mrope_section: tuple[int, ...] | None = None
 
-    hidden_act: str = "silu"
+    hidden_act: str = attrs.field(default="silu", converter=lambda a: _ACTIVATION_ALIASES.get(a, a))
+    # Gemma: RMSNorm scales by (1 + w); checkpoints store w, the model holds 1 + w (added
+    # as it loads: CausalLM.load_weights), so every norm kernel stays a plain one
+    norm_unit_offset: bool = False
+    # Gemma 2/3: a norm on the attention's and the MLP's outputs too, before each residual add
+    # (the MLP's input norm is then pre_feedforward_layernorm)
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0    # token embeddings times this (Gemma: sqrt(hidden_size))
+    # attention scores scale by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
+    query_pre_attn_scalar: float | None = None
+    # RoPE base of the sliding-window layers (Gemma 3's local base), plain RoPE; None: rope_theta
+    sliding_rope_theta: float | None = None
+    # Gemma 2: cap * tanh(x / cap) on the attention scores and on the final logits
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -97,6 +115,19 @@ class ModelConfig:
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    @property
+    def q_scale(self) -> float:
+        """What q is multiplied by so that the backends' head_dim ** -0.5 scale gives
+        query_pre_attn_scalar ** -0.5 (1.0 without one)."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
+
+    def layer_rope_theta(self, layer_idx: int) -> float:
+        if self.sliding_rope_theta is not None and self.layer_window(layer_idx) is not None:
+            return self.sliding_rope_theta
+        return self.rope_theta
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:

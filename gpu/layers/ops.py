@@ -81,6 +81,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2*I] -> gelu_tanh(x[:, :I]) * x[:, I:], [N, I] (GeGLU with GELU's tanh
+    approximation, Gemma's MLP), in fp32 then x.dtype as transformers' fp32 run computes it."""
+    if x.is_cuda:
+        return _kernel("activation", "gelu_tanh_and_mul")(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x itself when cap is None."""
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale (yarn's attention factor), as in
     transformers' ROPE_INIT_FUNCTIONS."""
