@@ -195,6 +195,23 @@ class GGUFFile:
         c = self.config_dict()
         return {"bos_token_id": c["bos_token_id"], "eos_token_id": c["eos_token_id"]}
 
+    def account(self, packed: frozenset[str], dtype: str) -> str:
+        """The start-up line's word on the file's quantized tensors beyond the packed
+        linears: which were repacked, and which were dequantized (to dtype) at load."""
+        from collections import Counter
+
+        repacked = Counter(self.tensors[n].tensor_type.name for n in packed if int(self.tensors[n].tensor_type) in REPACKED)
+        expanded = Counter(t.tensor_type.name for t in self.reader.tensors
+                           if t.name not in packed and int(t.tensor_type) not in (0, 1, 30))
+        parts = [f"{n} {k} repacked losslessly as Q8_0" for k, n in repacked.items()]
+        if expanded:
+            what = ", ".join(f"{n} {k}" for k, n in expanded.most_common())
+            tied = " (the embedding table, for its row lookups)" if set(expanded) and all(
+                t.name == "token_embd.weight" for t in self.reader.tensors
+                if t.name not in packed and int(t.tensor_type) not in (0, 1, 30)) else ""
+            parts.append(f"{what} dequantized to {dtype} at load{tied}")
+        return "; ".join(parts)
+
     def packed_type(self, gguf_name: str) -> int:
         """The ggml type `packed` gives the tensor in: its own, or Q8_0 for a Q5_0 tensor
         (REPACKED)."""

@@ -175,9 +175,13 @@ def load_model(
         from gpu.kernels.cpu import layer as cpu_layer
         lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
         weights = gguf_packed.describe(formats) + cpu_layer.describe(lm)
+        if account := source.gguf.account(taken, "float32"):
+            weights += f"; {account}"
         named_tensors = lambda select=None: source.gguf.named_tensors(select, skip=taken)  # noqa: E731
     elif source.gguf is not None and device_type(device) == "cpu":
         weights += f" (GGUF dequantized at load: --quantization {quantization}, --dtype {dtype})"
+    if source.gguf is not None:
+        weights += f"; {source.gguf.template_note}"
     vision = None
     if source.vision_config is not None:
         if tp.size > 1:

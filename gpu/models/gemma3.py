@@ -11,12 +11,40 @@ the reference decoder (gpu/models/causal_lm.py) with Gemma's parts, all config-d
 Gemma 2 (gpu/models/gemma2.py) shares gemma_fields."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 from gpu.config.model import ModelConfig, hf_fields
 from gpu.models.causal_lm import CausalLM
 
-Model = CausalLM
+# Gemma3ForConditionalGeneration's checkpoints name the text model's tensors under a prefix
+# (transformers 4.5x's hub layout, and 5.x's); the vision tower and projector are skipped
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+class Gemma3(CausalLM):
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(text_weights(named_tensors))
+
+
+def text_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]):
+    """A checkpoint's text-model tensors under the names of Gemma3ForCausalLM's."""
+    for name, tensor in named_tensors:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for prefix, ours in _TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                name = ours + name[len(prefix):]
+                break
+        yield name, tensor
+
+
+Model = Gemma3
 
 
 def text_config(d: dict[str, Any]) -> dict[str, Any]:
