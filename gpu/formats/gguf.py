@@ -142,8 +142,6 @@ class GGUFFile:
     def config_dict(self) -> dict[str, Any]:
         """A HF config.json-style dict for ModelConfig.from_hf."""
         a = self.arch
-        if "rope_freqs.weight" in self.tensors:
-            raise ValueError(f"{self.path.name}: per-frequency RoPE factors (rope_freqs, llama3 scaling) are not supported")
         heads = self.field(f"{a}.attention.head_count")
         hidden = self.field(f"{a}.embedding_length")
         rope_scaling = None
@@ -154,6 +152,13 @@ class GGUFFile:
                 rope_scaling["original_max_position_embeddings"] = self.field(f"{a}.rope.scaling.original_context_length")
         elif scaling_type not in (None, "none"):
             raise ValueError(f"{self.path.name}: unsupported rope scaling {scaling_type!r}")
+        if "rope_freqs.weight" in self.tensors:
+            if rope_scaling is not None:
+                raise ValueError(f"{self.path.name}: rope_freqs beside rope scaling {scaling_type!r}")
+            # Llama 3.x: convert_hf_to_gguf writes llama3 scaling as one factor a frequency
+            # (inv_freq / factor); read as they are, they are llama3 scaling exactly
+            factors = self.tensors["rope_freqs.weight"].data.astype(np.float64).reshape(-1)
+            rope_scaling = {"rope_type": "llama3", "freq_factors": tuple(float(f) for f in factors)}
         eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return {**self._family_config(), 
             "model_type": a,
@@ -251,7 +256,7 @@ class GGUFFile:
         heads = self.field(f"{a}.attention.head_count")
         kv_heads = self.field(f"{a}.attention.head_count_kv", heads)
         for t in self.reader.tensors:
-            if t.name in skip:
+            if t.name in skip or t.name == "rope_freqs.weight":    # config_dict's rope scaling
                 continue
             name = _hf_name(t.name, a)
             if name is None:

@@ -109,6 +109,11 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / s["factor"], 1.0
+    if rope_type == "llama3" and "freq_factors" in s:   # a GGUF's rope_freqs (gpu/formats/gguf.py)
+        factors = torch.tensor(s["freq_factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors for head_dim {dim} ({dim // 2} frequencies)")
+        return inv_freq / factors, 1.0
     if rope_type == "llama3":
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
