@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 # the MLP activations gpu/layers implements (gated: act(gate) * up); gelu_pytorch_tanh is
 # GELU's tanh approximation (Gemma's GeGLU), under every name HF configs give it
@@ -84,6 +84,10 @@ class ModelConfig:
     # Gemma 2: cap * tanh(x / cap) on the attention scores and on the final logits
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # partial rotary (Phi-3/4's partial_rotary_factor): the head dims RoPE turns; None: all.
+    # The cos/sin table leaves the rest unturned (gpu/layers/ops.py build_rope_cache) and the
+    # family lays q and k's head dims out so the turned pairs sit Dh/2 apart (gpu/models/phi3.py)
+    rotary_dim: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -99,6 +103,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in 2..head_dim ({self.head_dim}), got {self.rotary_dim}")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
@@ -182,7 +188,7 @@ def hf_fields(d: dict[str, Any], architecture: str, *, max_positions: int = 2048
     if rope_scaling is not None:
         rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
         rope_scaling.pop("rope_theta", None)
-        scaled_by_length = rope_scaling["rope_type"] in ("llama3", "yarn")
+        scaled_by_length = rope_scaling["rope_type"] in ("llama3", "yarn", "longrope")
         if scaled_by_length and "original_max_position_embeddings" not in rope_scaling:
             rope_scaling["original_max_position_embeddings"] = (
                 d.get("original_max_position_embeddings") or d["max_position_embeddings"])

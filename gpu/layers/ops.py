@@ -101,8 +101,10 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale (yarn's attention factor), as in
     transformers' ROPE_INIT_FUNCTIONS."""
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim or config.head_dim, config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if dim < config.head_dim:   # partial rotary: the other frequencies turn nothing
+        inv_freq = torch.cat([inv_freq, inv_freq.new_zeros((config.head_dim - dim) // 2)])
     s = config.rope_scaling_dict
     rope_type = s.get("rope_type", "default")
     if rope_type == "default":
@@ -162,11 +164,45 @@ def _yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor, s: dict) -> tupl
 def build_rope_cache(
     config: ModelConfig, max_positions: int, device: torch.device | str | None = None, dtype=torch.float32
 ) -> torch.Tensor:
-    """[max_positions, head_dim]: cos in the first head_dim/2 columns, sin in the second half."""
+    """[max_positions, head_dim]: cos in the first head_dim/2 columns, sin in the second half.
+    LongRoPE: the short factors' frequencies up to original_max_position_embeddings, the long
+    ones from there (vLLM's table; transformers switches a whole sequence to the long ones once
+    it is longer). Partial rotary: the columns past rotary_dim/2 are cos 1, sin 0."""
+    if config.rope_scaling_dict.get("rope_type") == "longrope":
+        return _longrope_cache(config, max_positions).to(device=device, dtype=dtype)
     inv_freq, scale = rope_inv_freq(config)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, Dh/2]
     cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)  # [P, Dh]
-    return cache.to(device=device, dtype=dtype)
+    return _unturned(cache, config).to(device=device, dtype=dtype)
+
+
+def _unturned(cache: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Partial rotary: the frequencies past rotary_dim / 2 turn nothing (cos 1, sin 0)."""
+    if config.rotary_dim is None or config.rotary_dim == config.head_dim:
+        return cache
+    half, n = config.head_dim // 2, config.rotary_dim // 2
+    cache[:, n:half] = 1.0
+    cache[:, half + n:] = 0.0
+    return cache
+
+
+def _longrope_cache(config: ModelConfig, max_positions: int) -> torch.Tensor:
+    s = config.rope_scaling_dict
+    dim = config.rotary_dim or config.head_dim
+    old = s["original_max_position_embeddings"]
+    factor = s.get("factor") or config.max_position_embeddings / old
+    scale = s.get("attention_factor") or (
+        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old)))
+    base = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    pos = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.zeros(max_positions, config.head_dim // 2)
+    for key, rows in (("short_factor", pos < old), ("long_factor", pos >= old)):
+        ext = torch.tensor(s[key], dtype=torch.float32)
+        if ext.numel() != dim // 2:
+            raise ValueError(f"longrope {key} has {ext.numel()} entries for {dim // 2} frequencies")
+        freqs[rows, :dim // 2] = torch.outer(pos[rows], 1.0 / (ext * base))
+    cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+    return _unturned(cache, config)
 
 
 def mrope_columns(section: tuple[int, ...], head_dim: int, device=None) -> torch.Tensor:

@@ -34,8 +34,10 @@ def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overr
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config, "gpt_oss": transformers.GptOssConfig,
-                  "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[arch]
-    family = {"gpt_oss": TINY_GPT_OSS, "gemma2": TINY_GEMMA2, "gemma3": TINY_GEMMA3}.get(arch, {})
+                  "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
+                  "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config}[arch]
+    family = {"gpt_oss": TINY_GPT_OSS, "gemma2": TINY_GEMMA2, "gemma3": TINY_GEMMA3,
+              "phi3": dict(pad_token_id=0, eos_token_id=2, bos_token_id=1)}.get(arch, {})
     config = config_cls(**{**TINY, **family, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
