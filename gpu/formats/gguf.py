@@ -159,7 +159,6 @@ class GGUFFile:
             # (inv_freq / factor); read as they are, they are llama3 scaling exactly
             factors = self.tensors["rope_freqs.weight"].data.astype(np.float64).reshape(-1)
             rope_scaling = {"rope_type": "llama3", "freq_factors": tuple(float(f) for f in factors)}
-        eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return {**self._family_config(), 
             "model_type": a,
             "vocab_size": int(self.tensors["token_embd.weight"].shape[-1]),
@@ -176,8 +175,12 @@ class GGUFFile:
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
+            "eos_token_id": self.eos_token_ids(),
         }
+
+    def eos_token_ids(self) -> list[int]:
+        eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return list(dict.fromkeys(e for e in eos if e is not None))
 
     def _family_config(self) -> dict[str, Any]:
         """The config.json keys a family reads beyond the shared ones."""
@@ -298,7 +301,7 @@ class GGUFFile:
             hf.post_processor = processors.TemplateProcessing(
                 single=f"{bos_tok} $A", pair=f"{bos_tok} $A {bos_tok} $B", special_tokens=[(bos_tok, bos)])
         template, ends = self.chat_template()
-        eos = [*self.config_dict()["eos_token_id"], *(i for t in ends if (i := hf.token_to_id(t)) is not None)]
+        eos = [*self.eos_token_ids(), *(i for t in ends if (i := hf.token_to_id(t)) is not None)]
         return Tokenizer(hf, bos_token_id=bos, eos_token_ids=eos, chat_template=template)
 
     def chat_template(self) -> tuple[str | None, tuple[str, ...]]:
