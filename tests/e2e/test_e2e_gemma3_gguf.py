@@ -5,7 +5,7 @@ float32).
 
 - prompt token ids, BOS included, equal transformers';
 - greedy continuations of plain-text prompts equal transformers' fp32 greedy ones for the
-  first N = 16 tokens of each, up to the first near-tie: a step where transformers' two best
+  first N = 12 tokens of each, up to the first near-tie: a step where transformers' two best
   logits are closer than TIE (this file is quantized and a base model; the packed kernels sum
   in another order than torch's fp32 GEMM, so a near-tie may go either way);
 - completions and, with Gemma's known template (the file carries none), chat, streamed and not.
@@ -28,10 +28,9 @@ GGUF = Path(os.environ.get("TAILRACE_GEMMA3_GGUF")
 pytestmark = pytest.mark.skipif(not GGUF.is_file(),
                                 reason=f"{GGUF} is absent (`make install-dev` assembles it)")
 
-N = 16          # greedy tokens compared a prompt
+N = 12          # greedy tokens compared a prompt
 TIE = 0.05      # a step whose two best transformers logits are closer than this is a near-tie
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, there was a",
-           "Water boils at a temperature of"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, there was a"]
 TEXTS = PROMPTS + [
     "Hello world,  how are you?\n\nFine,\tthanks.", "  leading spaces and trailing   ",
     "naïve café — 東京タワー 🚀 emoji", "<start_of_turn>user\nHi<end_of_turn>\n", "1234567 + 89 = ?",
@@ -144,7 +143,7 @@ def test_greedy_continuations_equal_transformers_fp32(client, reference):
 
 def test_completions_streamed_equal_not_streamed(client):
     model = client.models.list().data[0].id
-    kw = dict(model=model, prompt=PROMPTS[0], temperature=0, max_tokens=12)
+    kw = dict(model=model, prompt=PROMPTS[0], temperature=0, max_tokens=8)
     whole = client.completions.create(**kw).choices[0].text
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
     assert streamed == whole and whole.strip()
@@ -157,7 +156,7 @@ def test_chat_uses_gemmas_template_streamed_and_not(client, reference):
                 {"role": "user", "content": "What is the capital of France?"}]
     rendered = ("<bos><start_of_turn>user\nAnswer briefly.\n\nWhat is the capital of France?<end_of_turn>\n"
                 "<start_of_turn>model\n")
-    kw = dict(model=model, messages=messages, temperature=0, max_tokens=24)
+    kw = dict(model=model, messages=messages, temperature=0, max_tokens=12)
     r = client.chat.completions.create(**kw)
     assert r.usage.prompt_tokens == len(tok(rendered, add_special_tokens=False).input_ids)
     text = r.choices[0].message.content

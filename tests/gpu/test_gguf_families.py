@@ -174,3 +174,17 @@ def test_gemma_gguf_tokens_and_logits_match_transformers(arch, tmp_path):
     torch.testing.assert_close(our_logits(loaded.model, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
     # the file's weights are the checkpoint's: transformers' GGUF load gives its logits too
     torch.testing.assert_close(hf_logits(ref, ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_q5_0_repacked_as_q8_0_holds_the_same_values():
+    """K_M files' Q5_0 tensors (the fallback for rows not a multiple of 256) stay packed as
+    Q8_0: the same fp16 scale, the 5-bit codes minus 16 as int8; gguf-py dequantizes both to
+    the same floats."""
+    from gpu.formats.gguf import q5_0_as_q8_0
+
+    x = np.random.default_rng(0).standard_normal((6, 640)).astype(np.float32) * 3
+    q5 = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q5_0)
+    q8 = q5_0_as_q8_0(q5)
+    assert q8.shape == (6, 640 // 32 * 34)
+    np.testing.assert_array_equal(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0),
+                                  gguf.quants.dequantize(q5, gguf.GGMLQuantizationType.Q5_0))
