@@ -40,6 +40,11 @@ _PER_BLOCK = {
 _GEMMA_BLOCK = {**_PER_BLOCK, "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GEMMA = ("gemma2", "gemma3")
+# Phi-3 keeps q/k/v in one tensor and gate/up in ffn_up (gpu/models/phi3.py splits them)
+_PHI3_BLOCK = {**_PER_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_BLOCK_NAMES = {**dict.fromkeys(_GEMMA, _GEMMA_BLOCK), "phi3": _PHI3_BLOCK}
+# tensors that are config, not weights (config_dict reads them)
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 Q5_0, Q8_0 = 6, 8
@@ -80,7 +85,7 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if base in _TOP_LEVEL:
         return f"{_TOP_LEVEL[base]}.{kind}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    per_block = _GEMMA_BLOCK if arch in _GEMMA else _PER_BLOCK
+    per_block = _BLOCK_NAMES.get(arch, _PER_BLOCK)
     if m and m.group(2) in per_block:
         return f"model.layers.{m.group(1)}.{per_block[m.group(2)]}.{kind}"
     return None
@@ -159,7 +164,7 @@ class GGUFFile:
             # (inv_freq / factor); read as they are, they are llama3 scaling exactly
             factors = self.tensors["rope_freqs.weight"].data.astype(np.float64).reshape(-1)
             rope_scaling = {"rope_type": "llama3", "freq_factors": tuple(float(f) for f in factors)}
-        return {**self._family_config(), 
+        return {
             "model_type": a,
             "vocab_size": int(self.tensors["token_embd.weight"].shape[-1]),
             "hidden_size": hidden,
@@ -176,6 +181,7 @@ class GGUFFile:
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.eos_token_ids(),
+            **self._family_config(),
         }
 
     def eos_token_ids(self) -> list[int]:
@@ -185,6 +191,8 @@ class GGUFFile:
     def _family_config(self) -> dict[str, Any]:
         """The config.json keys a family reads beyond the shared ones."""
         a = self.arch
+        if a == "phi3":
+            return self._phi3_config()
         if a not in _GEMMA:
             return {}
         heads, hidden = self.field(f"{a}.attention.head_count"), self.field(f"{a}.embedding_length")
@@ -197,6 +205,25 @@ class GGUFFile:
             extra["final_logit_softcapping"] = self.field(f"{a}.final_logit_softcapping", 30.0)
         else:
             extra["rope_local_base_freq"] = 10000.0    # llama.cpp's fixed base of Gemma 3's sliding layers
+        return extra
+
+    def _phi3_config(self) -> dict[str, Any]:
+        """Phi-3's partial rotary (rope.dimension_count), LongRoPE (its factors as tensors),
+        sliding window."""
+        a, extra = self.arch, {}
+        heads, hidden = self.field(f"{a}.attention.head_count"), self.field(f"{a}.embedding_length")
+        rot = self.field(f"{a}.rope.dimension_count")
+        if rot and rot != hidden // heads:
+            extra["partial_rotary_factor"] = rot / (hidden // heads)
+        if "rope_factors_long.weight" in self.tensors:
+            factors = {k: [float(f) for f in self.tensors[f"rope_factors_{k}.weight"].data.reshape(-1)]
+                       for k in ("short", "long")}
+            extra["rope_scaling"] = {
+                "rope_type": "longrope", "short_factor": factors["short"], "long_factor": factors["long"],
+                "original_max_position_embeddings": self.field(f"{a}.rope.scaling.original_context_length"),
+                **({"attention_factor": _round_f32(f)} if (f := self.field(f"{a}.rope.scaling.attn_factor")) else {})}
+        if window := self.field(f"{a}.attention.sliding_window"):
+            extra["sliding_window"] = window
         return extra
 
     def generation_config(self) -> dict[str, Any]:
@@ -259,7 +286,7 @@ class GGUFFile:
         heads = self.field(f"{a}.attention.head_count")
         kv_heads = self.field(f"{a}.attention.head_count_kv", heads)
         for t in self.reader.tensors:
-            if t.name in skip or t.name == "rope_freqs.weight":    # config_dict's rope scaling
+            if t.name in skip or t.name in _CONFIG_TENSORS:    # config_dict's rope scaling
                 continue
             name = _hf_name(t.name, a)
             if name is None:

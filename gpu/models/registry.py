@@ -31,7 +31,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",)),
-    Family("phi3", ("Phi3ForCausalLM",), ("phi3",)),
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3", "gemma3_text"), ("gemma3",)),
 )

@@ -188,3 +188,33 @@ def test_q5_0_repacked_as_q8_0_holds_the_same_values():
     assert q8.shape == (6, 640 // 32 * 34)
     np.testing.assert_array_equal(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0),
                                   gguf.quants.dequantize(q5, gguf.GGMLQuantizationType.Q5_0))
+
+
+def test_phi3_gguf_fused_tensors_match_transformers(tmp_path):
+    """Phi-3's GGUF names (attn_qkv, ffn_up holding gate and up), against transformers loading
+    the same file."""
+    from transformers import AutoModelForCausalLM
+
+    hf = make_hf_model("phi3", head_dim=16)
+    c = hf.config
+    path = tmp_path / "tiny-phi3.gguf"
+    w = _writer(path, "phi3", c)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(16)
+    w.add_vocab_size(c.vocab_size)    # a file without a vocabulary: transformers reads the size here
+    w.add_pad_token_id(0)             # (Phi3Config's default, 32000, is past this vocabulary)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    to_gguf = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    for name, t in hf.state_dict().items():
+        base, kind = name.rsplit(".", 1)
+        layer_part = next((g for h, g in to_gguf.items() if base.endswith(h)), None)
+        gname = (f"blk.{base.split('.')[2]}.{layer_part}.{kind}" if layer_part
+                 else _gguf_name(name, _PER_BLOCK))
+        w.add_tensor(gname, t.numpy())
+    _finish(w)
+    loaded = load_model(path, dtype="float32", progress=False)
+    assert loaded.config.architecture == "phi3"
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    torch.testing.assert_close(our_logits(loaded.model, IDS), hf_logits(ref, IDS), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(our_logits(loaded.model, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
