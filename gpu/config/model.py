@@ -8,9 +8,13 @@ import attrs
 
 from gpu.config.moe import MoESpec
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
-ACTIVATIONS = ("silu",)     # the MLP activations gpu/layers implements
+# the MLP activations gpu/layers implements (gated: act(gate) * up); gelu_pytorch_tanh is
+# GELU's tanh approximation (Gemma's GeGLU), under every name HF configs give it
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_ACTIVATION_ALIASES = {"gelu_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_pytorch_tanh",
+                       "gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
@@ -86,7 +90,9 @@ class ModelConfig:
     q_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
-    rotary_dim: int = 0             # GLM-4.5's partial rotary: RoPE on each head's first rotary_dim (0: all)
+    # partial rotary (GLM-4.5, Phi-3/4): RoPE on each head's first rotary_dim dims, HF's
+    # rotate-half pairs (i, i + rotary_dim/2) among them, the rest as they are (0: all)
+    rotary_dim: int = 0
     rope_interleave: bool = False
     # Llama 4: layers without RoPE (their queries scaled by attn_temperature = (floor_scale,
     # attn_scale): 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))), and a weightless
@@ -95,7 +101,21 @@ class ModelConfig:
     attn_temperature: tuple[float, float] | None = None
     qk_l2_norm: bool = False   # DeepSeek: the checkpoint's rotary columns as pairs (undone at load)
 
-    hidden_act: str = "silu"
+    hidden_act: str = attrs.field(default="silu", converter=lambda a: _ACTIVATION_ALIASES.get(a, a))
+    # Gemma: RMSNorm scales by (1 + w); checkpoints store w, the model holds 1 + w (added
+    # as it loads: CausalLM.load_weights), so every norm kernel stays a plain one
+    norm_unit_offset: bool = False
+    # Gemma 2/3: a norm on the attention's and the MLP's outputs too, before each residual add
+    # (the MLP's input norm is then pre_feedforward_layernorm)
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0    # token embeddings times this (Gemma: sqrt(hidden_size))
+    # attention scores scale by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
+    query_pre_attn_scalar: float | None = None
+    # RoPE base of the sliding-window layers (Gemma 3's local base), plain RoPE; None: rope_theta
+    sliding_rope_theta: float | None = None
+    # Gemma 2: cap * tanh(x / cap) on the attention scores and on the final logits
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -111,6 +131,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in 2..head_dim ({self.head_dim}), got {self.rotary_dim}")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, "
@@ -144,6 +166,19 @@ class ModelConfig:
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    @property
+    def q_scale(self) -> float:
+        """What q is multiplied by so that the backends' head_dim ** -0.5 scale gives
+        query_pre_attn_scalar ** -0.5 (1.0 without one)."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
+
+    def layer_rope_theta(self, layer_idx: int) -> float:
+        if self.sliding_rope_theta is not None and self.layer_window(layer_idx) is not None:
+            return self.sliding_rope_theta
+        return self.rope_theta
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -246,7 +281,7 @@ def hf_fields(d: dict[str, Any], architecture: str, *, max_positions: int = 2048
     if rope_scaling is not None:
         rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
         rope_scaling.pop("rope_theta", None)
-        scaled_by_length = rope_scaling["rope_type"] in ("llama3", "yarn")
+        scaled_by_length = rope_scaling["rope_type"] in ("llama3", "yarn", "longrope")
         if scaled_by_length and "original_max_position_embeddings" not in rope_scaling:
             rope_scaling["original_max_position_embeddings"] = (
                 d.get("original_max_position_embeddings") or d["max_position_embeddings"])

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, processors
+from tokenizers import processors
 
 from gpu.formats.gguf_reader import GGUFHeader
+from gpu.tokenizers import gguf_vocab
 from gpu.tokenizers.tokenizer import Tokenizer
 
 if TYPE_CHECKING:   # torch only where tensors are made: reading the tokenizer needs none
@@ -42,14 +42,37 @@ _PER_BLOCK = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma 2/3 name their four norms apart (ffn_norm is the MLP's input norm, as for Llama)
+_GEMMA_BLOCK = {**_PER_BLOCK, "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA = ("gemma2", "gemma3")
+# Phi-3 keeps q/k/v in one tensor and gate/up in ffn_up (gpu/models/phi3.py splits them)
+_PHI3_BLOCK = {**_PER_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_BLOCK_NAMES = {**dict.fromkeys(_GEMMA, _GEMMA_BLOCK), "phi3": _PHI3_BLOCK}
+# tensors that are config, not weights (config_dict reads them)
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
-# Pre-tokenizer split patterns by tokenizer.ggml.pre (the regexes of the matching HF tokenizer.json).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_CONTROL, _USER_DEFINED = 3, 4  # gguf token_type values that become added tokens
+Q5_0, Q8_0 = 6, 8
+# ggml types kept packed as another the CPU kernels take, without loss: Q5_0's 5-bit codes
+# (x - 16, in -16..15) under its fp16 scale are Q8_0 int8 codes under the same scale
+# (34 bytes a block of 32 against 22: still 3.8x smaller than fp32)
+REPACKED = {Q5_0: Q8_0}
+
+
+def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """uint8 [rows, n * 22] Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles:
+    element j < 16 in the low nibble of byte j, element j + 16 in its high one) -> uint8
+    [rows, n * 34] Q8_0 blocks (fp16 d, 32 int8) holding the same values d * (q - 16)."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(-1, 22)
+    high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")        # [B, 32]: bit j of qh
+    low = np.concatenate([b[:, 6:] & 0x0F, b[:, 6:] >> 4], axis=1)   # [B, 32]
+    q = (low | (high << 4)).astype(np.int16) - 16
+    out = np.empty((b.shape[0], 34), dtype=np.uint8)
+    out[:, :2] = b[:, :2]
+    out[:, 2:] = q.astype(np.int8).view(np.uint8)
+    return out.reshape(rows, -1)
 
 
 def _round_f32(x: float) -> float:
@@ -63,13 +86,14 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, kind = gguf_name.rpartition(".")
     if base in _TOP_LEVEL:
         return f"{_TOP_LEVEL[base]}.{kind}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _PER_BLOCK:
-        return f"model.layers.{m.group(1)}.{_PER_BLOCK[m.group(2)]}.{kind}"
+    per_block = _BLOCK_NAMES.get(arch, _PER_BLOCK)
+    if m and m.group(2) in per_block:
+        return f"model.layers.{m.group(1)}.{per_block[m.group(2)]}.{kind}"
     return None
 
 
@@ -129,8 +153,6 @@ class GGUFFile:
     def config_dict(self) -> dict[str, Any]:
         """A HF config.json-style dict for ModelConfig.from_hf."""
         a = self.arch
-        if "rope_freqs.weight" in self.tensors:
-            raise ValueError(f"{self.path.name}: per-frequency RoPE factors (rope_freqs, llama3 scaling) are not supported")
         heads = self.field(f"{a}.attention.head_count")
         hidden = self.field(f"{a}.embedding_length")
         rope_scaling = None
@@ -141,7 +163,13 @@ class GGUFFile:
                 rope_scaling["original_max_position_embeddings"] = self.field(f"{a}.rope.scaling.original_context_length")
         elif scaling_type not in (None, "none"):
             raise ValueError(f"{self.path.name}: unsupported rope scaling {scaling_type!r}")
-        eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        if "rope_freqs.weight" in self.tensors:
+            if rope_scaling is not None:
+                raise ValueError(f"{self.path.name}: rope_freqs beside rope scaling {scaling_type!r}")
+            # Llama 3.x: convert_hf_to_gguf writes llama3 scaling as one factor a frequency
+            # (inv_freq / factor); read as they are, they are llama3 scaling exactly
+            factors = self.tensors["rope_freqs.weight"].data.astype(np.float64).reshape(-1)
+            rope_scaling = {"rope_type": "llama3", "freq_factors": tuple(float(f) for f in factors)}
         return {
             **self._experts_config(),
             "model_type": a,
@@ -159,7 +187,8 @@ class GGUFFile:
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
+            "eos_token_id": self.eos_token_ids(),
+            **self._family_config(),
         }
 
     def _experts_config(self) -> dict[str, Any]:
@@ -178,26 +207,94 @@ class GGUFFile:
             "norm_topk_prob": bool(self.field(f"{a}.expert_weights_norm", a == "qwen3moe")),
         }
 
+    def eos_token_ids(self) -> list[int]:
+        eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return list(dict.fromkeys(e for e in eos if e is not None))
+
+    def _family_config(self) -> dict[str, Any]:
+        """The config.json keys a family reads beyond the shared ones."""
+        a = self.arch
+        if a == "phi3":
+            return self._phi3_config()
+        if a not in _GEMMA:
+            return {}
+        heads, hidden = self.field(f"{a}.attention.head_count"), self.field(f"{a}.embedding_length")
+        head_dim = self.field(f"{a}.attention.key_length") or hidden // heads
+        extra = {"sliding_window": self.field(f"{a}.attention.sliding_window"),
+                 # llama.cpp's rule: Gemma 3 27B (62 layers) scales by hidden / heads, the rest by head_dim
+                 "query_pre_attn_scalar": (hidden // heads if self.field(f"{a}.block_count") == 62 else head_dim)}
+        if a == "gemma2":
+            extra["attn_logit_softcapping"] = self.field(f"{a}.attn_logit_softcapping", 50.0)
+            extra["final_logit_softcapping"] = self.field(f"{a}.final_logit_softcapping", 30.0)
+        else:
+            extra["rope_local_base_freq"] = 10000.0    # llama.cpp's fixed base of Gemma 3's sliding layers
+        return extra
+
+    def _phi3_config(self) -> dict[str, Any]:
+        """Phi-3's partial rotary (rope.dimension_count), LongRoPE (its factors as tensors),
+        sliding window."""
+        a, extra = self.arch, {}
+        heads, hidden = self.field(f"{a}.attention.head_count"), self.field(f"{a}.embedding_length")
+        rot = self.field(f"{a}.rope.dimension_count")
+        if rot and rot != hidden // heads:
+            extra["partial_rotary_factor"] = rot / (hidden // heads)
+        if "rope_factors_long.weight" in self.tensors:
+            factors = {k: [float(f) for f in self.tensors[f"rope_factors_{k}.weight"].data.reshape(-1)]
+                       for k in ("short", "long")}
+            extra["rope_scaling"] = {
+                "rope_type": "longrope", "short_factor": factors["short"], "long_factor": factors["long"],
+                "original_max_position_embeddings": self.field(f"{a}.rope.scaling.original_context_length"),
+                **({"attention_factor": _round_f32(f)} if (f := self.field(f"{a}.rope.scaling.attn_factor")) else {})}
+        if window := self.field(f"{a}.attention.sliding_window"):
+            extra["sliding_window"] = window
+        return extra
+
     def generation_config(self) -> dict[str, Any]:
         c = self.config_dict()
         return {"bos_token_id": c["bos_token_id"], "eos_token_id": c["eos_token_id"]}
 
+    def account(self, packed: frozenset[str], dtype: str) -> str:
+        """The start-up line's word on the file's quantized tensors beyond the packed
+        linears: which were repacked, and which were dequantized (to dtype) at load."""
+        from collections import Counter
+
+        repacked = Counter(self.tensors[n].tensor_type.name for n in packed if int(self.tensors[n].tensor_type) in REPACKED)
+        expanded = Counter(t.tensor_type.name for t in self.reader.tensors
+                           if t.name not in packed and int(t.tensor_type) not in (0, 1, 30))
+        parts = [f"{n} {k} repacked losslessly as Q8_0" for k, n in repacked.items()]
+        if expanded:
+            what = ", ".join(f"{n} {k}" for k, n in expanded.most_common())
+            tied = " (the embedding table, for its row lookups)" if set(expanded) and all(
+                t.name == "token_embd.weight" for t in self.reader.tensors
+                if t.name not in packed and int(t.tensor_type) not in (0, 1, 30)) else ""
+            parts.append(f"{what} dequantized to {dtype} at load{tied}")
+        return "; ".join(parts)
+
+    def packed_type(self, gguf_name: str) -> int:
+        """The ggml type `packed` gives the tensor in: its own, or Q8_0 for a Q5_0 tensor
+        (REPACKED)."""
+        ggml_type = int(self.tensors[gguf_name].tensor_type)
+        return REPACKED.get(ggml_type, ggml_type)
+
     def packed(self, gguf_name: str) -> tuple[int, torch.Tensor]:
-        """(ggml type id, the tensor's blocks as stored: uint8 [rows, row_bytes]), rows
-        un-permuted as named_tensors un-permutes them (a row holds whole blocks, so rows
-        move as they are): for the packed CPU linears (gpu/quantization/gguf.py)."""
+        """(ggml type id, the tensor's blocks: uint8 [rows, row_bytes]), rows un-permuted as
+        named_tensors un-permutes them (a row holds whole blocks, so rows move as they are):
+        for the packed CPU linears (gpu/quantization/gguf.py). As stored, or repacked
+        losslessly into a format the kernels take (packed_type)."""
         import torch
 
         t = self.tensors[gguf_name]
-        data = torch.from_numpy(np.array(t.data.view(np.ndarray), dtype=np.uint8, copy=True))
-        data = data.reshape(int(t.shape[-1]), -1)
+        raw = np.array(t.data.view(np.ndarray), dtype=np.uint8, copy=True).reshape(int(t.shape[-1]), -1)
+        if int(t.tensor_type) == Q5_0:
+            raw = q5_0_as_q8_0(raw)
+        data = torch.from_numpy(raw)
         a = self.arch
         heads = self.field(f"{a}.attention.head_count")
         if a == "llama" and ".attn_q." in gguf_name:
             data = _unpermute(data, heads)
         elif a == "llama" and ".attn_k." in gguf_name:
             data = _unpermute(data, self.field(f"{a}.attention.head_count_kv", heads))
-        return int(t.tensor_type), data.contiguous()
+        return self.packed_type(gguf_name), data.contiguous()
 
     def named_tensors(self, select=None, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) for every weight, dequantized and un-permuted; the GGUF
@@ -212,9 +309,9 @@ class GGUFFile:
         heads = self.field(f"{a}.attention.head_count")
         kv_heads = self.field(f"{a}.attention.head_count_kv", heads)
         for t in self.reader.tensors:
-            if t.name in skip:
+            if t.name in skip or t.name in _CONFIG_TENSORS:    # config_dict's rope scaling
                 continue
-            name = _hf_name(t.name)
+            name = _hf_name(t.name, a)
             if name is None:
                 raise ValueError(f"{self.path.name}: unexpected tensor {t.name!r}")
             # A plain ndarray view: numpy's memmap subclass makes dequantize ~2x slower.
@@ -229,50 +326,48 @@ class GGUFFile:
                 w = _unpermute(w, heads * shape[0] // full_rows)
             elif a == "llama" and ".attn_k." in t.name:
                 w = _unpermute(w, kv_heads * shape[0] // full_rows)
+            elif a in _GEMMA and name.endswith("norm.weight"):
+                w = w - 1.0     # convert_hf_to_gguf stores Gemma's (1 + w); HF names hold w
             yield name, w
 
     def tokenizer(self) -> Tokenizer | None:
-        """Byte-level BPE ("gpt2") tokenizers only; None (with a warning) for anything else."""
+        """Byte-level BPE ("gpt2") and SentencePiece ("llama") vocabularies
+        (gpu/tokenizers/gguf_vocab.py); None (with a warning) for anything else. A file with no
+        chat template gets its family's known one (start-up says so: template_note)."""
         kind = self.field("tokenizer.ggml.model")
         if kind is None:
             return None
-        if kind != "gpt2":
+        if kind == "gpt2":
+            hf = gguf_vocab.byte_level_bpe(self.field, self.path.name)
+        elif kind == "llama":
+            hf = gguf_vocab.sentencepiece_bpe(self.field, self.arch)
+        else:
             log.warning("%s: tokenizer model %r is not supported; serving without a tokenizer", self.path.name, kind)
             return None
-        hf = _byte_level_bpe(self)
         bos = self.field("tokenizer.ggml.bos_token_id")
-        if self.field("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+        if self.field("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
             bos_tok = hf.id_to_token(bos)
             hf.post_processor = processors.TemplateProcessing(
                 single=f"{bos_tok} $A", pair=f"{bos_tok} $A {bos_tok} $B", special_tokens=[(bos_tok, bos)])
-        return Tokenizer(hf, bos_token_id=bos, eos_token_ids=self.config_dict()["eos_token_id"],
-                         chat_template=self.field("tokenizer.chat_template"))
+        template, ends = self.chat_template()
+        eos = [*self.eos_token_ids(), *(i for t in ends if (i := hf.token_to_id(t)) is not None)]
+        return Tokenizer(hf, bos_token_id=bos, eos_token_ids=eos, chat_template=template)
 
+    def chat_template(self) -> tuple[str | None, tuple[str, ...]]:
+        """(the file's chat template, or its family's known one; the tokens that end a turn
+        under a known template)."""
+        own = self.field("tokenizer.chat_template")
+        if own:
+            return own, ()
+        known = gguf_vocab.known_template(self.arch)
+        return (known if known is not None else (None, ()))
 
-def _byte_level_bpe(f: GGUFFile) -> tokenizers.Tokenizer:
-    tokens: list[str] = f.field("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in f.field("tokenizer.ggml.merges", [])]
-    pre = f.field("tokenizer.ggml.pre", "default")
-    hf = tokenizers.Tokenizer(models.BPE(
-        vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges,
-        ignore_merges=pre == "llama-bpe",  # llama 3: whole-word vocab hits skip merging
-    ))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in ("llama-bpe", "qwen2"):
-        split = pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT if pre == "llama-bpe" else _QWEN2_SPLIT),
-                                     behavior="isolated")
-        hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    else:
-        if pre not in ("gpt2", "default"):
-            log.warning("%s: pre-tokenizer %r unknown; using GPT-2's", f.path.name, pre)
-        hf.pre_tokenizer = byte_level
-    hf.decoder = decoders.ByteLevel()
-    types = f.field("tokenizer.ggml.token_type", [])
-    hf.add_special_tokens([tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-                           for i, t in enumerate(types) if t == _CONTROL])
-    hf.add_tokens([tokenizers.AddedToken(tokens[i], special=False, normalized=False)
-                   for i, t in enumerate(types) if t == _USER_DEFINED])
-    return hf
+    @property
+    def template_note(self) -> str:
+        """The start-up line's word on the chat template."""
+        if self.field("tokenizer.chat_template"):
+            return "chat template: the file's"
+        if gguf_vocab.known_template(self.arch) is not None:
+            return f"chat template: the file has none; {self.arch}'s known template"
+        return "chat template: none (the file has none, and none is known for its family)"

@@ -153,11 +153,15 @@ def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
-         scale: float | None, sink_logits: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+         scale: float | None, sink_logits: torch.Tensor | None = None, is_causal: bool = False,
+         softcap: float | None = None) -> torch.Tensor:
     """SDPA over q [B, H, Q, D], k/v [B, Hk, K, D] (GQA when Hk < H), visible broadcastable to
     [B, H, Q, K]. sink_logits, broadcastable to [B, H, Q, 1], join each softmax denominator as
     one extra key whose score is the sink and whose value is zero: softmax over [scores, sink]
-    with the sink's column dropped, as gpt-oss computes it."""
+    with the sink's column dropped, as gpt-oss computes it. softcap (Gemma 2): each scaled
+    score s becomes softcap * tanh(s / softcap) before the mask and the softmax."""
+    if softcap:
+        return _softcapped(q, k, v, visible, scale, sink_logits, is_causal, softcap)
     if sink_logits is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=is_causal,
                                               scale=scale, enable_gqa=True)
@@ -170,6 +174,26 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tenso
     bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
     bias = torch.cat([bias.expand(B, H, Q, K), sink_logits.to(q.dtype).expand(B, H, Q, 1)], dim=-1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+
+
+def _softcapped(q, k, v, visible, scale, sink_logits, is_causal, cap) -> torch.Tensor:
+    """sdpa with soft-capped scores, spelled out in fp32 (torch's SDPA has no soft-capping)."""
+    B, H, Q, D = q.shape
+    K, group = k.shape[-2], H // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1) if group > 1 else k.float()
+    vf = v.float().repeat_interleave(group, dim=1) if group > 1 else v.float()
+    scores = q.float() @ kf.transpose(-1, -2) * (D ** -0.5 if scale is None else scale)  # [B, H, Q, K]
+    scores = torch.tanh(scores / cap) * cap
+    if visible is None and is_causal:
+        visible = torch.ones(Q, K, dtype=torch.bool, device=q.device).tril(K - Q)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if sink_logits is not None:
+        sink = sink_logits.float().expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return (probs @ vf).to(q.dtype)
 
 
 def _decode_kernels(cache: KVCache):
@@ -267,16 +291,17 @@ class TorchPagedAttention:
         return self._decode_windowed[window]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         if layer in self.cache.sliding_layers:
             if layer == self.cache.first_sliding or self._sliding is None:
                 self._sliding = TorchPagedAttention(self.cache, self.scale,
                                                     cpu_kernels=self.kernels is not None)
                 self._sliding.prepare(self.cache.sliding_view(self.meta))
-            return self._sliding._attend(layer, q, k, v, sinks, window)
-        return self._attend(layer, q, k, v, sinks, window)
+            return self._sliding._attend(layer, q, k, v, sinks, window, softcap)
+        return self._attend(layer, q, k, v, sinks, window, softcap)
 
-    def _attend(self, layer: int, q, k, v, sinks, window) -> torch.Tensor:
+    def _attend(self, layer: int, q, k, v, sinks, window, softcap=None) -> torch.Tensor:
         meta = self.meta
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         flat_k = kc.view(-1, kc.shape[2], kc.shape[3])
@@ -287,17 +312,18 @@ class TorchPagedAttention:
         if not kernel_writes:
             _store(flat_k, meta.slot_mapping, k)
             _store(flat_v, meta.slot_mapping, v)
-        if self._c_args is not None and self._kernel_decode(layer, q, k, v, out, sinks, window):
+        if (self._c_args is not None and not softcap     # the C kernel has no soft-capping
+                and self._kernel_decode(layer, q, k, v, out, sinks, window)):
             if not self._prefill_rows:
                 return out
         else:
             if kernel_writes:   # it declined: nothing it may have written differs from these
                 _store(flat_k, meta.slot_mapping, k)
                 _store(flat_v, meta.slot_mapping, v)
-            out = self._torch_decode(layer, q, out, sinks, window)
+            out = self._torch_decode(layer, q, out, sinks, window, softcap)
             if not self._prefill_rows:
                 return out
-        return self._prefill(q, k, v, out, sinks, window, flat_k, flat_v)
+        return self._prefill(q, k, v, out, sinks, window, flat_k, flat_v, softcap)
 
     def _kernel_decode(self, layer: int, q, k, v, out, sinks, window) -> bool:
         """The decode rows through the C kernel (which also writes their k/v when no prefill
@@ -317,7 +343,7 @@ class TorchPagedAttention:
             q, q_rows, out, kc, vc, tables, lens, self.scale, new_kv=new_kv, slots=slots,
             sinks=None if sinks is None else sinks.float().contiguous(), window=window)
 
-    def _torch_decode(self, layer: int, q, out, sinks, window) -> torch.Tensor:
+    def _torch_decode(self, layer: int, q, out, sinks, window, softcap=None) -> torch.Tensor:
         """out with the decode rows: their blocks gathered, one SDPA call (k/v already written)."""
         meta = self.meta
         kc, vc = self.cache.k[layer], self.cache.v[layer]
@@ -330,14 +356,15 @@ class TorchPagedAttention:
             kd = _load(kc, self._decode_blocks, q.dtype).view(B, -1, hkv, d).transpose(1, 2)
             vd = _load(vc, self._decode_blocks, q.dtype).view(B, -1, hkv, vc.shape[-1]).transpose(1, 2)
             sink = None if sinks is None else sinks.view(1, hkv, -1, 1)         # head h = kv * G + g
-            od = sdpa(qd, kd, vd, self._decode_visible(window), self.scale, sink)  # [B, Hkv, G, D]
+            od = sdpa(qd, kd, vd, self._decode_visible(window), self.scale, sink,
+                      softcap=softcap)                                          # [B, Hkv, G, D]
             od = od.reshape(B, -1, od.shape[-1])                                # [B, Hq, Dv]
             if rows is None:
                 return od
             out.index_copy_(0, rows, od)
         return out
 
-    def _prefill(self, q, k, v, out, sinks, window, flat_k, flat_v) -> torch.Tensor:
+    def _prefill(self, q, k, v, out, sinks, window, flat_k, flat_v, softcap=None) -> torch.Tensor:
         """out with the prefill rows: one SDPA call each (k/v already written)."""
         meta, starts = self.meta, self.meta.q_starts
         for r in self._prefill_rows:
@@ -348,10 +375,10 @@ class TorchPagedAttention:
             if start == 0:  # no cached prefix: the new k/v are the whole context
                 kp, vp = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
                 if window is None and sink is None:
-                    op = sdpa(qp, kp, vp, None, self.scale, is_causal=True)
+                    op = sdpa(qp, kp, vp, None, self.scale, is_causal=True, softcap=softcap)
                 else:
                     pos = torch.arange(e - s, device=meta.block_tables.device)
-                    op = sdpa(qp, kp, vp, window_visible(pos, pos, window), self.scale, sink)
+                    op = sdpa(qp, kp, vp, window_visible(pos, pos, window), self.scale, sink, softcap=softcap)
             else:
                 ctx = meta.ctx_lens[r]
                 bs = self.cache.block_size
@@ -363,7 +390,7 @@ class TorchPagedAttention:
                 vp = _load(flat_v, slots, q.dtype).transpose(0, 1)[None]
                 qpos = torch.arange(start, start + (e - s), device=dev)
                 mask = window_visible(qpos, torch.arange(ctx, device=dev), window)  # [Q, ctx]
-                op = sdpa(qp, kp, vp, mask, self.scale, sink)
+                op = sdpa(qp, kp, vp, mask, self.scale, sink, softcap=softcap)
             out[s:e] = op[0].transpose(0, 1)
         return out
 
@@ -430,16 +457,17 @@ class TritonPagedAttention:
                            self._layer_meta(layer, writing=True).slot_mapping)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer],
                        self._layer_meta(layer, writing=True).slot_mapping)
-        return self.attend(layer, q, sinks=sinks, window=window)
+        return self.attend(layer, q, sinks=sinks, window=window, softcap=softcap)
 
     def attend(self, layer: int, q: torch.Tensor, *, sinks: torch.Tensor | None = None,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [T, Hq, Dh] over the cache, whose k/v for this step are written already."""
         m = self._layer_meta(layer)
         return self._attend(q, self.cache.k[layer], self.cache.v[layer], m.block_tables,
                             m.cu_seqlens_q, m.seq_lens, self.scale, max_seqlen_q=m.max_seqlen_q,
                             num_kv_splits=m.num_kv_splits if m.max_seqlen_q <= 1 else 1,
-                            sinks=sinks, window=window)
+                            sinks=sinks, window=window, softcap=softcap)

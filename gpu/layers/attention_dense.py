@@ -24,7 +24,8 @@ class DenseCausalAttention:
         self.seq_lens = None if seq_lens is None else list(seq_lens)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         T, Hq, Dh = q.shape
         lens = self.seq_lens or [T]
         sink = None if sinks is None else sinks.view(-1, 1, 1)  # [Hq, 1, 1]
@@ -33,7 +34,7 @@ class DenseCausalAttention:
             pos = torch.arange(qs.shape[0], device=q.device)
             visible = window_visible(pos, pos, window) if window is not None or sink is not None else None
             o = sdpa(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],  # [1, H, t, Dh]
-                     visible, None, sink, is_causal=visible is None)  # [1, Hq, t, Dh]
+                     visible, None, sink, is_causal=visible is None, softcap=softcap)  # [1, Hq, t, Dh]
             out.append(o[0].transpose(0, 1))
         return torch.cat(out)  # [T, Hq, Dh]
 
@@ -47,7 +48,8 @@ class DenseCachedAttention:
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         if layer_idx in self.kv:
             k = torch.cat([self.kv[layer_idx][0], k])  # [L, Hkv, Dh]
             v = torch.cat([self.kv[layer_idx][1], v])
@@ -55,7 +57,8 @@ class DenseCachedAttention:
         t, L = q.shape[0], k.shape[0]
         mask = window_visible(torch.arange(L - t, L, device=q.device), torch.arange(L, device=q.device), window)
         sink = None if sinks is None else sinks.view(-1, 1, 1)
-        o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, None, sink)
+        o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, None, sink,
+                 softcap=softcap)
         return o[0].transpose(0, 1)  # [t, Hq, Dh]
 
 

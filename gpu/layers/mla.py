@@ -46,6 +46,8 @@ class LatentAttention(nn.Module):
     """Parameters named as DeepSeek's checkpoints name them (q_a_proj, q_a_layernorm, q_b_proj
     or q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
 
+    local_rope = False      # one RoPE table for every layer (Gemma 3's sliding layers have their own)
+
     def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, tp: TP = SINGLE):
         super().__init__()
         c = config

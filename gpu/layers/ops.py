@@ -81,17 +81,41 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2*I] -> gelu_tanh(x[:, :I]) * x[:, I:], [N, I] (GeGLU with GELU's tanh
+    approximation, Gemma's MLP), in fp32 then x.dtype as transformers' fp32 run computes it."""
+    if x.is_cuda:
+        return _kernel("activation", "gelu_tanh_and_mul")(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x itself when cap is None."""
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale (yarn's attention factor), as in
     transformers' ROPE_INIT_FUNCTIONS."""
     dim, base = config.rope_dim, config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if dim < config.head_dim:   # partial rotary: the other frequencies turn nothing
+        inv_freq = torch.cat([inv_freq, inv_freq.new_zeros((config.head_dim - dim) // 2)])
     s = config.rope_scaling_dict
     rope_type = s.get("rope_type", "default")
     if rope_type == "default":
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / s["factor"], 1.0
+    if rope_type == "llama3" and "freq_factors" in s:   # a GGUF's rope_freqs (gpu/formats/gguf.py)
+        factors = torch.tensor(s["freq_factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors for head_dim {dim} ({dim // 2} frequencies)")
+        return inv_freq / factors, 1.0
     if rope_type == "llama3":
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old_len = s["original_max_position_embeddings"]
@@ -140,11 +164,45 @@ def _yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor, s: dict) -> tupl
 def build_rope_cache(
     config: ModelConfig, max_positions: int, device: torch.device | str | None = None, dtype=torch.float32
 ) -> torch.Tensor:
-    """[max_positions, head_dim]: cos in the first head_dim/2 columns, sin in the second half."""
+    """[max_positions, D]: cos in the first D/2 columns, sin in the second half; D is
+    head_dim, or under partial rotary the dims RoPE turns (config.rope_dim: GLM-4.5, Phi-4-mini;
+    the attention turns those first dims and leaves the rest, causal_lm.partial_rope).
+    LongRoPE: the short factors' frequencies up to original_max_position_embeddings, the long
+    ones from there (vLLM's table; transformers switches a whole sequence to the long ones once
+    it is longer)."""
+    if config.rope_scaling_dict.get("rope_type") == "longrope":
+        return _longrope_cache(config, max_positions).to(device=device, dtype=dtype)
     inv_freq, scale = rope_inv_freq(config)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, Dh/2]
     cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)  # [P, Dh]
-    return cache.to(device=device, dtype=dtype)
+    return _narrowed(cache, config).to(device=device, dtype=dtype)
+
+
+def _narrowed(cache: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Partial rotary: the table of the rope_dim / 2 frequencies that turn, [P, rope_dim]."""
+    if config.rope_dim >= config.head_dim:
+        return cache
+    half, n = config.head_dim // 2, config.rope_dim // 2
+    return torch.cat([cache[:, :n], cache[:, half:half + n]], dim=-1).contiguous()
+
+
+def _longrope_cache(config: ModelConfig, max_positions: int) -> torch.Tensor:
+    s = config.rope_scaling_dict
+    dim = config.rope_dim
+    old = s["original_max_position_embeddings"]
+    factor = s.get("factor") or config.max_position_embeddings / old
+    scale = s.get("attention_factor") or (
+        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old)))
+    base = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    pos = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.zeros(max_positions, config.head_dim // 2)
+    for key, rows in (("short_factor", pos < old), ("long_factor", pos >= old)):
+        ext = torch.tensor(s[key], dtype=torch.float32)
+        if ext.numel() != dim // 2:
+            raise ValueError(f"longrope {key} has {ext.numel()} entries for {dim // 2} frequencies")
+        freqs[rows, :dim // 2] = torch.outer(pos[rows], 1.0 / (ext * base))
+    cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+    return _narrowed(cache, config)
 
 
 def mrope_columns(section: tuple[int, ...], head_dim: int, device=None) -> torch.Tensor:

@@ -172,6 +172,8 @@ def load_model(
                   residual_dtype=torch.float32 if method.forces_fp32() else choose_residual_dtype(residual_dtype, torch_dtype, device)[0],
                   tp=tp)
     named_tensors, weights = method.prepare(lm, source, torch_dtype)
+    if source.gguf is not None:
+        weights += f"; {source.gguf.template_note}"
     vision = None
     if source.vision_config is not None:
         if tp.size > 1:

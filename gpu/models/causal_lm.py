@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,8 +38,8 @@ from gpu.config.model import ModelConfig
 from gpu.layers.mla import LatentAttention
 from gpu.layers.moe import MoE, expert_columns
 from gpu.loader.experts import our_name, stack_experts
-from gpu.layers.ops import (apply_rope, build_rope_cache, fused_add_rms_norm, mrope_columns, mrope_cos_sin,
-                     rms_norm, silu_and_mul, skip_init)
+from gpu.layers.ops import (GATED_ACTIVATIONS, apply_rope, build_rope_cache, fused_add_rms_norm, mrope_columns,
+                            mrope_cos_sin, rms_norm, skip_init, softcap)
 from gpu.parallel import SINGLE, TP
 
 
@@ -135,6 +136,16 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads, **kw)) if c.attention_sinks else None
         self.window = c.layer_window(layer_idx)
         self.rope_dim = c.rope_dim
+        self.q_scale = c.q_scale     # query_pre_attn_scalar (Gemma) through the backends' head_dim scale
+        self.softcap = c.attn_logit_softcapping   # Gemma 2: cap * tanh(score / cap)
+        # Gemma 3: the sliding layers' own RoPE base (CausalLM.rope_table gives their table)
+        self.local_rope = c.sliding_rope_theta is not None and self.window is not None
+
+    def _attn_kw(self) -> dict:
+        kw = dict(sinks=self.sinks, window=self.window)
+        if self.softcap:
+            kw["softcap"] = self.softcap
+        return kw
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
         T = x.shape[0]
@@ -145,7 +156,9 @@ class Attention(nn.Module):
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             q = attn.write_qkv(self.layer_idx, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                *norms, positions, cos_sin)
-            o = attn.attend(self.layer_idx, q, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
+            if self.q_scale != 1.0:
+                q = q * self.q_scale
+            o = attn.attend(self.layer_idx, q, **self._attn_kw())  # [T, Hq, Dh]
             return self.o_proj(o.reshape(T, -1))
         q, k, v = qkv.split(self.split, dim=-1)  # [T, Hq*Dh], [T, Hkv*Dh] x2
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, Dh]
@@ -156,7 +169,9 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = apply_rope(q, k, positions, cos_sin) if self.rope_dim == self.head_dim else \
             partial_rope(q, k, self.rope_dim, positions, cos_sin)
-        o = attn.forward(self.layer_idx, q, k, v, sinks=self.sinks, window=self.window)  # [T, Hq, Dh]
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        o = attn.forward(self.layer_idx, q, k, v, **self._attn_kw())  # [T, Hq, Dh]
         return self.o_proj(o.reshape(T, -1))  # [T, D]: this rank's heads' part (DecoderLayer sums)
 
 
@@ -170,9 +185,10 @@ class MLP(nn.Module):
         kw = dict(bias=False, dtype=dtype, device=device)
         self.gate_up_proj = skip_init(Linear, config.hidden_size, 2 * (stop - start), **kw)
         self.down_proj = skip_init(Linear, stop - start, config.hidden_size, **kw)
+        self.act_and_mul = GATED_ACTIVATIONS[config.hidden_act]    # SwiGLU, or GeGLU (Gemma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, D]: this rank's part
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))  # [T, D]: this rank's part
 
 
 class DecoderLayer(nn.Module):
@@ -185,6 +201,12 @@ class DecoderLayer(nn.Module):
                     else MLP(config, dtype, device, tp, config.dense_intermediate_size))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        # Gemma 2/3 ("sandwich"): post_attention_layernorm normalizes the attention's output,
+        # pre_feedforward_layernorm the MLP's input, post_feedforward_layernorm its output
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, x, residual, positions, cos_sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, residual: the running sum it adds to (None at layer 0)."""
@@ -194,10 +216,15 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = fused_add_rms_norm(x, residual, norm1.weight, norm1.eps)
         h = self._sum(self.self_attn(h, positions, cos_sin, attn), residual)
+        if self.pre_feedforward_layernorm is not None:
+            h, norm2 = norm2(h), self.pre_feedforward_layernorm
         h, residual = fused_add_rms_norm(h, residual, norm2.weight, norm2.eps)
         if isinstance(self.mlp, MoE):  # its router and grouped GEMMs take the weights' dtype only
             h = h.to(norm2.weight.dtype)
-        return self._sum(self.mlp(h), residual), residual
+        out = self._sum(self.mlp(h), residual)
+        if self.post_feedforward_layernorm is not None:
+            out = self.post_feedforward_layernorm(out)
+        return out, residual
 
     def _sum(self, part: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Tensor-parallel: the ranks' row-parallel partial outputs summed, in the residual
@@ -276,6 +303,12 @@ class CausalLM(nn.Module):
         # fp32 cos/sin table; a buffer so .to(device) moves it, not persistent so it is never "loaded".
         positions = max_positions or c.max_position_embeddings
         self.register_buffer("cos_sin", build_rope_cache(c, positions, device), persistent=False)
+        # Gemma 3: the sliding layers' table, plain RoPE at their own base
+        local = None
+        if c.sliding_rope_theta is not None:
+            local = build_rope_cache(attrs.evolve(c, rope_theta=c.sliding_rope_theta, rope_scaling=None),
+                                     positions, device)
+        self.register_buffer("cos_sin_local", local, persistent=False)
         if c.mrope_section:     # [head_dim]: the M-RoPE section of each rope column (Qwen2.5-VL)
             self.register_buffer("mrope_columns",
                                  mrope_columns(c.mrope_section, c.head_dim, device),
@@ -297,7 +330,10 @@ class CausalLM(nn.Module):
         once and read by row. aux_layers (EAGLE3, gpu/worker/spec_decode/eagle.py): the
         layers whose input is captured too (an id equal to the layer count: the last
         layer's output, before the norm); then (hidden, captured [T, len(aux) * D])."""
-        x, residual = self.embed(input_ids).to(self.residual_dtype), None  # [T, D]
+        x, residual = self.embed(input_ids), None  # [T, D]
+        if self.config.embed_scale != 1.0:    # in the table's dtype, as transformers scales it
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        x = x.to(self.residual_dtype)
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         cos_sin = self.cos_sin
@@ -309,7 +345,8 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if aux and i in aux:   # the residual stream entering layer i (vLLM's layer ids)
                 captured.append(x if residual is None else x + residual)
-            x, residual = layer(x, residual, positions, cos_sin, attn)
+            table = self.cos_sin_local if layer.self_attn.local_rope else cos_sin
+            x, residual = layer(x, residual, positions, table, attn)
         hidden, last = fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         if aux:
             if len(self.layers) in aux:    # after the last layer, before the final norm
@@ -358,6 +395,10 @@ class CausalLM(nn.Module):
             if (hidden.dtype == torch.float32 and isinstance(self.lm_head, Linear)
                     and logits.dtype != self.lm_head.weight.dtype):
                 logits = exact_top_logits(logits, hidden, self.lm_head.weight)
+        if self.config.final_logit_softcapping:   # Gemma 2; the padding rows stay -inf
+            logits = softcap(logits, self.config.final_logit_softcapping)
+            if self.vocab_real < logits.shape[-1]:
+                logits[:, self.vocab_real:] = float("-inf")
         if self.tp.size == 1:
             return logits
         logits = self.tp.gather_first(logits, dim=-1)
@@ -395,6 +436,8 @@ class CausalLM(nn.Module):
             if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and (
                     self.config.tie_word_embeddings or self.lm_head is None)):
                 continue
+            if self.config.norm_unit_offset and hf_name.endswith("norm.weight"):
+                tensor = tensor.float() + 1.0    # Gemma's (1 + w), in fp32 as transformers adds it
             target, rows = self._destination(hf_name)
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for a {self.config.architecture} model")

@@ -39,6 +39,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi_k2")),
     Family("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",)),
     Family("llama4", ("Llama4ForCausalLM",), ("llama4_text",)),
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
+    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3", "gemma3_text"), ("gemma3",)),
 )
 
 

@@ -68,6 +68,8 @@ class GGUF(QuantMethod):
         from gpu.kernels.cpu import layer as cpu_layer
         lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
         words = describe(formats) + cpu_layer.describe(lm)
+        if account := source.gguf.account(taken, "float32"):
+            words += f"; {account}"
         if lm.config.num_experts:   # the packed kernels take 2-D linears only
             words += "; the experts dequantized to float32 at load"
         return (lambda select=None: source.gguf.named_tensors(select, skip=taken), words)
@@ -86,7 +88,7 @@ def why_not_packed(f: GGUFFile) -> str | None:
     k = cpu_quant.kernels()
     if k is None:
         return "the CPU quant kernels are not built (no C compiler, or TAILRACE_CPU_KERNELS=0)"
-    if not any(int(t.tensor_type) in cpu_quant.FORMATS for t in f.reader.tensors):
+    if not any(f.packed_type(t.name) in cpu_quant.FORMATS for t in f.reader.tensors):
         return "the file has no tensor in a format the kernels take (" + ", ".join(cpu_quant.FORMATS.values()) + ")"
     return None
 
@@ -126,7 +128,7 @@ def _packed_linear(f: GGUFFile, names: list[str], linear: torch.nn.Module) -> cp
     segments = []
     for n in names:
         t = f.tensors[n]
-        fmt = int(t.tensor_type)
+        fmt = f.packed_type(n)    # Q5_0 repacked as Q8_0 (gpu/formats/gguf.py REPACKED)
         elems, nbytes = k.block(fmt) if fmt in cpu_quant.FORMATS else (0, 0)
         if not elems or len(t.shape) != 2 or int(t.shape[0]) != linear.in_features or t.shape[0] % elems:
             return None

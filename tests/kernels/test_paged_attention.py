@@ -246,3 +246,20 @@ def test_paged_attention_noncausal_refuses_a_window(device):
     q, kc, vc, bt, cu, sl = _make_batch([3], [3], 2, 2, 16, 4, torch.float32, device)
     with pytest.raises(AssertionError, match="causal"):
         paged_attention(q, kc, vc, bt, cu, sl, 0.25, causal=False, window=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softcap_matches_ref_prefill_and_decode(dtype, device, tol):
+    """Gemma 2's soft-capping (cap * tanh(s / cap) on the scaled scores), with a window and
+    split KV too; a cap of 0.5 against scores of about 1 changes the result."""
+    q, kc, vc, bt, cu, sl = _make_batch([1, 7, 20], [9, 30, 20], 6, 2, 64, 8, dtype, device, seed=11)
+    for window in (None, 5):
+        out = paged_attention(q, kc, vc, bt, cu, sl, 0.125, window=window, softcap=0.5)
+        ref = paged_attention_ref(q, kc, vc, bt, cu, sl, 0.125, window=window, softcap=0.5)
+        torch.testing.assert_close(out, ref, **tol(dtype))
+        assert not torch.allclose(ref.float(), paged_attention_ref(q, kc, vc, bt, cu, sl, 0.125, window=window).float(),
+                                  atol=1e-3)
+    q, kc, vc, bt, cu, sl = _make_batch([1] * 3, [1, 40, 90], 6, 2, 64, 16, dtype, device, seed=12)
+    for splits in (1, 3):
+        out = paged_attention(q, kc, vc, bt, cu, sl, 0.125, max_seqlen_q=1, num_kv_splits=splits, softcap=0.5)
+        torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, bt, cu, sl, 0.125, softcap=0.5), **tol(dtype))

@@ -18,6 +18,16 @@ TINY_GPT_OSS = dict(num_hidden_layers=3, head_dim=16, num_local_experts=4, num_e
                         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
 
+# Gemma at test scale: a window of 6 (cut in within a short prompt), head_dim 16 (not 256),
+# query_pre_attn_scalar apart from head_dim. Gemma 2: soft caps low enough to bite on random
+# weights; Gemma 3: 7 layers (the 5:1 pattern and one more), linear RoPE scaling on the global
+# layers and a local base of its own on the sliding ones.
+TINY_GEMMA2 = dict(num_hidden_layers=3, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=0.5, final_logit_softcapping=2.0)
+TINY_GEMMA3 = dict(num_hidden_layers=7, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+
 
 def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overrides):
     """A tiny random transformers model (eager attention, fp32). Norm weights and biases are
@@ -25,8 +35,12 @@ def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overr
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "qwen3": transformers.Qwen3Config, "gpt_oss": transformers.GptOssConfig}[arch]
-    config = config_cls(**{**TINY, **(TINY_GPT_OSS if arch == "gpt_oss" else {}), **overrides})
+                  "qwen3": transformers.Qwen3Config, "gpt_oss": transformers.GptOssConfig,
+                  "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
+                  "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config}[arch]
+    family = {"gpt_oss": TINY_GPT_OSS, "gemma2": TINY_GEMMA2, "gemma3": TINY_GEMMA3,
+              "phi3": dict(pad_token_id=0, eos_token_id=2, bos_token_id=1)}.get(arch, {})
+    config = config_cls(**{**TINY, **family, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():

@@ -84,6 +84,9 @@ def eligible(lm) -> bool:
     c = lm.config
     if lm.tp.size != 1 or c.mrope_section or c.attention_sinks or lm.residual_dtype != torch.float32:
         return False
+    if (c.hidden_act != "silu" or c.sandwich_norms or c.embed_scale != 1.0 or c.q_scale != 1.0
+            or c.attn_logit_softcapping or c.sliding_rope_theta is not None):
+        return False    # Gemma's parts: the C stack computes Llama's layer only
     for i, layer in enumerate(lm.layers):
         a = layer.self_attn
         if not isinstance(layer.mlp, MLP) or a.sinks is not None or c.layer_window(i) is not None:

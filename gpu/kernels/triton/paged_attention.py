@@ -63,6 +63,13 @@ def _softmax_start(sinks_ptr, head, row_mask, split, BLOCK_M: tl.constexpr, HAS_
 
 
 @triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap), s and cap both in base-2 units (times log2(e)):
+    tanh(x) = 2 sigmoid(2x) - 1, finite at either end."""
+    return cap * (2.0 / (1.0 + tl.exp(-2.0 * s / cap)) - 1.0)
+
+
+@triton.jit
 def _split_range(kv_lo, kv_end, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """The KV positions [kv_start, kv_stop) of this program: all of kv_lo..kv_end, or with
     NUM_SPLITS > 1 (flash-decoding) one contiguous share of its KV tiles."""
@@ -133,6 +140,7 @@ def _paged_attention_kernel(
     stride_bt,
     sinks_ptr,  # [Hq] sink logits (read only with HAS_SINKS)
     window,  # keys per query, its own included (read only with SLIDING)
+    softcap,  # Gemma 2's cap * log2(e) (read only with SOFTCAP)
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -146,6 +154,7 @@ def _paged_attention_kernel(
     HAS_SINKS: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
     CAUSAL: tl.constexpr = True,
+    SOFTCAP: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -204,6 +213,8 @@ def _paged_attention_kernel(
                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                              PAGE_SIZE, UPCAST)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         if CAUSAL:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         else:
@@ -243,6 +254,7 @@ def _decode_attention_kernel(
     stride_bt,
     sinks_ptr,
     window,
+    softcap,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -254,6 +266,7 @@ def _decode_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Pure decode: query row b is sequence b's one new token (cu_seqlens_q = 0..B), so
     the grid is (B, Hkv, splits) with every program busy: no search over cu_seqlens_q and
@@ -291,6 +304,8 @@ def _decode_attention_kernel(
                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                              PAGE_SIZE, UPCAST)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         visible = n_mask  # q_pos = seq_len - 1 sees every position below seq_len
         if SLIDING:
             visible = visible & (offs_n > q_pos - window)
@@ -392,6 +407,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     window: int | None = None,
     causal: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged context (causal=False:
     every query sees its sequence's whole context, an encoder's bidirectional attention).
@@ -403,7 +419,8 @@ def paged_attention(
     softmaxes in a second kernel: worth it when B * Hkv programs cannot fill the
     GPU, i.e. small decode batches over long contexts (see suggest_num_kv_splits).
     sinks [Hq] (any float dtype): per-head sink logits in the softmax denominator;
-    window: each query sees only the last `window` positions up to its own.
+    window: each query sees only the last `window` positions up to its own;
+    softcap (Gemma 2): each scaled score s is softcap * tanh(s / softcap).
     Returns out [T, Hq, Dh] in q's dtype.
     """
     T, Hq, Dh = q.shape
@@ -450,18 +467,21 @@ def paged_attention(
     common = dict(GROUP=group, HEAD_DIM=Dh, PAGE_SIZE=page_size, UPCAST=upcast,
                   DOT_PRECISION="ieee" if upcast else None, NUM_SPLITS=splits,
                   HAS_SINKS=sinks is not None, SLIDING=window is not None, **cfg)
+    if softcap:
+        common["SOFTCAP"] = True
     if not causal and not decode:
         common["CAUSAL"] = False
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     sinks_arg = q if sinks is None else sinks  # a valid pointer the kernel never reads
     window_arg = 0 if window is None else int(window)
+    softcap_arg = float(softcap or 0.0) * 1.4426950408889634    # in the kernel's base-2 units
     if decode:
         _decode_attention_kernel[grid](
             q, k_cache, v_cache, target, block_tables, seq_lens, m_part, l_part,
             scale * 1.4426950408889634,  # log2(e)
             q.stride(0), q.stride(1), *target_strides, *cache_strides, block_tables.stride(0),
-            sinks_arg, window_arg, **common)
+            sinks_arg, window_arg, softcap_arg, **common)
     else:
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, target,
@@ -473,7 +493,7 @@ def paged_attention(
             *target_strides,
             *cache_strides,
             block_tables.stride(0),
-            sinks_arg, window_arg,
+            sinks_arg, window_arg, softcap_arg,
             **common,
         )
     if splits > 1:
@@ -498,6 +518,7 @@ def paged_attention_ref(
     sinks: torch.Tensor | None = None,
     window: int | None = None,
     causal: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-sequence gather of the paged K/V and plain causal (or, causal=False, full)
     softmax attention in fp32;
@@ -517,6 +538,8 @@ def paged_attention_ref(
         k = k_cache[pages, pos % page_size].float().repeat_interleave(group, dim=1)  # [S, Hq, Dh]
         v = v_cache[pages, pos % page_size].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_b, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = seq_len - q_len + torch.arange(q_len, device=q.device)
         hidden = pos[None, None, :] > q_pos[None, :, None]
         if not causal:
