@@ -104,8 +104,11 @@ def recorded(tmp_path_factory, serve_with_flags):
             for f in concurrent.futures.as_completed(futures):
                 seen[futures[f]] = f.result()
             aborted_id = abort_future.result()
-        with pytest.raises(openai.BadRequestError):   # refused in render, body logged redacted
-            chat.create(model="", messages=ASK, max_tokens=2, extra_body={"api_key": KEY})
+        # refused in render (a known field's bad value; an unknown field alone is ignored, as
+        # vLLM ignores it), its body, secret and all, logged redacted
+        with pytest.raises(openai.BadRequestError):
+            chat.create(model="", messages=ASK, max_tokens=2, temperature=-1.0,
+                        extra_body={"api_key": KEY})
     finally:
         serve.close()   # SIGTERM: the server drains, closes and flushes the log
     return log, seen, aborted_id
