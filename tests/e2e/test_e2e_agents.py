@@ -9,7 +9,7 @@ turn: on two busy CPU cores the bundled model takes 10-40 s to prefill Claude Co
 ~3,000-token prompt, and
 what these tests check is the wire (every field, tool and item accepted; replies the SDKs
 and CLIs read), not the model. The real template renders the same requests in
-tests/api/test_agent_fixtures.py."""
+tests/stages/api/test_agent_fixtures.py."""
 from __future__ import annotations
 
 import inspect

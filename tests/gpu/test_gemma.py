@@ -1,5 +1,5 @@
 """Gemma 2 and Gemma 3 from HF folders against transformers, on tiny random checkpoints
-(tests/gpu/gpu_testutil.py TINY_GEMMA2/3): logits, the Gemma 3 text model inside a
+(tests/support/hf_models.py TINY_GEMMA2/3): logits, the Gemma 3 text model inside a
 Gemma3ForConditionalGeneration checkpoint, and greedy tokens through the engine with
 chunked prefill and preemption against transformers' greedy generation."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Tiny random mixture-of-experts checkpoints made with transformers (the families of
-gpu/models/{qwen3_moe,qwen2_moe,mixtral}.py), perturbed as gpu_testutil.make_hf_model's."""
+gpu/models/{qwen3_moe,qwen2_moe,mixtral}.py), perturbed as tests.support.hf_models.make_hf_model's."""
 from __future__ import annotations
 
 from pathlib import Path
