@@ -64,6 +64,9 @@ class AWQ(LinearFormat):
     def required(self, prefix):
         return ("qweight", "qzeros", "scales") if self.zero_point else ("qweight", "scales")
 
+    def kernel_kind(self, prefix):
+        return "w4"
+
     def integers(self, prefix, parts):
         q = unpack_columns(parts["qweight"], self.bits, AWQ_ORDER)              # [in, out]
         scales = parts["scales"].float()                                       # [groups, out]

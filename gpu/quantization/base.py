@@ -93,10 +93,22 @@ class LinearFormat(QuantMethod):
         self.pack = False                  # repack exact linears into GGUF blocks (use_packed_kernels)
         self.blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # prefix -> repack.block_form
         self.expected: set[str] = set()    # the model's HF weight names (prepare)
+        self.gpu_kernels = False           # run the linears by the Triton GEMMs (CUDA)
+        self.forms = None                  # cuda_linear.KernelForms while loading on CUDA
 
     @abstractmethod
     def required(self, prefix: str) -> tuple[str, ...]:
         """The suffixes linear `prefix` cannot be dequantized without."""
+
+    def kernel_kind(self, prefix: str) -> str | None:
+        """An integer-grid linear's Triton GEMM on CUDA (gpu/quantization/cuda_linear.py): "w4"
+        or "w8" (weights only), "int8" (W8A8), or None (dequantized)."""
+        return None
+
+    def kernel_parts(self, prefix: str, parts: dict[str, torch.Tensor]):
+        """(kind, q [out, in], scale broadcastable to [out, in]) for cuda_linear, or None."""
+        kind = self.kernel_kind(prefix)
+        return None if kind is None else (kind, *self.integers(prefix, parts))
 
     def integers(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """An integer-grid format's linear as (n [out, in] integers, scale broadcastable to
@@ -119,6 +131,8 @@ class LinearFormat(QuantMethod):
         and the kernels built."""
         from gpu.config.names import DTYPE_ALIASES
         name = dtype if not isinstance(dtype, str) else DTYPE_ALIASES.get(dtype, dtype)
+        from gpu.quantization import cuda_linear
+        self.gpu_kernels = cuda_linear.wanted(device) and quantization != "none"
         if (not self.integer_grid or quantization == "none" or tp.size > 1
                 or torch.device(device).type != "cpu" or name not in ("auto", "float32", torch.float32)):
             return
@@ -132,6 +146,15 @@ class LinearFormat(QuantMethod):
         return self.pack
 
     def finish(self, lm, words: str) -> str:
+        if self.forms is not None:
+            installed, dense, kinds = self.forms.install()
+            self.forms = None
+            what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none"
+            rest = (f"; {dense} dequantized at load (scales no kernel form takes: act-order groups, e5m2, "
+                    "FP8 groups finer than 128)" if dense else "")
+            acts = (" (activations quantized per token in the kernel)" if {"fp8", "int8"} & set(kinds) else "")
+            return (f"{words.split(';')[0]}; {self.scheme()}: {installed} of {installed + dense} decoder linears "
+                    f"kept quantized and run by the Triton GEMMs ({what}){acts}{rest}; the rest dense")
         if not self.pack:
             return words
         from gpu.kernels.cpu import layer as cpu_layer
@@ -189,6 +212,9 @@ class LinearFormat(QuantMethod):
 
     def prepare(self, lm, source, dtype: torch.dtype) -> tuple[Callable, str]:
         self.expected = set(lm.hf_weight_names())
+        if self.gpu_kernels:
+            from gpu.quantization.cuda_linear import KernelForms
+            self.forms = KernelForms(lm)
         where = "CPU" if lm.embed_tokens.weight.device.type == "cpu" else "GPU"
         return source.named_tensors, (
             f"{_dtype_name(dtype)} weights; {len(self.quantized)} {self.scheme()} linears dequantized "
@@ -217,6 +243,8 @@ class LinearFormat(QuantMethod):
                 del pending[prefix]
                 done.add(prefix)
                 self.count += 1
+                if self.forms is not None:
+                    self.forms.take(prefix, self.kernel_parts(prefix, parts))
                 yield prefix + ".weight", self.dequantize(prefix, parts, dtype)
         for prefix, parts in pending.items():
             lacking = [s for s in self.required(prefix) if s not in parts]

@@ -116,6 +116,21 @@ class CompressedTensors(LinearFormat):
             return fp8.dequantize(parts["weight"], parts["weight_scale"], dtype, _block(w))
         return super().dequantize(prefix, parts, dtype)
 
+    def kernel_kind(self, prefix):
+        _, _, _, w, acts = self.group(prefix)
+        bits = int(w.get("num_bits", 8))
+        if acts and acts.get("type", "int") == "int" and int(acts.get("num_bits", 8)) == 8 and bits == 8 \
+                and acts.get("symmetric", True):
+            return "int8"
+        return f"w{bits}" if bits in (4, 8) and not acts else None
+
+    def kernel_parts(self, prefix, parts):
+        w = self.group(prefix)[3]
+        if w.get("type", "int") == "float":
+            q = parts["weight"]
+            return "fp8", q, _strategy_scale(parts["weight_scale"], w, *q.shape, parts.get("weight_g_idx"))
+        return super().kernel_parts(prefix, parts)
+
     def integers(self, prefix, parts):
         _, _, fmt, w, _ = self.group(prefix)
         bits = int(w.get("num_bits", 8))

@@ -104,6 +104,11 @@ class FP8(LinearFormat):
         scale = parts["weight_scale_inv"] if self.block else parts["weight_scale"]
         return dequantize(parts["weight"], scale, dtype, self.block)
 
+    def kernel_parts(self, prefix, parts):
+        scale = parts["weight_scale_inv"] if self.block else parts["weight_scale"]
+        w = parts["weight"]
+        return "fp8", w, expand_scale(scale, *w.shape, self.block)
+
     def scheme(self) -> str:
         scales = f"{self.block[0]}x{self.block[1]} block-scaled" if self.block else "per-tensor-scaled"
         return f"FP8 e4m3 ({scales}, {self.activations} activations)"

@@ -50,6 +50,9 @@ class GPTQ(LinearFormat):
     def required(self, prefix):
         return ("qweight", "qzeros", "scales") + (("g_idx",) if self.desc_act else ())
 
+    def kernel_kind(self, prefix):
+        return f"w{self.bits}" if self.bits in (4, 8) else None
+
     def integers(self, prefix, parts):
         q = unpack_columns(parts["qweight"].t().contiguous(), self.bits).t()     # [in, out]
         cols = q.shape[0]

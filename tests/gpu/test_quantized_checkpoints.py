@@ -231,3 +231,61 @@ async def test_engine_greedy_tokens_match_the_dequantized_twin_under_preemption(
         want, _ = await run(path.parent / (path.name + "-dense"))
         assert preempted > 0, name
         assert got == want and all(len(t) == 12 for t in got), name
+
+
+# the Triton GEMM each case's linears run by on CUDA (gpu/quantization/cuda_linear.py), and
+# how many of the 8 decoder linears stay dequantized (act-order GPTQ: permuted groups)
+KERNELS = {"ct-w4a16-asym-llama": ("w4", 0), "awq-g128-llama": ("w4", 0), "gptq8-llama": ("w8", 0),
+           "gptq4-act-qwen3": (None, 8), "fp8-block-qwen3": ("fp8", 0), "ct-fp8-channel-qwen3": ("fp8", 0),
+           "ct-w8a8-llama": ("int8", 0)}
+# logits against the dequantized model: exact weights; FP8 / INT8 activations quantized per
+# token in the kernel (e4m3: 2^-4 an element at worst; int8: 1/254 of the row's largest)
+LOGIT_BOUND = {"w4": 1e-4, "w8": 1e-4, "fp8": 0.1, "int8": 0.05, None: 1e-4}
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """Load as on CUDA (quantized linears kept for the Triton GEMMs), here under the interpreter."""
+    from gpu.quantization import cuda_linear
+    monkeypatch.setattr(cuda_linear, "wanted", lambda device: True)
+
+
+@pytest.mark.parametrize("case", KERNELS)
+def test_cuda_linears_keep_the_format_and_run_the_triton_gemms(case, checkpoints, kernels_on_cpu):
+    from gpu.quantization.cuda_linear import QuantLinear
+
+    path, hf = checkpoints[case]
+    kind, dense = KERNELS[case]
+    loaded = load_model(path, dtype="float32", progress=False)
+    ours, ref = loaded.model.layers[1], hf.model.layers[1]
+    if kind is None:
+        assert f"0 of {dense} decoder linears kept quantized" in loaded.weights
+        assert not isinstance(ours.mlp.down_proj, QuantLinear)
+    else:
+        assert f"8 of 8 decoder linears kept quantized and run by the Triton GEMMs (8 {kind})" in loaded.weights
+        for lin, want in ((ours.self_attn.qkv_proj, [ref.self_attn.q_proj, ref.self_attn.k_proj, ref.self_attn.v_proj]),
+                          (ours.mlp.gate_up_proj, [ref.mlp.gate_proj, ref.mlp.up_proj]), (ours.mlp.down_proj, [ref.mlp.down_proj])):
+            assert isinstance(lin, QuantLinear) and lin.kind == kind
+            assert torch.equal(lin.dequantized(), torch.cat([m.weight for m in want]))      # the format's exact weights
+    got, expected = our_logits(loaded.model, IDS[:6]), hf_logits(hf, IDS[:6])
+    assert float((got - expected).abs().max()) < LOGIT_BOUND[kind] * max(1.0, float(expected.abs().max()))
+
+
+def test_cuda_linears_are_cut_per_rank_as_the_dense_weights(checkpoints, kernels_on_cpu):
+    """--tensor-parallel-size 2: each rank's quantized linears hold exactly the rows (qkv,
+    gate_up) or columns (o, down) its dequantized twin holds; a column cut through AWQ's
+    128-column groups (intermediate 384 over 2 ranks: 192) leaves groups of 64."""
+    from gpu.parallel import TP
+    from gpu.quantization import cuda_linear
+
+    path, _ = checkpoints["awq-g128-llama"]
+    for rank in (0, 1):
+        tp = TP(rank=rank, size=2)
+        quant = load_model(path, dtype="float32", progress=False, tp=tp).model.layers[0]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cuda_linear, "wanted", lambda device: False)
+            dense = load_model(path, dtype="float32", progress=False, tp=tp).model.layers[0]
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            lin = quant.get_submodule(name)
+            assert torch.equal(lin.dequantized(), dense.get_submodule(name).weight), (rank, name)
+        assert quant.mlp.down_proj.params["group"] == 64 and quant.mlp.gate_up_proj.params["group"] == 128
