@@ -72,6 +72,10 @@ class KVCache:
                   [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes])
         self.num_blocks = num_blocks
         self.num_sliding_blocks = num_sliding_blocks
+        # an e4m3 cache's per-layer scales (the checkpoint's k_scale / v_scale, else 1.0):
+        # it holds k / k_scale and v / v_scale
+        self.k_scale = [1.0] * num_layers
+        self.v_scale = [1.0] * num_layers
         self.block_size = block_size
         # block -> its slot in the sliding layers' pool (0 when none: never written, masked)
         self.sliding_map = (torch.zeros(num_blocks, dtype=torch.int64, device=device)
@@ -91,18 +95,27 @@ class KVCache:
         return attrs.evolve(meta, slot_mapping=torch.where(slots >= 0, mapped, slots),  # -1: padding
                             block_tables=m[meta.block_tables.long()].to(meta.block_tables.dtype))
 
+    def set_scales(self, scales: dict[int, tuple[float, float]]) -> None:
+        """Layer -> (k_scale, v_scale) for an e4m3 cache (the checkpoint's; others stay 1.0)."""
+        for layer, (k, v) in scales.items():
+            if not (k > 0 and v > 0):
+                raise ValueError(f"layer {layer}'s KV cache scales must be positive, got k {k}, v {v}")
+            self.k_scale[layer], self.v_scale[layer] = float(k), float(v)
+
     @staticmethod
     def dtype_for(kv_cache_dtype: str, model_dtype: torch.dtype, device) -> torch.dtype:
-        """--kv-cache-dtype -> the cache's dtype: auto, the model's; fp8 (fp8_e4m3): e4m3 on a
-        CPU, stored with a scale of 1.0 and upcast where attention reads it (the torch paths:
-        the C decode attention and the fused C decode step take fp32/bf16 caches only)."""
+        """--kv-cache-dtype -> the cache's dtype: auto, the model's; fp8 (fp8_e4m3): e4m3,
+        stored divided by the layer's scale and upcast where attention reads it (on a CPU the
+        torch paths: the C decode attention and the fused C decode step take fp32/bf16 caches
+        only; on CUDA the Triton kernels, sm_89 or later for e4m3 conversions)."""
         if kv_cache_dtype == "auto":
             return model_dtype
         if kv_cache_dtype not in ("fp8", "fp8_e4m3"):
             raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r}: choose auto, fp8 or fp8_e4m3")
-        if torch.device(device).type != "cpu":
-            raise ValueError("--kv-cache-dtype fp8 is served on a CPU only (the Triton paged attention "
-                             "reads the model's dtype)")
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("--kv-cache-dtype fp8 on CUDA needs compute capability 8.9 or later (e4m3 "
+                             f"conversions); this GPU is {torch.cuda.get_device_capability(device)}")
         return torch.float8_e4m3fn
 
     @staticmethod
@@ -310,20 +323,21 @@ class TorchPagedAttention:
         # the C kernel writes the step's k/v itself when every row decodes (its slots)
         kernel_writes = self._c_args is not None and self._c_args[3] is not None
         if not kernel_writes:
-            _store(flat_k, meta.slot_mapping, k)
-            _store(flat_v, meta.slot_mapping, v)
+            _store(flat_k, meta.slot_mapping, k, self.cache.k_scale[layer])
+            _store(flat_v, meta.slot_mapping, v, self.cache.v_scale[layer])
         if (self._c_args is not None and not softcap     # the C kernel has no soft-capping
                 and self._kernel_decode(layer, q, k, v, out, sinks, window)):
             if not self._prefill_rows:
                 return out
         else:
             if kernel_writes:   # it declined: nothing it may have written differs from these
-                _store(flat_k, meta.slot_mapping, k)
-                _store(flat_v, meta.slot_mapping, v)
+                _store(flat_k, meta.slot_mapping, k, self.cache.k_scale[layer])
+                _store(flat_v, meta.slot_mapping, v, self.cache.v_scale[layer])
             out = self._torch_decode(layer, q, out, sinks, window, softcap)
             if not self._prefill_rows:
                 return out
-        return self._prefill(q, k, v, out, sinks, window, flat_k, flat_v, softcap)
+        return self._prefill(q, k, v, out, sinks, window, flat_k, flat_v, softcap,
+                                 (self.cache.k_scale[layer], self.cache.v_scale[layer]))
 
     def _kernel_decode(self, layer: int, q, k, v, out, sinks, window) -> bool:
         """The decode rows through the C kernel (which also writes their k/v when no prefill
@@ -353,8 +367,8 @@ class TorchPagedAttention:
             qd = q if rows is None else q.index_select(0, rows)
             # GQA folded into the query axis: the G query heads of a KV head are G query rows
             qd = qd.reshape(B, hkv, -1, d)                                      # [B, Hkv, G, D]
-            kd = _load(kc, self._decode_blocks, q.dtype).view(B, -1, hkv, d).transpose(1, 2)
-            vd = _load(vc, self._decode_blocks, q.dtype).view(B, -1, hkv, vc.shape[-1]).transpose(1, 2)
+            kd = _load(kc, self._decode_blocks, q.dtype, self.cache.k_scale[layer]).view(B, -1, hkv, d).transpose(1, 2)
+            vd = _load(vc, self._decode_blocks, q.dtype, self.cache.v_scale[layer]).view(B, -1, hkv, vc.shape[-1]).transpose(1, 2)
             sink = None if sinks is None else sinks.view(1, hkv, -1, 1)         # head h = kv * G + g
             od = sdpa(qd, kd, vd, self._decode_visible(window), self.scale, sink,
                       softcap=softcap)                                          # [B, Hkv, G, D]
@@ -364,7 +378,7 @@ class TorchPagedAttention:
             out.index_copy_(0, rows, od)
         return out
 
-    def _prefill(self, q, k, v, out, sinks, window, flat_k, flat_v, softcap=None) -> torch.Tensor:
+    def _prefill(self, q, k, v, out, sinks, window, flat_k, flat_v, softcap=None, scales=(1.0, 1.0)) -> torch.Tensor:
         """out with the prefill rows: one SDPA call each (k/v already written)."""
         meta, starts = self.meta, self.meta.q_starts
         for r in self._prefill_rows:
@@ -386,8 +400,8 @@ class TorchPagedAttention:
                 dev = meta.block_tables.device
                 table = meta.block_tables[r, :nblk].to(torch.int64)
                 slots = (table[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)[:ctx]
-                kp = _load(flat_k, slots, q.dtype).transpose(0, 1)[None]        # [1, Hkv, ctx, D]
-                vp = _load(flat_v, slots, q.dtype).transpose(0, 1)[None]
+                kp = _load(flat_k, slots, q.dtype, scales[0]).transpose(0, 1)[None]        # [1, Hkv, ctx, D]
+                vp = _load(flat_v, slots, q.dtype, scales[1]).transpose(0, 1)[None]
                 qpos = torch.arange(start, start + (e - s), device=dev)
                 mask = window_visible(qpos, torch.arange(ctx, device=dev), window)  # [Q, ctx]
                 op = sdpa(qp, kp, vp, mask, self.scale, sink, softcap=softcap)
@@ -398,21 +412,22 @@ class TorchPagedAttention:
 E4M3_MAX = 448.0   # float8_e4m3fn's largest finite value (it has no infinity: past it, NaN)
 
 
-def _store(flat: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """flat[slots] = x, rounded to an fp8 cache's e4m3 (saturating, scale 1.0) through byte
-    views: torch's CPU index_copy_ takes no float8."""
+def _store(flat: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float = 1.0) -> None:
+    """flat[slots] = x, or for an fp8 cache e4m3(x / scale) (saturating) through byte views:
+    torch's CPU index_copy_ takes no float8."""
     if flat.dtype != torch.float8_e4m3fn:
         flat.index_copy_(0, slots, x)
         return
-    x8 = x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    x8 = (x.float() * (1.0 / scale)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     flat.view(torch.uint8).index_copy_(0, slots, x8.view(torch.uint8))
 
 
-def _load(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cache's rows at index, upcast to dtype where the cache is fp8."""
+def _load(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """cache's rows at index; an fp8 cache's upcast to dtype and times its scale (in fp32)."""
     if cache.dtype != torch.float8_e4m3fn:
         return cache.index_select(0, index)
-    return cache.view(torch.uint8).index_select(0, index).view(torch.float8_e4m3fn).to(dtype)
+    x8 = cache.view(torch.uint8).index_select(0, index).view(torch.float8_e4m3fn)
+    return x8.to(dtype) if scale == 1.0 else (x8.float() * scale).to(dtype)
 
 
 class TritonPagedAttention:
@@ -454,13 +469,15 @@ class TritonPagedAttention:
         from gpu.kernels.triton.qkv_prep import prepare_qkv
         return prepare_qkv(qkv, num_q_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
                            eps, positions, cos_sin, self.cache.k[layer], self.cache.v[layer],
-                           self._layer_meta(layer, writing=True).slot_mapping)
+                           self._layer_meta(layer, writing=True).slot_mapping,
+                           self.cache.k_scale[layer], self.cache.v_scale[layer])
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 sinks: torch.Tensor | None = None, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
         self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer],
-                       self._layer_meta(layer, writing=True).slot_mapping)
+                       self._layer_meta(layer, writing=True).slot_mapping,
+                       self.cache.k_scale[layer], self.cache.v_scale[layer])
         return self.attend(layer, q, sinks=sinks, window=window, softcap=softcap)
 
     def attend(self, layer: int, q: torch.Tensor, *, sinks: torch.Tensor | None = None,
@@ -470,4 +487,5 @@ class TritonPagedAttention:
         return self._attend(q, self.cache.k[layer], self.cache.v[layer], m.block_tables,
                             m.cu_seqlens_q, m.seq_lens, self.scale, max_seqlen_q=m.max_seqlen_q,
                             num_kv_splits=m.num_kv_splits if m.max_seqlen_q <= 1 else 1,
-                            sinks=sinks, window=window, softcap=softcap)
+                            sinks=sinks, window=window, softcap=softcap,
+                            k_scale=self.cache.k_scale[layer], v_scale=self.cache.v_scale[layer])

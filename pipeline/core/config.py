@@ -82,7 +82,7 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=positive)
     num_gpu_blocks_override: int | None = attrs.field(default=None, validator=positive)
     kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=positive)
-    # auto: the model's dtype; fp8 (fp8_e4m3): e4m3 on a CPU, a quarter of fp32's bytes (issue 58)
+    # auto: the model's dtype; fp8 (fp8_e4m3): e4m3, half of bf16's bytes, a quarter of fp32's (issue 58)
     kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPES))
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -302,8 +302,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="The weight format. auto: the checkpoint's own: a GGUF file's quantized "
                         "blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept packed on a CPU with --dtype "
                         "auto (computing in float32), or config.json's quantization_config (fp8, "
-                        "compressed-tensors, awq, gptq, mxfp4: dequantized at load to --dtype where "
-                        "no kernel runs them); gguf: packed GGUF or an error; none: dequantize at "
+                        "compressed-tensors, awq, gptq, mxfp4: run by the Triton GEMMs on CUDA and the "
+                        "packed C kernels on a CPU where they can be, else dequantized at load to --dtype); gguf: packed GGUF or an error; none: dequantize at "
                         "load; fp8, compressed-tensors, awq, gptq, mxfp4: the checkpoint must be "
                         "in that format (default: %(default)s).")
     p.add_argument("--block-size", type=int, default=_default("block_size"),
@@ -311,8 +311,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use exactly this many KV cache blocks, ignoring memory sizing.")
     p.add_argument("--kv-cache-dtype", default=_default("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
-                   help="KV cache dtype: auto (the model's) or fp8 (e4m3, scale 1.0; CPU only): "
-                        "fewer bytes a token, so more tokens in the same memory (default: %(default)s).")
+                   help="KV cache dtype: auto (the model's) or fp8 (e4m3, with the checkpoint's per-layer "
+                        "k/v scales or 1.0; CPU, and CUDA from compute capability 8.9): fewer bytes a "
+                        "token, so more tokens in the same memory (default: %(default)s).")
     p.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None, metavar="BYTES",
                    help="KV cache size in bytes, e.g. 2GiB or 2000000000 (default on CPU: "
                         "1 GiB or what --max-num-seqs full-length sequences need).")

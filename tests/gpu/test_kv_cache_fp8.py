@@ -35,12 +35,14 @@ def model(tmp_path_factory):
     return load_model(path, dtype="float32", progress=False).model
 
 
-def _teacher_forced_logits(model, kv_dtype, tokens, chunk=4, bs=4, backend=TorchPagedAttention):
+def _teacher_forced_logits(model, kv_dtype, tokens, chunk=4, bs=4, backend=TorchPagedAttention, scales=None):
     """Logits [len(tokens), V] with the prompt fed `chunk` tokens a step, through a paged
     cache of kv_dtype (blocks of bs tokens)."""
     c = model.config
     nblk = -(-len(tokens) // bs) + 1
     cache = KVCache(c.num_hidden_layers, nblk + 1, bs, model.local_kv_heads, c.head_dim, kv_dtype, "cpu")
+    if scales:
+        cache.set_scales(scales)
     attn = backend(cache, c.head_dim ** -0.5)
     table = tuple(range(1, nblk + 1))
     out = []
@@ -83,6 +85,29 @@ def test_fp8_cache_stays_within_the_bound_at_every_position(model):
     assert torch.equal(got[clear].argmax(-1), ref[clear].argmax(-1))
 
 
+def test_per_layer_scales_divide_what_is_stored_and_multiply_what_is_read(model):
+    """A checkpoint's k_scale / v_scale (gpu/quantization/base.py reads them): the cache holds
+    e4m3(k / k_scale), attention reads code * k_scale; with scales of 2^-3 (k) and 2^2 (v) the
+    codes use other exponents, and the logits equal those of k and v rounded so."""
+    c = model.config
+    scales = {i: (0.125, 4.0) for i in range(c.num_hidden_layers)}
+    tokens = PROMPT[:9]
+    ref, ref_cache = _teacher_forced_logits(model, torch.float32, tokens, chunk=1)
+    got, cache = _teacher_forced_logits(model, torch.float8_e4m3fn, tokens, chunk=1, scales=scales)
+    k32, k8 = ref_cache.k[0][1:], cache.k[0][1:].float()
+    assert torch.equal(k8, (k32 * 8.0).to(torch.float8_e4m3fn).float())
+    assert torch.equal(cache.v[0][1:].float(), (ref_cache.v[0][1:] * 0.25).to(torch.float8_e4m3fn).float())
+
+    class ScaledRoundedKV(TorchPagedAttention):
+        def forward(self, layer, q, k, v, **kw):
+            r = lambda t, s: ((t / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s)  # noqa: E731
+            return super().forward(layer, q, r(k, 0.125), r(v, 4.0), **kw)
+
+    emulated, _ = _teacher_forced_logits(model, torch.float32, tokens, chunk=1, backend=ScaledRoundedKV)
+    torch.testing.assert_close(got[1:], emulated[1:], atol=1e-5, rtol=1e-5)
+    assert (got - ref).abs().max() < LOGIT_BOUND * ref.abs().max()
+
+
 def test_fp8_cache_is_a_quarter_of_fp32_and_sizing_gives_four_times_the_blocks(model, tmp_path):
     from pipeline.core.config import EngineConfig
     from pipeline.core.startup import num_kv_blocks
@@ -97,8 +122,13 @@ def test_fp8_cache_is_a_quarter_of_fp32_and_sizing_gives_four_times_the_blocks(m
     blocks = {d: num_kv_blocks(EngineConfig(kv_cache_dtype=d, kv_cache_memory_bytes=1 << 22), Loaded,
                                torch.device("cpu"), 256, 64) for d in ("auto", "fp8")}
     assert blocks["fp8"] == 4 * blocks["auto"]
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is served on a CPU only"):
-        KVCache.dtype_for("fp8", torch.bfloat16, "cuda")
+    # on CUDA (the Triton kernels: tests/kernels/test_kv_fp8.py) from compute capability 8.9
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert KVCache.dtype_for("fp8", torch.bfloat16, "cuda") == torch.float8_e4m3fn
+        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        with pytest.raises(ValueError, match="--kv-cache-dtype fp8 on CUDA needs compute capability 8.9"):
+            KVCache.dtype_for("fp8", torch.bfloat16, "cuda")
 
 
 async def test_engine_greedy_with_an_fp8_cache_matches_the_fp32_cache():

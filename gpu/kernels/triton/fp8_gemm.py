@@ -22,22 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu.kernels.triton.fp8_kv import round_e4m3
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 GROUP = 128
 E4M3_MAX = 448.0
-
-
-@triton.jit
-def _round_e4m3(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32
-    arithmetic: for the interpreter, whose fp32 -> float8e4nv conversion (triton 3.9) loses a
-    carry into the next binade (-124.6 gives -64, not -128). Every step is exact."""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)    # 3 mantissa bits; subnormals below 2^-6
-    t = v / ulp
-    r = tl.floor(t + 0.5)
-    r = tl.where((r - t == 0.5) & (r % 2 != 0), r - 1.0, r)
-    return r * ulp
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -62,7 +51,7 @@ def _fp8_gemm_kernel(
         sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0                             # [BM]
         v = tl.clamp(a / sa[:, None], -448.0, 448.0)
         if UPCAST:
-            aq = _round_e4m3(v)
+            aq = round_e4m3(v)
         else:
             aq = v.to(tl.float8e4nv)
         wb = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None],

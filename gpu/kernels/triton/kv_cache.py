@@ -12,9 +12,15 @@ tile. Values are cast to the cache dtype on store.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+from gpu.kernels.triton.fp8_kv import to_e4m3_bytes
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # the row count changes every step; slot_mapping is a staged array (see paged_attention)
@@ -22,6 +28,7 @@ import triton.language as tl
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     num_tokens,
+    k_inv_scale, v_inv_scale,  # 1 / the layer's k and v scales (read only with FP8)
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
@@ -31,6 +38,8 @@ def _write_kv_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    FP8: tl.constexpr = False,  # the caches are e4m3 codes (uint8 views)
+    ROUND_IN_FP32: tl.constexpr = False,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < num_tokens
@@ -52,8 +61,12 @@ def _write_kv_kernel(
     vc_ptrs = (v_cache_ptr + page[:, None] * stride_vcb + in_page[:, None] * stride_vcs
                + head[None, :] * stride_vch + dim[None, :] * stride_vcd)
     # Through fp32: the interpreter mishandles bf16 unless upcast right after the load.
-    tl.store(kc_ptrs, k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptrs, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        tl.store(kc_ptrs, to_e4m3_bytes(k, k_inv_scale, ROUND_IN_FP32), mask=mask)
+        tl.store(vc_ptrs, to_e4m3_bytes(v, v_inv_scale, ROUND_IN_FP32), mask=mask)
+    else:
+        tl.store(kc_ptrs, k.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptrs, v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _pick_blocks(row: int) -> dict:
@@ -68,8 +81,11 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """In place: k_cache[slot // bs, slot % bs] = k[t] for every t with slot >= 0."""
+    """In place: k_cache[slot // bs, slot % bs] = k[t] for every t with slot >= 0; an e4m3
+    cache (float8_e4m3fn) holds e4m3(k / k_scale), saturated at +-448 (v likewise)."""
     T, Hkv, Dh = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} vs v {tuple(v.shape)}"
     assert k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, Dh), f"cache {tuple(k_cache.shape)} vs k {tuple(k.shape)}"
@@ -79,9 +95,13 @@ def write_kv(
         return
     cfg = _pick_blocks(Hkv * Dh)
     grid = (triton.cdiv(T, cfg["BLOCK_T"]),)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        cfg.update(FP8=True, ROUND_IN_FP32=_INTERPRET)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _write_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping,
-        T,
+        T, 1.0 / k_scale, 1.0 / v_scale,
         *k.stride(), *v.stride(),
         *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=Dh, ROW=Hkv * Dh, PAGE_SIZE=k_cache.shape[1],
@@ -95,9 +115,15 @@ def write_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     page_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache[slots // page_size, slots % page_size] = k[keep].to(k_cache.dtype)
-    v_cache[slots // page_size, slots % page_size] = v[keep].to(v_cache.dtype)
+    for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        if cache.dtype == torch.float8_e4m3fn:   # byte views: torch's CPU indexing takes no float8
+            x8 = (x[keep].float() * (1.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            cache.view(torch.uint8)[slots // page_size, slots % page_size] = x8.view(torch.uint8)
+        else:
+            cache[slots // page_size, slots % page_size] = x[keep].to(cache.dtype)

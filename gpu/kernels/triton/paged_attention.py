@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu.kernels.triton.fp8_kv import from_e4m3_bytes
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -85,17 +87,20 @@ def _split_range(kv_lo, kv_end, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.con
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, n_mask, kv_head, offs_d, d_mask,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+                  PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr = False):
     """K transposed [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] at KV positions offs_n of one
     sequence (table: its row of the block table): each position looks up its own page."""
     page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     in_page = offs_n % PAGE_SIZE
     k = tl.load(k_cache_ptr + page[None, :] * stride_kb + in_page[None, :] * stride_ks
                 + kv_head * stride_kh + offs_d[:, None],
-                mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+                mask=n_mask[None, :] & d_mask[:, None], other=0)
     v = tl.load(v_cache_ptr + page[:, None] * stride_vb + in_page[:, None] * stride_vs
                 + kv_head * stride_vh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                mask=n_mask[:, None] & d_mask[None, :], other=0)
+    if FP8_KV:   # e4m3 codes: their values (the layer's scales are applied to the scores and the output)
+        k = from_e4m3_bytes(k)
+        v = from_e4m3_bytes(v)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -141,6 +146,7 @@ def _paged_attention_kernel(
     sinks_ptr,  # [Hq] sink logits (read only with HAS_SINKS)
     window,  # keys per query, its own included (read only with SLIDING)
     softcap,  # Gemma 2's cap * log2(e) (read only with SOFTCAP)
+    v_scale,  # an fp8 cache's v scale (read only with FP8_KV; k's is in qk_scale)
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -155,6 +161,7 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr = False,
     CAUSAL: tl.constexpr = True,
     SOFTCAP: tl.constexpr = False,
+    FP8_KV: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -211,7 +218,10 @@ def _paged_attention_kernel(
         n_mask = offs_n < kv_end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, n_mask, kv_head, offs_d, d_mask,
                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                             PAGE_SIZE, UPCAST)
+                             PAGE_SIZE, UPCAST, FP8_KV)
+        if FP8_KV and not UPCAST:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             s = _softcap(s, softcap)
@@ -224,6 +234,8 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _online_softmax_step(s, visible, v, m_i, l_i, acc, DOT_PRECISION)
 
     o_mask = row_mask[:, None] & d_mask[None, :]
+    if FP8_KV:
+        acc = acc * v_scale
     if NUM_SPLITS > 1:
         # Unnormalized partials; _combine_splits_kernel merges them.
         part = split.to(tl.int64) * stride_os + q_rows * stride_ot + head * stride_oh
@@ -255,6 +267,7 @@ def _decode_attention_kernel(
     sinks_ptr,
     window,
     softcap,
+    v_scale,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -267,6 +280,7 @@ def _decode_attention_kernel(
     HAS_SINKS: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False,
+    FP8_KV: tl.constexpr = False,
 ):
     """Pure decode: query row b is sequence b's one new token (cu_seqlens_q = 0..B), so
     the grid is (B, Hkv, splits) with every program busy: no search over cu_seqlens_q and
@@ -302,7 +316,10 @@ def _decode_attention_kernel(
         n_mask = offs_n < seq_len
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, n_mask, kv_head, offs_d, d_mask,
                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                             PAGE_SIZE, UPCAST)
+                             PAGE_SIZE, UPCAST, FP8_KV)
+        if FP8_KV and not UPCAST:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             s = _softcap(s, softcap)
@@ -312,6 +329,8 @@ def _decode_attention_kernel(
         m_i, l_i, acc = _online_softmax_step(s, visible[None, :], v, m_i, l_i, acc, DOT_PRECISION)
 
     o_mask = row_mask[:, None] & d_mask[None, :]
+    if FP8_KV:
+        acc = acc * v_scale
     if NUM_SPLITS > 1:
         part = split.to(tl.int64) * stride_os + row * stride_ot + head * stride_oh
         tl.store(out_ptr + part[:, None] + offs_d[None, :], acc, mask=o_mask)
@@ -408,6 +427,8 @@ def paged_attention(
     window: int | None = None,
     causal: bool = True,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged context (causal=False:
     every query sees its sequence's whole context, an encoder's bidirectional attention).
@@ -421,6 +442,9 @@ def paged_attention(
     sinks [Hq] (any float dtype): per-head sink logits in the softmax denominator;
     window: each query sees only the last `window` positions up to its own;
     softcap (Gemma 2): each scaled score s is softcap * tanh(s / softcap).
+    An e4m3 cache (float8_e4m3fn, --kv-cache-dtype fp8) holds k / k_scale and v / v_scale:
+    its codes are upcast to q's dtype in the kernel, k_scale joins the softmax scale and
+    v_scale the output.
     Returns out [T, Hq, Dh] in q's dtype.
     """
     T, Hq, Dh = q.shape
@@ -445,7 +469,10 @@ def paged_attention(
         return out
 
     group = Hq // Hkv
-    upcast = _INTERPRET or q.dtype == torch.float32 or k_cache.dtype != q.dtype
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:   # the kernels read the codes as bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    upcast = _INTERPRET or q.dtype == torch.float32 or (k_cache.dtype != q.dtype and not fp8)
     splits = max(1, int(num_kv_splits))
     # one query per sequence at the context's end: it sees the whole context either way
     decode = max_seqlen_q is not None and max_seqlen_q <= 1
@@ -467,6 +494,8 @@ def paged_attention(
     common = dict(GROUP=group, HEAD_DIM=Dh, PAGE_SIZE=page_size, UPCAST=upcast,
                   DOT_PRECISION="ieee" if upcast else None, NUM_SPLITS=splits,
                   HAS_SINKS=sinks is not None, SLIDING=window is not None, **cfg)
+    if fp8:
+        common["FP8_KV"] = True
     if softcap:
         common["SOFTCAP"] = True
     if not causal and not decode:
@@ -479,21 +508,21 @@ def paged_attention(
     if decode:
         _decode_attention_kernel[grid](
             q, k_cache, v_cache, target, block_tables, seq_lens, m_part, l_part,
-            scale * 1.4426950408889634,  # log2(e)
+            scale * k_scale * 1.4426950408889634,  # log2(e)
             q.stride(0), q.stride(1), *target_strides, *cache_strides, block_tables.stride(0),
-            sinks_arg, window_arg, softcap_arg, **common)
+            sinks_arg, window_arg, softcap_arg, float(v_scale), **common)
     else:
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, target,
             block_tables, cu_seqlens_q, seq_lens,
             m_part, l_part,
-            scale * 1.4426950408889634,  # log2(e)
+            scale * k_scale * 1.4426950408889634,  # log2(e)
             B,
             q.stride(0), q.stride(1),
             *target_strides,
             *cache_strides,
             block_tables.stride(0),
-            sinks_arg, window_arg, softcap_arg,
+            sinks_arg, window_arg, softcap_arg, float(v_scale),
             **common,
         )
     if splits > 1:
