@@ -25,7 +25,7 @@ from gpu.config.vision import (VisionSpec, is_vision_config, text_config, vision
                                vision_spec)
 from gpu.config.names import DTYPE_ALIASES, DTYPE_NAMES, LOAD_FORMATS, QUANTIZATIONS  # noqa: F401 (re-exported)
 from gpu.formats.gguf import GGUFFile
-from gpu.quantization.config import select_method
+from gpu.quantization.config import select_method, stand_in_format
 
 EXPERT_FORMATS = ("auto", "packed", "dequantized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +49,10 @@ class LoadedModel:
     # a vision-language model (issue 34): gpu/models/llava_vision.py's LlavaVision, and what render needs
     vision: Any = None
     vision_spec: VisionSpec | None = None
+    # layer -> (k_scale, v_scale) from the checkpoint, for --kv-cache-dtype fp8 (none: 1.0)
+    kv_scales: dict = attrs.Factory(dict)
+    # the decoder linears' format, for the GPU stand-in's cost (gpu/quantization/config.py stand_in_format)
+    weight_format: str = "bf16"
 
 
 # CPU features under which torch computes bf16 matmuls natively (oneDNN's bf16 kernels):
@@ -203,7 +207,7 @@ def load_model(
     return LoadedModel(config=config, model=lm, tokenizer=source.tokenizer, generation_config=source.generation_config,
                        name=source.name, path=str(path), max_model_len=config.max_position_embeddings,
                        eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config),
-                       weights=weights, vision=vision, vision_spec=source.vision_spec)
+                       weights=weights, vision=vision, vision_spec=source.vision_spec, kv_scales=method.kv_scales())
 
 
 def build_vision(config: dict, text_hidden: int, dtype, device):
@@ -234,7 +238,7 @@ def load_shell(model: str | Path | None = None, *, load_format: str = "auto",
                        generation_config=source.generation_config, name=source.name, path=str(path),
                        max_model_len=config.max_position_embeddings,
                        eos_token_ids=merge_eos_ids(source.tokenizer, config, source.generation_config),
-                       vision_spec=source.vision_spec)
+                       vision_spec=source.vision_spec, weight_format=stand_in_format(source.quantization_config))
 
 
 def merge_eos_ids(tokenizer: Tokenizer | None, config: ModelConfig, generation_config: dict) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ columns as it cuts any other (dequantize-then-shard: exact, and every format sha
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -38,6 +39,10 @@ class QuantMethod(ABC):
 
     def plan(self, names: Sequence[str]) -> None:
         """Check the checkpoint's tensor names against the format before loading."""
+
+    def kv_scales(self) -> dict[int, tuple[float, float]]:
+        """Layer -> (k_scale, v_scale) the checkpoint carries for an fp8 KV cache (none: {})."""
+        return {}
 
     def serving_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
@@ -94,6 +99,7 @@ class LinearFormat(QuantMethod):
         self.blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # prefix -> repack.block_form
         self.expected: set[str] = set()    # the model's HF weight names (prepare)
         self.gpu_kernels = False           # run the linears by the Triton GEMMs (CUDA)
+        self.kv: dict[int, dict[str, float]] = {}   # layer -> {"k"|"v"|"kv": scale} (checkpoint KV scales)
         self.forms = None                  # cuda_linear.KernelForms while loading on CUDA
 
     @abstractmethod
@@ -201,6 +207,9 @@ class LinearFormat(QuantMethod):
             raise ValueError(f"{self.name}: no tensor of the checkpoint is quantized (no name ends in "
                              f"{' or '.join('.' + m for m in self.markers)}): is --quantization right?")
 
+    def kv_scales(self) -> dict[int, tuple[float, float]]:
+        return {layer: (s.get("k", s.get("kv", 1.0)), s.get("v", s.get("kv", 1.0))) for layer, s in self.kv.items()}
+
     def owns(self, name: str) -> bool:
         prefix, _, suffix = name.rpartition(".")
         return prefix in self.quantized and suffix in self.suffixes
@@ -228,6 +237,13 @@ class LinearFormat(QuantMethod):
         pending: dict[str, dict[str, torch.Tensor]] = {}
         done: set[str] = set()
         for name, tensor in named:
+            if (kv := kv_scale_name(name)) is not None:
+                layer, which = kv
+                if tensor.numel() != 1:
+                    raise ValueError(f"{self.name}: the checkpoint's {name!r} has {tensor.numel()} values; a KV "
+                                     "cache scale is one per layer (per-head scales are not served)")
+                self.kv.setdefault(layer, {})[which] = float(tensor.float().reshape(()))
+                continue
             if not self.owns(name):
                 if (name.endswith(".bias") and name not in self.expected and name.removesuffix(".bias") in self.quantized
                         and not tensor.any()):
@@ -290,6 +306,17 @@ QUANTIZED_SUFFIXES = frozenset({
     "weight_scale", "weight_scale_inv", "input_scale", "weight_zero_point", "input_zero_point",
     "weight_packed", "weight_shape", "weight_g_idx", "qweight", "qzeros", "scales", "g_idx",
 })
+
+
+# a checkpoint's KV cache scales: vLLM's and compressed-tensors' self_attn.k_scale / v_scale,
+# older FP8 checkpoints' self_attn.kv_scale (one for both) and k_proj / v_proj.output_scale
+_KV_SCALE = re.compile(r"layers\.(\d+)\.(?:[\w.]*\.)?(?:(k|v|kv)_scale|(k|v)_proj\.output_scale)$")
+
+
+def kv_scale_name(name: str) -> tuple[int, str] | None:
+    """(layer, "k" | "v" | "kv") when `name` is a KV cache scale, else None."""
+    m = _KV_SCALE.search(name)
+    return None if m is None else (int(m.group(1)), m.group(2) or m.group(3))
 
 
 def dense(name: str, tensor: torch.Tensor, what: str) -> torch.Tensor:

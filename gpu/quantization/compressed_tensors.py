@@ -160,10 +160,6 @@ class CompressedTensors(LinearFormat):
             kinds.append(f"{fmt} W{w.get('num_bits')}{a} ({kind}{g}{sym})")
         return "compressed-tensors " + ", ".join(kinds)
 
-    def weights(self, named, dtype, device):
-        for name, tensor in super().weights(named, dtype, device):
-            if not name.endswith(fp8.KV_SCALE_SUFFIXES):
-                yield name, tensor
 
 
 def _block(w: dict):

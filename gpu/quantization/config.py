@@ -69,3 +69,24 @@ def select_method(quantization: str, source, *, load_format: str, dtype, device,
             method.use_packed_kernels(dtype, device, tp, quantization)
     method.plan(source.tensor_names)
     return method
+
+
+def stand_in_format(quantization_config: dict | None) -> str:
+    """The cost of a checkpoint's decoder linears for the GPU stand-in (gpu/worker/simulate.py
+    WEIGHT_BYTES): bf16, fp8, w4a16, w8a16 or w8a8, as the CUDA GEMMs read them."""
+    name = checkpoint_format(quantization_config)
+    qc = quantization_config or {}
+    if name == "fp8":
+        return "fp8"
+    if name == "awq":
+        return "w4a16"
+    if name == "gptq":
+        return {4: "w4a16", 8: "w8a16"}.get(int(qc.get("bits", 4)), "bf16")
+    if name == "compressed-tensors":
+        group = next(iter((qc.get("config_groups") or {}).values()), {})
+        w, acts = group.get("weights") or {}, group.get("input_activations")
+        if w.get("type") == "float":
+            return "fp8"
+        bits = int(w.get("num_bits", 8))
+        return "w8a8" if bits == 8 and acts else {4: "w4a16", 8: "w8a16"}.get(bits, "bf16")
+    return "bf16"

@@ -172,6 +172,8 @@ class KernelForms:
         self.forms: dict[str, dict | None] = {}
 
     def take(self, prefix: str, parts) -> None:
+        if ".experts." in prefix:
+            return      # experts stay dequantized at load (no quantized grouped GEMM yet)
         if parts is None:
             self.forms[prefix] = None
             return

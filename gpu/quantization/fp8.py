@@ -23,8 +23,6 @@ import torch
 from gpu.quantization.base import LinearFormat
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# kv-cache scales a checkpoint may carry beside its linears (for --kv-cache-dtype fp8)
-KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
 
 
 def expand_scale(scale: torch.Tensor, out: int, cols: int, block: tuple[int, int] | None = None) -> torch.Tensor:
@@ -113,7 +111,3 @@ class FP8(LinearFormat):
         scales = f"{self.block[0]}x{self.block[1]} block-scaled" if self.block else "per-tensor-scaled"
         return f"FP8 e4m3 ({scales}, {self.activations} activations)"
 
-    def weights(self, named, dtype, device):
-        for name, tensor in super().weights(named, dtype, device):
-            if not name.endswith(KV_SCALE_SUFFIXES):   # the fp8 KV cache's, not a linear's
-                yield name, tensor

@@ -121,6 +121,8 @@ def build_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, m
     cache = KVCache(mc.num_kv_layers, num_blocks, cfg.block_size, kv_heads(loaded), mc.kv_cache_head_dim,
                     KVCache.dtype_for(cfg.kv_cache_dtype, loaded.model.dtype, device), device, sliding_layers=sliding_layers,
                     num_sliding_blocks=sliding_slots, latent=mc.kv_cache_latent)
+    if cfg.kv_cache_dtype != "auto":
+        cache.set_scales(loaded.kv_scales)
     broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
     connector, runner_connector = make_kv_connector(cfg, cache, broadcast, ranks)
     drafting = None
@@ -329,7 +331,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     # floating (gpu/worker/staging.py float_chunks), which the runner fills
     floating = cfg.async_scheduling and cfg.speculative_config is not None
     if cfg.simulate_gpu:
-        cost = CostModel.of(mc, GPUS[cfg.simulate_gpu])
+        cost = CostModel.of(mc, GPUS[cfg.simulate_gpu], weights=loaded.weight_format,
+                            kv_elem_bytes=1 if cfg.kv_cache_dtype != "auto" else 2)
         num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size, cfg.gpu_memory_utilization)
         cost = attrs.evolve(cost, verify_tokens=verify_graph_tokens(cfg))
         stand_in_draft = StandInDraft.of(cfg.speculative_config, mc, GPUS[cfg.simulate_gpu])
@@ -407,7 +410,9 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                     "replies carry no text (like vLLM's --skip-tokenizer-init)")
     log.info("loaded %s (%s, %s) in %.1fs; KV cache %d blocks x %d tokens, %s", model_names[0], mc.architecture,
              device, time.perf_counter() - t0, num_blocks, cfg.block_size, str(loaded.model.dtype).removeprefix("torch.")
-             if cfg.kv_cache_dtype == "auto" else "float8_e4m3fn (--kv-cache-dtype fp8: scale 1.0, upcast where read)")
+             if cfg.kv_cache_dtype == "auto" else "float8_e4m3fn (--kv-cache-dtype fp8: half a bf16 cache's bytes; "
+             + (f"the checkpoint's k/v scales for {len(loaded.kv_scales)} layers" if loaded.kv_scales else "scale 1.0")
+             + ", upcast where read)")
     # this thread's OpenMP team would throttle the runner thread's (gpu/kernels/cpu/openmp.py)
     release_team()
     sleeper = None

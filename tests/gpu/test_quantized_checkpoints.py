@@ -289,3 +289,19 @@ def test_cuda_linears_are_cut_per_rank_as_the_dense_weights(checkpoints, kernels
             lin = quant.get_submodule(name)
             assert torch.equal(lin.dequantized(), dense.get_submodule(name).weight), (rank, name)
         assert quant.mlp.down_proj.params["group"] == 64 and quant.mlp.gate_up_proj.params["group"] == 128
+
+
+def test_checkpoint_kv_scales_are_read_for_the_fp8_cache(checkpoints, tmp_path):
+    """vLLM's and compressed-tensors' self_attn.k_scale / v_scale, and the older kv_scale (one
+    for both): LoadedModel.kv_scales, which start-up sets on an fp8 KV cache (none: 1.0)."""
+    path, hf = checkpoints["fp8-tensor-llama"]
+    add = {"model.layers.0.self_attn.k_scale": torch.tensor(0.25), "model.layers.0.self_attn.v_scale": torch.tensor([2.0]),
+           "model.layers.1.self_attn.kv_scale": torch.tensor(0.5)}
+    _rewrite(path, tmp_path / "scaled", add=add)
+    loaded = load_model(tmp_path / "scaled", dtype="float32", progress=False)
+    assert loaded.kv_scales == {0: (0.25, 2.0), 1: (0.5, 0.5)}
+    torch.testing.assert_close(our_logits(loaded.model, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+    assert load_model(path, dtype="float32", progress=False).kv_scales == {}
+    _rewrite(path, tmp_path / "per-head", add={"model.layers.0.self_attn.k_scale": torch.ones(2)})
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.k_scale' has 2 values; a KV cache scale is one per layer"):
+        load_model(tmp_path / "per-head", progress=False)
