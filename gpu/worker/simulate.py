@@ -5,7 +5,8 @@ preparation, sampler bookkeeping, every stage, HTTP) and measures whether the ho
 keep a GPU of that speed fed. The wait is `time.sleep` in the runner's worker thread,
 which releases the GIL as a real device wait does.
 
-The cost of one step of a model in bf16 on a GPU with memory bandwidth BW and dense
+The cost of one step of a model in bf16 (or its linears in a pre-quantized format's bytes,
+WEIGHT_BYTES, at the same bf16 peak: decode is bandwidth-bound) on a GPU with memory bandwidth BW and dense
 bf16 peak P (a roofline), plus what the step's kernels cost for being many:
 
     bytes = weights read once                    (every matmul weight + the lm_head)
@@ -122,9 +123,19 @@ def kernels_per_step(config: ModelConfig, *, decode: bool, kv_splits: bool = Fal
 _KV_RESERVE_BYTES = 2 << 30     # as the CUDA path keeps for activations and graphs
 
 
+# Bytes a decoder linear's weight costs to read, by the pre-quantized format's CUDA layout
+# (gpu/quantization/cuda_linear.py; the LM head and embeddings stay bf16):
+#   fp8    1 byte + an fp32 scale per row and 128 columns (fp8_gemm's per-row form)
+#   w4a16  half a byte + an fp32 scale and a uint8 zero per 128-column group (wna16_gemm)
+#   w8a16  a byte + the same per group
+#   w8a8   a byte + one fp32 scale a row (int8_gemm; ~0 per weight at K in the thousands)
+WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1 + 4 / 128, "w4a16": 0.5 + 5 / 128, "w8a16": 1 + 5 / 128, "w8a8": 1.0}
+
+
 @attrs.frozen
 class CostModel:
-    """What one step of `config` in bf16 costs on `gpu`."""
+    """What one step of `config` costs on `gpu`: bf16, or its decoder linears in a
+    pre-quantized format's bytes (`linear_bytes`) and the KV cache in fp8 (kv_bytes_per_token)."""
     gpu: GpuSpec
     num_layers: int
     num_q_heads: int
@@ -148,9 +159,16 @@ class CostModel:
     # speculative decoding with CUDA graphs: K + 1, the tokens a sequence of the verify
     # steps' graphs (pipeline/core/startup.verify_graph_tokens); 0: verify steps run eagerly
     verify_tokens: int = 0
+    # bytes a decoder linear's weight is read in (WEIGHT_BYTES); the LM head's stay elem_bytes
+    linear_bytes: float = 2.0
+    head_params: int = 0
 
     @classmethod
-    def of(cls, config: ModelConfig, gpu: GpuSpec) -> "CostModel":
+    def of(cls, config: ModelConfig, gpu: GpuSpec, weights: str = "bf16", kv_elem_bytes: int = 2) -> "CostModel":
+        """weights: a WEIGHT_BYTES key (the checkpoint's format: gpu/quantization/config.py
+        stand_in_format); kv_elem_bytes: 1 for --kv-cache-dtype fp8."""
+        if weights not in WEIGHT_BYTES:
+            raise ValueError(f"no cost for {weights!r} weights; known: {', '.join(WEIGHT_BYTES)}")
         c = config
         L, D = c.num_hidden_layers, c.hidden_size
         mlp = 3 * D * c.intermediate_size                   # one expert's (or the dense MLP's) weights
@@ -164,7 +182,8 @@ class CostModel:
         return cls(gpu=gpu, num_layers=L, num_q_heads=c.num_attention_heads,
                    head_dim=widths // 2, vocab_size=c.vocab_size,
                    matmul_params=L * c.attention_params + mlps + c.vocab_size * D,
-                   kv_bytes_per_token=L * cached * 2,
+                   kv_bytes_per_token=L * cached * kv_elem_bytes,
+                   linear_bytes=WEIGHT_BYTES[weights], head_params=c.vocab_size * D,
                    expert_params=moe_layers * mlp if c.num_experts else 0,
                    num_experts=c.num_experts, top_k=c.num_experts_per_tok,
                    num_kv_heads=1 if c.kv_lora_rank else c.num_key_value_heads,
@@ -173,9 +192,13 @@ class CostModel:
                    eager_kernels=kernels_per_step(c, decode=False),
                    verify_kernels=kernels_per_step(c, decode=False, verify=True))
 
+    def read_bytes(self, params: int) -> float:
+        """Bytes of `params` matmul weights, the LM head's among them."""
+        return (params - self.head_params) * self.linear_bytes + self.head_params * self.elem_bytes
+
     @property
     def weight_bytes(self) -> int:
-        return self.matmul_params * self.elem_bytes
+        return int(self.read_bytes(self.matmul_params))
 
     @property
     def active_params(self) -> int:
@@ -213,7 +236,7 @@ class CostModel:
         read_params = self.matmul_params - idle_experts * self.expert_params
         flops = 2 * self.active_params * tokens + attention
         g = self.gpu
-        return max((read_params * self.elem_bytes + kv + logits) / g.bandwidth, flops / g.bf16_flops) \
+        return max((self.read_bytes(read_params) + kv + logits) / g.bandwidth, flops / g.bf16_flops) \
             + self.launch_seconds(q_lens, eager)
 
     def kv_blocks(self, block_size: int, gpu_memory_utilization: float) -> int:

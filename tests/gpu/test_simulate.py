@@ -213,3 +213,30 @@ def test_an_eagle3_heads_forwards_are_priced_from_its_config(smollm_tokenizer):
     assert runner.draft_seconds(after) == pytest.approx(
         m.step_seconds([4], [45], 1) + m.step_seconds([1], [46], 1) + m.step_seconds([1], [47], 1))
     assert m.step_seconds([4], [45], 1) < m.step_seconds([4], [45], 1, eager=True)   # a replay
+
+
+def test_quantized_linears_and_an_fp8_cache_are_priced_by_their_bytes():
+    """The stand-in reads a pre-quantized checkpoint's decoder linears in its CUDA layout's
+    bytes (the LM head stays bf16), and an fp8 KV cache in one byte a value."""
+    from gpu.quantization.config import stand_in_format
+    from gpu.worker.simulate import WEIGHT_BYTES
+
+    bf16 = CostModel.of(QWEN3, H200)
+    head = QWEN3.vocab_size * QWEN3.hidden_size
+    for fmt in ("fp8", "w4a16", "w8a8"):
+        q = CostModel.of(QWEN3, H200, weights=fmt)
+        assert q.weight_bytes == int((bf16.matmul_params - head) * WEIGHT_BYTES[fmt] + head * 2)
+        saved = (bf16.matmul_params - head) * (2 - WEIGHT_BYTES[fmt]) / H200.bandwidth
+        assert q.step_seconds([1], [100], 1) == pytest.approx(bf16.step_seconds([1], [100], 1) - saved)
+    assert WEIGHT_BYTES["w4a16"] == 0.5 + 5 / 128        # int4, an fp32 scale and a uint8 zero per 128
+    fp8_kv = CostModel.of(QWEN3, H200, kv_elem_bytes=1)
+    assert fp8_kv.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+    assert fp8_kv.kv_blocks(16, 0.9) >= 2 * bf16.kv_blocks(16, 0.9) - 1
+    with pytest.raises(ValueError, match="no cost for 'nf4' weights"):
+        CostModel.of(QWEN3, H200, weights="nf4")
+    groups = lambda w, a=None: {"quant_method": "compressed-tensors", "config_groups": {  # noqa: E731
+        "g": {"weights": w, "input_activations": a}}}
+    assert [stand_in_format(c) for c in (
+        None, {"quant_method": "fp8"}, {"quant_method": "awq", "bits": 4}, {"quant_method": "gptq", "bits": 8},
+        groups({"type": "float", "num_bits": 8}), groups({"num_bits": 4}),
+        groups({"num_bits": 8}, {"num_bits": 8}))] == ["bf16", "fp8", "w4a16", "w8a16", "fp8", "w4a16", "w8a8"]
