@@ -76,6 +76,7 @@ KERNELS = [
     ("wna16_gemm (AWQ / GPTQ / W4A16 weights)", "gpu.kernels.triton.wna16_gemm", "tests/kernels/test_quant_gemm.py", 1),
     ("fp8_gemm (FP8 block-scaled weights)", "gpu.kernels.triton.fp8_gemm", "tests/kernels/test_quant_gemm.py", 1),
     ("int8_gemm (INT8 W8A8)", "gpu.kernels.triton.int8_gemm", "tests/kernels/test_quant_gemm.py", 1),
+    ("fp8 KV cache (write_kv, prepare_qkv, paged_attention over e4m3)", "gpu.kernels.triton.fp8_kv", "tests/kernels/test_kv_fp8.py", 1),
     ("lora shrink/expand", "gpu.kernels.triton.lora", "tests/kernels/test_lora_kernels.py", 1),
     ("encoder attention (non-causal)", "gpu.kernels.triton.paged_attention", "tests/kernels/test_varlen_attention.py", 1),
     ("vision tower attention", None, None, 1),
@@ -230,6 +231,47 @@ def _cases(only):
                 num_kv_splits=4 if mode == "split4" else 1, window=window, softcap=50.0)
 
         yield label, paged_attention, ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"], launch_gemma2
+
+    # ---- --kv-cache-dtype fp8 (Qwen3-0.6B's heads, bf16 model): e4m3 codes written by write_kv and
+    # the fused prepare_qkv, read by paged attention (prefill, decode, split decode); scales 0.5 / 2
+    hq, hkv, dh = 16, 8, 128
+    for mode in ("decode", "prefill", "split4"):
+        label = f"paged_attention[qwen3-0.6b,bf16,fp8 kv,{mode}]"
+        if want(label):
+            def launch_fp8(mode=mode):
+                B, ctx = 4, 300
+                q_len = 1 if mode != "prefill" else 37
+                pages = -(-ctx // PAGE)
+                k_cache = torch.zeros(B * pages, PAGE, hkv, dh, dtype=torch.float8_e4m3fn, device=dev)
+                tables = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
+                cu = torch.arange(B + 1, dtype=torch.int32, device=dev) * q_len
+                q = torch.zeros(B * q_len, hq, dh, dtype=torch.bfloat16, device=dev)
+                paged_attention.paged_attention(
+                    q, k_cache, torch.zeros_like(k_cache), tables, cu,
+                    torch.full((B,), ctx, dtype=torch.int32, device=dev), dh ** -0.5,
+                    max_seqlen_q=q_len if mode != "prefill" else None,
+                    num_kv_splits=4 if mode == "split4" else 1, k_scale=0.5, v_scale=2.0)
+
+            yield label, paged_attention, ["_paged_attention_kernel", "_decode_attention_kernel", "_combine_splits_kernel"], launch_fp8
+    if want("write_kv[qwen3-0.6b,bf16,fp8 kv]"):
+        def launch_write_fp8():
+            T = 37
+            qkv = torch.zeros(T, (hq + 2 * hkv) * dh, dtype=torch.bfloat16, device=dev)
+            cache = torch.zeros(8, PAGE, hkv, dh, dtype=torch.float8_e4m3fn, device=dev)
+            kv_cache.write_kv(qkv[:, hq * dh:(hq + hkv) * dh].view(T, hkv, dh), qkv[:, (hq + hkv) * dh:].view(T, hkv, dh),
+                              cache, cache.clone(), torch.arange(T, dtype=torch.int64, device=dev), 0.5, 2.0)
+
+        yield "write_kv[qwen3-0.6b,bf16,fp8 kv]", kv_cache, ["_write_kv_kernel"], launch_write_fp8
+    if want("prepare_qkv[qwen3-0.6b,bf16,fp8 kv]"):
+        def launch_prep_fp8():
+            T = 37
+            w = torch.ones(dh, dtype=torch.bfloat16, device=dev)
+            cache = torch.zeros(8, PAGE, hkv, dh, dtype=torch.float8_e4m3fn, device=dev)
+            qkv_prep.prepare_qkv(torch.zeros(T, (hq + 2 * hkv) * dh, dtype=torch.bfloat16, device=dev), hq, hkv, dh,
+                                 w, w, 1e-6, torch.arange(T, device=dev), torch.zeros(4096, dh, device=dev), cache,
+                                 cache.clone(), torch.arange(T, dtype=torch.int64, device=dev), 0.5, 2.0)
+
+        yield "prepare_qkv[qwen3-0.6b,bf16,fp8 kv]", qkv_prep, ["_qkv_prep_kernel"], launch_prep_fp8
 
     # ---- gpt-oss-20b MXFP4 experts (32 experts, top 4): gate/up (+SwiGLU) and down, decode and prefill
     for tokens, proj, scaled in [(t, p, d) for t in (4, 2048) for p in ("gate_up", "down") for d in (False, True)]:
