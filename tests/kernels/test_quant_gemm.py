@@ -18,7 +18,7 @@ def _relative(got, want):
 
 
 @pytest.mark.parametrize("bits,group,dtype,bias", [(4, 32, torch.bfloat16, False), (8, 64, torch.float32, True)],
-                         ids=["w4-g32-bf16", "w8-g64-fp32-bias"])
+                         ids=["w4-g32-bf16 (groups inside a K tile)", "w8-g64-fp32-bias (one group a K tile)"])
 def test_wna16_matches_the_dequantized_weights(device, tol, bits, group, dtype, bias):
     M, K, N = 5, 128, 48
     g = torch.Generator().manual_seed(0)

@@ -30,7 +30,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 @triton.jit(do_not_specialize=["M"])
 def _wna16_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, group, stride_xm, stride_om,
-    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
@@ -49,9 +49,14 @@ def _wna16_gemm_kernel(
         wmask = k_mask[:, None] & col_mask[None, :]
         words = tl.load(qw_ptr + (ks // PER)[:, None].to(tl.int64) * N + cols[None, :], mask=wmask, other=0)
         q = (words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)                       # [BK, BN]
-        g = (ks // group)[:, None].to(tl.int64) * N + cols[None, :]
-        s = tl.load(s_ptr + g, mask=wmask, other=0.0)
-        z = tl.load(z_ptr + g, mask=wmask, other=0).to(tl.int32)
+        if GROUP_ALIGNED:   # the tile lies in one group: one scale and zero a column
+            g = (k0 // group).to(tl.int64) * N + cols
+            s = tl.load(s_ptr + g, mask=col_mask, other=0.0)[None, :]
+            z = tl.load(z_ptr + g, mask=col_mask, other=0).to(tl.int32)[None, :]
+        else:
+            g = (ks // group)[:, None].to(tl.int64) * N + cols[None, :]
+            s = tl.load(s_ptr + g, mask=wmask, other=0.0)
+            z = tl.load(z_ptr + g, mask=wmask, other=0).to(tl.int32)
         w = ((q - z).to(tl.float32) * s).to(a.dtype)                                         # [BK, BN]
         if UPCAST:
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -88,7 +93,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
     _wna16_gemm_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, M, N, K, group,
-        x.stride(0), out.stride(0), BITS=bits, HAS_BIAS=bias is not None,
+        x.stride(0), out.stride(0), BITS=bits, HAS_BIAS=bias is not None, GROUP_ALIGNED=group % cfg["BLOCK_K"] == 0,
         UPCAST=_INTERPRET or x.dtype == torch.float32, **cfg)
     return out
 
@@ -115,7 +120,7 @@ def wna16_gemm_ref(x, qweight, scales, zeros, group, bits=4, bias=None):
 def aot_cases():
     """scripts/check_triton_compile.py's launches: Qwen3-8B's gate_up (K 4096, N 2 * 12288) and
     down (K 12288, N 4096) in 4-bit group 128, bf16, a decode of 4 tokens and a prefill of 2048;
-    one 8-bit case."""
+    an 8-bit case, and groups of 32."""
     for tokens in (4, 2048):
         for proj, (k, n) in (("gate_up", (4096, 24576)), ("down", (12288, 4096))):
             def launch(tokens=tokens, k=k, n=n):
@@ -128,3 +133,8 @@ def aot_cases():
                    torch.zeros(32, 4096), torch.zeros(32, 4096, dtype=torch.uint8), 128, bits=8,
                    bias=torch.zeros(4096, dtype=torch.bfloat16))
     yield "wna16_gemm[w8 g128 + bias,bf16,4 tokens]", ["_wna16_gemm_kernel"], launch8
+
+    def launch_g32():     # groups smaller than a K tile: scales gathered per row
+        wna16_gemm(torch.zeros(4, 4096, dtype=torch.bfloat16), torch.zeros(512, 4096, dtype=torch.int32),
+                   torch.zeros(128, 4096), torch.zeros(128, 4096, dtype=torch.uint8), 32)
+    yield "wna16_gemm[w4 g32,bf16,4 tokens]", ["_wna16_gemm_kernel"], launch_g32
