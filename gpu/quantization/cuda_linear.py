@@ -23,10 +23,14 @@ parts' forms along the output rows.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 _GROUPS = (1024, 512, 256, 128, 64, 32, 16, 8)
+# the HF linears install() replaces (repack._MERGED's parts)
+_INSTALLED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
 FP8_GROUP = 128
 
 
@@ -172,8 +176,8 @@ class KernelForms:
         self.forms: dict[str, dict | None] = {}
 
     def take(self, prefix: str, parts) -> None:
-        if ".experts." in prefix:
-            return      # experts stay dequantized at load (no quantized grouped GEMM yet)
+        if not _INSTALLED.fullmatch(prefix):
+            return      # experts, MLA's projections: dequantized at load (no kernel form for them yet)
         if parts is None:
             self.forms[prefix] = None
             return

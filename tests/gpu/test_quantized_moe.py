@@ -64,3 +64,17 @@ def test_quantized_experts_are_dequantized_at_load(fmt, tmp_path):
     inter = ref.shape[1] // 2
     assert torch.equal(ours[:, 0::2], ref[:, :inter]) and torch.equal(ours[:, 1::2], ref[:, inter:])
     torch.testing.assert_close(our_logits(loaded.model, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_on_cuda_the_attention_runs_the_w4a16_gemm_and_the_experts_stay_dequantized(tmp_path, monkeypatch):
+    """The load as on CUDA (the kernels forced on the interpreter): attention linears in the
+    W4A16 layout, the quantized experts dequantized and stacked, the same logits."""
+    from gpu.quantization import cuda_linear
+
+    monkeypatch.setattr(cuda_linear, "wanted", lambda device: True)
+    hf = _write_quantized_moe("ct-w4a16", tmp_path / "w4a16")
+    loaded = load_model(tmp_path / "w4a16", dtype="float32", progress=False)
+    attn = loaded.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, cuda_linear.QuantLinear) and attn.qkv_proj.kind == "w4"
+    assert "kept quantized and run by the Triton GEMMs (6 w4)" in loaded.weights   # qkv and o of 3 layers
+    torch.testing.assert_close(our_logits(loaded.model, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
