@@ -301,6 +301,12 @@ def test_checkpoint_kv_scales_are_read_for_the_fp8_cache(checkpoints, tmp_path):
     loaded = load_model(tmp_path / "scaled", dtype="float32", progress=False)
     assert loaded.kv_scales == {0: (0.25, 2.0), 1: (0.5, 0.5)}
     torch.testing.assert_close(our_logits(loaded.model, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+    from pipeline.core.config import EngineConfig
+    from pipeline.core.startup import build_runner
+    for kv, want in (("fp8", ([0.25, 0.5], [2.0, 0.5])), ("auto", ([1.0, 1.0], [1.0, 1.0]))):
+        cfg = EngineConfig(model=str(tmp_path / "scaled"), kv_cache_dtype=kv, num_gpu_blocks_override=4, block_size=8)
+        cache = build_runner(cfg, loaded, torch.device("cpu"), 64).cache    # start-up's cache
+        assert (cache.k_scale, cache.v_scale) == want, kv
     assert load_model(path, dtype="float32", progress=False).kv_scales == {}
     _rewrite(path, tmp_path / "per-head", add={"model.layers.0.self_attn.k_scale": torch.ones(2)})
     with pytest.raises(ValueError, match="'model.layers.0.self_attn.k_scale' has 2 values; a KV cache scale is one per layer"):
