@@ -33,6 +33,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",)),
     Family("qwen3_next", ("Qwen3NextForCausalLM",), ("qwen3_next",)),
     Family("qwen3_5", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",)),
+    Family("qwen3_5_moe", ("Qwen3_5MoeForCausalLM",), ("qwen3_5_moe_text",)),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",)),

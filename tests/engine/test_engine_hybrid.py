@@ -1,7 +1,7 @@
 """A hybrid linear-attention model (a tiny random Qwen3.5) through the whole engine: greedy
 tokens equal to transformers' generate, and unchanged by chunked prefill at several chunk
 sizes (the state carried from chunk to chunk), by preemption (the slot freed, the sequence
-recomputed), by n = 2 and by batching; 200 requests with disconnects leave every state slot
+recomputed), by n = 2 and by batching; the MoE variants' greedy tokens equal transformers'; 200 requests with disconnects leave every state slot
 free; what is not served yet is refused clearly. (The layers: tests/gpu/test_delta_rule.py;
 the logits: tests/gpu/test_hybrid_models.py.)"""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from gpu.layers.attention import KVCache
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 
-from tests.support.hybrid_models import make_hybrid
+from tests.support.hybrid_models import TINY_EXPERTS, make_hybrid
 
 PROMPTS = [[(i * k + 5) % 150 + 3 for i in range(n)] for k, n in ((3, 37), (5, 1), (7, 20))]
 MAX_TOKENS = 16
@@ -122,6 +122,18 @@ async def test_disconnects_leave_every_slot_free(model):
         slots = engine.scheduler.state_slots
         assert slots.num_used == 0 and sorted(slots.free) == list(range(16))
         assert engine.stats().requests_finished_total.get("abort", 0) > 0
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen3_next", dict(TINY_EXPERTS, mlp_only_layers=[1])),
+                                              ("qwen3_5_moe", {})])
+async def test_mixtures_greedy_tokens_equal_transformers(tmp_path, family, overrides):
+    """The MoE variants (Qwen3-Next as released, Qwen3.5-MoE), in chunks of 16 tokens."""
+    hf = make_hybrid(family, tmp_path, seed=7, **overrides)
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                        min_new_tokens=MAX_TOKENS, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    async with open_engine(config(tmp_path, max_num_batched_tokens=16)) as engine:
+        got = await generate(engine, PROMPTS)
+    assert [g[0] for g in got] == want
 
 
 async def test_beam_search_is_refused_per_request(model):

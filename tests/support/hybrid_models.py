@@ -9,14 +9,23 @@ TINY_HYBRID = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hid
                    rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False)
 
 
+# the mixtures' experts: 4 of 32 columns, 2 a token, a shared expert of 48
+TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+
+
 def make_hybrid(family: str, out_dir=None, seed: int = 0, **overrides):
-    """A tiny random transformers Qwen3-Next (no experts) or Qwen3.5 text model, eager, fp32,
-    layers [linear, linear, linear, full]; every norm, A_log and dt_bias perturbed."""
+    """A tiny random transformers Qwen3-Next (no experts unless overrides give num_experts),
+    Qwen3.5 or Qwen3.5-MoE text model, eager, fp32, layers [linear, linear, linear, full];
+    every norm, A_log and dt_bias perturbed."""
     import transformers
 
     cfg = {**TINY_HYBRID, **overrides}
     if family == "qwen3_next":
         config = transformers.Qwen3NextConfig(**{"num_experts": 0, **cfg})
+    elif family == "qwen3_5_moe":
+        cfg.pop("intermediate_size")
+        config = transformers.Qwen3_5MoeTextConfig(**{**TINY_EXPERTS, **cfg})
     else:
         config = transformers.Qwen3_5TextConfig(**cfg)
     rope = dict(config.rope_parameters)
