@@ -75,6 +75,8 @@ KERNELS = [
     ("moe_gemm (bf16 experts)", "gpu.kernels.triton.moe_gemm", "tests/kernels/test_moe_gemm.py", 1),
     ("lora shrink/expand", "gpu.kernels.triton.lora", "tests/kernels/test_lora_kernels.py", 1),
     ("encoder attention (non-causal)", "gpu.kernels.triton.paged_attention", "tests/kernels/test_varlen_attention.py", 1),
+    ("gated delta rule chunked / step, causal conv1d step (Qwen3-Next, Qwen3.5)",
+     "gpu.kernels.triton.delta_rule", "tests/kernels/test_delta_rule_kernels.py", 1),
     ("vision tower attention", None, None, 1),
     ("EAGLE heads forward", None, None, 1),
     ("NIXL with CUDA buffers", None, None, 2),

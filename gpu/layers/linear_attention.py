@@ -154,7 +154,12 @@ def state_step_of(attn, num_tokens: int) -> StateStep:
 class GatedDeltaNet(nn.Module):
     """layout "qkvz": Qwen3-Next's in_proj_qkvz and in_proj_ba, grouped by key head
     ([q, k, v, z] and [b, a] of each key head's Hv / Hk value heads); "split": Qwen3.5's
-    in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a."""
+    in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a.
+
+    use_triton: None runs gpu/kernels/triton/delta_rule.py on CUDA and the torch forms
+    (gpu/layers/delta_rule.py) elsewhere; True or False forces the choice (tests)."""
+
+    use_triton: bool | None = None
 
     def __init__(self, config: ModelConfig, index: int, layout: str, dtype, device):
         super().__init__()
@@ -208,20 +213,39 @@ class GatedDeltaNet(nn.Module):
         for group in step.chunks:
             out.index_copy_(0, group.rows, self._chunked(mixed, g, beta, weight, group, pool))
         if step.step_rows is not None:
-            rows, slots = step.step_rows, step.step_slots
-            B = rows.shape[0]
-            y, conv_state = delta_rule.conv1d_step(mixed.index_select(0, rows), weight,
-                                                   pool.conv[li].index_select(0, slots))
-            q, k, v = y.split([kd, kd, d.value_heads * d.value_dim], dim=-1)
-            o, state = delta_rule.recurrent_step(
-                q.view(B, d.key_heads, -1), k.view(B, d.key_heads, -1), v.view(B, d.value_heads, -1),
-                g.index_select(0, rows), beta.index_select(0, rows), pool.recurrent[li].index_select(0, slots))
-            out.index_copy_(0, rows, o)
-            pool.conv[li].index_copy_(0, slots, conv_state)
-            pool.recurrent[li].index_copy_(0, slots, state)
+            out.index_copy_(0, step.step_rows, self._steps(mixed, g, beta, weight, step))
         o = gated_rms_norm(out.to(x.dtype).view(-1, d.value_dim), z.reshape(-1, d.value_dim),
                            self.norm.weight, self.eps)
         return self.out_proj(o.view(T, -1))
+
+    def _kernels(self, x: torch.Tensor):
+        """gpu/kernels/triton/delta_rule.py where it runs (CUDA; use_triton forces it either
+        way, as the interpreter tests do), else None: the torch forms."""
+        if not (x.is_cuda if self.use_triton is None else self.use_triton):
+            return None
+        from gpu.kernels.triton import delta_rule as kernels
+        return kernels
+
+    def _steps(self, mixed, g, beta, weight, step: StateStep) -> torch.Tensor:
+        """The one-token steps: conv and recurrent state updated in their slots -> [B, Hv, Dv] fp32."""
+        d, li, pool = self.dims, self.index, step.pool
+        rows, slots = step.step_rows, step.step_slots
+        B, kd = rows.shape[0], d.key_heads * d.key_dim
+        g, beta = g.index_select(0, rows), beta.index_select(0, rows)
+        if (kernels := self._kernels(mixed)) is not None:       # the pool updated in place
+            y = kernels.conv1d_step(mixed.index_select(0, rows), weight, pool.conv[li], slots)
+            q, k, v = y.split([kd, kd, d.value_heads * d.value_dim], dim=-1)
+            return kernels.recurrent_step(q.view(B, d.key_heads, -1), k.view(B, d.key_heads, -1),
+                                          v.view(B, d.value_heads, -1), g, beta, pool.recurrent[li], slots)
+        y, conv_state = delta_rule.conv1d_step(mixed.index_select(0, rows), weight,
+                                               pool.conv[li].index_select(0, slots))
+        q, k, v = y.split([kd, kd, d.value_heads * d.value_dim], dim=-1)
+        o, state = delta_rule.recurrent_step(
+            q.view(B, d.key_heads, -1), k.view(B, d.key_heads, -1), v.view(B, d.value_heads, -1),
+            g, beta, pool.recurrent[li].index_select(0, slots))
+        pool.conv[li].index_copy_(0, slots, conv_state)
+        pool.recurrent[li].index_copy_(0, slots, state)
+        return o
 
     def _chunked(self, mixed, g, beta, weight, c: Chunks, pool: StatePool | None) -> torch.Tensor:
         """The chunked form over the step's prefill chunks at once -> their rows' outputs
@@ -236,9 +260,39 @@ class GatedDeltaNet(nn.Module):
         full = torch.cat([x.new_zeros(B, x.shape[-1], K - 1) if conv_state is None
                           else conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)   # [B, C, K-1+L]
         y = F.silu(F.conv1d(full.to(weight.dtype), weight[:, None], groups=full.shape[1]))
-        y = y.transpose(1, 2).to(x.dtype)                                 # [B, L, C]
+        y = y.transpose(1, 2).contiguous().to(x.dtype)                    # [B, L, C]
         kd, vd = d.key_heads * d.key_dim, d.value_heads * d.value_dim
         q, k, v = y.split([kd, kd, vd], dim=-1)
+        if (kernels := self._kernels(mixed)) is not None:
+            o = self._chunked_kernel(kernels, q, k, v, g[c.gather], beta[c.gather], c, pool)
+        else:
+            o = self._chunked_torch(q, k, v, g, beta, c, pool)
+        if pool is not None and c.kept is not None:
+            # the last K - 1 inputs of each: full's columns lens .. lens + K - 2
+            cols = c.lens[:, None] + torch.arange(K - 1, device=full.device)
+            new_conv = full.gather(2, cols[:, None, :].expand(B, full.shape[1], K - 1))
+            pool.conv[li].index_copy_(0, c.kept_slots, new_conv.index_select(0, c.kept).to(pool.conv.dtype))
+        return o
+
+    def _chunked_kernel(self, kernels, q, k, v, g, beta, c: Chunks, pool: StatePool | None) -> torch.Tensor:
+        """q, k, v [B, L, *] padded, g, beta [B, L, Hv] -> [N, Hv, Dv]; the recurrent states
+        read and written in the pool by slot (kept sequences only)."""
+        d, (B, L) = self.dims, c.gather.shape
+        slots = torch.full((B,), -1, dtype=torch.long, device=q.device)
+        if pool is None:
+            state = torch.zeros(1, d.value_heads, d.key_dim, d.value_dim, device=q.device)
+        else:
+            state = pool.recurrent[self.index]
+            if c.kept is not None:
+                slots.index_copy_(0, c.kept, c.kept_slots)
+        o = kernels.chunked(q.view(B, L, d.key_heads, d.key_dim), k.view(B, L, d.key_heads, d.key_dim),
+                            v.view(B, L, d.value_heads, d.value_dim), g.contiguous(), beta.contiguous(),
+                            c.lens, state, slots, c.carried)
+        return o[c.valid]
+
+    def _chunked_torch(self, q, k, v, g, beta, c: Chunks, pool: StatePool | None) -> torch.Tensor:
+        d, li = self.dims, self.index
+        B, L = c.gather.shape
         # sequences side by side as heads: [L, B * H, D]
         def heads(z, h):
             return z.reshape(B, L, h, -1).transpose(0, 1).reshape(L, B * h, -1)
@@ -253,10 +307,6 @@ class GatedDeltaNet(nn.Module):
                                       heads(v, d.value_heads), gp, bp, state)
         o = o.reshape(L, B, d.value_heads, d.value_dim).transpose(0, 1)[c.valid]   # [N, Hv, Dv]
         if pool is not None and c.kept is not None:
-            # the last K - 1 inputs of each: full's columns lens .. lens + K - 2
-            cols = c.lens[:, None] + torch.arange(K - 1, device=full.device)
-            new_conv = full.gather(2, cols[:, None, :].expand(B, full.shape[1], K - 1))
-            pool.conv[li].index_copy_(0, c.kept_slots, new_conv.index_select(0, c.kept).to(pool.conv.dtype))
             state = state.reshape(B, d.value_heads, d.key_dim, d.value_dim)
             pool.recurrent[li].index_copy_(0, c.kept_slots, state.index_select(0, c.kept))
         return o
