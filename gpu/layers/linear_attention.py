@@ -66,6 +66,21 @@ class StatePool:
         recurrent = d.value_heads * d.key_dim * d.value_dim * 4
         return config.num_linear_layers * (conv + recurrent)
 
+    def load(self, chunks) -> None:
+        """Before a step: each chunk's snapshot (a prefix-cache hit) into its slot."""
+        self._copy([(c.state_load, c.state_slot) for c in chunks if c.state_load >= 0])
+
+    def save(self, chunks) -> None:
+        """After a step's forward: each snapshotting chunk's slot into its snapshot."""
+        self._copy([(c.state_slot, c.state_save) for c in chunks if c.state_save >= 0])
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, device=self.conv.device) for x in zip(*pairs))
+        self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
+        self.recurrent.index_copy_(1, dst, self.recurrent.index_select(1, src))
+
     def step(self, slots: list[int], q_starts: list[int], q_lens: list[int],
              start_positions: list[int]) -> StateStep:
         """A step's layout: per sequence (in batch order) its slot (-1: none, its state is
@@ -207,11 +222,9 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())   # [T, Hv]
         weight = self.conv1d.weight[:, 0]                                # [C, K]
-        kd = d.key_heads * d.key_dim
         out = torch.empty(T, d.value_heads, d.value_dim, dtype=torch.float32, device=x.device)
-        pool, li = step.pool, self.index
         for group in step.chunks:
-            out.index_copy_(0, group.rows, self._chunked(mixed, g, beta, weight, group, pool))
+            out.index_copy_(0, group.rows, self._chunked(mixed, g, beta, weight, group, step.pool))
         if step.step_rows is not None:
             out.index_copy_(0, step.step_rows, self._steps(mixed, g, beta, weight, step))
         o = gated_rms_norm(out.to(x.dtype).view(-1, d.value_dim), z.reshape(-1, d.value_dim),
@@ -251,8 +264,7 @@ class GatedDeltaNet(nn.Module):
         """The chunked form over the step's prefill chunks at once -> their rows' outputs
         [N, Hv, Dv] (fp32), each sequence's states left in its slot."""
         d, li = self.dims, self.index
-        B, L = c.gather.shape
-        K = d.conv_width
+        B, K = c.gather.shape[0], d.conv_width
         x = mixed[c.gather] * c.valid[..., None]                          # [B, L, C]
         conv_state = None
         if pool is not None:                                              # zeros unless carried
