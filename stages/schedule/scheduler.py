@@ -456,7 +456,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.table, seq.passed)
-        if seq.slot >= 0:
+        if self.state_slots is not None:
             self.state_slots.release(seq)
         seq.passed = 0
         seq.table = []

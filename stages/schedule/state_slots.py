@@ -49,6 +49,7 @@ class StateSlots:
         self.snapshots: OrderedDict[int, int] = OrderedDict()   # block hash -> slot, LRU first
         self.seeds: dict[str, int] = {}       # sequence id -> the snapshot its next chunk loads
         self.hits = self.saves = 0
+        self._fresh: set[int] = set()         # the snapshot slots the step being stamped writes
 
     @property
     def num_used(self) -> int:
@@ -83,7 +84,7 @@ class StateSlots:
     def stamp(self, chunks: list[SeqChunk], planned: list[tuple[Sequence, int]]) -> list[SeqChunk]:
         """The step's chunks with their sequences' slots, giving one to each that has none,
         and the snapshots to load before the step and to save after it."""
-        out = []
+        out, self._fresh = [], set()
         for chunk, (seq, _) in zip(chunks, planned):
             if seq.slot < 0:
                 if not self.free:
@@ -99,10 +100,12 @@ class StateSlots:
         return out
 
     def release(self, seq: Sequence) -> None:
-        """The sequence's slot back to the pool (it finished, or was preempted)."""
-        self.free.append(seq.slot)
+        """The sequence's slot back to the pool, and its pin on a snapshot it was to load
+        (it finished, was preempted, or let go of its cached prefix while waiting)."""
         self.seeds.pop(seq.id, None)
-        seq.slot = -1
+        if seq.slot >= 0:
+            self.free.append(seq.slot)
+            seq.slot = -1
 
     def reset(self) -> None:
         """Forget every snapshot (the prefix cache was reset)."""
@@ -125,12 +128,14 @@ class StateSlots:
             return -1
         if self.free_snapshots:
             slot = self.free_snapshots.pop()
-        else:       # the least recently used one no waiting sequence is still to load
-            pinned = set(self.seeds.values())
+        else:   # the least recently used one that no waiting sequence is still to load
+            # and that this step does not write already (one copy a snapshot slot a step)
+            pinned = set(self.seeds.values()) | self._fresh
             old = next((k for k, s in self.snapshots.items() if s not in pinned), None)
             if old is None:
                 return -1
             slot = self.snapshots.pop(old)
         self.snapshots[key] = slot
+        self._fresh.add(slot)
         self.saves += 1
         return slot
