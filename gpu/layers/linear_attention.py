@@ -47,7 +47,8 @@ class LinearDims:
 
 
 class StatePool:
-    """Every linear layer's conv and recurrent state for `num_slots` sequences:
+    """Every linear layer's conv and recurrent state for `num_slots` slots (the running
+    sequences' and, after them, the prefix cache's snapshots: stages/schedule/state_slots.py):
     conv [L, S, C, K - 1] in the model's dtype, recurrent [L, S, Hv, Dk, Dv] in fp32."""
 
     def __init__(self, num_layers: int, num_slots: int, dims: LinearDims, dtype: torch.dtype,
