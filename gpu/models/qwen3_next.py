@@ -48,6 +48,19 @@ def hybrid_fields(d: dict[str, Any], architecture: str, *, max_positions: int) -
     }
 
 
+def text_part(d: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3.5 (or Qwen3.5-MoE) ForConditionalGeneration config.json keeps the decoder's
+    fields under text_config: served as its text model (the vision tower's weights are
+    skipped at load: HybridLM._destination), as Gemma 3's is; a text model's dict as it is."""
+    text = d.get("text_config")
+    if not text:
+        return d
+    return {**text, "architectures": d.get("architectures"),
+            "model_type": text.get("model_type") or f"{d.get('model_type')}_text",
+            **{k: d[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id")
+               if k in d and k not in text}}
+
+
 def moe_fields(d: dict[str, Any], *, every_layer: bool = False) -> dict[str, Any]:
     """The mixture's fields (none when num_experts is 0 or absent): softmax routing over all
     experts, top-k, renormalised (norm_topk_prob, always for Qwen3.5-MoE); experts apart in the

@@ -6,7 +6,7 @@ import torch
 from gpu.layers.moe import MoE
 from gpu.loader.decoder import load_model
 from tests.support.hf_models import hf_logits, our_logits
-from tests.support.hybrid_models import TINY_EXPERTS, TINY_HYBRID, make_hybrid
+from tests.support.hybrid_models import TINY_EXPERTS, TINY_HYBRID, make_hybrid, make_hybrid_vl
 
 IDS = [(i * 37 + 11) % 157 + 2 for i in range(150)]     # 150 tokens: past two delta-rule chunks
 
@@ -62,3 +62,15 @@ def test_a_mixture_without_its_expert_sizes_is_refused_clearly():
 
     with pytest.raises(ValueError, match="num_experts > 0"):
         config_from_hf({**TINY_HYBRID, "model_type": "qwen3_5_moe_text"})
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_a_released_vision_language_folder_serves_its_text_model(family, tmp_path):
+    """Qwen3.5's checkpoints are ForConditionalGeneration folders: the decoder under
+    text_config and model.language_model, the vision tower skipped; text logits equal
+    transformers' whole model on the same ids."""
+    hf = make_hybrid_vl(family, tmp_path, seed=4)
+    loaded = load_model(tmp_path, dtype="float32", progress=False)
+    assert loaded.config.architecture == family and loaded.config.num_linear_layers == 3
+    expected, got = hf_logits(hf, IDS[:40]), our_logits(loaded.model, IDS[:40])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

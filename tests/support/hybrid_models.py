@@ -40,3 +40,27 @@ def make_hybrid(family: str, out_dir=None, seed: int = 0, **overrides):
     if out_dir is not None:
         model.save_pretrained(out_dir, safe_serialization=True)
     return model
+
+
+def make_hybrid_vl(family: str, out_dir, seed: int = 0):
+    """A tiny random Qwen3.5 (or, family "qwen3_5_moe", Qwen3.5-MoE) ForConditionalGeneration
+    as the checkpoints are released: the text model under model.language_model, a one-block
+    vision tower under model.visual, the config's decoder under text_config."""
+    import transformers
+
+    text = dict(TINY_HYBRID)
+    if family == "qwen3_5_moe":
+        text.pop("intermediate_size")
+        text.update(TINY_EXPERTS)
+    cls = transformers.Qwen3_5MoeConfig if family == "qwen3_5_moe" else transformers.Qwen3_5Config
+    config = cls(text_config=text, vision_config=dict(depth=1, hidden_size=32, num_heads=2,
+                                                      intermediate_size=64, out_hidden_size=64))
+    config.text_config.rope_parameters = {**config.text_config.rope_parameters, "partial_rotary_factor": 0.5}
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model
