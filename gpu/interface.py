@@ -168,6 +168,10 @@ class SeqChunk:
     # a hybrid model's state slot (stages/schedule/state_slots.py): the sequence's
     # linear-attention states, continued from there unless start_pos is 0; -1: none
     state_slot: int = -1
+    # a prefix-cache hit's snapshot slot, copied into state_slot before the forward; and
+    # the snapshot slot that state_slot is copied into after it (-1: none)
+    state_load: int = -1
+    state_save: int = -1
 
 
 @attrs.frozen

@@ -79,6 +79,8 @@ KERNELS = [
     ("fp8 KV cache (write_kv, prepare_qkv, paged_attention over e4m3)", "gpu.kernels.triton.fp8_kv", "tests/kernels/test_kv_fp8.py", 1),
     ("lora shrink/expand", "gpu.kernels.triton.lora", "tests/kernels/test_lora_kernels.py", 1),
     ("encoder attention (non-causal)", "gpu.kernels.triton.paged_attention", "tests/kernels/test_varlen_attention.py", 1),
+    ("gated delta rule chunked / step, causal conv1d step (Qwen3-Next, Qwen3.5)",
+     "gpu.kernels.triton.delta_rule", "tests/kernels/test_delta_rule_kernels.py", 1),
     ("vision tower attention", None, None, 1),
     ("EAGLE heads forward", None, None, 1),
     ("NIXL with CUDA buffers", None, None, 2),
@@ -542,6 +544,40 @@ def _variant_cases():
                                  torch.zeros(B, vocab, dtype=torch.int32), f32(1.1), f32(0.1), f32(0.1))
 
     yield "apply_penalties (B)", sampling, ["_penalties_kernel"], [lambda b=b: penalise(b) for b in VARIANT_SIZES]
+    yield from _delta_rule_variants()
+
+
+def _delta_rule_variants():
+    """Gated DeltaNet's kernels at Qwen3-Next-80B's shapes (16 key and 32 value heads of 128),
+    the projections' rows strided as GatedDeltaNet slices them: any batch, any chunk length."""
+    import torch
+
+    from gpu.kernels.triton import delta_rule
+
+    Hk, Hv, D, S = 16, 32, 128, 64
+    C = 2 * Hk * D + Hv * D
+
+    def prefill(B, L):
+        y = torch.zeros(B, L, C, dtype=torch.bfloat16)
+        q, k, v = y.split([Hk * D, Hk * D, Hv * D], dim=-1)
+        g = torch.zeros(B, L, Hv)
+        delta_rule.chunked(q.view(B, L, Hk, D), k.view(B, L, Hk, D), v.view(B, L, Hv, D), g, g.clone(),
+                           torch.full((B,), L), torch.zeros(S, Hv, D, D), torch.arange(B) % S,
+                           torch.ones(B, dtype=torch.bool))
+
+    def decode(B):
+        y = torch.zeros(B, C, dtype=torch.bfloat16)
+        conv = delta_rule.conv1d_step(y, torch.zeros(C, 4, dtype=torch.bfloat16),
+                                      torch.zeros(S, C, 3, dtype=torch.bfloat16), torch.arange(B) % S)
+        q, k, v = conv.split([Hk * D, Hk * D, Hv * D], dim=-1)
+        g = torch.zeros(B, Hv)
+        delta_rule.recurrent_step(q.view(B, Hk, D), k.view(B, Hk, D), v.view(B, Hv, D), g, g.clone(),
+                                  torch.zeros(S, Hv, D, D), torch.arange(B) % S)
+
+    yield ("gated_delta_rule chunked (B, L)", delta_rule, ["_chunked_kernel"],
+           [lambda b=b: prefill(1 + b % 4, b) for b in VARIANT_SIZES])
+    yield ("gated_delta_rule step, causal_conv1d step (B)", delta_rule, ["_step_kernel", "_conv_step_kernel"],
+           [lambda b=b: decode(b) for b in VARIANT_SIZES])
 
 
 def check_variants(target) -> int:

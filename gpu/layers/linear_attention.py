@@ -47,7 +47,8 @@ class LinearDims:
 
 
 class StatePool:
-    """Every linear layer's conv and recurrent state for `num_slots` sequences:
+    """Every linear layer's conv and recurrent state for `num_slots` slots (the running
+    sequences' and, after them, the prefix cache's snapshots: stages/schedule/state_slots.py):
     conv [L, S, C, K - 1] in the model's dtype, recurrent [L, S, Hv, Dk, Dv] in fp32."""
 
     def __init__(self, num_layers: int, num_slots: int, dims: LinearDims, dtype: torch.dtype,
@@ -65,6 +66,21 @@ class StatePool:
         conv = d.conv_channels * (d.conv_width - 1) * torch.empty((), dtype=dtype).element_size()
         recurrent = d.value_heads * d.key_dim * d.value_dim * 4
         return config.num_linear_layers * (conv + recurrent)
+
+    def load(self, chunks) -> None:
+        """Before a step: each chunk's snapshot (a prefix-cache hit) into its slot."""
+        self._copy([(c.state_load, c.state_slot) for c in chunks if c.state_load >= 0])
+
+    def save(self, chunks) -> None:
+        """After a step's forward: each snapshotting chunk's slot into its snapshot."""
+        self._copy([(c.state_slot, c.state_save) for c in chunks if c.state_save >= 0])
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, device=self.conv.device) for x in zip(*pairs))
+        self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
+        self.recurrent.index_copy_(1, dst, self.recurrent.index_select(1, src))
 
     def step(self, slots: list[int], q_starts: list[int], q_lens: list[int],
              start_positions: list[int]) -> StateStep:
@@ -154,7 +170,12 @@ def state_step_of(attn, num_tokens: int) -> StateStep:
 class GatedDeltaNet(nn.Module):
     """layout "qkvz": Qwen3-Next's in_proj_qkvz and in_proj_ba, grouped by key head
     ([q, k, v, z] and [b, a] of each key head's Hv / Hk value heads); "split": Qwen3.5's
-    in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a."""
+    in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a.
+
+    use_triton: None runs gpu/kernels/triton/delta_rule.py on CUDA and the torch forms
+    (gpu/layers/delta_rule.py) elsewhere; True or False forces the choice (tests)."""
+
+    use_triton: bool | None = None
 
     def __init__(self, config: ModelConfig, index: int, layout: str, dtype, device):
         super().__init__()
@@ -202,33 +223,49 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())   # [T, Hv]
         weight = self.conv1d.weight[:, 0]                                # [C, K]
-        kd = d.key_heads * d.key_dim
         out = torch.empty(T, d.value_heads, d.value_dim, dtype=torch.float32, device=x.device)
-        pool, li = step.pool, self.index
         for group in step.chunks:
-            out.index_copy_(0, group.rows, self._chunked(mixed, g, beta, weight, group, pool))
+            out.index_copy_(0, group.rows, self._chunked(mixed, g, beta, weight, group, step.pool))
         if step.step_rows is not None:
-            rows, slots = step.step_rows, step.step_slots
-            B = rows.shape[0]
-            y, conv_state = delta_rule.conv1d_step(mixed.index_select(0, rows), weight,
-                                                   pool.conv[li].index_select(0, slots))
-            q, k, v = y.split([kd, kd, d.value_heads * d.value_dim], dim=-1)
-            o, state = delta_rule.recurrent_step(
-                q.view(B, d.key_heads, -1), k.view(B, d.key_heads, -1), v.view(B, d.value_heads, -1),
-                g.index_select(0, rows), beta.index_select(0, rows), pool.recurrent[li].index_select(0, slots))
-            out.index_copy_(0, rows, o)
-            pool.conv[li].index_copy_(0, slots, conv_state)
-            pool.recurrent[li].index_copy_(0, slots, state)
+            out.index_copy_(0, step.step_rows, self._steps(mixed, g, beta, weight, step))
         o = gated_rms_norm(out.to(x.dtype).view(-1, d.value_dim), z.reshape(-1, d.value_dim),
                            self.norm.weight, self.eps)
         return self.out_proj(o.view(T, -1))
+
+    def _kernels(self, x: torch.Tensor):
+        """gpu/kernels/triton/delta_rule.py where it runs (CUDA; use_triton forces it either
+        way, as the interpreter tests do), else None: the torch forms."""
+        if not (x.is_cuda if self.use_triton is None else self.use_triton):
+            return None
+        from gpu.kernels.triton import delta_rule as kernels
+        return kernels
+
+    def _steps(self, mixed, g, beta, weight, step: StateStep) -> torch.Tensor:
+        """The one-token steps: conv and recurrent state updated in their slots -> [B, Hv, Dv] fp32."""
+        d, li, pool = self.dims, self.index, step.pool
+        rows, slots = step.step_rows, step.step_slots
+        B, kd = rows.shape[0], d.key_heads * d.key_dim
+        g, beta = g.index_select(0, rows), beta.index_select(0, rows)
+        if (kernels := self._kernels(mixed)) is not None:       # the pool updated in place
+            y = kernels.conv1d_step(mixed.index_select(0, rows), weight, pool.conv[li], slots)
+            q, k, v = y.split([kd, kd, d.value_heads * d.value_dim], dim=-1)
+            return kernels.recurrent_step(q.view(B, d.key_heads, -1), k.view(B, d.key_heads, -1),
+                                          v.view(B, d.value_heads, -1), g, beta, pool.recurrent[li], slots)
+        y, conv_state = delta_rule.conv1d_step(mixed.index_select(0, rows), weight,
+                                               pool.conv[li].index_select(0, slots))
+        q, k, v = y.split([kd, kd, d.value_heads * d.value_dim], dim=-1)
+        o, state = delta_rule.recurrent_step(
+            q.view(B, d.key_heads, -1), k.view(B, d.key_heads, -1), v.view(B, d.value_heads, -1),
+            g, beta, pool.recurrent[li].index_select(0, slots))
+        pool.conv[li].index_copy_(0, slots, conv_state)
+        pool.recurrent[li].index_copy_(0, slots, state)
+        return o
 
     def _chunked(self, mixed, g, beta, weight, c: Chunks, pool: StatePool | None) -> torch.Tensor:
         """The chunked form over the step's prefill chunks at once -> their rows' outputs
         [N, Hv, Dv] (fp32), each sequence's states left in its slot."""
         d, li = self.dims, self.index
-        B, L = c.gather.shape
-        K = d.conv_width
+        B, K = c.gather.shape[0], d.conv_width
         x = mixed[c.gather] * c.valid[..., None]                          # [B, L, C]
         conv_state = None
         if pool is not None:                                              # zeros unless carried
@@ -236,9 +273,39 @@ class GatedDeltaNet(nn.Module):
         full = torch.cat([x.new_zeros(B, x.shape[-1], K - 1) if conv_state is None
                           else conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)   # [B, C, K-1+L]
         y = F.silu(F.conv1d(full.to(weight.dtype), weight[:, None], groups=full.shape[1]))
-        y = y.transpose(1, 2).to(x.dtype)                                 # [B, L, C]
+        y = y.transpose(1, 2).contiguous().to(x.dtype)                    # [B, L, C]
         kd, vd = d.key_heads * d.key_dim, d.value_heads * d.value_dim
         q, k, v = y.split([kd, kd, vd], dim=-1)
+        if (kernels := self._kernels(mixed)) is not None:
+            o = self._chunked_kernel(kernels, q, k, v, g[c.gather], beta[c.gather], c, pool)
+        else:
+            o = self._chunked_torch(q, k, v, g, beta, c, pool)
+        if pool is not None and c.kept is not None:
+            # the last K - 1 inputs of each: full's columns lens .. lens + K - 2
+            cols = c.lens[:, None] + torch.arange(K - 1, device=full.device)
+            new_conv = full.gather(2, cols[:, None, :].expand(B, full.shape[1], K - 1))
+            pool.conv[li].index_copy_(0, c.kept_slots, new_conv.index_select(0, c.kept).to(pool.conv.dtype))
+        return o
+
+    def _chunked_kernel(self, kernels, q, k, v, g, beta, c: Chunks, pool: StatePool | None) -> torch.Tensor:
+        """q, k, v [B, L, *] padded, g, beta [B, L, Hv] -> [N, Hv, Dv]; the recurrent states
+        read and written in the pool by slot (kept sequences only)."""
+        d, (B, L) = self.dims, c.gather.shape
+        slots = torch.full((B,), -1, dtype=torch.long, device=q.device)
+        if pool is None:
+            state = torch.zeros(1, d.value_heads, d.key_dim, d.value_dim, device=q.device)
+        else:
+            state = pool.recurrent[self.index]
+            if c.kept is not None:
+                slots.index_copy_(0, c.kept, c.kept_slots)
+        o = kernels.chunked(q.view(B, L, d.key_heads, d.key_dim), k.view(B, L, d.key_heads, d.key_dim),
+                            v.view(B, L, d.value_heads, d.value_dim), g.contiguous(), beta.contiguous(),
+                            c.lens, state, slots, c.carried)
+        return o[c.valid]
+
+    def _chunked_torch(self, q, k, v, g, beta, c: Chunks, pool: StatePool | None) -> torch.Tensor:
+        d, li = self.dims, self.index
+        B, L = c.gather.shape
         # sequences side by side as heads: [L, B * H, D]
         def heads(z, h):
             return z.reshape(B, L, h, -1).transpose(0, 1).reshape(L, B * h, -1)
@@ -253,10 +320,6 @@ class GatedDeltaNet(nn.Module):
                                       heads(v, d.value_heads), gp, bp, state)
         o = o.reshape(L, B, d.value_heads, d.value_dim).transpose(0, 1)[c.valid]   # [N, Hv, Dv]
         if pool is not None and c.kept is not None:
-            # the last K - 1 inputs of each: full's columns lens .. lens + K - 2
-            cols = c.lens[:, None] + torch.arange(K - 1, device=full.device)
-            new_conv = full.gather(2, cols[:, None, :].expand(B, full.shape[1], K - 1))
-            pool.conv[li].index_copy_(0, c.kept_slots, new_conv.index_select(0, c.kept).to(pool.conv.dtype))
             state = state.reshape(B, d.value_heads, d.key_dim, d.value_dim)
             pool.recurrent[li].index_copy_(0, c.kept_slots, state.index_select(0, c.kept))
         return o

@@ -22,20 +22,23 @@ from gpu.layers.gated_attention import GatedAttention, partial_rope_cache
 from gpu.layers.linear_attention import GatedDeltaNet, state_step_of
 from gpu.layers.norms import OffsetRMSNorm, offset_rms_norm
 from gpu.layers.ops import skip_init
-from gpu.models.causal_lm import MLP, CausalLM, Linear
+from gpu.layers.moe import MoE
+from gpu.loader.experts import stack_experts
+from gpu.models.causal_lm import MLP, CausalLM, Linear, make_moe
 from gpu.parallel import SINGLE, TP
 
 
 class HybridLayer(nn.Module):
-    def __init__(self, config: ModelConfig, kv_index: int, linear_index: int, linear: bool,
-                 layout: str, dtype, device):
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_index: int, linear_index: int,
+                 linear: bool, layout: str, dtype, device):
         super().__init__()
         if linear:
             self.linear_attn = GatedDeltaNet(config, linear_index, layout, dtype, device)
         else:
             self.self_attn = GatedAttention(config, kv_index, dtype, device)
         self.linear = linear
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = (make_moe(config, dtype, device, False, SINGLE) if config.is_moe_layer(layer_idx)
+                    else MLP(config, dtype, device, intermediate=config.dense_intermediate_size))
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -45,7 +48,10 @@ class HybridLayer(nn.Module):
         h = self.input_layernorm(x)
         h = self.linear_attn(h, step) if self.linear else self.self_attn(h, positions, cos_sin, attn)
         x = x + h.to(x.dtype)
-        return x + self.mlp(self.post_attention_layernorm(x)).to(x.dtype)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):   # its router and grouped GEMMs take the weights' dtype only
+            h = h.to(self.mlp.router.weight.dtype)
+        return x + self.mlp(h).to(x.dtype)
 
 
 class HybridLM(nn.Module):
@@ -71,7 +77,7 @@ class HybridLM(nn.Module):
         layers, kv, lin = [], 0, 0
         for i in range(c.num_hidden_layers):
             linear = c.layer_types[i] == "linear_attention"
-            layers.append(HybridLayer(c, kv, lin, linear, self.linear_layout, dtype, device))
+            layers.append(HybridLayer(c, i, kv, lin, linear, self.linear_layout, dtype, device))
             kv, lin = kv + (not linear), lin + linear
         self.layers = nn.ModuleList(layers)
         self.norm = OffsetRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
@@ -124,8 +130,8 @@ class HybridLM(nn.Module):
         name = name.removeprefix("model.")
         parent, _, leaf = name.rpartition(".")
         parent, _, module = parent.rpartition(".")
-        if module in ("gate_proj", "up_proj") and parent.endswith("mlp"):
-            size = self.config.intermediate_size
+        if module in ("gate_proj", "up_proj") and parent.endswith(("mlp", "shared_expert")):
+            size = self.get_submodule(parent).down_proj.in_features
             start = 0 if module == "gate_proj" else size
             return f"{parent}.gate_up_proj.{leaf}", slice(start, start + size)
         return name, slice(None)
@@ -135,6 +141,8 @@ class HybridLM(nn.Module):
         for name, _ in self.named_parameters():
             if name.startswith("lm_head"):
                 names.append(name)
+            elif ".experts." in name or ".router." in name:   # named as stack_experts yields them
+                names.append("model." + name)
             elif ".gate_up_proj." in name:
                 parent, leaf = name.split(".gate_up_proj.")
                 names += [f"model.{parent}.gate_proj.{leaf}", f"model.{parent}.up_proj.{leaf}"]
@@ -146,6 +154,8 @@ class HybridLM(nn.Module):
         """HF-named tensors into our parameters; ValueError on unknown, misshapen or missing ones."""
         params = dict(self.named_parameters())
         missing = set(self.hf_weight_names())
+        if self.config.num_experts:     # experts stacked [E, 2I, D] / [E, D, I], the gate as router
+            named_tensors = stack_experts(named_tensors, self.config.num_experts)
         for hf_name, tensor in named_tensors:
             if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and (
                     self.config.tie_word_embeddings or self.lm_head is None)):

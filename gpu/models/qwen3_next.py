@@ -1,11 +1,14 @@
 """Qwen3-Next: the hybrid decoder (gpu/models/hybrid.py) with Gated DeltaNet's projections
 grouped by key head (in_proj_qkvz, in_proj_ba), three linear layers to each gated
-full-attention one, partial RoPE (a quarter of each head)."""
+full-attention one, partial RoPE (a quarter of each head). As released (Qwen3-Next-80B-A3B)
+its MLPs are a mixture of experts on the shared MoE layer (gpu/layers/moe.py, moe_fields);
+a config with num_experts 0 has dense MLPs."""
 from __future__ import annotations
 
 from typing import Any
 
 from gpu.config.model import ModelConfig, hf_fields
+from gpu.config.moe import MoESpec, dense_layers_from_hf
 from gpu.models.hybrid import HybridLM
 
 
@@ -45,16 +48,44 @@ def hybrid_fields(d: dict[str, Any], architecture: str, *, max_positions: int) -
     }
 
 
-def moe_layers(d: dict[str, Any]) -> list[int]:
-    """The layers whose MLP is a mixture of experts (transformers' rule)."""
-    if not d.get("num_experts"):
-        return []
-    step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
-    return [i for i in range(d["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
+def text_part(d: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3.5 (or Qwen3.5-MoE) ForConditionalGeneration config.json keeps the decoder's
+    fields under text_config: served as its text model (the vision tower's weights are
+    skipped at load: HybridLM._destination), as Gemma 3's is; a text model's dict as it is."""
+    text = d.get("text_config")
+    if not text:
+        return d
+    return {**text, "architectures": d.get("architectures"),
+            "model_type": text.get("model_type") or f"{d.get('model_type')}_text",
+            **{k: d[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id")
+               if k in d and k not in text}}
+
+
+def moe_fields(d: dict[str, Any], *, every_layer: bool = False) -> dict[str, Any]:
+    """The mixture's fields (none when num_experts is 0 or absent): softmax routing over all
+    experts, top-k, renormalised (norm_topk_prob, always for Qwen3.5-MoE); experts apart in the
+    checkpoint (stacked while loading, gpu/loader/experts.py); a shared expert of
+    shared_expert_intermediate_size times sigmoid(x w_g). Qwen3-Next's dense layers
+    (mlp_only_layers, decoder_sparse_step) keep an MLP of intermediate_size; every_layer:
+    Qwen3.5-MoE's config has neither key, nor a dense intermediate_size."""
+    experts = int(d.get("num_experts") or 0)
+    if not experts:
+        return {}
+    layers = d["num_hidden_layers"]
+    shared = int(d.get("shared_expert_intermediate_size") or 0)
+    dense = () if every_layer else dense_layers_from_hf(d, layers)
+    norm = True if every_layer else bool(d.get("norm_topk_prob", True))
+    return {
+        "intermediate_size": d["moe_intermediate_size"],
+        "num_experts": experts,
+        "num_experts_per_tok": d.get("num_experts_per_tok") or 10,
+        "moe": MoESpec(scoring="softmax", norm_topk_prob=norm, router_bias=False, activation="swiglu",
+                       expert_bias=False, shared_intermediate_size=shared, shared_gate=bool(shared),
+                       dense_layers=dense,
+                       dense_intermediate_size=d.get("intermediate_size") or 0 if dense else 0),
+    }
 
 
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
-    if moe_layers(d):
-        raise ValueError("Qwen3-Next's mixture-of-experts layers are not served yet (a checkpoint "
-                         "with num_experts > 0); its dense layers and attention are")
-    return ModelConfig(**hybrid_fields(d, "qwen3_next", max_positions=262144))
+    d = {"intermediate_size": d.get("moe_intermediate_size"), **d}
+    return ModelConfig(**{**hybrid_fields(d, "qwen3_next", max_positions=262144), **moe_fields(d)})

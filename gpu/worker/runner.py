@@ -220,6 +220,7 @@ class ModelRunner(StagingRunner):
         if self.mrope_pos:
             positions = self._mrope_positions(plan.chunks, positions)
         if self.state_pool is not None:     # each sequence's slot, in the step's row order
+            self.state_pool.load(plan.chunks)       # prefix-cache hits: their snapshots
             meta.states = self.state_pool.step([c.state_slot for c in plan.chunks], meta.q_starts,
                                                meta.q_lens, meta.start_positions)
         spans = self._prompt_logprob_spans(plan.chunks) if self.prompt_logprobs else []
@@ -239,6 +240,8 @@ class ModelRunner(StagingRunner):
                     lora = False
                 try:
                     hidden, aux = self.forward(input_ids, positions, meta, embeds, lora)   # [T, D]
+                    if self.state_pool is not None:
+                        self.state_pool.save(plan.chunks)   # states kept at block boundaries
                 finally:
                     if lora:
                         self.lora.done()

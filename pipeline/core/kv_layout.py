@@ -61,13 +61,20 @@ def linear_states(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device
     from gpu.layers.linear_attention import LinearDims, StatePool
 
     per_seq = StatePool.bytes_per_slot(mc, dtype)
-    pool = StatePool(mc.num_linear_layers, cfg.max_num_seqs, LinearDims.of(mc), dtype, device)
-    log.info("linear-attention state pool: %d slots (--max-num-seqs) x %.2f MiB a sequence "
-             "(conv + recurrent state of %d Gated DeltaNet layers) = %.1f MiB; K/V kept for the %d "
-             "full-attention layers only; prefix caching off (no state is kept at block "
-             "boundaries), CUDA graphs off", cfg.max_num_seqs, per_seq / 2**20,
-             mc.num_linear_layers, per_seq * cfg.max_num_seqs / 2**20, mc.num_kv_layers)
+    snapshots = state_snapshots(cfg)
+    slots = cfg.max_num_seqs + snapshots
+    pool = StatePool(mc.num_linear_layers, slots, LinearDims.of(mc), dtype, device)
+    log.info("linear-attention state pool: %d slots (--max-num-seqs) + %d prefix-cache snapshots "
+             "x %.2f MiB a sequence (conv + recurrent state of %d Gated DeltaNet layers) = %.1f MiB; "
+             "K/V kept for the %d full-attention layers only; CUDA graphs off", cfg.max_num_seqs,
+             snapshots, per_seq / 2**20, mc.num_linear_layers, per_seq * slots / 2**20, mc.num_kv_layers)
     return pool
+
+
+def state_snapshots(cfg: EngineConfig) -> int:
+    """A hybrid model's prefix-cache state snapshots (stages/schedule/state_slots.py): as many
+    as --max-num-seqs with prefix caching on, none without."""
+    return cfg.max_num_seqs if cfg.enable_prefix_caching else 0
 
 
 def reserved_bytes(pool) -> int:

@@ -29,7 +29,7 @@ from pipeline.core.config import EngineConfig
 from pipeline.core.parts import Built, Parsers, Ranks, RunnerParts, pick_device, step_budget  # noqa: F401
 from pipeline.core.pooling import build_pooling
 from pipeline.core.events import EventLog, make_header
-from pipeline.core.kv_layout import check_hybrid, hybrid_kv, linear_states, reserved_bytes
+from pipeline.core.kv_layout import check_hybrid, hybrid_kv, linear_states, reserved_bytes, state_snapshots
 from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import make_drafter
 from stages.schedule.state_slots import StateSlots
@@ -360,8 +360,8 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                      f"captured for {runner.cuda_graph_sizes}" if runner.cuda_graphs else "off",
                      runner.cuda_graph_capture_s, runner.warmup_s)
     hybrid = not cfg.simulate_gpu and bool(cache.sliding_layers)
-    linear = bool(mc.num_linear_layers)     # a hybrid linear-attention model: no prefix-cache hits
-    blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching and not linear,
+    linear = bool(mc.num_linear_layers)     # a hybrid linear-attention model: state slots too
+    blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
                           sliding=(cache.num_sliding_blocks, mc.sliding_window) if hybrid else None)
     grammars = (GrammarCompiler(loaded.tokenizer, mc.vocab_size, loaded.eos_token_ids)
                 if loaded.tokenizer is not None else None)
@@ -380,7 +380,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config,
         kv_port=kv_connector.port if kv_connector is not None else None,
         kv_tp_size=kv_connector.tp_size if kv_connector is not None else 1,
-        state_slots=StateSlots(cfg.max_num_seqs) if linear else None,
+        state_slots=StateSlots(cfg.max_num_seqs, state_snapshots(cfg), cfg.block_size) if linear else None,
         **({"floating": True} if floating else {}))
     if kv_connector is not None:
         log.info("KV connector %s (%s): engine %s, side channel %s:%d%s, held blocks freed "

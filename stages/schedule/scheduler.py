@@ -53,7 +53,7 @@ class Scheduler:
                  kv_transfer: KVTransferConfig | None = None, kv_port: int | None = None,
                  kv_tp_size: int = 1, state_slots: StateSlots | None = None) -> None:
         """kv_port, kv_tp_size: the KV connector's side channel port (default: the flag's) and
-        the engine's TP size; state_slots: a hybrid model's per-sequence slots (state_slots.py)."""
+        the engine's TP size; state_slots: a hybrid model's state slots (state_slots.py)."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.blocks, self.state_slots = blocks, state_slots    # and a hybrid model's state slots
@@ -220,16 +220,17 @@ class Scheduler:
             self.speculation.forget(seq.id)
 
     def reset_prefix_cache(self, reset_running: bool = False) -> bool:
-        """Forget every cached prefix block, as vLLM's reset_prefix_cache: refused (False)
-        while sequences hold blocks, unless `reset_running`, which preempts them first
-        (they restart by recompute)."""
+        """Forget every cached prefix block (and state snapshot), as vLLM's reset_prefix_cache:
+        refused (False) while sequences hold blocks, unless `reset_running` preempts them first."""
         if reset_running:
             for seq in list(self.running):
                 self._preempt(seq)
             for seq in self.waiting:
                 if seq.table:       # took its prefix but could not grow: let go of it
                     self._free(seq)
-        return self.blocks.reset_prefix_cache()
+        if (done := self.blocks.reset_prefix_cache()) and self.state_slots is not None:
+            self.state_slots.reset()
+        return done
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending or self._new_requests
@@ -256,9 +257,8 @@ class Scheduler:
         planned: list[tuple[Sequence, int]] = []    # (seq, epoch) of each chunk
         new_seqs: list[SeqStart] = []
 
-        # Running sequences first, oldest first; preempt from the newest end when short.
-        # (Every sequence, every step: Sequence's properties are inlined, and _grow is
-        # called only when the chunk needs another block.)
+        # Running sequences first, oldest first; preempt from the newest end when short
+        # (Sequence's properties inlined: every sequence, every step).
         running = self.running
         spec = self.speculation
         if spec is not None and not spec.on_for(running, lambda: self.spec_planning.decodes_only(running)):
@@ -299,13 +299,12 @@ class Scheduler:
                 if victim is seq:
                     break
                 continue
-            chunks.append(self._chunk(seq, n))
+            chunks.append(self._chunk(seq, n if self.state_slots is None else self.state_slots.cut(seq, n)))
             planned.append((seq, seq.epoch))
             budget -= n
             i += 1
 
-        # A beam search wider than --max-num-seqs: a running beam that only waits for its
-        # round to end makes room for a waiting sequence.
+        # A beam search wider than --max-num-seqs: an idle beam makes room for a waiting one.
         if self.beam_search and self.waiting and len(self.running) >= self.max_num_seqs:
             budget += self.beam_search.preempt_idle(chunks, planned) or 0
         # Then waiting sequences, in arrival order, while the budgets allow.
@@ -352,7 +351,7 @@ class Scheduler:
                 seq.first_scheduled = True
                 seq.scheduled_at = time.monotonic()
                 new_seqs.append(self._start(seq))
-            chunks.append(self._chunk(seq, n))
+            chunks.append(self._chunk(seq, n if self.state_slots is None else self.state_slots.cut(seq, n)))
             planned.append((seq, seq.epoch))
             budget -= n
 
@@ -415,12 +414,13 @@ class Scheduler:
         """Attach cached prefix blocks to a sequence about to start (or restart), if the
         blocks for its first chunk fit as well."""
         bm = self.blocks
-        if seq.prompt_logprobs is not None and not seq.num_output:
-            # as vLLM: every prompt position is computed (a restart after preemption too,
-            # until they are all reported: others may have cached more of the prompt)
-            hits, last_hash = [], seq.hash_root
-        else:
+        # prompt logprobs, as vLLM: every prompt position is computed (a restart after
+        # preemption too, until they are all reported: others may have cached more of it)
+        hits, last_hash = [], seq.hash_root
+        if seq.prompt_logprobs is None or seq.num_output:
             hits, last_hash = bm.match_prefix(seq.token_ids, seq.hash_root, seq.block_keys)
+        if self.state_slots is not None:    # a hybrid model resumes from a state snapshot
+            hits, last_hash = self.state_slots.trim(seq, hits, bm)
         cached = len(hits) * bm.block_size
         n = min(len(seq.token_ids) - cached, budget)
         if not bm.can_take(hits, bm.blocks_for(cached + n) - len(hits)):
@@ -456,7 +456,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         self.blocks.release(seq.table, seq.passed)
-        if seq.slot >= 0:
+        if self.state_slots is not None:
             self.state_slots.release(seq)
         seq.passed = 0
         seq.table = []

@@ -1,7 +1,7 @@
 """A hybrid linear-attention model (a tiny random Qwen3.5) through the whole engine: greedy
 tokens equal to transformers' generate, and unchanged by chunked prefill at several chunk
 sizes (the state carried from chunk to chunk), by preemption (the slot freed, the sequence
-recomputed), by n = 2 and by batching; 200 requests with disconnects leave every state slot
+recomputed), by n = 2, by batching and by prefix-cache hits (resumed from the state snapshots); the MoE variants' greedy tokens equal transformers'; 200 requests with disconnects leave every state slot
 free; what is not served yet is refused clearly. (The layers: tests/gpu/test_delta_rule.py;
 the logits: tests/gpu/test_hybrid_models.py.)"""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from gpu.layers.attention import KVCache
 from pipeline.core.config import EngineConfig
 from pipeline.core.engine import open_engine
 
-from tests.support.hybrid_models import make_hybrid
+from tests.support.hybrid_models import TINY_EXPERTS, make_hybrid
 
 PROMPTS = [[(i * k + 5) % 150 + 3 for i in range(n)] for k, n in ((3, 37), (5, 1), (7, 20))]
 MAX_TOKENS = 16
@@ -62,9 +62,35 @@ async def test_greedy_tokens_equal_transformers_and_leave_no_slot_held(model):
     async with open_engine(config(path)) as engine:
         got = await generate(engine, PROMPTS)
         slots = engine.scheduler.state_slots
-        assert slots.num_slots == 4 and slots.num_used == 0
-        assert not engine.blocks.prefix_caching
+        assert slots.num_slots == 4 and slots.num_snapshots == 4 and slots.num_used == 0
+        assert engine.blocks.prefix_caching
     assert [g[0] for g in got] == want
+
+
+async def test_prefix_cache_hits_resume_from_state_snapshots(model):
+    """The same prompts again, then a next turn (the first prompt, its answer and 6 more
+    tokens): each hits the cache at the prompt's last block boundary (32 of 37 tokens, 16 of
+    20; the next turn at 32 too: the first prompt's snapshot), loads the linear layers'
+    states kept there and gives transformers' greedy tokens; the 1-token prompt has no
+    boundary to keep."""
+    import transformers
+
+    path, want = model
+    turn = PROMPTS[0] + want[0] + [7, 8, 9, 10, 11, 12]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    with torch.inference_mode():
+        turn_want = hf.generate(torch.tensor([turn]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                min_new_tokens=MAX_TOKENS, pad_token_id=0)[0, len(turn):].tolist()
+    async with open_engine(config(path)) as engine:
+        slots = engine.scheduler.state_slots
+        first = await generate(engine, PROMPTS)
+        assert (slots.saves, slots.hits) == (2, 0)
+        again = await generate(engine, PROMPTS)
+        assert (slots.saves, slots.hits) == (2, 2)
+        [[turn_got]] = await generate(engine, [turn])
+        assert slots.hits == 3 and slots.saves == 3     # and the turn's own boundary (48 of 59)
+    assert [g[0] for g in first] == [g[0] for g in again] == want
+    assert turn_got == turn_want
 
 
 @pytest.mark.parametrize("chunk", [5, 16])
@@ -78,11 +104,11 @@ async def test_chunked_prefill_carries_the_state(model, chunk):
 async def test_preemption_frees_the_slot_and_recomputes(model):
     path, want = model
     # 5 blocks of 16 tokens for three sequences of up to 53 tokens: they preempt each other
-    # (--kv-cache-memory-bytes counts the state pool too: 4 slots)
+    # (--kv-cache-memory-bytes counts the state pool too: 4 slots and 4 snapshots)
     from gpu.layers.linear_attention import StatePool
     from gpu.loader.decoder import load_shell
 
-    pool = 4 * StatePool.bytes_per_slot(load_shell(str(path)).config, torch.float32)
+    pool = 8 * StatePool.bytes_per_slot(load_shell(str(path)).config, torch.float32)
     cfg = config(path, kv_cache_memory_bytes=pool + 5 * PER_BLOCK, max_num_batched_tokens=16)
     async with open_engine(cfg) as engine:
         assert engine.blocks.num_blocks == 5
@@ -96,6 +122,8 @@ async def test_two_choices_each_equal_the_greedy_tokens(model):
     path, want = model
     async with open_engine(config(path)) as engine:
         got = await generate(engine, PROMPTS[:1] + PROMPTS[2:], n=2)
+        # each second choice loads the first's snapshot at the prompt's last block boundary
+        assert engine.scheduler.state_slots.hits == 2
     assert got == [[want[0]] * 2, [want[2]] * 2]
 
 
@@ -122,6 +150,18 @@ async def test_disconnects_leave_every_slot_free(model):
         slots = engine.scheduler.state_slots
         assert slots.num_used == 0 and sorted(slots.free) == list(range(16))
         assert engine.stats().requests_finished_total.get("abort", 0) > 0
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen3_next", dict(TINY_EXPERTS, mlp_only_layers=[1])),
+                                              ("qwen3_5_moe", {})])
+async def test_mixtures_greedy_tokens_equal_transformers(tmp_path, family, overrides):
+    """The MoE variants (Qwen3-Next as released, Qwen3.5-MoE), in chunks of 16 tokens."""
+    hf = make_hybrid(family, tmp_path, seed=7, **overrides)
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                        min_new_tokens=MAX_TOKENS, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    async with open_engine(config(tmp_path, max_num_batched_tokens=16)) as engine:
+        got = await generate(engine, PROMPTS)
+    assert [g[0] for g in got] == want
 
 
 async def test_beam_search_is_refused_per_request(model):

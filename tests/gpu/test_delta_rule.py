@@ -102,11 +102,14 @@ def _layer(seed=3):
     return ref, ours, ours_cfg
 
 
-def test_layer_prefill_then_decode_through_the_pool_matches_transformers():
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+def test_layer_prefill_then_decode_through_the_pool_matches_transformers(triton):
     """Sequence A in chunks of 7 and 3 then two decode steps, beside sequence B (a 1-token
     prompt, then decodes) in the same steps, each in its own slot; transformers runs each
-    whole sequence at once."""
+    whole sequence at once. triton: the layer runs gpu/kernels/triton/delta_rule.py (under
+    the interpreter here), as it does on CUDA."""
     ref, ours, cfg = _layer()
+    ours.use_triton = triton
     from gpu.layers.linear_attention import LinearDims
     pool = StatePool(1, 4, LinearDims.of(cfg), torch.float32, "cpu")
     pool.conv.fill_(float("nan"))   # stale states: a sequence at position 0 must not read them
@@ -129,8 +132,10 @@ def test_layer_prefill_then_decode_through_the_pool_matches_transformers():
     torch.testing.assert_close(torch.cat(got_b), want_b, atol=1e-5, rtol=1e-4)
 
 
-def test_a_sequence_without_a_slot_starts_from_zeros_and_keeps_nothing():
+@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
+def test_a_sequence_without_a_slot_starts_from_zeros_and_keeps_nothing(triton):
     ref, ours, cfg = _layer()
+    ours.use_triton = triton
     x = torch.randn(5, 32)
     with torch.no_grad():
         y = ours(x, StateStep.of(None, [(0, 5, -1, False)]))

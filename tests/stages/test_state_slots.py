@@ -19,18 +19,21 @@ from stages.schedule.state_slots import StateSlots
 from tests.support.scheduler_workload import RunnerModel, Workload
 
 
-def make(scheduler_class=Scheduler, num_blocks=16, block_size=4, budget=64, max_seqs=4):
-    return scheduler_class(BlockManager(num_blocks, block_size, enable_prefix_caching=False),
+def make(scheduler_class=Scheduler, num_blocks=16, block_size=4, budget=64, max_seqs=4, snapshots=0):
+    return scheduler_class(BlockManager(num_blocks, block_size, enable_prefix_caching=bool(snapshots)),
                            max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64,
-                           eos_token_ids=(0,), state_slots=StateSlots(max_seqs))
+                           eos_token_ids=(0,), state_slots=StateSlots(max_seqs, snapshots, block_size))
 
 
 def check(s):
     held = [q.slot for q in s.running if q.slot >= 0]
+    slots = s.state_slots
     assert len(held) == len(set(held)), "two sequences share a slot"
     assert all(q.slot < 0 for q in s.waiting), "a waiting sequence holds a slot"
-    assert s.state_slots.num_used == len(held)
-    assert sorted(held + s.state_slots.free) == list(range(s.state_slots.num_slots))
+    assert slots.num_used == len(held)
+    assert sorted(held + slots.free) == list(range(slots.num_slots))
+    assert sorted(list(slots.snapshots.values()) + slots.free_snapshots) == \
+        list(range(slots.num_slots, slots.num_slots + slots.num_snapshots))
 
 
 class PoolModel:
@@ -39,9 +42,15 @@ class PoolModel:
     def __init__(self, runner: RunnerModel) -> None:
         self.runner = runner
         self.slots: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.loads = 0
 
     def run(self, plan):
         self.runner.take(plan)
+        for c in plan.chunks:      # before the forward: prefix-cache hits load their snapshot
+            if c.state_load >= 0:
+                assert c.start_pos > 0 and c.state_load in self.slots, ("no snapshot to load", c)
+                self.slots[c.state_slot] = (c.seq_id, self.slots[c.state_load][1])
+                self.loads += 1
         for c in plan.chunks:
             assert c.state_slot >= 0, c
             full = self.runner.tokens(c.seq_id)
@@ -52,17 +61,25 @@ class PoolModel:
                 assert self.slots.get(c.state_slot) == (c.seq_id, tuple(full[:c.start_pos])), \
                     ("stale state", c)
             self.slots[c.state_slot] = (c.seq_id, tuple(full[:c.start_pos]) + tuple(ids))
+        saved = [c.state_save for c in plan.chunks if c.state_save >= 0]
+        assert len(saved) == len(set(saved)), ("one snapshot slot written twice in a step", plan)
+        for c in plan.chunks:      # after it: snapshots at block boundaries
+            if c.state_save >= 0:
+                assert (c.start_pos + len(c.token_ids)) % self.runner_block == 0, c
+                self.slots[c.state_save] = ("snapshot", self.slots[c.state_slot][1])
         return self.runner.sample(plan)
 
+    runner_block = 1
 
-@pytest.mark.parametrize("scheduler_class", [Scheduler, AsyncScheduler])
-@pytest.mark.parametrize("seed", range(60))
-def test_every_chunk_continues_its_own_state_and_nothing_leaks(seed, scheduler_class):
+
+def run_random(seed, scheduler_class, snapshots) -> PoolModel:
     rng = random.Random(seed)
     nb, bs = rng.randint(4, 16), rng.choice([1, 2, 4])
-    s = make(scheduler_class, nb, bs, budget=rng.randint(1, 12), max_seqs=rng.randint(1, 4))
+    s = make(scheduler_class, nb, bs, budget=rng.randint(1, 12), max_seqs=rng.randint(1, 4),
+             snapshots=snapshots)
     w = Workload(rng, s, nb * bs, max_prompt=10, max_new=8)
     pool = PoolModel(RunnerModel(rng))
+    pool.runner_block = bs
 
     def apply(plan, result):
         for d in s.update(plan, result).deltas:
@@ -82,7 +99,22 @@ def test_every_chunk_continues_its_own_state_and_nothing_leaks(seed, scheduler_c
                 check(s)
                 apply(plan, pool.run(plan))
     assert not s.has_work() and len(w.finished) == w.n
-    assert s.state_slots.num_used == 0 and s.blocks.num_free == nb
+    assert s.state_slots.num_used == 0 and s.blocks.num_free == nb and not s.state_slots.seeds
+    return pool
+
+
+@pytest.mark.parametrize("snapshots", [0, 1, 2], ids=["no prefix cache", "1 snapshot", "2 snapshots"])
+@pytest.mark.parametrize("scheduler_class", [Scheduler, AsyncScheduler])
+@pytest.mark.parametrize("seed", range(30))
+def test_every_chunk_continues_its_own_state_and_nothing_leaks(seed, scheduler_class, snapshots):
+    """With snapshots (prefix caching), a hit's chunk finds its slot holding the snapshot of
+    exactly its own prefix."""
+    run_random(seed, scheduler_class, snapshots)
+
+
+def test_the_random_runs_hit_snapshots():
+    loads = [run_random(seed, cls, 2).loads for seed in range(10) for cls in (Scheduler, AsyncScheduler)]
+    assert sum(loads) > 20, loads
 
 
 def step(s, token=9):
