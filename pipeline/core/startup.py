@@ -34,6 +34,7 @@ from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import make_drafter
 from stages.schedule.state_slots import StateSlots
 from stages.api.harmony import HARMONY_REASONING_PARSER
+from stages.parse import markers
 from stages.schedule import AsyncScheduler, Scheduler
 
 log = logging.getLogger("tailrace")
@@ -421,14 +422,17 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
 
 
 def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | None:
-    """With a <think> reasoning parser, constrained output starts after </think>: the tags'
-    ids, when each is one token. (Harmony's constrained output is the whole answer.)"""
+    """With a reasoning parser of markers (<think>, Magistral's [THINK]), constrained output
+    starts after the closing one: the markers' ids, when each is one token. (Harmony's
+    constrained output is the whole answer.)"""
     if reasoning_parser in (None, HARMONY_REASONING_PARSER) or tokenizer is None:
         return None
-    ids = tuple(tokenizer.hf.token_to_id(t) for t in ("<think>", "</think>"))
+    marks = markers(reasoning_parser)
+    ids = tuple(tokenizer.hf.token_to_id(t) for t in (marks.opens[0], marks.closes[0]))
     if None in ids:
-        log.warning("--reasoning-parser: <think>/</think> are not single tokens of this "
-                    "tokenizer; constrained output is constrained from its first token")
+        log.warning("--reasoning-parser %s: %r and %r are not single tokens of this tokenizer; "
+                    "constrained output is constrained from its first token", reasoning_parser,
+                    marks.opens[0], marks.closes[0])
         return None
     return ids
 
