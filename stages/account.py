@@ -190,8 +190,23 @@ class Accountant:
         return msg.with_deltas(tuple(deltas)), finished
 
 
+class EngineAccounts:
+    """Data parallel: one Accountant per engine rank, each fed its engine's steps (a request
+    is served by one engine, so they partition the requests), so every metric can carry
+    its `engine` label, as vLLM's."""
+
+    def __init__(self, max_model_len: int, engines: int) -> None:
+        self.parts = tuple(Accountant(max_model_len) for _ in range(engines))
+
+    def part(self, engine: int) -> Accountant:
+        return self.parts[engine]
+
+    def process(self, msg: Step) -> tuple[Step, list[tuple[str, Usage, FinishReason]]]:
+        return self.parts[msg.engine].process(msg)
+
+
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
-              core: Accountant, log=None) -> None:
+              core: Accountant | EngineAccounts, log=None) -> None:
     async with receive, send:
         async for msg in receive:
             out, finished = core.process(msg)

@@ -138,20 +138,22 @@ class RequestSide:
     """A started request side: what its client holds."""
     render_in: trio.MemorySendChannel     # web -> render
     replies: Replies                      # each request's reply channel (render, emit)
-    accountant: account.Accountant
+    accountant: account.Accountant | account.EngineAccounts
 
 
 def start_request_side(nursery: trio.Nursery, spec: RequestSideSpec, *,
                        requests: trio.MemorySendChannel, steps: trio.MemoryReceiveChannel,
                        back_edges: trio.MemorySendChannel,
-                       events: EventLog | None) -> RequestSide:
+                       events: EventLog | None, engines: int = 1) -> RequestSide:
     """Start render (its requests go to `requests`) and the stages after schedule (its
-    Steps come from `steps`; detokenize's FinishRequests go to `back_edges`)."""
+    Steps come from `steps`; detokenize's FinishRequests go to `back_edges`). `engines`:
+    data parallel's, each accounted apart (account.EngineAccounts)."""
     ev = _stage_events(events)
     ctx = spec.render_context
     tok = ctx.tokenizer
     replies = Replies(ctx.max_model_len + 4)
-    accountant = account.Accountant(ctx.max_model_len)
+    accountant = (account.Accountant(ctx.max_model_len) if engines == 1
+                  else account.EngineAccounts(ctx.max_model_len, engines))
     render_in, render_out = trio.open_memory_channel(spec.max_queued_requests)
     parse_in, parse_out = trio.open_memory_channel(1)
     acct_in, acct_out = trio.open_memory_channel(1)
