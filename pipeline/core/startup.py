@@ -85,7 +85,7 @@ def load_weights(cfg: EngineConfig, device: torch.device, tp: TP = SINGLE) -> Lo
              f"; {cpu_threads()}" if device.type == "cpu" else "")
     loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype if cfg.dtype == "auto" else dtype,
                         device=str(device), seed=cfg.seed, residual_dtype=residual, tp=tp,
-                        quantization=cfg.quantization)
+                        quantization=cfg.quantization, hf_overrides=cfg.hf_overrides)
     log.info("weights: %s", loaded.weights)
     return loaded
 
@@ -299,7 +299,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         return build_pooling(cfg, device)
     t0 = time.perf_counter()
     if loaded is None and cfg.simulate_gpu:
-        loaded = load_shell(cfg.model, load_format=cfg.load_format)
+        loaded = load_shell(cfg.model, load_format=cfg.load_format, hf_overrides=cfg.hf_overrides)
         log.info("simulating a %s: no weights loaded, the forward is a timed wait",
                  GPUS[cfg.simulate_gpu].name)
     elif loaded is None:
