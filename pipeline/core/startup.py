@@ -515,7 +515,8 @@ def event_log_header(cfg: EngineConfig, built: Built) -> dict:
         model_name=built.loaded.name, tokenizer=built.loaded.tokenizer,
         served_model_names=built.model_names, max_model_len=built.max_model_len,
         kv_blocks_total=built.blocks.num_blocks, block_size=cfg.block_size,
-        parsers=built.parsers)
+        parsers=built.parsers,
+        cache_block=built.blocks.block_size if built.blocks.prefix_caching else 0)
 
 
 def open_event_log(cfg: EngineConfig, built: Built,

@@ -82,7 +82,8 @@ def test_claude_codes_requests_get_messages_streamed_and_not(claude, name):
     with claude.messages.stream(**kwargs, extra_headers=headers) as stream:
         final = stream.get_final_message()
     assert final.stop_reason in ("end_turn", "max_tokens") and final.content[0].type == "text"
-    assert final.usage.input_tokens + final.usage.cache_read_input_tokens > 0
+    assert (final.usage.input_tokens + final.usage.cache_read_input_tokens
+            + final.usage.cache_creation_input_tokens) > 0
 
 
 def test_claude_codes_tools_are_called_by_name(claude):
