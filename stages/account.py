@@ -22,9 +22,10 @@ from stages.messages import RenderedRequest, Step
 class _RequestUsage:
     __slots__ = ("prompt", "completion", "reasoning", "arrival", "scheduled", "first_token",
                  "last_token", "wants_metrics", "open_choices", "cached", "n", "prompt_lens",
-                 "prompt_cached", "continuous", "max_tokens", "spec", "per_choice")
+                 "prompt_cached", "continuous", "max_tokens", "spec", "per_choice", "cache_block")
 
-    def __init__(self, req: RenderedRequest) -> None:
+    def __init__(self, req: RenderedRequest, cache_block: int = 0) -> None:
+        self.cache_block = cache_block   # the prefix cache's block size (0: none)
         self.prompt = req.num_prompt_tokens      # every prompt's, once (not per choice)
         self.completion = 0
         self.reasoning = 0
@@ -45,14 +46,26 @@ class _RequestUsage:
         self.per_choice = ([[0, 0] for _ in range(req.num_choices)]
                            if self.continuous and req.num_choices > 1 else None)
 
+    def created(self, p: int) -> int:
+        """Prompt p's tokens written into the prefix cache, as vLLM counts them: every full
+        block of the prompt is cached once computed, so its full blocks' tokens less those
+        found there (0 until it was looked up, or without prefix caching)."""
+        cached, bs = self.prompt_cached[p], self.cache_block
+        if cached is None or not bs:
+            return 0
+        return max(0, self.prompt_lens[p] // bs * bs - cached)
+
     def usage(self, index: int) -> Usage:
         """The request's usage so far; with per-choice counts, choice `index`'s own too."""
-        total = Usage(self.prompt, self.completion, self.cached, self.reasoning)
+        created = sum(map(self.created, range(len(self.prompt_lens)))) if self.cache_block else 0
+        total = Usage(self.prompt, self.completion, self.cached, self.reasoning,
+                      created_cache_tokens=created)
         if self.per_choice is None:
             return total
         p = index // self.n
         completion, reasoning = self.per_choice[index]
-        own = Usage(self.prompt_lens[p], completion, self.prompt_cached[p] or 0, reasoning)
+        own = Usage(self.prompt_lens[p], completion, self.prompt_cached[p] or 0, reasoning,
+                    created_cache_tokens=self.created(p))
         return attrs.evolve(total, choice=own)
 
     def metrics(self) -> RequestMetrics:
@@ -83,7 +96,10 @@ class Accountant:
     """The pure core: per-request usage and timings, plus server-wide counters and
     latency histograms for /metrics."""
 
-    def __init__(self, max_model_len: int = 1 << 20) -> None:
+    def __init__(self, max_model_len: int = 1 << 20, cache_block: int = 0) -> None:
+        """cache_block: the prefix cache's block size (0: no prefix caching), for usage's
+        created_cache_tokens."""
+        self.cache_block = cache_block
         """`max_model_len` bounds the token-count histograms' buckets (as vLLM's)."""
         self.requests: dict[str, _RequestUsage] = {}
         self.prompt_tokens_total = 0
@@ -113,7 +129,7 @@ class Accountant:
         (most deltas of most steps: a running sequence's one token)."""
         requests = self.requests
         for req in msg.new_requests:
-            requests[req.request_id] = _RequestUsage(req)
+            requests[req.request_id] = _RequestUsage(req, self.cache_block)
         now = msg.done_at
         deltas, finished = [], []
         # the ITL histogram inline (one observation per running sequence per step)
@@ -190,8 +206,23 @@ class Accountant:
         return msg.with_deltas(tuple(deltas)), finished
 
 
+class EngineAccounts:
+    """Data parallel: one Accountant per engine rank, each fed its engine's steps (a request
+    is served by one engine, so they partition the requests), so every metric can carry
+    its `engine` label, as vLLM's."""
+
+    def __init__(self, max_model_len: int, engines: int, cache_block: int = 0) -> None:
+        self.parts = tuple(Accountant(max_model_len, cache_block) for _ in range(engines))
+
+    def part(self, engine: int) -> Accountant:
+        return self.parts[engine]
+
+    def process(self, msg: Step) -> tuple[Step, list[tuple[str, Usage, FinishReason]]]:
+        return self.parts[msg.engine].process(msg)
+
+
 async def run(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel,
-              core: Accountant, log=None) -> None:
+              core: Accountant | EngineAccounts, log=None) -> None:
     async with receive, send:
         async for msg in receive:
             out, finished = core.process(msg)

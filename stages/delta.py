@@ -36,6 +36,9 @@ class Usage:
     # continuous usage stats of a request of several choices: this delta's choice's own
     # counts (what its chunks carry, as vLLM), beside the request's totals above
     choice: Usage | None = None
+    # prompt tokens this request wrote into the prefix cache (vLLM's): its prompts' full
+    # blocks past the ones it found there
+    created_cache_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -183,13 +183,14 @@ class Step:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     done_at: float = 0.0      # time.monotonic() when the step's tokens came back
+    engine: int = 0           # data parallel: the rank of the engine that ran it
 
     def with_deltas(self, deltas: tuple[Delta, ...]) -> Step:
         """This step with a stage's deltas in place of the ones it came with (the
         constructor, not attrs.evolve, whose introspection costs 3x: once per stage per
         step)."""
         return Step(self.step, self.new_requests, deltas, self.num_running, self.num_waiting,
-                    self.kv_blocks_used, self.done_at)
+                    self.kv_blocks_used, self.done_at, self.engine)
 
 
 # -- the scheduler's inbox: admitted requests arrive with control messages ---------------

@@ -13,7 +13,11 @@ minimax_m2's templates open <think> in the prompt, so they start in reasoning; e
 the prompt's last tag, when it has one, decides (deepseek_v3's thinking on or off per
 request is its template's <think> or </think>). minimax_m2_append_think splits nothing:
 the reasoning stays in the content, with the <think> the template opened put back in
-front, as MiniMax's own clients read it.
+front, as MiniMax's own clients read it. mistral (Magistral's tekken [THINK] ... [/THINK])
+and granite (Granite 3.2's "Here is my thought process:" ... "Here is my response:", or
+"Here's", as vLLM matches both) split as qwen3 does with their own markers (THINK_TAGS);
+their prompts do not decide (Magistral's system prompt shows the tags as an example, and
+Granite's phrases are no tokens), so they always start in content.
 
 openai_gptoss (gpt-oss, implied for that model) parses Harmony from the token ids, not the
 text (stages/api/harmony.py): channels give reasoning, content and tool calls at once. A
@@ -37,8 +41,35 @@ from stages.api.tool_parsers.base import partial_suffix
 THINK_PARSERS = {"qwen3": "start", "glm45": "start", "kimi_k2": "start",
                  "deepseek_v3": "start", "deepseek_r1": "reasoning", "minimax_m2": "reasoning",
                  "minimax_m2_append_think": "append"}
+THINK_PARSERS |= {"mistral": "start", "granite": "start"}
 REASONING_PARSERS = (*THINK_PARSERS, HARMONY_REASONING_PARSER)
 _OPEN, _CLOSE = "<think>", "</think>"
+
+
+@attrs.frozen
+class Markers:
+    """How a parser's reasoning opens and closes: each a tuple of spellings (the first
+    the canonical one), and whether the prompt's last marker decides where it starts."""
+    opens: tuple[str, ...] = (_OPEN,)
+    closes: tuple[str, ...] = (_CLOSE,)
+    prompt_decides: bool = True
+
+
+THINK_TAGS = {
+    "mistral": Markers(("[THINK]",), ("[/THINK]",), False),
+    "granite": Markers(("Here is my thought process:", "Here's my thought process:"),
+                       ("Here is my response:", "Here's my response:"), False),
+}
+
+
+def markers(parser: str) -> Markers:
+    return THINK_TAGS.get(parser, Markers())
+
+
+def _first(buf: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """The earliest of `tags` in buf: (index, tag), or (-1, "")."""
+    hits = [(i, t) for t in tags if (i := buf.find(t)) >= 0]
+    return min(hits) if hits else (-1, "")
 
 
 def _unparsed(d: Delta) -> bool:
@@ -58,11 +89,13 @@ class ThinkTags:
     tokenizer: object = None
 
     @classmethod
-    def of(cls, tokenizer) -> ThinkTags:
+    def of(cls, tokenizer, marks: Markers = Markers()) -> ThinkTags:
         if tokenizer is None:
             return cls()
-        ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (_OPEN, _CLOSE)]
-        return cls(*(t[0] if len(t) == 1 else None for t in ids), tokenizer)
+        ids = [tokenizer.encode(tag, add_special_tokens=False)
+               for tag in (marks.opens[0], marks.closes[0])]
+        return cls(*(t[0] if len(t) == 1 else None for t in ids),
+                   tokenizer if marks.prompt_decides else None)
 
     def prompt_state(self, prompt: tuple[int, ...]) -> str | None:
         """Where a prompt leaves the reasoning: its last tag decides (as vLLM's
@@ -75,7 +108,7 @@ class ThinkTags:
                 if tok == self.close_id:
                     return "content"
             return None
-        if self.tokenizer is None or not prompt:
+        if self.tokenizer is None or not prompt:   # (or the parser's prompt does not decide)
             return None
         text = self.tokenizer.decode(list(prompt), skip_special_tokens=False)
         opened, closed = text.rfind(_OPEN), text.rfind(_CLOSE)
@@ -91,6 +124,9 @@ class ThinkState:
                  tags: ThinkTags = ThinkTags()) -> None:
         # `start`: where the prompt left the reasoning (ThinkTags.prompt_state)
         kind = THINK_PARSERS[parser]
+        self.marks = markers(parser)
+        if not self.marks.prompt_decides:
+            start = None
         self.mode = "append" if kind == "append" else start or kind
         self.tags = tags
         self.buf = ""
@@ -139,26 +175,28 @@ class ThinkState:
             content, self.buf = ("" if self.opened_once else _OPEN) + self.buf, ""
             self.opened_once = True
             return content, ""
+        opens, closes = self.marks.opens, self.marks.closes
         while True:
             if self.mode == "start":
                 stripped = self.buf.lstrip()
-                if stripped.startswith(_OPEN):
-                    self.buf = stripped[len(_OPEN):]
+                tag = next((t for t in opens if stripped.startswith(t)), None)
+                if tag is not None:
+                    self.buf = stripped[len(tag):]
                     self.mode = "reasoning"
                     self.opened = True
-                elif _OPEN.startswith(stripped) and not final:
-                    return content, reasoning  # could still become <think>
+                elif any(t.startswith(stripped) for t in opens) and not final:
+                    return content, reasoning  # could still become the opening
                 else:
                     self.mode = "content"
             elif self.mode == "reasoning":
-                i = self.buf.find(_CLOSE)
+                i, tag = _first(self.buf, closes)
                 if i >= 0:
                     reasoning += self.buf[:i]
-                    self.buf = self.buf[i + len(_CLOSE):]
+                    self.buf = self.buf[i + len(tag):]
                     self.mode = "content"
                     self.closed = True
                     continue
-                keep = 0 if final else partial_suffix(self.buf, _CLOSE)
+                keep = 0 if final else max(partial_suffix(self.buf, t) for t in closes)
                 reasoning += self.buf[:len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep:]
                 return content, reasoning
@@ -232,8 +270,8 @@ class Parser:
                              f"choose from {', '.join(REASONING_PARSERS)}")
         self.reasoning_parser = reasoning_parser
         self.call_id = CALL_IDS[tokenizer.tool_call_ids if tokenizer is not None else "openai"]
-        self.think_tags = (ThinkTags.of(tokenizer) if reasoning_parser in THINK_PARSERS
-                           else ThinkTags())
+        self.think_tags = (ThinkTags.of(tokenizer, markers(reasoning_parser))
+                           if reasoning_parser in THINK_PARSERS else ThinkTags())
         self.states: dict[tuple[str, int], ThinkState] = {}   # (request id, choice)
         self.tools: dict[tuple[str, int], ToolState] = {}
         self.harmony: dict[tuple[str, int], HarmonyChoice] = {}

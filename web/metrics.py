@@ -7,10 +7,12 @@ here is exported as `tailrace:<field>` (a counter when it ends in `_total`), and
 maps names to numbers becomes one labelled metric, so new engine stats show up without
 touching this file.
 
-With data parallel (--data-parallel-size, `EngineStats.engines`), the engine cores' series
-(queues, KV cache, preemptions, steps, cache_config_info) carry an `engine` label, one
-row per engine, as vLLM's; the request side's (tokens, latencies, finished requests) are
-the server's, unlabelled.
+With data parallel (--data-parallel-size, `EngineStats.engines`), every series of one
+engine's figures carries an `engine` label, one row per engine, as vLLM's: the cores'
+(queues, KV cache, preemptions, steps, cache_config_info, speculative counters) and the
+request side's (tokens, finished requests, latency and request histograms; each engine
+accounts for the requests it served). The waiting-by-reason and LoRA series are the
+server's.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from pipeline.core.stats import EngineStats, SpecDecodeStats
+from pipeline.core.stats import EngineStats
 from stages.delta import FinishReason
 
 if TYPE_CHECKING:
@@ -113,15 +115,24 @@ class EngineCollector(Collector):
         yield from _own(stats)
 
 
-# EngineStats fields that are one engine core's (labelled engine="K" with data parallel)
-_CORE = ("num_running", "num_waiting", "num_preemptions", "kv_blocks_total", "kv_blocks_free",
-         "kv_blocks_used", "kv_blocks_cached", "steps_total")
+# EngineStats fields that are one engine's (labelled engine="K" with data parallel)
+_PER_ENGINE = ("num_running", "num_waiting", "num_preemptions", "kv_blocks_total",
+               "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached", "steps_total",
+               *_VLLM, "cached_tokens_total", "requests_finished_total")
+
+
+def _engines(stats: EngineStats, labels: list[str]) -> tuple[list[str], list]:
+    """Label names and rows ([engine label value, or none], one engine's EngineStats): one
+    per engine with data parallel, else the server's one."""
+    if stats.engines:
+        return [*labels, "engine"], [([str(k)], e) for k, e in enumerate(stats.engines)]
+    return labels, [([], stats)]
 
 
 def _rows(stats: EngineStats, field: str, labels: list[str]) -> tuple[list[str], list]:
-    """A core field's label names and rows ([label values], value): one per engine with
-    data parallel (an `engine` label), else the one."""
-    if stats.engines and field in _CORE:
+    """A field's label names and rows ([label values], value): one per engine with data
+    parallel (an `engine` label) for a field of one engine's, else the one."""
+    if stats.engines and field in _PER_ENGINE:
         return ([*labels, "engine"],
                 [(str(k), getattr(e, field)) for k, e in enumerate(stats.engines)])
     return labels, [(None, getattr(stats, field))]
@@ -135,19 +146,20 @@ def _vllm(stats: EngineStats, model: str) -> Iterator[Metric]:
             family.add_metric([model] if engine is None else [model, engine], value)
         yield family
     if stats.kv_blocks_total:
-        per = list(enumerate(stats.engines)) if stats.engines else [(None, stats)]
+        names, per = _engines(stats, ["model_name"])
         family = GaugeMetricFamily(VLLM + "kv_cache_usage_perc",
-                                   "KV cache usage: 1 means every block is held.",
-                                   labels=["model_name"] + (["engine"] if stats.engines else []))
+                                   "KV cache usage: 1 means every block is held.", labels=names)
         for k, e in per:
-            family.add_metric([model] if k is None else [model, str(k)],
+            family.add_metric([model, *k],
                               e.kv_blocks_used / e.kv_blocks_total if e.kv_blocks_total else 0.0)
         yield family
+    names, per = _engines(stats, ["model_name", "finished_reason"])
     family = CounterMetricFamily(VLLM + "request_success",
                                  "Requests finished (not aborted, not failed), by reason.",
-                                 labels=["model_name", "finished_reason"])
-    for reason in _SUCCESS:   # every reason from the start, 0 until one happens
-        family.add_metric([model, str(reason)], stats.requests_finished_total.get(reason, 0))
+                                 labels=names)
+    for k, e in per:
+        for reason in _SUCCESS:   # every reason from the start, 0 until one happens
+            family.add_metric([model, str(reason), *k], e.requests_finished_total.get(reason, 0))
     yield family
     family = GaugeMetricFamily(VLLM + "num_requests_waiting_by_reason",
                                "Requests waiting, by why: capacity (KV blocks, the batch) or "
@@ -170,18 +182,21 @@ def _vllm(stats: EngineStats, model: str) -> Iterator[Metric]:
         for e in stats.engines or (stats,):
             family.add_metric([e.cache_config.get(k, "") for k in stats.cache_config], 1)
         yield family
-    for group, names, unit in ((stats.latency, _HISTOGRAMS, "_seconds"),
-                               (stats.shapes, _SHAPES, "")):
-        if group is None:
+    labels, per = _engines(stats, ["model_name"])
+    for group, names, unit in (("latency", _HISTOGRAMS, "_seconds"), ("shapes", _SHAPES, "")):
+        kind = getattr(stats, group)
+        if kind is None:
             continue
-        for field in attrs.fields(type(group)):
+        for field in attrs.fields(type(kind)):
             name, doc = names.get(field.name, (field.name + unit, f"Histogram {field.name}."))
-            hist = getattr(group, field.name)
-            family = HistogramMetricFamily(VLLM + name, doc, labels=["model_name"])
-            family.add_metric([model], _go_bounds(hist.cumulative()), hist.sum)
+            family = HistogramMetricFamily(VLLM + name, doc, labels=labels)
+            for k, e in per:
+                if getattr(e, group) is not None:
+                    hist = getattr(getattr(e, group), field.name)
+                    family.add_metric([model, *k], _go_bounds(hist.cumulative()), hist.sum)
             yield family
     if stats.spec_decode is not None:
-        yield from _spec_decode(stats.spec_decode, model)
+        yield from _spec_decode(stats, model)
 
 
 # -- speculative decoding (vLLM's spec_decode counters) ---------------------------------------
@@ -192,16 +207,20 @@ _SPEC: dict[str, tuple[str, str]] = {
 }
 
 
-def _spec_decode(spec: SpecDecodeStats, model: str) -> Iterator[Metric]:
+def _spec_decode(stats: EngineStats, model: str) -> Iterator[Metric]:
+    labels, per = _engines(stats, ["model_name"])
+    per = [(k, e.spec_decode) for k, e in per if e.spec_decode is not None]
     for field, (name, doc) in _SPEC.items():
-        family = CounterMetricFamily(VLLM + name, doc, labels=["model_name"])
-        family.add_metric([model], getattr(spec, field))
+        family = CounterMetricFamily(VLLM + name, doc, labels=labels)
+        for k, spec in per:
+            family.add_metric([model, *k], getattr(spec, field))
         yield family
     family = CounterMetricFamily(VLLM + "spec_decode_num_accepted_tokens_per_pos",
                                  "Draft tokens accepted, by their position among the drafts.",
-                                 labels=["model_name", "position"])
-    for pos, n in enumerate(spec.accepted_per_pos):
-        family.add_metric([model, str(pos)], n)
+                                 labels=["model_name", "position", *labels[1:]])
+    for k, spec in per:
+        for pos, n in enumerate(spec.accepted_per_pos):
+            family.add_metric([model, str(pos), *k], n)
     yield family
 
 
@@ -218,8 +237,13 @@ def _own(stats: EngineStats) -> Iterator[Metric]:
         name, doc, label = _OWN.get(key, (key, f"Engine stat {key}.", "key"))
         value = getattr(stats, key)
         if key == "requests_finished_total":
-            value = {**dict.fromkeys(FinishReason, 0), **value}
-        if _is_number(value):
+            names, per = _engines(stats, [label])
+            family = _family(PREFIX + name, doc, names)
+            for k, e in per:
+                for reason, v in {**dict.fromkeys(FinishReason, 0),
+                                  **e.requests_finished_total}.items():
+                    family.add_metric([str(reason), *k], v)
+        elif _is_number(value):
             names, rows = _rows(stats, key, [])
             family = _family(PREFIX + name, doc, names)
             for engine, v in rows:

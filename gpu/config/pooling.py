@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from gpu.formats.hf import read_json
+from gpu.config.overrides import apply_hf_overrides
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
@@ -98,9 +99,10 @@ def is_classifier(config: dict[str, Any]) -> bool:
     return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ())
 
 
-def detect_runner(path: str | Path | None) -> str:
-    """'pooling' for an encoder, a sequence classifier or a sentence-transformers folder;
-    else 'generate' (a GGUF file, a decoder's folder)."""
+def detect_runner(path: str | Path | None, hf_overrides: dict | None = None) -> str:
+    """'pooling' for an encoder, a sequence classifier or a sentence-transformers folder
+    (config.json with --hf-overrides over it); else 'generate' (a GGUF file, a decoder's
+    folder)."""
     if path is None:
         return "generate"
     p = Path(path).expanduser()
@@ -108,7 +110,7 @@ def detect_runner(path: str | Path | None) -> str:
         p = p.parent if p.name.endswith(".json") else p
     if not p.is_dir():
         return "generate"
-    config = read_json(p / "config.json")
+    config = apply_hf_overrides(read_json(p / "config.json"), hf_overrides)
     if encoder_type(config) or is_classifier(config) or (p / "modules.json").is_file():
         return "pooling"
     return "generate"

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from gpu.models.registry import config_from_hf, model_class
 from gpu.formats import hf as weights_hf
 from gpu.config.model import ModelConfig
+from gpu.config.overrides import apply_hf_overrides
 from gpu.models.causal_lm import CausalLM
 from gpu.parallel import SINGLE, TP
 from gpu.tokenizers.tokenizer import Tokenizer, tokenizer_from_hf_dir
@@ -141,6 +142,7 @@ def load_model(
     residual_dtype: str | torch.dtype | None = "auto",
     tp: TP = SINGLE,
     quantization: str = "auto",
+    hf_overrides: dict | None = None,
 ) -> LoadedModel:
     """experts (mixture-of-experts models): "packed" keeps MXFP4 experts as the checkpoint stores
     them (a dummy load draws random packed experts), "dequantized" expands them to dtype; "auto"
@@ -154,7 +156,10 @@ def load_model(
     quantization (QUANTIZATIONS): the weight format, checked against the checkpoint's
     (gpu/quantization/config.py): e.g. whether a GGUF file's quantized linears stay packed on a
     CPU (they compute in fp32: activations, residual stream and KV cache fp32), or which of
-    fp8, compressed-tensors, awq, gptq the checkpoint's quantization_config must name."""
+    fp8, compressed-tensors, awq, gptq the checkpoint's quantization_config must name.
+
+    hf_overrides (--hf-overrides): laid over the config dict before the family reads it
+    (gpu/config/overrides.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     if experts not in EXPERT_FORMATS:
@@ -165,7 +170,7 @@ def load_model(
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     torch_dtype = resolve_dtype(dtype, device)   # a bad --dtype fails before the file is read
-    source = open_source(path, load_format)
+    source = open_source(path, load_format, hf_overrides)
     # the weight format (gpu/quantization/): which tensors make a linear, how they load, how it runs
     method = select_method(quantization, source, load_format=load_format, dtype=dtype, device=device, tp=tp)
     torch_dtype = method.serving_dtype(torch_dtype)
@@ -226,13 +231,13 @@ def device_type(device: str | torch.device) -> str:
 
 
 def load_shell(model: str | Path | None = None, *, load_format: str = "auto",
-               dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+               dtype: torch.dtype = torch.bfloat16, hf_overrides: dict | None = None) -> LoadedModel:
     """Everything but the weights: config, tokenizer, generation config, EOS ids, and the
     model built on the meta device (shapes, no memory). For a simulated GPU."""
     path = Path(model).expanduser() if model is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
-    source = open_source(path, "dummy" if load_format == "auto" else load_format)
+    source = open_source(path, "dummy" if load_format == "auto" else load_format, hf_overrides)
     config = source.config
     return LoadedModel(config=config, model=model_class(config)(config, dtype, "meta"), tokenizer=source.tokenizer,
                        generation_config=source.generation_config, name=source.name, path=str(path),
@@ -269,7 +274,9 @@ class Source:
     vision_spec: VisionSpec | None = None
 
 
-def open_source(path: Path, load_format: str) -> Source:
+def open_source(path: Path, load_format: str, hf_overrides: dict | None = None) -> Source:
+    """The checkpoint's parts; `hf_overrides` (--hf-overrides) laid over its config dict
+    (config.json, or the one GGUF's metadata makes) before the family reads it."""
     if path.is_dir() and not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1 and load_format in ("auto", "gguf", "dummy"):
@@ -277,28 +284,28 @@ def open_source(path: Path, load_format: str) -> Source:
     if path.is_file() and path.suffix == ".gguf":
         if load_format == "safetensors":
             raise ValueError(f"{path} is a GGUF file, not a safetensors checkpoint")
-        return _gguf_source(path)
+        return _gguf_source(path, hf_overrides)
     if load_format == "gguf":
         raise ValueError(f"load_format='gguf' needs a .gguf file, got {path}")
     if path.is_file() and path.name.endswith(".json"):
         if load_format != "dummy":
             raise ValueError(f"{path} is a config file; it can only be loaded with load_format='dummy'")
         path = path.parent
-    return _hf_source(path, need_weights=load_format != "dummy")
+    return _hf_source(path, need_weights=load_format != "dummy", hf_overrides=hf_overrides)
 
 
-def _gguf_source(path: Path) -> Source:
+def _gguf_source(path: Path, hf_overrides: dict | None = None) -> Source:
     f = GGUFFile.open(path)
-    config = config_from_hf(f.config_dict())
+    config = config_from_hf(apply_hf_overrides(f.config_dict(), hf_overrides))
     return Source(config=config, tokenizer=f.tokenizer(), generation_config=f.generation_config(),
                    name=f.name, num_tensors=len(f.tensors), named_tensors=f.named_tensors, gguf=f)
 
 
-def _hf_source(model_dir: Path, need_weights: bool) -> Source:
+def _hf_source(model_dir: Path, need_weights: bool, hf_overrides: dict | None = None) -> Source:
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json (expected a HF model directory or a .gguf file)")
     generation_config = weights_hf.read_json(model_dir / "generation_config.json")
-    raw = weights_hf.read_json(model_dir / "config.json")
+    raw = apply_hf_overrides(weights_hf.read_json(model_dir / "config.json"), hf_overrides)
     vision = is_vision_config(raw)
     config = config_from_hf(text_config(raw) if vision else raw)
     tokenizer = (tokenizer_from_hf_dir(model_dir)

@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from gpu.formats import hf as weights_hf
+from gpu.config.overrides import apply_hf_overrides
 from gpu.config.model import ModelConfig
 from gpu.models.bert import Encoder, EncoderConfig
 from gpu.loader.decoder import open_source, resolve_dtype
@@ -46,16 +47,19 @@ class LoadedPooling:
 def load_pooling_model(model: str | Path | None, *, convert: str = "auto",
                        pooler_config: PoolerConfig = PoolerConfig(), load_format: str = "auto",
                        dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-                       seed: int = 0) -> LoadedPooling:
+                       seed: int = 0, hf_overrides: dict | None = None) -> LoadedPooling:
     """model: a HF folder (an encoder, a classifier, a decoder), or a decoder's GGUF file
-    (None: the bundled SmolLM2) with convert embed|classify."""
+    (None: the bundled SmolLM2) with convert embed|classify. hf_overrides (--hf-overrides):
+    laid over config.json (a GGUF's config) before the encoder, the family and the pooling
+    spec read it: a Matryoshka declaration, for one."""
     path = Path(model).expanduser() if model is not None else default_model_path()
     if path.is_file() and path.name.endswith(".json"):
         path = path.parent
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unsupported load_format {load_format!r} for a pooling model")
     folder = path if (path / "config.json").is_file() else None
-    raw = weights_hf.read_json(path / "config.json") if folder is not None else None
+    raw = (apply_hf_overrides(weights_hf.read_json(path / "config.json"), hf_overrides)
+           if folder is not None else None)
     torch_dtype = resolve_dtype(dtype, device)
     if raw is not None and encoder_type(raw) is not None:
         spec = pooling_spec(raw, folder, convert=convert, flag=pooler_config)
@@ -66,12 +70,12 @@ def load_pooling_model(model: str | Path | None, *, convert: str = "auto",
         max_len, heads = config.max_positions, (config.head_dim, config.num_attention_heads)
         weights = (lambda: weights_hf.named_tensors(weights_hf.safetensors_files(path)))
     else:   # a decoder (GGUF or safetensors), converted
-        source = open_source(path, "dummy" if load_format == "dummy" else load_format)
+        source = open_source(path, "dummy" if load_format == "dummy" else load_format, hf_overrides)
         config = source.config
         if config.num_experts or config.attention_sinks or config.layer_types:
             raise ValueError(f"{config.architecture} cannot be served as a pooling model")
-        if raw is None:
-            raw = {"hidden_size": config.hidden_size}
+        if raw is None:   # a GGUF file: its config, with the overrides
+            raw = apply_hf_overrides({"hidden_size": config.hidden_size}, hf_overrides)
         spec = pooling_spec(raw, folder, convert=convert, flag=pooler_config)
         backbone = model_class(config)(config, torch_dtype, device, lm_head=False)
         tokenizer, kind = source.tokenizer, "decoder"

@@ -89,6 +89,8 @@ class RequestSideSpec:
     reasoning_parser: str | None
     stream_interval: int
     max_queued_requests: int
+    # the prefix cache's block size (0: no prefix caching): usage's created_cache_tokens
+    cache_block: int = 0
 
     @classmethod
     def of(cls, cfg: EngineConfig, built: Built) -> RequestSideSpec:
@@ -130,7 +132,8 @@ class RequestSideSpec:
                                 max_redirects=cfg.media_max_redirects))
         return cls(render_context=ctx, reasoning_parser=built.parsers.reasoning_parser,
                    stream_interval=cfg.stream_interval,
-                   max_queued_requests=cfg.max_queued_requests)
+                   max_queued_requests=cfg.max_queued_requests,
+                   cache_block=built.blocks.block_size if built.blocks.prefix_caching else 0)
 
 
 @attrs.frozen(eq=False)
@@ -138,20 +141,22 @@ class RequestSide:
     """A started request side: what its client holds."""
     render_in: trio.MemorySendChannel     # web -> render
     replies: Replies                      # each request's reply channel (render, emit)
-    accountant: account.Accountant
+    accountant: account.Accountant | account.EngineAccounts
 
 
 def start_request_side(nursery: trio.Nursery, spec: RequestSideSpec, *,
                        requests: trio.MemorySendChannel, steps: trio.MemoryReceiveChannel,
                        back_edges: trio.MemorySendChannel,
-                       events: EventLog | None) -> RequestSide:
+                       events: EventLog | None, engines: int = 1) -> RequestSide:
     """Start render (its requests go to `requests`) and the stages after schedule (its
-    Steps come from `steps`; detokenize's FinishRequests go to `back_edges`)."""
+    Steps come from `steps`; detokenize's FinishRequests go to `back_edges`). `engines`:
+    data parallel's, each accounted apart (account.EngineAccounts)."""
     ev = _stage_events(events)
     ctx = spec.render_context
     tok = ctx.tokenizer
     replies = Replies(ctx.max_model_len + 4)
-    accountant = account.Accountant(ctx.max_model_len)
+    accountant = (account.Accountant(ctx.max_model_len, spec.cache_block) if engines == 1
+                  else account.EngineAccounts(ctx.max_model_len, engines, spec.cache_block))
     render_in, render_out = trio.open_memory_channel(spec.max_queued_requests)
     parse_in, parse_out = trio.open_memory_channel(1)
     acct_in, acct_out = trio.open_memory_channel(1)

@@ -12,6 +12,7 @@ import attrs
 
 from gpu.config.names import (DTYPE_ALIASES, DTYPE_NAMES, FAULT_KINDS, KV_CACHE_DTYPES, LOAD_FORMATS,
                               QUANTIZATIONS, SIMULATED_GPUS)
+from gpu.config.overrides import check_hf_overrides
 from gpu.config.pooling import CONVERTS, RUNNERS, PoolerConfig, detect_runner, parse_pooler_config
 from stages.kv_transfer import ABORT_TIMEOUT_ENV, KVTransferConfig
 from stages.schedule.drafter import MODEL_METHODS, SpeculativeConfig
@@ -156,6 +157,8 @@ class EngineConfig:
     pooler_config: PoolerConfig = attrs.field(
         default=PoolerConfig(), converter=lambda v: v if isinstance(v, PoolerConfig) else parse_pooler_config(
             v if v is None or isinstance(v, str) else json.dumps(v)))
+    # --hf-overrides (vLLM's): a JSON object laid over config.json before the family reads it
+    hf_overrides: dict = attrs.field(factory=dict, converter=check_hf_overrides)
     # LoRA adapters (issue 33, pipeline/core/lora_config.py): vLLM's flags
     enable_lora: bool = False
     lora_modules: tuple = attrs.field(default=(), converter=lora_modules)   # LoRAModule values
@@ -169,7 +172,8 @@ class EngineConfig:
         """Served by the pooling runner (gpu/worker/pooling_runner.py): embeddings, scores, classes."""
         if self.runner != "auto":
             return self.runner == "pooling"
-        return self.convert in ("embed", "classify") or detect_runner(self.model) == "pooling"
+        return (self.convert in ("embed", "classify")
+                or detect_runner(self.model, self.hf_overrides) == "pooling")
 
     def __attrs_post_init__(self) -> None:
         if self.runner == "generate" and self.convert in ("embed", "classify"):
@@ -450,6 +454,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--convert", default=_default("convert"), choices=CONVERTS,
                    help="serve a decoder as an embedding model (embed: last-token pooling) or a "
                         "classifier (classify); implies --runner pooling")
+    p.add_argument("--hf-overrides", default={}, metavar="JSON",
+                   help="JSON object laid over the model's config.json before it is read "
+                        "(nested objects key by key), as vLLM's: e.g. '{\"is_matryoshka\": "
+                        "true}' or '{\"matryoshka_dimensions\": [64, 32]}' to serve "
+                        "`dimensions` on a pooling model")
     p.add_argument("--pooler-config", default=None, metavar="JSON",
                    help='the pooler, over the checkpoint\'s: {"pooling_type": "MEAN|CLS|LAST", '
                         '"normalize": bool, "dimensions": int, "use_activation": bool}')

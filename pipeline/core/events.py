@@ -214,7 +214,7 @@ def tailrace_version() -> str:
 
 def make_header(cfg, *, model_path: str | None, model_name: str, tokenizer,
                 served_model_names: tuple[str, ...], max_model_len: int,
-                kv_blocks_total: int, block_size: int, parsers=None) -> dict:
+                kv_blocks_total: int, block_size: int, parsers=None, cache_block: int = 0) -> dict:
     """The fields of the header line (the event, stage and times are added on writing).
     `parsers` (pipeline.core.parts.Parsers): the parsers the server resolved from the flags and
     the model (gpt-oss implies Harmony's), recorded apart from the flags as given."""
@@ -236,7 +236,9 @@ def make_header(cfg, *, model_path: str | None, model_name: str, tokenizer,
                 "exclude_tools_when_tool_choice_none":
                     parsers.tools.exclude_tools_when_tool_choice_none,
                 "harmony": parsers.harmony},
-            "kv_blocks_total": kv_blocks_total, "block_size": block_size}
+            "kv_blocks_total": kv_blocks_total, "block_size": block_size,
+            # the prefix cache's block size (0: none): usage's created_cache_tokens
+            "cache_block": cache_block}
 
 
 # -- writing -------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def build_pooling(cfg: EngineConfig, device: torch.device) -> Built:
     log.info("dtype %s (%s)%s", str(dtype).removeprefix("torch."), why,
              f"; {cpu_threads()}" if device.type == "cpu" else "")
     loaded = load_pooling_model(cfg.model, convert=cfg.convert, pooler_config=cfg.pooler_config,
-                                load_format=cfg.load_format, dtype=dtype, device=str(device), seed=cfg.seed)
+                                load_format=cfg.load_format, dtype=dtype, device=str(device), seed=cfg.seed,
+                                hf_overrides=cfg.hf_overrides)
     if cfg.tokenizer:
         loaded = attrs.evolve(loaded, tokenizer=load_tokenizer(cfg.tokenizer))
     if cfg.skip_tokenizer_init:

@@ -34,6 +34,7 @@ from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import make_drafter
 from stages.schedule.state_slots import StateSlots
 from stages.api.harmony import HARMONY_REASONING_PARSER
+from stages.parse import markers
 from stages.schedule import AsyncScheduler, Scheduler
 
 log = logging.getLogger("tailrace")
@@ -84,7 +85,7 @@ def load_weights(cfg: EngineConfig, device: torch.device, tp: TP = SINGLE) -> Lo
              f"; {cpu_threads()}" if device.type == "cpu" else "")
     loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype if cfg.dtype == "auto" else dtype,
                         device=str(device), seed=cfg.seed, residual_dtype=residual, tp=tp,
-                        quantization=cfg.quantization)
+                        quantization=cfg.quantization, hf_overrides=cfg.hf_overrides)
     log.info("weights: %s", loaded.weights)
     return loaded
 
@@ -300,7 +301,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         return build_pooling(cfg, device)
     t0 = time.perf_counter()
     if loaded is None and cfg.simulate_gpu:
-        loaded = load_shell(cfg.model, load_format=cfg.load_format)
+        loaded = load_shell(cfg.model, load_format=cfg.load_format, hf_overrides=cfg.hf_overrides)
         log.info("simulating a %s: no weights loaded, the forward is a timed wait",
                  GPUS[cfg.simulate_gpu].name)
     elif loaded is None:
@@ -426,14 +427,17 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
 
 
 def _think_ids(reasoning_parser: str | None, tokenizer) -> tuple[int, int] | None:
-    """With a <think> reasoning parser, constrained output starts after </think>: the tags'
-    ids, when each is one token. (Harmony's constrained output is the whole answer.)"""
+    """With a reasoning parser of markers (<think>, Magistral's [THINK]), constrained output
+    starts after the closing one: the markers' ids, when each is one token. (Harmony's
+    constrained output is the whole answer.)"""
     if reasoning_parser in (None, HARMONY_REASONING_PARSER) or tokenizer is None:
         return None
-    ids = tuple(tokenizer.hf.token_to_id(t) for t in ("<think>", "</think>"))
+    marks = markers(reasoning_parser)
+    ids = tuple(tokenizer.hf.token_to_id(t) for t in (marks.opens[0], marks.closes[0]))
     if None in ids:
-        log.warning("--reasoning-parser: <think>/</think> are not single tokens of this "
-                    "tokenizer; constrained output is constrained from its first token")
+        log.warning("--reasoning-parser %s: %r and %r are not single tokens of this tokenizer; "
+                    "constrained output is constrained from its first token", reasoning_parser,
+                    marks.opens[0], marks.closes[0])
         return None
     return ids
 
@@ -516,7 +520,8 @@ def event_log_header(cfg: EngineConfig, built: Built) -> dict:
         model_name=built.loaded.name, tokenizer=built.loaded.tokenizer,
         served_model_names=built.model_names, max_model_len=built.max_model_len,
         kv_blocks_total=built.blocks.num_blocks, block_size=cfg.block_size,
-        parsers=built.parsers)
+        parsers=built.parsers,
+        cache_block=built.blocks.block_size if built.blocks.prefix_caching else 0)
 
 
 def open_event_log(cfg: EngineConfig, built: Built,

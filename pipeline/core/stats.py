@@ -119,6 +119,52 @@ class EngineStats:
             lora_waiting=core.lora_waiting, max_loras=core.max_loras)
 
 
+# the request side's counters (each engine's own with data parallel)
+_COUNTERS = ("num_running", "num_waiting", "num_preemptions", "kv_blocks_total", "kv_blocks_free",
+             "kv_blocks_used", "kv_blocks_cached", "steps_total", "prompt_tokens_total",
+             "generation_tokens_total", "cached_tokens_total", "prefix_cache_queries_total",
+             "prefix_cache_hits_total")
+
+
+def _added(parts: Sequence, kind: type):
+    """The attrs objects `parts` (None where absent) added field by field: histograms
+    bucket by bucket, numbers summed, tuples position by position."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    out = {}
+    for f in attrs.fields(kind):
+        values = [getattr(p, f.name) for p in parts]
+        if isinstance(values[0], Histogram):
+            out[f.name] = Histogram.summed(values)
+        elif isinstance(values[0], tuple):
+            width = max(map(len, values))
+            out[f.name] = tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+        else:
+            out[f.name] = sum(values)
+    return kind(**out)
+
+
+def sum_engines(stats: Sequence[EngineStats]) -> EngineStats:
+    """Data parallel: the server's stats, every engine's added up (its gauges, counters,
+    finished requests, histograms and speculative counters; each rank accounts for its own
+    requests), with each engine's in `engines` for /metrics' `engine` label."""
+    first = stats[0]
+    finished: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for st in stats:
+        for k, v in st.requests_finished_total.items():
+            finished[k] = finished.get(k, 0) + v
+        for k, v in st.num_waiting_by_reason.items():
+            reasons[k] = reasons.get(k, 0) + v
+    latency = _added([st.latency for st in stats], Latencies)
+    shapes = _added([st.shapes for st in stats], RequestShapes)
+    spec = _added([st.spec_decode for st in stats], SpecDecodeStats)
+    return attrs.evolve(first, num_waiting_by_reason=reasons, requests_finished_total=finished,
+                        latency=latency, shapes=shapes, spec_decode=spec, engines=tuple(stats),
+                        **{f: sum(getattr(st, f) for st in stats) for f in _COUNTERS})
+
+
 def cache_config_labels(cfg, num_blocks: int, max_model_len: int) -> dict[str, str]:
     """vllm:cache_config_info's labels (vLLM's CacheConfig field names) for an EngineConfig:
     with vLLM's kv_cache_size_tokens (the tokens the KV blocks hold) and

@@ -16,8 +16,9 @@ which every frontend sees as its socket closing.
 With --data-parallel-size D, D such processes (ranks 0..D-1) serve the same frontends,
 each its own engine core; each reports its load (`Load`: waiting, running, KV usage)
 to every frontend when it changes, as vLLM's DP coordinator publishes it, and the
-frontends pick an engine per request. For /metrics rank 0 gathers the frontends'
-accounting (it is the server's, not one engine's); the others answer with their core's.
+frontends pick an engine per request. For /metrics each rank gathers the frontends'
+accounting of its own requests (each frontend accounts per engine: account.EngineAccounts),
+so every series can carry the `engine` label.
 """
 from __future__ import annotations
 
@@ -158,11 +159,9 @@ class Stats:
     """/metrics over every process: the core's gauges here, each frontend's accounting
     asked for at scrape time, merged (EngineStats.merge)."""
 
-    def __init__(self, scheduler, blocks, ports: list[Port], cache_config: dict[str, str],
-                 accounts: bool = True) -> None:
+    def __init__(self, scheduler, blocks, ports: list[Port], cache_config: dict[str, str]) -> None:
         self.scheduler, self.blocks, self.ports = scheduler, blocks, ports
         self.cache_config = cache_config
-        self.accounts = accounts      # False: a data-parallel rank past 0 (rank 0 asks)
         self.lora = False        # --enable-lora: vllm:lora_requests_info
         self._waiting: dict[int, tuple[trio.Event, list[AccountStats]]] = {}
         self._numbers = itertools.count()
@@ -175,10 +174,6 @@ class Stats:
                 waiting[0].set()
 
     async def reply(self, port: Port, query: StatsQuery) -> None:
-        if not self.accounts:
-            port.outbox.send_nowait(StatsReply(query.query, EngineStats.merge(
-                CoreStats.of(self.scheduler, self.blocks, self.cache_config), [])))
-            return
         number = next(self._numbers)
         done, totals = self._waiting[number] = (trio.Event(), [])
         try:
@@ -300,7 +295,7 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
     replies = EngineReplies(ports)
     labels = {**cache_config_labels(cfg, built.blocks.num_blocks, built.max_model_len),
               "engine": str(dp_rank)}
-    stats = Stats(built.scheduler, built.blocks, ports, labels, accounts=dp_rank == 0)
+    stats = Stats(built.scheduler, built.blocks, ports, labels)
     stats.lora = cfg.enable_lora
     side = RequestSideSpec.of(cfg, built)
     try:

@@ -42,7 +42,7 @@ from pipeline.core.assembly import running, start_request_side
 from pipeline.core.client import EngineClient
 from pipeline.core.events import EventLog
 from pipeline.core.reply import describe
-from pipeline.core.stats import AccountStats, EngineStats
+from pipeline.core.stats import AccountStats, EngineStats, sum_engines
 from pipeline.layouts.wire import (STEP, AccountQuery, AccountReply, ControlQuery, ControlReply,
                                    FrontendSetup, Link, Load, Refused, SleepState, StatsQuery,
                                    StatsReply, forward, outbox, unpack_step)
@@ -145,7 +145,7 @@ class RemoteEngine(EngineClient):
     """The engine as a frontend's web sees it: the same calls as pipeline.core.engine.Engine."""
 
     link: Link
-    accountant: account.Accountant
+    accountant: account.Accountant | account.EngineAccounts
     outbox: trio.MemorySendChannel
     balancer: Balancer | None = None
     _queries: dict = attrs.field(factory=dict)
@@ -225,21 +225,6 @@ class RemoteEngine(EngineClient):
             waiting[0].set()
 
 
-_SUMMED = ("num_running", "num_waiting", "num_preemptions", "kv_blocks_total", "kv_blocks_free",
-           "kv_blocks_used", "kv_blocks_cached", "steps_total")
-
-
-def sum_engines(stats: list[EngineStats]) -> EngineStats:
-    """Data parallel: the server's stats (engine 0's, with the frontends' accounting) with
-    the engines' gauges and core counters summed, and each engine's in `engines`."""
-    reasons: dict[str, int] = {}
-    for st in stats:
-        for k, v in st.num_waiting_by_reason.items():
-            reasons[k] = reasons.get(k, 0) + v
-    return attrs.evolve(stats[0], num_waiting_by_reason=reasons, engines=tuple(stats),
-                        **{f: sum(getattr(st, f) for st in stats) for f in _SUMMED})
-
-
 async def _route_back(receive: trio.MemoryReceiveChannel, balancer: Balancer) -> None:
     """The request side's back-edges (aborts, stop strings) to the engine of their request."""
     async with receive:
@@ -292,7 +277,7 @@ async def _receive(me: EngineLink, engine: RemoteEngine, steps: trio.MemorySendC
             except trio.EndOfChannel:
                 break
             if kind == STEP:
-                step = unpack_step(payload, requests)
+                step = unpack_step(payload, requests, me.rank)
                 balancer.finished(step)
                 if events is not None:
                     events("scheduled", plan=None, preempted=(), message=step)
@@ -317,7 +302,10 @@ async def _receive(me: EngineLink, engine: RemoteEngine, steps: trio.MemorySendC
             elif isinstance(msg, SleepState):
                 engine.told(me, msg.state)
             elif isinstance(msg, AccountQuery):
-                me.outbox.send_nowait(AccountReply(msg.query, AccountStats.of(engine.accountant)))
+                acct = engine.accountant   # each engine asks for its own requests' figures
+                if isinstance(acct, account.EngineAccounts):
+                    acct = acct.part(me.rank)
+                me.outbox.send_nowait(AccountReply(msg.query, AccountStats.of(acct)))
             else:
                 raise TypeError(f"a frontend got {type(msg).__name__} from the engine")
     if len(balancer.engines) > 1:
@@ -342,7 +330,7 @@ async def open_frontend(setup: FrontendSetup, links: list[Link]) -> AsyncIterato
         steps_in, steps_out = trio.open_memory_channel(1)
         back, back_out = outbox()
         side = start_request_side(nursery, setup.side, requests=requests_in, steps=steps_out,
-                                  back_edges=back.clone(), events=events)
+                                  back_edges=back.clone(), events=events, engines=len(links))
         engines = []
         for rank, link in enumerate(links):
             to_engine, to_engine_out = outbox()

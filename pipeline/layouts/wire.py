@@ -149,9 +149,10 @@ def pack_step(step: Step, new_ids: list[str], items: list[tuple[str, Delta]]) ->
     return _HEADER.pack(len(payload) + 1, STEP) + payload
 
 
-def unpack_step(payload: bytes | memoryview, requests: dict) -> Step:
-    """A Step frame back into a Step; `requests` maps the new requests' ids to the
-    RenderedRequests this frontend sent (popped here: each is new once)."""
+def unpack_step(payload: bytes | memoryview, requests: dict, engine: int = 0) -> Step:
+    """A Step frame back into a Step (of data-parallel rank `engine`); `requests` maps the
+    new requests' ids to the RenderedRequests this frontend sent (popped here: each is new
+    once)."""
     (number, running, waiting, kv_used, done_at, new_ids, rids, toks, index, sched, cached,
      extras) = marshal.loads(payload)
     # every row as a running sequence's tokens (most rows of most steps), positional in
@@ -169,7 +170,7 @@ def unpack_step(payload: bytes | memoryview, requests: dict) -> Step:
                           drafted, accepted,   # speculative decoding's per-request figures
                           kv_transfer_params=kv_params)
     new = tuple(requests.pop(rid) for rid in new_ids)
-    return Step(number, new, tuple(deltas), running, waiting, kv_used, done_at)
+    return Step(number, new, tuple(deltas), running, waiting, kv_used, done_at, engine)
 
 
 def pack(msg: object) -> bytes:

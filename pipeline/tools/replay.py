@@ -77,7 +77,8 @@ def _first_event_difference(expected: bytes, got: bytes) -> tuple[int, bytes, by
 def replay_log(log: Log, tokenizer, reasoning_parser: str | None = None) -> Result:
     """Re-run the four stages over the log's `scheduled` messages."""
     detok, parser, accountant, emitter = (Detokenizer(tokenizer), Parser(reasoning_parser, tokenizer),
-                                          Accountant(), Emitter())
+                                          Accountant(cache_block=log.header.get("cache_block", 0)),
+                                          Emitter())
     reproduced: dict[str, bytes] = defaultdict(bytes)
     logged: dict[str, bytes] = defaultdict(bytes)
     ended: set[str] = set()

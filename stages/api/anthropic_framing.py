@@ -57,7 +57,10 @@ class MessageUsage:
 
 
 def message_usage(usage: Usage) -> MessageUsage:
-    return MessageUsage(input_tokens=usage.prompt_tokens - usage.cached_tokens,
+    """Anthropic's: the prompt is input_tokens + cache_read + cache_creation (as vLLM's)."""
+    return MessageUsage(input_tokens=(usage.prompt_tokens - usage.cached_tokens
+                                      - usage.created_cache_tokens),
+                        cache_creation_input_tokens=usage.created_cache_tokens,
                         cache_read_input_tokens=usage.cached_tokens,
                         output_tokens=usage.completion_tokens)
 

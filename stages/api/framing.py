@@ -43,6 +43,7 @@ def json_body(obj: Any) -> bytes:
 @attrs.frozen
 class PromptTokensDetails:
     cached_tokens: int = 0
+    created_cache_tokens: int = 0                  # written into the prefix cache (vLLM's)
     multimodal_tokens: dict[str, int] = ABSENT     # {"image": N} when the prompt had pictures
 
 
@@ -90,7 +91,7 @@ def usage_info(usage: Usage, req: RenderedRequest | None = None) -> UsageInfo:
     details = ABSENT
     if req is not None and req.reply.prompt_tokens_details:
         images = sum(im.length for im in req.images)
-        details = PromptTokensDetails(usage.cached_tokens,
+        details = PromptTokensDetails(usage.cached_tokens, usage.created_cache_tokens,
                                       {"image": images} if images else ABSENT)
     reasoning = req is not None and req.reply.reasoning_details
     return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,

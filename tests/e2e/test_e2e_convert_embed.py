@@ -1,6 +1,7 @@
 """A decoder served as an embedding model (issue 32): `tailrace serve --convert embed` on the
 bundled SmolLM2 GGUF: last-token pooling, normalized; vLLM's chat-style `messages` input;
-the runner pooling, with no KV cache."""
+the runner pooling, with no KV cache. The server declares Matryoshka sizes with
+--hf-overrides (vLLM's flag), which `dimensions` then serves."""
 from __future__ import annotations
 
 import httpx
@@ -13,7 +14,8 @@ from gpu.interface import PoolingOptions, SamplingOptions, SeqChunk, SeqStart, S
 @pytest.fixture(scope="module")
 def http(serve_with_flags, tmp_path_factory):
     for server in serve_with_flags(tmp_path_factory.mktemp("e2e-convert"), "--convert", "embed",
-                                   "--served-model-name", "smol-embed"):
+                                   "--served-model-name", "smol-embed",
+                                   "--hf-overrides", '{"matryoshka_dimensions": [64, 128]}'):
         with httpx.Client(base_url=server.url, timeout=300) as c:
             yield c
 
@@ -55,3 +57,21 @@ def test_chat_style_messages(http, runner):
 def test_generation_is_refused(http):
     r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_hf_overrides_declare_matryoshka_sizes_that_dimensions_serves(http, runner):
+    """The GGUF has no config.json: --hf-overrides' keys are laid over the config it makes.
+    A declared size is the full vector's head, normalized again; any other is a 400 that
+    names the declared ones."""
+    ids = http.post("/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    full = _pool(runner, ids)
+    for size in (64, 128):
+        r = http.post("/v1/embeddings", json={"input": "Hello", "dimensions": size,
+                                              "encoding_format": "float"})
+        assert r.status_code == 200, r.text
+        got = np.asarray(r.json()["data"][0]["embedding"])
+        assert got.shape == (size,)
+        np.testing.assert_allclose(got, full[:size] / np.linalg.norm(full[:size]), atol=1e-5)
+    r = http.post("/v1/embeddings", json={"input": "Hello", "dimensions": 100})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+    assert "64" in r.json()["error"]["message"] and "128" in r.json()["error"]["message"]

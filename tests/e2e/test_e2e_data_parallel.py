@@ -46,10 +46,23 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _engine_steps(url: str) -> dict[str, float]:
+def _per_engine(url: str, series: str = r"tailrace:engine_steps_total\{") -> dict[str, float]:
+    """A series' value by its engine label, summed over its other labels (the series' name
+    and labels before `engine`, as a regex)."""
     text = httpx.get(f"{url}/metrics", timeout=60).text
-    return {m[1]: float(m[2]) for m in
-            re.finditer(r'^tailrace:engine_steps_total\{engine="(\d+)"\} (\S+)$', text, re.M)}
+    out: dict[str, float] = {}
+    for m in re.finditer(rf'^{series}engine="(\d+)"[^}}]*\}} (\S+)$', text, re.M):
+        out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+    return out
+
+
+def _engine_steps(url: str) -> dict[str, float]:
+    return _per_engine(url)
+
+
+# the request side's series, labelled by the engine that served the request (as vLLM)
+_SERVED = {"success": r'vllm:request_success_total\{', "generated": r"vllm:generation_tokens_total\{",
+           "e2e": r"vllm:e2e_request_latency_seconds_count\{"}
 
 
 _MODELS: dict[str, str] = {}
@@ -80,11 +93,17 @@ def test_greedy_output_equals_one_engine(dp2, server):
 
 def test_the_header_pins_a_rank_and_out_of_range_is_a_400(dp2):
     before = _engine_steps(dp2.url)
+    served = {k: _per_engine(dp2.url, v) for k, v in _SERVED.items()}
     assert set(before) == {"0", "1"}
     for prompt in PROMPTS:
         _complete(dp2.base_url, prompt, rank=1, max_tokens=3)
     after = _engine_steps(dp2.url)
     assert after["1"] > before["1"] and after["0"] == before["0"]
+    # every metric carries the engine label; the pinned requests count on engine 1 only
+    now = {k: _per_engine(dp2.url, v) for k, v in _SERVED.items()}
+    for k, want in (("success", 2), ("generated", 6), ("e2e", 2)):
+        assert now[k].get("1", 0) - served[k].get("1", 0) == want, k
+        assert now[k].get("0", 0) == served[k].get("0", 0), k
     for bad in ("2", "-1", "one"):
         with pytest.raises(openai.BadRequestError) as exc:
             _complete(dp2.base_url, "hi", rank=bad)

@@ -70,8 +70,9 @@ def _same_message(a, b) -> None:
     assert (a.stop_reason, a.stop_sequence, a.model, a.role) == (
         b.stop_reason, b.stop_sequence, b.model, b.role)
     assert a.usage.output_tokens == b.usage.output_tokens
-    assert (a.usage.input_tokens + a.usage.cache_read_input_tokens
-            == b.usage.input_tokens + b.usage.cache_read_input_tokens)
+    def prompt(u):    # Anthropic's split of the prompt (as vLLM's)
+        return u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+    assert prompt(a.usage) == prompt(b.usage)
 
 
 def test_create_answers_with_a_text_message(client, model):
@@ -81,8 +82,9 @@ def test_create_answers_with_a_text_message(client, model):
     assert m.model == model
     assert [b.type for b in m.content] == ["text"] and m.content[0].text
     assert m.stop_reason in ("end_turn", "max_tokens") and m.stop_sequence is None
-    assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 10
-    assert 0 < m.usage.output_tokens <= 12 and m.usage.cache_creation_input_tokens == 0
+    u = m.usage
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens > 10
+    assert 0 < u.output_tokens <= 12 and u.cache_creation_input_tokens % 16 == 0
 
 
 def test_max_tokens_stops_with_max_tokens(client, model):
@@ -148,7 +150,9 @@ def test_a_tool_use_round_trip(client, model):
     assert answer.content[0].text
     # the tool's result is in the prompt: the whole history counts more than the question
     counted = client.messages.count_tokens(model=model, messages=history, tools=[WEATHER])
-    assert counted.input_tokens == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    u = answer.usage   # Anthropic's split of the prompt
+    assert counted.input_tokens == (u.input_tokens + u.cache_read_input_tokens
+                                    + u.cache_creation_input_tokens)
 
 
 def test_a_streamed_tool_use_arrives_as_input_json_delta(server, model):
@@ -212,12 +216,14 @@ def test_count_tokens_equals_the_rendered_prompt(client, model):
     kwargs = dict(model=model, system=[{"type": "text", "text": "Be brief."}], messages=ASK)
     counted = client.messages.count_tokens(**kwargs)
     m = client.messages.create(max_tokens=1, extra_body=GREEDY, **kwargs)
-    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert counted.input_tokens == (m.usage.input_tokens + m.usage.cache_read_input_tokens
+                                    + m.usage.cache_creation_input_tokens)
     choice = {"type": "tool", "name": "get_weather"}
     with_tools = client.messages.count_tokens(tools=[WEATHER], tool_choice=choice, **kwargs)
     m = client.messages.create(max_tokens=1, tools=[WEATHER], tool_choice=choice,
                                extra_body=GREEDY, **kwargs)
-    assert with_tools.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert with_tools.input_tokens == (m.usage.input_tokens + m.usage.cache_read_input_tokens
+                                       + m.usage.cache_creation_input_tokens)
 
 
 def test_sampling_fields_in_the_body_are_honoured(client, model):

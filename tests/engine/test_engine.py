@@ -35,6 +35,32 @@ async def test_prefix_cache_hit_same_output(smollm):
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    # created_cache_tokens (vLLM's): the prompt's full 16-token blocks it wrote, those it
+    # did not find cached: all of them cold, none warm
+    full = first["usage"]["prompt_tokens"] // 16 * 16
+    assert first["usage"]["prompt_tokens_details"]["created_cache_tokens"] == full > 0
+    assert second["usage"]["prompt_tokens_details"]["created_cache_tokens"] == full - cached
+
+
+async def test_anthropic_usage_counts_the_prompt_tokens_written_to_the_cache(smollm):
+    """Anthropic's usage splits the prompt: input_tokens + cache_read_input_tokens +
+    cache_creation_input_tokens, as vLLM's. A cold request writes its prompt's full blocks;
+    the same prompt again reads them. Without prefix caching nothing is written."""
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": "Name three rivers " * 4}]}
+    async with engine_of(smollm) as engine:
+        cold = (await complete(engine, "messages", **body))["usage"]
+        warm = (await complete(engine, "messages", **body))["usage"]
+    async with engine_of(smollm, enable_prefix_caching=False) as engine:
+        off = (await complete(engine, "messages", **body))["usage"]
+    prompt = off["input_tokens"]
+    assert off["cache_creation_input_tokens"] == off["cache_read_input_tokens"] == 0
+    full = prompt // 16 * 16
+    assert (cold["cache_creation_input_tokens"], cold["cache_read_input_tokens"]) == (full, 0)
+    assert cold["input_tokens"] == prompt - full
+    assert warm["cache_read_input_tokens"] > 0
+    assert warm["cache_creation_input_tokens"] == full - warm["cache_read_input_tokens"]
+    assert (warm["input_tokens"] + warm["cache_read_input_tokens"]
+            + warm["cache_creation_input_tokens"]) == prompt
 
 
 async def test_chunked_prefill_matches_one_shot(smollm):

@@ -87,7 +87,67 @@ def test_the_server_stats_sum_the_engines_and_metrics_label_them():
     assert 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.4' in text
     assert 'tailrace:engine_steps_total{engine="0"} 7.0' in text
     assert 'vllm:cache_config_info{block_size="16",engine="1"} 1.0' in text
-    assert 'vllm:prompt_tokens_total{model_name="m"} 100.0' in text
+    assert 'vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0' in text
+
+
+def _scrape(stats: EngineStats) -> str:
+    class Fake:
+        model_names = ("m",)
+
+        def stats(self):
+            return stats
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(EngineCollector(Fake()))
+    return generate_latest(reg).decode()
+
+
+def test_every_metric_carries_the_engine_that_served_the_request():
+    """-dp 2: each engine accounts for its own requests (the frontend's EngineAccounts,
+    fed each engine's steps), so request_success_total, the token counters, the
+    histograms and the speculative counters carry an `engine` label, as vLLM's; the
+    server's figures are the engines' sums."""
+    from pipeline.core.stats import AccountStats, CoreStats, SpecDecodeStats
+    from stages.account import EngineAccounts
+    from tests.support.rendered import rendered
+
+    accounts = EngineAccounts(4096, 2)
+    for engine, rid, prompt, tokens in ((0, "a", (1, 2, 3), (5, 6)), (1, "b", (1, 2), (7,))):
+        req = rendered(rid, prompt)
+        accounts.process(Step(0, (req,), (Delta(rid, tokens[:1], scheduled_at=0.5),),
+                              done_at=1.0, engine=engine))
+        accounts.process(Step(1, (), (Delta(rid, tokens[1:], FinishReason.STOP),),
+                              done_at=2.0, engine=engine))
+    spec = (SpecDecodeStats(num_drafts=3, num_draft_tokens=6, num_accepted_tokens=4,
+                            accepted_per_pos=(3, 1)), SpecDecodeStats(num_drafts=1))
+    from stages.histogram import Histogram
+    per = [EngineStats.merge(CoreStats(steps_total=2, spec_decode=spec[k],
+                                       request_preemptions=Histogram((1, 2)),
+                                       iteration_tokens=Histogram((1, 8))),
+                             [AccountStats.of(accounts.part(k))]) for k in (0, 1)]
+    s = sum_engines(per)
+    assert (s.prompt_tokens_total, s.generation_tokens_total) == (5, 3)
+    assert s.requests_finished_total == {"stop": 2} and s.latency.e2e.count == 2
+    assert s.spec_decode.num_drafts == 4 and s.spec_decode.accepted_per_pos == (3, 1)
+    text = _scrape(s)
+    for line in ('vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0',
+                 'vllm:request_success_total{engine="1",finished_reason="length",model_name="m"} 0.0',
+                 'vllm:prompt_tokens_total{engine="0",model_name="m"} 3.0',
+                 'vllm:prompt_tokens_total{engine="1",model_name="m"} 2.0',
+                 'vllm:generation_tokens_total{engine="0",model_name="m"} 2.0',
+                 'vllm:generation_tokens_total{engine="1",model_name="m"} 1.0',
+                 'vllm:e2e_request_latency_seconds_count{engine="1",model_name="m"} 1.0',
+                 'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 1.0',
+                 'vllm:request_prompt_tokens_sum{engine="1",model_name="m"} 2.0',
+                 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 1.0',
+                 'tailrace:requests_finished_total{engine="1",finished_reason="stop"} 1.0'):
+        assert line in text, line
+    # no series of one engine's figures is left without its label
+    for line in text.splitlines():
+        if line.startswith(("vllm:", "tailrace:")) and "_by_reason" not in line \
+                and "max_loras" not in line:
+            assert 'engine="' in line, line
 
 
 def test_each_engine_gets_its_own_kv_connector_engine_id_and_side_channel_port(monkeypatch):

@@ -124,10 +124,10 @@ def test_running_text_is_detokenized_for_a_plain_running_delta():
 
 def test_step_with_deltas_keeps_every_other_field():
     import attrs
-    step = Step(3, (), (Delta("a"),), num_running=1, num_waiting=2, kv_blocks_used=3, done_at=4.0)
+    step = Step(3, (), (Delta("a"),), num_running=1, num_waiting=2, kv_blocks_used=3, done_at=4.0, engine=1)
     new = (Delta("b"),)
     assert step.with_deltas(new) == attrs.evolve(step, deltas=new)
-    assert len(attrs.fields(Step)) == 7    # with_deltas names each of them
+    assert len(attrs.fields(Step)) == 8    # with_deltas names each of them
 
 
 def test_the_event_log_writes_a_delta_as_its_fields_off_their_defaults():

@@ -4,7 +4,7 @@ K2's (`kimi_k2`), DeepSeek V3's and V3.1's (`deepseek_v3`, `deepseek_v31`) and M
 M2's (`minimax_m2`), under vLLM's names. Formats read from vLLM's parsers' documented
 outputs; the code is this project's own.
 
-As `hermes`: the text before the first block is content; a block's calls are complete at
+As `hermes` (a Tagged parser too): the text before the first block is content; a block's calls are complete at
 its closing tag (or at the end of the answer, for a block left open); after the first
 call, text outside blocks is dropped; a block that holds no call is passed on as text.
 Every decision depends only on the text so far, so any split gives the same result.
