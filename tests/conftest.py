@@ -6,6 +6,14 @@ before every test module, so it is the one place that decides.
 """
 import os
 
+# OpenMP threads that sleep at a barrier instead of spinning (libgomp reads this when torch
+# loads it, so it is set before the import; the servers and ranks the tests start inherit
+# it). The suite runs a pytest process, its servers and TP ranks side by side on 2 cores:
+# with spinning barriers an oversubscribed team waits out whole time slices, and a SmolLM2
+# decode step under load took 2.4 s instead of ~0.3 s (docs/benchmarks.md, "The test
+# suite's time").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 try:
     import torch
 
