@@ -28,7 +28,9 @@ Q = gguf.GGMLQuantizationType
 K = cpu_quant.kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="the CPU quant kernels are not built (no C compiler)")
 
-BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+BLOCK_BYTES = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+# where a K-quant block keeps its fp16 d (and dmin after it)
+SCALE_AT = {Q.Q2_K: 80, Q.Q3_K: 108, Q.Q4_K: 0, Q.Q5_K: 0, Q.Q6_K: 208}
 
 
 def _quantized(qtype, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -39,17 +41,16 @@ def _quantized(qtype, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, 
         packed = rng.integers(0, 256, (rows, cols // 256 * bb), dtype=np.uint8)
         blocks = packed.reshape(rows, -1, bb)
         scale = np.frombuffer(np.float16(0.003).tobytes(), np.uint8)
-        if qtype == Q.Q6_K:
-            blocks[..., 208:210] = scale
-        else:
-            blocks[..., 0:2] = scale
-            blocks[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+        at = SCALE_AT[qtype]
+        blocks[..., at:at + 2] = scale
+        if qtype not in (Q.Q3_K, Q.Q6_K):   # dmin
+            blocks[..., at + 2:at + 4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
     else:
         packed = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
     return packed, gguf.quants.dequantize(packed, qtype).reshape(rows, cols)
 
 
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
@@ -426,12 +427,13 @@ def _gemv_kernels(tmp_path) -> cpu_quant.QuantKernels:
 
 def _int16_gemv_bound(qtype, packed: np.ndarray, ref: np.ndarray, x: torch.Tensor) -> torch.Tensor:
     """[M, N] bound on the int16 GEMV tiles' error from quantizing x: as _int16_bound, with the
-    integer part of each weight w - min (Q4_1: its block's m; Q4_K/Q5_K: its sub-block's
+    integer part of each weight w - min (Q4_1, Q5_1: its block's m; Q4_K/Q5_K: its sub-block's
     -dmin mn, found by dequantizing the blocks with their quants zeroed; the others: w)."""
     n, cols = ref.shape
     w = ref.astype(np.float64)
-    if qtype == Q.Q4_1:
-        m = packed.reshape(n, cols // 32, 20)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        bb = 20 if qtype == Q.Q4_1 else 24
+        m = packed.reshape(n, cols // 32, bb)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         w = w - np.repeat(m, 32, axis=1)
     elif qtype in (Q.Q4_K, Q.Q5_K):
         zeroed = packed.reshape(n, cols // 256, BLOCK_BYTES[qtype]).copy()

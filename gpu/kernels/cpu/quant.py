@@ -37,7 +37,7 @@ _SOURCE = Path(__file__).with_name("quant.c")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 # ggml type ids (gguf.GGMLQuantizationType) the kernels take, and their names
-FORMATS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+FORMATS = {2: "Q4_0", 3: "Q4_1", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # rows per call above which a linear dequantizes and calls torch's GEMM without the GEMM tiles
 # (docs/kernels.md); gpu/kernels/cpu/layer.py's decode stack takes up to this many rows
 LARGE_M = 48
