@@ -112,6 +112,9 @@ def test_default_keeps_gguf_packed(packed_smollm, smollm):
     assert "kept packed" in packed_smollm.weights and "Q4_1" in packed_smollm.weights
     assert isinstance(lm.layers[0].self_attn.qkv_proj, cpu_quant.PackedLinear)
     assert isinstance(lm.lm_head, cpu_quant.PackedLinear) and lm.lm_head.formats == (int(Q.Q8_0),)
+    # the tied table: the head's blocks, looked up row by row; no fp32 copy of it
+    assert isinstance(lm.embed_tokens, cpu_quant.PackedEmbedding) and lm.embed_tokens.packed is lm.lm_head.packed0
+    assert "at load" not in packed_smollm.weights, packed_smollm.weights
     packed_bytes = sum(m.packed_bytes for m in lm.modules() if isinstance(m, cpu_quant.PackedLinear))
     assert packed_bytes < 0.3 * 4 * 134.5e6   # ~92 MB against the fp32 model's 538
     assert not isinstance(smollm.model.lm_head, cpu_quant.PackedLinear)   # --dtype float32: dequantized

@@ -242,4 +242,28 @@ class PackedLinear(nn.Module):
         return y
 
 
+class PackedEmbedding(nn.Module):
+    """An embedding table kept in GGUF blocks ([rows, row_bytes] uint8 of format fmt): a lookup
+    dequantizes only the rows it takes (exactly gguf-py's values, fp32). A tied table shares its
+    blocks with the packed LM head, so a GGUF file's vocabulary is held once, packed, instead of
+    beside an fp32 copy (Gemma 3's 262k x 640 Q8_0 table: 178 MB against 671 MB)."""
+
+    def __init__(self, fmt: int, packed: torch.Tensor, embedding_dim: int) -> None:
+        super().__init__()
+        self.fmt, self.num_embeddings, self.embedding_dim = fmt, int(packed.shape[0]), embedding_dim
+        self.register_buffer("packed", packed, persistent=False)
+        # what callers read of a table: its device and dtype (lookups are fp32)
+        self.register_buffer("weight", torch.empty(0, embedding_dim), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {FORMATS.get(self.fmt, self.fmt)}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [*] -> [*, embedding_dim] fp32."""
+        k = _KERNELS or kernels()
+        flat = ids.reshape(-1)
+        rows = self.packed.index_select(0, flat)
+        return k.dequantize(self.fmt, rows, self.embedding_dim).view(*ids.shape, self.embedding_dim)
+
+
 _KERNELS = None   # kernels() once built: skips the cache lookup per call

@@ -1,0 +1,98 @@
+"""A GGUF file's Q5_1, Q2_K and Q3_K tensors and Phi-3's fused linears kept packed on the CPU
+(issue 55): a tiny Phi-3 written with gguf-py's GGUFWriter, its fused attn_qkv in Q3_K, ffn_up
+([gate; up]) in Q2_K, attn_output and ffn_down in Q5_1, the embedding and head in Q8_0. Loaded
+with the default (packed) method, nothing of it is dequantized at load: the fused tensors are
+their merged linears' segments, the embedding table is looked up in its blocks, and the
+start-up line names each type. Logits against transformers loading the same file (it
+dequantizes with gguf-py, in fp32): the prompt's rows take the fp32 tiles over exactly gguf-py's
+values (1e-4); one decode row takes the int16 GEMV tiles where the build has them (their
+x-rounding bound, tests/gpu/test_gguf_packed.py; 2e-3 on these logits)."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gpu.formats.gguf import _PER_BLOCK
+from gpu.kernels.cpu import quant as cpu_quant
+from gpu.loader.decoder import load_model
+from tests.gpu.test_gguf_families import _finish, _gguf_name, _writer
+from tests.support.hf_models import hf_logits, make_hf_model, our_logits
+
+Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(cpu_quant.kernels() is None, reason="the CPU quant kernels are not built")
+IDS = [2, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1]
+# (bytes a block, where its fp16 d is, whether a dmin follows it)
+_K_BLOCKS = {Q.Q2_K: (84, 80, True), Q.Q3_K: (110, 108, False)}
+
+
+def _k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    """Random K-quant blocks (gguf-py cannot quantize them) with small fp16 scales."""
+    bb, at, dmin = _K_BLOCKS[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // 256, bb), dtype=np.uint8)
+    blocks[..., at:at + 2] = np.frombuffer(np.float16(0.004).tobytes(), np.uint8)
+    if dmin:
+        blocks[..., at + 2:at + 4] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def phi3_lowbit(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp("phi3-lowbit")
+    hf = make_hf_model("phi3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=4, head_dim=64)
+    c, rng = hf.config, np.random.default_rng(0)
+    path = tmp / "tiny-phi3-lowbit.gguf"
+    w = _writer(path, "phi3", c)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(64)
+    w.add_vocab_size(c.vocab_size)
+    w.add_pad_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    fused = {"self_attn.qkv_proj": ("attn_qkv", Q.Q3_K), "mlp.gate_up_proj": ("ffn_up", Q.Q2_K),
+             "self_attn.o_proj": ("attn_output", Q.Q5_1), "mlp.down_proj": ("ffn_down", Q.Q5_1)}
+    for name, t in hf.state_dict().items():
+        base, kind = name.rsplit(".", 1)
+        part = next((v for h, v in fused.items() if base.endswith(h)), None)
+        if part is None:
+            gname = _gguf_name(name, _PER_BLOCK)
+            qtype = Q.Q8_0 if gname in ("token_embd.weight", "output.weight") else None
+        else:
+            gname, qtype = f"blk.{base.split('.')[2]}.{part[0]}.{kind}", part[1]
+        x = t.numpy()
+        if qtype in _K_BLOCKS:
+            w.add_tensor(gname, _k_blocks(qtype, *x.shape, rng), raw_dtype=qtype)
+        elif qtype is not None:
+            w.add_tensor(gname, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, x)
+    _finish(w)
+    ref = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32).eval()
+    return load_model(path, progress=False), ref
+
+
+def test_lowbit_and_fused_tensors_stay_packed(phi3_lowbit):
+    loaded, _ = phi3_lowbit
+    lm, c = loaded.model, loaded.config
+    attn, mlp = lm.layers[0].self_attn, lm.layers[0].mlp
+    assert attn.qkv_proj.formats == (int(Q.Q3_K),) * 3 and attn.qkv_proj.rows == (c.q_size, c.kv_size, c.kv_size)
+    assert mlp.gate_up_proj.formats == (int(Q.Q2_K),) * 2 and mlp.gate_up_proj.rows == (512, 512)
+    assert attn.o_proj.formats == mlp.down_proj.formats == (int(Q.Q5_1),)
+    assert isinstance(lm.embed_tokens, cpu_quant.PackedEmbedding) and isinstance(lm.lm_head, cpu_quant.PackedLinear)
+    words = loaded.weights
+    for kind in ("2 Q3_K", "2 Q2_K", "4 Q5_1", "2 Q8_0"):
+        assert kind in words, words
+    assert "at load" not in words, words   # nothing dequantized to fp32 at load
+
+
+def test_lowbit_logits_match_transformers(phi3_lowbit):
+    loaded, ref = phi3_lowbit
+    want = hf_logits(ref, IDS)
+    torch.testing.assert_close(our_logits(loaded.model, IDS), want, atol=1e-4, rtol=1e-4)
+    # one row: the decode path's tiles (the int16 GEMV tiles on an AVX2 build)
+    one = our_logits(loaded.model, IDS[:1])
+    assert (one - want[:1]).abs().max().item() < 2e-3
