@@ -89,6 +89,24 @@ def test_lowbit_and_fused_tensors_stay_packed(phi3_lowbit):
     assert "at load" not in words, words   # nothing dequantized to fp32 at load
 
 
+def test_packed_blocks_dequantize_as_gguf_py(phi3_lowbit):
+    """Every quantized tensor of the GGUFWriter-made file: the blocks the packed linears hold
+    (gpu/formats/gguf.py GGUFFile.packed), dequantized by the kernels, equal gguf-py's
+    dequantization of the file's data, bit for bit."""
+    from gpu.formats.gguf import GGUFFile
+
+    f, k = GGUFFile(phi3_lowbit[0].path), cpu_quant.kernels()
+    seen = set()
+    for t in f.reader.tensors:
+        if int(t.tensor_type) in cpu_quant.FORMATS:
+            fmt, blocks = f.packed(t.name)
+            cols = int(t.shape[0])
+            want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1, cols)
+            assert np.array_equal(k.dequantize(fmt, blocks, cols).numpy(), want), t.name
+            seen.add(t.tensor_type.name)
+    assert seen == {"Q2_K", "Q3_K", "Q5_1", "Q8_0"}
+
+
 def test_lowbit_logits_match_transformers(phi3_lowbit):
     loaded, ref = phi3_lowbit
     want = hf_logits(ref, IDS)

@@ -486,7 +486,7 @@ def test_int16_gemv_tiles_against_gguf_py(tmp_path, qtype):
         k.set_gemm(-1)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_int16_gemv_tiles_deterministic(tmp_path, qtype):
     """Each row of x is quantized alone and each output summed in one order: a row's outputs are
     the same bits whatever rows share its call (1 to 4), where it sits in the batch, which tile
