@@ -205,7 +205,8 @@ def describe(formats: Counter) -> str:
     gemv = k.int16_gemv_max_m() if k is not None else 0
     if gemv:
         regs = (f"int16 dot products over blocks unpacked in registers up to {gemv} rows (Q8_0 "
-                f"{k.int16_gemv_max_m(8)}, K-quants {k.int16_gemv_max_m(12)}; activations rounded to int16 per "
+                f"{k.int16_gemv_max_m(8)}, K-quants {k.int16_gemv_max_m(12)}, Q2_K/Q3_K {k.int16_gemv_max_m(10)}; "
+                f"activations rounded to int16 per "
                 f"32-element block), otherwise " + (regs if fused > gemv else ""))
     large = k.large_m if k is not None else cpu_quant.LARGE_M
     return (f"GGUF weights kept packed ({kinds} tensors; activations, residual stream and KV cache float32), "

@@ -5,9 +5,9 @@
  * reach 128; Q2_K has a min per 16), so they are kept as stored:
  * - dequant_lowbit: one row's blocks -> fp32, exactly gguf-py's dequantize_blocks (the same fp32
  *   products and sums, -ffp-contract=off), for the buffered and GEMM tiles and the loader;
- * - with AVX2 (the int16 GEMV tiles' build), lowbit16: a 32-element piece of a block -> its
- *   integers as two int16 vectors and the fp32 factors the int16 tiles multiply them by
- *   (gpu/kernels/cpu/quant.c i16tile).
+ * - with AVX2, the same values vectorized (dequant_lowbit_avx2), and a 32-element piece of a
+ *   block -> its integers as int16 vectors (q5_1_codes, q2_k_piece, q3_k_piece) for the int16
+ *   GEMV tiles (gpu/kernels/cpu/quant.c i16tile).
  *
  * Layouts (ggml's block_q5_1, block_q2_K, block_q3_K):
  *   Q5_1 (32 elements, 24 bytes): fp16 d, fp16 m, 32 high bits (element j: bit j), 16 bytes of low
@@ -30,48 +30,7 @@ static inline void scales_q3k(const uint8_t *s, int8_t out[16]) {
     }
 }
 
-/* One row's nb blocks of fmt -> fp32 (gguf-py's values); 0 for a format not of this file. */
-static int dequant_lowbit(int fmt, const uint8_t *restrict b, int64_t nb, float *restrict out) {
-    switch (fmt) {
-    case Q5_1:
-        for (int64_t i = 0; i < nb; i++, b += 24, out += 32) {
-            const float d = f16(b), m = f16(b + 2);
-            uint32_t qh;
-            memcpy(&qh, b + 4, 4);
-            const uint8_t *q = b + 8;
-            for (int j = 0; j < 16; j++) {
-                out[j] = d * (float)((q[j] & 15) | ((qh >> j) & 1) << 4) + m;
-                out[j + 16] = d * (float)((q[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m;
-            }
-        }
-        return 1;
-    case Q2_K:
-        for (int64_t i = 0; i < nb; i++, b += 84, out += 256) {
-            const float d = f16(b + 80), dmin = f16(b + 82);
-            for (int e = 0; e < 256; e++) {
-                const int h = e / 128, s = (e / 32) % 4, j = e % 32, sub = e / 16;
-                const float dl = d * (float)(b[sub] & 15), ml = dmin * (float)(b[sub] >> 4);
-                out[e] = dl * (float)((b[16 + 32 * h + j] >> (2 * s)) & 3) - ml;
-            }
-        }
-        return 1;
-    case Q3_K:
-        for (int64_t i = 0; i < nb; i++, b += 110, out += 256) {
-            const float d = f16(b + 108);
-            int8_t sc[16];
-            scales_q3k(b + 96, sc);
-            for (int e = 0; e < 256; e++) {
-                const int h = e / 128, s = (e / 32) % 4, j = e % 32;
-                const int q = ((b[32 + 32 * h + j] >> (2 * s)) & 3) - (((b[j] >> (e / 32)) & 1) ? 0 : 4);
-                out[e] = d * (float)sc[e / 16] * (float)q;
-            }
-        }
-        return 1;
-    }
-    return 0;
-}
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
 /* 32 bytes: 0xff where bit i of bits is set (byte i), else 0 */
 static inline __m256i bits_to_bytes(uint32_t bits) {
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
@@ -122,4 +81,107 @@ static inline void q3_k_piece(const uint8_t *blk, const int8_t *sc, int t, __m25
     *w0 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16(sc[2 * t]));
     *w1 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)), _mm256_set1_epi16(sc[2 * t + 1]));
 }
+/* The same values with AVX2: the integers unpacked as the int16 tiles unpack them, converted to
+ * fp32 and scaled with gguf-py's operations in its order (no FMA), so bit for bit the scalar
+ * code's. */
+static int dequant_lowbit_avx2(int fmt, const uint8_t *restrict b, int64_t nb, float *restrict out) {
+    __m256i w0, w1, m0, m1;
+    switch (fmt) {
+    case Q5_1:
+        for (int64_t i = 0; i < nb; i++, b += 24, out += 32) {
+            const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
+            q5_1_codes(b, &w0, &w1);
+            const __m256i parts[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w0)),
+                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(w0, 1)),
+                                      _mm256_cvtepi16_epi32(_mm256_castsi256_si128(w1)),
+                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(w1, 1))};
+            for (int p = 0; p < 4; p++)
+                _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(parts[p])), m));
+        }
+        return 1;
+    case Q2_K:
+    case Q3_K:
+        for (int64_t i = 0; i < nb; i++, out += 256) {
+            const float d = f16(b + (fmt == Q2_K ? 80 : 108)), dmin = fmt == Q2_K ? f16(b + 82) : 0.f;
+            int8_t sc3[16];
+            if (fmt == Q3_K) scales_q3k(b + 96, sc3);
+            for (int t = 0; t < 8; t++) {
+                __m256i q;   /* the codes as int8: Q2_K 0..3, Q3_K -4..3 */
+                if (fmt == Q2_K) {
+                    q = k2_codes(b + 16, t);
+                } else {
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << t));
+                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)b), bit), bit);
+                    q = _mm256_sub_epi8(k2_codes(b + 32, t), _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
+                }
+                for (int h = 0; h < 2; h++) {   /* sub-block 2t + h: 16 elements */
+                    const int sub = 2 * t + h;
+                    const __m128i q16 = h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+                    const float dl = fmt == Q2_K ? d * (float)(b[sub] & 15) : d * (float)sc3[sub];
+                    const __m256 dlv = _mm256_set1_ps(dl);
+                    const __m256 lo = _mm256_mul_ps(dlv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q16)));
+                    const __m256 hi = _mm256_mul_ps(dlv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q16, 8))));
+                    float *o = out + 32 * t + 16 * h;
+                    if (fmt == Q2_K) {
+                        const __m256 ml = _mm256_set1_ps(dmin * (float)(b[sub] >> 4));
+                        _mm256_storeu_ps(o, _mm256_sub_ps(lo, ml));
+                        _mm256_storeu_ps(o + 8, _mm256_sub_ps(hi, ml));
+                    } else {
+                        _mm256_storeu_ps(o, lo);
+                        _mm256_storeu_ps(o + 8, hi);
+                    }
+                }
+            }
+            b += fmt == Q2_K ? 84 : 110;
+        }
+        return 1;
+    }
+    (void)w0; (void)w1; (void)m0; (void)m1;
+    return 0;
+}
 #endif
+
+/* One row's nb blocks of fmt -> fp32 (gguf-py's values); 0 for a format not of this file. */
+static int dequant_lowbit(int fmt, const uint8_t *restrict b, int64_t nb, float *restrict out) {
+#if defined(__AVX2__)
+    if (dequant_lowbit_avx2(fmt, b, nb, out)) return 1;
+#endif
+    switch (fmt) {
+    case Q5_1:
+        for (int64_t i = 0; i < nb; i++, b += 24, out += 32) {
+            const float d = f16(b), m = f16(b + 2);
+            uint32_t qh;
+            memcpy(&qh, b + 4, 4);
+            const uint8_t *q = b + 8;
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)((q[j] & 15) | ((qh >> j) & 1) << 4) + m;
+                out[j + 16] = d * (float)((q[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m;
+            }
+        }
+        return 1;
+    case Q2_K:
+        for (int64_t i = 0; i < nb; i++, b += 84, out += 256) {
+            const float d = f16(b + 80), dmin = f16(b + 82);
+            for (int e = 0; e < 256; e++) {
+                const int h = e / 128, s = (e / 32) % 4, j = e % 32, sub = e / 16;
+                const float dl = d * (float)(b[sub] & 15), ml = dmin * (float)(b[sub] >> 4);
+                out[e] = dl * (float)((b[16 + 32 * h + j] >> (2 * s)) & 3) - ml;
+            }
+        }
+        return 1;
+    case Q3_K:
+        for (int64_t i = 0; i < nb; i++, b += 110, out += 256) {
+            const float d = f16(b + 108);
+            int8_t sc[16];
+            scales_q3k(b + 96, sc);
+            for (int e = 0; e < 256; e++) {
+                const int h = e / 128, s = (e / 32) % 4, j = e % 32;
+                const int q = ((b[32 + 32 * h + j] >> (2 * s)) & 3) - (((b[j] >> (e / 32)) & 1) ? 0 : 4);
+                out[e] = d * (float)sc[e / 16] * (float)q;
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+
