@@ -63,8 +63,13 @@ class GGUF(QuantMethod):
     def prepare(self, lm, source, dtype):
         if not self.packed:
             named, words = super().prepare(lm, source, dtype)
-            if source.gguf is not None and lm.embed_tokens.weight.device.type == "cpu":
-                words += f" (GGUF dequantized at load: {self.why})"
+            if source.gguf is not None:
+                quantized = Counter(t.tensor_type.name for t in source.gguf.reader.tensors
+                                    if int(t.tensor_type) not in (0, 1, 30))   # F32, F16, BF16
+                kinds = ", ".join(f"{n} {k}" for k, n in quantized.most_common()) or "no quantized"
+                where = "" if lm.embed_tokens.weight.device.type == "cpu" else " (the packed kernels are CPU kernels)"
+                words += (f" (GGUF: {kinds} tensors dequantized to {str(dtype).removeprefix('torch.')} at load,"
+                          f" one at a time: {self.why}{where})")
             return named, words
         taken, formats = pack_linears(lm, source.gguf)
         from gpu.kernels.cpu import layer as cpu_layer

@@ -118,6 +118,7 @@ def test_default_keeps_gguf_packed(packed_smollm, smollm):
     packed_bytes = sum(m.packed_bytes for m in lm.modules() if isinstance(m, cpu_quant.PackedLinear))
     assert packed_bytes < 0.3 * 4 * 134.5e6   # ~92 MB against the fp32 model's 538
     assert not isinstance(smollm.model.lm_head, cpu_quant.PackedLinear)   # --dtype float32: dequantized
+    assert "GGUF: 210 Q4_1, 1 Q8_0 tensors dequantized to float32 at load" in smollm.weights, smollm.weights
 
 
 @pytest.mark.parametrize("int16", [0, 1], ids=["fp32-tiles", "int16-tiles"])
