@@ -14,9 +14,9 @@ from collections import Counter
 
 import torch
 
+from gpu.formats.gguf import GGUFFile
 from gpu.kernels.cpu import quant as cpu_quant
 from gpu.models.causal_lm import MLP, CausalLM
-from gpu.formats.gguf import GGUFFile
 from gpu.quantization.base import QuantMethod
 
 
@@ -32,7 +32,7 @@ class GGUF(QuantMethod):
         self.why = why     # the start-up line's note when not packed
 
     @classmethod
-    def choose(cls, quantization: str, source, load_format: str, dtype, device, tp) -> "GGUF":
+    def choose(cls, quantization: str, source, load_format: str, dtype, device, tp) -> GGUF:
         """Whether a GGUF file's linears stay packed; ValueError when --quantization gguf asks
         for what cannot be."""
         if quantization == "none" or load_format == "dummy":
