@@ -1,9 +1,11 @@
 """A GGUF model's linear layers kept in the file's quantized blocks on the CPU (issue 39):
 the loader's `--quantization gguf` (the default for GGUF files on a CPU). Each dense linear
-whose source tensors are all in a format gpu/kernels/cpu/quant.c takes (Q4_0, Q4_1, Q8_0, Q4_K,
-Q5_K, Q6_K) becomes a PackedLinear; anything else (F32/F16 tensors, other formats, expert
-layers) is dequantized and loaded as before. The tied embedding stays an fp32 table for the
-row lookups, while the LM head reads the packed copy.
+whose source tensors are all in a format gpu/kernels/cpu/quant.c takes (Q4_0, Q4_1, Q5_1, Q8_0,
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; Q5_0 repacked losslessly as Q8_0) becomes a PackedLinear (Phi-3's
+fused attn_qkv and ffn_up: their rows split into the merged linear's segments); anything else
+(F32/F16 tensors, other formats, expert layers) is dequantized and loaded as before. The
+embedding table stays in its blocks too (PackedEmbedding: rows dequantized as they are looked
+up), sharing them with a tied LM head.
 
 Imports: gguf_packed -> cpu_quant, weights_gguf, model (the loader calls it)."""
 from __future__ import annotations
@@ -12,9 +14,9 @@ from collections import Counter
 
 import torch
 
+from gpu.formats.gguf import GGUFFile
 from gpu.kernels.cpu import quant as cpu_quant
 from gpu.models.causal_lm import MLP, CausalLM
-from gpu.formats.gguf import GGUFFile
 from gpu.quantization.base import QuantMethod
 
 
@@ -30,7 +32,7 @@ class GGUF(QuantMethod):
         self.why = why     # the start-up line's note when not packed
 
     @classmethod
-    def choose(cls, quantization: str, source, load_format: str, dtype, device, tp) -> "GGUF":
+    def choose(cls, quantization: str, source, load_format: str, dtype, device, tp) -> GGUF:
         """Whether a GGUF file's linears stay packed; ValueError when --quantization gguf asks
         for what cannot be."""
         if quantization == "none" or load_format == "dummy":
@@ -61,13 +63,21 @@ class GGUF(QuantMethod):
     def prepare(self, lm, source, dtype):
         if not self.packed:
             named, words = super().prepare(lm, source, dtype)
-            if source.gguf is not None and lm.embed_tokens.weight.device.type == "cpu":
-                words += f" (GGUF dequantized at load: {self.why})"
+            if source.gguf is not None:
+                quantized = Counter(t.tensor_type.name for t in source.gguf.reader.tensors
+                                    if int(t.tensor_type) not in (0, 1, 30))   # F32, F16, BF16
+                kinds = ", ".join(f"{n} {k}" for k, n in quantized.most_common()) or "no quantized"
+                where = "" if lm.embed_tokens.weight.device.type == "cpu" else " (the packed kernels are CPU kernels)"
+                words += (f" (GGUF: {kinds} tensors dequantized to {str(dtype).removeprefix('torch.')} at load,"
+                          f" one at a time: {self.why}{where})")
             return named, words
         taken, formats = pack_linears(lm, source.gguf)
         from gpu.kernels.cpu import layer as cpu_layer
         lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
         words = describe(formats) + cpu_layer.describe(lm)
+        if isinstance(lm.embed_tokens, cpu_quant.PackedEmbedding):
+            shared = " (the tied head's)" if lm.lm_head is not None and getattr(lm.lm_head, "packed0", None) is lm.embed_tokens.packed else ""
+            words += f"; the embedding table's rows dequantized as they are looked up from its {cpu_quant.FORMATS[lm.embed_tokens.fmt]} blocks{shared}"
         if account := source.gguf.account(taken, "float32"):
             words += f"; {account}"
         if lm.config.num_experts:   # the packed kernels take 2-D linears only
@@ -79,6 +89,14 @@ _LAYER_LINEARS = (
     ("self_attn", "qkv_proj", ("attn_q", "attn_k", "attn_v")),
     ("self_attn", "o_proj", ("attn_output",)),
     ("mlp", "gate_up_proj", ("ffn_gate", "ffn_up")),
+    ("mlp", "down_proj", ("ffn_down",)),
+)
+# Phi-3's files keep q/k/v in one tensor and [gate; up] in ffn_up: the same rows as the merged
+# linears, split into their parts' segments (views of the blocks: nothing dequantized)
+_PHI3_LINEARS = (
+    ("self_attn", "qkv_proj", ("attn_qkv",)),
+    ("self_attn", "o_proj", ("attn_output",)),
+    ("mlp", "gate_up_proj", ("ffn_up",)),
     ("mlp", "down_proj", ("ffn_down",)),
 )
 
@@ -94,50 +112,86 @@ def why_not_packed(f: GGUFFile) -> str | None:
 
 
 def pack_linears(lm: CausalLM, f: GGUFFile) -> tuple[frozenset[str], Counter]:
-    """Replace lm's linears with PackedLinears over f's blocks; returns the GGUF tensor names
-    now held packed (for the dequantizing reader to skip) and a count of packed tensors per
-    format name."""
+    """Replace lm's linears (and its embedding table) with PackedLinears (a PackedEmbedding) over
+    f's blocks; returns the GGUF tensor names now held packed (for the dequantizing reader to
+    skip) and a count of the packed tensors per the file's type name (Q5_0 among them: held as
+    Q8_0, account says so)."""
     taken: set[str] = set()
     formats: Counter = Counter()
+    c = lm.config
+    linears, splits = _LAYER_LINEARS, {}
+    if f.arch == "phi3":
+        linears = _PHI3_LINEARS
+        splits = {"qkv_proj": (c.q_size, c.kv_size, c.kv_size), "gate_up_proj": (c.intermediate_size,) * 2}
     for i, layer in enumerate(lm.layers):
-        for owner_name, module, parts in _LAYER_LINEARS:
+        for owner_name, module, parts in linears:
             owner = getattr(layer, owner_name)
             if owner_name == "mlp" and not isinstance(owner, MLP):
                 continue   # mixture-of-experts: dequantized (gpu/layers/moe.py)
             names = [f"blk.{i}.{p}.weight" for p in parts]
-            packed = _packed_linear(f, names, getattr(owner, module))
+            packed = _packed_linear(f, names, getattr(owner, module), splits.get(module))
             if packed is not None:
                 setattr(owner, module, packed)
                 taken.update(names)
-                formats.update(cpu_quant.FORMATS[fmt] for fmt in packed.formats)
+                formats.update(f.tensors[n].tensor_type.name for n in names)
     head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
     if lm.lm_head is not None and lm.tp.size == 1:
         packed = _packed_linear(f, [head], lm.lm_head)
         if packed is not None:
             lm.lm_head = packed
-            formats.update(cpu_quant.FORMATS[fmt] for fmt in packed.formats)
+            formats[f.tensors[head].tensor_type.name] += 1
             if head == "output.weight":
-                taken.add(head)   # the tied table (token_embd) is still read for the lookups
+                taken.add(head)   # a tied table is taken with the lookups' below
+    table = _packed_embedding(f, lm, lm.lm_head if head == "token_embd.weight" else None)
+    if table is not None:
+        lm.embed_tokens = table
+        if head != "token_embd.weight" or not isinstance(lm.lm_head, cpu_quant.PackedLinear):
+            formats[f.tensors["token_embd.weight"].tensor_type.name] += 1   # not counted with the head
+        taken.add("token_embd.weight")
     return frozenset(taken), formats
 
 
-def _packed_linear(f: GGUFFile, names: list[str], linear: torch.nn.Module) -> cpu_quant.PackedLinear | None:
-    k = cpu_quant.kernels()
-    if any(n not in f.tensors for n in names):
+def _packable(f: GGUFFile, name: str, in_features: int) -> bool:
+    """Whether tensor name is a 2-D [*, in_features] weight in a format the kernels take."""
+    k, t = cpu_quant.kernels(), f.tensors.get(name)
+    fmt = f.packed_type(name) if t is not None else None    # Q5_0 repacked as Q8_0 (gpu/formats/gguf.py REPACKED)
+    if fmt not in cpu_quant.FORMATS or len(t.shape) != 2 or int(t.shape[0]) != in_features:
+        return False
+    return int(t.shape[0]) % k.block(fmt)[0] == 0
+
+
+def _packed_linear(f: GGUFFile, names: list[str], linear: torch.nn.Module,
+                   split: tuple[int, ...] | None = None) -> cpu_quant.PackedLinear | None:
+    """A PackedLinear over the tensors names stacked in order; split: the rows of one tensor cut
+    into the merged linear's parts (Phi-3's attn_qkv, ffn_up), each a segment."""
+    if not all(_packable(f, n, linear.in_features) for n in names):
         return None
-    segments = []
-    for n in names:
-        t = f.tensors[n]
-        fmt = f.packed_type(n)    # Q5_0 repacked as Q8_0 (gpu/formats/gguf.py REPACKED)
-        elems, nbytes = k.block(fmt) if fmt in cpu_quant.FORMATS else (0, 0)
-        if not elems or len(t.shape) != 2 or int(t.shape[0]) != linear.in_features or t.shape[0] % elems:
-            return None
-        segments.append((fmt, None))
     segments = [f.packed(n) for n in names]
+    if split is not None:
+        (fmt, w), = segments
+        if sum(split) != w.shape[0]:
+            return None
+        segments = [(fmt, part) for part in w.split(list(split))]
     if sum(int(w.shape[0]) for _, w in segments) != linear.out_features:
         return None
     bias = None if linear.bias is None else torch.zeros(linear.out_features)
     return cpu_quant.PackedLinear(linear.in_features, segments, bias)
+
+
+def _packed_embedding(f: GGUFFile, lm: CausalLM, tied: cpu_quant.PackedLinear | None) -> cpu_quant.PackedEmbedding | None:
+    """token_embd kept in its blocks for the lookups, sharing the tied head's (tied: its
+    PackedLinear); None where it cannot be (another format, tensor parallelism, a table that
+    is not an nn.Embedding of the vocabulary)."""
+    D = lm.config.hidden_size
+    if lm.tp.size != 1 or not isinstance(lm.embed_tokens, torch.nn.Embedding) or not _packable(f, "token_embd.weight", D):
+        return None
+    if isinstance(tied, cpu_quant.PackedLinear) and len(tied.formats) == 1:
+        fmt, w = next(iter(tied._segments()))
+    else:
+        fmt, w = f.packed("token_embd.weight")
+    if w.shape[0] != lm.embed_tokens.num_embeddings:
+        return None
+    return cpu_quant.PackedEmbedding(fmt, w, D)
 
 
 def describe(formats: Counter) -> str:
@@ -156,7 +210,8 @@ def describe(formats: Counter) -> str:
     gemv = k.int16_gemv_max_m() if k is not None else 0
     if gemv:
         regs = (f"int16 dot products over blocks unpacked in registers up to {gemv} rows (Q8_0 "
-                f"{k.int16_gemv_max_m(8)}, K-quants {k.int16_gemv_max_m(12)}; activations rounded to int16 per "
+                f"{k.int16_gemv_max_m(8)}, K-quants {k.int16_gemv_max_m(12)}, Q2_K/Q3_K {k.int16_gemv_max_m(10)}; "
+                f"activations rounded to int16 per "
                 f"32-element block), otherwise " + (regs if fused > gemv else ""))
     large = k.large_m if k is not None else cpu_quant.LARGE_M
     return (f"GGUF weights kept packed ({kinds} tensors; activations, residual stream and KV cache float32), "

@@ -120,8 +120,11 @@ def test_prompt_ids_equal_transformers_bos_included(reference):
 
 def test_start_up_line_says_what_runs(gemma):
     startup = gemma.log.read_text(errors="replace")
-    assert "weights: GGUF weights kept packed (91 Q8_0, 27 Q4_K, 9 Q6_K tensors" in startup
+    # counted by the file's types; the tied embedding table looked up in the head's blocks
+    assert "weights: GGUF weights kept packed (81 Q5_0, 27 Q4_K, 10 Q8_0, 9 Q6_K tensors" in startup
     assert "81 Q5_0 repacked losslessly as Q8_0" in startup
+    assert "looked up from its Q8_0 blocks (the tied head's)" in startup
+    assert "at load" not in startup   # nothing dequantized to float32
     assert "chat template: the file has none; gemma3's known template" in startup
 
 

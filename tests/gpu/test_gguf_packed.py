@@ -28,7 +28,9 @@ Q = gguf.GGMLQuantizationType
 K = cpu_quant.kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="the CPU quant kernels are not built (no C compiler)")
 
-BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+BLOCK_BYTES = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+# where a K-quant block keeps its fp16 d (and dmin after it)
+SCALE_AT = {Q.Q2_K: 80, Q.Q3_K: 108, Q.Q4_K: 0, Q.Q5_K: 0, Q.Q6_K: 208}
 
 
 def _quantized(qtype, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -39,17 +41,16 @@ def _quantized(qtype, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, 
         packed = rng.integers(0, 256, (rows, cols // 256 * bb), dtype=np.uint8)
         blocks = packed.reshape(rows, -1, bb)
         scale = np.frombuffer(np.float16(0.003).tobytes(), np.uint8)
-        if qtype == Q.Q6_K:
-            blocks[..., 208:210] = scale
-        else:
-            blocks[..., 0:2] = scale
-            blocks[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+        at = SCALE_AT[qtype]
+        blocks[..., at:at + 2] = scale
+        if qtype not in (Q.Q3_K, Q.Q6_K):   # dmin
+            blocks[..., at + 2:at + 4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
     else:
         packed = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
     return packed, gguf.quants.dequantize(packed, qtype).reshape(rows, cols)
 
 
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
@@ -111,9 +112,13 @@ def test_default_keeps_gguf_packed(packed_smollm, smollm):
     assert "kept packed" in packed_smollm.weights and "Q4_1" in packed_smollm.weights
     assert isinstance(lm.layers[0].self_attn.qkv_proj, cpu_quant.PackedLinear)
     assert isinstance(lm.lm_head, cpu_quant.PackedLinear) and lm.lm_head.formats == (int(Q.Q8_0),)
+    # the tied table: the head's blocks, looked up row by row; no fp32 copy of it
+    assert isinstance(lm.embed_tokens, cpu_quant.PackedEmbedding) and lm.embed_tokens.packed is lm.lm_head.packed0
+    assert "at load" not in packed_smollm.weights, packed_smollm.weights
     packed_bytes = sum(m.packed_bytes for m in lm.modules() if isinstance(m, cpu_quant.PackedLinear))
     assert packed_bytes < 0.3 * 4 * 134.5e6   # ~92 MB against the fp32 model's 538
     assert not isinstance(smollm.model.lm_head, cpu_quant.PackedLinear)   # --dtype float32: dequantized
+    assert "GGUF: 210 Q4_1, 1 Q8_0 tensors dequantized to float32 at load" in smollm.weights, smollm.weights
 
 
 @pytest.mark.parametrize("int16", [0, 1], ids=["fp32-tiles", "int16-tiles"])
@@ -426,12 +431,13 @@ def _gemv_kernels(tmp_path) -> cpu_quant.QuantKernels:
 
 def _int16_gemv_bound(qtype, packed: np.ndarray, ref: np.ndarray, x: torch.Tensor) -> torch.Tensor:
     """[M, N] bound on the int16 GEMV tiles' error from quantizing x: as _int16_bound, with the
-    integer part of each weight w - min (Q4_1: its block's m; Q4_K/Q5_K: its sub-block's
+    integer part of each weight w - min (Q4_1, Q5_1: its block's m; Q4_K/Q5_K: its sub-block's
     -dmin mn, found by dequantizing the blocks with their quants zeroed; the others: w)."""
     n, cols = ref.shape
     w = ref.astype(np.float64)
-    if qtype == Q.Q4_1:
-        m = packed.reshape(n, cols // 32, 20)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        bb = 20 if qtype == Q.Q4_1 else 24
+        m = packed.reshape(n, cols // 32, bb)[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         w = w - np.repeat(m, 32, axis=1)
     elif qtype in (Q.Q4_K, Q.Q5_K):
         zeroed = packed.reshape(n, cols // 256, BLOCK_BYTES[qtype]).copy()
@@ -481,7 +487,7 @@ def test_int16_gemv_tiles_against_gguf_py(tmp_path, qtype):
         k.set_gemm(-1)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_int16_gemv_tiles_deterministic(tmp_path, qtype):
     """Each row of x is quantized alone and each output summed in one order: a row's outputs are
     the same bits whatever rows share its call (1 to 4), where it sits in the batch, which tile

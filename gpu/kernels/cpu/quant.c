@@ -29,7 +29,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml type ids */
 
 static inline float f16(const uint8_t *p) {
     uint16_t h;
@@ -55,10 +55,11 @@ static inline float f16(const uint8_t *p) {
 }
 
 /* (elements, bytes) of one block */
-static int block_elems(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K ? 256 : 32; }
+static int block_elems(int fmt) { return fmt >= Q2_K && fmt <= Q6_K ? 256 : 32; }
 static int block_bytes(int fmt) {
     switch (fmt) {
-    case Q4_0: return 18; case Q4_1: return 20; case Q8_0: return 34;
+    case Q4_0: return 18; case Q4_1: return 20; case Q5_1: return 24; case Q8_0: return 34;
+    case Q2_K: return 84; case Q3_K: return 110;
     case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
     default: return 0;
     }
@@ -76,6 +77,8 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) 
         mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
     }
 }
+
+#include "quant_lowbit.c"
 
 #if defined(__AVX512F__)
 /* 16 bytes -> 16 int32 lanes (zero- or sign-extended) */
@@ -167,7 +170,7 @@ static int dequant_row_simd(int fmt, const uint8_t *b, int64_t nb, float *out) {
 /* One row of K elements -> fp32, as gguf-py's dequantize_blocks computes them. */
 static void dequant_row(int fmt, const uint8_t *restrict b, int64_t K, float *restrict out) {
     const int64_t nb = K / block_elems(fmt);
-    if (dequant_row_simd(fmt, b, nb, out)) return;
+    if (dequant_row_simd(fmt, b, nb, out) || dequant_lowbit(fmt, b, nb, out)) return;
     switch (fmt) {
     case Q4_0:
         for (int64_t i = 0; i < nb; i++, b += 18, out += 32) {
@@ -564,6 +567,12 @@ int cpu_quant_set_fused(int max_m) {
 #ifndef I16V_MAX_M_KQ
 #define I16V_MAX_M_KQ 6
 #endif
+/* Q2_K/Q3_K (issue 55: their 16-element sub-blocks' scales folded per x-block, Q2_K's mins a second
+ * dot) against the buffered tiles, 2048 x 2048, one thread, best of 30: Q2_K 0.57/0.84 ms at 1 row,
+ * 0.76/0.94 at 2, 1.32/1.21 at 3; Q3_K 0.77/1.05, 0.85/1.15, 1.64/1.34 */
+#ifndef I16V_MAX_M_K23
+#define I16V_MAX_M_K23 2
+#endif
 #define IMR 2   /* rows of x a tile: 2 x NR accumulators + 2 weight vectors + scales of the 16 ymm */
 
 static inline float hmax8(__m256 v) {
@@ -641,6 +650,8 @@ static inline __attribute__((always_inline)) void i16tile(const int fmt, const u
                 if (fmt == Q8_0) {
                     w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
                     w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+                } else if (fmt == Q5_1) {
+                    q5_1_codes(blk, &w0, &w1);
                 } else {
                     const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_1 ? 4 : 2)));
                     w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
@@ -652,13 +663,13 @@ static inline __attribute__((always_inline)) void i16tile(const int fmt, const u
                 }
                 /* d (and Q4_1's m) converted together: one load, one vcvtph2ps */
                 uint32_t dm = 0;
-                memcpy(&dm, blk, fmt == Q4_1 ? 4 : 2);
+                memcpy(&dm, blk, fmt == Q4_1 || fmt == Q5_1 ? 4 : 2);
                 const __m128 dmv = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
                 const float d = _mm_cvtss_f32(dmv);
                 for (int i = 0; i < mr; i++)
                     acc[i][j] = _mm256_fmadd_ps(i16v_dot(w0, w1, xr + i * K + 32 * b),
                                                 _mm256_set1_ps(d * dx[i * nb + b]), acc[i][j]);
-                if (fmt == Q4_1) {   /* m sx_b, a scalar sum per output */
+                if (fmt == Q4_1 || fmt == Q5_1) {   /* m sx_b, a scalar sum per output */
                     const float m = _mm_cvtss_f32(_mm_movehdup_ps(dmv));
                     for (int i = 0; i < mr; i++) accm[i][j] = __builtin_fmaf(m, sx[i * nb + b], accm[i][j]);
                 }
@@ -670,6 +681,33 @@ static inline __attribute__((always_inline)) void i16tile(const int fmt, const u
             const int64_t b0 = 8 * sb;
             for (int j = 0; j < nr; j++) {
                 const uint8_t *blk = w[j] + sb * bb;
+                if (fmt == Q2_K) {   /* (d sc) q - (dmin mn): the mins' dot over x's integers too */
+                    const __m256 dv = _mm256_set1_ps(f16(blk + 80)), mv = _mm256_set1_ps(f16(blk + 82));
+                    for (int t = 0; t < 8; t++) {
+                        __m256i w0, w1, m0, m1;
+                        q2_k_piece(blk, t, &w0, &w1, &m0, &m1);
+                        for (int i = 0; i < mr; i++) {
+                            const int16_t *xb = xr + i * K + 32 * (b0 + t);
+                            const __m256 dxv = _mm256_set1_ps(dx[i * nb + b0 + t]);
+                            acc[i][j] = _mm256_fmadd_ps(i16v_dot(w0, w1, xb), _mm256_mul_ps(dv, dxv), acc[i][j]);
+                            acc[i][j] = _mm256_fnmadd_ps(i16v_dot(m0, m1, xb), _mm256_mul_ps(mv, dxv), acc[i][j]);
+                        }
+                    }
+                    continue;
+                }
+                if (fmt == Q3_K) {   /* d ((sc - 32) q): the scale folded into the integers, as Q6_K's */
+                    const __m256 dv = _mm256_set1_ps(f16(blk + 108));
+                    int8_t sc[16];
+                    scales_q3k(blk + 96, sc);
+                    for (int t = 0; t < 8; t++) {
+                        __m256i w0, w1;
+                        q3_k_piece(blk, sc, t, &w0, &w1);
+                        for (int i = 0; i < mr; i++)
+                            acc[i][j] = _mm256_fmadd_ps(i16v_dot(w0, w1, xr + i * K + 32 * (b0 + t)),
+                                                        _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * nb + b0 + t])), acc[i][j]);
+                    }
+                    continue;
+                }
                 if (fmt == Q6_K) {
                     const uint8_t *ql = blk, *qh = blk + 128;
                     const int8_t *sc = (const int8_t *)(blk + 192);
@@ -753,7 +791,10 @@ static void i16tile_any(int fmt, const uint8_t *const *w, const gxq *xq, int64_t
     switch (fmt) {
     case Q4_0: I16T_FMT(Q4_0); break;
     case Q4_1: I16T_FMT(Q4_1); break;
+    case Q5_1: I16T_FMT(Q5_1); break;
     case Q8_0: I16T_FMT(Q8_0); break;
+    case Q2_K: I16T_FMT(Q2_K); break;
+    case Q3_K: I16T_FMT(Q3_K); break;
     case Q4_K: I16T_FMT(Q4_K); break;
     case Q5_K: I16T_FMT(Q5_K); break;
     case Q6_K: I16T_FMT(Q6_K); break;
@@ -764,6 +805,7 @@ static void i16tile_any(int fmt, const uint8_t *const *w, const gxq *xq, int64_t
 #define I16V_MAX_M_DEFAULT 0
 #define I16V_MAX_M_Q8_0 0
 #define I16V_MAX_M_KQ 0
+#define I16V_MAX_M_K23 0
 #define IMR 1
 static void i16v_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *q, float *dx, float *sx) {
     (void)x; (void)ldx; (void)M; (void)K; (void)q; (void)dx; (void)sx;
@@ -798,6 +840,7 @@ static inline int64_t i16v_max(int fmt) {
     }
     if (!I16V || !i16v_env) return 0;
     if (i16v_max_m >= 0) return i16v_max_m;
+    if (fmt == Q2_K || fmt == Q3_K) return I16V_MAX_M_K23;
     return fmt == Q8_0 ? I16V_MAX_M_Q8_0 : block_elems(fmt) == 256 ? I16V_MAX_M_KQ : I16V_MAX_M_DEFAULT;
 }
 static inline int use_i16v(int fmt, int64_t M) { return M <= i16v_max(fmt); }
