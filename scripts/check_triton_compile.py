@@ -73,6 +73,7 @@ KERNELS = [
     ("sample / apply_penalties", "gpu.kernels.triton.sampling", "tests/kernels/test_sampling.py", 1),
     ("mxfp4_moe", "gpu.kernels.triton.mxfp4_moe", "tests/kernels/test_mxfp4_moe.py", 1),
     ("moe_gemm (bf16 experts)", "gpu.kernels.triton.moe_gemm", "tests/kernels/test_moe_gemm.py", 1),
+    ("mla_decode (DeepSeek-V3 latent cache)", "gpu.kernels.triton.mla_decode", "tests/kernels/test_mla_decode.py", 1),
     ("lora shrink/expand", "gpu.kernels.triton.lora", "tests/kernels/test_lora_kernels.py", 1),
     ("encoder attention (non-causal)", "gpu.kernels.triton.paged_attention", "tests/kernels/test_varlen_attention.py", 1),
     ("vision tower attention", None, None, 1),
