@@ -145,6 +145,19 @@ def padded_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> t
     return out[expert, slot]
 
 
+def run_dense_experts(ex, rows: torch.Tensor, offs: torch.Tensor, by_expert: torch.Tensor, activation) -> torch.Tensor:
+    """Expert-sorted rows [N, D] through their experts' gate_up, bias, activation, down and bias
+    with grouped_mm (Experts and PackedExperts' run_rows: the weights in the model dtype)."""
+    gate_up, down = ex.dense_weights()
+    h = grouped_mm(rows, gate_up, offs)                                          # [N, 2I]
+    if ex.gate_up_proj_bias is not None:
+        h = h + ex.gate_up_proj_bias.index_select(0, by_expert)
+    y = grouped_mm(activation(h), down, offs)                                    # [N, D]
+    if ex.down_proj_bias is not None:
+        y = y + ex.down_proj_bias.index_select(0, by_expert)
+    return y
+
+
 def expert_columns(config: ModelConfig, tp: TP, packed: bool) -> tuple[int, int, int]:
     """This rank's [start, stop) of each expert's intermediate columns, and the width it holds:
     ceil(I / size), rounded up to a multiple of 32 for MXFP4; columns past stop are zero padding
@@ -211,17 +224,11 @@ class MoE(nn.Module):
         if ex.use_kernel:
             out = self._fused_forward(x, weights, order, offs)
         else:
-            gate_up, down = ex.dense_weights()
             rows = x.index_select(0, order // self.top_k)                      # [N, D]
             row_weight = weights.flatten().index_select(0, order).unsqueeze(1)  # [N, 1]
             if self.spec.weight_on_input:
                 rows = rows * row_weight.to(rows.dtype)
-            h = grouped_mm(rows, gate_up, offs)                                # [N, 2I]
-            if ex.gate_up_proj_bias is not None:
-                h = h + ex.gate_up_proj_bias.index_select(0, by_expert)
-            y = grouped_mm(self.activation(h), down, offs)                     # [N, D]
-            if ex.down_proj_bias is not None:
-                y = y + ex.down_proj_bias.index_select(0, by_expert)
+            y = ex.run_rows(rows, offs, by_expert, self.activation)            # [N, D]
             if not self.spec.weight_on_input:
                 y = y * row_weight.to(y.dtype)
             out = torch.empty_like(y).index_copy_(0, order, y)                 # back to (token, slot)
@@ -270,6 +277,8 @@ class Experts(nn.Module):
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj, self.down_proj
 
+    run_rows = run_dense_experts
+
     def grouped(self, proj: int, a: torch.Tensor, offs: torch.Tensor, **epilogue) -> torch.Tensor:
         """gate_up (proj 0) or down (1) of the routed rows through the fused kernel, with its bias."""
         from gpu.kernels.triton.moe_gemm import moe_gemm
@@ -304,6 +313,8 @@ class PackedExperts(nn.Module):
         self.down_proj_scales = frozen(torch.empty(E, D, I // 32, **u8))           # [E, D, I/32]
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I, dtype=dtype, device=device))
         self.down_proj_bias = nn.Parameter(torch.empty(E, D, dtype=dtype, device=device))
+
+    run_rows = run_dense_experts    # without the kernel: dequantised on every call
 
     def grouped(self, proj: int, a: torch.Tensor, offs: torch.Tensor, **epilogue) -> torch.Tensor:
         """gate_up (proj 0) or down (1) of the routed rows, decoded inside the kernel."""
