@@ -16,15 +16,20 @@ _BLOCK = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
-def _write_qwen3moe(hf, path, qtype=Q.Q8_0, experts=None):
-    """hf as convert_hf_to_gguf.py writes a Qwen3MoeForCausalLM (no q/k permutation for qwen3);
+def _write_qwen3moe(hf, path, qtype=Q.Q8_0, experts=None, arch="qwen3moe"):
+    """hf as convert_hf_to_gguf.py writes a Qwen3MoeForCausalLM (no q/k permutation for qwen3),
+    or with arch "qwen2moe" a Qwen2MoeForCausalLM (its shared expert and gate: ffn_*_shexp);
     experts: {GGUF tensor kind: (qtype, packed uint8 [E, rows, row_bytes])} written in place of
     hf's (gguf-py cannot quantize K-quants)."""
     c = hf.config
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w = gguf.GGUFWriter(str(path), arch)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_name("tiny-qwen3moe")
     w.add_vocab_size(c.vocab_size)
     w.add_context_length(c.max_position_embeddings)
@@ -154,3 +159,32 @@ def test_k_quant_experts_stay_packed_and_match_their_dequantized_model(tmp_path)
         K.set_int16_gemv(-1)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_qwen2moe_shared_expert_and_experts_stay_packed(tmp_path):
+    """A qwen2moe GGUF (q/k/v biases, a gated shared expert), Q8_0: the experts and the shared
+    expert's linears kept packed, the logits equal to the file dequantized to fp32's."""
+    from gpu.kernels.cpu import quant as cpu_quant
+    from gpu.quantization.gguf_experts import GGUFExperts
+
+    K = cpu_quant.kernels()
+    if K is None:
+        pytest.skip("the CPU quant kernels are not built")
+    hf = make_moe_model("qwen2_moe", num_hidden_layers=2, decoder_sparse_step=1, shared_expert_intermediate_size=64)
+    path = tmp_path / "tiny-qwen2moe.Q8_0.gguf"
+    _write_qwen3moe(hf, path, arch="qwen2moe")
+    packed = load_model(path, progress=False)
+    plain = load_model(path, quantization="none", dtype="float32", progress=False)
+    for layer in packed.model.layers:
+        assert isinstance(layer.mlp.experts, GGUFExperts)
+        assert isinstance(layer.mlp.shared_expert.gate_up_proj, cpu_quant.PackedLinear)
+        assert isinstance(layer.mlp.shared_expert.down_proj, cpu_quant.PackedLinear)
+    assert "the experts of 2 of 2 mixture layers kept packed" in packed.weights
+    K.set_int16(0)
+    K.set_int16_gemv(0)
+    try:
+        got, want = our_logits(packed.model, IDS), our_logits(plain.model, IDS)
+    finally:
+        K.set_int16(-1)
+        K.set_int16_gemv(-1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
