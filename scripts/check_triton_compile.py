@@ -77,6 +77,7 @@ KERNELS = [
     ("fp8_gemm (FP8 block-scaled weights)", "gpu.kernels.triton.fp8_gemm", "tests/kernels/test_quant_gemm.py", 1),
     ("int8_gemm (INT8 W8A8)", "gpu.kernels.triton.int8_gemm", "tests/kernels/test_quant_gemm.py", 1),
     ("fp8 KV cache (write_kv, prepare_qkv, paged_attention over e4m3)", "gpu.kernels.triton.fp8_kv", "tests/kernels/test_kv_fp8.py", 1),
+    ("mla_decode (DeepSeek-V3 latent cache)", "gpu.kernels.triton.mla_decode", "tests/kernels/test_mla_decode.py", 1),
     ("lora shrink/expand", "gpu.kernels.triton.lora", "tests/kernels/test_lora_kernels.py", 1),
     ("encoder attention (non-causal)", "gpu.kernels.triton.paged_attention", "tests/kernels/test_varlen_attention.py", 1),
     ("gated delta rule chunked / step, causal conv1d step (Qwen3-Next, Qwen3.5)",
@@ -476,7 +477,7 @@ def _variant_cases():
     """Yield (label, module, kernel_names, [launch per step size]) at Qwen3-0.6B's shapes."""
     import torch
 
-    from gpu.kernels.triton import activation, kv_cache, paged_attention, qkv_prep, rmsnorm, rope, sampling
+    from gpu.kernels.triton import activation, kv_cache, mla_decode, paged_attention, qkv_prep, rmsnorm, rope, sampling
 
     _, hq, hkv, dh, hidden, inter, vocab = MODELS[1]
     dtype, dev = torch.bfloat16, "cpu"
@@ -494,6 +495,15 @@ def _variant_cases():
            [lambda b=b: attention(b, 1, 3 + b % 5) for b in VARIANT_SIZES])
     yield ("paged_attention prefill/mixed (B, q_len)", paged_attention, names,
            [lambda b=b: attention(1 + b % 7, 2 + b, 3 + (2 + b) // PAGE) for b in VARIANT_SIZES])
+
+    def latent(B, blocks):
+        _, _, meta, _ = _staged(_chunks(B, 1, blocks, ctx=40))
+        cache = torch.zeros(B * meta.block_tables.shape[1], PAGE, 1, 576, dtype=dtype, device=dev)
+        mla_decode.mla_decode(torch.zeros(B, 16, 576, dtype=dtype), cache, meta.block_tables, meta.seq_lens,
+                              0.1, 512)
+
+    yield ("mla_decode (B, block-table width; DeepSeek-V3 at TP 8)", mla_decode, ["_mla_decode_kernel"],
+           [lambda b=b: latent(b, 3 + b % 5) for b in VARIANT_SIZES])
 
     def roped(B):
         _, positions, _, _ = _staged(_chunks(B, 1 + B % 3, 4))

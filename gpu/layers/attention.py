@@ -70,6 +70,7 @@ class KVCache:
         self.k = [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes]
         self.v = ([k[..., :latent] for k in self.k] if latent else
                   [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes])
+        self.latent = latent
         self.num_blocks = num_blocks
         self.num_sliding_blocks = num_sliding_blocks
         # an e4m3 cache's per-layer scales (the checkpoint's k_scale / v_scale, else 1.0):
@@ -339,6 +340,24 @@ class TorchPagedAttention:
         return self._prefill(q, k, v, out, sinks, window, flat_k, flat_v, softcap,
                                  (self.cache.k_scale[layer], self.cache.v_scale[layer]))
 
+    def decode_layout(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+        """The prepared step's rows that attend as decodes (short chunks' rows included):
+        (their query rows, None when they are every row in order; their block tables [B, nblk]
+        int64; the keys each sees [B] int64), or None when there are none."""
+        if not self._num_decode:
+            return None
+        return self._decode_rows, self._decode_blocks.view(self._num_decode, -1), self._decode_lens
+
+    def attend_prefills(self, layer: int, q, k, v, out) -> torch.Tensor:
+        """out with the prepared step's prefill rows, their k/v written already (MLA on CUDA:
+        gpu/layers/attention.py TritonPagedAttention sends its prefills here)."""
+        if not self._prefill_rows:
+            return out
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        flat_k = kc.view(-1, kc.shape[2], kc.shape[3])
+        flat_v = vc.view(-1, vc.shape[2], vc.shape[3])
+        return self._prefill(q, k, v, out, None, None, flat_k, flat_v)
+
     def _kernel_decode(self, layer: int, q, k, v, out, sinks, window) -> bool:
         """The decode rows through the C kernel (which also writes their k/v when no prefill
         shares the step); False when it declines, having written nothing the torch path
@@ -447,10 +466,15 @@ class TritonPagedAttention:
         self.meta: AttentionMetadata | None = None
         self.fused_qkv = cache.k[0].is_cuda if cache.k else False
         self._sliding: AttentionMetadata | None = None
+        # MLA's latent cache: decode rows through gpu/kernels/triton/mla_decode.py, prefill
+        # rows through this torch path (SDPA over the latent, as on the CPU)
+        self._latent_torch = TorchPagedAttention(cache, scale, cpu_kernels=False) if cache.latent else None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         self._sliding = None
+        if self._latent_torch is not None and meta.max_seqlen_q > 1:
+            self._latent_torch.prepare(meta)
 
     def _layer_meta(self, layer: int, *, writing: bool = False) -> AttentionMetadata:
         """The step's metadata, or for a sliding layer its view through the sliding map."""
@@ -475,10 +499,37 @@ class TritonPagedAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 sinks: torch.Tensor | None = None, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
+        if self.cache.latent:
+            return self._latent_forward(layer, q, k, v)
         self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer],
                        self._layer_meta(layer, writing=True).slot_mapping,
                        self.cache.k_scale[layer], self.cache.v_scale[layer])
         return self.attend(layer, q, sinks=sinks, window=window, softcap=softcap)
+
+    def _latent_forward(self, layer: int, q, k, v) -> torch.Tensor:
+        """MLA (gpu/layers/mla.py): q [T, H, R + P] absorbed, k [T, 1, R + P] the new latent
+        rows, v their first R columns -> [T, H, R]. A decode step is one kernel over device
+        metadata alone (CUDA-graph safe); a mixed step's decode rows go through the kernel
+        and its prefills through SDPA over the latent."""
+        from gpu.kernels.triton.mla_decode import mla_decode
+        kc, m, r = self.cache.k[layer], self.meta, self.cache.latent
+        self._write_kv(k, k, kc, kc, m.slot_mapping)     # V is a view of K's first R columns
+        if m.max_seqlen_q <= 1:
+            return mla_decode(q, kc, m.block_tables, m.seq_lens, self.scale, r, num_kv_splits=m.num_kv_splits)
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("MLA: a step with prefill rows runs eagerly (its layout is built on the host)")
+        t = self._latent_torch
+        out = q.new_empty(*q.shape[:-1], r)
+        layout = t.decode_layout()
+        if layout is not None:
+            rows, table, lens = layout
+            qd = q if rows is None else q.index_select(0, rows)
+            od = mla_decode(qd.contiguous(), kc, table.to(torch.int32), lens.to(torch.int32), self.scale, r)
+            if rows is None:
+                out = od
+            else:
+                out.index_copy_(0, rows, od)
+        return t.attend_prefills(layer, q, k, v, out)
 
     def attend(self, layer: int, q: torch.Tensor, *, sinks: torch.Tensor | None = None,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:

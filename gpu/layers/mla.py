@@ -12,9 +12,14 @@ gpu/layers/attention.py KVCache(latent=r)); the output [T, H, r] is then multipl
 Bytes a token and layer: (r + d_r) x 2 in bf16, 1,152 for V3, against 81,920 for K/V per head
 (128 heads x (192 + 128) x 2; docs/kernels.md).
 
-This path attends over the latent for prefill and decode alike (one backend call a layer); a
-long prefill would do fewer FLOPs with K/V expanded per head (d_n + d_r = 192 wide, not 576):
-that split is for the CUDA kernels, not written yet.
+This path attends over the latent for prefill and decode alike (one backend call a layer). On
+CUDA the backend (gpu/layers/attention.py TritonPagedAttention) sends decode rows through
+gpu/kernels/triton/mla_decode.py and prefill rows through SDPA over the latent; a long prefill
+would do fewer FLOPs with K/V expanded per head (d_n + d_r = 192 wide, not 576): not written yet.
+
+Tensor parallelism splits the heads (q_b_proj or q_proj and kv_b_proj by rows, o_proj by
+columns, then the decoder layer's all-reduce); q_a_proj, kv_a_proj_with_mqa, their norms and
+so the latent cache are replicated on every rank, as vLLM does.
 
 The softmax scale is (d_n + d_r)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 where the
 config has it (transformers' yarn_apply_mscale); the query is pre-scaled so that the backend's
@@ -42,6 +47,20 @@ def softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
+def latent_shard(c: ModelConfig, tp: TP, leaf: str, kind: str) -> tuple[int, int, int, int] | str | None:
+    """gpu/models/causal_lm.py shard_spec for an attention weight: the per-head up-projections
+    by rows, o_proj by columns (its bias added once, by rank 0), the rest replicated."""
+    h0, h1 = tp.split(c.num_attention_heads, "num_attention_heads")
+    per = {"q_proj": c.qk_nope_head_dim + c.head_dim, "q_b_proj": c.qk_nope_head_dim + c.head_dim,
+           "kv_b_proj": c.qk_nope_head_dim + c.v_head_dim}.get(leaf)
+    if per:
+        return 0, h0 * per, h1 * per, c.num_attention_heads * per
+    if leaf == "o_proj":
+        v = c.v_head_dim
+        return "once" if kind == "bias" else (1, h0 * v, h1 * v, c.num_attention_heads * v)
+    return None
+
+
 class LatentAttention(nn.Module):
     """Parameters named as DeepSeek's checkpoints name them (q_a_proj, q_a_layernorm, q_b_proj
     or q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
@@ -51,16 +70,13 @@ class LatentAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype, device, tp: TP = SINGLE):
         super().__init__()
         c = config
-        if torch.device(device).type == "cuda":   # the Triton paged kernels take Dk == Dv
-            raise ValueError("multi-head latent attention (DeepSeek-V3) runs on the CPU only so far: "
-                             "no CUDA kernel over the latent cache yet")
-        if tp.size > 1:
-            raise ValueError("multi-head latent attention (DeepSeek-V3) with --tensor-parallel-size > 1 "
-                             "is not supported yet")
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = c.num_attention_heads, 1      # the cache holds one latent
+        # tensor-parallel: this rank's heads (q_b_proj and kv_b_proj by rows, o_proj by columns);
+        # the latent's down-projection and the cache are replicated, as vLLM does
+        h0, h1 = tp.split(c.num_attention_heads, "num_attention_heads")
+        self.num_heads, self.num_kv_heads = h1 - h0, 1      # the cache holds one latent
         self.head_dim = c.kv_cache_head_dim
-        H, D, r = c.num_attention_heads, c.hidden_size, c.kv_lora_rank
+        H, D, r = self.num_heads, c.hidden_size, c.kv_lora_rank
         self.nope, self.rope, self.v_dim, self.rank = c.qk_nope_head_dim, c.head_dim, c.v_head_dim, r
         kw = dict(dtype=dtype, device=device)
         q_out = H * (self.nope + self.rope)

@@ -22,11 +22,13 @@ that store each expert apart (Qwen3-MoE, Mixtral, DeepSeek-V3) or gate and up as
 ffn_*_exps) are stacked and interleaved while loading (gpu/loader/experts.py), so one layout,
 one tensor-parallel cut and one kernel serve every family.
 
-Packed experts (PackedExperts: MXFP4 blocks and scales as the checkpoint stores them, about a
-quarter of bf16's bytes) run through gpu/kernels/triton/mxfp4_moe.py, which decodes the weights
-inside the grouped GEMM and fuses the gather, the bias, the clamped SwiGLU, the router weight
-and the scatter back to (token, slot) order. Without the kernel (CPU), they are dequantised
-on every call and run as above: a fallback for tests and tools, not for serving.
+On CUDA the experts run through a fused Triton grouped GEMM instead (`_fused_forward`, two
+launches): gpu/kernels/triton/moe_gemm.py for experts in the model dtype, mxfp4_moe.py for
+packed ones; both fuse the gather, the bias, the (clamped) SwiGLU, the router weight and the
+scatter back to (token, slot) order (their shared epilogue: moe_common.py). Packed experts
+(PackedExperts: MXFP4 blocks and scales as the checkpoint stores them, about a quarter of
+bf16's bytes) are decoded inside the kernel; without it (CPU), they are dequantised on every
+call and run as above: a fallback for tests and tools, not for serving.
 
 Tensor parallelism (gpu/parallel.py) is tensor-parallel experts, as vLLM's default for
 gpt-oss: every rank holds every expert, but only its slice of each expert's intermediate
@@ -102,7 +104,8 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """Rows a[offs[e-1]:offs[e]] times w[e]^T for every expert e: a [N, in] sorted by expert,
     w [E, out, in], offs [E] int32 cumulative row counts -> [N, out].
 
-    On CUDA in bf16, torch's grouped GEMM: one kernel for every segment, no host sync.
+    On CUDA in bf16, torch's grouped GEMM: one kernel for every segment, no host sync (the MoE
+    layer runs gpu/kernels/triton/moe_gemm.py there instead, unless Experts.use_kernel is off).
     Elsewhere the segment lengths are read on the host: when padding every segment to the
     longest at most doubles the rows (many tokens, balanced routing), one padded batched
     matmul; else (decode: a few experts hit) one matmul per non-empty segment, which reads
@@ -140,6 +143,19 @@ def padded_grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> t
     padded[expert, slot] = a
     out = torch.bmm(padded, w.transpose(1, 2))                                      # [E, longest, out]
     return out[expert, slot]
+
+
+def run_dense_experts(ex, rows: torch.Tensor, offs: torch.Tensor, by_expert: torch.Tensor, activation) -> torch.Tensor:
+    """Expert-sorted rows [N, D] through their experts' gate_up, bias, activation, down and bias
+    with grouped_mm (Experts and PackedExperts' run_rows: the weights in the model dtype)."""
+    gate_up, down = ex.dense_weights()
+    h = grouped_mm(rows, gate_up, offs)                                          # [N, 2I]
+    if ex.gate_up_proj_bias is not None:
+        h = h + ex.gate_up_proj_bias.index_select(0, by_expert)
+    y = grouped_mm(activation(h), down, offs)                                    # [N, D]
+    if ex.down_proj_bias is not None:
+        y = y + ex.down_proj_bias.index_select(0, by_expert)
+    return y
 
 
 def expert_columns(config: ModelConfig, tp: TP, packed: bool) -> tuple[int, int, int]:
@@ -205,20 +221,14 @@ class MoE(nn.Module):
         offs = torch.searchsorted(by_expert, torch.arange(1, self.experts.num_experts + 1, device=x.device),
                                   out_int32=True)                              # [E] segment ends
         ex = self.experts
-        if isinstance(ex, PackedExperts) and ex.use_kernel:
-            out = self._packed_forward(x, weights, order, offs)
+        if ex.use_kernel:
+            out = self._fused_forward(x, weights, order, offs)
         else:
-            gate_up, down = ex.dense_weights()
             rows = x.index_select(0, order // self.top_k)                      # [N, D]
             row_weight = weights.flatten().index_select(0, order).unsqueeze(1)  # [N, 1]
             if self.spec.weight_on_input:
                 rows = rows * row_weight.to(rows.dtype)
-            h = grouped_mm(rows, gate_up, offs)                                # [N, 2I]
-            if ex.gate_up_proj_bias is not None:
-                h = h + ex.gate_up_proj_bias.index_select(0, by_expert)
-            y = grouped_mm(self.activation(h), down, offs)                     # [N, D]
-            if ex.down_proj_bias is not None:
-                y = y + ex.down_proj_bias.index_select(0, by_expert)
+            y = ex.run_rows(rows, offs, by_expert, self.activation)            # [N, D]
             if not self.spec.weight_on_input:
                 y = y * row_weight.to(y.dtype)
             out = torch.empty_like(y).index_copy_(0, order, y)                 # back to (token, slot)
@@ -230,26 +240,34 @@ class MoE(nn.Module):
             out = out + shared
         return out
 
-    def _packed_forward(self, x, weights, order, offs) -> torch.Tensor:
-        """Two kernel launches: gather + gate/up + bias + SwiGLU, then down + bias + router
-        weight + scatter back to (token, slot) order; the k slots are summed here."""
-        from gpu.kernels.triton.mxfp4_moe import mxfp4_moe_matmul
-
+    def _fused_forward(self, x, weights, order, offs) -> torch.Tensor:
+        """Two launches of the experts' fused grouped GEMM (gpu/kernels/triton/moe_gemm.py, or
+        mxfp4_moe.py for packed experts): gather + gate/up + bias + SwiGLU, then down + bias +
+        router weight + scatter back to (token, slot) order; the k slots are summed here.
+        Llama 4's weight scales the gathered input rows instead."""
         T, D = x.shape
-        ex = self.experts
-        scaled = ex.dot_scaled and x.dtype == torch.bfloat16
-        h = mxfp4_moe_matmul(x, ex.gate_up_proj_blocks, ex.gate_up_proj_scales, offs, bias=ex.gate_up_proj_bias,
-                             a_rows=order // self.top_k, swiglu=(self.alpha, self.limit), dot_scaled=scaled)  # [N, I]
-        y = mxfp4_moe_matmul(h, ex.down_proj_blocks, ex.down_proj_scales, offs, bias=ex.down_proj_bias,
-                             row_scale=weights.flatten().index_select(0, order), out_rows=order,
-                             dot_scaled=scaled)                                                      # [N, D]
-        return y.view(T, self.top_k, D).sum(1)                                  # [T, D]
+        k, ex = self.top_k, self.experts
+        act = True if self.spec.activation == "swiglu" else (self.alpha, self.limit)
+        row_weight = weights.flatten().index_select(0, order)                  # [N] fp32
+        if self.spec.weight_on_input:
+            rows = x.index_select(0, order // k) * row_weight.unsqueeze(1).to(x.dtype)
+            h = ex.grouped(0, rows, offs, swiglu=act)                           # [N, I]
+            y = ex.grouped(1, h, offs, out_rows=order)                          # [N, D]
+        else:
+            h = ex.grouped(0, x, offs, a_rows=order // k, swiglu=act)
+            y = ex.grouped(1, h, offs, row_scale=row_weight, out_rows=order)
+        return y.view(T, k, D).sum(1)                                           # [T, D]
 
 
 class Experts(nn.Module):
+    """The experts in the model dtype. use_kernel: run gpu/kernels/triton/moe_gemm.py's fused
+    grouped GEMM (default on CUDA; tests set it on CPU, under the Triton interpreter); else
+    grouped_mm above."""
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype, device, bias: bool = True):
         super().__init__()
         self.num_experts = num_experts
+        self.use_kernel = torch.device(device).type == "cuda"
         kw = dict(dtype=dtype, device=device)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **kw))  # [E, 2I, D]
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))         # [E, D, I]
@@ -258,6 +276,14 @@ class Experts(nn.Module):
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj, self.down_proj
+
+    run_rows = run_dense_experts
+
+    def grouped(self, proj: int, a: torch.Tensor, offs: torch.Tensor, **epilogue) -> torch.Tensor:
+        """gate_up (proj 0) or down (1) of the routed rows through the fused kernel, with its bias."""
+        from gpu.kernels.triton.moe_gemm import moe_gemm
+        w, b = (self.gate_up_proj, self.gate_up_proj_bias) if proj == 0 else (self.down_proj, self.down_proj_bias)
+        return moe_gemm(a, w, offs, bias=b, **epilogue)
 
 
 class PackedExperts(nn.Module):
@@ -287,6 +313,16 @@ class PackedExperts(nn.Module):
         self.down_proj_scales = frozen(torch.empty(E, D, I // 32, **u8))           # [E, D, I/32]
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I, dtype=dtype, device=device))
         self.down_proj_bias = nn.Parameter(torch.empty(E, D, dtype=dtype, device=device))
+
+    run_rows = run_dense_experts    # without the kernel: dequantised on every call
+
+    def grouped(self, proj: int, a: torch.Tensor, offs: torch.Tensor, **epilogue) -> torch.Tensor:
+        """gate_up (proj 0) or down (1) of the routed rows, decoded inside the kernel."""
+        from gpu.kernels.triton.mxfp4_moe import mxfp4_moe_matmul
+        name = "gate_up_proj" if proj == 0 else "down_proj"
+        blocks, scales, bias = (getattr(self, f"{name}_{part}") for part in ("blocks", "scales", "bias"))
+        return mxfp4_moe_matmul(a, blocks, scales, offs, bias=bias, dot_scaled=self.dot_scaled and a.dtype == torch.bfloat16,
+                                **epilogue)
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (mxfp4.dequantize_packed(self.gate_up_proj_blocks, self.gate_up_proj_scales, self.dtype),

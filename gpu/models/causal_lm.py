@@ -35,7 +35,7 @@ from torch import nn
 
 from gpu.quantization import mxfp4
 from gpu.config.model import ModelConfig
-from gpu.layers.mla import LatentAttention
+from gpu.layers.mla import LatentAttention, latent_shard
 from gpu.layers.moe import MoE, expert_columns
 from gpu.loader.experts import our_name, stack_experts
 from gpu.layers.ops import (GATED_ACTIVATIONS, apply_rope, build_rope_cache, fused_add_rms_norm, mrope_columns,
@@ -481,6 +481,8 @@ class CausalLM(nn.Module):
         leaf = module.rsplit(".", 1)[-1]
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return 0, self.vocab_start, self.vocab_start + self.vocab_real, c.vocab_size
+        if c.kv_lora_rank and ".self_attn." in name + ".":
+            return latent_shard(c, tp, leaf, kind)
         Dh, (q0, q1), (k0, k1) = c.head_dim, q_heads(c, tp), kv_heads(c, tp)
         if leaf == "q_proj":
             return 0, q0 * Dh, q1 * Dh, c.q_size

@@ -68,7 +68,7 @@ class Model(CausalLM):
         perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])   # pairs -> halves
         for name, t in named_tensors:
             if name.endswith(("q_b_proj.weight", "self_attn.q_proj.weight")):
-                H = c.num_attention_heads
+                H = t.shape[0] // (c.qk_nope_head_dim + d)     # this rank's heads where it arrived cut
                 t = t.view(H, c.qk_nope_head_dim + d, -1)
                 t = torch.cat([t[:, :c.qk_nope_head_dim], t[:, c.qk_nope_head_dim:][:, perm]], dim=1).reshape(
                     H * (c.qk_nope_head_dim + d), -1)

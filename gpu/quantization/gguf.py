@@ -2,10 +2,11 @@
 the loader's `--quantization gguf` (the default for GGUF files on a CPU). Each dense linear
 whose source tensors are all in a format gpu/kernels/cpu/quant.c takes (Q4_0, Q4_1, Q5_1, Q8_0,
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; Q5_0 repacked losslessly as Q8_0) becomes a PackedLinear (Phi-3's
-fused attn_qkv and ffn_up: their rows split into the merged linear's segments); anything else
-(F32/F16 tensors, other formats, expert layers) is dequantized and loaded as before. The
-embedding table stays in its blocks too (PackedEmbedding: rows dequantized as they are looked
-up), sharing them with a tied LM head.
+fused attn_qkv and ffn_up: their rows split into the merged linear's segments), and so do a
+mixture's experts (gpu/quantization/gguf_experts.py: one PackedLinear an expert and projection,
+run on the expert's routed rows); anything else (F32/F16 tensors, other formats) is dequantized
+and loaded as before. The embedding table stays in its blocks too (PackedEmbedding: rows
+dequantized as they are looked up), sharing them with a tied LM head.
 
 Imports: gguf_packed -> cpu_quant, weights_gguf, model (the loader calls it)."""
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 
 from gpu.formats.gguf import GGUFFile
 from gpu.kernels.cpu import quant as cpu_quant
+from gpu.layers.moe import MoE
 from gpu.models.causal_lm import MLP, CausalLM
 from gpu.quantization.base import QuantMethod
+from gpu.quantization.gguf_experts import EXPERT_TENSORS, GGUFExperts, packed_experts
 
 
 class GGUF(QuantMethod):
@@ -80,8 +83,11 @@ class GGUF(QuantMethod):
             words += f"; the embedding table's rows dequantized as they are looked up from its {cpu_quant.FORMATS[lm.embed_tokens.fmt]} blocks{shared}"
         if account := source.gguf.account(taken, "float32"):
             words += f"; {account}"
-        if lm.config.num_experts:   # the packed kernels take 2-D linears only
-            words += "; the experts dequantized to float32 at load"
+        if lm.config.num_experts:
+            moes = [layer.mlp for layer in lm.layers if isinstance(layer.mlp, MoE)]
+            kept = sum(isinstance(m.experts, GGUFExperts) for m in moes)
+            words += (f"; the experts of {kept} of {len(moes)} mixture layers kept packed, each run on its routed "
+                      f"rows only" + ("" if kept == len(moes) else ", the others' dequantized to float32 at load"))
         return (lambda select=None: source.gguf.named_tensors(select, skip=taken), words)
 
 # (owner attribute path, module name, the GGUF tensors stacked into it, in order)
@@ -99,6 +105,23 @@ _PHI3_LINEARS = (
     ("mlp", "gate_up_proj", ("ffn_up",)),
     ("mlp", "down_proj", ("ffn_down",)),
 )
+
+
+def _moe_linears(moe: MoE) -> tuple:
+    """A mixture layer's packable linears: attention's, and a shared expert's (Qwen2-MoE)."""
+    attn = tuple(x for x in _LAYER_LINEARS if x[0] == "self_attn")
+    if not isinstance(moe.shared_expert, MLP):
+        return attn
+    return attn + (("mlp.shared_expert", "gate_up_proj", ("ffn_gate_shexp", "ffn_up_shexp")),
+                   ("mlp.shared_expert", "down_proj", ("ffn_down_shexp",)))
+
+
+def _packed_experts(f: GGUFFile, i: int, c, moe: MoE) -> GGUFExperts | None:
+    """Layer i's experts kept packed where the file and the layer allow (SwiGLU experts without
+    biases, the whole intermediate on this one rank)."""
+    if moe.spec.activation != "swiglu" or moe.spec.expert_bias or moe.experts.gate_up_proj.shape[1] != 2 * c.intermediate_size:
+        return None
+    return packed_experts(f, i, c.hidden_size, c.intermediate_size)
 
 
 def why_not_packed(f: GGUFFile) -> str | None:
@@ -124,10 +147,18 @@ def pack_linears(lm: CausalLM, f: GGUFFile) -> tuple[frozenset[str], Counter]:
         linears = _PHI3_LINEARS
         splits = {"qkv_proj": (c.q_size, c.kv_size, c.kv_size), "gate_up_proj": (c.intermediate_size,) * 2}
     for i, layer in enumerate(lm.layers):
-        for owner_name, module, parts in linears:
-            owner = getattr(layer, owner_name)
+        layer_linears = linears
+        if isinstance(layer.mlp, MoE):
+            layer_linears = _moe_linears(layer.mlp)
+            packed = _packed_experts(f, i, lm.config, layer.mlp)
+            if packed is not None:
+                layer.mlp.experts = packed
+                taken.update(f"blk.{i}.{t}.weight" for t in EXPERT_TENSORS)
+                formats.update(cpu_quant.FORMATS[fmt] + " (experts)" for fmt in packed.formats)
+        for owner_name, module, parts in layer_linears:
+            owner = layer.get_submodule(owner_name)
             if owner_name == "mlp" and not isinstance(owner, MLP):
-                continue   # mixture-of-experts: dequantized (gpu/layers/moe.py)
+                continue   # a mixture without packed experts: dequantized (gpu/layers/moe.py)
             names = [f"blk.{i}.{p}.weight" for p in parts]
             packed = _packed_linear(f, names, getattr(owner, module), splits.get(module))
             if packed is not None:

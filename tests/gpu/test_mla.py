@@ -90,11 +90,15 @@ def test_real_deepseek_v3_config():
     assert c.macs_per_token + c.hidden_size * c.vocab_size == pytest.approx(37e9, rel=0.05)
 
 
-def test_tensor_parallel_and_cuda_are_refused_clearly():
+def test_tensor_parallel_splits_the_heads_and_names_a_size_that_does_not_divide():
+    """TP 2: each rank holds 2 of the 4 heads' up-projections and o_proj columns; the latent's
+    down-projection (and so the cache's one latent row) whole on every rank."""
     from gpu.parallel import TP
 
     c = _tiny_config()
-    with pytest.raises(ValueError, match="latent attention .* --tensor-parallel-size > 1 is not supported"):
-        LatentAttention(c, 0, torch.float32, "cpu", TP(rank=0, size=2))
-    with pytest.raises(ValueError, match="runs on the CPU only so far"):
-        LatentAttention(c, 0, torch.float32, "cuda")
+    attn = LatentAttention(c, 0, torch.float32, "cpu", TP(rank=1, size=2))
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (2, 1, 48)
+    assert attn.kv_b_proj.weight.shape == (2 * (16 + 24), 32) and attn.q_b_proj.weight.shape == (2 * 32, 48)
+    assert attn.o_proj.weight.shape == (64, 2 * 24) and attn.kv_a_proj_with_mqa.weight.shape == (48, 64)
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by --tensor-parallel-size 3"):
+        LatentAttention(c, 0, torch.float32, "cpu", TP(rank=0, size=3))

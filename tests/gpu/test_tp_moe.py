@@ -5,8 +5,8 @@ prefill, mixed batches) is token-identical. One spawn of two ranks runs every ch
 a Qwen3-MoE with a dense layer and experts of intermediate 31 (rank 1's slice padded), a
 Qwen2-MoE with a gated shared expert, a Mixtral, a GLM-4.5 (partial rotary, grouped sigmoid
 routing with its correction bias replicated, a shared expert), a Llama 4 (no-RoPE layer, top-1
-sigmoid on the input, a shared expert). DeepSeek-V3's latent
-attention refuses TP > 1 (tests/gpu/test_mla.py)."""
+sigmoid on the input, a shared expert), a DeepSeek-V3 (latent attention: its heads split, the
+latent cache replicated; grouped sigmoid routing, a shared expert, a dense first layer)."""
 import pytest
 import torch
 
@@ -19,7 +19,7 @@ PROMPTS = [[3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1], [64, 9, 33, 120, 77, 
 NEW_TOKENS = 6
 # layer 1 is a mixture in each (qwen3_moe: layers 0 and 2 instead of its default dense layer 1)
 CHECKPOINTS = {"qwen3_moe": dict(moe_intermediate_size=31, mlp_only_layers=[0]), "qwen2_moe": {}, "mixtral": {},
-               "glm4_moe": {}, "llama4": {}}
+               "glm4_moe": {}, "llama4": {}, "deepseek_v3": {}}
 
 
 def _run(tp: TP, jobs):

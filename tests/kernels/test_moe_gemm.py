@@ -52,3 +52,38 @@ def test_routed_moe_in_two_launches_matches_the_layer(device, tol):
     h = moe_gemm(d(x), d(moe.experts.gate_up_proj), d(offs), a_rows=d(order // 2), swiglu=True)
     y = moe_gemm(h, d(moe.experts.down_proj), d(offs), row_scale=d(weights.flatten()[order]), out_rows=d(order))
     torch.testing.assert_close(y.view(7, 2, 32).sum(1).cpu(), want, **tol(torch.float32))
+
+
+SPECS = {
+    "qwen3_moe": dict(norm_topk_prob=True, router_bias=False, activation="swiglu", expert_bias=False),
+    "gpt_oss_unpacked": dict(),     # biases on the router and the experts, clamped SwiGLU
+    "llama4": dict(scoring="sigmoid", router_bias=False, activation="swiglu", expert_bias=False,
+                   weight_on_input=True, norm_topk_prob=False),
+}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_the_layer_through_the_kernel_matches_the_dense_reference(name):
+    """gpu/layers/moe.py with Experts.use_kernel (the CUDA default; here under the interpreter):
+    a routing that leaves experts empty, in fp32 against every expert on every token."""
+    from gpu.config.model import ModelConfig
+    from gpu.config.moe import MoESpec
+    from gpu.layers.moe import MoE, moe_reference
+
+    k = 1 if name == "llama4" else 2
+    c = ModelConfig(architecture="test", vocab_size=8, hidden_size=32, intermediate_size=24, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
+                    max_position_embeddings=64, num_experts=6, num_experts_per_tok=k, moe=MoESpec(**SPECS[name]))
+    moe = MoE(c, torch.float32, "cpu")
+    assert not moe.experts.use_kernel                  # on the CPU the kernel only when asked
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    x = torch.randn(5, 32, generator=g)
+    with torch.inference_mode():
+        want = moe_reference(moe, x)
+        moe.experts.use_kernel = True
+        got = moe(x)
+    assert len(moe.route(x)[1].unique()) < 6           # some expert has no rows
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -18,4 +18,4 @@ def test_one_variant_per_kernel_at_any_batch_size():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_triton_compile.py"), "--variants"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("OK  ") == 12 and "FAIL" not in proc.stdout   # 3: Gated DeltaNet
+    assert proc.stdout.count("OK  ") == 13 and "FAIL" not in proc.stdout   # 3: Gated DeltaNet, 1: MLA decode

@@ -93,7 +93,7 @@ def paged_greedy(model, tp: TP, prompts: list[list[int]], n: int, block_size: in
     c = model.config
     per_seq = -(-(max(map(len, prompts)) + n) // block_size)
     cache = KVCache(c.num_hidden_layers, 1 + per_seq * len(prompts), block_size, model.local_kv_heads,
-                    c.head_dim, model.dtype, "cpu")
+                    c.kv_cache_head_dim, model.dtype, "cpu", latent=c.kv_cache_latent)
     attn = TorchPagedAttention(cache, c.head_dim ** -0.5)
     tables = [tuple(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
     seqs, done, new = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts]

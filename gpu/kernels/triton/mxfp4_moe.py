@@ -9,7 +9,8 @@ them (gpu/quantization/mxfp4.py):
     scales [E, N, K/32] uint8  e8m0 exponent s per 32 elements, scale 2^(s - 127)
 The K loop loads packed bytes (a quarter of bf16's), splits the nibbles, decodes e2m1 in
 registers, applies the group scale and feeds tl.dot (bf16 operands, fp32 accumulation on
-the GPU; fp32 "ieee" under the interpreter and for fp32 models). Epilogues: the bias;
+the GPU; fp32 "ieee" under the interpreter and for fp32 models). Epilogues (shared with the
+dense sibling gpu/kernels/triton/moe_gemm.py: gpu/kernels/triton/moe_common.py): the bias;
 gpt-oss's clamped SwiGLU over interleaved (gate, up) output columns (N -> N/2); a per-row
 scale (the router weight); a gather of a's rows (token of each routed row) and a scatter of
 the output rows (back to (token, slot) order), so the MoE needs no index_select/index_copy.
@@ -26,6 +27,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from gpu.kernels.triton.moe_common import activation_args, activation_ref, moe_epilogue, pick_blocks, tile_map
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -53,7 +56,7 @@ def _mxfp4_moe_kernel(
     stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_om,
     alpha, limit,
     GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr, ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr,
+    ACTIVATION: tl.constexpr, ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr, DOT_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -97,54 +100,9 @@ def _mxfp4_moe_kernel(
                     acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + e64 * stride_bias + cols, mask=col_mask, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        if SWIGLU:
-            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))   # interleaved columns
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            y = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-            out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            out_mask = out_cols < N // 2
-        else:
-            y = acc
-            out_cols = cols
-            out_mask = col_mask
-        if ROW_SCALE:
-            y = y * tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        if SCATTER_OUT:
-            dst = tl.load(out_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        else:
-            dst = rows.to(tl.int64)
-        tl.store(out_ptr + dst[:, None] * stride_om + out_cols[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & out_mask[None, :])
-
-
-def _pick_blocks(n_rows: int, num_experts: int, n: int, k: int) -> dict:
-    """Two tile shapes, chosen by the mean rows per expert (decode: a few; prefill: many), so a
-    run compiles two variants at most. BLOCK_K 128 = four scale groups, 64 packed bytes a row."""
-    block_m = 16 if n_rows < 16 * num_experts else 64
-    block_n = 64 if n >= 64 else 32
-    block_k = 128 if k >= 128 else 32
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-                num_stages=1 if _INTERPRET else 3)
-
-
-def tile_map(offs: torch.Tensor, n_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert [tiles], first row [tiles]) int32 on offs' device, -1 past the last tile; built
-    with device ops only (no host sync). tiles = min(n_rows, n_rows / block_m + E)."""
-    E = offs.shape[0]
-    ends = offs.long()
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = tiles.cumsum(0)
-    max_tiles = min(n_rows, triton.cdiv(n_rows, block_m) + E)
-    ids = torch.arange(max_tiles, device=offs.device)
-    expert = torch.searchsorted(tile_end, ids, right=True)                 # E past the end
-    e = expert.clamp(max=E - 1)
-    first = (ends - counts)[e] + (ids - (tile_end - tiles)[e]) * block_m
-    return torch.where(expert < E, expert, -1).to(torch.int32), first.to(torch.int32)
+        moe_epilogue(acc, e64, rows, row_mask, cols, col_mask, pid_n, N, bias_ptr, stride_bias, row_scale_ptr,
+                     out_rows_ptr, out_ptr, stride_om, alpha, limit, HAS_BIAS, ACTIVATION, ROW_SCALE, SCATTER_OUT,
+                     BLOCK_M, BLOCK_N)
 
 
 def mxfp4_moe_matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor, *,
@@ -173,9 +131,10 @@ def mxfp4_moe_matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor
     out = torch.empty(n_rows, n_out, dtype=a.dtype, device=a.device)
     if n_rows == 0:
         return out
-    cfg = _pick_blocks(n_rows, E, N, K)
+    # BLOCK_K 128 = four scale groups, 64 packed bytes a row
+    cfg = pick_blocks(n_rows, E, N, 128 if K >= 128 else 32, _INTERPRET)
     tile_expert, tile_row = tile_map(offs, n_rows, cfg["BLOCK_M"])
-    alpha, limit = swiglu if swiglu is not None else (0.0, 0.0)
+    act, alpha, limit = activation_args(swiglu)
     dummy = offs
     grid = (tile_expert.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
     _mxfp4_moe_kernel[grid](
@@ -185,9 +144,9 @@ def mxfp4_moe_matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor
         n_rows, N, K,
         a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0),
-        float(alpha), float(limit),
+        alpha, limit,
         GATHER_A=a_rows is not None, SCATTER_OUT=out_rows is not None, HAS_BIAS=bias is not None,
-        SWIGLU=swiglu is not None, ROW_SCALE=row_scale is not None,
+        ACTIVATION=act, ROW_SCALE=row_scale is not None,
         UPCAST=_INTERPRET or a.dtype == torch.float32, DOT_SCALED=dot_scaled, **cfg)
     return out
 
@@ -206,9 +165,7 @@ def mxfp4_moe_matmul_ref(a, blocks, scales, offs, *, bias=None, a_rows=None, swi
     for e, end in enumerate(offs.tolist()):
         y[start:end] = x[start:end] @ w[e].T + (bias[e].float() if bias is not None else 0.0)
         start = end
-    if swiglu is not None:
-        gate, up = y[:, ::2].clamp(max=swiglu[1]), y[:, 1::2].clamp(-swiglu[1], swiglu[1])
-        y = (up + 1) * gate * torch.sigmoid(gate * swiglu[0])
+    y = activation_ref(y, swiglu)
     if row_scale is not None:
         y = y * row_scale.float()[:, None]
     if out_rows is not None:
