@@ -1,19 +1,21 @@
-"""`make test`: the suite as two pytest processes side by side, each on its own part of tests/.
+"""`make test`: the suite in chunks (a folder of tests/ each), two pytest processes at a time.
 
-Most e2e tests wait on a server (the suite ran at ~1.2 cores of 2 serially), so a second
-pytest process fills the idle core. The parts do not share session servers (tests/e2e's
-servers live in its conftest), so nothing is started twice, unlike pytest-xdist, whose
-workers each started every session server (docs/benchmarks.md, "The test suite's time").
+Most e2e tests wait on a server (the suite ran at ~1.2 cores of 2 in one process), so a
+second pytest process fills the idle core. Chunks are handed out longest first to whichever
+worker is free (greedy list scheduling: no measured split to keep up to date, and a chunk
+that grows only delays its own worker). tests/e2e is one chunk, so its session servers
+(tests/e2e/conftest.py) start once, as in one process.
 
-    python scripts/run_tests.py [pytest args...]      # one process, the whole suite (the default)
-    TAILRACE_TEST_JOBS=2 python scripts/run_tests.py  # two processes; extra args go to both
+    python scripts/run_tests.py                       # the whole suite, 2 workers (the default)
+    TAILRACE_TEST_JOBS=1 python scripts/run_tests.py  # the whole suite in one pytest process
+    python scripts/run_tests.py ARGS...               # one pytest process with ARGS
 
-Measured on the 2-core machine (docs/benchmarks.md, "The test suite's time"): two parts
-side by side were slower than one process, not faster: each process's OpenMP team (and
-its servers') wants both cores, and oversubscribed OpenMP barriers wait out time slices.
-So the default is one process; two stay for a machine with more cores.
+Two processes side by side were slower than one until the suite's OpenMP teams stopped
+spinning at barriers (tests/conftest.py sets OMP_WAIT_POLICY=PASSIVE, which every process
+and server the tests start inherits): oversubscribed spinning teams waited out whole time
+slices (docs/benchmarks.md, "The test suite's time").
 
-Each part writes to its own log and temporary directory; a part's log is printed whole
+Each chunk writes to its own log and temporary directory; a chunk's log is printed whole
 when it ends, and the exit status is the first non-zero one.
 """
 from __future__ import annotations
@@ -27,39 +29,47 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# (name, pytest arguments): tests/e2e (its session servers) beside everything else
-PARTS = [
-    ("e2e", ["tests/e2e"]),
-    ("rest", ["tests", "--ignore=tests/e2e"]),
-]
-COMMON = ["-q", "--durations=25", "-p", "no:cacheprovider"]
+# the chunks, longest first (seconds measured on the 2-core AVX2 machine, docs/benchmarks.md);
+# a folder of tests/ not named here runs in the last chunk, with the top-level files
+CHUNKS = ["e2e", "gpu", "stages", "engine", "procs", "kernels", "tp", "reliability", "cluster",
+          "pipeline", "web"]
+COMMON = ["-q", "--durations=15", "-p", "no:cacheprovider"]
 
 
 def _progress(log: Path) -> str:
-    """The last `[ NN%]` pytest -q wrote to a part's log."""
+    """The last `[ NN%]` pytest -q wrote to a chunk's log."""
     tail = log.read_bytes()[-400:].decode(errors="replace")
     i = tail.rfind("%]")
     return tail[max(tail.rfind("[", 0, i), 0):i + 2] if i > 0 else "starting"
 
 
+def chunks() -> list[tuple[str, list[str]]]:
+    """(name, pytest arguments) for each chunk: the named folders, then everything else."""
+    named = [c for c in CHUNKS if (ROOT / "tests" / c).is_dir()]
+    rest = ["tests", *(f"--ignore=tests/{c}" for c in named)]
+    return [(c, [f"tests/{c}"]) for c in named] + [("rest", rest)]
+
+
 def main(argv: list[str]) -> int:
-    jobs = int(os.environ.get("TAILRACE_TEST_JOBS", "1"))
-    if jobs <= 1:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before any child loads libgomp
+    jobs = int(os.environ.get("TAILRACE_TEST_JOBS", "2"))
+    if jobs <= 1 or argv:
         return subprocess.call([sys.executable, "-m", "pytest", *COMMON, *argv], cwd=ROOT)
     tmp = Path(tempfile.mkdtemp(prefix="tailrace-tests-"))
+    todo = chunks()
     running: dict[str, tuple[subprocess.Popen, Path, float]] = {}
-    for name, paths in PARTS:
-        log = tmp / f"{name}.log"
-        cmd = [sys.executable, "-m", "pytest", *COMMON, "--basetemp", str(tmp / name), *paths, *argv]
-        print(f"run_tests: [{name}] {' '.join(cmd[2:])} > {log}", flush=True)
-        with open(log, "wb") as f:
-            running[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                              start_new_session=True), log, time.monotonic())
-    status = 0
-    last_note = time.monotonic()
+    status, t_start, last_note = 0, time.monotonic(), time.monotonic()
     try:
-        while running:
-            if time.monotonic() - last_note > 60:      # a heartbeat: each part's progress
+        while todo or running:
+            while todo and len(running) < jobs:
+                name, paths = todo.pop(0)
+                log = tmp / f"{name}.log"
+                cmd = [sys.executable, "-m", "pytest", *COMMON, "--basetemp", str(tmp / name), *paths]
+                print(f"run_tests: [{name}] {' '.join(cmd[2:])}", flush=True)
+                with open(log, "wb") as f:
+                    running[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                                      start_new_session=True), log, time.monotonic())
+            if time.monotonic() - last_note > 60:      # a heartbeat: each chunk's progress
                 last_note = time.monotonic()
                 print("run_tests: " + ", ".join(f"[{n}] {_progress(log)}" for n, (_, log, _) in running.items()),
                       flush=True)
@@ -71,16 +81,17 @@ def main(argv: list[str]) -> int:
                       f"{time.monotonic() - t0:.0f} s =====", flush=True)
                 sys.stdout.write(log.read_text(errors="replace"))
                 sys.stdout.flush()
-                # 5: no tests collected (a filter that selects none in one part) is not a failure
+                # 5: no tests collected is not a failure
                 if proc.returncode not in (0, 5) and status == 0:
                     status = proc.returncode
             time.sleep(0.5)
     finally:
-        for proc, _, _ in running.values():      # interrupted: stop the other part's tree
+        for proc, _, _ in running.values():      # interrupted: stop the other chunks' trees
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+    print(f"run_tests: every chunk done in {time.monotonic() - t_start:.0f} s, exit {status}", flush=True)
     return status
 
 
