@@ -3,8 +3,8 @@
 Most e2e tests wait on a server (the suite ran at ~1.2 cores of 2 in one process), so a
 second pytest process fills the idle core. Chunks are handed out longest first to whichever
 worker is free (greedy list scheduling: no measured split to keep up to date, and a chunk
-that grows only delays its own worker). tests/e2e is one chunk, so its session servers
-(tests/e2e/conftest.py) start once, as in one process.
+that grows only delays its own worker). The tests/e2e files that share its session servers
+(tests/e2e/conftest.py) are one chunk, so those servers start once, as in one process.
 
     python scripts/run_tests.py                       # the whole suite, 2 workers (the default)
     TAILRACE_TEST_JOBS=1 python scripts/run_tests.py  # the whole suite in one pytest process
@@ -31,8 +31,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # the chunks, longest first (seconds measured on the 2-core AVX2 machine, docs/benchmarks.md);
 # a folder of tests/ not named here runs in the last chunk, with the top-level files
-CHUNKS = ["e2e", "gpu", "stages", "engine", "procs", "kernels", "tp", "reliability", "cluster",
-          "pipeline", "web"]
+CHUNKS = ["e2e-shared", "e2e", "gpu", "gpu-n", "stages", "engine", "procs", "kernels", "tp", "reliability",
+          "cluster", "pipeline", "web"]
+# tests/e2e in two chunks: the files that use tests/e2e/conftest.py's session servers, and the
+# rest (each starts the servers it needs). A file in the wrong list still passes: it starts
+# its own copy of a session server, which costs time only.
+SHARED_E2E = ["test_e2e_beam.py", "test_e2e_data_parallel.py", "test_e2e_gguf_packed.py",
+              "test_e2e_gpt_oss.py", "test_e2e_logit_controls.py", "test_e2e_lora.py",
+              "test_e2e_reasoning.py", "test_e2e_spec_harmony.py", "test_e2e_structured.py",
+              "test_e2e_tools.py", "test_e2e_vision.py", "test_e2e_vllm_parity.py",
+              "test_openai_api.py", "test_surface.py"]
 COMMON = ["-q", "--durations=15", "-p", "no:cacheprovider"]
 
 
@@ -45,9 +53,17 @@ def _progress(log: Path) -> str:
 
 def chunks() -> list[tuple[str, list[str]]]:
     """(name, pytest arguments) for each chunk: the named folders, then everything else."""
-    named = [c for c in CHUNKS if (ROOT / "tests" / c).is_dir()]
-    rest = ["tests", *(f"--ignore=tests/{c}" for c in named)]
-    return [(c, [f"tests/{c}"]) for c in named] + [("rest", rest)]
+    e2e = ROOT / "tests" / "e2e"
+    shared = [f"tests/e2e/{f}" for f in SHARED_E2E if (e2e / f).exists()]
+    args = {"e2e-shared": shared, "e2e": ["tests/e2e", *(f"--ignore={f}" for f in shared)]}
+    # tests/gpu, the largest folder, in two: its files from test_n* on, and the rest
+    late = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py")
+                  if p.name >= "test_n")
+    args.update({"gpu-n": late, "gpu": ["tests/gpu", *(f"--ignore={f}" for f in late)]})
+    named = [c for c in CHUNKS if c in args or (ROOT / "tests" / c).is_dir()]
+    covered = {c.split("-")[0] for c in named}            # the folders the chunks above run
+    rest = ["tests", *(f"--ignore=tests/{c}" for c in sorted(covered))]
+    return [(c, args.get(c, [f"tests/{c}"])) for c in named] + [("rest", rest)]
 
 
 def main(argv: list[str]) -> int:
