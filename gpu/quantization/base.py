@@ -47,6 +47,11 @@ class QuantMethod(ABC):
     def serving_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
 
+    def defers_weights(self) -> bool:
+        """Whether the model is built with its linears' weights on the meta device (gpu/layers/ops.py
+        weights_deferred), for prepare to give storage to those that stay dense."""
+        return False
+
     def forces_fp32(self) -> bool:
         """Whether activations and the residual stream must be float32 (packed CPU kernels)."""
         return False
@@ -148,12 +153,15 @@ class LinearFormat(QuantMethod):
     def serving_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if self.pack else dtype
 
+    def defers_weights(self) -> bool:
+        return self.gpu_kernels
+
     def forces_fp32(self) -> bool:
         return self.pack
 
     def finish(self, lm, words: str) -> str:
         if self.forms is not None:
-            installed, dense, kinds = self.forms.install()
+            installed, dense, kinds = self.forms.summary()
             self.forms = None
             what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none"
             rest = (f"; {dense} dequantized at load (scales no kernel form takes: act-order groups, e5m2, "
@@ -224,6 +232,7 @@ class LinearFormat(QuantMethod):
         if self.gpu_kernels:
             from gpu.quantization.cuda_linear import KernelForms
             self.forms = KernelForms(lm)
+            self.forms.reserve(self.quantized)
         where = "CPU" if lm.embed_tokens.weight.device.type == "cpu" else "GPU"
         return source.named_tensors, (
             f"{_dtype_name(dtype)} weights; {len(self.quantized)} {self.scheme()} linears dequantized "
@@ -259,8 +268,8 @@ class LinearFormat(QuantMethod):
                 del pending[prefix]
                 done.add(prefix)
                 self.count += 1
-                if self.forms is not None:
-                    self.forms.take(prefix, self.kernel_parts(prefix, parts))
+                if self.forms is not None and self.forms.take(prefix, lambda: self.kernel_parts(prefix, parts)):
+                    continue      # kept in its kernel form: never expanded to a dense weight
                 yield prefix + ".weight", self.dequantize(prefix, parts, dtype)
         for prefix, parts in pending.items():
             lacking = [s for s in self.required(prefix) if s not in parts]

@@ -23,14 +23,10 @@ parts' forms along the output rows.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 _GROUPS = (1024, 512, 256, 128, 64, 32, 16, 8)
-# the HF linears install() replaces (repack._MERGED's parts)
-_INSTALLED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
 FP8_GROUP = 128
 
 
@@ -129,7 +125,8 @@ class QuantLinear(nn.Module):
                 self.register_buffer(k, v)
         self.in_features = in_features
         self.out_features = (form["w"].shape[0] if "w" in form else form["qweight"].shape[1])
-        self.bias = bias
+        # a parameter (load_weights fills it by name, in the storage the dense linear's bias had)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,13 +149,7 @@ class QuantLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] in fp32 as the kernel reads it (tests)."""
-        if self.kind == "fp8":
-            from gpu.kernels.triton.fp8_gemm import expand_block_scales
-            return self.w.float() * expand_block_scales(self.ws, tuple(self.w.shape), (1, self.params["bi"]))
-        if self.kind == "int8":
-            return self.w.float() * self.ws[:, None]
-        from gpu.kernels.triton.wna16_gemm import unpack
-        return unpack(self.qweight, self.scales, self.zeros, self.params["group"], self.params["bits"])
+        return form_weight(dict(kind=self.kind, **self.params, **dict(self.named_buffers())))
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -168,49 +159,108 @@ class QuantLinear(nn.Module):
 
 
 class KernelForms:
-    """During a CUDA load: each quantized HF linear's kernel form, cut to this rank (take);
-    after it, the merged modules replaced by QuantLinears (install)."""
+    """A CUDA load that never holds the model expanded: the decoder linears whose every part is
+    quantized were built with no dense weight (gpu/layers/ops.py weights_deferred: on the meta
+    device); each part's kernel form is made from its checkpoint tensors as they arrive (cut to
+    this rank), and a merged module becomes a QuantLinear as soon as its last part's form is in.
+    At most one part is expanded at a time (its integers and scales, while its form is made).
+    A module whose scales fit no form gets its dense weight then (the parts already formed are
+    dequantized into it from their forms) and loads as any dense linear."""
 
     def __init__(self, lm):
-        self.lm = lm
-        self.forms: dict[str, dict | None] = {}
-
-    def take(self, prefix: str, parts) -> None:
-        if not _INSTALLED.fullmatch(prefix):
-            return      # experts, MLA's projections: dequantized at load (no kernel form for them yet)
-        if parts is None:
-            self.forms[prefix] = None
-            return
-        kind, q, scale = parts
-        scale = scale.float()
-        if scale.dim() < 2:
-            scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1)
-        scale = scale.expand(q.shape)
-        self.forms[prefix] = make_form(kind, _narrow(self.lm, prefix, q), _narrow(self.lm, prefix, scale))
-
-    def install(self) -> tuple[int, int, dict[str, int]]:
-        """(linears now quantized, linears left dequantized, count per kind)."""
+        from gpu.models.causal_lm import MLP, Attention
         from gpu.quantization.repack import _MERGED
-        from gpu.models.causal_lm import MLP
 
-        installed = dense = 0
-        kinds: dict[str, int] = {}
-        for i, layer in enumerate(self.lm.layers):
+        self.lm = lm
+        self.modules: dict[str, tuple[nn.Module, str, tuple[str, ...]]] = {}   # HF part -> its module
+        self.forms: dict[str, dict] = {}          # parts formed, their module not yet complete
+        self.installed, self.dense, self.kinds = 0, 0, {}
+        self.candidates = []
+        for i, layer in enumerate(lm.layers):
             for owner_name, module, parts in _MERGED:
                 owner = getattr(layer, owner_name, None)
-                if owner is None or (owner_name == "mlp" and not isinstance(owner, MLP)):
-                    continue
-                names = [f"model.layers.{i}.{owner_name}.{p}" for p in parts]
-                if not all(n in self.forms for n in names):
-                    continue
-                form = merge([self.forms.pop(n) for n in names])
-                if form is None:
-                    dense += 1
-                    continue
-                linear = getattr(owner, module)
-                bias = None if linear.bias is None else linear.bias.detach()
-                setattr(owner, module, QuantLinear(form, linear.in_features, bias, linear.weight.dtype))
-                installed += 1
-                kinds[form["kind"]] = kinds.get(form["kind"], 0) + 1
-        self.forms.clear()
-        return installed, dense, kinds
+                if isinstance(owner, Attention if owner_name == "self_attn" else MLP):
+                    self.candidates.append((owner, module, tuple(f"model.layers.{i}.{owner_name}.{p}" for p in parts)))
+
+    def reserve(self, quantized: set[str]) -> None:
+        """Keep the weights of the modules all of whose parts are in `quantized` without storage;
+        give every other deferred weight its storage."""
+        kept = set()
+        for owner, module, names in self.candidates:
+            if all(n in quantized for n in names):
+                kept.add(id(getattr(owner, module)))
+                for n in names:
+                    self.modules[n] = (owner, module, names)
+        device = self.lm.embed_tokens.weight.device
+        for mod in self.lm.modules():
+            if id(mod) not in kept:
+                for name, p in mod._parameters.items():
+                    if p is not None and p.is_meta:
+                        mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                             requires_grad=p.requires_grad)
+
+    def take(self, prefix: str, kernel_parts) -> bool:
+        """Linear `prefix`'s tensors (kernel_parts(): the format's (kind, q, scale), or None) ->
+        True when kept in its kernel form; False: load its dense weight as usual."""
+        entry = self.modules.get(prefix)
+        if entry is None:
+            return False       # experts, MLA's projections, partly quantized modules: dequantized at load
+        owner, module, names = entry
+        if not getattr(owner, module).weight.is_meta:
+            return False       # its module already fell back to a dense weight
+        parts = kernel_parts()
+        form = None
+        if parts is not None:
+            kind, q, scale = parts
+            scale = scale.float()
+            if scale.dim() < 2:
+                scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1)
+            scale = scale.expand(q.shape)
+            form = make_form(kind, _narrow(self.lm, prefix, q), _narrow(self.lm, prefix, scale))
+            del parts, q, scale
+        if form is None:
+            self._fall_back(owner, module, names)
+            return False
+        self.forms[prefix] = form
+        if all(n in self.forms for n in names):
+            merged = merge([self.forms[n] for n in names])
+            if merged is None:
+                self._fall_back(owner, module, names)
+                return True    # its parts' forms were dequantized into the dense weight
+            for n in names:
+                del self.forms[n]
+            linear = getattr(owner, module)
+            setattr(owner, module, QuantLinear(merged, linear.in_features, linear.bias, linear.weight.dtype))
+            self.installed += 1
+            self.kinds[merged["kind"]] = self.kinds.get(merged["kind"], 0) + 1
+        return True
+
+    def _fall_back(self, owner: nn.Module, module: str, names: tuple[str, ...]) -> None:
+        """Give the module its dense weight, with the parts formed so far dequantized into it."""
+        linear = getattr(owner, module)
+        meta = linear.weight
+        weight = torch.empty(meta.shape, dtype=meta.dtype, device=self.lm.embed_tokens.weight.device)
+        for n in names:
+            if (form := self.forms.pop(n, None)) is not None:
+                _, rows = self.lm._destination(n + ".weight")
+                weight[rows] = form_weight(form)
+        linear.weight = nn.Parameter(weight, requires_grad=meta.requires_grad)
+        self.dense += 1
+
+    def summary(self) -> tuple[int, int, dict[str, int]]:
+        """(linears now quantized, linears left dequantized, count per kind)."""
+        if self.forms:
+            raise ValueError(f"the checkpoint lacks part of a quantized module: {sorted(self.forms)[0]!r} has no "
+                             "sibling (q/k/v or gate/up) beside it")
+        return self.installed, self.dense, self.kinds
+
+
+def form_weight(form: dict) -> torch.Tensor:
+    """A kernel form's weight [out, in] in fp32, as its kernel reads it."""
+    if form["kind"] == "fp8":
+        from gpu.kernels.triton.fp8_gemm import expand_block_scales
+        return form["w"].float() * expand_block_scales(form["ws"], tuple(form["w"].shape), (1, form["bi"]))
+    if form["kind"] == "int8":
+        return form["w"].float() * form["ws"][:, None]
+    from gpu.kernels.triton.wna16_gemm import unpack
+    return unpack(form["qweight"], form["scales"], form["zeros"], form["group"], form["bits"])

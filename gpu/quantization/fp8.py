@@ -32,6 +32,9 @@ def expand_scale(scale: torch.Tensor, out: int, cols: int, block: tuple[int, int
     s = scale.float()
     if s.numel() == 1:
         return s.reshape(1, 1)
+    if block is not None and s.dim() == 2 and tuple(s.shape) == (-(-out // block[0]), -(-cols // block[1])):
+        bo, bi = block      # before the per-channel reading: [ceil(out/bo), 1] blocks when cols <= bi
+        return s.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :cols]
     if s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1):
         if s.shape[0] != out:
             raise ValueError(f"a per-channel scale of {tuple(scale.shape)} for {out} rows")
