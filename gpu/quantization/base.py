@@ -268,8 +268,11 @@ class LinearFormat(QuantMethod):
                 del pending[prefix]
                 done.add(prefix)
                 self.count += 1
-                if self.forms is not None and self.forms.take(prefix, lambda: self.kernel_parts(prefix, parts)):
-                    continue      # kept in its kernel form: never expanded to a dense weight
+                if self.forms is not None:
+                    kept, formed = self.forms.take(prefix, lambda: self.kernel_parts(prefix, parts))
+                    yield from formed     # its module fell back to a dense weight: the parts formed before
+                    if kept:
+                        continue          # in its kernel form: never expanded to a dense weight
                 yield prefix + ".weight", self.dequantize(prefix, parts, dtype)
         for prefix, parts in pending.items():
             lacking = [s for s in self.required(prefix) if s not in parts]

@@ -199,15 +199,16 @@ class KernelForms:
                         mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                                              requires_grad=p.requires_grad)
 
-    def take(self, prefix: str, kernel_parts) -> bool:
+    def take(self, prefix: str, kernel_parts) -> tuple[bool, list[tuple[str, torch.Tensor]]]:
         """Linear `prefix`'s tensors (kernel_parts(): the format's (kind, q, scale), or None) ->
-        True when kept in its kernel form; False: load its dense weight as usual."""
+        (whether it is kept in its kernel form, not to be loaded dense; the dense weights to load
+        for parts formed earlier whose module has just fallen back, cut to this rank)."""
         entry = self.modules.get(prefix)
         if entry is None:
-            return False       # experts, MLA's projections, partly quantized modules: dequantized at load
+            return False, []   # experts, MLA's projections, partly quantized modules: dequantized at load
         owner, module, names = entry
         if not getattr(owner, module).weight.is_meta:
-            return False       # its module already fell back to a dense weight
+            return False, []   # its module already fell back to a dense weight
         parts = kernel_parts()
         form = None
         if parts is not None:
@@ -219,33 +220,28 @@ class KernelForms:
             form = make_form(kind, _narrow(self.lm, prefix, q), _narrow(self.lm, prefix, scale))
             del parts, q, scale
         if form is None:
-            self._fall_back(owner, module, names)
-            return False
+            return False, self._fall_back(owner, module, names)
         self.forms[prefix] = form
         if all(n in self.forms for n in names):
             merged = merge([self.forms[n] for n in names])
             if merged is None:
-                self._fall_back(owner, module, names)
-                return True    # its parts' forms were dequantized into the dense weight
+                return True, self._fall_back(owner, module, names)
             for n in names:
                 del self.forms[n]
             linear = getattr(owner, module)
             setattr(owner, module, QuantLinear(merged, linear.in_features, linear.bias, linear.weight.dtype))
             self.installed += 1
             self.kinds[merged["kind"]] = self.kinds.get(merged["kind"], 0) + 1
-        return True
+        return True, []
 
-    def _fall_back(self, owner: nn.Module, module: str, names: tuple[str, ...]) -> None:
-        """Give the module its dense weight, with the parts formed so far dequantized into it."""
+    def _fall_back(self, owner: nn.Module, module: str, names: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
+        """Give the module its dense weight's storage; the parts formed so far, dequantized."""
         linear = getattr(owner, module)
         meta = linear.weight
-        weight = torch.empty(meta.shape, dtype=meta.dtype, device=self.lm.embed_tokens.weight.device)
-        for n in names:
-            if (form := self.forms.pop(n, None)) is not None:
-                _, rows = self.lm._destination(n + ".weight")
-                weight[rows] = form_weight(form)
-        linear.weight = nn.Parameter(weight, requires_grad=meta.requires_grad)
+        linear.weight = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=self.lm.embed_tokens.weight.device),
+                                     requires_grad=meta.requires_grad)
         self.dense += 1
+        return [(n + ".weight", form_weight(self.forms.pop(n)).to(meta.dtype)) for n in names if n in self.forms]
 
     def summary(self) -> tuple[int, int, dict[str, int]]:
         """(linears now quantized, linears left dequantized, count per kind)."""
