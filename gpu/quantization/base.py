@@ -117,9 +117,24 @@ class LinearFormat(QuantMethod):
         return None
 
     def kernel_parts(self, prefix: str, parts: dict[str, torch.Tensor]):
-        """(kind, q [out, in], scale broadcastable to [out, in]) for cuda_linear, or None."""
+        """(kind, q [out, in], scale broadcastable to [out, in], the static activation scale or
+        None) for cuda_linear, or None."""
         kind = self.kernel_kind(prefix)
-        return None if kind is None else (kind, *self.integers(prefix, parts))
+        return None if kind is None else (kind, *self.integers(prefix, parts), self.input_scale(prefix, parts))
+
+    def static_activations(self, prefix: str) -> bool:
+        """Whether linear `prefix`'s activations are quantized by the checkpoint's NAME.input_scale
+        (then a required tensor) instead of per token."""
+        return False
+
+    def input_scale(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        if not self.static_activations(prefix):
+            return None
+        s = parts["input_scale"]
+        if s.numel() != 1:
+            raise ValueError(f"{self.name}: {prefix + '.input_scale'!r} has {s.numel()} values; a static "
+                             "activation scale is one per tensor")
+        return s.float().reshape(1)
 
     def integers(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """An integer-grid format's linear as (n [out, in] integers, scale broadcastable to
@@ -162,13 +177,17 @@ class LinearFormat(QuantMethod):
     def finish(self, lm, words: str) -> str:
         if self.forms is not None:
             installed, dense, kinds = self.forms.summary()
-            self.forms = None
             what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none"
             rest = (f"; {dense} dequantized at load (scales no kernel form takes: act-order groups, e5m2, "
                     "FP8 groups finer than 128)" if dense else "")
-            acts = (" (activations quantized per token in the kernel)" if {"fp8", "int8"} & set(kinds) else "")
+            acts = ""
+            if {"fp8", "int8"} & set(kinds):
+                static = self.forms.static
+                acts = (" (activations quantized per token in the kernel" +
+                        (f"; in {static} by the checkpoint's static input_scale)" if static else ")"))
             return (f"{words.split(';')[0]}; {self.scheme()}: {installed} of {installed + dense} decoder linears "
                     f"kept quantized and run by the Triton GEMMs ({what}){acts}{rest}; the rest dense")
+            self.forms = None
         if not self.pack:
             return words
         from gpu.kernels.cpu import layer as cpu_layer

@@ -100,14 +100,16 @@ def make_form(kind: str, q: torch.Tensor, scale: torch.Tensor) -> dict | None:
 def merge(forms: list[dict]) -> dict | None:
     """Parts of one merged module (q, k, v or gate, up) -> one form along the output rows."""
     first = forms[0]
-    if first is None:
+    if first is None or any(("xs" in f) != ("xs" in first) for f in forms if f is not None):
         return None
     keys = [k for k, v in first.items() if not isinstance(v, torch.Tensor)]
     if any(f is None or any(f[k] != first[k] for k in keys) for f in forms):
         return None
     merged = dict((k, first[k]) for k in keys)
     for k, v in first.items():
-        if isinstance(v, torch.Tensor):
+        if k == "xs":     # one activation scale for the parts' one input: the largest (vLLM's choice)
+            merged[k] = torch.stack([f[k] for f in forms]).amax(0)
+        elif isinstance(v, torch.Tensor):
             dim = 0 if k in ("w", "ws") else 1      # fp8 / int8: [N, ...]; wna16: [..., N]
             merged[k] = torch.cat([f[k] for f in forms], dim).contiguous()
     return merged
@@ -137,10 +139,10 @@ class QuantLinear(nn.Module):
         x = x.contiguous()
         if self.kind == "fp8":
             from gpu.kernels.triton.fp8_gemm import fp8_gemm
-            y = fp8_gemm(x, self.w, self.ws, (1, self.params["bi"]), bias=self.bias)
+            y = fp8_gemm(x, self.w, self.ws, (1, self.params["bi"]), bias=self.bias, xs=getattr(self, "xs", None))
         elif self.kind == "int8":
             from gpu.kernels.triton.int8_gemm import int8_gemm
-            y = int8_gemm(x, self.w, self.ws, bias=self.bias)
+            y = int8_gemm(x, self.w, self.ws, bias=self.bias, xs=getattr(self, "xs", None))
         else:
             from gpu.kernels.triton.wna16_gemm import wna16_gemm
             y = wna16_gemm(x, self.qweight, self.scales, self.zeros, self.params["group"], self.params["bits"],
@@ -174,7 +176,7 @@ class KernelForms:
         self.lm = lm
         self.modules: dict[str, tuple[nn.Module, str, tuple[str, ...]]] = {}   # HF part -> its module
         self.forms: dict[str, dict] = {}          # parts formed, their module not yet complete
-        self.installed, self.dense, self.kinds = 0, 0, {}
+        self.installed, self.dense, self.kinds, self.static = 0, 0, {}, 0
         self.candidates = []
         for i, layer in enumerate(lm.layers):
             for owner_name, module, parts in _MERGED:
@@ -212,12 +214,14 @@ class KernelForms:
         parts = kernel_parts()
         form = None
         if parts is not None:
-            kind, q, scale = parts
+            kind, q, scale, *static = parts
             scale = scale.float()
             if scale.dim() < 2:
                 scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1)
             scale = scale.expand(q.shape)
             form = make_form(kind, _narrow(self.lm, prefix, q), _narrow(self.lm, prefix, scale))
+            if form is not None and static and static[0] is not None and kind in ("fp8", "int8"):
+                form["xs"] = static[0].float().reshape(1).to(q.device)
             del parts, q, scale
         if form is None:
             return False, self._fall_back(owner, module, names)
@@ -231,6 +235,7 @@ class KernelForms:
             linear = getattr(owner, module)
             setattr(owner, module, QuantLinear(merged, linear.in_features, linear.bias, linear.weight.dtype))
             self.installed += 1
+            self.static += "xs" in merged
             self.kinds[merged["kind"]] = self.kinds.get(merged["kind"], 0) + 1
         return True, []
 

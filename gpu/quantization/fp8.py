@@ -94,7 +94,11 @@ class FP8(LinearFormat):
         self.skip = tuple(config.get("ignored_layers") or config.get("modules_to_not_convert") or ())
 
     def required(self, prefix: str) -> tuple[str, ...]:
-        return ("weight", "weight_scale_inv" if self.block else "weight_scale")
+        return ("weight", "weight_scale_inv" if self.block else "weight_scale") + (
+            ("input_scale",) if self.static_activations(prefix) else ())
+
+    def static_activations(self, prefix: str) -> bool:
+        return self.activations == "static"
 
     def ignored(self, prefix: str) -> bool:
         short = prefix.removeprefix("model.")
@@ -108,7 +112,7 @@ class FP8(LinearFormat):
     def kernel_parts(self, prefix, parts):
         scale = parts["weight_scale_inv"] if self.block else parts["weight_scale"]
         w = parts["weight"]
-        return "fp8", w, expand_scale(scale, *w.shape, self.block)
+        return "fp8", w, expand_scale(scale, *w.shape, self.block), self.input_scale(prefix, parts)
 
     def scheme(self) -> str:
         scales = f"{self.block[0]}x{self.block[1]} block-scaled" if self.block else "per-tensor-scaled"
