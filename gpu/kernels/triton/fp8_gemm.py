@@ -149,3 +149,8 @@ def aot_cases():
         fp8_gemm(torch.zeros(4, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn),
                  torch.zeros(1, 1), (6144, 4096), bias=torch.zeros(6144, dtype=torch.bfloat16))
     yield "fp8_gemm[per-tensor + bias,bf16,4 tokens]", ["_fp8_gemm_kernel"], per_tensor
+
+    def static():
+        fp8_gemm(torch.zeros(4, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn),
+                 torch.zeros(1, 1), (6144, 4096), xs=torch.ones(1))
+    yield "fp8_gemm[per-tensor, static activation scale,bf16,4 tokens]", ["_fp8_gemm_kernel"], static

@@ -125,3 +125,8 @@ def aot_cases():
                 int8_gemm(torch.zeros(tokens, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int8),
                           torch.zeros(n))
             yield f"int8_gemm[qwen3-8b-w8a8,bf16,{proj},{tokens} tokens]", ["_int8_gemm_kernel"], launch
+
+    def static():
+        int8_gemm(torch.zeros(4, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.int8),
+                  torch.zeros(6144), xs=torch.ones(1))
+    yield "int8_gemm[static activation scale,bf16,4 tokens]", ["_int8_gemm_kernel"], static
