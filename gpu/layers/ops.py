@@ -19,7 +19,6 @@ from torch import nn
 
 from gpu.config.model import ModelConfig
 
-
 _DEFERRED = threading.local()
 
 

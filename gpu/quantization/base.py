@@ -18,6 +18,7 @@ columns as it cuts any other (dequantize-then-shard: exact, and every format sha
 
 from __future__ import annotations
 
+import functools
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -288,7 +289,7 @@ class LinearFormat(QuantMethod):
                 done.add(prefix)
                 self.count += 1
                 if self.forms is not None:
-                    kept, formed = self.forms.take(prefix, lambda: self.kernel_parts(prefix, parts))
+                    kept, formed = self.forms.take(prefix, functools.partial(self.kernel_parts, prefix, parts))
                     yield from formed     # its module fell back to a dense weight: the parts formed before
                     if kept:
                         continue          # in its kernel form: never expanded to a dense weight

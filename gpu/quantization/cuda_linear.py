@@ -251,7 +251,7 @@ class KernelForms:
     def summary(self) -> tuple[int, int, dict[str, int]]:
         """(linears now quantized, linears left dequantized, count per kind)."""
         if self.forms:
-            raise ValueError(f"the checkpoint lacks part of a quantized module: {sorted(self.forms)[0]!r} has no "
+            raise ValueError(f"the checkpoint lacks part of a quantized module: {min(self.forms)!r} has no "
                              "sibling (q/k/v or gate/up) beside it")
         return self.installed, self.dense, self.kinds
 

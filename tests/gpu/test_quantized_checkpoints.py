@@ -303,7 +303,7 @@ def test_cuda_linears_quantize_activations_by_the_static_input_scale(case, check
     loaded = load_model(tmp_path / "static", dtype="float32", progress=False)
     assert f"(8 {kind}) (activations quantized per token in the kernel; in 8 by the checkpoint's static" in loaded.weights
     shared = {}
-    for n, s in own.items():
+    for n in own:
         group = ("q_proj", "k_proj", "v_proj") if n.endswith(("q_proj", "k_proj", "v_proj")) else (
             ("gate_proj", "up_proj") if n.endswith(("gate_proj", "up_proj")) else (n.rsplit(".", 1)[1],))
         shared[n] = max(own[n.rsplit(".", 1)[0] + "." + g] for g in group)

@@ -15,7 +15,7 @@ from gpu.loader.decoder import load_model
 from gpu.quantization import cuda_linear
 from tests.support.quantized_checkpoints import make_quantized
 
-SHAPE = dict(num_hidden_layers=6, hidden_size=128, intermediate_size=256)
+SHAPE = {"num_hidden_layers": 6, "hidden_size": 128, "intermediate_size": 256}
 LARGEST_PART = 128 * 256          # gate, up or down: the largest single linear, in elements
 # a part's transient expansion while its form is made: its integers (int64), its scale per
 # element (fp32) and the repacking's intermediates; measured 32 bytes an element (AWQ)
