@@ -10,6 +10,8 @@ in place.
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -17,16 +19,34 @@ from torch import nn
 
 from gpu.config.model import ModelConfig
 
+_DEFERRED = threading.local()
+
+
+@contextmanager
+def weights_deferred(on: bool = True):
+    """While on, skip_init leaves every `weight` parameter on the meta device (no memory): a
+    pre-quantized checkpoint's load on CUDA (gpu/quantization/cuda_linear.py KernelForms) builds
+    the model so, then gives real storage to the weights that stay dense and none to the
+    linears it replaces by their packed form."""
+    before = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = on
+    try:
+        yield
+    finally:
+        _DEFERRED.on = before
+
 
 def skip_init(cls, *args, device=None, dtype=None, **kwargs):
     """cls(*args, **kwargs) with its parameters allocated on `device` and left uninitialized.
     torch.nn.utils.skip_init does the same through to_empty, whose empty_like on meta
     tensors runs torch's Python reference and imports sympy on its first call: 0.5 s of
-    every process start. Here each parameter is a plain torch.empty."""
+    every process start. Here each parameter is a plain torch.empty (a weight under
+    weights_deferred: left on the meta device)."""
     m = cls(*args, device="meta", dtype=dtype, **kwargs)
+    deferred = getattr(_DEFERRED, "on", False)
     for mod in m.modules():
         for name, p in mod._parameters.items():
-            if p is not None:
+            if p is not None and not (deferred and name == "weight"):
                 mod._parameters[name] = nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
     return m

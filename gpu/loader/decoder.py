@@ -19,6 +19,7 @@ from gpu.formats import hf as weights_hf
 from gpu.config.model import ModelConfig
 from gpu.config.overrides import apply_hf_overrides
 from gpu.models.causal_lm import CausalLM
+from gpu.layers.ops import weights_deferred
 from gpu.parallel import SINGLE, TP
 from gpu.tokenizers.tokenizer import Tokenizer, tokenizer_from_hf_dir
 from gpu.tokenizers.files import default_model_path
@@ -176,10 +177,11 @@ def load_model(
     torch_dtype = method.serving_dtype(torch_dtype)
 
     config = source.config
-    lm = model_class(config)(config, torch_dtype, device,
-                  packed_experts=method.packs_experts(experts, config, device, load_format == "dummy"),
-                  residual_dtype=torch.float32 if method.forces_fp32() else choose_residual_dtype(residual_dtype, torch_dtype, device)[0],
-                  tp=tp)
+    with weights_deferred(method.defers_weights()):    # the quantized linears: no dense copy on CUDA
+        lm = model_class(config)(config, torch_dtype, device,
+                      packed_experts=method.packs_experts(experts, config, device, load_format == "dummy"),
+                      residual_dtype=torch.float32 if method.forces_fp32() else choose_residual_dtype(residual_dtype, torch_dtype, device)[0],
+                      tp=tp)
     named_tensors, weights = method.prepare(lm, source, torch_dtype)
     if source.gguf is not None:
         weights += f"; {source.gguf.template_note}"

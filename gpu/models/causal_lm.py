@@ -439,7 +439,9 @@ class CausalLM(nn.Module):
             if self.config.norm_unit_offset and hf_name.endswith("norm.weight"):
                 tensor = tensor.float() + 1.0    # Gemma's (1 + w), in fp32 as transformers adds it
             target, rows = self._destination(hf_name)
-            if target not in params:
+            if target not in params or params[target].is_meta:   # is_meta: a weight given its storage since
+                params = dict(self.named_parameters())
+            if target not in params or params[target].is_meta:
                 raise ValueError(f"unexpected weight {hf_name!r} for a {self.config.architecture} model")
             dst = params[target].data[rows]
             if target in ("embed_tokens.weight", "lm_head.weight"):
@@ -453,6 +455,7 @@ class CausalLM(nn.Module):
             with torch.no_grad():
                 dst.copy_(tensor)
             missing.discard(_to_hf(hf_name.removeprefix("model.")))
+        missing &= set(self.hf_weight_names())    # less the weights a quantized format took (cuda_linear)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")
 

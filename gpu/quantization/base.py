@@ -18,6 +18,7 @@ columns as it cuts any other (dequantize-then-shard: exact, and every format sha
 
 from __future__ import annotations
 
+import functools
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -46,6 +47,11 @@ class QuantMethod(ABC):
 
     def serving_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
+
+    def defers_weights(self) -> bool:
+        """Whether the model is built with its linears' weights on the meta device (gpu/layers/ops.py
+        weights_deferred), for prepare to give storage to those that stay dense."""
+        return False
 
     def forces_fp32(self) -> bool:
         """Whether activations and the residual stream must be float32 (packed CPU kernels)."""
@@ -112,9 +118,24 @@ class LinearFormat(QuantMethod):
         return None
 
     def kernel_parts(self, prefix: str, parts: dict[str, torch.Tensor]):
-        """(kind, q [out, in], scale broadcastable to [out, in]) for cuda_linear, or None."""
+        """(kind, q [out, in], scale broadcastable to [out, in], the static activation scale or
+        None) for cuda_linear, or None."""
         kind = self.kernel_kind(prefix)
-        return None if kind is None else (kind, *self.integers(prefix, parts))
+        return None if kind is None else (kind, *self.integers(prefix, parts), self.input_scale(prefix, parts))
+
+    def static_activations(self, prefix: str) -> bool:
+        """Whether linear `prefix`'s activations are quantized by the checkpoint's NAME.input_scale
+        (then a required tensor) instead of per token."""
+        return False
+
+    def input_scale(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        if not self.static_activations(prefix):
+            return None
+        s = parts["input_scale"]
+        if s.numel() != 1:
+            raise ValueError(f"{self.name}: {prefix + '.input_scale'!r} has {s.numel()} values; a static "
+                             "activation scale is one per tensor")
+        return s.float().reshape(1)
 
     def integers(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """An integer-grid format's linear as (n [out, in] integers, scale broadcastable to
@@ -148,19 +169,26 @@ class LinearFormat(QuantMethod):
     def serving_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if self.pack else dtype
 
+    def defers_weights(self) -> bool:
+        return self.gpu_kernels
+
     def forces_fp32(self) -> bool:
         return self.pack
 
     def finish(self, lm, words: str) -> str:
         if self.forms is not None:
-            installed, dense, kinds = self.forms.install()
-            self.forms = None
+            installed, dense, kinds = self.forms.summary()
             what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none"
             rest = (f"; {dense} dequantized at load (scales no kernel form takes: act-order groups, e5m2, "
                     "FP8 groups finer than 128)" if dense else "")
-            acts = (" (activations quantized per token in the kernel)" if {"fp8", "int8"} & set(kinds) else "")
+            acts = ""
+            if {"fp8", "int8"} & set(kinds):
+                static = self.forms.static
+                acts = (" (activations quantized per token in the kernel" +
+                        (f"; in {static} by the checkpoint's static input_scale)" if static else ")"))
             return (f"{words.split(';')[0]}; {self.scheme()}: {installed} of {installed + dense} decoder linears "
                     f"kept quantized and run by the Triton GEMMs ({what}){acts}{rest}; the rest dense")
+            self.forms = None
         if not self.pack:
             return words
         from gpu.kernels.cpu import layer as cpu_layer
@@ -224,6 +252,7 @@ class LinearFormat(QuantMethod):
         if self.gpu_kernels:
             from gpu.quantization.cuda_linear import KernelForms
             self.forms = KernelForms(lm)
+            self.forms.reserve(self.quantized)
         where = "CPU" if lm.embed_tokens.weight.device.type == "cpu" else "GPU"
         return source.named_tensors, (
             f"{_dtype_name(dtype)} weights; {len(self.quantized)} {self.scheme()} linears dequantized "
@@ -260,7 +289,10 @@ class LinearFormat(QuantMethod):
                 done.add(prefix)
                 self.count += 1
                 if self.forms is not None:
-                    self.forms.take(prefix, self.kernel_parts(prefix, parts))
+                    kept, formed = self.forms.take(prefix, functools.partial(self.kernel_parts, prefix, parts))
+                    yield from formed     # its module fell back to a dense weight: the parts formed before
+                    if kept:
+                        continue          # in its kernel form: never expanded to a dense weight
                 yield prefix + ".weight", self.dequantize(prefix, parts, dtype)
         for prefix, parts in pending.items():
             lacking = [s for s in self.required(prefix) if s not in parts]

@@ -19,8 +19,10 @@ The formats (compressed-tensors' compressors, read in its source):
 Scales: per tensor ([1]), per channel ([out, 1]), per group ([out, in / g]) or per block
 ([ceil(out / bo), ceil(in / bi)]). w = (q - zero_point) * scale.
 
-Input activation scales (NAME.input_scale, static W8A8 or FP8) are read and dropped: the
-linears run dequantized, their activations in the serving dtype.
+Input activation scales (NAME.input_scale: `dynamic: false`, compressed-tensors' default,
+static W8A8 or FP8) are required; on CUDA the INT8 and FP8 GEMMs quantize activations by them
+(gpu/quantization/cuda_linear.py); dequantized (on a CPU) they are dropped and activations stay in
+the serving dtype.
 """
 
 from __future__ import annotations
@@ -108,7 +110,13 @@ class CompressedTensors(LinearFormat):
             need += ("weight_zero_point",)
         if w.get("actorder") == "group":
             need += ("weight_g_idx",)
+        if self.static_activations(prefix):
+            need += ("input_scale",)
         return need
+
+    def static_activations(self, prefix: str) -> bool:
+        acts = self.group(prefix)[4]
+        return bool(acts) and not acts.get("dynamic", False)   # compressed-tensors' default: static
 
     def dequantize(self, prefix, parts, dtype):
         w = self.group(prefix)[3]
@@ -128,7 +136,8 @@ class CompressedTensors(LinearFormat):
         w = self.group(prefix)[3]
         if w.get("type", "int") == "float":
             q = parts["weight"]
-            return "fp8", q, _strategy_scale(parts["weight_scale"], w, *q.shape, parts.get("weight_g_idx"))
+            return ("fp8", q, _strategy_scale(parts["weight_scale"], w, *q.shape, parts.get("weight_g_idx")),
+                    self.input_scale(prefix, parts))
         return super().kernel_parts(prefix, parts)
 
     def integers(self, prefix, parts):

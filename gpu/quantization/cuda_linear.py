@@ -23,14 +23,10 @@ parts' forms along the output rows.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 _GROUPS = (1024, 512, 256, 128, 64, 32, 16, 8)
-# the HF linears install() replaces (repack._MERGED's parts)
-_INSTALLED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
 FP8_GROUP = 128
 
 
@@ -104,14 +100,16 @@ def make_form(kind: str, q: torch.Tensor, scale: torch.Tensor) -> dict | None:
 def merge(forms: list[dict]) -> dict | None:
     """Parts of one merged module (q, k, v or gate, up) -> one form along the output rows."""
     first = forms[0]
-    if first is None:
+    if first is None or any(("xs" in f) != ("xs" in first) for f in forms if f is not None):
         return None
     keys = [k for k, v in first.items() if not isinstance(v, torch.Tensor)]
     if any(f is None or any(f[k] != first[k] for k in keys) for f in forms):
         return None
     merged = dict((k, first[k]) for k in keys)
     for k, v in first.items():
-        if isinstance(v, torch.Tensor):
+        if k == "xs":     # one activation scale for the parts' one input: the largest (vLLM's choice)
+            merged[k] = torch.stack([f[k] for f in forms]).amax(0)
+        elif isinstance(v, torch.Tensor):
             dim = 0 if k in ("w", "ws") else 1      # fp8 / int8: [N, ...]; wna16: [..., N]
             merged[k] = torch.cat([f[k] for f in forms], dim).contiguous()
     return merged
@@ -129,7 +127,8 @@ class QuantLinear(nn.Module):
                 self.register_buffer(k, v)
         self.in_features = in_features
         self.out_features = (form["w"].shape[0] if "w" in form else form["qweight"].shape[1])
-        self.bias = bias
+        # a parameter (load_weights fills it by name, in the storage the dense linear's bias had)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,10 +139,10 @@ class QuantLinear(nn.Module):
         x = x.contiguous()
         if self.kind == "fp8":
             from gpu.kernels.triton.fp8_gemm import fp8_gemm
-            y = fp8_gemm(x, self.w, self.ws, (1, self.params["bi"]), bias=self.bias)
+            y = fp8_gemm(x, self.w, self.ws, (1, self.params["bi"]), bias=self.bias, xs=getattr(self, "xs", None))
         elif self.kind == "int8":
             from gpu.kernels.triton.int8_gemm import int8_gemm
-            y = int8_gemm(x, self.w, self.ws, bias=self.bias)
+            y = int8_gemm(x, self.w, self.ws, bias=self.bias, xs=getattr(self, "xs", None))
         else:
             from gpu.kernels.triton.wna16_gemm import wna16_gemm
             y = wna16_gemm(x, self.qweight, self.scales, self.zeros, self.params["group"], self.params["bits"],
@@ -152,13 +151,7 @@ class QuantLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] in fp32 as the kernel reads it (tests)."""
-        if self.kind == "fp8":
-            from gpu.kernels.triton.fp8_gemm import expand_block_scales
-            return self.w.float() * expand_block_scales(self.ws, tuple(self.w.shape), (1, self.params["bi"]))
-        if self.kind == "int8":
-            return self.w.float() * self.ws[:, None]
-        from gpu.kernels.triton.wna16_gemm import unpack
-        return unpack(self.qweight, self.scales, self.zeros, self.params["group"], self.params["bits"])
+        return form_weight(dict(kind=self.kind, **self.params, **dict(self.named_buffers())))
 
     def weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -168,49 +161,107 @@ class QuantLinear(nn.Module):
 
 
 class KernelForms:
-    """During a CUDA load: each quantized HF linear's kernel form, cut to this rank (take);
-    after it, the merged modules replaced by QuantLinears (install)."""
+    """A CUDA load that never holds the model expanded: the decoder linears whose every part is
+    quantized were built with no dense weight (gpu/layers/ops.py weights_deferred: on the meta
+    device); each part's kernel form is made from its checkpoint tensors as they arrive (cut to
+    this rank), and a merged module becomes a QuantLinear as soon as its last part's form is in.
+    At most one part is expanded at a time (its integers and scales, while its form is made).
+    A module whose scales fit no form gets its dense weight then (the parts already formed are
+    dequantized into it from their forms) and loads as any dense linear."""
 
     def __init__(self, lm):
-        self.lm = lm
-        self.forms: dict[str, dict | None] = {}
-
-    def take(self, prefix: str, parts) -> None:
-        if not _INSTALLED.fullmatch(prefix):
-            return      # experts, MLA's projections: dequantized at load (no kernel form for them yet)
-        if parts is None:
-            self.forms[prefix] = None
-            return
-        kind, q, scale = parts
-        scale = scale.float()
-        if scale.dim() < 2:
-            scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1)
-        scale = scale.expand(q.shape)
-        self.forms[prefix] = make_form(kind, _narrow(self.lm, prefix, q), _narrow(self.lm, prefix, scale))
-
-    def install(self) -> tuple[int, int, dict[str, int]]:
-        """(linears now quantized, linears left dequantized, count per kind)."""
+        from gpu.models.causal_lm import MLP, Attention
         from gpu.quantization.repack import _MERGED
-        from gpu.models.causal_lm import MLP
 
-        installed = dense = 0
-        kinds: dict[str, int] = {}
-        for i, layer in enumerate(self.lm.layers):
+        self.lm = lm
+        self.modules: dict[str, tuple[nn.Module, str, tuple[str, ...]]] = {}   # HF part -> its module
+        self.forms: dict[str, dict] = {}          # parts formed, their module not yet complete
+        self.installed, self.dense, self.kinds, self.static = 0, 0, {}, 0
+        self.candidates = []
+        for i, layer in enumerate(lm.layers):
             for owner_name, module, parts in _MERGED:
                 owner = getattr(layer, owner_name, None)
-                if owner is None or (owner_name == "mlp" and not isinstance(owner, MLP)):
-                    continue
-                names = [f"model.layers.{i}.{owner_name}.{p}" for p in parts]
-                if not all(n in self.forms for n in names):
-                    continue
-                form = merge([self.forms.pop(n) for n in names])
-                if form is None:
-                    dense += 1
-                    continue
-                linear = getattr(owner, module)
-                bias = None if linear.bias is None else linear.bias.detach()
-                setattr(owner, module, QuantLinear(form, linear.in_features, bias, linear.weight.dtype))
-                installed += 1
-                kinds[form["kind"]] = kinds.get(form["kind"], 0) + 1
-        self.forms.clear()
-        return installed, dense, kinds
+                if isinstance(owner, Attention if owner_name == "self_attn" else MLP):
+                    self.candidates.append((owner, module, tuple(f"model.layers.{i}.{owner_name}.{p}" for p in parts)))
+
+    def reserve(self, quantized: set[str]) -> None:
+        """Keep the weights of the modules all of whose parts are in `quantized` without storage;
+        give every other deferred weight its storage."""
+        kept = set()
+        for owner, module, names in self.candidates:
+            if all(n in quantized for n in names):
+                kept.add(id(getattr(owner, module)))
+                for n in names:
+                    self.modules[n] = (owner, module, names)
+        device = self.lm.embed_tokens.weight.device
+        for mod in self.lm.modules():
+            if id(mod) not in kept:
+                for name, p in mod._parameters.items():
+                    if p is not None and p.is_meta:
+                        mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                             requires_grad=p.requires_grad)
+
+    def take(self, prefix: str, kernel_parts) -> tuple[bool, list[tuple[str, torch.Tensor]]]:
+        """Linear `prefix`'s tensors (kernel_parts(): the format's (kind, q, scale), or None) ->
+        (whether it is kept in its kernel form, not to be loaded dense; the dense weights to load
+        for parts formed earlier whose module has just fallen back, cut to this rank)."""
+        entry = self.modules.get(prefix)
+        if entry is None:
+            return False, []   # experts, MLA's projections, partly quantized modules: dequantized at load
+        owner, module, names = entry
+        if not getattr(owner, module).weight.is_meta:
+            return False, []   # its module already fell back to a dense weight
+        parts = kernel_parts()
+        form = None
+        if parts is not None:
+            kind, q, scale, *static = parts
+            scale = scale.float()
+            if scale.dim() < 2:
+                scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1)
+            scale = scale.expand(q.shape)
+            form = make_form(kind, _narrow(self.lm, prefix, q), _narrow(self.lm, prefix, scale))
+            if form is not None and static and static[0] is not None and kind in ("fp8", "int8"):
+                form["xs"] = static[0].float().reshape(1).to(q.device)
+            del parts, q, scale
+        if form is None:
+            return False, self._fall_back(owner, module, names)
+        self.forms[prefix] = form
+        if all(n in self.forms for n in names):
+            merged = merge([self.forms[n] for n in names])
+            if merged is None:
+                return True, self._fall_back(owner, module, names)
+            for n in names:
+                del self.forms[n]
+            linear = getattr(owner, module)
+            setattr(owner, module, QuantLinear(merged, linear.in_features, linear.bias, linear.weight.dtype))
+            self.installed += 1
+            self.static += "xs" in merged
+            self.kinds[merged["kind"]] = self.kinds.get(merged["kind"], 0) + 1
+        return True, []
+
+    def _fall_back(self, owner: nn.Module, module: str, names: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
+        """Give the module its dense weight's storage; the parts formed so far, dequantized."""
+        linear = getattr(owner, module)
+        meta = linear.weight
+        linear.weight = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=self.lm.embed_tokens.weight.device),
+                                     requires_grad=meta.requires_grad)
+        self.dense += 1
+        return [(n + ".weight", form_weight(self.forms.pop(n)).to(meta.dtype)) for n in names if n in self.forms]
+
+    def summary(self) -> tuple[int, int, dict[str, int]]:
+        """(linears now quantized, linears left dequantized, count per kind)."""
+        if self.forms:
+            raise ValueError(f"the checkpoint lacks part of a quantized module: {min(self.forms)!r} has no "
+                             "sibling (q/k/v or gate/up) beside it")
+        return self.installed, self.dense, self.kinds
+
+
+def form_weight(form: dict) -> torch.Tensor:
+    """A kernel form's weight [out, in] in fp32, as its kernel reads it."""
+    if form["kind"] == "fp8":
+        from gpu.kernels.triton.fp8_gemm import expand_block_scales
+        return form["w"].float() * expand_block_scales(form["ws"], tuple(form["w"].shape), (1, form["bi"]))
+    if form["kind"] == "int8":
+        return form["w"].float() * form["ws"][:, None]
+    from gpu.kernels.triton.wna16_gemm import unpack
+    return unpack(form["qweight"], form["scales"], form["zeros"], form["group"], form["bits"])

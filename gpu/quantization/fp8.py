@@ -32,6 +32,9 @@ def expand_scale(scale: torch.Tensor, out: int, cols: int, block: tuple[int, int
     s = scale.float()
     if s.numel() == 1:
         return s.reshape(1, 1)
+    if block is not None and s.dim() == 2 and tuple(s.shape) == (-(-out // block[0]), -(-cols // block[1])):
+        bo, bi = block      # before the per-channel reading: [ceil(out/bo), 1] blocks when cols <= bi
+        return s.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :cols]
     if s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1):
         if s.shape[0] != out:
             raise ValueError(f"a per-channel scale of {tuple(scale.shape)} for {out} rows")
@@ -91,7 +94,11 @@ class FP8(LinearFormat):
         self.skip = tuple(config.get("ignored_layers") or config.get("modules_to_not_convert") or ())
 
     def required(self, prefix: str) -> tuple[str, ...]:
-        return ("weight", "weight_scale_inv" if self.block else "weight_scale")
+        return ("weight", "weight_scale_inv" if self.block else "weight_scale") + (
+            ("input_scale",) if self.static_activations(prefix) else ())
+
+    def static_activations(self, prefix: str) -> bool:
+        return self.activations == "static"
 
     def ignored(self, prefix: str) -> bool:
         short = prefix.removeprefix("model.")
@@ -105,7 +112,7 @@ class FP8(LinearFormat):
     def kernel_parts(self, prefix, parts):
         scale = parts["weight_scale_inv"] if self.block else parts["weight_scale"]
         w = parts["weight"]
-        return "fp8", w, expand_scale(scale, *w.shape, self.block)
+        return "fp8", w, expand_scale(scale, *w.shape, self.block), self.input_scale(prefix, parts)
 
     def scheme(self) -> str:
         scales = f"{self.block[0]}x{self.block[1]} block-scaled" if self.block else "per-tensor-scaled"

@@ -271,6 +271,57 @@ def test_cuda_linears_keep_the_format_and_run_the_triton_gemms(case, checkpoints
     assert float((got - expected).abs().max()) < LOGIT_BOUND[kind] * max(1.0, float(expected.abs().max()))
 
 
+def _static(config):
+    """compressed-tensors W8A8 with static per-tensor activation scales (`dynamic: false`)."""
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    acts = {**group["input_activations"], "strategy": "tensor", "dynamic": False}
+    return {**config, "quantization_config": {**config["quantization_config"], "config_groups": {
+        "group_0": {**group, "input_activations": acts}}}}
+
+
+STATIC_ROUNDING = {   # x -> what the kernel multiplies, given the static scale s
+    "fp8-tensor-llama": lambda x, s: (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s,
+    "ct-w8a8-llama": lambda x, s: torch.round(x / s).clamp(-128, 127) * s,
+}
+
+
+@pytest.mark.parametrize("case", STATIC_ROUNDING)
+def test_cuda_linears_quantize_activations_by_the_static_input_scale(case, checkpoints, kernels_on_cpu, tmp_path):
+    """fp8 `activation_scheme: static`, compressed-tensors `dynamic: false`: each linear's
+    input_scale (rewritten here to differ from part to part) quantizes its activations in the
+    FP8 or INT8 GEMM, a merged module's parts (q, k, v; gate, up) sharing their largest (vLLM's
+    choice). The torch reference: transformers' dequantized model with every linear's input
+    rounded as the static scale says (e4m3 of clamp(x / s, -448, 448), or int8 of round(x / s),
+    times s)."""
+    path, hf = checkpoints[case]
+    kind = "fp8" if case.startswith("fp8") else "int8"
+    parts = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    own = {f"model.layers.{i}.{o}.{p}": 0.008 + 0.002 * j + 0.001 * i
+           for i in range(2) for o, ps in parts.items() for j, p in enumerate(ps)}
+    _rewrite(path, tmp_path / "static", add={f"{n}.input_scale": torch.tensor(s) for n, s in own.items()},
+             config=_static if kind == "int8" else None)
+    loaded = load_model(tmp_path / "static", dtype="float32", progress=False)
+    assert f"(8 {kind}) (activations quantized per token in the kernel; in 8 by the checkpoint's static" in loaded.weights
+    shared = {}
+    for n in own:
+        group = ("q_proj", "k_proj", "v_proj") if n.endswith(("q_proj", "k_proj", "v_proj")) else (
+            ("gate_proj", "up_proj") if n.endswith(("gate_proj", "up_proj")) else (n.rsplit(".", 1)[1],))
+        shared[n] = max(own[n.rsplit(".", 1)[0] + "." + g] for g in group)
+    assert float(loaded.model.layers[1].self_attn.qkv_proj.xs) == pytest.approx(shared["model.layers.1.self_attn.v_proj"])
+
+    def rounded(s):
+        return lambda module, args: (STATIC_ROUNDING[case](args[0].float(), s),)
+    hooks = [hf.get_submodule(n).register_forward_pre_hook(rounded(s)) for n, s in shared.items()]
+    try:
+        expected = hf_logits(hf, IDS[:6])
+    finally:
+        for h in hooks:
+            h.remove()
+    got = our_logits(loaded.model, IDS[:6])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert float((hf_logits(hf, IDS[:6]) - got).abs().max()) > 1e-3            # the rounding shows
+
+
 def test_cuda_linears_are_cut_per_rank_as_the_dense_weights(checkpoints, kernels_on_cpu):
     """--tensor-parallel-size 2: each rank's quantized linears hold exactly the rows (qkv,
     gate_up) or columns (o, down) its dequantized twin holds; a column cut through AWQ's

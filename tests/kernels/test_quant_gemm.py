@@ -75,3 +75,33 @@ def test_int8_per_channel_per_token(device, tol):
     torch.testing.assert_close(got.float(), want.float(), **tol(torch.bfloat16))
     exact = x.float() @ (w.float() * ws[:, None]).t() + b.float()
     assert _relative(got, exact) < 0.02                                      # 8-bit activations: ~0.5%
+
+
+def test_static_activation_scales(device, tol):
+    """A checkpoint's input_scale (FP8 `activation_scheme: static`, compressed-tensors
+    `dynamic: false`): every token quantized by the one scale, clipped where it overflows
+    (the scale below is half the batch's largest, so the largest rows saturate), against
+    torch's rounding with that scale, and unlike the dynamic scales' result."""
+    M, K, N = 4, 160, 40
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    x[2] *= 8
+    dense = torch.randn(N, K, generator=g) * 0.05
+    ws8 = dense.abs().amax(1, keepdim=True) / 448.0
+    w8 = (dense / ws8).to(torch.float8_e4m3fn)
+    xs = (x.float().abs().amax() / 448.0 / 2).reshape(1)
+    got = fp8_gemm(x.to(device), w8.to(device), ws8.contiguous().to(device), (1, 10 ** 9), xs=xs.to(device)).cpu()
+    xq = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn).float() * xs
+    want = xq @ (w8.float() * ws8).t()
+    torch.testing.assert_close(got.float(), want, **tol(torch.bfloat16))
+    torch.testing.assert_close(got, fp8_gemm_ref(x, w8, ws8, (1, 10 ** 9), xs=xs), **tol(torch.bfloat16))
+    assert _relative(got, fp8_gemm_ref(x, w8, ws8, (1, 10 ** 9))) > 0.01     # the clipped rows differ
+
+    wi = torch.randint(-127, 128, (N, K), generator=g).to(torch.int8)
+    wsi = torch.rand(N, generator=g) * 1e-3 + 1e-4
+    xs = (x.float().abs().amax() / 127.0 / 2).reshape(1)
+    got = int8_gemm(x.to(device), wi.to(device), wsi.to(device), xs=xs.to(device)).cpu()
+    xq = torch.round(x.float() / xs).clamp(-128, 127)
+    want = (xq.double() @ wi.double().t()).float() * xs * wsi[None, :]
+    torch.testing.assert_close(got.float(), want, **tol(torch.bfloat16))
+    assert _relative(got, int8_gemm_ref(x, wi, wsi)) > 0.01

@@ -6,7 +6,9 @@ and Qwen3-*-FP8's recipe, and the per-tensor / per-channel FP8 checkpoints' weig
             per channel (bo = 1, bi >= K) or per tensor (bo >= N, bi >= K); bi a multiple of
             GROUP = 128 or at least K, so one weight scale covers each K tile
     x       [M, K] in the serving dtype, quantized in the kernel per token and per group of
-            GROUP columns: sa = max|x[m, group]| / 448, xq = e4m3(x / sa)
+            GROUP columns: sa = max|x[m, group]| / 448, xq = e4m3(x / sa); or, with a static
+            scale xs [1] (a checkpoint's input_scale), sa = xs for every token and group,
+            xq = e4m3(clamp(x / xs, -448, 448))
 
     out[m, n] = sum over groups g of sa[m, g] * ws[n // bo, g // bi] * (xq[m, g] . w[n, g])
 
@@ -31,8 +33,8 @@ E4M3_MAX = 448.0
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, bo, bi, ws_cols, stride_xm, stride_om,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, xs_ptr, bias_ptr, out_ptr, M, N, K, bo, bi, ws_cols, stride_xm, stride_om,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, STATIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -48,7 +50,10 @@ def _fp8_gemm_kernel(
         k_mask = ks < K
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)      # [BM, BK]
-        sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0                             # [BM]
+        if STATIC:
+            sa = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr)                      # [BM]
+        else:
+            sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0                         # [BM]
         v = tl.clamp(a / sa[:, None], -448.0, 448.0)
         if UPCAST:
             aq = round_e4m3(v)
@@ -76,9 +81,9 @@ def _pick_blocks(m: int, n: int) -> dict:
 
 
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int],
-             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K]; w float8_e4m3fn [N, K]; ws fp32 [ceil(N/bo), ceil(K/bi)]; block (bo, bi)
-    -> [M, N] in x.dtype."""
+             bias: torch.Tensor | None = None, xs: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K]; w float8_e4m3fn [N, K]; ws fp32 [ceil(N/bo), ceil(K/bi)]; block (bo, bi);
+    xs: a static activation scale, fp32 [1] (None: dynamic per token and group) -> [M, N] in x.dtype."""
     M, K = x.shape
     N = w.shape[0]
     bo, bi = block
@@ -87,23 +92,27 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[in
     assert ws.shape == (-(-N // bo), -(-K // bi)) and ws.dtype == torch.float32 and ws.is_contiguous(), \
         f"ws {tuple(ws.shape)} for [{N}, {K}] in {bo}x{bi} blocks"
     assert x.stride(1) == 1
+    assert xs is None or (xs.numel() == 1 and xs.dtype == torch.float32), "xs: one fp32 activation scale"
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
     cfg = _pick_blocks(M, N)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
     _fp8_gemm_kernel[grid](
-        x, w.view(torch.uint8), ws, bias if bias is not None else ws, out, M, N, K, min(bo, N), min(bi, K + GROUP),
-        ws.shape[1], x.stride(0), out.stride(0), HAS_BIAS=bias is not None, UPCAST=_INTERPRET, **cfg)
+        x, w.view(torch.uint8), ws, xs if xs is not None else ws, bias if bias is not None else ws, out, M, N, K,
+        min(bo, N), min(bi, K + GROUP), ws.shape[1], x.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        UPCAST=_INTERPRET, STATIC=xs is not None, **cfg)
     return out
 
 
-def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], scales fp32 [M, ceil(K / GROUP)]): the kernel's activations."""
+def quantize_groups(x: torch.Tensor, xs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], scales fp32 [M, ceil(K / GROUP)]): the kernel's activations
+    (xs: the static scale of every group)."""
     M, K = x.shape
     pad = -K % GROUP
     xf = torch.nn.functional.pad(x.float(), (0, pad)).reshape(M, -1, GROUP)
-    sa = xf.abs().amax(-1).clamp(min=1e-12) / E4M3_MAX
+    sa = (xf.abs().amax(-1).clamp(min=1e-12) / E4M3_MAX if xs is None
+          else xs.float().reshape(1, 1).expand(M, xf.shape[1]))
     q = (xf / sa[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(M, -1)[:, :K], sa
 
@@ -115,9 +124,9 @@ def expand_block_scales(ws: torch.Tensor, shape: tuple[int, int], block: tuple[i
     return ws.float().repeat_interleave(bo, 0)[:n].repeat_interleave(bi, 1)[:, :k]
 
 
-def fp8_gemm_ref(x, w, ws, block, bias=None):
+def fp8_gemm_ref(x, w, ws, block, bias=None, xs=None):
     """The kernel's sum in fp32 from torch's own e4m3 rounding of the activations."""
-    xq, sa = quantize_groups(x)
+    xq, sa = quantize_groups(x, xs)
     K = x.shape[1]
     xr = xq.float() * sa.repeat_interleave(GROUP, 1)[:, :K]
     y = xr @ (w.float() * expand_block_scales(ws, w.shape, block)).t()
@@ -140,3 +149,8 @@ def aot_cases():
         fp8_gemm(torch.zeros(4, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn),
                  torch.zeros(1, 1), (6144, 4096), bias=torch.zeros(6144, dtype=torch.bfloat16))
     yield "fp8_gemm[per-tensor + bias,bf16,4 tokens]", ["_fp8_gemm_kernel"], per_tensor
+
+    def static():
+        fp8_gemm(torch.zeros(4, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn),
+                 torch.zeros(1, 1), (6144, 4096), xs=torch.ones(1))
+    yield "fp8_gemm[per-tensor, static activation scale,bf16,4 tokens]", ["_fp8_gemm_kernel"], static
