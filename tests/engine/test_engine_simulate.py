@@ -45,8 +45,8 @@ async def test_the_benchmark_splits_the_stand_ins_host_time():
     from pipeline.tools.bench import _bench
 
     cfg = EngineConfig(simulate_gpu="h200", max_model_len=256, max_num_seqs=4)
-    s = dict(num_prompts=4, input_len=16, min_input_len=16, output_len=8, min_output_len=8, seed=0,
-             ignore_eos=True)
+    s = {"num_prompts": 4, "input_len": 16, "min_input_len": 16, "output_len": 8, "min_output_len": 8,
+         "seed": 0, "ignore_eos": True}
     r = await _bench(cfg, s, 0.6)
     assert r["failed_requests"] == 0 and r["gpu_steps"] >= 8
     assert r["late_ms_per_step"] >= 0 and r["starved_ms_per_step"] > 0

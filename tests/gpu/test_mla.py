@@ -111,9 +111,9 @@ def test_expanded_prefill_equals_absorbed_under_chunking_and_a_prefix_cache_hit(
     attn.expand_prefill = False
     absorbed = _run_steps(attn, c, steps, cpu_kernels)
     assert calls == [0, 6, 12]
-    for sid in want:
+    for sid, ref in want.items():
         torch.testing.assert_close(expanded[sid], absorbed[sid], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(expanded[sid], want[sid], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(expanded[sid], ref, atol=1e-4, rtol=1e-4)
 
 
 def test_the_backend_names_a_steps_prefills_and_reads_a_context_back():
