@@ -486,8 +486,9 @@ class TritonPagedAttention:
         self.meta: AttentionMetadata | None = None
         self.fused_qkv = cache.k[0].is_cuda if cache.k else False
         self._sliding: AttentionMetadata | None = None
-        # MLA's latent cache: decode rows through gpu/kernels/triton/mla_decode.py, prefill
-        # rows through this torch path (SDPA over the latent, as on the CPU)
+        # MLA's latent cache: decode rows through gpu/kernels/triton/mla_decode.py; this torch
+        # path classifies a mixed step's rows and reads a prefill's latent context back
+        # (gpu/layers/mla.py expands it), or attends the prefills over the latent when asked
         self._latent_torch = TorchPagedAttention(cache, scale, cpu_kernels=False) if cache.latent else None
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -540,7 +541,8 @@ class TritonPagedAttention:
         """MLA (gpu/layers/mla.py): q [T, H, R + P] absorbed, k [T, 1, R + P] the new latent
         rows, v their first R columns -> [T, H, R]. A decode step is one kernel over device
         metadata alone (CUDA-graph safe); a mixed step's decode rows go through the kernel
-        and its prefills through SDPA over the latent."""
+        and its prefills through SDPA over the latent, unless prefills=False (gpu/layers/mla.py
+        expands them itself: their rows of the output are left unset)."""
         from gpu.kernels.triton.mla_decode import mla_decode
         kc, m, r = self.cache.k[layer], self.meta, self.cache.latent
         self._write_kv(k, k, kc, kc, m.slot_mapping)     # V is a view of K's first R columns
