@@ -306,7 +306,11 @@ class TorchPagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 sinks: torch.Tensor | None = None, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, prefills: bool = True) -> torch.Tensor:
+        """prefills=False (MLA's expanded prefill, gpu/layers/mla.py): every row's k/v written,
+        only the decode rows attended; the prefill rows of the output are left unset."""
+        if not prefills:
+            return self._attend(layer, q, k, v, None, None, skip_prefills=True)
         if layer in self.cache.sliding_layers:
             if layer == self.cache.first_sliding or self._sliding is None:
                 self._sliding = TorchPagedAttention(self.cache, self.scale,
@@ -315,7 +319,7 @@ class TorchPagedAttention:
             return self._sliding._attend(layer, q, k, v, sinks, window, softcap)
         return self._attend(layer, q, k, v, sinks, window, softcap)
 
-    def _attend(self, layer: int, q, k, v, sinks, window, softcap=None) -> torch.Tensor:
+    def _attend(self, layer: int, q, k, v, sinks, window, softcap=None, skip_prefills=False) -> torch.Tensor:
         meta = self.meta
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         flat_k = kc.view(-1, kc.shape[2], kc.shape[3])
@@ -328,14 +332,14 @@ class TorchPagedAttention:
             _store(flat_v, meta.slot_mapping, v, self.cache.v_scale[layer])
         if (self._c_args is not None and not softcap     # the C kernel has no soft-capping
                 and self._kernel_decode(layer, q, k, v, out, sinks, window)):
-            if not self._prefill_rows:
+            if not self._prefill_rows or skip_prefills:
                 return out
         else:
             if kernel_writes:   # it declined: nothing it may have written differs from these
                 _store(flat_k, meta.slot_mapping, k, self.cache.k_scale[layer])
                 _store(flat_v, meta.slot_mapping, v, self.cache.v_scale[layer])
             out = self._torch_decode(layer, q, out, sinks, window, softcap)
-            if not self._prefill_rows:
+            if not self._prefill_rows or skip_prefills:
                 return out
         return self._prefill(q, k, v, out, sinks, window, flat_k, flat_v, softcap,
                                  (self.cache.k_scale[layer], self.cache.v_scale[layer]))
@@ -347,6 +351,22 @@ class TorchPagedAttention:
         if not self._num_decode:
             return None
         return self._decode_rows, self._decode_blocks.view(self._num_decode, -1), self._decode_lens
+
+    def prefill_spans(self) -> tuple[tuple[int, int, int, int], ...]:
+        """The prepared step's sequences that attend as prefills (not as decode rows): (their
+        first query row, one past their last, their first position, their sequence index)."""
+        m = self.meta
+        return tuple((m.q_starts[r], m.q_starts[r + 1], m.start_positions[r], r) for r in self._prefill_rows)
+
+    def context(self, layer: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
+        """[ctx, Hkv, D]: the cached K rows of the step's sequence `seq`, positions 0 .. ctx - 1
+        (this step's written already), in dtype."""
+        m, bs = self.meta, self.cache.block_size
+        ctx = m.ctx_lens[seq]
+        table = m.block_tables[seq, :-(-ctx // bs)].to(torch.int64)
+        slots = (table[:, None] * bs + torch.arange(bs, device=table.device)).reshape(-1)[:ctx]
+        kc = self.cache.k[layer]
+        return _load(kc.view(-1, kc.shape[2], kc.shape[3]), slots, dtype, self.cache.k_scale[layer])
 
     def attend_prefills(self, layer: int, q, k, v, out) -> torch.Tensor:
         """out with the prepared step's prefill rows, their k/v written already (MLA on CUDA:
@@ -466,8 +486,9 @@ class TritonPagedAttention:
         self.meta: AttentionMetadata | None = None
         self.fused_qkv = cache.k[0].is_cuda if cache.k else False
         self._sliding: AttentionMetadata | None = None
-        # MLA's latent cache: decode rows through gpu/kernels/triton/mla_decode.py, prefill
-        # rows through this torch path (SDPA over the latent, as on the CPU)
+        # MLA's latent cache: decode rows through gpu/kernels/triton/mla_decode.py; this torch
+        # path classifies a mixed step's rows and reads a prefill's latent context back
+        # (gpu/layers/mla.py expands it), or attends the prefills over the latent when asked
         self._latent_torch = TorchPagedAttention(cache, scale, cpu_kernels=False) if cache.latent else None
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -498,19 +519,30 @@ class TritonPagedAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 sinks: torch.Tensor | None = None, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, prefills: bool = True) -> torch.Tensor:
         if self.cache.latent:
-            return self._latent_forward(layer, q, k, v)
+            return self._latent_forward(layer, q, k, v, prefills)
         self._write_kv(k, v, self.cache.k[layer], self.cache.v[layer],
                        self._layer_meta(layer, writing=True).slot_mapping,
                        self.cache.k_scale[layer], self.cache.v_scale[layer])
         return self.attend(layer, q, sinks=sinks, window=window, softcap=softcap)
 
-    def _latent_forward(self, layer: int, q, k, v) -> torch.Tensor:
+    def prefill_spans(self) -> tuple[tuple[int, int, int, int], ...]:
+        """MLA: TorchPagedAttention.prefill_spans (none in a decode-only step: no host work
+        there, so a captured decode graph stays valid)."""
+        if self._latent_torch is None or self.meta.max_seqlen_q <= 1:
+            return ()
+        return self._latent_torch.prefill_spans()
+
+    def context(self, layer: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._latent_torch.context(layer, seq, dtype)
+
+    def _latent_forward(self, layer: int, q, k, v, prefills: bool = True) -> torch.Tensor:
         """MLA (gpu/layers/mla.py): q [T, H, R + P] absorbed, k [T, 1, R + P] the new latent
         rows, v their first R columns -> [T, H, R]. A decode step is one kernel over device
         metadata alone (CUDA-graph safe); a mixed step's decode rows go through the kernel
-        and its prefills through SDPA over the latent."""
+        and its prefills through SDPA over the latent, unless prefills=False (gpu/layers/mla.py
+        expands them itself: their rows of the output are left unset)."""
         from gpu.kernels.triton.mla_decode import mla_decode
         kc, m, r = self.cache.k[layer], self.meta, self.cache.latent
         self._write_kv(k, k, kc, kc, m.slot_mapping)     # V is a view of K's first R columns
@@ -529,7 +561,7 @@ class TritonPagedAttention:
                 out = od
             else:
                 out.index_copy_(0, rows, od)
-        return t.attend_prefills(layer, q, k, v, out)
+        return t.attend_prefills(layer, q, k, v, out) if prefills else out
 
     def attend(self, layer: int, q: torch.Tensor, *, sinks: torch.Tensor | None = None,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:

@@ -12,10 +12,15 @@ gpu/layers/attention.py KVCache(latent=r)); the output [T, H, r] is then multipl
 Bytes a token and layer: (r + d_r) x 2 in bf16, 1,152 for V3, against 81,920 for K/V per head
 (128 heads x (192 + 128) x 2; docs/kernels.md).
 
-This path attends over the latent for prefill and decode alike (one backend call a layer). On
-CUDA the backend (gpu/layers/attention.py TritonPagedAttention) sends decode rows through
-gpu/kernels/triton/mla_decode.py and prefill rows through SDPA over the latent; a long prefill
-would do fewer FLOPs with K/V expanded per head (d_n + d_r = 192 wide, not 576): not written yet.
+Per step, as vLLM chooses: decode rows (and a short chunk after a cached context, a verify
+pass) attend over the latent, absorbed, in one backend call a layer (on CUDA through
+gpu/kernels/triton/mla_decode.py); prefill rows expand the latent instead: kv_b_proj
+up-projects the context's latent rows (the cached prefix read back from the latent cache, plus
+the new chunk) to per-head K [d_n, shared k_pe] and V, and causal SDPA runs at width
+d_n + d_r (192 for V3) rather than r + d_r (576), one call per prefill. Per context token the
+expansion costs H (d_n + d_v) r MACs, paid once per prefill and not per query row: on a long
+prompt the attention's Q x C x H x (d_qk + d_v) dominates, and there the expanded width
+(192 + 128) is 0.29x the absorbed (576 + 512).
 
 Tensor parallelism splits the heads (q_b_proj or q_proj and kv_b_proj by rows, o_proj by
 columns, then the decoder layer's all-reduce); q_a_proj, kv_a_proj_with_mqa, their norms and
@@ -33,6 +38,7 @@ import torch
 from torch import nn
 
 from gpu.config.model import ModelConfig
+from gpu.layers.attention import sdpa, window_visible
 from gpu.layers.ops import apply_rope, rms_norm, skip_init
 from gpu.parallel import SINGLE, TP
 
@@ -92,6 +98,7 @@ class LatentAttention(nn.Module):
         self.o_proj = skip_init(nn.Linear, H * self.v_dim, D, bias=c.attention_bias, **kw)
         self.scale = softmax_scale(c)
         self.sinks, self.window = None, None
+        self.expand_prefill = True      # False: prefill rows absorbed too (the tests' other path)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn) -> torch.Tensor:
         T, H, r = x.shape[0], self.num_heads, self.rank
@@ -104,16 +111,65 @@ class LatentAttention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)                                           # [T, r + d_r]
         latent = self.kv_a_layernorm(ckv[:, :r])                                   # [T, r]
         q_pe, k_pe = apply_rope(q_pe.contiguous(), ckv[:, None, r:].contiguous(), positions, cos_sin)
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, r)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]                            # [H, d_n, r], [H, d_v, r]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)                         # [T, H, r]
-        backend_scale = getattr(attn, "scale", None) or (r + self.rope) ** -0.5
-        q_full = torch.cat([q_lat, q_pe], dim=-1) * (self.scale / backend_scale)   # [T, H, r + d_r]
         kv = torch.cat([latent, k_pe[:, 0]], dim=-1)[:, None]                      # [T, 1, r + d_r]
-        o = attn.forward(self.layer_idx, q_full, kv, kv[..., :r])                  # [T, H, r]
-        o = torch.einsum("thr,hvr->thv", o, w_uv)                                  # [T, H, d_v]
+        spans = attn.prefill_spans() if self.expand_prefill and hasattr(attn, "prefill_spans") else ()
+        if not spans:          # every row decodes: attention over the latent, absorbed
+            o = attn.forward(self.layer_idx, self._absorbed_query(q_nope, q_pe, attn), kv, kv[..., :r])
+            return self.o_proj(self._absorbed_output(o).reshape(T, H * self.v_dim))
+        # decode rows absorbed, prefill rows expanded (as vLLM chooses per step)
+        rows = _decode_rows(spans, T, x.device)
+        qd = q_nope.new_zeros(T, H, r + self.rope)
+        if rows.numel():
+            qd.index_copy_(0, rows, self._absorbed_query(q_nope.index_select(0, rows), q_pe.index_select(0, rows), attn))
+        o_lat = attn.forward(self.layer_idx, qd, kv, kv[..., :r], prefills=False)  # every row's latent written
+        o = q_nope.new_empty(T, H, self.v_dim)
+        if rows.numel():
+            o.index_copy_(0, rows, self._absorbed_output(o_lat.index_select(0, rows)))
+        for s, e, start, seq in spans:
+            ctx = kv[s:e, 0] if start == 0 else attn.context(self.layer_idx, seq, q_nope.dtype)[:, 0]
+            o[s:e] = self._expanded(q_nope[s:e], q_pe[s:e], ctx, start)
         return self.o_proj(o.reshape(T, H * self.v_dim))
 
+    def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return w[:, :self.nope], w[:, self.nope:]                                  # [H, d_n, r], [H, d_v, r]
+
+    def _absorbed_query(self, q_nope, q_pe, attn) -> torch.Tensor:
+        """[N, H, r + d_r]: [q_nope_h W_uk_h, q_pe_h], pre-scaled so that the backend's scale
+        gives self.scale."""
+        backend_scale = getattr(attn, "scale", None) or (self.rank + self.rope) ** -0.5
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, self._up()[0])                # [N, H, r]
+        return torch.cat([q_lat, q_pe], dim=-1) * (self.scale / backend_scale)
+
+    def _absorbed_output(self, o: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("thr,hvr->thv", o, self._up()[1])                      # [N, H, d_v]
+
+    def _expanded(self, q_nope, q_pe, ctx, start: int) -> torch.Tensor:
+        """[Q, H, d_v]: one prefill's Q new rows (positions start ..) over its context's latent
+        rows ctx [C, r + d_r] (C = start + Q), K and V up-projected per head (kv_b_proj):
+        causal attention at width d_n + d_r, not the absorbed r + d_r."""
+        Q, H, r, C = q_nope.shape[0], self.num_heads, self.rank, ctx.shape[0]
+        kvb = self.kv_b_proj(ctx[:, :r]).view(C, H, self.nope + self.v_dim)        # [C, H, d_n + d_v]
+        k = torch.cat([kvb[..., :self.nope], ctx[:, None, r:].expand(C, H, self.rope)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)                                      # [Q, H, d_n + d_r]
+        q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], kvb[..., self.nope:].transpose(0, 1)[None]
+        if start == 0:
+            o = sdpa(q, k, v, None, self.scale, is_causal=True)
+        else:
+            visible = window_visible(torch.arange(start, start + Q, device=q.device),
+                                     torch.arange(C, device=q.device), None)
+            o = sdpa(q, k, v, visible, self.scale)
+        return o[0].transpose(0, 1)
+
+
+def _decode_rows(spans, T: int, device) -> torch.Tensor | None:
+    """[N] int64: the query rows outside every prefill span."""
+    keep, at = [], 0
+    for s, e, _, _ in spans:
+        keep.extend(range(at, s))
+        at = e
+    keep.extend(range(at, T))
+    return torch.tensor(keep, dtype=torch.int64, device=device)
 
 class _Norm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype, device):

@@ -328,6 +328,12 @@ class SimulatedRunner(StagingRunner):
         self.block_tables = BlockTables()
         self.staged_tokens = StagedTokens()
         self.waited_s = 0.0           # the sum of the waits: the stand-in's own ceiling
+        # where the host time between waits goes (pipeline/tools/bench.py reports it): the
+        # runner thread back late from its waits (the OS and the GIL: sleep's overshoot), and
+        # waiting for the next plan between one wait's end and the next step's execute
+        self.late_s = 0.0
+        self.starved_s = 0.0
+        self._woke: float | None = None
         # speculative decoding: each draft holds with this probability while those before
         # it held (a generator of its own, drawn in the runner thread)
         self.draft_acceptance = draft_acceptance
@@ -374,6 +380,9 @@ class SimulatedRunner(StagingRunner):
 
     def execute(self, plan: StepPlan, staged=None) -> StepResult:
         t0 = time.perf_counter()
+        if self._woke is not None:
+            self.starved_s += t0 - self._woke
+            self._woke = None
         if staged is None:
             staged = self.stage(plan)
         for sid in plan.released:
@@ -422,7 +431,10 @@ class SimulatedRunner(StagingRunner):
             for c, n in zip(sampled, counts or (1,) * len(sampled)):
                 self.next_pos[c.seq_id] = c.start_pos + (n if c.num_drafts else len(c.token_ids))
         # the device runs after the host has prepared and launched: wait from here
+        slept = time.perf_counter()
         time.sleep(wait)
+        self._woke = time.perf_counter()
+        self.late_s += max(0.0, self._woke - slept - wait)
         self.waited_s += wait
         self.steps += 1
         return StepResult(plan.step, seq_ids, tuple(tokens), time.perf_counter() - t0,

@@ -204,7 +204,11 @@ async def _bench(cfg: EngineConfig, s: dict, temperature: float, so_far: dict | 
                       ceiling_output_tokens_per_s=round(out_tokens / waited, 2),
                       fraction_of_ceiling=round(waited / elapsed, 3), gpu_steps=steps,
                       gpu_wait_ms_per_step=round(waited / steps * 1e3, 3),
-                      host_ms_per_step=round((elapsed - waited) / steps * 1e3, 3))
+                      host_ms_per_step=round((elapsed - waited) / steps * 1e3, 3),
+                      # of which: back late from the waits (the OS and the GIL), and the
+                      # runner waiting for its next plan (the event loop's share)
+                      late_ms_per_step=round(engine.runner.late_s / steps * 1e3, 3),
+                      starved_ms_per_step=round(engine.runner.starved_s / steps * 1e3, 3))
     return result
 
 
@@ -283,7 +287,8 @@ def main(args: argparse.Namespace) -> int:
               f"output tokens/s (the waits alone, {result['gpu_wait_s']:.2f} s); reached "
               f"{result['fraction_of_ceiling']:.1%}; {result['gpu_steps']} steps, "
               f"{result['gpu_wait_ms_per_step']:.3f} ms of wait and {result['host_ms_per_step']:.3f} ms "
-              f"of host time per step on the critical path")
+              f"of host time per step on the critical path ({result['late_ms_per_step']:.3f} ms back "
+              f"late from the wait, {result['starved_ms_per_step']:.3f} ms waiting for the plan)")
     _write(args.output_json, result)
     return 1 if result["failed_requests"] else 0
 

@@ -37,3 +37,17 @@ async def test_engine_serves_text_on_a_simulated_h200():
     assert lp["token_logprobs"] == pytest.approx([uniform] * 3)
     assert all(len(top) >= 1 for top in lp["top_logprobs"])
     assert body["choices"][0]["text"].strip()
+
+
+async def test_the_benchmark_splits_the_stand_ins_host_time():
+    """pipeline/tools/bench.py on the stand-in: the waits, the runner back late from them and
+    the runner waiting for its next plan are disjoint stretches of the timed window."""
+    from pipeline.tools.bench import _bench
+
+    cfg = EngineConfig(simulate_gpu="h200", max_model_len=256, max_num_seqs=4)
+    s = {"num_prompts": 4, "input_len": 16, "min_input_len": 16, "output_len": 8, "min_output_len": 8,
+         "seed": 0, "ignore_eos": True}
+    r = await _bench(cfg, s, 0.6)
+    assert r["failed_requests"] == 0 and r["gpu_steps"] >= 8
+    assert r["late_ms_per_step"] >= 0 and r["starved_ms_per_step"] > 0
+    assert r["late_ms_per_step"] + r["starved_ms_per_step"] <= r["host_ms_per_step"] + 1e-3

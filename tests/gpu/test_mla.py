@@ -63,6 +63,77 @@ def test_paged_latent_decode_matches_naive_expanded_attention(prefill, cpu_kerne
     torch.testing.assert_close(torch.cat(rows), want, atol=1e-4, rtol=1e-4)
 
 
+def _run_steps(attn, c, steps, cpu_kernels, bs=4):
+    """steps: per step, (sequence id, its x rows, first position, end position, block table)
+    per chunk; the output rows of every chunk by sequence, in order."""
+    cos_sin = build_rope_cache(c, 64, "cpu")
+    cache = KVCache(1, 16, bs, 1, c.kv_cache_head_dim, torch.float32, "cpu", latent=c.kv_cache_latent)
+    backend = TorchPagedAttention(cache, c.head_dim ** -0.5, cpu_kernels=cpu_kernels)
+    out: dict[str, list[torch.Tensor]] = {}
+    with torch.inference_mode():
+        for step in steps:
+            chunks = tuple(SeqChunk(sid, tuple(range(a, b)), a, table[:-(-b // bs)], True)
+                           for sid, _, a, b, table in step)
+            _, positions, meta, _ = prepare_step(chunks, bs, torch.device("cpu"))
+            backend.prepare(meta)
+            y = attn(torch.cat([x[a:b] for _, x, a, b, _ in step]), positions, cos_sin, backend)
+            at = 0
+            for sid, _, a, b, _ in step:
+                out.setdefault(sid, []).append(y[at:at + b - a])
+                at += b - a
+    return {sid: torch.cat(rows) for sid, rows in out.items()}
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_expanded_prefill_equals_absorbed_under_chunking_and_a_prefix_cache_hit(cpu_kernels):
+    """Sequence a: a 6-token chunk, a 10-token chunk after its cached 6 (expanded over the
+    latent read back from the cache), then a decode row beside b's prefill; b shares a's first
+    three blocks (12 tokens, a prefix-cache hit) and prefills 10 new tokens over them in the
+    same step as a's decode; then a's 3-token chunk (a verify-sized chunk: absorbed rows) and
+    b's decode. Prefill rows expanded (the default) and absorbed (expand_prefill False)
+    against each other and against naive attention over each sequence, in fp32."""
+    c = _tiny_config()
+    attn = _layer(c)
+    g = torch.Generator().manual_seed(2)
+    xa = torch.randn(20, c.hidden_size, generator=g)
+    xb = torch.cat([xa[:12], torch.randn(11, c.hidden_size, generator=g)])
+    ta, tb = (3, 1, 5, 2, 7), (3, 1, 5, 9, 11, 12)          # b's first three blocks are a's
+    steps = [[("a", xa, 0, 6, ta)], [("a", xa, 6, 16, ta)],
+             [("a", xa, 16, 17, ta), ("b", xb, 12, 22, tb)],
+             [("a", xa, 17, 20, ta), ("b", xb, 22, 23, tb)]]
+    cos_sin = build_rope_cache(c, 64, "cpu")
+    want = {"a": mla_reference(attn, xa, cos_sin), "b": mla_reference(attn, xb, cos_sin)[12:]}
+    calls = []
+    expand = attn._expanded
+    attn._expanded = lambda *a: calls.append(a[-1]) or expand(*a)
+    expanded = _run_steps(attn, c, steps, cpu_kernels)
+    assert calls == [0, 6, 12]        # a's two chunks and b's, at their first positions
+    attn.expand_prefill = False
+    absorbed = _run_steps(attn, c, steps, cpu_kernels)
+    assert calls == [0, 6, 12]
+    for sid, ref in want.items():
+        torch.testing.assert_close(expanded[sid], absorbed[sid], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(expanded[sid], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_backend_names_a_steps_prefills_and_reads_a_context_back():
+    """TorchPagedAttention.prefill_spans: the chunks that attend as prefills (a first chunk, a
+    chunk of more than SHORT_CHUNK tokens after a cached context), not decode rows or a short
+    chunk; context: a sequence's cached latent rows, in position order across its blocks."""
+    c = _tiny_config()
+    cache = KVCache(1, 8, 4, 1, c.kv_cache_head_dim, torch.float32, "cpu", latent=c.kv_cache_latent)
+    backend = TorchPagedAttention(cache, 1.0)
+    chunks = (SeqChunk("a", (0,), 5, (3, 1), True), SeqChunk("b", tuple(range(9)), 2, (4, 6, 0), True),
+              SeqChunk("c", (0, 1, 2), 0, (2,), True), SeqChunk("d", (0, 1), 4, (5, 7), True))
+    _, _, meta, _ = prepare_step(chunks, 4, torch.device("cpu"))
+    backend.prepare(meta)
+    assert backend.prefill_spans() == ((1, 10, 2, 1), (10, 13, 0, 2))
+    rows = torch.arange(8 * 4, dtype=torch.float32)[:, None, None].expand(-1, 1, c.kv_cache_head_dim)
+    cache.k[0].copy_(rows.reshape(8, 4, 1, -1))
+    ctx = backend.context(0, 1, torch.float32)                # b: 11 positions over blocks 4, 6, 0
+    assert ctx[:, 0, 0].tolist() == [16, 17, 18, 19, 24, 25, 26, 27, 0, 1, 2]
+
+
 def test_latent_cache_bytes_a_token():
     """DeepSeek-V3: (512 + 64) values a token and layer, 1,152 bytes in bf16; 61 layers:
     70,272 bytes a token, against 128 heads x (192 + 128) x 2 bytes = 81,920 a layer for full

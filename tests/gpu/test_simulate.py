@@ -111,6 +111,9 @@ def test_simulated_tokens_are_ordinary_and_detokenize(smollm_tokenizer):
                                              (0, 1, 2, 3) if s == "a" else (4, 5), True)
                                     for s, p in prompts.items()))
     assert runner.waited_s == pytest.approx(waits) and runner.steps == 10
+    # the host's share, split: back late from the waits, and the gaps between one wait's
+    # end and the next execute (this loop's own work: nine gaps)
+    assert runner.late_s >= 0 and runner.starved_s > 0
     assert runner.states["a"].output_ids == out["a"]
     for toks in out.values():
         assert set(toks) <= set(ordinary.tolist())
