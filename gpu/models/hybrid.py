@@ -26,8 +26,7 @@ from gpu.layers.gated_attention import GatedAttention, partial_rope_cache
 from gpu.layers.linear_attention import GatedDeltaNet, LinearDims, state_step_of
 from gpu.layers.norms import OffsetRMSNorm, offset_rms_norm
 from gpu.layers.ops import skip_init
-from gpu.layers.moe import MoE
-from gpu.layers.moe import expert_columns
+from gpu.layers.moe import MoE, expert_columns
 from gpu.loader.experts import stack_experts
 from gpu.models.causal_lm import ONCE, MLP, CausalLM, Linear, kv_heads, make_moe, q_heads
 from gpu.parallel import SINGLE, TP
@@ -77,9 +76,9 @@ class HybridLM(nn.Module):
         self.vocab_start, vocab_stop = tp.padded_split(c.vocab_size)
         self.vocab_real = max(0, min(vocab_stop, c.vocab_size) - self.vocab_start)
         rows = vocab_stop - self.vocab_start
-        self.embed_tokens = nn.Embedding(rows, c.hidden_size, _weight=torch.zeros(
-            rows, c.hidden_size, dtype=dtype, device=device) if rows != self.vocab_real else torch.empty(
-            rows, c.hidden_size, dtype=dtype, device=device))
+        table = (torch.zeros if rows != self.vocab_real else torch.empty)(   # padding rows: zero
+            rows, c.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(rows, c.hidden_size, _weight=table)
         layers, kv, lin = [], 0, 0
         for i in range(c.num_hidden_layers):
             linear = c.layer_types[i] == "linear_attention"

@@ -6,8 +6,8 @@ prompts agree with TP = 1 to 1e-4, and greedy decoding through the paged KV cach
 state pool (prefill in chunks of 5, so every prompt's states carry across chunks; decode rows
 mixed with the other prompt's prefill) is token-identical to TP = 1 and to one whole-prompt
 prefill. One spawn of two ranks runs every checkpoint: a dense Qwen3-Next (in_proj_qkvz
-grouped by key head), a Qwen3-Next with experts and a gated shared expert, a Qwen3.5 (its
-projections apart) and a Qwen3.5-MoE."""
+grouped by key head), a Qwen3-Next with experts of an odd width and a gated shared expert, a
+Qwen3.5 (its projections apart) and a Qwen3.5-MoE with an odd vocabulary."""
 import pytest
 import torch
 
@@ -18,8 +18,10 @@ from tests.support.tp_ranks import logits, paged_greedy, run_ranks
 
 PROMPTS = [[3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1], [64, 9, 33, 120, 77, 2, 45, 101, 7, 7]]
 NEW_TOKENS = 6
-CHECKPOINTS = {"qwen3_next": ("qwen3_next", {}), "qwen3_next_moe": ("qwen3_next", TINY_EXPERTS),
-               "qwen3_5": ("qwen3_5", {}), "qwen3_5_moe": ("qwen3_5_moe", {})}
+# experts of intermediate 31 (rank 1's slice padded), a vocabulary of 161 (rank 1's last row padding)
+CHECKPOINTS = {"qwen3_next": ("qwen3_next", {}),
+               "qwen3_next_moe": ("qwen3_next", dict(TINY_EXPERTS, moe_intermediate_size=31)),
+               "qwen3_5": ("qwen3_5", {}), "qwen3_5_moe": ("qwen3_5_moe", dict(vocab_size=161))}
 
 
 def _run(tp: TP, jobs):
