@@ -12,6 +12,7 @@ from torch import nn
 from gpu.config.model import ModelConfig
 from gpu.layers.norms import OffsetRMSNorm
 from gpu.layers.ops import apply_rope, build_rope_cache, skip_init
+from gpu.parallel import SINGLE, TP
 
 
 def partial_rope_cache(config: ModelConfig, max_positions: int, device=None) -> torch.Tensor:
@@ -31,18 +32,22 @@ def apply_partial_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, kv_index: int, dtype, device):
-        """kv_index: this layer's place among the layers with a KV cache (the backend's layer)."""
+    def __init__(self, config: ModelConfig, kv_index: int, dtype, device, tp: TP = SINGLE):
+        """kv_index: this layer's place among the layers with a KV cache (the backend's layer).
+        tp: this rank's query heads (with their gates) and KV heads, as CausalLM's Attention
+        splits them; o_proj's output is its part of the sum."""
         super().__init__()
-        from gpu.models.causal_lm import Linear
+        from gpu.models.causal_lm import Linear, kv_heads, q_heads
         c = config
+        (q0, q1), (k0, k1) = q_heads(c, tp), kv_heads(c, tp)
         self.kv_index = kv_index
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, c.head_dim
+        q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         kw = dict(bias=c.attention_bias, dtype=dtype, device=device)
-        self.q_proj = skip_init(Linear, c.hidden_size, 2 * c.q_size, **kw)
-        self.k_proj = skip_init(Linear, c.hidden_size, c.kv_size, **kw)
-        self.v_proj = skip_init(Linear, c.hidden_size, c.kv_size, **kw)
-        self.o_proj = skip_init(Linear, c.q_size, c.hidden_size, **kw)
+        self.q_proj = skip_init(Linear, c.hidden_size, 2 * q_size, **kw)
+        self.k_proj = skip_init(Linear, c.hidden_size, kv_size, **kw)
+        self.v_proj = skip_init(Linear, c.hidden_size, kv_size, **kw)
+        self.o_proj = skip_init(Linear, q_size, c.hidden_size, **kw)
         self.q_norm = OffsetRMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
         self.k_norm = OffsetRMSNorm(c.head_dim, c.rms_norm_eps, dtype, device)
 

@@ -25,6 +25,7 @@ from gpu.config.model import ModelConfig
 from gpu.layers import delta_rule
 from gpu.layers.norms import GatedRMSNorm, gated_rms_norm
 from gpu.layers.ops import skip_init
+from gpu.parallel import SINGLE, TP
 
 
 @attrs.frozen
@@ -37,9 +38,12 @@ class LinearDims:
     conv_width: int
 
     @classmethod
-    def of(cls, c: ModelConfig) -> LinearDims:
-        return cls(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                   c.linear_value_head_dim, c.linear_conv_kernel_dim)
+    def of(cls, c: ModelConfig, tp: TP = SINGLE) -> LinearDims:
+        """This rank's sizes: key and value heads split evenly over the ranks (each key head
+        keeps its Hv / Hk value heads), the head dims whole."""
+        k0, k1 = tp.split(c.linear_num_key_heads, "linear_num_key_heads")
+        v0, v1 = tp.split(c.linear_num_value_heads, "linear_num_value_heads")
+        return cls(k1 - k0, v1 - v0, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim)
 
     @property
     def conv_channels(self) -> int:       # q, k and v go through the conv
@@ -60,9 +64,9 @@ class StatePool:
                                      dims.value_dim, dtype=torch.float32, device=device)
 
     @staticmethod
-    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
-        """One sequence's states over every linear layer."""
-        d = LinearDims.of(config)
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, tp: TP = SINGLE) -> int:
+        """One sequence's states over every linear layer (this rank's heads)."""
+        d = LinearDims.of(config, tp)
         conv = d.conv_channels * (d.conv_width - 1) * torch.empty((), dtype=dtype).element_size()
         recurrent = d.value_heads * d.key_dim * d.value_dim * 4
         return config.num_linear_layers * (conv + recurrent)
@@ -177,12 +181,15 @@ class GatedDeltaNet(nn.Module):
 
     use_triton: bool | None = None
 
-    def __init__(self, config: ModelConfig, index: int, layout: str, dtype, device):
+    def __init__(self, config: ModelConfig, index: int, layout: str, dtype, device, tp: TP = SINGLE):
+        """tp: this rank's key and value heads (LinearDims.of): its slice of every projection,
+        conv channel and gate, its state in its own pool; out_proj's output is its part of
+        the sum (HybridLayer all-reduces it)."""
         super().__init__()
         from gpu.models.causal_lm import Linear
         self.index = index              # among the linear layers: the pool's layer axis
         self.layout = layout
-        self.dims = d = LinearDims.of(config)
+        self.dims = d = LinearDims.of(config, tp)
         self.eps = config.rms_norm_eps
         D, kd, vd = config.hidden_size, d.key_heads * d.key_dim, d.value_heads * d.value_dim
         kw = dict(bias=False, dtype=dtype, device=device)

@@ -7,8 +7,12 @@ A full-attention layer is the attention backend's layer `kv_index` (its place am
 full layers: the KV cache holds those alone, ModelConfig.num_kv_layers); a linear layer is
 the state pool's layer `index` (among the linear ones). The family modules
 (gpu/models/qwen3_next.py, qwen3_5.py) choose the linear layers' projection layout.
-Single-rank: start-up refuses --tensor-parallel-size > 1 for these models
-(pipeline/core/hybrid.py).
+Tensor parallelism (gpu/parallel.py, CausalLM's contract): the Gated DeltaNet key and value
+heads split over the ranks (with them their conv channels, gates and out_proj columns: each
+rank's StatePool holds its heads' states, under the scheduler's slot numbers), the gated
+attention's query and KV heads as CausalLM's, the MLPs' and experts' intermediate columns
+(gpu/layers/moe.py), the vocabulary; each layer's two row-parallel outputs all-reduced.
+`shard_pieces` says which rows or columns of a checkpoint tensor a rank keeps.
 """
 from __future__ import annotations
 
@@ -19,26 +23,26 @@ from torch import nn
 
 from gpu.config.model import ModelConfig
 from gpu.layers.gated_attention import GatedAttention, partial_rope_cache
-from gpu.layers.linear_attention import GatedDeltaNet, state_step_of
+from gpu.layers.linear_attention import GatedDeltaNet, LinearDims, state_step_of
 from gpu.layers.norms import OffsetRMSNorm, offset_rms_norm
 from gpu.layers.ops import skip_init
-from gpu.layers.moe import MoE
+from gpu.layers.moe import MoE, expert_columns
 from gpu.loader.experts import stack_experts
-from gpu.models.causal_lm import MLP, CausalLM, Linear, make_moe
+from gpu.models.causal_lm import ONCE, MLP, CausalLM, Linear, kv_heads, make_moe, q_heads
 from gpu.parallel import SINGLE, TP
 
 
 class HybridLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, kv_index: int, linear_index: int,
-                 linear: bool, layout: str, dtype, device):
+                 linear: bool, layout: str, dtype, device, tp: TP = SINGLE):
         super().__init__()
         if linear:
-            self.linear_attn = GatedDeltaNet(config, linear_index, layout, dtype, device)
+            self.linear_attn = GatedDeltaNet(config, linear_index, layout, dtype, device, tp)
         else:
-            self.self_attn = GatedAttention(config, kv_index, dtype, device)
-        self.linear = linear
-        self.mlp = (make_moe(config, dtype, device, False, SINGLE) if config.is_moe_layer(layer_idx)
-                    else MLP(config, dtype, device, intermediate=config.dense_intermediate_size))
+            self.self_attn = GatedAttention(config, kv_index, dtype, device, tp)
+        self.linear, self.tp = linear, tp
+        self.mlp = (make_moe(config, dtype, device, False, tp) if config.is_moe_layer(layer_idx)
+                    else MLP(config, dtype, device, tp, intermediate=config.dense_intermediate_size))
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -47,11 +51,11 @@ class HybridLayer(nn.Module):
         """x [T, D], the residual stream -> the same after this layer."""
         h = self.input_layernorm(x)
         h = self.linear_attn(h, step) if self.linear else self.self_attn(h, positions, cos_sin, attn)
-        x = x + h.to(x.dtype)
+        x = x + self.tp.all_reduce(h.to(x.dtype))       # tensor-parallel: the ranks' parts summed
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):   # its router and grouped GEMMs take the weights' dtype only
             h = h.to(self.mlp.router.weight.dtype)
-        return x + self.mlp(h).to(x.dtype)
+        return x + self.tp.all_reduce(self.mlp(h).to(x.dtype))
 
 
 class HybridLM(nn.Module):
@@ -64,29 +68,33 @@ class HybridLM(nn.Module):
                  max_positions: int | None = None, packed_experts: bool = False,
                  residual_dtype: torch.dtype | None = None, tp: TP = SINGLE, lm_head: bool = True):
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture}: --tensor-parallel-size > 1 is not supported "
-                             "for hybrid linear-attention models yet")
         c = self.config = config
         self.tp = tp
         self.packed_experts = False
         self.residual_dtype = residual_dtype or dtype
-        self.vocab_start, self.vocab_real = 0, c.vocab_size
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=torch.empty(
-            c.vocab_size, c.hidden_size, dtype=dtype, device=device))
+        # vocabulary-parallel as CausalLM: this rank's rows, padded to a multiple of tp.size
+        self.vocab_start, vocab_stop = tp.padded_split(c.vocab_size)
+        self.vocab_real = max(0, min(vocab_stop, c.vocab_size) - self.vocab_start)
+        rows = vocab_stop - self.vocab_start
+        table = (torch.zeros if rows != self.vocab_real else torch.empty)(   # padding rows: zero
+            rows, c.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(rows, c.hidden_size, _weight=table)
         layers, kv, lin = [], 0, 0
         for i in range(c.num_hidden_layers):
             linear = c.layer_types[i] == "linear_attention"
-            layers.append(HybridLayer(c, i, kv, lin, linear, self.linear_layout, dtype, device))
+            layers.append(HybridLayer(c, i, kv, lin, linear, self.linear_layout, dtype, device, tp))
             kv, lin = kv + (not linear), lin + linear
         self.layers = nn.ModuleList(layers)
         self.norm = OffsetRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.lm_head: Linear | None = None
         if lm_head and c.tie_word_embeddings:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
+            self.lm_head = Linear(c.hidden_size, rows, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
         elif lm_head:
-            self.lm_head = skip_init(Linear, c.hidden_size, c.vocab_size, bias=False, dtype=dtype, device=device)
+            self.lm_head = skip_init(Linear, c.hidden_size, rows, bias=False, dtype=dtype, device=device)
+            if rows != self.vocab_real:     # padding rows: zero (compute_logits masks them)
+                with torch.no_grad():
+                    self.lm_head.weight.zero_()
         self.register_buffer("cos_sin", partial_rope_cache(c, max_positions or c.max_position_embeddings,
                                                            device), persistent=False)
         self.mrope_columns = None
@@ -112,13 +120,17 @@ class HybridLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def _attention(self) -> GatedAttention:
+        return next(layer.self_attn for layer in self.layers if not layer.linear)
+
     @property
     def local_q_heads(self) -> int:
-        return self.config.num_attention_heads
+        return self._attention().num_heads
 
     @property
     def local_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads this rank computes and caches: its KV cache's head count."""
+        return self._attention().num_kv_heads
 
     # -- loading -------------------------------------------------------------------------
     def _destination(self, hf_name: str) -> tuple[str, slice] | None:
@@ -157,6 +169,7 @@ class HybridLM(nn.Module):
         if self.config.num_experts:     # experts stacked [E, 2I, D] / [E, D, I], the gate as router
             named_tensors = stack_experts(named_tensors, self.config.num_experts)
         for hf_name, tensor in named_tensors:
+            tensor = self._sharded(hf_name, tensor)
             if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and (
                     self.config.tie_word_embeddings or self.lm_head is None)):
                 continue
@@ -167,6 +180,12 @@ class HybridLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for a {self.config.architecture} model")
             dst = params[target].data[rows]
+            if target in ("embed_tokens.weight", "lm_head.weight"):
+                dst = dst[:self.vocab_real]     # the rest: padding, zero
+            elif ".experts." in target and dst.shape != tensor.shape and dst.dim() == tensor.dim():
+                for dim, (have, want) in enumerate(zip(tensor.shape, dst.shape)):
+                    if have < want:             # expert_columns' zero padding stays
+                        dst = dst.narrow(dim, 0, have)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             with torch.no_grad():
@@ -174,3 +193,73 @@ class HybridLM(nn.Module):
             missing.discard(hf_name.replace("model.language_model.", "model.", 1))
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")
+
+    def checkpoint_slices(self, hf_name: str, shape: tuple[int, ...]) -> None:
+        """Every tensor read whole (load_weights cuts it: qkv and conv1d take three blocks)."""
+        return None
+
+    def _sharded(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (the tensor itself at size 1)."""
+        if self.tp.size == 1:
+            return tensor
+        name = hf_name.replace("model.language_model.", "model.", 1).removeprefix("model.")
+        spec = shard_pieces(self, name)
+        if spec is None:
+            return tensor
+        if spec == ONCE:
+            return tensor if self.tp.first else torch.zeros_like(tensor)
+        dim, pieces = spec
+        parts = [tensor.narrow(dim, a, b - a) for a, b in pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def shard_pieces(model: HybridLM, name: str):
+    """How a rank cuts a checkpoint tensor (its name without "model."): (dim, [(start, stop),
+    ...] concatenated in order), ONCE (a row-parallel bias rank 0 alone adds) or None
+    (replicated: norms, routers, the shared expert's gate)."""
+    c, tp = model.config, model.tp
+    module, _, kind = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return 0, [(model.vocab_start, model.vocab_start + model.vocab_real)]
+    if ".linear_attn." in name:
+        d, full = LinearDims.of(model.config, tp), LinearDims.of(model.config)
+        k0, v0 = tp.rank * d.key_heads, tp.rank * d.value_heads
+        kd, vd = d.key_dim, d.value_dim
+        qkv = [(k0 * kd, (k0 + d.key_heads) * kd),
+               (full.key_heads * kd + k0 * kd, full.key_heads * kd + (k0 + d.key_heads) * kd),
+               (2 * full.key_heads * kd + v0 * vd, 2 * full.key_heads * kd + (v0 + d.value_heads) * vd)]
+        r = d.value_heads // d.key_heads
+        per_head = {"in_proj_qkvz": 2 * kd + 2 * r * vd, "in_proj_ba": 2 * r}
+        if leaf in per_head:                  # grouped by key head: one block of rows
+            return 0, [(k0 * per_head[leaf], (k0 + d.key_heads) * per_head[leaf])]
+        if leaf in ("in_proj_qkv", "conv1d"):  # all q, all k, all v: three blocks
+            return 0, qkv
+        if leaf == "in_proj_z":
+            return 0, [(v0 * vd, (v0 + d.value_heads) * vd)]
+        if leaf in ("in_proj_b", "in_proj_a") or name.endswith(("linear_attn.dt_bias", "linear_attn.A_log")):
+            return 0, [(v0, v0 + d.value_heads)]
+        if leaf == "out_proj":
+            return 1, [(v0 * vd, (v0 + d.value_heads) * vd)]
+        return None
+    if ".self_attn." in name:
+        Dh, (q0, q1), (k0, k1) = c.head_dim, q_heads(c, tp), kv_heads(c, tp)
+        if leaf == "q_proj":                  # each head's query and gate side by side
+            return 0, [(2 * q0 * Dh, 2 * q1 * Dh)]
+        if leaf in ("k_proj", "v_proj"):
+            return 0, [(k0 * Dh, k1 * Dh)]
+        if leaf == "o_proj":
+            return ONCE if kind == "bias" else (1, [(q0 * Dh, q1 * Dh)])
+        return None
+    if leaf in ("gate_proj", "up_proj", "down_proj") and ".experts." not in name:
+        I = model.get_submodule(parent).intermediate   # noqa: E741
+        i0, i1 = tp.split(I, "intermediate_size")
+        return (1 if leaf == "down_proj" else 0), [(i0, i1)]
+    if ".experts." in name + ".":
+        i0, i1, _ = expert_columns(c, tp, False)
+        last = name.rsplit(".", 1)[-1]
+        if last.startswith("gate_up_proj"):   # gate and up interleaved by row: pairs stay together
+            return 1, [(2 * i0, 2 * i1)]
+        if last.startswith("down_proj"):
+            return 2, [(i0, i1)]
+    return None

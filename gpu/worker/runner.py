@@ -227,7 +227,9 @@ class ModelRunner(StagingRunner):
         sampling = [c for c in plan.chunks if c.sample]
         seq_ids = tuple(c.seq_id for c in sampling)
         if self.broadcast is not None:
-            self.broadcast.send(staged, [(a, b) for _, a, b, _ in spans], bool(seq_ids), plan.step)
+            self.broadcast.send(staged, [(a, b) for _, a, b, _ in spans], bool(seq_ids), plan.step,
+                                [x for c in plan.chunks for x in (c.state_slot, c.state_load, c.state_save)]
+                                if self.state_pool is not None else ())
         with torch.inference_mode():
             try:   # the forward and the logits: collectives under tensor parallelism
                 embeds = self._image_embeds(plan.chunks) if self.images else None

@@ -11,9 +11,13 @@ can receive it: the 16-int header, then the payload. With --enable-lora a third 
 the step's LoRA rows (the one pickled object: adapter refs and row ranges, `send_lora`);
 each worker loads its shard of an adapter on first use (gpu/lora/adapters.py).
 
-    header  [kind, T, B, W, all_sample, S, sample, K, L, step, payload length, 0...]
+    header  [kind, T, B, W, all_sample, S, sample, K, L, step, payload length, N, 0...]
     payload ids[T] positions[T] slots[T] tables[B*W] cu_seqlens_q[B+1] seq_lens[B]
-            sample_rows[S] kv_updates[2K] prompt_logprob_spans[2L]
+            sample_rows[S] kv_updates[2K] prompt_logprob_spans[2L] state_slots[3N]
+
+A hybrid linear-attention model's state slots (N = B, else 0) travel as (state_slot,
+state_load, state_save) per sequence: the slot numbers are the scheduler's, the same on every
+rank, and each rank's StatePool holds its own heads' states under them (`StateSlots`).
 
 `compute_logits` is a collective: a worker calls it on the same rows in the same order as
 rank 0 (`logit_calls`): the prompt-logprob spans in pieces of PROMPT_LOGPROB_ROWS, then the
@@ -36,6 +40,7 @@ from __future__ import annotations
 import datetime
 import logging
 
+import attrs
 import numpy as np
 import torch
 
@@ -51,26 +56,36 @@ STEP, STOP, KV = 1, 2, 3
 PLAN_TIMEOUT = datetime.timedelta(days=365)
 
 
-def pack(host: HostInputs, kv_updates, spans, sample: bool, step: int
+@attrs.frozen
+class StateSlots:
+    """A chunk's state slots as StatePool.load/save read them (gpu/interface.py SeqChunk's)."""
+    state_slot: int
+    state_load: int
+    state_save: int
+
+
+def pack(host: HostInputs, kv_updates, spans, sample: bool, step: int, states=()
          ) -> tuple[np.ndarray, np.ndarray]:
-    """(header, payload) of one step: `host`'s uploaded arrays (ids filled in)."""
+    """(header, payload) of one step: `host`'s uploaded arrays (ids filled in); states: its
+    chunks' (state_slot, state_load, state_save), flat (a hybrid model's), or empty."""
     ids, pos, slots, tables, cu, seq_lens = host.arrays[:6]
     rows = host.arrays[6] if not host.all_sample else np.zeros(0, dtype=np.int64)
     kv = np.asarray(kv_updates, dtype=np.int64).reshape(-1)
     sp = np.asarray(spans, dtype=np.int64).reshape(-1)
-    payload = np.concatenate([ids, pos, slots, tables.reshape(-1), cu, seq_lens, rows, kv, sp],
+    st = np.asarray(states, dtype=np.int64).reshape(-1)
+    payload = np.concatenate([ids, pos, slots, tables.reshape(-1), cu, seq_lens, rows, kv, sp, st],
                              dtype=np.int64, casting="unsafe")
     header = np.zeros(HEADER, dtype=np.int64)
-    header[:11] = (STEP, ids.size, seq_lens.size, tables.shape[1], host.all_sample, rows.size,
-                   sample, kv.size // 2, sp.size // 2, step, payload.size)
+    header[:12] = (STEP, ids.size, seq_lens.size, tables.shape[1], host.all_sample, rows.size,
+                   sample, kv.size // 2, sp.size // 2, step, payload.size, st.size // 3)
     return header, payload
 
 
 def unpack(header: np.ndarray, payload: np.ndarray):
-    """(host inputs, kv updates, spans, sample) from `pack`'s two arrays."""
-    _, t, b, w, all_sample, s, sample, k, n_spans, _, _ = (int(x) for x in header[:11])
-    cuts = np.cumsum([t, t, t, b * w, b + 1, b, s, 2 * k, 2 * n_spans])
-    ids, pos, slots, tables, cu, seq_lens, rows, kv, sp = np.split(payload, cuts[:-1])
+    """(host inputs, kv updates, spans, sample, state slots) from `pack`'s two arrays."""
+    _, t, b, w, all_sample, s, sample, k, n_spans, _, _, n_states = (int(x) for x in header[:12])
+    cuts = np.cumsum([t, t, t, b * w, b + 1, b, s, 2 * k, 2 * n_spans, 3 * n_states])
+    ids, pos, slots, tables, cu, seq_lens, rows, kv, sp, st = np.split(payload, cuts[:-1])
     tables = tables.astype(np.int32).reshape(b, w)
     cu, seq_lens = cu.astype(np.int32), seq_lens.astype(np.int32)
     arrays = [ids, pos, slots, tables, cu, seq_lens] + ([] if all_sample else [rows])
@@ -83,7 +98,8 @@ def unpack(header: np.ndarray, payload: np.ndarray):
                       prefill_rows=[i for i, q in enumerate(q_lens) if q > 1], sampled=())
     kv_updates = tuple(map(tuple, kv.reshape(-1, 2).tolist()))
     spans = [tuple(x) for x in sp.reshape(-1, 2).tolist()]
-    return host, kv_updates, spans, bool(sample)
+    states = [StateSlots(*x) for x in st.reshape(-1, 3).tolist()]
+    return host, kv_updates, spans, bool(sample), states
 
 
 def logit_calls(spans) -> list[tuple[int, int]]:
@@ -104,8 +120,8 @@ class StepBroadcast:
     def remapped(self, kv_updates) -> None:
         self.pending_kv.extend(kv_updates)
 
-    def send(self, host: HostInputs, spans, sample: bool, step: int) -> None:
-        header, payload = pack(host, self.pending_kv, spans, sample, step)
+    def send(self, host: HostInputs, spans, sample: bool, step: int, states=()) -> None:
+        header, payload = pack(host, self.pending_kv, spans, sample, step, states)
         self.pending_kv = []
         try:
             torch.distributed.broadcast(torch.from_numpy(header), 0, group=self.group)
@@ -167,10 +183,15 @@ def follow(runner: ModelRunner, group) -> int:
             continue
         payload = torch.empty(int(h[10]), dtype=torch.int64)
         torch.distributed.broadcast(payload, 0, group=group)
-        host, kv_updates, spans, sample = unpack(h, payload.numpy())
+        host, kv_updates, spans, sample, states = unpack(h, payload.numpy())
         if kv_updates:
             runner.cache.remap(kv_updates)
         input_ids, positions, meta, sample_idx = upload_inputs(host, runner.device, runner.staging)
+        pool = runner.state_pool if states else None
+        if pool is not None:     # as rank 0's runner: snapshots in, the step's layout
+            pool.load(states)
+            meta.states = pool.step([c.state_slot for c in states], meta.q_starts, meta.q_lens,
+                                    meta.start_positions)
         lora = False
         if runner.lora is not None:      # rank 0's LoRA rows of this step (send_lora)
             got = [None]
@@ -179,6 +200,8 @@ def follow(runner: ModelRunner, group) -> int:
         with torch.inference_mode():
             try:
                 hidden, _ = runner.forward(input_ids, positions, meta, lora=lora)
+                if pool is not None:
+                    pool.save(states)
             finally:
                 if lora:
                     runner.lora.done()

@@ -41,8 +41,6 @@ def check_hybrid(cfg: EngineConfig, mc: ModelConfig) -> None:
     refused = (("--speculative-config", cfg.speculative_config is not None,
                 "verification would have to roll each sequence's linear-attention state back "
                 "to its last accepted token"),
-               ("--tensor-parallel-size > 1", cfg.tensor_parallel_size > 1,
-                "the Gated DeltaNet layers are not sharded yet"),
                ("--enable-lora", cfg.enable_lora, "the adapters do not target its layers yet"),
                ("--kv-transfer-config", cfg.kv_transfer_config is not None,
                 "a remote prefill would have to send the states as well"))
@@ -50,24 +48,39 @@ def check_hybrid(cfg: EngineConfig, mc: ModelConfig) -> None:
         if on:
             raise ValueError(f"{flag} is not supported for {mc.architecture}, a hybrid "
                              f"linear-attention model: {why}")
+    size = cfg.tensor_parallel_size
+    if size > 1:    # each rank holds whole heads (gpu/models/hybrid.py)
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "num_attention_heads"):
+            if getattr(mc, name) % size:
+                raise ValueError(f"--tensor-parallel-size {size} does not divide {mc.architecture}'s "
+                                 f"{name} ({getattr(mc, name)}): a hybrid linear-attention model "
+                                 "splits its heads evenly over the ranks")
 
 
-def linear_states(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device):
+def linear_states(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  tp=None):
     """A hybrid model's StatePool (gpu/layers/linear_attention.py), --max-num-seqs slots,
     reported at start-up; None for other models. Allocated before the KV cache is sized,
-    so that a CUDA profile sees it; --kv-cache-memory-bytes counts it (`reserved_bytes`)."""
+    so that a CUDA profile sees it; --kv-cache-memory-bytes counts it (`reserved_bytes`).
+    tp: this rank's (gpu/parallel.py TP): its pool holds its own heads' states, under the
+    scheduler's slot numbers (the same on every rank)."""
     if not mc.num_linear_layers:
         return None
     from gpu.layers.linear_attention import LinearDims, StatePool
+    from gpu.parallel import SINGLE
 
-    per_seq = StatePool.bytes_per_slot(mc, dtype)
+    tp = tp or SINGLE
+    per_seq = StatePool.bytes_per_slot(mc, dtype, tp)
     snapshots = state_snapshots(cfg)
     slots = cfg.max_num_seqs + snapshots
-    pool = StatePool(mc.num_linear_layers, slots, LinearDims.of(mc), dtype, device)
-    log.info("linear-attention state pool: %d slots (--max-num-seqs) + %d prefix-cache snapshots "
-             "x %.2f MiB a sequence (conv + recurrent state of %d Gated DeltaNet layers) = %.1f MiB; "
-             "K/V kept for the %d full-attention layers only; CUDA graphs off", cfg.max_num_seqs,
-             snapshots, per_seq / 2**20, mc.num_linear_layers, per_seq * slots / 2**20, mc.num_kv_layers)
+    pool = StatePool(mc.num_linear_layers, slots, LinearDims.of(mc, tp), dtype, device)
+    if tp.first:
+        log.info("linear-attention state pool: %d slots (--max-num-seqs) + %d prefix-cache snapshots "
+                 "x %.2f MiB a sequence (conv + recurrent state of %d Gated DeltaNet layers%s) = %.1f MiB; "
+                 "K/V kept for the %d full-attention layers only; CUDA graphs off", cfg.max_num_seqs,
+                 snapshots, per_seq / 2**20, mc.num_linear_layers,
+                 f", this rank's 1/{tp.size} of the heads" if tp.size > 1 else "", per_seq * slots / 2**20,
+                 mc.num_kv_layers)
     return pool
 
 

@@ -113,7 +113,7 @@ def build_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, m
         from gpu.worker.spec_decode.eagle import head_kv_bytes_per_block
         extra = head_kv_bytes_per_block(head.spec, cfg.block_size, head.fc.weight.dtype)
     lora = lora_manager(cfg, loaded, device)    # before sizing: the Triton path's slots are memory
-    states = linear_states(cfg, mc, loaded.model.dtype, device)     # a hybrid model's, also before
+    states = linear_states(cfg, mc, loaded.model.dtype, device, getattr(loaded.model, "tp", None))     # a hybrid model's, also before
     num_blocks = num_kv_blocks(cfg, loaded, device, max_model_len, step_budget(cfg), extra,
                                reserved_bytes(states))
     if ranks is not None:

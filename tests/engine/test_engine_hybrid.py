@@ -1,7 +1,8 @@
 """A hybrid linear-attention model (a tiny random Qwen3.5) through the whole engine: greedy
 tokens equal to transformers' generate, and unchanged by chunked prefill at several chunk
 sizes (the state carried from chunk to chunk), by preemption (the slot freed, the sequence
-recomputed), by n = 2, by batching and by prefix-cache hits (resumed from the state snapshots); the MoE variants' greedy tokens equal transformers'; 200 requests with disconnects leave every state slot
+recomputed), by n = 2, by batching, by prefix-cache hits (resumed from the state snapshots)
+and by two tensor-parallel ranks; the MoE variants' greedy tokens equal transformers'; 200 requests with disconnects leave every state slot
 free; what is not served yet is refused clearly. (The layers: tests/gpu/test_delta_rule.py;
 the logits: tests/gpu/test_hybrid_models.py.)"""
 from __future__ import annotations
@@ -150,6 +151,34 @@ async def test_disconnects_leave_every_slot_free(model):
         slots = engine.scheduler.state_slots
         assert slots.num_used == 0 and sorted(slots.free) == list(range(16))
         assert engine.stats().requests_finished_total.get("abort", 0) > 0
+
+
+async def test_two_tensor_parallel_ranks_give_the_same_tokens(model):
+    """-tp 2 (a worker process over gloo; the heads, conv channels and states split, each
+    rank's pool under the scheduler's slot numbers: the step message carries them), chunks
+    of 16 tokens, the prompts again as prefix-cache hits (each rank loads its snapshots),
+    n = 2: transformers' greedy tokens. (Every family's TP = 2 logits and tokens:
+    tests/gpu/test_tp_hybrid.py.)"""
+    path, want = model
+    threads = torch.get_num_threads()       # rank 0 here takes its share of the cores
+    try:
+        async with open_engine(config(path, tensor_parallel_size=2, max_num_batched_tokens=16)) as engine:
+            first = await generate(engine, PROMPTS)
+            again = await generate(engine, PROMPTS[:1], n=2)
+            assert engine.scheduler.state_slots.hits >= 2
+    finally:
+        torch.set_num_threads(threads)
+    assert [g[0] for g in first] == want and again == [[want[0]] * 2]
+
+
+@pytest.mark.parametrize("size,field", [(4, "linear_num_key_heads"), (3, "linear_num_key_heads")])
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(model, size, field):
+    from gpu.loader.decoder import load_shell
+    from pipeline.core.kv_layout import check_hybrid
+
+    path, _ = model
+    with pytest.raises(ValueError, match=f"--tensor-parallel-size {size} does not divide qwen3_5's {field}"):
+        check_hybrid(config(path, tensor_parallel_size=size), load_shell(str(path)).config)
 
 
 @pytest.mark.parametrize("family,overrides", [("qwen3_next", dict(TINY_EXPERTS, mlp_only_layers=[1])),

@@ -14,12 +14,31 @@ TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=
                     shared_expert_intermediate_size=48)
 
 
+def _modeling_without_fla() -> None:
+    """transformers' Qwen3-Next / Qwen3.5 modeling modules imported with flash-linear-attention
+    hidden: their kernel decorators import fla (about 30 s of Triton parsing on this CPU) only
+    to fall back to the torch path for CPU tensors anyway. Nothing changes where fla is
+    already imported."""
+    import importlib
+    import sys
+
+    if "fla" in sys.modules:
+        return
+    sys.modules["fla"] = None       # import fla -> ImportError -> the torch functions
+    try:
+        for name in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+            importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    finally:
+        del sys.modules["fla"]
+
+
 def make_hybrid(family: str, out_dir=None, seed: int = 0, **overrides):
     """A tiny random transformers Qwen3-Next (no experts unless overrides give num_experts),
     Qwen3.5 or Qwen3.5-MoE text model, eager, fp32, layers [linear, linear, linear, full];
     every norm, A_log and dt_bias perturbed."""
     import transformers
 
+    _modeling_without_fla()
     cfg = {**TINY_HYBRID, **overrides}
     if family == "qwen3_next":
         config = transformers.Qwen3NextConfig(**{"num_experts": 0, **cfg})
@@ -48,6 +67,7 @@ def make_hybrid_vl(family: str, out_dir, seed: int = 0):
     vision tower under model.visual, the config's decoder under text_config."""
     import transformers
 
+    _modeling_without_fla()
     text = dict(TINY_HYBRID)
     if family == "qwen3_5_moe":
         text.pop("intermediate_size")

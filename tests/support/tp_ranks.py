@@ -85,15 +85,20 @@ def paged_greedy(model, tp: TP, prompts: list[list[int]], n: int, block_size: in
                  chunk: int = 5) -> list[list[int]]:
     """n argmax tokens for each prompt, batched the engine's way: prompts prefilled in chunks
     of `chunk` tokens, decode rows mixed with the other prompt's prefill, through a paged
-    KVCache of this rank's KV heads (TorchPagedAttention, gpu/worker/staging.py's inputs)."""
+    KVCache of this rank's KV heads (TorchPagedAttention, gpu/worker/staging.py's inputs). A
+    hybrid linear-attention model's states live in a StatePool of this rank's heads, prompt i
+    in slot i + 1 (the runner's way: gpu/worker/runner.py)."""
     from gpu.layers.attention import KVCache, TorchPagedAttention
+    from gpu.layers.linear_attention import LinearDims, StatePool
     from gpu.interface import SeqChunk
     from gpu.worker.staging import prepare_step
 
     c = model.config
     per_seq = -(-(max(map(len, prompts)) + n) // block_size)
-    cache = KVCache(c.num_hidden_layers, 1 + per_seq * len(prompts), block_size, model.local_kv_heads,
+    cache = KVCache(c.num_kv_layers, 1 + per_seq * len(prompts), block_size, model.local_kv_heads,
                     c.kv_cache_head_dim, model.dtype, "cpu", latent=c.kv_cache_latent)
+    pool = (StatePool(c.num_linear_layers, 1 + len(prompts), LinearDims.of(c, tp), model.dtype, "cpu")
+            if c.num_linear_layers else None)
     attn = TorchPagedAttention(cache, c.head_dim ** -0.5)
     tables = [tuple(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
     seqs, done, new = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts]
@@ -106,11 +111,14 @@ def paged_greedy(model, tp: TP, prompts: list[list[int]], n: int, block_size: in
                 todo = s[done[i]:done[i] + chunk]
                 end = done[i] + len(todo)
                 chunks.append(SeqChunk(str(i), tuple(todo), done[i], tables[i][:-(-end // block_size)],
-                                       end == len(s)))
+                                       end == len(s), state_slot=i + 1 if pool is not None else -1))
                 if end == len(s):
                     rows.append(i)
                 done[i] = end
             input_ids, positions, meta, sample_idx = prepare_step(tuple(chunks), block_size, torch.device("cpu"))
+            if pool is not None:
+                meta.states = pool.step([ch.state_slot for ch in chunks], meta.q_starts, meta.q_lens,
+                                        meta.start_positions)
             attn.prepare(meta)
             hidden = model(input_ids, positions, attn)
             logits = model.compute_logits(hidden.index_select(0, sample_idx))

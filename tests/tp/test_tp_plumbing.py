@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import attrs
 import numpy as np
 import pytest
 
@@ -31,8 +32,8 @@ def test_a_step_round_trips_to_the_arrays_and_metadata_rank_0_uploaded(drafts):
     header, payload = pack(host, kv, spans, True, 17)
     assert header.shape == (HEADER,) and header[0] == STEP and header[9] == 17
     assert payload.size == header[10]
-    got, got_kv, got_spans, sample = unpack(header, payload)
-    assert got_kv == kv and got_spans == spans and sample
+    got, got_kv, got_spans, sample, states = unpack(header, payload)
+    assert got_kv == kv and got_spans == spans and sample and states == []
     ids2, pos2, meta2, sample_idx2 = upload_inputs(got, __import__("torch").device("cpu"))
     assert ids2.tolist() == ids.tolist() and 42 in ids2.tolist()      # the PLACEHOLDER filled
     assert pos2.tolist() == pos.tolist() and sample_idx2.tolist() == sample_idx.tolist()
@@ -42,6 +43,20 @@ def test_a_step_round_trips_to_the_arrays_and_metadata_rank_0_uploaded(drafts):
     for name in ("q_starts", "q_lens", "ctx_lens", "start_positions", "decode_rows",
                  "prefill_rows", "max_seqlen_q"):
         assert getattr(meta, name) == getattr(meta2, name), name
+
+
+def test_a_hybrid_models_state_slots_travel_with_the_step():
+    """(state_slot, state_load, state_save) per chunk, in the step's order: each worker's
+    StatePool loads, steps and saves the same slots as rank 0's."""
+    chunks = tuple(attrs.evolve(c, state_slot=i + 1, state_load=7 if i == 1 else -1,
+                                state_save=9 if i == 2 else -1) for i, c in enumerate(_chunks()))
+    host = stage_inputs(chunks, 16, BlockTables())
+    upload_inputs(host, __import__("torch").device("cpu"), last_token=lambda seq: 42)
+    flat = [x for c in chunks for x in (c.state_slot, c.state_load, c.state_save)]
+    header, payload = pack(host, (), [(0, 4)], False, 3, flat)
+    got, _, spans, _, states = unpack(header, payload)
+    assert spans == [(0, 4)] and got.q_lens == host.q_lens
+    assert [(s.state_slot, s.state_load, s.state_save) for s in states] == [(1, -1, -1), (2, 7, -1), (3, -1, 9)]
 
 
 def test_the_worker_calls_compute_logits_on_the_rows_rank_0_does(smollm):
