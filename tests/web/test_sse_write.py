@@ -123,8 +123,6 @@ async def _streamed(body_parts, headers, tcp_server_base, http_version=b"1.1"):
     """The raw bytes of one response, served by open_http with `tcp_server_base`."""
     import socket
 
-    from hypercorn.trio.tcp_server import TCPServer  # noqa: F401  (the base compared against)
-
     from web.app import LoadingGate
     from web.server import open_http
 
@@ -136,7 +134,7 @@ async def _streamed(body_parts, headers, tcp_server_base, http_version=b"1.1"):
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         for part in body_parts:
             await send({"type": "http.response.body", "body": part, "more_body": True})
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     gate = LoadingGate()
