@@ -185,18 +185,19 @@ async def test_content_length_and_http_1_0_bodies_are_byte_for_byte_hypercorns()
 
 
 async def test_an_http_1_1_connection_frames_its_chunks_without_h11():
-    from web.sse import ChunkedH11Protocol
+    import h11
 
-    seen = []
-    original = ChunkedH11Protocol.stream_send
+    sent = []
+    original = h11.Connection.send
 
-    async def spy(self, event):
-        seen.append(type(self))
-        return await original(self, event)
+    def spy(self, event):
+        sent.append(type(event))
+        return original(self, event)
 
-    ChunkedH11Protocol.stream_send = spy
+    h11.Connection.send = spy
     try:
-        await _streamed(PARTS[:1], [(b"content-type", b"text/event-stream")], FastWriteTCPServer)
+        await _streamed(PARTS, [(b"content-type", b"text/event-stream")], FastWriteTCPServer)
     finally:
-        ChunkedH11Protocol.stream_send = original
-    assert seen and set(seen) == {ChunkedH11Protocol}
+        h11.Connection.send = original
+    # the head and the end through h11; no body chunk
+    assert sent == [h11.Response, h11.EndOfMessage]
