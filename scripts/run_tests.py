@@ -29,18 +29,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the chunks, longest first (seconds measured on the 2-core AVX2 machine, docs/benchmarks.md);
-# a folder of tests/ not named here runs in the last chunk, with the top-level files
-CHUNKS = ["e2e-shared", "e2e", "gpu", "gpu-n", "stages", "engine", "procs", "kernels", "tp", "reliability",
-          "cluster", "pipeline", "web"]
-# tests/e2e in two chunks: the files that use tests/e2e/conftest.py's session servers, and the
-# rest (each starts the servers it needs). A file in the wrong list still passes: it starts
-# its own copy of a session server, which costs time only.
-SHARED_E2E = ["test_e2e_beam.py", "test_e2e_data_parallel.py", "test_e2e_gguf_packed.py",
-              "test_e2e_gpt_oss.py", "test_e2e_logit_controls.py", "test_e2e_lora.py",
-              "test_e2e_reasoning.py", "test_e2e_spec_harmony.py", "test_e2e_structured.py",
-              "test_e2e_tools.py", "test_e2e_vision.py", "test_e2e_vllm_parity.py",
-              "test_openai_api.py", "test_surface.py"]
+# the chunks, longest first (by a run on the 2-core AVX2 machine, docs/benchmarks.md): a folder
+# of tests/, or a part of one (PARTS); a folder not named here runs in the last chunk, with the
+# top-level files
+CHUNKS = ["e2e-2", "e2e-shared", "gpu", "e2e", "engine-spec", "gpu-n", "engine", "stages", "tp",
+          "kernels", "procs", "reliability", "cluster", "pipeline", "web"]
+# parts of a folder: (chunk, its files); the folder's own chunk runs the files no part names.
+# tests/e2e's first part is the files that use tests/e2e/conftest.py's session servers, so that
+# those servers start once. A file in the wrong list still passes: it starts its own copy of a
+# session server, which costs time only.
+PARTS = {
+    "e2e": [("e2e-shared", ["test_e2e_beam.py", "test_e2e_data_parallel.py", "test_e2e_gguf_packed.py",
+                            "test_e2e_gpt_oss.py", "test_e2e_logit_controls.py", "test_e2e_lora.py",
+                            "test_e2e_reasoning.py", "test_e2e_spec_harmony.py", "test_e2e_structured.py",
+                            "test_e2e_tools.py", "test_e2e_vision.py", "test_e2e_vllm_parity.py",
+                            "test_openai_api.py", "test_surface.py"]),
+            ("e2e-2", ["test_e2e_pd.py", "test_e2e_gemma3_gguf.py", "test_e2e_responses_state.py"])],
+    "engine": [("engine-spec", ["test_engine_eagle.py", "test_engine_spec.py"])],
+    "gpu": [("gpu-n", "test_n")],         # a name: its files from that name on
+}
 COMMON = ["-q", "--durations=15", "-p", "no:cacheprovider"]
 
 
@@ -52,18 +59,21 @@ def _progress(log: Path) -> str:
 
 
 def chunks() -> list[tuple[str, list[str]]]:
-    """(name, pytest arguments) for each chunk: the named folders, then everything else."""
-    e2e = ROOT / "tests" / "e2e"
-    shared = [f"tests/e2e/{f}" for f in SHARED_E2E if (e2e / f).exists()]
-    args = {"e2e-shared": shared, "e2e": ["tests/e2e", *(f"--ignore={f}" for f in shared)]}
-    # tests/gpu, the largest folder, in two: its files from test_n* on, and the rest
-    late = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "gpu").glob("test_*.py")
-                  if p.name >= "test_n")
-    args.update({"gpu-n": late, "gpu": ["tests/gpu", *(f"--ignore={f}" for f in late)]})
-    named = [c for c in CHUNKS if c in args or (ROOT / "tests" / c).is_dir()]
-    covered = {c.split("-")[0] for c in named}            # the folders the chunks above run
+    """(name, pytest arguments) for each chunk, in CHUNKS' order, then everything else."""
+    args: dict[str, list[str]] = {}
+    for folder, parts in PARTS.items():
+        files = sorted(p.name for p in (ROOT / "tests" / folder).glob("test_*.py"))
+        named: list[str] = []
+        for chunk, which in parts:
+            mine = [f for f in files if f >= which] if isinstance(which, str) else \
+                [f for f in which if f in files]
+            args[chunk] = [f"tests/{folder}/{f}" for f in mine]
+            named += args[chunk]
+        args[folder] = [f"tests/{folder}", *(f"--ignore={f}" for f in named)]
+    names = [c for c in CHUNKS if args.get(c) or (ROOT / "tests" / c).is_dir()]
+    covered = {c for c in names if (ROOT / "tests" / c).is_dir()}    # whole folders
     rest = ["tests", *(f"--ignore=tests/{c}" for c in sorted(covered))]
-    return [(c, args.get(c, [f"tests/{c}"])) for c in named] + [("rest", rest)]
+    return [(c, args.get(c, [f"tests/{c}"])) for c in names] + [("rest", rest)]
 
 
 def main(argv: list[str]) -> int:
