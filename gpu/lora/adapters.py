@@ -354,7 +354,7 @@ class LoRAManager:
         self._slots = (_Slots(model, keys, max_loras, max_rank, dtype, self.device)
                        if self.backend == "triton" else None)
         self._keys = {key: i for i, key in enumerate(keys)}    # the C kernel's table rows
-        self._ptrs: dict[int, tuple] = {}      # adapter id -> (Adapter, its table rows)
+        self._ptrs: dict[int, tuple] = {}      # adapter id -> (Adapter, table rows, packed weights)
         hook = self._triton_hook if self._slots is not None else self._hook
         self._hooks = [model.layers[i].get_submodule(attr).register_forward_hook(hook((i, attr)))
                        for i, attr in keys]
@@ -448,7 +448,7 @@ class LoRAManager:
             spans.append((self._adapter(ref, busy), a, len(perm)))
         packed = None
         if self.backend == "cpu":   # bounds [G + 1] and the pointer table [G, keys, 3]
-            for lid in [lid for lid, (ad, _) in self._ptrs.items() if self.loaded.get(lid) is not ad]:
+            for lid in [lid for lid, (ad, *_) in self._ptrs.items() if self.loaded.get(lid) is not ad]:
                 del self._ptrs[lid]     # evicted (a reload is a new Adapter): its pointers are stale
             table = torch.stack([self._pointers(ad) for ad, _, _ in spans])
             packed = (torch.tensor([0] + [b for _, _, b in spans], dtype=torch.int64), table)
@@ -456,11 +456,12 @@ class LoRAManager:
         return True
 
     def _pointers(self, ad: Adapter) -> torch.Tensor:
-        from gpu.kernels.cpu.lora import LoRAKernels
+        from gpu.kernels.cpu.lora import LoRAKernels, kernels
 
         cached = self._ptrs.get(ad.ref.id)
-        if cached is None or cached[0] is not ad:
-            cached = self._ptrs[ad.ref.id] = (ad, LoRAKernels.pointers(ad.weights, list(self._keys)))
+        if cached is None or cached[0] is not ad:    # packed once per load, kept beside the weights
+            packed = kernels().pack(ad.weights)
+            cached = self._ptrs[ad.ref.id] = (ad, LoRAKernels.pointers(packed, list(self._keys)), packed)
         return cached[1]
 
     def _set_index(self, groups) -> bool:

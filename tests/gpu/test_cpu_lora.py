@@ -31,10 +31,13 @@ def _run(x, out, weights, perm, bounds, wdtype, key=1, n_keys=3):
     """The kernel through a step table of n_keys linears, this one at row `key`."""
     G = len(weights)
     table = torch.zeros(G, n_keys, 3, dtype=torch.int64)
+    keep = []
     for gi, w in enumerate(weights):
         table[gi, 0] = 7   # another linear's row: must not be read for this key
         if w is not None:
-            table[gi, key] = cpu_lora.LoRAKernels.pointers({"k": w}, ["k"])[0]
+            packed = K_.pack({"k": w})
+            keep.append(packed)
+            table[gi, key] = cpu_lora.LoRAKernels.pointers(packed, ["k"])[0]
     got = out.clone()
     assert K_.apply(x, got, perm, torch.tensor(bounds, dtype=torch.int64), table, key, wdtype)
     return got

@@ -4,12 +4,13 @@
  * perm[bounds[g] .. bounds[g+1]). Built by gpu/kernels/cpu/lora.py with gpu/kernels/cpu/ops.py's
  * builder (-O3 -march=native -fopenmp, cached per CPU's flags), called through ctypes.
  *
- * Weights as gpu/lora/adapters.py keeps them: A^T [K, R] and (scale B)^T [R, N], row-major, so
- * both GEMMs are outer products over a row of the weight: shrink h[m, :] += x[m, k] A^T[k, :],
- * expand acc[m, :] += h[m, j] B^T[j, cols]. Work items are (group, column chunk); an item runs
- * its chunk for each block of MR rows, so a chunk of A^T (K x CW) or B^T (R x CW) is read from
- * memory once a step and from cache for the group's further row blocks: each adapter reads
- * only its own bytes, once. The per-row shrink h stays fp32 (torch's bf16 path rounds it to
+ * Weights: A^T [K, R] and (scale B)^T [R, N] of gpu/lora/adapters.py, packed by lora.py into
+ * panels of CW columns (A^T as [ceil(R / CW), K, CW], B^T as [ceil(N / CW), R, CW], the last
+ * panel zero-padded), so both GEMMs are outer products over a panel's rows: shrink
+ * h[m, c..] += x[m, k] A^T[k, c..], expand acc[m, c..] += h[m, j] B^T[j, c..]. A work item is
+ * (group, panel), read as one contiguous stream (row-major B^T would be a 64-byte strip a
+ * row, N * 4 bytes apart: a cache miss each, measured 2-3x slower), then from L1/L2 for the
+ * group's further row blocks: each adapter reads only its own bytes, once. The per-row shrink h stays fp32 (torch's bf16 path rounds it to
  * bf16); out is read, summed and rounded once.
  *
  * Vector paths: AVX-512F (16 lanes), AVX2+FMA (8 lanes), chosen when the build's -march has
@@ -23,8 +24,8 @@
 #include <immintrin.h>
 #endif
 
-#define MR 4     /* rows per block: MR x NV accumulators */
-#define NV 3     /* vectors per column chunk */
+#define MR 6     /* rows per block: MR x NV accumulators */
+#define NV 2     /* vectors per column chunk: 64 bytes of a row (AVX2), 128 (AVX-512) */
 
 static inline float bf16f(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -77,56 +78,40 @@ static inline vec vload(const void *p, int64_t i, int bf16) {
 #define VL 0
 #endif
 
-#define CW (VL ? VL * NV : 32)   /* columns per work item */
+#define CW (VL ? VL * NV : 32)   /* columns per work item: the width of a weight panel */
 
-/* acc[i][c0 .. c0+cw) = sum_k src_i[k] * w[k * ldw + c0 ..], for the block's mr rows, where
- * src_i[k] = src[rows[i] * lds + k] (dtype src_bf16). Stored fp32 to dst[i * ldd + c0 ..]. */
+/* dst[i * ldd + c] (c < cw) = sum_k src_i[k] * panel[k * CW + c], for the block's mr rows,
+ * where src_i[k] = src[rows[i] * lds + k] (dtype src_bf16) and the panel [K, CW] starts at
+ * element `off` of w (its columns past the weight's width are zeros). */
 static void block(const void *src, int src_bf16, const int64_t *rows, int64_t lds, int mr,
-                  const void *w, int w_bf16, int64_t ldw, int64_t K, int64_t c0, int64_t cw,
-                  float *dst, int64_t ldd) {
+                  const void *w, int w_bf16, int64_t off, int64_t K, float *dst, int64_t ldd,
+                  int64_t cw) {
+    float tmp[MR][CW] __attribute__((aligned(64)));
 #if VL
-    if (cw == VL * NV) {
-        vec acc[MR][NV];
-        for (int i = 0; i < MR; i++)
-            for (int v = 0; v < NV; v++) acc[i][v] = vzero();
-        for (int64_t k = 0; k < K; k++) {
-            vec b[NV];
-            for (int v = 0; v < NV; v++) b[v] = vload(w, k * ldw + c0 + v * VL, w_bf16);
-            for (int i = 0; i < MR; i++) {
-                if (i >= mr) break;
-                const vec a = vset1(ld(src, rows[i] * lds + k, src_bf16));
-                for (int v = 0; v < NV; v++) acc[i][v] = vfma(a, b[v], acc[i][v]);
-            }
+    vec acc[MR][NV];
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = vzero();
+    for (int64_t k = 0; k < K; k++) {
+        vec b[NV];
+        for (int v = 0; v < NV; v++) b[v] = vload(w, off + k * CW + v * VL, w_bf16);
+        for (int i = 0; i < MR; i++) {
+            if (i >= mr) break;
+            const vec a = vset1(ld(src, rows[i] * lds + k, src_bf16));
+            for (int v = 0; v < NV; v++) acc[i][v] = vfma(a, b[v], acc[i][v]);
         }
-        for (int i = 0; i < mr; i++)
-            for (int v = 0; v < NV; v++) vstoref(dst + i * ldd + c0 + v * VL, acc[i][v]);
-        return;
     }
-    if (cw % VL == 0) {   /* the last chunk, a multiple of the vector: one vector at a time */
-        for (int64_t c = c0; c < c0 + cw; c += VL) {
-            vec acc[MR];
-            for (int i = 0; i < MR; i++) acc[i] = vzero();
-            for (int64_t k = 0; k < K; k++) {
-                const vec b = vload(w, k * ldw + c, w_bf16);
-                for (int i = 0; i < MR; i++) {
-                    if (i >= mr) break;
-                    acc[i] = vfma(vset1(ld(src, rows[i] * lds + k, src_bf16)), b, acc[i]);
-                }
-            }
-            for (int i = 0; i < mr; i++) vstoref(dst + i * ldd + c, acc[i]);
-        }
-        return;
-    }
-#endif
-    float acc[MR][CW];
     for (int i = 0; i < mr; i++)
-        for (int64_t c = 0; c < cw; c++) acc[i][c] = 0.f;
+        for (int v = 0; v < NV; v++) vstoref(tmp[i] + v * VL, acc[i][v]);
+#else
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < CW; c++) tmp[i][c] = 0.f;
     for (int64_t k = 0; k < K; k++)
         for (int i = 0; i < mr; i++) {
             const float a = ld(src, rows[i] * lds + k, src_bf16);
-            for (int64_t c = 0; c < cw; c++) acc[i][c] += a * ld(w, k * ldw + c0 + c, w_bf16);
+            for (int c = 0; c < CW; c++) tmp[i][c] += a * ld(w, off + k * CW + c, w_bf16);
         }
-    for (int i = 0; i < mr; i++) memcpy(dst + i * ldd + c0, acc[i], (size_t)cw * 4);
+#endif
+    for (int i = 0; i < mr; i++) memcpy(dst + i * ldd, tmp[i], (size_t)cw * 4);
 }
 
 /* Work items of every group, cw-column chunks of width `width[g]`: item -> (group, chunk). */
@@ -176,7 +161,7 @@ int cpu_lora_apply(const void *x, int64_t x_stride, int x_bf16, void *out, int64
             const void *at = (const void *)(intptr_t)table[g * table_stride];
             for (int64_t m = bounds[g]; m < bounds[g + 1]; m += MR) {
                 const int mr = (int)(bounds[g + 1] - m < MR ? bounds[g + 1] - m : MR);
-                block(x, x_bf16, perm + m, x_stride, mr, at, w_bf16, R, K, c0, cw, h + m * rmax, rmax);
+                block(x, x_bf16, perm + m, x_stride, mr, at, w_bf16, c0 * K, K, h + m * rmax + c0, rmax, cw);
             }
         }
 #pragma omp for schedule(dynamic, 1)
@@ -190,7 +175,7 @@ int cpu_lora_apply(const void *x, int64_t x_stride, int x_bf16, void *out, int64
             for (int64_t m = bounds[g]; m < bounds[g + 1]; m += MR) {
                 const int mr = (int)(bounds[g + 1] - m < MR ? bounds[g + 1] - m : MR);
                 for (int i = 0; i < mr; i++) local[i] = m + i;
-                block(h, 0, local, rmax, mr, bt, w_bf16, N, R, c0, cw, delta + m * N, N);
+                block(h, 0, local, rmax, mr, bt, w_bf16, c0 * R, R, delta + m * N + c0, N, cw);
                 for (int i = 0; i < mr; i++) {   /* out[perm[m]] += delta, rounded once */
                     const float *d = delta + (m + i) * N + c0;
                     const int64_t o = perm[m + i] * out_stride + c0;
@@ -211,3 +196,5 @@ int cpu_lora_apply(const void *x, int64_t x_stride, int x_bf16, void *out, int64
 }
 
 int cpu_lora_vector_width(void) { return VL; }
+
+int cpu_lora_panel(void) { return CW; }
