@@ -74,3 +74,25 @@ def test_kernel_declines_what_it_does_not_take():
     assert not K_.apply(x.T, out, perm, b, table, 0, torch.float32)                 # strided columns
     assert not K_.apply(x.half(), out, perm, b, table, 0, torch.float32)            # fp16
     assert not K_.apply(x[:, None], out, perm, b, table, 0, torch.float32)          # 3-d
+
+
+def test_scalar_build_matches_the_reference(monkeypatch, tmp_path):
+    """The fallback without AVX2 (-march=x86-64: no vector path, panels of 32 columns)."""
+    from gpu.kernels.cpu import ops as cpu_kernels
+
+    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "x86-64")
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    lib = cpu_kernels.load_library(cpu_lora._SOURCE)
+    assert lib is not None
+    scalar = cpu_lora.LoRAKernels(lib)
+    assert scalar.vector_width == 0 and scalar.panel == 32
+    x, out, weights, perm, bounds = _case(7, 40, 50, [8, 16], [[6, 0, 1], [3, 4]], torch.bfloat16,
+                                          torch.float32, seed=3)
+    table = torch.zeros(2, 1, 3, dtype=torch.int64)
+    packed = [scalar.pack({0: w}) for w in weights]
+    for gi, p in enumerate(packed):
+        table[gi] = cpu_lora.LoRAKernels.pointers(p, [0])
+    got = out.clone()
+    assert scalar.apply(x, got, perm, torch.tensor(bounds), table, 0, torch.float32)
+    want = cpu_lora.reference(x, out, perm, bounds, weights)
+    torch.testing.assert_close(got, want.to(got.dtype), atol=0, rtol=2 ** -8)
