@@ -364,6 +364,7 @@ class LoRAManager:
             h.remove()
         self._hooks = []
         self.loaded.clear()
+        self._ptrs.clear()
 
     # -- sequences -------------------------------------------------------------------------
     def start(self, seq_id: str, ref: LoRARef) -> None:
