@@ -11,6 +11,9 @@ For each phase: wall time, output tokens/s, and the mean inter-token gap of the 
 decode step time as a client sees it). The ratio mix4 / base is the LoRA cost.
 
     python scripts/bench_lora.py [--streams 32 --prompt 128 --output 128 --dtype float32]
+                                 [--phases base,mix4 --rounds 2]
+TAILRACE_LORA_BACKEND=torch|cpu in the environment picks the server's LoRA path (default: the
+C kernel on the CPU).
 """
 from __future__ import annotations
 
@@ -96,6 +99,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
     ap.add_argument("--kv-cache-memory-bytes", default="1Gi")
+    ap.add_argument("--phases", default="base,one16,mix4",
+                    help="which phases, in order (comma-separated): base, one16, mix4")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the phases this many times, interleaved (base mix4 base mix4 ...): "
+                         "on a shared machine the ratios of neighbouring phases are what holds")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from gpu.loader.decoder import load_shell
@@ -130,14 +138,21 @@ def main() -> None:
         # warm-up: one short request of each kind
         asyncio.run(phase(base, [model, "one16", "r8", "r16", "r32", "r64"], 6, 16, 4, 0))
         phases = {"base": [model], "one16": ["one16"], "mix4": ["r8", "r16", "r32", "r64"]}
+        names = args.phases.split(",")
+        if unknown := set(names) - set(phases):
+            raise SystemExit(f"unknown phase(s) {sorted(unknown)}: choose from {list(phases)}")
         out = {}
-        for name, models in phases.items():
-            out[name] = asyncio.run(phase(base, models, args.streams, args.prompt, args.output, 1))
-            print(name, out[name], flush=True)
-        for name in ("one16", "mix4"):
-            out[name]["gap_vs_base"] = round(out[name]["mean_gap_ms"] / out["base"]["mean_gap_ms"], 3)
+        for rnd in range(args.rounds):
+            for name in names:
+                key = name if args.rounds == 1 else f"{name}.{rnd + 1}"
+                out[key] = asyncio.run(phase(base, phases[name], args.streams, args.prompt, args.output, 1))
+                print(key, out[key], f"load average {os.getloadavg()[0]:.1f}", flush=True)
+                if name != "base" and "base" in names:
+                    ref = out["base" if args.rounds == 1 else f"base.{rnd + 1}"]
+                    out[key]["gap_vs_base"] = round(out[key]["mean_gap_ms"] / ref["mean_gap_ms"], 3)
         print(json.dumps({"streams": args.streams, "prompt": args.prompt, "output": args.output,
-                          "dtype": args.dtype, **out}, indent=1))
+                          "dtype": args.dtype, "lora_backend": os.environ.get("TAILRACE_LORA_BACKEND", "default"),
+                          **out}, indent=1))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -13,7 +13,9 @@ The term is added after the base linear, as a forward hook: y = base(x) + scale 
 kernel, CUDA). One step mixes base rows and several adapters: `LoRAManager.prepare` sorts the
 step's LoRA rows by adapter once (`perm`); each hooked linear gathers those rows once, runs
 two matmuls per adapter over its contiguous run, and adds the result back with one
-`index_add_`. Rows without an adapter cost nothing.
+`index_add_`. Rows without an adapter cost nothing. On the CPU the same groups go instead to
+one call of gpu/kernels/cpu/lora.c per hooked linear (shrink and expand of every group, each
+adapter's A and B read once; `set_step` packs the groups' weight pointers once a step).
 
 On CUDA the term is instead the Triton shrink/expand pair of gpu/kernels/triton/lora.py (the
 Punica / S-LoRA design): `_Slots` holds, per hooked linear, every adapter of the step in one
@@ -54,17 +56,23 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 
 def lora_backend(device: torch.device) -> str:
     """The batched LoRA term's implementation: TAILRACE_LORA_BACKEND if set, else triton on
-    CUDA and torch (grouped matmuls) elsewhere."""
+    CUDA, the grouped C kernel (gpu/kernels/cpu/lora.c) on the CPU where it builds, and torch
+    (grouped matmuls) otherwise. cpu without a built kernel falls back to torch."""
     value = os.environ.get("TAILRACE_LORA_BACKEND", "").strip().lower()
-    if not value:
-        return "triton" if torch.device(device).type == "cuda" else "torch"
-    if value not in BACKENDS:
+    if value and value not in BACKENDS:
         raise ValueError(f"TAILRACE_LORA_BACKEND={value!r}: expected one of {', '.join(BACKENDS)}")
+    kind = torch.device(device).type
+    if not value:
+        value = "triton" if kind == "cuda" else "cpu"
+    if value == "cpu":
+        from gpu.kernels.cpu import lora as cpu_lora
+
+        return "cpu" if kind == "cpu" and cpu_lora.kernels() is not None else "torch"
     return value
 
 
@@ -345,6 +353,8 @@ class LoRAManager:
         self.backend = lora_backend(self.device)
         self._slots = (_Slots(model, keys, max_loras, max_rank, dtype, self.device)
                        if self.backend == "triton" else None)
+        self._keys = {key: i for i, key in enumerate(keys)}    # the C kernel's table rows
+        self._ptrs: dict[int, tuple] = {}      # adapter id -> (Adapter, table rows, packed weights)
         hook = self._triton_hook if self._slots is not None else self._hook
         self._hooks = [model.layers[i].get_submodule(attr).register_forward_hook(hook((i, attr)))
                        for i, attr in keys]
@@ -354,6 +364,7 @@ class LoRAManager:
             h.remove()
         self._hooks = []
         self.loaded.clear()
+        self._ptrs.clear()
 
     # -- sequences -------------------------------------------------------------------------
     def start(self, seq_id: str, ref: LoRARef) -> None:
@@ -436,8 +447,23 @@ class LoRAManager:
             for r0, r1 in rs:
                 perm.extend(range(r0, r1))
             spans.append((self._adapter(ref, busy), a, len(perm)))
-        self._step = (torch.tensor(perm, dtype=torch.int64, device=self.device), spans)
+        packed = None
+        if self.backend == "cpu":   # bounds [G + 1] and the pointer table [G, keys, 3]
+            for lid in [lid for lid, (ad, *_) in self._ptrs.items() if self.loaded.get(lid) is not ad]:
+                del self._ptrs[lid]     # evicted (a reload is a new Adapter): its pointers are stale
+            table = torch.stack([self._pointers(ad) for ad, _, _ in spans])
+            packed = (torch.tensor([0] + [b for _, _, b in spans], dtype=torch.int64), table)
+        self._step = (torch.tensor(perm, dtype=torch.int64, device=self.device), spans, packed)
         return True
+
+    def _pointers(self, ad: Adapter) -> torch.Tensor:
+        from gpu.kernels.cpu.lora import LoRAKernels, kernels
+
+        cached = self._ptrs.get(ad.ref.id)
+        if cached is None or cached[0] is not ad:    # packed once per load, kept beside the weights
+            packed = kernels().pack(ad.weights)
+            cached = self._ptrs[ad.ref.id] = (ad, LoRAKernels.pointers(packed, list(self._keys)), packed)
+        return cached[1]
 
     def _set_index(self, groups) -> bool:
         """Triton: the step's row -> slot index over its rows up to the last LoRA row."""
@@ -483,11 +509,20 @@ class LoRAManager:
         return hook
 
     def _hook(self, key: tuple[int, str]):
+        kernel, row = None, self._keys[key]
+        if self.backend == "cpu":
+            from gpu.kernels.cpu.lora import kernels
+
+            kernel = kernels()
+
         def hook(module, args, out):
             step = self._step
             if step is None:
                 return out
-            perm, spans = step
+            perm, spans, packed = step
+            if packed is not None and kernel.apply(args[0], out, perm, packed[0], packed[1], row,
+                                                   self.dtype):
+                return out
             xs = args[0].index_select(0, perm)
             if xs.dtype != self.dtype:
                 xs = xs.to(self.dtype)

@@ -123,9 +123,9 @@ def test_scale_alpha_over_r_and_rslora(tiny, tmp_path):
                                mc, 16).scale == 4.0
 
 
-def _mixed_logits(root, model, who):
+def _mixed_logits(root, model, who, dtype=torch.float32):
     """One flat forward of SEQS with adapters `who` through a fresh LoRAManager."""
-    mgr = LoRAManager(model, max_loras=3, max_cpu_loras=3, max_rank=16, dtype=torch.float32,
+    mgr = LoRAManager(model, max_loras=3, max_cpu_loras=3, max_rank=16, dtype=dtype,
                       device=torch.device("cpu"))
     try:
         refs = {n: LoRARef(n, i + 1, str(root / n)) for i, n in enumerate(ADAPTERS)}
@@ -149,7 +149,7 @@ def test_triton_backend_equals_torch_backend_and_merged_models(tiny, monkeypatch
     (one forward: 2 layers x 4 linears x 2 launches)."""
     root, hf, merged, loaded = tiny
     who = ["qkv8", None, "all16", "mlp4", None]
-    monkeypatch.delenv("TAILRACE_LORA_BACKEND", raising=False)
+    monkeypatch.setenv("TAILRACE_LORA_BACKEND", "torch")
     backend, want = _mixed_logits(root, loaded.model, who)
     assert backend == "torch"
     monkeypatch.setenv("TAILRACE_LORA_BACKEND", "triton")
@@ -161,6 +161,36 @@ def test_triton_backend_equals_torch_backend_and_merged_models(tiny, monkeypatch
     for ids, w in zip(SEQS, who):
         ref = hf_logits(merged[w] if w else hf, ids)
         torch.testing.assert_close(got[row:row + len(ids)], ref, atol=1e-4, rtol=1e-4)
+        row += len(ids)
+
+
+def test_cpu_kernel_backend_equals_torch_backend_and_merged_models(tiny, monkeypatch):
+    """The CPU default, gpu/kernels/cpu/lora.c (one call per hooked linear for every adapter of
+    the step), gives the torch grouped path's logits and the merged models', base rows between
+    and after the adapters' rows; with bf16 adapter weights it stays as close to the merged
+    models as torch's bf16 path (which also rounds x A^T to bf16)."""
+    from gpu.kernels.cpu import lora as cpu_lora
+
+    if cpu_lora.kernels() is None:
+        pytest.skip("no C compiler")
+    root, hf, merged, loaded = tiny
+    who = ["all16", None, "qkv8", "mlp4", None]
+    monkeypatch.delenv("TAILRACE_LORA_BACKEND", raising=False)
+    backend, got = _mixed_logits(root, loaded.model, who)
+    assert backend == "cpu"
+    monkeypatch.setenv("TAILRACE_LORA_BACKEND", "torch")
+    _, want = _mixed_logits(root, loaded.model, who)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _, want16 = _mixed_logits(root, loaded.model, who, torch.bfloat16)
+    monkeypatch.setenv("TAILRACE_LORA_BACKEND", "cpu")
+    _, got16 = _mixed_logits(root, loaded.model, who, torch.bfloat16)
+    row = 0
+    for ids, w in zip(SEQS, who):
+        ref = hf_logits(merged[w] if w else hf, ids)
+        sl = slice(row, row + len(ids))
+        torch.testing.assert_close(got[sl], ref, atol=1e-4, rtol=1e-4)
+        err16, err_torch16 = (got16[sl] - ref).abs().max(), (want16[sl] - ref).abs().max()
+        assert err16 <= 1.5 * err_torch16 + 1e-5, (w, err16, err_torch16)
         row += len(ids)
 
 
