@@ -17,7 +17,7 @@ import torch
 from gpu.formats.gguf import _PER_BLOCK
 from gpu.kernels.cpu import quant as cpu_quant
 from gpu.loader.decoder import load_model
-from tests.gpu.test_gguf_families import _finish, _gguf_name, _writer
+from tests.support.gguf_writing import _finish, _gguf_name, _writer
 from tests.support.hf_models import hf_logits, make_hf_model, our_logits
 
 Q = gguf.GGMLQuantizationType
@@ -120,7 +120,7 @@ def test_lowbit_logits_match_transformers(phi3_lowbit):
 def llama_lowbit(tmp_path_factory):
     """A tiny Llama GGUF whose qkv_proj mixes three of the formats (attn_q Q3_K, attn_k Q2_K,
     attn_v Q5_1), gate/up Q2_K/Q3_K, down Q5_1: the C decode stack's segments of mixed formats."""
-    from tests.gpu.test_gguf_families import _llama_cpp_permute
+    from tests.support.gguf_writing import _llama_cpp_permute
 
     tmp = tmp_path_factory.mktemp("llama-lowbit")
     hf = make_hf_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -157,7 +157,7 @@ def test_c_decode_stack_takes_the_lowbit_formats(llama_lowbit):
     tiles and with the fp32 ones (measured 1.0e-3 and 2.3e-3 on logits up to 6; the same model
     requantized to Q8_0 gives 6.5e-4: the C stack's norms, attention and SiLU against torch's on
     these random blocks' activations; the per-layer path is within 1e-5 of transformers)."""
-    from tests.gpu.test_cpu_layer import _Counting, _run
+    from tests.support.cpu_layer_runs import _Counting, _run
 
     lm = llama_lowbit.model
     assert lm.fused_decode is not None

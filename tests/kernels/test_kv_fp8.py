@@ -10,8 +10,8 @@ import torch
 from gpu.kernels.triton.kv_cache import write_kv, write_kv_ref
 from gpu.kernels.triton.paged_attention import paged_attention, paged_attention_ref
 from gpu.kernels.triton.qkv_prep import prepare_qkv, prepare_qkv_ref
-from tests.kernels.test_paged_attention import _make_batch
-from tests.kernels.test_qkv_prep import _inputs
+from tests.support.paged_batches import _make_batch
+from tests.support.qkv_inputs import _inputs
 
 FP8 = torch.float8_e4m3fn
 
@@ -80,7 +80,7 @@ def test_the_triton_runner_with_an_fp8_cache_matches_the_torch_runner(tmp_path, 
     from gpu.layers.attention import KVCache
     from gpu.loader.decoder import load_model
     from gpu.worker.runner import ModelRunner
-    from tests.kernels.test_runner_triton import capture_logits
+    from tests.support.triton_runs import capture_logits
     from tests.support.tiny_runners import TINY_QWEN3
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))

@@ -12,7 +12,7 @@ from gpu.layers.attention import KVCache, TritonPagedAttention
 from gpu.layers.mla import mla_reference
 from gpu.layers.ops import build_rope_cache
 from gpu.worker.staging import prepare_step
-from tests.gpu.test_mla import _layer, _tiny_config
+from tests.support.mla_models import _layer, _tiny_config
 
 
 @pytest.mark.parametrize("dtype,splits", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 1)])
@@ -79,7 +79,7 @@ def test_deepseek_v3_on_the_triton_runner_matches_the_torch_runner(tmp_path, dev
     from gpu.interface import SamplingOptions, SeqStart, StepPlan
     from gpu.loader.decoder import load_model
     from gpu.worker.runner import ModelRunner
-    from tests.kernels.test_runner_triton import capture_logits
+    from tests.support.triton_runs import capture_logits
     from tests.support.moe_models import make_moe_model
 
     make_moe_model("deepseek_v3", tmp_path)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpu.kernels.triton.qkv_prep import prepare_qkv, prepare_qkv_ref
+from tests.support.qkv_inputs import _inputs
 
 CASES = {
     # name: (T, Hq, Hkv, Dh, page, qk_norm)
@@ -14,25 +15,6 @@ CASES = {
     "llama_like_no_norm": (3, 8, 2, 32, 4, False),
     "mqa_one_token": (1, 5, 1, 16, 16, True),
 }
-
-
-def _inputs(T, hq, hkv, dh, page, qk_norm, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    qkv = (torch.randn(T, (hq + 2 * hkv) * dh, generator=g) * 3).to(dtype)
-    w = lambda: (1 + 0.5 * torch.randn(dh, generator=g)).to(dtype)  # noqa: E731
-    qw, kw = (w(), w()) if qk_norm else (None, None)
-    blocks = -(-T // page) + 3
-    k_cache = torch.randn(blocks, page, hkv, dh, generator=g).to(dtype)
-    v_cache = torch.randn(blocks, page, hkv, dh, generator=g).to(dtype)
-    slots = torch.randperm(blocks * page, generator=g)[:T]
-    if T > 2:
-        slots[1] = -1                                   # a graph's padding row: not written
-    pos = torch.randint(0, 200, (T,), generator=g)
-    inv = 1.0 / (10000 ** (torch.arange(0, dh, 2).float() / dh))
-    f = torch.outer(torch.arange(256).float(), inv)
-    cos_sin = torch.cat([f.cos(), f.sin()], dim=-1)
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return [to(qkv), hq, hkv, dh, to(qw), to(kw), 1e-6, to(pos), to(cos_sin), to(k_cache), to(v_cache), to(slots)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -9,17 +9,7 @@ import torch
 
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from tests.support.tiny_runners import runner_pair
-
-
-def capture_logits(lm, runner, plans):
-    seen = []
-    orig = lm.compute_logits
-    lm.compute_logits = lambda h: seen.append(orig(h)) or seen[-1]
-    try:
-        results = [runner.execute(p) for p in plans]
-    finally:
-        lm.compute_logits = orig
-    return results, seen
+from tests.support.triton_runs import capture_logits
 
 
 def test_triton_runner_matches_torch_runner(tmp_path, device):
