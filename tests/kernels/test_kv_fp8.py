@@ -76,11 +76,10 @@ def test_the_triton_runner_with_an_fp8_cache_matches_the_torch_runner(tmp_path, 
     a tiny random Qwen3 with scales 0.5 (k) and 2 (v): mixed prefill and decode across blocks."""
     import json
 
-    from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
     from gpu.layers.attention import KVCache
     from gpu.loader.decoder import load_model
     from gpu.worker.runner import ModelRunner
-    from tests.support.triton_runs import capture_logits
+    from tests.support.triton_runs import capture_logits, two_sequence_plans
     from tests.support.tiny_runners import TINY_QWEN3
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))
@@ -92,13 +91,7 @@ def test_the_triton_runner_with_an_fp8_cache_matches_the_torch_runner(tmp_path, 
         cache.set_scales({i: (0.5, 2.0) for i in range(c.num_hidden_layers)})
         return ModelRunner(lm, cache, device=device, use_triton=use_triton), cache
 
-    greedy = SamplingOptions(temperature=0.0)
-    a, b = (3, 9, 4, 1, 7, 2, 8), (5, 6)
-    plans = [
-        StepPlan(1, (SeqChunk("a", a[:5], 0, (7, 2), False), SeqChunk("b", b, 0, (0,), True)),
-                 (SeqStart("a", a, greedy), SeqStart("b", b, greedy))),
-        StepPlan(2, (SeqChunk("b", (11,), 2, (0,), True), SeqChunk("a", a[5:], 5, (7, 2), True))),
-    ]
+    plans = two_sequence_plans()
     (torch_runner, torch_cache), (triton_runner, triton_cache) = make(False), make(True)
     r_torch, l_torch = capture_logits(lm, torch_runner, plans)
     r_triton, l_triton = capture_logits(lm, triton_runner, plans)

@@ -76,10 +76,9 @@ def test_deepseek_v3_on_the_triton_runner_matches_the_torch_runner(tmp_path, dev
     TritonPagedAttention) against its torch path on a tiny DeepSeek-V3: a mixed step (a's
     chunk, b's whole prompt), a step of b's decode beside a's last chunk, then a pure decode
     step; logits to 1e-4 and the same greedy tokens."""
-    from gpu.interface import SamplingOptions, SeqStart, StepPlan
     from gpu.loader.decoder import load_model
     from gpu.worker.runner import ModelRunner
-    from tests.support.triton_runs import capture_logits
+    from tests.support.triton_runs import capture_logits, two_sequence_plans
     from tests.support.moe_models import make_moe_model
 
     make_moe_model("deepseek_v3", tmp_path)
@@ -91,14 +90,7 @@ def test_deepseek_v3_on_the_triton_runner_matches_the_torch_runner(tmp_path, dev
                         latent=c.kv_cache_latent)
         return ModelRunner(lm, cache, device=device, use_triton=use_triton)
 
-    greedy = SamplingOptions(temperature=0.0)
-    a, b = (3, 9, 4, 1, 7, 2, 8), (5, 6)
-    plans = [
-        StepPlan(1, (SeqChunk("a", a[:5], 0, (7, 2), False), SeqChunk("b", b, 0, (0,), True)),
-                 (SeqStart("a", a, greedy), SeqStart("b", b, greedy))),
-        StepPlan(2, (SeqChunk("b", (11,), 2, (0,), True), SeqChunk("a", a[5:], 5, (7, 2), True))),
-        StepPlan(3, (SeqChunk("b", (12,), 3, (0, 4), True), SeqChunk("a", (13,), 7, (7, 2), True))),
-    ]
+    plans = two_sequence_plans(third_step=True)
     r_torch, l_torch = capture_logits(lm, runner(False), plans)
     r_triton, l_triton = capture_logits(lm, runner(True), plans)
     assert len(l_triton) == 3

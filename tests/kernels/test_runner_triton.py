@@ -9,18 +9,12 @@ import torch
 
 from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
 from tests.support.tiny_runners import runner_pair
-from tests.support.triton_runs import capture_logits
+from tests.support.triton_runs import capture_logits, two_sequence_plans
 
 
 def test_triton_runner_matches_torch_runner(tmp_path, device):
     lm, torch_runner, triton_runner = runner_pair(tmp_path, device)
-    greedy = SamplingOptions(temperature=0.0)
-    a, b = (3, 9, 4, 1, 7, 2, 8), (5, 6)
-    plans = [
-        StepPlan(1, (SeqChunk("a", a[:5], 0, (7, 2), False), SeqChunk("b", b, 0, (0,), True)),
-                 (SeqStart("a", a, greedy), SeqStart("b", b, greedy))),
-        StepPlan(2, (SeqChunk("b", (11,), 2, (0,), True), SeqChunk("a", a[5:], 5, (7, 2), True))),
-    ]
+    plans = two_sequence_plans()
     r_torch, l_torch = capture_logits(lm, torch_runner, plans)
     r_triton, l_triton = capture_logits(lm, triton_runner, plans)
     for x, y in zip(l_torch, l_triton):
