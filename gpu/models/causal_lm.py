@@ -255,6 +255,22 @@ _STACKED = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def copy_weight(dst: torch.Tensor, tensor: torch.Tensor, hf_name: str, target: str, vocab_real: int) -> None:
+    """One checkpoint tensor into its place in a parameter: the vocabulary's real rows (the
+    rest is padding, zero), an expert's unpadded part (expert_columns' zero padding stays);
+    ValueError on any other shape."""
+    if target in ("embed_tokens.weight", "lm_head.weight"):
+        dst = dst[:vocab_real]
+    elif ".experts." in target and dst.shape != tensor.shape and dst.dim() == tensor.dim():
+        for dim, (have, want) in enumerate(zip(tensor.shape, dst.shape)):
+            if have < want:
+                dst = dst.narrow(dim, 0, have)
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(tensor)
+
+
 class CausalLM(nn.Module):
     """Parameters start uninitialised (torch.empty): fill them with load_weights.
 
@@ -443,17 +459,7 @@ class CausalLM(nn.Module):
                 params = dict(self.named_parameters())
             if target not in params or params[target].is_meta:
                 raise ValueError(f"unexpected weight {hf_name!r} for a {self.config.architecture} model")
-            dst = params[target].data[rows]
-            if target in ("embed_tokens.weight", "lm_head.weight"):
-                dst = dst[:self.vocab_real]  # the rest: padding, zero
-            elif ".experts." in target and dst.shape != tensor.shape and dst.dim() == tensor.dim():
-                for dim, (have, want) in enumerate(zip(tensor.shape, dst.shape)):
-                    if have < want:  # expert_columns' zero padding stays
-                        dst = dst.narrow(dim, 0, have)
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
+            copy_weight(params[target].data[rows], tensor, hf_name, target, self.vocab_real)
             missing.discard(_to_hf(hf_name.removeprefix("model.")))
         missing &= set(self.hf_weight_names())    # less the weights a quantized format took (cuda_linear)
         if missing:

@@ -28,7 +28,7 @@ from gpu.layers.norms import OffsetRMSNorm, offset_rms_norm
 from gpu.layers.ops import skip_init
 from gpu.layers.moe import MoE, expert_columns
 from gpu.loader.experts import stack_experts
-from gpu.models.causal_lm import ONCE, MLP, CausalLM, Linear, kv_heads, make_moe, q_heads
+from gpu.models.causal_lm import ONCE, MLP, CausalLM, Linear, copy_weight, kv_heads, make_moe, q_heads
 from gpu.parallel import SINGLE, TP
 
 
@@ -179,17 +179,7 @@ class HybridLM(nn.Module):
             target, rows = where
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for a {self.config.architecture} model")
-            dst = params[target].data[rows]
-            if target in ("embed_tokens.weight", "lm_head.weight"):
-                dst = dst[:self.vocab_real]     # the rest: padding, zero
-            elif ".experts." in target and dst.shape != tensor.shape and dst.dim() == tensor.dim():
-                for dim, (have, want) in enumerate(zip(tensor.shape, dst.shape)):
-                    if have < want:             # expert_columns' zero padding stays
-                        dst = dst.narrow(dim, 0, have)
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
+            copy_weight(params[target].data[rows], tensor, hf_name, target, self.vocab_real)
             missing.discard(hf_name.replace("model.language_model.", "model.", 1))
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:5]}")
