@@ -18,7 +18,12 @@ bf16 peak P (a roofline), plus what the step's kernels cost for being many:
           + graph kernels * GRAPH_KERNEL + eager kernels * EAGER_KERNEL + STEP_FIXED
 
 H200 SXM (NVIDIA's datasheet): 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16
-(1,979 with sparsity).
+(1,979 with sparsity), 67 TFLOP/s fp32 on the CUDA cores.
+
+A hybrid linear-attention model (Qwen3-Next, Qwen3.5): KV, attention FLOPs and kernels of its
+full-attention layers only; its Gated DeltaNet layers' weights, their per-sequence states'
+traffic and the delta rule's fp32 arithmetic, and its eager kernels (the CUDA path captures no
+graphs for it) as gpu/worker/simulate_linear.py prices them.
 
 The kernels are counted from the model's structure as the CUDA path runs it
 (`kernels_per_step`): per layer two residual-add RMSNorms, the qkv and o projections, the
@@ -68,6 +73,7 @@ from gpu.interface import StagingRunner, StepPlan, StepResult, TokenLogprobs
 from gpu.worker.staging import (BlockTables, HostInputs, StagedTokens, float_chunks, last_token, stage_plan,
                          upload_inputs)
 from gpu.worker.sampler import SeqSamplingState
+from gpu.worker.simulate_linear import LinearCost, hybrid_kernels, mixer_params
 
 
 @attrs.frozen
@@ -81,6 +87,8 @@ class GpuSpec:
     step_fixed_s: float         # input copies in, the tokens' copy out, the sync on it
     attention_efficiency: float  # decode attention's share of the bandwidth
     sm_count: int = 132         # decode graphs split the KV below 2 x SMs programs
+    fp32_flops: float = 67e12   # CUDA cores (the delta rule's "ieee" dots run there)
+    state_efficiency: float = 0.6   # a hybrid's state reads/writes (Triton, unmeasured: as E)
 
 
 GPUS = {
@@ -103,6 +111,9 @@ def kernels_per_step(config: ModelConfig, *, decode: bool, kv_splits: bool = Fal
     from gpu/models/causal_lm.py: a decode step's forward is one graph replay, so is a verify step's
     (`verify`: gpu/worker/cuda_graphs.py VerifyGraphs), the rest eager."""
     c = config
+    outside = 2 + 1 + 1 + SAMPLING_KERNELS + 1   # staging, lm_head, row gather, sampling, D2H
+    if c.num_linear_layers:                      # no graphs: every step eager
+        return hybrid_kernels(c, MOE_KERNELS), outside
     if fused_qkv:
         qkv = 1                                  # gpu/kernels/triton/qkv_prep.py
     else:                                        # norms on reshaped copies, rope, write_kv
@@ -118,7 +129,6 @@ def kernels_per_step(config: ModelConfig, *, decode: bool, kv_splits: bool = Fal
         forward += 6                             # cuda_graphs.run: 4 copies, 2 fills
     elif verify:
         forward += 11                            # VerifyGraphs.load: 5 copies, 6 fills
-    outside = 2 + 1 + 1 + SAMPLING_KERNELS + 1   # staging, lm_head, row gather, sampling, D2H
     return forward, outside
 _KV_RESERVE_BYTES = 2 << 30     # as the CUDA path keeps for activations and graphs
 
@@ -162,6 +172,10 @@ class CostModel:
     # bytes a decoder linear's weight is read in (WEIGHT_BYTES); the LM head's stay elem_bytes
     linear_bytes: float = 2.0
     head_params: int = 0
+    # a hybrid linear-attention model's Gated DeltaNet layers (gpu/worker/simulate_linear.py);
+    # graphs False: every step's kernels launched eagerly (the CUDA path captures none for it)
+    linear: LinearCost | None = None
+    graphs: bool = True
 
     @classmethod
     def of(cls, config: ModelConfig, gpu: GpuSpec, weights: str = "bf16", kv_elem_bytes: int = 2) -> "CostModel":
@@ -179,10 +193,12 @@ class CostModel:
         cached = c.kv_cache_head_dim if c.kv_lora_rank else 2 * c.kv_size
         # attention FLOPs a (query, key) pair and head: q.k and p.v widths (MLA: absorbed, over the latent)
         widths = c.kv_cache_head_dim + c.kv_cache_latent if c.kv_lora_rank else 2 * c.head_dim
-        return cls(gpu=gpu, num_layers=L, num_q_heads=c.num_attention_heads,
+        # num_layers: those that attend over a KV cache (all but a hybrid's linear ones)
+        return cls(gpu=gpu, num_layers=c.num_kv_layers, num_q_heads=c.num_attention_heads,
                    head_dim=widths // 2, vocab_size=c.vocab_size,
-                   matmul_params=L * c.attention_params + mlps + c.vocab_size * D,
-                   kv_bytes_per_token=L * cached * kv_elem_bytes,
+                   matmul_params=mixer_params(c) + mlps + c.vocab_size * D,
+                   kv_bytes_per_token=c.num_kv_layers * cached * kv_elem_bytes,
+                   linear=LinearCost.of(c), graphs=not c.num_linear_layers,
                    linear_bytes=WEIGHT_BYTES[weights], head_params=c.vocab_size * D,
                    expert_params=moe_layers * mlp if c.num_experts else 0,
                    num_experts=c.num_experts, top_k=c.num_experts_per_tok,
@@ -209,7 +225,7 @@ class CostModel:
         """What the step's kernels cost for being many (module docstring); eager: launched
         one by one whatever the step (--enforce-eager's draft model forwards)."""
         g = self.gpu
-        if eager:
+        if eager or not self.graphs:
             forward, outside = self.eager_kernels
             return (forward + outside) * g.eager_kernel_s + g.step_fixed_s
         if all(q == 1 for q in q_lens):
@@ -236,13 +252,17 @@ class CostModel:
         read_params = self.matmul_params - idle_experts * self.expert_params
         flops = 2 * self.active_params * tokens + attention
         g = self.gpu
+        mixers = (self.linear.seconds(q_lens, g.bandwidth * g.state_efficiency, g.fp32_flops)
+                  if self.linear is not None else 0.0)
         return max((self.read_bytes(read_params) + kv + logits) / g.bandwidth, flops / g.bf16_flops) \
-            + self.launch_seconds(q_lens, eager)
+            + mixers + self.launch_seconds(q_lens, eager)
 
-    def kv_blocks(self, block_size: int, gpu_memory_utilization: float) -> int:
-        """KV cache blocks the GPU would hold, sized as the CUDA path sizes them."""
+    def kv_blocks(self, block_size: int, gpu_memory_utilization: float, state_slots: int = 0) -> int:
+        """KV cache blocks the GPU would hold, sized as the CUDA path sizes them: after a
+        hybrid model's state pool of `state_slots` slots (running sequences + snapshots)."""
+        states = self.linear.state_bytes * state_slots if self.linear is not None else 0
         budget = (self.gpu.memory_bytes * gpu_memory_utilization - self.weight_bytes
-                  - _KV_RESERVE_BYTES)
+                  - _KV_RESERVE_BYTES - states)
         return max(1, int(budget // (self.kv_bytes_per_token * block_size)))
 
 
