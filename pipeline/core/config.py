@@ -86,7 +86,9 @@ class EngineConfig:
     # auto: the model's dtype; fp8 (fp8_e4m3): e4m3, half of bf16's bytes, a quarter of fp32's (issue 58)
     kv_cache_dtype: str = attrs.field(default="auto", validator=attrs.validators.in_(KV_CACHE_DTYPES))
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
+    # None: on, except for a hybrid linear-attention model (pipeline/core/kv_layout.py
+    # prefix_caching: its cached prefixes cost a state snapshot a sequence, off as in vLLM)
+    enable_prefix_caching: bool | None = None
     # hybrid models (gpt-oss): sliding-window layers in a KV pool of their own, sized to their windows
     disable_hybrid_kv_cache_manager: bool = False
     enforce_eager: bool = False
@@ -327,7 +329,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s).")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_default("enable_prefix_caching"),
-                   help="Reuse the KV blocks of shared prompt prefixes (default: on).")
+                   help="Reuse the KV blocks of shared prompt prefixes (default: on, off for a "
+                        "hybrid linear-attention model such as Qwen3-Next or Qwen3.5, whose "
+                        "cached prefixes need a state snapshot a sequence: as vLLM).")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    default=_default("disable_hybrid_kv_cache_manager"),
                    help="Keep sliding-window layers' K/V for every position, in the full layers' "

@@ -78,7 +78,8 @@ class Engine(EngineClient):
 
     @property
     def cache_config(self) -> dict[str, str]:
-        return cache_config_labels(self.config, self.blocks.num_blocks, self.max_model_len)
+        return cache_config_labels(self.config, self.blocks.num_blocks, self.max_model_len,
+                                   self.blocks.prefix_caching)
 
 
 def _start(nursery: trio.Nursery, cfg: EngineConfig, device: torch.device, built: Built,

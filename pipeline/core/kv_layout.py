@@ -71,23 +71,44 @@ def linear_states(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device
 
     tp = tp or SINGLE
     per_seq = StatePool.bytes_per_slot(mc, dtype, tp)
-    snapshots = state_snapshots(cfg)
-    slots = cfg.max_num_seqs + snapshots
-    pool = StatePool(mc.num_linear_layers, slots, LinearDims.of(mc, tp), dtype, device)
+    pool = StatePool(mc.num_linear_layers, cfg.max_num_seqs + state_snapshots(cfg, mc),
+                     LinearDims.of(mc, tp), dtype, device)
     if tp.first:
-        log.info("linear-attention state pool: %d slots (--max-num-seqs) + %d prefix-cache snapshots "
-                 "x %.2f MiB a sequence (conv + recurrent state of %d Gated DeltaNet layers%s) = %.1f MiB; "
-                 "K/V kept for the %d full-attention layers only; CUDA graphs off", cfg.max_num_seqs,
-                 snapshots, per_seq / 2**20, mc.num_linear_layers,
-                 f", this rank's 1/{tp.size} of the heads" if tp.size > 1 else "", per_seq * slots / 2**20,
-                 mc.num_kv_layers)
+        log_state_pool(cfg, mc, per_seq, tp.size, str(dtype).removeprefix("torch.") + " conv state")
     return pool
 
 
-def state_snapshots(cfg: EngineConfig) -> int:
+def log_state_pool(cfg: EngineConfig, mc: ModelConfig, per_seq: int, tp_size: int, how: str) -> None:
+    """The start-up line of a hybrid model's state pool: its slots, what a sequence's costs,
+    and whether prefix caching is on and what its snapshots take from the KV budget."""
+    snapshots = state_snapshots(cfg, mc)
+    if snapshots:
+        cache = (f"prefix caching on: + {snapshots} snapshots (a state at a cached prefix's end) = "
+                 f"{per_seq * snapshots / 2**20:.1f} MiB more, taken from the KV cache's budget")
+    else:
+        why = "off" if cfg.enable_prefix_caching is False else "off (the default for a hybrid model, as vLLM)"
+        cache = (f"prefix caching {why}: --enable-prefix-caching would add {cfg.max_num_seqs} state "
+                 f"snapshots, {per_seq * cfg.max_num_seqs / 2**20:.1f} MiB of the KV cache's budget")
+    log.info("linear-attention state pool: %d slots (--max-num-seqs) x %.2f MiB a sequence (conv + "
+             "recurrent state of %d Gated DeltaNet layers, %s, fp32 recurrent state%s) = %.1f MiB; %s; "
+             "K/V kept for the %d full-attention layers only; CUDA graphs off", cfg.max_num_seqs,
+             per_seq / 2**20, mc.num_linear_layers, how,
+             f", this rank's 1/{tp_size} of the heads" if tp_size > 1 else "",
+             per_seq * cfg.max_num_seqs / 2**20, cache, mc.num_kv_layers)
+
+
+def prefix_caching(cfg: EngineConfig, mc: ModelConfig) -> bool:
+    """--enable-prefix-caching as the engine runs it: as given, else on except for a hybrid
+    linear-attention model, whose cached prefixes each need a state snapshot (as vLLM)."""
+    if cfg.enable_prefix_caching is not None:
+        return cfg.enable_prefix_caching
+    return not mc.num_linear_layers
+
+
+def state_snapshots(cfg: EngineConfig, mc: ModelConfig) -> int:
     """A hybrid model's prefix-cache state snapshots (stages/schedule/state_slots.py): as many
     as --max-num-seqs with prefix caching on, none without."""
-    return cfg.max_num_seqs if cfg.enable_prefix_caching else 0
+    return cfg.max_num_seqs if prefix_caching(cfg, mc) else 0
 
 
 def reserved_bytes(pool) -> int:

@@ -29,7 +29,8 @@ from pipeline.core.config import EngineConfig
 from pipeline.core.parts import Built, Parsers, Ranks, RunnerParts, pick_device, step_budget  # noqa: F401
 from pipeline.core.pooling import build_pooling
 from pipeline.core.events import EventLog, make_header
-from pipeline.core.kv_layout import check_hybrid, hybrid_kv, linear_states, reserved_bytes, state_snapshots
+from pipeline.core.kv_layout import (check_hybrid, hybrid_kv, linear_states, log_state_pool, prefix_caching,
+                                     reserved_bytes, state_snapshots)
 from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import make_drafter
 from stages.schedule.state_slots import StateSlots
@@ -334,7 +335,11 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
     if cfg.simulate_gpu:
         cost = CostModel.of(mc, GPUS[cfg.simulate_gpu], weights=loaded.weight_format,
                             kv_elem_bytes=1 if cfg.kv_cache_dtype != "auto" else 2)
-        num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(cfg.block_size, cfg.gpu_memory_utilization)
+        num_blocks = cfg.num_gpu_blocks_override or cost.kv_blocks(
+            cfg.block_size, cfg.gpu_memory_utilization,
+            cfg.max_num_seqs + state_snapshots(cfg, mc) if mc.num_linear_layers else 0)
+        if mc.num_linear_layers:
+            log_state_pool(cfg, mc, cost.linear.state_bytes, 1, "H200 stand-in, bf16 conv state")
         cost = attrs.evolve(cost, verify_tokens=verify_graph_tokens(cfg))
         stand_in_draft = StandInDraft.of(cfg.speculative_config, mc, GPUS[cfg.simulate_gpu])
         runner = SimulatedRunner(cost, cfg.block_size,
@@ -362,7 +367,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
                      runner.cuda_graph_capture_s, runner.warmup_s)
     hybrid = not cfg.simulate_gpu and bool(cache.sliding_layers)
     linear = bool(mc.num_linear_layers)     # a hybrid linear-attention model: state slots too
-    blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+    blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=prefix_caching(cfg, mc),
                           sliding=(cache.num_sliding_blocks, mc.sliding_window) if hybrid else None)
     grammars = (GrammarCompiler(loaded.tokenizer, mc.vocab_size, loaded.eos_token_ids)
                 if loaded.tokenizer is not None else None)
@@ -381,7 +386,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         spec_adaptive=spec.adaptive if spec else False, kv_transfer=cfg.kv_transfer_config,
         kv_port=kv_connector.port if kv_connector is not None else None,
         kv_tp_size=kv_connector.tp_size if kv_connector is not None else 1,
-        state_slots=StateSlots(cfg.max_num_seqs, state_snapshots(cfg), cfg.block_size) if linear else None,
+        state_slots=StateSlots(cfg.max_num_seqs, state_snapshots(cfg, mc), cfg.block_size) if linear else None,
         **({"floating": True} if floating else {}))
     if kv_connector is not None:
         log.info("KV connector %s (%s): engine %s, side channel %s:%d%s, held blocks freed "

@@ -165,15 +165,16 @@ def sum_engines(stats: Sequence[EngineStats]) -> EngineStats:
                         **{f: sum(getattr(st, f) for st in stats) for f in _COUNTERS})
 
 
-def cache_config_labels(cfg, num_blocks: int, max_model_len: int) -> dict[str, str]:
+def cache_config_labels(cfg, num_blocks: int, max_model_len: int, prefix_caching: bool) -> dict[str, str]:
     """vllm:cache_config_info's labels (vLLM's CacheConfig field names) for an EngineConfig:
     with vLLM's kv_cache_size_tokens (the tokens the KV blocks hold) and
     kv_cache_max_concurrency (how many requests of max_model_len tokens fit at once:
-    the blocks over one such request's blocks, as vLLM logs "Maximum concurrency")."""
+    the blocks over one such request's blocks, as vLLM logs "Maximum concurrency").
+    prefix_caching: as the engine runs it (--enable-prefix-caching resolved for the model)."""
     per_request = -(-max_model_len // cfg.block_size)
     return {"block_size": str(cfg.block_size), "num_gpu_blocks": str(num_blocks),
             "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
-            "enable_prefix_caching": str(cfg.enable_prefix_caching),
+            "enable_prefix_caching": str(prefix_caching),
             "cache_dtype": cfg.kv_cache_dtype, "num_gpu_blocks_override": str(cfg.num_gpu_blocks_override),
             "kv_cache_size_tokens": str(num_blocks * cfg.block_size),
             "kv_cache_max_concurrency": str(round(num_blocks / per_request, 2)),

@@ -293,7 +293,8 @@ async def _serve(cfg: EngineConfig, socks: list[socket.socket], setup: FrontendS
         send, receive = outbox()
         ports.append(Port(k, Link(trio.socket.from_stdlib_socket(sock)), send, receive))
     replies = EngineReplies(ports)
-    labels = {**cache_config_labels(cfg, built.blocks.num_blocks, built.max_model_len),
+    labels = {**cache_config_labels(cfg, built.blocks.num_blocks, built.max_model_len,
+                                         built.blocks.prefix_caching),
               "engine": str(dp_rank)}
     stats = Stats(built.scheduler, built.blocks, ports, labels)
     stats.lora = cfg.enable_lora

@@ -47,6 +47,9 @@ LOST_GRACE_S = 3.0       # at start-up, after a worker exits: for rank 0's own e
 WORKER_FIELDS = ("load_format", "dtype", "residual_dtype", "device", "seed", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks_override",
                  "kv_cache_memory_bytes", "gpu_memory_utilization",
+                 # a hybrid linear-attention model's state pool keeps snapshots with it
+                 # (pipeline/core/kv_layout.py state_snapshots): every rank's pool alike
+                 "enable_prefix_caching",
                  "disable_hybrid_kv_cache_manager", "enforce_eager", "tensor_parallel_size",
                  # LoRA: a worker hooks its shard's linears and loads each adapter's shard
                  # itself when a step first names it (the refs come with the step)
@@ -97,6 +100,9 @@ def worker_flags(cfg: EngineConfig) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if name == "kv_transfer_config":
             value = value.flag()
+        if value is False:          # a BooleanOptionalAction's off
+            flags.append("--no-" + flag[2:])
+            continue
         flags += [flag] if value is True else [flag, str(value)]
     return flags
 

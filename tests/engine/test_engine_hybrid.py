@@ -3,7 +3,8 @@ tokens equal to transformers' generate, and unchanged by chunked prefill at seve
 sizes (the state carried from chunk to chunk), by preemption (the slot freed, the sequence
 recomputed), by n = 2, by batching, by prefix-cache hits (resumed from the state snapshots)
 and by two tensor-parallel ranks; the MoE variants' greedy tokens equal transformers'; 200 requests with disconnects leave every state slot
-free; what is not served yet is refused clearly. (The layers: tests/gpu/test_delta_rule.py;
+free; what is not served yet is refused clearly. Prefix caching is off by default for these
+models (as vLLM): the tests of its hits pass --enable-prefix-caching. (The layers: tests/gpu/test_delta_rule.py;
 the logits: tests/gpu/test_hybrid_models.py.)"""
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def config(path, **kw) -> EngineConfig:
                            "max_num_seqs": 4, **kw})
 
 
+CACHED = dict(enable_prefix_caching=True)
+
+
 async def generate(engine, prompts, n: int = 1) -> list[list[list[int]]]:
     """Each prompt's choices' token ids, the prompts sent at once."""
     outs = [None] * len(prompts)
@@ -59,13 +63,17 @@ async def generate(engine, prompts, n: int = 1) -> list[list[list[int]]]:
 
 
 async def test_greedy_tokens_equal_transformers_and_leave_no_slot_held(model):
+    """By default (no --enable-prefix-caching): no prefix cache and no state snapshots."""
     path, want = model
     async with open_engine(config(path)) as engine:
         got = await generate(engine, PROMPTS)
         slots = engine.scheduler.state_slots
-        assert slots.num_slots == 4 and slots.num_snapshots == 4 and slots.num_used == 0
-        assert engine.blocks.prefix_caching
-    assert [g[0] for g in got] == want
+        assert slots.num_slots == 4 and slots.num_snapshots == 0 and slots.num_used == 0
+        assert not engine.blocks.prefix_caching
+        assert engine.cache_config["enable_prefix_caching"] == "False"
+        two = await generate(engine, PROMPTS[:1], n=2)      # each choice prefills its own state
+        assert slots.num_used == 0
+    assert [g[0] for g in got] == want and two == [[want[0]] * 2]
 
 
 async def test_prefix_cache_hits_resume_from_state_snapshots(model):
@@ -82,8 +90,9 @@ async def test_prefix_cache_hits_resume_from_state_snapshots(model):
     with torch.inference_mode():
         turn_want = hf.generate(torch.tensor([turn]), max_new_tokens=MAX_TOKENS, do_sample=False,
                                 min_new_tokens=MAX_TOKENS, pad_token_id=0)[0, len(turn):].tolist()
-    async with open_engine(config(path)) as engine:
+    async with open_engine(config(path, **CACHED)) as engine:
         slots = engine.scheduler.state_slots
+        assert slots.num_snapshots == 4 and engine.cache_config["enable_prefix_caching"] == "True"
         first = await generate(engine, PROMPTS)
         assert (slots.saves, slots.hits) == (2, 0)
         again = await generate(engine, PROMPTS)
@@ -110,7 +119,7 @@ async def test_preemption_frees_the_slot_and_recomputes(model):
     from gpu.loader.decoder import load_shell
 
     pool = 8 * StatePool.bytes_per_slot(load_shell(str(path)).config, torch.float32)
-    cfg = config(path, kv_cache_memory_bytes=pool + 5 * PER_BLOCK, max_num_batched_tokens=16)
+    cfg = config(path, kv_cache_memory_bytes=pool + 5 * PER_BLOCK, max_num_batched_tokens=16, **CACHED)
     async with open_engine(cfg) as engine:
         assert engine.blocks.num_blocks == 5
         got = await generate(engine, PROMPTS)
@@ -121,7 +130,7 @@ async def test_preemption_frees_the_slot_and_recomputes(model):
 
 async def test_two_choices_each_equal_the_greedy_tokens(model):
     path, want = model
-    async with open_engine(config(path)) as engine:
+    async with open_engine(config(path, **CACHED)) as engine:
         got = await generate(engine, PROMPTS[:1] + PROMPTS[2:], n=2)
         # each second choice loads the first's snapshot at the prompt's last block boundary
         assert engine.scheduler.state_slots.hits == 2
@@ -162,7 +171,7 @@ async def test_two_tensor_parallel_ranks_give_the_same_tokens(model):
     path, want = model
     threads = torch.get_num_threads()       # rank 0 here takes its share of the cores
     try:
-        async with open_engine(config(path, tensor_parallel_size=2, max_num_batched_tokens=16)) as engine:
+        async with open_engine(config(path, tensor_parallel_size=2, max_num_batched_tokens=16, **CACHED)) as engine:
             first = await generate(engine, PROMPTS)
             again = await generate(engine, PROMPTS[:1], n=2)
             assert engine.scheduler.state_slots.hits >= 2
@@ -206,6 +215,7 @@ async def test_beam_search_is_refused_per_request(model):
     ("--speculative-config", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                                      "prompt_lookup_min": 1, "prompt_lookup_max": 2}}),
     ("--enable-lora", {"enable_lora": True}),
+    ("--kv-transfer-config", {"kv_transfer_config": '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'}),
 ])
 async def test_unsupported_flags_fail_at_start_up(model, flag, kw):
     path, _ = model

@@ -97,12 +97,16 @@ def test_flag_and_validation():
         EngineConfig(tensor_parallel_size=2, simulate_gpu="h200")
 
 
-def test_worker_flags_rebuild_the_fields_a_worker_needs():
+@pytest.mark.parametrize("prefix", [None, True, False])
+def test_worker_flags_rebuild_the_fields_a_worker_needs(prefix):
+    """--enable-prefix-caching too, as given or left to the model (None): it sizes a hybrid
+    model's state pool on every rank."""
     cfg = EngineConfig(model="/m.gguf", dtype="float32", max_model_len=256, enforce_eager=True,
-                       tensor_parallel_size=2, num_gpu_blocks_override=9, max_num_seqs=3)
+                       tensor_parallel_size=2, num_gpu_blocks_override=9, max_num_seqs=3,
+                       enable_prefix_caching=prefix)
     back = engine_config(_parse(*worker_flags(cfg)))
     for name in ("model", "dtype", "max_model_len", "enforce_eager", "tensor_parallel_size",
-                 "num_gpu_blocks_override", "max_num_seqs", "block_size", "seed"):
+                 "num_gpu_blocks_override", "max_num_seqs", "block_size", "seed", "enable_prefix_caching"):
         assert getattr(back, name) == getattr(cfg, name), name
 
 
