@@ -44,6 +44,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3", "gemma3_text"), ("gemma3",)),
+    Family("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4", "gemma4_text")),
 )
 
 
