@@ -28,6 +28,15 @@ TINY_GEMMA3 = dict(num_hidden_layers=7, head_dim=16, sliding_window=6, query_pre
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
 
+# Gemma 4 at test scale: every layer type and the shared-KV case in 4 layers (sliding, full,
+# then two layers reading layers 0 and 1's KV, their MLPs double-wide), the full layers with
+# a head_dim and KV heads of their own and k = v, per-layer inputs of 8, a 512 vocabulary
+TINY_GEMMA4 = dict(vocab_size=512, vocab_size_per_layer_input=512, num_hidden_layers=4, head_dim=16,
+                   global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=6,
+                   layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                   use_double_wide_mlp=True, hidden_size_per_layer_input=8, final_logit_softcapping=3.0,
+                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
 
 def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overrides):
     """A tiny random transformers model (eager attention, fp32). Norm weights and biases are
@@ -37,8 +46,9 @@ def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overr
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config, "gpt_oss": transformers.GptOssConfig,
                   "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
-                  "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config}[arch]
-    family = {"gpt_oss": TINY_GPT_OSS, "gemma2": TINY_GEMMA2, "gemma3": TINY_GEMMA3,
+                  "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config,
+                  "gemma4": transformers.Gemma4TextConfig}[arch]
+    family = {"gpt_oss": TINY_GPT_OSS, "gemma2": TINY_GEMMA2, "gemma3": TINY_GEMMA3, "gemma4": TINY_GEMMA4,
               "phi3": dict(pad_token_id=0, eos_token_id=2, bos_token_id=1)}.get(arch, {})
     config = config_cls(**{**TINY, **family, **overrides})
     torch.manual_seed(seed)
@@ -47,6 +57,9 @@ def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overr
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):     # Gemma 4's, loaded: away from its 1
+                b.uniform_(0.5, 1.5)
     if out_dir is not None:
         model.save_pretrained(out_dir, safe_serialization=True)
     return model
