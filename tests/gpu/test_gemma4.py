@@ -20,9 +20,15 @@ from tests.support.hf_models import hf_logits, make_hf_model, our_logits
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101] * 2  # 40 tokens
 
 
-def test_logits_match_transformers(tmp_path):
-    hf = make_hf_model("gemma4", tmp_path)
-    loaded = load_model(tmp_path, dtype="float32", progress=False)
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma4")
+    return make_hf_model("gemma4", path, seed=3), path
+
+
+def test_logits_match_transformers(hf_dir):
+    hf, path = hf_dir
+    loaded = load_model(path, dtype="float32", progress=False)
     c = loaded.config
     assert c.architecture == "gemma4" and (c.full_head_dim, c.full_kv_heads) == (32, 1)
     assert [c.kv_source(i) for i in range(4)] == [0, 1, 0, 1]
@@ -48,10 +54,36 @@ def test_released_config_forms():
         config_from_hf({**text, "enable_moe_block": True, "num_experts": 4})
 
 
-async def test_engine_greedy_matches_transformers_with_chunks_and_preemption(tmp_path):
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_runner_on_the_hybrid_cache_matches_transformers(hf_dir, use_triton):
+    """The runner alone (blocks of 4, window 6), torch path and Triton kernels (the interpreter
+    on CPU): a sequence prefilled in two chunks then decoded twice, its sliding layers in a pool
+    of their own, layers of two shapes and two reading the others' KV: transformers' logits."""
+    from gpu.interface import SamplingOptions, SeqChunk, SeqStart, StepPlan
+    from gpu.worker.runner import ModelRunner
+    from pipeline.core.kv_layout import kv_layout
+    from tests.support.triton_runs import capture_logits
+
+    hf, path = hf_dir
+    lm = load_model(path, dtype="float32", progress=False).model
+    ids, table = IDS[:20], (9, 2, 7, 0, 11)
+    greedy = SamplingOptions(temperature=0.0)
+    plans = [StepPlan(1, (SeqChunk("a", tuple(ids[:10]), 0, table[:3], False),), (SeqStart("a", tuple(ids), greedy),),
+                      kv_updates=((9, 0), (2, 1), (7, 2))),
+             StepPlan(2, (SeqChunk("a", tuple(ids[10:18]), 10, table, True),), kv_updates=((0, 3), (11, 4))),
+             StepPlan(3, (SeqChunk("a", (ids[18],), 18, table, True),)),
+             StepPlan(4, (SeqChunk("a", (ids[19],), 19, table, True),))]
+    c = lm.config
+    cache = KVCache(4, 12, 4, 0, 0, torch.float32, "cpu", sliding_layers=(0,), num_sliding_blocks=5, **kv_layout(c))
+    assert cache.k[2] is cache.k[0] and cache.v[3] is cache.v[1] and tuple(cache.k[1].shape) == (12, 4, 1, 32)
+    _, seen = capture_logits(lm, ModelRunner(lm, cache, device=torch.device("cpu"), use_triton=use_triton), plans)
+    torch.testing.assert_close(torch.cat(seen), hf_logits(hf, ids)[17:20], atol=1e-4, rtol=1e-4)
+
+
+async def test_engine_greedy_matches_transformers_with_chunks_and_preemption(hf_dir):
     """Three requests at once, prefilled in chunks of 16 in a cache too small for them all
     (preemptions), the sliding layers on the sliding pool: transformers' greedy tokens."""
-    hf = make_hf_model("gemma4", tmp_path, seed=3)
+    hf, tmp_path = hf_dir
     prompts = [[(i * k + 5) % 500 + 3 for i in range(50)] for k in (3, 5, 7)]
     n = 40
     with torch.inference_mode():
