@@ -37,6 +37,33 @@ def test_logits_match_transformers(hf_dir):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_text_model_of_a_conditional_generation_checkpoint(hf_dir, tmp_path):
+    """Gemma4ForConditionalGeneration saved by transformers 5 (model.language_model.*, a vision
+    tower and its embedder beside it): its text model is served, the rest skipped."""
+    import transformers
+
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                             position_embedding_size=64)
+    config = transformers.Gemma4Config(text_config=hf_dir[0].config.to_dict(), vision_config=vision.to_dict(),
+                                       audio_config=None)
+    torch.manual_seed(1)
+    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+        for name, b in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype="float32", progress=False)
+    assert loaded.config.architecture == "gemma4" and loaded.config.per_layer_input_size == 8
+    with torch.inference_mode():
+        expected = hf(input_ids=torch.tensor([IDS])).logits[0].float()
+    torch.testing.assert_close(our_logits(loaded.model, IDS), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_released_config_forms():
     """config.json as Google's checkpoints write it (global_head_dim, num_global_key_value_heads,
     under a Gemma4ForConditionalGeneration's text_config) reads as transformers 5's per_layer_config."""
@@ -128,3 +155,13 @@ def test_a_gemma4_gguf_is_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma4'"):
         load_model(path, dtype="float32", progress=False)
+
+
+def test_what_a_per_layer_kv_model_is_not_served_with_is_refused_by_flag(hf_dir):
+    from pipeline.core.kv_layout import check_kv_layout
+
+    mc = config_from_hf(hf_dir[0].config.to_dict())
+    check_kv_layout(EngineConfig(model="x"), mc)
+    for flag, kw in (("--enable-lora", dict(enable_lora=True)), ("--tensor-parallel-size", dict(tensor_parallel_size=2))):
+        with pytest.raises(ValueError, match=f"{flag} is not supported for gemma4"):
+            check_kv_layout(EngineConfig(model="x", **kw), mc)
