@@ -182,7 +182,8 @@ class CostModel:
         return cls(gpu=gpu, num_layers=L, num_q_heads=c.num_attention_heads,
                    head_dim=widths // 2, vocab_size=c.vocab_size,
                    matmul_params=L * c.attention_params + mlps + c.vocab_size * D,
-                   kv_bytes_per_token=L * cached * kv_elem_bytes,
+                   kv_bytes_per_token=kv_elem_bytes * (L * cached if (shapes := getattr(c, "kv_layer_shapes", None)) is None
+                                                       else sum(2 * h * d for h, d in filter(None, shapes))),
                    linear_bytes=WEIGHT_BYTES[weights], head_params=c.vocab_size * D,
                    expert_params=moe_layers * mlp if c.num_experts else 0,
                    num_experts=c.num_experts, top_k=c.num_experts_per_tok,

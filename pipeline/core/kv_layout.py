@@ -26,7 +26,9 @@ def hybrid_kv(cfg: EngineConfig, mc: ModelConfig, num_blocks: int, budget: int) 
     full, sliding, slots = hybrid_layout(mc, num_blocks, cfg.block_size, cfg.max_num_seqs, budget)
     if sliding:
         log.info("hybrid KV cache: %d blocks for the %d full-attention layers, %d for the %d "
-                 "sliding-window ones (%d plain blocks' memory)", full, mc.num_hidden_layers - len(sliding),
+                 "sliding-window ones (%d plain blocks' memory)", full,
+                 sum(s is not None for s in mc.kv_layer_shapes) - len(sliding) if getattr(mc, "kv_layer_shapes", None)
+                 else mc.num_hidden_layers - len(sliding),
                  slots, len(sliding), num_blocks)
         if cfg.num_gpu_blocks_override:
             full = num_blocks
