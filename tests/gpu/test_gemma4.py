@@ -165,3 +165,16 @@ def test_what_a_per_layer_kv_model_is_not_served_with_is_refused_by_flag(hf_dir)
     for flag, kw in (("--enable-lora", dict(enable_lora=True)), ("--tensor-parallel-size", dict(tensor_parallel_size=2))):
         with pytest.raises(ValueError, match=f"{flag} is not supported for gemma4"):
             check_kv_layout(EngineConfig(model="x", **kw), mc)
+
+
+def test_shapes_it_cannot_hold_are_refused_at_start_up(hf_dir):
+    d = hf_dir[0].config.to_dict()
+    with pytest.raises(ValueError, match="only the full-attention layers' shape may differ"):
+        config_from_hf({**d, "per_layer_config": {"0": {"head_dim": 32}, "1": {"head_dim": 32}, "3": {"head_dim": 32}}})
+    with pytest.raises(ValueError, match="different shapes"):
+        config_from_hf({**d, "per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 64}}})
+    # three shared layers: layer 1 (sliding) would read a sliding layer before it; there is none
+    with pytest.raises(ValueError, match="shares the KV of an earlier sliding_attention layer"):
+        config_from_hf({**d, "num_kv_shared_layers": 3,
+                        "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                        "per_layer_config": {"0": {"head_dim": 32}, "3": {"head_dim": 32}}})
