@@ -136,6 +136,11 @@ class ModelConfig:
     per_layer_vocab_size: int = 0
     layer_scalars: bool = False        # a loaded scalar multiplies each layer's output
     double_wide_shared_mlp: bool = False   # the shared-KV layers' MLPs are twice as wide
+    # Gemma 4 26B-A4B: a routed GeGLU experts branch beside every layer's dense MLP
+    # (gpu/layers/parallel_experts.py; 0: none); num_experts stays 0 (no MoE in place of the MLP)
+    parallel_experts: int = 0
+    parallel_experts_top_k: int = 0
+    parallel_expert_intermediate_size: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:

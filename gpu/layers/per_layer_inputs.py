@@ -20,6 +20,7 @@ from torch import nn
 
 from gpu.config.model import ModelConfig
 from gpu.layers.ops import fused_add_rms_norm, gelu_tanh_and_mul, skip_init
+from gpu.layers.parallel_experts import add_parallel_experts, parallel_experts
 from gpu.layers.typed_attention import TypedAttention
 from gpu.parallel import SINGLE, TP
 
@@ -47,7 +48,7 @@ class PerLayerInputDecoderLayer(nn.Module):
 
         c, kw = config, dict(dtype=dtype, device=device)
         if c.num_experts:
-            raise ValueError(f"{c.architecture}: a mixture of experts in this layer is not supported")
+            raise ValueError(f"{c.architecture}: a mixture of experts in place of this layer's MLP is not supported")
         self.self_attn = TypedAttention(c, layer_idx, dtype, device, tp)
         wide = 2 if c.double_wide_shared_mlp and self.self_attn.shared else 1
         self.mlp = MLP(c, dtype, device, tp, c.intermediate_size * wide)
@@ -56,6 +57,9 @@ class PerLayerInputDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(D, eps, **kw)
         self.pre_feedforward_layernorm = RMSNorm(D, eps, **kw)
         self.post_feedforward_layernorm = RMSNorm(D, eps, **kw)
+        self.moe = bool(c.parallel_experts)   # a routed experts branch beside the MLP (parallel_experts.py)
+        if self.moe:
+            add_parallel_experts(self, c, dtype, device)
         self.layer_scalar = nn.Parameter(torch.ones(1, **kw)) if c.layer_scalars else None
         P = c.per_layer_input_size
         self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
@@ -71,7 +75,10 @@ class PerLayerInputDecoderLayer(nn.Module):
         a = self.post_attention_layernorm(a)
         m, h = fused_add_rms_norm(a.to(h.dtype), h, self.pre_feedforward_layernorm.weight,
                                   self.pre_feedforward_layernorm.eps)
-        m = self.post_feedforward_layernorm(self.mlp(m))
+        m = self.mlp(m)
+        if self.moe:
+            m = parallel_experts(self, h, m)
+        m = self.post_feedforward_layernorm(m)
         h = h + m.to(h.dtype)
         if per_layer is not None:
             g = self.per_layer_input_gate(h)

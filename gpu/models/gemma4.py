@@ -13,8 +13,9 @@ base each, final-logit soft-capping) and what Gemma 4 adds, all config-driven:
   use_double_wide_mlp their MLPs are twice as wide;
 - per-layer inputs and a loaded scalar on each layer's output (gpu/layers/per_layer_inputs.py);
 - norms scale by w itself (not Gemma 3's 1 + w).
-Refused at start-up: the MoE variant (enable_moe_block, 26B-A4B) and bidirectional attention
-over all tokens. The vision and audio towers of a Gemma4ForConditionalGeneration checkpoint are
+- the MoE variant (26B-A4B, enable_moe_block): a routed GeGLU experts branch beside each
+  layer's dense MLP (gpu/layers/parallel_experts.py).
+Refused at start-up: bidirectional attention over all tokens. The vision and audio towers of a Gemma4ForConditionalGeneration checkpoint are
 skipped: its text model is served, on text.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 
 from gpu.config.model import ModelConfig
 from gpu.layers.ops import build_rope_cache, rms_norm, skip_init
+from gpu.layers.parallel_experts import interleave_gate_up
 from gpu.layers.per_layer_inputs import PerLayerInputDecoderLayer, per_layer_inputs
 from gpu.models.causal_lm import CausalLM, Linear, RMSNorm
 from gpu.models.gemma3 import gemma_fields, text_config
@@ -96,6 +98,8 @@ class Gemma4(CausalLM):
             if (len(parts) > 4 and parts[1] == "layers" and parts[3] == "self_attn" and parts[4] in _SHARED_SKIPPED
                     and self.layers[int(parts[2])].self_attn.shared):
                 continue
+            if name.endswith(".experts.gate_up_proj"):     # gate rows then up rows -> interleaved (ours)
+                tensor = interleave_gate_up(tensor)
             yield name, tensor
 
 
@@ -130,9 +134,9 @@ def _per_layer_type(d: dict[str, Any], layer_types: list[str]) -> tuple[int, int
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     d = {**text_config(d)}
     d["model_type"] = d.get("model_type") or "gemma4_text"
-    if d.get("enable_moe_block"):
-        raise ValueError("gemma4: the mixture-of-experts variant (enable_moe_block, Gemma 4 26B-A4B) is not "
-                         "supported yet; the dense ones (E2B, E4B, 31B) are")
+    moe = bool(d.get("enable_moe_block"))
+    if moe and not (d.get("num_experts") and d.get("top_k_experts") and d.get("moe_intermediate_size")):
+        raise ValueError("gemma4: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
     if d.get("use_bidirectional_attention") == "all":
         raise ValueError("gemma4 with use_bidirectional_attention='all' (an encoder) is not supported")
     layers = d["num_hidden_layers"]
@@ -167,4 +171,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         "per_layer_vocab_size": int(d.get("vocab_size_per_layer_input") or d["vocab_size"]),
         "layer_scalars": True,
         "double_wide_shared_mlp": bool(d.get("use_double_wide_mlp", False)) and shared > 0,
+        "parallel_experts": int(d["num_experts"]) if moe else 0,
+        "parallel_experts_top_k": int(d["top_k_experts"]) if moe else 0,
+        "parallel_expert_intermediate_size": int(d["moe_intermediate_size"]) if moe else 0,
     })
