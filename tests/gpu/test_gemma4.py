@@ -26,6 +26,12 @@ def hf_dir(tmp_path_factory):
     return make_hf_model("gemma4", path, seed=3), path
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma4_moe")
+    return make_hf_model("gemma4_moe", path, seed=2), path
+
+
 def test_logits_match_transformers(hf_dir):
     hf, path = hf_dir
     loaded = load_model(path, dtype="float32", progress=False)
@@ -35,6 +41,16 @@ def test_logits_match_transformers(hf_dir):
     assert c.kv_layer_shapes == ((2, 16), (1, 32), None, None)
     expected, got = hf_logits(hf, IDS), our_logits(loaded.model, IDS)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_moe_variant_logits_match_transformers(moe_dir):
+    """26B-A4B's layout: a routed GeGLU experts branch beside every dense MLP."""
+    hf, path = moe_dir
+    loaded = load_model(path, dtype="float32", progress=False)
+    c = loaded.config
+    assert (c.parallel_experts, c.parallel_experts_top_k, c.parallel_expert_intermediate_size) == (4, 2, 32)
+    assert c.num_experts == 0
+    torch.testing.assert_close(our_logits(loaded.model, IDS), hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
 
 
 def test_text_model_of_a_conditional_generation_checkpoint(hf_dir, tmp_path):
@@ -77,12 +93,13 @@ def test_released_config_forms():
     assert c.per_layer_input_size == 8 and c.double_wide_shared_mlp and c.kv_shared_layers == 2
     without_k_eq_v = config_from_hf({**text, "attention_k_eq_v": False})    # global KV heads unused then
     assert (without_k_eq_v.full_head_dim, without_k_eq_v.full_kv_heads) == (32, 0)
-    with pytest.raises(ValueError, match="mixture-of-experts variant"):
+    with pytest.raises(ValueError, match="enable_moe_block needs num_experts, top_k_experts"):
         config_from_hf({**text, "enable_moe_block": True, "num_experts": 4})
 
 
-@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
-def test_runner_on_the_hybrid_cache_matches_transformers(hf_dir, use_triton):
+@pytest.mark.parametrize("which, use_triton", [("dense", False), ("dense", True), ("moe", False)],
+                         ids=["torch", "triton", "moe-torch"])
+def test_runner_on_the_hybrid_cache_matches_transformers(hf_dir, moe_dir, which, use_triton):
     """The runner alone (blocks of 4, window 6), torch path and Triton kernels (the interpreter
     on CPU): a sequence prefilled in two chunks then decoded twice, its sliding layers in a pool
     of their own, layers of two shapes and two reading the others' KV: transformers' logits."""
@@ -91,7 +108,7 @@ def test_runner_on_the_hybrid_cache_matches_transformers(hf_dir, use_triton):
     from pipeline.core.kv_layout import kv_layout
     from tests.support.triton_runs import capture_logits
 
-    hf, path = hf_dir
+    hf, path = hf_dir if which == "dense" else moe_dir
     lm = load_model(path, dtype="float32", progress=False).model
     ids, table = IDS[:20], (9, 2, 7, 0, 11)
     greedy = SamplingOptions(temperature=0.0)

@@ -38,6 +38,10 @@ TINY_GEMMA4 = dict(vocab_size=512, vocab_size_per_layer_input=512, num_hidden_la
                    pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 
+# its MoE variant (26B-A4B's layout): 4 experts, top 2, beside every layer's dense MLP
+TINY_GEMMA4_MOE = dict(TINY_GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
 def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overrides):
     """A tiny random transformers model (eager attention, fp32). Norm weights and biases are
     perturbed away from their 1/0 init so that loading them wrongly shows in the logits."""
@@ -47,15 +51,17 @@ def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overr
                   "qwen3": transformers.Qwen3Config, "gpt_oss": transformers.GptOssConfig,
                   "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
                   "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config,
-                  "gemma4": transformers.Gemma4TextConfig}[arch]
+                  "gemma4": transformers.Gemma4TextConfig,
+                  "gemma4_moe": transformers.Gemma4TextConfig}[arch]
     family = {"gpt_oss": TINY_GPT_OSS, "gemma2": TINY_GEMMA2, "gemma3": TINY_GEMMA3, "gemma4": TINY_GEMMA4,
+              "gemma4_moe": TINY_GEMMA4_MOE,
               "phi3": dict(pad_token_id=0, eos_token_id=2, bos_token_id=1)}.get(arch, {})
     config = config_cls(**{**TINY, **family, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith("bias") or name.endswith(("router.scale", "per_expert_scale")):
                 p.add_(torch.randn_like(p) * 0.2)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):     # Gemma 4's, loaded: away from its 1
