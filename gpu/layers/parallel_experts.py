@@ -8,32 +8,21 @@ parallel_expert_intermediate_size). On the MLP's input residual r, with the dens
           + post_feedforward_layernorm_2(sum_k weight_k * expert_k(pre_feedforward_layernorm_2(r)))
 
 Each expert is a GeGLU (gelu_tanh(gate) * up, then down) with no biases. The experts are
-gpu/layers/moe.py's `Experts` ([E, 2I, D] with gate and up interleaved along the rows: the
-checkpoint's halves are interleaved as they load, `interleave_gate_up`), run with its
-grouped_mm over the expert-sorted rows (`run_dense_experts`); the fused Triton MoE kernel,
-whose epilogue is SwiGLU's, is not used (use_kernel off): on CUDA torch's grouped GEMM runs.
+gpu/layers/moe.py's `Experts`, here holding gate_up as the checkpoint does ([E, 2I, D], gate
+rows then up rows, not moe.py's interleaved pairs: nothing here cuts them for tensor
+parallelism), run with its grouped_mm over the expert-sorted rows (`run_dense_experts`) and
+ops.py's GeGLU (`gelu_tanh_and_mul`: the Triton kernel on CUDA) between them; the fused Triton
+MoE kernel, whose epilogue is SwiGLU's on interleaved pairs, is not used (use_kernel off): on
+CUDA torch's grouped GEMM runs.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu.config.model import ModelConfig
 from gpu.layers.moe import Experts, run_dense_experts
-from gpu.layers.ops import rms_norm, skip_init
-
-
-def geglu_interleaved(gate_up: torch.Tensor) -> torch.Tensor:
-    """[N, 2I] interleaved (gate, up) -> [N, I]: gelu_tanh(gate) * up, in fp32 then the input's dtype."""
-    g = gate_up[..., ::2].float()
-    return (F.gelu(g, approximate="tanh") * gate_up[..., 1::2].float()).to(gate_up.dtype)
-
-
-def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
-    """[E, 2I, D] gate rows then up rows (transformers' layout) -> rows gate_0, up_0, gate_1, ..."""
-    E, two_i, D = w.shape
-    return torch.stack(w.split(two_i // 2, dim=1), dim=2).reshape(E, two_i, D)
+from gpu.layers.ops import gelu_tanh_and_mul, rms_norm, skip_init
 
 
 def add_parallel_experts(layer: nn.Module, config: ModelConfig, dtype, device) -> None:
@@ -78,7 +67,7 @@ def parallel_experts(layer: nn.Module, r: torch.Tensor, dense_out: torch.Tensor)
     offs = torch.searchsorted(by_expert, torch.arange(1, ex.num_experts + 1, device=r.device), out_int32=True)
     x = layer.pre_feedforward_layernorm_2(r)
     rows = x.index_select(0, order // k).to(ex.gate_up_proj.dtype)
-    y = run_dense_experts(ex, rows, offs, by_expert, geglu_interleaved)          # [N, D]
+    y = run_dense_experts(ex, rows, offs, by_expert, gelu_tanh_and_mul)          # [N, D]
     y = y * weights.flatten().index_select(0, order).unsqueeze(1).to(y.dtype)
     y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, D).sum(1)
     return layer.post_feedforward_layernorm_1(dense_out) + layer.post_feedforward_layernorm_2(y)

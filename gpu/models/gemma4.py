@@ -29,7 +29,6 @@ from torch import nn
 
 from gpu.config.model import ModelConfig
 from gpu.layers.ops import build_rope_cache, rms_norm, skip_init
-from gpu.layers.parallel_experts import interleave_gate_up
 from gpu.layers.per_layer_inputs import PerLayerInputDecoderLayer, per_layer_inputs
 from gpu.models.causal_lm import CausalLM, Linear, RMSNorm
 from gpu.models.gemma3 import gemma_fields, text_config
@@ -98,8 +97,6 @@ class Gemma4(CausalLM):
             if (len(parts) > 4 and parts[1] == "layers" and parts[3] == "self_attn" and parts[4] in _SHARED_SKIPPED
                     and self.layers[int(parts[2])].self_attn.shared):
                 continue
-            if name.endswith(".experts.gate_up_proj"):     # gate rows then up rows -> interleaved (ours)
-                tensor = interleave_gate_up(tensor)
             yield name, tensor
 
 
