@@ -1,5 +1,5 @@
 """Gemma 4's text models (`Gemma4ForCausalLM`, `gemma4_text`, and the text model of
-`Gemma4ForConditionalGeneration`: E2B, E4B, 31B). Gemma 3's parts (gpu/models/gemma3.py: GeGLU,
+`Gemma4ForConditionalGeneration`: E2B, E4B, 31B, 26B-A4B). Gemma 3's parts (gpu/models/gemma3.py: GeGLU,
 sandwich norms, sqrt(hidden) embedding scale, QK-norm, sliding/full interleave with a RoPE
 base each, final-logit soft-capping) and what Gemma 4 adds, all config-driven:
 - per layer type attention shapes: the full layers' head_dim (global_head_dim, 512) and KV
