@@ -431,8 +431,9 @@ class CausalLM(nn.Module):
             prefix, _, kind = name.rpartition(".")  # kind: weight | bias
             module = prefix.rsplit(".", 1)[-1]
             stacked = [hf for hf, (ours, _) in _STACKED.items() if ours == module]
-            if module == "qkv_proj":    # a layer without k/v projections (shared KV) or v (k_eq_v)
-                stacked = stacked[:len(self.get_submodule(prefix.rsplit(".", 1)[0]).split)]
+            split = getattr(self.get_submodule(prefix.rsplit(".", 1)[0]), "split", None) if stacked else None
+            if module == "qkv_proj" and split:    # a layer without k/v projections (shared KV) or v (k_eq_v)
+                stacked = stacked[:len(split)]
             parents = [prefix.rsplit(".", 1)[0] + "." + hf for hf in stacked] or [prefix]
             names += [_to_hf(p) + "." + kind for p in parents]
         return names
