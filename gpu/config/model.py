@@ -8,7 +8,7 @@ import attrs
 
 from gpu.config.moe import MoESpec
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 # the MLP activations gpu/layers implements (gated: act(gate) * up); gelu_pytorch_tanh is
 # GELU's tanh approximation (Gemma's GeGLU), under every name HF configs give it
@@ -116,6 +116,31 @@ class ModelConfig:
     # Gemma 2: cap * tanh(x / cap) on the attention scores and on the final logits
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Per-layer-type attention shapes (Gemma 4): the full-attention layers' head_dim and KV
+    # heads where they differ from the sliding ones' (0: head_dim, num_key_value_heads); the
+    # KV cache then holds each layer in its own shape (gpu/layers/attention.py KVCache)
+    full_head_dim: int = 0
+    full_kv_heads: int = 0
+    # Shared KV (Gemma 4): the last kv_shared_layers layers have no k/v projections and read
+    # the cache of the last earlier layer of their type (kv_source); they own no KV memory
+    kv_shared_layers: int = 0
+    # the attention scores' scale where it is neither head_dim ** -0.5 nor query_pre_attn_scalar's
+    attention_scale: float | None = None
+    # Gemma 4: the full layers' k projection is their v too (no v_proj; v is k before k_norm
+    # and RoPE); a weightless per-head RMSNorm on v
+    attention_k_eq_v: bool = False
+    v_norm: bool = False
+    # Gemma 4's per-layer inputs (gpu/layers/per_layer_inputs.py; 0: none): a second embedding
+    # of per_layer_input_size per layer, added to each layer's output through a gated projection
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    layer_scalars: bool = False        # a loaded scalar multiplies each layer's output
+    double_wide_shared_mlp: bool = False   # the shared-KV layers' MLPs are twice as wide
+    # Gemma 4 26B-A4B: a routed GeGLU experts branch beside every layer's dense MLP
+    # (gpu/layers/parallel_experts.py; 0: none); num_experts stays 0 (no MoE in place of the MLP)
+    parallel_experts: int = 0
+    parallel_experts_top_k: int = 0
+    parallel_expert_intermediate_size: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -163,6 +188,11 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rope_dim % 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even "
                              f"number of rotary dims in 1..head_dim ({self.head_dim})")
+        if not 0 <= self.kv_shared_layers < self.num_hidden_layers:
+            raise ValueError(f"num_kv_shared_layers must be in 0..{self.num_hidden_layers - 1}, "
+                             f"got {self.kv_shared_layers}")
+        for i in range(self.num_hidden_layers - self.kv_shared_layers, self.num_hidden_layers):
+            self.kv_source(i)   # raises when a shared layer's type has no earlier layer
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -170,10 +200,44 @@ class ModelConfig:
     @property
     def q_scale(self) -> float:
         """What q is multiplied by so that the backends' head_dim ** -0.5 scale gives
-        query_pre_attn_scalar ** -0.5 (1.0 without one)."""
+        query_pre_attn_scalar ** -0.5, or attention_scale (1.0 without either). One value
+        for every layer: the backends' scale is config.head_dim's whatever a layer's own."""
+        if self.attention_scale is not None:
+            return self.attention_scale * self.head_dim ** 0.5
         if self.query_pre_attn_scalar is None:
             return 1.0
         return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
+
+    def layer_head_dim(self, layer_idx: int) -> int:
+        if self.full_head_dim and self.layer_window(layer_idx) is None:
+            return self.full_head_dim
+        return self.head_dim
+
+    def layer_kv_heads(self, layer_idx: int) -> int:
+        if self.full_kv_heads and self.layer_window(layer_idx) is None:
+            return self.full_kv_heads
+        return self.num_key_value_heads
+
+    def kv_source(self, layer_idx: int) -> int:
+        """The layer whose KV cache this layer attends to: itself, or for one of the last
+        kv_shared_layers the last earlier layer of its type (transformers' kv_sharing_modes)."""
+        first_shared = self.num_hidden_layers - self.kv_shared_layers
+        if layer_idx < first_shared:
+            return layer_idx
+        kind = self.layer_types[layer_idx] if self.layer_types else "full_attention"
+        for j in range(first_shared - 1, -1, -1):
+            if (self.layer_types[j] if self.layer_types else "full_attention") == kind:
+                return j
+        raise ValueError(f"layer {layer_idx} shares the KV of an earlier {kind} layer, and there is none")
+
+    @property
+    def kv_layer_shapes(self) -> tuple[tuple[int, int] | None, ...] | None:
+        """Per layer (KV heads, head dim) of its cache, None for a layer reading another's
+        (kv_source); None when every layer keeps one shape (the cache's plain layout)."""
+        if not (self.full_head_dim or self.full_kv_heads or self.kv_shared_layers):
+            return None
+        return tuple((self.layer_kv_heads(i), self.layer_head_dim(i)) if self.kv_source(i) == i else None
+                     for i in range(self.num_hidden_layers))
 
     def layer_rope_theta(self, layer_idx: int) -> float:
         if self.sliding_rope_theta is not None and self.layer_window(layer_idx) is not None:

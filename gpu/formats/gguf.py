@@ -173,6 +173,7 @@ class GGUFFile:
         return {
             **self._experts_config(),
             "model_type": a,
+            "gguf_architecture": a,     # registry.family_of: a GGUF file matches its families' gguf names only
             "vocab_size": int(self.tensors["token_embd.weight"].shape[-1]),
             "hidden_size": hidden,
             "intermediate_size": self.field(f"{a}.feed_forward_length"),

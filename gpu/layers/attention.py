@@ -57,19 +57,29 @@ class AttentionMetadata:
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, *,
-                 sliding_layers: tuple[int, ...] = (), num_sliding_blocks: int = 0, latent: int = 0) -> None:
+                 sliding_layers: tuple[int, ...] = (), num_sliding_blocks: int = 0, latent: int = 0,
+                 layer_shapes: tuple[tuple[int, int] | None, ...] | None = None,
+                 kv_sources: tuple[int, ...] | None = None) -> None:
         """sliding_layers, num_sliding_blocks: a hybrid cache (those layers in a pool of their own).
         latent: MLA (gpu/layers/mla.py): K rows hold the compressed latent and the rotary key,
-        and V is a view of K's first `latent` columns, no memory of its own."""
+        and V is a view of K's first `latent` columns, no memory of its own.
+        layer_shapes (ModelConfig.kv_layer_shapes, Gemma 4): each layer's (KV heads, head dim)
+        in place of kv_heads, head_dim; None for a layer that reads layer kv_sources[i]'s
+        cache, whose k/v it names (no memory of its own; the model attends with that index)."""
         self.sliding_layers = frozenset(sliding_layers)
         self.first_sliding = min(sliding_layers, default=-1)
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        small = (num_sliding_blocks, block_size, kv_heads, head_dim)
-        shapes = [small if i in self.sliding_layers else shape for i in range(num_layers)]
+        dims = layer_shapes or ((kv_heads, head_dim),) * num_layers
+
+        def shape(i: int) -> tuple[int, ...]:
+            return (num_sliding_blocks if i in self.sliding_layers else num_blocks, block_size, *dims[i])
         # zeros: a masked-out read (a slot the window no longer reaches) must be finite
-        self.k = [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes]
+        self.k = [torch.zeros(shape(i), dtype=dtype, device=device) if dims[i] else None for i in range(num_layers)]
         self.v = ([k[..., :latent] for k in self.k] if latent else
-                  [torch.zeros(sh, dtype=dtype, device=device) for sh in shapes])
+                  [torch.zeros(shape(i), dtype=dtype, device=device) if dims[i] else None
+                   for i in range(num_layers)])
+        for i, d in enumerate(dims):
+            if d is None:       # a shared-KV layer: its source's tensors
+                self.k[i], self.v[i] = self.k[kv_sources[i]], self.v[kv_sources[i]]
         self.latent = latent
         self.num_blocks = num_blocks
         self.num_sliding_blocks = num_sliding_blocks
@@ -121,8 +131,13 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
-                        dtype: torch.dtype, latent: int = 0) -> int:
+                        dtype: torch.dtype, latent: int = 0,
+                        layer_shapes: tuple[tuple[int, int] | None, ...] | None = None) -> int:
+        """layer_shapes (ModelConfig.kv_layer_shapes): the layers' own shapes, in place of
+        num_layers x kv_heads x head_dim; a layer reading another's cache counts nothing."""
         elem = torch.empty((), dtype=dtype).element_size()
+        if layer_shapes is not None:
+            return 2 * block_size * elem * sum(h * d for h, d in filter(None, layer_shapes))
         return (1 if latent else 2) * num_layers * block_size * kv_heads * head_dim * elem
 
 
@@ -132,30 +147,39 @@ def hybrid_layout(config, num_blocks: int, block_size: int, max_num_seqs: int,
     `num_blocks` plain blocks; no sliding layers when the model has none (or all are) or the
     split would save nothing."""
     L = config.num_hidden_layers
-    sliding = tuple(i for i in range(L) if config.layer_window(i) is not None)
-    if not sliding or len(sliding) == L:
+    shapes = getattr(config, "kv_layer_shapes", None)    # per-layer shapes: the layers owning KV only
+    owners = [i for i in range(L) if shapes is None or shapes[i] is not None]
+    sliding = tuple(i for i in owners if config.layer_window(i) is not None)
+    if not sliding or len(sliding) == len(owners):
         return num_blocks, (), 0
     window = max(config.layer_window(i) for i in sliding)
-    full, slots = split_for_sliding(num_blocks, L, len(sliding), window, block_size, max_num_seqs,
-                                    max_num_batched_tokens)
+
+    def size(i: int) -> int:
+        return 1 if shapes is None else shapes[i][0] * shapes[i][1]
+    weights = (sum(size(i) for i in owners if i not in sliding), sum(size(i) for i in sliding))
+    full, slots = split_for_sliding(num_blocks, len(owners), len(sliding), window, block_size, max_num_seqs,
+                                    max_num_batched_tokens, weights=weights)
     return (num_blocks, (), 0) if slots >= num_blocks else (full, sliding, slots)
 
 
 def split_for_sliding(num_blocks: int, num_layers: int, num_sliding_layers: int, window: int,
-                      block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+                      block_size: int, max_num_seqs: int, max_num_batched_tokens: int, *,
+                      weights: tuple[int, int] | None = None) -> tuple[int, int]:
     """A hybrid KV cache in the memory of `num_blocks` plain blocks: (full-layer blocks,
     sliding-layer slots). The sliding pool holds what the running sequences can need at
     once: each one's window (ceil((window - 1) / block_size) + 1 blocks) plus the block its
     in-flight step writes, and two steps' worth of prefill chunks (one planned ahead); the
     memory this frees goes to more full-layer blocks. When that pool would be as large as
-    the cache, no split: (num_blocks, num_blocks)."""
+    the cache, no split: (num_blocks, num_blocks). weights: the full layers' and the sliding
+    layers' sizes a block (their KV heads x head dims summed: layers of different shapes,
+    Gemma 4); default one a layer."""
     per_seq = -(-(window - 1) // block_size) + 2
     slots = max_num_seqs * per_seq + 2 * -(-max_num_batched_tokens // block_size)
     if slots >= num_blocks:
         return num_blocks, num_blocks
-    full_layers = num_layers - num_sliding_layers
-    budget = num_blocks * num_layers                   # in (block x layer) units
-    return (budget - slots * num_sliding_layers) // full_layers, slots
+    full_w, sliding_w = weights or (num_layers - num_sliding_layers, num_sliding_layers)
+    budget = num_blocks * (full_w + sliding_w)         # in (block x layer size) units
+    return (budget - slots * sliding_w) // full_w, slots
 
 
 def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -131,6 +131,11 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / s["factor"], 1.0
+    if rope_type == "proportional":   # Gemma 4's full layers: the first fraction of head_dim's frequencies turn
+        d = config.head_dim
+        n = int(s.get("partial_rotary_factor", 1.0) * d // 2)
+        turning = 1.0 / (base ** (torch.arange(0, 2 * n, 2, dtype=torch.int64).float() / d))
+        return torch.cat([turning, turning.new_zeros(d // 2 - n)]) / s.get("factor", 1.0), 1.0
     if rope_type == "llama3" and "freq_factors" in s:   # a GGUF's rope_freqs (gpu/formats/gguf.py)
         factors = torch.tensor(s["freq_factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:

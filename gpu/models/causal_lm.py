@@ -281,6 +281,8 @@ class CausalLM(nn.Module):
     rounding error no longer accumulates along the 30 layers' residual additions.
     """
 
+    layer_cls = DecoderLayer     # a family's own block (gpu/layers/), same signature
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
                  max_positions: int | None = None, packed_experts: bool = False,
                  residual_dtype: torch.dtype | None = None, tp: TP = SINGLE, lm_head: bool = True):
@@ -302,7 +304,7 @@ class CausalLM(nn.Module):
         # seconds for a 201k-token vocabulary)
         self.embed_tokens = nn.Embedding(rows, c.hidden_size,
                                          _weight=torch.empty(rows, c.hidden_size, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, device, self.packed_experts, tp)
+        self.layers = nn.ModuleList(self.layer_cls(c, i, dtype, device, self.packed_experts, tp)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.lm_head: Linear | None = None
@@ -429,6 +431,9 @@ class CausalLM(nn.Module):
             prefix, _, kind = name.rpartition(".")  # kind: weight | bias
             module = prefix.rsplit(".", 1)[-1]
             stacked = [hf for hf, (ours, _) in _STACKED.items() if ours == module]
+            split = getattr(self.get_submodule(prefix.rsplit(".", 1)[0]), "split", None) if stacked else None
+            if module == "qkv_proj" and split:    # a layer without k/v projections (shared KV) or v (k_eq_v)
+                stacked = stacked[:len(split)]
             parents = [prefix.rsplit(".", 1)[0] + "." + hf for hf in stacked] or [prefix]
             names += [_to_hf(p) + "." + kind for p in parents]
         return names
@@ -473,8 +478,7 @@ class CausalLM(nn.Module):
         if module not in _STACKED or isinstance(self.get_submodule(parent), LatentAttention):
             return name, slice(None)
         merged, shard = _STACKED[module]
-        attn = self.layers[0].self_attn
-        sizes = list(attn.split) if merged == "qkv_proj" else [self.get_submodule(parent).down_proj.in_features] * 2
+        sizes = list(self.get_submodule(parent).split) if merged == "qkv_proj" else [self.get_submodule(parent).down_proj.in_features] * 2
         start = sum(sizes[:shard])
         return f"{parent}.{merged}.{kind}", slice(start, start + sizes[shard])
 

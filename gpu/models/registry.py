@@ -44,6 +44,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3", "gemma3_text"), ("gemma3",)),
+    Family("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4", "gemma4_text")),
 )
 
 
@@ -53,8 +54,16 @@ def supported() -> str:
 
 def family_of(d: dict[str, Any]) -> Family:
     """The family of a config.json dict: its model_type first (a GGUF file's config dict
-    carries general.architecture there), else its first known architecture."""
+    carries general.architecture there), else its first known architecture. A GGUF file's
+    (gguf_architecture set) matches a family's gguf names only: a family served from HF
+    folders whose GGUF layout is not mapped (Gemma 4's `gemma4`) is refused by name."""
     kind = d.get("model_type")
+    if (arch := d.get("gguf_architecture")) is not None:
+        for f in FAMILIES:
+            if arch in f.gguf:
+                return f
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; GGUF files of: "
+                         + ", ".join(g for f in FAMILIES for g in f.gguf))
     for f in FAMILIES:
         if kind is not None and (kind in f.model_types or kind in f.gguf):
             return f

@@ -37,7 +37,8 @@ def profile_step_bytes(model, *, block_size: int, max_tokens: int, max_seqs: int
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
     cache = KVCache(c.num_hidden_layers, nblocks, block_size, model.local_kv_heads, c.kv_cache_head_dim,
-                    model.dtype, device, latent=c.kv_cache_latent)
+                    model.dtype, device, latent=c.kv_cache_latent, layer_shapes=c.kv_layer_shapes,
+                    kv_sources=tuple(c.kv_source(i) for i in range(c.num_hidden_layers)))
     cache_bytes = torch.cuda.memory_allocated(device) - base
     torch.cuda.reset_peak_memory_stats(device)
     runner = ModelRunner(model, cache, device=device, use_triton=use_triton)

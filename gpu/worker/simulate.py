@@ -197,7 +197,9 @@ class CostModel:
         return cls(gpu=gpu, num_layers=c.num_kv_layers, num_q_heads=c.num_attention_heads,
                    head_dim=widths // 2, vocab_size=c.vocab_size,
                    matmul_params=mixer_params(c) + mlps + c.vocab_size * D,
-                   kv_bytes_per_token=c.num_kv_layers * cached * kv_elem_bytes,
+                   kv_bytes_per_token=kv_elem_bytes * (c.num_kv_layers * cached
+                                                       if (shapes := getattr(c, "kv_layer_shapes", None)) is None
+                                                       else sum(2 * h * d for h, d in filter(None, shapes))),
                    linear=LinearCost.of(c), graphs=not c.num_linear_layers,
                    linear_bytes=WEIGHT_BYTES[weights], head_params=c.vocab_size * D,
                    expert_params=moe_layers * mlp if c.num_experts else 0,

@@ -25,7 +25,9 @@ class Sleeper:
         self.runner = runner
         self.reload = reload
         self.level = 0                   # 0: awake
-        self._kv: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        # (shape, dtype, device, index of the first entry holding the same tensor: a shared-KV
+        # layer's are its source's, KVCache kv_sources, and stay so after waking)
+        self._kv: list[tuple[torch.Size, torch.dtype, torch.device, int]] = []
         self._device: torch.device | None = None
 
     @property
@@ -39,7 +41,9 @@ class Sleeper:
             return                       # already asleep: as vLLM, a second sleep is a no-op
         cache = getattr(self.runner, "cache", None)
         if cache is not None:            # a stand-in runner (--simulate-gpu) holds none
-            self._kv = [(t.shape, t.dtype, t.device) for t in (*cache.k, *cache.v)]
+            first: dict[int, int] = {}
+            self._kv = [(t.shape, t.dtype, t.device, first.setdefault(id(t), i))
+                        for i, t in enumerate((*cache.k, *cache.v))]
             n = len(cache.k)
             for i in range(n):
                 cache.k[i] = torch.empty(0, dtype=cache.k[i].dtype, device=cache.k[i].device)
@@ -76,13 +80,10 @@ class Sleeper:
                     t.data = t.data.to(self._device)
         cache = getattr(self.runner, "cache", None)
         if cache is not None and self._kv:
-            n = len(cache.k)
-            for i, (shape, dtype, device) in enumerate(self._kv):
-                fresh_kv = torch.zeros(shape, dtype=dtype, device=device)
-                if i < n:
-                    cache.k[i] = fresh_kv
-                else:
-                    cache.v[i - n] = fresh_kv
+            n, fresh = len(cache.k), []
+            for i, (shape, dtype, device, same) in enumerate(self._kv):
+                fresh.append(fresh[same] if same < i else torch.zeros(shape, dtype=dtype, device=device))
+            cache.k[:], cache.v[:] = fresh[:n], fresh[n:]
         if getattr(model, "fused_decode", None) is not None:
             model.fused_decode.invalidate()   # gpu/kernels/cpu/layer.py holds the old addresses
         if getattr(self.runner, "graphs", None) is not None:

@@ -26,7 +26,9 @@ def hybrid_kv(cfg: EngineConfig, mc: ModelConfig, num_blocks: int, budget: int) 
     full, sliding, slots = hybrid_layout(mc, num_blocks, cfg.block_size, cfg.max_num_seqs, budget)
     if sliding:
         log.info("hybrid KV cache: %d blocks for the %d full-attention layers, %d for the %d "
-                 "sliding-window ones (%d plain blocks' memory)", full, mc.num_hidden_layers - len(sliding),
+                 "sliding-window ones (%d plain blocks' memory)", full,
+                 sum(s is not None for s in mc.kv_layer_shapes) - len(sliding) if getattr(mc, "kv_layer_shapes", None)
+                 else mc.num_hidden_layers - len(sliding),
                  slots, len(sliding), num_blocks)
         if cfg.num_gpu_blocks_override:
             full = num_blocks
@@ -116,3 +118,28 @@ def reserved_bytes(pool) -> int:
     if pool is None:
         return 0
     return pool.conv.numel() * pool.conv.element_size() + pool.recurrent.numel() * 4
+
+def kv_layout(mc) -> dict:
+    """KVCache's per-layer shapes and shared-KV sources where the model's layers differ
+    (Gemma 4: ModelConfig.kv_layer_shapes), else nothing."""
+    if getattr(mc, "kv_layer_shapes", None) is None:
+        return {}
+    return dict(layer_shapes=mc.kv_layer_shapes,
+                kv_sources=tuple(mc.kv_source(i) for i in range(mc.num_hidden_layers)))
+
+
+def check_kv_layout(cfg: EngineConfig, mc: ModelConfig) -> None:
+    """What a model whose layers keep K/V in different shapes, or read another layer's
+    (Gemma 4: ModelConfig.kv_layer_shapes), is not served with yet: a clear start-up error."""
+    if getattr(mc, "kv_layer_shapes", None) is None:
+        return
+    refused = (("--tensor-parallel-size", cfg.tensor_parallel_size > 1, "its heads are not split over ranks yet"),
+               ("--speculative-config", cfg.speculative_config is not None,
+                "the drafters take one KV shape a layer"),
+               ("--enable-lora", cfg.enable_lora, "the adapters assume one q/k/v shape a layer"),
+               ("--kv-transfer-config", cfg.kv_transfer_config is not None,
+                "the connector's layouts assume one KV shape a layer"))
+    for flag, on, why in refused:
+        if on:
+            raise ValueError(f"{flag} is not supported for {mc.architecture}, whose layers keep K/V "
+                             f"in per-layer shapes or share another layer's: {why}")

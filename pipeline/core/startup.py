@@ -29,8 +29,8 @@ from pipeline.core.config import EngineConfig
 from pipeline.core.parts import Built, Parsers, Ranks, RunnerParts, pick_device, step_budget  # noqa: F401
 from pipeline.core.pooling import build_pooling
 from pipeline.core.events import EventLog, make_header
-from pipeline.core.kv_layout import (check_hybrid, hybrid_kv, linear_states, log_state_pool, prefix_caching,
-                                     reserved_bytes, state_snapshots)
+from pipeline.core.kv_layout import (check_hybrid, check_kv_layout, hybrid_kv, kv_layout, linear_states,
+                                     log_state_pool, prefix_caching, reserved_bytes, state_snapshots)
 from stages.schedule.blocks import BlockManager
 from stages.schedule.drafter import make_drafter
 from stages.schedule.state_slots import StateSlots
@@ -122,7 +122,7 @@ def build_runner(cfg: EngineConfig, loaded: LoadedModel, device: torch.device, m
     num_blocks, sliding_layers, sliding_slots = hybrid_kv(cfg, mc, num_blocks, step_budget(cfg))
     cache = KVCache(mc.num_kv_layers, num_blocks, cfg.block_size, kv_heads(loaded), mc.kv_cache_head_dim,
                     KVCache.dtype_for(cfg.kv_cache_dtype, loaded.model.dtype, device), device, sliding_layers=sliding_layers,
-                    num_sliding_blocks=sliding_slots, latent=mc.kv_cache_latent)
+                    num_sliding_blocks=sliding_slots, latent=mc.kv_cache_latent, **kv_layout(mc))
     if cfg.kv_cache_dtype != "auto":
         cache.set_scales(loaded.kv_scales)
     broadcast = StepBroadcast(ranks.plan) if ranks is not None and ranks.tp.first else None
@@ -323,6 +323,7 @@ def build(cfg: EngineConfig, device: torch.device, loaded: LoadedModel | None,
         loaded = attrs.evolve(loaded, tokenizer=None)
     mc = loaded.config
     check_hybrid(cfg, mc)
+    check_kv_layout(cfg, mc)
     model_names = tuple(cfg.served_model_name) or (loaded.name,)
     max_model_len = resolve_max_model_len(cfg, loaded)
     if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
@@ -461,7 +462,7 @@ def num_kv_blocks(cfg: EngineConfig, loaded: LoadedModel, device: torch.device,
         return cfg.num_gpu_blocks_override
     target_per_block = KVCache.bytes_per_block(mc.num_kv_layers, cfg.block_size, kv_heads(loaded), mc.kv_cache_head_dim,
                                                KVCache.dtype_for(cfg.kv_cache_dtype, loaded.model.dtype, device),
-                                               mc.kv_cache_latent)
+                                               mc.kv_cache_latent, getattr(mc, "kv_layer_shapes", None))
     per_block = target_per_block + extra_per_block
     if cfg.kv_cache_memory_bytes:  # on every device
         return max(1, (cfg.kv_cache_memory_bytes - reserved) // per_block)

@@ -51,3 +51,17 @@ def test_sleep_drops_then_wake_restores(level):
 def test_bad_level_is_refused():
     with pytest.raises(ValueError):
         Sleeper(Runner(), None).sleep(3)
+
+
+def test_wake_keeps_a_shared_kv_layer_on_its_source():
+    """A cache whose layer 2 reads layer 0's KV (Gemma 4's shared layers) and whose layers have
+    two shapes wakes with the same shapes, layer 2 naming layer 0's new tensors again."""
+    r = Runner()
+    r.cache = KVCache(3, 4, 4, 0, 0, torch.float32, "cpu", layer_shapes=((2, 8), (1, 16), None),
+                      kv_sources=(0, 1, 0))
+    shapes = [t.shape for t in (*r.cache.k, *r.cache.v)]
+    s = Sleeper(r, None)
+    s.sleep(1)
+    s.wake_up()
+    assert [t.shape for t in (*r.cache.k, *r.cache.v)] == shapes
+    assert r.cache.k[2] is r.cache.k[0] and r.cache.v[2] is r.cache.v[0] and r.cache.k[1] is not r.cache.k[0]

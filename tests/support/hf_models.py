@@ -28,6 +28,19 @@ TINY_GEMMA3 = dict(num_hidden_layers=7, head_dim=16, sliding_window=6, query_pre
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
 
+# Gemma 4 at test scale: every layer type and the shared-KV case in 4 layers (sliding, full,
+# then two layers reading layers 0 and 1's KV, their MLPs double-wide), the full layers with
+# a head_dim and KV heads of their own and k = v, per-layer inputs of 8, a 512 vocabulary
+TINY_GEMMA4 = dict(vocab_size=512, vocab_size_per_layer_input=512, num_hidden_layers=4, head_dim=16,
+                   global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=6,
+                   layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                   use_double_wide_mlp=True, hidden_size_per_layer_input=8, final_logit_softcapping=3.0,
+                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+# its MoE variant (26B-A4B's layout): 4 experts, top 2, beside every layer's dense MLP
+TINY_GEMMA4_MOE = dict(TINY_GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
 
 def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overrides):
     """A tiny random transformers model (eager attention, fp32). Norm weights and biases are
@@ -37,16 +50,22 @@ def make_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, **overr
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config, "gpt_oss": transformers.GptOssConfig,
                   "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
-                  "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config}[arch]
-    family = {"gpt_oss": TINY_GPT_OSS, "gemma2": TINY_GEMMA2, "gemma3": TINY_GEMMA3,
+                  "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config,
+                  "gemma4": transformers.Gemma4TextConfig,
+                  "gemma4_moe": transformers.Gemma4TextConfig}[arch]
+    family = {"gpt_oss": TINY_GPT_OSS, "gemma2": TINY_GEMMA2, "gemma3": TINY_GEMMA3, "gemma4": TINY_GEMMA4,
+              "gemma4_moe": TINY_GEMMA4_MOE,
               "phi3": dict(pad_token_id=0, eos_token_id=2, bos_token_id=1)}.get(arch, {})
     config = config_cls(**{**TINY, **family, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith("bias") or name.endswith(("router.scale", "per_expert_scale")):
                 p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):     # Gemma 4's, loaded: away from its 1
+                b.uniform_(0.5, 1.5)
     if out_dir is not None:
         model.save_pretrained(out_dir, safe_serialization=True)
     return model
