@@ -24,7 +24,8 @@ from gpu.kernels.cpu import quant as cpu_quant
 from gpu.layers.attention import KVCache
 from gpu.loader.decoder import load_model
 from gpu.worker.runner import ModelRunner
-from tests.support.cpu_layer_runs import _Counting, _run as _run_seqs
+from tests.support.cpu_layer_runs import _Counting
+from tests.support.cpu_layer_runs import _run as _run_seqs
 from tests.support.gguf_writing import _finish, _gguf_name, _spm_vocab, _writer
 from tests.support.hf_models import make_hf_model
 
@@ -125,7 +126,7 @@ def test_gemma_stack_matches_the_torch_path(lm, hybrid, monkeypatch):
     counting = _Counting(lm.fused_decode._fn)
     monkeypatch.setattr(lm.fused_decode, "_fn", counting)
     shape = (c.num_hidden_layers, 12, 4, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
-    sliding = dict(sliding_layers=(0, 1, 2, 3, 4, 6), num_sliding_blocks=5) if hybrid else {}
+    sliding = {"sliding_layers": (0, 1, 2, 3, 4, 6), "num_sliding_blocks": 5} if hybrid else {}
     try:
         for int16, tol in ((False, 1e-3), (True, 5e-2)):
             if int16 and not _set_int16_gemv(-1):
