@@ -100,8 +100,10 @@ class GemmaDecode(cpu_layer.FusedDecode):
 
     @classmethod
     def for_model(cls, lm) -> GemmaDecode | None:
+        if not eligible(lm):     # first: no other family builds layer_gemma.c (~7 s of CPU, once a machine)
+            return None
         lib = library()
-        return cls(lm, lib) if lib is not None and eligible(lm) else None
+        return cls(lm, lib) if lib is not None else None
 
     def _build(self, cache) -> _GModel:
         lm, c, keep = self.lm, self.lm.config, []
