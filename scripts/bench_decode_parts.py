@@ -3,7 +3,9 @@ and at 32 rows, through the runner's paged attention (TorchPagedAttention) after
 
     python scripts/bench_decode_parts.py MODEL [--prompt-len 64] [--steps 12]
 
-Prints the median milliseconds of each part and the LM head's share of a step. Run it with
+Prints the median milliseconds of each part and the LM head's share of a step. Where the model
+has a C decode stack (gpu/kernels/cpu/layer.py, layer_gemma.py), each step also runs it, right
+after the per-layer torch path (the same inputs, alternating), and prints its time beside. Run it with
 OMP_NUM_THREADS set as the server runs (docs/benchmarks.md, "Gemma 3 270M Q4_K_M")."""
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def main() -> None:
         per_seq = -(-(P + args.steps + 1) // bs)
         cache = KVCache(c.num_hidden_layers, B * per_seq, bs, m.local_kv_heads, c.head_dim, torch.float32, "cpu")
         attn = TorchPagedAttention(cache, c.head_dim ** -0.5)
-        stack, head = [], []
+        stack, head, fused = [], [], []
         with torch.inference_mode():
             ids = torch.randint(10, 1000, (B * P,))
             attn.prepare(_meta([P] * B, [P] * B, bs, per_seq))
@@ -65,8 +67,14 @@ def main() -> None:
                 t2 = time.perf_counter()
                 stack.append(t1 - t0)
                 head.append(t2 - t1)
+                if m.fused_decode is not None and B <= 16:
+                    t3 = time.perf_counter()
+                    got = m.fused_decode(torch.randint(10, 1000, (B,)), torch.full((B,), n - 1), attn)
+                    if got is not None:
+                        fused.append(time.perf_counter() - t3)
         s, h = statistics.median(stack) * 1e3, statistics.median(head) * 1e3
-        print(f"{B:>2} rows: decoder stack {s:7.1f} ms, LM head {h:7.1f} ms ({100 * h / (s + h):.0f}% of the step)")
+        c_stack = f", the C stack {statistics.median(fused) * 1e3:7.1f} ms" if fused else ""
+        print(f"{B:>2} rows: decoder stack {s:7.1f} ms{c_stack}, LM head {h:7.1f} ms ({100 * h / (s + h):.0f}% of the step)")
 
 
 if __name__ == "__main__":

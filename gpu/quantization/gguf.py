@@ -76,7 +76,8 @@ class GGUF(QuantMethod):
             return named, words
         taken, formats = pack_linears(lm, source.gguf)
         from gpu.kernels.cpu import layer as cpu_layer
-        lm.fused_decode = cpu_layer.FusedDecode.for_model(lm)
+        from gpu.kernels.cpu import layer_gemma
+        lm.fused_decode = cpu_layer.FusedDecode.for_model(lm) or layer_gemma.GemmaDecode.for_model(lm)
         words = describe(formats) + cpu_layer.describe(lm)
         if isinstance(lm.embed_tokens, cpu_quant.PackedEmbedding):
             shared = " (the tied head's)" if lm.lm_head is not None and getattr(lm.lm_head, "packed0", None) is lm.embed_tokens.packed else ""

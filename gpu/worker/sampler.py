@@ -168,6 +168,19 @@ def stop_tokens_to_mask(states: list[SeqSamplingState], vocab: int) -> list[tupl
             for t in st.opts.stop_token_ids if t < vocab]
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's first maximal index (a NaN counting as the maximum): gpu/kernels/cpu/ops.c
+    argmax_rows for fp32 rows on the CPU (torch's row-wise max took 1.0-1.4 ms a row of Gemma
+    3's 262k logits on one AVX2 core, 40 ms for 32 rows; the C pass ~0.1 ms a row), else
+    max(-1).indices (the first maximal index, as argmax gives, 3x faster than it on the CPU)."""
+    if logits.device.type == "cpu":
+        from gpu.kernels.cpu import ops as cpu_kernels
+        k = cpu_kernels.kernels()
+        if k is not None and (out := k.argmax_rows(logits)) is not None:
+            return out.tolist()
+    return logits.max(dim=-1).indices.tolist()
+
+
 def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
     """logits: [B, V] float32 -> one token per row.
 
@@ -179,9 +192,7 @@ def sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> list[int]:
     for i, st in enumerate(states):
         if st.opts.penalised:
             logits[i] = apply_penalties(logits[i].clone(), st)
-    # max(-1).indices: the first maximal index, as argmax gives, but 3x faster on the CPU
-    # (49k-entry rows: 0.43 against 1.3 ms for 32 rows)
-    out = logits.max(dim=-1).indices.tolist()
+    out = greedy_tokens(logits)
     rand = [i for i, st in enumerate(states) if not st.opts.greedy]
     if rand:
         rows = torch.stack([filter_logits(logits[i], states[i].opts) for i in rand])   # [R, V]

@@ -127,3 +127,20 @@ def test_exact_top_logits(torch_ops, w_dtype):
     assert (got[near] != logits[near]).any()                         # the near ones recomputed
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
     assert int(got.argmax(-1)[3]) == 4098
+
+
+def test_argmax_rows_is_torchs_first_maximal_index():
+    """gpu/worker/sampler.py greedy_tokens' C pass: the first maximal index of each row, as
+    max(dim=-1).indices gives, ties, all -inf and NaN rows included; other arguments declined."""
+    k = cpu_kernels.kernels()
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 262144), (5, 4099), (3, 64), (2, 1)):
+        x = torch.randn(*shape, generator=g)
+        x[0] = float("-inf")                          # all -inf: index 0
+        if shape[0] > 2:
+            x[1, shape[1] // 2:] = x[1].max() + 1     # a tie: the first
+            x[2, shape[1] // 3] = float("nan")        # a NaN counts as the maximum
+            x[2, -1] = float("nan")
+        assert k.argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist(), shape
+    assert k.argmax_rows(torch.randn(2, 8, dtype=torch.bfloat16)) is None
+    assert k.argmax_rows(torch.randn(8, 2).t()) is None

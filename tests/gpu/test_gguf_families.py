@@ -17,7 +17,7 @@ import torch
 from gpu.formats.gguf import _GEMMA_BLOCK, _PER_BLOCK, _TOP_LEVEL
 from gpu.loader.decoder import load_model
 from tests.support.hf_models import hf_logits, make_hf_model, our_logits
-from tests.support.gguf_writing import _finish, _gguf_name, _llama_cpp_permute, _writer
+from tests.support.gguf_writing import _finish, _gguf_name, _llama_cpp_permute, _spm_vocab, _writer
 
 IDS = [2, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101]
 
@@ -64,28 +64,6 @@ def test_llama3_rope_freqs_read_as_llama3_scaling(tmp_path):
     torch.testing.assert_close(our_logits(loaded.model, ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
     plain = make_hf_model("llama", head_dim=16)    # the same weights without the scaling differ
     assert not torch.allclose(hf_logits(plain, ids), hf_logits(hf, ids), atol=1e-3)
-
-
-def _spm_vocab(size: int) -> tuple[list[str], list[int]]:
-    """A SentencePiece-style vocabulary as Gemma's GGUF files hold it: control tokens, the
-    256 byte-fallback tokens, "▁"-prefixed pieces, and runs of spaces stored as spaces."""
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
-    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + ["  ", "   ", "\n", "\n\n"]
-    types = [3] * len(specials) + [6] * 256 + [4] * 4
-    chars = list("▁etaoinshrdlucmfwypvbgkjqxzETAOINSHRDLUCMFWYPVBGKJQXZ.,!?'0123456789")
-    pieces = chars + ["▁t", "th", "he", "▁th", "▁the", "in", "er", "an", "▁a", "on", "re", "▁w", "at",
-                      "en", "nd", "▁s", "▁o", "ou", "▁c", "it", "is", "▁i", "es", "or", "▁the▁", "ing",
-                      "▁in", "▁of", "▁to", "▁and", "▁is", "▁it", "ed", "▁he", "ll", "▁hello", "▁world",
-                      "▁wor", "ld", "lo", "hel", "▁hel", "ello", "▁qu", "ick", "▁quick", "▁fox", "▁br",
-                      "own", "▁brown", "▁cat", "▁sat", "▁on", "▁mat", "▁The", "Th", "▁T", "▁H", "He"]
-    for p in pieces:
-        if p not in tokens and len(tokens) < size:
-            tokens.append(p)
-            types.append(1)
-    while len(tokens) < size:
-        tokens.append(f"<unused{len(tokens)}>")
-        types.append(3)
-    return tokens, types
 
 
 GEMMA_CASES = {

@@ -40,3 +40,25 @@ def _finish(w: gguf.GGUFWriter) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _spm_vocab(size: int) -> tuple[list[str], list[int]]:
+    """A SentencePiece-style vocabulary as Gemma's GGUF files hold it: control tokens, the
+    256 byte-fallback tokens, "▁"-prefixed pieces, and runs of spaces stored as spaces."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + ["  ", "   ", "\n", "\n\n"]
+    types = [3] * len(specials) + [6] * 256 + [4] * 4
+    chars = list("▁etaoinshrdlucmfwypvbgkjqxzETAOINSHRDLUCMFWYPVBGKJQXZ.,!?'0123456789")
+    pieces = chars + ["▁t", "th", "he", "▁th", "▁the", "in", "er", "an", "▁a", "on", "re", "▁w", "at",
+                      "en", "nd", "▁s", "▁o", "ou", "▁c", "it", "is", "▁i", "es", "or", "▁the▁", "ing",
+                      "▁in", "▁of", "▁to", "▁and", "▁is", "▁it", "ed", "▁he", "ll", "▁hello", "▁world",
+                      "▁wor", "ld", "lo", "hel", "▁hel", "ello", "▁qu", "ick", "▁quick", "▁fox", "▁br",
+                      "own", "▁brown", "▁cat", "▁sat", "▁on", "▁mat", "▁The", "Th", "▁T", "▁H", "He"]
+    for p in pieces:
+        if p not in tokens and len(tokens) < size:
+            tokens.append(p)
+            types.append(1)
+    while len(tokens) < size:
+        tokens.append(f"<unused{len(tokens)}>")
+        types.append(3)
+    return tokens, types

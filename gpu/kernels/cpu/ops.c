@@ -493,3 +493,38 @@ void exact_top_logits(float *logits, const float *hidden, const void *weight, in
         free(w);
     }
 }
+
+/* out[n] = the first index of row n's maximum in logits [N, V] (fp32), a NaN counting as the
+ * maximum (the first NaN), as torch's max(dim=-1).indices gives: one vectorised pass for the max
+ * (and whether there is a NaN), then a scan for its first position. torch's row-wise max took
+ * 1.0-1.4 ms a row of Gemma 3's 262k logits on one AVX2 core, 40 ms for 32 rows (issue 55). */
+void argmax_rows(const float *logits, int64_t N, int64_t V, int64_t *out) {
+#pragma omp parallel for schedule(static) if (N > 1 && N * V >= PARALLEL_MIN)
+    for (int64_t n = 0; n < N; n++) {
+        const float *row = logits + n * V;
+        float top = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+        for (int64_t v = 0; v < V; v++) {
+            top = row[v] > top ? row[v] : top;
+            nan |= row[v] != row[v];
+        }
+        int64_t at = 0;
+        if (nan) {
+            while (row[at] == row[at]) at++;
+        } else {   /* 64 at a time, vectorised, to the chunk that holds it (all -inf: index 0) */
+            for (int64_t c = 0; c < V; c += 64) {
+                const int64_t e = c + 64 < V ? c + 64 : V;
+                int hit = 0;
+#pragma omp simd reduction(| : hit)
+                for (int64_t v = c; v < e; v++) hit |= row[v] == top;
+                if (hit) {
+                    at = c;
+                    while (row[at] != top) at++;
+                    break;
+                }
+            }
+        }
+        out[n] = at;
+    }
+}

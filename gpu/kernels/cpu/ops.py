@@ -112,6 +112,8 @@ class CpuKernels:
         lib.rope.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
         lib.exact_top_logits.restype = None
         lib.exact_top_logits.argtypes = [_P, _P, _P, ctypes.c_int, _I64, _I64, _I64, ctypes.c_float]
+        lib.argmax_rows.restype = None
+        lib.argmax_rows.argtypes = [_P, _I64, _I64, _P]
         self._lib = lib
         lib.cpu_kernels_vector_width.restype = ctypes.c_int
         # 0: built without AVX-512, where the loops were never measured against torch's
@@ -202,6 +204,17 @@ class CpuKernels:
         self._lib.exact_top_logits(logits.data_ptr(), hidden.data_ptr(), weight.data_ptr(), _DTYPES[weight.dtype],
                                    logits.shape[0], logits.shape[1], hidden.shape[1], margin)
         return True
+
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """logits [N, V] fp32 contiguous on the CPU -> [N] int64, each row's first maximal index
+        (a NaN counts as the maximum), as logits.max(dim=-1).indices; None for other arguments."""
+        if (logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous()
+                or logits.device.type != "cpu" or logits.shape[1] == 0):
+            return None
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+        return out
 
 
 def _plain(*tensors: torch.Tensor | None) -> bool:
