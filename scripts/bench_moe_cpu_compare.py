@@ -13,11 +13,21 @@ writes the same model as a qwen3moe GGUF in that format (as llama.cpp's converte
 the experts stacked as ffn_{gate,up,down}_exps) and serves the file, its linears and experts
 kept packed (the CPU default); transformers loads the same file (from_pretrained(gguf_file=),
 dequantized to fp32) for its generate.
+
+    ... --rounds 3
+
+runs the two sides alternately, three times each (tailrace, HF, tailrace, HF, ...), each round
+timed by wall clock and by the process's CPU time (every thread: tailrace's engine runs in this
+process), and prints each round's ratios and their medians: on a shared machine one pair's
+wall-clock ratio says whose slice of the CPU was larger; the CPU-time ratio moves less. The
+thread count is the environment's (OMP_NUM_THREADS) for both sides.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import tempfile
 import time
 
@@ -39,6 +49,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--gguf", choices=["Q8_0", "Q4_0"], default=None,
                    help="serve the model as a GGUF file of this format (HF generate loads the same file)")
+    p.add_argument("--rounds", type=int, default=1, help="alternate the two sides this many times")
     a = p.parse_args()
     import transformers
 
@@ -59,23 +70,37 @@ def main() -> None:
         cfg = EngineConfig(model=model, dtype="auto" if a.gguf else "float32",
                            max_model_len=a.input_len + a.output_len + 16,
                            max_num_seqs=a.num_prompts, max_queued_requests=max(1024, a.num_prompts))
-        r = trio.run(_bench, cfg, s, 0.0)
-        rows.append((f"tailrace {what} (continuous batching)", r["output_tokens"], r["elapsed_s"]))
-        print(json.dumps({"contender": rows[-1][0], **r}), flush=True)
-    prompts = [q["prompt"] for q in make_requests(s, CONFIG["vocab_size"], 0.0)]
-    ids = torch.tensor(prompts)
-    t0, c0 = time.perf_counter(), time.process_time()
-    with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.output_len,
-                          min_new_tokens=a.output_len, do_sample=False, pad_token_id=0)
-    rows.append((f"HF generate float32{' (the GGUF dequantized)' if a.gguf else ''}, one batch of {len(prompts)}", (out.shape[1] - ids.shape[1]) * len(prompts),
-                 time.perf_counter() - t0))
-    print(json.dumps({"contender": rows[-1][0], "tokens": rows[-1][1], "seconds": round(rows[-1][2], 3),
-                      "cpu_s": round(time.process_time() - c0, 3)}), flush=True)
+        prompts = [q["prompt"] for q in make_requests(s, CONFIG["vocab_size"], 0.0)]
+        ids = torch.tensor(prompts)
+        pairs = []
+        for rnd in range(a.rounds):
+            r = trio.run(_bench, cfg, s, 0.0)
+            rows.append((f"tailrace {what} (continuous batching)", r["output_tokens"], r["elapsed_s"]))
+            print(json.dumps({"round": rnd, "contender": rows[-1][0], "load": _load(), **r}), flush=True)
+            t0, c0 = time.perf_counter(), time.process_time()
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.output_len,
+                                  min_new_tokens=a.output_len, do_sample=False, pad_token_id=0)
+            hf_s, hf_cpu = time.perf_counter() - t0, time.process_time() - c0
+            rows.append((f"HF generate float32{' (the GGUF dequantized)' if a.gguf else ''}, one batch of {len(prompts)}",
+                         (out.shape[1] - ids.shape[1]) * len(prompts), hf_s))
+            print(json.dumps({"round": rnd, "contender": rows[-1][0], "load": _load(), "tokens": rows[-1][1],
+                              "seconds": round(hf_s, 3), "cpu_s": round(hf_cpu, 3)}), flush=True)
+            pairs.append((hf_s / r["elapsed_s"], hf_cpu / r["cpu_s"]))
     print(f"\n{'contender':45s} {'tokens':>7s} {'seconds':>8s} {'tok/s':>7s}")
     for name, n, t in rows:
         print(f"{name:45s} {n:7d} {t:8.2f} {n / t:7.1f}")
+    print("\nround  tailrace / HF output tok/s: wall clock, CPU time")
+    for i, (w, c) in enumerate(pairs):
+        print(f"{i:5d}  {w:5.2f}x  {c:5.2f}x")
+    if len(pairs) > 1:
+        w, c = zip(*pairs)
+        print(f"median {statistics.median(w):5.2f}x  {statistics.median(c):5.2f}x "
+              f"(wall {min(w):.2f}-{max(w):.2f}, CPU {min(c):.2f}-{max(c):.2f})")
 
+
+def _load() -> float:
+    return os.getloadavg()[0]
 
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",

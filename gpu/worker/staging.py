@@ -291,7 +291,15 @@ def upload_inputs(host: HostInputs, dev: torch.device, staging: Staging | None =
     else:
         moved = [torch.from_numpy(a).to(dev) for a in host.arrays]
     input_ids, positions, slot_mapping, block_tables, cu_seqlens_q, seq_lens = moved[:6]
-    sample_idx = (cu_seqlens_q[1:] - 1) if host.all_sample else moved[6]
+    if not host.all_sample:
+        sample_idx = moved[6]
+    elif dev.type == "cpu" and staging is None:
+        # numpy, not a torch op: every torch op lets go of the GIL, and on the runner thread
+        # taking it back waits out the event loop's switch interval (docs/benchmarks.md,
+        # issue 60's host path)
+        sample_idx = torch.from_numpy(host.arrays[4][1:] - 1)
+    else:
+        sample_idx = cu_seqlens_q[1:] - 1
     q_lens = host.q_lens
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import attrs
 from concurrent.futures import Future
 
 from gpu.interface import (ConstraintCompiler, SeqChunk, SeqStart, StepPlan,
@@ -29,12 +28,13 @@ from stages.schedule.blocks import BlockManager, image_block_keys
 from stages.schedule.drafter import Drafter
 from stages.schedule.beam_side import BeamSearch
 from stages.schedule.kv import KVConnectorSide
+from stages.schedule.rows import apply_rows
 from stages.schedule.priority import POLICIES, enqueue, order_key, victim_for, worst_running
 from stages.schedule.sequence import Sequence, sampling_options
-from stages.schedule.spec import CostGate, SpecCounters, Speculation, kept_logprobs, step_outputs
+from stages.schedule.spec import CostGate, SpecCounters, Speculation, step_outputs
 from stages.schedule.spec_side import SpecPlanning
 from stages.schedule.state_slots import StateSlots
-from stages.schedule.stop import check_stop, tokens_left
+from stages.schedule.stop import tokens_left
 
 class Scheduler:
     # steps it may have planned whose results have not come back (the schedule stage's depth)
@@ -492,7 +492,6 @@ class Scheduler:
                 if not seq.retired:
                     self.finish(seq.req.request_id, FinishReason.ERROR, result.error)
             return self.drain()
-        iteration = 0    # vLLM's iteration tokens: prompts at their first token, and tokens out
         if plan.chunks and self.speculation is not None:
             self.speculation.observe(plan, result)
         for pl in result.prompt_logprobs:
@@ -505,56 +504,7 @@ class Scheduler:
         # floating chunks: the drafts the runner's lookup found (no more than planned)
         verified = dict(zip(result.seq_ids, result.num_drafts)) if result.num_drafts else None
         beams: list[BeamGroup] = []     # the beam groups this step brought rows to
-        for chunk, (seq, epoch) in zip(plan.chunks, planned):
-            if seq.retired:
-                continue    # finished while this step ran: its row is thrown away
-            if epoch == seq.epoch:
-                seq.in_flight_tokens -= len(chunk.token_ids)
-                seq.in_flight_drafts -= chunk.num_drafts
-            if seq.beam is not None:
-                iteration += self.beam_search.row(seq, chunk, epoch, tokens, logprobs, beams)
-                continue
-            got = tokens.get(seq.id, ()) if chunk.sample else ()
-            kept, stop, toks = 0, None, got
-            if got:
-                self._token_came_back(seq)
-                kept, stop = check_stop(seq, got)
-                toks = got[:kept]
-                seq.token_ids.extend(toks)
-            if epoch == seq.epoch:   # not preempted since: these blocks now hold the chunk's KV
-                # (a floating chunk ran where the step before left the sequence's KV)
-                start = seq.num_done if chunk.floating else chunk.start_pos
-                if chunk.num_drafts or chunk.floating:
-                    done = start + kept
-                    self.spec_planning.rollback(seq, done)
-                else:
-                    done = start + len(chunk.token_ids)
-                self._computed(seq, done)
-            if not got:
-                continue
-            iteration += kept + (seq.prompt_len if seq.num_output == kept else 0)
-            # verified drafts: the drafts that held, then the token sampled after them
-            drafts = chunk.num_drafts if verified is None else verified.get(seq.id, chunk.num_drafts)
-            accepted = len(got) - 1 if drafts else 0
-            if drafts:
-                self.speculation.verified(seq, drafts, accepted)
-            prompt_logprobs = ()
-            if seq.prompt_logprobs is not None and seq.num_output == kept:   # the first
-                prompt_logprobs = (None, *seq.prompt_logprobs_so_far)   # none for the first
-                seq.prompt_logprobs_so_far = []
-            lps = kept_logprobs(logprobs.get(seq.id, ()), kept) if logprobs else ()
-            # positional, in Delta's field order (per token: a keyword call costs ~3x)
-            delta = Delta(
-                seq.req.request_id, toks, None if stop is None else stop.reason,
-                None if stop is None else stop.stop_token, seq.num_cached_tokens, None, lps,
-                seq.scheduled_at, seq.index, prompt_logprobs, drafts, accepted)
-            if (stop is not None and epoch == seq.epoch and seq.req.kv_transfer is not None
-                    and seq.req.kv_transfer.remote_decode and self.kv.config is not None):
-                delta = attrs.evolve(delta, kv_transfer_params=self.kv.hold(seq))
-            deltas.append(delta)
-            if stop is not None:     # (waiting again if preempted while this step ran)
-                (self.running if epoch == seq.epoch else self.waiting).remove(seq)
-                self._retire(seq)
+        iteration = apply_rows(self, plan, planned, tokens, logprobs, verified, deltas, beams)
         for group in beams:
             if group.ready():
                 self.beam_search.advance(group, deltas)

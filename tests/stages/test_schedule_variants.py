@@ -236,3 +236,38 @@ def test_the_schedule_package_imports_without_torch():
             "sys.meta_path.insert(0, Block())\n"
             "import stages.schedule\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
+def test_update_one_token_rows_finish_as_the_general_path(cls):
+    """update's straight-line row (stages/schedule/rows.py: one sampled token, no logprobs)
+    against the general row (the same requests asking for logprobs, which takes the other
+    path): the same tokens, finishes and stop reasons for EOS, a stop token id, max_tokens,
+    max_model_len and a token that stops nothing."""
+    cases = {"eos": ((1, 2, 3), {"max_tokens": 4}, EOS_ID),
+             "stop_id": ((1, 2, 3), {"max_tokens": 4, "stop_token_ids": (7,)}, 7),
+             "length": ((1, 2, 3), {"max_tokens": 1}, 5),
+             "model_len": (tuple(range(1, 64)), {"max_tokens": 100}, 5),
+             "goes_on": ((1, 2, 3), {"max_tokens": 4}, 5)}
+
+    def run(logprobs):
+        out = {}
+        for name, (prompt, kw, token) in cases.items():
+            s = make(cls)
+            s.add(rendered(name, prompt, **kw))
+            plan = s.schedule()
+            sampled = tuple(c.seq_id for c in plan.chunks if c.sample)
+            lps = ((None,) * len(sampled)) if logprobs else ()
+            step = s.update(plan, StepResult(plan.step, sampled, (token,) * len(sampled), 0.0,
+                                             logprobs=lps))
+            (d,) = step.deltas
+            out[name] = (d.token_ids, d.finish_reason, d.stop_reason, s.by_id.get(name) is None,
+                         step.num_running)
+        return out
+
+    fast, general = run(False), run(True)
+    assert fast == general
+    assert fast["eos"][1:3] == (FinishReason.STOP, None)
+    assert fast["stop_id"][1:3] == (FinishReason.STOP, 7)
+    assert fast["length"][1] == fast["model_len"][1] == FinishReason.LENGTH
+    assert fast["goes_on"][1] is None and not fast["goes_on"][3]
