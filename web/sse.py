@@ -73,21 +73,27 @@ class DirectBody:
     """Writes the body chunks of the chunked response under way on one HTTP/1.1 connection
     straight to its socket, from any task, without waiting (stages/replies.py calls it)."""
 
-    __slots__ = ("server", "conn", "sock")
+    __slots__ = ("server", "conn", "sock", "lock")
 
     def __init__(self, server: "FastWriteTCPServer", conn: h11.Connection) -> None:
         self.server = server
         self.conn = conn
         self.sock = server.stream.socket
+        self.lock = server.send_lock
+
+    def ready(self) -> bool:
+        """Is the response's head out, with a chunked body under way? Asked when its task
+        has written all it had and lends this writer (pipeline/core/reply.py): only that
+        task's writes move h11's state on, so it holds until the task writes again."""
+        conn = self.conn
+        return conn.our_state is h11.SEND_BODY and type(conn._writer) is ChunkedWriter
 
     def write(self, data: bytes) -> bool | bytes:
         """Frame `data` as one chunk (h11's ChunkedWriter's bytes) and write it now.
-        True: it all went. False: nothing went (a write under way, the response's head not
-        out or its end begun, a full or closed socket): send it the ordinary way. bytes: the
-        socket took only a part; the rest must follow (`finish`) before anything else."""
-        conn = self.conn
-        if (self.server.send_lock.locked() or conn.our_state is not h11.SEND_BODY
-                or type(conn._writer) is not ChunkedWriter):
+        True: it all went. False: nothing went (a write under way, a full or closed
+        socket): send it the ordinary way. bytes: the socket took only a part; the rest
+        must follow (`finish`) before anything else."""
+        if self.lock.locked():
             return False
         fd = self.sock.fileno()   # -1 once closed: the number may be a new connection's
         if fd < 0 or not data:

@@ -28,7 +28,7 @@ class Reply:
     """One request's framed reply. Iterate for bytes; aclose() aborts if unfinished.
 
     ``direct``: a writer of this reply's bytes straight to the client (web/sse.py
-    ``DirectBody``), set before iterating by a reader that passes every chunk on unchanged
+    ``DirectBody``: ``ready()``, ``write(bytes)``, ``finish(rest)``), set before iterating by a reader that passes every chunk on unchanged
     (web/app.py's SSE response). While the iteration waits with everything it yielded
     written, emit's bytes go through it (stages/replies.py ``Replies.arm``); the iteration
     yields only what came by the channel."""
@@ -59,7 +59,7 @@ class Reply:
             except trio.EndOfChannel:
                 break
             except trio.WouldBlock:
-                if replies is not None:   # all yielded so far is written: emit may write
+                if replies is not None and direct.ready():   # all yielded is written
                     replies.arm(rid, direct)
                 try:
                     item = await receive.receive()
