@@ -3,10 +3,7 @@ pipeline/core/reply.py, used by stages/replies.py): the bytes on the wire are th
 ordinary path, through the request's task, Quart and Hypercorn, byte for byte."""
 from __future__ import annotations
 
-import socket
-
 import trio
-import trio.testing
 
 from pipeline.core.reply import Reply
 from stages.emit import ReplyEnd, deliver
@@ -17,7 +14,7 @@ from web import sse
 
 class StepEngine(FakeEngine):
     """FakeEngine whose streamed replies are real Replies channels, fed one scripted step
-    at a time (as emit feeds them) once every task has done what it could with the last."""
+    at a time (as emit feeds them) once the reply's reader waits for more."""
 
     def __init__(self, steps) -> None:
         super().__init__()
@@ -31,12 +28,16 @@ class StepEngine(FakeEngine):
 
     async def submit(self, api, body, request_id=None, headers=()):
         receive = self.replies.open(request_id)
-        self.nursery.start_soon(self._feed, request_id)
+        self.nursery.start_soon(self._feed, request_id, receive)
         return Reply(self, request_id, True, receive)
 
-    async def _feed(self, rid: str) -> None:
+    async def _feed(self, rid: str, receive) -> None:
         for step in self.steps:
-            await trio.testing.wait_all_tasks_blocked()
+            # the reader waits with all it was given written (a big write may still be
+            # under way while every task waits on the sockets: wait for the reader itself)
+            with trio.fail_after(20):
+                while not receive.statistics().tasks_waiting_receive:
+                    await trio.sleep(0.001)
             if step is None:    # the engine stopped: the channel closes without an end
                 self.replies.close_all()
                 return
