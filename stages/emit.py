@@ -65,7 +65,24 @@ async def run(receive, replies, core: Emitter, log=None, held=None) -> None:
                 log("emitted", items=items)
             if held is not None:
                 items = held.route(msg, items)
-            for rid, item in items:
-                replies.send(rid, item)
-                if isinstance(item, ReplyEnd):
-                    replies.release(rid)
+            deliver(items, replies)
+
+
+def deliver(items: list[tuple[str, bytes | ReplyEnd]], replies) -> None:
+    """One step's items to the reply channels: each request's bytes of the step as one
+    item (its start and first delta, several choices' chunks), so one socket write per
+    stream per step whoever writes it (stages/replies.py), then its end, if it ended."""
+    step: dict[str, bytes] = {}
+    for rid, item in items:
+        if type(item) is bytes:
+            before = step.get(rid)
+            step[rid] = item if before is None else before + item
+        else:
+            data = step.pop(rid, None)
+            if data is not None:
+                replies.send(rid, data)
+            replies.send(rid, item)
+            if isinstance(item, ReplyEnd):
+                replies.release(rid)
+    for rid, data in step.items():
+        replies.send(rid, data)

@@ -16,19 +16,41 @@ admission limits that count (``num_admitted``), and only an admitted request can
 anything of it in schedule's inbox. Each admitted request puts at most one request, one
 ``Abort`` (``mark_aborted`` says whether one was already sent) and one ``FinishRequest``
 into that inbox, which is what sizes it.
+
+A streamed reply's bytes may skip its channel (``arm``): while the reader has written all
+it was given and waits for more, it lends its entry a direct writer (web/sse.py
+``DirectBody``), and ``send`` writes a step's bytes with it at once, in the sender's task,
+with no wake-up of the reader. Anything the writer cannot take whole, and every other item,
+goes on the channel as before, and disarms the entry until the reader waits again: bytes
+never overtake each other. A write the socket took only in part leaves its rest on the
+channel first (``Rest``), for the reader to finish.
 """
 from __future__ import annotations
 
 import trio
 
 
+class Rest:
+    """The part of a directly written chunk the socket did not take: the reader finishes it
+    (``await rest.finish()``) before anything else it writes."""
+    __slots__ = ("writer", "data")
+
+    def __init__(self, writer, data: bytes) -> None:
+        self.writer = writer
+        self.data = data
+
+    async def finish(self) -> None:
+        await self.writer.finish(self.data)
+
+
 class _Entry:
-    __slots__ = ("send", "admitted", "aborted")
+    __slots__ = ("send", "admitted", "aborted", "direct")
 
     def __init__(self, send: trio.MemorySendChannel) -> None:
         self.send: trio.MemorySendChannel | None = send    # None: the client left
         self.admitted = False
         self.aborted = False
+        self.direct = None     # the reader's writer while it waits with nothing unwritten
 
 
 class Replies:
@@ -76,11 +98,32 @@ class Replies:
     def admitted_ids(self) -> list[str]:
         return [rid for rid, e in self._entries.items() if e.admitted]
 
+    def arm(self, request_id: str, writer) -> None:
+        """The reader has written everything it received and waits: bytes may go through
+        `writer` (its ``write(bytes) -> True | False | rest``) until the next item it is sent."""
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.send is not None:
+            entry.direct = writer
+
+    def disarm(self, request_id: str) -> None:
+        entry = self._entries.get(request_id)
+        if entry is not None:
+            entry.direct = None
+
     def send(self, request_id: str, item) -> bool:
         """Deliver without waiting; False when the client is gone."""
         entry = self._entries.get(request_id)
         if entry is None or entry.send is None:
             return False
+        direct = entry.direct
+        if direct is not None:
+            if type(item) is bytes:
+                done = direct.write(item)
+                if done is True:
+                    return True
+                if done is not False:
+                    item = Rest(direct, done)
+            entry.direct = None      # the reader has something to do: no bytes may pass it
         try:
             entry.send.send_nowait(item)
             return True
@@ -94,6 +137,7 @@ class Replies:
         if entry is not None and entry.send is not None:
             entry.send.close()
             entry.send = None
+            entry.direct = None
 
     def release(self, request_id: str) -> None:
         """The pipeline is done with the request: forget it."""

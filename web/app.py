@@ -43,6 +43,7 @@ from web.control_routes import ControlViews, add_control_routes
 from web.metrics import EngineCollector
 from web.responses_routes import StatefulResponses
 from web.responses_store import DEFAULT_MAX_ITEMS, open_store
+from web.sse import direct_body
 
 if TYPE_CHECKING:     # the app is imported without the engine (torch)
     from pipeline.core.engine import Engine
@@ -259,6 +260,9 @@ async def _json_body() -> object:
 
 def _stream_response(reply: Reply, headers: dict[str, str]) -> Response:
     async def sse():
+        # Quart sent the head before asking for the body: from here the engine's steps
+        # may write this stream's chunks to the socket themselves (web/sse.py DirectBody)
+        reply.direct = direct_body()
         try:
             async for chunk in reply:
                 yield chunk

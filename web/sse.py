@@ -22,11 +22,20 @@ fifth of the server's CPU per SSE event (py-spy, scripts/bench_sse_write.py); th
 bytes are framed here, whenever h11's own writer for the response is the chunked one and
 the connection is in ``SEND_BODY``. Anything else (a Content-Length body, HTTP/1.0, the
 end of a message, an error state) goes through h11 as before.
+
+An SSE reply's chunks can skip the request's task altogether (``DirectBody``): while the
+task that streams the reply has written everything it was given and waits for more, the
+task that has the next chunk (emit, once per engine step for every stream) frames it and
+writes it to the socket itself, as ``ChunkedH11Protocol`` and ``FastWriteTCPServer`` would.
+The request's task then does not wake, and Quart's body loop, the ASGI wrappers,
+Hypercorn's ``HTTPStream.app_send`` and the memory channel's hop stay out of the way of
+each event. stages/replies.py ``Replies.send`` decides when (pipeline/core/reply.py arms it).
 """
 
 from __future__ import annotations
 
 import os
+from contextvars import ContextVar
 
 import h11
 import trio
@@ -53,6 +62,71 @@ class ChunkedH11Protocol(H11Protocol):
         await super().stream_send(event)
 
 
+DIRECT_WRITES = True      # False: every chunk through the request's task (tests compare the two)
+
+# The connection's server, seen by the request tasks Hypercorn starts from its reading task
+_CONNECTION: ContextVar["FastWriteTCPServer | None"] = ContextVar("tailrace_connection",
+                                                                  default=None)
+
+
+class DirectBody:
+    """Writes the body chunks of the chunked response under way on one HTTP/1.1 connection
+    straight to its socket, from any task, without waiting (stages/replies.py calls it)."""
+
+    __slots__ = ("server", "conn", "sock", "lock")
+
+    def __init__(self, server: "FastWriteTCPServer", conn: h11.Connection) -> None:
+        self.server = server
+        self.conn = conn
+        self.sock = server.stream.socket
+        self.lock = server.send_lock
+
+    def ready(self) -> bool:
+        """Is the response's head out, with a chunked body under way? Asked when its task
+        has written all it had and lends this writer (pipeline/core/reply.py): only that
+        task's writes move h11's state on, so it holds until the task writes again."""
+        conn = self.conn
+        return conn.our_state is h11.SEND_BODY and type(conn._writer) is ChunkedWriter
+
+    def write(self, data: bytes) -> bool | bytes:
+        """Frame `data` as one chunk (h11's ChunkedWriter's bytes) and write it now.
+        True: it all went. False: nothing went (a write under way, a full or closed
+        socket): send it the ordinary way. bytes: the socket took only a part; the rest
+        must follow (`finish`) before anything else."""
+        if self.lock.locked():
+            return False
+        fd = self.sock.fileno()   # -1 once closed: the number may be a new connection's
+        if fd < 0 or not data:
+            return False
+        framed = b"%x\r\n%b\r\n" % (len(data), data)
+        try:
+            sent = os.write(fd, framed)
+        except OSError:     # full (BlockingIOError) or broken: the ordinary path deals with it
+            return False
+        if sent == len(framed):
+            return True
+        return framed[sent:] if sent > 0 else False
+
+    async def finish(self, rest: bytes) -> None:
+        """The rest of a chunk `write` began: shielded, as Hypercorn shields its writes (a
+        cut chunk would garble the stream)."""
+        with trio.CancelScope(shield=True):
+            await self.server.protocol_send(RawData(data=rest))
+
+
+def direct_body() -> DirectBody | None:
+    """The DirectBody of the current request's connection: a FastWriteTCPServer's plain
+    TCP, HTTP/1.1 one (framed by ChunkedH11Protocol); else None. Call it from the request's
+    task, before its response's first body chunk."""
+    server = _CONNECTION.get()
+    if not DIRECT_WRITES or server is None or type(server.stream) is not trio.SocketStream:
+        return None
+    protocol = getattr(getattr(server, "protocol", None), "protocol", None)
+    if not isinstance(protocol, ChunkedH11Protocol):
+        return None
+    return DirectBody(server, protocol.connection)
+
+
 class FastWriteTCPServer(TCPServer):
     """Hypercorn's per-connection server with a direct first attempt at each write, and
     ChunkedH11Protocol for an HTTP/1.1 connection."""
@@ -63,6 +137,7 @@ class FastWriteTCPServer(TCPServer):
         wrapper = getattr(self, "protocol", None)
         if type(getattr(wrapper, "protocol", None)) is H11Protocol:
             wrapper.protocol.__class__ = ChunkedH11Protocol
+        _CONNECTION.set(self)   # this task starts the request tasks: they inherit it
         await super()._read_data()
 
     async def protocol_send(self, event) -> None:

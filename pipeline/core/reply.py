@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from stages import emit
+from stages.replies import Rest
 from stages.api.framing import DONE, json_body, sse_data
 from stages.api.common import server_error
 
@@ -24,7 +25,15 @@ def describe(exc: BaseException | None) -> str:
 
 
 class Reply:
-    """One request's framed reply. Iterate for bytes; aclose() aborts if unfinished."""
+    """One request's framed reply. Iterate for bytes; aclose() aborts if unfinished.
+
+    ``direct``: a writer of this reply's bytes straight to the client (web/sse.py
+    ``DirectBody``: ``ready()``, ``write(bytes)``, ``finish(rest)``), set before iterating by a reader that passes every chunk on unchanged
+    (web/app.py's SSE response). While the iteration waits with everything it yielded
+    written, emit's bytes go through it (stages/replies.py ``Replies.arm``); the iteration
+    yields only what came by the channel."""
+
+    direct = None
 
     def __init__(self, engine: Engine, request_id: str, stream: bool,
                  receive: trio.MemoryReceiveChannel) -> None:
@@ -42,11 +51,31 @@ class Reply:
         # Whatever has piled up since the reader last ran goes out as one chunk: when the
         # event loop is busier than one step per read (hundreds of streams), each stream
         # costs one socket write per read instead of one per engine step.
-        receive = self._receive
-        async for item in receive:
+        receive, direct, rid = self._receive, self.direct, self.request_id
+        replies = self.engine.replies if direct is not None else None
+        while True:
+            try:
+                item = receive.receive_nowait()
+            except trio.EndOfChannel:
+                break
+            except trio.WouldBlock:
+                if replies is not None and direct.ready():   # all yielded is written
+                    replies.arm(rid, direct)
+                try:
+                    item = await receive.receive()
+                except trio.EndOfChannel:
+                    break
+                finally:
+                    if replies is not None:
+                        replies.disarm(rid)
             parts = []
             while True:
-                if isinstance(item, emit.ReplyEnd):
+                if type(item) is Rest:    # a direct write's rest: before anything after it
+                    if parts:
+                        yield b"".join(parts)
+                        parts = []
+                    await item.finish()
+                elif isinstance(item, emit.ReplyEnd):
                     self.status = item.status
                     self.finished = True
                 else:
