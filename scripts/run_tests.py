@@ -29,15 +29,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the chunks, longest first (by a run on the 2-core AVX2 machine, docs/benchmarks.md): a folder
-# of tests/, or a part of one (PARTS); a folder not named here runs in the last chunk, with the
-# top-level files
-CHUNKS = ["e2e-2", "e2e-shared", "gpu", "e2e", "engine-spec", "gpu-n", "engine", "tp",
-          "kernels", "procs", "reliability", "cluster", "pipeline"]
-# folders that run in another one's chunk: each pytest process costs ~5 s of CPU before its
-# first test (Python, pytest's plugins, torch, the conftests) and ~9 s of wall beside the
-# other worker, so a folder of a few seconds of tests rides with another (docs/benchmarks.md,
-# "The test suite under 15 minutes")
+# the chunks, longest first (by the chunks' wall in the CI run of 2026-12-07 on the 2-core AVX2
+# machine, docs/benchmarks.md): a folder of tests/, or a part of one (PARTS); a folder not named
+# here (nor in RIDES) runs in the pipeline chunk, with the top-level files
+CHUNKS = ["e2e-shared", "e2e-2", "e2e", "engine-spec", "procs", "gpu", "gpu-n", "reliability",
+          "engine", "kernels", "tp", "cluster", "pipeline"]
+# folders that run in another one's chunk: each pytest process costs ~5.5 s of CPU before its
+# first test (Python, pytest's plugins, torch, the conftests), 7-11 s of wall beside the other
+# worker, so a folder of a few seconds of tests rides with another (docs/benchmarks.md, "Fewer
+# pytest starts and a leaner install")
 RIDES = {"stages": "gpu-n", "web": "pipeline"}
 # parts of a folder: (chunk, its files); the folder's own chunk runs the files no part names.
 # tests/e2e's first part is the files that use tests/e2e/conftest.py's session servers, so that
