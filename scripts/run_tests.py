@@ -29,11 +29,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the chunks, longest first (by a run on the 2-core AVX2 machine, docs/benchmarks.md): a folder
-# of tests/, or a part of one (PARTS); a folder not named here runs in the last chunk, with the
-# top-level files
-CHUNKS = ["e2e-2", "e2e-shared", "gpu", "e2e", "engine-spec", "gpu-n", "engine", "stages", "tp",
-          "kernels", "procs", "reliability", "cluster", "pipeline", "web"]
+# the chunks, longest first (by the chunks' wall in the CI run of 2026-12-07 on the 2-core AVX2
+# machine, docs/benchmarks.md): a folder of tests/, or a part of one (PARTS); a folder not named
+# here (nor in RIDES) runs in the pipeline chunk, with the top-level files
+CHUNKS = ["e2e-shared", "e2e-2", "e2e", "engine-spec", "procs", "gpu", "gpu-n", "reliability",
+          "engine", "kernels", "tp", "cluster", "pipeline"]
+# folders that run in another one's chunk: each pytest process costs ~5.5 s of CPU before its
+# first test (Python, pytest's plugins, torch, the conftests), 7-11 s of wall beside the other
+# worker, so a folder of a few seconds of tests rides with another (docs/benchmarks.md, "Fewer
+# pytest starts and a leaner install")
+RIDES = {"stages": "gpu-n", "web": "pipeline"}
 # parts of a folder: (chunk, its files); the folder's own chunk runs the files no part names.
 # tests/e2e's first part is the files that use tests/e2e/conftest.py's session servers, so that
 # those servers start once. A file in the wrong list still passes: it starts its own copy of a
@@ -71,9 +76,20 @@ def chunks() -> list[tuple[str, list[str]]]:
             named += args[chunk]
         args[folder] = [f"tests/{folder}", *(f"--ignore={f}" for f in named)]
     names = [c for c in CHUNKS if args.get(c) or (ROOT / "tests" / c).is_dir()]
+    out = {c: args.get(c, [f"tests/{c}"]) for c in names}
     covered = {c for c in names if (ROOT / "tests" / c).is_dir()}    # whole folders
+    for folder, host in RIDES.items():
+        if (ROOT / "tests" / folder).is_dir() and host in out:
+            out[host] = out[host] + [f"tests/{folder}"]
+            covered.add(folder)
     rest = ["tests", *(f"--ignore=tests/{c}" for c in sorted(covered))]
-    return [(c, args.get(c, [f"tests/{c}"])) for c in names] + [("rest", rest)]
+    if "pipeline" in out:       # the top-level files ride with the smallest chunk too
+        out["pipeline"] = out["pipeline"] + [str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("tests/test_*.py"))]
+        extra = sorted(p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name not in covered
+                       and any(p.rglob("test_*.py")))
+        out["pipeline"] += [f"tests/{d}" for d in extra]
+        return list(out.items())
+    return list(out.items()) + [("rest", rest)]
 
 
 def main(argv: list[str]) -> int:
