@@ -7,8 +7,9 @@ asked: a Matryoshka cut, L2 normalization, the classifier's activation.
 
 Nothing is cached: the attention backend here, `VarlenAttention`, attends within each
 sequence of the step over the step's own k/v (bidirectional for an encoder, causal for a
-decoder) and keeps nothing after it. On CPU the sequences are padded into one SDPA call
-(a key mask hides the padding); on CUDA the prefill kernel runs in its non-causal mode
+decoder) and keeps nothing after it. On CPU an encoder's step runs in the padded layout
+(slabs of sequences sorted by length, a key mask hiding each one's padding, no gathers
+between layers); a decoder's sequences are gathered into padded SDPA groups a layer; on CUDA the prefill kernel runs in its non-causal mode
 (gpu/kernels/triton/paged_attention.py, causal=False) with the step's k/v as a cache of
 one-token pages.
 """
