@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--encoding", default="float", choices=("float", "base64"))
     ap.add_argument("--server-args", default="--dtype float32", help="extra `tailrace serve` flags")
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for the server only (e.g. OMP_WAIT_POLICY=PASSIVE)")
     ap.add_argument("--skip-peer", action="store_true")
     args = ap.parse_args()
 
@@ -141,7 +143,7 @@ def main() -> None:
     with open(texts_path, "w") as f:
         json.dump(texts, f)
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **dict(kv.split("=", 1) for kv in args.server_env))
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "web.cli", "serve", folder, "--served-model-name", "minilm",
                                "--port", str(port), "--log-level", "warning", *shlex.split(args.server_args)],
@@ -173,7 +175,7 @@ def main() -> None:
                                   "seconds": round(got["seconds"], 3), "cpu": round(got["cpu"], 2),
                                   "load": os.getloadavg()[0]}), flush=True)
         summary = {"num": args.num, "concurrency": args.concurrency, "inputs": args.inputs,
-                   "encoding": args.encoding, "server_args": args.server_args,
+                   "encoding": args.encoding, "server_args": args.server_args, "server_env": args.server_env,
                    "ours_median_s": round(statistics.median(rows["ours"]), 3),
                    "ours_spread_s": [round(min(rows["ours"]), 3), round(max(rows["ours"]), 3)]}
         if peer is not None:
