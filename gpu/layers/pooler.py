@@ -165,10 +165,9 @@ class VarlenAttention:
             return o.transpose(0, 1)
         out = q.new_empty(q.shape)
         for off, G, L, mask in self.slabs:
-            def slab(x: torch.Tensor) -> torch.Tensor:                         # -> [G, H, L, Dh]
-                return x[off:off + G * L].view(G, L, *x.shape[1:]).transpose(1, 2)
-
-            o = F.scaled_dot_product_attention(slab(q), slab(k), slab(v), attn_mask=mask,
+            qs, ks, vs = (x[off:off + G * L].view(G, L, *x.shape[1:]).transpose(1, 2)   # [G, H, L, Dh]
+                          for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
                                                is_causal=self.causal and mask is None,
                                                scale=self.scale, enable_gqa=gqa)
             out[off:off + G * L].view(G, L, H, Dh).copy_(o.transpose(1, 2))
