@@ -7,8 +7,9 @@ asked: a Matryoshka cut, L2 normalization, the classifier's activation.
 
 Nothing is cached: the attention backend here, `VarlenAttention`, attends within each
 sequence of the step over the step's own k/v (bidirectional for an encoder, causal for a
-decoder) and keeps nothing after it. On CPU the sequences are padded into one SDPA call
-(a key mask hides the padding); on CUDA the prefill kernel runs in its non-causal mode
+decoder) and keeps nothing after it. On CPU an encoder's step runs in the padded layout
+(slabs of sequences sorted by length, a key mask hiding each one's padding, no gathers
+between layers); a decoder's sequences are gathered into padded SDPA groups a layer; on CUDA the prefill kernel runs in its non-causal mode
 (gpu/kernels/triton/paged_attention.py, causal=False) with the step's k/v as a cache of
 one-token pages.
 """
@@ -29,15 +30,22 @@ class VarlenAttention:
 
     fused_qkv = False   # the decoder's Attention takes the unfused path (q, k, v)
 
-    def __init__(self, scale: float, *, causal: bool, use_triton: bool = False) -> None:
+    def __init__(self, scale: float, *, causal: bool, use_triton: bool = False, padded: bool = False) -> None:
         self.scale = scale
         self.causal = causal
         self.use_triton = use_triton
+        self.padded = padded and not use_triton
         self.lens: list[int] = []
+        self.rows: torch.Tensor | None = None
 
-    def prepare(self, seq_lens: list[int], device: torch.device) -> None:
-        """The step's layout, shared by every layer."""
+    def prepare(self, seq_lens: list[int], device: torch.device) -> torch.Tensor | None:
+        """The step's layout, shared by every layer. In the padded layout, the gather index
+        that lays the step's flat token rows out as its slabs (the caller applies it to the
+        model's inputs; `unpad` takes the hidden states back); else None."""
         self.lens = list(seq_lens)
+        self.rows = None
+        if self.padded:
+            return self._prepare_padded(seq_lens, device)
         B, L = len(seq_lens), max(seq_lens)
         starts = [0]
         for n in seq_lens:
@@ -89,6 +97,8 @@ class VarlenAttention:
                                    self.cu_seqlens, self.seq_lens, self.scale, causal=self.causal,
                                    max_seqlen_q=self.max_len)
         gqa = q.shape[1] != k.shape[1]
+        if self.padded:
+            return self._forward_padded(q, k, v, gqa)
         if len(self.groups) == 1 and len(self.groups[0]) == 2:      # one sequence: no copy
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=self.causal, scale=self.scale, enable_gqa=gqa)
@@ -114,21 +124,78 @@ class VarlenAttention:
         return out
 
 
+    # -- the padded layout (an encoder's step on the CPU) --------------------------------
+
+    def _prepare_padded(self, lens: list[int], device: torch.device) -> torch.Tensor:
+        """The step's sequences sorted by length into slabs of [G, L] rows (DENSE_SLACK), each
+        sequence's tokens then its padding (copies of its last token, hidden by the key
+        mask). Every layer then runs on these rows as they are: each slab's q/k/v are views
+        of the qkv projection's output, one SDPA call a slab, and no row is gathered or
+        scattered between layers (sentence-transformers' shape: it pads batches it sorted by
+        length). The padding rows cost their GEMM rows, at most DENSE_SLACK - 1 of the step."""
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        index, rows = [], [0] * starts[-1]
+        self.slabs = []
+        for members in _buckets(lens, DENSE_SLACK):
+            L = max(lens[b] for b in members)
+            off = len(index)
+            for g, b in enumerate(members):
+                n, first = lens[b], starts[b]
+                rows[first:first + n] = range(off + g * L, off + g * L + n)
+                index.extend(range(first, first + n))
+                index.extend([first + n - 1] * (L - n))
+            mask = None
+            if any(lens[b] != L for b in members):
+                valid = torch.arange(L)[None, :] < torch.tensor([lens[b] for b in members])[:, None]
+                mask = valid[:, None, None, :]
+                if self.causal:
+                    mask = mask & torch.ones(L, L, dtype=torch.bool).tril()
+                mask = mask.to(device)
+            self.slabs.append((off, len(members), L, mask))
+        self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        return torch.tensor(index, dtype=torch.int64)
+
+    def _forward_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        H, Dh = q.shape[1:]
+        if len(self.slabs) == 1 and self.slabs[0][1] == 1:         # one sequence: no copy
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=self.causal, scale=self.scale, enable_gqa=gqa)
+            return o.transpose(0, 1)
+        out = q.new_empty(q.shape)
+        for off, G, L, mask in self.slabs:
+            qs, ks, vs = (x[off:off + G * L].view(G, L, *x.shape[1:]).transpose(1, 2)   # [G, H, L, Dh]
+                          for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                               is_causal=self.causal and mask is None,
+                                               scale=self.scale, enable_gqa=gqa)
+            out[off:off + G * L].view(G, L, H, Dh).copy_(o.transpose(1, 2))
+        return out
+
+    def unpad(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows of the layout, D] -> [the step's tokens, D] in their flat order."""
+        return hidden if self.rows is None else hidden.index_select(0, self.rows)
+
+
 # A bucket of sequences padded to its longest may hold this much more than its tokens.
 PAD_SLACK = 1.25
+# The padded layout's slabs: their padding rows go through every GEMM (each row about as dear
+# as a real token), while one more slab costs only an SDPA call and a copy a layer.
+DENSE_SLACK = 1.04
 
 
-def _buckets(lens: list[int]) -> list[list[int]]:
+def _buckets(lens: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
     """The sequences (by index) in groups of similar length, one SDPA call each: sorted by
-    length, a group grows while padding it to its longest costs at most PAD_SLACK x its
-    tokens (and attention's L^2 at most PAD_SLACK^2)."""
+    length, a group grows while padding it to its longest costs at most `slack` x its
+    tokens (and attention's L^2 at most slack^2)."""
     order = sorted(range(len(lens)), key=lens.__getitem__)
     groups: list[list[int]] = []
     cur: list[int] = []
     total = 0
     for b in order:
         n = lens[b]
-        if cur and n * (len(cur) + 1) > PAD_SLACK * (total + n):
+        if cur and n * (len(cur) + 1) > slack * (total + n):
             groups.append(cur)
             cur, total = [], 0
         cur.append(b)
@@ -206,7 +273,7 @@ class PoolingModel(nn.Module):
             hidden = self.backbone(input_ids, positions, attn, token_type_ids)
         else:
             hidden = self.backbone(input_ids, positions, attn)
-        pooled = pool(hidden, seq_lens, self.spec.pooling_type)
+        pooled = pool(attn.unpad(hidden), seq_lens, self.spec.pooling_type)
         return self.head(pooled) if self.head is not None else pooled
 
 

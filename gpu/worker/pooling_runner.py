@@ -29,7 +29,9 @@ class PoolingRunner(Runner):
         self.model = loaded.model
         self.spec = loaded.spec
         self.device = torch.device(device)
-        self.attn = VarlenAttention(loaded.head_dim ** -0.5, causal=not self.spec.encoder, use_triton=use_triton)
+        # an encoder's step on the CPU runs in the padded layout (VarlenAttention._prepare_padded)
+        self.attn = VarlenAttention(loaded.head_dim ** -0.5, causal=not self.spec.encoder, use_triton=use_triton,
+                                    padded=self.spec.encoder and self.device.type == "cpu")
         self.options: dict[str, PoolingOptions] = {}
         # what bench throughput reports for a generating runner; a pooling runner has none of it
         self.cuda_graphs = False
@@ -60,7 +62,11 @@ class PoolingRunner(Runner):
                                     else np.zeros(n, dtype=np.int64) for n, o in zip(lens, options)])
         dev = self.device
         with torch.inference_mode():
-            self.attn.prepare(lens, dev)
+            layout = self.attn.prepare(lens, dev)
+            if layout is not None:         # the padded layout's rows
+                rows = layout.numpy()
+                ids, positions = ids[rows], positions[rows]
+                types = None if types is None else types[rows]
             out = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), self.attn, lens,
                              None if types is None else torch.from_numpy(types).to(dev))
             rows = finish(out, options, self.spec)

@@ -121,6 +121,27 @@ def test_minilm_runner_matches_sentence_transformers(minilm, st_model):
     np.testing.assert_allclose(alone, ours[3], atol=2e-6)
 
 
+def test_minilm_padded_layout_matches_the_flat_one_and_sentence_transformers(minilm, st_model):
+    """An encoder's CPU step runs in the padded layout: the sequences sorted by length into
+    slabs (some padded, behind a key mask). Its vectors are the flat layout's (per-layer
+    gathers into padded SDPA groups) and sentence-transformers'."""
+    order = [5, 11, 0, 9, 3, 8, 1, 10, 2, 7, 4, 6, 9, 0, 3]        # arrival order, repeats
+    texts = [SENTENCES[i] for i in order] + [SENTENCES[9] + " Yes."]     # one token longer: padded
+    batch = [minilm.tokenizer.encode(s, add_special_tokens=True) for s in texts]
+    padded = PoolingRunner(minilm)
+    assert padded.attn.padded
+    ours = np.stack(_run(padded, batch))
+    slabs = padded.attn.slabs
+    assert len(slabs) > 1 and any(mask is not None for *_, mask in slabs)
+    assert sum(G * L for _, G, L, _ in slabs) <= 1.04 * sum(map(len, batch))
+    flat = PoolingRunner(minilm)
+    flat.attn.padded = False
+    np.testing.assert_allclose(ours, np.stack(_run(flat, batch)), atol=2e-6)
+    ref = st_model.encode(texts, batch_size=64)
+    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99999, cos
+
+
 def test_runner_options_dimensions_and_normalize(minilm):
     runner = PoolingRunner(minilm)
     ids = minilm.tokenizer.encode("A man is eating food.", add_special_tokens=True)

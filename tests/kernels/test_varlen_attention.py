@@ -47,11 +47,13 @@ def test_varlen_attention_paths_match_dense(case, causal, dtype, device, tol):
     q, k, v = _qkv(lens, hq, hkv, dh, dtype, device)
     scale = dh ** -0.5
     dense = _dense(q.cpu(), k.cpu(), v.cpu(), lens, scale, causal)
-    for use_triton in (False, True):
-        attn = VarlenAttention(scale, causal=causal, use_triton=use_triton)
+    for use_triton, padded in ((False, False), (False, True), (True, False)):
+        attn = VarlenAttention(scale, causal=causal, use_triton=use_triton, padded=padded)
         dev = torch.device(device) if use_triton else torch.device("cpu")
-        attn.prepare(lens, dev)
-        out = attn.forward(0, q.to(dev), k.to(dev), v.to(dev))
+        layout = attn.prepare(lens, dev)
+        assert (layout is not None) == padded
+        x = [t if layout is None else t.index_select(0, layout) for t in (q, k, v)]   # the padded rows
+        out = attn.unpad(attn.forward(0, *(t.to(dev) for t in x)))
         assert out.shape == q.shape and out.dtype == dtype
         torch.testing.assert_close(out.float().cpu(), dense, **tol(dtype))
 
@@ -64,6 +66,20 @@ def test_buckets_bound_the_padding():
     assert [sorted(lens[b] for b in g) for g in groups] == [[2], [7, 8, 8, 9], [30, 31]]
     for g in groups:
         assert max(lens[b] for b in g) * len(g) <= PAD_SLACK * sum(lens[b] for b in g)
+
+
+def test_padded_layout_slabs():
+    """The padded layout: slabs of sequences sorted by length, each padded to its longest
+    within DENSE_SLACK; `unpad` takes each token's row back to the flat order."""
+    from gpu.layers.pooler import DENSE_SLACK
+    lens = [7, 8, 31, 8, 9, 30, 2]
+    attn = VarlenAttention(0.25, causal=False, padded=True)
+    layout = attn.prepare(lens, torch.device("cpu"))
+    shapes = [(G, L) for _, G, L, _ in attn.slabs]
+    assert shapes == [(1, 2), (1, 7), (2, 8), (1, 9), (2, 31)]      # 30 and 31: 62 rows for 61 tokens
+    assert len(layout) == sum(G * L for G, L in shapes) <= DENSE_SLACK * sum(lens)
+    flat = torch.arange(sum(lens))
+    assert torch.equal(attn.unpad(flat.index_select(0, layout)), flat)
 
 
 def test_varlen_attention_refuses_sinks_and_windows():
