@@ -16,6 +16,8 @@
 # ISA=avx2: both sides built as for a CPU without AVX-512, on one that has it: llama.cpp with
 # AVX2/FMA/F16C only (its own cached build), tailrace's C kernels with TAILRACE_CPU_MARCH=haswell
 # and torch's kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2).
+# TARGETS (default "llama-server llama-bench"): what to build; TARGETS=llama-server skips llama-bench
+# (half the build on 2 cores) and the run then leaves out llama-bench's table.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-/work/main/.venv/bin/python}"
@@ -38,14 +40,17 @@ elif has avx_vnni; then
 fi
 BUILD="$CACHE/$VERSION-$isa"
 BIN="$BUILD/build/bin"
+read -r -a targets <<< "${TARGETS:-llama-server llama-bench}"
 
 build() {
-  if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" ]]; then return 0; fi
+  local t missing=0
+  for t in "${targets[@]}"; do [[ -x "$BIN/$t" ]] || missing=1; done
+  [[ $missing == 0 ]] && return 0
   mkdir -p "$BUILD"
   local sdist
   sdist="$(ls "$CACHE"/llama_cpp_python-"$VERSION".tar.gz 2>/dev/null || true)"
   if [[ -z "$sdist" ]]; then
-    "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$CACHE" "llama-cpp-python==$VERSION"
+    "$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-python -d "$CACHE" "llama-cpp-python==$VERSION"
     sdist="$CACHE/llama_cpp_python-$VERSION.tar.gz"
   fi
   [[ -d "$BUILD/src" ]] || { mkdir -p "$BUILD/src"; tar -xzf "$sdist" -C "$BUILD/src" --strip-components=1; }
@@ -53,7 +58,7 @@ build() {
   nice -n 19 cmake -S "$BUILD/src/vendor/llama.cpp" -B "$BUILD/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     "${cmake_isa[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF >&2
-  nice -n 19 cmake --build "$BUILD/build" -j "${JOBS:-2}" --target llama-server llama-bench >&2
+  nice -n 19 cmake --build "$BUILD/build" -j "${JOBS:-2}" --target "${targets[@]}" >&2
 }
 
 cmd="${1:-run}"
@@ -131,4 +136,5 @@ wait_up "http://127.0.0.1:$PORT_L/health" "$lpid"
 for c in 1 32; do bench llama "$PORT_L" "$c" "$([[ $c == 1 ]] && echo "$PROMPTS_1" || echo "$PROMPTS_32")"; done
 echo "llama-server RSS $(rss_mb "$lpid") MB"
 kill "$lpid"; wait "$lpid" 2>/dev/null || true
+[[ -x "$BIN/llama-bench" ]] || exit 0
 "$BIN/llama-bench" -m "$GGUF" -t "$THREADS" -p "$N_IN" -n "$N_OUT" -o md 2>/dev/null | tail -n +1
