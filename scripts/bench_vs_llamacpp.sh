@@ -6,7 +6,8 @@
 #   scripts/bench_vs_llamacpp.sh [run]      # build if needed, then 1 stream and 32 streams, both servers
 #   scripts/bench_vs_llamacpp.sh lib        # no build: tailrace at 1 stream, then llama.cpp's own decode
 #                                           # loop from its prebuilt wheel (scripts/bench_llamacpp_lib.py),
-#                                           # ROUNDS times alternating
+#                                           # ROUNDS times alternating; LIB_32=1: then 32 streams too
+#                                           # (tailrace at c=32 against the same loop's --parallel 32)
 #
 # llama.cpp is built from the llama-cpp-python sdist on PyPI (its vendored llama.cpp), with
 # -DGGML_NATIVE=OFF and the ISA flags read from /proc/cpuinfo (a native build can die with an
@@ -117,6 +118,14 @@ if [[ "$cmd" == lib ]]; then
     "$LCPY" "$HERE/scripts/bench_llamacpp_lib.py" --model "$GGUF" --threads "$THREADS" --n-in "$N_IN" \
       --n-out "$N_OUT" --rounds 1 2> "$OUTDIR/llamacpp-lib-r$r.log"
   done
+  if [[ "${LIB_32:-0}" == 1 ]]; then
+    echo "# 32 streams, $PROMPTS_32 prompts; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+    for r in $(seq "${ROUNDS:-3}"); do
+      bench "tailrace-r$r" "$PORT_T" 32 "$PROMPTS_32"
+      "$LCPY" "$HERE/scripts/bench_llamacpp_lib.py" --model "$GGUF" --threads "$THREADS" --n-in "$N_IN" \
+        --n-out "$N_OUT" --rounds 1 --parallel 32 --prompts "$PROMPTS_32" 2> "$OUTDIR/llamacpp-lib32-r$r.log"
+    done
+  fi
   echo "tailrace RSS $(rss_mb "$tpid") MB; load after: $(cut -d' ' -f1-3 /proc/loadavg)"
   exit 0
 fi
