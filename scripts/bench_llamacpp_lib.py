@@ -60,7 +60,7 @@ def parallel_round(llm, n_in: int, n_out: int, n_par: int, prompts: int, seed: i
     rng = random.Random(seed)
     vocab = llm.n_vocab
     mem = lib.llama_get_memory(ctx)
-    steps, t_start = [], time.perf_counter()
+    steps, t_start, c_start = [], time.perf_counter(), time.process_time()
     batch = lib.llama_batch_init(max(n_in, n_par), 0, 1)
     try:
         for _ in range(prompts // n_par):
@@ -90,9 +90,9 @@ def parallel_round(llm, n_in: int, n_out: int, n_par: int, prompts: int, seed: i
                 steps.append(time.perf_counter() - t0)
     finally:
         lib.llama_batch_free(batch)
-    wall = time.perf_counter() - t_start
+    wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
     return {"output_tok_s": prompts * n_out / wall, "step_median_ms": statistics.median(steps) * 1e3,
-            "wall_s": wall}
+            "wall_s": wall, "cpu_ms_per_token": cpu * 1e3 / (prompts * n_out)}
 
 
 def main() -> None:
@@ -125,21 +125,26 @@ def main() -> None:
             print(json.dumps(row) if args.json else
                   f"llama.cpp {__llama_cpp_tag__} (lib) round {r}: {n_par} sequences, {prompts} prompts: output "
                   f"{row['output_tok_s']:.1f} tok/s, decode step p50 {row['step_median_ms']:.1f} ms, "
-                  f"{row['wall_s']:.1f} s ({args.threads} threads)", flush=True)
+                  f"{row['wall_s']:.1f} s, CPU {row['cpu_ms_per_token']:.1f} ms per output token "
+                  f"({args.threads} threads)", flush=True)
         llm.close()
         return
     for r in range(args.rounds):
+        c0 = time.process_time()
         gaps = one_round(llm, args.n_in, args.n_out, seed=r)
+        cpu_ms = (time.process_time() - c0) * 1e3 / args.n_out   # prefill included
         ms = [g * 1e3 for g in gaps]
         row = {"llama_cpp": __llama_cpp_tag__, "wheel": __version__, "round": r,
                "threads": args.threads, "tpot_median_ms": statistics.median(ms),
-               "tpot_mean_ms": statistics.fmean(ms), "tok_s": len(ms) / (sum(ms) / 1e3)}
+               "tpot_mean_ms": statistics.fmean(ms), "tok_s": len(ms) / (sum(ms) / 1e3),
+               "cpu_ms_per_token": cpu_ms}
         if args.json:
             print(json.dumps(row), flush=True)
         else:
             print(f"llama.cpp {__llama_cpp_tag__} (lib) round {r}: TPOT p50 "
                   f"{row['tpot_median_ms']:.2f} ms, mean {row['tpot_mean_ms']:.2f} ms, "
-                  f"{row['tok_s']:.1f} tok/s ({args.threads} threads)", flush=True)
+                  f"{row['tok_s']:.1f} tok/s, CPU {cpu_ms:.1f} ms per output token ({args.threads} threads)",
+                  flush=True)
     llm.close()
 
 

@@ -7,7 +7,8 @@
 #   scripts/bench_vs_llamacpp.sh lib        # no build: tailrace at 1 stream, then llama.cpp's own decode
 #                                           # loop from its prebuilt wheel (scripts/bench_llamacpp_lib.py),
 #                                           # ROUNDS times alternating; LIB_32=1: then 32 streams too
-#                                           # (tailrace at c=32 against the same loop's --parallel 32)
+#                                           # (tailrace at c=32 against the same loop's --parallel 32;
+#                                           # ONLY_32=1: those alone); each side's CPU ms per token too
 #
 # llama.cpp is built from the llama-cpp-python sdist on PyPI (its vendored llama.cpp), with
 # -DGGML_NATIVE=OFF and the ISA flags read from /proc/cpuinfo (a native build can die with an
@@ -69,7 +70,7 @@ cmd="${1:-run}"
 GGUF="${GGUF:-$("$PYTHON" -c 'from gpu.tokenizers.files import default_model_path; print(default_model_path())')}"
 N_IN="${N_IN:-128}" N_OUT="${N_OUT:-128}"
 PROMPTS_1="${PROMPTS_1:-8}" PROMPTS_32="${PROMPTS_32:-64}"
-OUTDIR="${OUTDIR:-$(mktemp -d /tmp/bench_vs_llamacpp.XXXXXX)}"
+OUTDIR="${OUTDIR:-$(mktemp -d /tmp/bench_vs_llamacpp.XXXXXX)}"; mkdir -p "$OUTDIR"
 PORT_T="${PORT_T:-18931}" PORT_L="${PORT_L:-18932}"
 THREADS="${THREADS:-$(nproc)}"
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
@@ -86,6 +87,17 @@ wait_up() {  # url [pid]
   echo "server at $1 did not come up" >&2; return 1
 }
 rss_mb() { awk '/VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
+# CPU seconds (user + system, all threads) the process has used: on a shared machine a run's wall
+# clock follows the load; its CPU per output token does not (as much)
+cpu_s() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' "/proc/$1/stat"; }
+tcpu() {  # name concurrency prompts: bench tailrace (tpid) and print its server's CPU ms per output token
+  local c0 c1
+  c0="$(cpu_s "$tpid")"
+  bench "$1" "$PORT_T" "$2" "$3"
+  c1="$(cpu_s "$tpid")"
+  awk -v a="$c0" -v b="$c1" -v n="$(( $3 * N_OUT ))" -v c="$2" \
+    'BEGIN {printf "  tailrace server CPU c=%s: %.1f ms per output token (%.1f s, prefill included)\n", c, (b - a) * 1e3 / n, b - a}'
+}
 
 bench() {  # name port concurrency prompts
   "$PYTHON" -m web.cli bench serve --backend openai-chat --base-url "http://127.0.0.1:$2" \
@@ -114,14 +126,15 @@ if [[ "$cmd" == lib ]]; then
   echo "# GGUF $GGUF; $N_IN in / $N_OUT out, greedy, ignore_eos, 1 stream; results in $OUTDIR"
   start_tailrace
   for r in $(seq "${ROUNDS:-3}"); do
-    bench "tailrace-r$r" "$PORT_T" 1 "$PROMPTS_1"
+    [[ "${ONLY_32:-0}" == 1 ]] && break
+    tcpu "tailrace-r$r" 1 "$PROMPTS_1"
     "$LCPY" "$HERE/scripts/bench_llamacpp_lib.py" --model "$GGUF" --threads "$THREADS" --n-in "$N_IN" \
       --n-out "$N_OUT" --rounds 1 2> "$OUTDIR/llamacpp-lib-r$r.log"
   done
   if [[ "${LIB_32:-0}" == 1 ]]; then
     echo "# 32 streams, $PROMPTS_32 prompts; load: $(cut -d' ' -f1-3 /proc/loadavg)"
     for r in $(seq "${ROUNDS:-3}"); do
-      bench "tailrace-r$r" "$PORT_T" 32 "$PROMPTS_32"
+      tcpu "tailrace-r$r" 32 "$PROMPTS_32"
       "$LCPY" "$HERE/scripts/bench_llamacpp_lib.py" --model "$GGUF" --threads "$THREADS" --n-in "$N_IN" \
         --n-out "$N_OUT" --rounds 1 --parallel 32 --prompts "$PROMPTS_32" 2> "$OUTDIR/llamacpp-lib32-r$r.log"
     done
