@@ -6,7 +6,9 @@
 #   scripts/bench_vs_llamacpp.sh [run]      # build if needed, then 1 stream and 32 streams, both servers
 #   scripts/bench_vs_llamacpp.sh lib        # no build: tailrace at 1 stream, then llama.cpp's own decode
 #                                           # loop from its prebuilt wheel (scripts/bench_llamacpp_lib.py),
-#                                           # ROUNDS times alternating
+#                                           # ROUNDS times alternating; LIB_32=1: then 32 streams too
+#                                           # (tailrace at c=32 against the same loop's --parallel 32;
+#                                           # ONLY_32=1: those alone); each side's CPU ms per token too
 #
 # llama.cpp is built from the llama-cpp-python sdist on PyPI (its vendored llama.cpp), with
 # -DGGML_NATIVE=OFF and the ISA flags read from /proc/cpuinfo (a native build can die with an
@@ -16,6 +18,8 @@
 # ISA=avx2: both sides built as for a CPU without AVX-512, on one that has it: llama.cpp with
 # AVX2/FMA/F16C only (its own cached build), tailrace's C kernels with TAILRACE_CPU_MARCH=haswell
 # and torch's kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2).
+# TARGETS (default "llama-server llama-bench"): what to build; TARGETS=llama-server skips llama-bench
+# (half the build on 2 cores) and the run then leaves out llama-bench's table.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 PYTHON="${PYTHON:-/work/main/.venv/bin/python}"
@@ -38,14 +42,17 @@ elif has avx_vnni; then
 fi
 BUILD="$CACHE/$VERSION-$isa"
 BIN="$BUILD/build/bin"
+read -r -a targets <<< "${TARGETS:-llama-server llama-bench}"
 
 build() {
-  if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" ]]; then return 0; fi
+  local t missing=0
+  for t in "${targets[@]}"; do [[ -x "$BIN/$t" ]] || missing=1; done
+  [[ $missing == 0 ]] && return 0
   mkdir -p "$BUILD"
   local sdist
   sdist="$(ls "$CACHE"/llama_cpp_python-"$VERSION".tar.gz 2>/dev/null || true)"
   if [[ -z "$sdist" ]]; then
-    "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$CACHE" "llama-cpp-python==$VERSION"
+    "$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-python -d "$CACHE" "llama-cpp-python==$VERSION"
     sdist="$CACHE/llama_cpp_python-$VERSION.tar.gz"
   fi
   [[ -d "$BUILD/src" ]] || { mkdir -p "$BUILD/src"; tar -xzf "$sdist" -C "$BUILD/src" --strip-components=1; }
@@ -53,7 +60,7 @@ build() {
   nice -n 19 cmake -S "$BUILD/src/vendor/llama.cpp" -B "$BUILD/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     "${cmake_isa[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF >&2
-  nice -n 19 cmake --build "$BUILD/build" -j "${JOBS:-2}" --target llama-server llama-bench >&2
+  nice -n 19 cmake --build "$BUILD/build" -j "${JOBS:-2}" --target "${targets[@]}" >&2
 }
 
 cmd="${1:-run}"
@@ -63,7 +70,7 @@ cmd="${1:-run}"
 GGUF="${GGUF:-$("$PYTHON" -c 'from gpu.tokenizers.files import default_model_path; print(default_model_path())')}"
 N_IN="${N_IN:-128}" N_OUT="${N_OUT:-128}"
 PROMPTS_1="${PROMPTS_1:-8}" PROMPTS_32="${PROMPTS_32:-64}"
-OUTDIR="${OUTDIR:-$(mktemp -d /tmp/bench_vs_llamacpp.XXXXXX)}"
+OUTDIR="${OUTDIR:-$(mktemp -d /tmp/bench_vs_llamacpp.XXXXXX)}"; mkdir -p "$OUTDIR"
 PORT_T="${PORT_T:-18931}" PORT_L="${PORT_L:-18932}"
 THREADS="${THREADS:-$(nproc)}"
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
@@ -80,6 +87,17 @@ wait_up() {  # url [pid]
   echo "server at $1 did not come up" >&2; return 1
 }
 rss_mb() { awk '/VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
+# CPU seconds (user + system, all threads) the process has used: on a shared machine a run's wall
+# clock follows the load; its CPU per output token does not (as much)
+cpu_s() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' "/proc/$1/stat"; }
+tcpu() {  # name concurrency prompts: bench tailrace (tpid) and print its server's CPU ms per output token
+  local c0 c1
+  c0="$(cpu_s "$tpid")"
+  bench "$1" "$PORT_T" "$2" "$3"
+  c1="$(cpu_s "$tpid")"
+  awk -v a="$c0" -v b="$c1" -v n="$(( $3 * N_OUT ))" -v c="$2" \
+    'BEGIN {printf "  tailrace server CPU c=%s: %.1f ms per output token (%.1f s, prefill included)\n", c, (b - a) * 1e3 / n, b - a}'
+}
 
 bench() {  # name port concurrency prompts
   "$PYTHON" -m web.cli bench serve --backend openai-chat --base-url "http://127.0.0.1:$2" \
@@ -108,10 +126,19 @@ if [[ "$cmd" == lib ]]; then
   echo "# GGUF $GGUF; $N_IN in / $N_OUT out, greedy, ignore_eos, 1 stream; results in $OUTDIR"
   start_tailrace
   for r in $(seq "${ROUNDS:-3}"); do
-    bench "tailrace-r$r" "$PORT_T" 1 "$PROMPTS_1"
+    [[ "${ONLY_32:-0}" == 1 ]] && break
+    tcpu "tailrace-r$r" 1 "$PROMPTS_1"
     "$LCPY" "$HERE/scripts/bench_llamacpp_lib.py" --model "$GGUF" --threads "$THREADS" --n-in "$N_IN" \
       --n-out "$N_OUT" --rounds 1 2> "$OUTDIR/llamacpp-lib-r$r.log"
   done
+  if [[ "${LIB_32:-0}" == 1 ]]; then
+    echo "# 32 streams, $PROMPTS_32 prompts; load: $(cut -d' ' -f1-3 /proc/loadavg)"
+    for r in $(seq "${ROUNDS:-3}"); do
+      tcpu "tailrace-r$r" 32 "$PROMPTS_32"
+      "$LCPY" "$HERE/scripts/bench_llamacpp_lib.py" --model "$GGUF" --threads "$THREADS" --n-in "$N_IN" \
+        --n-out "$N_OUT" --rounds 1 --parallel 32 --prompts "$PROMPTS_32" 2> "$OUTDIR/llamacpp-lib32-r$r.log"
+    done
+  fi
   echo "tailrace RSS $(rss_mb "$tpid") MB; load after: $(cut -d' ' -f1-3 /proc/loadavg)"
   exit 0
 fi
@@ -131,4 +158,5 @@ wait_up "http://127.0.0.1:$PORT_L/health" "$lpid"
 for c in 1 32; do bench llama "$PORT_L" "$c" "$([[ $c == 1 ]] && echo "$PROMPTS_1" || echo "$PROMPTS_32")"; done
 echo "llama-server RSS $(rss_mb "$lpid") MB"
 kill "$lpid"; wait "$lpid" 2>/dev/null || true
+[[ -x "$BIN/llama-bench" ]] || exit 0
 "$BIN/llama-bench" -m "$GGUF" -t "$THREADS" -p "$N_IN" -n "$N_OUT" -o md 2>/dev/null | tail -n +1

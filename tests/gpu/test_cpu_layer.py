@@ -130,7 +130,7 @@ def _set_int16_gemv(max_m: int) -> bool:
 
 def _set_int16(on: int) -> bool:
     """The int16 GEMM tiles in both libraries (1 on, 0 off, -1 the default); whether the C
-    stack's build has them (AVX512_VNNI)."""
+    stack's build has them (AVX512_VNNI, or AVX2 without AVX-512)."""
     if cpu_quant.kernels() is not None:
         cpu_quant.kernels().set_int16(on)
     return bool(cpu_layer.library().cpu_quant_set_int16(on))
@@ -199,7 +199,8 @@ def test_declines_what_it_does_not_compute(lm, monkeypatch):
 @pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
 def test_other_isa_builds_agree(lm, tmp_path, march, monkeypatch):
     """The same source built for an AVX2-only CPU and for no vector ISA: the same tokens (the
-    AVX2 build also with its GEMM tiles taking every row: NP = 16 panels, gate/up tiles)."""
+    AVX2 build also with its GEMM tiles taking every row: NP = 16 panels, gate/up tiles; with its
+    fp32 tiles, then its int16 ones)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -225,6 +226,10 @@ def test_other_isa_builds_agree(lm, tmp_path, march, monkeypatch):
         counting.rcs.clear()
     lib.cpu_quant_set_int16_gemv(0)
     _set_int16_gemv(0)
+    # and the int16 GEMM tiles (AVX2 builds too, issue 60) off in both: the fp32 GEMM tiles below
+    lib.cpu_quant_set_int16.restype, lib.cpu_quant_set_int16.argtypes = ctypes.c_int, [ctypes.c_int]
+    assert bool(lib.cpu_quant_set_int16(0)) == (march == "haswell")
+    _set_int16(0)
     try:
         tokens, logits, _ = _run(lm, True, 2, steps=2)
         assert counting.rcs == [0] * 2
@@ -238,8 +243,14 @@ def test_other_isa_builds_agree(lm, tmp_path, march, monkeypatch):
             assert counting.rcs == [0] * 4
             assert gemm_tokens == want_tokens
             assert max((a - b).abs().max().item() for a, b in zip(gemm_logits, want_logits)) < 1e-3
+            lib.cpu_quant_set_int16(1)   # the AVX2 build's int16 GEMM tiles at every row: as the GEMV ones
+            gemm_tokens, gemm_logits, _ = _run(lm, True, 2, steps=2)
+            assert counting.rcs == [0] * 6
+            assert gemm_tokens == want_tokens
+            assert max((a - b).abs().max().item() for a, b in zip(gemm_logits, want_logits)) < 5e-2
     finally:
         _set_int16_gemv(-1)
+        _set_int16(-1)
 
 
 def test_after_sleep_and_wake(lm):

@@ -182,7 +182,8 @@ def test_other_isa_builds_agree(tmp_path, march):
     (what a machine without AVX-512 runs)."""
     other = _build(tmp_path, march)
     assert other.vector_width == (8 if march == "haswell" else 1)
-    other.set_int16_gemv(0)   # the fp32 tiles (an AVX2 build's int16 GEMV tiles: test_int16_gemv_tiles_*)
+    other.set_int16_gemv(0)   # the fp32 tiles (an AVX2 build's int16 GEMV tiles: test_int16_gemv_tiles_*,
+    other.set_int16(0)        # its int16 GEMM tiles: test_gemm_tiles_against_gguf_py, test_int16_gemm_tiles_*)
     for qtype in FORMATS:
         packed, ref = _quantized(qtype, 13, 256, 3)
         w = torch.from_numpy(packed)
@@ -253,15 +254,19 @@ def test_gemm_tiles_against_gguf_py(tmp_path, march):
     change which outputs a call computes, not how), so the AVX2 build's y equals the native
     AVX-512 build's bit for bit (checked where the native build is AVX-512, its int16 tiles off).
 
-    Where the native build has AVX512_VNNI, Q4_0/Q4_1/Q8_0 take the int16 tiles (x quantized per
-    32-element block): each output within _int16_bound (the quantization's error) plus the fp32
-    bound of gguf-py's product and of the fp32 tiles' result, and different from the fp32 tiles
-    in some bits for each shape (the int16 tiles did run); an AVX2 build has no int16 tiles."""
+    Where the build has AVX512_VNNI, or is AVX2 without AVX-512 (issue 60), Q4_0/Q4_1/Q8_0 take
+    the int16 tiles (x quantized per 32-element block): each output within _int16_bound (the
+    quantization's error) plus the fp32 bound of gguf-py's product and of the fp32 tiles' result,
+    and different from the fp32 tiles in some bits for each shape (the int16 tiles did run). The
+    AVX2 build's int16 tiles (vpmaddwd + vpaddd) sum the same exact int32 block sums in the same
+    order as AVX512_VNNI's (vpdpwssd): bit for bit the same y (checked where the native build
+    has AVX512_VNNI)."""
     k = K if march == "native" else _build(tmp_path, march)
     has = k.set_gemm(10 ** 6, 1)
     native = K if march != "native" and K.vector_width == 16 and K.set_gemm(10 ** 6, 1) else None
     has16 = k.set_int16(1)
-    assert march == "native" or not has16
+    native16 = native is not None and native.set_int16(1)
+    assert march == "native" or has16   # an AVX2 build has them
     try:
         if march == "native" and not has:
             pytest.skip("no AVX-512 nor AVX2+FMA in this build")
@@ -305,6 +310,12 @@ def test_gemm_tiles_against_gguf_py(tmp_path, march):
                     assert ((y.double() - fp32_tiles.double()).abs() <= bound16 + bound).all(), (qtype.name, n, cols, m)
                     print(f"{qtype.name} [{m} x {cols} x {n}]: int16 error {err.max().item():.2e}, "
                           f"{(err / bound16).max().item():.2f} of its bound")
+                    if native16:
+                        y512 = torch.empty(m, n)
+                        native.set_int16(1)
+                        native.matmul(int(qtype), w, x, y512, bias)
+                        native.set_int16(-1)
+                        assert torch.equal(y, y512), (qtype.name, n, cols, m, (y - y512).abs().max().item())
                     continue
                 err = (y.double() - want).abs().max().item()
                 assert err <= bound, (qtype.name, n, cols, m, err, bound)
@@ -331,7 +342,7 @@ def test_int16_gemm_tiles_edge_blocks():
     bits alone."""
     if not K.set_int16(1):
         K.set_int16(-1)
-        pytest.skip("no AVX512_VNNI in this build (the int16 tiles)")
+        pytest.skip("no int16 GEMM tiles in this build (AVX512_VNNI, or AVX2 without AVX-512)")
     packed, ref = _quantized(Q.Q4_1, 40, 256, 9)
     w, ref64 = torch.from_numpy(packed), torch.from_numpy(ref).double()
     x = torch.randn(12, 256)
@@ -366,7 +377,7 @@ def test_int16_gemm_tiles_deterministic(qtype):
     groups of GMR16 = 6 rows), where it sits in the batch, and at 1 or 2 threads."""
     if not K.set_int16(1) or not K.int16(int(qtype)):
         K.set_int16(-1)
-        pytest.skip("no AVX512_VNNI in this build (the int16 tiles)")
+        pytest.skip("no int16 GEMM tiles in this build (AVX512_VNNI, or AVX2 without AVX-512)")
     threads = torch.get_num_threads()
     packed, _ = _quantized(qtype, 70, 1056, 8)   # 70: panels of 32, 32, 6; 1056: chunks of 512, 512, 32
     w, x = torch.from_numpy(packed), torch.randn(41, 1056)

@@ -14,8 +14,9 @@
  * From GEMM_MIN_M_DEFAULT rows (Q8_0: GEMM_MIN_M_Q8_0) to GEMM_MAX_M_DEFAULT, with AVX-512 or
  * AVX2+FMA, the outer-product GEMM tiles of gpu/kernels/cpu/quant_gemm.c serve instead (every format; not
  * bit-identical to the other tiles: another order of the sums; the same in both builds). With
- * AVX512_VNNI, their Q4_0/Q4_1/Q8_0 panels multiply int16 activations (x quantized per 32-element
- * block, ~2^-16 of its largest) with the weights' integers in int32 (vpdpwssd), from
+ * AVX512_VNNI (and AVX2 without AVX-512: vpmaddwd + vpaddd, issue 60), their Q4_0/Q4_1/Q8_0 panels
+ * multiply int16 activations (x quantized per 32-element block, ~2^-16 of its largest) with the
+ * weights' integers in int32 (vpdpwssd), from
  * GEMM16_MIN_M_DEFAULT rows (Q8_0: GEMM16_MIN_M_Q8_0); TAILRACE_CPU_QUANT_INT16=0: the fp32 tiles.
  * Without AVX-512 (AVX2+FMA), few rows of every format take the int16 GEMV tiles instead (i16tile
  * below: x quantized the same way, the weights' integers widened in registers, vpmaddwd; up to

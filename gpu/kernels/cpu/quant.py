@@ -96,14 +96,15 @@ class QuantKernels:
         return has
 
     def int16(self, fmt: int = 2) -> bool:
-        """Whether format fmt's GEMM-tile calls take the int16 tiles now (AVX512_VNNI builds,
-        Q4_0/Q4_1/Q8_0; gpu/kernels/cpu/quant_gemm.c gemm_panel16)."""
+        """Whether format fmt's GEMM-tile calls take the int16 tiles now (AVX512_VNNI builds and
+        AVX2 builds without AVX-512, Q4_0/Q4_1/Q8_0; gpu/kernels/cpu/quant_gemm.c gemm_panel16)."""
         return bool(self._lib.cpu_quant_int16(int(fmt)))
 
     def set_int16(self, on: int) -> bool:
         """The int16 GEMM tiles (x quantized per 32-element block to int16, vpdpwssd) on (1), off
         (0: the fp32 tiles) or as TAILRACE_CPU_QUANT_INT16 says (-1, on unless it is 0); their
-        rows follow (`gemm_rows`). Returns whether this build has them (AVX512_VNNI). Tests and
+        rows follow (`gemm_rows`). Returns whether this build has them (AVX512_VNNI, or AVX2
+        without AVX-512). Tests and
         A/B runs only; not while a product runs."""
         return bool(self._lib.cpu_quant_set_int16(int(on)))
 
@@ -160,7 +161,7 @@ def isa() -> str:
             return "AVX-512, AVX512_VNNI (int16 GEMM tiles)"
         return "AVX-512" + (" (CPU also has AVX512_VNNI)" if "avx512_vnni" in flags else "")
     if k.vector_width == 8 and k.int16_gemv_max_m():
-        return "AVX2+FMA (int16 GEMV tiles)"
+        return "AVX2+FMA (int16 GEMV and GEMM tiles)" if k.int16() else "AVX2+FMA (int16 GEMV tiles)"
     return {8: "AVX2+FMA"}.get(k.vector_width, "scalar C")
 
 

@@ -16,7 +16,9 @@
  * the rows a group change which outputs a kernel call computes, not how), so an AVX2 build's
  * outputs equal an AVX-512 build's bit for bit (tests/gpu/test_gguf_packed.py).
  *
- * With AVX512_VNNI, Q4_0/Q4_1/Q8_0 panels take the int16 tiles instead (gemm_panel16, GEMM16):
+ * With AVX512_VNNI, or AVX2+FMA+F16C without AVX-512 (issue 60: vpmaddwd + vpaddd, or AVX-VNNI's
+ * vpdpwssd, for AVX512_VNNI's vpdpwssd), Q4_0/Q4_1/Q8_0 panels take the int16 tiles instead
+ * (gemm_panel16, GEMM16):
  * x quantized once per call to int16 per row and 32-element block, the weights' integers as
  * int16 pairs, vpdpwssd into int32 per block, then scaled into fp32 (error ~2^-16 of each
  * block's largest |x|; the order of the sums below, at gkern16). TAILRACE_CPU_QUANT_INT16=0
@@ -138,6 +140,12 @@ static inline void transpose_sq(const float *restrict src, int64_t lds, float *r
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GEMM16 1      /* the int16 tiles (gemm_panel16 below) */
+#define GEMM16_AVX2 0
+#elif !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GEMM16 1      /* the same tiles in AVX2 (issue 60): vpmaddwd + vpaddd for vpdpwssd */
+#define GEMM16_AVX2 1
+#endif
+#if GEMM16
 #ifndef GKC16
 #define GKC16 512     /* their K-chunk: a multiple of 32; stage + panel 2 x 32 KB of int16 */
 #endif
@@ -145,6 +153,7 @@ static inline void transpose_sq(const float *restrict src, int64_t lds, float *r
 #define GEMM16_BUF_FLOATS (NP * GKC16 + 2 * NP * (GKC16 / 32) + 16)
 #else
 #define GEMM16 0
+#define GEMM16_AVX2 0
 #define GEMM16_BUF_FLOATS 0
 #endif
 #define GEMM_BUF_FLOATS (2 * NP * GKC + 16 > GEMM16_BUF_FLOATS ? 2 * NP * GKC + 16 : GEMM16_BUF_FLOATS)
@@ -226,7 +235,36 @@ static void gkern_any(const float *x, int64_t ldx, int mr, const float *p, int64
 static inline int gemm16_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
 
 #if GEMM16
-/* The int16 tiles (AVX512_VNNI): vpdpwssd multiplies 32 int16 pairs and adds them to 16 int32
+#if GEMM16_AVX2
+typedef __m256i givec;   /* int32 lanes (int16 pairs in the panel) */
+#define gi_zero() _mm256_setzero_si256()
+#define gi_load(p) _mm256_load_si256((const __m256i *)(p))
+#define gi_bcast(v) _mm256_set1_epi32(v)
+#define gi_cvt(a) _mm256_cvtepi32_ps(a)
+#define gv_mul(a, b) _mm256_mul_ps(a, b)
+/* a + the products of w's and x's int16 pairs, summed per pair: exact in int32 as vpdpwssd's */
+#if defined(__AVXVNNI__)
+#define gi_dot(a, w, x) _mm256_dpwssd_avx_epi32(a, w, x)
+#else
+/* the empty asm pins the sum in a register: without it GCC reassociates the unrolled loop's integer
+ * adds, keeps every vpmaddwd product on the stack and sums them after (measured 1.4x slower) */
+static inline __attribute__((always_inline)) __m256i gi_dot(__m256i a, __m256i w, __m256i x) {
+    a = _mm256_add_epi32(a, _mm256_madd_epi16(w, x));
+    __asm__("" : "+x"(a));
+    return a;
+}
+#endif
+#else
+typedef __m512i givec;
+#define gi_zero() _mm512_setzero_si512()
+#define gi_load(p) _mm512_load_si512(p)
+#define gi_bcast(v) _mm512_set1_epi32(v)
+#define gi_cvt(a) _mm512_cvtepi32_ps(a)
+#define gv_mul(a, b) _mm512_mul_ps(a, b)
+#define gi_dot(a, w, x) _mm512_dpwssd_epi32(a, w, x)
+#endif
+/* The int16 tiles (AVX512_VNNI; and AVX2, issue 60, where vpmaddwd + vpaddd stand for vpdpwssd: the
+ * same exact int32 sums, so the same outputs bit for bit, GMR16 aside): vpdpwssd multiplies 32 int16 pairs and adds them to 16 int32
  * lanes in one instruction, at the throughput of vfmadd231ps (16 products) on Zen 5: twice the
  * MACs per cycle of the fp32 tiles' inner loop.
  *
@@ -246,9 +284,66 @@ static inline int gemm16_fmt(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt
  * acc stored (first chunk) or added to y's, chunks in order. */
 #ifndef GMR16
 /* rows of x a group: 12 int32 accumulators + 2 weight vectors + the broadcast in the inner loop
- * (the fp32 ones, touched once a block, may live in memory); 4-7 rows measured alike, 10 slower */
+ * (the fp32 ones, touched once a block, may live in memory); 4-7 rows measured alike, 10 slower.
+ * AVX2: the same 12 + 2 + 1 of its 16 ymm */
 #define GMR16 6
 #endif
+
+#if GEMM16_AVX2
+/* rows [m0, m1) of x [., K] (stride ldx) -> q, dx, sx (gxq's layout, for M rows of K): the AVX-512
+ * gemm_quantize's values, sx summed in its order ((v0 + v2) + (v1 + v3), then halves) */
+static void gemm_quantize(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int16_t *q, float *dx,
+                          float *sx) {
+    const int64_t nb = K / 32;
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *p = x + m * ldx + 32 * b;
+            const __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8), v2 = _mm256_loadu_ps(p + 16),
+                         v3 = _mm256_loadu_ps(p + 24);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absm), _mm256_and_ps(v2, absm)),
+                                      _mm256_max_ps(_mm256_and_ps(v1, absm), _mm256_and_ps(v3, absm)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+            const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q), _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q)),
+                                           _mm256_or_ps(_mm256_cmp_ps(v2, v2, _CMP_UNORD_Q), _mm256_cmp_ps(v3, v3, _CMP_UNORD_Q)));
+            const int bad = _mm256_movemask_ps(un) || amax == __builtin_inff();
+            const float s = amax >= 32767.f * 1.17549435e-38f && !bad ? 32767.f / amax : 0.f;
+            dx[m * nb + b] = bad ? __builtin_nanf("") : s > 0.f ? amax / 32767.f : 0.f;
+            /* _mm512_reduce_add_ps's order: 256-bit halves, 128-bit halves, 64-bit halves, then the pair */
+            const __m256 t = _mm256_add_ps(_mm256_add_ps(v0, v2), _mm256_add_ps(v1, v3));
+            __m128 a = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+            a = _mm_add_ps(a, _mm_shuffle_ps(a, a, 0x4E));
+            a = _mm_add_ps(a, _mm_shuffle_ps(a, a, 0xB1));
+            sx[m * nb + b] = _mm_cvtss_f32(a);
+            const __m256 sv = _mm256_set1_ps(s);
+            const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, sv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, sv));
+            const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, sv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, sv));
+            /* packs saturates as vpmovsdw does; it works per 128-bit lane, so the qwords reordered */
+            _mm256_storeu_si256((__m256i *)(q + m * K + 32 * b), _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8));
+            _mm256_storeu_si256((__m256i *)(q + m * K + 32 * b + 16),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(q2, q3), 0xD8));
+        }
+}
+
+/* one block of a gemm16_fmt row -> its 32 integers (int16) in out; its d (and m) */
+static inline void deq16_block(int fmt, const uint8_t *restrict b, int16_t *restrict out, float *d, float *m) {
+    *d = f16(b);
+    *m = fmt == Q4_1 ? f16(b + 2) : 0.f;
+    if (fmt == Q8_0) {
+        _mm256_storeu_si256((__m256i *)out, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2))));
+        _mm256_storeu_si256((__m256i *)(out + 16), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18))));
+        return;
+    }
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (fmt == Q4_1 ? 4 : 2))), m4 = _mm_set1_epi8(15);
+    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
+    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+    if (fmt == Q4_0) lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8)), hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
+    _mm256_storeu_si256((__m256i *)out, lo);
+    _mm256_storeu_si256((__m256i *)(out + 16), hi);
+}
+#else
 
 /* rows [m0, m1) of x [., K] (stride ldx) -> q, dx, sx (gxq's layout, for M rows of K) */
 static void gemm_quantize(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int16_t *q, float *dx,
@@ -291,6 +386,7 @@ static inline void deq16_block(int fmt, const uint8_t *restrict b, int16_t *rest
     if (fmt == Q4_0) v = _mm512_sub_epi16(v, _mm512_set1_epi16(8));
     _mm512_storeu_si512(out, v);
 }
+#endif
 
 /* rows[j] (j < nr) over [k0, k0 + kc) -> panel [kc / 2][NP] int16 pairs (lane c of pair p:
  * w[c, 2p], w[c, 2p + 1]: a dword, so the fp32 tiles' 16 x 16 transpose serves), pd, pm
@@ -309,8 +405,8 @@ static void gemm_fill16(const uint8_t *const *rows, const int *fmts, int nr, int
         for (int64_t b = 0; b < nb; b++) deq16_block(fmts[j], r + b * bb, stage + j * GKC16 + 32 * b, pd + b * NP + j,
                                                      pm + b * NP + j);
     }
-    for (int64_t kk = 0; kk < kc / 2; kk += 16)
-        for (int j0 = 0; j0 < NP; j0 += 16)
+    for (int64_t kk = 0; kk < kc / 2; kk += GV)
+        for (int j0 = 0; j0 < NP; j0 += GV)
             transpose_sq((const float *)(stage + j0 * GKC16) + kk, GKC16 / 2, (float *)(panel + kk * NP + j0), NP);
 }
 
@@ -322,38 +418,38 @@ static inline __attribute__((always_inline)) void gkern16(const int16_t *restric
                                                           int64_t lds, const int mr, const int min,
                                                           const int32_t *restrict p, const float *restrict pd,
                                                           const float *restrict pm, int64_t kc, float *restrict y,
-                                                          int64_t ldy, int first, __mmask16 m0, __mmask16 m1) {
-    __m512 f0[GMR16], f1[GMR16];
-    for (int i = 0; i < mr; i++) f0[i] = f1[i] = _mm512_setzero_ps();
+                                                          int64_t ldy, int first, gmask m0, gmask m1) {
+    gvec f0[GMR16], f1[GMR16];
+    for (int i = 0; i < mr; i++) f0[i] = f1[i] = gv_zero();
     for (int64_t b = 0; b < kc / 32; b++) {
-        __m512i a0[GMR16], a1[GMR16];
-        for (int i = 0; i < mr; i++) a0[i] = a1[i] = _mm512_setzero_si512();
+        givec a0[GMR16], a1[GMR16];
+        for (int i = 0; i < mr; i++) a0[i] = a1[i] = gi_zero();
         const int32_t *pb = p + b * 16 * NP;
         /* unrolled: as a loop, GCC 12 copies each int32 accumulator to another register and
          * back every iteration (24 vmovdqa a step of 12 vpdpwssd; 1.6x slower, measured) */
 #pragma GCC unroll 16
         for (int t = 0; t < 16; t++) {
-            const __m512i w0 = _mm512_load_si512(pb + t * NP), w1 = _mm512_load_si512(pb + t * NP + 16);
+            const givec w0 = gi_load(pb + t * NP), w1 = gi_load(pb + t * NP + GV);
             for (int i = 0; i < mr; i++) {
                 int32_t pair;
                 memcpy(&pair, xq + i * ldq + 32 * b + 2 * t, 4);
-                const __m512i xb = _mm512_set1_epi32(pair);
-                a0[i] = _mm512_dpwssd_epi32(a0[i], w0, xb);
-                a1[i] = _mm512_dpwssd_epi32(a1[i], w1, xb);
+                const givec xb = gi_bcast(pair);
+                a0[i] = gi_dot(a0[i], w0, xb);
+                a1[i] = gi_dot(a1[i], w1, xb);
             }
         }
-        const __m512 d0 = _mm512_load_ps(pd + b * NP), d1 = _mm512_load_ps(pd + b * NP + 16);
+        const gvec d0 = gv_load(pd + b * NP), d1 = gv_load(pd + b * NP + GV);
         for (int i = 0; i < mr; i++) {
-            const __m512 s = _mm512_set1_ps(dx[i * lds + b]);
-            f0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), _mm512_mul_ps(d0, s), f0[i]);
-            f1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), _mm512_mul_ps(d1, s), f1[i]);
+            const gvec s = gv_bcast(dx[i * lds + b]);
+            f0[i] = gv_fma(gi_cvt(a0[i]), gv_mul(d0, s), f0[i]);
+            f1[i] = gv_fma(gi_cvt(a1[i]), gv_mul(d1, s), f1[i]);
         }
         if (min) {
-            const __m512 n0 = _mm512_load_ps(pm + b * NP), n1 = _mm512_load_ps(pm + b * NP + 16);
+            const gvec n0 = gv_load(pm + b * NP), n1 = gv_load(pm + b * NP + GV);
             for (int i = 0; i < mr; i++) {
-                const __m512 s = _mm512_set1_ps(sx[i * lds + b]);
-                f0[i] = _mm512_fmadd_ps(n0, s, f0[i]);
-                f1[i] = _mm512_fmadd_ps(n1, s, f1[i]);
+                const gvec s = gv_bcast(sx[i * lds + b]);
+                f0[i] = gv_fma(n0, s, f0[i]);
+                f1[i] = gv_fma(n1, s, f1[i]);
             }
         }
     }
@@ -367,7 +463,7 @@ static inline __attribute__((always_inline)) void gkern16(const int16_t *restric
         return;
 static void gkern16_any(const int16_t *xq, int64_t ldq, const float *dx, const float *sx, int64_t lds, int mr,
                         int min, const int32_t *p, const float *pd, const float *pm, int64_t kc, float *y,
-                        int64_t ldy, int first, __mmask16 m0, __mmask16 m1) {
+                        int64_t ldy, int first, gmask m0, gmask m1) {
     switch (mr) {
     GK16(1) GK16(2) GK16(3) GK16(4)
 #if GMR16 > 4
@@ -394,7 +490,7 @@ static void gemm_panel16(const uint8_t *const *rows, const int *fmts, int nr, co
     int16_t *stage = (int16_t *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
     int32_t *panel = (int32_t *)(stage + NP * GKC16);
     float *pd = (float *)(panel + GKC16 / 2 * NP), *pm = pd + GKC16 / 32 * NP;
-    const __mmask16 m0 = gv_mask(nr), m1 = gv_mask(nr - 16);
+    const gmask m0 = gv_mask(nr), m1 = gv_mask(nr - GV);
     const int64_t groups = (M + GMR16 - 1) / GMR16, nb = K / 32;
     int min = 0;
     for (int j = 0; j < nr; j++) min |= fmts[j] == Q4_1;
@@ -484,6 +580,17 @@ static inline int use_int16(int fmt) {
  * 5): with the int16 tiles the GEMM tiles beat the fused ones from 9-10 rows of Q4_1 (a step of
  * 8: 14.5 against 13.8 ms, of 10: 17.8 against 18.8, of 16: 21.9 against 26.2); Q8_0's LM head,
  * streamed from memory, from 16-20 rows (bench_cpu_quant_gemm.py: level at 16, 1.18x at 20). */
+/* AVX2 (issue 60; scripts/bench_cpu_quant_gemm.py --cpu-time, one thread, the 2-core AVX2 EPYC,
+ * against the int16 GEMV tiles): Q4_1 576 x 3072 level at 3 rows, 1.18x at 4, 1.69x at 8; 1536 x
+ * 576 level at 3-4, 1.41x at 8; the Q8_0 LM head (49152 x 576) level at 12, 1.19x at 16. */
+#if GEMM16_AVX2
+#ifndef GEMM16_MIN_M_DEFAULT
+#define GEMM16_MIN_M_DEFAULT 4
+#endif
+#ifndef GEMM16_MIN_M_Q8_0
+#define GEMM16_MIN_M_Q8_0 12
+#endif
+#endif
 #ifndef GEMM16_MIN_M_DEFAULT
 #define GEMM16_MIN_M_DEFAULT 10
 #endif
@@ -506,7 +613,8 @@ static inline int use_gemm(int fmt, int64_t M) {
 /* whether the int16 tiles take format fmt's GEMM calls now */
 int cpu_quant_int16(int fmt) { return use_int16(fmt); }
 /* the int16 tiles on (1), off (0: the fp32 tiles) or as the environment says (-1); tests and A/B
- * runs, not while a product runs. Returns whether this build has them (AVX512_VNNI). */
+ * runs, not while a product runs. Returns whether this build has them (AVX512_VNNI, or AVX2 without
+ * AVX-512). */
 int cpu_quant_set_int16(int on) {
     gemm16_on = -1;
     if (on >= 0) gemm16_on = GEMM16 && on;
