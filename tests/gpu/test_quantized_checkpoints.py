@@ -18,8 +18,10 @@ from gpu.kernels.cpu import quant as cpu_quant
 from gpu.kernels.cpu.quant import PackedLinear
 from gpu.loader.decoder import load_model
 from tests.support.hf_models import hf_logits, our_logits
-from tests.support.quantized_checkpoints import QUANT_CONFIGS, make_quantized
+from tests.support.quantized_checkpoints import QUANT_CONFIGS, fp32_tiles, make_quantized  # noqa: F401 (fp32_tiles: a fixture)
 from tests.support.tp_ranks import greedy, logits, paged_greedy, run_ranks
+
+pytestmark = pytest.mark.usefixtures("fp32_tiles")  # fp32 GEMM tiles: the tests check products exactly
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88, 130, 1, 64, 9, 33, 120, 77, 2, 45, 101]
 # hidden 256 and intermediate 320: two 128x128 blocks a side, the last ones partial
@@ -40,19 +42,6 @@ CASES = {  # name: (format, arch, overrides)
     "gptq8-llama": ("gptq8", "llama", {}),
     "gptq4-v2-qwen3": ("gptq4-v2", "qwen3", {}),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fp32_tiles():
-    """The packed kernels' fp32 GEMM tiles: on an AVX512_VNNI build the int16 tiles round
-    activations to int16 (docs/kernels.md; tests/gpu/test_gguf_packed.py bounds them apart),
-    and these tests check the repacked linears compute the dequantized model's products."""
-    k = cpu_quant.kernels()
-    if k is not None:
-        k.set_int16(0)
-    yield
-    if k is not None:
-        k.set_int16(-1)
 
 
 @pytest.fixture(scope="module")
@@ -348,6 +337,7 @@ def test_checkpoint_kv_scales_are_read_for_the_fp8_cache(checkpoints, tmp_path):
     path, hf = checkpoints["fp8-tensor-llama"]
     add = {"model.layers.0.self_attn.k_scale": torch.tensor(0.25), "model.layers.0.self_attn.v_scale": torch.tensor([2.0]),
            "model.layers.1.self_attn.kv_scale": torch.tensor(0.5)}
+
     _rewrite(path, tmp_path / "scaled", add=add)
     loaded = load_model(tmp_path / "scaled", dtype="float32", progress=False)
     assert loaded.kv_scales == {0: (0.25, 2.0), 1: (0.5, 0.5)}

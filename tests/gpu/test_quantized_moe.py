@@ -13,7 +13,9 @@ from safetensors.torch import save_file
 from gpu.loader.decoder import load_model
 from tests.support.hf_models import hf_logits, our_logits
 from tests.support.moe_models import make_moe_model
-from tests.support.quantized_checkpoints import QUANT_CONFIGS, _quantize
+from tests.support.quantized_checkpoints import QUANT_CONFIGS, _quantize, fp32_tiles  # noqa: F401 (fp32_tiles: a fixture)
+
+pytestmark = pytest.mark.usefixtures("fp32_tiles")  # fp32 GEMM tiles: the tests check products exactly
 
 IDS = [3, 17, 42, 99, 5, 150, 7, 63, 21, 88]
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

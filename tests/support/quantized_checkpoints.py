@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -228,3 +229,18 @@ QUANT_CONFIGS = {
     "gptq4-v2": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
                  "checkpoint_format": "gptq_v2"},
 }
+
+
+@pytest.fixture(scope="module")
+def fp32_tiles():
+    """The packed kernels' fp32 GEMM tiles: where the build has int16 tiles (AVX512_VNNI, and
+    AVX2 since issue 60) they round activations to int16 (docs/kernels.md; tests/gpu/test_gguf_packed.py bounds them apart),
+    and these tests check the repacked linears compute the dequantized model's products."""
+    from gpu.kernels.cpu import quant as cpu_quant
+
+    k = cpu_quant.kernels()
+    if k is not None:
+        k.set_int16(0)
+    yield
+    if k is not None:
+        k.set_int16(-1)
