@@ -218,4 +218,5 @@ def describe(lm) -> str:
     f = getattr(lm, "fused_decode", None)
     if f is None:
         return ""
-    return f"; decode steps of up to {MAX_ROWS} rows: the whole decoder stack in one C call (gpu/kernels/cpu/layer.c)"
+    source = getattr(f, "SOURCE", "gpu/kernels/cpu/layer.c")
+    return f"; decode steps of up to {MAX_ROWS} rows: the whole decoder stack in one C call ({source})"

@@ -89,6 +89,8 @@ class GemmaDecode(cpu_layer.FusedDecode):
     """FusedDecode for Gemma 3: `fused(input_ids, positions, attn)` -> the final normed hidden
     states [M, D] of a decode step, or None where it does not apply."""
 
+    SOURCE = "gpu/kernels/cpu/layer_gemma.c"     # named in the start-up line (layer.describe)
+
     def __init__(self, lm, lib: ctypes.CDLL) -> None:
         super().__init__(lm, lib)
         self._fn = lib.cpu_gemma_decode
