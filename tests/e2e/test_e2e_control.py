@@ -91,15 +91,30 @@ def in_thread(fn, *args, **kw):
 
 
 def test_a_waiting_request_of_higher_priority_runs_first(srv, oai, model):
-    # two long low-priority streams hold both slots; "b" (low) then "c" (high) wait
-    streams = [complete(oai, model, PROMPT_SHORT, 300, priority=10, stream=True)
-               for _ in range(2)]
-    for s in streams:
-        next(iter(s))                          # both running
-    b = in_thread(complete, oai, model, "b: " + PROMPT_SHORT, 4, priority=10)
-    wait_for(srv, "num_requests_waiting", 1)
-    c = in_thread(complete, oai, model, "c: " + PROMPT_SHORT, 4, priority=0)
-    wait_for(srv, "num_requests_waiting", 2)
+    # two long low-priority streams hold both slots; "b" (low) then "c" (high) wait. The
+    # streams run in lockstep and the cache bounds them to ~300 tokens, so a fast server (or a
+    # client starved by a busy machine) can see both end together before the close below, and
+    # b and c then run at once: the generated-token counter says whether each stream still had
+    # 100 tokens to go when b and c were queued, and the attempt is made again if not
+    for _ in range(3):
+        streams = [complete(oai, model, PROMPT_SHORT, 300, priority=10, stream=True)
+                   for _ in range(2)]
+        for s in streams:
+            next(iter(s))                      # both running
+        start = metric(srv, "generation_tokens_total")
+        b = in_thread(complete, oai, model, "b: " + PROMPT_SHORT, 4, priority=10)
+        wait_for(srv, "num_requests_waiting", 1)
+        c = in_thread(complete, oai, model, "c: " + PROMPT_SHORT, 4, priority=0)
+        wait_for(srv, "num_requests_waiting", 2)
+        if metric(srv, "generation_tokens_total") - start < 2 * 200:
+            break
+        for s in streams:
+            s.close()
+        b[0].join(300)
+        c[0].join(300)
+        wait_for(srv, "num_requests_running", 0)
+    else:
+        pytest.fail("the holding streams never outlasted queueing b and c")
     streams[0].close()                         # one slot frees: the lower number takes it
     c[0].join(300)
     assert "done" in c[1] and "done" not in b[1]      # b still waits for a slot
